@@ -1,0 +1,51 @@
+"""Diagnostics as data: one dataclass for parse errors, schema errors and lint findings.
+
+Every problem the language or the linter finds becomes a :class:`Diagnostic`; reporters (text,
+json, github) and :class:`SpecError` only ever see these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Iterable, Literal
+
+Severity = Literal["error", "warning", "note"]
+SEVERITY_ORDER = {"error": 0, "warning": 1, "note": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnostic:
+    """One finding: ``file:line:col: severity CODE message`` (line and col are 1-based)."""
+
+    code: str
+    name: str
+    severity: Severity
+    message: str
+    file: str = "<spec>"
+    line: int = 1
+    col: int = 1
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def format(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}: {self.severity} {self.code} {self.message}"
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+class SpecError(ValueError):
+    """A spec (or a spec against a model) is invalid; ``.diagnostics`` says where and why."""
+
+    def __init__(self, diagnostics: Iterable[Diagnostic]):
+        self.diagnostics = list(diagnostics)
+        lines = [d.format() for d in self.diagnostics] or ["invalid spec"]
+        super().__init__("\n".join(lines))
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest choice, or ``""``."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""

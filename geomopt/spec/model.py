@@ -1,0 +1,447 @@
+"""The spec language as pydantic v2 models (strict, ``extra="forbid"``).
+
+Every kind is a discriminated union on ``kind``; field names here are the contract that YAML, the
+DSL, the JSON Schema and the operators in :mod:`geomopt.geometry` (which receive
+``model_dump()`` dicts of these models) all share.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+Probability = Annotated[float, Field(gt=0, le=1)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+# ---------------------------------------------------------------- reference functions h
+
+
+class LogBarrier(_Model):
+    """h(x) = −ε(ln(1−|x|)+|x|); (h*)'(y) = y/(ε+|y|)."""
+
+    kind: Literal["log_barrier"] = "log_barrier"
+    eps: PositiveFloat = 1e-8
+
+
+class PowerBarrier(_Model):
+    """h'(x) = εx/(1−|x|^κ)^{1/κ}; (h*)'(y) = y/(ε^κ+|y|^κ)^{1/κ}."""
+
+    kind: Literal["power_barrier"] = "power_barrier"
+    kappa: Annotated[float, Field(ge=1)] = 4.0
+    eps: PositiveFloat = 1e-3
+
+
+class Indicator(_Model):
+    """h = δ_[−1,1], the ε→0 limit: (h*)' = sign (the lmo)."""
+
+    kind: Literal["indicator"] = "indicator"
+
+
+class Quadratic(_Model):
+    """h(x) = x²/2: the Euclidean reference."""
+
+    kind: Literal["quadratic"] = "quadratic"
+
+
+Reference = Annotated[Union[LogBarrier, PowerBarrier, Indicator, Quadratic], Field(discriminator="kind")]
+
+# ---------------------------------------------------------------- spectral approximations
+
+ApproxDtype = Literal["auto", "float32", "bfloat16", "float64"]
+Triple = Annotated[list[float], Field(min_length=3, max_length=3)]
+
+
+class Svd(_Model):
+    """Exact: U·Diag((h*)'(σ))·Vᵀ from torch.linalg.svd."""
+
+    kind: Literal["svd"] = "svd"
+    dtype: ApproxDtype = "auto"
+
+
+class GramEigh(_Model):
+    """Exact in float64: eigh of the Gram matrix DᵀD (or DDᵀ)."""
+
+    kind: Literal["gram_eigh"] = "gram_eigh"
+    dtype: ApproxDtype = "auto"
+
+
+class NewtonSchulz(_Model):
+    """Quintic Newton–Schulz, X ← aX + b(XXᵀ)X + c(XXᵀ)²X; default Muon's (3.4445, −4.7750, 2.0315)."""
+
+    kind: Literal["newton_schulz"] = "newton_schulz"
+    steps: Annotated[int, Field(ge=1, le=100)] = 5
+    coefficients: Optional[list[Triple]] = None
+    dtype: ApproxDtype = "auto"
+
+    @model_validator(mode="after")
+    def _coefficients_fit_steps(self):
+        if self.coefficients is not None and len(self.coefficients) not in (1, self.steps):
+            raise ValueError(f"coefficients must hold 1 or steps={self.steps} triples, got {len(self.coefficients)}")
+        return self
+
+
+class PolarExpress(_Model):
+    """Polar Express: per-step quintic coefficients ("polar_express": the authors' list with its
+    1.01 safety factor; "speedrun": the 5-step speedrun list; or a user list of triples)."""
+
+    kind: Literal["polar_express"] = "polar_express"
+    steps: Annotated[int, Field(ge=1, le=100)] = 5
+    coefficients: Union[Literal["polar_express", "speedrun"], list[Triple]] = "polar_express"
+    dtype: ApproxDtype = "auto"
+
+    @model_validator(mode="after")
+    def _coefficients_fit_steps(self):
+        if isinstance(self.coefficients, list) and len(self.coefficients) < 1:
+            raise ValueError("coefficients must hold at least one triple")
+        return self
+
+
+Approx = Annotated[Union[Svd, GramEigh, NewtonSchulz, PolarExpress], Field(discriminator="kind")]
+
+# ---------------------------------------------------------------- pre-normalization
+
+
+class FrobeniusPrenorm(_Model):
+    """D ← D/(‖D‖_F + ε) (Muon reference code, Scion)."""
+
+    kind: Literal["frobenius"] = "frobenius"
+    eps: PositiveFloat = 1e-7
+
+
+class MaxPrenorm(_Model):
+    """D ← D/max(‖D‖_F, ε) (torch.optim.Muon)."""
+
+    kind: Literal["max"] = "max"
+    eps: PositiveFloat = 1e-7
+
+
+class NoPrenorm(_Model):
+    """No pre-normalization (the default for svd and gram_eigh)."""
+
+    kind: Literal["none"] = "none"
+
+
+Prenormalize = Annotated[Union[FrobeniusPrenorm, MaxPrenorm, NoPrenorm], Field(discriminator="kind")]
+
+# ---------------------------------------------------------------- geometries
+
+Scale = Literal["none", "scion", "muon_original", "match_rms_adamw"]
+Layout = Literal["out_in", "in_out"]
+
+
+class _Geometry(_Model):
+    radius: PositiveFloat = 1.0
+
+
+class Euclidean(_Geometry):
+    """φ = ½‖·‖²: ∇φ*(D) = D (SGD)."""
+
+    kind: Literal["euclidean"] = "euclidean"
+
+
+class Isotropic(_Geometry):
+    """∇φ*(D) = (h*)'(‖D‖_F)·D/‖D‖_F (normalized gradient)."""
+
+    kind: Literal["isotropic"] = "isotropic"
+    reference: Reference
+
+
+class Anisotropic(_Geometry):
+    """∇φ*(D) = (h*)'(D_ij) elementwise (sign-like)."""
+
+    kind: Literal["anisotropic"] = "anisotropic"
+    reference: Reference
+    scale: Scale = "none"
+    layout: Layout = "out_in"
+
+
+class Spectral(_Geometry):
+    """∇φ*(D) = U·Diag((h*)'(σ_i))·Vᵀ; N-D tensors as (shape[0], rest); ``split`` cuts dim 0 into
+    equal blocks (fused QKV, heads)."""
+
+    kind: Literal["spectral"] = "spectral"
+    reference: Reference
+    approx: Approx = Field(default_factory=Svd)
+    prenormalize: Optional[Prenormalize] = None
+    scale: Scale = "none"
+    layout: Layout = "out_in"
+    split: Optional[Annotated[int, Field(ge=1)]] = None
+
+
+class Rowwise(_Geometry):
+    """Isotropic per row (Scion RowNorm)."""
+
+    kind: Literal["rowwise"] = "rowwise"
+    reference: Reference
+    scale: Scale = "none"
+    layout: Layout = "out_in"
+
+
+class Columnwise(_Geometry):
+    """Isotropic per column (Scion ColNorm)."""
+
+    kind: Literal["columnwise"] = "columnwise"
+    reference: Reference
+    scale: Scale = "none"
+    layout: Layout = "out_in"
+
+
+class Adam(_Geometry):
+    """Adam(W)'s update as a state-carrying forward op: outside the paper's theory."""
+
+    kind: Literal["adam"] = "adam"
+    betas: Annotated[list[Annotated[float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = [0.9, 0.999]
+    eps: PositiveFloat = 1e-8
+
+
+Geometry = Annotated[
+    Union[Euclidean, Isotropic, Anisotropic, Spectral, Rowwise, Columnwise, Adam], Field(discriminator="kind")
+]
+GEOMETRY_KINDS = ("euclidean", "isotropic", "anisotropic", "spectral", "rowwise", "columnwise", "adam")
+
+# ---------------------------------------------------------------- constraints g
+
+
+class _Radius(_Model):
+    radius: PositiveFloat = 1.0
+
+
+class L2Ball(_Radius):
+    kind: Literal["l2_ball"] = "l2_ball"
+
+
+class LinfBall(_Radius):
+    kind: Literal["linf_ball"] = "linf_ball"
+
+
+class LinfSphere(_Radius):
+    kind: Literal["linf_sphere"] = "linf_sphere"
+
+
+class SignSet(_Radius):
+    kind: Literal["sign_set"] = "sign_set"
+
+
+class FrobeniusBall(_Radius):
+    kind: Literal["frobenius_ball"] = "frobenius_ball"
+
+
+class FrobeniusSphere(_Radius):
+    kind: Literal["frobenius_sphere"] = "frobenius_sphere"
+
+
+class SpectralBall(_Radius):
+    """``method: polar`` clips singular values from two polar factors, SVD-free (approximate)."""
+
+    kind: Literal["spectral_ball"] = "spectral_ball"
+    method: Literal["exact", "polar"] = "exact"
+
+
+class SpectralSphere(_Radius):
+    kind: Literal["spectral_sphere"] = "spectral_sphere"
+
+
+class Stiefel(_Radius):
+    """``method: polar`` normalizes by r + t and runs a convergent polar iteration (approximate)."""
+
+    kind: Literal["stiefel"] = "stiefel"
+    method: Literal["exact", "polar"] = "exact"
+
+
+class L0(_Model):
+    kind: Literal["l0"] = "l0"
+    k: Annotated[int, Field(ge=1)]
+
+
+class Rank(_Model):
+    kind: Literal["rank"] = "rank"
+    k: Annotated[int, Field(ge=1)]
+
+
+class ProximalDecay(_Model):
+    """g = (1/λ)⋆φ: X⁺ = Y/(1+γλ) (Remark 2.5)."""
+
+    kind: Literal["proximal_decay"] = "proximal_decay"
+    lam: PositiveFloat
+
+
+Constraint = Annotated[
+    Union[
+        L2Ball, LinfBall, LinfSphere, SignSet, FrobeniusBall, FrobeniusSphere, SpectralBall, SpectralSphere,
+        Stiefel, L0, Rank, ProximalDecay,
+    ],
+    Field(discriminator="kind"),
+]
+CONSTRAINT_KINDS = (
+    "l2_ball", "linf_ball", "linf_sphere", "sign_set", "frobenius_ball", "frobenius_sphere", "spectral_ball",
+    "spectral_sphere", "stiefel", "l0", "rank", "proximal_decay",
+)
+
+# ---------------------------------------------------------------- directions and schedules
+
+
+class NoDirection(_Model):
+    """d = g."""
+
+    kind: Literal["none"] = "none"
+
+
+class Polyak(_Model):
+    """d ← αg + (1−α)d (β = 1 − α in Muon's terms); d⁰ = 0, or g⁰ with ``init: gradient``."""
+
+    kind: Literal["polyak"] = "polyak"
+    alpha: Probability = 0.1
+    nesterov: bool = False
+    init: Literal["zero", "gradient"] = "zero"
+
+
+class Storm(_Model):
+    """d ← g(x_k) + (1−α)(d − g(x_{k−1})) on the same batch; needs ``step(closure)``."""
+
+    kind: Literal["storm"] = "storm"
+    alpha: Probability = 0.1
+
+
+Direction = Annotated[Union[NoDirection, Polyak, Storm], Field(discriminator="kind")]
+
+
+class ConstantSchedule(_Model):
+    kind: Literal["constant"] = "constant"
+
+
+class TheorySchedule(_Model):
+    """γ = γ̄(K+1)^(−3/4), α = (K+1)^(−1/2) (Theorem 4.3)."""
+
+    kind: Literal["theory"] = "theory"
+    horizon: Annotated[int, Field(ge=1)]
+    gamma_bar: PositiveFloat
+
+
+class StormSchedule(_Model):
+    """α_k = γ_k = (k+1)^(−2/3) (Theorem 4.5)."""
+
+    kind: Literal["storm"] = "storm"
+
+
+Schedule = Annotated[Union[ConstantSchedule, TheorySchedule, StormSchedule], Field(discriminator="kind")]
+
+# ---------------------------------------------------------------- matching, rules, spec
+
+ShapeDim = Union[Annotated[int, Field(ge=0)], Literal["*"]]
+
+
+class Match(_Model):
+    """Which parameters a rule owns: every given predicate must hold.
+
+    ``name``: glob on the dotted name (``*`` within a segment, ``**`` across) or ``re:`` full-match
+    regex; ``module``: the owning module's class name; ``ndim``; ``shape`` (ints or ``"*"``).
+    """
+
+    name: Optional[str] = None
+    module: Optional[str] = None
+    ndim: Optional[Annotated[int, Field(ge=0)]] = None
+    shape: Optional[list[ShapeDim]] = None
+
+    @field_validator("name")
+    @classmethod
+    def _pattern_compiles(cls, v):
+        if v is None:
+            return v
+        if v == "":
+            raise ValueError("empty name pattern; use '**' to match every parameter")
+        if v.startswith("re:"):
+            try:
+                re.compile(v[3:])
+            except re.error as exc:
+                raise ValueError(f"bad regular expression {v[3:]!r}: {exc}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _not_empty(self):
+        if self.name is None and self.module is None and self.ndim is None and self.shape is None:
+            raise ValueError("match needs at least one of name, module, ndim, shape")
+        return self
+
+
+_RULE_NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
+
+
+class Hyper(_Model):
+    """Hyper-parameters shared by ``defaults`` and each rule (a rule's value overrides the default)."""
+
+    lr: Optional[Annotated[float, Field(ge=0)]] = None
+    weight_decay: Optional[Annotated[float, Field(ge=0)]] = None
+    direction: Optional[Direction] = None
+    schedule: Optional[Schedule] = None
+    on_nonfinite: Optional[Literal["skip", "raise"]] = None
+    project_on_init: Optional[bool] = None
+
+
+class Defaults(Hyper):
+    """Spec-wide defaults; unset fields fall back to lr 0.02, weight_decay 0, direction none,
+    schedule constant, on_nonfinite skip, project_on_init true."""
+
+
+class Rule(Hyper):
+    name: Annotated[str, Field(pattern=_RULE_NAME)]
+    match: Match
+    geometry: Geometry
+    constraint: Optional[Constraint] = None
+
+    @field_validator("match", mode="before")
+    @classmethod
+    def _match_shorthand(cls, v):
+        return {"name": v} if isinstance(v, str) else v
+
+
+class Spec(_Model):
+    """A whole spec: ordered rules, the first match owns a parameter."""
+
+    geomopt: Literal[1]
+    name: Annotated[str, Field(min_length=1)]
+    description: Optional[str] = None
+    defaults: Defaults = Field(default_factory=Defaults)
+    rules: Annotated[list[Rule], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _unique_rule_names(self):
+        seen = set()
+        for rule in self.rules:
+            if rule.name in seen:
+                raise ValueError(f"duplicate rule name {rule.name!r}")
+            seen.add(rule.name)
+        return self
+
+
+RESOLVED_DEFAULTS = dict(
+    lr=0.02, weight_decay=0.0, direction=NoDirection(), schedule=ConstantSchedule(), on_nonfinite="skip",
+    project_on_init=True,
+)
+
+
+def resolve_hyper(spec: Spec, rule: Rule) -> dict:
+    """The effective hyper-parameters of ``rule``: rule value, else spec default, else built-in."""
+    out = {}
+    for key, builtin in RESOLVED_DEFAULTS.items():
+        value = getattr(rule, key)
+        if value is None:
+            value = getattr(spec.defaults, key)
+        out[key] = builtin if value is None else value
+    return out
+
+
+def effective_prenormalize(geometry: Spectral):
+    """Newton–Schulz and Polar Express diverge without pre-normalization, so it defaults on
+    (ε = 1e-7) for them; off for svd and gram_eigh (DESIGN: pre-normalization)."""
+    if geometry.prenormalize is not None:
+        return geometry.prenormalize
+    if geometry.approx.kind in ("newton_schulz", "polar_express"):
+        return FrobeniusPrenorm()
+    return NoPrenorm()
