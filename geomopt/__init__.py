@@ -1,1 +1,24 @@
-"""geomopt: say, per parameter, which geometry it is optimized in and which set it stays in."""
+"""geomopt: say, per parameter, which geometry it is optimized in and which set it stays in.
+
+The public API (DESIGN.md) is re-exported here; everything else may move.
+"""
+
+from geomopt.spec import Diagnostic, Spec, SpecError, dump_spec, load_spec, parse_spec
+
+__all__ = ["Diagnostic", "Spec", "SpecError", "dump_spec", "load_spec", "parse_spec", "compile_spec",
+           "forward_step", "backward_step", "GeomOptimizer"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # torch-dependent parts load on first use, so `geomopt lint` starts fast
+    if name == "compile_spec":
+        from geomopt.compile import compile_spec
+        return compile_spec
+    if name in ("forward_step", "backward_step"):
+        from geomopt import functional
+        return getattr(functional, name)
+    if name == "GeomOptimizer":
+        from geomopt.optim import GeomOptimizer
+        return GeomOptimizer
+    raise AttributeError(f"module 'geomopt' has no attribute {name!r}")

@@ -49,3 +49,23 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """``"; did you mean 'x'?"`` for the closest choice, or ``""``."""
     close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
+
+
+# Codes of the language itself (parse and schema); lint rules register theirs in geomopt.compile.lint.
+LANGUAGE_CODES: dict[str, tuple[str, str]] = {
+    "GO001": ("syntax-error", "the file is not valid YAML / DSL"),
+    "GO002": ("duplicate-key", "a key given twice in one mapping (YAML would silently keep the last)"),
+    "GO003": ("unknown-field", "a field the spec language does not have"),
+    "GO004": ("unknown-kind", "a `kind` that is not registered"),
+    "GO005": ("invalid-value", "a value of the wrong type or out of range"),
+    "GO006": ("missing-field", "a required field is absent"),
+    "GO007": ("bad-pattern", "a name pattern that does not compile"),
+    "GO008": ("unsupported-version", "`geomopt:` names a language version this release does not read"),
+    "GO009": ("empty-spec", "the file holds no spec"),
+    "GO010": ("unreadable-input", "the input is not a readable text spec (missing, binary, too large)"),
+}
+
+
+def language_diagnostic(code: str, message: str, file: str = "<spec>", pos: tuple[int, int] = (1, 1)) -> Diagnostic:
+    name, _ = LANGUAGE_CODES[code]
+    return Diagnostic(code, name, "error", message, file, pos[0], pos[1])

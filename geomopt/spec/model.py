@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 Probability = Annotated[float, Field(gt=0, le=1)]
@@ -409,6 +411,12 @@ class Spec(_Model):
     description: Optional[str] = None
     defaults: Defaults = Field(default_factory=Defaults)
     rules: Annotated[list[Rule], Field(min_length=1)]
+    _source: Any = PrivateAttr(default=None)  # positions, when parsed from text
+
+    def __eq__(self, other) -> bool:  # equal content, wherever it was parsed from
+        return isinstance(other, Spec) and self.model_dump() == other.model_dump()
+
+    __hash__ = None
 
     @model_validator(mode="after")
     def _unique_rule_names(self):

@@ -1,0 +1,231 @@
+"""DSL front end: ``grammars/geomopt.lark`` (LALR) → the same plain data as the YAML front end.
+
+Spelling (whitespace and newlines are free; ``#`` starts a comment)::
+
+    geomopt 1
+    name "prox-muon"
+    defaults lr=0.02 direction=polyak(alpha=0.05, nesterov=true)
+    rule hidden match "transformer.h.*.weight" ndim=2:
+        geometry   spectral(power_barrier(kappa=4, eps=1e-3), approx=polar_express(steps=5))
+        constraint frobenius_ball(radius=0.5)
+
+A call ``kind(a=…, …)`` is the mapping ``{kind: …, a: …}``; a bare word where a kind is expected
+(``direction=none``, ``spectral(indicator)``) is ``{kind: word}``; a geometry's one positional
+argument is its ``reference``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+
+from lark import Lark, Token, Tree
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+
+from geomopt.spec.diagnostics import SpecError, language_diagnostic
+from geomopt.spec.source import Parsed, SourceMap
+
+# Fields whose value is a {kind: …} mapping: a bare word there names the kind.
+KIND_FIELDS = frozenset({"geometry", "constraint", "reference", "approx", "prenormalize", "direction", "schedule"})
+
+_KEYWORDS = {
+    "GEOMOPT": "geomopt", "NAME": "name", "DESCRIPTION": "description", "DEFAULTS": "defaults", "RULE": "rule",
+    "MATCH": "match", "GEOMETRY": "geometry", "CONSTRAINT": "constraint", "LR": "lr",
+    "WEIGHT_DECAY": "weight_decay", "DIRECTION": "direction", "SCHEDULE": "schedule",
+    "ON_NONFINITE": "on_nonfinite", "PROJECT_ON_INIT": "project_on_init", "TRUE": "true", "FALSE": "false",
+}
+_SHOWN = {
+    "IDENT": "a name", "STRING": "a string", "SIGNED_NUMBER": "a number", "INT": "an integer",
+    "EQUAL": "'='", "COLON": "':'", "COMMA": "','", "LPAR": "'('", "RPAR": "')'", "LSQB": "'['", "RSQB": "']'",
+    "$END": "end of input",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _parser() -> Lark:
+    text = resources.files("geomopt").joinpath("grammars/geomopt.lark").read_text(encoding="utf-8")
+    return Lark(text, parser="lalr", propagate_positions=True, maybe_placeholders=False)
+
+
+def _expected(names) -> str:
+    names = set(names)
+    if "IDENT" in names:  # keywords are then only field names: "a name" covers them
+        names -= set(_KEYWORDS) - {"TRUE", "FALSE"}
+    shown = sorted(_KEYWORDS.get(n, _SHOWN.get(n, n)) for n in names)
+    return ", ".join(shown)
+
+
+def _describe(token) -> str:
+    if token.type == "$END":
+        return "end of input"
+    return f"{token.type.lower() if token.type in _KEYWORDS else 'token'} {str(token)!r}"
+
+
+def parse_dsl(text: str, file: str = "<spec>") -> Parsed:
+    """Text → plain data + :class:`SourceMap`; raises :class:`SpecError` with positions."""
+    source = SourceMap(file=file, format="dsl")
+    if not text.strip() or all(l.strip().startswith("#") or not l.strip() for l in text.splitlines()):
+        raise SpecError([language_diagnostic("GO009", "empty spec: expected 'geomopt 1', a name and rules", file)])
+    try:
+        tree = _parser().parse(text)
+    except UnexpectedCharacters as exc:
+        ch = text[exc.pos_in_stream] if exc.pos_in_stream < len(text) else ""
+        what = "unterminated string" if ch == '"' else f"unexpected character {ch!r}"
+        raise SpecError([language_diagnostic("GO001", f"{what}; expected {_expected(exc.allowed)}", file, (exc.line, exc.column))]) from None
+    except UnexpectedToken as exc:
+        tok = exc.token
+        line, col = (exc.line, exc.column) if tok.type != "$END" else _end(text)
+        raise SpecError([language_diagnostic("GO001", f"unexpected {_describe(tok)}; expected one of {_expected(exc.expected)}", file, (line, col))]) from None
+    except UnexpectedEOF as exc:
+        raise SpecError([language_diagnostic("GO001", f"unexpected end of input; expected one of {_expected(exc.expected)}", file, _end(text))]) from None
+    except UnexpectedInput as exc:  # pragma: no cover - the three above cover LALR
+        raise SpecError([language_diagnostic("GO001", f"syntax error: {exc}", file, (exc.line, exc.column))]) from None
+    return Parsed(_Walker(source).start(tree), source)
+
+
+def _end(text: str) -> tuple[int, int]:
+    lines = text.split("\n")
+    return (len(lines), len(lines[-1]) + 1)
+
+
+def _pos(item) -> tuple[int, int]:
+    if isinstance(item, Token):
+        return (item.line, item.column)
+    return (item.meta.line, item.meta.column)
+
+
+class _Walker:
+    """Parse tree → plain data, recording each value's and key's position as it goes."""
+
+    def __init__(self, source: SourceMap):
+        self.source = source
+
+    def error(self, code, message, item):
+        raise SpecError([language_diagnostic(code, message, self.source.file, _pos(item))])
+
+    def string(self, tok) -> str:
+        try:
+            return json.loads(tok, strict=False)
+        except json.JSONDecodeError as exc:
+            self.error("GO001", f"bad string literal: {exc.msg} (strings use JSON escapes: \\\\, \\\", \\n, \\uXXXX)", tok)
+
+    def put(self, out: dict, path, key: str, key_item, value_item, value):
+        if key in out:
+            first = self.source.keys[path + (key,)]
+            self.error("GO002", f"duplicate key '{key}' (first given at line {first[0]}, column {first[1]}): remove one", key_item)
+        self.source.keys[path + (key,)] = _pos(key_item)
+        out[key] = value
+
+    def start(self, tree: Tree) -> dict:
+        version, *statements = tree.children
+        out: dict = {}
+        self.source.values[()] = (1, 1)
+        tok = version.children[1]
+        self.source.values[("geomopt",)] = _pos(tok)
+        self.put(out, (), "geomopt", version.children[0], tok, int(tok))
+        rules = []
+        for st in statements:
+            kind = st.data
+            if kind == "name_stmt":
+                self.source.values[("name",)] = _pos(st.children[1])
+                self.put(out, (), "name", st.children[0], st.children[1], self.string(st.children[1]))
+            elif kind == "description_stmt":
+                self.source.values[("description",)] = _pos(st.children[1])
+                self.put(out, (), "description", st.children[0], st.children[1], self.string(st.children[1]))
+            elif kind == "defaults_stmt":
+                path = ("defaults",)
+                self.source.values[path] = _pos(st)
+                defaults: dict = {}
+                for setting in st.children[1:]:
+                    self.item(defaults, path, setting)
+                self.put(out, (), "defaults", st.children[0], st, defaults)
+            else:
+                if "rules" not in out:
+                    out["rules"] = rules
+                    self.source.keys[("rules",)] = _pos(st)
+                    self.source.values[("rules",)] = _pos(st)
+                rules.append(self.rule(st, ("rules", len(rules))))
+        return out
+
+    def rule(self, tree: Tree, path) -> dict:
+        rule_kw, ident, match_kw, *rest = tree.children
+        self.source.values[path] = _pos(tree)
+        out: dict = {}
+        self.source.values[path + ("name",)] = _pos(ident)
+        self.put(out, path, "name", ident, ident, str(ident))
+        match: dict = {}
+        mpath = path + ("match",)
+        self.source.values[mpath] = _pos(match_kw)
+        self.source.keys[mpath] = _pos(match_kw)
+        out["match"] = match
+        items = iter(rest)
+        for item in items:
+            if isinstance(item, Token) and item.type == "COLON":
+                break
+            if item.data == "match_pattern":
+                tok = item.children[0]
+                self.source.values[mpath + ("name",)] = _pos(tok)
+                self.put(match, mpath, "name", tok, tok, self.string(tok))
+            else:
+                key_tree, _eq, value = item.children
+                key = str(key_tree.children[0])
+                self.put(match, mpath, key, key_tree, value, self.value(value, mpath + (key,), key))
+        for item in items:
+            self.item(out, path, item)
+        return out
+
+    def item(self, out: dict, path, tree: Tree) -> None:
+        """``geometry …`` / ``constraint …`` / ``lr=…``: one field of a rule or of defaults."""
+        head = tree.children[0]
+        key_tok = head.children[0] if isinstance(head, Tree) else head
+        key = str(key_tok)
+        value = tree.children[-1]
+        self.put(out, path, key, key_tok, value, self.value(value, path + (key,), key))
+
+    def value(self, item, path, field: str | None = None):
+        self.source.values[path] = _pos(item)
+        if isinstance(item, Token):  # a terminal standing alone
+            return str(item)
+        kind = item.data
+        if kind == "call":
+            return self.call(item, path, field)
+        if kind == "list":
+            values = [c for c in item.children if not (isinstance(c, Token) and c.type in ("LSQB", "RSQB", "COMMA"))]
+            return [self.value(v, path + (i,)) for i, v in enumerate(values)]
+        tok = item.children[0]
+        if kind == "string":
+            return self.string(tok)
+        if kind == "number":
+            text = str(tok)
+            return int(text) if text.lstrip("+-").isdigit() else float(text)
+        if kind == "true":
+            return True
+        if kind == "false":
+            return False
+        if field in KIND_FIELDS:  # bare word naming a kind
+            self.source.values[path + ("kind",)] = _pos(tok)
+            return {"kind": str(tok)}
+        return str(tok)
+
+    def call(self, item: Tree, path, field) -> dict:
+        ident = item.children[0]
+        out: dict = {}
+        self.source.values[path + ("kind",)] = _pos(ident)
+        out["kind"] = str(ident)
+        args = [c for c in item.children[1:] if isinstance(c, Tree)]
+        positional = [a for a in args if a.data == "positional"]
+        if positional:
+            if field != "geometry" or len(positional) > 1 or args[0].data != "positional":
+                self.error("GO005", "positional argument not allowed here: write name=value (only a geometry takes one, its reference, first)", positional[-1])
+            ref = positional[0].children[0]
+            self.source.keys[path + ("reference",)] = _pos(ref)
+            out["reference"] = self.value(ref, path + ("reference",), "reference")
+        for arg in args:
+            if arg.data == "keyword":
+                key_tree, _eq, value = arg.children
+                key = str(key_tree.children[0])
+                if key == "kind":
+                    self.error("GO005", "'kind' is the call's name: write kind(…) instead of kind=…", key_tree)
+                self.put(out, path, key, key_tree, value, self.value(value, path + (key,), key))
+        return out

@@ -1,0 +1,240 @@
+"""Plain data + positions → :class:`Spec`, every pydantic error mapped back to ``file:line:col``."""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path as FsPath
+from typing import Any, Union
+
+from pydantic import BaseModel, ValidationError
+
+from geomopt.spec.diagnostics import Diagnostic, SpecError, did_you_mean, language_diagnostic
+from geomopt.spec.model import Spec
+from geomopt.spec.source import MAX_BYTES, Parsed, SourceMap
+
+def source_of(spec: Spec) -> SourceMap | None:
+    """The positions a spec was parsed with (None for specs built in Python)."""
+    return spec._source
+
+
+def validate(parsed: Parsed) -> Spec:
+    data, source = parsed.data, parsed.source
+    if not isinstance(data, dict):
+        raise SpecError([language_diagnostic("GO005", f"a spec is a mapping with 'geomopt: 1', 'name' and 'rules', not a {type(data).__name__}", source.file, source.pos(()))])
+    version = data.get("geomopt")
+    if "geomopt" in data and version != 1:
+        raise SpecError([language_diagnostic("GO008", f"unsupported language version {version!r}: this release reads 'geomopt: 1'", source.file, source.pos(("geomopt",)))])
+    try:
+        spec = Spec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(sorted(_diagnostics(exc, data, source), key=lambda d: (d.line, d.col))) from None
+    spec._source = source
+    return spec
+
+
+def _diagnostics(exc: ValidationError, data, source: SourceMap) -> list[Diagnostic]:
+    out, seen = [], set()
+    for err in exc.errors(include_url=False):
+        path, model = _walk(err["loc"], data)
+        diag = _one(err, path, model, data, source)
+        key = (diag.line, diag.col, diag.code)
+        if key not in seen:  # one problem, one finding (unions report each member)
+            seen.add(key)
+            out.append(diag)
+    return out
+
+
+def _one(err: dict, path: tuple, model, data, source: SourceMap) -> Diagnostic:
+    etype, msg, file = err["type"], err["msg"], source.file
+    where = _where(path)
+    if etype == "extra_forbidden":
+        field = path[-1]
+        allowed = sorted(model.model_fields) if model else []
+        hint = did_you_mean(field, allowed)
+        listed = f" ({where[:-len(str(field))].rstrip('.') or 'spec'} fields: {', '.join(allowed)})" if allowed else ""
+        return language_diagnostic("GO003", f"unknown field '{field}'{hint}{listed}", file, source.pos(path, key=True))
+    if etype == "union_tag_invalid":
+        tag = err["ctx"]["tag"]
+        expected = [t.strip(" '") for t in err["ctx"]["expected_tags"].split(",")]
+        what = _field_name(path)
+        return language_diagnostic("GO004", f"unknown {what} kind '{tag}'{did_you_mean(tag, expected)} (expected one of: {', '.join(expected)})", file, source.pos(path + ("kind",)))
+    if etype == "union_tag_not_found":
+        return language_diagnostic("GO006", f"{_field_name(path)} needs a 'kind'", file, source.pos(path))
+    if etype == "missing":
+        parent = path[:-1]
+        return language_diagnostic("GO006", f"missing required field '{path[-1]}' in {_where(parent) or 'the spec'}", file, source.pos(parent, key=True))
+    if path and path[-1] == "name" and len(path) >= 2 and path[-2] == "match" and etype == "value_error":
+        return language_diagnostic("GO007", msg.removeprefix("Value error, "), file, source.pos(path))
+    value = _get(data, path)
+    got = "" if isinstance(value, (dict, list)) or value is _MISSING else f", got {value!r}"
+    msg = msg.removeprefix("Value error, ")
+    if etype == "literal_error" and path and path[-1] == "kind":
+        return language_diagnostic("GO004", f"{msg}{got}", file, source.pos(path))
+    return language_diagnostic("GO005", f"{where or 'spec'}: {_friendly(etype, msg)}{got}", file, source.pos(path))
+
+
+def _friendly(etype: str, msg: str) -> str:
+    if etype == "bool_type":
+        return "expected true or false"
+    if etype in ("float_type", "int_type") and "bool" not in msg:
+        return msg[0].lower() + msg[1:]
+    return msg[0].lower() + msg[1:] if msg else etype
+
+
+_MISSING = object()
+
+
+def _get(data, path):
+    for p in path:
+        try:
+            data = data[p]
+        except (KeyError, IndexError, TypeError):
+            return _MISSING
+    return data
+
+
+def _walk(loc: tuple, data) -> tuple[tuple, Any]:
+    """Drop pydantic's union/tag segments from ``loc`` by walking the data alongside, and find
+    the model class that owns the last step (for listing allowed fields)."""
+    path: list = []
+    node: Any = data
+    models: list = [Spec]
+    for seg in loc:
+        if isinstance(node, dict) and seg in node:
+            models = _next_models(models, seg, node)
+            node = node[seg]
+            path.append(seg)
+        elif isinstance(node, list) and isinstance(seg, int) and 0 <= seg < len(node):
+            models = _item_models(models)
+            node = node[seg]
+            path.append(seg)
+        elif isinstance(node, dict) and isinstance(seg, str) and seg not in node and _is_tag(seg, node):
+            models = [m for m in models if _kind_of(m) == seg] or models
+        else:  # a missing or extra key: the final segment
+            if isinstance(seg, (str, int)) and (not isinstance(node, dict) or not _is_tag(seg, node)):
+                path.append(seg)
+            break
+    return tuple(path), _owner_for(loc, data, path)
+
+
+def _is_tag(seg: str, node: dict) -> bool:
+    return node.get("kind") == seg or "[" in seg or seg in ("str", "int", "float", "list", "dict")
+
+
+def _kind_of(model) -> str | None:
+    f = getattr(model, "model_fields", {}).get("kind")
+    return f.default if f is not None else None
+
+
+def _unwrap(tp) -> list:
+    """Model classes (or list item types) reachable from an annotation."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(tp)[0])
+    if origin in (Union, types.UnionType):
+        out = []
+        for a in typing.get_args(tp):
+            out.extend(_unwrap(a))
+        return out
+    if origin is list:
+        return [("list", typing.get_args(tp)[0])]
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return [tp]
+    return []
+
+
+def _next_models(models, key, node):
+    out = []
+    for m in models:
+        if isinstance(m, type) and issubclass(m, BaseModel) and key in m.model_fields:
+            out.extend(_unwrap(m.model_fields[key].annotation))
+    kind = node[key].get("kind") if isinstance(node.get(key), dict) else None
+    if kind is not None:
+        out = [m for m in out if not (isinstance(m, type) and _kind_of(m) not in (None, kind))] or out
+    return out
+
+
+def _item_models(models):
+    out = []
+    for m in models:
+        if isinstance(m, tuple) and m[0] == "list":
+            out.extend(_unwrap(m[1]))
+    return out
+
+
+def _owner_for(loc, data, path):
+    """The model class whose fields the mapping at ``path[:-1]`` should have."""
+    models: list = [Spec]
+    node = data
+    for seg in path[:-1]:
+        if isinstance(node, dict):
+            models = _next_models(models, seg, node)
+        else:
+            models = _item_models(models)
+        node = node[seg]
+    if isinstance(node, dict) and "kind" in node:
+        models = [m for m in models if _kind_of(m) == node["kind"]] or models
+    return next((m for m in models if isinstance(m, type) and issubclass(m, BaseModel)), None)
+
+
+def _where(path) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _field_name(path) -> str:
+    for p in reversed(path):
+        if isinstance(p, str):
+            return p
+    return "spec"
+
+
+# ---------------------------------------------------------------- public entry points
+
+
+def parse_spec(text: str, format: str = "yaml", *, file: str = "<spec>") -> Spec:
+    """Parse spec text (``format`` "yaml" or "dsl"); raises :class:`SpecError` with positions."""
+    from geomopt.spec.dsl_front import parse_dsl
+    from geomopt.spec.yaml_front import parse_yaml
+
+    if format not in ("yaml", "dsl"):
+        raise ValueError(f"format must be 'yaml' or 'dsl', got {format!r}")
+    if len(text) > MAX_BYTES:
+        raise SpecError([language_diagnostic("GO010", f"spec too large ({len(text)} characters; the limit is {MAX_BYTES})", file)])
+    if "\x00" in text:
+        at = text.index("\x00")
+        line = text.count("\n", 0, at) + 1
+        raise SpecError([language_diagnostic("GO010", "binary input (NUL byte): a spec is plain UTF-8 text", file, (line, at - (text.rfind("\n", 0, at) + 1) + 1))])
+    parsed = (parse_yaml if format == "yaml" else parse_dsl)(text, file)
+    return validate(parsed)
+
+
+def format_of(path: str | FsPath) -> str:
+    suffix = FsPath(path).suffix.lower()
+    if suffix in (".yaml", ".yml"):
+        return "yaml"
+    if suffix == ".geom":
+        return "dsl"
+    raise SpecError([language_diagnostic("GO010", f"unknown spec extension {suffix or '(none)'!r}: use .yaml, .yml or .geom", str(path))])
+
+
+def load_spec(path: str | FsPath) -> Spec:
+    """Read a ``.yaml``/``.yml`` or ``.geom`` file; raises :class:`SpecError`."""
+    fmt = format_of(path)
+    p = FsPath(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise SpecError([language_diagnostic("GO010", f"cannot read spec: {exc.strerror or exc}", str(path))]) from None
+    if len(raw) > MAX_BYTES:
+        raise SpecError([language_diagnostic("GO010", f"spec too large ({len(raw)} bytes; the limit is {MAX_BYTES})", str(path))])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise SpecError([language_diagnostic("GO010", "not UTF-8 text (binary file?): a spec is plain UTF-8 text", str(path), (line, col))]) from None
+    return parse_spec(text, fmt, file=str(path))

@@ -1,0 +1,145 @@
+"""YAML front end: PyYAML's node tree (``yaml.compose``), resolved the YAML 1.2 way, with positions.
+
+PyYAML resolves YAML 1.1: ``1e-3`` would load as a string, ``yes``/``on`` as booleans, ``10:30``
+as 630, and duplicate keys silently overwrite. Here scalars resolve by the YAML 1.2 core schema
+(floats with or without a dot, booleans only true/false), duplicate keys are errors, and only
+safe tags are accepted.
+"""
+
+from __future__ import annotations
+
+import re
+
+import yaml
+
+from geomopt.spec.diagnostics import SpecError, language_diagnostic
+from geomopt.spec.source import MAX_NODES, Parsed, SourceMap
+
+_INT = re.compile(r"^[-+]?[0-9]+$|^0o[0-7]+$|^0x[0-9a-fA-F]+$")
+_FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$|^[-+]?\.(inf|Inf|INF)$|^\.(nan|NaN|NAN)$")
+_BOOL = re.compile(r"^(true|True|TRUE|false|False|FALSE)$")
+_NULL = re.compile(r"^(~|null|Null|NULL|)$")
+
+_T = "tag:yaml.org,2002:"
+
+
+class _Resolver(yaml.resolver.BaseResolver):
+    """YAML 1.2 core schema resolution (no sexagesimals, no yes/no/on/off)."""
+
+
+for _tag, _regex, _first in (
+    ("bool", _BOOL, "tTfF"),
+    ("int", _INT, "-+0123456789"),
+    ("float", _FLOAT, "-+0123456789."),
+    ("null", _NULL, ["~", "n", "N", ""]),
+):
+    _Resolver.add_implicit_resolver(_T + _tag, _regex, list(_first))
+
+
+class _Loader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml.composer.Composer, _Resolver):
+    def __init__(self, stream):
+        yaml.reader.Reader.__init__(self, stream)
+        yaml.scanner.Scanner.__init__(self)
+        yaml.parser.Parser.__init__(self)
+        yaml.composer.Composer.__init__(self)
+        _Resolver.__init__(self)
+
+
+class YamlDumper(yaml.SafeDumper):
+    """Dumper whose quoting agrees with the loader: a string that would load as a number, bool or
+    null under YAML 1.2 (``"1e-3"``) is quoted."""
+
+
+YamlDumper.yaml_implicit_resolvers = {}
+for _tag, _regex, _first in (
+    ("bool", _BOOL, "tTfF"),
+    ("int", _INT, "-+0123456789"),
+    ("float", _FLOAT, "-+0123456789."),
+    ("null", _NULL, ["~", "n", "N", ""]),
+    # quote YAML 1.1 words too, so other tools read our files the same way
+    ("bool", re.compile(r"^(yes|Yes|YES|no|No|NO|on|On|ON|off|Off|OFF|y|Y|n|N)$"), "yYnNoO"),
+):
+    YamlDumper.add_implicit_resolver(_T + _tag, _regex, list(_first))
+
+
+def _pos(mark) -> tuple[int, int]:
+    return (mark.line + 1, mark.column + 1)
+
+
+def parse_yaml(text: str, file: str = "<spec>") -> Parsed:
+    """Text → plain data + :class:`SourceMap`; raises :class:`SpecError` on malformed YAML."""
+    source = SourceMap(file=file, format="yaml")
+    try:
+        loader = _Loader(text)
+        try:
+            root = loader.get_single_node()
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        problem = exc.problem or "malformed YAML"
+        if "\t" in problem or "'\\t'" in problem:
+            problem += " (YAML indentation must use spaces, not tabs)"
+        ctx = f" {exc.context}" if exc.context else ""
+        raise SpecError([language_diagnostic("GO001", f"YAML syntax error: {problem}{ctx}", file, _pos(mark) if mark else (1, 1))]) from None
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        col = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        raise SpecError([language_diagnostic("GO010", f"unreadable input: {exc.reason} (character #x{exc.character:04x}); a spec is plain UTF-8 text", file, (line, col))]) from None
+    except yaml.YAMLError as exc:  # pragma: no cover - PyYAML raises Marked errors for text input
+        raise SpecError([language_diagnostic("GO001", f"YAML error: {exc}", file)]) from None
+    if root is None:
+        raise SpecError([language_diagnostic("GO009", "empty spec: expected a mapping with 'geomopt: 1', 'name' and 'rules'", file)])
+    counter = [0]
+    data = _build(root, (), source, counter)
+    return Parsed(data, source)
+
+
+def _build(node, path, source: SourceMap, counter):
+    counter[0] += 1
+    if counter[0] > MAX_NODES:
+        raise SpecError([language_diagnostic("GO010", f"spec too large: more than {MAX_NODES} YAML nodes (aliases expanded)", source.file, _pos(node.start_mark))])
+    source.values[path] = _pos(node.start_mark)
+    if isinstance(node, yaml.MappingNode):
+        out = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise SpecError([language_diagnostic("GO005", "mapping keys must be plain words", source.file, _pos(key_node.start_mark))])
+            if key_node.tag == _T + "merge":
+                raise SpecError([language_diagnostic("GO005", "merge keys (<<) are not supported: write the fields out", source.file, _pos(key_node.start_mark))])
+            key = _scalar(key_node, source)
+            if not isinstance(key, str):
+                key = str(key_node.value)
+            if key in out:
+                first = source.keys[path + (key,)]
+                raise SpecError([language_diagnostic("GO002", f"duplicate key '{key}' (first given at line {first[0]}, column {first[1]}); YAML would silently keep the last: remove one", source.file, _pos(key_node.start_mark))])
+            source.keys[path + (key,)] = _pos(key_node.start_mark)
+            out[key] = _build(value_node, path + (key,), source, counter)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_build(item, path + (i,), source, counter) for i, item in enumerate(node.value)]
+    return _scalar(node, source)
+
+
+def _scalar(node, source: SourceMap):
+    tag, value = node.tag, node.value
+    if tag in (_T + "str", "!") or node.style in ("'", '"', "|", ">"):
+        return value
+    if tag == _T + "bool":
+        return value.lower() == "true"
+    if tag == _T + "int":
+        if value.startswith("0o"):
+            return int(value[2:], 8)
+        if value.startswith("0x"):
+            return int(value[2:], 16)
+        return int(value)
+    if tag == _T + "float":
+        v = value.lower()
+        if v.endswith(".inf"):
+            return float("-inf") if v.startswith("-") else float("inf")
+        if v.endswith(".nan"):
+            return float("nan")
+        return float(value)
+    if tag == _T + "null":
+        return None
+    raise SpecError([language_diagnostic("GO005", f"unsupported YAML tag {tag!r}: specs use plain scalars, lists and mappings", source.file, _pos(node.start_mark))])
