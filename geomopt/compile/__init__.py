@@ -1,0 +1,7 @@
+"""Matching names, modules and shapes to rules; the Plan; lint rules."""
+
+from geomopt.compile.compiler import as_spec, compile_spec, lint_spec, plan_from_infos
+from geomopt.compile.match import ParamInfo, glob_regex
+from geomopt.compile.plan import ParamPlan, Plan
+
+__all__ = ["ParamInfo", "ParamPlan", "Plan", "as_spec", "compile_spec", "glob_regex", "lint_spec", "plan_from_infos"]

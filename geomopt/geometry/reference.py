@@ -71,8 +71,10 @@ class LogBarrier(Reference):
         self.eps = float(eps)
 
     def h(self, x):
+        # −ln(1−a) − a = g(−a) with g(z) = z − ln(1+z): no cancellation near 0; +∞ off the domain.
         a = x.abs()
-        return -self.eps * (torch.log1p(-a) + a)
+        out = self.eps * _z_minus_log1p(-a.clamp(max=1))
+        return torch.where(a >= 1, torch.full_like(out, math.inf), out)
 
     def dh(self, x):
         return self.eps * x / (1 - x.abs())
@@ -84,8 +86,8 @@ class LogBarrier(Reference):
         return 1 / (self.eps + s)
 
     def conj(self, y):
-        a = y.abs()
-        return a - self.eps * torch.log1p(a / self.eps)
+        # |y| − ε ln(1+|y|/ε) = ε·g(|y|/ε): the series branch keeps digits for |y| ≪ ε.
+        return self.eps * _z_minus_log1p(y.abs() / self.eps)
 
 
 @reference("power_barrier")
@@ -165,9 +167,139 @@ class Quadratic(Reference):
         return 0.5 * y * y
 
 
+def _z_minus_log1p(z: torch.Tensor) -> torch.Tensor:
+    """g(z) = z − ln(1+z) for z ≥ −1, accurate to a few ulps: the Taylor series Σ_{j≥2} (−z)^j/j
+    for |z| < 0.1 (where the difference cancels), the direct formula elsewhere."""
+    zs = z.clamp(-0.1, 0.1)
+    poly = torch.full_like(z, 1 / 24)
+    for j in range(23, 1, -1):  # Horner: Σ_{j=2}^{24} (−1)^j z^j / j = z²·(c₂ + z(c₃ + …))
+        poly = poly * zs + (-1) ** j / j
+    series = poly * zs * zs
+    direct = z - torch.log1p(z)
+    return torch.where(z.abs() < 0.1, series, direct)
+
+
+# ---------------------------------------------------------------- power barrier by quadrature
+#
+# h and h* of the power barrier have no elementary closed form for general κ. Both are
+# ∫ of an explicit integrand, evaluated with a fixed Gauss–Legendre rule after substitutions that
+# make the integrand smooth (so 64 nodes reach double precision), in float64 whatever the input
+# dtype. κ = 1 (log barrier) and κ = 2 use their closed forms.
+
+_GL_NODES = 64
+_SPLIT = 0.5  # h: direct rule on [0, min(|x|, ½)], boundary substitution on [½, |x|]
+
+
+def _gauss_legendre(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nodes and weights on [0, 1] (Golub–Welsch: eigenvalues of the Jacobi matrix)."""
+    k = torch.arange(1, n, dtype=torch.float64)
+    off = k / torch.sqrt(4 * k * k - 1)
+    jac = torch.diag(off, 1) + torch.diag(off, -1)
+    nodes, vecs = torch.linalg.eigh(jac)
+    weights = 2 * vecs[0] ** 2
+    return ((nodes + 1) / 2).to(device), (weights / 2).to(device)
+
+
+_GL_CACHE: dict = {}
+
+
+def _rule(device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = str(device)
+    if key not in _GL_CACHE:
+        _GL_CACHE[key] = _gauss_legendre(_GL_NODES, device)
+    return _GL_CACHE[key]
+
+
+def _integrate(f, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """∫_lo^hi f(t) dt elementwise (lo, hi broadcast; f maps a (..., n) tensor of nodes)."""
+    u, w = _rule(lo.device)
+    t = lo.unsqueeze(-1) + (hi - lo).unsqueeze(-1) * u
+    return (hi - lo) * (f(t) * w).sum(-1)
+
+
 def _power_barrier_h(x: torch.Tensor, kappa: float, eps: float) -> torch.Tensor:
-    raise NotImplementedError("power_barrier h: see geomopt.geometry.reference")
+    """h(x) = ε∫₀^{|x|} s(1−s^κ)^{−1/κ} ds = ε(x²/2)·₂F₁(2/κ,1/κ;1+2/κ;|x|^κ); +∞ for |x| > 1.
+
+    h(±1) is finite for κ > 1 (the barrier acts through h' → ∞). On [0, ½] the rule runs in s = c·u
+    (smooth). On [½, |x|] the integrand has the (1−s)^{−1/κ} singularity at s = 1; the substitution
+    1 − s = v^p with p = 2κ/(κ−1) turns it into a smooth v·g(v^p), and 1 − s^κ =
+    −expm1(κ·log1p(−v^p)) is formed without cancellation.
+    """
+    k = float(kappa)
+    a = x.abs().to(torch.float64)
+    if k == 1.0:
+        out = _z_minus_log1p(-a.clamp(max=1))
+    elif k == 2.0:
+        # ε(1 − √(1−x²)) = εx²/(1 + √(1−x²)), and 1 − x² = (1−|x|)(1+|x|): no cancellation anywhere.
+        ac = a.clamp(max=1)
+        out = ac * ac / (1 + torch.sqrt((1 - ac) * (1 + ac)))
+    else:
+        ac = a.clamp(max=1)
+        c = ac.clamp(max=_SPLIT)
+
+        def near(u):  # ∫₀^c s(1−s^κ)^{−1/κ} ds = c²∫₀¹ u(1−(cu)^κ)^{−1/κ} du
+            cu = c.unsqueeze(-1) * u
+            return u * (-torch.expm1(k * torch.log(cu.clamp(min=1e-300)))).pow(-1 / k)
+
+        zero = torch.zeros_like(c)
+        out = c * c * _integrate(near, zero, torch.ones_like(c))
+        p = 2 * k / (k - 1)
+
+        def far(v):  # s = 1 − v^p, ds = −p v^{p−1} dv
+            vp = v.pow(p)
+            s = 1 - vp
+            one_minus_sk = -torch.expm1(k * torch.log1p(-vp))
+            return s * p * torch.exp((p - 1) * torch.log(v) - torch.log(one_minus_sk) / k)
+
+        v_hi = torch.full_like(c, _SPLIT).pow(1 / p)
+        v_lo = (1 - ac).pow(1 / p)  # 1 − |x| is exact for |x| ≥ ½ (Sterbenz)
+        tail = torch.where(ac > _SPLIT, _integrate(far, torch.minimum(v_lo, v_hi), v_hi), zero)
+        out = out + tail
+    out = eps * out
+    out = torch.where(a > 1, torch.full_like(out, math.inf), out)
+    if k == 1.0:
+        out = torch.where(a >= 1, torch.full_like(out, math.inf), out)
+    return out.to(x.dtype)
 
 
 def _power_barrier_conj(y: torch.Tensor, kappa: float, eps: float) -> torch.Tensor:
-    raise NotImplementedError("power_barrier h*: see geomopt.geometry.reference")
+    """h*(y) = ∫₀^{|y|} s(ε^κ+s^κ)^{−1/κ} ds = ε·H(|y|/ε), H(z) = ∫₀^z t(1+t^κ)^{−1/κ} dt.
+
+    z ≤ 1: H(z) = z²∫₀¹ u(1+(zu)^κ)^{−1/κ} du (smooth, no cancellation at small z).
+    z > 1: H(z) = H(1) + (z−1) − ∫₁^z r(t) dt with r(t) = 1 − (1+t^{−κ})^{−1/κ}
+    = −expm1(−log1p(t^{−κ})/κ) ≈ t^{−κ}/κ; substituting t = q^{−m}, m = max(1, 2/(κ−1)), makes
+    the remainder integrand smooth on q ∈ [z^{−1/m}, 1], so |y| up to 1e8·ε and beyond stay exact.
+    """
+    k = float(kappa)
+    a = y.abs().to(torch.float64)
+    z = a / eps
+    if k == 1.0:
+        return (eps * _z_minus_log1p(z)).to(y.dtype)
+    if k == 2.0:
+        # √(ε²+y²) − ε = y²/(√(ε²+y²) + ε)
+        out = a * a / (torch.hypot(a, torch.full_like(a, eps)) + eps)
+        return out.to(y.dtype)
+
+    def small(u, zz):
+        zu = zz.unsqueeze(-1) * u
+        return u * torch.exp(-torch.log1p(torch.exp(k * torch.log(zu.clamp(min=1e-300)))) / k)
+
+    zc = z.clamp(max=1)
+    zero = torch.zeros_like(zc)
+    one = torch.ones_like(zc)
+    h_small = zc * zc * _integrate(lambda u: small(u, zc), zero, one)
+    h_one = _integrate(lambda u: small(u, torch.ones(1, dtype=torch.float64, device=a.device)),
+                       torch.zeros(1, dtype=torch.float64, device=a.device),
+                       torch.ones(1, dtype=torch.float64, device=a.device))
+    m = max(1.0, 2 / (k - 1))
+
+    def rem(q):  # ∫₁^z r(t) dt, t = q^{−m}, dt = −m q^{−m−1} dq
+        log_tk = -k * (-m) * torch.log(q)  # log t^{−κ} = κ·m·log q
+        r = -torch.expm1(-torch.log1p(torch.exp(log_tk)) / k)
+        return r * m * torch.exp((-m - 1) * torch.log(q))
+
+    zl = z.clamp(min=1)
+    q_lo = zl.pow(-1 / m)
+    big = h_one + (zl - 1) - _integrate(rem, q_lo, torch.ones_like(q_lo))
+    out = eps * torch.where(z > 1, big, h_small)
+    return out.to(y.dtype)

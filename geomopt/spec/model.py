@@ -135,7 +135,7 @@ Prenormalize = Annotated[Union[FrobeniusPrenorm, MaxPrenorm, NoPrenorm], Field(d
 # ---------------------------------------------------------------- geometries
 
 Scale = Literal["none", "scion", "muon_original", "match_rms_adamw"]
-Layout = Literal["out_in", "in_out"]
+Layout = Literal["auto", "out_in", "in_out"]  # auto: in_out for Hugging Face Conv1D, else out_in
 
 
 class _Geometry(_Model):
@@ -153,6 +153,7 @@ class Isotropic(_Geometry):
 
     kind: Literal["isotropic"] = "isotropic"
     reference: Reference
+    scale: Scale = "none"
 
 
 class Anisotropic(_Geometry):
@@ -161,7 +162,7 @@ class Anisotropic(_Geometry):
     kind: Literal["anisotropic"] = "anisotropic"
     reference: Reference
     scale: Scale = "none"
-    layout: Layout = "out_in"
+    layout: Layout = "auto"
 
 
 class Spectral(_Geometry):
@@ -173,7 +174,7 @@ class Spectral(_Geometry):
     approx: Approx = Field(default_factory=Svd)
     prenormalize: Optional[Prenormalize] = None
     scale: Scale = "none"
-    layout: Layout = "out_in"
+    layout: Layout = "auto"
     split: Optional[Annotated[int, Field(ge=1)]] = None
 
 
@@ -183,7 +184,7 @@ class Rowwise(_Geometry):
     kind: Literal["rowwise"] = "rowwise"
     reference: Reference
     scale: Scale = "none"
-    layout: Layout = "out_in"
+    layout: Layout = "auto"
 
 
 class Columnwise(_Geometry):
@@ -192,7 +193,7 @@ class Columnwise(_Geometry):
     kind: Literal["columnwise"] = "columnwise"
     reference: Reference
     scale: Scale = "none"
-    layout: Layout = "out_in"
+    layout: Layout = "auto"
 
 
 class Adam(_Geometry):
@@ -212,7 +213,11 @@ GEOMETRY_KINDS = ("euclidean", "isotropic", "anisotropic", "spectral", "rowwise"
 
 
 class _Radius(_Model):
+    """``relative: true`` measures ``radius`` in units of the geometry's resolved radius ρ (its
+    lmo radius, scale preset included), e.g. the paper's Frobenius ball at half the lmo radius."""
+
     radius: PositiveFloat = 1.0
+    relative: bool = False
 
 
 class L2Ball(_Radius):
@@ -343,12 +348,13 @@ class Match(_Model):
     """Which parameters a rule owns: every given predicate must hold.
 
     ``name``: glob on the dotted name (``*`` within a segment, ``**`` across) or ``re:`` full-match
-    regex; ``module``: the owning module's class name; ``ndim``; ``shape`` (ints or ``"*"``).
+    regex; ``module``: the owning module's class name (or a base class's); ``ndim`` (an int or a list
+    of allowed ints); ``shape`` (ints or ``"*"``).
     """
 
     name: Optional[str] = None
     module: Optional[str] = None
-    ndim: Optional[Annotated[int, Field(ge=0)]] = None
+    ndim: Optional[Union[Annotated[int, Field(ge=0)], Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]]] = None
     shape: Optional[list[ShapeDim]] = None
 
     @field_validator("name")

@@ -1,0 +1,5 @@
+import sys
+
+from geomopt.cli.main import main
+
+sys.exit(main())

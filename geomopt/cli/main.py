@@ -1,0 +1,272 @@
+"""The ``geomopt`` command: lint, plan, fmt, schema, rule (and demo, bench where installed).
+
+Exit status, as linters do: 0 clean, 1 findings at error level (or warnings with ``--strict``),
+2 usage error or unreadable input. A user mistake never prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from geomopt.spec.diagnostics import Diagnostic, SpecError
+
+EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+UNREADABLE = "GO010"
+
+
+class UsageError(Exception):
+    """A mistake in how the command was called (bad --model, missing file …): exit 2."""
+
+
+# ---------------------------------------------------------------- reporters
+
+
+def report(diags: list[Diagnostic], fmt: str, out=None) -> None:
+    out = out or sys.stdout
+    if fmt == "json":
+        json.dump([d.to_dict() for d in diags], out, indent=2, ensure_ascii=False)
+        out.write("\n")
+    elif fmt == "github":
+        level = {"error": "error", "warning": "warning", "note": "notice"}
+        for d in diags:
+            msg = d.message.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+            out.write(f"::{level[d.severity]} file={d.file},line={d.line},col={d.col},title={d.code} {d.name}::{msg}\n")
+    else:
+        for d in diags:
+            out.write(d.format() + "\n")
+
+
+def _status(diags: list[Diagnostic], strict: bool) -> int:
+    if any(d.code == UNREADABLE for d in diags):
+        return EXIT_USAGE
+    bad = {"error", "warning"} if strict else {"error"}
+    return EXIT_FINDINGS if any(d.severity in bad for d in diags) else EXIT_CLEAN
+
+
+# ---------------------------------------------------------------- model loading
+
+
+def load_model(ref: str):
+    """``NAME`` (a built-in model) or ``pkg.module:factory`` (a callable returning an nn.Module)."""
+    from geomopt.models import MODELS
+
+    if ":" not in ref:
+        if ref in MODELS:
+            return MODELS[ref]()
+        raise UsageError(f"unknown model {ref!r}: use a built-in name ({', '.join(MODELS)}) or pkg.module:factory")
+    module_name, _, attr = ref.partition(":")
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"cannot import {module_name!r} for --model {ref}: {exc}") from None
+    finally:
+        sys.path.pop(0)
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise UsageError(f"{module_name!r} has no attribute {attr!r} (--model {ref})")
+    try:
+        model = factory() if callable(factory) else factory
+    except Exception as exc:  # the user's factory failed: say so, no traceback
+        raise UsageError(f"--model {ref}: the factory raised {type(exc).__name__}: {exc}") from None
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"--model {ref} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _params(args):
+    """ParamInfos from --model / --checkpoint, or None (lint the spec alone)."""
+    from geomopt.compile.params import params_from_checkpoint, params_from_model
+
+    if getattr(args, "model", None):
+        return params_from_model(load_model(args.model))[0], False
+    if getattr(args, "checkpoint", None):
+        try:
+            return params_from_checkpoint(args.checkpoint), True
+        except OSError as exc:
+            raise UsageError(f"cannot read checkpoint {args.checkpoint}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return None, False
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_lint(args) -> int:
+    from geomopt.compile import lint_spec
+    from geomopt.spec.validate import load_spec
+
+    params, from_ckpt = _params(args)
+    diags: list[Diagnostic] = []
+    for path in args.specs:
+        try:
+            spec = load_spec(path)
+        except SpecError as exc:
+            diags += exc.diagnostics
+            continue
+        diags += lint_spec(spec, params, from_checkpoint=from_ckpt)
+    report(diags, args.format)
+    if args.format == "text" and sys.stderr.isatty():
+        n = {s: sum(d.severity == s for d in diags) for s in ("error", "warning", "note")}
+        print(f"{len(args.specs)} spec(s): {n['error']} error(s), {n['warning']} warning(s), {n['note']} note(s)", file=sys.stderr)
+    return _status(diags, args.strict)
+
+
+def cmd_plan(args) -> int:
+    from geomopt.compile import lint_spec, plan_from_infos
+    from geomopt.spec.validate import load_spec
+
+    params, from_ckpt = _params(args)
+    if params is None:
+        raise UsageError("plan needs --model NAME|pkg.module:factory or --checkpoint FILE")
+    try:
+        spec = load_spec(args.spec)
+        plan = plan_from_infos(spec, params)
+    except SpecError as exc:
+        report(exc.diagnostics, args.format)
+        return _status(exc.diagnostics, False)
+    if args.format == "json":
+        json.dump([dict(p.__dict__, bucket=p.bucket) for p in plan.params], sys.stdout, indent=2, default=str)
+        print()
+    else:
+        findings = [d for d in lint_spec(spec, params, from_checkpoint=from_ckpt) if d.severity != "note"]
+        report(findings, "text", sys.stderr)
+        print(plan.table())
+    return EXIT_CLEAN
+
+
+def cmd_fmt(args) -> int:
+    from geomopt.spec.printers import dump_spec
+    from geomopt.spec.validate import format_of, load_spec
+
+    try:
+        source_format = format_of(args.spec)
+        spec = load_spec(args.spec)
+    except SpecError as exc:
+        report(exc.diagnostics, "text")
+        return _status(exc.diagnostics, False)
+    target = args.to or source_format
+    text = dump_spec(spec, target)
+    if args.check:
+        current = Path(args.spec).read_text(encoding="utf-8")
+        if target != source_format or current != text:
+            print(f"{args.spec}: would reformat" + (f" (to {target})" if target != source_format else ""), file=sys.stderr)
+            return EXIT_FINDINGS
+        return EXIT_CLEAN
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return EXIT_CLEAN
+
+
+def cmd_schema(args) -> int:
+    from geomopt.spec.schema import schema_text
+
+    text = schema_text()
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return EXIT_CLEAN
+
+
+def cmd_rule(args) -> int:
+    from geomopt.compile.lint import RULES, rule_doc
+    from geomopt.spec.diagnostics import LANGUAGE_CODES
+
+    if not args.code:
+        for code, (name, doc) in LANGUAGE_CODES.items():
+            print(f"{code}  {name:<26} error    {doc}")
+        for code, r in RULES.items():
+            print(f"{code}  {r.name:<26} {r.severity:<8} {r.doc.splitlines()[0]}")
+        return EXIT_CLEAN
+    doc = rule_doc(args.code)
+    if doc is None:
+        raise UsageError(f"unknown rule {args.code!r}; `geomopt rule` lists them")
+    sys.stdout.write(doc)
+    return EXIT_CLEAN
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="geomopt", description="Declarative geometries and constraints for PyTorch optimizers.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def target(sp):
+        g = sp.add_mutually_exclusive_group()
+        g.add_argument("--model", help="built-in model name (gpt, gpt2-small, mlp, cnn) or pkg.module:factory")
+        g.add_argument("--checkpoint", help="a .pt/.pth/.bin or .safetensors file (names and shapes only)")
+
+    sp = sub.add_parser("lint", help="check specs, alone or against a model or checkpoint")
+    sp.add_argument("specs", nargs="+", metavar="SPEC")
+    target(sp)
+    sp.add_argument("--format", choices=("text", "json", "github"), default="text")
+    sp.add_argument("--strict", action="store_true", help="warnings fail too (exit 1)")
+    sp.set_defaults(fn=cmd_lint)
+
+    sp = sub.add_parser("plan", help="show the per-tensor plan of a spec against a model")
+    sp.add_argument("spec", metavar="SPEC")
+    target(sp)
+    sp.add_argument("--format", choices=("text", "json"), default="text")
+    sp.set_defaults(fn=cmd_plan)
+
+    sp = sub.add_parser("fmt", help="print a spec in canonical YAML or DSL form")
+    sp.add_argument("spec", metavar="SPEC")
+    sp.add_argument("--to", choices=("yaml", "dsl"), help="target format (default: the file's own)")
+    sp.add_argument("--check", action="store_true", help="exit 1 if the file is not already formatted")
+    sp.add_argument("-o", "--output", help="write here instead of stdout")
+    sp.set_defaults(fn=cmd_fmt)
+
+    sp = sub.add_parser("schema", help="print the JSON Schema of the spec language")
+    sp.add_argument("-o", "--output")
+    sp.set_defaults(fn=cmd_schema)
+
+    sp = sub.add_parser("rule", help="explain a diagnostic code (no code: list them)")
+    sp.add_argument("code", nargs="?")
+    sp.set_defaults(fn=cmd_rule)
+
+    for name, module in (("demo", "geomopt.cli.demo"), ("bench", "geomopt.cli.bench")):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        mod.add_parser(sub)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except UsageError as exc:
+        print(f"geomopt {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except SpecError as exc:
+        report(exc.diagnostics, "text", sys.stderr)
+        return _status(exc.diagnostics, False)
+    except BrokenPipeError:
+        return EXIT_CLEAN
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""Lint rules: each a small registered unit with a code, a kebab-case name, a severity and a
+docstring (with a bad and a fixed example) that ``geomopt rule CODE`` prints.
+
+A rule is ``fn(ctx) -> iterable of (message, path)``; ``path`` locates the finding in the spec
+source (``("rules", 2, "constraint")``). Rules never raise for a bad spec: they report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from typing import Callable, Iterable, Optional
+
+from geomopt.compile.match import ParamInfo, describe, matches
+from geomopt.spec.diagnostics import LANGUAGE_CODES, Diagnostic
+from geomopt.spec.model import Spec
+from geomopt.spec.source import SourceMap
+
+
+@dataclasses.dataclass(frozen=True)
+class LintRule:
+    code: str
+    name: str
+    severity: str
+    fn: Callable
+    needs_model: bool = False
+
+    @property
+    def doc(self) -> str:
+        return (self.fn.__doc__ or "").strip()
+
+
+RULES: dict[str, LintRule] = {}
+
+
+def lint_rule(code: str, name: str, severity: str, *, needs_model: bool = False):
+    """Register ``fn`` under ``code``; ``needs_model`` rules run only when linting against a model
+    or a checkpoint."""
+
+    def register(fn):
+        RULES[code] = LintRule(code, name, severity, fn, needs_model)
+        return fn
+
+    return register
+
+
+@dataclasses.dataclass
+class LintContext:
+    spec: Spec
+    params: list[ParamInfo]  # trainable tensors, ties collapsed
+    frozen: list[ParamInfo]
+    owner: dict[str, Optional[int]]  # parameter name → index of the rule that owns it
+    matched: list[list[str]]  # per rule: every parameter it matches (owned or not)
+    undecided: list[list[str]]  # per rule: parameters a module predicate could not decide
+    from_checkpoint: bool = False
+    has_model: bool = True
+
+    @classmethod
+    def build(cls, spec: Spec, params: Optional[list[ParamInfo]], from_checkpoint: bool = False) -> "LintContext":
+        """``params`` None: lint the spec alone (rules that need a model are skipped)."""
+        has_model = params is not None
+        params = params or []
+        trainable = [p for p in params if p.requires_grad]
+        frozen = [p for p in params if not p.requires_grad]
+        owner: dict[str, Optional[int]] = {}
+        matched: list[list[str]] = [[] for _ in spec.rules]
+        undecided: list[list[str]] = [[] for _ in spec.rules]
+        for p in trainable:
+            owner[p.name] = None
+            for i, rule in enumerate(spec.rules):
+                m = matches(rule.match, p)
+                if m is None:
+                    undecided[i].append(p.name)
+                elif m:
+                    matched[i].append(p.name)
+                    if owner[p.name] is None:
+                        owner[p.name] = i
+        return cls(spec, trainable, frozen, owner, matched, undecided, from_checkpoint, has_model)
+
+    def owned(self, i: int) -> list[ParamInfo]:
+        return [p for p in self.params if self.owner.get(p.name) == i]
+
+
+def run_rules(ctx: LintContext, source: Optional[SourceMap], codes: Optional[Iterable[str]] = None) -> list[Diagnostic]:
+    wanted = set(codes) if codes is not None else None
+    file = source.file if source else "<spec>"
+    out = []
+    for code, rule in RULES.items():
+        if (wanted is not None and code not in wanted) or (rule.needs_model and not ctx.has_model):
+            continue
+        for message, path in rule.fn(ctx):
+            line, col = source.pos(path) if source else (1, 1)
+            out.append(Diagnostic(code, rule.name, rule.severity, message, file, line, col))
+    return out
+
+
+def _shape(p: ParamInfo) -> str:
+    return "×".join(map(str, p.shape)) or "scalar"
+
+
+# ---------------------------------------------------------------- model coverage
+
+
+@lint_rule("GO101", "unmatched-parameter", "error", needs_model=True)
+def unmatched_parameter(ctx: LintContext):
+    """A trainable parameter that no rule matches: the optimizer would not know how to step it.
+
+    Bad::
+
+        rules:
+          - {name: hidden, match: "h.*.weight", geometry: …}     # h.0.bias is left over
+
+    Fixed: add a catch-all last rule::
+
+          - {name: rest, match: "**", geometry: {kind: adam}}
+    """
+    patterns = [r.match.name for r in ctx.spec.rules if r.match.name]
+    for p in ctx.params:
+        if ctx.owner.get(p.name) is None and not any(p.name in u for u in ctx.undecided):
+            near = difflib.get_close_matches(p.name, patterns, n=2, cutoff=0.3)
+            hint = f"; nearest patterns: {', '.join(repr(n) for n in near)}" if near else ""
+            yield (f"parameter '{p.name}' ({_shape(p)}) is matched by no rule{hint}; add a rule for it or a "
+                   f"catch-all last rule (match: \"**\")", ("rules",))
+
+
+@lint_rule("GO102", "unused-rule", "warning", needs_model=True)
+def unused_rule(ctx: LintContext):
+    """A rule that matches no parameter of the model: usually a misspelled pattern.
+
+    Bad: ``match: "transformer.h.*.attn.weight"`` on a model whose weights are
+    ``transformer.h.0.attn.c_attn.weight``. Fixed: ``match: "transformer.h.*.attn.*.weight"``.
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        if not ctx.matched[i] and not ctx.undecided[i]:
+            yield f"rule '{rule.name}' ({describe(rule.match)}) matches no parameter", ("rules", i, "match")
+
+
+@lint_rule("GO103", "shadowed-rule", "warning", needs_model=True)
+def shadowed_rule(ctx: LintContext):
+    """A rule whose every match is already owned by earlier rules (the first match wins).
+
+    Bad: a catch-all ``match: "**"`` before ``match: "*.bias"``. Fixed: put specific rules first.
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        if ctx.matched[i] and all(ctx.owner[n] is not None and ctx.owner[n] < i for n in ctx.matched[i]):
+            earlier = sorted({ctx.spec.rules[ctx.owner[n]].name for n in ctx.matched[i]})
+            yield (f"rule '{rule.name}' is shadowed: all {len(ctx.matched[i])} parameters it matches are owned by "
+                   f"earlier rule(s) {', '.join(earlier)}; move it up or narrow them"), ("rules", i, "match")
+
+
+@lint_rule("GO110", "frozen-parameters", "note", needs_model=True)
+def frozen_parameters(ctx: LintContext):
+    """Parameters with ``requires_grad=False`` are skipped: the optimizer never sees them.
+
+    This is information, not a problem; unfreeze the parameters if they should train.
+    """
+    if ctx.frozen:
+        names = [p.name for p in ctx.frozen]
+        yield f"{len(names)} frozen parameter(s) skipped: {', '.join(names[:5])}" + (" …" if len(names) > 5 else ""), ("rules",)
+
+
+@lint_rule("GO111", "tied-parameters", "note", needs_model=True)
+def tied_parameters(ctx: LintContext):
+    """One tensor under several names (tied embeddings) is planned and stepped once, under its
+    first name; rules matching only the other names do not apply to it."""
+    for p in ctx.params:
+        if p.aliases:
+            yield f"'{p.name}' is tied to {', '.join(repr(a) for a in p.aliases)}: planned once, by its first name", ("rules",)
+
+
+@lint_rule("GO112", "undecidable-module", "note", needs_model=True)
+def undecidable_module(ctx: LintContext):
+    """A ``module:`` predicate cannot be checked against a checkpoint (it stores names and shapes,
+    not module types): lint against the model (``--model``) to check it."""
+    for i, rule in enumerate(ctx.spec.rules):
+        if ctx.undecided[i]:
+            yield (f"rule '{rule.name}' tests module={rule.match.module}, unknown for {len(ctx.undecided[i])} "
+                   f"checkpoint tensor(s); lint with --model to check it"), ("rules", i, "match", "module")
+
+
+# ---------------------------------------------------------------- geometry and constraint
+
+
+@lint_rule("GO104", "inapplicable-geometry", "error", needs_model=True)
+def inapplicable_geometry(ctx: LintContext):
+    """A geometry that cannot act on a tensor it owns: spectral (or rowwise/columnwise) on a 1-D
+    tensor, or a ``split`` that does not divide dim 0.
+
+    Bad: ``match: "**"`` with ``geometry: {kind: spectral, …}`` (biases are 1-D).
+    Fixed: ``match: {name: "**", ndim: 2}`` and a separate rule for the rest.
+    """
+    from geomopt.geometry.scale import check_applicable
+
+    for i, rule in enumerate(ctx.spec.rules):
+        geometry = rule.geometry.model_dump()
+        for p in ctx.owned(i):
+            problem = check_applicable(geometry, p.shape)
+            if problem:
+                yield f"rule '{rule.name}': {problem} for '{p.name}' ({_shape(p)})", ("rules", i, "geometry", "kind")
+
+
+@lint_rule("GO105", "no-operator", "error")
+def no_operator(ctx: LintContext):
+    """A (geometry, constraint) pair with no backward operator (paper Table 1 lists the pairs).
+
+    Bad: ``geometry: {kind: spectral}`` with ``constraint: {kind: l0, k: 10}``.
+    Fixed: a constraint the geometry supports, e.g. ``rank``, or an anisotropic geometry for ``l0``.
+    """
+    from geomopt.geometry.registry import get_backward, supported_constraints
+
+    for i, rule in enumerate(ctx.spec.rules):
+        if rule.constraint is None:
+            continue
+        g, c = rule.geometry.kind, rule.constraint.kind
+        if get_backward(g, c) is None:
+            have = supported_constraints(g)
+            yield (f"no backward operator for {g} geometry with {c} constraint; {g} supports: "
+                   f"{', '.join(have) if have else 'no constraints'}"), ("rules", i, "constraint", "kind")
+
+
+def _eps_paths(rule, i):
+    g = rule.geometry
+    ref = getattr(g, "reference", None)
+    if ref is not None and getattr(ref, "eps", None) is not None:
+        yield ref.eps, ("rules", i, "geometry", "reference", "eps")
+    pre = getattr(g, "prenormalize", None)
+    if pre is not None and getattr(pre, "eps", None) is not None:
+        yield pre.eps, ("rules", i, "geometry", "prenormalize", "eps")
+    if g.kind == "adam":
+        yield g.eps, ("rules", i, "geometry", "eps")
+
+
+@lint_rule("GO106", "dubious-value", "warning")
+def dubious_value(ctx: LintContext):
+    """Values that are legal but numerically dubious: an ε below 1e-12 (below float32 resolution of
+    the quantities it guards) or a scale preset that shrinks a radius below 1e-4 of its value
+    (updates vanish; e.g. ``scale: scion`` on a sign geometry of a 50k-wide embedding).
+
+    Bad: ``reference: {kind: log_barrier, eps: 1.0e-20}``. Fixed: ``eps: 1.0e-8``.
+    """
+    from geomopt.geometry.scale import radius_scale
+
+    for i, rule in enumerate(ctx.spec.rules):
+        for eps, path in _eps_paths(rule, i):
+            if eps < 1e-12:
+                yield f"eps={eps:g} is below 1e-12: float32 cannot resolve it; use ≥ 1e-12 (1e-8 is usual)", path
+        if getattr(rule.geometry, "scale", "none") != "none":
+            geometry = rule.geometry.model_dump()
+            for p in ctx.owned(i):
+                try:
+                    s = radius_scale({**geometry, "layout": "out_in"}, p.shape)
+                except (ValueError, ZeroDivisionError):
+                    continue
+                if s < 1e-4:
+                    yield (f"scale={rule.geometry.scale} multiplies the radius by {s:.2g} for '{p.name}' "
+                           f"({_shape(p)}): its updates nearly vanish"), ("rules", i, "geometry", "scale")
+                    break
+
+
+_H_DEPENDENT = {"l2_ball", "frobenius_ball", "frobenius_sphere"}
+
+
+@lint_rule("GO107", "reference-approx-mismatch", "warning")
+def reference_approx_mismatch(ctx: LintContext):
+    """Newton–Schulz and Polar Express realize the spectral power barrier κ = 4 with ε ≈ 1/∏aᵢ
+    (paper Appendix F, Theorem 4.7), not the declared reference. Under a constraint whose backward
+    step depends on h (ℓ2 / Frobenius ball and sphere) the declared reference is what the step uses,
+    so a mismatch makes forward and backward disagree.
+
+    Bad: ``reference: {kind: log_barrier}`` with ``approx: {kind: polar_express, steps: 5}`` and
+    ``constraint: {kind: frobenius_ball}``. Fixed: ``reference: {kind: power_barrier, kappa: 4,
+    eps: 1.05e-3}`` (what PE-5 realizes), or ``approx: {kind: svd}``.
+    """
+    from geomopt.geometry.spectral import realized_reference
+
+    for i, rule in enumerate(ctx.spec.rules):
+        g = rule.geometry
+        if g.kind != "spectral" or rule.constraint is None or rule.constraint.kind not in _H_DEPENDENT:
+            continue
+        realized = realized_reference(g.approx.model_dump())
+        if realized is None:
+            continue
+        ref = g.reference
+        ok = (ref.kind == "power_barrier" and abs(ref.kappa - realized["kappa"]) < 1e-9
+              and abs(math.log(ref.eps / realized["eps"])) < math.log(2))
+        if not ok:
+            yield (f"rule '{rule.name}': {g.approx.kind}({g.approx.steps} steps) realizes power_barrier(kappa=4, "
+                   f"eps≈{realized['eps']:.3g}) but the {rule.constraint.kind} step uses the declared "
+                   f"{ref.kind}; declare the realized reference or use approx svd"), ("rules", i, "geometry", "reference")
+
+
+_SET_SHRUNK = {"frobenius_sphere", "stiefel", "sign_set", "spectral_sphere", "linf_sphere"}
+
+
+@lint_rule("GO108", "decay-leaves-set", "warning")
+def decay_leaves_set(ctx: LintContext):
+    """Decoupled weight decay (X ← X(1 − lr·wd)) shrinks X off a sphere, Stiefel or sign set
+    before every step; the backward step then starts from an infeasible point.
+
+    Bad: ``weight_decay: 0.1`` with ``constraint: {kind: stiefel}``. Fixed: drop the decay (the set
+    already bounds the weights) or use a ball.
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        wd = rule.weight_decay if rule.weight_decay is not None else ctx.spec.defaults.weight_decay
+        if wd and rule.constraint is not None and rule.constraint.kind in _SET_SHRUNK:
+            yield (f"rule '{rule.name}': weight_decay={wd:g} shrinks X out of the {rule.constraint.kind} "
+                   f"each step; remove it"), ("rules", i, "constraint", "kind")
+
+
+@lint_rule("GO109", "outside-theory", "note")
+def outside_theory(ctx: LintContext):
+    """Choices the paper's convergence theory does not cover: the ``adam`` geometry (an escape hatch
+    for hybrids) and any constraint with the ``indicator`` reference (lmo / Frank–Wolfe steps:
+    the Fenchel–Young stationarity gap is not available)."""
+    for i, rule in enumerate(ctx.spec.rules):
+        g = rule.geometry
+        if g.kind == "adam":
+            yield f"rule '{rule.name}': the adam geometry is outside the paper's theory", ("rules", i, "geometry", "kind")
+        ref = getattr(g, "reference", None)
+        if rule.constraint is not None and ref is not None and ref.kind == "indicator":
+            yield (f"rule '{rule.name}': {rule.constraint.kind} with the indicator reference is outside the "
+                   f"theory (no stationarity gap)"), ("rules", i, "geometry", "reference")
+
+
+def rule_doc(code: str) -> Optional[str]:
+    """The text ``geomopt rule CODE`` prints (language codes included)."""
+    code = code.upper()
+    if code in RULES:
+        r = RULES[code]
+        return f"{r.code} {r.name} ({r.severity})\n\n{r.doc}\n"
+    if code in LANGUAGE_CODES:
+        name, doc = LANGUAGE_CODES[code]
+        return f"{code} {name} (error)\n\n{doc[0].upper() + doc[1:]}.\n"
+    return None
+
+
+__all__ = ["RULES", "LintContext", "LintRule", "lint_rule", "rule_doc", "run_rules"]

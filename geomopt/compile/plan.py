@@ -1,0 +1,136 @@
+"""The compiled plan: one :class:`ParamPlan` per tensor, grouped into buckets.
+
+Everything here is resolved and plain (dicts of spec fragments, floats): the optimizer executes a
+plan without looking at the spec again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamPlan:
+    """How one tensor is optimized.
+
+    ``geometry``/``constraint``/``direction``/``schedule`` are plain spec fragments with defaults
+    filled in (``prenormalize`` and ``layout`` resolved); ``radius`` is the geometry's radius times
+    its scale preset for this shape; ``transpose`` means the ops act on the transposed tensor
+    (``layout: in_out``, e.g. Hugging Face Conv1D).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    rule: str
+    rule_index: int
+    geometry: dict
+    constraint: Optional[dict]
+    direction: dict
+    schedule: dict
+    lr: float
+    weight_decay: float
+    radius: float
+    transpose: bool
+    on_nonfinite: str
+    project_on_init: bool
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def approx(self) -> Optional[dict]:
+        return self.geometry.get("approx")
+
+    @property
+    def op_shape(self) -> tuple[int, ...]:
+        """The shape the operators see (transposed for ``layout: in_out``)."""
+        if self.transpose and len(self.shape) >= 2:
+            return (self.shape[1], self.shape[0], *self.shape[2:])
+        return self.shape
+
+    @property
+    def bucket(self) -> str:
+        """Tensors with equal keys run as one batched call: same rule, ops, shape, dtype, device."""
+        ops = json.dumps([self.geometry, self.constraint, self.radius, self.transpose], sort_keys=True)
+        return f"{self.rule_index}|{ops}|{self.op_shape}|{self.dtype}|{self.device}"
+
+
+@dataclasses.dataclass
+class Plan:
+    params: list[ParamPlan]
+    frozen: list[str] = dataclasses.field(default_factory=list)
+    spec_name: str = ""
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __getitem__(self, name: str) -> ParamPlan:
+        for p in self.params:
+            if p.name == name or name in p.aliases:
+                return p
+        raise KeyError(name)
+
+    def buckets(self) -> dict[str, list[ParamPlan]]:
+        out: dict[str, list[ParamPlan]] = {}
+        for p in self.params:
+            out.setdefault(p.bucket, []).append(p)
+        return out
+
+    def summary(self) -> list[dict]:
+        """One row per rule: tensors, elements, geometry, approx, constraint."""
+        rows: dict[str, dict] = {}
+        for p in self.params:
+            r = rows.setdefault(p.rule, dict(rule=p.rule, tensors=0, elements=0, geometry=_geometry_text(p),
+                                             constraint=_constraint_text(p.constraint), lr=p.lr))
+            r["tensors"] += 1
+            n = 1
+            for d in p.shape:
+                n *= d
+            r["elements"] += n
+        return list(rows.values())
+
+    def table(self) -> str:
+        """A text table: one line per tensor."""
+        bucket_ids = {k: i for i, k in enumerate(self.buckets())}
+        head = ("parameter", "shape", "rule", "geometry", "constraint", "lr", "radius", "bucket")
+        rows = [head]
+        for p in self.params:
+            name = p.name + (f" (= {', '.join(p.aliases)})" if p.aliases else "")
+            rows.append((name, "×".join(map(str, p.shape)) or "scalar", p.rule, _geometry_text(p),
+                         _constraint_text(p.constraint), f"{p.lr:g}", f"{p.radius:.4g}" + (" ᵀ" if p.transpose else ""),
+                         str(bucket_ids[p.bucket])))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        tail = f"{len(self.params)} tensors in {len(bucket_ids)} buckets"
+        if self.frozen:
+            tail += f"; {len(self.frozen)} frozen (skipped): {', '.join(self.frozen[:5])}" + (" …" if len(self.frozen) > 5 else "")
+        return "\n".join(lines + [tail])
+
+
+def _call_text(d: Optional[dict]) -> str:
+    if not d:
+        return "-"
+    args = [f"{k}={v}" for k, v in d.items() if k != "kind" and not isinstance(v, (dict, list)) and v is not None]
+    return f"{d['kind']}({', '.join(args)})" if args else d["kind"]
+
+
+def _geometry_text(p: ParamPlan) -> str:
+    g = p.geometry
+    text = g["kind"]
+    if "reference" in g:
+        text += f"[{_call_text(g['reference'])}]"
+    if g.get("approx") is not None:
+        text += f" via {_call_text({k: v for k, v in g['approx'].items() if k != 'coefficients'})}"
+    if g.get("split"):
+        text += f" split={g['split']}"
+    return text
+
+
+def _constraint_text(c: Optional[dict]) -> str:
+    return _call_text(c)

@@ -1,0 +1,100 @@
+"""Shape-dependent radius presets (geometry field ``scale``) and applicability checks.
+
+The effective radius of a tensor is ``geometry["radius"] * radius_scale(geometry, shape)``. Shapes
+are read through ``layout``: ``out_in`` (torch Linear, Conv: (d_out, d_in, …)) gives
+d_out = shape[0], d_in = prod(shape[1:]); ``in_out`` (Hugging Face GPT-2 Conv1D stores
+(d_in, d_out); embeddings (vocab, dim) read the same way) gives d_in = shape[0],
+d_out = prod(shape[1:]). With ``split`` = k (spectral) dim 0 is cut into k blocks and the preset is
+computed for one block.
+
+Presets:
+
+``none``
+    1.
+``scion`` — Scion's lmo scalings (Pethick et al. 2025, github.com/LIONS-EPFL/scion, scion.py),
+    in the paper's reading ρ = 1/c of g/(c‖g‖ + 1e-8) (DESIGN, Remark 2.5):
+    spectral: Spectral (normalized=True) ρ = √(d_out/d_in);
+    anisotropic: Sign (normalized=True) ρ = 1/d_in;
+    a normalization along the input axis (one vector of length d_in per output unit): RowNorm
+    (normalized=True, its default) divides by √d_in·‖row‖, ρ = 1/√d_in;
+    a normalization along the output axis (one vector of length d_out per input unit): ColNorm
+    (normalized=False, its default; ColNorm(transpose=True) for embeddings) divides by
+    ‖col‖/√d_out, ρ = √d_out (ColNorm(normalized=True), for non-input layers, adds a factor
+    1/d_in: put it in ``radius``);
+    rowwise / columnwise normalize stored rows / columns, so out_in rowwise and in_out columnwise
+    are RowNorm, out_in columnwise and in_out rowwise are ColNorm;
+    isotropic: BiasRMS, g/(‖g‖/√n + 1e-8), ρ = √numel.
+``muon_original``
+    torch.optim.Muon ``adjust_lr_fn="original"``: √max(1, d_out/d_in) (Keller Jordan's Muon).
+``match_rms_adamw``
+    torch.optim.Muon ``adjust_lr_fn="match_rms_adamw"``: 0.2·√max(d_out, d_in) (Moonshot's
+    "Muon is scalable", matching AdamW's update RMS).
+
+torch.optim.Muon reads (A, B) = param.shape[:2] of a Linear weight, i.e. (d_out, d_in) here.
+"""
+
+from __future__ import annotations
+
+import math
+
+_MATRIX_KINDS = ("spectral", "rowwise", "columnwise")
+SCALE_PRESETS = ("none", "scion", "muon_original", "match_rms_adamw")
+
+
+def fan_dims(geometry: dict, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(d_out, d_in) of one tensor (one block under ``split``) as ``layout`` reads it."""
+    shape = tuple(int(s) for s in shape)
+    first = shape[0] if shape else 1
+    split = geometry.get("split") if geometry.get("kind") == "spectral" else None
+    if split and first % split == 0:
+        first //= split
+    rest = math.prod(shape[1:])
+    if geometry.get("layout", "out_in") == "in_out":
+        return rest, first
+    return first, rest
+
+
+def radius_scale(geometry: dict, shape: tuple[int, ...]) -> float:
+    """Multiplier of ``geometry["radius"]`` for a tensor of ``shape`` (see the module docstring)."""
+    preset = geometry.get("scale", "none") or "none"
+    kind = geometry.get("kind")
+    if preset == "none" or kind in ("euclidean", "adam"):
+        return 1.0
+    d_out, d_in = fan_dims(geometry, shape)
+    if preset == "muon_original":
+        return math.sqrt(max(1.0, d_out / d_in))
+    if preset == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(d_out, d_in))
+    if preset != "scion":
+        raise ValueError(f"unknown scale preset {preset!r}; expected one of {', '.join(SCALE_PRESETS)}")
+    if kind == "spectral":
+        return math.sqrt(d_out / d_in)
+    if kind == "anisotropic":
+        return 1.0 / d_in
+    if kind == "isotropic":
+        return math.sqrt(math.prod(int(s) for s in shape))
+    if kind in ("rowwise", "columnwise"):
+        in_out = geometry.get("layout", "out_in") == "in_out"
+        along_input = (kind == "rowwise") != in_out  # stored rows of (d_out, d_in) have length d_in
+        return 1.0 / math.sqrt(d_in) if along_input else math.sqrt(d_out)
+    raise ValueError(f"scale preset 'scion' has no rule for geometry {kind!r}")
+
+
+def check_applicable(geometry: dict, shape: tuple[int, ...]) -> str | None:
+    """Why ``geometry`` cannot apply to a tensor of ``shape``, or None when it can."""
+    kind = geometry.get("kind")
+    shape = tuple(int(s) for s in shape)
+    if kind in _MATRIX_KINDS and len(shape) < 2:
+        return (
+            f"{kind} geometry needs a tensor with at least 2 dimensions (viewed as (shape[0], rest)), "
+            f"got shape {shape}; use isotropic or anisotropic for {'scalars' if not shape else 'vectors'}"
+        )
+    split = geometry.get("split")
+    if kind == "spectral" and split is not None:
+        if split < 1 or shape[0] % split:
+            divisors = [k for k in range(2, shape[0] + 1) if shape[0] % k == 0][:6]
+            return (
+                f"split={split} does not divide dim 0 of shape {shape} into equal blocks; "
+                f"divisors of {shape[0]}: {divisors or 'none above 1'}"
+            )
+    return None

@@ -1,0 +1,338 @@
+"""Spectral approximations of ∇φ*(D) = U·Diag((h*)'(σ_i))·Vᵀ (paper Corollary 3.2, Example 3.3).
+
+Every approximation is a function of a ``(..., m, n)`` tensor (leading dims are independent
+matrices) and a reference :class:`~geomopt.geometry.reference.Reference`, registered under its
+``approx.kind`` in :data:`APPROX_OPS`:
+
+    svd            exact for any h: reduced SVD, U·Diag((h*)'(σ))·Vᵀ
+    gram_eigh      exact in float64: eigh of the smaller Gram matrix
+    newton_schulz  Muon's quintic iteration; realizes its own map, ignores the reference
+    polar_express  per-step quintics (Amsel et al. 2025); realizes its own map, ignores the reference
+
+Pre-normalization (geometry field ``prenormalize``) is applied by every approximation in the same
+way, per matrix (norms over the last two dims): ``frobenius`` D/(‖D‖_F + ε), ``max``
+D/max(‖D‖_F, ε) (torch.optim.Muon), ``none``. ``None`` means the default: frobenius with ε = 1e-7
+for newton_schulz / polar_express (they diverge without it), none for svd / gram_eigh.
+
+Newton–Schulz and Polar Express are *not* the ε → 0 limit (the matrix sign): the paper models them
+(Remark 3.4, Appendix F, Theorem 4.7) as the spectral κ = 4 power barrier with ε ≈ 1/∏aᵢ, the
+inverse slope at 0 of the composed polynomial; :func:`realized_reference` gives it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from geomopt.geometry.reference import Reference
+
+Triple = tuple[float, float, float]
+
+# ---------------------------------------------------------------- coefficient lists
+
+#: Muon's quintic (Keller Jordan, https://kellerjordan.github.io/posts/muon/; the default of
+#: torch.optim.Muon, ``DEFAULT_A/B/C`` in torch/optim/_muon.py): maximizes the slope at 0 (a), so
+#: σ does not converge to 1 but ends in roughly [0.68, 1.13] after 5 steps.
+MUON_COEFFICIENTS: Triple = (3.4445, -4.7750, 2.0315)
+
+#: Polar Express, degree 5, as printed in Algorithm 1 of Amsel, Persson, Musco, Gower, "The Polar
+#: Express: Optimal Matrix Sign Methods and Their Application to the Muon Algorithm" (2025,
+#: arXiv:2505.16932; github.com/NoahAmsel/PolarExpress): the minimax-optimal odd quintics for
+#: σ ∈ [1e-3, 1], before the safety factor. The last triple is the fixed point used for every
+#: later step.
+_POLAR_EXPRESS_RAW: tuple[Triple, ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+
+#: The authors' list with their 1.01 safety factor applied as in Algorithm 1: (a/1.01, b/1.01³,
+#: c/1.01⁵), i.e. p(x/1.01), on every triple but the last. (Their reference code also divides the
+#: input by 1.01·‖X‖_F; here input scaling is the geometry's ``prenormalize`` field.)
+POLAR_EXPRESS_COEFFICIENTS: tuple[Triple, ...] = tuple(
+    (a / 1.01, b / 1.01**3, c / 1.01**5) for (a, b, c) in _POLAR_EXPRESS_RAW[:-1]
+) + (_POLAR_EXPRESS_RAW[-1],)
+
+#: The 5-step list of the modded-nanogpt speedrun (KellerJordan/modded-nanogpt, train_gpt.py,
+#: ``polar_express_coeffs``; computed with the Polar Express recipe for 5 iterations, safety
+#: factor 2e-2, cushion 2; the speedrun applies its safety as X/(1.02·‖X‖_F + 1e-6) instead of in
+#: the coefficients).
+SPEEDRUN_COEFFICIENTS: tuple[Triple, ...] = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+COEFFICIENT_LISTS: dict[str, tuple[Triple, ...]] = {
+    "polar_express": POLAR_EXPRESS_COEFFICIENTS,
+    "speedrun": SPEEDRUN_COEFFICIENTS,
+}
+
+
+def newton_schulz_coefficients(steps: int = 5, coefficients: Sequence[Sequence[float]] | None = None) -> list[Triple]:
+    """The per-step triples Newton–Schulz runs: Muon's triple (default) or one user triple reused
+    ``steps`` times, or exactly ``steps`` user triples."""
+    if coefficients is None:
+        return [MUON_COEFFICIENTS] * steps
+    triples = [_triple(t) for t in coefficients]
+    if len(triples) == 1:
+        return triples * steps
+    if len(triples) != steps:
+        raise ValueError(f"newton_schulz: coefficients must hold 1 or steps={steps} triples, got {len(triples)}")
+    return triples
+
+
+def polar_express_coefficients(steps: int = 5, coefficients: str | Sequence[Sequence[float]] = "polar_express") -> list[Triple]:
+    """The first ``steps`` triples of a named list (``polar_express``, ``speedrun``) or a user list;
+    past its end the last triple repeats (for ``polar_express`` the last is the fixed point
+    (15/8, −5/4, 3/8) of the quintic Newton–Schulz iteration, as the authors do)."""
+    if isinstance(coefficients, str):
+        if coefficients not in COEFFICIENT_LISTS:
+            raise ValueError(f"unknown coefficient list {coefficients!r}; expected one of {sorted(COEFFICIENT_LISTS)} or a list of triples")
+        base = list(COEFFICIENT_LISTS[coefficients])
+    else:
+        base = [_triple(t) for t in coefficients]
+        if not base:
+            raise ValueError("polar_express: coefficients must hold at least one triple")
+    return base[:steps] + [base[-1]] * max(0, steps - len(base))
+
+
+def _triple(t: Sequence[float]) -> Triple:
+    if len(t) != 3:
+        raise ValueError(f"a coefficient triple has 3 numbers (a, b, c), got {list(t)}")
+    return (float(t[0]), float(t[1]), float(t[2]))
+
+
+def approx_coefficients(approx: dict) -> list[Triple] | None:
+    """The triples an ``approx`` dict runs (None for svd and gram_eigh)."""
+    kind = approx.get("kind", "svd")
+    if kind == "newton_schulz":
+        return newton_schulz_coefficients(approx.get("steps", 5), approx.get("coefficients"))
+    if kind == "polar_express":
+        return polar_express_coefficients(approx.get("steps", 5), approx.get("coefficients", "polar_express"))
+    return None
+
+
+def compose_polynomials(coefficients: Sequence[Triple], sigma: torch.Tensor) -> torch.Tensor:
+    """The scalar map the iteration applies to each singular value: p_k ∘ … ∘ p_1(σ),
+    p_i(x) = aᵢx + bᵢx³ + cᵢx⁵ (an odd polynomial, so the matrix iteration acts on σ alone)."""
+    x = sigma
+    for a, b, c in coefficients:
+        x2 = x * x
+        x = x * (a + x2 * (b + c * x2))
+    return x
+
+
+def realized_reference(approx: dict) -> dict | None:
+    """The reference an approximation realizes: for newton_schulz / polar_express the κ = 4 power
+    barrier with ε = 1/∏aᵢ (the composed polynomial's slope at 0 is ∏aᵢ, and
+    (h₄*)'(σ) = σ/(ε⁴+σ⁴)^{1/4} has slope 1/ε there; paper Appendix F, Theorem 4.7), on the
+    pre-normalized input. None for svd and gram_eigh (they realize the declared reference)."""
+    coeffs = approx_coefficients(approx)
+    if coeffs is None:
+        return None
+    slope = math.prod(a for a, _, _ in coeffs)
+    return {"kind": "power_barrier", "kappa": 4.0, "eps": 1.0 / slope}
+
+
+# ---------------------------------------------------------------- dtype and pre-normalization
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def compute_dtype(x: torch.Tensor, kind: str, dtype: str = "auto") -> torch.dtype:
+    """Working dtype of an approximation. ``auto``: float64 for gram_eigh (the Gram matrix squares
+    the condition number, so fp32 would lose √u·σ_max ≈ 3e-4·σ_max); bf16 matmuls on CUDA for
+    newton_schulz / polar_express (their polynomials are insensitive to it, as in Muon); otherwise
+    at least float32. Factorizations (svd, eigh) have no bf16 kernels: bf16 requests run in fp32."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(_DTYPES)}")
+        out = _DTYPES[dtype]
+        if kind in ("svd", "gram_eigh") and out == torch.bfloat16:
+            out = torch.float32
+        return out
+    if kind == "gram_eigh":
+        return torch.float64
+    if kind in ("newton_schulz", "polar_express") and x.is_cuda:
+        return torch.bfloat16
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def default_prenormalize(approx_kind: str) -> dict:
+    """DESIGN "Pre-normalization": on (frobenius, ε = 1e-7) for the polynomial iterations, off otherwise."""
+    if approx_kind in ("newton_schulz", "polar_express"):
+        return {"kind": "frobenius", "eps": 1e-7}
+    return {"kind": "none"}
+
+
+def prenormalize(x: torch.Tensor, cfg: dict | None, approx_kind: str = "svd") -> torch.Tensor:
+    """Scale each matrix of ``x`` (..., m, n): ``frobenius`` D/(‖D‖_F + ε) (Muon reference code,
+    Scion, paper eq. (4.1)), ``max`` D/max(‖D‖_F, ε) (torch.optim.Muon), ``none``. ``cfg`` None
+    selects :func:`default_prenormalize`; a dict without ``kind`` means frobenius (the spec model's
+    default)."""
+    cfg = default_prenormalize(approx_kind) if cfg is None else cfg
+    kind = cfg.get("kind", "frobenius")
+    if kind == "none":
+        return x
+    eps = float(cfg.get("eps", 1e-7))
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    if kind == "frobenius":
+        return x / (norm + eps)
+    if kind == "max":
+        return x / norm.clamp(min=eps)
+    raise ValueError(f"unknown prenormalize kind {kind!r}; expected frobenius, max or none")
+
+
+def _prepare(x: torch.Tensor, kind: str, dtype: str, prenorm: dict | None) -> torch.Tensor:
+    if x.ndim < 2:
+        raise ValueError(f"{kind}: expected a (..., m, n) tensor, got shape {tuple(x.shape)}")
+    # Cast first, then normalize in the working dtype (as torch.optim.Muon does in bf16).
+    return prenormalize(x.to(compute_dtype(x, kind, dtype)), prenorm, kind)
+
+
+# ---------------------------------------------------------------- the approximations
+
+APPROX_OPS: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def approx_op(kind: str) -> Callable[[Callable], Callable]:
+    def register(fn: Callable) -> Callable:
+        APPROX_OPS[kind] = fn
+        return fn
+
+    return register
+
+
+def _rank_tol(sigma_max: torch.Tensor, m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    # LAPACK's numerical-rank tolerance (as torch.linalg.matrix_rank): singular values below it are
+    # rounding noise of a zero, and are mapped to (h*)'(0) = 0 rather than to (h*)'(noise).
+    return max(m, n) * torch.finfo(dtype).eps * sigma_max
+
+
+@approx_op("svd")
+def svd(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dtype: str = "auto") -> torch.Tensor:
+    """Exact ∇φ*(D) = U·Diag((h*)'(σ))·Vᵀ from the reduced SVD (paper Corollary 3.2; reduced
+    suffices because (h*)'(0) = 0, Example 3.3). σ below the numerical-rank tolerance
+    max(m, n)·u·σ_max count as 0."""
+    work = _prepare(x, "svd", dtype, prenormalize)
+    u, s, vh = torch.linalg.svd(work, full_matrices=False)
+    tol = _rank_tol(s[..., :1], *work.shape[-2:], work.dtype)
+    mapped = torch.where(s > tol, ref.dual_grad(s), torch.zeros_like(s))
+    return ((u * mapped.unsqueeze(-2)) @ vh).to(x.dtype)
+
+
+@approx_op("gram_eigh")
+def gram_eigh(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dtype: str = "auto") -> torch.Tensor:
+    """∇φ*(D) from the smaller Gram matrix: for m ≤ n, DDᵀ = QΛQᵀ, σ = √λ and
+    ∇φ*(D) = Q·Diag((h*)'(σ)/σ)·QᵀD (the isotropic factor, finite at σ = 0, so D's columns are never
+    divided by σ); tall matrices use DᵀD. Exact in float64 (the default): the Gram matrix resolves
+    σ only down to √(max(m,n)·u)·σ_max ≈ 1.5e-8·√max(m,n)·σ_max, and smaller σ are treated as 0
+    (mapped to (h*)'(0) = 0; the component of D along them is below rounding anyway)."""
+    work = _prepare(x, "gram_eigh", dtype, prenormalize)
+    m, n = work.shape[-2:]
+    a = work if m <= n else work.mT
+    lam, q = torch.linalg.eigh(a @ a.mT)
+    sigma = lam.clamp(min=0).sqrt()
+    tol = math.sqrt(max(m, n) * torch.finfo(work.dtype).eps) * sigma[..., -1:]
+    factor = torch.where(sigma > tol, ref.iso_factor(sigma), torch.zeros_like(sigma))
+    out = (q * factor.unsqueeze(-2)) @ (q.mT @ a)
+    return (out if m <= n else out.mT).to(x.dtype)
+
+
+def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple]) -> torch.Tensor:
+    """X ← aX + (b·A + c·A²)X with A = XXᵀ, per triple; tall matrices are transposed so A is the
+    small side (the map commutes with transposition). The op sequence is torch.optim.Muon's
+    (addmm with beta/alpha), so in bf16 it reproduces ``_zeropower_via_newtonschulz`` exactly."""
+    m, n = x.shape[-2:]
+    tall = m > n
+    X = x.mT if tall else x
+    lead = X.shape[:-2]
+    if X.ndim >= 3:
+        X = X.reshape(-1, *X.shape[-2:])
+        mm_add = torch.baddbmm
+    else:
+        mm_add = torch.addmm
+    for a, b, c in coefficients:
+        gram = X @ X.mT
+        update = mm_add(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
+        X = mm_add(X, update, X, beta=a)  # a·X + (b·A + c·A²)·X
+    X = X.reshape(*lead, *X.shape[-2:])
+    return X.mT if tall else X
+
+
+@approx_op("newton_schulz")
+def newton_schulz(
+    x: torch.Tensor,
+    ref: Reference | None = None,
+    *,
+    steps: int = 5,
+    coefficients: Sequence[Sequence[float]] | None = None,
+    prenormalize: dict | None = None,
+    dtype: str = "auto",
+) -> torch.Tensor:
+    """Quintic Newton–Schulz on the pre-normalized D (Muon; default triple
+    (3.4445, −4.7750, 2.0315), one triple reused or one per step). Realizes its own map,
+    ≈ the κ = 4 power barrier of :func:`realized_reference`; ``ref`` is ignored."""
+    coeffs = newton_schulz_coefficients(steps, coefficients)
+    work = _prepare(x, "newton_schulz", dtype, prenormalize)
+    return odd_quintic_iteration(work, coeffs).to(x.dtype)
+
+
+@approx_op("polar_express")
+def polar_express(
+    x: torch.Tensor,
+    ref: Reference | None = None,
+    *,
+    steps: int = 5,
+    coefficients: str | Sequence[Sequence[float]] = "polar_express",
+    prenormalize: dict | None = None,
+    dtype: str = "auto",
+) -> torch.Tensor:
+    """Polar Express (Amsel et al. 2025): one optimal odd quintic per step from
+    :func:`polar_express_coefficients` (``polar_express``: the authors' list with the 1.01 safety
+    factor; ``speedrun``: modded-nanogpt's 5-step list; or user triples; the last repeats).
+    Realizes its own map (paper Appendix F, Theorem 4.7); ``ref`` is ignored."""
+    coeffs = polar_express_coefficients(steps, coefficients)
+    work = _prepare(x, "polar_express", dtype, prenormalize)
+    return odd_quintic_iteration(work, coeffs).to(x.dtype)
+
+
+def apply_approx(x: torch.Tensor, ref: Reference | None, approx: dict | None, prenorm: dict | None = None) -> torch.Tensor:
+    """Dispatch an ``approx`` dict (``model_dump()`` of a spec approx) on ``x`` (..., m, n)."""
+    approx = {"kind": "svd"} if approx is None else dict(approx)
+    kind = approx.pop("kind", "svd")
+    if kind not in APPROX_OPS:
+        raise ValueError(f"unknown spectral approx {kind!r}; expected one of {', '.join(APPROX_OPS)}")
+    if ref is None and kind in ("svd", "gram_eigh"):
+        raise ValueError(f"approx {kind!r} needs a reference function")
+    return APPROX_OPS[kind](x, ref, prenormalize=prenorm, **approx)
+
+
+# ---------------------------------------------------------------- matrix views of tensors
+
+
+def matrix_view(d: torch.Tensor, batch_dims: int = 0, split: int | None = None) -> torch.Tensor:
+    """Each element of ``d`` (shape ``B + S``, B = leading ``batch_dims`` dims) as the matrix
+    (S[0], prod(S[1:])) (conv weights: out channels × the rest); ``split`` = k cuts S[0] into k
+    equal blocks, each its own matrix (fused QKV, heads). Returns shape B + (k, S[0]/k, R), or
+    B + (S[0], R) without split; ``.reshape(d.shape)`` undoes it."""
+    shape = d.shape[batch_dims:]
+    if len(shape) < 2:
+        raise ValueError(f"a matrix view needs a tensor with at least 2 dims per element, got {tuple(shape)}")
+    rows, rest = shape[0], math.prod(shape[1:])
+    lead = d.shape[:batch_dims]
+    if split is None or split == 1:
+        return d.reshape(*lead, rows, rest)
+    if rows % split:
+        raise ValueError(f"split={split} does not divide dim 0 of shape {tuple(shape)}")
+    return d.reshape(*lead, split, rows // split, rest)

@@ -1,0 +1,21 @@
+"""A small CNN for 8×8 (digits) or 32×32 images."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, in_channels: int = 1, width: int = 32, n_classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+        )
+        self.head = nn.Linear(2 * width, n_classes)
+
+    def forward(self, x):
+        return self.head(self.features(x).flatten(1))
