@@ -190,7 +190,7 @@ def _sphere_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start:
         # τσ² + cσ − α = 0, c = 1 − τ(1 + α) (DESIGN; α = 0 gives σ = max(0, 1 − 1/τ)).
         c = 1 - tau * (1 + alpha)
         d = torch.hypot(c, 2 * torch.sqrt(tau * alpha))
-        return torch.where(c < 0, (d - c) / (2 * tau), 2 * alpha / (c + d))
+        return torch.where(c <= 0, (d - c) / (2 * tau), 2 * alpha / (c + d))
     if kind == "indicator":
         # κ → ∞ limit; at τ = 1 zero entries jump 0 → 1: the final interpolation fills the gap.
         grow = alpha / (1 - tau).clamp(min=torch.finfo(alpha.dtype).tiny)

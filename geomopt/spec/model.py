@@ -13,13 +13,15 @@ from typing import Annotated, Literal, Optional, Union
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 Probability = Annotated[float, Field(gt=0, le=1)]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    # allow_inf_nan=False: no field means anything at ±inf/nan, and the DSL has no spelling for them
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------- reference functions h
@@ -426,11 +428,15 @@ class Spec(_Model):
 
     @model_validator(mode="after")
     def _unique_rule_names(self):
-        seen = set()
-        for rule in self.rules:
+        seen: dict = {}
+        for i, rule in enumerate(self.rules):
             if rule.name in seen:
-                raise ValueError(f"duplicate rule name {rule.name!r}")
-            seen.add(rule.name)
+                # a custom error type carries the indices, so diagnostics can point at the second name
+                raise PydanticCustomError(
+                    "duplicate_rule_name", "duplicate rule name '{name}' (rules[{first}] has it too)",
+                    {"name": rule.name, "index": i, "first": seen[rule.name]},
+                )
+            seen[rule.name] = i
         return self
 
 

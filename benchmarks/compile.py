@@ -1,0 +1,136 @@
+"""Compile time: a 20-rule spec against a synthetic model of 10,000 tensors.
+
+The model is an iterable of (name, tensor) with meta tensors (no memory, no init), realistic dotted
+names (``blocks.{i}.attn.q.weight`` …). Reports the median of 5 runs of ``compile_spec`` and
+appends a row under "## Compile" in benchmarks/RESULTS.md.
+
+    python benchmarks/compile.py [--blocks 500] [--runs 5] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from geomopt.compile import compile_spec
+
+D = 64  # small widths: compile time depends on names and rules, not on tensor size
+
+# 20 tensors per block: 500 blocks = 10,000 tensors.
+BLOCK = {
+    "ln_1.weight": (D,), "ln_1.bias": (D,),
+    "attn.q.weight": (D, D), "attn.q.bias": (D,),
+    "attn.k.weight": (D, D), "attn.k.bias": (D,),
+    "attn.v.weight": (D, D), "attn.v.bias": (D,),
+    "attn.o.weight": (D, D), "attn.o.bias": (D,),
+    "ln_2.weight": (D,), "ln_2.bias": (D,),
+    "mlp.fc.weight": (4 * D, D), "mlp.fc.bias": (4 * D,),
+    "mlp.gate.weight": (4 * D, D), "mlp.gate.bias": (4 * D,),
+    "mlp.proj.weight": (D, 4 * D), "mlp.proj.bias": (D,),
+    "adapter.down.weight": (D // 4, D), "adapter.up.weight": (D, D // 4),
+}
+
+
+def synthetic_params(blocks: int) -> list[tuple[str, torch.Tensor]]:
+    out = [(f"blocks.{i}.{suffix}", torch.empty(shape, device="meta")) for i in range(blocks)
+           for suffix, shape in BLOCK.items()]
+    return [(n, torch.nn.Parameter(t)) for n, t in out]
+
+
+def _spectral(**extra) -> dict:
+    return {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz", "steps": 5},
+            "scale": "scion", **extra}
+
+
+ISO = {"kind": "isotropic", "reference": {"kind": "log_barrier", "eps": 1e-8}, "scale": "scion"}
+SIGN = {"kind": "anisotropic", "reference": {"kind": "indicator"}, "scale": "scion"}
+
+SPEC = {
+    "geomopt": 1,
+    "name": "bench-20-rules",
+    "defaults": {"lr": 0.02, "direction": {"kind": "polyak", "alpha": 0.1}},
+    "rules": [
+        {"name": "first-block-q", "match": "blocks.0.attn.q.weight", "geometry": _spectral()},
+        {"name": "first-block", "match": {"name": "blocks.0.**", "ndim": 2}, "geometry": _spectral(), "lr": 0.01},
+        {"name": "last-block", "match": {"name": "blocks.499.**", "ndim": 2}, "geometry": _spectral(), "lr": 0.01},
+        {"name": "queries", "match": "blocks.*.attn.q.weight", "geometry": _spectral(),
+         "constraint": {"kind": "spectral_ball", "radius": 1.0, "relative": True}},
+        {"name": "keys", "match": "blocks.*.attn.k.weight", "geometry": _spectral(),
+         "constraint": {"kind": "frobenius_ball", "radius": 0.5, "relative": True}},
+        {"name": "values", "match": "re:blocks\\.\\d+\\.attn\\.v\\.weight", "geometry": _spectral()},
+        {"name": "out", "match": {"name": "blocks.*.attn.o.weight", "shape": [D, "*"]}, "geometry": _spectral()},
+        {"name": "fc", "match": "blocks.*.mlp.fc.weight", "geometry": _spectral(), "weight_decay": 0.1},
+        {"name": "gate", "match": "**.gate.weight", "geometry": _spectral()},
+        {"name": "proj", "match": {"name": "**.proj.weight", "ndim": [2, 3]}, "geometry": _spectral()},
+        {"name": "adapter-down", "match": "blocks.?.adapter.down.weight", "geometry": SIGN},
+        {"name": "adapter", "match": "re:blocks\\.\\d+\\.adapter\\.(down|up)\\.weight",
+         "geometry": {"kind": "rowwise", "reference": {"kind": "log_barrier", "eps": 1e-8}, "scale": "scion"}},
+        {"name": "unused-conv", "match": {"name": "**.conv.weight", "ndim": 4}, "geometry": _spectral()},
+        {"name": "qkv-bias", "match": "re:.*\\.attn\\.[qkv]\\.bias", "geometry": ISO, "lr": 0.01},
+        {"name": "o-bias", "match": "**.attn.o.bias", "geometry": ISO},
+        {"name": "mlp-bias", "match": "blocks.*.mlp.*.bias", "geometry": ISO},
+        {"name": "norm-weights", "match": {"name": "**.ln_?.weight", "ndim": 1}, "geometry": ISO},
+        {"name": "norm-biases", "match": "**.ln_*.bias", "geometry": ISO},
+        {"name": "matrices", "match": {"name": "**", "ndim": 2}, "geometry": SIGN},
+        {"name": "rest", "match": "**", "geometry": {"kind": "adam", "betas": [0.9, 0.95]}},
+    ],
+}
+
+
+def bench(blocks: int, runs: int) -> tuple[float, int]:
+    params = synthetic_params(blocks)
+    times = []
+    n = 0
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        plan = compile_spec(SPEC, params)
+        times.append(time.perf_counter() - t0)
+        n = len(plan)
+    return statistics.median(times), n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=500)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
+    ap.add_argument("--note", default="", help="free text for the last column")
+    args = ap.parse_args()
+    median, n = bench(args.blocks, args.runs)
+    cores = os.cpu_count()
+    row = (f"| {datetime.date.today().isoformat()} | {cores}-core CPU ({platform.machine()}) | torch {torch.__version__} "
+           f"| {len(SPEC['rules'])} rules × {n} tensors | {median * 1000:.0f} ms | {args.note} |")
+    print("| date | machine | torch | workload | median of %d | note |" % args.runs)
+    print("|---|---|---|---|---|---|")
+    print(row)
+    if not args.no_record:
+        record(row, args.runs)
+
+
+def record(row: str, runs: int) -> None:
+    path = Path(__file__).with_name("RESULTS.md")
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
+    head = "## Compile"
+    table_head = (f"\n`python benchmarks/compile.py`: `compile_spec` of a 20-rule spec against 10,000 meta tensors "
+                  f"(iterable of (name, tensor)); median of {runs} runs.\n\n"
+                  "| date | machine | torch | workload | median | note |\n|---|---|---|---|---|---|\n")
+    if head not in text:
+        text = text.rstrip("\n") + f"\n\n{head}\n{table_head}"
+    # append the row at the end of the Compile section
+    start = text.index(head)
+    nxt = text.find("\n## ", start + len(head))
+    end = len(text) if nxt == -1 else nxt
+    section = text[start:end].rstrip("\n") + "\n" + row + "\n"
+    text = text[:start] + section + ("\n" + text[end:].lstrip("\n") if nxt != -1 else "")
+    path.write_text(text, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

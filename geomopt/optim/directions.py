@@ -1,0 +1,60 @@
+"""Direction estimators d (paper Section 4): registered updaters of a per-tensor state.
+
+Each is ``fn(g, state, group, *, g_prev=None) -> d`` and may update ``state`` in place; ``group``
+holds the scalars (``alpha``, ``nesterov``) so torch-style schedulers can change them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+DIRECTIONS: dict[str, Callable] = {}
+
+
+def direction(kind: str):
+    def register(fn):
+        DIRECTIONS[kind] = fn
+        return fn
+
+    return register
+
+
+@direction("none")
+def plain(g, state, group, *, g_prev=None):
+    """d = g."""
+    return g
+
+
+@direction("polyak")
+def polyak(g, state, group, *, g_prev=None):
+    """Polyak momentum d ← αg + (1−α)d (Theorem 4.3; β = 1 − α in torch.optim.Muon's terms).
+
+    d starts at zero as in torch.optim.Muon and Scion (``init: zero``), or at g⁰ as in the paper
+    (``init: gradient``). With ``nesterov`` the step uses g + (1−α)(d − g) = g.lerp(d, 1−α), as
+    torch.optim.Muon does.
+    """
+    alpha = group["alpha"]
+    buf = state.get("d")
+    if buf is None:
+        buf = state["d"] = g.clone() if group["init"] == "gradient" else torch.zeros_like(g)
+        if group["init"] == "gradient":
+            return g.lerp(buf, 1 - alpha) if group["nesterov"] else buf
+    buf.lerp_(g, alpha)
+    return g.lerp(buf, 1 - alpha) if group["nesterov"] else buf
+
+
+@direction("storm")
+def storm(g, state, group, *, g_prev=None):
+    """STORM (Theorem 4.5): d⁰ = g(x₀, ξ₀); then d ← g(x_k, ξ_k) + (1−α)(d − g(x_{k−1}, ξ_k)),
+    both gradients on the same batch ξ_k (``g_prev`` comes from re-evaluating the closure at the
+    previous iterate)."""
+    buf = state.get("d")
+    if buf is None:
+        state["d"] = g.clone()
+        return state["d"]
+    if g_prev is None:
+        raise RuntimeError("storm needs g(x_{k-1}, ξ_k): call step(closure)")
+    buf.sub_(g_prev).mul_(1 - group["alpha"]).add_(g)
+    return buf

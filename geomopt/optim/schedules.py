@@ -1,0 +1,43 @@
+"""Step-size schedules of the paper's theorems, as multipliers of the group's ``lr``.
+
+``fn(group, k) -> (gamma, alpha)`` for step k = 0, 1, …; ``alpha`` None keeps the direction's own.
+The group's ``lr`` stays the scheduler-visible base, so any torch LR scheduler composes on top
+(outside the theorems: say so when you report results).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+SCHEDULES: dict[str, Callable] = {}
+
+
+def schedule(kind: str):
+    def register(fn):
+        SCHEDULES[kind] = fn
+        return fn
+
+    return register
+
+
+@schedule("constant")
+def constant(group, k):
+    """γ_k = lr."""
+    return group["lr"], None
+
+
+@schedule("theory")
+def theory(group, k):
+    """Theorem 4.3 (Polyak momentum, horizon K): γ = γ̄(K+1)^(−3/4), α = (K+1)^(−1/2), constant
+    over the run; ``lr`` multiplies γ (lr = 1 is the theorem)."""
+    s = group["schedule"]
+    horizon = s["horizon"] + 1
+    return group["lr"] * s["gamma_bar"] * horizon ** -0.75, horizon ** -0.5
+
+
+@schedule("storm")
+def storm(group, k):
+    """Theorem 4.5 (STORM): α_k = γ_k = (k+1)^(−2/3); no free scale (put scale in the radius ρ);
+    ``lr`` multiplies γ_k (lr = 1 is the theorem)."""
+    a = (k + 1) ** (-2.0 / 3.0)
+    return group["lr"] * a, a
