@@ -84,16 +84,20 @@ SPEC = {
 }
 
 
-def bench(blocks: int, runs: int) -> tuple[float, int]:
+def bench(blocks: int, runs: int) -> tuple[float, float, int]:
+    """(median wall seconds, median process CPU seconds, tensors planned) over ``runs`` compiles.
+
+    CPU time is reported too: on a shared 2-core machine the wall time also measures the neighbours."""
     params = synthetic_params(blocks)
-    times = []
-    n = 0
+    compile_spec(SPEC, params)  # warm-up: imports, regex cache
+    wall, cpu, n = [], [], 0
     for _ in range(runs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         plan = compile_spec(SPEC, params)
-        times.append(time.perf_counter() - t0)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         n = len(plan)
-    return statistics.median(times), n
+    return statistics.median(wall), statistics.median(cpu), n
 
 
 def main() -> None:
@@ -103,12 +107,14 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     ap.add_argument("--note", default="", help="free text for the last column")
     args = ap.parse_args()
-    median, n = bench(args.blocks, args.runs)
-    cores = os.cpu_count()
-    row = (f"| {datetime.date.today().isoformat()} | {cores}-core CPU ({platform.machine()}) | torch {torch.__version__} "
-           f"| {len(SPEC['rules'])} rules × {n} tensors | {median * 1000:.0f} ms | {args.note} |")
-    print("| date | machine | torch | workload | median of %d | note |" % args.runs)
-    print("|---|---|---|---|---|---|")
+    wall, cpu, n = bench(args.blocks, args.runs)
+    load = f"load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    note = "; ".join(x for x in (args.note, load) if x)
+    row = (f"| {datetime.date.today().isoformat()} | {os.cpu_count()}-core CPU ({platform.machine()}) "
+           f"| torch {torch.__version__} | {len(SPEC['rules'])} rules × {n} tensors | {wall * 1000:.0f} ms "
+           f"| {cpu * 1000:.0f} ms | {note} |")
+    print(f"| date | machine | torch | workload | wall (median of {args.runs}) | CPU | note |")
+    print("|---|---|---|---|---|---|---|")
     print(row)
     if not args.no_record:
         record(row, args.runs)
@@ -120,7 +126,8 @@ def record(row: str, runs: int) -> None:
     head = "## Compile"
     table_head = (f"\n`python benchmarks/compile.py`: `compile_spec` of a 20-rule spec against 10,000 meta tensors "
                   f"(iterable of (name, tensor)); median of {runs} runs.\n\n"
-                  "| date | machine | torch | workload | median | note |\n|---|---|---|---|---|---|\n")
+                  "Target: < 0.5 s. CPU is the process time (robust to other load on the machine).\n\n"
+                  "| date | machine | torch | workload | wall | CPU | note |\n|---|---|---|---|---|---|---|\n")
     if head not in text:
         text = text.rstrip("\n") + f"\n\n{head}\n{table_head}"
     # append the row at the end of the Compile section

@@ -254,8 +254,9 @@ def brute_spectral(y, t, gkind, ref, c, rng, starts=8):
 
     best = np.inf
     for _ in range(starts):
-        res = so.minimize(f, rng.uniform(-3, 3, 6), method="Powell", options={"xtol": 1e-10, "ftol": 1e-14, "maxfev": 20000})
-        res = so.minimize(f, res.x, method="Powell", options={"xtol": 1e-12, "ftol": 1e-15, "maxfev": 20000})
+        res = so.minimize(f, rng.uniform(-3, 3, 6), method="Powell", options={"xtol": 1e-9, "ftol": 1e-13, "maxfev": 3000})
+        if np.isfinite(prox_objective(build(res.x), y, t, gkind, ref)):  # polish inside the domain
+            res = so.minimize(f, res.x, method="Nelder-Mead", options={"xatol": 1e-11, "fatol": 1e-16, "maxfev": 3000})
         best = min(best, prox_objective(build(res.x), y, t, gkind, ref))
     return best
 
@@ -352,8 +353,31 @@ def test_backward_matches_brute_force(gkind, ref, c, shape, solver, seed):
     assert in_set(x, c), f"X⁺ not in {c}"
     ours = prox_objective(x, y, t, gkind, ref)
     brute = solver(y, t, gkind, ref, c, rng)
-    assert np.isfinite(ours)
+    assert np.isfinite(ours) and np.isfinite(brute)
     assert ours <= brute + 1e-7 * (1 + abs(brute)), (ours, brute)
+
+
+OUTWARD = [
+    # spheres with ‖Y‖ < r: entries / singular values (zeros included) must grow
+    ("anisotropic", LOG, (2,), [0.3, 0.0], brute_grid),
+    ("anisotropic", POW4, (4,), [0.3, 0.0, -0.1, 0.0], brute_slsqp),
+    ("anisotropic", IND, (4,), [0.3, 0.0, -0.1, 0.0], brute_slsqp),
+    ("spectral", LOG, (3, 2), [[0.3, 0.0], [0.0, 0.0], [0.0, 0.0]], brute_spectral),
+    ("spectral", POW4, (3, 2), [[0.0, 0.2], [0.1, 0.0], [0.0, 0.0]], brute_spectral),
+    ("spectral", IND, (3, 2), [[0.3, 0.0], [0.0, 0.0], [0.0, 0.0]], brute_spectral),
+    ("rowwise", LOG, (3, 2), [[0.3, 0.1], [0.0, 0.0], [0.0, -0.2]], brute_slsqp),
+]
+
+
+@pytest.mark.parametrize("gkind,ref,shape,y,solver", OUTWARD, ids=[f"{g}-{r['kind']}" for g, r, *_ in OUTWARD])
+def test_sphere_outward_matches_brute_force(gkind, ref, shape, y, solver):
+    y, t = np.array(y, dtype=np.float64).reshape(shape), 0.35
+    c = {"kind": "frobenius_sphere", "radius": 0.6}
+    x, fb = backward(torch.tensor(y), t, _geometry(gkind, ref), c)
+    x = x.numpy()
+    assert not bool(fb) and in_set(x, c) and np.linalg.norm(y) < 0.6
+    ours, brute = prox_objective(x, y, t, gkind, ref), solver(y, t, gkind, ref, c, np.random.default_rng(0))
+    assert np.isfinite(brute) and ours <= brute + 1e-7 * (1 + abs(brute)), (ours, brute)
 
 
 # ---------------------------------------------------------------- fallback where C misses Y + t·dom φ₁

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from torch.optim._muon import _adjust_lr
 
 from geomopt.geometry import check_applicable, forward, make_reference, radius_scale
+from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.registry import FORWARD_OPS
 from geomopt.geometry.spectral import newton_schulz, polar_express
 
@@ -159,6 +160,17 @@ def test_split_equals_blocks(approx):
         torch.testing.assert_close(got, blocks, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["rowwise", "columnwise"])
+def test_in_out_layout_is_the_transposed_matrix(kind):
+    """``layout: in_out`` stores (d_in, d_out): the op is the out_in op on the transpose."""
+    d = randn(5, 8, seed=12)
+    geometry = {"kind": kind, "reference": LOG}
+    got = forward(d, {**geometry, "layout": "in_out"})
+    torch.testing.assert_close(got, forward(d.T, geometry).T)
+    other = "columnwise" if kind == "rowwise" else "rowwise"
+    torch.testing.assert_close(got, forward(d, {**geometry, "kind": other}))
+
+
 def test_conv_weight_is_viewed_as_out_by_rest():
     d = randn(6, 3, 2, 2, seed=4)
     geometry = {"kind": "spectral", "reference": LOG}
@@ -236,9 +248,25 @@ def test_adam_op_reproduces_adamw(betas, eps):
         torch_state = opt.state[ref_param]
         assert torch.equal(state["exp_avg"], torch_state["exp_avg"])
         assert torch.equal(state["exp_avg_sq"], torch_state["exp_avg_sq"])
-        assert state["step"].item() == torch_state["step"].item() == k + 1
+        assert state["adam_step"] == torch_state["step"].item() == k + 1
         ulp = torch.finfo(torch.float32).eps * ref_param.detach().abs().clamp(min=1.0)
         assert ((p - ref_param.detach()).abs() <= 2 * ulp).all()
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adam_moments_with_addcdiv_is_adamw_bit_for_bit(weight_decay):
+    lr, betas = 1e-2, (0.9, 0.95)
+    p0 = randn(6, 7, seed=2, dtype=torch.float32)
+    ref_param = p0.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([ref_param], lr=lr, betas=betas, eps=1e-8, weight_decay=weight_decay)
+    p, state = p0.clone(), {}
+    for k in range(6):
+        grad = randn(6, 7, seed=50 + k, dtype=torch.float32)
+        ref_param.grad = grad.clone()
+        opt.step()
+        exp_avg, denom, bc1 = adam_moments(grad, state, {"kind": "adam", "betas": list(betas)})
+        p = (p * (1 - lr * weight_decay)).addcdiv(exp_avg, denom, value=-lr / bc1)
+        assert torch.equal(p, ref_param.detach())
 
 
 def test_adam_radius_scales_the_direction():
@@ -290,10 +318,11 @@ def _scion_sign(g):  # Sign(normalized=True).lmo
         ({"kind": "rowwise", "scale": "scion"}, _scion_rownorm, (6, 10), None),
         ({"kind": "isotropic", "scale": "scion"}, _scion_biasrms, (9,), None),
         ({"kind": "anisotropic", "scale": "scion", "reference": IND}, _scion_sign, (6, 10), None),
-        # Scion's ColNorm(transpose=True) on an embedding (vocab, dim) = our rowwise, layout in_out
-        ({"kind": "rowwise", "scale": "scion", "layout": "in_out"}, lambda g: _scion_colnorm(g.T).T, (10, 6), None),
+        # Scion's ColNorm(transpose=True) on an embedding (vocab, dim) = columnwise, layout in_out
+        ({"kind": "columnwise", "scale": "scion", "layout": "in_out"}, lambda g: _scion_colnorm(g.T).T, (10, 6), None),
+        ({"kind": "rowwise", "scale": "scion", "layout": "in_out"}, lambda g: _scion_rownorm(g.T).T, (10, 6), None),
     ],
-    ids=["ColNorm", "RowNorm", "BiasRMS", "Sign", "ColNorm-transpose"],
+    ids=["ColNorm", "RowNorm", "BiasRMS", "Sign", "ColNorm-transpose", "RowNorm-transpose"],
 )
 def test_scion_presets_reproduce_scion_lmos(geometry, scion_lmo, shape, layout_shape):
     """Scion's g/(c‖g‖ + 1e-8) is the isotropic log barrier with ρ = 1/c, ε = 1e-8/c (DESIGN)."""
@@ -315,8 +344,9 @@ def test_scion_presets_reproduce_scion_lmos(geometry, scion_lmo, shape, layout_s
         ({"kind": "anisotropic", "scale": "scion"}, (10, 4), 1 / 4),
         ({"kind": "anisotropic", "scale": "scion", "layout": "in_out"}, (10, 4), 1 / 10),
         ({"kind": "columnwise", "scale": "scion"}, (10, 4), math.sqrt(10)),
-        ({"kind": "columnwise", "scale": "scion", "layout": "in_out"}, (10, 4), 1 / math.sqrt(10)),
+        ({"kind": "columnwise", "scale": "scion", "layout": "in_out"}, (10, 4), math.sqrt(4)),
         ({"kind": "rowwise", "scale": "scion"}, (10, 4), 1 / math.sqrt(4)),
+        ({"kind": "rowwise", "scale": "scion", "layout": "in_out"}, (10, 4), 1 / math.sqrt(10)),
         ({"kind": "spectral", "scale": "none"}, (10, 4), 1.0),
         ({"kind": "euclidean"}, (10, 4), 1.0),
         ({"kind": "adam", "scale": "scion"}, (10, 4), 1.0),

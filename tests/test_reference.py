@@ -202,3 +202,15 @@ def test_fenchel_young_equality_at_the_dual_point(kappa, log_eps, log_y):
 def test_registry_holds_every_spec_kind():
     assert set(REFERENCES) == {"log_barrier", "power_barrier", "indicator", "quadratic"}
     assert make_reference({"kind": "indicator"}).dual_grad(t64([0.0, -2.0])).tolist() == [0.0, -1.0]
+
+
+def test_large_tensors_are_integrated_in_chunks_with_the_same_values():
+    """h and h* of a tensor larger than one quadrature batch equal the elementwise values."""
+    ref = make_reference({"kind": "power_barrier", "kappa": 4.0, "eps": 1e-3})
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(300, 130, generator=g, dtype=F64) * 2 - 1  # 39000 > one chunk
+    y = torch.randn(300, 130, generator=g, dtype=F64)
+    idx = torch.tensor([0, 7, 33000, 38999])
+    torch.testing.assert_close(ref.h(x).flatten()[idx], ref.h(x.flatten()[idx]), rtol=0, atol=0)
+    torch.testing.assert_close(ref.conj(y).flatten()[idx], ref.conj(y.flatten()[idx]), rtol=0, atol=0)
+    assert ref.h(x.float()).dtype == torch.float32

@@ -7,8 +7,10 @@ Exit status, as linters do: 0 clean, 1 findings at error level (or warnings with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -60,11 +62,15 @@ def load_model(ref: str):
             return MODELS[ref]()
         raise UsageError(f"unknown model {ref!r}: use a built-in name ({', '.join(MODELS)}) or pkg.module:factory")
     module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise UsageError(f"--model {ref!r}: expected a built-in name or pkg.module:factory")
     sys.path.insert(0, str(Path.cwd()))
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise UsageError(f"cannot import {module_name!r} for --model {ref}: {exc}") from None
+    except Exception as exc:  # the user's module failed while importing: say so, no traceback
+        raise UsageError(f"--model {ref}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from None
     finally:
         sys.path.pop(0)
     factory = module
@@ -136,10 +142,13 @@ def cmd_plan(args) -> int:
         report(exc.diagnostics, args.format)
         return _status(exc.diagnostics, False)
     if args.format == "json":
-        json.dump([dict(p.__dict__, bucket=p.bucket) for p in plan.params], sys.stdout, indent=2, default=str)
+        rows = [{**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)}, "bucket": p.bucket} for p in plan.params]
+        json.dump(rows, sys.stdout, indent=2, default=str)
         print()
     else:
-        findings = [d for d in lint_spec(spec, params, from_checkpoint=from_ckpt) if d.severity != "note"]
+        # notes are for lint, except that a checkpoint cannot decide module predicates (GO112)
+        findings = [d for d in lint_spec(spec, params, from_checkpoint=from_ckpt)
+                    if d.severity != "note" or d.code == "GO112"]
         report(findings, "text", sys.stderr)
         print(plan.table())
     return EXIT_CLEAN
@@ -188,14 +197,21 @@ def cmd_rule(args) -> int:
     if not args.code:
         for code, (name, doc) in LANGUAGE_CODES.items():
             print(f"{code}  {name:<26} error    {doc}")
-        for code, r in RULES.items():
-            print(f"{code}  {r.name:<26} {r.severity:<8} {r.doc.splitlines()[0]}")
+        for code, r in sorted(RULES.items()):
+            print(f"{code}  {r.name:<26} {r.severity:<8} {_summary(r.doc)}")
         return EXIT_CLEAN
     doc = rule_doc(args.code)
     if doc is None:
         raise UsageError(f"unknown rule {args.code!r}; `geomopt rule` lists them")
     sys.stdout.write(doc)
     return EXIT_CLEAN
+
+
+def _summary(doc: str) -> str:
+    """The first sentence of a docstring's first paragraph, on one line."""
+    para = " ".join(doc.split("\n\n", 1)[0].split())
+    m = re.search(r"(?<!e\.g)(?<!i\.e)\. ", para)
+    return para if m is None else para[: m.start() + 1]
 
 
 # ---------------------------------------------------------------- parser

@@ -12,7 +12,8 @@ import difflib
 import math
 from typing import Callable, Iterable, Optional
 
-from geomopt.compile.match import ParamInfo, describe, matches
+from geomopt.compile.match import Matcher, ParamInfo, describe
+from geomopt.compile.plan import op_layout
 from geomopt.spec.diagnostics import LANGUAGE_CODES, Diagnostic
 from geomopt.spec.model import Spec
 from geomopt.spec.source import SourceMap
@@ -55,30 +56,38 @@ class LintContext:
     undecided: list[list[str]]  # per rule: parameters a module predicate could not decide
     from_checkpoint: bool = False
     has_model: bool = True
+    owned_by: Optional[list[list[ParamInfo]]] = None  # per rule: the parameters it owns
 
     @classmethod
     def build(cls, spec: Spec, params: Optional[list[ParamInfo]], from_checkpoint: bool = False) -> "LintContext":
-        """``params`` None: lint the spec alone (rules that need a model are skipped)."""
+        """``params`` None: lint the spec alone (rules that need a model are skipped).
+
+        Matching runs rule by rule over all tensors (:meth:`Matcher.select`), so its cost is one
+        regex call per (rule, name), not a Python call per pair."""
         has_model = params is not None
         params = params or []
         trainable = [p for p in params if p.requires_grad]
         frozen = [p for p in params if not p.requires_grad]
-        owner: dict[str, Optional[int]] = {}
-        matched: list[list[str]] = [[] for _ in spec.rules]
-        undecided: list[list[str]] = [[] for _ in spec.rules]
-        for p in trainable:
-            owner[p.name] = None
-            for i, rule in enumerate(spec.rules):
-                m = matches(rule.match, p)
-                if m is None:
-                    undecided[i].append(p.name)
-                elif m:
-                    matched[i].append(p.name)
-                    if owner[p.name] is None:
-                        owner[p.name] = i
-        return cls(spec, trainable, frozen, owner, matched, undecided, from_checkpoint, has_model)
+        owner_index: list[Optional[int]] = [None] * len(trainable)
+        matched: list[list[str]] = []
+        undecided: list[list[str]] = []
+        for i, rule in enumerate(spec.rules):
+            hits, unknown = Matcher(rule.match).select(trainable)
+            for j in hits:
+                if owner_index[j] is None:
+                    owner_index[j] = i
+            matched.append([trainable[j].name for j in hits])
+            undecided.append([trainable[j].name for j in unknown])
+        owned_by: list[list[ParamInfo]] = [[] for _ in spec.rules]
+        for p, i in zip(trainable, owner_index):
+            if i is not None:
+                owned_by[i].append(p)
+        owner = {p.name: i for p, i in zip(trainable, owner_index)}
+        return cls(spec, trainable, frozen, owner, matched, undecided, from_checkpoint, has_model, owned_by)
 
     def owned(self, i: int) -> list[ParamInfo]:
+        if self.owned_by is not None:
+            return self.owned_by[i]
         return [p for p in self.params if self.owner.get(p.name) == i]
 
 
@@ -116,8 +125,9 @@ def unmatched_parameter(ctx: LintContext):
           - {name: rest, match: "**", geometry: {kind: adam}}
     """
     patterns = [r.match.name for r in ctx.spec.rules if r.match.name]
+    undecided = {n for names in ctx.undecided for n in names}
     for p in ctx.params:
-        if ctx.owner.get(p.name) is None and not any(p.name in u for u in ctx.undecided):
+        if ctx.owner.get(p.name) is None and p.name not in undecided:
             near = difflib.get_close_matches(p.name, patterns, n=2, cutoff=0.3)
             hint = f"; nearest patterns: {', '.join(repr(n) for n in near)}" if near else ""
             yield (f"parameter '{p.name}' ({_shape(p)}) is matched by no rule{hint}; add a rule for it or a "
@@ -154,6 +164,10 @@ def frozen_parameters(ctx: LintContext):
     """Parameters with ``requires_grad=False`` are skipped: the optimizer never sees them.
 
     This is information, not a problem; unfreeze the parameters if they should train.
+
+    Example: after ``model.transformer.wte.weight.requires_grad_(False)`` (a frozen embedding
+    table) ``geomopt lint --model …`` notes ``1 frozen parameter(s) skipped: transformer.wte.weight``
+    and the plan has no entry for it.
     """
     if ctx.frozen:
         names = [p.name for p in ctx.frozen]
@@ -163,7 +177,13 @@ def frozen_parameters(ctx: LintContext):
 @lint_rule("GO111", "tied-parameters", "note", needs_model=True)
 def tied_parameters(ctx: LintContext):
     """One tensor under several names (tied embeddings) is planned and stepped once, under its
-    first name; rules matching only the other names do not apply to it."""
+    first name. A rule that matches any of its names (or the module owning any of them) matches
+    the tensor; the first such rule owns it, as for any parameter.
+
+    Example: GPT-2 ties ``lm_head.weight`` to ``transformer.wte.weight``; with an embeddings rule
+    (``module: Embedding``) before a head rule (``match: "lm_head.weight"``) the shared tensor
+    takes the embedding geometry. Put the head rule first to give it the head's.
+    """
     for p in ctx.params:
         if p.aliases:
             yield f"'{p.name}' is tied to {', '.join(repr(a) for a in p.aliases)}: planned once, by its first name", ("rules",)
@@ -172,7 +192,13 @@ def tied_parameters(ctx: LintContext):
 @lint_rule("GO112", "undecidable-module", "note", needs_model=True)
 def undecidable_module(ctx: LintContext):
     """A ``module:`` predicate cannot be checked against a checkpoint (it stores names and shapes,
-    not module types): lint against the model (``--model``) to check it."""
+    not module types): lint against the model (``--model``) to check it.
+
+    Example: ``match: {module: Embedding}`` linted with ``--checkpoint model.safetensors`` notes
+    the rule; ``--model pkg.module:factory`` decides it, or match by name instead
+    (``match: "transformer.wt?.weight"``). ``geomopt plan`` refuses tensors that only such a rule
+    could match.
+    """
     for i, rule in enumerate(ctx.spec.rules):
         if ctx.undecided[i]:
             yield (f"rule '{rule.name}' tests module={rule.match.module}, unknown for {len(ctx.undecided[i])} "
@@ -194,8 +220,11 @@ def inapplicable_geometry(ctx: LintContext):
 
     for i, rule in enumerate(ctx.spec.rules):
         geometry = rule.geometry.model_dump()
+        problems: dict[tuple[int, ...], Optional[str]] = {}
         for p in ctx.owned(i):
-            problem = check_applicable(geometry, p.shape)
+            if p.shape not in problems:
+                problems[p.shape] = check_applicable(geometry, p.shape)
+            problem = problems[p.shape]
             if problem:
                 yield f"rule '{rule.name}': {problem} for '{p.name}' ({_shape(p)})", ("rules", i, "geometry", "kind")
 
@@ -248,8 +277,9 @@ def dubious_value(ctx: LintContext):
         if getattr(rule.geometry, "scale", "none") != "none":
             geometry = rule.geometry.model_dump()
             for p in ctx.owned(i):
+                op_geometry, _, op_shape = op_layout(geometry, p)  # the shape the compiled plan scales by
                 try:
-                    s = radius_scale({**geometry, "layout": "out_in"}, p.shape)
+                    s = radius_scale(op_geometry, op_shape)
                 except (ValueError, ZeroDivisionError):
                     continue
                 if s < 1e-4:
@@ -312,7 +342,12 @@ def decay_leaves_set(ctx: LintContext):
 def outside_theory(ctx: LintContext):
     """Choices the paper's convergence theory does not cover: the ``adam`` geometry (an escape hatch
     for hybrids) and any constraint with the ``indicator`` reference (lmo / Frank–Wolfe steps:
-    the Fenchel–Young stationarity gap is not available)."""
+    the Fenchel–Young stationarity gap is not available).
+
+    Example: ``geometry: {kind: adam}`` (noted; fine for embeddings in a hybrid). Inside the theory:
+    ``geometry: {kind: spectral, reference: {kind: power_barrier, kappa: 4, eps: 1.0e-3}}`` with
+    ``constraint: {kind: frobenius_ball}``.
+    """
     for i, rule in enumerate(ctx.spec.rules):
         g = rule.geometry
         if g.kind == "adam":

@@ -63,23 +63,64 @@ def glob_regex(pattern: str) -> re.Pattern:
     return re.compile("".join(out))
 
 
+class Matcher:
+    """A :class:`Match` compiled once: its predicates as plain values (the regex compiled, ``ndim``
+    as a set), so matching a rule against thousands of tensors costs one regex call per name."""
+
+    __slots__ = ("fullmatch", "ndims", "shape", "module")
+
+    def __init__(self, match: Match):
+        self.fullmatch = glob_regex(match.name).fullmatch if match.name is not None else None
+        ndim = match.ndim
+        self.ndims = None if ndim is None else frozenset(ndim if isinstance(ndim, list) else [ndim])
+        self.shape = None if match.shape is None else tuple(match.shape)
+        self.module = match.module
+
+    def _shape_ok(self, shape: tuple[int, ...]) -> bool:
+        return len(self.shape) == len(shape) and all(s == "*" or s == d for s, d in zip(self.shape, shape))
+
+    def __call__(self, p: ParamInfo) -> Optional[bool]:
+        """True / False, or None when a module predicate cannot be decided (no module information).
+
+        A tied tensor matches a name pattern if any of its names does."""
+        fm = self.fullmatch
+        if fm is not None and fm(p.name) is None and not any(fm(a) for a in p.aliases):
+            return False
+        if self.ndims is not None and len(p.shape) not in self.ndims:
+            return False
+        if self.shape is not None and not self._shape_ok(p.shape):
+            return False
+        if self.module is not None:
+            if p.modules is None:
+                return None
+            return self.module in p.modules
+        return True
+
+    def select(self, params: list[ParamInfo]) -> tuple[list[int], list[int]]:
+        """(indices of ``params`` it matches, indices it cannot decide): ``self(p)`` for every p,
+        one predicate at a time over the survivors of the previous one."""
+        idx: list[int] = list(range(len(params)))
+        if self.ndims is not None:
+            ndims = self.ndims
+            idx = [i for i in idx if len(params[i].shape) in ndims]
+        fm = self.fullmatch
+        if fm is not None:
+            idx = [i for i in idx if fm(params[i].name) is not None
+                   or (params[i].aliases and any(fm(a) for a in params[i].aliases))]
+        if self.shape is not None:
+            idx = [i for i in idx if self._shape_ok(params[i].shape)]
+        if self.module is None:
+            return idx, []
+        module = self.module
+        undecided = [i for i in idx if params[i].modules is None]
+        return [i for i in idx if params[i].modules is not None and module in params[i].modules], undecided
+
+
 def matches(match: Match, p: ParamInfo) -> Optional[bool]:
     """True / False, or None when a module predicate cannot be decided (no module information).
 
     A tied tensor matches a name pattern if any of its names does."""
-    if match.name is not None and not any(glob_regex(match.name).fullmatch(n) for n in (p.name, *p.aliases)):
-        return False
-    if match.ndim is not None and p.ndim not in (match.ndim if isinstance(match.ndim, list) else [match.ndim]):
-        return False
-    if match.shape is not None and (
-        len(match.shape) != p.ndim or any(s != "*" and s != d for s, d in zip(match.shape, p.shape))
-    ):
-        return False
-    if match.module is not None:
-        if p.modules is None:
-            return None
-        return match.module in p.modules
-    return True
+    return Matcher(match)(p)
 
 
 def describe(match: Match) -> str:

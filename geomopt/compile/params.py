@@ -20,7 +20,10 @@ def params_from_model(model) -> tuple[list[ParamInfo], dict[str, object]]:
     """(infos, tensors by name) from an ``nn.Module`` or an iterable of (name, tensor).
 
     Tied tensors (one tensor under several names) appear once, under their first name, with the
-    other names in ``aliases``.
+    other names in ``aliases`` and the module classes of every name in ``modules`` (a rule that
+    matches any of its names matches it). Frozen means an ``nn.Parameter`` with
+    ``requires_grad=False``; plain tensors in an iterable (e.g. a state dict's values, which never
+    require grad) are not frozen, as in a checkpoint.
     """
     import torch
 
@@ -28,26 +31,53 @@ def params_from_model(model) -> tuple[list[ParamInfo], dict[str, object]]:
         named = list(model.named_parameters(remove_duplicate=False))
         owner = dict(model.named_modules(remove_duplicate=False))
     else:
-        named = [(str(n), t) for n, t in model]
+        try:
+            named = [(str(n), t) for n, t in model]
+        except (TypeError, ValueError):
+            raise TypeError(f"model must be an nn.Module or an iterable of (name, tensor) pairs, not "
+                            f"{type(model).__name__}") from None
         owner = None
+    parameter = torch.nn.Parameter
     first: dict[int, int] = {}
-    rows: list[dict] = []
-    tensors: dict[str, object] = {}
+    rows: list[list] = []  # [name, tensor, aliases, modules]
+    classes: dict[type, tuple[str, ...]] = {}
+    seen: dict[str, int] = {}
     for name, tensor in named:
-        key = id(tensor)
-        if key in first:
-            rows[first[key]]["aliases"].append(name)
-            continue
-        first[key] = len(rows)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"parameter {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        if name in seen:
+            if seen[name] == id(tensor):
+                continue  # the same pair listed twice
+            raise ValueError(f"parameter name {name!r} appears twice with different tensors")
+        seen[name] = id(tensor)
         modules = None
         if owner is not None:
             mod = owner.get(name.rpartition(".")[0])
-            modules = _module_classes(mod) if mod is not None else ()
-        rows.append(dict(name=name, shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."),
-                         requires_grad=bool(getattr(tensor, "requires_grad", True)), modules=modules, aliases=[],
-                         device=str(tensor.device)))
+            if mod is None:
+                modules = ()
+            else:
+                cls = type(mod)
+                modules = classes.get(cls)
+                if modules is None:
+                    modules = classes[cls] = _module_classes(mod)
+        key = id(tensor)
+        if key in first:
+            row = rows[first[key]]
+            row[2].append(name)
+            if modules is not None:
+                row[3] = row[3] + tuple(m for m in modules if m not in row[3])
+            continue
+        first[key] = len(rows)
+        rows.append([name, tensor, [], modules])
+    dtypes: dict = {}
+    devices: dict = {}
+    infos, tensors = [], {}
+    for name, tensor, aliases, modules in rows:
+        dtype = dtypes.get(tensor.dtype) or dtypes.setdefault(tensor.dtype, str(tensor.dtype).removeprefix("torch."))
+        device = devices.get(tensor.device) or devices.setdefault(tensor.device, str(tensor.device))
+        frozen = isinstance(tensor, parameter) and not tensor.requires_grad
+        infos.append(ParamInfo(name, tuple(tensor.shape), dtype, not frozen, modules, tuple(aliases), device))
         tensors[name] = tensor
-    infos = [ParamInfo(**{**r, "aliases": tuple(r["aliases"])}) for r in rows]
     return infos, tensors
 
 
@@ -75,25 +105,38 @@ def _safetensors_header(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ValueError(f"{path}: not a safetensors file (bad header)") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (header is not a JSON object)")
     dtypes = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
     out = []
     for name, meta in header.items():
         if name == "__metadata__" or not isinstance(meta, dict):
             continue
-        out.append((name, tuple(meta.get("shape", ())), dtypes.get(meta.get("dtype"), str(meta.get("dtype")))))
+        shape = meta.get("shape", [])
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"{path}: not a safetensors file (tensor {name!r} has shape {shape!r})")
+        out.append((name, tuple(shape), dtypes.get(meta.get("dtype"), str(meta.get("dtype")))))
     return out
 
 
 def _torch_checkpoint(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
     import pickle
+    import zipfile
 
     import torch
 
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{path}: not a readable torch checkpoint ({first})") from None
+        # mmap (no tensor data read) works for the zip format torch.save writes since 1.6 only
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (the unpickler raises anything on a corrupt file)
+        text = str(exc).strip()
+        if isinstance(exc, pickle.UnpicklingError) and text.startswith("Weights only load failed"):
+            why = "weights-only unpickling failed: not a file of tensors and plain containers"
+        else:
+            why = text.splitlines()[0][:200] if text and not isinstance(exc, (KeyError, IndexError)) else type(exc).__name__
+        raise ValueError(f"{path}: not a readable torch checkpoint ({why})") from None
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]

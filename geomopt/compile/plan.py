@@ -10,6 +10,8 @@ import dataclasses
 import json
 from typing import Optional
 
+from geomopt.compile.match import ParamInfo
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamPlan:
@@ -40,6 +42,16 @@ class ParamPlan:
     aliases: tuple[str, ...] = ()
 
     @property
+    def bucket(self) -> str:
+        """Tensors with equal keys run as one batched call: same rule, ops, shape, dtype, device."""
+        key = self.__dict__.get("_bucket")
+        if key is None:  # computed once (the compiler seeds it from a per-rule cache)
+            key = bucket_key(self.rule_index, ops_key(self.geometry, self.constraint, self.radius, self.transpose),
+                             self.op_shape, self.dtype, self.device)
+            object.__setattr__(self, "_bucket", key)
+        return key
+
+    @property
     def approx(self) -> Optional[dict]:
         return self.geometry.get("approx")
 
@@ -50,11 +62,28 @@ class ParamPlan:
             return (self.shape[1], self.shape[0], *self.shape[2:])
         return self.shape
 
-    @property
-    def bucket(self) -> str:
-        """Tensors with equal keys run as one batched call: same rule, ops, shape, dtype, device."""
-        ops = json.dumps([self.geometry, self.constraint, self.radius, self.transpose], sort_keys=True)
-        return f"{self.rule_index}|{ops}|{self.op_shape}|{self.dtype}|{self.device}"
+
+def ops_key(geometry: dict, constraint: Optional[dict], radius: float, transpose: bool) -> str:
+    return json.dumps([geometry, constraint, radius, transpose], sort_keys=True)
+
+
+def bucket_key(rule_index: int, ops: str, op_shape: tuple[int, ...], dtype: str, device: str) -> str:
+    return f"{rule_index}|{ops}|{op_shape}|{dtype}|{device}"
+
+
+def op_layout(geometry: dict, p: ParamInfo) -> tuple[dict, bool, tuple[int, ...]]:
+    """(geometry as the ops see it, transpose, op_shape) for tensor ``p``.
+
+    ``layout: in_out`` (and ``auto`` on a Hugging Face ``Conv1D``, which stores (d_in, d_out))
+    means the ops act on the transposed tensor, so the geometry they receive says ``out_in``."""
+    layout = geometry.get("layout", "out_in")
+    if layout == "auto":
+        layout = "in_out" if p.modules and "Conv1D" in p.modules else "out_in"
+    transpose = layout == "in_out" and len(p.shape) >= 2
+    if "layout" in geometry and geometry["layout"] != "out_in":
+        geometry = {**geometry, "layout": "out_in"}
+    shape = p.shape
+    return geometry, transpose, ((shape[1], shape[0], *shape[2:]) if transpose else shape)
 
 
 @dataclasses.dataclass
@@ -70,6 +99,7 @@ class Plan:
         return len(self.params)
 
     def __getitem__(self, name: str) -> ParamPlan:
+        """The plan of a tensor by any of its names."""
         for p in self.params:
             if p.name == name or name in p.aliases:
                 return p

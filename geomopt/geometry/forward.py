@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from geomopt.geometry.adam import adam_moments  # noqa: F401  (re-exported: the optimizer's exact AdamW path)
 from geomopt.geometry.reference import Reference, make_reference
 from geomopt.geometry.registry import FORWARD_OPS, forward_op
 from geomopt.geometry.spectral import apply_approx, matrix_view
@@ -70,56 +71,45 @@ def spectral(d, geometry, *, radius, batch_dims=0, state=None):
     return (radius * out).reshape(d.shape).to(d.dtype)
 
 
-def _blockwise(d, geometry, radius, batch_dims, norm_dim: int):
+def _blockwise(d, geometry, radius, batch_dims):
     x = _work(d)
     mats = matrix_view(x, batch_dims)
-    s = torch.linalg.vector_norm(mats, dim=norm_dim, keepdim=True)
+    # Groups are rows of the logical (d_out, d_in) matrix for rowwise, its columns for columnwise;
+    # ``layout: in_out`` stores that matrix transposed (GPT-2 Conv1D, embeddings), which swaps them.
+    by_row = (geometry["kind"] == "rowwise") != (geometry.get("layout", "out_in") == "in_out")
+    s = torch.linalg.vector_norm(mats, dim=-1 if by_row else -2, keepdim=True)
     out = mats * (radius * _reference(geometry).iso_factor(s))
     return out.reshape(d.shape).to(d.dtype)
 
 
 @forward_op("rowwise")
 def rowwise(d, geometry, *, radius, batch_dims=0, state=None):
-    """Isotropic per row of the (shape[0], prod(rest)) view, φ(X) = Σ_i h(‖X_i,:‖) (block-separable):
-    row i ↦ ρ·[(h*)'(s_i)/s_i]·D_i,:, s_i = ‖D_i,:‖. Scion's RowNorm is the log barrier with
-    ρ = 1/c, ε = 1e-8/c (DESIGN, Remark 2.5). Rows are rows of the stored tensor; ``layout`` only
-    changes the ``scale`` preset (:mod:`geomopt.geometry.scale`)."""
-    return _blockwise(d, geometry, radius, batch_dims, norm_dim=-1)
+    """Isotropic per row (output unit) of the (d_out, d_in) matrix, φ(X) = Σ_i h(‖X_i,:‖)
+    (block-separable): row i ↦ ρ·[(h*)'(s_i)/s_i]·D_i,:, s_i = ‖D_i,:‖. Scion's RowNorm is the log
+    barrier with ρ = 1/c, ε = 1e-8/c (DESIGN, Remark 2.5). The matrix is the (shape[0], rest) view
+    for ``layout: out_in`` and its transpose for ``in_out`` (stored columns are then the rows)."""
+    return _blockwise(d, geometry, radius, batch_dims)
 
 
 @forward_op("columnwise")
 def columnwise(d, geometry, *, radius, batch_dims=0, state=None):
-    """Isotropic per column of the (shape[0], prod(rest)) view: column j ↦ ρ·[(h*)'(s_j)/s_j]·D_:,j,
-    s_j = ‖D_:,j‖ (Scion's ColNorm). Columns of the stored tensor, as in :func:`rowwise`."""
-    return _blockwise(d, geometry, radius, batch_dims, norm_dim=-2)
+    """Isotropic per column (input unit) of the (d_out, d_in) matrix: column j ↦
+    ρ·[(h*)'(s_j)/s_j]·D_:,j, s_j = ‖D_:,j‖ (Scion's ColNorm; on an ``in_out`` embedding
+    (vocab, dim) it normalizes each stored row, Scion's ColNorm(transpose=True))."""
+    return _blockwise(d, geometry, radius, batch_dims)
 
 
 @forward_op("adam")
 def adam(d, geometry, *, radius, batch_dims=0, state=None):
     """Adam(W)'s update direction, outside the paper's theory (an escape hatch; lint says so):
-    m ← β₁m + (1−β₁)d, v ← β₂v + (1−β₂)d², returns ρ·m/(bc₁·(√v/√bc₂ + ε)), bc_i = 1 − β_i^t,
-    with the op order of torch.optim.AdamW's single-tensor path, so lr times this is AdamW's step
-    (the caller applies lr and decoupled weight decay). ``state`` (required) holds ``exp_avg``,
-    ``exp_avg_sq`` (float32 at least, even for bf16 tensors) and ``step``, created on first use.
-    Elementwise, so ``batch_dims`` does not matter."""
+    m ← β₁m + (1−β₁)d, v ← β₂v + (1−β₂)d², returns ρ·m/(bc₁·(√v/√bc₂ + ε)), bc_i = 1 − β_i^t
+    (:func:`adam_moments`; the caller applies lr and decoupled weight decay). lr times this equals
+    AdamW's step up to the rounding of one product (torch folds 1/bc₁ into lr); for bit-exact
+    AdamW use :func:`adam_moments` with ``addcdiv`` as the optimizer does. ``state`` (required)
+    is created on first use. Elementwise, so ``batch_dims`` does not matter."""
     if state is None:
         raise ValueError("the adam forward op carries state: pass a dict (empty on the first step)")
-    beta1, beta2 = (float(b) for b in geometry.get("betas", (0.9, 0.999)))
-    eps = float(geometry.get("eps", 1e-8))
-    g = _work(d)
-    if "step" not in state:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    state["step"] += 1
-    step = state["step"].item()
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    # torch folds 1/bc₁ into the step size (lr/bc₁); here it scales the direction instead.
+    exp_avg, denom, bias_correction1 = adam_moments(d, state, geometry)
     return (exp_avg / denom * (radius / bias_correction1)).to(d.dtype)
 
 

@@ -210,6 +210,18 @@ def _rule(device) -> tuple[torch.Tensor, torch.Tensor]:
     return _GL_CACHE[key]
 
 
+_CHUNK = 1 << 15  # elements per quadrature batch: bounds the (chunk, nodes) float64 temporaries
+
+
+def _chunked(fn, a: torch.Tensor) -> torch.Tensor:
+    """fn applied to ``a`` in flat chunks, so h of a large tensor (anisotropic gap) does not
+    allocate numel × nodes floats at once."""
+    if a.numel() <= _CHUNK:
+        return fn(a)
+    flat = a.reshape(-1)
+    return torch.cat([fn(part) for part in flat.split(_CHUNK)]).reshape(a.shape)
+
+
 def _integrate(f, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """∫_lo^hi f(t) dt elementwise (lo, hi broadcast; f maps a (..., n) tensor of nodes)."""
     u, w = _rule(lo.device)
@@ -234,32 +246,37 @@ def _power_barrier_h(x: torch.Tensor, kappa: float, eps: float) -> torch.Tensor:
         ac = a.clamp(max=1)
         out = ac * ac / (1 + torch.sqrt((1 - ac) * (1 + ac)))
     else:
-        ac = a.clamp(max=1)
-        c = ac.clamp(max=_SPLIT)
-
-        def near(u):  # ∫₀^c s(1−s^κ)^{−1/κ} ds = c²∫₀¹ u(1−(cu)^κ)^{−1/κ} du
-            cu = c.unsqueeze(-1) * u
-            return u * (-torch.expm1(k * torch.log(cu.clamp(min=1e-300)))).pow(-1 / k)
-
-        zero = torch.zeros_like(c)
-        out = c * c * _integrate(near, zero, torch.ones_like(c))
-        p = 2 * k / (k - 1)
-
-        def far(v):  # s = 1 − v^p, ds = −p v^{p−1} dv
-            vp = v.pow(p)
-            s = 1 - vp
-            one_minus_sk = -torch.expm1(k * torch.log1p(-vp))
-            return s * p * torch.exp((p - 1) * torch.log(v) - torch.log(one_minus_sk) / k)
-
-        v_hi = torch.full_like(c, _SPLIT).pow(1 / p)
-        v_lo = (1 - ac).pow(1 / p)  # 1 − |x| is exact for |x| ≥ ½ (Sterbenz)
-        tail = torch.where(ac > _SPLIT, _integrate(far, torch.minimum(v_lo, v_hi), v_hi), zero)
-        out = out + tail
+        out = _chunked(lambda part: _power_barrier_h_quad(part, k), a)
     out = eps * out
     out = torch.where(a > 1, torch.full_like(out, math.inf), out)
     if k == 1.0:
         out = torch.where(a >= 1, torch.full_like(out, math.inf), out)
     return out.to(x.dtype)
+
+
+def _power_barrier_h_quad(a: torch.Tensor, k: float) -> torch.Tensor:
+    """∫₀^{min(a,1)} s(1−s^κ)^{−1/κ} ds for a ≥ 0, float64 (the quadrature of :func:`_power_barrier_h`)."""
+    ac = a.clamp(max=1)
+    c = ac.clamp(max=_SPLIT)
+
+    def near(u):  # ∫₀^c s(1−s^κ)^{−1/κ} ds = c²∫₀¹ u(1−(cu)^κ)^{−1/κ} du
+        cu = c.unsqueeze(-1) * u
+        return u * (-torch.expm1(k * torch.log(cu.clamp(min=1e-300)))).pow(-1 / k)
+
+    zero = torch.zeros_like(c)
+    out = c * c * _integrate(near, zero, torch.ones_like(c))
+    p = 2 * k / (k - 1)
+
+    def far(v):  # s = 1 − v^p, ds = −p v^{p−1} dv
+        vp = v.pow(p)
+        s = 1 - vp
+        one_minus_sk = -torch.expm1(k * torch.log1p(-vp))
+        return s * p * torch.exp((p - 1) * torch.log(v) - torch.log(one_minus_sk) / k)
+
+    v_hi = torch.full_like(c, _SPLIT).pow(1 / p)
+    v_lo = (1 - ac).pow(1 / p)  # 1 − |x| is exact for |x| ≥ ½ (Sterbenz)
+    tail = torch.where(ac > _SPLIT, _integrate(far, torch.minimum(v_lo, v_hi), v_hi), zero)
+    return out + tail
 
 
 def _power_barrier_conj(y: torch.Tensor, kappa: float, eps: float) -> torch.Tensor:
@@ -280,6 +297,12 @@ def _power_barrier_conj(y: torch.Tensor, kappa: float, eps: float) -> torch.Tens
         out = a * a / (torch.hypot(a, torch.full_like(a, eps)) + eps)
         return out.to(y.dtype)
 
+    return (eps * _chunked(lambda part: _power_barrier_conj_quad(part, k), z)).to(y.dtype)
+
+
+def _power_barrier_conj_quad(z: torch.Tensor, k: float) -> torch.Tensor:
+    """H(z) = ∫₀^z t(1+t^κ)^{−1/κ} dt for z ≥ 0, float64 (the quadrature of :func:`_power_barrier_conj`)."""
+
     def small(u, zz):
         zu = zz.unsqueeze(-1) * u
         return u * torch.exp(-torch.log1p(torch.exp(k * torch.log(zu.clamp(min=1e-300)))) / k)
@@ -288,18 +311,16 @@ def _power_barrier_conj(y: torch.Tensor, kappa: float, eps: float) -> torch.Tens
     zero = torch.zeros_like(zc)
     one = torch.ones_like(zc)
     h_small = zc * zc * _integrate(lambda u: small(u, zc), zero, one)
-    h_one = _integrate(lambda u: small(u, torch.ones(1, dtype=torch.float64, device=a.device)),
-                       torch.zeros(1, dtype=torch.float64, device=a.device),
-                       torch.ones(1, dtype=torch.float64, device=a.device))
+    one1 = torch.ones(1, dtype=torch.float64, device=z.device)
+    h_one = _integrate(lambda u: small(u, one1), torch.zeros_like(one1), one1)
     m = max(1.0, 2 / (k - 1))
 
     def rem(q):  # ∫₁^z r(t) dt, t = q^{−m}, dt = −m q^{−m−1} dq
-        log_tk = -k * (-m) * torch.log(q)  # log t^{−κ} = κ·m·log q
+        log_tk = k * m * torch.log(q)  # log t^{−κ} = κ·m·log q
         r = -torch.expm1(-torch.log1p(torch.exp(log_tk)) / k)
         return r * m * torch.exp((-m - 1) * torch.log(q))
 
     zl = z.clamp(min=1)
     q_lo = zl.pow(-1 / m)
     big = h_one + (zl - 1) - _integrate(rem, q_lo, torch.ones_like(q_lo))
-    out = eps * torch.where(z > 1, big, h_small)
-    return out.to(y.dtype)
+    return torch.where(z > 1, big, h_small)

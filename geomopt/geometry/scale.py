@@ -15,14 +15,12 @@ Presets:
     in the paper's reading ρ = 1/c of g/(c‖g‖ + 1e-8) (DESIGN, Remark 2.5):
     spectral: Spectral (normalized=True) ρ = √(d_out/d_in);
     anisotropic: Sign (normalized=True) ρ = 1/d_in;
-    a normalization along the input axis (one vector of length d_in per output unit): RowNorm
-    (normalized=True, its default) divides by √d_in·‖row‖, ρ = 1/√d_in;
-    a normalization along the output axis (one vector of length d_out per input unit): ColNorm
-    (normalized=False, its default; ColNorm(transpose=True) for embeddings) divides by
+    rowwise (one vector of length d_in per output unit): RowNorm (normalized=True, its default)
+    divides by √d_in·‖row‖, ρ = 1/√d_in;
+    columnwise (one vector of length d_out per input unit): ColNorm (normalized=False, its
+    default; ColNorm(transpose=True) for embeddings = columnwise with ``layout: in_out``) divides by
     ‖col‖/√d_out, ρ = √d_out (ColNorm(normalized=True), for non-input layers, adds a factor
     1/d_in: put it in ``radius``);
-    rowwise / columnwise normalize stored rows / columns, so out_in rowwise and in_out columnwise
-    are RowNorm, out_in columnwise and in_out rowwise are ColNorm;
     isotropic: BiasRMS, g/(‖g‖/√n + 1e-8), ρ = √numel.
 ``muon_original``
     torch.optim.Muon ``adjust_lr_fn="original"``: √max(1, d_out/d_in) (Keller Jordan's Muon).
@@ -73,10 +71,10 @@ def radius_scale(geometry: dict, shape: tuple[int, ...]) -> float:
         return 1.0 / d_in
     if kind == "isotropic":
         return math.sqrt(math.prod(int(s) for s in shape))
-    if kind in ("rowwise", "columnwise"):
-        in_out = geometry.get("layout", "out_in") == "in_out"
-        along_input = (kind == "rowwise") != in_out  # stored rows of (d_out, d_in) have length d_in
-        return 1.0 / math.sqrt(d_in) if along_input else math.sqrt(d_out)
+    if kind == "rowwise":
+        return 1.0 / math.sqrt(d_in)
+    if kind == "columnwise":
+        return math.sqrt(d_out)
     raise ValueError(f"scale preset 'scion' has no rule for geometry {kind!r}")
 
 

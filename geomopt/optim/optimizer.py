@@ -27,13 +27,19 @@ from geomopt.compile import as_spec, plan_from_infos
 from geomopt.compile.params import params_from_model
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.geometry.backward import backward
-from geomopt.geometry.forward import adam_moments, forward
+from geomopt.geometry.adam import adam_moments
+from geomopt.geometry.forward import forward
 from geomopt.optim.directions import DIRECTIONS
 from geomopt.optim.schedules import SCHEDULES
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
 
-_EUCLIDEAN = {"kind": "euclidean", "radius": 1.0}
+
+
+def _euclidean(pp: ParamPlan) -> dict:
+    """The Euclidean geometry for P_C (project_on_init, the violation): spectral sets act per
+    ``split`` block, as the rule's own backward step does."""
+    return {"kind": "euclidean", "radius": 1.0, "split": pp.geometry.get("split")}
 
 
 def spec_hash(spec: Spec) -> str:
@@ -77,6 +83,9 @@ class GeomOptimizer(Optimizer):
             ))
             self._plans.append(plans)
         super().__init__(groups, dict(lr=0.02, weight_decay=0.0))
+        # what the spec set per group, saved with the state: after a spec change, values the new
+        # spec changed win over the checkpoint's (load_state_dict)
+        self._spec_groups = [{k: _copy(g[k]) for k in self._SPEC_KEYS} for g in self.param_groups]
         self._counters = [_new_counters() for _ in self.param_groups]
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
         self._project_on_init()
@@ -93,7 +102,7 @@ class GeomOptimizer(Optimizer):
                 if c is None or not pp.project_on_init or c["kind"] == "proximal_decay":
                     continue
                 x = _view(p, pp)
-                xp, _ = backward(x.float(), 1.0, _EUCLIDEAN, c)
+                xp, _ = backward(_upcast(x), 1.0, _euclidean(pp), c)
                 x.copy_(xp)
 
     def _scale(self, pp: ParamPlan) -> float:
@@ -102,7 +111,12 @@ class GeomOptimizer(Optimizer):
     # ------------------------------------------------------------ the step
 
     def step(self, closure: Optional[Callable[[], torch.Tensor]] = None):
-        """One step for every parameter that has a gradient; returns the closure's loss."""
+        """One step for every parameter that has a gradient; returns the closure's loss.
+
+        Non-finite gradients are checked in every group before anything is written: under
+        ``on_nonfinite: raise`` (of a rule that has one) the step raises, otherwise the whole step
+        is skipped and counted in the rules that had them; either way parameters and all
+        optimizer state are left exactly as they were."""
         loss = None
         g_prev: dict = {}
         if self._needs_closure:
@@ -112,45 +126,67 @@ class GeomOptimizer(Optimizer):
                     "current iterate on the same batch: call opt.step(closure) with a closure that zeroes the "
                     "gradients, computes the loss and calls backward()")
             g_prev = self._previous_gradients(closure)
+            self.zero_grad(set_to_none=True)  # a closure that forgets zero_grad must not add g(x_{k-1})
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            for gi, (group, plans) in enumerate(zip(self.param_groups, self._plans)):
-                self._step_group(gi, group, plans, g_prev)
+            work = [[(p, pp) for p, pp in zip(group["params"], plans) if p.grad is not None]
+                    for group, plans in zip(self.param_groups, self._plans)]
+            if self._skip_nonfinite(work, g_prev):
+                return loss
+            for gi, group in enumerate(self.param_groups):
+                self._step_group(gi, group, work[gi], g_prev)
         return loss
 
+    def _skip_nonfinite(self, work: list, g_prev: dict) -> bool:
+        """True (and counted) when some gradient is non-finite; raises first where a rule says so."""
+        flags = [torch.stack([torch.isfinite(p.grad).all() for p, _ in w]
+                             + [torch.isfinite(g_prev[p]).all() for p, _ in w if g_prev.get(p) is not None]).all()
+                 for w in work if w]
+        if not flags or bool(torch.stack(flags).all()):  # one host sync per step
+            return False
+        bad_groups = []
+        for gi, (group, w) in enumerate(zip(self.param_groups, work)):
+            bad = [pp.name for p, pp in w if not torch.isfinite(p.grad).all()
+                   or (g_prev.get(p) is not None and not torch.isfinite(g_prev[p]).all())]
+            if bad:
+                bad_groups.append(gi)
+                if group["on_nonfinite"] == "raise":
+                    raise NonFiniteGradientError(
+                        f"non-finite gradient in rule '{group['rule']}' for {', '.join(bad[:5])}"
+                        + (" …" if len(bad) > 5 else "")
+                        + "; parameters and optimizer state are unchanged (set on_nonfinite: skip to skip such steps)")
+        for gi in bad_groups:
+            self._counters[gi]["skipped"] += 1
+        return True
+
     def _previous_gradients(self, closure) -> dict:
-        """g(x_{k−1}, ξ_k) for STORM: swap in the previous iterate, evaluate, swap back."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        if not all("prev" in self.state[p] for p in params):
+        """g(x_{k−1}, ξ_k) for STORM: swap in the previous iterate, evaluate, swap back. Tensors
+        without a previous iterate (first step, or never had a gradient) stay at the current one
+        and get d = g on their first step (no second evaluation when no tensor has one)."""
+        params = [p for g in self.param_groups for p in g["params"] if "prev" in self.state[p]]
+        if not params:
             return {}  # first step: d⁰ = g(x₀, ξ₀), no second evaluation
         with torch.no_grad():
             current = [p.detach().clone() for p in params]
             for p in params:
                 p.copy_(self.state[p]["prev"])
-        with torch.enable_grad():
-            closure()
-        out = {p: (p.grad.detach().clone() if p.grad is not None else None) for p in params}
-        with torch.no_grad():
-            for p, x in zip(params, current):
-                p.copy_(x)
+        try:
+            self.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                closure()
+            out = {p: (p.grad.detach().clone() if p.grad is not None else None) for p in params}
+        finally:
+            with torch.no_grad():
+                for p, x in zip(params, current):
+                    p.copy_(x)
         return out
 
-    def _step_group(self, gi: int, group: dict, plans: list[ParamPlan], g_prev: dict) -> None:
-        work = [(p, pp) for p, pp in zip(group["params"], plans) if p.grad is not None]
+    def _step_group(self, gi: int, group: dict, work: list, g_prev: dict) -> None:
         if not work:
             return
         counters = self._counters[gi]
-        finite = torch.stack([torch.isfinite(p.grad).all() for p, _ in work]).all()
-        if not bool(finite):  # one host sync per group: skipping must leave state untouched
-            if group["on_nonfinite"] == "raise":
-                bad = [pp.name for p, pp in work if not torch.isfinite(p.grad).all()]
-                raise NonFiniteGradientError(
-                    f"non-finite gradient in rule '{group['rule']}' for {', '.join(bad[:5])}; "
-                    f"parameters and optimizer state are unchanged (set on_nonfinite: skip to skip such steps)")
-            counters["skipped"] += 1
-            return
         k = group["step"]
         gamma, alpha = SCHEDULES[group["schedule"]["kind"]](group, k)
         hyper = dict(group, alpha=alpha) if alpha is not None else group
@@ -158,12 +194,12 @@ class GeomOptimizer(Optimizer):
         for p, pp in work:
             state = self.state[p]
             x = _view(p, pp)
-            g = _view(p.grad, pp).float()
+            g = _upcast(_view(p.grad, pp))
             if self._needs_closure:
                 state["prev"] = p.detach().clone()
             prev = g_prev.get(p)
-            d = DIRECTIONS[group["direction"]](g, state, hyper, g_prev=None if prev is None else _view(prev, pp).float())
-            xw = x.float() * (1 - gamma * group["weight_decay"]) if group["weight_decay"] else x.float()
+            d = DIRECTIONS[group["direction"]](g, state, hyper, g_prev=None if prev is None else _upcast(_view(prev, pp)))
+            xw = _upcast(x) * (1 - gamma * group["weight_decay"]) if group["weight_decay"] else _upcast(x)
             rho = group["radius"] * self._scale(pp)
             if pp.geometry["kind"] == "adam":
                 exp_avg, denom, bc1 = adam_moments(d, state, pp.geometry)
@@ -175,7 +211,7 @@ class GeomOptimizer(Optimizer):
                 counters["fallbacks"] = counters["fallbacks"] + fallback.sum().to(counters["fallbacks"].device)
             if self.track_gap and pp.constraint is not None and gamma * rho > 0:
                 state["w"] = (x_new - y) / (gamma * rho)
-            update_sq = update_sq + (x_new - x.float()).square().sum().to(update_sq.device)
+            update_sq = update_sq + (x_new - _upcast(x)).square().sum().to(update_sq.device)
             x.copy_(x_new)
         counters["update_sq"] = update_sq
         group["step"] = k + 1
@@ -197,10 +233,10 @@ class GeomOptimizer(Optimizer):
             violation = 0.0
             for p, pp in zip(group["params"], plans):
                 rho = group["radius"] * self._scale(pp)
-                g = None if p.grad is None else _view(p.grad, pp).float()
+                g = None if p.grad is None else _upcast(_view(p.grad, pp))
                 if pp.constraint is not None and pp.constraint["kind"] != "proximal_decay":
-                    x = _view(p, pp).float()
-                    xp, _ = backward(x, 1.0, _EUCLIDEAN, pp.constraint)
+                    x = _upcast(_view(p, pp))
+                    xp, _ = backward(x, 1.0, _euclidean(pp), pp.constraint)
                     violation = max(violation, float((x - xp).norm()))
                 if g is None:
                     continue
@@ -221,17 +257,25 @@ class GeomOptimizer(Optimizer):
 
     # ------------------------------------------------------------ checkpoints
 
+    # Group keys a spec sets (the rest, e.g. ``step`` or a scheduler's ``initial_lr``, is progress).
+    _SPEC_KEYS = ("rule", "lr", "weight_decay", "radius", "direction", "alpha", "nesterov", "init", "schedule",
+                  "on_nonfinite")
+
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["geomopt"] = dict(
             spec_hash=self.spec_hash, spec=dump_spec(self.spec, "yaml"),
             counters=[dict(c, fallbacks=c["fallbacks"].clone(), update_sq=c["update_sq"].clone()) for c in self._counters],
+            spec_groups=[dict(g) for g in self._spec_groups],
         )
         return sd
 
     def load_state_dict(self, state_dict: dict, *, allow_spec_change: bool = False) -> None:
         """Load a checkpoint; refuses one saved under a different spec (saying what differs)
-        unless ``allow_spec_change=True`` (then groups must still line up, as torch requires)."""
+        unless ``allow_spec_change=True``. Then groups must still line up (as torch requires), the
+        state (directions, moments, step counts) is resumed, and every group value that the new
+        spec sets differently from the saved one (lr, weight_decay, radius, direction, …) follows
+        the new spec; values it leaves alone resume as saved (e.g. an lr a scheduler changed)."""
         meta = state_dict.get("geomopt")
         if meta is None:
             if not allow_spec_change:
@@ -247,14 +291,40 @@ class GeomOptimizer(Optimizer):
                 + "\n".join(lines)
                 + "\npass allow_spec_change=True to load it anyway")
         super().load_state_dict(state_dict)
+        # torch.optim casts floating state to the parameter's dtype (it calls
+        # Optimizer._process_value_according_to_param_policy directly, so an override is never
+        # used); geomopt keeps float32 state for bf16 parameters: reload it with the device only.
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(pid)
+            if saved is not None:
+                self.state[p] = {k: _to_device(v, p.device) for k, v in saved.items()}
+        if meta is not None and self.spec_hash != meta["spec_hash"]:
+            old = meta.get("spec_groups") or [{}] * len(self.param_groups)
+            for group, was, now in zip(self.param_groups, old, self._spec_groups):
+                for key in self._SPEC_KEYS:
+                    if key not in was or was[key] != now[key]:
+                        group[key] = _copy(now[key])
         if meta is not None and len(meta.get("counters", [])) == len(self._counters):
             self._counters = [dict(c, fallbacks=c["fallbacks"].clone(), update_sq=c["update_sq"].clone()) for c in meta["counters"]]
+        self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
 
-    @staticmethod
-    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
-        # torch casts loaded state to the parameter's dtype; geomopt keeps float32 state for
-        # bf16 parameters, so only the device follows the parameter (bit-identical resume).
-        return value.to(device=param.device)
+
+def _to_device(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, copy=True)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _copy(value):
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
 
 
 def _new_counters() -> dict:
@@ -266,6 +336,11 @@ def _spec_name(yaml_text: str) -> str:
         if line.startswith("name:"):
             return line.split(":", 1)[1].strip()
     return "?"
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """float32 at least (bf16 gradients and state in float32; float64 stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def _view(t: torch.Tensor, pp: ParamPlan) -> torch.Tensor:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from importlib import resources
 
 from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
-from geomopt.spec.diagnostics import SpecError, language_diagnostic
-from geomopt.spec.source import Parsed, SourceMap
+from geomopt.spec.diagnostics import SpecError, did_you_mean, language_diagnostic
+from geomopt.spec.source import MAX_DEPTH, Parsed, SourceMap
 
 # Fields whose value is a {kind: …} mapping: a bare word there names the kind.
 KIND_FIELDS = frozenset({"geometry", "constraint", "reference", "approx", "prenormalize", "direction", "schedule"})
@@ -42,18 +43,40 @@ _SHOWN = {
 }
 
 
+class _WholeWords:
+    """Post-lexer that keeps IDENT lexable in every parser state. lark's contextual lexer only
+    tries the terminals a state accepts, so where a keyword but no name is allowed it would read
+    `lrr=1` as `lr` `r` and `rulex` as `rule` `x`; with IDENT always tried, a word is lexed whole
+    and a misspelled keyword becomes one clear "unexpected name" error."""
+
+    always_accept = ("IDENT",)
+
+    def process(self, stream):
+        return stream
+
+
 @functools.lru_cache(maxsize=1)
 def _parser() -> Lark:
     text = resources.files("geomopt").joinpath("grammars/geomopt.lark").read_text(encoding="utf-8")
-    return Lark(text, parser="lalr", propagate_positions=True, maybe_placeholders=False)
+    return Lark(text, parser="lalr", propagate_positions=True, maybe_placeholders=False, postlex=_WholeWords())
 
 
 def _expected(names) -> str:
-    names = set(names)
+    names = set(names or ())
     if "IDENT" in names:  # keywords are then only field names: "a name" covers them
         names -= set(_KEYWORDS) - {"TRUE", "FALSE"}
     shown = sorted(_KEYWORDS.get(n, _SHOWN.get(n, n)) for n in names)
     return ", ".join(shown)
+
+
+def _parser_expected(exc) -> set:
+    """What the parser (not the lexer) would accept where it stopped. A token the contextual lexer
+    cannot place arrives with the lexer's view, in which keywords hide inside IDENT."""
+    state = getattr(exc, "state", None)
+    try:
+        return {n for n in state.parse_conf.parse_table.states[state.position] if n.isupper() or n == "$END"}
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return set(exc.expected or ())
 
 
 def _describe(token) -> str:
@@ -71,17 +94,33 @@ def parse_dsl(text: str, file: str = "<spec>") -> Parsed:
         tree = _parser().parse(text)
     except UnexpectedCharacters as exc:
         ch = text[exc.pos_in_stream] if exc.pos_in_stream < len(text) else ""
-        what = "unterminated string" if ch == '"' else f"unexpected character {ch!r}"
-        raise SpecError([language_diagnostic("GO001", f"{what}; expected {_expected(exc.allowed)}", file, (exc.line, exc.column))]) from None
+        if ch == '"':
+            message = "unterminated string: a string closes with '\"' on the same line (write \\n for a line break)"
+        else:
+            message = f"unexpected character {ch!r}; expected {_expected(exc.allowed)}"
+        raise SpecError([language_diagnostic("GO001", message, file, (exc.line, exc.column))]) from None
     except UnexpectedToken as exc:
         tok = exc.token
+        exc.expected = _parser_expected(exc)
         line, col = (exc.line, exc.column) if tok.type != "$END" else _end(text)
-        raise SpecError([language_diagnostic("GO001", f"unexpected {_describe(tok)}; expected one of {_expected(exc.expected)}", file, (line, col))]) from None
+        if set(exc.expected) == {"EQUAL"}:  # `match "*"` then `geometry …`: the ':' is missing
+            prev = _BODY_WORD.search(text, 0, exc.pos_in_stream)
+            if prev:
+                line, col = text.count("\n", 0, prev.start(1)) + 1, prev.start(1) - (text.rfind("\n", 0, prev.start(1)) + 1) + 1
+                raise SpecError([language_diagnostic("GO001", f"expected ':' before '{prev.group(1)}': a rule's match ends with ':' (or a match field needs '=value')", file, (line, col))]) from None
+        # a misspelled keyword (`geometyr`, `lrr=`) lexes as a name: say which keyword it resembles
+        hint = did_you_mean(tok, [_KEYWORDS[n] for n in exc.expected if n in _KEYWORDS]) if tok.type == "IDENT" else ""
+        if "COLON" in exc.expected and not hint:
+            hint = " (a rule's match ends with ':')"
+        raise SpecError([language_diagnostic("GO001", f"unexpected {_describe(tok)}; expected one of {_expected(exc.expected)}{hint}", file, (line, col))]) from None
     except UnexpectedEOF as exc:
         raise SpecError([language_diagnostic("GO001", f"unexpected end of input; expected one of {_expected(exc.expected)}", file, _end(text))]) from None
     except UnexpectedInput as exc:  # pragma: no cover - the three above cover LALR
         raise SpecError([language_diagnostic("GO001", f"syntax error: {exc}", file, (exc.line, exc.column))]) from None
     return Parsed(_Walker(source).start(tree), source)
+
+
+_BODY_WORD = re.compile(r"(?<![\w\-])(geometry|constraint|lr|weight_decay|direction|schedule|on_nonfinite|project_on_init)\s*$")
 
 
 def _end(text: str) -> tuple[int, int]:
@@ -106,9 +145,12 @@ class _Walker:
 
     def string(self, tok) -> str:
         try:
-            return json.loads(tok, strict=False)
+            value = json.loads(tok, strict=False)
         except json.JSONDecodeError as exc:
             self.error("GO001", f"bad string literal: {exc.msg} (strings use JSON escapes: \\\\, \\\", \\n, \\uXXXX)", tok)
+        if any("\ud800" <= ch <= "\udfff" for ch in value):  # "\ud800" alone: not text (YAML refuses it too)
+            self.error("GO001", "bad string literal: lone surrogate escape (write a \\uXXXX pair, or the character itself)", tok)
+        return value
 
     def put(self, out: dict, path, key: str, key_item, value_item, value):
         if key in out:
@@ -184,6 +226,8 @@ class _Walker:
         self.put(out, path, key, key_tok, value, self.value(value, path + (key,), key))
 
     def value(self, item, path, field: str | None = None):
+        if len(path) > MAX_DEPTH:
+            self.error("GO010", f"spec nested too deeply (more than {MAX_DEPTH} levels)", item)
         self.source.values[path] = _pos(item)
         if isinstance(item, Token):  # a terminal standing alone
             return str(item)

@@ -84,11 +84,13 @@ class NewtonSchulz(_Model):
     coefficients: Optional[list[Triple]] = None
     dtype: ApproxDtype = "auto"
 
-    @model_validator(mode="after")
-    def _coefficients_fit_steps(self):
-        if self.coefficients is not None and len(self.coefficients) not in (1, self.steps):
-            raise ValueError(f"coefficients must hold 1 or steps={self.steps} triples, got {len(self.coefficients)}")
-        return self
+    @field_validator("coefficients")  # a field validator (steps is validated first), so errors point at it
+    @classmethod
+    def _coefficients_fit_steps(cls, v, info):
+        steps = info.data.get("steps")
+        if v is not None and steps is not None and len(v) not in (1, steps):
+            raise ValueError(f"coefficients must hold 1 or steps={steps} triples, got {len(v)}")
+        return v
 
 
 class PolarExpress(_Model):
@@ -100,11 +102,12 @@ class PolarExpress(_Model):
     coefficients: Union[Literal["polar_express", "speedrun"], list[Triple]] = "polar_express"
     dtype: ApproxDtype = "auto"
 
-    @model_validator(mode="after")
-    def _coefficients_fit_steps(self):
-        if isinstance(self.coefficients, list) and len(self.coefficients) < 1:
+    @field_validator("coefficients")
+    @classmethod
+    def _coefficients_not_empty(cls, v):
+        if isinstance(v, list) and len(v) < 1:
             raise ValueError("coefficients must hold at least one triple")
-        return self
+        return v
 
 
 Approx = Annotated[Union[Svd, GramEigh, NewtonSchulz, PolarExpress], Field(discriminator="kind")]

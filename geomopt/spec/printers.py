@@ -52,17 +52,18 @@ def dump_spec(spec: Spec, format: str = "yaml") -> str:
 
 def dump_yaml(spec: Spec) -> str:
     data = to_plain(spec)
-    for rule in data.get("rules", []):
+    rules = []
+    for rule in data["rules"]:
         m = rule.get("match", {})
         if set(m) == {"name"}:  # the common shorthand: match: "pattern"
             rule["match"] = m["name"]
-    head = yaml.dump({"geomopt": data.pop("geomopt")}, Dumper=YamlDumper, sort_keys=False)
-    parts = [head]
-    rules = data.pop("rules")
-    if data:
-        parts.append(yaml.dump(data, Dumper=YamlDumper, sort_keys=False, default_flow_style=None, allow_unicode=True, width=100))
-    parts.append(yaml.dump({"rules": rules}, Dumper=YamlDumper, sort_keys=False, default_flow_style=None, allow_unicode=True, width=100))
-    return "".join(parts)
+        # what the rule is before how it is tuned, as the shipped specs read
+        head = {k: rule.pop(k) for k in ("name", "match", "geometry", "constraint") if k in rule}
+        rules.append({**head, **rule})
+    data["rules"] = rules
+    # One document: the top level always holds the rules list, so it prints in block style (dumped
+    # on its own, `name: x` alone would print as the flow mapping `{name: x}`).
+    return yaml.dump(data, Dumper=YamlDumper, sort_keys=False, default_flow_style=None, allow_unicode=True, width=100)
 
 
 # ---------------------------------------------------------------- DSL

@@ -14,6 +14,7 @@ Pos = tuple[int, int]
 
 MAX_BYTES = 1 << 20  # specs are small; a megabyte of spec is a mistake, not a spec
 MAX_NODES = 100_000  # bounds alias expansion ("billion laughs") and pathological inputs
+MAX_DEPTH = 64  # a spec nests about six deep; deeper is a mistake (and would exhaust the stack)
 
 
 @dataclasses.dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from pathlib import Path as FsPath
@@ -23,8 +24,9 @@ def validate(parsed: Parsed) -> Spec:
     if not isinstance(data, dict):
         raise SpecError([language_diagnostic("GO005", f"a spec is a mapping with 'geomopt: 1', 'name' and 'rules', not a {type(data).__name__}", source.file, source.pos(()))])
     version = data.get("geomopt")
-    if "geomopt" in data and version != 1:
-        raise SpecError([language_diagnostic("GO008", f"unsupported language version {version!r}: this release reads 'geomopt: 1'", source.file, source.pos(("geomopt",)))])
+    if "geomopt" in data and (version != 1 or isinstance(version, bool)):  # True == 1 in Python
+        wanted = "geomopt 1" if source.format == "dsl" else "geomopt: 1"
+        raise SpecError([language_diagnostic("GO008", f"unsupported language version {_show(version)}: this release reads '{wanted}'", source.file, source.pos(("geomopt",)))])
     try:
         spec = Spec.model_validate(data)
     except ValidationError as exc:
@@ -34,9 +36,26 @@ def validate(parsed: Parsed) -> Spec:
 
 
 def _diagnostics(exc: ValidationError, data, source: SourceMap) -> list[Diagnostic]:
-    out, seen = [], set()
+    found = []
     for err in exc.errors(include_url=False):
-        path, model = _walk(err["loc"], data)
+        path, model, union_at = _walk(err["loc"], data)
+        found.append((err, path, model, union_at))
+    # A plain union reports every member: for `coefficients: [[1, 2, 3, 4]]` both "should be
+    # 'polar_express' or 'speedrun'" (at the list) and "at most 3 items" (inside it). The member
+    # that got further into the value is the one the user meant: drop the others' errors.
+    deeper = {u for _, p, _, u in found if u is not None and len(p) > len(u)}
+    # `geometri:` makes both "unknown field 'geometri'; did you mean 'geometry'?" and "missing
+    # 'geometry'" (reported earlier, at the mapping): the first says it all.
+    extra: dict = {}
+    for err, path, _, _ in found:
+        if err["type"] == "extra_forbidden" and path:
+            extra.setdefault(path[:-1], []).append(str(path[-1]))
+    out, seen = [], set()
+    for err, path, model, union_at in found:
+        if union_at is not None and union_at in deeper and path == union_at:
+            continue
+        if err["type"] == "missing" and path and did_you_mean(path[-1], extra.get(path[:-1], [])):
+            continue
         diag = _one(err, path, model, data, source)
         key = (diag.line, diag.col, diag.code)
         if key not in seen:  # one problem, one finding (unions report each member)
@@ -48,6 +67,10 @@ def _diagnostics(exc: ValidationError, data, source: SourceMap) -> list[Diagnost
 def _one(err: dict, path: tuple, model, data, source: SourceMap) -> Diagnostic:
     etype, msg, file = err["type"], err["msg"], source.file
     where = _where(path)
+    if etype == "duplicate_rule_name":
+        ctx = err["ctx"]
+        first = source.pos(("rules", ctx["first"], "name"))
+        return language_diagnostic("GO005", f"duplicate rule name '{ctx['name']}' (first given at line {first[0]}, column {first[1]}): rule names must be unique", file, source.pos(("rules", ctx["index"], "name")))
     if etype == "extra_forbidden":
         field = path[-1]
         allowed = sorted(model.model_fields) if model else []
@@ -67,10 +90,13 @@ def _one(err: dict, path: tuple, model, data, source: SourceMap) -> Diagnostic:
     if path and path[-1] == "name" and len(path) >= 2 and path[-2] == "match" and etype == "value_error":
         return language_diagnostic("GO007", msg.removeprefix("Value error, "), file, source.pos(path))
     value = _get(data, path)
-    got = "" if isinstance(value, (dict, list)) or value is _MISSING else f", got {value!r}"
+    got = "" if isinstance(value, (dict, list)) or value is _MISSING else f", got {_show(value)}"
     msg = msg.removeprefix("Value error, ")
     if etype == "literal_error" and path and path[-1] == "kind":
         return language_diagnostic("GO004", f"{msg}{got}", file, source.pos(path))
+    if etype == "literal_error" and isinstance(value, str):  # `scale: scoin`
+        choices = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
+        got += did_you_mean(value, choices)
     return language_diagnostic("GO005", f"{where or 'spec'}: {_friendly(etype, msg)}{got}", file, source.pos(path))
 
 
@@ -85,6 +111,15 @@ def _friendly(etype: str, msg: str) -> str:
 _MISSING = object()
 
 
+def _show(value) -> str:
+    """A value as the spec spells it (``true``, not Python's ``True``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return repr(value)
+
+
 def _get(data, path):
     for p in path:
         try:
@@ -94,12 +129,14 @@ def _get(data, path):
     return data
 
 
-def _walk(loc: tuple, data) -> tuple[tuple, Any]:
+def _walk(loc: tuple, data) -> tuple[tuple, Any, tuple | None]:
     """Drop pydantic's union/tag segments from ``loc`` by walking the data alongside, and find
-    the model class that owns the last step (for listing allowed fields)."""
+    the model class that owns the last step (for listing allowed fields). The third result is the
+    path of the first plain (non-discriminated) union on the way, or None."""
     path: list = []
     node: Any = data
     models: list = [Spec]
+    union_at = None
     for seg in loc:
         if isinstance(node, dict) and seg in node:
             models = _next_models(models, seg, node)
@@ -109,17 +146,22 @@ def _walk(loc: tuple, data) -> tuple[tuple, Any]:
             models = _item_models(models)
             node = node[seg]
             path.append(seg)
-        elif isinstance(node, dict) and isinstance(seg, str) and seg not in node and _is_tag(seg, node):
+        elif isinstance(node, dict) and isinstance(seg, str) and node.get("kind") == seg:  # discriminator tag
             models = [m for m in models if _kind_of(m) == seg] or models
+        elif isinstance(seg, str) and _is_member_tag(seg):  # which union member: not a place in the data
+            if union_at is None:
+                union_at = tuple(path)
         else:  # a missing or extra key: the final segment
-            if isinstance(seg, (str, int)) and (not isinstance(node, dict) or not _is_tag(seg, node)):
+            if isinstance(seg, (str, int)):
                 path.append(seg)
             break
-    return tuple(path), _owner_for(loc, data, path)
+    return tuple(path), _owner_for(loc, data, path), union_at
 
 
-def _is_tag(seg: str, node: dict) -> bool:
-    return node.get("kind") == seg or "[" in seg or seg in ("str", "int", "float", "list", "dict")
+def _is_member_tag(seg: str) -> bool:
+    """pydantic's labels for union members (``int``, ``constrained-int``, ``literal['a','b']``,
+    ``list[float]``); field names are identifiers, so they never look like these."""
+    return "[" in seg or "-" in seg or seg in ("str", "int", "float", "bool", "list", "dict", "none")
 
 
 def _kind_of(model) -> str | None:

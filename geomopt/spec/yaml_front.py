@@ -13,7 +13,7 @@ import re
 import yaml
 
 from geomopt.spec.diagnostics import SpecError, language_diagnostic
-from geomopt.spec.source import MAX_NODES, Parsed, SourceMap
+from geomopt.spec.source import MAX_DEPTH, MAX_NODES, Parsed, SourceMap
 
 _INT = re.compile(r"^[-+]?[0-9]+$|^0o[0-7]+$|^0x[0-9a-fA-F]+$")
 _FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$|^[-+]?\.(inf|Inf|INF)$|^\.(nan|NaN|NAN)$")
@@ -50,6 +50,14 @@ class YamlDumper(yaml.SafeDumper):
     null under YAML 1.2 (``"1e-3"``) is quoted."""
 
 
+def _represent_str(dumper, value: str):
+    # PyYAML writes NEL/LS/PS raw in plain and single-quoted scalars, where YAML reads them as line
+    # breaks (folded to spaces); double quotes escape them (\N, \L, \P)
+    style = '"' if any(c in value for c in "\x85\u2028\u2029\ufeff") else None
+    return dumper.represent_scalar(_T + "str", value, style=style)
+
+
+YamlDumper.add_representer(str, _represent_str)
 YamlDumper.yaml_implicit_resolvers = {}
 for _tag, _regex, _first in (
     ("bool", _BOOL, "tTfF"),
@@ -58,6 +66,7 @@ for _tag, _regex, _first in (
     ("null", _NULL, ["~", "n", "N", ""]),
     # quote YAML 1.1 words too, so other tools read our files the same way
     ("bool", re.compile(r"^(yes|Yes|YES|no|No|NO|on|On|ON|off|Off|OFF|y|Y|n|N)$"), "yYnNoO"),
+    ("int", re.compile(r"^[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?$"), "-+0123456789"),  # 1.1 sexagesimal
 ):
     YamlDumper.add_implicit_resolver(_T + _tag, _regex, list(_first))
 
@@ -69,15 +78,23 @@ def _pos(mark) -> tuple[int, int]:
 def parse_yaml(text: str, file: str = "<spec>") -> Parsed:
     """Text → plain data + :class:`SourceMap`; raises :class:`SpecError` on malformed YAML."""
     source = SourceMap(file=file, format="yaml")
+    loader = None
     try:
         loader = _Loader(text)
         try:
             root = loader.get_single_node()
         finally:
             loader.dispose()
+    except RecursionError:  # PyYAML composes recursively: "[[[[…" thousands deep
+        where = (loader.line + 1, loader.column + 1) if loader is not None else (1, 1)
+        raise SpecError([language_diagnostic("GO010", f"spec nested too deeply (more than {MAX_DEPTH} levels)", file, where)]) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = exc.problem or "malformed YAML"
+        if exc.context_mark and ("end of stream" in problem or "<stream end>" in problem):
+            # an unclosed quote or bracket: point where it opened, not at the end of the file
+            mark = exc.context_mark
+            problem = "unterminated quoted string" if "quoted scalar" in (exc.context or "") else f"{problem} (opened here, never closed)"
         if "\t" in problem or "'\\t'" in problem:
             problem += " (YAML indentation must use spaces, not tabs)"
         ctx = f" {exc.context}" if exc.context else ""
@@ -91,21 +108,38 @@ def parse_yaml(text: str, file: str = "<spec>") -> Parsed:
     if root is None:
         raise SpecError([language_diagnostic("GO009", "empty spec: expected a mapping with 'geomopt: 1', 'name' and 'rules'", file)])
     counter = [0]
-    data = _build(root, (), source, counter)
+    data = _build(root, (), source, counter, set())
     return Parsed(data, source)
 
 
-def _build(node, path, source: SourceMap, counter):
+def _build(node, path, source: SourceMap, counter, active: set):
     counter[0] += 1
     if counter[0] > MAX_NODES:
         raise SpecError([language_diagnostic("GO010", f"spec too large: more than {MAX_NODES} YAML nodes (aliases expanded)", source.file, _pos(node.start_mark))])
+    if id(node) in active:  # `&a [*a]`: an alias inside its own anchor
+        raise SpecError([language_diagnostic("GO005", "recursive YAML alias: the value anchored here contains an alias to itself", source.file, _pos(node.start_mark))])
+    if len(path) > MAX_DEPTH:
+        raise SpecError([language_diagnostic("GO010", f"spec nested too deeply (more than {MAX_DEPTH} levels)", source.file, _pos(node.start_mark))])
     source.values[path] = _pos(node.start_mark)
+    if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+        expected = _T + ("map" if isinstance(node, yaml.MappingNode) else "seq")
+        if node.tag != expected:  # `!!set {a}`, `!!python/object:… {}`, `!!str {}`
+            raise SpecError([_tag_error(node, source)])
+        active.add(id(node))
+        try:
+            return _collection(node, path, source, counter, active)
+        finally:
+            active.discard(id(node))
+    return _scalar(node, source)
+
+
+def _collection(node, path, source: SourceMap, counter, active: set):
     if isinstance(node, yaml.MappingNode):
         out = {}
         for key_node, value_node in node.value:
             if not isinstance(key_node, yaml.ScalarNode):
                 raise SpecError([language_diagnostic("GO005", "mapping keys must be plain words", source.file, _pos(key_node.start_mark))])
-            if key_node.tag == _T + "merge":
+            if key_node.tag == _T + "merge" or (key_node.value == "<<" and key_node.style is None):
                 raise SpecError([language_diagnostic("GO005", "merge keys (<<) are not supported: write the fields out", source.file, _pos(key_node.start_mark))])
             key = _scalar(key_node, source)
             if not isinstance(key, str):
@@ -114,17 +148,32 @@ def _build(node, path, source: SourceMap, counter):
                 first = source.keys[path + (key,)]
                 raise SpecError([language_diagnostic("GO002", f"duplicate key '{key}' (first given at line {first[0]}, column {first[1]}); YAML would silently keep the last: remove one", source.file, _pos(key_node.start_mark))])
             source.keys[path + (key,)] = _pos(key_node.start_mark)
-            out[key] = _build(value_node, path + (key,), source, counter)
+            out[key] = _build(value_node, path + (key,), source, counter, active)
         return out
-    if isinstance(node, yaml.SequenceNode):
-        return [_build(item, path + (i,), source, counter) for i, item in enumerate(node.value)]
-    return _scalar(node, source)
+    return [_build(item, path + (i,), source, counter, active) for i, item in enumerate(node.value)]
+
+
+def _tag_error(node, source: SourceMap):
+    tag = "!!" + node.tag[len(_T):] if node.tag.startswith(_T) else node.tag
+    what = {yaml.MappingNode: "a mapping", yaml.SequenceNode: "a list"}.get(type(node))
+    if what and node.tag[len(_T):] in ("map", "seq", "str", "int", "float", "bool", "null"):
+        message = f"YAML tag {tag} does not fit {what}: drop the tag"
+    else:
+        message = f"unsupported YAML tag {tag}: specs use plain scalars, lists and mappings (no tags)"
+    return language_diagnostic("GO005", message, source.file, _pos(node.start_mark))
+
+
+_EXPLICIT = {_T + "bool": _BOOL, _T + "int": _INT, _T + "float": _FLOAT, _T + "null": _NULL}
 
 
 def _scalar(node, source: SourceMap):
     tag, value = node.tag, node.value
-    if tag in (_T + "str", "!") or node.style in ("'", '"', "|", ">"):
+    if tag in (_T + "str", "!"):  # quoted scalars resolve to str; "!" forces a string
         return value
+    if tag not in _EXPLICIT:
+        raise SpecError([_tag_error(node, source)])
+    if not _EXPLICIT[tag].match(value):  # explicit `!!int 0b11`, `!!float abc`: not that type in YAML 1.2
+        raise SpecError([language_diagnostic("GO005", f"{value!r} is not a valid !!{tag[len(_T):]} (YAML 1.2 core schema)", source.file, _pos(node.start_mark))])
     if tag == _T + "bool":
         return value.lower() == "true"
     if tag == _T + "int":
@@ -140,6 +189,4 @@ def _scalar(node, source: SourceMap):
         if v.endswith(".nan"):
             return float("nan")
         return float(value)
-    if tag == _T + "null":
-        return None
-    raise SpecError([language_diagnostic("GO005", f"unsupported YAML tag {tag!r}: specs use plain scalars, lists and mappings", source.file, _pos(node.start_mark))])
+    return None  # null

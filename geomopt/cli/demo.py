@@ -1,0 +1,172 @@
+"""``geomopt demo``: lint a shipped spec against a built-in GPT, show the plan, train it on text
+that ships with Python (byte level), compare with AdamW, print a table and write a plot."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+SPECS_DIR = Path(__file__).resolve().parents[2] / "specs"
+
+
+def corpus_bytes(limit: int = 2_000_000) -> bytes:
+    """English prose bundled with CPython: pydoc's topic help texts (else stdlib sources)."""
+    try:
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+    except ImportError:  # pragma: no cover - distributions that strip pydoc_data
+        import sysconfig
+
+        root = Path(sysconfig.get_paths()["stdlib"])
+        text = "\n".join(p.read_text(errors="ignore") for p in sorted(root.glob("*.py"))[:200])
+    return text.encode("utf-8", errors="ignore")[:limit]
+
+
+def batches(data, block: int, batch: int, generator):
+    import torch
+
+    while True:
+        ix = torch.randint(len(data) - block - 1, (batch,), generator=generator)
+        x = torch.stack([data[i : i + block] for i in ix])
+        y = torch.stack([data[i + 1 : i + 1 + block] for i in ix])
+        yield x, y
+
+
+def train(make_opt, *, steps: int, seed: int, block: int = 64, batch: int = 32, eval_every: int = 25, label: str = "",
+          progress: bool = True, warmup: int = 0):
+    """Train a small byte-level GPT; returns dict(label, steps, train, val, seconds)."""
+    import torch
+
+    from geomopt.models import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    raw = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
+    split = int(0.9 * len(raw))
+    train_data, val_data = raw[:split], raw[split:]
+    model = GPT(GPTConfig(vocab_size=256, block_size=block, n_layer=2, n_head=4, n_embd=64))
+    opt = make_opt(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min(1.0, (k + 1) / warmup) if warmup else 1.0 * (1 - 0.9 * k / steps))
+    gen = torch.Generator().manual_seed(seed)
+    it = batches(train_data, block, batch, gen)
+    val_gen = torch.Generator().manual_seed(seed + 1)
+    val_batches = [next(batches(val_data, block, 64, val_gen)) for _ in range(4)]
+    curve_steps, curve_train, curve_val = [], [], []
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=steps, desc=label, unit="step", leave=True, dynamic_ncols=True)
+        except ImportError:  # tqdm is an optional extra
+            bar = None
+    start = time.perf_counter()
+    running = None
+    for k in range(steps):
+        x, y = next(it)
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
+        if (k + 1) % eval_every == 0 or k + 1 == steps:
+            model.eval()
+            with torch.no_grad():
+                val = sum(model(vx, vy)[1].item() for vx, vy in val_batches) / len(val_batches)
+            model.train()
+            curve_steps.append(k + 1)
+            curve_train.append(running)
+            curve_val.append(val)
+            if bar is not None:
+                bar.set_postfix(train=f"{running:.3f}", val=f"{val:.3f}")
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return dict(label=label, steps=curve_steps, train=curve_train, val=curve_val, seconds=time.perf_counter() - start)
+
+
+def plot(results: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for r in results:
+        ax.plot(r["steps"], r["val"], label=f"{r['label']} (val)")
+        ax.plot(r["steps"], r["train"], "--", alpha=0.5, label=f"{r['label']} (train, EMA)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set_title("byte-level GPT on Python's bundled docs")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def run(args) -> int:
+    import torch
+
+    import geomopt
+    from geomopt.cli.main import EXIT_CLEAN, EXIT_FINDINGS, report
+    from geomopt.compile import lint_spec
+    from geomopt.compile.params import params_from_model
+    from geomopt.models import GPT, GPTConfig
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    spec_path = Path(args.spec)
+    spec = geomopt.load_spec(spec_path)
+    probe = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64))
+    print(f"== lint {spec_path} against the built-in GPT")
+    diags = lint_spec(spec, params_from_model(probe)[0])
+    report(diags, "text")
+    if any(d.severity == "error" for d in diags):
+        return EXIT_FINDINGS
+    print("clean" if not diags else f"{len(diags)} finding(s), no errors")
+    plan = geomopt.compile_spec(spec, probe)
+    print(f"\n== plan of '{spec.name}' ({len(plan)} tensors)")
+    rows = plan.summary()
+    width = max(len(r["geometry"]) for r in rows)
+    for r in rows:
+        print(f"  {r['rule']:<12} {r['tensors']:>3} tensors {r['elements']:>8} elements  {r['geometry']:<{width}}  {r['constraint']}")
+    steps = args.steps or (30 if args.quick else 600)
+    print(f"\n== training {steps} steps per optimizer (seed {args.seed})")
+    results = [
+        train(lambda m: geomopt.GeomOptimizer(m, spec), steps=steps, seed=args.seed, label=spec.name,
+              eval_every=max(1, steps // 20), progress=not args.no_progress),
+        train(lambda m: torch.optim.AdamW(m.parameters(), lr=args.adamw_lr, betas=(0.9, 0.95), weight_decay=0.1),
+              steps=steps, seed=args.seed, label="AdamW", eval_every=max(1, steps // 20),
+              progress=not args.no_progress),
+    ]
+    print(f"\n{'optimizer':<22} {'final train':>11} {'final val':>10} {'best val':>9} {'bits/byte':>9} {'time (s)':>9}")
+    for r in results:
+        best = min(r["val"])
+        print(f"{r['label']:<22} {r['train'][-1]:>11.4f} {r['val'][-1]:>10.4f} {best:>9.4f} "
+              f"{r['val'][-1] / math.log(2):>9.3f} {r['seconds']:>9.1f}")
+    out = Path(args.out)
+    if plot(results, out):
+        print(f"\nplot written to {out}")
+    else:
+        print("\n(matplotlib is not installed: pip install 'geomopt[examples]' for the plot)")
+    return EXIT_CLEAN
+
+
+def add_parser(sub) -> None:
+    sp = sub.add_parser("demo", help="lint + plan + a short real training run against AdamW, with a table and a plot")
+    sp.add_argument("--spec", default=str(SPECS_DIR / "prox-muon-frobenius.yaml"), help="spec file to train with")
+    sp.add_argument("--steps", type=int, default=0, help="training steps per optimizer (default 600; 30 with --quick)")
+    sp.add_argument("--quick", action="store_true", help="a few steps only (for tests)")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--adamw-lr", type=float, default=3e-3)
+    sp.add_argument("--out", default="demo.png", help="where to write the PNG plot")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sp.set_defaults(fn=run)

@@ -1,0 +1,16 @@
+geomopt 1
+name "prox-muon-frobenius"
+defaults lr=0.02 direction=polyak
+
+rule embeddings match module=Embedding:
+    geometry columnwise(log_barrier, scale=scion, layout=in_out)
+
+rule head match "re:(lm_)?head\\.weight":
+    geometry anisotropic(indicator, radius=10.0, scale=scion)
+
+rule hidden match "**.weight" ndim=[2, 3, 4, 5]:
+    geometry spectral(power_barrier(eps=0.00105), approx=polar_express, scale=scion)
+    constraint frobenius_ball(radius=0.5, relative=true)
+
+rule rest match "**":
+    geometry isotropic(log_barrier, scale=scion)

@@ -1,0 +1,4 @@
+geomopt 1
+name "demo"
+rule hidden match "re:\d+\.weight":
+    geometry euclidean

@@ -1,0 +1,3 @@
+geomopt 1
+rule hidden match "**.weight" ndim=2:
+    geometry spectral(indicator)

@@ -1,0 +1,3 @@
+geomopt 1
+name "demo"
+defaults lr=0.02

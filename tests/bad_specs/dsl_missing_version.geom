@@ -1,0 +1,3 @@
+name "demo"
+rule hidden match "**.weight" ndim=2:
+    geometry spectral(indicator)

@@ -1,0 +1,4 @@
+geomopt 1
+name "demo"
+rules hidden match "**":
+    geometry spectral(indicator)

@@ -1,0 +1,4 @@
+geomopt 1
+name "demo"
+rule 2nd match "**":
+    geometry spectral(indicator)

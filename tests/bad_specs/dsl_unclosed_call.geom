@@ -1,0 +1,4 @@
+geomopt 1
+name "demo"
+rule hidden match "**.weight" ndim=2:
+    geometry spectral(indicator, approx=svd

@@ -1,0 +1,5 @@
+geomopt 1
+name "demo"
+rule hidden match "**.weight" ndim=2:
+    geometry spectral(indicator)
+    constraint frobenius_bal(radius=0.5)

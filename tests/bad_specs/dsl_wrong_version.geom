@@ -1,0 +1,5 @@
+# a future spec
+geomopt 2
+name "demo"
+rule hidden match "**.weight" ndim=2:
+    geometry spectral(indicator)

@@ -1,0 +1,163 @@
+"""Fuzzing both front ends: any text gives a Spec or a SpecError whose diagnostics are well formed
+(code, severity, 1-based line and col inside the text) — never another exception.
+
+Inputs: arbitrary text, soups of YAML/DSL tokens, and mutations of the shipped specs in both
+spellings (characters and lines deleted, duplicated, swapped, replaced).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import geomopt
+from geomopt.spec.diagnostics import LANGUAGE_CODES, SEVERITY_ORDER
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SHIPPED = sorted((ROOT / "specs").glob("*.yaml"))
+YAML_TEXTS = [p.read_text(encoding="utf-8") for p in SHIPPED]
+DSL_TEXTS = [geomopt.dump_spec(geomopt.load_spec(p), "dsl") for p in SHIPPED]
+FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def check(text: str, fmt: str):
+    """parse_spec's contract on any input; returns the Spec or the SpecError."""
+    try:
+        spec = geomopt.parse_spec(text, fmt)
+    except geomopt.SpecError as err:
+        assert err.diagnostics, "SpecError without diagnostics"
+        max_line = len(text.splitlines()) + 1  # splitlines knows every line break YAML does
+        for d in err.diagnostics:
+            assert d.code in LANGUAGE_CODES, d
+            assert d.name == LANGUAGE_CODES[d.code][0]
+            assert d.severity in SEVERITY_ORDER
+            assert isinstance(d.line, int) and isinstance(d.col, int)
+            assert 1 <= d.line <= max_line, (d, max_line)
+            assert d.col >= 1, d
+            assert isinstance(d.message, str) and d.message.strip()
+            assert "__ANON" not in d.message and "Traceback" not in d.message
+            assert d.to_dict()["code"] == d.code
+        return err
+    assert isinstance(spec, geomopt.Spec)
+    # what parses also prints, and the print parses back to the same spec
+    for out in ("yaml", "dsl"):
+        assert geomopt.parse_spec(geomopt.dump_spec(spec, out), out) == spec
+    return spec
+
+
+# ---------------------------------------------------------------- arbitrary text
+
+
+@FUZZ
+@given(st.text(max_size=300))
+def test_arbitrary_text_yaml(text):
+    check(text, "yaml")
+
+
+@FUZZ
+@given(st.text(max_size=300))
+def test_arbitrary_text_dsl(text):
+    check(text, "dsl")
+
+
+# ---------------------------------------------------------------- token soups
+
+YAML_TOKENS = [
+    "geomopt", "name", "rules", "defaults", "match", "geometry", "constraint", "kind", "reference", "approx",
+    "lr", "spectral", "indicator", "1", "2", "0", "-1", "1e-3", ".5", "yes", "on", "null", "~", "true", "10:30",
+    "0x1F", "0o17", ":", ": ", "- ", "-", "\n", "\n  ", "\n    ", "  ", "\t", "{", "}", "[", "]", ",", "'", '"',
+    "#", "&a", "*a", "<<", "!!python/object:x", "!!int", "!tag", "?", "|", ">", "---", "...", "%YAML 1.2", "\\",
+    "\x85", "\u2028", "\ufeff", "é", "re:a((", "**", "\x00", "\x07",
+]
+DSL_TOKENS = [
+    "geomopt", "name", "description", "defaults", "rule", "match", "geometry", "constraint", "lr", "direction",
+    "schedule", "weight_decay", "project_on_init", "on_nonfinite", "spectral", "indicator", "polyak", "kind",
+    "approx", "newton_schulz", "radius", "module", "ndim", "true", "false", "none", "1", "-0.5", "1e-3", "2.",
+    ".5", "+3", "(", ")", "[", "]", ",", "=", ":", '"', '"x"', '"\\u00e9"', '"\\ud800"', '"\\q"', "#", "\n",
+    " ", "\t", "@", ";", "'", "x", "a-b", "_", "\x00", "é", "{", "}",
+]
+
+
+@FUZZ
+@given(st.lists(st.sampled_from(YAML_TOKENS), max_size=60).map("".join))
+def test_yaml_token_soup(text):
+    check(text, "yaml")
+
+
+@FUZZ
+@given(st.lists(st.sampled_from(DSL_TOKENS), max_size=60).map(" ".join))
+def test_dsl_token_soup(text):
+    check(text, "dsl")
+
+
+@FUZZ
+@given(st.lists(st.sampled_from(DSL_TOKENS), max_size=60).map("".join))
+def test_dsl_token_soup_unspaced(text):
+    check(text, "dsl")
+
+
+# ---------------------------------------------------------------- mutations of shipped specs
+
+
+@st.composite
+def mutated(draw, texts):
+    text = draw(st.sampled_from(texts))
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["del_char", "dup_char", "swap_chars", "put_char", "del_line", "dup_line", "swap_lines", "cut"]))
+        if op.endswith("line") or op.endswith("lines"):
+            lines = text.split("\n")
+            i = draw(st.integers(0, len(lines) - 1))
+            j = draw(st.integers(0, len(lines) - 1))
+            if op == "del_line":
+                del lines[i]
+            elif op == "dup_line":
+                lines.insert(i, lines[i])
+            else:
+                lines[i], lines[j] = lines[j], lines[i]
+            text = "\n".join(lines)
+        elif text:
+            i = draw(st.integers(0, len(text) - 1))
+            j = draw(st.integers(0, len(text) - 1))
+            if op == "del_char":
+                text = text[:i] + text[i + 1:]
+            elif op == "dup_char":
+                text = text[:i] + text[i] + text[i:]
+            elif op == "swap_chars":
+                chars = list(text)
+                chars[i], chars[j] = chars[j], chars[i]
+                text = "".join(chars)
+            elif op == "put_char":
+                ch = draw(st.one_of(st.sampled_from(list(":-{}[]()=,\"'#\t\n &*!|>%@\\")), st.characters()))
+                text = text[:i] + ch + text[i:]
+            else:  # cut: the file ends early
+                text = text[:i]
+    return text
+
+
+@FUZZ
+@given(mutated(YAML_TEXTS))
+def test_mutated_yaml(text):
+    check(text, "yaml")
+
+
+@FUZZ
+@given(mutated(DSL_TEXTS))
+def test_mutated_dsl(text):
+    check(text, "dsl")
+
+
+@FUZZ
+@given(st.sampled_from(YAML_TEXTS + DSL_TEXTS), st.sampled_from(["yaml", "dsl"]))
+def test_wrong_format_is_a_finding(text, fmt):
+    """A spec given to the other front end is a clean error (or, for YAML, never a crash)."""
+    check(text, fmt)
+
+
+def test_unmutated_shipped_specs_parse():
+    assert len(YAML_TEXTS) == len(DSL_TEXTS) >= 5
+    for text in YAML_TEXTS:
+        assert isinstance(check(text, "yaml"), geomopt.Spec)
+    for text in DSL_TEXTS:
+        assert isinstance(check(text, "dsl"), geomopt.Spec)

@@ -1,0 +1,305 @@
+"""YAML and the DSL are two spellings of one model: parse(dump(s)) == s, both ways.
+
+Shipped specs are checked in every direction; hypothesis generates valid Spec objects with every
+kind of geometry, reference, approximation, constraint, direction and schedule, and with the
+strings that trip printers (unicode, quotes, backslashes, "1e-3", "yes", "10:30", keywords).
+The committed JSON Schema is checked against the models and against the shipped specs.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import geomopt
+from geomopt.spec import model as m
+from geomopt.spec.schema import SCHEMA_PATH, schema_text
+from geomopt.spec.yaml_front import parse_yaml
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SHIPPED = sorted((ROOT / "specs").glob("*.yaml"))
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_there_are_shipped_specs():
+    assert len(SHIPPED) >= 5
+
+
+# ---------------------------------------------------------------- shipped specs
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_yaml_dsl_yaml(path):
+    spec = geomopt.load_spec(path)
+    dsl = geomopt.dump_spec(spec, "dsl")
+    from_dsl = geomopt.parse_spec(dsl, "dsl")
+    assert from_dsl == spec
+    yaml_text = geomopt.dump_spec(from_dsl, "yaml")
+    assert geomopt.parse_spec(yaml_text, "yaml") == spec
+    # printing is a fixed point: the printed forms print the same again
+    assert geomopt.dump_spec(from_dsl, "dsl") == dsl
+    assert geomopt.dump_spec(geomopt.parse_spec(yaml_text, "yaml"), "yaml") == yaml_text
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_dsl_text_to_yaml(path, tmp_path):
+    """A .geom file on disk (the DSL text) converts to YAML and back to the same spec."""
+    spec = geomopt.load_spec(path)
+    geom = tmp_path / f"{path.stem}.geom"
+    geom.write_text(geomopt.dump_spec(spec, "dsl"), encoding="utf-8")
+    from_file = geomopt.load_spec(geom)
+    assert from_file == spec
+    yml = tmp_path / f"{path.stem}.yaml"
+    yml.write_text(geomopt.dump_spec(from_file, "yaml"), encoding="utf-8")
+    assert geomopt.load_spec(yml) == spec
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_printed_dsl_is_compact(path):
+    """Defaults are left out and kinds print bare where nothing else is set."""
+    dsl = geomopt.dump_spec(geomopt.load_spec(path), "dsl")
+    assert dsl.startswith("geomopt 1\n")
+    assert "kind=" not in dsl and "radius=1.0," not in dsl and "(reference=" not in dsl
+
+
+# ---------------------------------------------------------------- strategies for valid specs
+
+TRICKY = [
+    "1e-3", "1.0e-3", ".5", "-1", "+1", "0o17", "0x1F", "10:30", "1_000", "yes", "no", "on", "off", "y", "n",
+    "true", "False", "null", "~", "", " ", "-", "*", "**", "a: b", "- x", "#c", "x #c", "'", '"', "\\", "\\n",
+    "é", "名前", "🙂", "tab\there", "line\nbreak", "\u2028", "\x85", "NaN", ".inf", "geometry", "rule", "match",
+    "name", "lr", "kind", "none", "[1]", "{a}", "&a", "*a", "!tag", "%", "@", "`", "a\\\"b", "re:", "  lead", "trail  ",
+]
+text = st.one_of(st.sampled_from(TRICKY), st.text(max_size=12))
+nonempty = text.filter(bool)
+pos = st.floats(min_value=0, exclude_min=True, allow_nan=False, allow_infinity=False)
+nonneg = st.floats(min_value=0, allow_nan=False, allow_infinity=False)
+prob = st.floats(min_value=0, max_value=1, exclude_min=True, allow_nan=False)
+finite = st.floats(allow_nan=False, allow_infinity=False)
+dtype = st.sampled_from(["auto", "float32", "bfloat16", "float64"])
+scale = st.sampled_from(["none", "scion", "muon_original", "match_rms_adamw"])
+layout = st.sampled_from(["auto", "out_in", "in_out"])
+rule_name = st.one_of(
+    st.from_regex(r"\A[A-Za-z_][A-Za-z0-9_\-]{0,10}\Z"),
+    st.sampled_from(["match", "rule", "geometry", "true", "false", "lr", "name", "geomopt", "a-b", "_"]),
+)
+
+
+def _compiles(p: str) -> bool:
+    try:
+        re.compile(p)
+        return True
+    except re.error:
+        return False
+
+
+pattern = st.one_of(
+    nonempty.filter(lambda s: not s.startswith("re:")),
+    st.sampled_from(["re:.*", r"re:(lm_)?head\.weight", r"re:.*\.(h|layers)\..*\.weight", "re:a|b", r"re:\d+"]),
+    text.filter(_compiles).map(lambda s: "re:" + s),
+)
+
+
+def model(cls, **fields):
+    """``cls`` built from a random subset of ``fields`` (the rest keep their defaults)."""
+    required = {k: v for k, v in fields.items() if cls.model_fields[k].is_required()}
+    optional = {k: v for k, v in fields.items() if k not in required}
+    return st.fixed_dictionaries(required, optional=optional).map(lambda d: cls(**d))
+
+
+reference = st.one_of(
+    model(m.LogBarrier, eps=pos),
+    model(m.PowerBarrier, kappa=st.floats(min_value=1, allow_nan=False, allow_infinity=False), eps=pos),
+    st.just(m.Indicator()),
+    st.just(m.Quadratic()),
+)
+triple = st.lists(finite, min_size=3, max_size=3)
+
+
+@st.composite
+def newton_schulz(draw):
+    steps = draw(st.integers(1, 100))
+    coefficients = draw(st.one_of(st.none(), st.lists(triple, min_size=1, max_size=1), st.lists(triple, min_size=steps, max_size=steps) if steps <= 6 else st.none()))
+    return m.NewtonSchulz(steps=steps, coefficients=coefficients, dtype=draw(dtype))
+
+
+approx = st.one_of(
+    model(m.Svd, dtype=dtype),
+    model(m.GramEigh, dtype=dtype),
+    newton_schulz(),
+    model(m.PolarExpress, steps=st.integers(1, 100), dtype=dtype,
+          coefficients=st.one_of(st.sampled_from(["polar_express", "speedrun"]), st.lists(triple, min_size=1, max_size=4))),
+)
+prenormalize = st.one_of(model(m.FrobeniusPrenorm, eps=pos), model(m.MaxPrenorm, eps=pos), st.just(m.NoPrenorm()))
+geometry = st.one_of(
+    model(m.Euclidean, radius=pos),
+    model(m.Isotropic, radius=pos, reference=reference, scale=scale),
+    model(m.Anisotropic, radius=pos, reference=reference, scale=scale, layout=layout),
+    model(m.Spectral, radius=pos, reference=reference, approx=approx, prenormalize=prenormalize, scale=scale,
+          layout=layout, split=st.integers(1, 64)),
+    model(m.Rowwise, radius=pos, reference=reference, scale=scale, layout=layout),
+    model(m.Columnwise, radius=pos, reference=reference, scale=scale, layout=layout),
+    model(m.Adam, radius=pos, eps=pos,
+          betas=st.lists(st.floats(min_value=0, max_value=1, exclude_max=True, allow_nan=False), min_size=2, max_size=2)),
+)
+method = st.sampled_from(["exact", "polar"])
+radius_fields = dict(radius=pos, relative=st.booleans())
+constraint = st.one_of(
+    *[model(cls, **radius_fields) for cls in (m.L2Ball, m.LinfBall, m.LinfSphere, m.SignSet, m.FrobeniusBall, m.FrobeniusSphere, m.SpectralSphere)],
+    model(m.SpectralBall, method=method, **radius_fields),
+    model(m.Stiefel, method=method, **radius_fields),
+    model(m.L0, k=st.integers(1, 10**12)),
+    model(m.Rank, k=st.integers(1, 10**6)),
+    model(m.ProximalDecay, lam=pos),
+)
+direction = st.one_of(
+    st.just(m.NoDirection()),
+    model(m.Polyak, alpha=prob, nesterov=st.booleans(), init=st.sampled_from(["zero", "gradient"])),
+    model(m.Storm, alpha=prob),
+)
+schedule = st.one_of(
+    st.just(m.ConstantSchedule()), st.just(m.StormSchedule()),
+    model(m.TheorySchedule, horizon=st.integers(1, 10**9), gamma_bar=pos),
+)
+ndim = st.one_of(st.integers(0, 8), st.lists(st.integers(0, 8), min_size=1, max_size=4))
+shape = st.lists(st.one_of(st.integers(0, 4096), st.just("*")), max_size=4)
+match = st.fixed_dictionaries({}, optional=dict(name=pattern, module=nonempty, ndim=ndim, shape=shape)).flatmap(
+    lambda d: st.just(m.Match(**d)) if d else pattern.map(lambda p: m.Match(name=p)))  # at least one predicate
+hyper = dict(lr=nonneg, weight_decay=nonneg, direction=direction, schedule=schedule,
+             on_nonfinite=st.sampled_from(["skip", "raise"]), project_on_init=st.booleans())
+rule = model(m.Rule, name=rule_name, match=match, geometry=geometry, constraint=constraint, **hyper)
+
+
+@st.composite
+def specs(draw):
+    rules = draw(st.lists(rule, min_size=1, max_size=4, unique_by=lambda r: r.name))
+    fields = draw(st.fixed_dictionaries({}, optional={"description": text, "defaults": model(m.Defaults, **hyper)}))
+    return m.Spec(geomopt=1, name=draw(nonempty), rules=rules, **fields)
+
+
+# ---------------------------------------------------------------- generated round trips
+
+
+@SETTINGS
+@given(specs())
+def test_roundtrip_yaml(spec):
+    text = geomopt.dump_spec(spec, "yaml")
+    assert geomopt.parse_spec(text, "yaml") == spec, text
+
+
+@SETTINGS
+@given(specs())
+def test_roundtrip_dsl(spec):
+    text = geomopt.dump_spec(spec, "dsl")
+    assert geomopt.parse_spec(text, "dsl") == spec, text
+
+
+@SETTINGS
+@given(specs())
+def test_roundtrip_across_formats(spec):
+    """yaml → dsl → yaml and dsl → yaml → dsl give the same spec and the same text."""
+    via_dsl = geomopt.parse_spec(geomopt.dump_spec(spec, "dsl"), "dsl")
+    yaml_text = geomopt.dump_spec(via_dsl, "yaml")
+    assert geomopt.parse_spec(yaml_text, "yaml") == spec
+    assert yaml_text == geomopt.dump_spec(spec, "yaml")
+    via_yaml = geomopt.parse_spec(geomopt.dump_spec(spec, "yaml"), "yaml")
+    assert geomopt.dump_spec(via_yaml, "dsl") == geomopt.dump_spec(spec, "dsl")
+
+
+@SETTINGS
+@given(specs())
+def test_plain_data_roundtrip(spec):
+    """model_dump() → Spec.model_validate gives the spec back (the dict form GeomOptimizer accepts)."""
+    assert m.Spec.model_validate(spec.model_dump()) == spec
+
+
+def test_tricky_strings_are_quoted():
+    """Strings that YAML 1.1/1.2 or the DSL would read as something else print quoted."""
+    spec = m.Spec(geomopt=1, name="yes", description="1e-3", rules=[
+        m.Rule(name="true", match=m.Match(name="10:30", module="null"), geometry=m.Euclidean()),
+        m.Rule(name="lr", match=m.Match(module="geometry"), geometry=m.Euclidean()),
+    ])
+    y = geomopt.dump_spec(spec, "yaml")
+    assert "name: 'yes'" in y and "description: '1e-3'" in y and "'10:30'" in y and "'null'" in y
+    d = geomopt.dump_spec(spec, "dsl")
+    assert 'module="null"' not in d  # null is not a DSL word: it may print bare
+    assert 'module="geometry"' in d and 'name "yes"' in d
+    for fmt, t in (("yaml", y), ("dsl", d)):
+        assert geomopt.parse_spec(t, fmt) == spec
+
+
+# ---------------------------------------------------------------- JSON Schema
+
+
+def test_committed_schema_is_current():
+    assert (ROOT / SCHEMA_PATH).read_text(encoding="utf-8") == schema_text()
+
+
+def _shipped_data():
+    return [(p, parse_yaml(p.read_text(encoding="utf-8"), str(p)).data) for p in SHIPPED]
+
+
+def test_schema_has_the_discriminated_kinds():
+    """Structural check (runs with or without jsonschema): each kind field is a discriminated union
+    whose mapping lists exactly the model's kinds."""
+    schema = json.loads(schema_text())
+    defs = schema["$defs"]
+    expected = {
+        ("Rule", "geometry"): set(m.GEOMETRY_KINDS),
+        ("Rule", "constraint"): set(m.CONSTRAINT_KINDS),
+        ("Spectral", "reference"): {"log_barrier", "power_barrier", "indicator", "quadratic"},
+        ("Spectral", "approx"): {"svd", "gram_eigh", "newton_schulz", "polar_express"},
+        ("Spectral", "prenormalize"): {"frobenius", "max", "none"},
+        ("Rule", "direction"): {"none", "polyak", "storm"},
+        ("Defaults", "schedule"): {"constant", "theory", "storm"},
+    }
+    for (owner, field), kinds in expected.items():
+        prop = defs[owner]["properties"][field]
+        union = next(s for s in [prop, *prop.get("anyOf", [])] if "discriminator" in s)
+        assert union["discriminator"]["propertyName"] == "kind"
+        mapping = union["discriminator"]["mapping"]
+        assert set(mapping) == kinds, (owner, field)
+        for kind, ref in mapping.items():
+            target = defs[ref.rsplit("/", 1)[-1]]
+            assert target["properties"]["kind"]["const"] == kind
+            assert target.get("additionalProperties") is False
+    assert schema["properties"]["geomopt"]["const"] == 1
+    assert set(schema["required"]) == {"geomopt", "name", "rules"}
+    match = defs["Rule"]["properties"]["match"]["anyOf"]
+    assert any(s.get("type") == "string" for s in match) and any(s.get("$ref") == "#/$defs/Match" for s in match)
+    # the structure the shipped specs use is allowed by it
+    for path, data in _shipped_data():
+        for rule in data["rules"]:
+            assert set(rule) <= set(defs["Rule"]["properties"]), path
+            assert rule["geometry"]["kind"] in defs["Rule"]["properties"]["geometry"]["discriminator"]["mapping"]
+
+
+def test_shipped_specs_validate_against_schema():
+    try:
+        import jsonschema
+    except ImportError:  # not a dependency: the structural test above covers the schema then
+        jsonschema = None
+    schema = json.loads(schema_text())
+    if jsonschema is None:
+        for path, data in _shipped_data():
+            assert set(data) <= set(schema["properties"]), path
+            assert data["geomopt"] == schema["properties"]["geomopt"]["const"]
+        return
+    validator = jsonschema.Draft202012Validator(schema)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    for path, data in _shipped_data():
+        errors = [e.message for e in validator.iter_errors(data)]
+        assert not errors, (path, errors)
+    # and it is not vacuous: a typo'd kind and an unknown field are rejected
+    path, data = _shipped_data()[0]
+    bad = json.loads(json.dumps(data))
+    bad["rules"][0]["geometry"]["kind"] = "spectrl"
+    assert list(validator.iter_errors(bad))
+    bad = json.loads(json.dumps(data))
+    bad["rules"][0]["lrr"] = 0.1
+    assert list(validator.iter_errors(bad))
