@@ -52,7 +52,7 @@ def loss_of(model, batch):
     return F.cross_entropy(model(x).float(), y)
 
 
-def train(model, opt, steps: int, batch_fn=None, *, start: int = 0, closure: bool = False) -> list[float]:
+def train(model, opt, steps: int, batch_fn=None, *, start: int = 0, closure: bool = False, scheduler=None) -> list[float]:
     """Plain loop; ``batch_fn(k)`` gives step k's batch (None: one fixed batch)."""
     losses = []
     for k in range(start, start + steps):
@@ -65,10 +65,12 @@ def train(model, opt, steps: int, batch_fn=None, *, start: int = 0, closure: boo
             return loss
 
         if closure:
-            losses.append(float(opt.step(closure_fn)))
+            losses.append(float(opt.step(closure_fn).detach()))
         else:
-            losses.append(float(closure_fn()))
+            losses.append(float(closure_fn().detach()))
             opt.step()
+        if scheduler is not None:
+            scheduler.step()
     return losses
 
 

@@ -131,7 +131,7 @@ CASES = [
     ("yaml_complex_key.yaml", "GO005", 9, 7, ["mapping keys must be plain words"]),
     # ---------------------------------------------------------------- document shape, version (GO005, GO008)
     ("yaml_top_level_list.yaml", "GO005", 2, 1, ["a spec is a mapping", "not a list"]),
-    ("yaml_top_level_scalar.yaml", "GO005", 1, 1, ["a spec is a mapping", "not a str"]),
+    ("yaml_top_level_scalar.yaml", "GO005", 1, 1, ["a spec is a mapping", "not a string"]),
     ("yaml_wrong_version.yaml", "GO008", 2, 10, ["version 2", "'geomopt: 1'"]),
     ("yaml_version_string.yaml", "GO008", 1, 10, ["version '1'"]),
     ("yaml_version_bool.yaml", "GO008", 1, 10, ["version true"]),

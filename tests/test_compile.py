@@ -18,7 +18,7 @@ from geomopt.geometry.registry import supported_constraints
 from geomopt.models import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECS = sorted((ROOT / "specs").glob("*.yaml"))
+SPECS = sorted([*(ROOT / "specs").glob("*.yaml"), *(ROOT / "specs").glob("*.geom")])  # YAML and DSL
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_specs_are_shipped():
     assert len(SPECS) >= 10
 
 
-@pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.name)
 def test_every_shipped_spec_compiles_on_every_reference_model(spec_path, models):
     spec = geomopt.load_spec(spec_path)
     for name, model in models.items():
@@ -55,13 +55,14 @@ def test_every_shipped_spec_compiles_on_every_reference_model(spec_path, models)
 
 @pytest.fixture(scope="module")
 def hf_gpt2():
-    transformers = pytest.importorskip("transformers")  # optional: see the report on CI
+    import transformers  # a test dependency: CI installs it (about 16 s)
+
     transformers.logging.set_verbosity_error()
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
     return transformers.GPT2LMHeadModel(config)
 
 
-@pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.name)
 def test_shipped_specs_compile_on_hugging_face_gpt2(spec_path, hf_gpt2):
     spec = geomopt.load_spec(spec_path)
     plan = compile_spec(spec, hf_gpt2)

@@ -23,7 +23,7 @@ from geomopt.models import GPT, GPTConfig, MODELS
 from geomopt.spec.diagnostics import LANGUAGE_CODES
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECS = sorted((ROOT / "specs").glob("*.yaml"))
+SPECS = sorted([*(ROOT / "specs").glob("*.yaml"), *(ROOT / "specs").glob("*.geom")])  # YAML and DSL
 
 HEAD = "geomopt: 1\nname: t\nrules:\n"  # rules start on line 4; the list itself sits at 4:3
 
@@ -213,7 +213,7 @@ def test_findings_are_sorted_by_position():
 # ---------------------------------------------------------------- the shipped specs are clean
 
 
-@pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.name)
 def test_shipped_specs_are_clean(spec_path):
     spec = geomopt.load_spec(spec_path)
     allowed_notes = {"GO109"}  # adam hybrids are outside the theory, by design

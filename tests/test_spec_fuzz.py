@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import pathlib
 
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import geomopt
 from geomopt.spec.diagnostics import LANGUAGE_CODES, SEVERITY_ORDER
+from geomopt.spec.yaml_front import YamlDumper, parse_yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "specs").glob("*.yaml"))
 YAML_TEXTS = [p.read_text(encoding="utf-8") for p in SHIPPED]
 DSL_TEXTS = [geomopt.dump_spec(geomopt.load_spec(p), "dsl") for p in SHIPPED]
+DSL_TEXTS += [p.read_text(encoding="utf-8") for p in sorted((ROOT / "specs").glob("*.geom"))]  # hand-written
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
@@ -148,6 +151,47 @@ def test_mutated_dsl(text):
     check(text, "dsl")
 
 
+JSON = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False, allow_infinity=False),
+              st.sampled_from(["", "spectral", "kind", "re:a((", "**", "yes", "1e-3", "polyak", "frobenius_ball"])),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.sampled_from(["kind", "name", "radius", "reference", "lr", "k", "x", "match", "geometry"]), inner, max_size=3)),
+    max_leaves=8,
+)
+
+
+def _paths(node, path=()):
+    yield path
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, path + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, path + (i,))
+
+
+@st.composite
+def replaced(draw):
+    """A shipped spec as data with one value (anywhere) replaced by random JSON-like data, so the
+    pydantic-error → position mapping meets every shape of wrong value."""
+    data = parse_yaml(draw(st.sampled_from(YAML_TEXTS))).data
+    path = draw(st.sampled_from(list(_paths(data))[1:]))
+    node = data
+    for p in path[:-1]:
+        node = node[p]
+    if draw(st.booleans()) or not isinstance(node, dict):
+        node[path[-1]] = draw(JSON)
+    else:  # or rename the key
+        node[draw(st.sampled_from(["kind", "nmae", "radius", "geometri", "x"]))] = node.pop(path[-1])
+    return yaml.dump(data, Dumper=YamlDumper, sort_keys=False)
+
+
+@FUZZ
+@given(replaced())
+def test_wrong_values_anywhere(text):
+    check(text, "yaml")
+
+
 @FUZZ
 @given(st.sampled_from(YAML_TEXTS + DSL_TEXTS), st.sampled_from(["yaml", "dsl"]))
 def test_wrong_format_is_a_finding(text, fmt):
@@ -156,7 +200,7 @@ def test_wrong_format_is_a_finding(text, fmt):
 
 
 def test_unmutated_shipped_specs_parse():
-    assert len(YAML_TEXTS) == len(DSL_TEXTS) >= 5
+    assert len(YAML_TEXTS) >= 5 and len(DSL_TEXTS) >= len(YAML_TEXTS)
     for text in YAML_TEXTS:
         assert isinstance(check(text, "yaml"), geomopt.Spec)
     for text in DSL_TEXTS:

@@ -23,6 +23,7 @@ from geomopt.spec.yaml_front import parse_yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "specs").glob("*.yaml"))
+SHIPPED_DSL = sorted((ROOT / "specs").glob("*.geom"))
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -57,6 +58,19 @@ def test_shipped_dsl_text_to_yaml(path, tmp_path):
     yml = tmp_path / f"{path.stem}.yaml"
     yml.write_text(geomopt.dump_spec(from_file, "yaml"), encoding="utf-8")
     assert geomopt.load_spec(yml) == spec
+
+
+@pytest.mark.parametrize("path", SHIPPED_DSL, ids=[p.stem for p in SHIPPED_DSL])
+def test_shipped_geom_files(path):
+    """A shipped .geom (hand-written DSL text) → YAML → DSL gives the same spec, equal to its .yaml twin."""
+    spec = geomopt.load_spec(path)
+    yaml_text = geomopt.dump_spec(spec, "yaml")
+    from_yaml = geomopt.parse_spec(yaml_text, "yaml")
+    assert from_yaml == spec
+    assert geomopt.parse_spec(geomopt.dump_spec(from_yaml, "dsl"), "dsl") == spec
+    twin = path.with_suffix(".yaml")
+    if twin.exists():
+        assert geomopt.load_spec(twin) == spec
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])

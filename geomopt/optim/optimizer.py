@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 from typing import Callable, Iterable, Optional, Union
 
 import torch
@@ -221,7 +222,8 @@ class GeomOptimizer(Optimizer):
     @torch.no_grad()
     def diagnostics(self) -> dict[str, dict]:
         """Per rule: ``gap`` (stationarity-gap estimate, W of the last step paired with the current
-        gradient; None where undefined or not tracked), ``dual_norm`` (‖G‖_* where g ≡ 0),
+        gradient; None where undefined or not tracked; NaN while a gradient is non-finite),
+        ``dual_norm`` (ρ‖G‖_* where g ≡ 0),
         ``violation`` (max distance of a tensor to its constraint set), ``update_norm`` (of the last
         step), ``skipped`` and ``fallbacks`` (steps where the backward step was undefined and the
         Euclidean projection was used). Syncs with the device: call it every N steps."""
@@ -241,7 +243,14 @@ class GeomOptimizer(Optimizer):
                 if g is None:
                     continue
                 w = self.state[p].get("w")
-                if pp.constraint is None and pp.geometry["kind"] != "adam":
+                lmo_gap = pp.constraint is None and pp.geometry["kind"] != "adam"
+                if not bool(torch.isfinite(g).all()):
+                    # a non-finite gradient (a skipped step): no estimate, and no SVD of it
+                    if lmo_gap:
+                        dual = math.nan
+                    elif w is not None:
+                        gap = math.nan
+                elif lmo_gap:
                     # g ≡ 0: the gap of the lmo method is ρ‖G‖_*
                     dual = (dual or 0.0) + rho * float(dual_norm(g, pp.geometry))
                 elif w is not None:

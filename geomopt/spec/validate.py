@@ -22,7 +22,8 @@ def source_of(spec: Spec) -> SourceMap | None:
 def validate(parsed: Parsed) -> Spec:
     data, source = parsed.data, parsed.source
     if not isinstance(data, dict):
-        raise SpecError([language_diagnostic("GO005", f"a spec is a mapping with 'geomopt: 1', 'name' and 'rules', not a {type(data).__name__}", source.file, source.pos(()))])
+        what = {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(type(data), "null")
+        raise SpecError([language_diagnostic("GO005", f"a spec is a mapping with 'geomopt: 1', 'name' and 'rules', not {what}", source.file, source.pos(()))])
     version = data.get("geomopt")
     if "geomopt" in data and (version != 1 or isinstance(version, bool)):  # True == 1 in Python
         wanted = "geomopt 1" if source.format == "dsl" else "geomopt: 1"

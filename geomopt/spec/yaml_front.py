@@ -44,6 +44,12 @@ class _Loader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml
         yaml.composer.Composer.__init__(self)
         _Resolver.__init__(self)
 
+    def compose_scalar_node(self, anchor):
+        event = self.peek_event()
+        if event.tag == "!":  # YAML 1.2: the non-specific tag makes a scalar a string (PyYAML re-resolves it)
+            event.tag = _T + "str"
+        return super().compose_scalar_node(anchor)
+
 
 class YamlDumper(yaml.SafeDumper):
     """Dumper whose quoting agrees with the loader: a string that would load as a number, bool or
@@ -105,7 +111,8 @@ def parse_yaml(text: str, file: str = "<spec>") -> Parsed:
         raise SpecError([language_diagnostic("GO010", f"unreadable input: {exc.reason} (character #x{exc.character:04x}); a spec is plain UTF-8 text", file, (line, col))]) from None
     except yaml.YAMLError as exc:  # pragma: no cover - PyYAML raises Marked errors for text input
         raise SpecError([language_diagnostic("GO001", f"YAML error: {exc}", file)]) from None
-    if root is None:
+    if root is None or (isinstance(root, yaml.ScalarNode) and root.value == "" and root.style is None and root.tag == _T + "null"):
+        # no document, or only `---` / `...`: an empty plain scalar
         raise SpecError([language_diagnostic("GO009", "empty spec: expected a mapping with 'geomopt: 1', 'name' and 'rules'", file)])
     counter = [0]
     data = _build(root, (), source, counter, set())
@@ -168,7 +175,7 @@ _EXPLICIT = {_T + "bool": _BOOL, _T + "int": _INT, _T + "float": _FLOAT, _T + "n
 
 def _scalar(node, source: SourceMap):
     tag, value = node.tag, node.value
-    if tag in (_T + "str", "!"):  # quoted scalars resolve to str; "!" forces a string
+    if tag == _T + "str":  # quoted scalars resolve to str, and so does the non-specific tag "!"
         return value
     if tag not in _EXPLICIT:
         raise SpecError([_tag_error(node, source)])
