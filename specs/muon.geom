@@ -1,3 +1,7 @@
+# torch.optim.Muon as a spec: hidden matrices get the spectral lmo through Muon's quintic
+# Newton–Schulz (bf16 on CUDA), D/max(‖D‖_F, 1e-7) pre-normalization, momentum 0.95 with Nesterov
+# (alpha = 1 − 0.95), the "original" lr adjustment √max(1, dout/din) and decoupled weight decay
+# 0.1. Everything that is not a hidden matrix (embeddings, head, norms, biases) uses AdamW.
 geomopt 1
 name "muon"
 defaults lr=0.02 weight_decay=0.1

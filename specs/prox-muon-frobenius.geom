@@ -1,16 +1,21 @@
+# The paper's NanoGPT setting: uScion's forward steps, plus a proximal Frobenius-ball step on the
+# hidden matrices at half their lmo radius (radius 0.5, relative to ρ = √(dout/din)). The forward
+# map is Polar Express (5 steps), which realizes the spectral power barrier κ = 4, ε ≈ 1.05e-3
+# (paper Theorem 4.7): declaring that reference makes the Frobenius step (which depends on h)
+# agree with the forward map. Use approx svd for the exactly-covered variant.
 geomopt 1
 name "prox-muon-frobenius"
-defaults lr=0.02 direction=polyak
+defaults lr=0.02 direction=polyak(alpha=0.1)
 
 rule embeddings match module=Embedding:
-    geometry columnwise(log_barrier, scale=scion, layout=in_out)
+    geometry columnwise(log_barrier(eps=1e-08), scale=scion, layout=in_out)
 
 rule head match "re:(lm_)?head\\.weight":
     geometry anisotropic(indicator, radius=10.0, scale=scion)
 
 rule hidden match "**.weight" ndim=[2, 3, 4, 5]:
-    geometry spectral(power_barrier(eps=0.00105), approx=polar_express, scale=scion)
+    geometry spectral(power_barrier(kappa=4.0, eps=0.00105), approx=polar_express, scale=scion)
     constraint frobenius_ball(radius=0.5, relative=true)
 
 rule rest match "**":
-    geometry isotropic(log_barrier, scale=scion)
+    geometry isotropic(log_barrier(eps=1e-08), scale=scion)

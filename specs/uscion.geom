@@ -1,9 +1,14 @@
+# Unconstrained Scion (Pethick et al. 2025, Recommendation 3.1): p ← p − lr·ρ·lmo(d) with
+# momentum d ← 0.1·g + 0.9·d. Hidden matrices: spectral lmo scaled √(dout/din) (ρ_l = 1);
+# the output layer: sign lmo scaled 1/din (ρ_L = 10); embeddings: ColNorm of the transposed table
+# (Scion's ColNorm(transpose=True)); norms and biases: BiasRMS. ColNorm/BiasRMS are isotropic log
+# barriers (ε = 1e-8), the lmos the indicator reference.
 geomopt 1
 name "uscion"
-defaults lr=0.02 direction=polyak
+defaults lr=0.02 direction=polyak(alpha=0.1)
 
 rule embeddings match module=Embedding:
-    geometry columnwise(log_barrier, scale=scion, layout=in_out)
+    geometry columnwise(log_barrier(eps=1e-08), scale=scion, layout=in_out)
 
 rule head match "re:(lm_)?head\\.weight":
     geometry anisotropic(indicator, radius=10.0, scale=scion)
@@ -12,4 +17,4 @@ rule hidden match "**.weight" ndim=[2, 3, 4, 5]:
     geometry spectral(indicator, approx=newton_schulz, scale=scion)
 
 rule rest match "**":
-    geometry isotropic(log_barrier, scale=scion)
+    geometry isotropic(log_barrier(eps=1e-08), scale=scion)

@@ -1,6 +1,8 @@
 """Printers: a :class:`Spec` back to YAML or the DSL, losslessly (``parse(dump(s)) == s``).
 
-Only what differs from a default is written (``kind`` always), so printed specs stay short.
+Only what differs from a default is written (``kind`` always), so printed specs stay short —
+except the numbers that define the math (a reference's ε and κ, a direction's α), which are
+always written out.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import yaml
 from pydantic import BaseModel
 
 from geomopt.spec.dsl_front import KIND_FIELDS
-from geomopt.spec.model import Spec
+from geomopt.spec.model import LogBarrier, Polyak, PowerBarrier, Spec, Storm
+
+_EXPLICIT = (LogBarrier, PowerBarrier, Polyak, Storm)
 from geomopt.spec.yaml_front import YamlDumper
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
@@ -25,9 +29,11 @@ def to_plain(model: BaseModel) -> dict:
     """Fields that differ from their defaults (``kind`` always), recursively, as plain data."""
     fields = type(model).model_fields
     out = {"kind": model.kind} if "kind" in fields else {}
+    explicit = isinstance(model, _EXPLICIT)
     for name, field in fields.items():
         value = getattr(model, name)
-        if name == "kind" or (not field.is_required() and value == field.get_default(call_default_factory=True)):
+        default = not field.is_required() and value == field.get_default(call_default_factory=True)
+        if name == "kind" or (default and not (explicit and name in ("eps", "kappa", "alpha"))):
             continue
         out[name] = _plain(value)
     return out
