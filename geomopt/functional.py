@@ -43,21 +43,31 @@ def geometry_dict(geometry: Union[Mapping, BaseModel]) -> dict:
     return out
 
 
+def _radius(g: dict, t: torch.Tensor, batch_dims: int) -> float:
+    """ρ as a spec resolves it for one tensor: ``radius`` times the ``scale`` preset of its shape."""
+    from geomopt.geometry.scale import radius_scale
+
+    return float(g["radius"]) * radius_scale(g, tuple(t.shape[batch_dims:]))
+
+
 def forward_step(d: torch.Tensor, geometry: Union[Mapping, BaseModel], *, batch_dims: int = 0,
                  state: Optional[dict] = None) -> torch.Tensor:
-    """∇φ*(D) = ρ·∇φ₁*(D) for ``geometry`` (the forward / preconditioner step).
+    """∇φ*(D) = ρ·∇φ₁*(D) for ``geometry`` (the forward / preconditioner step); ρ is ``radius``
+    times the ``scale`` preset for the shape of one element of ``d``, as in a spec.
 
     ``batch_dims`` leading dims index independent tensors; ``state`` is needed by ``adam`` only.
     """
     from geomopt.geometry.forward import forward
 
-    return forward(d, geometry_dict(geometry), batch_dims=batch_dims, state=state)
+    g = geometry_dict(geometry)
+    return forward(d, g, radius=_radius(g, d, batch_dims), batch_dims=batch_dims, state=state)
 
 
 def backward_step(y: torch.Tensor, gamma: float, geometry: Union[Mapping, BaseModel],
                   constraint: Union[Mapping, BaseModel, None], *, batch_dims: int = 0,
                   return_fallback: bool = False):
-    """X⁺ ∈ argmin_Z g(Z) + (γ⋆φ)(Z − Y) (the backward / proximal step), t = γρ.
+    """X⁺ ∈ argmin_Z g(Z) + (γ⋆φ)(Z − Y) (the backward / proximal step), t = γρ, ρ resolved as
+    in :func:`forward_step` (a ``relative`` constraint radius is in units of it).
 
     With ``return_fallback`` also returns the flags of tensors where C did not meet
     Y + t·int dom φ₁ and the Euclidean projection was used instead.
@@ -65,8 +75,9 @@ def backward_step(y: torch.Tensor, gamma: float, geometry: Union[Mapping, BaseMo
     from geomopt.geometry.backward import backward
 
     g = geometry_dict(geometry)
+    rho = _radius(g, y, batch_dims)
     c = None if constraint is None else _fragment(_CONSTRAINT, constraint, "constraint").model_dump()
-    if c is not None and c.get("relative"):  # radius in units of the geometry's ρ
-        c.update(radius=c["radius"] * g["radius"], relative=False)
-    x, fallback = backward(y, gamma, g, c, batch_dims=batch_dims)
+    if c is not None and c.get("relative"):  # radius in units of the geometry's ρ (scale preset included)
+        c.update(radius=c["radius"] * rho, relative=False)
+    x, fallback = backward(y, gamma, g, c, radius=rho, batch_dims=batch_dims)
     return (x, fallback) if return_fallback else x

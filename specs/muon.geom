@@ -15,7 +15,7 @@ rule head match "re:(lm_)?head\\.weight":
     lr=0.001
 
 rule hidden match "**.weight" ndim=2:
-    geometry spectral(indicator, approx=newton_schulz, prenormalize=max, scale=muon_original)
+    geometry spectral(indicator, approx=newton_schulz(dtype=bfloat16), prenormalize=max, scale=muon_original)
     direction=polyak(alpha=0.05, nesterov=true)
 
 rule rest match "**":

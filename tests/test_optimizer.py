@@ -245,7 +245,7 @@ def test_diagnostics_gap_violation_update_norm():
             assert diag["all"]["update_norm"] == pytest.approx(moved, rel=1e-5)
             assert diag["all"]["violation"] <= 1e-5
             for p in opt.param_groups[0]["params"]:
-                assert float(p.norm()) <= 1.0 + 1e-5
+                assert float(p.detach().norm()) <= 1.0 + 1e-5
             assert diag["all"]["skipped"] == 0 and diag["all"]["fallbacks"] == 0
             assert diag["rest"]["dual_norm"] is not None and diag["rest"]["dual_norm"] > 0
         assert gaps[0] is None  # no W before the first step
@@ -266,7 +266,7 @@ def test_infeasible_step_falls_back_and_is_counted():
     assert opt.diagnostics()["all"]["violation"] == pytest.approx(20.0 - 1.0, rel=1e-6)
     p.grad = torch.ones(4, 4)
     opt.step()
-    assert float(p.norm()) == pytest.approx(1.0, rel=1e-6)
+    assert float(p.detach().norm()) == pytest.approx(1.0, rel=1e-6)
     d = opt.diagnostics()["all"]
     assert d["fallbacks"] == 1 and d["violation"] <= 1e-6
 
@@ -536,3 +536,33 @@ def test_every_shipped_spec_lowers_the_loss(path):
     losses = train(model, opt, 30, lambda k: mlp_batch(0))
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] < 0.9 * losses[0], (path.stem, losses[0], losses[-1])
+
+
+# ---------------------------------------------------------------- functional API = optimizer step
+
+
+@pytest.mark.parametrize("geometry, constraint", [
+    ({"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}, "scale": "muon_original"},
+     None),
+    ({"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 0.01}, "approx": {"kind": "svd"},
+      "scale": "scion"}, {"kind": "frobenius_ball", "radius": 0.5, "relative": True}),
+    ({"kind": "anisotropic", "reference": {"kind": "log_barrier", "eps": 0.1}, "scale": "scion", "radius": 3.0},
+     {"kind": "linf_ball", "radius": 0.2}),
+    ({"kind": "rowwise", "reference": {"kind": "log_barrier"}, "scale": "scion"}, None),
+])
+def test_functional_api_is_the_optimizer_step(geometry, constraint):
+    """X⁺ = backward_step(X − γ·forward_step(g), γ) with ρ resolved (scale preset, relative
+    radius) as the optimizer does."""
+    torch.manual_seed(0)
+    x0 = torch.randn(8, 2, dtype=torch.float64) * 0.1
+    g = torch.randn(8, 2, dtype=torch.float64)
+    lr = 0.05
+    p = nn.Parameter(x0.clone())
+    opt = geomopt.GeomOptimizer([("w", p)], one_rule(geometry, constraint=constraint, lr=lr))
+    x = p.detach().clone()  # after project_on_init
+    p.grad = g.clone()
+    opt.step()
+    y = x - lr * geomopt.forward_step(g, geometry)
+    expect = geomopt.backward_step(y, lr, geometry, constraint) if constraint else y
+    torch.testing.assert_close(p.detach(), expect, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(p.detach(), x)

@@ -19,7 +19,7 @@ import difflib
 import hashlib
 import json
 import math
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch.optim import Optimizer
@@ -58,9 +58,13 @@ class GeomOptimizer(Optimizer):
     ``track_gap``: keep W = (X⁺ − Y)/(γρ) after each step so :meth:`diagnostics` can report the
     stationarity gap against the next gradient (one extra tensor per parameter).
 
-    STORM directions need ``step(closure)``: the closure must zero the gradients, compute the loss
-    on the current batch and call ``backward()``; the optimizer evaluates it at the previous
-    iterate and at the current one (same batch), except on the first step.
+    STORM directions need ``step(closure)``: the closure computes the loss on the current batch
+    and calls ``backward()`` (zeroing gradients in it is harmless: the optimizer sets them to None
+    before each evaluation); the optimizer evaluates it at the previous iterate and at the current
+    one (same batch), except on the first step.
+
+    Non-finite gradients (any group) skip the whole step or raise, per rule (``on_nonfinite``),
+    before anything is written.
     """
 
     def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, track_gap: bool = False):
