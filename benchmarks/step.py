@@ -1,0 +1,49 @@
+"""Optimizer step time against torch.optim.Muon and fused AdamW on the same tensors.
+
+    python benchmarks/step.py [--model gpt-bench] [--device cpu|cuda] [--spec specs/muon.yaml …]
+
+A thin wrapper over ``geomopt bench`` that also appends the table to benchmarks/RESULTS.md
+(``--record NOTE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from geomopt.cli.bench import bench, device_name, hidden_matrices, table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="gpt-bench")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--spec", action="append")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
+    args = p.parse_args(argv)
+    specs = args.spec or [str(ROOT / "specs" / "muon.yaml")]
+    rows = bench(args.model, specs, device=args.device, iters=args.iters)
+    base = hidden_matrices(args.model, "meta", torch.float32)
+    n = sum(math.prod(t.shape) for _, t in base)
+    header = (f"### {args.model} on {device_name(args.device)} — {datetime.date.today().isoformat()}, torch "
+              f"{torch.__version__}, {len(base)} hidden matrices ({n / 1e6:.1f}M parameters)")
+    text = table(rows, header)
+    if args.record:
+        text += f"\n\n{args.record}\n"
+    print(text)
+    if args.record:
+        with (ROOT / "benchmarks" / "RESULTS.md").open("a", encoding="utf-8") as f:
+            f.write("\n" + text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
