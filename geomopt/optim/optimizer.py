@@ -92,6 +92,14 @@ class GeomOptimizer(Optimizer):
         # spec changed win over the checkpoint's (load_state_dict)
         self._spec_groups = [{k: _copy(g[k]) for k in self._SPEC_KEYS} for g in self.param_groups]
         self._counters = [_new_counters() for _ in self.param_groups]
+        # same-(ops, shape, dtype, device) tensors of a group run as one batched call (Plan buckets)
+        self._buckets = []
+        for plans in self._plans:
+            by_key: dict = {}
+            for i, pp in enumerate(plans):
+                by_key.setdefault(pp.bucket, []).append(i)
+            self._buckets.append(list(by_key.values()))
+        self._buffers: dict = {}  # (param ids, state key) → stacked state; per-param state holds views
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
         self._project_on_init()
 
@@ -136,33 +144,60 @@ class GeomOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            work = [[(p, pp) for p, pp in zip(group["params"], plans) if p.grad is not None]
-                    for group, plans in zip(self.param_groups, self._plans)]
-            if self._skip_nonfinite(work, g_prev):
+            jobs = self._jobs()
+            grads = [_stack([_view(p.grad, pp) for p, pp in items]) for _, items in jobs]
+            prevs = [_stack([_view(g_prev[p], pp) for p, pp in items]) if all(g_prev.get(p) is not None for p, _ in items)
+                     else None for _, items in jobs]
+            if self._skip_nonfinite(jobs, grads, prevs):
                 return loss
-            for gi, group in enumerate(self.param_groups):
-                self._step_group(gi, group, work[gi], g_prev)
+            schedules = {}
+            for (gi, items), g, gp in zip(jobs, grads, prevs):
+                group = self.param_groups[gi]
+                if gi not in schedules:
+                    schedules[gi] = SCHEDULES[group["schedule"]["kind"]](group, group["step"])
+                    self._counters[gi]["update_sq"] = torch.zeros((), device=g.device)
+                self._step_bucket(gi, group, items, g, gp, *schedules[gi])
+            for gi in schedules:
+                self.param_groups[gi]["step"] += 1
         return loss
 
-    def _skip_nonfinite(self, work: list, g_prev: dict) -> bool:
+    def _jobs(self) -> list:
+        """(group index, [(param, plan), …]) per batched call: a bucket's tensors that have a
+        gradient, split by state history (a tensor that missed steps has its own step counts)."""
+        jobs = []
+        for gi, (group, plans) in enumerate(zip(self.param_groups, self._plans)):
+            for bucket in self._buckets[gi]:
+                by_history: dict = {}
+                for i in bucket:
+                    p = group["params"][i]
+                    if p.grad is None:
+                        continue
+                    st = self.state[p]
+                    key = (tuple(sorted(k for k in st if k in _STACKED)), st.get("adam_step"))
+                    by_history.setdefault(key, []).append((p, plans[i]))
+                jobs += [(gi, items) for items in by_history.values()]
+        return jobs
+
+    def _skip_nonfinite(self, jobs: list, grads: list, prevs: list) -> bool:
         """True (and counted) when some gradient is non-finite; raises first where a rule says so."""
-        flags = [torch.stack([torch.isfinite(p.grad).all() for p, _ in w]
-                             + [torch.isfinite(g_prev[p]).all() for p, _ in w if g_prev.get(p) is not None]).all()
-                 for w in work if w]
-        if not flags or bool(torch.stack(flags).all()):  # one host sync per step
+        if not jobs:
             return False
-        bad_groups = []
-        for gi, (group, w) in enumerate(zip(self.param_groups, work)):
-            bad = [pp.name for p, pp in w if not torch.isfinite(p.grad).all()
-                   or (g_prev.get(p) is not None and not torch.isfinite(g_prev[p]).all())]
-            if bad:
-                bad_groups.append(gi)
-                if group["on_nonfinite"] == "raise":
-                    raise NonFiniteGradientError(
-                        f"non-finite gradient in rule '{group['rule']}' for {', '.join(bad[:5])}"
-                        + (" …" if len(bad) > 5 else "")
-                        + "; parameters and optimizer state are unchanged (set on_nonfinite: skip to skip such steps)")
-        for gi in bad_groups:
+        flags = [_finite(g) if gp is None else _finite(g) & _finite(gp) for g, gp in zip(grads, prevs)]
+        ok = torch.stack([f.to(flags[0].device) for f in flags])
+        if bool(ok.all()):  # one host sync per step
+            return False
+        bad: dict = {}
+        for (gi, items), flag in zip(jobs, ok.tolist()):
+            if not flag:
+                bad.setdefault(gi, []).extend(pp.name for _, pp in items)
+        for gi, names in bad.items():
+            group = self.param_groups[gi]
+            if group["on_nonfinite"] == "raise":
+                raise NonFiniteGradientError(
+                    f"non-finite gradient in rule '{group['rule']}' for {', '.join(names[:5])}"
+                    + (" …" if len(names) > 5 else "")
+                    + "; parameters and optimizer state are unchanged (set on_nonfinite: skip to skip such steps)")
+        for gi in bad:
             self._counters[gi]["skipped"] += 1
         return True
 
@@ -188,38 +223,68 @@ class GeomOptimizer(Optimizer):
                     p.copy_(x)
         return out
 
-    def _step_group(self, gi: int, group: dict, work: list, g_prev: dict) -> None:
-        if not work:
-            return
+    def _step_bucket(self, gi: int, group: dict, items: list, g: torch.Tensor, g_prev, gamma: float, alpha) -> None:
+        """One batched step of same-shape tensors: leading dim = tensor index (batch_dims=1)."""
         counters = self._counters[gi]
-        k = group["step"]
-        gamma, alpha = SCHEDULES[group["schedule"]["kind"]](group, k)
+        pp = items[0][1]
+        views = [_view(p, q) for p, q in items]
         hyper = dict(group, alpha=alpha) if alpha is not None else group
-        update_sq = torch.zeros((), device=work[0][0].device)
-        for p, pp in work:
-            state = self.state[p]
-            x = _view(p, pp)
-            g = _upcast(_view(p.grad, pp))
-            if self._needs_closure:
-                state["prev"] = p.detach().clone()
-            prev = g_prev.get(p)
-            d = DIRECTIONS[group["direction"]](g, state, hyper, g_prev=None if prev is None else _upcast(_view(prev, pp)))
-            xw = _upcast(x) * (1 - gamma * group["weight_decay"]) if group["weight_decay"] else _upcast(x)
-            rho = group["radius"] * self._scale(pp)
-            if pp.geometry["kind"] == "adam":
-                exp_avg, denom, bc1 = adam_moments(d, state, pp.geometry)
-                y = xw.addcdiv(exp_avg, denom, value=-gamma / bc1)
+        state = self._gather(items)
+        if self._needs_closure:
+            state["prev"] = torch.stack([p.detach() for p, _ in items]).clone()
+        x = _upcast(_stack(views))
+        d = DIRECTIONS[group["direction"]](_upcast(g), state, hyper, g_prev=None if g_prev is None else _upcast(g_prev))
+        xw = x * (1 - gamma * group["weight_decay"]) if group["weight_decay"] else x
+        rho = group["radius"] * self._scale(pp)
+        if pp.geometry["kind"] == "adam":
+            exp_avg, denom, bc1 = adam_moments(d, state, pp.geometry)
+            y = xw.addcdiv(exp_avg, denom, value=-gamma / bc1)
+        else:
+            y = torch.add(xw, forward(d, pp.geometry, radius=rho, batch_dims=1), alpha=-gamma)
+        if pp.constraint is not None:
+            x_new, fallback = backward(y, gamma, pp.geometry, pp.constraint, radius=rho, batch_dims=1)
+        else:
+            x_new, fallback = y, None
+        if fallback is not None:
+            counters["fallbacks"] = counters["fallbacks"] + fallback.sum().to(counters["fallbacks"].device)
+        if self.track_gap and pp.constraint is not None and gamma * rho > 0:
+            state["w"] = (x_new - y) / (gamma * rho)
+        counters["update_sq"] = counters["update_sq"] + (x_new - x).square().sum().to(counters["update_sq"].device)
+        self._scatter(items, state)
+        torch._foreach_copy_(views, list(x_new.unbind(0)))
+
+    def _gather(self, items: list) -> dict:
+        """The state of a batched call: stacked tensors (the per-parameter state entries are views
+        of them, so nothing is copied in steady state) and the shared step count."""
+        first = self.state[items[0][0]]
+        ids = tuple(id(p) for p, _ in items)
+        out = {}
+        for key in _STACKED:
+            if key not in first:
+                continue
+            buf = self._buffers.get((ids, key))
+            entries = [self.state[p][key] for p, _ in items]
+            if buf is None or any(e._base is not buf or e.data_ptr() != buf[i].data_ptr() for i, e in enumerate(entries)):
+                buf = torch.stack(entries)  # first use, or state replaced (load_state_dict): restack
+            out[key] = buf
+        if "adam_step" in first:
+            out["adam_step"] = first["adam_step"]
+        return out
+
+    def _scatter(self, items: list, state: dict) -> None:
+        """Bind the per-parameter state entries to rows of the stacked state."""
+        ids = tuple(id(p) for p, _ in items)
+        for key, value in state.items():
+            if key in _STACKED:
+                if self._buffers.get((ids, key)) is value and all(
+                        self.state[p][key]._base is value for p, _ in items):
+                    continue
+                self._buffers[(ids, key)] = value
+                for i, (p, _) in enumerate(items):
+                    self.state[p][key] = value[i]
             else:
-                y = xw - gamma * forward(d, pp.geometry, radius=rho)
-            x_new, fallback = backward(y, gamma, pp.geometry, pp.constraint, radius=rho) if pp.constraint else (y, None)
-            if fallback is not None:
-                counters["fallbacks"] = counters["fallbacks"] + fallback.sum().to(counters["fallbacks"].device)
-            if self.track_gap and pp.constraint is not None and gamma * rho > 0:
-                state["w"] = (x_new - y) / (gamma * rho)
-            update_sq = update_sq + (x_new - _upcast(x)).square().sum().to(update_sq.device)
-            x.copy_(x_new)
-        counters["update_sq"] = update_sq
-        group["step"] = k + 1
+                for p, _ in items:
+                    self.state[p][key] = value
 
     # ------------------------------------------------------------ diagnostics
 
@@ -349,6 +414,20 @@ def _spec_name(yaml_text: str) -> str:
         if line.startswith("name:"):
             return line.split(":", 1)[1].strip()
     return "?"
+
+
+# per-parameter state tensors that batched calls keep stacked (entries are views of a bucket buffer)
+_STACKED = ("d", "exp_avg", "exp_avg_sq", "prev", "w")
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """All entries finite, in one reduction pass (max |·| is NaN or ∞ exactly when some entry is)."""
+    return torch.isfinite(torch.linalg.vector_norm(t, ord=math.inf)) if t.numel() else torch.ones((), dtype=torch.bool)
+
+
+def _stack(tensors: list) -> torch.Tensor:
+    """Stack along a new leading dim; one tensor becomes a view (no copy)."""
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:
