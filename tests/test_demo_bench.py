@@ -12,8 +12,8 @@ def test_demo_quick_lints_plans_trains_and_plots(tmp_path, capsys):
     assert main(["demo", "--quick", "--no-progress", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "== lint" in text and "== plan" in text and "== training" in text
-    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("prox-muon", "AdamW"))}
-    assert set(rows) == {"prox-muon-frobenius", "AdamW"}
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("spectral-clip", "AdamW"))}
+    assert set(rows) == {"spectral-clip", "AdamW"}
     for cols in rows.values():
         final_val = float(cols[2])
         assert 0 < final_val < 5.545  # below ln(256), the loss of a uniform byte model

@@ -89,12 +89,6 @@ def bench(model_name: str, specs: list[str], device: str = "cpu", warmup: int = 
             p.grad = g.clone()
         return params
 
-    def run(make):
-        params = fresh()
-        opt = make(params)
-        return timer(opt.step, warmup, iters)
-
-    rows = []
     candidates = [
         ("torch.optim.Muon", lambda ps: torch.optim.Muon([p for _, p in ps], lr=0.02, weight_decay=0.1,
                                                          momentum=0.95, nesterov=True)),
@@ -104,9 +98,16 @@ def bench(model_name: str, specs: list[str], device: str = "cpu", warmup: int = 
         loaded = geomopt.load_spec(spec)
         candidates.append((f"geomopt {loaded.name}", lambda ps, s=loaded: geomopt.GeomOptimizer(ps, s)))
     flops = ns_flops([p.shape for _, p in base])
-    for name, make in candidates:
-        times = run(make)
-        rows.append(dict(name=name, ms=statistics.median(times), times=times))
+    opts = [(name, make(fresh())) for name, make in candidates]
+    times: dict = {name: [] for name, _ in opts}
+    for _ in range(warmup):
+        for _, opt in opts:
+            opt.step()
+    # round-robin: every optimizer sees the same drift of the machine's load
+    for _ in range(iters):
+        for name, opt in opts:
+            times[name] += timer(opt.step, 0, 1)
+    rows = [dict(name=name, ms=statistics.median(times[name]), times=times[name]) for name, _ in opts]
     muon = rows[0]["ms"]
     adamw = rows[1]["ms"]
     for r in rows:

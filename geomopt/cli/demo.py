@@ -138,7 +138,7 @@ def run(args) -> int:
     width = max(len(r["geometry"]) for r in rows)
     for r in rows:
         print(f"  {r['rule']:<12} {r['tensors']:>3} tensors {r['elements']:>8} elements  {r['geometry']:<{width}}  {r['constraint']}")
-    steps = args.steps or (30 if args.quick else 600)
+    steps = args.steps or (30 if args.quick else 800)
     print(f"\n== training {steps} steps per optimizer (seed {args.seed})")
     results = [
         train(lambda m: geomopt.GeomOptimizer(m, spec), steps=steps, seed=args.seed, label=spec.name,
@@ -162,8 +162,8 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     sp = sub.add_parser("demo", help="lint + plan + a short real training run against AdamW, with a table and a plot")
-    sp.add_argument("--spec", default=str(SPECS_DIR / "prox-muon-frobenius.yaml"), help="spec file to train with")
-    sp.add_argument("--steps", type=int, default=0, help="training steps per optimizer (default 600; 30 with --quick)")
+    sp.add_argument("--spec", default=str(SPECS_DIR / "spectral-clip.yaml"), help="spec file to train with")
+    sp.add_argument("--steps", type=int, default=0, help="training steps per optimizer (default 800; 30 with --quick)")
     sp.add_argument("--quick", action="store_true", help="a few steps only (for tests)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--adamw-lr", type=float, default=3e-3)

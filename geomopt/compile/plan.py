@@ -146,7 +146,9 @@ class Plan:
 def _call_text(d: Optional[dict]) -> str:
     if not d:
         return "-"
-    args = [f"{k}={v}" for k, v in d.items() if k != "kind" and not isinstance(v, (dict, list)) and v is not None]
+    quiet = {("relative", False), ("method", "exact"), ("dtype", "auto")}  # defaults say nothing
+    args = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items()
+            if k != "kind" and not isinstance(v, (dict, list)) and v is not None and (k, v) not in quiet]
     return f"{d['kind']}({', '.join(args)})" if args else d["kind"]
 
 

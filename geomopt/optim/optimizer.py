@@ -249,7 +249,8 @@ class GeomOptimizer(Optimizer):
             counters["fallbacks"] = counters["fallbacks"] + fallback.sum().to(counters["fallbacks"].device)
         if self.track_gap and pp.constraint is not None and gamma * rho > 0:
             state["w"] = (x_new - y) / (gamma * rho)
-        counters["update_sq"] = counters["update_sq"] + (x_new - x).square().sum().to(counters["update_sq"].device)
+        delta = (x_new - x).reshape(-1)
+        counters["update_sq"] = counters["update_sq"] + torch.dot(delta, delta).to(counters["update_sq"].device)
         self._scatter(items, state)
         torch._foreach_copy_(views, list(x_new.unbind(0)))
 
@@ -421,8 +422,10 @@ _STACKED = ("d", "exp_avg", "exp_avg_sq", "prev", "w")
 
 
 def _finite(t: torch.Tensor) -> torch.Tensor:
-    """All entries finite, in one reduction pass (max |·| is NaN or ∞ exactly when some entry is)."""
-    return torch.isfinite(torch.linalg.vector_norm(t, ord=math.inf)) if t.numel() else torch.ones((), dtype=torch.bool)
+    """All entries finite (max |·| is NaN or ∞ exactly when some entry is)."""
+    # abs().amax() propagates NaN and ∞ and is an order of magnitude faster on CPU than
+    # isfinite().all() or vector_norm(ord=inf)
+    return torch.isfinite(t.abs().amax()) if t.numel() else torch.ones((), dtype=torch.bool)
 
 
 def _stack(tensors: list) -> torch.Tensor:
