@@ -12,7 +12,7 @@ import statistics
 import time
 from pathlib import Path
 
-SPECS_DIR = Path(__file__).resolve().parents[2] / "specs"
+SPECS_DIR = Path(__file__).resolve().parents[1] / "specs"  # shipped inside the package (specs/ links here)
 
 
 def hidden_matrices(model_name: str, device, dtype):
