@@ -35,8 +35,11 @@ def batches(data, block: int, batch: int, generator):
 
 
 def train(make_opt, *, steps: int, seed: int, block: int = 64, batch: int = 32, eval_every: int = 25, label: str = "",
-          progress: bool = True, warmup: int = 0):
-    """Train a small byte-level GPT; returns dict(label, steps, train, val, seconds)."""
+          progress: bool = True, warmup: int = 0, config=None, device: str = "cpu"):
+    """Train a small byte-level GPT; returns dict(label, steps, train, val, seconds).
+
+    ``config``: a GPTConfig (default: 2 layers, 4 heads, width 64, context ``block``); ``device``:
+    where the model and batches live (the data is sampled on the CPU with the same generator)."""
     import torch
 
     from geomopt.models import GPT, GPTConfig
@@ -45,14 +48,17 @@ def train(make_opt, *, steps: int, seed: int, block: int = 64, batch: int = 32, 
     raw = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
     split = int(0.9 * len(raw))
     train_data, val_data = raw[:split], raw[split:]
-    model = GPT(GPTConfig(vocab_size=256, block_size=block, n_layer=2, n_head=4, n_embd=64))
+    if config is None:
+        config = GPTConfig(vocab_size=256, block_size=block, n_layer=2, n_head=4, n_embd=64)
+    block = config.block_size
+    model = GPT(config).to(device)
     opt = make_opt(model)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda k: min(1.0, (k + 1) / warmup) if warmup else 1.0 * (1 - 0.9 * k / steps))
     gen = torch.Generator().manual_seed(seed)
     it = batches(train_data, block, batch, gen)
     val_gen = torch.Generator().manual_seed(seed + 1)
-    val_batches = [next(batches(val_data, block, 64, val_gen)) for _ in range(4)]
+    val_batches = [tuple(t.to(device) for t in next(batches(val_data, block, 64, val_gen))) for _ in range(4)]
     curve_steps, curve_train, curve_val = [], [], []
     bar = None
     if progress:
@@ -66,6 +72,8 @@ def train(make_opt, *, steps: int, seed: int, block: int = 64, batch: int = 32, 
     running = None
     for k in range(steps):
         x, y = next(it)
+        if device != "cpu":
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         _, loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
