@@ -19,7 +19,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def spec_path(name: str) -> Path:
-    return SPECS / f"{name}.yaml"
+    """An example's own spec (specs/examples/) or a shipped one (specs/)."""
+    own = SPECS / "examples" / f"{name}.yaml"
+    return own if own.exists() else SPECS / f"{name}.yaml"
+
+
+def spec_label(name: str) -> str:
+    """The spec's path as the README and the results name it."""
+    return str(spec_path(name).relative_to(ROOT))
 
 
 def command_line() -> str:

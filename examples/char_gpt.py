@@ -4,7 +4,7 @@ paper's Appendix "NanoGPT" experiment, scaled down to text that ships with Pytho
 Model and data: geomopt.models.GPT (nanoGPT-style, GPT-2 parameter names; default 2 layers,
 4 heads, width 64, context 64) on pydoc's bundled topic help (the corpus of `geomopt demo`,
 90/10 train/validation split), byte level. The training loop, corpus and plot are
-geomopt.cli.demo's ``train``, ``corpus_bytes`` and ``plot``. Optimizers, each a spec in specs/:
+geomopt.cli.demo's ``train``, ``corpus_bytes`` and ``plot``. Optimizers, each a spec in specs/examples/ (or specs/):
 
   uScion                  uscion.yaml                      unconstrained Scion (the paper's baseline)
   prox Frobenius 0.5ρ     prox-muon-frobenius.yaml         + proximal Frobenius ball at half the lmo radius,
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
 
             r = train(make_opt, steps=args.steps, seed=seed, batch=args.batch, eval_every=eval_every, label=name,
                       progress=not args.no_progress, warmup=args.warmup, config=config, device=args.device)
-            r.update(optimizer=name, seed=seed, spec=f"specs/{OPTIMIZERS[name]}.yaml", final_val=r["val"][-1],
+            r.update(optimizer=name, seed=seed, spec=_common.spec_label(OPTIMIZERS[name]), final_val=r["val"][-1],
                      best_val=min(r["val"]), norms=hidden_norms(held["model"], held["opt"]),
                      fallbacks={k: v.get("fallbacks") for k, v in held["opt"].diagnostics().items() if isinstance(v, dict)})
             r["seconds"] = round(r["seconds"], 2)

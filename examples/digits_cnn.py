@@ -2,7 +2,7 @@
 ships with scikit-learn: the 8×8 handwritten digits, 1797 images, 10 classes).
 
 Model: geomopt.models.SmallCNN (three 3×3 conv layers with BatchNorm, width 32/64/64, a linear
-head). Optimizers, each a spec in specs/:
+head). Optimizers, each a spec in specs/examples/ (or specs/):
 
   uScion                        digits-uscion.yaml              unconstrained Scion (ρ_l = 1, ρ_L = 10)
   + spectral clip               digits-spectral-clip.yaml       + projection onto the spectral ball at the lmo radius
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     for n in names:
         accs = [r["test_acc"] for r in runs if r["optimizer"] == n]
         m, s = _common.mean_std(accs)
-        summary[n] = dict(spec=f"specs/{OPTIMIZERS[n]}.yaml", test_acc=accs, mean=m, std=s,
+        summary[n] = dict(spec=_common.spec_label(OPTIMIZERS[n]), test_acc=accs, mean=m, std=s,
                           seconds=round(sum(r["seconds"] for r in runs if r["optimizer"] == n), 1))
     total = time.perf_counter() - t0
     print("\n| optimizer | spec | test accuracy (mean ± std) | min | max | time (s) |")

@@ -7,8 +7,8 @@ pre-norm, untied output layer `head`), reading the sequence [x, ∘, y, =] and p
 last position. Optimizers (the paper's Figure "grokking"):
 
   AdamW            torch.optim.AdamW(lr 1e-3, betas (0.9, 0.98), weight decay 1.0) — torch_grokking's setting
-  uScion           specs/grokking-uscion.yaml (ρ_l = 1 on hidden matrices, ρ_L = 10 on the head)
-  uScion + clip    specs/grokking-spectral-clip.yaml (+ spectral-ball clipping of the hidden
+  uScion           specs/examples/grokking-uscion.yaml (ρ_l = 1 on hidden matrices, ρ_L = 10 on the head)
+  uScion + clip    specs/examples/grokking-spectral-clip.yaml (+ spectral-ball clipping of the hidden
                    matrices at the lmo radius; no constraint on the embedding)
 
 Metric: epochs to 95% validation accuracy (capped at --max-epochs, 500 as in the paper; a run
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     for name in names:
         rs = [r for r in runs if r["optimizer"] == name]
         eps = [r["epochs_to_target"] for r in rs]
-        summary[name] = dict(spec=OPTIMIZERS[name] and f"specs/{OPTIMIZERS[name]}.yaml", epochs=eps,
+        summary[name] = dict(spec=OPTIMIZERS[name] and _common.spec_label(OPTIMIZERS[name]), epochs=eps,
                              median_epochs=_common.median(eps), reached=sum(r["reached"] for r in rs), runs=len(rs),
                              seconds=round(sum(r["seconds"] for r in rs), 1))
     total = time.perf_counter() - t0
