@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
+from geomopt.cli.demo import save_figure  # noqa: E402
 
 import geomopt  # noqa: E402
 from geomopt.models import SmallCNN  # noqa: E402
@@ -121,11 +122,7 @@ def plot(runs, summary, path: Path, args) -> bool:
     ax1.set_xticks(range(len(names)), [n.replace(" (", "\n(") for n in names], fontsize=8)
     ax1.set_ylabel("final test accuracy (bar: mean ± std)")
     ax1.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path, dpi=110)
 
 
 def main(argv=None) -> int:

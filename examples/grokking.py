@@ -34,6 +34,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
+from geomopt.cli.demo import save_figure  # noqa: E402
 
 import geomopt  # noqa: E402
 
@@ -204,11 +205,7 @@ def plot(runs: list[dict], summary: dict, path: Path, args) -> bool:
     ax1.set_title(f"{len(args.seed_list)} seed(s)")
     ax1.legend()
     ax1.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path, dpi=110)
 
 
 def main(argv=None) -> int:

@@ -114,9 +114,16 @@ def plot(results: list[dict], path: Path) -> bool:
     ax.set_title("byte-level GPT on Python's bundled docs")
     ax.legend()
     ax.grid(alpha=0.3)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> bool:
+    """Lay out, write (creating the folder) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return True
 
