@@ -566,3 +566,17 @@ def test_functional_api_is_the_optimizer_step(geometry, constraint):
     expect = geomopt.backward_step(y, lr, geometry, constraint) if constraint else y
     torch.testing.assert_close(p.detach(), expect, rtol=1e-10, atol=1e-12)
     assert not torch.allclose(p.detach(), x)
+
+
+def test_add_param_group_is_refused_with_a_pointer_to_the_spec():
+    model = torch.nn.Linear(4, 4)
+    opt = geomopt.GeomOptimizer(model, SPECS / "normalized-sgd.yaml")
+    with pytest.raises(RuntimeError, match="add a rule to the spec"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    assert len(opt.param_groups) == 1
+
+
+def test_unnamed_parameters_get_a_clear_error():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match="named_parameters"):
+        geomopt.GeomOptimizer(model.parameters(), SPECS / "normalized-sgd.yaml")

@@ -35,7 +35,8 @@ def params_from_model(model) -> tuple[list[ParamInfo], dict[str, object]]:
             named = [(str(n), t) for n, t in model]
         except (TypeError, ValueError):
             raise TypeError(f"model must be an nn.Module or an iterable of (name, tensor) pairs, not "
-                            f"{type(model).__name__}") from None
+                            f"{type(model).__name__}: rules match parameter names, so pass the model or "
+                            f"model.named_parameters() rather than model.parameters()") from None
         owner = None
     parameter = torch.nn.Parameter
     first: dict[int, int] = {}

@@ -87,7 +87,9 @@ class GeomOptimizer(Optimizer):
                 schedule=first.schedule, on_nonfinite=first.on_nonfinite, step=0,
             ))
             self._plans.append(plans)
+        self._building = True
         super().__init__(groups, dict(lr=0.02, weight_decay=0.0))
+        self._building = False
         # what the spec set per group, saved with the state: after a spec change, values the new
         # spec changed win over the checkpoint's (load_state_dict)
         self._spec_groups = [{k: _copy(g[k]) for k in self._SPEC_KEYS} for g in self.param_groups]
@@ -104,6 +106,14 @@ class GeomOptimizer(Optimizer):
         self._project_on_init()
 
     # ------------------------------------------------------------ set-up
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Groups come from the spec's rules (one per rule): a group added later would have no
+        plan and never step, so it is refused."""
+        if not getattr(self, "_building", False):
+            raise RuntimeError("GeomOptimizer's param groups are the spec's rules: add a rule to the spec (and "
+                               "build a new optimizer) instead of calling add_param_group")
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def _project_on_init(self) -> None:
