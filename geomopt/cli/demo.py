@@ -107,8 +107,8 @@ def plot(results: list[dict], path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for r in results:
-        ax.plot(r["steps"], r["val"], label=f"{r['label']} (val)")
-        ax.plot(r["steps"], r["train"], "--", alpha=0.5, label=f"{r['label']} (train, EMA)")
+        (line,) = ax.plot(r["steps"], r["val"], label=f"{r['label']} (val)")
+        ax.plot(r["steps"], r["train"], "--", color=line.get_color(), alpha=0.5, label=f"{r['label']} (train, EMA)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/byte)")
     ax.set_title("byte-level GPT on Python's bundled docs")
