@@ -288,3 +288,22 @@ def test_apply_approx_dispatch_and_errors():
         apply_approx(d, ref, {"kind": "eig"})
     with pytest.raises(ValueError, match="needs a reference"):
         apply_approx(d, None, {"kind": "gram_eigh"})
+
+
+def test_module_docstring_table_of_realized_eps_is_current():
+    """The ε table in geomopt.geometry.spectral's docstring equals what realized_reference computes."""
+    import geomopt.geometry.spectral as spectral_module
+
+    rows = {}
+    for line in spectral_module.__doc__.splitlines():
+        parts = line.split()
+        if parts and parts[0] in ("polar_express", "speedrun", "newton_schulz"):
+            rows[parts[0]] = [float(v) for v in parts[-4:]]
+    assert set(rows) == {"polar_express", "speedrun", "newton_schulz"}
+    for name, values in rows.items():
+        for steps, shown in zip((5, 6, 7, 8), values):
+            if name == "newton_schulz":
+                approx = {"kind": "newton_schulz", "steps": steps, "coefficients": None}
+            else:
+                approx = {"kind": "polar_express", "steps": steps, "coefficients": name}
+            assert spectral_module.realized_reference(approx)["eps"] == pytest.approx(shown, rel=5e-3)
