@@ -20,10 +20,10 @@ inverse slope at 0 of the composed polynomial; :func:`realized_reference` gives 
 
 Realized ε (κ = 4) per list and step count, as :func:`realized_reference` computes them:
 
-    list                    5 steps   6 steps   7 steps   8 steps
-    polar_express (1.01)    0.00102   0.000547  0.000295  0.000157
-    speedrun                0.00101   0.000431  0.000184  7.82e-05
-    newton_schulz (Muon)    0.00206   0.000599  0.000174  5.05e-05
+    list                      5 steps   6 steps   7 steps   8 steps
+    polar_express (1.01)      0.00102   0.000547  0.000295  0.000157
+    speedrun (modded-nanogpt) 0.00101   0.000431  0.000184  7.82e-05
+    newton_schulz (Muon)      0.00206   0.000599  0.000174  5.05e-05
 """
 
 from __future__ import annotations
