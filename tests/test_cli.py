@@ -451,3 +451,17 @@ def test_entry_point_reports_user_mistakes_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr + proc.stdout
     assert [TEXT_LINE.match(line).group("file", "code") for line in proc.stdout.splitlines()] == [
         ("bin.yaml", "GO010"), ("nope.yaml", "GO010")]
+
+
+def test_lint_accepts_directories_as_linters_do(capsys, tmp_path):
+    """`geomopt lint specs/*` meets specs/examples/: a directory stands for the spec files in it."""
+    nested = tmp_path / "a" / "b"
+    nested.mkdir(parents=True)
+    (nested / "x.yaml").write_text((ROOT / "specs" / "uscion.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    (nested / "notes.txt").write_text("not a spec", encoding="utf-8")
+    (tmp_path / "a" / "bad.geom").write_text("geomopt 1\nname \"x\"\nrule r match \"*\"\n", encoding="utf-8")
+    code, out, _ = run(capsys, "lint", str(tmp_path / "a"))
+    assert code == 1
+    assert "bad.geom" in out and "notes.txt" not in out
+    code, out, _ = run(capsys, "lint", *sorted(str(p) for p in (ROOT / "specs").iterdir()))
+    assert code == 0, out

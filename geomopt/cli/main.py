@@ -108,13 +108,29 @@ def _params(args):
 # ---------------------------------------------------------------- commands
 
 
+SPEC_SUFFIXES = (".yaml", ".yml", ".geom")
+
+
+def _spec_files(paths) -> list[str]:
+    """Files as given; a directory stands for the spec files below it (as linters do)."""
+    out = []
+    for path in paths:
+        p = Path(path)
+        if p.is_dir():
+            out += sorted(str(f) for f in p.rglob("*") if f.suffix in SPEC_SUFFIXES and f.is_file())
+        else:
+            out.append(path)
+    return out
+
+
 def cmd_lint(args) -> int:
     from geomopt.compile import lint_spec
     from geomopt.spec.validate import load_spec
 
     params, from_ckpt = _params(args)
     diags: list[Diagnostic] = []
-    for path in args.specs:
+    files = _spec_files(args.specs)
+    for path in files:
         try:
             spec = load_spec(path)
         except SpecError as exc:
@@ -124,7 +140,7 @@ def cmd_lint(args) -> int:
     report(diags, args.format)
     if args.format == "text" and sys.stderr.isatty():
         n = {s: sum(d.severity == s for d in diags) for s in ("error", "warning", "note")}
-        print(f"{len(args.specs)} spec(s): {n['error']} error(s), {n['warning']} warning(s), {n['note']} note(s)", file=sys.stderr)
+        print(f"{len(files)} spec(s): {n['error']} error(s), {n['warning']} warning(s), {n['note']} note(s)", file=sys.stderr)
     return _status(diags, args.strict)
 
 
@@ -228,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--checkpoint", help="a .pt/.pth/.bin or .safetensors file (names and shapes only)")
 
     sp = sub.add_parser("lint", help="check specs, alone or against a model or checkpoint")
-    sp.add_argument("specs", nargs="+", metavar="SPEC")
+    sp.add_argument("specs", nargs="+", metavar="SPEC", help="spec files, or directories holding them")
     target(sp)
     sp.add_argument("--format", choices=("text", "json", "github"), default="text")
     sp.add_argument("--strict", action="store_true", help="warnings fail too (exit 1)")
