@@ -68,7 +68,8 @@ def spectral(d, geometry, *, radius, batch_dims=0, state=None):
     ref = _reference(geometry) if approx.get("kind", "svd") in ("svd", "gram_eigh") else None
     mats = matrix_view(x, batch_dims, geometry.get("split"))
     out = apply_approx(mats, ref, approx, geometry.get("prenormalize"))
-    return (radius * out).reshape(d.shape).to(d.dtype)
+    out = out.reshape(d.shape).to(d.dtype)
+    return out if radius == 1.0 else radius * out  # the optimizer folds ρ into its axpy
 
 
 def _blockwise(d, geometry, radius, batch_dims):

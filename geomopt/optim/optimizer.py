@@ -244,13 +244,20 @@ class GeomOptimizer(Optimizer):
             state["prev"] = torch.stack([p.detach() for p, _ in items]).clone()
         x = _upcast(_stack(views))
         d = DIRECTIONS[group["direction"]](_upcast(g), state, hyper, g_prev=None if g_prev is None else _upcast(g_prev))
-        xw = x * (1 - gamma * group["weight_decay"]) if group["weight_decay"] else x
+        decay = 1 - gamma * group["weight_decay"]
         rho = group["radius"] * self._scale(pp)
         if pp.geometry["kind"] == "adam":
             exp_avg, denom, bc1 = adam_moments(d, state, pp.geometry)
-            y = xw.addcdiv(exp_avg, denom, value=-gamma / bc1)
+            xw = x * decay if group["weight_decay"] else x
+            y = xw.addcdiv(exp_avg, denom, value=-gamma / bc1)  # AdamW's op order, bit for bit
         else:
-            y = torch.add(xw, forward(d, pp.geometry, radius=rho, batch_dims=1), alpha=-gamma)
+            # Y = X(1 − γ·wd) − γρ·∇φ₁*(d): ρ folds into the axpy (one pass fewer than scaling the
+            # forward output), and the decayed copy of X is updated in place
+            step = forward(d, pp.geometry, radius=1.0, batch_dims=1)
+            if group["weight_decay"]:
+                y = (x * decay).add_(step, alpha=-gamma * rho)
+            else:
+                y = torch.add(x, step, alpha=-gamma * rho)
         if pp.constraint is not None:
             x_new, fallback = backward(y, gamma, pp.geometry, pp.constraint, radius=rho, batch_dims=1)
         else:
