@@ -29,6 +29,15 @@ def spec_label(name: str) -> str:
     return str(spec_path(name).relative_to(ROOT))
 
 
+def chosen_optimizers(parser, text: str, known) -> list[str]:
+    """The comma-separated ``--optimizers`` names, each one of ``known`` (else a usage error)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = set(names) - set(known)
+    if unknown:
+        parser.error(f"unknown optimizer(s) {sorted(unknown)}; choose from {list(known)}")
+    return names
+
+
 def command_line() -> str:
     return " ".join(shlex.quote(a) for a in ["python", *sys.argv]) if sys.argv and sys.argv[0] else "python"
 

@@ -76,10 +76,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.n_embd, args.block = 20, 32, 32
-    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
-    unknown = set(names) - set(OPTIMIZERS)
-    if unknown:
-        ap.error(f"unknown optimizer(s) {sorted(unknown)}; choose from {list(OPTIMIZERS)}")
+    names = _common.chosen_optimizers(ap, args.optimizers, OPTIMIZERS)
     if args.device == "cpu":
         torch.set_num_threads(min(2, torch.get_num_threads()))
     config = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)

@@ -141,10 +141,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.seeds, args.epochs, args.width = 1, 1, 8
     args.seed_list = list(range(args.seed0, args.seed0 + args.seeds))
-    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
-    unknown = set(names) - set(OPTIMIZERS)
-    if unknown:
-        ap.error(f"unknown optimizer(s) {sorted(unknown)}; choose from {list(OPTIMIZERS)}")
+    names = _common.chosen_optimizers(ap, args.optimizers, OPTIMIZERS)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     t0 = time.perf_counter()
     runs = []
