@@ -31,6 +31,10 @@ from geomopt.geometry.backward import backward
 from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.forward import forward
 from geomopt.optim.directions import DIRECTIONS
+from geomopt.optim.distributed import (
+    FORWARD_LOCALITY, LOCAL, LocalExecutor, Request, ShardedExecutor, backward_locality, chunk_sizes, is_dtensor,
+    make_executor,
+)
 from geomopt.optim.schedules import SCHEDULES
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
@@ -65,9 +69,18 @@ class GeomOptimizer(Optimizer):
 
     Non-finite gradients (any group) skip the whole step or raise, per rule (``on_nonfinite``),
     before anything is written.
+
+    ``distributed``: ``"auto"`` (default) runs sharded (FSDP2) when the parameters are DTensors,
+    replicated (DDP) when ``torch.distributed`` is initialized with more than one rank, and local
+    otherwise; ``"ddp"`` / ``"fsdp"`` insist on one mode, ``False`` opts out. Under DDP each rank
+    computes a balanced share of the matrix functions (Newton–Schulz, SVD, polar) and the results
+    are all-gathered; under FSDP2 elementwise work stays on the shards, norms are reduced over
+    shards and each matrix function runs on one owning rank (:mod:`geomopt.optim.distributed`).
+    ``process_group``: the DDP group (default: the world).
     """
 
-    def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, track_gap: bool = False):
+    def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, track_gap: bool = False,
+                 distributed: Union[str, bool] = "auto", process_group=None):
         self.spec = as_spec(spec)
         infos, tensors = params_from_model(model_or_named_parameters)
         self.plan: Plan = plan_from_infos(self.spec, infos)
@@ -81,7 +94,7 @@ class GeomOptimizer(Optimizer):
             first = plans[0]
             d = first.direction
             groups.append(dict(
-                params=[tensors[p.name] for p in plans], rule=rule.name, lr=first.lr,
+                params=[tensors[p.name] for p in plans], rule=rule.name, spec_hash=self.spec_hash, lr=first.lr,
                 weight_decay=first.weight_decay, radius=first.geometry["radius"], direction=d["kind"],
                 alpha=d.get("alpha", 1.0), nesterov=d.get("nesterov", False), init=d.get("init", "zero"),
                 schedule=first.schedule, on_nonfinite=first.on_nonfinite, step=0,
@@ -102,6 +115,8 @@ class GeomOptimizer(Optimizer):
                 by_key.setdefault(pp.bucket, []).append(i)
             self._buckets.append(list(by_key.values()))
         self._buffers: dict = {}  # (param ids, state key) → stacked state; per-param state holds views
+        self._executor = make_executor([p for g in self.param_groups for p in g["params"]], distributed, process_group)
+        self._sharded = isinstance(self._executor, ShardedExecutor)
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
         self._project_on_init()
 
@@ -118,15 +133,18 @@ class GeomOptimizer(Optimizer):
     @torch.no_grad()
     def _project_on_init(self) -> None:
         """Project constrained tensors onto their set (DESIGN "Feasibility"), as Scion's init does,
-        so every backward step is defined."""
+        so every backward step is defined. A sharded tensor is projected whole (on every rank,
+        once) and each rank keeps its shard."""
         for group, plans in zip(self.param_groups, self._plans):
             for p, pp in zip(group["params"], plans):
                 c = pp.constraint
                 if c is None or not pp.project_on_init or c["kind"] == "proximal_decay":
                     continue
-                x = _view(p, pp)
+                x = _view(_full(p), pp)
                 xp, _ = backward(_upcast(x), 1.0, _euclidean(pp), c)
                 x.copy_(xp)
+                if is_dtensor(p):
+                    p.to_local().copy_(_my_shard(x if not pp.transpose else x.transpose(0, 1), p))
 
     def _scale(self, pp: ParamPlan) -> float:
         return pp.radius / pp.geometry["radius"]
@@ -155,21 +173,38 @@ class GeomOptimizer(Optimizer):
                 loss = closure()
         with torch.no_grad():
             jobs = self._jobs()
-            grads = [_stack([_view(p.grad, pp) for p, pp in items]) for _, items in jobs]
-            prevs = [_stack([_view(g_prev[p], pp) for p, pp in items]) if all(g_prev.get(p) is not None for p, _ in items)
-                     else None for _, items in jobs]
+            grads = [_stack([_view(_local(p.grad), pp) for p, pp in items]) for _, items in jobs]
+            prevs = [_stack([_view(_local(g_prev[p]), pp) for p, pp in items])
+                     if all(g_prev.get(p) is not None for p, _ in items) else None for _, items in jobs]
             if self._skip_nonfinite(jobs, grads, prevs):
                 return loss
-            schedules = {}
+            schedules, steps = {}, []
             for (gi, items), g, gp in zip(jobs, grads, prevs):
                 group = self.param_groups[gi]
                 if gi not in schedules:
                     schedules[gi] = SCHEDULES[group["schedule"]["kind"]](group, group["step"])
                     self._counters[gi]["update_sq"] = torch.zeros((), device=g.device)
-                self._step_bucket(gi, group, items, g, gp, *schedules[gi])
+                steps.append(self._step_bucket(gi, group, items, g, gp, *schedules[gi]))
+            self._run(steps)
             for gi in schedules:
                 self.param_groups[gi]["step"] += 1
         return loss
+
+    def _run(self, steps: list) -> None:
+        """Drive the bucket steps (generators that yield operator requests) in lockstep: each
+        round's requests go to the executor together, so a distributed executor makes one
+        exchange per round, with the same requests in the same order on every rank."""
+        pending = [(s, None) for s in steps]
+        answers = [None] * len(steps)
+        while pending:
+            nxt = []
+            for (s, _), answer in zip(pending, answers):
+                try:
+                    nxt.append((s, s.send(answer)))
+                except StopIteration:  # this bucket's step is done
+                    pass
+            pending = nxt
+            answers = self._executor.run([req for _, req in pending]) if pending else []
 
     def _jobs(self) -> list:
         """(group index, [(param, plan), …]) per batched call: a bucket's tensors that have a
@@ -193,7 +228,7 @@ class GeomOptimizer(Optimizer):
         if not jobs:
             return False
         flags = [_finite(g) if gp is None else _finite(g) & _finite(gp) for g, gp in zip(grads, prevs)]
-        ok = torch.stack([f.to(flags[0].device) for f in flags])
+        ok = self._executor.all_finite(torch.stack([f.to(flags[0].device) for f in flags]))
         if bool(ok.all()):  # one host sync per step
             return False
         bad: dict = {}
@@ -233,43 +268,64 @@ class GeomOptimizer(Optimizer):
                     p.copy_(x)
         return out
 
-    def _step_bucket(self, gi: int, group: dict, items: list, g: torch.Tensor, g_prev, gamma: float, alpha) -> None:
-        """One batched step of same-shape tensors: leading dim = tensor index (batch_dims=1)."""
+    def _step_bucket(self, gi: int, group: dict, items: list, g: torch.Tensor, g_prev, gamma: float, alpha):
+        """One batched step of same-shape tensors: leading dim = tensor index (batch_dims=1).
+
+        A generator: it yields a :class:`Request` for the forward and for the backward operator
+        and receives ``(out, flags)``, so :meth:`_run` can hand a round's operators to the
+        executor together (locally, or shared out across ranks)."""
         counters = self._counters[gi]
         pp = items[0][1]
-        views = [_view(p, q) for p, q in items]
+        views = [_view(_local(p), q) for p, q in items]
         hyper = dict(group, alpha=alpha) if alpha is not None else group
         state = self._gather(items)
         if self._needs_closure:
-            state["prev"] = torch.stack([p.detach() for p, _ in items]).clone()
+            state["prev"] = torch.stack([_local(p).detach() for p, _ in items]).clone()
         x = _upcast(_stack(views))
         d = DIRECTIONS[group["direction"]](_upcast(g), state, hyper, g_prev=None if g_prev is None else _upcast(g_prev))
         decay = 1 - gamma * group["weight_decay"]
         rho = group["radius"] * self._scale(pp)
-        if pp.geometry["kind"] == "adam":
-            exp_avg, denom, bc1 = adam_moments(d, state, pp.geometry)
+        geometry = pp.geometry
+        if geometry["kind"] == "adam":
+            exp_avg, denom, bc1 = adam_moments(d, state, geometry)
             xw = x * decay if group["weight_decay"] else x
             y = xw.addcdiv(exp_avg, denom, value=-gamma / bc1)  # AdamW's op order, bit for bit
         else:
             # Y = X(1 − γ·wd) − γρ·∇φ₁*(d): ρ folds into the axpy (one pass fewer than scaling the
             # forward output), and the decayed copy of X is updated in place
-            step = forward(d, pp.geometry, radius=1.0, batch_dims=1)
+            step, _ = yield self._request(
+                items, d, FORWARD_LOCALITY[geometry["kind"]],
+                lambda m: (forward(m, geometry, radius=1.0, batch_dims=1), None))
             if group["weight_decay"]:
                 y = (x * decay).add_(step, alpha=-gamma * rho)
             else:
                 y = torch.add(x, step, alpha=-gamma * rho)
-        if pp.constraint is not None:
-            x_new, fallback = backward(y, gamma, pp.geometry, pp.constraint, radius=rho, batch_dims=1)
+        constraint = pp.constraint
+        if constraint is not None:
+            x_new, fallback = yield self._request(
+                items, y, backward_locality(geometry["kind"], constraint["kind"]),
+                lambda m: backward(m, gamma, geometry, constraint, radius=rho, batch_dims=1))
         else:
             x_new, fallback = y, None
         if fallback is not None:
             counters["fallbacks"] = counters["fallbacks"] + fallback.sum().to(counters["fallbacks"].device)
-        if self.track_gap and pp.constraint is not None and gamma * rho > 0:
+        if self.track_gap and constraint is not None and gamma * rho > 0:
             state["w"] = (x_new - y) / (gamma * rho)
         delta = (x_new - x).reshape(-1)
         counters["update_sq"] = counters["update_sq"] + torch.dot(delta, delta).to(counters["update_sq"].device)
         self._scatter(items, state)
         torch._foreach_copy_(views, list(x_new.unbind(0)))
+
+    def _request(self, items: list, x: torch.Tensor, locality: str, fn) -> Request:
+        """An operator request for a bucket (sharding read off its first parameter)."""
+        p, pp = items[0]
+        if not is_dtensor(p):
+            return Request(fn, x, locality)
+        dim = p.placements[0].dim % p.ndim
+        if pp.transpose and dim < 2:
+            dim = 1 - dim
+        full = tuple(_view(torch.empty(p.shape, device="meta"), pp).shape)
+        return Request(fn, x, locality, shard_dim=dim + 1, full_shape=full, mesh=p.device_mesh)
 
     def _gather(self, items: list) -> dict:
         """The state of a batched call: stacked tensors (the per-parameter state entries are views
@@ -281,25 +337,26 @@ class GeomOptimizer(Optimizer):
             if key not in first:
                 continue
             buf = self._buffers.get((ids, key))
-            entries = [self.state[p][key] for p, _ in items]
-            if buf is None or any(e._base is not buf or e.data_ptr() != buf[i].data_ptr() for i, e in enumerate(entries)):
-                buf = torch.stack(entries)  # first use, or state replaced (load_state_dict): restack
+            rows = [_state_row(self.state[p][key], pp, key) for p, pp in items]
+            if buf is None or any(e._base is not buf or e.data_ptr() != buf[i].data_ptr() for i, e in enumerate(rows)):
+                buf = torch.stack(rows)  # first use, or state replaced (load_state_dict): restack
             out[key] = buf
         if "adam_step" in first:
             out["adam_step"] = first["adam_step"]
         return out
 
     def _scatter(self, items: list, state: dict) -> None:
-        """Bind the per-parameter state entries to rows of the stacked state."""
+        """Bind the per-parameter state entries to rows of the stacked state (DTensors over the
+        rows for sharded parameters, laid out like the parameter)."""
         ids = tuple(id(p) for p, _ in items)
         for key, value in state.items():
             if key in _STACKED:
                 if self._buffers.get((ids, key)) is value and all(
-                        self.state[p][key]._base is value for p, _ in items):
+                        _state_row(self.state[p][key], pp, key)._base is value for p, pp in items):
                     continue
                 self._buffers[(ids, key)] = value
-                for i, (p, _) in enumerate(items):
-                    self.state[p][key] = value[i]
+                for i, (p, pp) in enumerate(items):
+                    self.state[p][key] = _state_entry(value[i], p, pp, key)
             else:
                 for p, _ in items:
                     self.state[p][key] = value
@@ -322,14 +379,16 @@ class GeomOptimizer(Optimizer):
             violation = 0.0
             for p, pp in zip(group["params"], plans):
                 rho = group["radius"] * self._scale(pp)
-                g = None if p.grad is None else _upcast(_view(p.grad, pp))
+                g = None if p.grad is None else _upcast(_view(_full(p.grad), pp))
                 if pp.constraint is not None and pp.constraint["kind"] != "proximal_decay":
-                    x = _upcast(_view(p, pp))
+                    x = _upcast(_view(_full(p), pp))
                     xp, _ = backward(x, 1.0, _euclidean(pp), pp.constraint)
                     violation = max(violation, float((x - xp).norm()))
                 if g is None:
                     continue
                 w = self.state[p].get("w")
+                if w is not None and is_dtensor(w):
+                    w = _view(_full(w), pp)
                 lmo_gap = pp.constraint is None and pp.geometry["kind"] != "adam"
                 if not bool(torch.isfinite(g).all()):
                     # a non-finite gradient (a skipped step): no estimate, and no SVD of it
@@ -344,9 +403,13 @@ class GeomOptimizer(Optimizer):
                     val = stationarity_gap(g, w, pp.geometry, radius=rho)
                     if val is not None:
                         gap = (gap or 0.0) + float(val)
+            update_sq = counters["update_sq"]
+            if self._sharded:  # each rank holds the squared norm of its shards' update
+                update_sq = update_sq.clone()
+                self._executor.dist.all_reduce(update_sq, group=self._executor.group)
             out[group["rule"]] = dict(
                 gap=gap, dual_norm=dual, violation=violation,
-                update_norm=float(counters["update_sq"]) ** 0.5, skipped=counters["skipped"],
+                update_norm=float(update_sq) ** 0.5, skipped=counters["skipped"],
                 fallbacks=int(counters["fallbacks"]),
             )
         return out
@@ -458,3 +521,42 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
 def _view(t: torch.Tensor, pp: ParamPlan) -> torch.Tensor:
     """The tensor as the operators see it (transposed for ``layout: in_out``)."""
     return t.transpose(0, 1) if pp.transpose else t
+
+
+# state kept in the operators' layout (transposed for ``layout: in_out``); "prev" is an iterate
+_VIEW_STATE = ("d", "exp_avg", "exp_avg_sq", "w")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's data of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a DTensor is all-gathered: every rank must call this)."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def _my_shard(full: torch.Tensor, like) -> torch.Tensor:
+    """This rank's shard of ``full`` for a DTensor sharded like ``like``."""
+    dim = like.placements[0].dim % like.ndim
+    mesh = like.device_mesh
+    return full.split(chunk_sizes(full.shape[dim], mesh.size()), dim=dim)[mesh.get_local_rank()]
+
+
+def _state_row(entry: torch.Tensor, pp: ParamPlan, key: str) -> torch.Tensor:
+    """A state entry as a row of its bucket's stacked state (local data, operators' layout)."""
+    if not is_dtensor(entry):
+        return entry
+    local = entry.to_local()
+    return _view(local, pp) if key in _VIEW_STATE else local
+
+
+def _state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str) -> torch.Tensor:
+    """Inverse of :func:`_state_row`: for a sharded parameter, a DTensor sharded like it."""
+    if not is_dtensor(p):
+        return row
+    from torch.distributed.tensor import DTensor
+
+    local = _view(row, pp) if key in _VIEW_STATE else row
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

@@ -1,0 +1,409 @@
+"""Where each operator runs under ``torch.distributed`` (DESIGN "Flow of data", issue: distributed).
+
+A step asks for its operators through *requests* (:class:`Request`): the stacked input of a
+bucket and the operator to apply. An executor answers them, and every rank answers the same
+requests in the same order, so collectives line up without any handshake:
+
+* :class:`LocalExecutor` (one process): applies the operator.
+* :class:`ReplicatedExecutor` (DDP: every rank holds every tensor): requests of the ``owner``
+  class (matrix functions: Newton–Schulz, SVD, polar, top-k) are split by matrix across ranks by
+  a balanced split of their FLOPs (longest job first onto the least loaded rank); each rank
+  computes its matrices (still batched per bucket) and one ``all_gather`` per round and dtype
+  shares the results, as distributed Muon does. Elementwise and norm-based operators stay local.
+* :class:`ShardedExecutor` (FSDP2: DTensor parameters, ``Shard(k)`` on a 1-D mesh): ``local``
+  operators act on the local shards; ``reduce`` operators (Frobenius / ℓ2 norms of isotropic steps
+  and balls, row and column norms) run on DTensors, so torch reduces over shards; ``owner``
+  operators gather each matrix on its owning rank with one ``all_to_all`` per round, compute there
+  and send the shards back with a second ``all_to_all`` (the layout microsoft/dion uses).
+
+Locality of every registered operator is declared below (a test checks none is missing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+LOCAL, REDUCE, OWNER = "local", "reduce", "owner"
+
+#: forward op kind → locality (elementwise maps are local; whole-tensor or row/column norms
+#: reduce; matrix functions need the whole matrix on one rank)
+FORWARD_LOCALITY = {
+    "euclidean": LOCAL, "anisotropic": LOCAL, "adam": LOCAL,
+    "isotropic": REDUCE, "rowwise": REDUCE, "columnwise": REDUCE,
+    "spectral": OWNER,
+}
+
+_SPECTRAL_SETS = ("spectral_ball", "spectral_sphere", "stiefel", "rank")
+
+
+def backward_locality(geometry: str, constraint: str) -> str:
+    """Locality of the backward op registered for (geometry, constraint)."""
+    if constraint == "proximal_decay":
+        return LOCAL  # X/(1 + γλ) or a per-entry shrink
+    if geometry == "spectral" or constraint in _SPECTRAL_SETS or constraint in ("l0", "linf_sphere"):
+        return OWNER  # SVD / polar / top-k / first argmax over the whole tensor
+    if constraint in ("linf_ball", "sign_set"):
+        return LOCAL if geometry in ("euclidean", "anisotropic") else REDUCE  # isotropic: feasibility norm
+    return REDUCE  # ℓ2 / Frobenius balls and spheres; row / column groups
+
+
+@dataclass
+class Request:
+    """Apply ``fn`` to ``x`` (leading dim = tensor index; rows are independent).
+
+    ``fn(x) -> (out, flags)``: ``out`` has x's shape, ``flags`` is a bool tensor (rows,) or None.
+    ``shard_dim``: dim of ``x`` that is sharded across ranks (FSDP; None when replicated).
+    ``full_shape``: shape of one row of the unsharded input."""
+
+    fn: Callable
+    x: torch.Tensor
+    locality: str
+    shard_dim: Optional[int] = None
+    full_shape: tuple = ()
+    mesh: object = None
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0]
+
+    def row_cost(self) -> float:
+        """FLOPs of a matrix function of one row, up to a constant: m·n·min(m, n)."""
+        shape = self.full_shape or tuple(self.x.shape[1:])
+        m = shape[0] if shape else 1
+        n = math.prod(shape[1:]) if len(shape) > 1 else 1
+        return float(m) * n * min(m, n)
+
+
+@dataclass
+class WorkCounter:
+    """Matrix-function work done by this rank (rows = matrices, flops = Σ m·n·min(m, n))."""
+
+    rows: int = 0
+    flops: float = 0.0
+    by_rank_flops: list = field(default_factory=list)  # the assignment's load per rank, last step
+
+    def reset(self) -> None:
+        self.rows, self.flops = 0, 0.0
+
+
+def assign(costs: list[float], world: int) -> list[int]:
+    """Owner rank per job: longest first onto the least-loaded rank (ties: lowest rank, then
+    original order); deterministic, so every rank computes the same assignment."""
+    load = [0.0] * world
+    owners = [0] * len(costs)
+    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        r = min(range(world), key=lambda q: (load[q], q))
+        owners[j] = r
+        load[r] += costs[j]
+    return owners
+
+
+def chunk_sizes(n: int, world: int) -> list[int]:
+    """Sizes of the ``Shard`` pieces of a dim of size n (torch.chunk semantics, as DTensor)."""
+    step = -(-n // world) if n else 0
+    return [max(0, min(step, n - r * step)) for r in range(world)]
+
+
+def _apply(req: Request, x: torch.Tensor):
+    out, flags = req.fn(x)
+    if flags is None:
+        flags = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    return out, flags
+
+
+class LocalExecutor:
+    """One process: apply every request where it is."""
+
+    world, rank = 1, 0
+
+    def __init__(self):
+        self.work = WorkCounter()
+
+    def run(self, requests: list[Request]) -> list:
+        out = []
+        for req in requests:
+            if req.locality == OWNER:
+                self.work.rows += req.rows
+                self.work.flops += req.rows * req.row_cost()
+            out.append(req.fn(req.x))
+        return out
+
+    def all_finite(self, flags: torch.Tensor) -> torch.Tensor:
+        return flags
+
+
+class _DistExecutor:
+    def __init__(self, group=None):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.work = WorkCounter()
+
+    def all_finite(self, flags: torch.Tensor) -> torch.Tensor:
+        """Per-job finiteness, AND-ed over ranks (a shard elsewhere may be the non-finite one), so
+        every rank skips or raises alike."""
+        t = flags.to(torch.int32)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN, group=self.group)
+        return t.bool()
+
+    def _owners(self, requests: list[Request]) -> list[list[int]]:
+        """Owner of each row of each owner-class request (one balanced split for the round)."""
+        jobs = [(i, r) for i, req in enumerate(requests) if req.locality == OWNER for r in range(req.rows)]
+        costs = [requests[i].row_cost() for i, _ in jobs]
+        owners = assign(costs, self.world)
+        out = [[-1] * req.rows for req in requests]
+        load = [0.0] * self.world
+        for (i, r), o, c in zip(jobs, owners, costs):
+            out[i][r] = o
+            load[o] += c
+        self.work.by_rank_flops = load
+        return out
+
+    def _count(self, req: Request, rows: int) -> None:
+        self.work.rows += rows
+        self.work.flops += rows * req.row_cost()
+
+
+class ReplicatedExecutor(_DistExecutor):
+    """DDP: inputs are whole on every rank. Owner-class requests: each rank computes its rows,
+    then one all_gather per dtype shares outputs and flags."""
+
+    def run(self, requests: list[Request]) -> list:
+        owners = self._owners(requests)
+        results: list = [None] * len(requests)
+        mine: list = [None] * len(requests)
+        for i, req in enumerate(requests):
+            if req.locality != OWNER:
+                results[i] = req.fn(req.x)
+                continue
+            rows = [r for r in range(req.rows) if owners[i][r] == self.rank]
+            if rows:
+                self._count(req, len(rows))
+                idx = torch.tensor(rows, device=req.x.device)
+                mine[i] = (rows, *_apply(req, req.x.index_select(0, idx)))
+        by_dtype: dict = {}
+        for i, req in enumerate(requests):
+            if req.locality == OWNER:
+                by_dtype.setdefault(req.x.dtype, []).append(i)
+        for dtype, idxs in by_dtype.items():
+            self._exchange(requests, owners, mine, results, idxs, dtype)
+        return results
+
+    def _exchange(self, requests, owners, mine, results, idxs, dtype) -> None:
+        device = requests[idxs[0]].x.device
+        row_numel = {i: requests[i].x[0].numel() + 1 for i in idxs}  # + the fallback flag
+        sizes = [sum(row_numel[i] for i in idxs for r in range(requests[i].rows) if owners[i][r] == q)
+                 for q in range(self.world)]
+        parts = []
+        for i in idxs:
+            if mine[i] is not None:
+                _, out, flags = mine[i]
+                parts.append(torch.cat([out.reshape(out.shape[0], -1).to(dtype), flags.to(dtype).unsqueeze(1)], 1).reshape(-1))
+        size = max(sizes)
+        buf = torch.zeros(size, dtype=dtype, device=device)
+        if parts:
+            flat = torch.cat(parts)
+            buf[: flat.numel()] = flat
+        gathered = [torch.empty_like(buf) for _ in range(self.world)]
+        self.dist.all_gather(gathered, buf, group=self.group)
+        cursor = [0] * self.world
+        for i in idxs:
+            req = requests[i]
+            out = torch.empty_like(req.x)
+            flags = torch.zeros(req.rows, dtype=torch.bool, device=device)
+            for r in range(req.rows):
+                q = owners[i][r]
+                seg = gathered[q][cursor[q]: cursor[q] + row_numel[i]]
+                cursor[q] += row_numel[i]
+                out[r].copy_(seg[:-1].reshape(out[r].shape))
+                flags[r] = seg[-1] != 0
+            results[i] = (out, flags)
+
+
+class ShardedExecutor(_DistExecutor):
+    """FSDP2: inputs are local shards. ``reduce`` requests run on DTensors (torch reduces the
+    norms over shards); ``owner`` requests gather each matrix on its owner (all_to_all), compute
+    there and send the shards back (all_to_all)."""
+
+    def run(self, requests: list[Request]) -> list:
+        results: list = [None] * len(requests)
+        owners = self._owners(requests)
+        for i, req in enumerate(requests):
+            if req.locality == LOCAL or (req.shard_dim is None and req.locality != OWNER):
+                results[i] = req.fn(req.x)
+            elif req.locality == REDUCE:
+                results[i] = self._on_dtensor(req)
+        by_dtype: dict = {}
+        for i, req in enumerate(requests):
+            if req.locality == OWNER:
+                by_dtype.setdefault(req.x.dtype, []).append(i)
+        for dtype, idxs in by_dtype.items():
+            self._owner_round(requests, owners, results, idxs, dtype)
+        return results
+
+    def _on_dtensor(self, req: Request):
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = (req.rows, *req.full_shape)
+        stride = _contiguous_strides(shape)
+        placements = (Shard(req.shard_dim),)
+        x = DTensor.from_local(req.x, req.mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+        out, flags = req.fn(x)
+        if out.placements != placements:
+            out = out.redistribute(req.mesh, placements)
+        if isinstance(flags, DTensor):
+            flags = flags.full_tensor()
+        return out.to_local(), flags
+
+    def _shard_sizes(self, req: Request) -> list[int]:
+        return chunk_sizes(req.full_shape[req.shard_dim - 1], self.world)
+
+    def _owner_round(self, requests, owners, results, idxs, dtype) -> None:
+        dist, world, me = self.dist, self.world, self.rank
+        device = requests[idxs[0]].x.device
+
+        def piece_numel(req: Request, q: int) -> int:
+            """numel of rank q's shard of one row."""
+            if req.shard_dim is None:
+                return req.x[0].numel()
+            shape = list(req.full_shape)
+            shape[req.shard_dim - 1] = self._shard_sizes(req)[q]
+            return math.prod(shape)
+
+        # 1. every rank sends its shard of each row to the row's owner
+        send, send_sizes = [], []
+        for q in range(world):
+            parts = [requests[i].x[r].reshape(-1) for i in idxs for r in range(requests[i].rows) if owners[i][r] == q]
+            send_sizes.append(sum(p.numel() for p in parts))
+            send += parts
+        recv_sizes = [sum(piece_numel(requests[i], s) for i in idxs for r in range(requests[i].rows) if owners[i][r] == me)
+                      for s in range(world)]
+        received = self._all_to_all(send, send_sizes, recv_sizes, dtype, device)
+        # 2. the owner assembles its matrices (rank order along the shard dim) and computes them
+        offsets = [sum(recv_sizes[:s]) for s in range(world)]
+        computed: dict = {}
+        for i in idxs:
+            req = requests[i]
+            rows = [r for r in range(req.rows) if owners[i][r] == me]
+            if not rows:
+                continue
+            full = []
+            for _ in rows:
+                pieces = []
+                for s in range(world):
+                    n = piece_numel(req, s)
+                    shape = list(req.full_shape)
+                    if req.shard_dim is not None:
+                        shape[req.shard_dim - 1] = self._shard_sizes(req)[s]
+                    pieces.append(received[offsets[s]: offsets[s] + n].reshape(shape))
+                    offsets[s] += n
+                full.append(torch.cat(pieces, req.shard_dim - 1) if req.shard_dim is not None else pieces[me])
+            self._count(req, len(rows))
+            out, flags = _apply(req, torch.stack(full))
+            computed[i] = dict(zip(rows, zip(out.unbind(0), flags.unbind(0))))
+        # 3. the owner sends each rank its shard of the result (and the fallback flag)
+        send, send_sizes = [], []
+        for q in range(world):
+            parts = []
+            for i in idxs:
+                req = requests[i]
+                for r in range(req.rows):
+                    if owners[i][r] != me:
+                        continue
+                    out, flag = computed[i][r]
+                    if req.shard_dim is not None:
+                        out = out.split(self._shard_sizes(req), dim=req.shard_dim - 1)[q]
+                    parts += [out.reshape(-1).to(dtype), flag.to(dtype).reshape(1)]
+            send_sizes.append(sum(p.numel() for p in parts))
+            send += parts
+        recv_sizes = [sum(piece_numel(requests[i], me) + 1 for i in idxs for r in range(requests[i].rows) if owners[i][r] == s)
+                      for s in range(world)]
+        received = self._all_to_all(send, send_sizes, recv_sizes, dtype, device)
+        offsets = [sum(recv_sizes[:s]) for s in range(world)]
+        for i in idxs:
+            req = requests[i]
+            out = torch.empty_like(req.x)
+            flags = torch.zeros(req.rows, dtype=torch.bool, device=device)
+            n = req.x[0].numel()
+            for r in range(req.rows):
+                s = owners[i][r]
+                seg = received[offsets[s]: offsets[s] + n + 1]
+                offsets[s] += n + 1
+                out[r].copy_(seg[:-1].reshape(out[r].shape))
+                flags[r] = seg[-1] != 0
+            results[i] = (out, flags)
+
+    def _all_to_all(self, parts, send_sizes, recv_sizes, dtype, device) -> torch.Tensor:
+        send = torch.cat(parts).to(dtype) if parts else torch.zeros(0, dtype=dtype, device=device)
+        recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+        self.dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
+        return recv
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def make_executor(params: list, distributed, process_group) -> object:
+    """The executor for these parameters: ``distributed`` False → local; "auto" (default) →
+    sharded if any parameter is a DTensor, replicated if torch.distributed is initialized with
+    more than one rank, else local; "ddp" / "fsdp" force the mode (and fail clearly when the
+    parameters do not fit it)."""
+    import torch.distributed as dist
+
+    dtensor = [is_dtensor(p) for p in params]
+    if distributed is False or distributed == "none":
+        if any(dtensor):
+            raise ValueError("parameters are DTensors (FSDP2): GeomOptimizer needs distributed='auto' or 'fsdp' for them")
+        return LocalExecutor()
+    if distributed not in ("auto", "ddp", "fsdp", True):
+        raise ValueError(f"distributed must be 'auto', 'ddp', 'fsdp' or False, not {distributed!r}")
+    if any(dtensor):
+        if not all(dtensor):
+            raise ValueError("some parameters are DTensors and some are not: shard the whole model with fully_shard "
+                             "(or none of it)")
+        if distributed == "ddp":
+            raise ValueError("distributed='ddp' expects replicated (plain) parameters, but they are DTensors (FSDP2)")
+        group = _mesh_group(params)
+        return ShardedExecutor(group)
+    if distributed == "fsdp":
+        raise ValueError("distributed='fsdp' expects DTensor parameters: call torch.distributed.fsdp.fully_shard on "
+                         "the model before building the optimizer")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        return ReplicatedExecutor(process_group)
+    if distributed == "ddp":
+        raise ValueError("distributed='ddp' needs torch.distributed initialized (init_process_group) with > 1 rank")
+    return LocalExecutor()
+
+
+def is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _mesh_group(params: list):
+    from torch.distributed.tensor import Shard
+
+    mesh = params[0].device_mesh
+    for p in params:
+        if p.device_mesh != mesh:
+            raise ValueError("GeomOptimizer supports one device mesh for all DTensor parameters")
+        if mesh.ndim != 1 or len(p.placements) != 1 or not isinstance(p.placements[0], Shard):
+            raise ValueError(
+                f"GeomOptimizer supports DTensor parameters sharded on one dim of a 1-D mesh (fully_shard), "
+                f"got placements {p.placements} on a {mesh.ndim}-D mesh")
+    return mesh.get_group()
