@@ -97,4 +97,4 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))
         if targets is None:
             return logits
-        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

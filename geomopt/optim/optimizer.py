@@ -339,7 +339,10 @@ class GeomOptimizer(Optimizer):
             buf = self._buffers.get((ids, key))
             rows = [_state_row(self.state[p][key], pp, key) for p, pp in items]
             if buf is None or any(e._base is not buf or e.data_ptr() != buf[i].data_ptr() for i, e in enumerate(rows)):
-                buf = torch.stack(rows)  # first use, or state replaced (load_state_dict): restack
+                # first use, or state replaced (load_state_dict): restack, in the memory layout a
+                # step gives it (a lone tensor keeps its own, e.g. transposed), so that reductions
+                # sum in the same order and a resumed run matches bit for bit
+                buf = _stack(rows).clone()
             out[key] = buf
         if "adam_step" in first:
             out["adam_step"] = first["adam_step"]
@@ -424,6 +427,7 @@ class GeomOptimizer(Optimizer):
         sd = super().state_dict()
         sd["geomopt"] = dict(
             spec_hash=self.spec_hash, spec=dump_spec(self.spec, "yaml"),
+            world_size=self._executor.world, sharded=self._sharded,
             counters=[dict(c, fallbacks=c["fallbacks"].clone(), update_sq=c["update_sq"].clone()) for c in self._counters],
             spec_groups=[dict(g) for g in self._spec_groups],
         )
@@ -436,19 +440,31 @@ class GeomOptimizer(Optimizer):
         spec sets differently from the saved one (lr, weight_decay, radius, direction, …) follows
         the new spec; values it leaves alone resume as saved (e.g. an lr a scheduler changed)."""
         meta = state_dict.get("geomopt")
+        if meta is None and state_dict.get("param_groups") and "spec_hash" in state_dict["param_groups"][0]:
+            # torch.distributed.checkpoint keeps only "state" and "param_groups": the groups carry the hash
+            meta = dict(spec_hash=state_dict["param_groups"][0]["spec_hash"])
         if meta is None:
             if not allow_spec_change:
                 raise ValueError("this optimizer state was not saved by GeomOptimizer (no spec hash); "
                                  "pass allow_spec_change=True to load it anyway")
         elif meta["spec_hash"] != self.spec_hash and not allow_spec_change:
-            diff = difflib.unified_diff(meta["spec"].splitlines(), dump_spec(self.spec, "yaml").splitlines(),
-                                        "saved spec", "current spec", lineterm="", n=1)
-            lines = list(diff)[:40]
+            if "spec" in meta:
+                diff = difflib.unified_diff(meta["spec"].splitlines(), dump_spec(self.spec, "yaml").splitlines(),
+                                            "saved spec", "current spec", lineterm="", n=1)
+                saved = f"'{_spec_name(meta['spec'])}' (hash {meta['spec_hash']})"
+                what = "; what differs:\n" + "\n".join(list(diff)[:40])
+            else:
+                saved, what = f"hash {meta['spec_hash']}", ""
             raise ValueError(
-                f"optimizer state was saved under spec '{_spec_name(meta['spec'])}' (hash {meta['spec_hash']}), "
-                f"this optimizer runs '{self.spec.name}' (hash {self.spec_hash}); what differs:\n"
-                + "\n".join(lines)
-                + "\npass allow_spec_change=True to load it anyway")
+                f"optimizer state was saved under spec {saved}, this optimizer runs '{self.spec.name}' "
+                f"(hash {self.spec_hash}){what}\npass allow_spec_change=True to load it anyway")
+        if meta is not None and (meta.get("sharded") or self._sharded) and meta.get("world_size", self._executor.world) \
+                != self._executor.world:
+            raise ValueError(
+                f"this optimizer state was saved {'sharded over' if meta.get('sharded') else 'on'} "
+                f"{meta['world_size']} rank(s) and this run has {self._executor.world}: sharded state (FSDP2) loads "
+                f"only at the world size it was saved at. Save and load with torch.distributed.checkpoint "
+                f"(get_state_dict / set_state_dict), which reshards")
         super().load_state_dict(state_dict)
         # torch.optim casts floating state to the parameter's dtype (it calls
         # Optimizer._process_value_according_to_param_policy directly, so an override is never
@@ -459,6 +475,8 @@ class GeomOptimizer(Optimizer):
             saved = state_dict["state"].get(pid)
             if saved is not None:
                 self.state[p] = {k: _to_device(v, p.device) for k, v in saved.items()}
+        for group in self.param_groups:
+            group["spec_hash"] = self.spec_hash
         if meta is not None and self.spec_hash != meta["spec_hash"]:
             old = meta.get("spec_groups") or [{}] * len(self.param_groups)
             for group, was, now in zip(self.param_groups, old, self._spec_groups):

@@ -1,0 +1,160 @@
+"""Distributed execution: DDP and FSDP2 on 2 CPU processes (gloo) against single-process runs.
+
+One ``torchrun --nproc_per_node 2 tests/distributed_worker.py`` run (module fixture) trains every
+shipped spec and a spec that covers each operator's locality class; the tests read what each rank
+saved."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from geomopt import GeomOptimizer
+from geomopt.geometry.registry import BACKWARD_OPS, FORWARD_OPS, _load
+from geomopt.optim.distributed import (
+    FORWARD_LOCALITY, LOCAL, OWNER, REDUCE, LocalExecutor, assign, backward_locality, chunk_sizes, make_executor,
+)
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+sys.path.insert(0, str(WORKER.parent))
+import distributed_worker as worker  # noqa: E402
+
+SPECS = worker.SHIPPED + ["mixed"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(WORKER.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(WORKER), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)) for k in b)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_ddp_matches_single_process(ranks, name):
+    for r in ranks:
+        assert r["work"][name]["kind"] == "ReplicatedExecutor"
+        assert _max_rel(r["ddp"][name], r["ref"][name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_fsdp2_matches_single_process(ranks, name):
+    for r in ranks:
+        assert r["work"][name]["fsdp_kind"] == "ShardedExecutor"
+        assert _max_rel(r["fsdp"][name], r["ref"][name]) < 1e-5, name
+
+
+def test_ranks_end_with_identical_parameters(ranks):
+    for name in SPECS:
+        for mode in ("ddp", "fsdp"):
+            a, b = ranks[0][mode][name], ranks[1][mode][name]
+            assert all(torch.equal(a[k], b[k]) for k in a), (name, mode)
+
+
+@pytest.mark.parametrize("name", ["muon", "uscion", "spectral-clip", "mixed"])
+def test_spectral_work_per_rank_is_about_half(ranks, name):
+    for mode in ("ddp", "fsdp"):
+        total = ranks[0]["work"][name]["ref"]
+        shares = [r["work"][name][mode] / total for r in ranks]
+        assert total > 0
+        assert abs(sum(shares) - 1) < 1e-9, (mode, shares)  # every matrix computed once
+        assert all(0.35 <= s <= 0.65 for s in shares), (mode, shares)
+
+
+def test_checkpoint_round_trip_across_two_ranks(ranks):
+    a, b = (r["checkpoint"] for r in ranks)
+    assert a["keys"] == b["keys"] and a["keys"]
+    assert a["sharded_like_params"] and b["sharded_like_params"]
+    assert a["diff"] == 0.0 and b["diff"] == 0.0
+
+
+def test_distributed_checkpoint_round_trip(ranks):
+    a, b = (r["dcp"] for r in ranks)
+    assert a["keys"] == b["keys"] and all(isinstance(k, str) for k in a["keys"])  # FQNs, same on every rank
+    assert a["diff"] == 0.0 and b["diff"] == 0.0
+
+
+def test_nonfinite_gradient_on_one_rank_skips_the_step_on_all(ranks):
+    for r in ranks:
+        assert r["nonfinite"]["unchanged"]
+        assert r["nonfinite"]["skipped"]["hidden"] == 1
+    assert ranks[0]["nonfinite"]["skipped"] == ranks[1]["nonfinite"]["skipped"]
+
+
+def test_bad_distributed_input_errors(ranks):
+    for r in ranks:
+        e = r["errors"]
+        assert e["world_size"] and "saved sharded over 4 rank(s)" in e["world_size"] and "2" in e["world_size"]
+        assert "torch.distributed.checkpoint" in e["world_size"]
+        assert e["ddp_on_dtensor"] and "DTensor" in e["ddp_on_dtensor"]
+
+
+# ---------------------------------------------------------------- single-process units
+
+
+def test_every_registered_operator_has_a_locality():
+    _load()
+    assert set(FORWARD_OPS) == set(FORWARD_LOCALITY)
+    for g, c in BACKWARD_OPS:
+        assert backward_locality(g, c) in (LOCAL, REDUCE, OWNER)
+    assert backward_locality("spectral", "frobenius_ball") == OWNER
+    assert backward_locality("euclidean", "l2_ball") == REDUCE
+    assert backward_locality("anisotropic", "linf_ball") == LOCAL
+
+
+def test_assign_balances_flops():
+    costs = [8.0, 8.0, 4.0, 4.0, 2.0, 2.0, 1.0, 1.0]
+    owners = assign(costs, 2)
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(2)]
+    assert loads == [15.0, 15.0]
+    assert assign(costs, 2) == owners  # deterministic
+    assert sorted(set(assign([1.0] * 5, 3))) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("n,world", [(7, 2), (97, 2), (1, 2), (10, 4), (0, 2), (72, 3)])
+def test_chunk_sizes_match_torch_chunk(n, world):
+    pieces = list(torch.arange(n).chunk(world)) if n else []
+    want = [len(p) for p in pieces] + [0] * (world - len(pieces))
+    assert chunk_sizes(n, world) == want
+
+
+def test_single_process_uses_the_local_executor():
+    model = worker.make_model()
+    assert isinstance(GeomOptimizer(model, worker.spec_path("muon"))._executor, LocalExecutor)
+    with pytest.raises(ValueError, match="torch.distributed initialized"):
+        make_executor(list(model.parameters()), "ddp", None)
+    with pytest.raises(ValueError, match="fully_shard"):
+        make_executor(list(model.parameters()), "fsdp", None)
+    with pytest.raises(ValueError, match="distributed must be"):
+        make_executor(list(model.parameters()), "zero", None)
+
+
+def test_world_size_mismatch_refused_for_sharded_state():
+    model = worker.make_model()
+    opt = GeomOptimizer(model, worker.spec_path("uscion"))
+    sd = opt.state_dict()
+    assert sd["geomopt"]["world_size"] == 1 and sd["geomopt"]["sharded"] is False
+    sd["geomopt"].update(world_size=2, sharded=True)
+    with pytest.raises(ValueError, match="saved sharded over 2 rank"):
+        opt.load_state_dict(sd)
+    sd["geomopt"].update(sharded=False)  # replicated (DDP) state loads at any world size
+    opt.load_state_dict(sd)
