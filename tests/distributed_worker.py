@@ -115,7 +115,7 @@ def main(out: Path) -> None:
         ref_opt = GeomOptimizer(ref, spec, distributed=False)
         train(ref, ref_opt, data)
         result["ref"][name] = params_of(ref)
-        ref_flops = ref_opt._executor.work.flops
+        ref_flops = ref_opt.work.flops
 
         # DDP: torch's DistributedDataParallel averages the gradients; the optimizer shares out
         # the matrix functions
@@ -131,14 +131,14 @@ def main(out: Path) -> None:
             loss.backward()
             opt.step()
         result["ddp"][name] = params_of(model)
-        result["work"][name] = dict(ddp=opt._executor.work.flops, ref=ref_flops, kind=type(opt._executor).__name__)
+        result["work"][name] = dict(ddp=opt.work.flops, ref=ref_flops, kind=type(opt._executor).__name__)
 
         # FSDP2
         model = shard(make_model())
         opt = GeomOptimizer(model, spec)
         train(model, opt, data)
         result["fsdp"][name] = params_of(model)
-        result["work"][name].update(fsdp=opt._executor.work.flops, fsdp_kind=type(opt._executor).__name__)
+        result["work"][name].update(fsdp=opt.work.flops, fsdp_kind=type(opt._executor).__name__)
     result["checkpoint"] = checkpoint_round_trip(data)
     result["dcp"] = dcp_round_trip(data)
     result["errors"] = bad_input()

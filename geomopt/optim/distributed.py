@@ -22,6 +22,7 @@ Locality of every registered operator is declared below (a test checks none is m
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -80,14 +81,23 @@ class Request:
 
 @dataclass
 class WorkCounter:
-    """Matrix-function work done by this rank (rows = matrices, flops = Σ m·n·min(m, n))."""
+    """Matrix-function work done by this rank (rows = matrices, flops = Σ m·n·min(m, n),
+    seconds = host time spent computing them: on an asynchronous device, dispatch time only)."""
 
     rows: int = 0
     flops: float = 0.0
+    seconds: float = 0.0
     by_rank_flops: list = field(default_factory=list)  # the assignment's load per rank, last step
 
     def reset(self) -> None:
-        self.rows, self.flops = 0, 0.0
+        self.rows, self.flops, self.seconds = 0, 0.0, 0.0
+
+    def timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
 
 
 def assign(costs: list[float], world: int) -> list[int]:
@@ -129,7 +139,9 @@ class LocalExecutor:
             if req.locality == OWNER:
                 self.work.rows += req.rows
                 self.work.flops += req.rows * req.row_cost()
-            out.append(req.fn(req.x))
+                out.append(self.work.timed(req.fn, req.x))
+            else:
+                out.append(req.fn(req.x))
         return out
 
     def all_finite(self, flags: torch.Tensor) -> torch.Tensor:
@@ -187,7 +199,7 @@ class ReplicatedExecutor(_DistExecutor):
             if rows:
                 self._count(req, len(rows))
                 idx = torch.tensor(rows, device=req.x.device)
-                mine[i] = (rows, *_apply(req, req.x.index_select(0, idx)))
+                mine[i] = (rows, *self.work.timed(_apply, req, req.x.index_select(0, idx)))
         by_dtype: dict = {}
         for i, req in enumerate(requests):
             if req.locality == OWNER:
@@ -306,7 +318,7 @@ class ShardedExecutor(_DistExecutor):
                     offsets[s] += n
                 full.append(torch.cat(pieces, req.shard_dim - 1) if req.shard_dim is not None else pieces[me])
             self._count(req, len(rows))
-            out, flags = _apply(req, torch.stack(full))
+            out, flags = self.work.timed(_apply, req, torch.stack(full))
             computed[i] = dict(zip(rows, zip(out.unbind(0), flags.unbind(0))))
         # 3. the owner sends each rank its shard of the result (and the fallback flag)
         send, send_sizes = [], []
