@@ -53,13 +53,15 @@ def _max_rel(a: dict, b: dict) -> float:
 def test_ddp_matches_single_process(ranks, name):
     for r in ranks:
         assert r["work"][name]["kind"] == "ReplicatedExecutor"
-        assert _max_rel(r["ddp"][name], r["ref"][name]) < 1e-5, name
+        # the owner runs the same batched kernels on its rows: bit for bit
+        assert all(torch.equal(r["ddp"][name][k], r["ref"][name][k]) for k in r["ref"][name]), name
 
 
 @pytest.mark.parametrize("name", SPECS)
 def test_fsdp2_matches_single_process(ranks, name):
     for r in ranks:
         assert r["work"][name]["fsdp_kind"] == "ShardedExecutor"
+        # norms summed shard by shard round differently: a few ulps, after 3 steps
         assert _max_rel(r["fsdp"][name], r["ref"][name]) < 1e-5, name
 
 
