@@ -37,10 +37,32 @@ def test_grokking_quick(tmp_path):
     summary, runs = rec["results"]["summary"], rec["results"]["runs"]
     assert list(summary) == ["AdamW", "uScion", "uScion + spectral clip"]
     assert summary["uScion"]["spec"] == "specs/examples/grokking-uscion.yaml"
+    cap = rec["settings"]["max_epochs"]
+    assert rec["results"]["complete"] is True and rec["threads"] == 1
     for r in runs:
-        assert 1 <= r["epochs_to_target"] <= rec["settings"]["max_epochs"]
+        assert 1 <= r["epochs_to_target"] <= cap
         assert all(0.0 <= acc <= 1.0 for _, tr, va in r["curve"] for acc in (tr, va))
         assert r["seconds"] > 0
+        # a run stops at the first epoch that reaches the target; one that never does counts as the cap
+        vals = [va for _, _, va in r["curve"]]
+        if r["reached"]:
+            assert len(vals) == r["epochs_to_target"] and vals[-1] >= rec["settings"]["target"] > max(vals[:-1], default=-1)
+        else:
+            assert len(vals) == cap == r["epochs_to_target"] and max(vals) < rec["settings"]["target"]
+    for name, s in summary.items():
+        assert s["epochs"] == [r["epochs_to_target"] for r in runs if r["optimizer"] == name]
+        assert s["median_epochs"] == sorted(s["epochs"])[len(s["epochs"]) // 2] and s["runs"] == len(s["seeds"]) == 1
+
+
+def test_grokking_stops_at_the_target(tmp_path):
+    # every run reaches a target of 0 after its first epoch and must stop there
+    rec = _run("grokking.py", tmp_path, "--target", "0", "--seeds", "2", "--optimizers", "AdamW,uScion + spectral clip")
+    summary, runs = rec["results"]["summary"], rec["results"]["runs"]
+    assert [(r["optimizer"], r["seed"]) for r in runs] == [("AdamW", 0), ("uScion + spectral clip", 0),
+                                                           ("AdamW", 1), ("uScion + spectral clip", 1)]
+    assert all(r["reached"] and r["epochs_to_target"] == 1 and len(r["curve"]) == 1 for r in runs)
+    assert {n: (s["epochs"], s["median_epochs"], s["reached"]) for n, s in summary.items()} == {
+        "AdamW": ([1, 1], 1, 2), "uScion + spectral clip": ([1, 1], 1, 2)}
 
 
 def test_digits_cnn_quick(tmp_path):

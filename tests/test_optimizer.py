@@ -220,6 +220,14 @@ def test_storm_schedule_and_theory_schedule():
 # ---------------------------------------------------------------- diagnostics, feasibility
 
 
+def test_update_norm_is_opt_in():
+    model = tiny_mlp(0)
+    opt = geomopt.GeomOptimizer(model, one_rule({"kind": "euclidean"}))
+    loss_of(model, mlp_batch(0)).backward()
+    opt.step()
+    assert opt.diagnostics()["all"]["update_norm"] is None
+
+
 def test_diagnostics_gap_violation_update_norm():
     spec = one_rule({"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 0.05},
                      "approx": {"kind": "svd"}},
@@ -231,7 +239,7 @@ def test_diagnostics_gap_violation_update_norm():
     batch = mlp_batch(0)
     for track in (False, True):
         m = copy.deepcopy(model)
-        opt = geomopt.GeomOptimizer(m, spec, track_gap=track)
+        opt = geomopt.GeomOptimizer(m, spec, track_gap=track, track_update=True)
         gaps = []
         for _ in range(4):
             before = [p.detach().clone() for p in opt.param_groups[0]["params"]]

@@ -100,6 +100,16 @@ def columnwise(d, geometry, *, radius, batch_dims=0, state=None):
     return _blockwise(d, geometry, radius, batch_dims)
 
 
+def elementwise_into(d: torch.Tensor, geometry: dict, out: torch.Tensor) -> torch.Tensor:
+    """∇φ₁*(d) (ρ = 1) of the euclidean or anisotropic geometry, written into ``out`` (which may
+    be ``d``; the euclidean map returns ``d`` itself): the optimizer's flat path, which keeps its
+    buffers and so never pays for fresh memory. Same values as :func:`euclidean` /
+    :func:`anisotropic` with radius 1."""
+    if geometry["kind"] == "euclidean":
+        return d
+    return _reference(geometry).dual_grad_into(d, out)
+
+
 @forward_op("adam")
 def adam(d, geometry, *, radius, batch_dims=0, state=None):
     """Adam(W)'s update direction, outside the paper's theory (an escape hatch; lint says so):

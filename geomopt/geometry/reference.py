@@ -48,6 +48,11 @@ class Reference:
         """(h*)'(y)."""
         raise NotImplementedError
 
+    def dual_grad_into(self, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """(h*)'(y) written into ``out`` (which may be ``y``): the optimizer's allocation-free
+        form for elementwise steps; references with a one-kernel (h*)' override it."""
+        return out.copy_(self.dual_grad(y))
+
     def iso_factor(self, s: torch.Tensor) -> torch.Tensor:
         """(h*)'(s)/s for s ≥ 0, evaluated without forming y/|y| (finite at s = 0)."""
         raise NotImplementedError
@@ -139,6 +144,9 @@ class Indicator(Reference):
     def dual_grad(self, y):
         return torch.sign(y)
 
+    def dual_grad_into(self, y, out):
+        return torch.sign(y, out=out)
+
     def iso_factor(self, s):
         return torch.where(s > 0, 1 / s, torch.zeros_like(s))
 
@@ -159,6 +167,9 @@ class Quadratic(Reference):
 
     dh = staticmethod(lambda x: x)
     dual_grad = staticmethod(lambda y: y)
+
+    def dual_grad_into(self, y, out):
+        return y if out is y else out.copy_(y)
 
     def iso_factor(self, s):
         return torch.ones_like(s)

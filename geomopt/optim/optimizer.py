@@ -29,7 +29,7 @@ from geomopt.compile.params import params_from_model
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.geometry.backward import backward
 from geomopt.geometry.adam import adam_moments
-from geomopt.geometry.forward import forward
+from geomopt.geometry.forward import elementwise_into, forward
 from geomopt.optim.directions import DIRECTIONS
 from geomopt.optim.distributed import (
     FORWARD_LOCALITY, LOCAL, LocalExecutor, Request, ShardedExecutor, backward_locality, chunk_sizes, is_dtensor,
@@ -59,6 +59,9 @@ class NonFiniteGradientError(FloatingPointError):
 class GeomOptimizer(Optimizer):
     """``GeomOptimizer(model_or_named_parameters, spec)``: spec is a Spec, a path or a dict.
 
+    ``track_update``: measure ‖X⁺ − X‖ each step for :meth:`diagnostics` (two passes over
+    every tensor: off by default, like the gap).
+
     ``track_gap``: keep W = (X⁺ − Y)/(γρ) after each step so :meth:`diagnostics` can report the
     stationarity gap against the next gradient (one extra tensor per parameter).
 
@@ -80,12 +83,13 @@ class GeomOptimizer(Optimizer):
     """
 
     def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, track_gap: bool = False,
-                 distributed: Union[str, bool] = "auto", process_group=None):
+                 track_update: bool = False, distributed: Union[str, bool] = "auto", process_group=None):
         self.spec = as_spec(spec)
         infos, tensors = params_from_model(model_or_named_parameters)
         self.plan: Plan = plan_from_infos(self.spec, infos)
         self.spec_hash = spec_hash(self.spec)
         self.track_gap = track_gap
+        self.track_update = track_update
         groups, self._plans = [], []
         for index, rule in enumerate(self.spec.rules):
             plans = [p for p in self.plan if p.rule_index == index]
@@ -179,18 +183,23 @@ class GeomOptimizer(Optimizer):
                 loss = closure()
         with torch.no_grad():
             jobs = self._jobs()
-            grads = [_stack([_view(_local(p.grad), pp) for p, pp in items]) for _, items in jobs]
+            grads = [[_local(p.grad) for p, _ in items] if flat else _stack([_view(_local(p.grad), pp) for p, pp in items])
+                     for _, items, flat in jobs]
             prevs = [_stack([_view(_local(g_prev[p]), pp) for p, pp in items])
-                     if all(g_prev.get(p) is not None for p, _ in items) else None for _, items in jobs]
+                     if all(g_prev.get(p) is not None for p, _ in items) else None for _, items, _ in jobs]
             if self._skip_nonfinite(jobs, grads, prevs):
                 return loss
             schedules, steps = {}, []
-            for (gi, items), g, gp in zip(jobs, grads, prevs):
+            for (gi, items, flat), g, gp in zip(jobs, grads, prevs):
                 group = self.param_groups[gi]
                 if gi not in schedules:
                     schedules[gi] = SCHEDULES[group["schedule"]["kind"]](group, group["step"])
-                    self._counters[gi]["update_sq"] = torch.zeros((), device=g.device)
-                steps.append(self._step_bucket(gi, group, items, g, gp, *schedules[gi]))
+                    device = items[0][0].device
+                    self._counters[gi]["update_sq"] = torch.zeros((), device=device)
+                if flat:
+                    self._step_flat(group, items, g, *schedules[gi])
+                else:
+                    steps.append(self._step_bucket(gi, group, items, g, gp, *schedules[gi]))
             self._run(steps)
             for gi in schedules:
                 self.param_groups[gi]["step"] += 1
@@ -213,32 +222,113 @@ class GeomOptimizer(Optimizer):
             answers = self._executor.run([req for _, req in pending]) if pending else []
 
     def _jobs(self) -> list:
-        """(group index, [(param, plan), …]) per batched call: a bucket's tensors that have a
-        gradient, split by state history (a tensor that missed steps has its own step counts)."""
+        """(group index, [(param, plan), …], flat) per call: a bucket's tensors that have a
+        gradient, split by state history (a tensor that missed steps has its own step counts).
+        ``flat``: an elementwise rule's tensors of one dtype and radius, whatever their shapes,
+        run as one flat call (:meth:`_step_flat`)."""
         jobs = []
         for gi, (group, plans) in enumerate(zip(self.param_groups, self._plans)):
-            for bucket in self._buckets[gi]:
-                by_history: dict = {}
+            flat = self._flat_rule(group, plans[0])
+            buckets = [range(len(plans))] if flat else self._buckets[gi]
+            for bucket in buckets:
+                by_key: dict = {}
                 for i in bucket:
                     p = group["params"][i]
                     if p.grad is None:
                         continue
                     st = self.state[p]
                     key = (tuple(sorted(k for k in st if k in _STACKED)), st.get("adam_step"))
-                    by_history.setdefault(key, []).append((p, plans[i]))
-                jobs += [(gi, items) for items in by_history.values()]
+                    if flat:
+                        key += (p.dtype, p.grad.dtype, p.device, self._scale(plans[i]))
+                    by_key.setdefault(key, []).append((p, plans[i]))
+                for key, items in by_key.items():
+                    ok = flat and key[2] == key[3] and key[2] in (torch.float32, torch.float64)
+                    jobs.append((gi, items, ok))
         return jobs
 
+    def _flat_rule(self, group: dict, pp: ParamPlan) -> bool:
+        """A rule whose whole step is elementwise (φ euclidean or anisotropic, no constraint, no
+        STORM, nothing tracked): its tensors need no stacking."""
+        return (pp.geometry["kind"] in ("euclidean", "anisotropic") and pp.constraint is None
+                and group["direction"] in ("none", "polyak") and not self.track_gap and not self.track_update)
+
+    def _step_flat(self, group: dict, items: list, grads: list, gamma: float, alpha) -> None:
+        """One step of an elementwise rule with foreach kernels: the direction lives in one flat
+        buffer (per-parameter state entries are views of it), the forward map runs once on it,
+        and the parameters are updated in place. Same arithmetic as :meth:`_step_bucket`, so
+        the same bits."""
+        pp = items[0][1]
+        alpha = group["alpha"] if alpha is None else alpha
+        xs = [_view(_local(p), q) for p, q in items]
+        gs = [_view(g, q) for g, (_, q) in zip(grads, items)]
+        # u = the direction (the state itself, or a persistent scratch), then ∇φ₁*(u) into the
+        # scratch: no allocation in steady state
+        scratch, s_views = self._flat_buffer(items, xs, "scratch")
+        if group["direction"] == "none":
+            torch._foreach_copy_(s_views, gs)
+            u = scratch
+        else:
+            first = "d" not in self.state[items[0][0]]
+            d, d_views = self._flat_state(items, xs)
+            if first and group["init"] == "gradient":
+                torch._foreach_copy_(d_views, gs)
+            else:
+                torch._foreach_lerp_(d_views, gs, alpha)
+            u = d
+            if group["nesterov"] and not (first and group["init"] == "gradient"):
+                torch._foreach_copy_(s_views, gs)
+                u = scratch.lerp_(d, 1 - alpha)  # g.lerp(d, 1 − α), as the batched path
+        if pp.geometry["kind"] == "euclidean":
+            steps = s_views if u is scratch else d_views
+        else:
+            elementwise_into(u, pp.geometry, scratch)
+            steps = s_views
+        if group["weight_decay"]:
+            torch._foreach_mul_(xs, 1 - gamma * group["weight_decay"])
+        torch._foreach_add_(xs, steps, alpha=-gamma * group["radius"] * self._scale(pp))
+
+    def _flat_buffer(self, items: list, xs: list, name: str) -> tuple:
+        key = tuple(id(p) for p, _ in items) + (name,)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() != sum(x.numel() for x in xs) or buf.dtype != xs[0].dtype:
+            buf = self._buffers[key] = _flat_like(xs)[0]
+        return buf, _split_like(buf, xs)
+
+    def _flat_state(self, items: list, xs: list) -> tuple:
+        """The flat direction buffer of a flat call and its per-parameter views (rebuilt when
+        the entries are not its views: first step, or after load_state_dict)."""
+        ids = tuple(id(p) for p, _ in items) + ("flat",)
+        buf = self._buffers.get(ids)
+        entries = [self.state[p].get("d") for p, _ in items]
+        if buf is not None and all(e is not None for e in entries):
+            rows = [_state_row(e, pp, "d") for e, (_, pp) in zip(entries, items)]
+            if all(r._base is buf for r in rows):
+                return buf, rows
+        buf, views = _flat_like(xs)
+        if all(e is not None for e in entries):
+            torch._foreach_copy_(views, [_state_row(e, pp, "d") for e, (_, pp) in zip(entries, items)])
+        else:
+            buf.zero_()
+        self._buffers[ids] = buf
+        for v, (p, pp) in zip(views, items):
+            self.state[p]["d"] = _state_entry(v, p, pp, "d")
+        return buf, views
+
     def _skip_nonfinite(self, jobs: list, grads: list, prevs: list) -> bool:
-        """True (and counted) when some gradient is non-finite; raises first where a rule says so."""
+        """True (and counted) when some gradient is non-finite; raises first where a rule says so.
+
+        Fast test: a sum is finite iff every entry is, unless it overflows; only when some sum is
+        not finite are those tensors checked entry by entry (so huge finite gradients still step)."""
         if not jobs:
             return False
-        flags = [_finite(g) if gp is None else _finite(g) & _finite(gp) for g, gp in zip(grads, prevs)]
-        ok = self._executor.all_finite(torch.stack([f.to(flags[0].device) for f in flags]))
+        ok = self._finite_flags(grads, prevs, _sum_finite)
         if bool(ok.all()):  # one host sync per step
             return False
+        ok = self._finite_flags(grads, prevs, _finite)
+        if bool(ok.all()):
+            return False
         bad: dict = {}
-        for (gi, items), flag in zip(jobs, ok.tolist()):
+        for (gi, items, _), flag in zip(jobs, ok.tolist()):
             if not flag:
                 bad.setdefault(gi, []).extend(pp.name for _, pp in items)
         for gi, names in bad.items():
@@ -251,6 +341,10 @@ class GeomOptimizer(Optimizer):
         for gi in bad:
             self._counters[gi]["skipped"] += 1
         return True
+
+    def _finite_flags(self, grads: list, prevs: list, test) -> torch.Tensor:
+        flags = [test(g) if gp is None else test(g) & test(gp) for g, gp in zip(grads, prevs)]
+        return self._executor.all_finite(torch.stack([f.to(flags[0].device) for f in flags]))
 
     def _previous_gradients(self, closure) -> dict:
         """g(x_{k−1}, ξ_k) for STORM: swap in the previous iterate, evaluate, swap back. Tensors
@@ -317,8 +411,9 @@ class GeomOptimizer(Optimizer):
             counters["fallbacks"] = counters["fallbacks"] + fallback.sum().to(counters["fallbacks"].device)
         if self.track_gap and constraint is not None and gamma * rho > 0:
             state["w"] = (x_new - y) / (gamma * rho)
-        delta = (x_new - x).reshape(-1)
-        counters["update_sq"] = counters["update_sq"] + torch.dot(delta, delta).to(counters["update_sq"].device)
+        if self.track_update:
+            delta = (x_new - x).reshape(-1)
+            counters["update_sq"] = counters["update_sq"] + torch.dot(delta, delta).to(counters["update_sq"].device)
         self._scatter(items, state)
         torch._foreach_copy_(views, list(x_new.unbind(0)))
 
@@ -418,7 +513,7 @@ class GeomOptimizer(Optimizer):
                 self._executor.dist.all_reduce(update_sq, group=self._executor.group)
             out[group["rule"]] = dict(
                 gap=gap, dual_norm=dual, violation=violation,
-                update_norm=float(update_sq) ** 0.5, skipped=counters["skipped"],
+                update_norm=float(update_sq) ** 0.5 if self.track_update else None, skipped=counters["skipped"],
                 fallbacks=int(counters["fallbacks"]),
             )
         return out
@@ -525,8 +620,27 @@ def _spec_name(yaml_text: str) -> str:
 _STACKED = ("d", "exp_avg", "exp_avg_sq", "prev", "w")
 
 
-def _finite(t: torch.Tensor) -> torch.Tensor:
+def _flat_like(xs: list) -> tuple:
+    """An empty flat buffer holding every tensor of ``xs``, and its views shaped like them."""
+    buf = torch.empty(sum(x.numel() for x in xs), dtype=xs[0].dtype, device=xs[0].device)
+    return buf, _split_like(buf, xs)
+
+
+def _split_like(flat: torch.Tensor, xs: list) -> list:
+    return [v.view(x.shape) for v, x in zip(flat.split([x.numel() for x in xs]), xs)]
+
+
+def _sum_finite(t) -> torch.Tensor:
+    """False when some entry is NaN or ±∞ (also, rarely, when the sum overflows): one read."""
+    if isinstance(t, list):
+        return torch.isfinite(torch.stack([x.sum() for x in t]).sum())
+    return torch.isfinite(t.sum())
+
+
+def _finite(t) -> torch.Tensor:
     """All entries finite (max |·| is NaN or ∞ exactly when some entry is)."""
+    if isinstance(t, list):
+        return torch.stack([_finite(x) for x in t]).all()
     # abs().amax() propagates NaN and ∞ and is an order of magnitude faster on CPU than
     # isfinite().all() or vector_norm(ord=inf)
     return torch.isfinite(t.abs().amax()) if t.numel() else torch.ones((), dtype=torch.bool)
