@@ -182,29 +182,32 @@ def default_prenormalize(approx_kind: str) -> dict:
     return {"kind": "none"}
 
 
-def prenormalize(x: torch.Tensor, cfg: dict | None, approx_kind: str = "svd") -> torch.Tensor:
+def prenormalize(x: torch.Tensor, cfg: dict | None, approx_kind: str = "svd", inplace: bool = False) -> torch.Tensor:
     """Scale each matrix of ``x`` (..., m, n): ``frobenius`` D/(‖D‖_F + ε) (Muon reference code,
     Scion, paper eq. (4.1)), ``max`` D/max(‖D‖_F, ε) (torch.optim.Muon), ``none``. ``cfg`` None
     selects :func:`default_prenormalize`; a dict without ``kind`` means frobenius (the spec model's
-    default)."""
+    default). ``inplace``: divide ``x`` itself (a scratch copy)."""
     cfg = default_prenormalize(approx_kind) if cfg is None else cfg
     kind = cfg.get("kind", "frobenius")
     if kind == "none":
         return x
     eps = float(cfg.get("eps", 1e-7))
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    div = torch.Tensor.div_ if inplace else torch.div
     if kind == "frobenius":
-        return x / (norm + eps)
+        return div(x, norm + eps)
     if kind == "max":
-        return x / norm.clamp(min=eps)
+        return div(x, norm.clamp(min=eps))
     raise ValueError(f"unknown prenormalize kind {kind!r}; expected frobenius, max or none")
 
 
 def _prepare(x: torch.Tensor, kind: str, dtype: str, prenorm: dict | None) -> torch.Tensor:
     if x.ndim < 2:
         raise ValueError(f"{kind}: expected a (..., m, n) tensor, got shape {tuple(x.shape)}")
-    # Cast first, then normalize in the working dtype (as torch.optim.Muon does in bf16).
-    return prenormalize(x.to(compute_dtype(x, kind, dtype)), prenorm, kind)
+    # Cast first, then normalize in the working dtype (as torch.optim.Muon does in bf16), in place
+    # on the cast copy
+    work = x.to(compute_dtype(x, kind, dtype))
+    return prenormalize(work, prenorm, kind, inplace=work is not x)
 
 
 # ---------------------------------------------------------------- the approximations

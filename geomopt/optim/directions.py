@@ -1,7 +1,8 @@
 """Direction estimators d (paper Section 4): registered updaters of a per-tensor state.
 
-Each is ``fn(g, state, group, *, g_prev=None) -> d`` and may update ``state`` in place; ``group``
-holds the scalars (``alpha``, ``nesterov``) so torch-style schedulers can change them.
+Each is ``fn(g, state, group, *, g_prev=None, inplace=False) -> d`` and may update ``state`` in
+place; ``group`` holds the scalars (``alpha``, ``nesterov``) so torch-style schedulers can change
+them; ``inplace`` says ``g`` is the caller's scratch copy, which the function may overwrite.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ def direction(kind: str):
 
 
 @direction("none")
-def plain(g, state, group, *, g_prev=None):
+def plain(g, state, group, *, g_prev=None, inplace=False):
     """d = g."""
     return g
 
 
 @direction("polyak")
-def polyak(g, state, group, *, g_prev=None):
+def polyak(g, state, group, *, g_prev=None, inplace=False):
     """Polyak momentum d ← αg + (1−α)d (Theorem 4.3; β = 1 − α in torch.optim.Muon's terms).
 
     d starts at zero as in torch.optim.Muon and Scion (``init: zero``), or at g⁰ as in the paper
@@ -42,11 +43,13 @@ def polyak(g, state, group, *, g_prev=None):
         if group["init"] == "gradient":
             return g.lerp(buf, 1 - alpha) if group["nesterov"] else buf
     buf.lerp_(g, alpha)
-    return g.lerp(buf, 1 - alpha) if group["nesterov"] else buf
+    if not group["nesterov"]:
+        return buf
+    return g.lerp_(buf, 1 - alpha) if inplace else g.lerp(buf, 1 - alpha)
 
 
 @direction("storm")
-def storm(g, state, group, *, g_prev=None):
+def storm(g, state, group, *, g_prev=None, inplace=False):
     """STORM (Theorem 4.5): d⁰ = g(x₀, ξ₀); then d ← g(x_k, ξ_k) + (1−α)(d − g(x_{k−1}, ξ_k)),
     both gradients on the same batch ξ_k (``g_prev`` comes from re-evaluating the closure at the
     previous iterate)."""

@@ -381,11 +381,27 @@ class GeomOptimizer(Optimizer):
         state = self._gather(items)
         if self._needs_closure:
             state["prev"] = torch.stack([_local(p).detach() for p, _ in items]).clone()
-        x = _upcast(_stack(views))
-        d = DIRECTIONS[group["direction"]](_upcast(g), state, hyper, g_prev=None if g_prev is None else _upcast(g_prev))
+        gu = _upcast(g)
+        # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
+        d = DIRECTIONS[group["direction"]](gu, state, hyper, g_prev=None if g_prev is None else _upcast(g_prev),
+                                           inplace=len(items) > 1 or gu is not g)
         decay = 1 - gamma * group["weight_decay"]
         rho = group["radius"] * self._scale(pp)
         geometry = pp.geometry
+        constraint = pp.constraint
+        if (constraint is None and geometry["kind"] != "adam" and not self.track_update
+                and views[0].dtype == _upcast(views[0]).dtype):
+            # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) in place on the parameters: no stacked copy of X and
+            # no write-back (same ops, so the same bits, as the general path below)
+            step, _ = yield self._request(
+                items, d, FORWARD_LOCALITY[geometry["kind"]],
+                lambda m: (forward(m, geometry, radius=1.0, batch_dims=1), None))
+            if group["weight_decay"]:
+                torch._foreach_mul_(views, decay)
+            torch._foreach_add_(views, list(step.unbind(0)), alpha=-gamma * rho)
+            self._scatter(items, state)
+            return
+        x = _upcast(_stack(views))
         if geometry["kind"] == "adam":
             exp_avg, denom, bc1 = adam_moments(d, state, geometry)
             xw = x * decay if group["weight_decay"] else x
@@ -400,7 +416,6 @@ class GeomOptimizer(Optimizer):
                 y = (x * decay).add_(step, alpha=-gamma * rho)
             else:
                 y = torch.add(x, step, alpha=-gamma * rho)
-        constraint = pp.constraint
         if constraint is not None:
             x_new, fallback = yield self._request(
                 items, y, backward_locality(geometry["kind"], constraint["kind"]),
