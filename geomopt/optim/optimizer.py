@@ -183,8 +183,7 @@ class GeomOptimizer(Optimizer):
                 loss = closure()
         with torch.no_grad():
             jobs = self._jobs()
-            grads = [[_local(p.grad) for p, _ in items] if flat else _stack([_view(_local(p.grad), pp) for p, pp in items])
-                     for _, items, flat in jobs]
+            grads = [self._job_grads(gi, items, flat, g_prev) for gi, items, flat in jobs]
             prevs = [_stack([_view(_local(g_prev[p]), pp) for p, pp in items])
                      if all(g_prev.get(p) is not None for p, _ in items) else None for _, items, _ in jobs]
             if self._skip_nonfinite(jobs, grads, prevs):
@@ -246,6 +245,38 @@ class GeomOptimizer(Optimizer):
                     jobs.append((gi, items, ok))
         return jobs
 
+    def _job_grads(self, gi: int, items: list, flat: bool, g_prev: dict):
+        """A job's gradients: stacked (batched ops), or a list (views, no copy) where the flat
+        path or a Polyak direction reads them tensor by tensor (:meth:`_polyak_rows`)."""
+        grads = [_view(_local(p.grad), pp) for p, pp in items]
+        group = self.param_groups[gi]
+        if flat or (group["direction"] == "polyak" and not g_prev and grads[0].dtype in (torch.float32, torch.float64)
+                    and all(g.dtype == grads[0].dtype for g in grads)):
+            return grads
+        return _stack(grads)
+
+    def _polyak_rows(self, gs: list, state: dict, group: dict, items: list) -> torch.Tensor:
+        """Polyak momentum (:func:`geomopt.optim.directions.polyak`, same arithmetic) read from
+        the unstacked gradients: d ← d.lerp(g, α) row by row into the stacked state, and with
+        Nesterov u = g.lerp(d, 1 − α) written into a kept stacked buffer (no copy of G)."""
+        alpha = group["alpha"]
+        d = state.get("d")
+        if d is None:
+            if group["init"] == "gradient":
+                d = state["d"] = torch.stack(gs)
+                return d  # d⁰ = g⁰ (Nesterov: g.lerp(g, ·) = g)
+            d = state["d"] = torch.zeros((len(gs), *gs[0].shape), dtype=gs[0].dtype, device=gs[0].device)
+        torch._foreach_lerp_(list(d.unbind(0)), gs, alpha)
+        if not group["nesterov"]:
+            return d
+        key = tuple(id(p) for p, _ in items) + ("u",)
+        u = self._buffers.get(key)
+        if u is None or u.shape != d.shape or u.dtype != d.dtype:
+            u = self._buffers[key] = torch.empty_like(d)
+        for i, g in enumerate(gs):
+            torch.lerp(g, d[i], 1 - alpha, out=u[i])
+        return u
+
     def _flat_rule(self, group: dict, pp: ParamPlan) -> bool:
         """A rule whose whole step is elementwise (φ euclidean or anisotropic, no constraint, no
         STORM, nothing tracked): its tensors need no stacking."""
@@ -260,7 +291,7 @@ class GeomOptimizer(Optimizer):
         pp = items[0][1]
         alpha = group["alpha"] if alpha is None else alpha
         xs = [_view(_local(p), q) for p, q in items]
-        gs = [_view(g, q) for g, (_, q) in zip(grads, items)]
+        gs = grads  # operators' layout already (_job_grads)
         # u = the direction (the state itself, or a persistent scratch), then ∇φ₁*(u) into the
         # scratch: no allocation in steady state
         scratch, s_views = self._flat_buffer(items, xs, "scratch")
@@ -381,10 +412,13 @@ class GeomOptimizer(Optimizer):
         state = self._gather(items)
         if self._needs_closure:
             state["prev"] = torch.stack([_local(p).detach() for p, _ in items]).clone()
-        gu = _upcast(g)
-        # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
-        d = DIRECTIONS[group["direction"]](gu, state, hyper, g_prev=None if g_prev is None else _upcast(g_prev),
-                                           inplace=len(items) > 1 or gu is not g)
+        if isinstance(g, list):
+            d = self._polyak_rows(g, state, hyper, items)
+        else:
+            gu = _upcast(g)
+            # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
+            d = DIRECTIONS[group["direction"]](gu, state, hyper, g_prev=None if g_prev is None else _upcast(g_prev),
+                                               inplace=len(items) > 1 or gu is not g)
         decay = 1 - gamma * group["weight_decay"]
         rho = group["radius"] * self._scale(pp)
         geometry = pp.geometry
