@@ -265,7 +265,9 @@ def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple]) -> to
     (addmm with beta/alpha), so in bf16 it reproduces ``_zeropower_via_newtonschulz`` exactly."""
     m, n = x.shape[-2:]
     tall = m > n
-    X = x.mT if tall else x
+    # contiguous: baddbmm's result takes its input's strides, so a transposed start would keep
+    # every later product on the slow strided path
+    X = x.mT.contiguous() if tall else x
     lead = X.shape[:-2]
     if X.ndim >= 3:
         X = X.reshape(-1, *X.shape[-2:])
