@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import emit  # noqa: E402
+
 from geomopt.geometry.backward import backward
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,11 +70,7 @@ def main(argv=None) -> int:
     lines = [f"### backward steps, {args.batch} × {m}×{n} fp32 on {dev} — {datetime.date.today()}, torch {torch.__version__}",
              "", "| constraint | per-matrix SVD loop (ms) | batched (ms) | speed-up | max |Δ| |", "|---|---|---|---|---|"]
     lines += [f"| {r[0]} | {r[1]:.1f} | {r[2]:.1f} | {r[3]:.1f}× | {r[4]:.1e} |" for r in rows]
-    text = "\n".join(lines) + (f"\n\n{args.record}\n" if args.record else "")
-    print(text)
-    if args.record:
-        with (ROOT / "benchmarks" / "RESULTS.md").open("a", encoding="utf-8") as f:
-            f.write("\n" + text)
+    emit("\n".join(lines), args.record)
     return 0
 
 

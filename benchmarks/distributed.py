@@ -26,6 +26,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import emit  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -114,13 +117,7 @@ def main(argv=None) -> int:
         for n, res in results.items():
             for r, row in enumerate(res[spec]):
                 lines.append(f"| {spec} | {n} | {r} | {row['matrices']:.0f} | {row['ortho_ms']:.2f} | {row['step_ms']:.2f} |")
-    text = "\n".join(lines)
-    if args.record:
-        text += f"\n\n{args.record}\n"
-    print(text)
-    if args.record:
-        with (ROOT / "benchmarks" / "RESULTS.md").open("a", encoding="utf-8") as f:
-            f.write("\n" + text + "\n")
+    emit("\n".join(lines), args.record)
     return 0
 
 

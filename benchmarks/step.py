@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import emit  # noqa: E402
+
 from geomopt.cli.bench import bench, device_name, hidden_matrices, table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,13 +38,7 @@ def main(argv=None) -> int:
     n = sum(math.prod(t.shape) for _, t in base)
     header = (f"### {args.model} on {device_name(args.device)} — {datetime.date.today().isoformat()}, torch "
               f"{torch.__version__}, {len(base)} hidden matrices ({n / 1e6:.1f}M parameters)")
-    text = table(rows, header)
-    if args.record:
-        text += f"\n\n{args.record}\n"
-    print(text)
-    if args.record:
-        with (ROOT / "benchmarks" / "RESULTS.md").open("a", encoding="utf-8") as f:
-            f.write("\n" + text + "\n")
+    emit(table(rows, header), args.record)
     return 0
 
 
