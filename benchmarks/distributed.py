@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -72,17 +71,14 @@ def worker(args) -> None:
         out[Path(spec).stem] = rows
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 
 def launch(args, n: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr",
-               "127.0.0.1", "--master_port", str(port), __file__, "--worker", "--out", str(out), "--model",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), __file__, "--worker", "--out", str(out), "--model",
                args.model, "--device", args.device, "--threads", str(args.threads), "--iters", str(args.iters),
                "--warmup", str(args.warmup)] + [a for s in args.spec for a in ("--spec", s)]
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))

@@ -7,7 +7,6 @@ saved."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,18 +27,12 @@ import distributed_worker as worker  # noqa: E402
 SPECS = worker.SHIPPED + ["mixed"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(WORKER.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(WORKER), str(out)]
+    # --standalone: the rendezvous takes a free port from the OS (no race for a port number)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
@@ -160,3 +153,15 @@ def test_world_size_mismatch_refused_for_sharded_state():
         opt.load_state_dict(sd)
     sd["geomopt"].update(sharded=False)  # replicated (DDP) state loads at any world size
     opt.load_state_dict(sd)
+
+
+def test_distributed_benchmark_halves_the_matrices_per_rank():
+    """benchmarks/distributed.py end to end (1 and 2 gloo ranks, one timed step)."""
+    script = WORKER.parents[1] / "benchmarks" / "distributed.py"
+    proc = subprocess.run([sys.executable, str(script), "--spec", str(worker.spec_path("muon")), "--iters", "1",
+                           "--warmup", "0", "--ranks", "1", "2"], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| muon |")]
+    per_rank = {(int(r[1]), int(r[2])): float(r[3]) for r in rows}
+    assert per_rank == {(1, 0): 8.0, (2, 0): 4.0, (2, 1): 4.0}
