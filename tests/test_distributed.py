@@ -16,7 +16,7 @@ import torch
 
 from geomopt import GeomOptimizer
 from geomopt.geometry.registry import BACKWARD_OPS, FORWARD_OPS, _load
-from geomopt.optim.distributed import (
+from geomopt.distributed import (
     FORWARD_LOCALITY, LOCAL, OWNER, REDUCE, LocalExecutor, assign, backward_locality, chunk_sizes, make_executor,
 )
 

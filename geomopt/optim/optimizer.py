@@ -31,7 +31,7 @@ from geomopt.geometry.backward import backward
 from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.forward import elementwise_into, forward
 from geomopt.optim.directions import DIRECTIONS
-from geomopt.optim.distributed import (
+from geomopt.distributed import (
     FORWARD_LOCALITY, LOCAL, LocalExecutor, Request, ShardedExecutor, backward_locality, chunk_sizes, is_dtensor,
     make_executor,
 )
@@ -78,7 +78,7 @@ class GeomOptimizer(Optimizer):
     otherwise; ``"ddp"`` / ``"fsdp"`` insist on one mode, ``False`` opts out. Under DDP each rank
     computes a balanced share of the matrix functions (Newton–Schulz, SVD, polar) and the results
     are all-gathered; under FSDP2 elementwise work stays on the shards, norms are reduced over
-    shards and each matrix function runs on one owning rank (:mod:`geomopt.optim.distributed`).
+    shards and each matrix function runs on one owning rank (:mod:`geomopt.distributed`).
     ``process_group``: the DDP group (default: the world).
     """
 
@@ -152,7 +152,7 @@ class GeomOptimizer(Optimizer):
 
     @property
     def work(self):
-        """This rank's matrix-function work so far (:class:`~geomopt.optim.distributed.WorkCounter`:
+        """This rank's matrix-function work so far (:class:`~geomopt.distributed.WorkCounter`:
         matrices, FLOPs up to a constant, seconds): under DDP / FSDP2 about 1/world of the total."""
         return self._executor.work
 
