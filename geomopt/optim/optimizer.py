@@ -239,6 +239,8 @@ class GeomOptimizer(Optimizer):
                     key = (tuple(sorted(k for k in st if k in _STACKED)), st.get("adam_step"))
                     if flat:
                         key += (p.dtype, p.grad.dtype, p.device, self._scale(plans[i]))
+                        if not (p.dtype == p.grad.dtype and p.dtype in (torch.float32, torch.float64)):
+                            key += (plans[i].bucket,)  # low precision: batched, per bucket
                     by_key.setdefault(key, []).append((p, plans[i]))
                 for key, items in by_key.items():
                     ok = flat and key[2] == key[3] and key[2] in (torch.float32, torch.float64)
@@ -278,45 +280,75 @@ class GeomOptimizer(Optimizer):
         return u
 
     def _flat_rule(self, group: dict, pp: ParamPlan) -> bool:
-        """A rule whose whole step is elementwise (φ euclidean or anisotropic, no constraint, no
-        STORM, nothing tracked): its tensors need no stacking."""
-        return (pp.geometry["kind"] in ("euclidean", "anisotropic") and pp.constraint is None
+        """A rule whose whole step is elementwise (φ euclidean, anisotropic or adam, no
+        constraint, no STORM, nothing tracked): its tensors need no stacking."""
+        return (pp.geometry["kind"] in ("euclidean", "anisotropic", "adam") and pp.constraint is None
                 and group["direction"] in ("none", "polyak") and not self.track_gap and not self.track_update)
 
     def _step_flat(self, group: dict, items: list, grads: list, gamma: float, alpha) -> None:
-        """One step of an elementwise rule with foreach kernels: the direction lives in one flat
-        buffer (per-parameter state entries are views of it), the forward map runs once on it,
-        and the parameters are updated in place. Same arithmetic as :meth:`_step_bucket`, so
-        the same bits."""
+        """One step of an elementwise rule with foreach kernels: the state lives in flat buffers
+        (per-parameter state entries are views of them), the forward map runs once on a flat
+        buffer, and the parameters are updated in place. Same arithmetic as
+        :meth:`_step_bucket`, so the same bits (for adam: torch.optim.AdamW's)."""
         pp = items[0][1]
         alpha = group["alpha"] if alpha is None else alpha
         xs = [_view(_local(p), q) for p, q in items]
         gs = grads  # operators' layout already (_job_grads)
-        # u = the direction (the state itself, or a persistent scratch), then ∇φ₁*(u) into the
-        # scratch: no allocation in steady state
+        adam = pp.geometry["kind"] == "adam"
+        # u = the direction (the gradients themselves, the state, or a kept scratch), then
+        # ∇φ₁*(u) into the scratch: no allocation in steady state
         scratch, s_views = self._flat_buffer(items, xs, "scratch")
+        u = u_views = None
         if group["direction"] == "none":
-            torch._foreach_copy_(s_views, gs)
-            u = scratch
+            if adam:
+                u_views = gs
+            else:
+                torch._foreach_copy_(s_views, gs)
+                u, u_views = scratch, s_views
         else:
             first = "d" not in self.state[items[0][0]]
-            d, d_views = self._flat_state(items, xs)
+            d, d_views = self._flat_state(items, xs, "d")
             if first and group["init"] == "gradient":
                 torch._foreach_copy_(d_views, gs)
             else:
                 torch._foreach_lerp_(d_views, gs, alpha)
-            u = d
+            u, u_views = d, d_views
             if group["nesterov"] and not (first and group["init"] == "gradient"):
                 torch._foreach_copy_(s_views, gs)
-                u = scratch.lerp_(d, 1 - alpha)  # g.lerp(d, 1 − α), as the batched path
+                u, u_views = scratch.lerp_(d, 1 - alpha), s_views  # g.lerp(d, 1 − α), as the batched path
+        decay = 1 - gamma * group["weight_decay"]
+        if adam:
+            self._adam_flat(items, xs, u_views, scratch, s_views, pp.geometry, gamma, decay)
+            return
         if pp.geometry["kind"] == "euclidean":
-            steps = s_views if u is scratch else d_views
+            steps = u_views
         else:
             elementwise_into(u, pp.geometry, scratch)
             steps = s_views
         if group["weight_decay"]:
-            torch._foreach_mul_(xs, 1 - gamma * group["weight_decay"])
+            torch._foreach_mul_(xs, decay)
         torch._foreach_add_(xs, steps, alpha=-gamma * group["radius"] * self._scale(pp))
+
+    def _adam_flat(self, items, xs, u_views, scratch, s_views, geometry, gamma, decay) -> None:
+        """:func:`geomopt.geometry.adam.adam_moments` and AdamW's update on flat moments, op for
+        op (torch.optim.AdamW's single-tensor order, so bit for bit)."""
+        beta1, beta2 = (float(b) for b in geometry.get("betas", (0.9, 0.999)))
+        eps = float(geometry.get("eps", 1e-8))
+        first = self.state[items[0][0]].get("adam_step", 0)
+        m, m_views = self._flat_state(items, xs, "exp_avg")
+        v, v_views = self._flat_state(items, xs, "exp_avg_sq")
+        step = first + 1
+        for p, _ in items:
+            self.state[p]["adam_step"] = step
+        torch._foreach_lerp_(m_views, u_views, 1 - beta1)
+        v.mul_(beta2)
+        torch._foreach_addcmul_(v_views, u_views, u_views, value=1 - beta2)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        torch.sqrt(v, out=scratch).div_(bias_correction2_sqrt).add_(eps)
+        if decay != 1:
+            torch._foreach_mul_(xs, decay)
+        torch._foreach_addcdiv_(xs, m_views, s_views, value=-gamma / bias_correction1)
 
     def _flat_buffer(self, items: list, xs: list, name: str) -> tuple:
         key = tuple(id(p) for p, _ in items) + (name,)
@@ -325,24 +357,24 @@ class GeomOptimizer(Optimizer):
             buf = self._buffers[key] = _flat_like(xs)[0]
         return buf, _split_like(buf, xs)
 
-    def _flat_state(self, items: list, xs: list) -> tuple:
-        """The flat direction buffer of a flat call and its per-parameter views (rebuilt when
-        the entries are not its views: first step, or after load_state_dict)."""
-        ids = tuple(id(p) for p, _ in items) + ("flat",)
+    def _flat_state(self, items: list, xs: list, key: str) -> tuple:
+        """The flat buffer of state ``key`` for a flat call and its per-parameter views (rebuilt
+        when the entries are not its views: first step, or after load_state_dict)."""
+        ids = tuple(id(p) for p, _ in items) + ("flat", key)
         buf = self._buffers.get(ids)
-        entries = [self.state[p].get("d") for p, _ in items]
+        entries = [self.state[p].get(key) for p, _ in items]
         if buf is not None and all(e is not None for e in entries):
-            rows = [_state_row(e, pp, "d") for e, (_, pp) in zip(entries, items)]
+            rows = [_state_row(e, pp, key) for e, (_, pp) in zip(entries, items)]
             if all(r._base is buf for r in rows):
                 return buf, rows
         buf, views = _flat_like(xs)
         if all(e is not None for e in entries):
-            torch._foreach_copy_(views, [_state_row(e, pp, "d") for e, (_, pp) in zip(entries, items)])
+            torch._foreach_copy_(views, [_state_row(e, pp, key) for e, (_, pp) in zip(entries, items)])
         else:
             buf.zero_()
         self._buffers[ids] = buf
         for v, (p, pp) in zip(views, items):
-            self.state[p]["d"] = _state_entry(v, p, pp, "d")
+            self.state[p][key] = _state_entry(v, p, pp, key)
         return buf, views
 
     def _skip_nonfinite(self, jobs: list, grads: list, prevs: list) -> bool:
