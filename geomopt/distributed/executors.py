@@ -57,7 +57,7 @@ class Request:
     """Apply ``fn`` to ``x`` (leading dim = tensor index; rows are independent).
 
     ``fn(x) -> (out, flags)``: ``out`` has x's shape, ``flags`` is a bool tensor (rows,) or None.
-    ``shard_dim``: dim of ``x`` that is sharded across ranks (FSDP; None when replicated).
+    ``shard_dim``: dim of ``x`` that is sharded across ranks (FSDP2; None when replicated).
     ``full_shape``: shape of one row of the unsharded input."""
 
     fn: Callable
@@ -250,7 +250,7 @@ class ShardedExecutor(_DistExecutor):
         results: list = [None] * len(requests)
         owners = self._owners(requests)
         for i, req in enumerate(requests):
-            if req.locality == LOCAL or (req.shard_dim is None and req.locality != OWNER):
+            if req.locality == LOCAL:
                 results[i] = req.fn(req.x)
             elif req.locality == REDUCE:
                 results[i] = self._on_dtensor(req)
@@ -280,16 +280,17 @@ class ShardedExecutor(_DistExecutor):
         return chunk_sizes(req.full_shape[req.shard_dim - 1], self.world)
 
     def _owner_round(self, requests, owners, results, idxs, dtype) -> None:
-        dist, world, me = self.dist, self.world, self.rank
+        world, me = self.world, self.rank
         device = requests[idxs[0]].x.device
 
-        def piece_numel(req: Request, q: int) -> int:
-            """numel of rank q's shard of one row."""
-            if req.shard_dim is None:
-                return req.x[0].numel()
+        def piece_shape(req: Request, q: int) -> list:
+            """Shape of rank q's shard of one row."""
             shape = list(req.full_shape)
             shape[req.shard_dim - 1] = self._shard_sizes(req)[q]
-            return math.prod(shape)
+            return shape
+
+        def piece_numel(req: Request, q: int) -> int:
+            return math.prod(piece_shape(req, q))
 
         # 1. every rank sends its shard of each row to the row's owner
         send, send_sizes = [], []
@@ -313,12 +314,9 @@ class ShardedExecutor(_DistExecutor):
                 pieces = []
                 for s in range(world):
                     n = piece_numel(req, s)
-                    shape = list(req.full_shape)
-                    if req.shard_dim is not None:
-                        shape[req.shard_dim - 1] = self._shard_sizes(req)[s]
-                    pieces.append(received[offsets[s]: offsets[s] + n].reshape(shape))
+                    pieces.append(received[offsets[s]: offsets[s] + n].reshape(piece_shape(req, s)))
                     offsets[s] += n
-                full.append(torch.cat(pieces, req.shard_dim - 1) if req.shard_dim is not None else pieces[me])
+                full.append(torch.cat(pieces, req.shard_dim - 1))
             self._count(req, len(rows))
             out, flags = self.work.timed(_apply, req, torch.stack(full))
             computed[i] = dict(zip(rows, zip(out.unbind(0), flags.unbind(0))))
@@ -332,8 +330,7 @@ class ShardedExecutor(_DistExecutor):
                     if owners[i][r] != me:
                         continue
                     out, flag = computed[i][r]
-                    if req.shard_dim is not None:
-                        out = out.split(self._shard_sizes(req), dim=req.shard_dim - 1)[q]
+                    out = out.split(self._shard_sizes(req), dim=req.shard_dim - 1)[q]
                     parts += [out.reshape(-1).to(dtype), flag.to(dtype).reshape(1)]
             send_sizes.append(sum(p.numel() for p in parts))
             send += parts

@@ -32,8 +32,7 @@ from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.forward import elementwise_into, forward
 from geomopt.optim.directions import DIRECTIONS
 from geomopt.distributed import (
-    FORWARD_LOCALITY, LOCAL, LocalExecutor, Request, ShardedExecutor, backward_locality, chunk_sizes, is_dtensor,
-    make_executor,
+    FORWARD_LOCALITY, Request, ShardedExecutor, backward_locality, chunk_sizes, is_dtensor, make_executor,
 )
 from geomopt.optim.schedules import SCHEDULES
 from geomopt.spec.model import Spec
