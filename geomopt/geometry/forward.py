@@ -110,6 +110,12 @@ def elementwise_into(d: torch.Tensor, geometry: dict, out: torch.Tensor) -> torc
     return _reference(geometry).dual_grad_into(d, out)
 
 
+def isotropic_factors(norms: torch.Tensor, geometry: dict) -> torch.Tensor:
+    """(h*)'(s)/s for the norms s = ‖D‖_F of several tensors: :func:`isotropic` without the
+    multiplication by D (the optimizer's flat path folds it into its update)."""
+    return _reference(geometry).iso_factor(norms)
+
+
 @forward_op("adam")
 def adam(d, geometry, *, radius, batch_dims=0, state=None):
     """Adam(W)'s update direction, outside the paper's theory (an escape hatch; lint says so):

@@ -29,7 +29,7 @@ from geomopt.compile.params import params_from_model
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.geometry.backward import backward
 from geomopt.geometry.adam import adam_moments
-from geomopt.geometry.forward import elementwise_into, forward
+from geomopt.geometry.forward import elementwise_into, forward, isotropic_factors
 from geomopt.optim.directions import DIRECTIONS
 from geomopt.distributed import (
     FORWARD_LOCALITY, Request, ShardedExecutor, backward_locality, chunk_sizes, is_dtensor, make_executor,
@@ -279,9 +279,11 @@ class GeomOptimizer(Optimizer):
         return u
 
     def _flat_rule(self, group: dict, pp: ParamPlan) -> bool:
-        """A rule whose whole step is elementwise (φ euclidean, anisotropic or adam, no
-        constraint, no STORM, nothing tracked): its tensors need no stacking."""
-        return (pp.geometry["kind"] in ("euclidean", "anisotropic", "adam") and pp.constraint is None
+        """A rule whose whole step is elementwise (φ euclidean, anisotropic or adam; isotropic
+        needs one norm per tensor), with no constraint, no STORM and nothing tracked: its tensors
+        need no stacking."""
+        kinds = ("euclidean", "anisotropic", "adam") + (() if self._sharded else ("isotropic",))  # isotropic: whole-tensor norm
+        return (pp.geometry["kind"] in kinds and pp.constraint is None
                 and group["direction"] in ("none", "polyak") and not self.track_gap and not self.track_update)
 
     def _step_flat(self, group: dict, items: list, grads: list, gamma: float, alpha) -> None:
@@ -294,12 +296,13 @@ class GeomOptimizer(Optimizer):
         xs = [_view(_local(p), q) for p, q in items]
         gs = grads  # operators' layout already (_job_grads)
         adam = pp.geometry["kind"] == "adam"
+        reads_u = pp.geometry["kind"] in ("adam", "isotropic")  # u is only read: the gradients can serve
         # u = the direction (the gradients themselves, the state, or a kept scratch), then
         # ∇φ₁*(u) into the scratch: no allocation in steady state
         scratch, s_views = self._flat_buffer(items, xs, "scratch")
         u = u_views = None
         if group["direction"] == "none":
-            if adam:
+            if reads_u:
                 u_views = gs
             else:
                 torch._foreach_copy_(s_views, gs)
@@ -318,6 +321,14 @@ class GeomOptimizer(Optimizer):
         decay = 1 - gamma * group["weight_decay"]
         if adam:
             self._adam_flat(items, xs, u_views, scratch, s_views, pp.geometry, gamma, decay)
+            return
+        if pp.geometry["kind"] == "isotropic":
+            # ρ·(h*)'(‖D‖)/‖D‖·D per tensor (forward.isotropic), the factor applied in the axpy
+            factors = isotropic_factors(torch.stack(torch._foreach_norm(u_views)), pp.geometry)
+            if group["weight_decay"]:
+                torch._foreach_mul_(xs, decay)
+            torch._foreach_addcmul_(xs, u_views, list(factors.unbind(0)),
+                                    value=-gamma * group["radius"] * self._scale(pp))
             return
         if pp.geometry["kind"] == "euclidean":
             steps = u_views
