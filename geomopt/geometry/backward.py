@@ -398,7 +398,8 @@ def _sigma_proj(kind: str, s: torch.Tensor, c: dict) -> torch.Tensor:
 # ---------------------------------------------------------------- polar factor (SVD-free)
 
 
-def polar(m: torch.Tensor, steps: int | None = None, *, scale: torch.Tensor | None = None, floor: float | None = None) -> torch.Tensor:
+def polar(m: torch.Tensor, steps: int | None = None, *, scale: torch.Tensor | None = None, floor: float | None = None,
+          gram: torch.Tensor | None = None) -> torch.Tensor:
     """Polar factor U·Vᵀ of a batch of matrices (..., m, n) by the cubic Newton–Schulz iteration
     X ← 1.5X − 0.5·X(XᵀX), which converges to the polar factor for σ(X) ∈ (0, √3) (zero singular
     values stay zero: a partial isometry for rank-deficient input). Batched matmuls in float32
@@ -407,6 +408,8 @@ def polar(m: torch.Tensor, steps: int | None = None, *, scale: torch.Tensor | No
     ``scale`` (broadcastable to (..., 1, 1)) normalizes the input, default ‖M‖_F (then σ ≤ 1).
     ``steps`` defaults to the count that lifts a normalized singular value ``floor`` (default
     2⁻²⁰ in fp32, 2⁻⁴⁰ in fp64) to 1 within the dtype's precision (:func:`polar_steps`).
+    ``gram``: MᵀM (tall) or MMᵀ (wide) in the working dtype, when the caller has it (saves the
+    first step's product).
     """
     dtype = _work_dtype(m)
     x = m.to(dtype)
@@ -415,13 +418,18 @@ def polar(m: torch.Tensor, steps: int | None = None, *, scale: torch.Tensor | No
         x = x.transpose(-2, -1)
     if scale is None:
         scale = torch.linalg.matrix_norm(x).unsqueeze(-1).unsqueeze(-1)
-    x = x / scale.to(dtype).clamp(min=torch.finfo(dtype).tiny)
+    scale = scale.to(dtype).clamp(min=torch.finfo(dtype).tiny)
+    x = x / scale
     if steps is None:
         steps = polar_steps(floor if floor is not None else (2.0**-40 if dtype == torch.float64 else 2.0**-20), dtype)
     lead = x.shape[:-2]
     x = x.reshape(-1, *x.shape[-2:])
+    if gram is not None:
+        gram = (gram / (scale * scale)).reshape(-1, *gram.shape[-2:])
     for _ in range(steps):
-        x = torch.baddbmm(x, x, x.transpose(-2, -1) @ x, beta=1.5, alpha=-0.5)  # 1.5X − 0.5·X(XᵀX), one pass
+        xtx = x.transpose(-2, -1) @ x if gram is None else gram
+        gram = None
+        x = torch.baddbmm(x, x, xtx, beta=1.5, alpha=-0.5)  # 1.5X − 0.5·X(XᵀX), one pass
     x = x.reshape(*lead, *x.shape[-2:])
     return x if tall else x.transpose(-2, -1)
 
@@ -603,10 +611,10 @@ def _stiefel_polar(y, t, ref, constraint, *, geometry, batch_dims):
         floor, top = lo / (r + t), hi / (r + t)
     else:
         floor, top = lo / max(r + t, hi * q ** 0.25 / 1.5), 1.5
-    qf = polar(mats, polar_steps(floor, mats.dtype, top=top), scale=c)
+    qf = polar(mats, polar_steps(floor, mats.dtype, top=top), scale=c, gram=gram)
     zero = (fro == 0)[:, None, None]
     eye = torch.eye(mats.shape[-2], mats.shape[-1], dtype=mats.dtype, device=mats.device)
-    xm = r * torch.where(zero, eye, qf)
+    xm = torch.where(zero, eye, qf).mul_(r)
     x = _unflat(xm, y)
     if not ref.bounded:
         return x, None
@@ -644,7 +652,7 @@ def _spectral_ball_polar(y, t, ref, constraint, *, geometry, batch_dims):
     hi = r + 1.2 * t
     c = torch.clamp(gram.abs().sum(-1).amax(-1).sqrt() / 1.5, min=hi)[:, None, None]
     floor = r / (hi * max(1.0, a.shape[-1] ** 0.25 / 1.5))
-    qf = polar(a, polar_steps(floor, a.dtype, top=1.5), scale=c)
+    qf = polar(a, polar_steps(floor, a.dtype, top=1.5), scale=c, gram=gram)
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
     sgn = polar(gram - (r * r) * eye)
     xa = a - 0.5 * ((a - r * qf) @ (eye + sgn))
