@@ -625,3 +625,17 @@ def test_polar_identity_for_clipping_holds_exactly_with_svd_polar():
     u, s, vh = torch.linalg.svd(y, full_matrices=False)
     torch.testing.assert_close(clip, (u * s.clamp(max=r)) @ vh, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(polar(y), q, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-4), (torch.float64, 1e-12)])
+def test_spectral_ball_polar_far_outside_the_ball(dtype, bound):
+    """σ(Y) from 100r down to 0.01r (no feasibility to lean on, e.g. backward_step on any Y):
+    the polar factors' floors are relative to the scale, not to r, so clipping stays accurate."""
+    g = torch.Generator().manual_seed(0)
+    u, _, vh = torch.linalg.svd(torch.randn(3, 64, 32, generator=g, dtype=torch.float64), full_matrices=False)
+    s = torch.logspace(-2, 2, 32, dtype=torch.float64).flip(0).expand(3, 32)
+    y = u @ torch.diag_embed(s) @ vh
+    geo = _geometry("spectral", LOG)
+    exact, _ = backward(y, 0.01, geo, {"kind": "spectral_ball", "radius": 1.0}, batch_dims=1)
+    approx, _ = backward(y.to(dtype), 0.01, geo, {"kind": "spectral_ball", "radius": 1.0, "method": "polar"}, batch_dims=1)
+    assert (approx.double() - exact).abs().max().item() <= bound

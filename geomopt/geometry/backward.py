@@ -399,7 +399,7 @@ def _sigma_proj(kind: str, s: torch.Tensor, c: dict) -> torch.Tensor:
 
 
 def polar(m: torch.Tensor, steps: int | None = None, *, scale: torch.Tensor | None = None, floor: float | None = None,
-          gram: torch.Tensor | None = None) -> torch.Tensor:
+          gram: torch.Tensor | None = None, top: float | None = None) -> torch.Tensor:
     """Polar factor U·Vᵀ of a batch of matrices (..., m, n) by the cubic Newton–Schulz iteration
     X ← 1.5X − 0.5·X(XᵀX), which converges to the polar factor for σ(X) ∈ (0, √3) (zero singular
     values stay zero: a partial isometry for rank-deficient input). Batched matmuls in float32
@@ -410,6 +410,14 @@ def polar(m: torch.Tensor, steps: int | None = None, *, scale: torch.Tensor | No
     2⁻²⁰ in fp32, 2⁻⁴⁰ in fp64) to 1 within the dtype's precision (:func:`polar_steps`).
     ``gram``: MᵀM (tall) or MMᵀ (wide) in the working dtype, when the caller has it (saves the
     first step's product).
+
+    ``top``: the caller guarantees σ(M)/scale ≤ top and every singular value that matters is
+    ≥ ``floor``·scale. Then each step is the scaled one, X ← f(αX) with f(x) = 1.5x − 0.5x³ and
+    α = √(3/(1 + ℓ + ℓ²)) for the current lower end ℓ (the interval [ℓ, 1] maps onto [f(αℓ), 1],
+    both ends equal: Chen & Chow's scaled Newton–Schulz), with α capped so that f(α) ≥ 1/2
+    (numerical safety), which lifts ℓ by about 2.3 per step instead of 1.5: about half the steps
+    from a small floor (:func:`scaled_polar_schedule`).
+    ``steps`` is then ignored.
     """
     dtype = _work_dtype(m)
     x = m.to(dtype)
@@ -419,19 +427,43 @@ def polar(m: torch.Tensor, steps: int | None = None, *, scale: torch.Tensor | No
     if scale is None:
         scale = torch.linalg.matrix_norm(x).unsqueeze(-1).unsqueeze(-1)
     scale = scale.to(dtype).clamp(min=torch.finfo(dtype).tiny)
+    if top is not None:
+        scale = scale * top  # σ/scale ≤ 1 from here on
     x = x / scale
-    if steps is None:
-        steps = polar_steps(floor if floor is not None else (2.0**-40 if dtype == torch.float64 else 2.0**-20), dtype)
+    low = floor if floor is not None else (2.0**-40 if dtype == torch.float64 else 2.0**-20)
+    if top is not None:
+        alphas = scaled_polar_schedule(low / top, dtype)
+    else:
+        alphas = [1.0] * (polar_steps(low, dtype) if steps is None else steps)
     lead = x.shape[:-2]
     x = x.reshape(-1, *x.shape[-2:])
     if gram is not None:
         gram = (gram / (scale * scale)).reshape(-1, *gram.shape[-2:])
-    for _ in range(steps):
+    for a in alphas:
         xtx = x.transpose(-2, -1) @ x if gram is None else gram
         gram = None
-        x = torch.baddbmm(x, x, xtx, beta=1.5, alpha=-0.5)  # 1.5X − 0.5·X(XᵀX), one pass
+        x = torch.baddbmm(x, x, xtx, beta=1.5 * a, alpha=-0.5 * a**3)  # f(αX) = 1.5αX − 0.5α³·X(XᵀX), one pass
     x = x.reshape(*lead, *x.shape[-2:])
     return x if tall else x.transpose(-2, -1)
+
+
+def scaled_polar_schedule(floor: float, dtype: torch.dtype) -> list[float]:
+    """The α of each scaled Newton–Schulz step (see :func:`polar`) that brings every normalized
+    singular value in [floor, 1] to within the dtype's precision of 1, then one plain step
+    (α = 1) to settle rounding; simulated on the host (no device syncs)."""
+    eps = torch.finfo(dtype).eps
+    low, alphas = floor, []
+    while 1 - low > eps and len(alphas) < 200:
+        a = min(math.sqrt(3 / (1 + low + low * low)), _ALPHA_CAP)
+        alphas.append(a)
+        low = min(1.5 * a * low - 0.5 * (a * low) ** 3, 1.5 * a - 0.5 * a**3)
+    return alphas + [1.0]
+
+
+# α with f(α) = 1/2: the top of the spectrum never drops below 1/2, so no singular direction passes
+# through magnitudes where rounding (~ε·‖X‖) would swamp it (full equioscillation, α → √3 for a
+# small floor, maps σ = 1 to f(√3) = 0 and costs ~1e-11 in fp64).
+_ALPHA_CAP = 1.5320888862379562
 
 
 def polar_steps(floor: float, dtype: torch.dtype, top: float = 1.0) -> int:
@@ -611,7 +643,7 @@ def _stiefel_polar(y, t, ref, constraint, *, geometry, batch_dims):
         floor, top = lo / (r + t), hi / (r + t)
     else:
         floor, top = lo / max(r + t, hi * q ** 0.25 / 1.5), 1.5
-    qf = polar(mats, polar_steps(floor, mats.dtype, top=top), scale=c, gram=gram)
+    qf = polar(mats, scale=c, floor=floor, top=top, gram=gram)
     zero = (fro == 0)[:, None, None]
     eye = torch.eye(mats.shape[-2], mats.shape[-1], dtype=mats.dtype, device=mats.device)
     xm = torch.where(zero, eye, qf).mul_(r)
@@ -636,25 +668,25 @@ def _spectral_ball_polar(y, t, ref, constraint, *, geometry, batch_dims):
         clip_r(Y) = Y − ½(Y − rQ)(I + S),   S = sign(YᵀY − r²I) = polar of the symmetric Gram shift,
     since (I + S) = 2V·1[σ > r]·Vᵀ: Q only matters where σ > r (far above the noise floor), and S
     is inaccurate only where σ ≈ r, where the factor Y − rQ ≈ U(σ − r)Vᵀ is small. Both polar
-    factors come from :func:`polar` (cubic Newton–Schulz, batched matmuls). Measured against the
-    SVD (tests/test_backward.py): Gaussian 40×24, 24×40, 256×128 and rank-5 40×24 matrices,
-    max-entry error ≤ 1e-6·r (fp32), ≤ 1e-13·r (fp64). The flag uses a power-iteration estimate of
-    ‖Y − X⁺‖₂."""
+    factors come from :func:`polar` (scaled cubic Newton–Schulz, batched matmuls), from floors
+    relative to their scales, so nothing assumes Y near the ball. Measured against the SVD
+    (tests/test_backward.py): Gaussian 40×24, 24×40 and rank-5 40×24 matrices, max-entry error
+    ≤ 2e-6·r (fp32), ≤ 1e-13·r (fp64); σ spread from 100r to 0.01r: ≤ 1e-4·r (fp32), ≤ 1e-12·r
+    (fp64). The flag uses a power-iteration estimate of ‖Y − X⁺‖₂."""
     r = constraint["radius"]
     mats = _matrices(y, batch_dims, geometry.get("split"))
     tall = mats.shape[-2] >= mats.shape[-1]
     a = mats if tall else mats.transpose(-2, -1)
     gram = a.transpose(-2, -1) @ a
-    # Q matters only where σ > r, and σ ≤ hi = r + 1.2t when X⁺ of the last step was in the ball
-    # (1.2: Newton–Schulz forwards reach ‖W‖₂ ≈ 1.13). Scale c = max(hi, √(max_i Σ_j |G_ij|)/1.5)
-    # ≥ σ_max/1.5 (Gershgorin: convergence for any Y) and ≤ hi·max(1, q^¼/1.5) for such Y, so
-    # every σ > r starts above r/c: far fewer steps than from the noise floor.
-    hi = r + 1.2 * t
-    c = torch.clamp(gram.abs().sum(-1).amax(-1).sqrt() / 1.5, min=hi)[:, None, None]
-    floor = r / (hi * max(1.0, a.shape[-1] ** 0.25 / 1.5))
-    qf = polar(a, polar_steps(floor, a.dtype, top=1.5), scale=c, gram=gram)
+    # Q = polar(Y) matters only where σ > r, S = sign(G − r²I) only where |σ − r| is above the
+    # accuracy. Both scales bound the spectrum (‖Y‖_F; Gershgorin's max row sum for G − r²I),
+    # so the scaled iteration (top = 1) applies, from floors that hold for any Y.
+    low = 2.0 ** (-40 if a.dtype == torch.float64 else -20)
+    qf = polar(a, scale=torch.linalg.matrix_norm(a)[:, None, None], floor=low, top=1.0, gram=gram)
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    sgn = polar(gram - (r * r) * eye)
+    shifted = gram - (r * r) * eye
+    c_s = shifted.abs().sum(-1).amax(-1)[:, None, None]
+    sgn = polar(shifted, scale=c_s, floor=2.0 ** (-48 if a.dtype == torch.float64 else -24), top=1.0)
     xa = a - 0.5 * ((a - r * qf) @ (eye + sgn))
     xm = xa if tall else xa.transpose(-2, -1)
     x = _unflat(xm, y)
