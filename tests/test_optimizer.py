@@ -588,3 +588,23 @@ def test_unnamed_parameters_get_a_clear_error():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(TypeError, match="named_parameters"):
         geomopt.GeomOptimizer(model.parameters(), SPECS / "normalized-sgd.yaml")
+
+
+def test_stiefel_polar_recovers_from_an_infeasible_start():
+    """method: polar counts its steps for Y near Stiefel(r); from a Gaussian init without
+    project_on_init the first step is flagged and lands near the manifold, the second on it."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(64, 32))
+    spec = {"geomopt": 1, "name": "t", "defaults": {"lr": 0.02, "project_on_init": False}, "rules": [{
+        "name": "w", "match": "**",
+        "geometry": {"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 2e-3},
+                     "approx": {"kind": "newton_schulz"}},
+        "constraint": {"kind": "stiefel", "radius": 1.0, "method": "polar"}}]}
+    opt = geomopt.GeomOptimizer([("w", w)], spec)
+    deviation = []
+    for _ in range(3):
+        w.grad = torch.randn(64, 32)
+        opt.step()
+        deviation.append(float((w.detach().T @ w.detach() - torch.eye(32)).abs().max()))
+    assert opt.diagnostics()["w"]["fallbacks"] >= 1  # the first step was flagged
+    assert deviation[0] < 0.5 and deviation[1] < 2e-6 and deviation[2] < 2e-6
