@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -87,7 +87,10 @@ class WorkCounter:
     rows: int = 0
     flops: float = 0.0
     seconds: float = 0.0
-    by_rank_flops: list = field(default_factory=list)  # the assignment's load per rank, last step
+
+    def add(self, req: "Request", rows: int) -> None:
+        self.rows += rows
+        self.flops += rows * req.row_cost()
 
     def reset(self) -> None:
         self.rows, self.flops, self.seconds = 0, 0.0, 0.0
@@ -139,8 +142,7 @@ class LocalExecutor:
         out = []
         for req in requests:
             if req.locality == OWNER:
-                self.work.rows += req.rows
-                self.work.flops += req.rows * req.row_cost()
+                self.work.add(req, req.rows)
                 out.append(self.work.timed(req.fn, req.x))
             else:
                 out.append(req.fn(req.x))
@@ -171,18 +173,10 @@ class _DistExecutor:
         """Owner of each row of each owner-class request (one balanced split for the round)."""
         jobs = [(i, r) for i, req in enumerate(requests) if req.locality == OWNER for r in range(req.rows)]
         costs = [requests[i].row_cost() for i, _ in jobs]
-        owners = assign(costs, self.world)
         out = [[-1] * req.rows for req in requests]
-        load = [0.0] * self.world
-        for (i, r), o, c in zip(jobs, owners, costs):
+        for (i, r), o in zip(jobs, assign(costs, self.world)):
             out[i][r] = o
-            load[o] += c
-        self.work.by_rank_flops = load
         return out
-
-    def _count(self, req: Request, rows: int) -> None:
-        self.work.rows += rows
-        self.work.flops += rows * req.row_cost()
 
 
 class ReplicatedExecutor(_DistExecutor):
@@ -199,7 +193,7 @@ class ReplicatedExecutor(_DistExecutor):
                 continue
             rows = [r for r in range(req.rows) if owners[i][r] == self.rank]
             if rows:
-                self._count(req, len(rows))
+                self.work.add(req, len(rows))
                 idx = torch.tensor(rows, device=req.x.device)
                 mine[i] = (rows, *self.work.timed(_apply, req, req.x.index_select(0, idx)))
         by_dtype: dict = {}
@@ -317,7 +311,7 @@ class ShardedExecutor(_DistExecutor):
                     pieces.append(received[offsets[s]: offsets[s] + n].reshape(piece_shape(req, s)))
                     offsets[s] += n
                 full.append(torch.cat(pieces, req.shard_dim - 1))
-            self._count(req, len(rows))
+            self.work.add(req, len(rows))
             out, flags = self.work.timed(_apply, req, torch.stack(full))
             computed[i] = dict(zip(rows, zip(out.unbind(0), flags.unbind(0))))
         # 3. the owner sends each rank its shard of the result (and the fallback flag)

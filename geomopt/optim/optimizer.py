@@ -147,7 +147,7 @@ class GeomOptimizer(Optimizer):
                 xp, _ = backward(_upcast(x), 1.0, _euclidean(pp), c)
                 x.copy_(xp)
                 if is_dtensor(p):
-                    p.to_local().copy_(_my_shard(x if not pp.transpose else x.transpose(0, 1), p))
+                    p.to_local().copy_(_my_shard(_view(x, pp), p))  # _view is its own inverse
 
     @property
     def work(self):
@@ -270,10 +270,7 @@ class GeomOptimizer(Optimizer):
         torch._foreach_lerp_(list(d.unbind(0)), gs, alpha)
         if not group["nesterov"]:
             return d
-        key = tuple(id(p) for p, _ in items) + ("u",)
-        u = self._buffers.get(key)
-        if u is None or u.shape != d.shape or u.dtype != d.dtype:
-            u = self._buffers[key] = torch.empty_like(d)
+        u = self._kept(items, "u", d.shape, d)
         for i, g in enumerate(gs):
             torch.lerp(g, d[i], 1 - alpha, out=u[i])
         return u
@@ -360,11 +357,17 @@ class GeomOptimizer(Optimizer):
             torch._foreach_mul_(xs, decay)
         torch._foreach_addcdiv_(xs, m_views, s_views, value=-gamma / bias_correction1)
 
-    def _flat_buffer(self, items: list, xs: list, name: str) -> tuple:
+    def _kept(self, items: list, name: str, shape, like: torch.Tensor) -> torch.Tensor:
+        """A scratch buffer kept across steps for this call's tensors (fresh memory each step
+        costs page faults on CPU); its contents are the caller's to overwrite."""
         key = tuple(id(p) for p, _ in items) + (name,)
         buf = self._buffers.get(key)
-        if buf is None or buf.numel() != sum(x.numel() for x in xs) or buf.dtype != xs[0].dtype:
-            buf = self._buffers[key] = _flat_like(xs)[0]
+        if buf is None or buf.shape != shape or buf.dtype != like.dtype:
+            buf = self._buffers[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return buf
+
+    def _flat_buffer(self, items: list, xs: list, name: str) -> tuple:
+        buf = self._kept(items, name, torch.Size([sum(x.numel() for x in xs)]), xs[0])
         return buf, _split_like(buf, xs)
 
     def _flat_state(self, items: list, xs: list, key: str) -> tuple:
@@ -465,13 +468,14 @@ class GeomOptimizer(Optimizer):
         rho = group["radius"] * self._scale(pp)
         geometry = pp.geometry
         constraint = pp.constraint
+        if geometry["kind"] != "adam":
+            step, _ = yield self._request(
+                items, d, FORWARD_LOCALITY[geometry["kind"]],
+                lambda m: (forward(m, geometry, radius=1.0, batch_dims=1), None))
         if (constraint is None and geometry["kind"] != "adam" and not self.track_update
                 and views[0].dtype == _upcast(views[0]).dtype):
             # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) in place on the parameters: no stacked copy of X and
             # no write-back (same ops, so the same bits, as the general path below)
-            step, _ = yield self._request(
-                items, d, FORWARD_LOCALITY[geometry["kind"]],
-                lambda m: (forward(m, geometry, radius=1.0, batch_dims=1), None))
             if group["weight_decay"]:
                 torch._foreach_mul_(views, decay)
             torch._foreach_add_(views, list(step.unbind(0)), alpha=-gamma * rho)
@@ -485,9 +489,6 @@ class GeomOptimizer(Optimizer):
         else:
             # Y = X(1 − γ·wd) − γρ·∇φ₁*(d): ρ folds into the axpy (one pass fewer than scaling the
             # forward output), and the decayed copy of X is updated in place
-            step, _ = yield self._request(
-                items, d, FORWARD_LOCALITY[geometry["kind"]],
-                lambda m: (forward(m, geometry, radius=1.0, batch_dims=1), None))
             if group["weight_decay"]:
                 y = (x * decay).add_(step, alpha=-gamma * rho)
             else:
