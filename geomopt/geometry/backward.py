@@ -232,29 +232,38 @@ def _ball_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference, dtype)
     Returns (s, infeasible) — infeasible where Σ(a_i − t)₊² > r², i.e. the ball misses
     Y + t·dom φ₁; there s is the Euclidean projection a·r/‖a‖."""
     norm = _norm(a)
-    euclid = a * (r / norm.clamp(min=torch.finfo(a.dtype).tiny)).clamp(max=1).unsqueeze(-1)
+    euclid = _proj_l2_ball(a, r)
     if _ref_profile(ref) == "quadratic":
         return euclid, None
     slack = _slack(a.amax(-1), t, dtype).unsqueeze(-1)
     bad = ((a - t - slack).clamp(min=0).square().sum(-1) > r * r)
-    alpha, rho2 = a / t, (r / t) ** 2
-    lo = torch.full_like(norm, -_LOG_TAU).unsqueeze(-1)
-    hi = -lo
-    sig_hi = None if ref.kind != "power_barrier" else _ball_sigma(alpha, hi.exp(), ref, None)
-    for _ in range(_bisection_steps(a.dtype)):
-        mid = (lo + hi) / 2
-        sig = _ball_sigma(alpha, mid.exp(), ref, sig_hi)
-        big = (sig * sig).sum(-1, keepdim=True) > rho2  # Σσ² decreases in τ
-        lo, hi = torch.where(big, mid, lo), torch.where(big, hi, mid)
-        if sig_hi is not None:
-            sig_hi = torch.where(big, sig_hi, sig)
-    s_hi = _ball_sigma(alpha, hi.exp(), ref, sig_hi)
-    s_lo = _ball_sigma(alpha, lo.exp(), ref, s_hi)
-    s = _interpolate(s_lo, s_hi, torch.full_like(lo, rho2)) * t
+    s = _solve_tau(_ball_sigma, a, t, r, ref, decreasing=True)
     # Safeguard for the boundary cases inside the slack: land on the ball exactly.
-    s = s * (r / _norm(s).clamp(min=torch.finfo(a.dtype).tiny)).clamp(max=1).unsqueeze(-1)
+    s = _proj_l2_ball(s, r)
     s = torch.where((norm <= r).unsqueeze(-1), a, s)
     return torch.where(bad.unsqueeze(-1), euclid, s), bad
+
+
+def _solve_tau(sigma: Callable, a: torch.Tensor, t: float, r: float, ref: Reference, *, decreasing: bool) -> torch.Tensor:
+    """s = t·σ(α, τ) with Σs² = r², α = a/t, by bisection on log τ ∈ [−_LOG_TAU, _LOG_TAU]
+    (Σσ² decreasing in τ for the ball's σ, increasing for the sphere's outward σ), then linear
+    interpolation between the bracket's ends (:func:`_interpolate`). The power barrier's σ is
+    warm-started from the bracket's upper end."""
+    alpha, rho2 = a / t, (r / t) ** 2
+    lo = torch.full_like(a[..., :1], -_LOG_TAU)
+    hi = -lo
+    sig_hi = None if ref.kind != "power_barrier" else sigma(alpha, hi.exp(), ref, None)
+    for _ in range(_bisection_steps(a.dtype)):
+        mid = (lo + hi) / 2
+        sig = sigma(alpha, mid.exp(), ref, sig_hi)
+        total = (sig * sig).sum(-1, keepdim=True)
+        up = total > rho2 if decreasing else total < rho2  # the root lies above mid
+        lo, hi = torch.where(up, mid, lo), torch.where(up, hi, mid)
+        if sig_hi is not None:
+            sig_hi = torch.where(up, sig_hi, sig)
+    s_hi = sigma(alpha, hi.exp(), ref, sig_hi)
+    s_lo = sigma(alpha, lo.exp(), ref, s_hi)
+    return _interpolate(s_lo, s_hi, torch.full_like(lo, rho2)) * t
 
 
 def _sphere_euclid(a: torch.Tensor, r: float) -> torch.Tensor:
@@ -276,20 +285,7 @@ def _sphere_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference, dtyp
     s_in, bad_in = _ball_magnitudes(a, t, r, ref, dtype)
     slack = _slack(a.amax(-1), t, dtype).unsqueeze(-1)
     bad_out = (a + t + slack).square().sum(-1) < r * r
-    alpha, rho2 = a / t, (r / t) ** 2
-    lo = torch.full_like(norm, -_LOG_TAU).unsqueeze(-1)
-    hi = -lo
-    sig_hi = None if ref.kind != "power_barrier" else _sphere_sigma(alpha, hi.exp(), ref, None)
-    for _ in range(_bisection_steps(a.dtype)):
-        mid = (lo + hi) / 2
-        sig = _sphere_sigma(alpha, mid.exp(), ref, sig_hi)
-        small = (sig * sig).sum(-1, keepdim=True) < rho2  # Σσ² increases in τ
-        lo, hi = torch.where(small, mid, lo), torch.where(small, hi, mid)
-        if sig_hi is not None:
-            sig_hi = torch.where(small, sig_hi, sig)
-    s_hi = _sphere_sigma(alpha, hi.exp(), ref, sig_hi)
-    s_lo = _sphere_sigma(alpha, lo.exp(), ref, s_hi)
-    s_out = _interpolate(s_lo, s_hi, torch.full_like(lo, rho2)) * t
+    s_out = _solve_tau(_sphere_sigma, a, t, r, ref, decreasing=False)
     s_out = s_out * (r / _norm(s_out).clamp(min=torch.finfo(a.dtype).tiny)).unsqueeze(-1)
     s = torch.where(inward.unsqueeze(-1), s_in, s_out)
     bad = torch.where(inward, bad_in, bad_out)
