@@ -113,14 +113,19 @@ FLAT_VARIANTS = {
 
 
 @pytest.mark.parametrize("name", list(FLAT_VARIANTS))
-def test_flat_elementwise_path_equals_batched_path_bit_for_bit(name):
+def test_flat_elementwise_path_equals_batched_path_bit_for_bit(name, monkeypatch):
     """An elementwise rule's tensors (all shapes) run as one flat foreach call; the batched
     per-bucket path (taken when the update norm is tracked) must give the same bits (isotropic:
     the same up to the order of the norm's sum), across steps where some tensors have no
-    gradient and across a state_dict save / load."""
+    gradient and across a state_dict save / load. Adam here takes the unfused flat path (where a
+    device has no fused AdamW kernel); the fused one is checked against torch's below."""
     from optim_helpers import gpt_batch, loss_of, tiny_gpt
 
+    import geomopt.optim.optimizer as optimizer_module
+
+    monkeypatch.setattr(optimizer_module, "_FUSED_ADAM_DEVICES", ())
     geometry, direction = FLAT_VARIANTS[name]
+    ulps = geometry["kind"] == "isotropic"
     match = {"name": "**.weight", "ndim": 2} if geometry.get("layout") else "**"
     rules = [{"name": "all", "match": match, "geometry": geometry, "direction": direction}]
     if geometry.get("layout"):
@@ -144,7 +149,7 @@ def test_flat_elementwise_path_equals_batched_path_bit_for_bit(name):
             flat = geomopt.GeomOptimizer(flat_model, copy.deepcopy(spec))
             flat.load_state_dict(sd)
         for (n, p), q in zip(flat_model.named_parameters(), ref_model.parameters()):
-            if geometry["kind"] == "isotropic":  # per-tensor norms reduce in another order: ulps
+            if ulps:  # per-tensor norms reduce in another order, or the fused kernel rounds its own way
                 torch.testing.assert_close(p, q, rtol=2e-6, atol=1e-7, msg=f"{name} {step} {n}")
             else:
                 assert torch.equal(p, q), (name, step, n)
@@ -153,10 +158,50 @@ def test_flat_elementwise_path_equals_batched_path_bit_for_bit(name):
         for key, value in flat.state[p].items():
             if not torch.is_tensor(value):
                 assert value == ref.state[q][key], key
-            elif geometry["kind"] == "isotropic":
+            elif ulps:
                 torch.testing.assert_close(value, ref.state[q][key], rtol=2e-6, atol=1e-7)
             else:
                 assert torch.equal(value, ref.state[q][key]), key
+
+
+@pytest.mark.parametrize("name", ["adam", "adam-after-polyak"])
+def test_flat_adam_is_torch_fused_adamw_bit_for_bit(name):
+    """On CPU the flat adam path calls torch's fused AdamW kernel: the parameters and moments
+    equal torch.optim.AdamW(fused=True)'s bit for bit (fed the Polyak average as its gradient
+    where the rule has one), across a step where a tensor has no gradient and a state_dict
+    save / load."""
+    from optim_helpers import gpt_batch, loss_of, tiny_gpt
+
+    geometry, direction = FLAT_VARIANTS[name]
+    spec = {"geomopt": 1, "name": "t", "defaults": {"lr": 0.01, "weight_decay": 0.1},
+            "rules": [{"name": "all", "match": "**", "geometry": geometry, "direction": direction}]}
+    model, ref_model = tiny_gpt(0), tiny_gpt(0)
+    opt = geomopt.GeomOptimizer(model, copy.deepcopy(spec))
+    betas = tuple(geometry.get("betas", (0.9, 0.999)))
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=0.01, betas=betas, eps=geometry.get("eps", 1e-8),
+                            weight_decay=0.1, fused=True)
+    alpha = direction.get("alpha")
+    avg = {q: torch.zeros_like(q) for q in ref_model.parameters()}
+    for step in range(6):
+        for m in (model, ref_model):
+            m.zero_grad(set_to_none=True)
+            loss_of(m, gpt_batch(step)).backward()
+            if step == 2:
+                m.lm_head.weight.grad = None
+        if alpha is not None:  # the Polyak average d ← d + α(g − d), then AdamW on d
+            for q in ref_model.parameters():
+                if q.grad is not None:
+                    q.grad = avg[q].lerp_(q.grad, alpha).clone()
+        opt.step()
+        ref.step()
+        if step == 3:
+            sd = copy.deepcopy(opt.state_dict())
+            opt = geomopt.GeomOptimizer(model, copy.deepcopy(spec))
+            opt.load_state_dict(sd)
+        for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            assert torch.equal(p, q), (name, step, n)
+            assert torch.equal(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"]), (name, step, n)
+            assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"]), (name, step, n)
 
 
 def test_flat_path_keeps_no_allocation_per_step():

@@ -1,6 +1,6 @@
 """Equivalence of shipped specs with the optimizers they claim to be, each against the real thing:
 torch.optim.Muon (bf16 Newton–Schulz) and a float64 reimplementation of its algorithm,
-torch.optim.AdamW(foreach=False) bit for bit, and an independent reimplementation of Scion's
+torch.optim.AdamW(fused=True) bit for bit (the flat elementwise path on CPU), and an independent reimplementation of Scion's
 update rules (Pethick et al. 2025, github.com/LIONS-EPFL/scion) for uScion and Scion.
 
 Measured differences are printed (``pytest -s``) so the report can quote them.
@@ -149,7 +149,7 @@ def test_muon_spec_with_adamw_rules_matches_muon_plus_adamw():
     adamw = torch.optim.AdamW(
         [dict(params=[ref_params[n] for n in names if rules[n] == "head"], weight_decay=WD),
          dict(params=[ref_params[n] for n in names if rules[n] == "rest"], weight_decay=0.0)],
-        lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+        lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
     batch = mlp_batch(0, d_in=8)
     worst = 0.0
     for _ in range(3):
@@ -184,7 +184,7 @@ def test_adam_geometry_is_torch_adamw_bit_for_bit(weight_decay):
     ref_model = copy.deepcopy(model)
     opt = geomopt.GeomOptimizer(model, spec)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=weight_decay, foreach=False)
+                            weight_decay=weight_decay, fused=True)
     for k in range(6):
         batch = mlp_batch(k)
         for m, o in ((model, opt), (ref_model, ref)):

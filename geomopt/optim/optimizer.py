@@ -16,6 +16,7 @@ least. γ is the group's ``lr`` shaped by the rule's schedule.
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import math
@@ -287,23 +288,25 @@ class GeomOptimizer(Optimizer):
         """One step of an elementwise rule with foreach kernels: the state lives in flat buffers
         (per-parameter state entries are views of them), the forward map runs once on a flat
         buffer, and the parameters are updated in place. Same arithmetic as
-        :meth:`_step_bucket`, so the same bits (for adam: torch.optim.AdamW's)."""
+        :meth:`_step_bucket`, so the same bits, except adam on devices with a fused AdamW kernel
+        (:meth:`_adam_flat`: torch.optim.AdamW(fused=True)'s bits there)."""
         pp = items[0][1]
         alpha = group["alpha"] if alpha is None else alpha
         xs = [_view(_local(p), q) for p, q in items]
         gs = grads  # operators' layout already (_job_grads)
         adam = pp.geometry["kind"] == "adam"
-        reads_u = pp.geometry["kind"] in ("adam", "isotropic")  # u is only read: the gradients can serve
+        reads_u = pp.geometry["kind"] in ("adam", "isotropic", "euclidean")  # u is only read: the gradients can serve
         # u = the direction (the gradients themselves, the state, or a kept scratch), then
-        # ∇φ₁*(u) into the scratch: no allocation in steady state
-        scratch, s_views = self._flat_buffer(items, xs, "scratch")
+        # ∇φ₁*(u) into the scratch: no allocation in steady state; the scratch (one kept buffer
+        # as large as the rule's tensors) is only made where something is written to it
+        scratch = functools.partial(self._flat_buffer, items, xs, "scratch")
         u = u_views = None
         if group["direction"] == "none":
             if reads_u:
                 u_views = gs
             else:
-                torch._foreach_copy_(s_views, gs)
-                u, u_views = scratch, s_views
+                u, u_views = scratch()
+                torch._foreach_copy_(u_views, gs)
         else:
             first = "d" not in self.state[items[0][0]]
             d, d_views = self._flat_state(items, xs, "d")
@@ -313,12 +316,13 @@ class GeomOptimizer(Optimizer):
                 torch._foreach_lerp_(d_views, gs, alpha)
             u, u_views = d, d_views
             if group["nesterov"] and not (first and group["init"] == "gradient"):
-                torch._foreach_copy_(s_views, gs)
-                u, u_views = scratch.lerp_(d, 1 - alpha), s_views  # g.lerp(d, 1 − α), as the batched path
-        decay = 1 - gamma * group["weight_decay"]
+                buf, u_views = scratch()
+                torch._foreach_copy_(u_views, gs)
+                u = buf.lerp_(d, 1 - alpha)  # g.lerp(d, 1 − α), as the batched path
         if adam:
-            self._adam_flat(items, xs, u_views, scratch, s_views, pp.geometry, gamma, decay)
+            self._adam_flat(items, xs, u_views, scratch, pp.geometry, gamma, group["weight_decay"])
             return
+        decay = 1 - gamma * group["weight_decay"]
         if pp.geometry["kind"] == "isotropic":
             # ρ·(h*)'(‖D‖)/‖D‖·D per tensor (forward.isotropic), the factor applied in the axpy
             factors = isotropic_factors(torch.stack(torch._foreach_norm(u_views)), pp.geometry)
@@ -330,15 +334,16 @@ class GeomOptimizer(Optimizer):
         if pp.geometry["kind"] == "euclidean":
             steps = u_views
         else:
-            elementwise_into(u, pp.geometry, scratch)
-            steps = s_views
+            out, steps = scratch()
+            elementwise_into(u, pp.geometry, out)
         if group["weight_decay"]:
             torch._foreach_mul_(xs, decay)
         torch._foreach_add_(xs, steps, alpha=-gamma * group["radius"] * self._scale(pp))
 
-    def _adam_flat(self, items, xs, u_views, scratch, s_views, geometry, gamma, decay) -> None:
-        """:func:`geomopt.geometry.adam.adam_moments` and AdamW's update on flat moments, op for
-        op (torch.optim.AdamW's single-tensor order, so bit for bit)."""
+    def _adam_flat(self, items, xs, u_views, scratch, geometry, gamma, weight_decay) -> None:
+        """AdamW's update on flat moments: torch's fused AdamW kernel where the device has one
+        (torch.optim.AdamW(fused=True) bit for bit: one pass instead of eight), else
+        :func:`geomopt.geometry.adam.adam_moments`'s op order (AdamW's single-tensor path)."""
         beta1, beta2 = (float(b) for b in geometry.get("betas", (0.9, 0.999)))
         eps = float(geometry.get("eps", 1e-8))
         first = self.state[items[0][0]].get("adam_step", 0)
@@ -347,15 +352,22 @@ class GeomOptimizer(Optimizer):
         step = first + 1
         for p, _ in items:
             self.state[p]["adam_step"] = step
+        if xs[0].device.type in _FUSED_ADAM_DEVICES:
+            steps = [torch.full((), step, dtype=torch.float32, device=xs[0].device)] * len(xs)  # read, not written
+            torch._fused_adamw_(xs, u_views, m_views, v_views, [], steps, lr=gamma, beta1=beta1, beta2=beta2,
+                                weight_decay=weight_decay, eps=eps,
+                                amsgrad=False, maximize=False)
+            return
         torch._foreach_lerp_(m_views, u_views, 1 - beta1)
         v.mul_(beta2)
         torch._foreach_addcmul_(v_views, u_views, u_views, value=1 - beta2)
         bias_correction1 = 1 - beta1**step
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-        torch.sqrt(v, out=scratch).div_(bias_correction2_sqrt).add_(eps)
-        if decay != 1:
-            torch._foreach_mul_(xs, decay)
-        torch._foreach_addcdiv_(xs, m_views, s_views, value=-gamma / bias_correction1)
+        denom, denom_views = scratch()
+        torch.sqrt(v, out=denom).div_(bias_correction2_sqrt).add_(eps)
+        if weight_decay:
+            torch._foreach_mul_(xs, 1 - gamma * weight_decay)
+        torch._foreach_addcdiv_(xs, m_views, denom_views, value=-gamma / bias_correction1)
 
     def _kept(self, items: list, name: str, shape, like: torch.Tensor) -> torch.Tensor:
         """A scratch buffer kept across steps for this call's tensors (fresh memory each step
@@ -710,6 +722,7 @@ def _spec_name(yaml_text: str) -> str:
 
 # per-parameter state tensors that batched calls keep stacked (entries are views of a bucket buffer)
 _STACKED = ("d", "exp_avg", "exp_avg_sq", "prev", "w")
+_FUSED_ADAM_DEVICES = ("cpu", "cuda")  # where torch._fused_adamw_ has kernels
 
 
 def _flat_like(xs: list) -> tuple:
