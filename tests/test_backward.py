@@ -656,6 +656,8 @@ def _sigma_step_np(c: dict, s: np.ndarray, t: float) -> np.ndarray:
     and for the Frobenius ball under the indicator reference max(σ/(1+τ), σ − t) with τ by
     root-finding so that the norm is r."""
     r = c.get("radius")
+    if c["kind"] == "stiefel":
+        return np.full_like(s, r)
     if c["kind"] == "spectral_ball":
         return np.minimum(s, r)
     if c["kind"] == "rank":
@@ -672,6 +674,7 @@ def _sigma_step_np(c: dict, s: np.ndarray, t: float) -> np.ndarray:
 
 
 GRAM_CASES = [
+    {"kind": "stiefel", "radius": 1.0},
     {"kind": "spectral_ball", "radius": 1.0},
     {"kind": "spectral_sphere", "radius": 1.0},
     {"kind": "rank", "k": 5},
@@ -684,8 +687,9 @@ GRAM_SPECTRA = {
 }
 
 
-@pytest.mark.parametrize("c", GRAM_CASES, ids=[c["kind"] for c in GRAM_CASES])
-@pytest.mark.parametrize("spectrum", list(GRAM_SPECTRA))
+@pytest.mark.parametrize("c,spectrum", [(c, sp) for c in GRAM_CASES for sp in GRAM_SPECTRA
+                                         if (c["kind"], sp) != ("stiefel", "rank-deficient")],  # not unique there
+                         ids=lambda v: v["kind"] if isinstance(v, dict) else v)
 @pytest.mark.parametrize("shape", [(96, 40), (40, 96), (48, 48)])
 def test_exact_spectral_steps_as_accurate_as_a_float32_svd(c, spectrum, shape):
     """The exact steps (batched Gram–eigh where it is as accurate, float64 Gram or the SVD where
@@ -720,7 +724,8 @@ def test_exact_spectral_steps_as_accurate_as_a_float32_svd(c, spectrum, shape):
 def test_exact_spectral_steps_choose_float32_gram_float64_gram_or_the_svd(monkeypatch):
     """Which way the exact steps go (spy on torch.linalg): σ near the set, one float32 eigh and no
     SVD; σ over four decades, a float64 eigh after the float32 one; a rank cut through equal σ,
-    the SVD; Stiefel (lifts σ = 0), the SVD only."""
+    the SVD; Stiefel near the manifold, float32 Gram; Stiefel of a rank-deficient Y (lifts σ = 0,
+    whose singular vectors only the SVD completes), the SVD."""
     calls = []
     eigh, svd = torch.linalg.eigh, torch.linalg.svd
     monkeypatch.setattr(torch.linalg, "eigh", lambda a, *k, **kw: calls.append(("eigh", a.dtype)) or eigh(a, *k, **kw))
@@ -739,7 +744,9 @@ def test_exact_spectral_steps_choose_float32_gram_float64_gram_or_the_svd(monkey
         ("eigh", torch.float32), ("eigh", torch.float64)]
     ties = np.r_[np.ones(8), np.full(24, 0.5)]
     assert run(ties, {"kind": "rank", "k": 4})[-1] == ("svd", torch.float32)
-    assert run(near, {"kind": "stiefel", "radius": 1.0}) == [("svd", torch.float32)]
+    assert run(near, {"kind": "stiefel", "radius": 1.0}) == [("eigh", torch.float32)]
+    deficient = np.r_[near[:16], np.zeros(16)]
+    assert run(deficient, {"kind": "stiefel", "radius": 1.0})[-1] == ("svd", torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -395,7 +395,7 @@ def _sigma_proj(kind: str, s: torch.Tensor, c: dict) -> torch.Tensor:
 _GRAM_TOLERANCE = 8.0
 
 
-def _spectral_map(mats: torch.Tensor, step: Callable, *, completions: bool = False):
+def _spectral_map(mats: torch.Tensor, step: Callable):
     """X = U·Diag(x)·Vᵀ for (x, extra) = step(σ), σ = σ(M) sorted descending per matrix of a batch
     (B, m, n); returns (X, extra). ``step`` must be pure (it may run twice, in another dtype).
 
@@ -404,21 +404,21 @@ def _spectral_map(mats: torch.Tensor, step: Callable, *, completions: bool = Fal
     X = M·V·Diag(w)·Vᵀ, w = x/σ (w = 0 where σ = 0: M v = 0 there). Eigh of the Gram costs a third
     of an SVD on CPU, but its backward error is u·λ_max: by the Daleckii–Krein formula X moves by
     about ‖M‖·max|Γ_w|·u·λ_max, Γ_w the divided differences of w in λ (the adjacent ones bound
-    all of them), against ‖M‖·max(|Γ_x|, 1)·u for the SVD (Γ_x: those of x in σ). So, per call,
-    with R = λ_max·max|Γ_w| / max(|Γ_x|, 1): float32 Gram–eigh where R ≤ 8 (training's steps: σ
+    all of them), against ‖M‖·max(|Γ_x|, max w, 1)·u for the SVD (Γ_x: those of x in σ; max w
+    bounds the rotation terms (x_i + x_j)/(σ_i + σ_j)). So, per call, with
+    R = λ_max·max|Γ_w| / max(|Γ_x|, max w, 1): float32 Gram–eigh where R ≤ 8 (training's steps: σ
     near the set), float64 where u₆₄·R ≤ 8·u₃₂ (Y far outside, σ spread over decades), else the
-    SVD (R infinite: equal σ that ``step`` separates, e.g. a rank cut through a tie, where the
-    SVD's own choice is taken). ``completions``: ``step`` may lift σ = 0 (Stiefel, outward sphere
-    steps), which needs the singular vectors LAPACK completes: always the SVD. M = 0 keeps the
-    identity frame of :func:`_svd`. One host sync per call (the choice)."""
-    if not completions:
-        for dtype in dict.fromkeys((mats.dtype, torch.float64)):
-            x, extra, ratio = _gram_map(mats, step, dtype)
-            worst = float(ratio.amax())
-            if worst <= _GRAM_TOLERANCE * torch.finfo(mats.dtype).eps / torch.finfo(dtype).eps:
-                return x, extra
-            if not math.isfinite(worst):
-                break
+    SVD: R is infinite for equal σ that ``step`` separates (a rank cut through a tie: the SVD's
+    own choice is taken) and where ``step`` lifts σ = 0 (Stiefel, outward sphere steps on a
+    rank-deficient Y: the singular vectors LAPACK completes). M = 0 keeps the identity frame of
+    :func:`_svd`. One host sync per call (the choice)."""
+    for dtype in dict.fromkeys((mats.dtype, torch.float64)):
+        x, extra, ratio = _gram_map(mats, step, dtype)
+        worst = float(ratio.amax())
+        if worst <= _GRAM_TOLERANCE * torch.finfo(mats.dtype).eps / torch.finfo(dtype).eps:
+            return x, extra
+        if not math.isfinite(worst):
+            break
     u, s, vh = _svd(mats)
     x, extra = step(s)
     return _compose(u, x, vh), extra
@@ -438,7 +438,8 @@ def _gram_map(mats: torch.Tensor, step: Callable, dtype: torch.dtype):
     s = scale[:, None] * lam.sqrt()
     x, extra = step(s)
     w = torch.where(s > 0, x / torch.where(s > 0, s, 1), 0)
-    ratio = lam[:, 0] * _max_slope(w, lam) / _max_slope(x, s).clamp(min=1)
+    ratio = lam[:, 0] * _max_slope(w, lam) / torch.maximum(_max_slope(x, s), w.amax(-1)).clamp(min=1)
+    ratio = torch.where(((x > 0) & (s == 0)).any(-1) & ~zero, math.inf, ratio)  # lifts a null direction
     frame = (v * w.unsqueeze(-2)) @ v.mT
     out = work @ frame if tall else frame @ work
     # M = 0: the identity frame, x on the diagonal
@@ -567,7 +568,7 @@ def euclidean_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     kind = constraint["kind"]
     if kind in SPECTRAL_SETS:
         mats = _matrices(y, batch_dims, geometry.get("split"))
-        x, _ = _spectral_map(mats, lambda s: (_sigma_proj(kind, s, constraint), None), completions=kind == "stiefel")
+        x, _ = _spectral_map(mats, lambda s: (_sigma_proj(kind, s, constraint), None))
         x = _unflat(x, y)
     else:
         x = _unflat(_VECTOR_PROJ[kind](_flat(y, batch_dims), constraint), y)
@@ -645,7 +646,7 @@ def spectral_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
         sx = _sigma_proj(kind, s, constraint)
         return sx, _spectral_flag((sx - s).abs().amax(-1), t, s, ref, y, batch_dims)
 
-    x, bad = _spectral_map(_matrices(y, batch_dims, geometry.get("split")), step, completions=kind == "stiefel")
+    x, bad = _spectral_map(_matrices(y, batch_dims, geometry.get("split")), step)
     return _unflat(x, y), bad
 
 
@@ -664,7 +665,7 @@ def spectral_frobenius_sphere(y, t, ref, constraint, *, gamma, geometry, batch_d
     (outward steps may lift zero singular values: LAPACK's completions give their vectors), then
     U·Diag(x)·Vᵀ. Y = 0 → (r/√q)·I_{m×n}."""
     x, bad = _spectral_map(_matrices(y, batch_dims, geometry.get("split")),
-                           lambda s: _sphere_magnitudes(s, t, constraint["radius"], ref, y.dtype), completions=True)
+                           lambda s: _sphere_magnitudes(s, t, constraint["radius"], ref, y.dtype))
     return _unflat(x, y), None if bad is None else _element_any(bad, y, batch_dims)
 
 
