@@ -610,6 +610,29 @@ def test_spectral_ball_polar_accuracy(dtype, bound, shape, rank):
     assert err <= bound, err
 
 
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
+@pytest.mark.parametrize("shape", [(256, 128), (128, 512)])
+@pytest.mark.parametrize("gamma", [0.6, 0.04, 0.002])  # t = 0.3r, 0.02r, 0.001r
+def test_spectral_ball_polar_accuracy_on_training_steps(dtype, bound, shape, gamma):
+    """Y = X − tW, X in the spectral ball (σ uniform in [0, r]), ‖W‖₂ < 1: the clipping's
+    max-entry error vs the SVD ≤ bound·r (its step counts adapt to the Gram matrix's scales)."""
+    rng = np.random.default_rng(7)
+    r = 2.0
+    y = []
+    for _ in range(3):
+        u = np.linalg.qr(rng.standard_normal((shape[0], min(shape))))[0]
+        v = np.linalg.qr(rng.standard_normal((shape[1], min(shape))))[0]
+        y.append((u * rng.uniform(0, r, min(shape))) @ v.T - gamma * direction("spectral", shape, rng, 0.99))
+    y = np.stack(y)
+    geo = _geometry("spectral", LOG)
+    c = {"kind": "spectral_ball", "radius": r}
+    exact, _ = backward(torch.tensor(y), gamma, geo, c, batch_dims=1)
+    approx, fb = backward(torch.tensor(y, dtype=dtype), gamma, geo, dict(c, method="polar"), batch_dims=1)
+    err = (approx.double() - exact).abs().max().item() / r
+    assert err <= bound, err
+    assert not fb.any()
+
+
 def test_polar_identity_for_clipping_holds_exactly_with_svd_polar():
     """The clipping identity itself (DESIGN) with exact polar factors: equality to rounding."""
     y = torch.randn(7, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

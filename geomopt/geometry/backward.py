@@ -716,45 +716,75 @@ def _stiefel_polar(y, t, ref, constraint, *, geometry, batch_dims):
 
 
 def _spectral_ball_polar(y, t, ref, constraint, *, geometry, batch_dims):
-    """SVD-free singular value clipping, U·Diag(min(σ, r))·Vᵀ from polar factors only.
+    """SVD-free singular value clipping U·Diag(min(σ, r))·Vᵀ by matrix iterations on the small
+    Gram matrix only.
 
-    DESIGN's identity clip_r(Y) = ½[Y + rQ − P·Qᵀ(Y − rQ)], Q = polar(Y), P = polar(Y − rQ), is
-    correct (Y = UΣVᵀ: P·Qᵀ(Y − rQ) = U|Σ − r|Vᵀ, so the bracket is 2U·min(Σ, r)·Vᵀ, wide or tall)
-    but not usable with an iterative polar: it needs Q on *every* singular direction, and a
-    partially converged q(σ) ∈ (0, 1) on a tiny σ leaves an error ½r·q(1 − q) ≤ r/8 there. Rank-
-    deficient Y (whose zero σ round to ~1e-7·σ₁ in fp32) hit that band: measured error 9e-2·r
-    (fp32) and 5e-4·r (fp64) in spectral norm for rank-5 40×24 matrices.
-
-    We use the equivalent form, for tall Y (wide: transpose)
-        clip_r(Y) = Y − ½(Y − rQ)(I + S),   S = sign(YᵀY − r²I) = polar of the symmetric Gram shift,
-    since (I + S) = 2V·1[σ > r]·Vᵀ: Q only matters where σ > r (far above the noise floor), and S
-    is inaccurate only where σ ≈ r, where the factor Y − rQ ≈ U(σ − r)Vᵀ is small. Both polar
-    factors come from :func:`polar` (scaled cubic Newton–Schulz, batched matmuls), from floors
-    relative to their scales, so nothing assumes Y near the ball. Measured against the SVD
-    (tests/test_backward.py): Gaussian 40×24, 24×40 and rank-5 40×24 matrices, max-entry error
-    ≤ 2e-6·r (fp32), ≤ 1e-13·r (fp64); σ spread from 100r to 0.01r: ≤ 1e-4·r (fp32), ≤ 1e-12·r
-    (fp64). The flag uses a power-iteration estimate of ‖Y − X⁺‖₂."""
+    For tall Y (wide: transpose) with G = YᵀY = V·Diag(σ²)·Vᵀ:
+        clip_r(Y) = r·Y·H^{−1/2},   H = r²I + ½(G − r²I)(I + S),   S = sign(G − r²I),
+    since H = V·Diag(max(σ², r²))·Vᵀ, so r·H^{−1/2} = V·Diag(min(1, r/σ))·Vᵀ. S is the polar factor
+    of the symmetric shift (:func:`polar`, scaled cubic Newton–Schulz); it is inexact only where
+    |σ² − r²| is below its floor, and there H's eigenvalue lies between r² and σ², which moves
+    the clipped σ by at most |σ − r|: the floor 2u·r²/c (c ≥ ‖G − r²I‖₂, Gershgorin) keeps that
+    below u·r. H^{−1/2} comes from the coupled Newton–Schulz iteration (Y ← Y·T, Z ← T·Z,
+    T = ½(3I − Z·Y), Y₀ = H/c_H, Z₀ = I, Z → (H/c_H)^{−1/2}), whose spectrum lies in
+    [r²/c_H, 1]: a few steps near the ball, more for σ ≫ r. Directions with σ ≤ r (including
+    σ = 0: rank-deficient Y) get H = r², a factor 1, exactly. Everything is n×n except the Gram
+    matrix and the final product; the two step counts are set on the host from the largest scales
+    in the batch (two host syncs per call). Measured against the SVD (tests/test_backward.py):
+    Gaussian 40×24, 24×40 and rank-5 40×24 matrices, max-entry error ≤ 2e-6·r (fp32), ≤ 1e-13·r
+    (fp64); σ spread from 100r to 0.01r: ≤ 1e-4·r (fp32), ≤ 1e-12·r (fp64). The flag uses a
+    power-iteration estimate of ‖Y − X⁺‖₂."""
     r = constraint["radius"]
     mats = _matrices(y, batch_dims, geometry.get("split"))
     tall = mats.shape[-2] >= mats.shape[-1]
     a = mats if tall else mats.transpose(-2, -1)
-    gram = a.transpose(-2, -1) @ a
-    # Q = polar(Y) matters only where σ > r, S = sign(G − r²I) only where |σ − r| is above the
-    # accuracy. Both scales bound the spectrum (‖Y‖_F; Gershgorin's max row sum for G − r²I),
-    # so the scaled iteration (top = 1) applies, from floors that hold for any Y.
-    low = 2.0 ** (-40 if a.dtype == torch.float64 else -20)
-    qf = polar(a, scale=torch.linalg.matrix_norm(a)[:, None, None], floor=low, top=1.0, gram=gram)
-    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    shifted = gram - (r * r) * eye
-    c_s = shifted.abs().sum(-1).amax(-1)[:, None, None]
-    sgn = polar(shifted, scale=c_s, floor=2.0 ** (-48 if a.dtype == torch.float64 else -24), top=1.0)
-    xa = a - 0.5 * ((a - r * qf) @ (eye + sgn))
+    n = a.shape[-1]
+    eye = torch.eye(n, dtype=a.dtype, device=a.device)
+    shifted = a.transpose(-2, -1) @ a - (r * r) * eye
+    c_s = shifted.abs().sum(-1).amax(-1)  # Gershgorin: ≥ ‖G − r²I‖₂
+    tiny = torch.finfo(a.dtype).tiny
+    worst = max(float(c_s.amax()) if len(c_s) else 0.0, tiny)  # host sync 1: S's step count
+    sgn = polar(shifted, scale=c_s.clamp(min=tiny)[:, None, None],
+                floor=min(0.5, 2 * torch.finfo(a.dtype).eps * r * r / worst), top=1.0)
+    excess = 0.25 * (shifted @ (eye + sgn))
+    excess = excess + excess.transpose(-2, -1)  # ½(G − r²I)(I + S), symmetrized (they commute to rounding)
+    c_h = r * r + excess.abs().sum(-1).amax(-1)  # ≥ ‖H‖₂, with H − r²I ⪰ 0 small near the ball
+    floor = r * r / max(float(c_h.amax()) if len(c_h) else r * r, tiny)  # host sync 2: H^{−1/2}'s step count
+    z = _inverse_sqrt((excess + (r * r) * eye) / c_h[:, None, None], floor=floor)
+    xa = a @ (z * (r / c_h.sqrt())[:, None, None])
     xm = xa if tall else xa.transpose(-2, -1)
     x = _unflat(xm, y)
     if not ref.bounded:
         return x, None
     dist = _spectral_norm_estimate(mats - xm)
     return x, _element_any(_too_far(dist, t, torch.linalg.matrix_norm(mats), y), y, batch_dims)
+
+
+def _inverse_sqrt(h: torch.Tensor, floor: float) -> torch.Tensor:
+    """H^{−1/2} for a batch of symmetric H with spectrum in [floor, 1] by the coupled Newton–Schulz
+    iteration Y ← Y·T, Z ← T·Z, T = ½(3I − Z·Y) from Y = H, Z = I (Higham, Functions of Matrices,
+    §6.3; stable, unlike the uncoupled form): Y → H^{1/2}, Z → H^{−1/2}. A spectral value μ moves
+    as e ← ¾e² + ¼e³ with e = 1 − μ·z²; the step count is simulated on the host from ``floor``."""
+    steps = _inverse_sqrt_steps(floor, h.dtype)
+    eye = torch.eye(h.shape[-1], dtype=h.dtype, device=h.device)
+    t = 1.5 * eye - 0.5 * h
+    ym, z = h @ t, t
+    for _ in range(steps - 1):
+        t = 1.5 * eye - 0.5 * (z @ ym)
+        ym, z = ym @ t, t @ z
+    return z
+
+
+def _inverse_sqrt_steps(floor: float, dtype: torch.dtype) -> int:
+    eps = torch.finfo(dtype).eps
+    worst = 1
+    for mu in (floor, 1.0):
+        y, z, n = mu, 1.0, 0
+        while abs(1 - y * z) > eps and n < 100:
+            t = 1.5 - 0.5 * z * y
+            y, z, n = y * t, t * z, n + 1
+        worst = max(worst, n)
+    return worst + 1
 
 
 _POLAR = {"stiefel": _stiefel_polar, "spectral_ball": _spectral_ball_polar}
