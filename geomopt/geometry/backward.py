@@ -35,6 +35,7 @@ Conventions shared by every op (documented once here):
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 from typing import Callable
 
@@ -174,17 +175,7 @@ def _ball_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start: t
     if kind == "indicator":
         # κ → ∞: (h₁*)' = clip(·, −1, 1), so σ = α/(1+τ) until the box |x − y| ≤ t binds.
         return torch.maximum(alpha / (1 + tau), alpha - 1)
-    # power barrier: F(σ) = σ + f(τσ) − α is concave increasing, so Newton from a point left of
-    # the root (F ≤ 0) climbs monotonically to it; clamping keeps it inside [start, α].
-    unit = _unit_power(ref.kappa)
-    lo = alpha.sub(1).clamp(min=0) if start is None else start
-    s = lo
-    for _ in range(_NEWTON_STEPS):
-        g = unit.iso_factor(tau * s)  # (1 + u^κ)^{−1/κ}
-        f = tau * s * g
-        fp = g.pow(ref.kappa + 1)
-        s = (s - (s + f - alpha) / (1 + tau * fp)).clamp(min=lo).minimum(alpha)
-    return s
+    return _power_sigma(alpha, tau, ref, start, True)
 
 
 def _sphere_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start: torch.Tensor | None) -> torch.Tensor:
@@ -199,18 +190,40 @@ def _sphere_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start:
         # κ → ∞ limit; at τ = 1 zero entries jump 0 → 1: the final interpolation fills the gap.
         grow = alpha / (1 - tau).clamp(min=torch.finfo(alpha.dtype).tiny)
         return torch.where(tau * (alpha + 1) < 1, grow, alpha + 1)
-    # power barrier: G(σ) = σ − f(τσ) − α is convex, so Newton from the right (G ≥ 0) descends
-    # monotonically to the largest root.
+    return _power_sigma(alpha, tau, ref, start, False)
+
+
+def _power_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start: torch.Tensor | None, inward) -> torch.Tensor:
+    """The power barrier's σ(τ): the root of H(σ) = σ + c·f(τσ) − α, f = (h₁*)', with c = +1 for
+    the ball (inward; H concave increasing: Newton from a point left of the root, H ≤ 0, climbs
+    monotonically to it, clamped to [start, α]) and c = −1 for the outward sphere step (H convex:
+    Newton from the right, H ≥ 0, descends monotonically to the largest root, clamped to
+    [α, start]). ``inward``: a bool, or a bool tensor broadcasting against α (one solve for rows
+    of both kinds, same arithmetic per row)."""
     unit = _unit_power(ref.kappa)
-    hi = alpha + 1 if start is None else start
-    s = hi
+    if isinstance(inward, bool):
+        inward = torch.tensor(inward, device=alpha.device)
+    c = torch.where(inward, 1.0, -1.0).to(alpha.dtype)
+    if start is None:
+        start = torch.where(inward, alpha.sub(1).clamp(min=0), alpha + 1)
+    lower, upper = torch.where(inward, start, alpha), torch.where(inward, alpha, start)
+    s = start
     tiny = torch.finfo(alpha.dtype).eps
     for _ in range(_NEWTON_STEPS):
-        g = unit.iso_factor(tau * s)
+        g = unit.iso_factor(tau * s)  # (1 + u^κ)^{−1/κ}
         f = tau * s * g
         fp = g.pow(ref.kappa + 1)
-        s = (s - (s - f - alpha) / (1 - tau * fp).clamp(min=tiny)).clamp(min=alpha).minimum(hi)
+        s = (s - (s + c * f - alpha) / (1 + c * (tau * fp)).clamp(min=tiny)).maximum(lower).minimum(upper)
     return s
+
+
+def _signed_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start: torch.Tensor | None,
+                  inward: torch.Tensor) -> torch.Tensor:
+    """:func:`_ball_sigma` on the rows where ``inward`` (B, 1), :func:`_sphere_sigma` on the others,
+    in one evaluation for the power barrier (one Newton loop for both kinds)."""
+    if ref.kind == "power_barrier":
+        return _power_sigma(alpha, tau, ref, start, inward)
+    return torch.where(inward, _ball_sigma(alpha, tau, ref, start), _sphere_sigma(alpha, tau, ref, start))
 
 
 # Newton steps per bisection step. Warm starts (σ at the bracket end on the safe side) keep every
@@ -235,22 +248,26 @@ def _ball_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference, dtype)
     s = a if ‖a‖ ≤ r, else bisection on τ with s_i(τ) from :func:`_ball_sigma`, Σs² = r².
     Returns (s, infeasible) — infeasible where Σ(a_i − t)₊² > r², i.e. the ball misses
     Y + t·dom φ₁; there s is the Euclidean projection a·r/‖a‖."""
-    norm = _norm(a)
-    euclid = _proj_l2_ball(a, r)
     if _ref_profile(ref) == "quadratic":
-        return euclid, None
+        return _proj_l2_ball(a, r), None
+    s = _solve_tau(_ball_sigma, a, t, r, ref, decreasing=True)
+    return _ball_finish(a, s, t, r, dtype)
+
+
+def _ball_finish(a: torch.Tensor, s: torch.Tensor, t: float, r: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ball step's magnitudes from the solve's s: a where ‖a‖ ≤ r, s landed on the ball
+    exactly (a safeguard for the boundary cases inside the slack), and the Euclidean projection
+    where infeasible; with the infeasibility flags."""
     slack = _slack(a.amax(-1), t, dtype).unsqueeze(-1)
     bad = ((a - t - slack).clamp(min=0).square().sum(-1) > r * r)
-    s = _solve_tau(_ball_sigma, a, t, r, ref, decreasing=True)
-    # Safeguard for the boundary cases inside the slack: land on the ball exactly.
-    s = _proj_l2_ball(s, r)
-    s = torch.where((norm <= r).unsqueeze(-1), a, s)
-    return torch.where(bad.unsqueeze(-1), euclid, s), bad
+    s = torch.where((_norm(a) <= r).unsqueeze(-1), a, _proj_l2_ball(s, r))
+    return torch.where(bad.unsqueeze(-1), _proj_l2_ball(a, r), s), bad
 
 
-def _solve_tau(sigma: Callable, a: torch.Tensor, t: float, r: float, ref: Reference, *, decreasing: bool) -> torch.Tensor:
+def _solve_tau(sigma: Callable, a: torch.Tensor, t: float, r: float, ref: Reference, *, decreasing) -> torch.Tensor:
     """s = t·σ(α, τ) with Σs² = r², α = a/t, by bisection on log τ ∈ [−_LOG_TAU, _LOG_TAU]
-    (Σσ² decreasing in τ for the ball's σ, increasing for the sphere's outward σ), then linear
+    (Σσ² decreasing in τ for the ball's σ, increasing for the sphere's outward σ; ``decreasing``:
+    a bool, or per row a (B, 1) bool tensor), then linear
     interpolation between the bracket's ends (:func:`_interpolate`). The power barrier's σ is
     warm-started from the bracket's upper end."""
     alpha, rho2 = a / t, (r / t) ** 2
@@ -261,7 +278,8 @@ def _solve_tau(sigma: Callable, a: torch.Tensor, t: float, r: float, ref: Refere
         mid = (lo + hi) / 2
         sig = sigma(alpha, mid.exp(), ref, sig_hi)
         total = (sig * sig).sum(-1, keepdim=True)
-        up = total > rho2 if decreasing else total < rho2  # the root lies above mid
+        up = (total > rho2 if decreasing else total < rho2) if isinstance(decreasing, bool) else \
+            torch.where(decreasing, total > rho2, total < rho2)  # the root lies above mid
         lo, hi = torch.where(up, mid, lo), torch.where(up, hi, mid)
         if sig_hi is not None:
             sig_hi = torch.where(up, sig_hi, sig)
@@ -284,15 +302,15 @@ def _sphere_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference, dtyp
     euclid = _sphere_euclid(a, r)
     if _ref_profile(ref) == "quadratic":
         return euclid, None
-    norm = _norm(a)
-    inward = norm >= r
-    s_in, bad_in = _ball_magnitudes(a, t, r, ref, dtype)
+    inward = (_norm(a) >= r).unsqueeze(-1)
+    # one solve for both kinds of rows (:func:`_signed_sigma`)
+    s = _solve_tau(functools.partial(_signed_sigma, inward=inward), a, t, r, ref, decreasing=inward)
+    s_in, bad_in = _ball_finish(a, s, t, r, dtype)
     slack = _slack(a.amax(-1), t, dtype).unsqueeze(-1)
     bad_out = (a + t + slack).square().sum(-1) < r * r
-    s_out = _solve_tau(_sphere_sigma, a, t, r, ref, decreasing=False)
-    s_out = s_out * (r / _norm(s_out).clamp(min=torch.finfo(a.dtype).tiny)).unsqueeze(-1)
-    s = torch.where(inward.unsqueeze(-1), s_in, s_out)
-    bad = torch.where(inward, bad_in, bad_out)
+    s_out = s * (r / _norm(s).clamp(min=torch.finfo(a.dtype).tiny)).unsqueeze(-1)
+    s = torch.where(inward, s_in, s_out)
+    bad = torch.where(inward.squeeze(-1), bad_in, bad_out)
     return torch.where(bad.unsqueeze(-1), euclid, s), bad
 
 
