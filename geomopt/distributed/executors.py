@@ -393,11 +393,18 @@ def make_executor(params: list, distributed, process_group) -> object:
 
 
 def is_dtensor(t) -> bool:
+    return _DTENSOR is not None and isinstance(t, _DTENSOR)
+
+
+def _dtensor_class():
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_class()  # looked up once: is_dtensor runs per tensor per step
 
 
 def _mesh_group(params: list):
