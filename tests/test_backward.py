@@ -773,6 +773,28 @@ def test_exact_spectral_steps_choose_float32_gram_float64_gram_or_the_svd(monkey
     assert run(deficient, {"kind": "stiefel", "radius": 1.0})[-1] == ("svd", torch.float32)
 
 
+def test_exact_spectral_steps_redo_only_the_matrices_that_need_it(monkeypatch):
+    """A Stiefel step on a bucket of a training-like matrix, one with σ over four decades and a
+    rank-deficient one: float32 Gram–eigh for all three, float64 for the far one, the SVD for the
+    rank-deficient one only (its null directions need LAPACK's completions); each result matches
+    the SVD route on that matrix alone."""
+    calls = []
+    eigh, svd = torch.linalg.eigh, torch.linalg.svd
+    monkeypatch.setattr(torch.linalg, "eigh", lambda a, *k, **kw: calls.append(("eigh", a.dtype, len(a))) or eigh(a, *k, **kw))
+    monkeypatch.setattr(torch.linalg, "svd", lambda a, *k, **kw: calls.append(("svd", a.dtype, len(a))) or svd(a, *k, **kw))
+    near = np.sort(np.random.default_rng(0).uniform(0.6, 1.4, 32))[::-1]
+    spectra = [near, np.logspace(1, -3, 32), np.r_[near[:16], np.zeros(16)]]
+    y = torch.tensor(np.stack([_with_spectrum(sp, 64, 32, k) for k, sp in enumerate(spectra)]), dtype=torch.float32)
+    x, _ = backward(y, 0.05, _geometry("spectral", IND), {"kind": "stiefel", "radius": 2.0}, batch_dims=1)
+    # the rank-deficient one goes straight to the SVD where its null σ round to exactly 0, else
+    # after a float64 attempt
+    assert calls[0] == ("eigh", torch.float32, 3) and calls[-1] == ("svd", torch.float32, 1), calls
+    assert calls[1:-1] in ([("eigh", torch.float64, 1)], [("eigh", torch.float64, 2)]), calls
+    for k in range(3):
+        u, _, vh = svd(y[k].double() if k < 2 else y[k], full_matrices=False)  # the last: the float32 SVD's completions
+        assert (x[k].double() - 2 * (u @ vh).double()).abs().max().item() < 2e-5, k
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_exact_spectral_steps_at_zero_keep_the_identity_frame(dtype):
     """Y = 0 (σ all zero, no singular vectors to read off a Gram matrix): the identity frame of

@@ -419,7 +419,8 @@ _GRAM_TOLERANCE = 8.0
 
 def _spectral_map(mats: torch.Tensor, step: Callable):
     """X = U·Diag(x)·Vᵀ for (x, extra) = step(σ), σ = σ(M) sorted descending per matrix of a batch
-    (B, m, n); returns (X, extra). ``step`` must be pure (it may run twice, in another dtype).
+    (B, m, n); returns (X, extra). ``step`` must be pure and act per matrix (it may run again on
+    some of the matrices, in another dtype): extra is None or one value per matrix.
 
     Batched Gram–eigh instead of an SVD where it is as accurate: with the small Gram matrix
     G = AᵀA of A = M/‖M‖_F (AAᵀ when wide) = V·Diag(λ)·Vᵀ, σ = ‖M‖_F·√λ and
@@ -427,23 +428,41 @@ def _spectral_map(mats: torch.Tensor, step: Callable):
     of an SVD on CPU, but its backward error is u·λ_max: by the Daleckii–Krein formula X moves by
     about ‖M‖·max|Γ_w|·u·λ_max, Γ_w the divided differences of w in λ (the adjacent ones bound
     all of them), against ‖M‖·max(|Γ_x|, max w, 1)·u for the SVD (Γ_x: those of x in σ; max w
-    bounds the rotation terms (x_i + x_j)/(σ_i + σ_j)). So, per call, with
+    bounds the rotation terms (x_i + x_j)/(σ_i + σ_j)). So, per matrix, with
     R = λ_max·max|Γ_w| / max(|Γ_x|, max w, 1): float32 Gram–eigh where R ≤ 8 (training's steps: σ
-    near the set), float64 where u₆₄·R ≤ 8·u₃₂ (Y far outside, σ spread over decades), else the
-    SVD: R is infinite for equal σ that ``step`` separates (a rank cut through a tie: the SVD's
+    near the set), float64 Gram–eigh where u₆₄·R ≤ 8·u₃₂ (Y far outside, σ spread over decades),
+    else the SVD: R is infinite for equal σ that ``step`` separates (a rank cut through a tie: the SVD's
     own choice is taken) and where ``step`` lifts σ = 0 (Stiefel, outward sphere steps on a
     rank-deficient Y: the singular vectors LAPACK completes). M = 0 keeps the identity frame of
-    :func:`_svd`. One host sync per call (the choice)."""
-    for dtype in dict.fromkeys((mats.dtype, torch.float64)):
-        x, extra, ratio = _gram_map(mats, step, dtype)
-        worst = float(ratio.amax())
-        if worst <= _GRAM_TOLERANCE * torch.finfo(mats.dtype).eps / torch.finfo(dtype).eps:
-            return x, extra
-        if not math.isfinite(worst):
-            break
-    u, s, vh = _svd(mats)
-    x, extra = step(s)
-    return _compose(u, x, vh), extra
+    :func:`_svd`. Only the matrices that need it are redone; one host sync per call (the choice),
+    one more per redo."""
+    x, extra, ratio = _gram_map(mats, step, mats.dtype)
+    # per matrix: 0 done, 1 float64 Gram–eigh, 2 SVD (R infinite: no Gram matrix resolves it)
+    higher = 1 if mats.dtype != torch.float64 else 2
+    route = torch.where(ratio <= _GRAM_TOLERANCE, 0, torch.where(ratio.isfinite(), higher, 2)).tolist()  # host sync
+    redo = [i for i, r in enumerate(route) if r == 1]
+    svd = [i for i, r in enumerate(route) if r == 2]
+    if redo:
+        rows = torch.tensor(redo, device=mats.device)
+        x64, extra64, ratio64 = _gram_map(mats[rows], step, torch.float64)
+        x, extra = _put(x, rows, x64), _put(extra, rows, extra64)
+        u32, u64 = torch.finfo(mats.dtype).eps, torch.finfo(torch.float64).eps
+        svd += [i for i, r in zip(redo, (ratio64 > _GRAM_TOLERANCE * u32 / u64).tolist()) if r]  # host sync
+    if svd:
+        rows = torch.tensor(sorted(svd), device=mats.device)
+        u, s, vh = _svd(mats[rows])
+        xs, extra_s = step(s)
+        x, extra = _put(x, rows, _compose(u, xs, vh)), _put(extra, rows, extra_s)
+    return x, extra
+
+
+def _put(t: torch.Tensor | None, rows: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` with ``rows`` replaced by ``values`` (None stays None)."""
+    if t is None:
+        return None
+    t = t.clone()
+    t[rows] = values.to(t.dtype)
+    return t
 
 
 def _gram_map(mats: torch.Tensor, step: Callable, dtype: torch.dtype):
@@ -646,10 +665,6 @@ def anisotropic_sphere(y, t, ref, constraint, *, gamma, geometry, batch_dims):
 # ---------------------------------------------------------------- spectral (Table 1, second half)
 
 
-def _spectral_flag(dist: torch.Tensor, t: float, s: torch.Tensor, ref, y, batch_dims):
-    if not ref.bounded:
-        return None
-    return _element_any(_too_far(dist, t, s.amax(-1), y), y, batch_dims)
 
 
 @backward_op("spectral", ("stiefel", "spectral_ball", "spectral_sphere", "rank"))
@@ -664,12 +679,13 @@ def spectral_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     kind = constraint["kind"]
     if constraint.get("method", "exact") == "polar":
         return _POLAR[kind](y, t, ref, constraint, geometry=geometry, batch_dims=batch_dims)
+
     def step(s):
         sx = _sigma_proj(kind, s, constraint)
-        return sx, _spectral_flag((sx - s).abs().amax(-1), t, s, ref, y, batch_dims)
+        return sx, _too_far((sx - s).abs().amax(-1), t, s.amax(-1), y) if ref.bounded else None
 
     x, bad = _spectral_map(_matrices(y, batch_dims, geometry.get("split")), step)
-    return _unflat(x, y), bad
+    return _unflat(x, y), None if bad is None else _element_any(bad, y, batch_dims)
 
 
 @backward_op("spectral", ("frobenius_ball", "l2_ball"))
