@@ -1,8 +1,8 @@
 """Small reference models for the demo, tests and benchmarks (random init, built from code).
 
 ``get_model(name)`` builds one by name: ``gpt`` (nanoGPT-style, GPT-2 parameter names),
-``gpt2-small``/``-medium``/``-large`` (GPT-2 shapes), ``gpt-bench`` (×2, ×4: deeper) for CPU
-benchmarks, ``mlp``, ``cnn``.
+``gpt2-small``/``-medium``/``-large`` (GPT-2 shapes), ``gpt-bench`` (``-x2``, ``-x4``: deeper;
+``-w2``, ``-w4``: wider) for CPU benchmarks, ``mlp``, ``cnn``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ MODELS: dict[str, Callable] = {
     "gpt-bench": lambda: GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=2, n_head=4, n_embd=256)),
     "gpt-bench-x2": lambda: GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=256)),
     "gpt-bench-x4": lambda: GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=8, n_head=4, n_embd=256)),
+    # and width ×2, ×4 at depth 2
+    "gpt-bench-w2": lambda: GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=2, n_head=4, n_embd=512)),
+    "gpt-bench-w4": lambda: GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=2, n_head=4, n_embd=1024)),
     "mlp": lambda: MLP(),
     "cnn": lambda: SmallCNN(),
 }
