@@ -267,7 +267,7 @@ def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple]) -> to
     tall = m > n
     # contiguous: baddbmm's result takes its input's strides, so a transposed start would keep
     # every later product on the slow strided path
-    X = x.mT.contiguous() if tall else x
+    X = _transposed_copy(x) if tall else x
     lead = X.shape[:-2]
     if X.ndim >= 3:
         X = X.reshape(-1, *X.shape[-2:])
@@ -279,7 +279,19 @@ def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple]) -> to
         update = mm_add(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
         X = mm_add(X, update, X, beta=a)  # a·X + (b·A + c·A²)·X
     X = X.reshape(*lead, *X.shape[-2:])
-    return X.mT if tall else X
+    # tall: hand back the input's layout, so that the cast and the update that follow read memory
+    # in order (a transposed view costs them a strided pass each)
+    return _transposed_copy(X) if tall else X
+
+
+def _transposed_copy(x: torch.Tensor) -> torch.Tensor:
+    """``x.mT`` as a contiguous tensor, matrix by matrix: torch's 2-D transpose copy is blocked,
+    its batched one is not (CPU: about 2× faster for 1024×4096 bf16). Values are copied exactly."""
+    m, n = x.shape[-2:]
+    out = torch.empty(*x.shape[:-2], n, m, dtype=x.dtype, device=x.device)
+    for src, dst in zip(x.reshape(-1, m, n), out.view(-1, n, m)):
+        dst.copy_(src.mT)
+    return out
 
 
 @approx_op("newton_schulz")
