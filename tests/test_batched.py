@@ -214,3 +214,27 @@ def test_flat_path_keeps_no_allocation_per_step():
     buffers = {k: v.data_ptr() for k, v in opt._buffers.items()}
     opt.step()
     assert buffers and {k: v.data_ptr() for k, v in opt._buffers.items()} == buffers
+
+
+def test_flat_adam_with_channels_last_weights_is_torch_adamw():
+    """A channels_last conv weight (memory order ≠ logical order) cannot go through the fused
+    kernel with flat, contiguous moments: the call takes the unfused ops, so the whole rule equals
+    torch.optim.AdamW(foreach=False) bit for bit (and every entry moves as AdamW moves it)."""
+    from geomopt.models import SmallCNN
+
+    torch.manual_seed(0)
+    model = SmallCNN().to(memory_format=torch.channels_last)
+    ref_model = copy.deepcopy(model)
+    assert any(not p.is_contiguous() for p in model.parameters())
+    spec = {"geomopt": 1, "name": "t", "defaults": {"lr": 0.01, "weight_decay": 0.1},
+            "rules": [{"name": "all", "match": "**", "geometry": {"kind": "adam"}}]}
+    opt = geomopt.GeomOptimizer(model, spec)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=0.01, weight_decay=0.1, foreach=False)
+    for step in range(3):
+        x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(step)).to(memory_format=torch.channels_last)
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+            o.step()
+        for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            assert torch.equal(p, q), (step, n)

@@ -341,9 +341,10 @@ class GeomOptimizer(Optimizer):
         torch._foreach_add_(xs, steps, alpha=-gamma * group["radius"] * self._scale(pp))
 
     def _adam_flat(self, items, xs, u_views, scratch, geometry, gamma, weight_decay) -> None:
-        """AdamW's update on flat moments: torch's fused AdamW kernel where the device has one
-        (torch.optim.AdamW(fused=True) bit for bit: one pass instead of eight), else
-        :func:`geomopt.geometry.adam.adam_moments`'s op order (AdamW's single-tensor path)."""
+        """AdamW's update on flat moments: torch's fused AdamW kernel where the device has one and
+        the tensors are contiguous (torch.optim.AdamW(fused=True) bit for bit: one pass instead of
+        eight), else :func:`geomopt.geometry.adam.adam_moments`'s op order (AdamW's single-tensor
+        path, bit for bit)."""
         beta1, beta2 = (float(b) for b in geometry.get("betas", (0.9, 0.999)))
         eps = float(geometry.get("eps", 1e-8))
         first = self.state[items[0][0]].get("adam_step", 0)
@@ -352,7 +353,9 @@ class GeomOptimizer(Optimizer):
         step = first + 1
         for p, _ in items:
             self.state[p]["adam_step"] = step
-        if xs[0].device.type in _FUSED_ADAM_DEVICES:
+        # the fused kernel walks every tensor in memory order, so all of them must share one layout
+        # (contiguous); a channels_last or transposed parameter or gradient takes the unfused ops
+        if xs[0].device.type in _FUSED_ADAM_DEVICES and all(t.is_contiguous() for t in (*xs, *u_views)):
             steps = [torch.full((), step, dtype=torch.float32, device=xs[0].device)] * len(xs)  # read, not written
             torch._fused_adamw_(xs, u_views, m_views, v_views, [], steps, lr=gamma, beta1=beta1, beta2=beta2,
                                 weight_decay=weight_decay, eps=eps,
