@@ -200,21 +200,41 @@ def _power_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start: 
     Newton from the right, H ≥ 0, descends monotonically to the largest root, clamped to
     [α, start]). ``inward``: a bool, or a bool tensor broadcasting against α (one solve for rows
     of both kinds, same arithmetic per row)."""
-    unit = _unit_power(ref.kappa)
-    if isinstance(inward, bool):
-        inward = torch.tensor(inward, device=alpha.device)
-    c = torch.where(inward, 1.0, -1.0).to(alpha.dtype)
-    if start is None:
-        start = torch.where(inward, alpha.sub(1).clamp(min=0), alpha + 1)
-    lower, upper = torch.where(inward, start, alpha), torch.where(inward, alpha, start)
-    s = start
+    kappa = ref.kappa
     tiny = torch.finfo(alpha.dtype).eps
+    if isinstance(inward, bool):  # one kind: c is a Python number, the bounds need no select
+        c = 1.0 if inward else -1.0
+        if start is None:
+            start = alpha.sub(1).clamp(min=0) if inward else alpha + 1
+        lower, upper = (start, alpha) if inward else (alpha, start)
+    else:
+        c = torch.where(inward, 1.0, -1.0).to(alpha.dtype)
+        if start is None:
+            start = torch.where(inward, alpha.sub(1).clamp(min=0), alpha + 1)
+        lower, upper = torch.where(inward, start, alpha), torch.where(inward, alpha, start)
+    s = start
+    # the loop is most of a Frobenius-ball step's time: few ops, in place where the operand is
+    # this iteration's own
     for _ in range(_NEWTON_STEPS):
-        g = unit.iso_factor(tau * s)  # (1 + u^κ)^{−1/κ}
-        f = tau * s * g
-        fp = g.pow(ref.kappa + 1)
-        s = (s - (s + c * f - alpha) / (1 + c * (tau * fp)).clamp(min=tiny)).maximum(lower).minimum(upper)
+        u = tau * s
+        g = _unit_iso_factor(u, kappa)
+        f = u.mul_(g)  # (h₁*)'(τσ)
+        slope = g.pow_(kappa + 1).mul_(tau)  # τ·(h₁*)''(τσ)
+        if isinstance(c, float):
+            num = (s + f if c > 0 else s - f).sub_(alpha)
+            den = slope.add_(1) if c > 0 else slope.neg_().add_(1).clamp_(min=tiny)
+        else:
+            num = torch.addcmul(s, c, f).sub_(alpha)
+            den = slope.mul_(c).add_(1).clamp_(min=tiny)
+        s = torch.addcdiv(s, num, den, value=-1).clamp_(min=lower, max=upper)
     return s
+
+
+def _unit_iso_factor(u: torch.Tensor, kappa: float) -> torch.Tensor:
+    """(1 + u^κ)^{−1/κ} for u ≥ 0 (the unit power barrier's iso factor, ε = 1), as
+    1/(m·(1 + q^κ)^{1/κ}) with m = max(u, 1), q = min(u, 1)/m, so nothing overflows; a new tensor."""
+    m = u.clamp(min=1)
+    return u.clamp(max=1).div_(m).pow_(kappa).add_(1).pow_(-1 / kappa).div_(m)
 
 
 def _signed_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start: torch.Tensor | None,
