@@ -592,6 +592,26 @@ def test_stiefel_polar_accuracy(dtype, bound, shape, gamma):
     assert not fb.any()
 
 
+@pytest.mark.parametrize("shape,gram_route", [((128, 512), True), ((512, 128), True), ((128, 128), False)])
+def test_stiefel_polar_takes_the_cheaper_iteration(shape, gram_route, monkeypatch):
+    """Near Stiefel, elongated matrices go through the Gram matrix's inverse square root (fewer
+    FLOPs), square ones through Newton–Schulz on Y; both match r·U·Vᵀ of the SVD to ≤ 2e-6·r."""
+    mod = importlib.import_module("geomopt.geometry.backward")
+    calls = []
+    inverse_sqrt = mod._inverse_sqrt
+    monkeypatch.setattr(mod, "_inverse_sqrt", lambda *a, **k: calls.append(1) or inverse_sqrt(*a, **k))
+    rng = np.random.default_rng(11)
+    r, gamma = 2.0, 0.04
+    y = np.stack([point_in({"kind": "stiefel", "radius": r}, shape, rng) - gamma * direction("spectral", shape, rng, 0.99)
+                  for _ in range(2)])
+    geo = _geometry("spectral", LOG)
+    exact, _ = backward(torch.tensor(y), gamma, geo, {"kind": "stiefel", "radius": r}, batch_dims=1)
+    approx, _ = backward(torch.tensor(y, dtype=torch.float32), gamma, geo,
+                         {"kind": "stiefel", "radius": r, "method": "polar"}, batch_dims=1)
+    assert bool(calls) == gram_route
+    assert (approx.double() - exact).abs().max().item() / r <= 2e-6
+
+
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
 @pytest.mark.parametrize("shape,rank", [((40, 24), None), ((24, 40), None), ((40, 24), 5)])
 def test_spectral_ball_polar_accuracy(dtype, bound, shape, rank):
