@@ -17,7 +17,6 @@ import importlib
 import datetime
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import emit  # noqa: E402
 
+from geomopt.cli.bench import Timer, device_name
 from geomopt.geometry.backward import backward
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,20 +59,6 @@ def _per_matrix_svd(y, c, t):
     return torch.stack(out)
 
 
-def _time(fn, device, iters=5):
-    fn()
-    out = []
-    for _ in range(iters):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--device", default="cpu")
@@ -88,17 +74,18 @@ def main(argv=None) -> int:
     gamma = 0.05
     t = gamma * GEOMETRY["radius"]
     rows = []
+    timer = Timer(args.device)
     for label, y64 in (("", base), (", far", far)):
         y = y64.float().to(args.device)
         for name, c in CASES:
             batched = lambda: backward(y, gamma, GEOMETRY, c, batch_dims=1)[0]
             single = lambda: _per_matrix_svd(y, c, t)
-            tb, ts = _time(batched, args.device), _time(single, args.device)
+            tb, ts = (statistics.median(timer(fn, 1, 5)) for fn in (batched, single))
             exact = _per_matrix_svd(y.double(), c, t)
             err_b = (batched().double() - exact).abs().max().item()
             err_s = (single().double() - exact).abs().max().item()
             rows.append((name + label, ts, tb, ts / tb, err_s, err_b))
-    dev = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    dev = device_name(args.device)
     lines = [f"### backward steps, {args.batch} × {m}×{n} fp32 on {dev} — {datetime.date.today()}, torch {torch.__version__}",
              "", "| constraint, Y | per-matrix SVD (ms) | geomopt batched (ms) | speed-up | SVD error | geomopt error |",
              "|---|---|---|---|---|---|"]

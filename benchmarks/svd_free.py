@@ -1,6 +1,7 @@
 """SVD-free constrained steps against the exact ones and the unconstrained step.
 
-    python benchmarks/svd_free.py [--model gpt-bench] [--spec specs/stiefel.yaml …] [--record NOTE]
+    python benchmarks/svd_free.py [--model gpt-bench] [--spec specs/stiefel.yaml …] [--device cpu|cuda]
+                                  [--record NOTE]
 
 For each spec, three optimizers step on copies of the model's hidden matrices (fixed random
 gradients), round-robin: the spec with its spectral constraint removed, with ``method: exact``
@@ -16,7 +17,6 @@ import copy
 import datetime
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import emit  # noqa: E402
 
 import geomopt  # noqa: E402
-from geomopt.cli.bench import device_name, hidden_matrices  # noqa: E402
+from geomopt.cli.bench import Timer, device_name, hidden_matrices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SVD_FREE = ("stiefel", "spectral_ball")
@@ -48,13 +48,15 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="gpt-bench")
     p.add_argument("--spec", action="append")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--device", default="cpu")
     p.add_argument("--record", metavar="NOTE")
     args = p.parse_args(argv)
     specs = args.spec or [str(ROOT / "specs" / "stiefel.yaml"), str(ROOT / "specs" / "spectral-clip.yaml")]
-    base = hidden_matrices(args.model, "cpu", torch.float32)
+    base = hidden_matrices(args.model, args.device, torch.float32)
     gen = torch.Generator().manual_seed(1)
-    grads = [torch.randn(t.shape, generator=gen) * 1e-3 for _, t in base]
-    lines = [f"### SVD-free steps, {args.model} on {device_name('cpu')} — {datetime.date.today().isoformat()}, torch "
+    grads = [(torch.randn(t.shape, generator=gen) * 1e-3).to(args.device) for _, t in base]
+    timer = Timer(args.device)
+    lines = [f"### SVD-free steps, {args.model} on {device_name(args.device)} — {datetime.date.today().isoformat()}, torch "
              f"{torch.__version__}", "", "| spec | constraint | step (ms) | × unconstrained |", "|---|---|---|---|"]
     for path in specs:
         spec = geomopt.load_spec(path).model_dump()
@@ -70,12 +72,10 @@ def main(argv=None) -> int:
                 opt.step()
         for _ in range(args.iters):  # round-robin
             for k, opt in opts.items():
-                t0 = time.perf_counter()
-                opt.step()
-                times[k].append(time.perf_counter() - t0)
-        base_ms = statistics.median(times["none"]) * 1e3
+                times[k] += timer(opt.step, 0, 1)
+        base_ms = statistics.median(times["none"])
         for k, v in times.items():
-            ms = statistics.median(v) * 1e3
+            ms = statistics.median(v)
             lines.append(f"| {Path(path).stem} | {k} | {ms:.1f} | {ms / base_ms:.2f} |")
     emit("\n".join(lines), args.record)
     return 0
