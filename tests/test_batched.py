@@ -238,3 +238,33 @@ def test_flat_adam_with_channels_last_weights_is_torch_adamw():
             o.step()
         for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
             assert torch.equal(p, q), (step, n)
+
+
+def test_direction_written_in_the_forward_dtype_gives_the_same_bits(monkeypatch):
+    """Nesterov's u is written straight in the dtype Newton–Schulz casts it to (bf16 here, as on
+    CUDA): the same bits as writing it in fp32 and casting, over steps and a missed gradient."""
+    from optim_helpers import gpt_batch, loss_of, tiny_gpt
+
+    import geomopt.optim.optimizer as optimizer_module
+
+    spec = {"geomopt": 1, "name": "t", "defaults": {"lr": 0.02, "weight_decay": 0.1}, "rules": [
+        {"name": "hidden", "match": {"name": "**.weight", "ndim": 2},
+         "direction": {"kind": "polyak", "alpha": 0.05, "nesterov": True},
+         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "scale": "muon_original",
+                      "approx": {"kind": "newton_schulz", "steps": 5, "dtype": "bfloat16"}}},
+        {"name": "rest", "match": "**", "geometry": {"kind": "adam"}}]}
+    models = [tiny_gpt(0), tiny_gpt(0)]
+    opts = [geomopt.GeomOptimizer(m, copy.deepcopy(spec)) for m in models]
+    low = optimizer_module.input_dtype
+    for step in range(4):
+        for i, (model, opt) in enumerate(zip(models, opts)):
+            monkeypatch.setattr(optimizer_module, "input_dtype", low if i == 0 else lambda g, like: like.dtype)
+            opt.zero_grad(set_to_none=True)
+            loss_of(model, gpt_batch(step)).backward()
+            if step == 2:
+                model.transformer.h[0].mlp.c_fc.weight.grad = None
+            opt.step()
+        for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+            assert torch.equal(a, b), (step, n)
+    u = [v for k, v in opts[0]._buffers.items() if k[-1] == "u"]
+    assert u and all(t.dtype == torch.bfloat16 for t in u)

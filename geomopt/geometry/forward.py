@@ -15,7 +15,7 @@ import torch
 from geomopt.geometry.adam import adam_moments  # noqa: F401  (re-exported: the optimizer's exact AdamW path)
 from geomopt.geometry.reference import Reference, make_reference
 from geomopt.geometry.registry import FORWARD_OPS, forward_op
-from geomopt.geometry.spectral import apply_approx, matrix_view
+from geomopt.geometry.spectral import apply_approx, compute_dtype, matrix_view
 
 
 def _work(d: torch.Tensor) -> torch.Tensor:
@@ -63,13 +63,24 @@ def spectral(d, geometry, *, radius, batch_dims=0, state=None):
     Muon-like). Each element is the matrix (shape[0], prod(rest)); ``split`` = k treats k equal
     blocks of dim 0 as separate matrices. ``approx`` picks svd / gram_eigh / newton_schulz /
     polar_express (:mod:`geomopt.geometry.spectral`), after ``prenormalize``."""
-    x = _work(d)
     approx = geometry.get("approx") or {"kind": "svd"}
     ref = _reference(geometry) if approx.get("kind", "svd") in ("svd", "gram_eigh") else None
-    mats = matrix_view(x, batch_dims, geometry.get("split"))
+    # no upcast here: each approximation casts to its own working dtype (spectral.compute_dtype)
+    mats = matrix_view(d, batch_dims, geometry.get("split"))
     out = apply_approx(mats, ref, approx, geometry.get("prenormalize"))
     out = out.reshape(d.shape).to(d.dtype)
     return out if radius == 1.0 else radius * out  # the optimizer folds ρ into its axpy
+
+
+def input_dtype(geometry: dict, like: torch.Tensor) -> torch.dtype:
+    """The dtype the forward op first casts a direction like ``like`` to: a caller that writes the
+    direction in it saves that pass (bit for bit the same step). bf16 for Newton–Schulz / Polar
+    Express where they run in bf16; ``like.dtype`` otherwise."""
+    approx = geometry.get("approx") or {}
+    kind = approx.get("kind")
+    if geometry.get("kind") != "spectral" or kind not in ("newton_schulz", "polar_express"):
+        return like.dtype
+    return compute_dtype(like, kind, approx.get("dtype", "auto"))
 
 
 def _blockwise(d, geometry, radius, batch_dims):
