@@ -33,8 +33,10 @@ from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.forward import elementwise_into, forward, input_dtype, isotropic_factors
 from geomopt.optim.directions import DIRECTIONS
 from geomopt.distributed import (
-    FORWARD_LOCALITY, Request, ShardedExecutor, backward_locality, chunk_sizes, is_dtensor, make_executor,
+    FORWARD_LOCALITY, LocalExecutor, Request, ShardedExecutor, backward_locality, chunk_sizes, is_dtensor,
+    make_executor,
 )
+from geomopt.optim.graphs import GraphedOp
 from geomopt.optim.schedules import SCHEDULES
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
@@ -80,16 +82,25 @@ class GeomOptimizer(Optimizer):
     are all-gathered; under FSDP2 elementwise work stays on the shards, norms are reduced over
     shards and each matrix function runs on one owning rank (:mod:`geomopt.distributed`).
     ``process_group``: the DDP group (default: the world).
+
+    ``cuda_graphs``: on CUDA in one process, replay each bucket's Newton–Schulz / Polar Express
+    iteration from a CUDA graph captured on its first step (one launch instead of ~25; same
+    kernels). Each graph keeps a private memory pool of a few times its bucket's size (bf16);
+    ``False`` runs every kernel eagerly. No effect on CPU, under torch.distributed, or while the
+    caller is itself capturing a graph.
     """
 
     def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, track_gap: bool = False,
-                 track_update: bool = False, distributed: Union[str, bool] = "auto", process_group=None):
+                 track_update: bool = False, distributed: Union[str, bool] = "auto", process_group=None,
+                 cuda_graphs: bool = True):
         self.spec = as_spec(spec)
         infos, tensors = params_from_model(model_or_named_parameters)
         self.plan: Plan = plan_from_infos(self.spec, infos)
         self.spec_hash = spec_hash(self.spec)
         self.track_gap = track_gap
         self.track_update = track_update
+        self.cuda_graphs = cuda_graphs
+        self._graphs: dict = {}  # bucket → GraphedOp
         groups, self._plans = [], []
         for index, rule in enumerate(self.spec.rules):
             plans = [p for p in self.plan if p.rule_index == index]
@@ -487,9 +498,7 @@ class GeomOptimizer(Optimizer):
         geometry = pp.geometry
         constraint = pp.constraint
         if geometry["kind"] != "adam":
-            step, _ = yield self._request(
-                items, d, FORWARD_LOCALITY[geometry["kind"]],
-                lambda m: (forward(m, geometry, radius=1.0, batch_dims=1), None))
+            step, _ = yield self._request(items, d, FORWARD_LOCALITY[geometry["kind"]], self._forward_fn(items, geometry))
         if (constraint is None and geometry["kind"] != "adam" and not self.track_update
                 and views[0].dtype == _upcast(views[0]).dtype):
             # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) in place on the parameters: no stacked copy of X and
@@ -526,6 +535,22 @@ class GeomOptimizer(Optimizer):
             counters["update_sq"] = counters["update_sq"] + torch.dot(delta, delta).to(counters["update_sq"].device)
         self._scatter(items, state)
         torch._foreach_copy_(views, list(x_new.unbind(0)))
+
+    def _forward_fn(self, items: list, geometry: dict):
+        """The bucket's forward op; replayed from a CUDA graph (:mod:`geomopt.optim.graphs`) for
+        the polynomial iterations when ``cuda_graphs`` is on and the step runs in one process."""
+        fn = lambda m: (forward(m, geometry, radius=1.0, batch_dims=1), None)  # noqa: E731
+        approx = (geometry.get("approx") or {}).get("kind")
+        if not (self.cuda_graphs and approx in ("newton_schulz", "polar_express")
+                and isinstance(self._executor, LocalExecutor) and items[0][0].is_cuda):
+            return fn
+        key = tuple(id(p) for p, _ in items)
+        op = self._graphs.get(key)
+        if op is None:
+            if len(self._graphs) >= 2 * sum(map(len, self._buckets)):
+                return fn  # buckets split by missing gradients in many ways: no graph per split
+            op = self._graphs[key] = GraphedOp(fn)
+        return op
 
     def _request(self, items: list, x: torch.Tensor, locality: str, fn) -> Request:
         """An operator request for a bucket (sharding read off its first parameter)."""
