@@ -5,8 +5,8 @@ synchronization. In eager mode each launch costs the host tens of microseconds (
 heuristics included), which on a GPT-2-small sized model is more than the GPU's time for the
 whole step. :class:`GraphedOp` captures the op once per bucket and replays it: one launch.
 
-The input is copied into a buffer the graph owns (so the op may be handed any tensor), and the
-output lives in the graph's memory pool: it is valid until the next replay of the same graph,
+The input is copied into a buffer the graph owns (so the op may be handed any tensor), or read
+in place when it is a scratch buffer the caller names (Nesterov's u), and the output lives in the graph's memory pool: it is valid until the next replay of the same graph,
 which is the next step. The optimizer consumes it within the step, so replay is safe there; the
 functional API never uses it.
 """
@@ -30,19 +30,23 @@ class GraphedOp:
     def __init__(self, fn: Callable):
         self.fn = fn
         self.graph = self.static_in = self.static_out = None
+        # a scratch tensor of the caller's that the graph may read in place (no copy): set by the
+        # caller before a call whose input is that scratch, whose contents it may overwrite
+        self.scratch = None
 
     def __call__(self, x: torch.Tensor):
         if not can_graph(x):
             return self.fn(x)
         s = self.static_in
-        if s is None or s.shape != x.shape or s.dtype != x.dtype or s.device != x.device:
+        if s is None or s.shape != x.shape or s.dtype != x.dtype or s.device != x.device or s.stride() != x.stride():
             self._capture(x)
-        self.static_in.copy_(x)
+        if x.data_ptr() != self.static_in.data_ptr():
+            self.static_in.copy_(x)
         self.graph.replay()
         return self.static_out
 
     def _capture(self, x: torch.Tensor) -> None:
-        self.static_in = x.detach().clone()
+        self.static_in = x if x is self.scratch else x.detach().clone()
         # warm up on a side stream (cuBLAS handles and workspaces are made outside the capture)
         side = torch.cuda.Stream(device=x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))

@@ -498,7 +498,7 @@ class GeomOptimizer(Optimizer):
         geometry = pp.geometry
         constraint = pp.constraint
         if geometry["kind"] != "adam":
-            step, _ = yield self._request(items, d, FORWARD_LOCALITY[geometry["kind"]], self._forward_fn(items, geometry))
+            step, _ = yield self._request(items, d, FORWARD_LOCALITY[geometry["kind"]], self._forward_fn(items, geometry, d))
         if (constraint is None and geometry["kind"] != "adam" and not self.track_update
                 and views[0].dtype == _upcast(views[0]).dtype):
             # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) in place on the parameters: no stacked copy of X and
@@ -536,9 +536,10 @@ class GeomOptimizer(Optimizer):
         self._scatter(items, state)
         torch._foreach_copy_(views, list(x_new.unbind(0)))
 
-    def _forward_fn(self, items: list, geometry: dict):
-        """The bucket's forward op; replayed from a CUDA graph (:mod:`geomopt.optim.graphs`) for
-        the polynomial iterations when ``cuda_graphs`` is on and the step runs in one process."""
+    def _forward_fn(self, items: list, geometry: dict, d: torch.Tensor):
+        """The bucket's forward op for direction ``d``; replayed from a CUDA graph
+        (:mod:`geomopt.optim.graphs`) for the polynomial iterations when ``cuda_graphs`` is on and
+        the step runs in one process (reading ``d`` in place when it is the kept scratch u)."""
         fn = lambda m: (forward(m, geometry, radius=1.0, batch_dims=1), None)  # noqa: E731
         approx = (geometry.get("approx") or {}).get("kind")
         if not (self.cuda_graphs and approx in ("newton_schulz", "polar_express")
@@ -550,6 +551,7 @@ class GeomOptimizer(Optimizer):
             if len(self._graphs) >= 2 * sum(map(len, self._buckets)):
                 return fn  # buckets split by missing gradients in many ways: no graph per split
             op = self._graphs[key] = GraphedOp(fn)
+        op.scratch = self._buffers.get(key + ("u",))
         return op
 
     def _request(self, items: list, x: torch.Tensor, locality: str, fn) -> Request:
