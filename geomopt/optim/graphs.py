@@ -9,10 +9,6 @@ The input is copied into a buffer the graph owns (so the op may be handed any te
 in place when it is a scratch buffer the caller names (Nesterov's u), and the output lives in the graph's memory pool: it is valid until the next replay of the same graph,
 which is the next step. The optimizer consumes it within the step, so replay is safe there; the
 functional API never uses it.
-
-An optimizer's graphs share one memory pool: each keeps its input and output alive, so a later
-capture reuses only intermediates that an earlier graph rewrites before reading on every
-replay, and the iterations' temporaries cost the largest bucket's, not every bucket's.
 """
 
 from __future__ import annotations
@@ -31,9 +27,8 @@ class GraphedOp:
     """``fn(x) -> (out, flags)`` replayed from a CUDA graph; captured on first use and again
     when x's shape, dtype or device changes; ``fn`` itself where :func:`can_graph` is false."""
 
-    def __init__(self, fn: Callable, pool=None):
+    def __init__(self, fn: Callable):
         self.fn = fn
-        self.pool = pool  # a memory pool shared with the caller's other graphs (graph_pool_handle)
         self.graph = self.static_in = self.static_out = None
         # a scratch tensor of the caller's that the graph may read in place (no copy): set by the
         # caller before a call whose input is that scratch, whose contents it may overwrite
@@ -59,5 +54,5 @@ class GraphedOp:
             self.fn(self.static_in)
         torch.cuda.current_stream(x.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        with torch.cuda.graph(self.graph):
             self.static_out = self.fn(self.static_in)

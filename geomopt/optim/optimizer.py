@@ -85,8 +85,8 @@ class GeomOptimizer(Optimizer):
 
     ``cuda_graphs``: on CUDA in one process, replay each bucket's Newton–Schulz / Polar Express
     iteration from a CUDA graph captured on its first step (one launch instead of ~25; same
-    kernels, same bits). The graphs share one memory pool, which keeps each bucket's output (bf16)
-    and the largest bucket's temporaries; ``False`` runs every kernel eagerly. No effect on CPU, under torch.distributed, or while the
+    kernels). Each graph keeps a private memory pool of a few times its bucket's size (bf16);
+    ``False`` runs every kernel eagerly. No effect on CPU, under torch.distributed, or while the
     caller is itself capturing a graph.
     """
 
@@ -550,9 +550,7 @@ class GeomOptimizer(Optimizer):
         if op is None:
             if len(self._graphs) >= 2 * sum(map(len, self._buckets)):
                 return fn  # buckets split by missing gradients in many ways: no graph per split
-            if not self._graphs:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            op = self._graphs[key] = GraphedOp(fn, self._graph_pool)
+            op = self._graphs[key] = GraphedOp(fn)
         op.scratch = self._buffers.get(key + ("u",))
         return op
 
