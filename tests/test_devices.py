@@ -71,7 +71,7 @@ def test_steps_match_a_float64_reference(path, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_cuda_graph_replay_gives_the_eager_bits(device):
-    """``cuda_graphs`` (on by default) replays Newton–Schulz from CUDA graphs: the same bits as
+    """``cuda_graphs=True`` replays Newton–Schulz from CUDA graphs: the same bits as
     running it eagerly, across a missed gradient (a smaller bucket: its own graph) and a skipped
     non-finite step. On CPU it has no effect."""
     spec = geomopt.load_spec(SPECS / "muon.yaml")
