@@ -6,9 +6,13 @@ heuristics included), which on a GPT-2-small sized model is more than the GPU's 
 whole step. :class:`GraphedOp` captures the op once per bucket and replays it: one launch.
 
 The input is copied into a buffer the graph owns (so the op may be handed any tensor), or read
-in place when it is a scratch buffer the caller names (Nesterov's u), and the output lives in the graph's memory pool: it is valid until the next replay of the same graph,
-which is the next step. The optimizer consumes it within the step, so replay is safe there; the
-functional API never uses it.
+in place when it is a scratch buffer the caller names (Nesterov's u). The output lives in the
+graph's private memory pool: it is valid until the next replay of the same graph, which is the
+next step. The optimizer consumes it within the step, so replay is safe there; the functional
+API never uses it. Pools are not shared between graphs: a graph captured later could place its
+output in memory that an earlier graph uses for temporaries, which that graph's replay would
+then overwrite before the output is read (seen on an H100: a shared pool broke the test
+against eager execution).
 """
 
 from __future__ import annotations
