@@ -500,7 +500,7 @@ class GeomOptimizer(Optimizer):
         geometry = pp.geometry
         constraint = pp.constraint
         if geometry["kind"] != "adam":
-            step, _ = yield self._request(items, d, FORWARD_LOCALITY[geometry["kind"]], self._forward_fn(items, geometry, d))
+            step, _ = yield self._request(items, d, FORWARD_LOCALITY[geometry["kind"]], self._forward_fn(items, geometry))
         if (constraint is None and geometry["kind"] != "adam" and not self.track_update
                 and views[0].dtype == _upcast(views[0]).dtype):
             # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) in place on the parameters: no stacked copy of X and
@@ -538,10 +538,10 @@ class GeomOptimizer(Optimizer):
         self._scatter(items, state)
         torch._foreach_copy_(views, list(x_new.unbind(0)))
 
-    def _forward_fn(self, items: list, geometry: dict, d: torch.Tensor):
-        """The bucket's forward op for direction ``d``; replayed from a CUDA graph
-        (:mod:`geomopt.optim.graphs`) for the polynomial iterations when ``cuda_graphs`` is on and
-        the step runs in one process (reading ``d`` in place when it is the kept scratch u)."""
+    def _forward_fn(self, items: list, geometry: dict):
+        """The bucket's forward op; replayed from a CUDA graph (:mod:`geomopt.optim.graphs`) for
+        the polynomial iterations when ``cuda_graphs`` is on and the step runs in one process (the
+        graph reads the bucket's kept scratch u in place when that is its input)."""
         fn = lambda m: (forward(m, geometry, radius=1.0, batch_dims=1), None)  # noqa: E731
         approx = (geometry.get("approx") or {}).get("kind")
         if not (self.cuda_graphs and approx in ("newton_schulz", "polar_express")
@@ -773,8 +773,9 @@ def _split_like(flat: torch.Tensor, xs: list) -> list:
 def _sum_finite(t) -> torch.Tensor:
     """False when some entry is NaN or ±∞ (also, rarely, when the sum overflows): one read."""
     if isinstance(t, list):
-        # CUDA: one multi-tensor launch (a norm overflows only where a sum would, near 1e19);
-        # CPU: sums (about 2× faster than norms there, measured)
+        # CUDA: one multi-tensor launch; its squares overflow from |entries| ≈ 1.8e19, and such a
+        # step then takes the entry-by-entry test (_skip_nonfinite). CPU: sums (about 2× faster
+        # than norms there, measured)
         parts = torch._foreach_norm(t) if t[0].is_cuda else [x.sum() for x in t]
         return torch.isfinite(torch.stack(parts).sum())
     return torch.isfinite(t.sum())
