@@ -1,0 +1,53 @@
+"""The benchmark scripts run end to end on a small model (CPU) and print their tables; nothing is
+recorded (no --record)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_backward_script_reports_speed_and_errors(capsys):
+    assert _script("backward").main(["--batch", "2", "--shape", "12x8"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "×" in line]
+    assert len(rows) == 8  # 4 constraints × (near, far)
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[4]) < 1e-4 and float(cells[5]) < 1e-4, row  # both errors vs float64
+
+
+def test_svd_free_script_compares_three_variants(capsys):
+    assert _script("svd_free").main(["--model", "gpt", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    for spec in ("stiefel", "spectral-clip"):
+        labels = re.findall(rf"^\| {spec} \| (\w+) \|", out, flags=re.M)
+        assert labels == ["none", "exact", "polar"], out
+
+
+def test_profile_script_splits_host_and_completion(capsys):
+    assert _script("profile_step").main(["--model", "gpt", "--rows", "5"]) == 0
+    out = capsys.readouterr().out
+    host, done = map(float, re.search(r"host ([\d.]+) ms to return, ([\d.]+) ms to completion", out).groups())
+    assert host > 0 and done > 0
+    assert "aten::" in out  # the operator table
+
+
+@pytest.mark.parametrize("spec", ["muon", "sign-descent"])
+def test_step_script_times_against_muon_and_adamw(spec, capsys):
+    root = BENCH.parent
+    assert _script("step").main(["--model", "gpt", "--iters", "2", "--spec", str(root / "specs" / f"{spec}.yaml")]) == 0
+    out = capsys.readouterr().out
+    names = re.findall(r"^\| ([^|]+?) \| [\d.]+ \|", out, flags=re.M)
+    assert names == ["torch.optim.Muon", "AdamW (fused)", f"geomopt {spec}"], out
