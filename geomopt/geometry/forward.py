@@ -15,7 +15,7 @@ import torch
 from geomopt.geometry.adam import adam_moments  # noqa: F401  (re-exported: the optimizer's exact AdamW path)
 from geomopt.geometry.reference import Reference, make_reference
 from geomopt.geometry.registry import FORWARD_OPS, forward_op
-from geomopt.geometry.spectral import apply_approx, compute_dtype, matrix_view
+from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, apply_approx, compute_dtype, matrix_view
 
 
 def _work(d: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ def input_dtype(geometry: dict, like: torch.Tensor) -> torch.dtype:
     Express where they run in bf16; ``like.dtype`` otherwise."""
     approx = geometry.get("approx") or {}
     kind = approx.get("kind")
-    if geometry.get("kind") != "spectral" or kind not in ("newton_schulz", "polar_express"):
+    if geometry.get("kind") != "spectral" or kind not in POLYNOMIAL_APPROXES:
         return like.dtype
     return compute_dtype(like, kind, approx.get("dtype", "auto"))
 

@@ -22,6 +22,7 @@ import math
 import torch
 
 from geomopt.geometry.reference import Quadratic, Reference, make_reference
+from geomopt.geometry.spectral import POLYNOMIAL_APPROXES
 
 
 def stationarity_gap(
@@ -40,7 +41,7 @@ def stationarity_gap(
     if kind == "adam":
         return None
     approx = (geometry.get("approx") or {}).get("kind")
-    if approx in ("newton_schulz", "polar_express"):
+    if approx in POLYNOMIAL_APPROXES:
         return None
     ref = make_reference(geometry["reference"]) if geometry.get("reference") else Quadratic()
     if ref.kind == "indicator":

@@ -155,6 +155,10 @@ def realized_reference(approx: dict) -> dict | None:
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
+# the approximations that are matrix polynomial iterations (realize their own map, run in bf16 on
+# CUDA, pre-normalize by default), as opposed to the exact factorizations svd and gram_eigh
+POLYNOMIAL_APPROXES = ("newton_schulz", "polar_express")
+
 
 def compute_dtype(x: torch.Tensor, kind: str, dtype: str = "auto") -> torch.dtype:
     """Working dtype of an approximation. ``auto``: float64 for gram_eigh (the Gram matrix squares
@@ -170,14 +174,14 @@ def compute_dtype(x: torch.Tensor, kind: str, dtype: str = "auto") -> torch.dtyp
         return out
     if kind == "gram_eigh":
         return torch.float64
-    if kind in ("newton_schulz", "polar_express") and x.is_cuda:
+    if kind in POLYNOMIAL_APPROXES and x.is_cuda:
         return torch.bfloat16
     return torch.promote_types(x.dtype, torch.float32)
 
 
 def default_prenormalize(approx_kind: str) -> dict:
     """DESIGN "Pre-normalization": on (frobenius, ε = 1e-7) for the polynomial iterations, off otherwise."""
-    if approx_kind in ("newton_schulz", "polar_express"):
+    if approx_kind in POLYNOMIAL_APPROXES:
         return {"kind": "frobenius", "eps": 1e-7}
     return {"kind": "none"}
 
@@ -267,10 +271,10 @@ def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple]) -> to
     m, n = x.shape[-2:]
     tall = m > n
     muon = x.device.type in _MUON_ORDER_DEVICES
-    right = tall and not muon
+    transpose, right = tall and muon, tall and not muon
     # contiguous: baddbmm's result takes its input's strides, so a transposed start would keep
     # every later product on the slow strided path
-    X = _transposed_copy(x) if tall and not right else x
+    X = _transposed_copy(x) if transpose else x
     lead = X.shape[:-2]
     if X.ndim >= 3:
         X = X.reshape(-1, *X.shape[-2:])
@@ -290,7 +294,7 @@ def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple]) -> to
     X = X.reshape(*lead, *X.shape[-2:])
     # tall: hand back the input's layout, so that the cast and the update that follow read memory
     # in order (a transposed view costs them a strided pass each)
-    return _transposed_copy(X) if tall and not right else X
+    return _transposed_copy(X) if transpose else X
 
 
 # Devices where the iteration follows torch.optim.Muon's op sequence (tall matrices transposed

@@ -31,6 +31,7 @@ from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.geometry.backward import backward
 from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.forward import elementwise_into, forward, input_dtype, isotropic_factors
+from geomopt.geometry.spectral import POLYNOMIAL_APPROXES
 from geomopt.optim.directions import DIRECTIONS
 from geomopt.distributed import (
     FORWARD_LOCALITY, LocalExecutor, Request, ShardedExecutor, backward_locality, chunk_sizes, is_dtensor,
@@ -544,7 +545,7 @@ class GeomOptimizer(Optimizer):
         graph reads the bucket's kept scratch u in place when that is its input)."""
         fn = lambda m: (forward(m, geometry, radius=1.0, batch_dims=1), None)  # noqa: E731
         approx = (geometry.get("approx") or {}).get("kind")
-        if not (self.cuda_graphs and approx in ("newton_schulz", "polar_express")
+        if not (self.cuda_graphs and approx in POLYNOMIAL_APPROXES
                 and isinstance(self._executor, LocalExecutor) and items[0][0].is_cuda):
             return fn
         key = tuple(id(p) for p, _ in items)
