@@ -180,6 +180,69 @@ def test_copy_free_iteration_is_as_accurate_in_bf16(shape, monkeypatch):
     assert err(free_form) <= 1.2 * err(muon_form), (err(free_form), err(muon_form))
 
 
+@pytest.mark.parametrize("prenorm", [{"kind": "frobenius", "eps": 1e-7}, {"kind": "max", "eps": 1e-7},
+                                     {"kind": "none"}], ids=lambda c: c["kind"])
+@pytest.mark.parametrize("shape", [(7, 5), (5, 7), (3, 6, 4), (2, 4, 9)])
+@pytest.mark.parametrize("steps", [1, 5])
+def test_folded_iteration_is_the_same_map(prenorm, shape, steps, monkeypatch):
+    """CUDA's form folds the pre-normalization (‖D‖²_F = tr A₁), the output scale and the output
+    dtype into the small factors and the last product; in float64 it is the same map as the
+    normalize-then-iterate form, for every pre-normalization, both orientations, batched or not."""
+    import geomopt.geometry.spectral as spectral_module
+
+    g = torch.Generator().manual_seed(11)
+    d = torch.randn(shape, generator=g, dtype=F64) * 3.0
+    if prenorm["kind"] == "none":
+        d = d / d.norm(dim=(-2, -1), keepdim=True)  # the iteration needs σ ≤ 1
+    coeffs = newton_schulz_coefficients(steps)
+    kw = dict(prenorm=prenorm, scale=-2.5, out_dtype=torch.float32)
+    before = d.clone()
+    want = spectral_module.odd_quintic_iteration(d, coeffs, **kw)
+    monkeypatch.setattr(spectral_module, "_MUON_ORDER_DEVICES", ())
+    got = spectral_module.odd_quintic_iteration(d, coeffs, **kw)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == d.shape
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(d, before)  # the input is read, never written
+
+
+def test_folded_iteration_leaves_its_input_alone(monkeypatch):
+    import geomopt.geometry.spectral as spectral_module
+
+    monkeypatch.setattr(spectral_module, "_MUON_ORDER_DEVICES", ())
+    d = torch.randn(3, 8, 5, dtype=torch.bfloat16)
+    before = d.clone()
+    newton_schulz(d, dtype="bfloat16")
+    assert torch.equal(d, before)
+
+
+def test_product_into_a_wider_dtype_where_bmm_cannot():
+    """:func:`_bmm_into` writes fp32 from bf16 operands: natively where torch's bmm takes
+    ``out_dtype`` (CUDA), else by rounding to bf16 and casting (CPU), which this checks."""
+    from geomopt.geometry.spectral import _OUT_DTYPE_BMM, _bmm_into
+
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(2, 6, 4, generator=g).bfloat16()
+    b = torch.randn(2, 4, 5, generator=g).bfloat16()
+    out = _bmm_into(a, b, torch.float32)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, (a @ b).float())
+    assert _OUT_DTYPE_BMM["cpu"] is False
+    assert _bmm_into(a, b, torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["svd", "gram_eigh", "newton_schulz", "polar_express"])
+def test_scale_and_out_dtype_fold_into_every_approximation(kind):
+    """``apply_approx(..., scale=r, out_dtype=…)`` is r·∇φ*(x) in that dtype (the optimizer's
+    radius, folded into σ maps and small factors instead of a pass over the result)."""
+    g = torch.Generator().manual_seed(4)
+    d = torch.randn(2, 6, 9, generator=g, dtype=torch.float32)
+    ref = make_reference({"kind": "log_barrier", "eps": 1e-2})
+    plain = apply_approx(d, ref, {"kind": kind})
+    scaled = apply_approx(d, ref, {"kind": kind}, scale=-3.0, out_dtype=torch.float64)
+    assert scaled.dtype == torch.float64
+    torch.testing.assert_close(scaled, -3.0 * plain.double(), rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- Polar Express
 
 

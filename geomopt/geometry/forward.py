@@ -4,8 +4,8 @@ One registered op per geometry kind (DESIGN's geometry table), each
 ``fn(d, geometry: dict, *, radius, batch_dims=0, state=None) -> Tensor`` with ``geometry`` the
 ``model_dump()`` of a spec geometry. The leading ``batch_dims`` dims of ``d`` index independent
 tensors (the optimizer stacks same-shape tensors into one bucket), so every norm and every matrix
-is per batch element. Ops compute in at least float32 (bf16 inputs are upcast) and return the
-input dtype.
+is per batch element. Ops compute in at least float32 (bf16 inputs are upcast) and return
+``out_dtype`` (default: the input dtype).
 """
 
 from __future__ import annotations
@@ -35,41 +35,41 @@ def _element_dims(d: torch.Tensor, batch_dims: int) -> tuple[int, ...]:
 
 
 @forward_op("euclidean")
-def euclidean(d, geometry, *, radius, batch_dims=0, state=None):
+def euclidean(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """φ = ½‖·‖²: ∇φ*(D) = ρD (SGD; DESIGN geometry table, row euclidean)."""
-    return (_work(d) * radius).to(d.dtype)
+    return (_work(d) * radius).to(out_dtype or d.dtype)
 
 
 @forward_op("isotropic")
-def isotropic(d, geometry, *, radius, batch_dims=0, state=None):
+def isotropic(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """φ = h∘‖·‖_F: ∇φ*(D) = ρ·(h*)'(‖D‖)·D/‖D‖ = ρ·[(h*)'(s)/s]·D, s = ‖D‖_F per batch element
     (paper Corollary 3.2(i), Example 2.3: log barrier gives D/(ε+‖D‖), normalized SGD). The factor
     (h*)'(s)/s is :meth:`Reference.iso_factor`, finite at s = 0, so D/‖D‖ is never formed."""
     x = _work(d)
     s = torch.linalg.vector_norm(x, dim=_element_dims(x, batch_dims), keepdim=True)
-    return (x * (radius * _reference(geometry).iso_factor(s))).to(d.dtype)
+    return (x * (radius * _reference(geometry).iso_factor(s))).to(out_dtype or d.dtype)
 
 
 @forward_op("anisotropic")
-def anisotropic(d, geometry, *, radius, batch_dims=0, state=None):
+def anisotropic(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """φ(X) = Σ h(X_ij): ∇φ*(D)_ij = ρ·(h*)'(D_ij) (paper Example 2.3, separable; the indicator
     gives ρ·sign(D), Scion's Sign with ρ = 1/d_in)."""
-    return (radius * _reference(geometry).dual_grad(_work(d))).to(d.dtype)
+    return (radius * _reference(geometry).dual_grad(_work(d))).to(out_dtype or d.dtype)
 
 
 @forward_op("spectral")
-def spectral(d, geometry, *, radius, batch_dims=0, state=None):
+def spectral(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """φ(X) = Σ h(σ_i(X)): ∇φ*(D) = ρ·U·Diag((h*)'(σ_i))·Vᵀ (paper Corollary 3.2(ii), Example 3.3;
     Muon-like). Each element is the matrix (shape[0], prod(rest)); ``split`` = k treats k equal
     blocks of dim 0 as separate matrices. ``approx`` picks svd / gram_eigh / newton_schulz /
     polar_express (:mod:`geomopt.geometry.spectral`), after ``prenormalize``."""
     approx = geometry.get("approx") or {"kind": "svd"}
     ref = _reference(geometry) if approx.get("kind", "svd") in ("svd", "gram_eigh") else None
-    # no upcast here: each approximation casts to its own working dtype (spectral.compute_dtype)
+    # no upcast here: each approximation casts to its own working dtype (spectral.compute_dtype),
+    # and folds ρ into its result (a scaled σ map, or the last small factor of an iteration)
     mats = matrix_view(d, batch_dims, geometry.get("split"))
-    out = apply_approx(mats, ref, approx, geometry.get("prenormalize"))
-    out = out.reshape(d.shape).to(d.dtype)
-    return out if radius == 1.0 else radius * out  # the optimizer folds ρ into its axpy
+    out = apply_approx(mats, ref, approx, geometry.get("prenormalize"), scale=radius, out_dtype=out_dtype or d.dtype)
+    return out.reshape(d.shape)
 
 
 def input_dtype(geometry: dict, like: torch.Tensor) -> torch.dtype:
@@ -83,7 +83,7 @@ def input_dtype(geometry: dict, like: torch.Tensor) -> torch.dtype:
     return compute_dtype(like, kind, approx.get("dtype", "auto"))
 
 
-def _blockwise(d, geometry, radius, batch_dims):
+def _blockwise(d, geometry, radius, batch_dims, out_dtype):
     x = _work(d)
     mats = matrix_view(x, batch_dims)
     # Groups are rows of the logical (d_out, d_in) matrix for rowwise, its columns for columnwise;
@@ -91,24 +91,24 @@ def _blockwise(d, geometry, radius, batch_dims):
     by_row = (geometry["kind"] == "rowwise") != (geometry.get("layout", "out_in") == "in_out")
     s = torch.linalg.vector_norm(mats, dim=-1 if by_row else -2, keepdim=True)
     out = mats * (radius * _reference(geometry).iso_factor(s))
-    return out.reshape(d.shape).to(d.dtype)
+    return out.reshape(d.shape).to(out_dtype or d.dtype)
 
 
 @forward_op("rowwise")
-def rowwise(d, geometry, *, radius, batch_dims=0, state=None):
+def rowwise(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """Isotropic per row (output unit) of the (d_out, d_in) matrix, φ(X) = Σ_i h(‖X_i,:‖)
     (block-separable): row i ↦ ρ·[(h*)'(s_i)/s_i]·D_i,:, s_i = ‖D_i,:‖. Scion's RowNorm is the log
     barrier with ρ = 1/c, ε = 1e-8/c (DESIGN, Remark 2.5). The matrix is the (shape[0], rest) view
     for ``layout: out_in`` and its transpose for ``in_out`` (stored columns are then the rows)."""
-    return _blockwise(d, geometry, radius, batch_dims)
+    return _blockwise(d, geometry, radius, batch_dims, out_dtype)
 
 
 @forward_op("columnwise")
-def columnwise(d, geometry, *, radius, batch_dims=0, state=None):
+def columnwise(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """Isotropic per column (input unit) of the (d_out, d_in) matrix: column j ↦
     ρ·[(h*)'(s_j)/s_j]·D_:,j, s_j = ‖D_:,j‖ (Scion's ColNorm; on an ``in_out`` embedding
     (vocab, dim) it normalizes each stored row, Scion's ColNorm(transpose=True))."""
-    return _blockwise(d, geometry, radius, batch_dims)
+    return _blockwise(d, geometry, radius, batch_dims, out_dtype)
 
 
 def elementwise_into(d: torch.Tensor, geometry: dict, out: torch.Tensor) -> torch.Tensor:
@@ -128,7 +128,7 @@ def isotropic_factors(norms: torch.Tensor, geometry: dict) -> torch.Tensor:
 
 
 @forward_op("adam")
-def adam(d, geometry, *, radius, batch_dims=0, state=None):
+def adam(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """Adam(W)'s update direction, outside the paper's theory (an escape hatch; lint says so):
     m ← β₁m + (1−β₁)d, v ← β₂v + (1−β₂)d², returns ρ·m/(bc₁·(√v/√bc₂ + ε)), bc_i = 1 − β_i^t
     (:func:`adam_moments`; the caller applies lr and decoupled weight decay). lr times this equals
@@ -138,7 +138,7 @@ def adam(d, geometry, *, radius, batch_dims=0, state=None):
     if state is None:
         raise ValueError("the adam forward op carries state: pass a dict (empty on the first step)")
     exp_avg, denom, bias_correction1 = adam_moments(d, state, geometry)
-    return (exp_avg / denom * (radius / bias_correction1)).to(d.dtype)
+    return (exp_avg / denom * (radius / bias_correction1)).to(out_dtype or d.dtype)
 
 
 def forward(
@@ -148,12 +148,13 @@ def forward(
     radius: float | None = None,
     batch_dims: int = 0,
     state: dict | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """ρ·∇φ₁*(d) for a geometry dict (``model_dump()`` of a spec geometry); ``radius`` None reads
-    ``geometry["radius"]`` (default 1)."""
+    """ρ·∇φ₁*(d) for a geometry dict (``model_dump()`` of a spec geometry), in ``out_dtype``
+    (default: d's); ``radius`` None reads ``geometry["radius"]`` (default 1)."""
     kind = geometry.get("kind")
     op = FORWARD_OPS.get(kind)
     if op is None:
         raise ValueError(f"unknown geometry kind {kind!r}; expected one of {', '.join(FORWARD_OPS)}")
     rho = float(geometry.get("radius", 1.0)) if radius is None else float(radius)
-    return op(d, geometry, radius=rho, batch_dims=batch_dims, state=state)
+    return op(d, geometry, radius=rho, batch_dims=batch_dims, state=state, out_dtype=out_dtype)

@@ -3,8 +3,8 @@
 Operators are pure functions of tensors and plain config: spec fragments as plain dicts (the
 ``model_dump()`` of :mod:`geomopt.spec.model`), never spec objects.
 
-Forward op:   ``fn(d, geometry: dict, *, radius: float, batch_dims: int, state: dict | None) -> Tensor``
-              returns ρ·∇φ₁*(d).
+Forward op:   ``fn(d, geometry: dict, *, radius: float, batch_dims: int, state: dict | None,
+              out_dtype: torch.dtype | None) -> Tensor`` returns ρ·∇φ₁*(d) in out_dtype (None: d's).
 Backward op:  ``fn(y, t, ref, constraint: dict, *, gamma: float, geometry: dict, batch_dims: int)
               -> (x, fallback)``, t = γρ; ``fallback`` is a bool tensor of shape
               ``y.shape[:batch_dims]`` (True where the step was undefined and the Euclidean

@@ -192,16 +192,20 @@ def prenormalize(x: torch.Tensor, cfg: dict | None, approx_kind: str = "svd", in
     selects :func:`default_prenormalize`; a dict without ``kind`` means frobenius (the spec model's
     default). ``inplace``: divide ``x`` itself (a scratch copy)."""
     cfg = default_prenormalize(approx_kind) if cfg is None else cfg
-    kind = cfg.get("kind", "frobenius")
-    if kind == "none":
+    if cfg.get("kind", "frobenius") == "none":
         return x
+    denom = _prenorm_denominator(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), cfg)
+    return x.div_(denom) if inplace else torch.div(x, denom)
+
+
+def _prenorm_denominator(norm: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """What :func:`prenormalize` divides a matrix by, from its ‖D‖_F (cfg kind frobenius or max)."""
+    kind = cfg.get("kind", "frobenius")
     eps = float(cfg.get("eps", 1e-7))
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    div = torch.Tensor.div_ if inplace else torch.div
     if kind == "frobenius":
-        return div(x, norm + eps)
+        return norm + eps
     if kind == "max":
-        return div(x, norm.clamp(min=eps))
+        return norm.clamp(min=eps)
     raise ValueError(f"unknown prenormalize kind {kind!r}; expected frobenius, max or none")
 
 
@@ -212,6 +216,13 @@ def _prepare(x: torch.Tensor, kind: str, dtype: str, prenorm: dict | None) -> to
     # on the cast copy
     work = x.to(compute_dtype(x, kind, dtype))
     return prenormalize(work, prenorm, kind, inplace=work is not x)
+
+
+def _prenorm_factor(sq_norm: torch.Tensor, cfg: dict) -> torch.Tensor | None:
+    """The factor :func:`prenormalize` multiplies a matrix by, from its ‖D‖²_F (None for ``none``)."""
+    if cfg.get("kind", "frobenius") == "none":
+        return None
+    return _prenorm_denominator(sq_norm.sqrt(), cfg).reciprocal()
 
 
 # ---------------------------------------------------------------- the approximations
@@ -234,19 +245,22 @@ def _rank_tol(sigma_max: torch.Tensor, m: int, n: int, dtype: torch.dtype) -> to
 
 
 @approx_op("svd")
-def svd(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dtype: str = "auto") -> torch.Tensor:
+def svd(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dtype: str = "auto",
+        scale: float = 1.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Exact ∇φ*(D) = U·Diag((h*)'(σ))·Vᵀ from the reduced SVD (paper Corollary 3.2; reduced
     suffices because (h*)'(0) = 0, Example 3.3). σ below the numerical-rank tolerance
-    max(m, n)·u·σ_max count as 0."""
+    max(m, n)·u·σ_max count as 0. ``scale`` multiplies the mapped σ (free), the result is in
+    ``out_dtype`` (default: x's), as for every approximation."""
     work = _prepare(x, "svd", dtype, prenormalize)
     u, s, vh = torch.linalg.svd(work, full_matrices=False)
     tol = _rank_tol(s[..., :1], *work.shape[-2:], work.dtype)
-    mapped = torch.where(s > tol, ref.dual_grad(s), torch.zeros_like(s))
-    return ((u * mapped.unsqueeze(-2)) @ vh).to(x.dtype)
+    mapped = torch.where(s > tol, ref.dual_grad(s) * scale, torch.zeros_like(s))
+    return ((u * mapped.unsqueeze(-2)) @ vh).to(out_dtype or x.dtype)
 
 
 @approx_op("gram_eigh")
-def gram_eigh(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dtype: str = "auto") -> torch.Tensor:
+def gram_eigh(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dtype: str = "auto",
+              scale: float = 1.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """∇φ*(D) from the smaller Gram matrix: for m ≤ n, DDᵀ = QΛQᵀ, σ = √λ and
     ∇φ*(D) = Q·Diag((h*)'(σ)/σ)·QᵀD (the isotropic factor, finite at σ = 0, so D's columns are never
     divided by σ); tall matrices use DᵀD. Exact in float64 (the default): the Gram matrix resolves
@@ -258,23 +272,32 @@ def gram_eigh(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = No
     lam, q = torch.linalg.eigh(a @ a.mT)
     sigma = lam.clamp(min=0).sqrt()
     tol = math.sqrt(max(m, n) * torch.finfo(work.dtype).eps) * sigma[..., -1:]
-    factor = torch.where(sigma > tol, ref.iso_factor(sigma), torch.zeros_like(sigma))
+    factor = torch.where(sigma > tol, ref.iso_factor(sigma) * scale, torch.zeros_like(sigma))
     out = (q * factor.unsqueeze(-2)) @ (q.mT @ a)
-    return (out if m <= n else out.mT).to(x.dtype)
+    return (out if m <= n else out.mT).to(out_dtype or x.dtype)
 
 
-def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple]) -> torch.Tensor:
-    """X ← aX + (b·A + c·A²)X with A = XXᵀ, per triple; tall matrices are transposed so A is the
-    small side (the map commutes with transposition). On CPU the op sequence is torch.optim.Muon's
-    (addmm with beta/alpha), so in bf16 it reproduces ``_zeropower_via_newtonschulz`` exactly;
-    on CUDA the same map is computed without copies (:data:`_MUON_ORDER_DEVICES`)."""
-    m, n = x.shape[-2:]
+def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, prenorm: dict | None = None,
+                          overwrite: bool = False, scale: float = 1.0,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``scale``·p_k(…p_1(D̂)) in ``out_dtype`` (default: x's), D̂ = x pre-normalized by ``prenorm``
+    (a :func:`prenormalize` cfg; None: none) and p(X) = aX + (b·A + c·A²)X, A = XXᵀ, per triple;
+    tall matrices are transposed so A is the small side (the map commutes with transposition).
+    ``overwrite``: x is the caller's scratch. On CPU the op sequence is torch.optim.Muon's
+    (normalize, then addmm with beta/alpha), so in bf16 it reproduces
+    ``_zeropower_via_newtonschulz`` exactly; on CUDA the same map is computed without copies or
+    passes over X beyond the products (:data:`_MUON_ORDER_DEVICES`, :func:`_folded_iteration`)."""
+    cfg = {"kind": "none"} if prenorm is None else prenorm
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if not muon_order(x.device):
+        return _folded_iteration(x, coefficients, cfg, scale, out_dtype)
+    X = prenormalize(x, cfg, inplace=overwrite)
+    m, n = X.shape[-2:]
     tall = m > n
-    muon = x.device.type in _MUON_ORDER_DEVICES
-    transpose, right = tall and muon, tall and not muon
     # contiguous: baddbmm's result takes its input's strides, so a transposed start would keep
     # every later product on the slow strided path
-    X = _transposed_copy(x) if transpose else x
+    if tall:
+        X = _transposed_copy(X)
     lead = X.shape[:-2]
     if X.ndim >= 3:
         X = X.reshape(-1, *X.shape[-2:])
@@ -282,28 +305,88 @@ def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple]) -> to
     else:
         mm_add = torch.addmm
     for a, b, c in coefficients:
-        gram = X.mT @ X if right else X @ X.mT
+        gram = X @ X.mT
         update = mm_add(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
-        if muon:
-            X = mm_add(X, update, X, beta=a)  # a·X + (b·A + c·A²)·X
-            continue
-        # (aI + b·A + c·A²)·X: a product without an addend, so X is not copied into the output
-        # first (as baddbmm does); A is XᵀX on the right for tall X, so nothing is transposed
-        update.diagonal(dim1=-2, dim2=-1).add_(a)
-        X = X @ update if right else update @ X
+        X = mm_add(X, update, X, beta=a)  # a·X + (b·A + c·A²)·X
     X = X.reshape(*lead, *X.shape[-2:])
     # tall: hand back the input's layout, so that the cast and the update that follow read memory
     # in order (a transposed view costs them a strided pass each)
-    return _transposed_copy(X) if transpose else X
+    X = (_transposed_copy(X) if tall else X).to(out_dtype)
+    return X if scale == 1.0 else X * scale
 
 
-# Devices where the iteration follows torch.optim.Muon's op sequence (tall matrices transposed
-# into a copy so that A = XXᵀ is the small side, a·X added by the product's β): the same bf16
-# bits on CPU. Elsewhere (CUDA) it saves the copies: tall matrices are iterated from the right
-# as they are, and a folds into the small factor, since a product with an addend first copies X
-# into its output. In bf16 that form is as accurate (tested); the copies cost about a fifth of
-# a GPT-2-small Muon step on an H100 (benchmarks/RESULTS.md).
+# Devices where the iteration follows torch.optim.Muon's op sequence (pre-normalize X, transpose
+# tall matrices into a copy so that A = XXᵀ is the small side, a·X added by the product's β): the
+# same bf16 bits on CPU. Elsewhere (CUDA) :func:`_folded_iteration` computes the same map with no
+# pass over X but the products. In bf16 that form is as accurate (tested); the passes it saves
+# cost about a third of a GPT-2-small Muon step on an H100 (benchmarks/RESULTS.md).
 _MUON_ORDER_DEVICES = ("cpu",)
+
+
+def muon_order(device: torch.device) -> bool:
+    """Whether work on ``device`` follows torch.optim.Muon's op sequence (the same bits on CPU), or
+    the shorter forms of :func:`_folded_iteration` and the optimizer's one-pass update."""
+    return device.type in _MUON_ORDER_DEVICES
+
+
+def _folded_iteration(x: torch.Tensor, coefficients: Sequence[Triple], prenorm: dict, scale: float,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`odd_quintic_iteration` with every scaling folded into the small factor
+    F = aI + b·A + c·A² of a step, X ← X·F for tall X (A = XᵀX: nothing is transposed) and F·X
+    otherwise (a product without an addend: baddbmm would first copy X into its output):
+
+    - pre-normalization: ‖D‖²_F = tr(A₁), and with D̂ = f·D the first step is X₁ = (f·F̂₁)·D,
+      F̂₁ built from A₁·f² (f = 1/(‖D‖_F + ε), or 1/max(‖D‖_F, ε)); no pass over D;
+    - ``scale`` multiplies the last F, and the last product writes ``out_dtype`` directly where
+      the device's bmm can (fp32 from bf16 operands on CUDA: :func:`_bmm_into`)."""
+    m, n = x.shape[-2:]
+    right = m > n
+    lead = x.shape[:-2]
+    X = x.reshape(-1, m, n)
+    if not coefficients:
+        sq = (X.float() ** 2).sum(dim=(-2, -1))
+        f = _prenorm_factor(sq, prenorm)
+        out = X * (scale if f is None else f[:, None, None] * scale)
+        return out.to(out_dtype).reshape(*lead, m, n)
+    last = len(coefficients) - 1
+    for i, (a, b, c) in enumerate(coefficients):
+        gram = X.mT @ X if right else X @ X.mT
+        factor = 1.0 if i < last else scale
+        if i == 0:
+            f = _prenorm_factor(gram.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32), prenorm)
+            if f is not None:
+                gram.mul_((f * f)[:, None, None])
+                factor = f[:, None, None] * factor
+        update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
+        update.diagonal(dim1=-2, dim2=-1).add_(a)
+        if not isinstance(factor, float) or factor != 1.0:
+            update.mul_(factor)
+        if i < last:
+            X = X @ update if right else update @ X
+        else:
+            X = _bmm_into(X, update, out_dtype) if right else _bmm_into(update, X, out_dtype)
+    return X.reshape(*lead, m, n)
+
+
+_OUT_DTYPE_BMM: dict = {}  # device type → whether torch.bmm takes out_dtype there
+
+
+def _bmm_into(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b (batched) in ``out_dtype``: bf16 operands accumulate in fp32 in the matrix units
+    either way, so where torch's bmm takes ``out_dtype`` (CUDA, torch ≥ 2.8) the product is
+    written in fp32 directly, without rounding to bf16 and a cast pass; elsewhere it is rounded
+    to the operands' dtype and cast."""
+    if out_dtype == a.dtype:
+        return a @ b
+    device = a.device.type
+    if _OUT_DTYPE_BMM.get(device, True):
+        try:
+            out = torch.bmm(a, b, out_dtype=out_dtype)
+            _OUT_DTYPE_BMM[device] = True
+            return out
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_BMM[device] = False
+    return (a @ b).to(out_dtype)
 
 
 def _transposed_copy(x: torch.Tensor) -> torch.Tensor:
@@ -316,6 +399,15 @@ def _transposed_copy(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _polynomial(x, kind, coeffs, dtype, prenorm, scale, out_dtype) -> torch.Tensor:
+    if x.ndim < 2:
+        raise ValueError(f"{kind}: expected a (..., m, n) tensor, got shape {tuple(x.shape)}")
+    work = x.to(compute_dtype(x, kind, dtype))
+    cfg = default_prenormalize(kind) if prenorm is None else prenorm
+    return odd_quintic_iteration(work, coeffs, prenorm=cfg, overwrite=work is not x, scale=scale,
+                                 out_dtype=out_dtype or x.dtype)
+
+
 @approx_op("newton_schulz")
 def newton_schulz(
     x: torch.Tensor,
@@ -325,13 +417,14 @@ def newton_schulz(
     coefficients: Sequence[Sequence[float]] | None = None,
     prenormalize: dict | None = None,
     dtype: str = "auto",
+    scale: float = 1.0,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Quintic Newton–Schulz on the pre-normalized D (Muon; default triple
     (3.4445, −4.7750, 2.0315), one triple reused or one per step). Realizes its own map,
     ≈ the κ = 4 power barrier of :func:`realized_reference`; ``ref`` is ignored."""
     coeffs = newton_schulz_coefficients(steps, coefficients)
-    work = _prepare(x, "newton_schulz", dtype, prenormalize)
-    return odd_quintic_iteration(work, coeffs).to(x.dtype)
+    return _polynomial(x, "newton_schulz", coeffs, dtype, prenormalize, scale, out_dtype)
 
 
 @approx_op("polar_express")
@@ -343,25 +436,28 @@ def polar_express(
     coefficients: str | Sequence[Sequence[float]] = "polar_express",
     prenormalize: dict | None = None,
     dtype: str = "auto",
+    scale: float = 1.0,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Polar Express (Amsel et al. 2025): one optimal odd quintic per step from
     :func:`polar_express_coefficients` (``polar_express``: the authors' list with the 1.01 safety
     factor; ``speedrun``: modded-nanogpt's 5-step list; or user triples; the last repeats).
     Realizes its own map (paper Appendix F, Theorem 4.7); ``ref`` is ignored."""
     coeffs = polar_express_coefficients(steps, coefficients)
-    work = _prepare(x, "polar_express", dtype, prenormalize)
-    return odd_quintic_iteration(work, coeffs).to(x.dtype)
+    return _polynomial(x, "polar_express", coeffs, dtype, prenormalize, scale, out_dtype)
 
 
-def apply_approx(x: torch.Tensor, ref: Reference | None, approx: dict | None, prenorm: dict | None = None) -> torch.Tensor:
-    """Dispatch an ``approx`` dict (``model_dump()`` of a spec approx) on ``x`` (..., m, n)."""
+def apply_approx(x: torch.Tensor, ref: Reference | None, approx: dict | None, prenorm: dict | None = None, *,
+                 scale: float = 1.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Dispatch an ``approx`` dict (``model_dump()`` of a spec approx) on ``x`` (..., m, n):
+    ``scale``·∇φ*(x) in ``out_dtype`` (default: x's), the scale folded into the approximation."""
     approx = {"kind": "svd"} if approx is None else dict(approx)
     kind = approx.pop("kind", "svd")
     if kind not in APPROX_OPS:
         raise ValueError(f"unknown spectral approx {kind!r}; expected one of {', '.join(APPROX_OPS)}")
     if ref is None and kind in ("svd", "gram_eigh"):
         raise ValueError(f"approx {kind!r} needs a reference function")
-    return APPROX_OPS[kind](x, ref, prenormalize=prenorm, **approx)
+    return APPROX_OPS[kind](x, ref, prenormalize=prenorm, scale=scale, out_dtype=out_dtype, **approx)
 
 
 # ---------------------------------------------------------------- matrix views of tensors

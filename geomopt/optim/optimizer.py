@@ -31,7 +31,7 @@ from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.geometry.backward import backward
 from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.forward import elementwise_into, forward, input_dtype, isotropic_factors
-from geomopt.geometry.spectral import POLYNOMIAL_APPROXES
+from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, muon_order
 from geomopt.optim.directions import DIRECTIONS
 from geomopt.distributed import (
     FORWARD_LOCALITY, LocalExecutor, Request, ShardedExecutor, backward_locality, chunk_sizes, is_dtensor,
@@ -496,17 +496,38 @@ class GeomOptimizer(Optimizer):
             # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
             d = DIRECTIONS[group["direction"]](gu, state, hyper, g_prev=None if g_prev is None else _upcast(g_prev),
                                                inplace=len(items) > 1 or gu is not g)
-        decay = 1 - gamma * group["weight_decay"]
+        wd = group["weight_decay"]
+        decay = 1 - gamma * wd
         rho = group["radius"] * self._scale(pp)
         geometry = pp.geometry
         constraint = pp.constraint
+        # unconstrained, parameters in the working dtype: X ← X(1 − γ·wd) − γρ·∇φ₁*(d) in place on
+        # the parameters, with no stacked copy of X and no write-back
+        inplace = (constraint is None and geometry["kind"] != "adam" and not self.track_update
+                   and views[0].dtype == _upcast(views[0]).dtype)
+        # one pass (off torch Muon's op order, :func:`muon_order`; in one process, as the executors
+        # exchange results in the input's dtype): the forward op folds a constant radius r into its
+        # result S = r·∇φ₁*(d), written in X's dtype, and X.lerp_(S, γ·wd) with r = −ρ/wd is
+        # X(1 − γ·wd) − γρ·∇φ₁*(d); without decay X += γ·S with r = −ρ
+        one_pass = inplace and not muon_order(views[0].device) and isinstance(self._executor, LocalExecutor)
+        lerp = one_pass and wd != 0 and abs(rho / wd) < 1e30
+        radius = (-rho / wd if lerp else -rho) if one_pass else 1.0
         if geometry["kind"] != "adam":
-            step, _ = yield self._request(items, d, FORWARD_LOCALITY[geometry["kind"]], self._forward_fn(items, geometry))
-        if (constraint is None and geometry["kind"] != "adam" and not self.track_update
-                and views[0].dtype == _upcast(views[0]).dtype):
-            # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) in place on the parameters: no stacked copy of X and
-            # no write-back (same ops, so the same bits, as the general path below)
-            if group["weight_decay"]:
+            step, _ = yield self._request(items, d, FORWARD_LOCALITY[geometry["kind"]],
+                                          self._forward_fn(items, geometry, radius, views[0].dtype if one_pass else None))
+        if one_pass:
+            steps = list(step.unbind(0))
+            if lerp:
+                torch._foreach_lerp_(views, steps, gamma * wd)
+            else:
+                if wd:
+                    torch._foreach_mul_(views, decay)
+                torch._foreach_add_(views, steps, alpha=gamma)
+            self._scatter(items, state)
+            return
+        if inplace:
+            # torch Muon's op order (same bits on CPU): decay, then the axpy of the bf16 step
+            if wd:
                 torch._foreach_mul_(views, decay)
             torch._foreach_add_(views, list(step.unbind(0)), alpha=-gamma * rho)
             self._scatter(items, state)
@@ -519,7 +540,7 @@ class GeomOptimizer(Optimizer):
         else:
             # Y = X(1 − γ·wd) − γρ·∇φ₁*(d): ρ folds into the axpy (one pass fewer than scaling the
             # forward output), and the decayed copy of X is updated in place
-            if group["weight_decay"]:
+            if wd:
                 y = (x * decay).add_(step, alpha=-gamma * rho)
             else:
                 y = torch.add(x, step, alpha=-gamma * rho)
@@ -539,22 +560,24 @@ class GeomOptimizer(Optimizer):
         self._scatter(items, state)
         torch._foreach_copy_(views, list(x_new.unbind(0)))
 
-    def _forward_fn(self, items: list, geometry: dict):
-        """The bucket's forward op; replayed from a CUDA graph (:mod:`geomopt.optim.graphs`) for
-        the polynomial iterations when ``cuda_graphs`` is on and the step runs in one process (the
-        graph reads the bucket's kept scratch u in place when that is its input)."""
-        fn = lambda m: (forward(m, geometry, radius=1.0, batch_dims=1), None)  # noqa: E731
+    def _forward_fn(self, items: list, geometry: dict, radius: float = 1.0, out_dtype=None):
+        """The bucket's forward op (``radius``·∇φ₁*, in ``out_dtype``); replayed from a CUDA graph
+        (:mod:`geomopt.optim.graphs`) for the polynomial iterations when ``cuda_graphs`` is on and
+        the step runs in one process (the graph reads the bucket's kept scratch u in place when
+        that is its input)."""
+        fn = lambda m: (forward(m, geometry, radius=radius, batch_dims=1, out_dtype=out_dtype), None)  # noqa: E731
         approx = (geometry.get("approx") or {}).get("kind")
         if not (self.cuda_graphs and approx in POLYNOMIAL_APPROXES
                 and isinstance(self._executor, LocalExecutor) and items[0][0].is_cuda):
             return fn
-        key = tuple(id(p) for p, _ in items)
+        ids = tuple(id(p) for p, _ in items)
+        key = ids + (radius, out_dtype)  # the graph bakes both in
         op = self._graphs.get(key)
         if op is None:
             if len(self._graphs) >= 2 * sum(map(len, self._buckets)):
                 return fn  # buckets split by missing gradients in many ways: no graph per split
             op = self._graphs[key] = GraphedOp(fn)
-        op.scratch = self._buffers.get(key + ("u",))
+        op.scratch = self._buffers.get(ids + ("u",))
         return op
 
     def _request(self, items: list, x: torch.Tensor, locality: str, fn) -> Request:
