@@ -353,8 +353,19 @@ def _two_rule_spec(on_nonfinite_hidden=None, default="skip"):
                       {"name": "rest", "match": "**", "geometry": SIGN}]}
 
 
+def _forms(form, monkeypatch):
+    """``cuda``: run CUDA's forms here (:func:`geomopt.geometry.spectral.muon_order` false), where
+    the finiteness test is awaited after the forward ops are launched (deferred)."""
+    if form == "cuda":
+        import geomopt.geometry.spectral as spectral_module
+
+        monkeypatch.setattr(spectral_module, "_MUON_ORDER_DEVICES", ())
+
+
+@pytest.mark.parametrize("form", ["cpu", "cuda"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
-def test_nonfinite_skip_leaves_everything_untouched(bad):
+def test_nonfinite_skip_leaves_everything_untouched(bad, form, monkeypatch):
+    _forms(form, monkeypatch)
     model = tiny_mlp(0)
     opt = geomopt.GeomOptimizer(model, _two_rule_spec())
     train(model, opt, 2, mlp_batch)
@@ -371,8 +382,10 @@ def test_nonfinite_skip_leaves_everything_untouched(bad):
     assert opt.diagnostics()["hidden"]["skipped"] == 1
 
 
+@pytest.mark.parametrize("form", ["cpu", "cuda"])
 @pytest.mark.parametrize("where", ["default", "rule"])
-def test_nonfinite_raise_before_anything_is_written(where):
+def test_nonfinite_raise_before_anything_is_written(where, form, monkeypatch):
+    _forms(form, monkeypatch)
     spec = _two_rule_spec(default="raise") if where == "default" else _two_rule_spec(on_nonfinite_hidden="raise")
     model = tiny_mlp(0)
     opt = geomopt.GeomOptimizer(model, spec)
@@ -385,6 +398,27 @@ def test_nonfinite_raise_before_anything_is_written(where):
         opt.step()
     # the rule before it ("first", finite) must not have stepped either
     assert same_snapshot(before, snapshot(opt))
+
+
+@pytest.mark.parametrize("form", ["cpu", "cuda"])
+def test_finiteness_is_awaited_after_the_forward_ops_where_deferred(form, monkeypatch):
+    """CUDA's form launches every bucket's forward op (reads into scratch) before the host waits
+    for the finiteness test, and writes nothing before it; the CPU form tests first."""
+    import geomopt.optim.optimizer as optimizer_module
+
+    _forms(form, monkeypatch)
+    model = tiny_mlp(0)
+    opt = geomopt.GeomOptimizer(model, _two_rule_spec())
+    train(model, opt, 1, mlp_batch)
+    order = []
+    GeomOptimizer = optimizer_module.GeomOptimizer
+    real_forward, real_skip = optimizer_module.forward, GeomOptimizer._skip_nonfinite
+    monkeypatch.setattr(optimizer_module, "forward", lambda *a, **k: order.append("forward") or real_forward(*a, **k))
+    monkeypatch.setattr(GeomOptimizer, "_skip_nonfinite",
+                        lambda self, *a: order.append("check") or real_skip(self, *a))
+    train(model, opt, 1, mlp_batch, start=1)
+    assert order.count("check") == 1 and order.count("forward") >= 1
+    assert order.index("check") == (order.index("forward") + order.count("forward") if form == "cuda" else 0)
 
 
 # ---------------------------------------------------------------- dtypes, devices, model shapes

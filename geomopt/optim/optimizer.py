@@ -104,6 +104,7 @@ class GeomOptimizer(Optimizer):
         self.track_update = track_update
         self.cuda_graphs = cuda_graphs
         self._graphs: dict = {}  # bucket → GraphedOp
+        self._flag_host = None  # pinned host copy of the finiteness flag (CUDA)
         groups, self._plans = [], []
         for index, rule in enumerate(self.spec.rules):
             plans = [p for p in self.plan if p.rule_index == index]
@@ -200,31 +201,49 @@ class GeomOptimizer(Optimizer):
             grads = [self._job_grads(gi, items, flat, g_prev) for gi, items, flat in jobs]
             prevs = [_stack([_view(_local(g_prev[p]), pp) for p, pp in items])
                      if all(g_prev.get(p) is not None for p, _ in items) else None for _, items, _ in jobs]
-            if self._skip_nonfinite(jobs, grads, prevs):
+            check = self._finite_check(grads, prevs) if jobs else None
+            # deferred: the buckets launch their forward ops (reads into scratch) before the host
+            # waits for the test, so the device stays busy; nothing is written before the wait
+            defer = self._can_defer(jobs, grads)
+            if not defer and self._skip_nonfinite(jobs, grads, prevs, check):
                 return loss
-            schedules, steps = {}, []
-            for (gi, items, flat), g, gp in zip(jobs, grads, prevs):
-                group = self.param_groups[gi]
+            schedules = {}
+            for gi, _, _ in jobs:
                 if gi not in schedules:
-                    schedules[gi] = SCHEDULES[group["schedule"]["kind"]](group, group["step"])
-                    device = items[0][0].device
-                    self._counters[gi]["update_sq"] = torch.zeros((), device=device)
-                if flat:
-                    self._step_flat(group, items, g, *schedules[gi])
-                else:
-                    steps.append(self._step_bucket(gi, group, items, g, gp, *schedules[gi]))
-            self._run(steps)
+                    schedules[gi] = SCHEDULES[self.param_groups[gi]["schedule"]["kind"]](
+                        self.param_groups[gi], self.param_groups[gi]["step"])
+
+            def writes() -> bool:
+                """Everything that writes at once; False when the step is skipped."""
+                if defer and self._skip_nonfinite(jobs, grads, prevs, check):
+                    return False
+                for gi, items, _ in jobs:
+                    self._counters[gi]["update_sq"] = torch.zeros((), device=items[0][0].device)
+                for (gi, items, flat), g in zip(jobs, grads):
+                    if flat:
+                        self._step_flat(self.param_groups[gi], items, g, *schedules[gi])
+                return True
+
+            if not defer:
+                writes()
+            steps = [self._step_bucket(gi, self.param_groups[gi], items, g, gp, *schedules[gi], deferred=defer)
+                     for (gi, items, flat), g, gp in zip(jobs, grads, prevs) if not flat]
+            if not self._run(steps, writes if defer else None):
+                return loss
             for gi in schedules:
                 self.param_groups[gi]["step"] += 1
         return loss
 
-    def _run(self, steps: list) -> None:
+    def _run(self, steps: list, barrier: Optional[Callable[[], bool]] = None) -> bool:
         """Drive the bucket steps (generators that yield operator requests) in lockstep: each
         round's requests go to the executor together, so a distributed executor makes one
-        exchange per round, with the same requests in the same order on every rank."""
+        exchange per round, with the same requests in the same order on every rank.
+        ``barrier`` runs after the first round (the forward ops); False from it abandons the
+        step (False returned)."""
         pending = [(s, None) for s in steps]
         answers = [None] * len(steps)
-        while pending:
+        first = True
+        while pending or first:
             nxt = []
             for (s, _), answer in zip(pending, answers):
                 try:
@@ -233,6 +252,29 @@ class GeomOptimizer(Optimizer):
                     pass
             pending = nxt
             answers = self._executor.run([req for _, req in pending]) if pending else []
+            if first and barrier is not None and not barrier():
+                for s, _ in pending:
+                    s.close()
+                return False
+            first = False
+        return True
+
+    def _can_defer(self, jobs: list, grads: list) -> bool:
+        """Whether this step may await the finiteness test after launching the forward ops: in
+        one process, off torch Muon's op order (CUDA: :func:`muon_order`), and every bucket
+        writes nothing before its forward op (direction none, or Polyak read from the gradients
+        as :meth:`_polyak_ahead` does; no Adam geometry, no STORM)."""
+        if not isinstance(self._executor, LocalExecutor) or self._needs_closure:
+            return False
+        for (gi, items, flat), g in zip(jobs, grads):
+            if flat:
+                continue
+            group = self.param_groups[gi]
+            if (muon_order(items[0][0].device) or items[0][1].geometry["kind"] == "adam"
+                    or group["direction"] not in ("none", "polyak")
+                    or (group["direction"] == "polyak" and not isinstance(g, list))):
+                return False
+        return True
 
     def _jobs(self) -> list:
         """(group index, [(param, plan), …], flat) per call: a bucket's tensors that have a
@@ -291,6 +333,35 @@ class GeomOptimizer(Optimizer):
         for i, g in enumerate(gs):
             torch.lerp(g, d[i], 1 - alpha, out=u[i])
         return u
+
+    def _polyak_ahead(self, gs: list, state: dict, group: dict, items: list) -> tuple:
+        """:meth:`_polyak_rows` with the write of d put off: u is read from the gradients and the
+        old d into the kept scratch (in the forward op's dtype), and the returned ``commit()``
+        writes d ← d.lerp(g, α) later. Without Nesterov u = d.lerp(g, α) (the new d);
+        with it g.lerp(d⁺, 1 − α) = β²d + (1 − β²)g, β = 1 − α, read as d.lerp(g, 1 − β²) (the
+        same value, rounded once)."""
+        alpha, nesterov = group["alpha"], group["nesterov"]
+        u = self._kept(items, "u", torch.Size([len(gs), *gs[0].shape]), gs[0],
+                       dtype=input_dtype(items[0][1].geometry, gs[0]))
+        d = state.get("d")
+        if d is None and group["init"] == "gradient":  # d⁰ = g⁰, and with Nesterov u = g too
+            for i, g in enumerate(gs):
+                u[i].copy_(g)
+            return u, lambda: state.__setitem__("d", torch.stack(gs))
+        weight = 1 - (1 - alpha) ** 2 if nesterov else alpha
+        for i, g in enumerate(gs):
+            if d is None:  # d = 0
+                torch.mul(g, weight, out=u[i])
+            else:
+                torch.lerp(d[i], g, weight, out=u[i])
+
+        def commit():
+            rows = state.get("d")
+            if rows is None:
+                rows = state["d"] = torch.zeros((len(gs), *gs[0].shape), dtype=gs[0].dtype, device=gs[0].device)
+            torch._foreach_lerp_(list(rows.unbind(0)), gs, alpha)
+
+        return u, commit
 
     def _flat_rule(self, group: dict, pp: ParamPlan) -> bool:
         """A rule whose whole step is elementwise (φ euclidean, anisotropic or adam; isotropic
@@ -422,15 +493,31 @@ class GeomOptimizer(Optimizer):
             self.state[p][key] = _state_entry(v, p, pp, key)
         return buf, views
 
-    def _skip_nonfinite(self, jobs: list, grads: list, prevs: list) -> bool:
+    def _finite_check(self, grads: list, prevs: list):
+        """Launch the fast test of :meth:`_skip_nonfinite` (a sum is finite iff every entry is,
+        unless it overflows); on CUDA its flag is copied to pinned host memory behind an event,
+        so the host can launch more work before it waits."""
+        ok = self._finite_flags(grads, prevs, _sum_finite).all()
+        if not ok.is_cuda:
+            return ok, None
+        if self._flag_host is None:
+            self._flag_host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self._flag_host.copy_(ok, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return self._flag_host, event
+
+    def _skip_nonfinite(self, jobs: list, grads: list, prevs: list, check) -> bool:
         """True (and counted) when some gradient is non-finite; raises first where a rule says so.
 
-        Fast test: a sum is finite iff every entry is, unless it overflows; only when some sum is
-        not finite are those tensors checked entry by entry (so huge finite gradients still step)."""
-        if not jobs:
+        Waits for :meth:`_finite_check` (one host sync per step); only when some sum is not finite
+        are those tensors checked entry by entry (so huge finite gradients still step)."""
+        if check is None:
             return False
-        ok = self._finite_flags(grads, prevs, _sum_finite)
-        if bool(ok.all()):  # one host sync per step
+        flag, event = check
+        if event is not None:
+            event.synchronize()
+        if bool(flag):
             return False
         ok = self._finite_flags(grads, prevs, _finite)
         if bool(ok.all()):
@@ -476,12 +563,14 @@ class GeomOptimizer(Optimizer):
                     p.copy_(x)
         return out
 
-    def _step_bucket(self, gi: int, group: dict, items: list, g: torch.Tensor, g_prev, gamma: float, alpha):
+    def _step_bucket(self, gi: int, group: dict, items: list, g: torch.Tensor, g_prev, gamma: float, alpha,
+                     deferred: bool = False):
         """One batched step of same-shape tensors: leading dim = tensor index (batch_dims=1).
 
         A generator: it yields a :class:`Request` for the forward and for the backward operator
         and receives ``(out, flags)``, so :meth:`_run` can hand a round's operators to the
-        executor together (locally, or shared out across ranks)."""
+        executor together (locally, or shared out across ranks). ``deferred``: write nothing
+        before the first yield (:meth:`_can_defer`)."""
         counters = self._counters[gi]
         pp = items[0][1]
         views = [_view(_local(p), q) for p, q in items]
@@ -489,7 +578,10 @@ class GeomOptimizer(Optimizer):
         state = self._gather(items)
         if self._needs_closure:
             state["prev"] = torch.stack([_local(p).detach() for p, _ in items]).clone()
-        if isinstance(g, list):
+        commit = None
+        if isinstance(g, list) and deferred:
+            d, commit = self._polyak_ahead(g, state, hyper, items)
+        elif isinstance(g, list):
             d = self._polyak_rows(g, state, hyper, items)
         else:
             gu = _upcast(g)
@@ -515,6 +607,8 @@ class GeomOptimizer(Optimizer):
         if geometry["kind"] != "adam":
             step, _ = yield self._request(items, d, FORWARD_LOCALITY[geometry["kind"]],
                                           self._forward_fn(items, geometry, radius, views[0].dtype if one_pass else None))
+        if commit is not None:
+            commit()
         if one_pass:
             steps = list(step.unbind(0))
             if lerp:
