@@ -355,8 +355,10 @@ def _folded_iteration(x: torch.Tensor, coefficients: Sequence[Triple], prenorm: 
         if i == 0:
             f = _prenorm_factor(gram.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32), prenorm)
             if f is not None:
-                gram.mul_((f * f)[:, None, None])
-                factor = f[:, None, None] * factor
+                # in the working dtype (bf16 on CUDA: rounded as torch Muon's bf16 norm is; a
+                # same-dtype product runs at 1.5× the speed of a mixed one, measured on an H100)
+                gram.mul_((f * f).to(gram.dtype)[:, None, None])
+                factor = (f * factor).to(gram.dtype)[:, None, None]
         update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
         update.diagonal(dim1=-2, dim2=-1).add_(a)
         if not isinstance(factor, float) or factor != 1.0:

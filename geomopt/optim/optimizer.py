@@ -349,11 +349,12 @@ class GeomOptimizer(Optimizer):
                 u[i].copy_(g)
             return u, lambda: state.__setitem__("d", torch.stack(gs))
         weight = 1 - (1 - alpha) ** 2 if nesterov else alpha
-        for i, g in enumerate(gs):
-            if d is None:  # d = 0
-                torch.mul(g, weight, out=u[i])
-            else:
-                torch.lerp(d[i], g, weight, out=u[i])
+        if d is None:  # d = 0
+            for g, row in zip(gs, u.unbind(0)):
+                torch.mul(g, weight, out=row)
+        else:
+            for dr, g, row in zip(d.unbind(0), gs, u.unbind(0)):
+                torch.lerp(dr, g, weight, out=row)
 
         def commit():
             rows = state.get("d")
