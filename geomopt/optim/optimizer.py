@@ -335,32 +335,30 @@ class GeomOptimizer(Optimizer):
         return u
 
     def _polyak_ahead(self, gs: list, state: dict, group: dict, items: list) -> tuple:
-        """:meth:`_polyak_rows` with the write of d put off: u is read from the gradients and the
+        """:meth:`_polyak_rows` with the write of d put off, for :meth:`_can_defer`: the gradients
+        are stacked once (a transient copy, one launch instead of one per tensor: on an H100 the
+        step is bound by the host's launches, measured 5% faster), u is read from them and the
         old d into the kept scratch (in the forward op's dtype), and the returned ``commit()``
-        writes d ← d.lerp(g, α) later. Without Nesterov u = d.lerp(g, α) (the new d);
-        with it g.lerp(d⁺, 1 − α) = β²d + (1 − β²)g, β = 1 − α, read as d.lerp(g, 1 − β²) (the
-        same value, rounded once)."""
+        writes d ← d.lerp(g, α) later. Without Nesterov u = d.lerp(g, α) (the new d); with it
+        g.lerp(d⁺, 1 − α) = β²d + (1 − β²)g, β = 1 − α, read as d.lerp(g, 1 − β²) (the same
+        value, rounded once)."""
         alpha, nesterov = group["alpha"], group["nesterov"]
-        u = self._kept(items, "u", torch.Size([len(gs), *gs[0].shape]), gs[0],
-                       dtype=input_dtype(items[0][1].geometry, gs[0]))
+        g = _stack(gs)
+        u = self._kept(items, "u", g.shape, g, dtype=input_dtype(items[0][1].geometry, g))
         d = state.get("d")
         if d is None and group["init"] == "gradient":  # d⁰ = g⁰, and with Nesterov u = g too
-            for i, g in enumerate(gs):
-                u[i].copy_(g)
-            return u, lambda: state.__setitem__("d", torch.stack(gs))
+            u.copy_(g)
+            return u, lambda: state.__setitem__("d", g.clone() if len(gs) == 1 else g)
         weight = 1 - (1 - alpha) ** 2 if nesterov else alpha
         if d is None:  # d = 0
-            for g, row in zip(gs, u.unbind(0)):
-                torch.mul(g, weight, out=row)
+            torch.mul(g, weight, out=u)
         else:
-            for dr, g, row in zip(d.unbind(0), gs, u.unbind(0)):
-                torch.lerp(dr, g, weight, out=row)
+            torch.lerp(d, g, weight, out=u)
 
         def commit():
-            rows = state.get("d")
-            if rows is None:
-                rows = state["d"] = torch.zeros((len(gs), *gs[0].shape), dtype=gs[0].dtype, device=gs[0].device)
-            torch._foreach_lerp_(list(rows.unbind(0)), gs, alpha)
+            if state.get("d") is None:
+                state["d"] = torch.zeros(g.shape, dtype=g.dtype, device=g.device)
+            state["d"].lerp_(g, alpha)
 
         return u, commit
 
