@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import geomopt
+import geomopt.geometry.spectral as spectral_module
 from optim_helpers import DEVICES, SHIPPED, SPECS, tiny_gpt
 
 STEPS = 3
@@ -37,6 +38,16 @@ def _low_precision(spec: dict, device: str) -> bool:
     return False
 
 
+def _tolerance(spec: dict, device: str, muon_order: bool | None = None) -> float:
+    """Of the update, measured on these gradients (σ within a decade): fp32 3.7e-5; bf16
+    iterations 1.1–2.5e-2 in torch Muon's op order (CPU), 3.5–7e-2 in CUDA's copy-free form
+    (its diagonal rounding, :func:`test_copy_free_iteration_error_in_bf16`)."""
+    if not _low_precision(spec, device):
+        return 2e-4
+    muon_order = spectral_module.muon_order(torch.device(device)) if muon_order is None else muon_order
+    return 5e-2 if muon_order else 1e-1
+
+
 def _run(spec, device, dtype, grads):
     named = [(n, torch.nn.Parameter(p.detach().to(device=device, dtype=dtype)))
              for n, p in tiny_gpt(0, n_embd=32).named_parameters()]
@@ -59,7 +70,7 @@ def test_steps_match_a_float64_reference(path, device):
              for _ in range(STEPS)]
     start_ref, ref = _run(_with_approx_dtype(spec, "float64"), "cpu", torch.float64, grads)
     start, out = _run(spec, device, torch.float32, grads)
-    tol = 5e-2 if _low_precision(spec, device) else 2e-4
+    tol = _tolerance(spec, device)
     for n in ref:
         # projection on init: float32 rounding of the parameter's scale
         torch.testing.assert_close(start[n].cpu().double(), start_ref[n], rtol=1e-5, atol=1e-6, msg=n)
@@ -104,8 +115,6 @@ def test_cuda_forms_on_cpu_match_the_float64_reference(path, monkeypatch):
     with pre-normalization and the radius folded into its small factors, and the one-pass
     update X.lerp_(S, γ·wd)) run here on CPU and match the float64 reference (which keeps the
     CPU forms), so CI checks them without a GPU."""
-    import geomopt.geometry.spectral as spectral_module
-
     spec = geomopt.load_spec(path).model_dump()
     gen = torch.Generator().manual_seed(8)
     shapes = {n: p.shape for n, p in tiny_gpt(0, n_embd=32).named_parameters()}
@@ -115,11 +124,11 @@ def test_cuda_forms_on_cpu_match_the_float64_reference(path, monkeypatch):
     start, cpu_form = _run(spec, "cpu", torch.float32, grads)
     monkeypatch.setattr(spectral_module, "_MUON_ORDER_DEVICES", ())
     _, cuda_form = _run(spec, "cpu", torch.float32, grads)
-    tol = 5e-2 if _low_precision(spec, "cpu") else 2e-4
     for n in ref:
         moved = (ref[n] - start[n].double()).norm()
-        for out in (cpu_form, cuda_form):
+        for out, order in ((cpu_form, True), (cuda_form, False)):
             err = (out[n].double() - ref[n]).norm()
+            tol = _tolerance(spec, "cpu", muon_order=order)
             assert err <= tol * moved, f"{path.stem}: {n} off by {float(err / moved):.2e} of its update"
     # the other forms did run: they round differently, except in specs that are all elementwise
     differ = any(not torch.equal(cpu_form[n], cuda_form[n]) for n in ref)

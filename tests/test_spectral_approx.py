@@ -161,23 +161,32 @@ def test_batched_and_transposed_iterations_agree(monkeypatch):
     torch.testing.assert_close(fn(d), batched, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("shape", [(96, 256), (256, 96)])
-def test_copy_free_iteration_is_as_accurate_in_bf16(shape, monkeypatch):
-    """CUDA's form of the iteration (from the right for tall X, a·I folded into the small factor)
-    rounds differently from Muon's op sequence in bf16; against the float64 iteration its error is
-    within 1.2× of Muon's form (σ over three decades, as gradients have)."""
+@pytest.mark.parametrize("fn", [newton_schulz, polar_express], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("decades, bound", [(3, 1.05), (1, 2.5)])
+@pytest.mark.parametrize("shape", [(96, 256), (256, 96), (128, 128)])
+def test_copy_free_iteration_error_in_bf16(shape, decades, bound, fn, monkeypatch):
+    """CUDA's form of the iteration (from the right for tall X; pre-normalization, a·I and the
+    scale folded into the small factor) rounds differently from Muon's op sequence in bf16.
+    Against the float64 iteration: no worse where σ spans three decades, as gradients' do
+    (measured 0.84–0.97× Muon's error); up to 2.2× worse where σ spans one decade (measured
+    1.4–2.2×: rounding a + (bA + cA²)ᵢᵢ to bf16 costs the diagonal its low bits, where Muon adds
+    a·X in the product's fp32 epilogue at the price of copying X each step)."""
     import geomopt.geometry.spectral as spectral_module
 
     m, n = shape
-    s = torch.logspace(0, -3, min(m, n), dtype=F64)
-    d = with_singular_values(s, m, n, seed=5)
-    exact = newton_schulz(d)
-    muon_form = newton_schulz(d, dtype="bfloat16").double()
-    monkeypatch.setattr(spectral_module, "_MUON_ORDER_DEVICES", ())
-    free_form = newton_schulz(d, dtype="bfloat16").double()
-    assert not torch.equal(free_form, muon_form)  # the other op sequence did run
-    err = lambda out: float((out - exact).norm() / exact.norm())
-    assert err(free_form) <= 1.2 * err(muon_form), (err(free_form), err(muon_form))
+    s = torch.logspace(0, -decades, min(m, n), dtype=F64)
+    errs = {"muon": 0.0, "free": 0.0}
+    for seed in range(3):
+        d = with_singular_values(s, m, n, seed=seed)
+        exact = fn(d)
+        muon_form = fn(d, dtype="bfloat16").double()
+        monkeypatch.setattr(spectral_module, "_MUON_ORDER_DEVICES", ())
+        free_form = fn(d, dtype="bfloat16").double()
+        monkeypatch.undo()
+        assert not torch.equal(free_form, muon_form)  # the other op sequence did run
+        errs["muon"] += float((muon_form - exact).norm() / exact.norm())
+        errs["free"] += float((free_form - exact).norm() / exact.norm())
+    assert errs["free"] <= bound * errs["muon"], errs
 
 
 @pytest.mark.parametrize("prenorm", [{"kind": "frobenius", "eps": 1e-7}, {"kind": "max", "eps": 1e-7},

@@ -318,8 +318,11 @@ def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, pr
 # Devices where the iteration follows torch.optim.Muon's op sequence (pre-normalize X, transpose
 # tall matrices into a copy so that A = XXᵀ is the small side, a·X added by the product's β): the
 # same bf16 bits on CPU. Elsewhere (CUDA) :func:`_folded_iteration` computes the same map with no
-# pass over X but the products. In bf16 that form is as accurate (tested); the passes it saves
-# cost about a third of a GPT-2-small Muon step on an H100 (benchmarks/RESULTS.md).
+# pass over X but the products (the passes it saves cost about a third of a GPT-2-small Muon
+# step's elementwise time on an H100, benchmarks/RESULTS.md). Its bf16 error against float64 is
+# no worse where σ spans three decades (0.84–0.97× Muon's) and up to 2.2× Muon's where σ spans
+# one (a + (bA + cA²)ᵢᵢ rounded to bf16 loses the diagonal's low bits; Muon adds a·X in the
+# product's fp32 epilogue, at the price of copying X into the output each step); tested.
 _MUON_ORDER_DEVICES = ("cpu",)
 
 
