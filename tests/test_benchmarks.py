@@ -51,3 +51,10 @@ def test_step_script_times_against_muon_and_adamw(spec, capsys):
     out = capsys.readouterr().out
     names = re.findall(r"^\| ([^|]+?) \| [\d.]+ \|", out, flags=re.M)
     assert names == ["torch.optim.Muon", "AdamW (fused)", f"geomopt {spec}"], out
+
+
+def test_ab_script_compares_this_tree_with_a_commit(capsys):
+    assert _script("ab").main(["--base", "HEAD", "--model", "gpt", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    names = re.findall(r"^\| ([^|]+?) \| [\d.]+ \| [\d.]+ \|$", out, flags=re.M)
+    assert names == ["torch.optim.Muon", "base HEAD", "this tree"], out

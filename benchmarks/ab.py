@@ -1,0 +1,95 @@
+"""A/B of two versions of geomopt in one process: this tree against a git commit's package.
+
+    python benchmarks/ab.py --base COMMIT [--model gpt2-small] [--spec specs/muon.yaml] [--device cuda]
+
+The base commit's ``geomopt`` package is extracted (``git archive``) into a temporary folder and
+imported under the name ``geomopt_base``, so both versions, torch.optim.Muon and (on CUDA) both
+with ``cuda_graphs=True`` step on copies of the same tensors, round-robin: the machine's drift
+hits every row alike, which is what makes a before/after figure trustworthy on a shared GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import torch
+
+import geomopt
+from geomopt.cli.bench import Timer, device_name, hidden_matrices
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def import_base(commit: str, into: Path):
+    """The ``geomopt`` package of ``commit``, importable as ``geomopt_base``."""
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "geomopt"], check=True,
+                          capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    pkg = into / "geomopt_base"
+    (into / "geomopt").rename(pkg)
+    for path in pkg.rglob("*.py"):
+        text = path.read_text()
+        text = re.sub(r"\bfrom geomopt([ .])", r"from geomopt_base\1", text)
+        text = re.sub(r"\bimport geomopt\b", "import geomopt_base", text)
+        path.write_text(text.replace('"geomopt.', '"geomopt_base.'))
+    sys.path.insert(0, str(into))
+    return importlib.import_module("geomopt_base")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", required=True, help="git commit (or ref) to compare against")
+    p.add_argument("--model", default="gpt-bench")
+    p.add_argument("--spec", default=str(ROOT / "specs" / "muon.yaml"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--iters", type=int, default=30)
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = import_base(args.base, Path(tmp))
+        params = hidden_matrices(args.model, args.device, torch.float32)
+        gen = torch.Generator().manual_seed(1)
+        grads = [(torch.randn(q.shape, generator=gen) * 1e-3).to(args.device) for _, q in params]
+
+        def fresh():
+            ps = [(n, torch.nn.Parameter(q.detach().clone())) for n, q in params]
+            for (_, q), g in zip(ps, grads):
+                q.grad = g.clone()
+            return ps
+
+        rows = [("torch.optim.Muon", lambda ps: torch.optim.Muon([q for _, q in ps], lr=0.02, weight_decay=0.1,
+                                                                  momentum=0.95, nesterov=True)),
+                (f"base {args.base}", lambda ps: base.GeomOptimizer(ps, args.spec)),
+                ("this tree", lambda ps: geomopt.GeomOptimizer(ps, args.spec))]
+        if torch.device(args.device).type == "cuda":
+            rows += [(f"base {args.base}, graphs", lambda ps: base.GeomOptimizer(ps, args.spec, cuda_graphs=True)),
+                     ("this tree, graphs", lambda ps: geomopt.GeomOptimizer(ps, args.spec, cuda_graphs=True))]
+        opts = [(name, make(fresh())) for name, make in rows]
+        timer = Timer(args.device)
+        for _ in range(3):
+            for _, opt in opts:
+                opt.step()
+        times: dict = {name: [] for name, _ in opts}
+        for _ in range(args.iters):
+            for name, opt in opts:
+                times[name] += timer(opt.step, 0, 1)
+    muon = statistics.median(times["torch.optim.Muon"])
+    print(f"### A/B: {Path(args.spec).name} on {args.model}, {device_name(args.device)}, torch {torch.__version__}\n")
+    print("| optimizer | step (ms, median) | × torch Muon |\n|---|---|---|")
+    for name, _ in opts:
+        ms = statistics.median(times[name])
+        print(f"| {name} | {ms:.2f} | {ms / muon:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
