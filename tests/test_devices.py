@@ -48,6 +48,12 @@ def _tolerance(spec: dict, device: str, muon_order: bool | None = None) -> float
     return 5e-2 if muon_order else 1e-1
 
 
+def _gradients(seed: int) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {n: p.shape for n, p in tiny_gpt(0, n_embd=32).named_parameters()}
+    return [{n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()} for _ in range(STEPS)]
+
+
 def _run(spec, device, dtype, grads):
     named = [(n, torch.nn.Parameter(p.detach().to(device=device, dtype=dtype)))
              for n, p in tiny_gpt(0, n_embd=32).named_parameters()]
@@ -64,10 +70,7 @@ def _run(spec, device, dtype, grads):
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_steps_match_a_float64_reference(path, device):
     spec = geomopt.load_spec(path).model_dump()
-    gen = torch.Generator().manual_seed(7)
-    shapes = {n: p.shape for n, p in tiny_gpt(0, n_embd=32).named_parameters()}
-    grads = [{n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
-             for _ in range(STEPS)]
+    grads = _gradients(7)
     start_ref, ref = _run(_with_approx_dtype(spec, "float64"), "cpu", torch.float64, grads)
     start, out = _run(spec, device, torch.float32, grads)
     tol = _tolerance(spec, device)
@@ -116,10 +119,7 @@ def test_cuda_forms_on_cpu_match_the_float64_reference(path, monkeypatch):
     update X.lerp_(S, γ·wd)) run here on CPU and match the float64 reference (which keeps the
     CPU forms), so CI checks them without a GPU."""
     spec = geomopt.load_spec(path).model_dump()
-    gen = torch.Generator().manual_seed(8)
-    shapes = {n: p.shape for n, p in tiny_gpt(0, n_embd=32).named_parameters()}
-    grads = [{n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
-             for _ in range(STEPS)]
+    grads = _gradients(8)
     _, ref = _run(_with_approx_dtype(spec, "float64"), "cpu", torch.float64, grads)
     start, cpu_form = _run(spec, "cpu", torch.float32, grads)
     monkeypatch.setattr(spectral_module, "_MUON_ORDER_DEVICES", ())
