@@ -235,7 +235,7 @@ def test_product_into_a_wider_dtype_where_bmm_cannot():
     out = _bmm_into(a, b, torch.float32)
     assert out.dtype == torch.float32
     assert torch.equal(out, (a @ b).float())
-    assert _OUT_DTYPE_BMM["cpu"] is False
+    assert _OUT_DTYPE_BMM[("cpu", torch.bfloat16, torch.float32)] is False
     assert _bmm_into(a, b, torch.bfloat16).dtype == torch.bfloat16
 
 

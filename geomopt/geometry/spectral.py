@@ -373,7 +373,7 @@ def _folded_iteration(x: torch.Tensor, coefficients: Sequence[Triple], prenorm: 
     return X.reshape(*lead, m, n)
 
 
-_OUT_DTYPE_BMM: dict = {}  # device type → whether torch.bmm takes out_dtype there
+_OUT_DTYPE_BMM: dict = {}  # (device type, operand dtype, out dtype) → whether torch.bmm takes it
 
 
 def _bmm_into(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -383,14 +383,14 @@ def _bmm_into(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch
     to the operands' dtype and cast."""
     if out_dtype == a.dtype:
         return a @ b
-    device = a.device.type
-    if _OUT_DTYPE_BMM.get(device, True):
+    key = (a.device.type, a.dtype, out_dtype)
+    if _OUT_DTYPE_BMM.get(key, True):
         try:
             out = torch.bmm(a, b, out_dtype=out_dtype)
-            _OUT_DTYPE_BMM[device] = True
+            _OUT_DTYPE_BMM[key] = True
             return out
         except (TypeError, RuntimeError, NotImplementedError):
-            _OUT_DTYPE_BMM[device] = False
+            _OUT_DTYPE_BMM[key] = False
     return (a @ b).to(out_dtype)
 
 
