@@ -192,7 +192,7 @@ def test_copy_free_iteration_error_in_bf16(shape, decades, bound, fn, monkeypatc
 @pytest.mark.parametrize("prenorm", [{"kind": "frobenius", "eps": 1e-7}, {"kind": "max", "eps": 1e-7},
                                      {"kind": "none"}], ids=lambda c: c["kind"])
 @pytest.mark.parametrize("shape", [(7, 5), (5, 7), (3, 6, 4), (2, 4, 9)])
-@pytest.mark.parametrize("steps", [1, 5])
+@pytest.mark.parametrize("steps", [0, 1, 5])
 def test_folded_iteration_is_the_same_map(prenorm, shape, steps, monkeypatch):
     """CUDA's form folds the pre-normalization (‖D‖²_F = tr A₁), the output scale and the output
     dtype into the small factors and the last product; in float64 it is the same map as the

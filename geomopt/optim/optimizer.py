@@ -207,18 +207,19 @@ class GeomOptimizer(Optimizer):
             defer = self._can_defer(jobs, grads)
             if not defer and self._skip_nonfinite(jobs, grads, prevs, check):
                 return loss
-            schedules = {}
-            for gi, _, _ in jobs:
+            schedules, devices = {}, {}
+            for gi, items, _ in jobs:
                 if gi not in schedules:
                     schedules[gi] = SCHEDULES[self.param_groups[gi]["schedule"]["kind"]](
                         self.param_groups[gi], self.param_groups[gi]["step"])
+                    devices[gi] = items[0][0].device
 
             def writes() -> bool:
                 """Everything that writes at once; False when the step is skipped."""
                 if defer and self._skip_nonfinite(jobs, grads, prevs, check):
                     return False
-                for gi, items, _ in jobs:
-                    self._counters[gi]["update_sq"] = torch.zeros((), device=items[0][0].device)
+                for gi, device in devices.items():
+                    self._counters[gi]["update_sq"] = torch.zeros((), device=device)
                 for (gi, items, flat), g in zip(jobs, grads):
                     if flat:
                         self._step_flat(self.param_groups[gi], items, g, *schedules[gi])
@@ -501,9 +502,9 @@ class GeomOptimizer(Optimizer):
             return ok, None
         if self._flag_host is None:
             self._flag_host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        self._flag_host.copy_(ok, non_blocking=True)
+        self._flag_host.copy_(ok, non_blocking=True)  # on ok's device's current stream
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(ok.device))  # which need not be the current device
         return self._flag_host, event
 
     def _skip_nonfinite(self, jobs: list, grads: list, prevs: list, check) -> bool:
@@ -608,21 +609,16 @@ class GeomOptimizer(Optimizer):
                                           self._forward_fn(items, geometry, radius, views[0].dtype if one_pass else None))
         if commit is not None:
             commit()
-        if one_pass:
+        if inplace:
             steps = list(step.unbind(0))
             if lerp:
                 torch._foreach_lerp_(views, steps, gamma * wd)
             else:
+                # torch Muon's op order (same bits on CPU): decay, then the axpy of the step (ρ
+                # already in it where the forward op folded it)
                 if wd:
                     torch._foreach_mul_(views, decay)
-                torch._foreach_add_(views, steps, alpha=gamma)
-            self._scatter(items, state)
-            return
-        if inplace:
-            # torch Muon's op order (same bits on CPU): decay, then the axpy of the bf16 step
-            if wd:
-                torch._foreach_mul_(views, decay)
-            torch._foreach_add_(views, list(step.unbind(0)), alpha=-gamma * rho)
+                torch._foreach_add_(views, steps, alpha=gamma if one_pass else -gamma * rho)
             self._scatter(items, state)
             return
         x = _upcast(_stack(views))
