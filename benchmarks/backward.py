@@ -98,7 +98,7 @@ def main(argv=None) -> int:
              "", "| constraint, Y | per-matrix SVD (ms) | geomopt batched (ms) | speed-up | SVD error | geomopt error "
              "| eigh(G) alone (ms) | eigh-bound speed-up |",
              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r[0]} | {r[1]:.1f} | {r[2]:.1f} | {r[3]:.1f}× | {r[4]:.1e} | {r[5]:.1e} | {r[6]:.3g} | {r[7]:.1f}× |"
+    lines += [f"| {r[0]} | {r[1]:.3g} | {r[2]:.3g} | {r[3]:.1f}× | {r[4]:.1e} | {r[5]:.1e} | {r[6]:.3g} | {r[7]:.1f}× |"
               for r in rows]
     emit("\n".join(lines), args.record)
     return 0
