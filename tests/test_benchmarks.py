@@ -28,7 +28,7 @@ def test_backward_script_reports_speed_and_errors(capsys):
         assert float(cells[4]) < 1e-4 and float(cells[5]) < 1e-4, row  # both errors vs float64
         # the eigensolver floor: positive, and the ceiling is the SVD's time over it
         svd_ms, eigh_ms, ceiling = float(cells[1]), float(cells[6]), float(cells[7].rstrip("×"))
-        assert eigh_ms > 0 and abs(ceiling - svd_ms / eigh_ms) <= 0.05 * ceiling + 0.1, row
+        assert eigh_ms > 0 and abs(ceiling - svd_ms / eigh_ms) <= 0.07 * ceiling + 0.1, row  # printed rounding
 
 
 def test_svd_free_script_compares_three_variants(capsys):
