@@ -209,12 +209,17 @@ def _prenorm_denominator(norm: torch.Tensor, cfg: dict) -> torch.Tensor:
     raise ValueError(f"unknown prenormalize kind {kind!r}; expected frobenius, max or none")
 
 
-def _prepare(x: torch.Tensor, kind: str, dtype: str, prenorm: dict | None) -> torch.Tensor:
+def _working(x: torch.Tensor, kind: str, dtype: str) -> torch.Tensor:
+    """x, a (..., m, n) tensor, in the approximation's working dtype (:func:`compute_dtype`)."""
     if x.ndim < 2:
         raise ValueError(f"{kind}: expected a (..., m, n) tensor, got shape {tuple(x.shape)}")
+    return x.to(compute_dtype(x, kind, dtype))
+
+
+def _prepare(x: torch.Tensor, kind: str, dtype: str, prenorm: dict | None) -> torch.Tensor:
     # Cast first, then normalize in the working dtype (as torch.optim.Muon does in bf16), in place
     # on the cast copy
-    work = x.to(compute_dtype(x, kind, dtype))
+    work = _working(x, kind, dtype)
     return prenormalize(work, prenorm, kind, inplace=work is not x)
 
 
@@ -405,9 +410,7 @@ def _transposed_copy(x: torch.Tensor) -> torch.Tensor:
 
 
 def _polynomial(x, kind, coeffs, dtype, prenorm, scale, out_dtype) -> torch.Tensor:
-    if x.ndim < 2:
-        raise ValueError(f"{kind}: expected a (..., m, n) tensor, got shape {tuple(x.shape)}")
-    work = x.to(compute_dtype(x, kind, dtype))
+    work = _working(x, kind, dtype)
     cfg = default_prenormalize(kind) if prenorm is None else prenorm
     return odd_quintic_iteration(work, coeffs, prenorm=cfg, overwrite=work is not x, scale=scale,
                                  out_dtype=out_dtype or x.dtype)
