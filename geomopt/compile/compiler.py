@@ -10,7 +10,8 @@ from typing import Optional, Union
 from geomopt.compile.lint import LintContext, run_rules
 from geomopt.compile.match import ParamInfo
 from geomopt.compile.params import params_from_model
-from geomopt.compile.plan import ParamPlan, Plan, bucket_key, op_layout, ops_key
+from geomopt.compile.plan import ParamPlan, Plan, bucket_key, op_layout, ops_key, resolve_view
+from geomopt.compile.roles import assign, ensure_roles, infer_roles
 from geomopt.spec.diagnostics import Diagnostic, SpecError
 from geomopt.spec.model import Spec, effective_prenormalize, resolve_hyper
 from geomopt.spec.validate import source_of
@@ -25,14 +26,35 @@ def lint_spec(spec: Spec, params: Optional[list[ParamInfo]] = None, *, from_chec
     return sorted(run_rules(ctx, source_of(spec)), key=lambda d: (d.line, d.col, d.code))
 
 
-def compile_spec(spec: Union[Spec, str, dict], model) -> Plan:
+def compile_spec(spec: Union[Spec, str, dict], model, *, roles: Optional[dict] = None) -> Plan:
     """Compile ``spec`` (Spec, path or dict) against ``model`` (``nn.Module`` or iterable of
-    (name, tensor)). Raises :class:`SpecError` listing unmatched parameters (with the nearest rule
-    patterns), inapplicable geometries and (geometry, constraint) pairs with no operator."""
+    (name, tensor)). ``roles``: role → name patterns, over the inferred roles and the spec's
+    ``roles:``. Raises :class:`SpecError` listing unmatched parameters (with the nearest rule
+    patterns), inapplicable geometries and views, and (geometry, constraint) pairs with no
+    operator."""
     spec = as_spec(spec)
     with _gc_paused():
-        infos, _ = params_from_model(model)
-        return plan_from_infos(spec, infos)
+        infos = model_params(model) if needs_roles(spec, roles) else params_from_model(model)[0]
+        return plan_from_infos(spec, infos, roles=roles)
+
+
+def model_params(model) -> list[ParamInfo]:
+    """:func:`params_from_model` with each tensor's role inferred from the model's structure
+    (from names and shapes, marked as guesses, for an iterable of (name, tensor))."""
+    import torch
+
+    infos, _ = params_from_model(model)
+    if isinstance(model, torch.nn.Module):
+        inferred, _ = infer_roles(model, infos)
+        assign(infos, inferred)
+    return infos
+
+
+def needs_roles(spec: Spec, roles: Optional[dict] = None) -> bool:
+    """Whether planning ``spec`` reads roles: a ``role`` match, an ``auto`` view, ``roles:``."""
+    return bool(roles or spec.roles) or any(
+        r.match.role is not None or (getattr(r.geometry, "view", None) is not None and r.geometry.view.kind == "auto")
+        for r in spec.rules)
 
 
 @contextlib.contextmanager
@@ -50,9 +72,12 @@ def _gc_paused():
             gc.enable()
 
 
-def plan_from_infos(spec: Spec, infos: list[ParamInfo]) -> Plan:
-    """The plan of ``spec`` for tensors ``infos``; raises :class:`SpecError` on blocking findings."""
+def plan_from_infos(spec: Spec, infos: list[ParamInfo], *, roles: Optional[dict] = None) -> Plan:
+    """The plan of ``spec`` for tensors ``infos``; raises :class:`SpecError` on blocking findings.
+    Tensors without a role get one guessed from names and shapes when the spec reads roles."""
     with _gc_paused():
+        if needs_roles(spec, roles):
+            ensure_roles(infos, spec.roles, roles)
         return _plan_from_infos(spec, infos)
 
 
@@ -119,13 +144,16 @@ class _RulePlanner:
             geometry["prenormalize"] = effective_prenormalize(rule.geometry).model_dump()
         self.geometry = geometry
         self.constraint = rule.constraint.model_dump() if rule.constraint else None
+        self.auto_view = (geometry.get("view") or {}).get("kind") == "auto"
         self._resolved: dict = {}  # (transpose, op_shape) → (pickled fragments, radius, ops key)
 
     def plan(self, p: ParamInfo) -> ParamPlan:
         geometry, transpose, op_shape = op_layout(self.geometry, p)
-        key = (transpose, op_shape)
+        structure = p.role.structure if p.role is not None and self.auto_view else None
+        key = (transpose, op_shape, None if structure is None else repr(structure))
         resolved = self._resolved.get(key)
         if resolved is None:
+            geometry = resolve_view(geometry, op_shape, structure, self.constraint)
             resolved = self._resolved[key] = self._resolve(geometry, transpose, op_shape)
         fragments, radius, ops = resolved
         # Each plan gets its own dicts (as model_dump gave): plans are plain data a caller may edit.
@@ -136,6 +164,7 @@ class _RulePlanner:
             geometry=geometry, constraint=constraint, direction=direction, schedule=schedule, lr=self.lr,
             weight_decay=self.weight_decay, radius=radius, transpose=transpose, on_nonfinite=self.on_nonfinite,
             project_on_init=self.project_on_init, aliases=p.aliases,
+            role="" if p.role is None else p.role.name,
         )
         object.__setattr__(plan, "_bucket", bucket_key(self.index, ops, op_shape, p.dtype, p.device))
         return plan

@@ -211,22 +211,35 @@ def undecidable_module(ctx: LintContext):
 @lint_rule("GO104", "inapplicable-geometry", "error", needs_model=True)
 def inapplicable_geometry(ctx: LintContext):
     """A geometry that cannot act on a tensor it owns: spectral (or rowwise/columnwise) on a 1-D
-    tensor, or a ``split`` that does not divide dim 0.
+    tensor, or a ``view`` that does not fit the tensor (blocks that do not divide or sum to its
+    rows, batch axes it lacks).
 
     Bad: ``match: "**"`` with ``geometry: {kind: spectral, …}`` (biases are 1-D).
     Fixed: ``match: {name: "**", ndim: 2}`` and a separate rule for the rest.
     """
+    from geomopt.compile.plan import resolve_view
     from geomopt.geometry.scale import check_applicable
 
     for i, rule in enumerate(ctx.spec.rules):
         geometry = rule.geometry.model_dump()
-        problems: dict[tuple[int, ...], Optional[str]] = {}
+        view_path = ("rules", i, "geometry", "view")
+        problems: dict = {}
         for p in ctx.owned(i):
-            if p.shape not in problems:
-                problems[p.shape] = check_applicable(geometry, p.shape)
-            problem = problems[p.shape]
+            structure = p.role.structure if p.role is not None else None
+            key = (p.shape, p.modules and "Conv1D" in p.modules, repr(structure))
+            if key not in problems:
+                problem = check_applicable(geometry, p.shape)
+                if problem is None and geometry.get("view") is not None:
+                    op_geometry, _, op_shape = op_layout(geometry, p)
+                    try:
+                        resolve_view(op_geometry, op_shape, structure)
+                    except ValueError as exc:
+                        problem = str(exc)
+                problems[key] = problem
+            problem = problems[key]
             if problem:
-                yield f"rule '{rule.name}': {problem} for '{p.name}' ({_shape(p)})", ("rules", i, "geometry", "kind")
+                at = view_path if "view" in problem else ("rules", i, "geometry", "kind")
+                yield f"rule '{rule.name}': {problem} for '{p.name}' ({_shape(p)})", at
 
 
 @lint_rule("GO105", "no-operator", "error")

@@ -28,6 +28,7 @@ class ParamInfo:
     modules: Optional[tuple[str, ...]] = None
     aliases: tuple[str, ...] = ()  # other names of the same (tied) tensor
     device: str = "cpu"
+    role: Optional[object] = None  # a :class:`geomopt.compile.roles.Role`, once assigned
 
     @property
     def ndim(self) -> int:
@@ -67,7 +68,7 @@ class Matcher:
     """A :class:`Match` compiled once: its predicates as plain values (the regex compiled, ``ndim``
     as a set), so matching a rule against thousands of tensors costs one regex call per name."""
 
-    __slots__ = ("fullmatch", "ndims", "shape", "module")
+    __slots__ = ("fullmatch", "ndims", "shape", "module", "roles")
 
     def __init__(self, match: Match):
         self.fullmatch = glob_regex(match.name).fullmatch if match.name is not None else None
@@ -75,6 +76,11 @@ class Matcher:
         self.ndims = None if ndim is None else frozenset(ndim if isinstance(ndim, list) else [ndim])
         self.shape = None if match.shape is None else tuple(match.shape)
         self.module = match.module
+        role = match.role
+        self.roles = None if role is None else frozenset(role if isinstance(role, list) else [role])
+
+    def _role_ok(self, p: ParamInfo) -> bool:
+        return p.role is not None and not self.roles.isdisjoint(p.role.roles)
 
     def _shape_ok(self, shape: tuple[int, ...]) -> bool:
         return len(self.shape) == len(shape) and all(s == "*" or s == d for s, d in zip(self.shape, shape))
@@ -89,6 +95,8 @@ class Matcher:
         if self.ndims is not None and len(p.shape) not in self.ndims:
             return False
         if self.shape is not None and not self._shape_ok(p.shape):
+            return False
+        if self.roles is not None and not self._role_ok(p):
             return False
         if self.module is not None:
             if p.modules is None:
@@ -109,6 +117,8 @@ class Matcher:
                    or (params[i].aliases and any(fm(a) for a in params[i].aliases))]
         if self.shape is not None:
             idx = [i for i in idx if self._shape_ok(params[i].shape)]
+        if self.roles is not None:
+            idx = [i for i in idx if self._role_ok(params[i])]
         if self.module is None:
             return idx, []
         module = self.module
@@ -129,6 +139,8 @@ def describe(match: Match) -> str:
         parts.append(repr(match.name))
     if match.module is not None:
         parts.append(f"module={match.module}")
+    if match.role is not None:
+        parts.append(f"role={match.role if isinstance(match.role, str) else '|'.join(match.role)}")
     if match.ndim is not None:
         parts.append(f"ndim={match.ndim}")
     if match.shape is not None:

@@ -40,6 +40,7 @@ class ParamPlan:
     on_nonfinite: str
     project_on_init: bool
     aliases: tuple[str, ...] = ()
+    role: str = ""  # the tensor's role(s) ("" when the plan did not read roles)
 
     @property
     def bucket(self) -> str:
@@ -84,6 +85,25 @@ def op_layout(geometry: dict, p: ParamInfo) -> tuple[dict, bool, tuple[int, ...]
         geometry = {**geometry, "layout": "out_in"}
     shape = p.shape
     return geometry, transpose, ((shape[1], shape[0], *shape[2:]) if transpose else shape)
+
+
+def resolve_view(geometry: dict, op_shape: tuple[int, ...], structure: Optional[dict],
+                 constraint: Optional[dict] = None) -> dict:
+    """The geometry with its spec ``view`` resolved for one tensor (:func:`geomopt.geometry.view.resolve`;
+    ``structure`` from the tensor's role), block radius factors and whether a ``relative``
+    constraint scales with them. Raises ValueError when the view does not fit."""
+    spec_view = geometry.get("view")
+    if spec_view is None or "kind" not in spec_view:
+        return geometry
+    from geomopt.geometry.scale import block_factors
+    from geomopt.geometry.view import resolve
+
+    view = resolve(spec_view, op_shape, structure)
+    if view is not None:
+        view["factors"] = block_factors(geometry, op_shape, view)
+        if view["factors"] and constraint is not None and constraint.get("relative"):
+            view["scale_constraint"] = True
+    return {**geometry, "view": view}
 
 
 @dataclasses.dataclass

@@ -7,8 +7,9 @@ row of DESIGN's backward table, registered under ``(geometry, constraint)``; the
     fn(y, t, ref, constraint: dict, *, gamma, geometry: dict, batch_dims) -> (x, fallback)
 
 The leading ``batch_dims`` dims of ``y`` index independent tensors; every norm, sum and SVD is per
-batch element. Spectral ops view an element as a (shape[0], prod(rest)) matrix, cut into
-``geometry["split"]`` equal row blocks (each block its own matrix, its own constraint).
+batch element. Spectral ops view an element as a (shape[0], prod(rest)) matrix; a geometry's
+``view`` (experts, blocks: :mod:`geomopt.geometry.view`) makes it several matrices, each with its
+own constraint, and :func:`backward` hands the op each stack of them.
 
 Conventions shared by every op (documented once here):
 
@@ -43,6 +44,8 @@ import torch
 
 from geomopt.geometry.reference import Quadratic, Reference, make_reference
 from geomopt.geometry.registry import BACKWARD_OPS, backward_op, supported_constraints
+from geomopt.geometry.view import apply as apply_view
+from geomopt.geometry.view import concrete
 
 CONSTRAINT_KINDS = (
     "l2_ball", "linf_ball", "linf_sphere", "sign_set", "frobenius_ball", "frobenius_sphere", "spectral_ball",
@@ -81,7 +84,17 @@ def backward(
         raise ValueError(_unsupported_message(gkind, ckind))
     rho = float(radius if radius is not None else geometry.get("radius", 1.0))
     ref = make_reference(geometry["reference"]) if geometry.get("reference") else Quadratic()
-    return op(y, float(gamma) * rho, ref, constraint, gamma=float(gamma), geometry=geometry, batch_dims=batch_dims)
+    view = concrete(geometry, y.shape[batch_dims:])
+    if view is None:
+        return op(y, float(gamma) * rho, ref, constraint, gamma=float(gamma), geometry=geometry, batch_dims=batch_dims)
+    plain = {k: v for k, v in geometry.items() if k != "view"}
+    scaled = view.get("scale_constraint") and "radius" in constraint
+
+    def per_stack(mats, f):
+        c = {**constraint, "radius": constraint["radius"] * f} if scaled and f != 1.0 else constraint
+        return op(mats, float(gamma) * rho * f, ref, c, gamma=float(gamma), geometry=plain, batch_dims=1)
+
+    return apply_view(y, batch_dims, view, per_stack)
 
 
 def _unsupported_message(gkind: str, ckind: str) -> str:
@@ -381,21 +394,17 @@ _VECTOR_PROJ: dict[str, Callable] = {
 # ---------------------------------------------------------------- matrices and SVD
 
 
-def _matrices(y: torch.Tensor, batch_dims: int, split: int | None) -> torch.Tensor:
-    """(B·k, m/k, n) in the working dtype: each element as (shape[0], prod(rest)), dim 0 cut into
-    ``split`` equal blocks."""
+def _matrices(y: torch.Tensor, batch_dims: int) -> torch.Tensor:
+    """(B, m, n) in the working dtype: each element as (shape[0], prod(rest))."""
     shape = y.shape[batch_dims:]
     m = shape[0] if len(shape) else 1
     n = math.prod(shape[1:]) if len(shape) > 1 else 1
-    k = split or 1
-    if m % k:
-        raise ValueError(f"split={k} does not divide dim 0 of a tensor of shape {tuple(shape)}")
-    return y.to(_work_dtype(y)).reshape(-1, m // k, n)
+    return y.to(_work_dtype(y)).reshape(-1, m, n)
 
 
 def _element_any(flag: torch.Tensor, y: torch.Tensor, batch_dims: int) -> torch.Tensor:
-    """Per-block flags (B·k,) → per-element (batch shape)."""
-    return flag.reshape(math.prod(y.shape[:batch_dims]), -1).any(-1).reshape(y.shape[:batch_dims])
+    """Per-matrix flags (B,) → per-element (batch shape)."""
+    return flag.reshape(y.shape[:batch_dims])
 
 
 def _svd(m: torch.Tensor):
@@ -625,12 +634,12 @@ def _spectral_norm_estimate(e: torch.Tensor, iters: int = 12) -> torch.Tensor:
 def euclidean_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     """X⁺ = P_C(Y), the Euclidean projection (paper Example 2.6: an isotropic φ = h∘‖·‖ is an
     increasing function of the distance, so the prox of an indicator is P_C; for euclidean φ it
-    is the definition). Spectral sets act on the (shape[0], rest) matrix view, per ``split``
-    block. Isotropic: infeasible where ‖P_C(Y) − Y‖_F > t (C misses Y + t·dom φ₁); then P_C(Y) is
+    is the definition). Spectral sets act on the (shape[0], rest) matrix (per matrix of a
+    ``view``). Isotropic: infeasible where ‖P_C(Y) − Y‖_F > t (C misses Y + t·dom φ₁); then P_C(Y) is
     also the fallback, so only the flag differs."""
     kind = constraint["kind"]
     if kind in SPECTRAL_SETS:
-        mats = _matrices(y, batch_dims, geometry.get("split"))
+        mats = _matrices(y, batch_dims)
         x, _ = _spectral_map(mats, lambda s: (_sigma_proj(kind, s, constraint), None))
         x = _unflat(x, y)
     else:
@@ -704,15 +713,15 @@ def spectral_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
         sx = _sigma_proj(kind, s, constraint)
         return sx, _too_far((sx - s).abs().amax(-1), t, s.amax(-1), y) if ref.bounded else None
 
-    x, bad = _spectral_map(_matrices(y, batch_dims, geometry.get("split")), step)
+    x, bad = _spectral_map(_matrices(y, batch_dims), step)
     return _unflat(x, y), None if bad is None else _element_any(bad, y, batch_dims)
 
 
 @backward_op("spectral", ("frobenius_ball", "l2_ball"))
 def spectral_frobenius_ball(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     """Frobenius ball under φ₁ = Σh(σ_i) (Theorem 3.5 with Appendix A.1): the anisotropic ℓ2-ball
-    step on σ(Y), then X⁺ = U·Diag(x)·Vᵀ. Per ``split`` block."""
-    x, bad = _spectral_map(_matrices(y, batch_dims, geometry.get("split")),
+    step on σ(Y), then X⁺ = U·Diag(x)·Vᵀ."""
+    x, bad = _spectral_map(_matrices(y, batch_dims),
                            lambda s: _ball_magnitudes(s, t, constraint["radius"], ref, y.dtype))
     return _unflat(x, y), None if bad is None else _element_any(bad, y, batch_dims)
 
@@ -722,7 +731,7 @@ def spectral_frobenius_sphere(y, t, ref, constraint, *, gamma, geometry, batch_d
     """Frobenius sphere under φ₁ = Σh(σ_i) (Theorem 3.5): the anisotropic sphere step on σ(Y)
     (outward steps may lift zero singular values: LAPACK's completions give their vectors), then
     U·Diag(x)·Vᵀ. Y = 0 → (r/√q)·I_{m×n}."""
-    x, bad = _spectral_map(_matrices(y, batch_dims, geometry.get("split")),
+    x, bad = _spectral_map(_matrices(y, batch_dims),
                            lambda s: _sphere_magnitudes(s, t, constraint["radius"], ref, y.dtype))
     return _unflat(x, y), None if bad is None else _element_any(bad, y, batch_dims)
 
@@ -742,7 +751,7 @@ def _stiefel_polar(y, t, ref, constraint, *, geometry, batch_dims):
     arbitrary Y. The flag uses a power-iteration estimate of ‖Y − X⁺‖₂ (a lower bound: marginal
     infeasibility can go unflagged)."""
     r = constraint["radius"]
-    mats = _matrices(y, batch_dims, geometry.get("split"))
+    mats = _matrices(y, batch_dims)
     q = min(mats.shape[-2:])
     fro = torch.linalg.matrix_norm(mats)
     # Gershgorin on the small Gram G: σ_max² ≤ max_i Σ_j |G_ij| ≤ √q·σ_max², so c ≥ σ_max/1.5
@@ -808,7 +817,7 @@ def _spectral_ball_polar(y, t, ref, constraint, *, geometry, batch_dims):
     (fp64); σ spread from 100r to 0.01r: ≤ 1e-4·r (fp32), ≤ 1e-12·r (fp64). The flag uses a
     power-iteration estimate of ‖Y − X⁺‖₂."""
     r = constraint["radius"]
-    mats = _matrices(y, batch_dims, geometry.get("split"))
+    mats = _matrices(y, batch_dims)
     tall = mats.shape[-2] >= mats.shape[-1]
     a = mats if tall else mats.transpose(-2, -1)
     n = a.shape[-1]

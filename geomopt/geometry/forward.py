@@ -16,6 +16,8 @@ from geomopt.geometry.adam import adam_moments  # noqa: F401  (re-exported: the 
 from geomopt.geometry.reference import Reference, make_reference
 from geomopt.geometry.registry import FORWARD_OPS, forward_op
 from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, apply_approx, compute_dtype, matrix_view
+from geomopt.geometry.view import apply as apply_view
+from geomopt.geometry.view import concrete
 
 
 def _work(d: torch.Tensor) -> torch.Tensor:
@@ -60,14 +62,14 @@ def anisotropic(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None
 @forward_op("spectral")
 def spectral(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """φ(X) = Σ h(σ_i(X)): ∇φ*(D) = ρ·U·Diag((h*)'(σ_i))·Vᵀ (paper Corollary 3.2(ii), Example 3.3;
-    Muon-like). Each element is the matrix (shape[0], prod(rest)); ``split`` = k treats k equal
-    blocks of dim 0 as separate matrices. ``approx`` picks svd / gram_eigh / newton_schulz /
-    polar_express (:mod:`geomopt.geometry.spectral`), after ``prenormalize``."""
+    Muon-like). Each element is the matrix (shape[0], prod(rest)) (a ``view`` makes it several:
+    :func:`forward`). ``approx`` picks svd / gram_eigh / newton_schulz / polar_express
+    (:mod:`geomopt.geometry.spectral`), after ``prenormalize``."""
     approx = geometry.get("approx") or {"kind": "svd"}
     ref = _reference(geometry) if approx.get("kind", "svd") in ("svd", "gram_eigh") else None
     # no upcast here: each approximation casts to its own working dtype (spectral.compute_dtype),
     # and folds ρ into its result (a scaled σ map, or the last small factor of an iteration)
-    mats = matrix_view(d, batch_dims, geometry.get("split"))
+    mats = matrix_view(d, batch_dims)
     out = apply_approx(mats, ref, approx, geometry.get("prenormalize"), scale=radius, out_dtype=out_dtype or d.dtype)
     return out.reshape(d.shape)
 
@@ -151,10 +153,17 @@ def forward(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """ρ·∇φ₁*(d) for a geometry dict (``model_dump()`` of a spec geometry), in ``out_dtype``
-    (default: d's); ``radius`` None reads ``geometry["radius"]`` (default 1)."""
+    (default: d's); ``radius`` None reads ``geometry["radius"]`` (default 1). A resolved ``view``
+    (:mod:`geomopt.geometry.view`) runs the op on each of its matrix stacks."""
     kind = geometry.get("kind")
     op = FORWARD_OPS.get(kind)
     if op is None:
         raise ValueError(f"unknown geometry kind {kind!r}; expected one of {', '.join(FORWARD_OPS)}")
     rho = float(geometry.get("radius", 1.0)) if radius is None else float(radius)
-    return op(d, geometry, radius=rho, batch_dims=batch_dims, state=state, out_dtype=out_dtype)
+    view = None if kind in ("euclidean", "isotropic", "adam") else concrete(geometry, d.shape[batch_dims:])
+    if view is None or kind == "anisotropic" and not view["factors"]:  # elementwise: only factors matter
+        return op(d, geometry, radius=rho, batch_dims=batch_dims, state=state, out_dtype=out_dtype)
+    plain = {k: v for k, v in geometry.items() if k != "view"}
+    out, _ = apply_view(d, batch_dims, view, lambda m, f: (
+        op(m, plain, radius=rho * f, batch_dims=1, state=state, out_dtype=out_dtype), None))
+    return out

@@ -23,6 +23,7 @@ import torch
 
 from geomopt.geometry.reference import Quadratic, Reference, make_reference
 from geomopt.geometry.spectral import POLYNOMIAL_APPROXES
+from geomopt.geometry.view import concrete, reduce
 
 
 def stationarity_gap(
@@ -47,6 +48,11 @@ def stationarity_gap(
     if ref.kind == "indicator":
         return None
     rho = float(radius if radius is not None else geometry.get("radius", 1.0))
+    view = None if kind in ("euclidean", "isotropic") else concrete(geometry, g.shape[batch_dims:])
+    if view is not None:  # the sum over the view's matrices, each with its own radius ρ·f
+        plain = {k: v for k, v in geometry.items() if k != "view"}
+        return reduce(g, batch_dims, view,
+                      lambda gm, wm, f: stationarity_gap(gm, wm / f, plain, radius=rho * f, batch_dims=1), w)
     dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
     gb = g.to(dtype).reshape(math.prod(g.shape[:batch_dims]), -1)
     wb = w.to(dtype).reshape(gb.shape)
@@ -73,10 +79,14 @@ def stationarity_gap(
 
 def dual_norm(g: torch.Tensor, geometry: dict, batch_dims: int = 0) -> torch.Tensor:
     """‖G‖_*, the dual of the norm whose unit ball is dom φ₁ (the gap of the lmo method where
-    g ≡ 0, per unit radius): nuclear norm for spectral (summed over ``split`` blocks), ℓ1 for
-    anisotropic, Σ of row (column) norms for rowwise (columnwise), Frobenius for isotropic,
-    euclidean and adam. Shape ``g.shape[:batch_dims]``."""
+    g ≡ 0, per unit radius): nuclear norm for spectral (summed over a ``view``'s matrices, each
+    weighted by its radius factor), ℓ1 for anisotropic, Σ of row (column) norms for rowwise
+    (columnwise), Frobenius for isotropic, euclidean and adam. Shape ``g.shape[:batch_dims]``."""
     kind = geometry["kind"]
+    view = None if kind in ("euclidean", "isotropic", "adam") else concrete(geometry, g.shape[batch_dims:])
+    if view is not None:
+        plain = {k: v for k, v in geometry.items() if k != "view"}
+        return reduce(g, batch_dims, view, lambda gm, f: f * dual_norm(gm, plain, batch_dims=1))
     dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
     gb = g.to(dtype).reshape(math.prod(g.shape[:batch_dims]), -1)
     if kind == "anisotropic":
@@ -121,8 +131,7 @@ def _iso(ref: Reference, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _matrices(x: torch.Tensor, batch_dims: int, geometry: dict) -> torch.Tensor:
     shape = x.shape[batch_dims:]
     m = shape[0] if len(shape) else 1
-    k = geometry.get("split") or 1
-    return x.reshape(-1, m // k, max(1, math.prod(shape[1:])))
+    return x.reshape(-1, m, max(1, math.prod(shape[1:])))
 
 
 def _groups(x: torch.Tensor, batch_dims: int, geometry: dict) -> torch.Tensor:

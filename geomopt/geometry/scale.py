@@ -4,8 +4,9 @@ The effective radius of a tensor is ``geometry["radius"] * radius_scale(geometry
 are read through ``layout``: ``out_in`` (torch Linear, Conv: (d_out, d_in, …)) gives
 d_out = shape[0], d_in = prod(shape[1:]); ``in_out`` (Hugging Face GPT-2 Conv1D stores
 (d_in, d_out); embeddings (vocab, dim) read the same way) gives d_in = shape[0],
-d_out = prod(shape[1:]). With ``split`` = k (spectral) dim 0 is cut into k blocks and the preset is
-computed for one block.
+d_out = prod(shape[1:]). Under a resolved ``view`` (:mod:`geomopt.geometry.view`) the preset is
+computed for the view's first matrix (one expert, one block); other blocks carry their ratio to
+it in the view's ``factors``.
 
 Presets:
 
@@ -35,18 +36,21 @@ from __future__ import annotations
 
 import math
 
+from geomopt.geometry.view import matrix_shapes
+
 _MATRIX_KINDS = ("spectral", "rowwise", "columnwise")
 SCALE_PRESETS = ("none", "scion", "muon_original", "match_rms_adamw")
 
 
 def fan_dims(geometry: dict, shape: tuple[int, ...]) -> tuple[int, int]:
-    """(d_out, d_in) of one tensor (one block under ``split``) as ``layout`` reads it."""
+    """(d_out, d_in) of one tensor (of the first matrix of its resolved ``view``) as ``layout``
+    reads it."""
     shape = tuple(int(s) for s in shape)
-    first = shape[0] if shape else 1
-    split = geometry.get("split") if geometry.get("kind") == "spectral" else None
-    if split and first % split == 0:
-        first //= split
-    rest = math.prod(shape[1:])
+    view = geometry.get("view")
+    if view is not None and "kind" not in view:
+        first, rest = matrix_shapes(view, shape)[0]
+    else:
+        first, rest = (shape[0] if shape else 1), math.prod(shape[1:])
     if geometry.get("layout", "out_in") == "in_out":
         return rest, first
     return first, rest
@@ -78,6 +82,16 @@ def radius_scale(geometry: dict, shape: tuple[int, ...]) -> float:
     raise ValueError(f"scale preset 'scion' has no rule for geometry {kind!r}")
 
 
+def block_factors(geometry: dict, shape: tuple[int, ...], view: dict) -> list[float] | None:
+    """Per block of ``view``, its preset's radius over the first block's (None when all equal)."""
+    if view is None or not view["blocks"] or len(set(view["blocks"])) == 1:
+        return None
+    plain = {k: v for k, v in geometry.items() if k != "view"}
+    scales = [radius_scale(plain, (m, n)) for m, n in matrix_shapes(view, shape)]
+    factors = [s / scales[0] for s in scales]
+    return None if all(f == 1.0 for f in factors) else factors
+
+
 def check_applicable(geometry: dict, shape: tuple[int, ...]) -> str | None:
     """Why ``geometry`` cannot apply to a tensor of ``shape``, or None when it can."""
     kind = geometry.get("kind")
@@ -87,12 +101,4 @@ def check_applicable(geometry: dict, shape: tuple[int, ...]) -> str | None:
             f"{kind} geometry needs a tensor with at least 2 dimensions (viewed as (shape[0], rest)), "
             f"got shape {shape}; use isotropic or anisotropic for {'scalars' if not shape else 'vectors'}"
         )
-    split = geometry.get("split")
-    if kind == "spectral" and split is not None:
-        if split < 1 or shape[0] % split:
-            divisors = [k for k in range(2, shape[0] + 1) if shape[0] % k == 0][:6]
-            return (
-                f"split={split} does not divide dim 0 of shape {shape} into equal blocks; "
-                f"divisors of {shape[0]}: {divisors or 'none above 1'}"
-            )
     return None

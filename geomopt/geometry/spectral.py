@@ -471,18 +471,11 @@ def apply_approx(x: torch.Tensor, ref: Reference | None, approx: dict | None, pr
 # ---------------------------------------------------------------- matrix views of tensors
 
 
-def matrix_view(d: torch.Tensor, batch_dims: int = 0, split: int | None = None) -> torch.Tensor:
+def matrix_view(d: torch.Tensor, batch_dims: int = 0) -> torch.Tensor:
     """Each element of ``d`` (shape ``B + S``, B = leading ``batch_dims`` dims) as the matrix
-    (S[0], prod(S[1:])) (conv weights: out channels × the rest); ``split`` = k cuts S[0] into k
-    equal blocks, each its own matrix (fused QKV, heads). Returns shape B + (k, S[0]/k, R), or
-    B + (S[0], R) without split; ``.reshape(d.shape)`` undoes it."""
+    (S[0], prod(S[1:])) (conv weights: out channels × the rest); ``.reshape(d.shape)`` undoes it.
+    Other readings (experts, blocks, kernel positions) are :mod:`geomopt.geometry.view`'s."""
     shape = d.shape[batch_dims:]
     if len(shape) < 2:
         raise ValueError(f"a matrix view needs a tensor with at least 2 dims per element, got {tuple(shape)}")
-    rows, rest = shape[0], math.prod(shape[1:])
-    lead = d.shape[:batch_dims]
-    if split is None or split == 1:
-        return d.reshape(*lead, rows, rest)
-    if rows % split:
-        raise ValueError(f"split={split} does not divide dim 0 of shape {tuple(shape)}")
-    return d.reshape(*lead, split, rows // split, rest)
+    return d.reshape(*d.shape[:batch_dims], shape[0], math.prod(shape[1:]))

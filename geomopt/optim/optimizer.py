@@ -46,8 +46,8 @@ from geomopt.spec.printers import dump_spec
 
 def _euclidean(pp: ParamPlan) -> dict:
     """The Euclidean geometry for P_C (project_on_init, the violation): spectral sets act per
-    ``split`` block, as the rule's own backward step does."""
-    return {"kind": "euclidean", "radius": 1.0, "split": pp.geometry.get("split")}
+    matrix of the plan's ``view``, as the rule's own backward step does."""
+    return {"kind": "euclidean", "radius": 1.0, "view": pp.geometry.get("view")}
 
 
 def spec_hash(spec: Spec) -> str:

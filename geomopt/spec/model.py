@@ -143,8 +143,48 @@ Scale = Literal["none", "scion", "muon_original", "match_rms_adamw"]
 Layout = Literal["auto", "out_in", "in_out"]  # auto: in_out for Hugging Face Conv1D, else out_in
 
 
+class AutoView(_Model):
+    """The matrices the tensor's structure says it holds (:mod:`geomopt.compile.roles`): each
+    expert of a batched (E, out, in) expert weight, each block of a fused projection (q, k, v;
+    gate, up), a conv kernel as out × in·kh·kw; a plain (out, in) matrix otherwise."""
+
+    kind: Literal["auto"] = "auto"
+
+
+class MatrixView(_Model):
+    """How a tensor is read as a batch of matrices. ``batch``: leading axes that index separate
+    matrices (MoE experts: 1). The next axis is the rows; the axes after it are the columns
+    (``trailing: cols``, conv: out × in·kh·kw), or the first of them is and the rest index
+    separate matrices (``trailing: batch``, conv: one out × in matrix per kernel position).
+    ``blocks``: the rows cut into k equal blocks, or into blocks of the given sizes, each its own
+    matrix (heads, fused q,k,v under grouped-query attention, fused [gate, up])."""
+
+    kind: Literal["matrix"] = "matrix"
+    batch: Annotated[int, Field(ge=0)] = 0
+    trailing: Literal["cols", "batch"] = "cols"
+    blocks: Optional[Union[Annotated[int, Field(ge=1)], Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)]]] = None
+
+
+View = Annotated[Union[AutoView, MatrixView], Field(discriminator="kind")]
+VIEW_KINDS = ("auto", "matrix")
+
+
+def _view_shorthand(v):
+    """``view: auto`` is shorthand for ``view: {kind: auto}``."""
+    return {"kind": v} if isinstance(v, str) else v
+
+
 class _Geometry(_Model):
     radius: PositiveFloat = 1.0
+
+
+class _MatrixGeometry(_Geometry):
+    view: Optional[View] = None
+
+    @field_validator("view", mode="before")
+    @classmethod
+    def _view_shorthand(cls, v):
+        return _view_shorthand(v)
 
 
 class Euclidean(_Geometry):
@@ -161,7 +201,7 @@ class Isotropic(_Geometry):
     scale: Scale = "none"
 
 
-class Anisotropic(_Geometry):
+class Anisotropic(_MatrixGeometry):
     """∇φ*(D) = (h*)'(D_ij) elementwise (sign-like)."""
 
     kind: Literal["anisotropic"] = "anisotropic"
@@ -170,9 +210,9 @@ class Anisotropic(_Geometry):
     layout: Layout = "auto"
 
 
-class Spectral(_Geometry):
-    """∇φ*(D) = U·Diag((h*)'(σ_i))·Vᵀ; N-D tensors as (shape[0], rest); ``split`` cuts dim 0 into
-    equal blocks (fused QKV, heads)."""
+class Spectral(_MatrixGeometry):
+    """∇φ*(D) = U·Diag((h*)'(σ_i))·Vᵀ per matrix of the tensor's ``view`` (default: the
+    (shape[0], rest) matrix)."""
 
     kind: Literal["spectral"] = "spectral"
     reference: Reference
@@ -180,10 +220,9 @@ class Spectral(_Geometry):
     prenormalize: Optional[Prenormalize] = None
     scale: Scale = "none"
     layout: Layout = "auto"
-    split: Optional[Annotated[int, Field(ge=1)]] = None
 
 
-class Rowwise(_Geometry):
+class Rowwise(_MatrixGeometry):
     """Isotropic per row (Scion RowNorm)."""
 
     kind: Literal["rowwise"] = "rowwise"
@@ -192,7 +231,7 @@ class Rowwise(_Geometry):
     layout: Layout = "auto"
 
 
-class Columnwise(_Geometry):
+class Columnwise(_MatrixGeometry):
     """Isotropic per column (Scion ColNorm)."""
 
     kind: Literal["columnwise"] = "columnwise"
@@ -348,17 +387,23 @@ Schedule = Annotated[Union[ConstantSchedule, TheorySchedule, StormSchedule], Fie
 
 ShapeDim = Union[Annotated[int, Field(ge=0)], Literal["*"]]
 
+#: What a tensor does in its model (:mod:`geomopt.compile.roles` infers it).
+RoleName = Literal["embedding", "head", "router", "expert", "norm", "bias", "hidden", "other"]
+ROLE_NAMES = ("embedding", "head", "router", "expert", "norm", "bias", "hidden", "other")
+
 
 class Match(_Model):
     """Which parameters a rule owns: every given predicate must hold.
 
     ``name``: glob on the dotted name (``*`` within a segment, ``**`` across) or ``re:`` full-match
-    regex; ``module``: the owning module's class name (or a base class's); ``ndim`` (an int or a list
-    of allowed ints); ``shape`` (ints or ``"*"``).
+    regex; ``module``: the owning module's class name (or a base class's); ``role``: what the tensor
+    does in the model (one role or a list, :data:`ROLE_NAMES`); ``ndim`` (an int or a list of
+    allowed ints); ``shape`` (ints or ``"*"``).
     """
 
     name: Optional[str] = None
     module: Optional[str] = None
+    role: Optional[Union[RoleName, Annotated[list[RoleName], Field(min_length=1)]]] = None
     ndim: Optional[Union[Annotated[int, Field(ge=0)], Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]]] = None
     shape: Optional[list[ShapeDim]] = None
 
@@ -378,8 +423,8 @@ class Match(_Model):
 
     @model_validator(mode="after")
     def _not_empty(self):
-        if self.name is None and self.module is None and self.ndim is None and self.shape is None:
-            raise ValueError("match needs at least one of name, module, ndim, shape")
+        if self.name is None and self.module is None and self.role is None and self.ndim is None and self.shape is None:
+            raise ValueError("match needs at least one of name, module, role, ndim, shape")
         return self
 
 
@@ -415,12 +460,14 @@ class Rule(Hyper):
 
 
 class Spec(_Model):
-    """A whole spec: ordered rules, the first match owns a parameter."""
+    """A whole spec: ordered rules, the first match owns a parameter. ``roles`` gives tensors a
+    role by name pattern (glob or ``re:``), over what is inferred from the model."""
 
     geomopt: Literal[1]
     name: Annotated[str, Field(min_length=1)]
     description: Optional[str] = None
     defaults: Defaults = Field(default_factory=Defaults)
+    roles: dict[RoleName, Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]] = Field(default_factory=dict)
     rules: Annotated[list[Rule], Field(min_length=1)]
     _source: Any = PrivateAttr(default=None)  # positions, when parsed from text
 
@@ -441,6 +488,18 @@ class Spec(_Model):
                 )
             seen[rule.name] = i
         return self
+
+    @field_validator("roles")
+    @classmethod
+    def _role_patterns_compile(cls, v):
+        for patterns in v.values():
+            for pattern in patterns:
+                if pattern.startswith("re:"):
+                    try:
+                        re.compile(pattern[3:])
+                    except re.error as exc:
+                        raise ValueError(f"bad regular expression {pattern[3:]!r}: {exc}") from None
+        return v
 
 
 RESOLVED_DEFAULTS = dict(
