@@ -134,7 +134,7 @@ def run(args) -> int:
     import geomopt
     from geomopt.cli.main import EXIT_CLEAN, EXIT_FINDINGS, report
     from geomopt.compile import lint_spec
-    from geomopt.compile.params import params_from_model
+    from geomopt.compile.compiler import model_params
     from geomopt.models import GPT, GPTConfig
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -142,7 +142,7 @@ def run(args) -> int:
     spec = geomopt.load_spec(spec_path)
     probe = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64))
     print(f"== lint {spec_path} against the built-in GPT")
-    diags = lint_spec(spec, params_from_model(probe)[0])
+    diags = lint_spec(spec, model_params(probe)[0])
     report(diags, "text")
     if any(d.severity == "error" for d in diags):
         return EXIT_FINDINGS

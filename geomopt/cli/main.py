@@ -91,10 +91,11 @@ def load_model(ref: str):
 
 def _params(args):
     """ParamInfos from --model / --checkpoint, or None (lint the spec alone)."""
-    from geomopt.compile.params import params_from_checkpoint, params_from_model
+    from geomopt.compile.compiler import model_params
+    from geomopt.compile.params import params_from_checkpoint
 
     if getattr(args, "model", None):
-        return params_from_model(load_model(args.model))[0], False
+        return model_params(load_model(args.model))[0], False
     if getattr(args, "checkpoint", None):
         try:
             return params_from_checkpoint(args.checkpoint), True

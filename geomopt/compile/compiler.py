@@ -34,20 +34,21 @@ def compile_spec(spec: Union[Spec, str, dict], model, *, roles: Optional[dict] =
     operator."""
     spec = as_spec(spec)
     with _gc_paused():
-        infos = model_params(model) if needs_roles(spec, roles) else params_from_model(model)[0]
+        infos, _ = model_params(model, needs_roles(spec, roles))
         return plan_from_infos(spec, infos, roles=roles)
 
 
-def model_params(model) -> list[ParamInfo]:
-    """:func:`params_from_model` with each tensor's role inferred from the model's structure
-    (from names and shapes, marked as guesses, for an iterable of (name, tensor))."""
+def model_params(model, roles: bool = True) -> tuple[list[ParamInfo], dict[str, object]]:
+    """:func:`params_from_model`, with each tensor's role inferred from the model's structure
+    when ``roles`` (an iterable of (name, tensor) gets them guessed from names and shapes later,
+    where a plan reads roles)."""
     import torch
 
-    infos, _ = params_from_model(model)
-    if isinstance(model, torch.nn.Module):
+    infos, tensors = params_from_model(model)
+    if roles and isinstance(model, torch.nn.Module):
         inferred, _ = infer_roles(model, infos)
         assign(infos, inferred)
-    return infos
+    return infos, tensors
 
 
 def needs_roles(spec: Spec, roles: Optional[dict] = None) -> bool:

@@ -147,13 +147,13 @@ class Plan:
     def table(self) -> str:
         """A text table: one line per tensor."""
         bucket_ids = {k: i for i, k in enumerate(self.buckets())}
-        head = ("parameter", "shape", "rule", "geometry", "constraint", "lr", "radius", "bucket")
+        head = ("parameter", "shape", "role", "rule", "geometry", "view", "constraint", "lr", "radius", "bucket")
         rows = [head]
         for p in self.params:
             name = p.name + (f" (= {', '.join(p.aliases)})" if p.aliases else "")
-            rows.append((name, "×".join(map(str, p.shape)) or "scalar", p.rule, _geometry_text(p),
-                         _constraint_text(p.constraint), f"{p.lr:g}", f"{p.radius:.4g}" + (" ᵀ" if p.transpose else ""),
-                         str(bucket_ids[p.bucket])))
+            rows.append((name, "×".join(map(str, p.shape)) or "scalar", p.role or "-", p.rule, _geometry_text(p),
+                         view_text(p), _constraint_text(p.constraint), f"{p.lr:g}",
+                         f"{p.radius:.4g}" + (" ᵀ" if p.transpose else ""), str(bucket_ids[p.bucket])))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -161,6 +161,16 @@ class Plan:
         if self.frozen:
             tail += f"; {len(self.frozen)} frozen (skipped): {', '.join(self.frozen[:5])}" + (" …" if len(self.frozen) > 5 else "")
         return "\n".join(lines + [tail])
+
+
+def view_text(p: ParamPlan) -> str:
+    """The matrices the operators see: "4 × 256×64" (experts), "3 × 64×64" (fused blocks),
+    "64×576" (a conv kernel as one matrix); "-" for geometries that read no matrix."""
+    if p.geometry["kind"] not in ("spectral", "rowwise", "columnwise", "anisotropic") or len(p.shape) < 2:
+        return "-"
+    from geomopt.geometry.view import describe
+
+    return describe(p.geometry.get("view"), p.op_shape)
 
 
 def _call_text(d: Optional[dict]) -> str:
@@ -179,8 +189,6 @@ def _geometry_text(p: ParamPlan) -> str:
         text += f"[{_call_text(g['reference'])}]"
     if g.get("approx") is not None:
         text += f" via {_call_text({k: v for k, v in g['approx'].items() if k != 'coefficients'})}"
-    if g.get("split"):
-        text += f" split={g['split']}"
     return text
 
 

@@ -26,7 +26,7 @@ import torch
 from torch.optim import Optimizer
 
 from geomopt.compile import as_spec, plan_from_infos
-from geomopt.compile.params import params_from_model
+from geomopt.compile.compiler import model_params, needs_roles
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.geometry.backward import backward
 from geomopt.geometry.adam import adam_moments
@@ -95,10 +95,10 @@ class GeomOptimizer(Optimizer):
 
     def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, track_gap: bool = False,
                  track_update: bool = False, distributed: Union[str, bool] = "auto", process_group=None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, roles: Optional[dict] = None):
         self.spec = as_spec(spec)
-        infos, tensors = params_from_model(model_or_named_parameters)
-        self.plan: Plan = plan_from_infos(self.spec, infos)
+        infos, tensors = model_params(model_or_named_parameters, needs_roles(self.spec, roles))
+        self.plan: Plan = plan_from_infos(self.spec, infos, roles=roles)
         self.spec_hash = spec_hash(self.spec)
         self.track_gap = track_gap
         self.track_update = track_update
