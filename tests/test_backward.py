@@ -479,10 +479,10 @@ def test_batched_equals_per_tensor_and_in_set(pair, vals, gamma, ref):
 @settings(max_examples=20, deadline=None)
 @given(st.sampled_from(["stiefel", "spectral_ball", "spectral_sphere", "rank", "frobenius_ball", "frobenius_sphere"]),
        st.lists(finite, min_size=12, max_size=12), st.floats(0.05, 0.8))
-def test_split_equals_per_block(ckind, vals, gamma):
+def test_view_blocks_equal_per_block(ckind, vals, gamma):
     y = torch.tensor(vals, dtype=torch.float64).reshape(4, 3)
     c = _constraint(ckind, k=1)
-    geo = {**_geometry("spectral", LOG), "split": 2}
+    geo = {**_geometry("spectral", LOG), "view": {"kind": "matrix", "blocks": 2}}
     x, fb = backward(y, gamma, geo, c)
     for blk in range(2):
         xb, fbb = backward(y[2 * blk: 2 * blk + 2], gamma, _geometry("spectral", LOG), c)
@@ -862,3 +862,32 @@ def test_ball_magnitudes_match_nested_root_finding_in_float64(ref, t_over_r):
     s, bad = mod._ball_magnitudes(torch.tensor(a)[None], t, r, make_reference(ref), torch.float64)
     assert not bool(bad[0])
     np.testing.assert_allclose(s[0].numpy(), t * sigma(np.exp(log_tau)), rtol=1e-12, atol=1e-14 * r)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from(["stiefel", "spectral_ball", "frobenius_ball", "frobenius_sphere"]),
+       st.lists(finite, min_size=24, max_size=24), st.floats(0.05, 0.8))
+def test_view_batch_equals_per_expert(ckind, vals, gamma):
+    """An (E, out, in) tensor under ``batch: 1`` is E matrices, each with its own constraint."""
+    y = torch.tensor(vals, dtype=torch.float64).reshape(2, 4, 3)
+    c = _constraint(ckind, k=1)
+    x, fb = backward(y, gamma, {**_geometry("spectral", LOG), "view": {"kind": "matrix", "batch": 1}}, c)
+    for e in range(2):
+        xe, fe = backward(y[e], gamma, _geometry("spectral", LOG), c)
+        torch.testing.assert_close(x[e], xe, rtol=1e-9, atol=1e-10)
+        assert not bool(fe) or bool(fb)
+
+
+def test_view_unequal_blocks_scale_a_relative_constraint():
+    """Blocks of different sizes carry their radius factors: block i's step is the plain step with
+    t·fᵢ, and its set radius times fᵢ when the constraint was ``relative``."""
+    y = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) * 3
+    c = {"kind": "spectral_ball", "radius": 0.5}
+    view = {"batch": 0, "trailing": "cols", "blocks": [4, 2, 2], "factors": [1.0, 0.25, 0.25], "scale_constraint": True}
+    x, _ = backward(y, 0.3, {**_geometry("spectral", LOG), "view": view}, c, radius=2.0)
+    geo = _geometry("spectral", LOG)
+    want = torch.cat([backward(y[:4], 0.3, geo, c, radius=2.0)[0],
+                      backward(y[4:6], 0.3, geo, {**c, "radius": 0.125}, radius=0.5)[0],
+                      backward(y[6:], 0.3, geo, {**c, "radius": 0.125}, radius=0.5)[0]])
+    torch.testing.assert_close(x, want, rtol=1e-12, atol=1e-12)
+    assert float(torch.linalg.matrix_norm(x[4:6], ord=2)) <= 0.125 + 1e-9

@@ -83,9 +83,12 @@ def test_hugging_face_conv1d_gets_the_true_scion_radius(hf_gpt2):
         for suffix in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
             p = plan[f"transformer.h.{layer}.{suffix}.weight"]
             d_in, d_out = p.shape  # Conv1D stores (d_in, d_out)
+            if suffix == "attn.c_attn":  # fused q, k, v: the auto view reads three (64, 64) blocks
+                d_out //= 3
+                assert p.geometry["view"]["blocks"] == [64, 64, 64]
             assert p.rule == "hidden" and p.transpose
             assert p.radius == pytest.approx(math.sqrt(d_out / d_in))
-    assert plan["transformer.h.0.attn.c_attn.weight"].radius == pytest.approx(math.sqrt(3))  # 192 / 64
+    assert plan["transformer.h.0.attn.c_attn.weight"].radius == pytest.approx(1.0)  # 64 / 64 per block
     assert plan["transformer.h.0.mlp.c_proj.weight"].radius == pytest.approx(0.5)  # 64 / 256
     # the nanoGPT reference model stores the same weights as (d_out, d_in): same radii, no transpose
     ours = compile_spec(ROOT / "specs" / "scion.yaml", MODELS["gpt"]())
@@ -140,7 +143,8 @@ SCALE_ROWS = [
     ({**SPECTRAL, "scale": "scion"}, (192, 64), math.sqrt(192 / 64)),
     ({**SPECTRAL, "scale": "scion"}, (64, 256), math.sqrt(64 / 256)),
     ({**SPECTRAL, "scale": "scion"}, (16, 4, 3, 3), math.sqrt(16 / 36)),  # conv: d_in = prod(rest)
-    ({**SPECTRAL, "scale": "scion", "split": 3}, (192, 64), 1.0),  # one block of a fused QKV
+    ({**SPECTRAL, "scale": "scion", "view": {"kind": "matrix", "blocks": 3}}, (192, 64), 1.0),  # one block of a fused QKV
+    ({**SPECTRAL, "scale": "scion", "view": {"kind": "matrix", "batch": 1}}, (4, 128, 32), 2.0),  # one expert
     ({**SPECTRAL, "scale": "muon_original"}, (256, 64), 2.0),
     ({**SPECTRAL, "scale": "muon_original"}, (64, 256), 1.0),
     ({**SPECTRAL, "scale": "match_rms_adamw"}, (64, 256), 0.2 * 16),
@@ -260,14 +264,14 @@ def test_table_has_one_line_per_tensor_and_a_summary():
     plan = compile_spec(ROOT / "specs" / "uscion.yaml", model)
     lines = plan.table().splitlines()
     header = lines[0].split()
-    assert header == ["parameter", "shape", "rule", "geometry", "constraint", "lr", "radius", "bucket"]
+    assert header == ["parameter", "shape", "role", "rule", "geometry", "view", "constraint", "lr", "radius", "bucket"]
     assert set(lines[1]) <= {"-", " "}
     body = lines[2:-1]
     assert len(body) == len(plan)
     bucket_ids = {key: i for i, key in enumerate(plan.buckets())}
     for line, p in zip(body, plan):
         assert line.startswith(p.name + " ")
-        assert f" {p.rule} " in line and "×".join(map(str, p.shape)) in line
+        assert f" {p.rule} " in line and "×".join(map(str, p.shape)) in line and f" {p.role} " in line
         assert re.search(rf"\s{bucket_ids[p.bucket]}$", line)
         assert (" ᵀ" in line) == p.transpose
     wte = next(line for line in body if line.startswith("transformer.wte.weight"))
@@ -346,15 +350,31 @@ def test_spectral_on_a_vector_is_an_error():
     assert "'bias'" in str(exc.value) and "at least 2 dimensions" in str(exc.value)
 
 
-def test_split_must_divide_dim_0():
-    spec = _spec([{"name": "all", "match": "**", "geometry": {**SPECTRAL, "split": 5}}])
+def test_view_blocks_must_divide_the_rows():
+    spec = _spec([{"name": "all", "match": "**", "geometry": {**SPECTRAL, "view": {"kind": "matrix", "blocks": 5}}}])
     with pytest.raises(geomopt.SpecError) as exc:
         compile_spec(spec, nn.Linear(64, 192, bias=False))
     assert _codes(exc) == ["GO104"]
-    assert "split=5" in str(exc.value) and "[2, 3, 4, 6, 8, 12]" in str(exc.value)
-    ok = compile_spec(_spec([{"name": "all", "match": "**", "geometry": {**SPECTRAL, "split": 3}}]),
+    assert "blocks=5" in str(exc.value) and "[2, 3, 4, 6, 8, 12]" in str(exc.value) and "'weight' (192×64)" in str(exc.value)
+    ok = compile_spec(_spec([{"name": "all", "match": "**", "geometry": {**SPECTRAL, "view": {"kind": "matrix", "blocks": 3}}}]),
                       nn.Linear(64, 192, bias=False))
-    assert ok["weight"].geometry["split"] == 3
+    assert ok["weight"].geometry["view"]["blocks"] == [64, 64, 64]
+
+
+def test_view_unequal_blocks_carry_radius_factors():
+    """Fused q, k, v under grouped-query attention (64 + 16 + 16 rows): the plan's radius is the
+    q block's, the k and v blocks carry √(16/64) relative to it under ``scale: scion``."""
+    view = {"kind": "matrix", "blocks": [64, 16, 16]}
+    plan = compile_spec(_spec([{"name": "all", "match": "**", "geometry": {**SPECTRAL, "scale": "scion", "view": view},
+                                "constraint": {"kind": "spectral_ball", "radius": 1.0, "relative": True}}]),
+                        nn.Linear(64, 96, bias=False))
+    pp = plan["weight"]
+    assert pp.radius == pytest.approx(1.0)
+    assert pp.geometry["view"]["factors"] == pytest.approx([1.0, 0.5, 0.5])
+    assert pp.geometry["view"]["scale_constraint"] is True
+    with pytest.raises(geomopt.SpecError, match="sum to 80"):
+        compile_spec(_spec([{"name": "all", "match": "**", "geometry": {**SPECTRAL, "view": {"kind": "matrix", "blocks": [64, 16]}}}]),
+                     nn.Linear(64, 96, bias=False))
 
 
 def test_every_blocking_finding_is_reported_at_once():

@@ -1,4 +1,4 @@
-"""Forward ops ρ·∇φ₁*(D) against float64 brute force (autograd of φ₁*), batching, split,
+"""Forward ops ρ·∇φ₁*(D) against float64 brute force (autograd of φ₁*), batching, views,
 dtypes, the adam op against torch.optim.AdamW, radius presets and applicability checks."""
 
 from __future__ import annotations
@@ -115,12 +115,12 @@ def test_spectral_argmax_definition():
             assert objective(z) <= best + 1e-15
 
 
-# ---------------------------------------------------------------- batching, split, views, dtypes
+# ---------------------------------------------------------------- batching, views, dtypes
 
 BATCHABLE = [r[0] for r in GEOMETRY_TABLE] + [
     {"kind": "spectral", "reference": IND, "approx": {"kind": "newton_schulz"}},
     {"kind": "spectral", "reference": IND, "approx": {"kind": "polar_express", "steps": 6}, "prenormalize": {"kind": "max", "eps": 1e-7}},
-    {"kind": "spectral", "reference": LOG, "split": 2},
+    {"kind": "spectral", "reference": LOG, "view": {"kind": "matrix", "blocks": 2}},
 ]
 
 
@@ -149,15 +149,72 @@ def test_batched_equals_per_tensor_shapes(kind, batch, shape, seed):
     torch.testing.assert_close(got, per, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("approx", [{"kind": "svd"}, {"kind": "gram_eigh"}, {"kind": "newton_schulz"}, {"kind": "polar_express"}])
-def test_split_equals_blocks(approx):
-    """split = 3 on a fused (3·4, 5) QKV weight = each (4, 5) block on its own (conv view too)."""
+APPROXES = [{"kind": "svd"}, {"kind": "gram_eigh"}, {"kind": "newton_schulz"}, {"kind": "polar_express"}]
+
+
+def _view(**fields) -> dict:
+    return {"kind": "matrix", **fields}
+
+
+@pytest.mark.parametrize("approx", APPROXES)
+def test_view_blocks_equal_per_block(approx):
+    """blocks = 3 on a fused (3·4, 5) QKV weight = each (4, 5) block on its own (conv view too);
+    unequal blocks [6, 3, 3] (grouped-query q, k, v) likewise, each with its own radius factor."""
     geometry = {"kind": "spectral", "reference": LOG, "approx": approx}
     for shape in ((12, 5), (12, 2, 3)):
         d = randn(*shape, seed=9)
-        got = forward(d, {**geometry, "split": 3}, radius=2.0)
+        got = forward(d, {**geometry, "view": _view(blocks=3)}, radius=2.0)
         blocks = torch.cat([forward(b, geometry, radius=2.0) for b in d.chunk(3, dim=0)])
         torch.testing.assert_close(got, blocks, rtol=1e-10, atol=1e-12)
+    d = randn(12, 5, seed=10)
+    view = {"batch": 0, "trailing": "cols", "blocks": [6, 3, 3], "factors": [1.0, 0.5, 0.5]}
+    got = forward(d, {**geometry, "view": view}, radius=2.0)
+    want = torch.cat([forward(d[:6], geometry, radius=2.0), forward(d[6:9], geometry, radius=1.0),
+                      forward(d[9:], geometry, radius=1.0)])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("approx", APPROXES)
+def test_view_batch_is_one_matrix_per_expert(approx):
+    """batch = 1 on (E, out, in) expert weights = each expert's matrix on its own, stacked in one
+    call (batched with other tensors too); the flattened (E, out·in) reading differs."""
+    geometry = {"kind": "spectral", "reference": LOG, "approx": approx}
+    d = randn(2, 4, 6, 5, seed=11)  # two tensors of 4 experts
+    got = forward(d, {**geometry, "view": _view(batch=1)}, radius=1.5, batch_dims=1)
+    want = torch.stack([torch.stack([forward(e, geometry, radius=1.5) for e in t]) for t in d])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(forward(d[0], geometry, radius=1.5), want[0])
+
+
+def test_view_trailing_batch_is_one_matrix_per_kernel_position():
+    """trailing = batch on a conv kernel (out, in, kh, kw): one out × in matrix per position."""
+    geometry = {"kind": "spectral", "reference": LOG}
+    d = randn(6, 4, 3, 2, seed=12)
+    got = forward(d, {**geometry, "view": _view(trailing="batch")})
+    want = torch.empty_like(d)
+    for i in range(3):
+        for j in range(2):
+            want[:, :, i, j] = forward(d[:, :, i, j], geometry)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "view,shape,message",
+    [
+        (_view(blocks=3), (10, 4), "blocks=3 does not divide the rows .* divisors of 10: \\[2, 5, 10\\]"),
+        (_view(blocks=[4, 4]), (10, 4), "sum to 8, but the rows .* number 10"),
+        (_view(batch=1), (10, 4), "batch=1 needs at least 3 dims"),
+        (_view(blocks=3), (12, 4), None),
+    ],
+)
+def test_view_that_does_not_fit_says_why(view, shape, message):
+    from geomopt.geometry.view import resolve
+
+    if message is None:
+        assert resolve(view, shape)["blocks"] == [4, 4, 4]
+    else:
+        with pytest.raises(ValueError, match=message):
+            resolve(view, shape)
 
 
 @pytest.mark.parametrize("kind", ["rowwise", "columnwise"])
@@ -339,8 +396,9 @@ def test_scion_presets_reproduce_scion_lmos(geometry, scion_lmo, shape, layout_s
         ({"kind": "spectral", "scale": "scion"}, (64, 16), math.sqrt(4)),
         ({"kind": "spectral", "scale": "scion", "layout": "in_out"}, (64, 16), math.sqrt(1 / 4)),
         ({"kind": "spectral", "scale": "scion"}, (32, 4, 3, 3), math.sqrt(32 / 36)),
-        ({"kind": "spectral", "scale": "scion", "split": 3}, (48, 16), 1.0),  # per (16, 16) block
-        ({"kind": "spectral", "scale": "muon_original", "split": 2}, (64, 16), math.sqrt(2)),
+        ({"kind": "spectral", "scale": "scion", "view": _view(blocks=3)}, (48, 16), 1.0),  # per (16, 16) block
+        ({"kind": "spectral", "scale": "muon_original", "view": _view(blocks=2)}, (64, 16), math.sqrt(2)),
+        ({"kind": "spectral", "scale": "scion", "view": _view(batch=1)}, (4, 64, 16), 2.0),  # per expert
         ({"kind": "anisotropic", "scale": "scion"}, (10, 4), 1 / 4),
         ({"kind": "anisotropic", "scale": "scion", "layout": "in_out"}, (10, 4), 1 / 10),
         ({"kind": "columnwise", "scale": "scion"}, (10, 4), math.sqrt(10)),
@@ -370,8 +428,6 @@ def test_unknown_preset_is_an_error():
         ({"kind": "spectral"}, (7,), "spectral geometry needs a tensor with at least 2 dimensions.*got shape \\(7,\\).*vectors"),
         ({"kind": "rowwise"}, (), "rowwise geometry needs .* scalars"),
         ({"kind": "columnwise"}, (5,), "columnwise geometry needs"),
-        ({"kind": "spectral", "split": 3}, (10, 4), "split=3 does not divide dim 0 of shape \\(10, 4\\).*\\[2, 5, 10\\]"),
-        ({"kind": "spectral", "split": 3}, (12, 4), None),
         ({"kind": "spectral"}, (3, 4, 5), None),
         ({"kind": "anisotropic"}, (7,), None),
         ({"kind": "isotropic"}, (), None),

@@ -172,7 +172,11 @@ def test_dual_norms():
     nuc = torch.linalg.matrix_norm(g, ord="nuc")
     torch.testing.assert_close(dual_norm(g, _geometry("spectral", LOG), batch_dims=1), nuc)
     split = torch.linalg.matrix_norm(g.reshape(2, 2, 2, 6), ord="nuc").sum(-1)
-    torch.testing.assert_close(dual_norm(g, {**_geometry("spectral", LOG), "split": 2}, batch_dims=1), split)
+    blocks = {"kind": "matrix", "blocks": 2}
+    torch.testing.assert_close(dual_norm(g, {**_geometry("spectral", LOG), "view": blocks}, batch_dims=1), split)
+    experts = {"kind": "matrix", "batch": 1}
+    torch.testing.assert_close(dual_norm(g.reshape(1, 2, 4, 6), {**_geometry("spectral", LOG), "view": experts}, batch_dims=1),
+                               nuc.sum().reshape(1))
     torch.testing.assert_close(dual_norm(g, _geometry("anisotropic", LOG), 1), g.abs().sum((1, 2)))
     torch.testing.assert_close(dual_norm(g, _geometry("isotropic", LOG), 1), g.norm(dim=(1, 2)))
     torch.testing.assert_close(dual_norm(g, _geometry("rowwise", LOG), 1), g.norm(dim=2).sum(1))

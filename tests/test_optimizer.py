@@ -294,12 +294,14 @@ def test_project_on_init():
             assert torch.equal(p.detach(), w)
 
 
-def test_project_on_init_respects_split():
-    """A fused (3·d, d) weight with ``split: 3`` is three matrices: each block goes onto the set."""
+def test_project_on_init_respects_view_blocks():
+    """A fused (3·d, d) weight with ``view: {blocks: 3}`` is three matrices: each block goes onto
+    the set."""
     torch.manual_seed(0)
     p = nn.Parameter(torch.randn(12, 4) * 3)
     geomopt.GeomOptimizer([("w", p)], one_rule(
-        {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}, "split": 3},
+        {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"},
+         "view": {"kind": "matrix", "blocks": 3}},
         constraint={"kind": "stiefel", "radius": 1.0}))
     for block in p.detach().split(4):
         torch.testing.assert_close(torch.linalg.svdvals(block), torch.ones(4), rtol=1e-5, atol=1e-5)

@@ -66,6 +66,10 @@ class LintContext:
         regex call per (rule, name), not a Python call per pair."""
         has_model = params is not None
         params = params or []
+        if any(p.role is None for p in params) and (spec.roles or any(r.match.role is not None for r in spec.rules)):
+            from geomopt.compile.roles import ensure_roles
+
+            ensure_roles(params, spec.roles)
         trainable = [p for p in params if p.requires_grad]
         frozen = [p for p in params if not p.requires_grad]
         owner_index: list[Optional[int]] = [None] * len(trainable)
@@ -142,7 +146,7 @@ def unused_rule(ctx: LintContext):
     ``transformer.h.0.attn.c_attn.weight``. Fixed: ``match: "transformer.h.*.attn.*.weight"``.
     """
     for i, rule in enumerate(ctx.spec.rules):
-        if not ctx.matched[i] and not ctx.undecided[i]:
+        if not ctx.matched[i] and not ctx.undecided[i] and not _absent_role(ctx, rule):
             yield f"rule '{rule.name}' ({describe(rule.match)}) matches no parameter", ("rules", i, "match")
 
 
@@ -235,10 +239,11 @@ def inapplicable_geometry(ctx: LintContext):
                         resolve_view(op_geometry, op_shape, structure)
                     except ValueError as exc:
                         problem = str(exc)
-                problems[key] = problem
-            problem = problems[key]
+                problems[key] = (problem, problem is not None and geometry.get("view") is not None
+                                 and check_applicable(geometry, p.shape) is None)
+            problem, in_view = problems[key]
             if problem:
-                at = view_path if "view" in problem else ("rules", i, "geometry", "kind")
+                at = view_path if in_view else ("rules", i, "geometry", "kind")
                 yield f"rule '{rule.name}': {problem} for '{p.name}' ({_shape(p)})", at
 
 
@@ -369,6 +374,162 @@ def outside_theory(ctx: LintContext):
         if rule.constraint is not None and ref is not None and ref.kind == "indicator":
             yield (f"rule '{rule.name}': {rule.constraint.kind} with the indicator reference is outside the "
                    f"theory (no stationarity gap)"), ("rules", i, "geometry", "reference")
+
+
+# ---------------------------------------------------------------- roles and views
+
+
+def _roles_of(rule) -> set:
+    role = rule.match.role
+    return set() if role is None else {role} if isinstance(role, str) else set(role)
+
+
+def _absent_role(ctx: LintContext, rule) -> bool:
+    """A rule selecting by role, none of whose roles any tensor of the model has."""
+    wanted = _roles_of(rule)
+    return bool(wanted) and not any(p.role is not None and wanted & set(p.role.roles) for p in ctx.params)
+
+
+@lint_rule("GO113", "absent-role", "note", needs_model=True)
+def absent_role(ctx: LintContext):
+    """A rule that selects tensors by role matches nothing because the model has no tensor with
+    that role: a generic spec meets models without embeddings (a ResNet) or experts (a dense
+    transformer). Information, not a problem; a name pattern that matches nothing stays a
+    warning (GO102), since that is usually a typo.
+
+    Example: ``match: {role: embedding}`` against a ResNet-18 notes "no tensor has role
+    embedding".
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        if not ctx.matched[i] and not ctx.undecided[i] and _absent_role(ctx, rule):
+            roles = ", ".join(sorted(_roles_of(rule)))
+            yield f"rule '{rule.name}' is idle: no tensor of this model has role {roles}", ("rules", i, "match", "role")
+
+
+@lint_rule("GO114", "unused-role-pattern", "warning", needs_model=True)
+def unused_role_pattern(ctx: LintContext):
+    """A pattern under the spec's ``roles:`` that names no tensor: usually a misspelled name, so
+    the role it meant to give is not given.
+
+    Bad: ``roles: {head: ["clasifier.weight"]}``. Fixed: ``roles: {head: ["classifier.weight"]}``.
+    """
+    from geomopt.compile.match import glob_regex
+
+    for role, patterns in ctx.spec.roles.items():
+        for j, pattern in enumerate(patterns):
+            fm = glob_regex(pattern).fullmatch
+            if not any(fm(p.name) or any(fm(a) for a in p.aliases) for p in ctx.params):
+                yield f"roles: pattern {pattern!r} for role {role} names no tensor of the model", ("roles", role, j)
+
+
+_SPECIAL = ("head", "embedding", "router")
+
+
+@lint_rule("GO115", "special-role-spectral", "warning", needs_model=True)
+def special_role_spectral(ctx: LintContext):
+    """A head, embedding or router under a spectral geometry: their updates are not the spectral
+    lmo's job (an embedding's rows are looked up one token at a time, a head's and a router's
+    outputs are logits), and Muon/Scion practice gives them their own rule. The message gives the
+    evidence for the role (``geomopt explain`` shows it too).
+
+    Bad: ``match: {name: "**.weight", ndim: 2}`` with a spectral geometry on a BERT classifier
+    (``classifier.weight`` is the head). Fixed: a rule ``match: {role: [head, router]}`` before it.
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        if rule.geometry.kind != "spectral":
+            continue
+        for p in ctx.owned(i):
+            special = [r for r in (p.role.roles if p.role else ()) if r in _SPECIAL]
+            if special:
+                guess = " (guessed from names)" if p.role.guessed else ""
+                yield (f"rule '{rule.name}' gives the spectral geometry to '{p.name}' ({_shape(p)}), which has role "
+                       f"{special[0]}{guess}: {p.role.evidence}; give it a rule before this one "
+                       f"(match: {{role: {special[0]}}})"), ("rules", i, "match")
+
+
+@lint_rule("GO116", "matrix-to-catch-all", "warning", needs_model=True)
+def matrix_to_catch_all(ctx: LintContext):
+    """A body tensor with ≥ 2 dims (role hidden or expert) that falls to a rule with a
+    non-matrix geometry while the spec has a spectral rule: usually a pattern that missed it
+    (batched expert weights (E, out, in) sent to Adam by an ``ndim: 2`` match).
+
+    Bad: ``match: {name: "**.weight", ndim: 2}`` on a Mixtral (``experts.gate_up_proj`` is 3-D
+    and falls to the catch-all). Fixed: ``match: {role: [hidden, expert]}`` with ``view: auto``.
+    """
+    spectral = [i for i, r in enumerate(ctx.spec.rules) if r.geometry.kind == "spectral"]
+    if not spectral:
+        return
+    for i, rule in enumerate(ctx.spec.rules):
+        if rule.geometry.kind in ("spectral", "rowwise", "columnwise"):
+            continue
+        missed = [p for p in ctx.owned(i) if len(p.shape) >= 2 and p.role is not None
+                  and set(p.role.roles) & {"hidden", "expert"} and not set(p.role.roles) & set(_SPECIAL)]
+        if missed:
+            shown = ", ".join(f"'{p.name}' ({_shape(p)}, {p.role.name})" for p in missed[:3]) + (" …" if len(missed) > 3 else "")
+            yield (f"rule '{rule.name}' ({rule.geometry.kind}) takes {len(missed)} body matrix tensor(s) while rule "
+                   f"'{ctx.spec.rules[spectral[0]].name}' is spectral: {shown}; match them by role "
+                   f"(match: {{role: [hidden, expert]}})"), ("rules", i, "match")
+
+
+@lint_rule("GO117", "merged-matrices", "warning", needs_model=True)
+def merged_matrices(ctx: LintContext):
+    """A matrix geometry whose view merges matrices the model keeps separate: batched expert
+    weights (E, out, in) read as one E × out·in matrix orthogonalize the experts together (each
+    expert's slice then has singular values far from 1).
+
+    Bad: ``geometry: {kind: spectral, …}`` (no view) on Mixtral's ``experts.gate_up_proj``.
+    Fixed: ``view: auto`` (or ``view: {kind: matrix, batch: 1}``).
+    """
+    from geomopt.compile.plan import resolve_view
+
+    for i, rule in enumerate(ctx.spec.rules):
+        if rule.geometry.kind not in ("spectral", "rowwise", "columnwise"):
+            continue
+        geometry = rule.geometry.model_dump()
+        for p in ctx.owned(i):
+            structure = p.role.structure if p.role is not None else None
+            if not structure or not structure.get("batch") or len(p.shape) < 3:
+                continue
+            op_geometry, _, op_shape = op_layout(geometry, p)
+            try:
+                view = resolve_view(op_geometry, op_shape, structure).get("view")
+            except ValueError:
+                continue  # GO104's finding
+            if view is None or view["batch"] < structure["batch"]:
+                yield (f"rule '{rule.name}' reads '{p.name}' ({_shape(p)}) as one matrix, but it holds "
+                       f"{p.shape[0]} experts ({p.role.evidence}); add view: auto"), ("rules", i, "geometry", "kind")
+
+
+@lint_rule("GO118", "guessed-roles", "note", needs_model=True)
+def guessed_roles(ctx: LintContext):
+    """Roles read from names and shapes only (a checkpoint, or a list of (name, tensor)) are
+    guesses: lint against the model (``--model``) to infer them from its structure, or pin them
+    with the spec's ``roles:``.
+
+    Example: ``geomopt lint specs/muon.yaml --checkpoint model.safetensors`` notes how many roles
+    were guessed and shows a few.
+    """
+    if not any(r.match.role is not None for r in ctx.spec.rules) and not ctx.spec.roles:
+        return
+    guessed = [p for p in ctx.params if p.role is not None and p.role.guessed]
+    if guessed:
+        shown = ", ".join(f"'{p.name}' → {p.role.name}" for p in guessed[:4]) + (" …" if len(guessed) > 4 else "")
+        yield (f"{len(guessed)} role(s) guessed from names and shapes (no model): {shown}; lint with --model to "
+               f"infer them from the model's structure"), ("rules",)
+
+
+@lint_rule("GO119", "ambiguous-role", "note", needs_model=True)
+def ambiguous_role(ctx: LintContext):
+    """An inference with two candidates, e.g. two last layers reading the same features (two
+    heads): both get the role, never one silently; pin the intended one with the spec's
+    ``roles:`` if that is wrong.
+
+    Example: a model ending in ``head_a = Linear(64, 10)`` and ``head_b = Linear(64, 5)``: both are
+    heads, and lint names both.
+    """
+    both = [p.name for p in ctx.params if p.role is not None and "one of two last layers" in p.role.evidence]
+    if both:
+        yield f"two candidate heads, both given role head: {', '.join(repr(n) for n in both)}", ("rules",)
 
 
 def rule_doc(code: str) -> Optional[str]:

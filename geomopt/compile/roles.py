@@ -236,9 +236,10 @@ def _heads(m: _Model):
 # ---------------------------------------------------------------- structure: fused projections
 
 
-def _head_counts(mod) -> Optional[tuple[int, int, Optional[int]]]:
-    """(heads, key/value heads, head dim or None) from an attention module's attributes or config."""
-    cfg = getattr(mod, "config", None)
+def _head_counts(mod, use_config: bool = True) -> Optional[tuple[int, int, Optional[int]]]:
+    """(heads, key/value heads, head dim or None) from an attention module's attributes or (with
+    ``use_config``) its config."""
+    cfg = getattr(mod, "config", None) if use_config else None
 
     def first(*names):
         for owner in (mod, cfg):
@@ -258,9 +259,11 @@ def _head_counts(mod) -> Optional[tuple[int, int, Optional[int]]]:
 def _fused_blocks(m: _Model, name: str, mod, pname: str, shape: tuple[int, ...]) -> Optional[list[int]]:
     """Output-axis block sizes of a fused projection, or None. ``nn.MultiheadAttention``'s
     ``in_proj_weight``: q, k, v of equal size; a layer of an attention module (one that states its
-    head counts: ``num_heads``/``n_head``, ``num_key_value_heads``, ``head_dim``, or its
-    ``config``'s) whose outputs number (heads + 2·kv heads)·head dim: q, k, v (unequal under
-    grouped-query attention; GPT-2's ``c_attn``); a weight named ``gate_up_proj``: two equal halves."""
+    head counts: ``num_heads``/``n_head``, ``num_key_value_heads``, ``head_dim``, or, for a module
+    whose class is named ``…Attention…``/``…Attn…``, its ``config``'s) whose outputs number
+    (heads + 2·kv heads)·head dim: q, k, v (unequal under grouped-query attention; GPT-2's
+    ``c_attn``); a weight named ``gate_up_proj``: two equal halves. (A Hugging Face MLP holds the
+    model's config too: its head counts say nothing of the MLP's layers.)"""
     if pname == "in_proj_weight" and "MultiheadAttention" in m.mro(mod) and len(shape) == 2 and shape[0] % 3 == 0:
         return [shape[0] // 3] * 3
     if "gate_up" in pname or "gate_up" in name.rpartition(".")[2]:
@@ -268,7 +271,8 @@ def _fused_blocks(m: _Model, name: str, mod, pname: str, shape: tuple[int, ...])
     parent = m.modules.get(name.rpartition(".")[0])
     if parent is None or len(shape) != 2:
         return None
-    counts = _head_counts(parent)
+    attention = any("Attention" in c or "Attn" in c for c in m.mro(parent))
+    counts = _head_counts(parent, use_config=attention)
     if counts is None:
         return None
     heads, kv, head_dim = counts
@@ -355,7 +359,7 @@ def _structure(m: _Model, name: str, mod, pname: str, shape: tuple[int, ...], ro
 
 # ---------------------------------------------------------------- names and shapes only
 
-_EMBED = re.compile(r"embed|^wte$|^wpe$|^shared$|^relative_attention_bias$|^cls_token$|^pos_embed|^mask_token$|^position_embeddings$")
+_EMBED = re.compile(r"embed|(^|_)emb(_|$)|^wte$|^wpe$|^shared$|^relative_attention_bias$|^cls_token$|^pos_embed|^mask_token$|^position_embeddings$")
 _NORMISH = re.compile(r"norm|^ln(_|\d|$)|_ln$|^bn\d*$|layernorm")
 _HEADS = ("lm_head", "head", "classifier", "score", "output", "fc", "logits")
 _DIGITS = re.compile(r"\.\d+(?=\.)")
@@ -366,7 +370,7 @@ def guess_roles(infos: list[ParamInfo]) -> dict[str, Role]:
 
     * ``bias``: the last name part is ``bias`` or ends in ``_bias``;
     * ``norm``: < 2 dims and a name part like ``norm``, ``ln_1``, ``layernorm``, ``bn1``;
-    * ``embedding``: a name part containing ``embed``, or ``wte``, ``wpe``, ``shared``,
+    * ``embedding``: a name part containing ``embed`` or ``emb``, or ``wte``, ``wpe``, ``shared``,
       ``relative_attention_bias``, ``cls_token``, ``pos_embed…``, ``position_embeddings``;
     * ``expert``: a name part ``experts`` (≥ 3 dims: ``batch: 1``; ``gate_up``: two blocks);
     * ``router``: a 2-D ``gate`` / ``router`` / ``*_gate`` weight in a block that has experts, with

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 
-from geomopt.geometry.view import matrix_shapes
+from geomopt.geometry.view import concrete, matrix_shapes
 
 _MATRIX_KINDS = ("spectral", "rowwise", "columnwise")
 SCALE_PRESETS = ("none", "scion", "muon_original", "match_rms_adamw")
@@ -46,8 +46,8 @@ def fan_dims(geometry: dict, shape: tuple[int, ...]) -> tuple[int, int]:
     """(d_out, d_in) of one tensor (of the first matrix of its resolved ``view``) as ``layout``
     reads it."""
     shape = tuple(int(s) for s in shape)
-    view = geometry.get("view")
-    if view is not None and "kind" not in view:
+    view = concrete(geometry, shape)
+    if view is not None:
         first, rest = matrix_shapes(view, shape)[0]
     else:
         first, rest = (shape[0] if shape else 1), math.prod(shape[1:])
