@@ -1,4 +1,4 @@
-"""The ``geomopt`` command: lint, plan, fmt, schema, rule (and demo, bench where installed).
+"""The ``geomopt`` command: lint, plan, explain, init, fmt, schema, rule (and demo, bench where installed).
 
 Exit status, as linters do: 0 clean, 1 findings at error level (or warnings with ``--strict``),
 2 usage error or unreadable input. A user mistake never prints a traceback.
@@ -171,6 +171,58 @@ def cmd_plan(args) -> int:
     return EXIT_CLEAN
 
 
+def cmd_explain(args) -> int:
+    from geomopt.compile import plan_from_infos
+    from geomopt.compile.explain import explain
+    from geomopt.spec.validate import load_spec
+
+    params, _ = _params(args)
+    if params is None:
+        raise UsageError("explain needs --model NAME|pkg.module:factory or --checkpoint FILE")
+    spec = load_spec(args.spec)
+    try:
+        plan = plan_from_infos(spec, params).params
+    except SpecError as exc:  # still explain the routing; the plan's findings go to stderr
+        report(exc.diagnostics, "text", sys.stderr)
+        plan = []
+    from geomopt.compile.roles import ensure_roles
+
+    ensure_roles(params, spec.roles)
+    try:
+        sys.stdout.write(explain(spec, params, plan, args.param))
+    except KeyError as exc:
+        raise UsageError(exc.args[0]) from None
+    return EXIT_CLEAN
+
+
+def cmd_init(args) -> int:
+    from geomopt.compile.explain import recipe, role_summary, starter
+    from geomopt.compile.lint import LintContext  # noqa: F401  (lint rules registered)
+    from geomopt.spec.printers import dump_spec
+    from geomopt.spec.validate import parse_spec
+
+    params, _ = _params(args)
+    if params is None:
+        raise UsageError("init needs --model NAME|pkg.module:factory")
+    try:
+        text = recipe(args.recipe)
+    except KeyError as exc:
+        raise UsageError(exc.args[0]) from None
+    spec = starter(parse_spec(text, "yaml", file=f"{args.recipe}.yaml"), params, args.model)
+    head = (f"# Starter spec: the {args.recipe} recipe for {args.model}, rules by role.\n"
+            f"# Roles in this model: {role_summary(params)}.\n"
+            f"# `geomopt explain THIS_FILE PARAM --model {args.model}` shows why a tensor gets its update.\n")
+    out = head + dump_spec(spec, "yaml")
+    if args.output:
+        if Path(args.output).exists() and not args.force:
+            raise UsageError(f"{args.output} exists; pass --force to overwrite it")
+        Path(args.output).write_text(out, encoding="utf-8")
+        print(f"wrote {args.output}: {len(spec.rules)} rules ({role_summary(params)})", file=sys.stderr)
+    else:
+        sys.stdout.write(out)
+    return EXIT_CLEAN
+
+
 def cmd_fmt(args) -> int:
     from geomopt.spec.printers import dump_spec
     from geomopt.spec.validate import format_of, load_spec
@@ -211,6 +263,16 @@ def cmd_rule(args) -> int:
     from geomopt.compile.lint import RULES, rule_doc
     from geomopt.spec.diagnostics import LANGUAGE_CODES
 
+    if args.code in ("roles", "views"):
+        if args.code == "roles":
+            from geomopt.compile.roles import role_docs
+
+            sys.stdout.write(role_docs())
+        else:
+            from geomopt.geometry import view
+
+            sys.stdout.write(view.__doc__.strip() + "\n")
+        return EXIT_CLEAN
     if not args.code:
         for code, (name, doc) in LANGUAGE_CODES.items():
             print(f"{code}  {name:<26} error    {doc}")
@@ -257,6 +319,20 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--format", choices=("text", "json"), default="text")
     sp.set_defaults(fn=cmd_plan)
 
+    sp = sub.add_parser("explain", help="why one tensor gets its update: role, rules, view, ops, lr, radius")
+    sp.add_argument("spec", metavar="SPEC")
+    sp.add_argument("param", metavar="PARAM", help="the parameter's dotted name (any name of a tied tensor)")
+    target(sp)
+    sp.set_defaults(fn=cmd_explain)
+
+    sp = sub.add_parser("init", help="write a starter spec for a model from its roles")
+    sp.add_argument("--model", required=True, help="built-in model name or pkg.module:factory")
+    sp.add_argument("--recipe", default="muon", help="muon (default), scion, uscion, adamw-hybrid, hyperball, "
+                    "prox-muon-frobenius, spectral-clip, stiefel")
+    sp.add_argument("-o", "--output", help="write here instead of stdout")
+    sp.add_argument("--force", action="store_true", help="overwrite --output if it exists")
+    sp.set_defaults(fn=cmd_init)
+
     sp = sub.add_parser("fmt", help="print a spec in canonical YAML or DSL form")
     sp.add_argument("spec", metavar="SPEC")
     sp.add_argument("--to", choices=("yaml", "dsl"), help="target format (default: the file's own)")
@@ -268,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-o", "--output")
     sp.set_defaults(fn=cmd_schema)
 
-    sp = sub.add_parser("rule", help="explain a diagnostic code (no code: list them)")
+    sp = sub.add_parser("rule", help="explain a diagnostic code (no code: list them; 'roles', 'views': how they work)")
     sp.add_argument("code", nargs="?")
     sp.set_defaults(fn=cmd_rule)
 

@@ -1,0 +1,126 @@
+"""Why a tensor gets its update (``geomopt explain``) and a starter spec from roles (``geomopt init``)."""
+
+from __future__ import annotations
+
+import math
+from importlib import resources
+
+from geomopt.compile.match import Matcher, ParamInfo, describe
+from geomopt.compile.plan import ParamPlan, _call_text, _geometry_text, view_text
+from geomopt.spec.diagnostics import did_you_mean
+from geomopt.spec.model import Spec
+
+RECIPES = ("muon", "scion", "uscion", "adamw-hybrid", "hyperball", "prox-muon-frobenius", "spectral-clip", "stiefel")
+
+
+def _predicates(match, p: ParamInfo) -> list[str]:
+    """Each predicate of a rule's match that fails for ``p``, said in words."""
+    why = []
+    one = Matcher(match)
+    if match.name is not None and one.fullmatch(p.name) is None and not any(one.fullmatch(a) for a in p.aliases):
+        why.append(f"name does not match {match.name!r}")
+    if one.ndims is not None and len(p.shape) not in one.ndims:
+        why.append(f"ndim {len(p.shape)} not in {sorted(one.ndims)}")
+    if one.shape is not None and not one._shape_ok(p.shape):
+        why.append(f"shape {list(p.shape)} ≠ {list(match.shape)}")
+    if one.roles is not None and not one._role_ok(p):
+        have = p.role.name if p.role is not None else "unknown"
+        why.append(f"role {have} not in {sorted(one.roles)}")
+    if match.module is not None:
+        if p.modules is None:
+            why.append(f"module={match.module} cannot be decided (no model)")
+        elif match.module not in p.modules:
+            why.append(f"module {p.modules[0] if p.modules else 'none'} is not {match.module}")
+    return why
+
+
+def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], name: str) -> str:
+    """The text ``geomopt explain`` prints for tensor ``name`` (any of its tied names)."""
+    p = next((q for q in infos if q.name == name or name in q.aliases), None)
+    if p is None:
+        names = [q.name for q in infos] + [a for q in infos for a in q.aliases]
+        raise KeyError(f"the model has no parameter {name!r}{did_you_mean(name, names)}")
+    pp = next((q for q in plan_params if q.name == p.name), None)
+    shape = "×".join(map(str, p.shape)) or "scalar"
+    lines = [f"parameter  {p.name}" + (f" (= {', '.join(p.aliases)})" if p.aliases else "") + f"  {shape} {p.dtype}"]
+    if p.role is not None:
+        lines.append(f"role       {p.role.name}{' (guessed)' if p.role.guessed else ''}: {p.role.evidence}")
+        if p.role.structure:
+            lines.append(f"structure  {p.role.structure}")
+    if not p.requires_grad:
+        lines.append("frozen     requires_grad=False: the optimizer skips it")
+        return "\n".join(lines) + "\n"
+    lines.append("rules")
+    owner = None
+    for i, rule in enumerate(spec.rules):
+        why = _predicates(rule.match, p)
+        where = f"  {i + 1}. {rule.name:<14} match {describe(rule.match):<36}"
+        if why:
+            lines.append(f"{where} no: {'; '.join(why)}")
+        elif owner is None:
+            owner = i
+            lines.append(f"{where} yes: owns it (the first rule that matches)")
+        else:
+            lines.append(f"{where} matches too, but '{spec.rules[owner].name}' came first")
+    if pp is None:
+        lines.append("plan       none: no rule owns it (lint: GO101)")
+        return "\n".join(lines) + "\n"
+    g = pp.geometry
+    spec_view = getattr(spec.rules[pp.rule_index].geometry, "view", None)
+    lines.append(f"view       {view_text(pp)}" + (" (view: auto, from the structure)" if spec_view is not None
+                                                   and spec_view.kind == "auto" else ""))
+    if g.get("view") and g["view"].get("factors"):
+        lines.append(f"           block radius factors {[round(f, 4) for f in g['view']['factors']]}")
+    extra = []
+    if g.get("prenormalize"):
+        extra.append(f"prenormalize {_call_text(g['prenormalize'])}")
+    if g.get("scale", "none") != "none":
+        extra.append(f"scale {g['scale']}")
+    if pp.transpose:
+        extra.append("acts on the transpose (layout in_out)")
+    lines.append(f"forward    {_geometry_text(pp)}" + (f"; {', '.join(extra)}" if extra else ""))
+    lines.append(f"backward   {_call_text(pp.constraint)}")
+    lines.append(f"direction  {_call_text(pp.direction)}; schedule {_call_text(pp.schedule)}")
+    lines.append(f"lr         {pp.lr:g}; weight decay {pp.weight_decay:g}")
+    scale = pp.radius / g["radius"] if g["radius"] else math.nan
+    lines.append(f"radius     {pp.radius:.4g} (geometry radius {g['radius']:g} × preset {scale:.4g}); "
+                 f"step size lr·radius = {pp.lr * pp.radius:.4g}")
+    return "\n".join(lines) + "\n"
+
+
+def recipe(name: str) -> str:
+    """The text of a shipped spec by name."""
+    if name not in RECIPES:
+        raise KeyError(f"unknown recipe {name!r}{did_you_mean(name, RECIPES)}; recipes: {', '.join(RECIPES)}")
+    return resources.files("geomopt").joinpath(f"specs/{name}.yaml").read_text(encoding="utf-8")
+
+
+def starter(spec: Spec, infos: list[ParamInfo], model_name: str) -> Spec:
+    """``spec`` (a recipe) without the rules this model leaves idle (roles it does not have), named
+    for the model: a spec that lints clean against it."""
+    from geomopt.compile.lint import LintContext
+
+    ctx = LintContext.build(spec, infos)
+    keep = [r for i, r in enumerate(spec.rules) if ctx.matched[i]]
+    return spec.model_copy(update={"rules": keep, "name": f"{spec.name}-{model_name}".replace(":", "-").replace(".", "-"),
+                                   "description": f"{spec.name} for {model_name}, from `geomopt init`"})
+
+
+def role_summary(infos: list[ParamInfo]) -> str:
+    """"12 hidden, 2 embedding, …" in order of count."""
+    counts: dict[str, int] = {}
+    for p in infos:
+        if p.role is not None:
+            counts[p.role.name] = counts.get(p.role.name, 0) + 1
+    return ", ".join(f"{n} {r}" for r, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def first_examples(infos: list[ParamInfo], per_role: int = 2) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for p in infos:
+        if p.role is not None and len(out.setdefault(p.role.name, [])) < per_role:
+            out[p.role.name].append(p.name)
+    return out
+
+
+__all__ = ["RECIPES", "explain", "recipe", "role_summary", "starter"]
