@@ -236,10 +236,9 @@ def _heads(m: _Model):
 # ---------------------------------------------------------------- structure: fused projections
 
 
-def _head_counts(mod, use_config: bool = True) -> Optional[tuple[int, int, Optional[int]]]:
-    """(heads, key/value heads, head dim or None) from an attention module's attributes or (with
-    ``use_config``) its config."""
-    cfg = getattr(mod, "config", None) if use_config else None
+def _head_counts(mod) -> Optional[tuple[int, int, Optional[int]]]:
+    """(heads, key/value heads, head dim or None) from an attention module's attributes or config."""
+    cfg = getattr(mod, "config", None)
 
     def first(*names):
         for owner in (mod, cfg):
@@ -258,12 +257,12 @@ def _head_counts(mod, use_config: bool = True) -> Optional[tuple[int, int, Optio
 
 def _fused_blocks(m: _Model, name: str, mod, pname: str, shape: tuple[int, ...]) -> Optional[list[int]]:
     """Output-axis block sizes of a fused projection, or None. ``nn.MultiheadAttention``'s
-    ``in_proj_weight``: q, k, v of equal size; a layer of an attention module (one that states its
-    head counts: ``num_heads``/``n_head``, ``num_key_value_heads``, ``head_dim``, or, for a module
-    whose class is named ``…Attention…``/``…Attn…``, its ``config``'s) whose outputs number
+    ``in_proj_weight``: q, k, v of equal size; a layer of an attention module (a class named
+    ``…Attention…``/``…Attn…`` that states its head counts — ``num_heads``/``n_head``,
+    ``num_key_value_heads``, ``head_dim`` — itself or in its ``config``) whose outputs number
     (heads + 2·kv heads)·head dim: q, k, v (unequal under grouped-query attention; GPT-2's
-    ``c_attn``); a weight named ``gate_up_proj``: two equal halves. (A Hugging Face MLP holds the
-    model's config too: its head counts say nothing of the MLP's layers.)"""
+    ``c_attn``); a weight named ``gate_up_proj``: two equal halves. (Other modules may hold head
+    counts too, e.g. a Hugging Face MLP holds the model's config: they say nothing of its layers.)"""
     if pname == "in_proj_weight" and "MultiheadAttention" in m.mro(mod) and len(shape) == 2 and shape[0] % 3 == 0:
         return [shape[0] // 3] * 3
     if "gate_up" in pname or "gate_up" in name.rpartition(".")[2]:
@@ -271,8 +270,9 @@ def _fused_blocks(m: _Model, name: str, mod, pname: str, shape: tuple[int, ...])
     parent = m.modules.get(name.rpartition(".")[0])
     if parent is None or len(shape) != 2:
         return None
-    attention = any("Attention" in c or "Attn" in c for c in m.mro(parent))
-    counts = _head_counts(parent, use_config=attention)
+    if not any("Attention" in c or "Attn" in c for c in m.mro(parent)):
+        return None
+    counts = _head_counts(parent)
     if counts is None:
         return None
     heads, kv, head_dim = counts
