@@ -1,8 +1,12 @@
-"""Compile time: a 20-rule spec against a synthetic model of 10,000 tensors.
+"""Compile time of a 10,000-tensor model, two workloads:
 
-The model is an iterable of (name, tensor) with meta tensors (no memory, no init), realistic dotted
-names (``blocks.{i}.attn.q.weight`` …). Reports the median of 5 runs of ``compile_spec`` and
-appends a row under "## Compile" in benchmarks/RESULTS.md.
+* ``names``: a 20-rule spec of name patterns against an iterable of (name, tensor) with meta
+  tensors (no memory, no init) and realistic dotted names (``blocks.{i}.attn.q.weight`` …);
+* ``roles``: the shipped ``muon.yaml`` (rules by role, ``view: auto``) against an ``nn.Module`` of
+  the same tensors built on the meta device, so role inference from the module tree is timed too.
+
+Reports the median of 5 runs of ``compile_spec`` for each and appends rows under "## Compile" in
+benchmarks/RESULTS.md.
 
     python benchmarks/compile.py [--blocks 500] [--runs 5] [--no-record]
 """
@@ -42,6 +46,35 @@ def synthetic_params(blocks: int) -> list[tuple[str, torch.Tensor]]:
     out = [(f"blocks.{i}.{suffix}", torch.empty(shape, device="meta")) for i in range(blocks)
            for suffix, shape in BLOCK.items()]
     return [(n, torch.nn.Parameter(t)) for n, t in out]
+
+
+class Block(torch.nn.Module):
+    """The tensors of :data:`BLOCK` as modules (attention, MLP, adapter, norms)."""
+
+    def __init__(self):
+        super().__init__()
+        lin = torch.nn.Linear
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(D), torch.nn.LayerNorm(D)
+        self.attn = torch.nn.Module()
+        for n in "qkvo":
+            setattr(self.attn, n, lin(D, D))
+        self.mlp = torch.nn.Module()
+        self.mlp.fc, self.mlp.gate, self.mlp.proj = lin(D, 4 * D), lin(D, 4 * D), lin(4 * D, D)
+        self.adapter = torch.nn.Module()
+        self.adapter.down, self.adapter.up = lin(D, D // 4, bias=False), lin(D // 4, D, bias=False)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, blocks: int):
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, D)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(blocks))
+        self.head = torch.nn.Linear(D, 256, bias=False)
+
+
+def synthetic_model(blocks: int) -> torch.nn.Module:
+    with torch.device("meta"):
+        return Model(blocks)
 
 
 def _spectral(**extra) -> dict:
@@ -84,16 +117,24 @@ SPEC = {
 }
 
 
-def bench(blocks: int, runs: int) -> tuple[float, float, int]:
+MUON = Path(__file__).resolve().parents[1] / "specs" / "muon.yaml"
+
+
+def bench(blocks: int, runs: int, workload: str = "names") -> tuple[float, float, int]:
     """(median wall seconds, median process CPU seconds, tensors planned) over ``runs`` compiles.
 
     CPU time is reported too: on a shared 2-core machine the wall time also measures the neighbours."""
-    params = synthetic_params(blocks)
-    compile_spec(SPEC, params)  # warm-up: imports, regex cache
+    if workload == "names":
+        spec, model = SPEC, synthetic_params(blocks)
+    else:
+        from geomopt.compile import as_spec
+
+        spec, model = as_spec(MUON), synthetic_model(blocks)
+    compile_spec(spec, model)  # warm-up: imports, regex cache
     wall, cpu, n = [], [], 0
     for _ in range(runs):
         t0, c0 = time.perf_counter(), time.process_time()
-        plan = compile_spec(SPEC, params)
+        plan = compile_spec(spec, model)
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         n = len(plan)
@@ -107,17 +148,19 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     ap.add_argument("--note", default="", help="free text for the last column")
     args = ap.parse_args()
-    wall, cpu, n = bench(args.blocks, args.runs)
-    load = f"load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
-    note = "; ".join(x for x in (args.note, load) if x)
-    row = (f"| {datetime.date.today().isoformat()} | {os.cpu_count()}-core CPU ({platform.machine()}) "
-           f"| torch {torch.__version__} | {len(SPEC['rules'])} rules × {n} tensors | {wall * 1000:.0f} ms "
-           f"| {cpu * 1000:.0f} ms | {note} |")
     print(f"| date | machine | torch | workload | wall (median of {args.runs}) | CPU | note |")
     print("|---|---|---|---|---|---|---|")
-    print(row)
-    if not args.no_record:
-        record(row, args.runs)
+    for workload in ("names", "roles"):
+        wall, cpu, n = bench(args.blocks, args.runs, workload)
+        load = f"load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+        note = "; ".join(x for x in (args.note, load) if x)
+        what = (f"{len(SPEC['rules'])} name rules × {n} tensors" if workload == "names"
+                else f"muon.yaml (roles inferred, view: auto) × {n}-tensor nn.Module")
+        row = (f"| {datetime.date.today().isoformat()} | {os.cpu_count()}-core CPU ({platform.machine()}) "
+               f"| torch {torch.__version__} | {what} | {wall * 1000:.0f} ms | {cpu * 1000:.0f} ms | {note} |")
+        print(row)
+        if not args.no_record:
+            record(row, args.runs)
 
 
 def record(row: str, runs: int) -> None:
@@ -125,7 +168,8 @@ def record(row: str, runs: int) -> None:
     text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
     head = "## Compile"
     table_head = (f"\n`python benchmarks/compile.py`: `compile_spec` of a 20-rule spec against 10,000 meta tensors "
-                  f"(iterable of (name, tensor)); median of {runs} runs.\n\n"
+                  f"(iterable of (name, tensor)), and of muon.yaml (role inference included) against the same "
+                  f"tensors as an nn.Module; median of {runs} runs.\n\n"
                   "Target: < 0.5 s. CPU is the process time (robust to other load on the machine).\n\n"
                   "| date | machine | torch | workload | wall | CPU | note |\n|---|---|---|---|---|---|---|\n")
     if head not in text:

@@ -211,9 +211,9 @@ def test_lint_against_a_checkpoint(capsys, checkpoints, kind, bad):
     path = checkpoints[kind]
     normalized = str(ROOT / "specs" / "normalized-sgd.yaml")
     assert run(capsys, "lint", normalized, "--checkpoint", path) == (0, "", "")
-    # module predicates cannot be decided from names and shapes: noted, not an error
+    # roles from names and shapes are guesses: noted, not an error
     code, out, _ = run(capsys, "lint", USCION, "--checkpoint", path, "--strict")
-    assert code == 0 and {TEXT_LINE.match(line).group("code") for line in out.splitlines()} == {"GO112"}
+    assert code == 0 and {TEXT_LINE.match(line).group("code") for line in out.splitlines()} == {"GO118"}
     code, out, _ = run(capsys, "lint", bad, "--checkpoint", path, "--format", "json")
     assert code == 1
     unmatched = sorted(re.search(r"parameter '([^']+)'", d["message"]).group(1)
@@ -230,6 +230,13 @@ def test_plan_from_a_checkpoint_uses_names_and_shapes(capsys, checkpoints, kind)
     rows = {r["name"]: r for r in json.loads(out)}
     model = checkpoints["model"]
     assert {n: tuple(r["shape"]) for n, r in rows.items()} == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    # a spec by roles: the guessed roles keep embeddings, head and norms off the spectral rule
+    code, out, _ = run(capsys, "plan", str(ROOT / "specs" / "muon.yaml"), "--checkpoint", checkpoints[kind], "--format", "json")
+    assert code == 0
+    rules = {r["name"]: r["rule"] for r in json.loads(out)}
+    assert rules["transformer.wte.weight"] == rules["transformer.wpe.weight"] == "embeddings"
+    assert rules["lm_head.weight"] == "head" and rules["transformer.h.0.attn.c_attn.weight"] == "hidden"
+    assert rules["transformer.h.0.ln_1.weight"] == rules["transformer.h.0.attn.c_attn.bias"] == "rest"
 
 
 def test_checkpoint_reads_dtypes_and_skips_integer_tensors(tmp_path):
@@ -285,7 +292,7 @@ def test_plan_prints_the_table(capsys):
     assert code == 0 and err == ""
     expected = compile_spec(USCION, MODELS["gpt"]()).table()
     assert out == expected + "\n"
-    assert out.splitlines()[0].split()[:3] == ["parameter", "shape", "rule"]
+    assert out.splitlines()[0].split()[:4] == ["parameter", "shape", "role", "rule"]
 
 
 def test_plan_json(capsys):

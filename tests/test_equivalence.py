@@ -225,6 +225,8 @@ def _scion_lmo(kind: str, g: torch.Tensor, eps_per_unit: bool = False) -> torch.
     if kind == "Spectral":  # normalized=True: scale √(d_out/d_in)
         d_out, d_in = g.shape
         return _ns_fp32(g) * math.sqrt(d_out / d_in)
+    if kind == "SpectralQKV":  # the specs' view: auto reads a fused q, k, v weight as three matrices
+        return torch.cat([_scion_lmo("Spectral", block) for block in g.chunk(3, dim=0)])
     if kind == "Sign":  # normalized=True: (1/d_in)·sign
         return torch.sign(g) / g.shape[1]
     if kind == "ColNormT":  # ColNorm(transpose=True), normalized=False
@@ -251,6 +253,8 @@ class ScionReference:
                 kind, scale = "ColNormT", 1.0
             elif name == "lm_head.weight":
                 kind, scale = "Sign", 10.0
+            elif name.endswith("attn.c_attn.weight"):
+                kind, scale = "SpectralQKV", 1.0
             elif name.endswith(".weight") and p.ndim == 2:
                 kind, scale = "Spectral", 1.0
             else:

@@ -79,6 +79,9 @@ class _Model:
         self.model = model
         self.modules: dict[str, object] = dict(model.named_modules(remove_duplicate=False))
         self.classes: dict[type, tuple[str, ...]] = {}
+        self.norms: dict[type, bool] = {}
+        self.embeddings: dict[type, Optional[str]] = {}
+        self.experts: Optional[list] = None
         self.children: dict[str, list[str]] = {}
         for name in self.modules:
             if name:
@@ -92,7 +95,11 @@ class _Model:
         return names
 
     def is_norm(self, module) -> bool:
-        return any(_NORM.search(n) for n in self.mro(module))
+        cls = type(module)
+        hit = self.norms.get(cls)
+        if hit is None:
+            hit = self.norms[cls] = any(_NORM.search(n) for n in self.mro(module))
+        return hit
 
     def weight(self, module):
         """A leaf layer's 2-D+ ``weight`` (Linear, Conv, Conv1D, a router's own weight), else None."""
@@ -138,7 +145,10 @@ def _embeddings(m: _Model):
     for name, mod in m.modules.items():
         if name in seen:
             continue
-        cls = next((c for c in m.mro(mod) if c.endswith(("Embedding", "Embeddings", "EmbeddingBag"))), None)
+        kind = type(mod)
+        if kind not in m.embeddings:
+            m.embeddings[kind] = next((c for c in m.mro(mod) if c.endswith(("Embedding", "Embeddings", "EmbeddingBag"))), None)
+        cls = m.embeddings[kind]
         if cls is not None:
             yield name, Claim("embedding", f"{type(mod).__name__} is an embedding" + ("" if cls == type(mod).__name__ else f" ({cls})"))
 
@@ -147,7 +157,9 @@ def _experts(m: _Model) -> list[tuple[str, str, int]]:
     """(parent, experts container, expert count E) for every MoE block: a child named ``experts``
     (or whose class is named ``…Experts``) that is a ModuleList (E = its length) or holds
     parameters of ≥ 3 dims with a common leading size (E)."""
-    out = []
+    if m.experts is not None:
+        return m.experts
+    out = m.experts = []
     for name, mod in m.modules.items():
         attr = name.rpartition(".")[2]
         if not name or not (attr == "experts" or any(c.endswith("Experts") for c in m.mro(mod))):
@@ -210,10 +222,17 @@ def _heads(m: _Model):
             if mod is target:
                 found.add(name)
                 yield name, Claim("head", "get_output_embeddings()")
-    excluded = m.excluded
+    excluded = set(m.excluded)
+
+    def inside_excluded(name: str) -> bool:
+        while name:
+            if name in excluded:
+                return True
+            name = name.rpartition(".")[0]
+        return False
+
     layers = [(n, mod) for n, mod in m.modules.items()
-              if m.weight(mod) is not None and not any(n == e or n.startswith(e + ".") for e in excluded)
-              and "weight" in dict(mod.named_parameters(recurse=False))]
+              if "weight" in mod._parameters and m.weight(mod) is not None and not inside_excluded(n)]
     if not layers:
         return
     last_name, last = layers[-1]
