@@ -17,6 +17,7 @@ from geomopt.spec.diagnostics import LANGUAGE_CODES
 from geomopt.spec.source import MAX_BYTES
 
 HERE = pathlib.Path(__file__).parent / "bad_specs"
+ALL_ROLES = "(roles: embedding, head, router, expert, norm, bias, hidden, other)"
 
 CASES = [
     # ---------------------------------------------------------------- unknown kinds (GO004)
@@ -33,15 +34,18 @@ CASES = [
     ("dsl_unknown_approx_kind.geom", "GO004", 4, 41, ["did you mean 'newton_schulz'"]),
     ("dsl_unknown_direction_kind.geom", "GO004", 3, 28, ["did you mean 'polyak'"]),
     ("dsl_unknown_schedule_kind.geom", "GO004", 5, 14, ["did you mean 'theory'"]),
+    ("yaml_view_unknown_kind.yaml", "GO004", 9, 13, ["view kind 'atuo'", "did you mean 'auto'", "auto, matrix"]),
+    ("dsl_view_unknown_kind.geom", "GO004", 4, 39, ["view kind 'atuo'", "did you mean 'auto'"]),
     ("yaml_kind_missing.yaml", "GO006", 6, 15, ["geometry needs a 'kind'"]),
     # ---------------------------------------------------------------- misspelled fields (GO003)
     ("yaml_misspelled_top_field.yaml", "GO003", 3, 1, ["'descripton'", "did you mean 'description'"]),
     ("yaml_misspelled_defaults_field.yaml", "GO003", 5, 3, ["did you mean 'weight_decay'", "defaults fields:"]),
     ("yaml_misspelled_rule_field.yaml", "GO003", 6, 5, ["did you mean 'geometry'"]),
-    ("yaml_misspelled_match_field.yaml", "GO003", 5, 13, ["did you mean 'name'", "module, name, ndim, shape"]),
+    ("yaml_misspelled_match_field.yaml", "GO003", 5, 13, ["did you mean 'name'", "module, name, ndim, role, shape"]),
     ("yaml_misspelled_reference_field.yaml", "GO003", 8, 40, ["did you mean 'kappa'", "eps, kappa, kind"]),
     ("yaml_misspelled_constraint_field.yaml", "GO003", 9, 33, ["did you mean 'radius'"]),
     ("yaml_field_of_other_kind.yaml", "GO003", 6, 33, ["unknown field 'reference'", "kind, radius"]),
+    ("yaml_view_on_isotropic.yaml", "GO003", 6, 63, ["unknown field 'view'", "kind, radius, reference, scale"]),
     ("dsl_misspelled_call_field.geom", "GO003", 4, 37, ["did you mean 'kappa'"]),
     ("dsl_misspelled_match_field.geom", "GO003", 3, 19, ["did you mean 'name'"]),
     ("dsl_misspelled_keyword.geom", "GO001", 4, 5, ["'geometyr'", "did you mean 'geometry'"]),
@@ -71,7 +75,7 @@ CASES = [
     ("yaml_geometry_scalar.yaml", "GO005", 6, 15, ["rules[0].geometry", "got 'spectral'"]),
     ("yaml_rules_mapping.yaml", "GO005", 4, 3, ["rules", "valid list"]),
     ("yaml_bad_rule_name.yaml", "GO005", 4, 11, ["rules[0].name", "'hidden layers'"]),
-    ("yaml_match_no_predicate.yaml", "GO005", 5, 12, ["at least one of name, module, ndim, shape"]),
+    ("yaml_match_no_predicate.yaml", "GO005", 5, 12, ["at least one of name, module, role, ndim, shape"]),
     ("yaml_empty_rules.yaml", "GO005", 3, 8, ["rules", "at least 1 item"]),
     ("dsl_lr_yes.geom", "GO005", 5, 8, ["rules[0].lr", "got 'yes'"]),
     ("dsl_lr_string.geom", "GO005", 5, 8, ["got '0.02'"]),
@@ -83,6 +87,16 @@ CASES = [
     ("dsl_steps_zero.geom", "GO005", 4, 61, ["steps"]),
     ("dsl_coefficients_pairs.geom", "GO005", 5, 64, ["coefficients[1]", "at least 3 items"]),
     ("dsl_literal_typo.geom", "GO005", 4, 41, ["did you mean 'out_in'"]),
+    # ---------------------------------------------------------------- roles and views (GO005)
+    ("yaml_unknown_role.yaml", "GO005", 5, 19, ["rules[0].match.role", "unknown role 'hedd'", "did you mean 'head'", ALL_ROLES]),
+    ("yaml_unknown_role_in_list.yaml", "GO005", 5, 28, ["match.role[1]", "unknown role 'exprt'", "did you mean 'expert'", ALL_ROLES]),
+    ("yaml_unknown_roles_key.yaml", "GO005", 5, 3, ["roles: unknown role 'routr'", "did you mean 'router'", ALL_ROLES]),
+    ("yaml_view_blocks_zero.yaml", "GO005", 9, 46, ["view.blocks", "greater than or equal to 1", "got 0"]),
+    ("yaml_view_blocks_empty.yaml", "GO005", 9, 36, ["view.blocks", "at least 1 item"]),
+    ("dsl_unknown_role.geom", "GO005", 3, 33, ["match.role[1]", "unknown role 'exprt'", "did you mean 'expert'", ALL_ROLES]),
+    ("dsl_unknown_roles_key.geom", "GO005", 3, 26, ["roles: unknown role 'routr'", "did you mean 'router'", ALL_ROLES]),
+    ("dsl_view_blocks_zero.geom", "GO005", 4, 62, ["view.blocks", "greater than or equal to 1", "got 0"]),
+    ("dsl_view_trailing_typo.geom", "GO005", 4, 55, ["view.trailing", "got 'col'", "did you mean 'cols'"]),
     # ---------------------------------------------------------------- duplicates (GO002; rule names GO005)
     ("yaml_duplicate_key.yaml", "GO002", 10, 5, ["duplicate key 'lr'", "line 9, column 5"]),
     ("yaml_duplicate_nested_key.yaml", "GO002", 9, 7, ["duplicate key 'kind'", "line 7, column 7"]),
@@ -93,12 +107,15 @@ CASES = [
     ("dsl_duplicate_name_statement.geom", "GO002", 3, 1, ["duplicate key 'name'", "line 2, column 1"]),
     ("dsl_duplicate_match_pattern.geom", "GO002", 3, 31, ["duplicate key 'name'"]),
     ("dsl_duplicate_rule_name.geom", "GO005", 5, 6, ["duplicate rule name 'hidden'", "line 3, column 6"]),
+    ("dsl_duplicate_roles_statement.geom", "GO002", 4, 1, ["duplicate key 'roles'", "line 3, column 1"]),
     # ---------------------------------------------------------------- patterns (GO007)
     ("yaml_bad_regex.yaml", "GO007", 5, 12, ["bad regular expression 'a(('"]),
     ("yaml_bad_regex_in_mapping.yaml", "GO007", 5, 28, ["bad regular expression '[a-'"]),
     ("yaml_empty_match.yaml", "GO007", 5, 12, ["empty name pattern", "'**'"]),
     ("dsl_bad_regex.geom", "GO007", 3, 19, ["bad regular expression"]),
     ("dsl_empty_match.geom", "GO007", 3, 19, ["empty name pattern"]),
+    ("yaml_roles_bad_regex.yaml", "GO007", 4, 23, ["roles: bad regular expression 'proj(('"]),
+    ("dsl_roles_bad_regex.geom", "GO007", 3, 26, ["roles: bad regular expression 'proj(('"]),
     # ---------------------------------------------------------------- syntax (GO001)
     ("yaml_unterminated_string.yaml", "GO001", 2, 7, ["unterminated quoted string"]),
     ("yaml_unterminated_flow.yaml", "GO001", 6, 15, ["never closed"]),

@@ -48,6 +48,14 @@ SPELLINGS = [
      {"geometry": {"kind": "spectral", "reference": {"kind": "indicator"},
                    "approx": {"kind": "newton_schulz", "steps": 1, "coefficients": [[3.4445, -4.775, 2.0315]]}}}),
     ("geometry euclidean(radius=+2.) lr=.5 weight_decay=1E-2", {"geometry": {"kind": "euclidean", "radius": 2.0}, "lr": 0.5, "weight_decay": 0.01}),
+    # views: a bare word names the kind, a call gives its fields
+    ("geometry spectral(indicator, approx=newton_schulz, view=auto)",
+     {"geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}, "view": {"kind": "auto"}}}),
+    ("geometry rowwise(indicator, view=matrix(batch=1, trailing=batch, blocks=[64, 32, 32]))",
+     {"geometry": {"kind": "rowwise", "reference": {"kind": "indicator"},
+                   "view": {"kind": "matrix", "batch": 1, "trailing": "batch", "blocks": [64, 32, 32]}}}),
+    ("geometry anisotropic(indicator, view=matrix(blocks=3))",
+     {"geometry": {"kind": "anisotropic", "reference": {"kind": "indicator"}, "view": {"kind": "matrix", "blocks": 3}}}),
 ]
 
 
@@ -65,6 +73,10 @@ def test_spellings(body, expected):
     ("rule a match module=Embedding:", {"module": "Embedding"}),
     ('rule a match "re:.*\\\\.weight" ndim=2:', {"name": "re:.*\\.weight", "ndim": 2}),
     ('rule a match module=Linear ndim=[2, 3] shape=["*", 768]:', {"module": "Linear", "ndim": [2, 3], "shape": ["*", 768]}),
+    # roles are bare words (a string where no kind is expected)
+    ("rule a match role=hidden:", {"role": "hidden"}),
+    ("rule a match role=[hidden, expert] ndim=2:", {"role": ["hidden", "expert"], "ndim": 2}),
+    ('rule a match role="head" name="**.weight":', {"role": "head", "name": "**.weight"}),
 ])
 def test_match_spellings(head, match):
     assert rule_data("geometry euclidean\n", head + "\n")["match"] == match
@@ -85,6 +97,28 @@ def test_keywords_as_names():
     spec = geomopt.parse_spec(text, "dsl")
     assert [r.name for r in spec.rules] == ["match", "rule"]
     assert geomopt.parse_spec(geomopt.dump_spec(spec, "dsl"), "dsl") == spec
+
+
+@pytest.mark.parametrize("statement, roles", [
+    ('roles head=["re:.*\\\\.proj_out\\\\.weight", "fc.weight"] router=["**.gate.weight"]',
+     {"head": ["re:.*\\.proj_out\\.weight", "fc.weight"], "router": ["**.gate.weight"]}),
+    ('roles\n    head=["lm_head.weight"]\n    norm=["**.ln_*.weight", "**.ln_*.bias",]', {"head": ["lm_head.weight"], "norm": ["**.ln_*.weight", "**.ln_*.bias"]}),
+    ("roles", {}),
+])
+def test_roles_statement(statement, roles):
+    """`roles role=[patterns…]` is the spec's roles mapping, wherever it stands among the statements."""
+    for text in (HEAD + statement + '\nrule a match "**":\n    geometry euclidean\n',
+                 HEAD + 'rule a match "**":\n    geometry euclidean\n' + statement + "\n"):
+        assert parse_dsl(text).data["roles"] == roles
+        assert geomopt.parse_spec(text, "dsl").roles == roles
+
+
+def test_roles_is_still_a_field_name():
+    """`roles` is a keyword only as a statement: as a match field it is a (misspelled) field."""
+    with pytest.raises(SpecError) as info:
+        geomopt.parse_spec(HEAD + 'rule a match roles=hidden:\n    geometry euclidean\n', "dsl")
+    d = info.value.diagnostics[0]
+    assert (d.code, d.line, d.col) == ("GO003", 3, 14) and "did you mean 'role'" in d.message
 
 
 def test_whole_spec_on_one_line_equals_yaml():
@@ -112,7 +146,13 @@ ERRORS = [
     ('rule a match "**":\n    geometry euclidean\n    constrant l0(k=1)\n', "GO001", 5, 5, ["did you mean 'constraint'"]),
     ('rule a match "**":\n    geometry euclidean\n    lrr=1\n', "GO001", 5, 5, ["'lrr'", "did you mean 'lr'"]),
     ('defaults weight_decai=0.1\n', "GO001", 3, 10, ["did you mean 'weight_decay'"]),
-    ('rulez a match "**":\n', "GO001", 3, 1, ["did you mean 'rule'", "expected one of defaults, description, end of input, name, rule"]),
+    ('rulez a match "**":\n', "GO001", 3, 1, ["did you mean 'rule'", "expected one of defaults, description, end of input, name, roles, rule"]),
+    ('rolse head=["x"]\n', "GO001", 3, 1, ["did you mean 'roles'"]),
+    ('roles head ["x"]\n', "GO001", 3, 12, ["unexpected token '['", "'='"]),
+    ('roles head=["x"]\nrule a match role=hedd:\n    geometry euclidean\n', "GO005", 4, 19,
+     ["unknown role 'hedd'", "did you mean 'head'", "embedding, head, router"]),
+    ('rule a match "**":\n    geometry spectral(indicator, view=matrix(blocks=[64, 0]))\n', "GO005", 4, 58,
+     ["view.blocks[1]", "greater than or equal to 1"]),
     ('rule a "**":\n', "GO001", 3, 8, ["expected one of match"]),
     ('rule a match "**" geometry euclidean\n', "GO001", 3, 19, ["expected ':' before 'geometry'"]),
     ('rule a match "**":\n    geometry spectral(indicator\n', "GO001", 5, 1, ["end of input", "')'", "','"]),

@@ -22,6 +22,20 @@ SHIPPED = sorted((ROOT / "specs").glob("*.yaml"))
 YAML_TEXTS = [p.read_text(encoding="utf-8") for p in SHIPPED]
 DSL_TEXTS = [geomopt.dump_spec(geomopt.load_spec(p), "dsl") for p in SHIPPED]
 DSL_TEXTS += [p.read_text(encoding="utf-8") for p in sorted((ROOT / "specs").glob("*.geom"))]  # hand-written
+# spec-level roles and matrix views, which the shipped specs do not use
+ROLES_YAML = """geomopt: 1
+name: roles
+roles: {head: ['re:.*\\.proj_out\\.weight', fc.weight], router: ['**.gate.weight']}
+rules:
+  - name: hidden
+    match: {role: [hidden, expert], ndim: [2, 3]}
+    geometry: {kind: spectral, reference: {kind: indicator}, view: {kind: matrix, batch: 1, blocks: [64, 32, 32]}}
+  - name: rest
+    match: {role: [embedding, head, router, norm, bias, other]}
+    geometry: {kind: rowwise, reference: {kind: indicator}, view: auto}
+"""
+YAML_TEXTS.append(ROLES_YAML)
+DSL_TEXTS.append(geomopt.dump_spec(geomopt.parse_spec(ROLES_YAML), "dsl"))
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
@@ -72,14 +86,16 @@ YAML_TOKENS = [
     "lr", "spectral", "indicator", "1", "2", "0", "-1", "1e-3", ".5", "yes", "on", "null", "~", "true", "10:30",
     "0x1F", "0o17", ":", ": ", "- ", "-", "\n", "\n  ", "\n    ", "  ", "\t", "{", "}", "[", "]", ",", "'", '"',
     "#", "&a", "*a", "<<", "!!python/object:x", "!!int", "!tag", "?", "|", ">", "---", "...", "%YAML 1.2", "\\",
-    "\x85", "\u2028", "\ufeff", "é", "re:a((", "**", "\x00", "\x07",
+    "\x85", "\u2028", "\ufeff", "é", "re:a((", "**", "\x00", "\x07", "role", "roles", "hidden", "view", "auto",
+    "blocks",
 ]
 DSL_TOKENS = [
     "geomopt", "name", "description", "defaults", "rule", "match", "geometry", "constraint", "lr", "direction",
     "schedule", "weight_decay", "project_on_init", "on_nonfinite", "spectral", "indicator", "polyak", "kind",
     "approx", "newton_schulz", "radius", "module", "ndim", "true", "false", "none", "1", "-0.5", "1e-3", "2.",
     ".5", "+3", "(", ")", "[", "]", ",", "=", ":", '"', '"x"', '"\\u00e9"', '"\\ud800"', '"\\q"', "#", "\n",
-    " ", "\t", "@", ";", "'", "x", "a-b", "_", "\x00", "é", "{", "}",
+    " ", "\t", "@", ";", "'", "x", "a-b", "_", "\x00", "é", "{", "}", "roles", "role", "hidden", "head", "view",
+    "auto", "matrix", "blocks", "batch",
 ]
 
 
@@ -153,9 +169,9 @@ def test_mutated_dsl(text):
 
 JSON = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False, allow_infinity=False),
-              st.sampled_from(["", "spectral", "kind", "re:a((", "**", "yes", "1e-3", "polyak", "frobenius_ball"])),
+              st.sampled_from(["", "spectral", "kind", "re:a((", "**", "yes", "1e-3", "polyak", "frobenius_ball", "auto", "hidden"])),
     lambda inner: st.one_of(st.lists(inner, max_size=3),
-                            st.dictionaries(st.sampled_from(["kind", "name", "radius", "reference", "lr", "k", "x", "match", "geometry"]), inner, max_size=3)),
+                            st.dictionaries(st.sampled_from(["kind", "name", "radius", "reference", "lr", "k", "x", "match", "geometry", "role", "head", "view", "blocks"]), inner, max_size=3)),
     max_leaves=8,
 )
 

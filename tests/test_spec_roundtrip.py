@@ -1,8 +1,8 @@
 """YAML and the DSL are two spellings of one model: parse(dump(s)) == s, both ways.
 
 Shipped specs are checked in every direction; hypothesis generates valid Spec objects with every
-kind of geometry, reference, approximation, constraint, direction and schedule, and with the
-strings that trip printers (unicode, quotes, backslashes, "1e-3", "yes", "10:30", keywords).
+kind of geometry, reference, approximation, view, constraint, direction and schedule, match roles
+and spec-level roles, and with the strings that trip printers (unicode, quotes, backslashes, "1e-3", "yes", "10:30", keywords).
 The committed JSON Schema is checked against the models and against the shipped specs.
 """
 
@@ -86,7 +86,7 @@ def test_shipped_printed_dsl_is_compact(path):
 TRICKY = [
     "1e-3", "1.0e-3", ".5", "-1", "+1", "0o17", "0x1F", "10:30", "1_000", "yes", "no", "on", "off", "y", "n",
     "true", "False", "null", "~", "", " ", "-", "*", "**", "a: b", "- x", "#c", "x #c", "'", '"', "\\", "\\n",
-    "é", "名前", "🙂", "tab\there", "line\nbreak", "\u2028", "\x85", "NaN", ".inf", "geometry", "rule", "match",
+    "é", "名前", "🙂", "tab\there", "line\nbreak", "\u2028", "\x85", "NaN", ".inf", "geometry", "rule", "match", "roles",
     "name", "lr", "kind", "none", "[1]", "{a}", "&a", "*a", "!tag", "%", "@", "`", "a\\\"b", "re:", "  lead", "trail  ",
 ]
 text = st.one_of(st.sampled_from(TRICKY), st.text(max_size=12))
@@ -100,7 +100,7 @@ scale = st.sampled_from(["none", "scion", "muon_original", "match_rms_adamw"])
 layout = st.sampled_from(["auto", "out_in", "in_out"])
 rule_name = st.one_of(
     st.from_regex(r"\A[A-Za-z_][A-Za-z0-9_\-]{0,10}\Z"),
-    st.sampled_from(["match", "rule", "geometry", "true", "false", "lr", "name", "geomopt", "a-b", "_"]),
+    st.sampled_from(["match", "rule", "roles", "geometry", "true", "false", "lr", "name", "geomopt", "a-b", "_"]),
 )
 
 
@@ -150,14 +150,21 @@ approx = st.one_of(
           coefficients=st.one_of(st.sampled_from(["polar_express", "speedrun"]), st.lists(triple, min_size=1, max_size=4))),
 )
 prenormalize = st.one_of(model(m.FrobeniusPrenorm, eps=pos), model(m.MaxPrenorm, eps=pos), st.just(m.NoPrenorm()))
+# none, auto (printed as the shorthand), or a matrix view with blocks a count or a list of sizes
+view = st.one_of(
+    st.none(),
+    st.just(m.AutoView()),
+    model(m.MatrixView, batch=st.integers(0, 4), trailing=st.sampled_from(["cols", "batch"]),
+          blocks=st.one_of(st.none(), st.integers(1, 64), st.lists(st.integers(1, 4096), min_size=1, max_size=4))),
+)
 geometry = st.one_of(
     model(m.Euclidean, radius=pos),
     model(m.Isotropic, radius=pos, reference=reference, scale=scale),
-    model(m.Anisotropic, radius=pos, reference=reference, scale=scale, layout=layout),
+    model(m.Anisotropic, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
     model(m.Spectral, radius=pos, reference=reference, approx=approx, prenormalize=prenormalize, scale=scale,
-          layout=layout, split=st.integers(1, 64)),
-    model(m.Rowwise, radius=pos, reference=reference, scale=scale, layout=layout),
-    model(m.Columnwise, radius=pos, reference=reference, scale=scale, layout=layout),
+          layout=layout, view=view),
+    model(m.Rowwise, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
+    model(m.Columnwise, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
     model(m.Adam, radius=pos, eps=pos,
           betas=st.lists(st.floats(min_value=0, max_value=1, exclude_max=True, allow_nan=False), min_size=2, max_size=2)),
 )
@@ -182,8 +189,11 @@ schedule = st.one_of(
 )
 ndim = st.one_of(st.integers(0, 8), st.lists(st.integers(0, 8), min_size=1, max_size=4))
 shape = st.lists(st.one_of(st.integers(0, 4096), st.just("*")), max_size=4)
-match = st.fixed_dictionaries({}, optional=dict(name=pattern, module=nonempty, ndim=ndim, shape=shape)).flatmap(
+role_name = st.sampled_from(m.ROLE_NAMES)
+role = st.one_of(role_name, st.lists(role_name, min_size=1, max_size=4))
+match = st.fixed_dictionaries({}, optional=dict(name=pattern, module=nonempty, role=role, ndim=ndim, shape=shape)).flatmap(
     lambda d: st.just(m.Match(**d)) if d else pattern.map(lambda p: m.Match(name=p)))  # at least one predicate
+roles = st.dictionaries(role_name, st.lists(pattern, min_size=1, max_size=3), max_size=3)
 hyper = dict(lr=nonneg, weight_decay=nonneg, direction=direction, schedule=schedule,
              on_nonfinite=st.sampled_from(["skip", "raise"]), project_on_init=st.booleans())
 rule = model(m.Rule, name=rule_name, match=match, geometry=geometry, constraint=constraint, **hyper)
@@ -192,7 +202,7 @@ rule = model(m.Rule, name=rule_name, match=match, geometry=geometry, constraint=
 @st.composite
 def specs(draw):
     rules = draw(st.lists(rule, min_size=1, max_size=4, unique_by=lambda r: r.name))
-    fields = draw(st.fixed_dictionaries({}, optional={"description": text, "defaults": model(m.Defaults, **hyper)}))
+    fields = draw(st.fixed_dictionaries({}, optional={"description": text, "defaults": model(m.Defaults, **hyper), "roles": roles}))
     return m.Spec(geomopt=1, name=draw(nonempty), rules=rules, **fields)
 
 
@@ -271,6 +281,7 @@ def test_schema_has_the_discriminated_kinds():
         ("Spectral", "prenormalize"): {"frobenius", "max", "none"},
         ("Rule", "direction"): {"none", "polyak", "storm"},
         ("Defaults", "schedule"): {"constant", "theory", "storm"},
+        **{(owner, "view"): set(m.VIEW_KINDS) for owner in ("Anisotropic", "Spectral", "Rowwise", "Columnwise")},
     }
     for (owner, field), kinds in expected.items():
         prop = defs[owner]["properties"][field]
@@ -286,6 +297,12 @@ def test_schema_has_the_discriminated_kinds():
     assert set(schema["required"]) == {"geomopt", "name", "rules"}
     match = defs["Rule"]["properties"]["match"]["anyOf"]
     assert any(s.get("type") == "string" for s in match) and any(s.get("$ref") == "#/$defs/Match" for s in match)
+    # `view: auto` is shorthand for `view: {kind: auto}` on every geometry that has a view
+    with_view = {name for name, d in defs.items() if "view" in d.get("properties", {})}
+    assert with_view == {"Anisotropic", "Spectral", "Rowwise", "Columnwise"}
+    for name in with_view:
+        shorthand = [s for s in defs[name]["properties"]["view"]["anyOf"] if s.get("type") == "string"]
+        assert shorthand and set(shorthand[0]["enum"]) == set(m.VIEW_KINDS), name
     # the structure the shipped specs use is allowed by it
     for path, data in _shipped_data():
         for rule in data["rules"]:

@@ -5,13 +5,15 @@ Spelling (whitespace and newlines are free; ``#`` starts a comment)::
     geomopt 1
     name "prox-muon"
     defaults lr=0.02 direction=polyak(alpha=0.05, nesterov=true)
-    rule hidden match "transformer.h.*.weight" ndim=2:
-        geometry   spectral(power_barrier(kappa=4, eps=1e-3), approx=polar_express(steps=5))
+    roles head=["**.proj_out.weight"] router=["**.gate.weight"]
+    rule hidden match role=[hidden, expert] ndim=2:
+        geometry   spectral(power_barrier(kappa=4, eps=1e-3), approx=polar_express(steps=5), view=auto)
         constraint frobenius_ball(radius=0.5)
 
 A call ``kind(a=…, …)`` is the mapping ``{kind: …, a: …}``; a bare word where a kind is expected
-(``direction=none``, ``spectral(indicator)``) is ``{kind: word}``; a geometry's one positional
-argument is its ``reference``.
+(``direction=none``, ``spectral(indicator)``, ``view=auto``) is ``{kind: word}``; a geometry's one
+positional argument is its ``reference``; elsewhere a bare word is a string (``role=hidden``).
+``roles role=[patterns…]`` is the spec's ``roles`` mapping.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from geomopt.spec.diagnostics import SpecError, did_you_mean, language_diagnosti
 from geomopt.spec.source import MAX_DEPTH, Parsed, SourceMap
 
 # Fields whose value is a {kind: …} mapping: a bare word there names the kind.
-KIND_FIELDS = frozenset({"geometry", "constraint", "reference", "approx", "prenormalize", "direction", "schedule"})
+KIND_FIELDS = frozenset({"geometry", "constraint", "reference", "approx", "prenormalize", "direction", "schedule", "view"})
 
 _KEYWORDS = {
-    "GEOMOPT": "geomopt", "NAME": "name", "DESCRIPTION": "description", "DEFAULTS": "defaults", "RULE": "rule",
-    "MATCH": "match", "GEOMETRY": "geometry", "CONSTRAINT": "constraint", "LR": "lr",
+    "GEOMOPT": "geomopt", "NAME": "name", "DESCRIPTION": "description", "DEFAULTS": "defaults", "ROLES": "roles",
+    "RULE": "rule", "MATCH": "match", "GEOMETRY": "geometry", "CONSTRAINT": "constraint", "LR": "lr",
     "WEIGHT_DECAY": "weight_decay", "DIRECTION": "direction", "SCHEDULE": "schedule",
     "ON_NONFINITE": "on_nonfinite", "PROJECT_ON_INIT": "project_on_init", "TRUE": "true", "FALSE": "false",
 }
@@ -63,8 +65,9 @@ def _parser() -> Lark:
 
 def _expected(names) -> str:
     names = set(names or ())
-    if "IDENT" in names:  # keywords are then only field names: "a name" covers them
-        names -= set(_KEYWORDS) - {"TRUE", "FALSE"}
+    words = set(_KEYWORDS) - {"TRUE", "FALSE"}
+    if "IDENT" in names and words <= names:  # where any field name goes: "a name" covers the keywords
+        names -= words
     shown = sorted(_KEYWORDS.get(n, _SHOWN.get(n, n)) for n in names)
     return ", ".join(shown)
 
@@ -182,6 +185,14 @@ class _Walker:
                 for setting in st.children[1:]:
                     self.item(defaults, path, setting)
                 self.put(out, (), "defaults", st.children[0], st, defaults)
+            elif kind == "roles_stmt":
+                path = ("roles",)
+                self.source.values[path] = _pos(st)
+                roles: dict = {}
+                for entry in st.children[1:]:
+                    role, _eq, value = entry.children
+                    self.put(roles, path, str(role), role, value, self.value(value, path + (str(role),)))
+                self.put(out, (), "roles", st.children[0], st, roles)
             else:
                 if "rules" not in out:
                     out["rules"] = rules

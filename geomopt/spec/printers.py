@@ -2,7 +2,7 @@
 
 Only what differs from a default is written (``kind`` always), so printed specs stay short —
 except the numbers that define the math (a reference's ε and κ, a direction's α), which are
-always written out.
+always written out. ``view: {kind: auto}`` prints as its shorthand ``view: auto`` (DSL ``view=auto``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _EXPLICIT = (LogBarrier, PowerBarrier, Polyak, Storm)
 from geomopt.spec.yaml_front import YamlDumper
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
-_RESERVED = {"true", "false", "geomopt", "name", "description", "defaults", "rule", "match", "geometry",
+_RESERVED = {"true", "false", "geomopt", "name", "description", "defaults", "roles", "rule", "match", "geometry",
              "constraint", "lr", "weight_decay", "direction", "schedule", "on_nonfinite", "project_on_init"}
 
 
@@ -36,6 +36,8 @@ def to_plain(model: BaseModel) -> dict:
         if name == "kind" or (default and not (explicit and name in ("eps", "kappa", "alpha"))):
             continue
         out[name] = _plain(value)
+    if "view" in out:  # a base-class field, first in field order: print what the geometry is first
+        out["view"] = out.pop("view")
     return out
 
 
@@ -63,6 +65,8 @@ def dump_yaml(spec: Spec) -> str:
         m = rule.get("match", {})
         if set(m) == {"name"}:  # the common shorthand: match: "pattern"
             rule["match"] = m["name"]
+        if rule["geometry"].get("view") == {"kind": "auto"}:  # the shorthand the shipped specs use
+            rule["geometry"]["view"] = "auto"
         # what the rule is before how it is tuned, as the shipped specs read
         head = {k: rule.pop(k) for k in ("name", "match", "geometry", "constraint") if k in rule}
         rules.append({**head, **rule})
@@ -123,6 +127,10 @@ def dump_dsl(spec: Spec) -> str:
     defaults = data.get("defaults") or {}
     if defaults:
         lines.append("defaults " + " ".join(_settings(defaults)))
+    roles = data.get("roles") or {}
+    if roles:  # role names are plain words; patterns always quoted, as a match's name pattern is
+        lines.append("roles " + " ".join(
+            f"{role}=[{', '.join(json.dumps(p, ensure_ascii=False) for p in patterns)}]" for role, patterns in roles.items()))
     for rule in data["rules"]:
         rule = dict(rule)
         match = rule.pop("match")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from geomopt.spec.model import Spec
+from geomopt.spec.model import VIEW_KINDS, Spec
 
 SCHEMA_PATH = "schema/geomopt-1.schema.json"  # committed copy, kept equal to schema_text() by a test
 
@@ -19,6 +19,11 @@ def schema() -> dict:
             {"$ref": "#/$defs/Match"},
         ],
     }
+    # likewise `view: auto` for `view: {kind: auto}`, on every geometry that has a view
+    for definition in out["$defs"].values():
+        view = definition.get("properties", {}).get("view")
+        if view is not None:
+            view["anyOf"].insert(0, {"type": "string", "enum": list(VIEW_KINDS), "description": "shorthand for {kind: …}"})
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "geomopt-1.schema.json",

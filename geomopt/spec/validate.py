@@ -11,7 +11,7 @@ from typing import Any, Union
 from pydantic import BaseModel, ValidationError
 
 from geomopt.spec.diagnostics import Diagnostic, SpecError, did_you_mean, language_diagnostic
-from geomopt.spec.model import Spec
+from geomopt.spec.model import ROLE_NAMES, Spec
 from geomopt.spec.source import MAX_BYTES, Parsed, SourceMap
 
 def source_of(spec: Spec) -> SourceMap | None:
@@ -45,6 +45,9 @@ def _diagnostics(exc: ValidationError, data, source: SourceMap) -> list[Diagnost
     # 'polar_express' or 'speedrun'" (at the list) and "at most 3 items" (inside it). The member
     # that got further into the value is the one the user meant: drop the others' errors.
     deeper = {u for _, p, _, u in found if u is not None and len(p) > len(u)}
+    # `blocks: []` fails both members of `int | list[int]` where it stands: the member of the
+    # value's own shape (list or not) says what is wrong ("at least 1 item", not "valid integer").
+    fits = {u for e, p, _, u in found if u is not None and p == u and _fits(e, data, p)}
     # `geometri:` makes both "unknown field 'geometri'; did you mean 'geometry'?" and "missing
     # 'geometry'" (reported earlier, at the mapping): the first says it all.
     extra: dict = {}
@@ -53,7 +56,7 @@ def _diagnostics(exc: ValidationError, data, source: SourceMap) -> list[Diagnost
             extra.setdefault(path[:-1], []).append(str(path[-1]))
     out, seen = [], set()
     for err, path, model, union_at in found:
-        if union_at is not None and union_at in deeper and path == union_at:
+        if union_at is not None and path == union_at and (union_at in deeper or (union_at in fits and not _fits(err, data, path))):
             continue
         if err["type"] == "missing" and path and did_you_mean(path[-1], extra.get(path[:-1], [])):
             continue
@@ -65,9 +68,20 @@ def _diagnostics(exc: ValidationError, data, source: SourceMap) -> list[Diagnost
     return out
 
 
+def _fits(err: dict, data, path: tuple) -> bool:
+    """Whether the union member ``err`` came from has the value's shape (a list member, a list)."""
+    member = next((s for s in err["loc"] if isinstance(s, str) and _is_member_tag(s)), "")
+    return isinstance(_get(data, path), list) == member.startswith("list[")
+
+
 def _one(err: dict, path: tuple, model, data, source: SourceMap) -> Diagnostic:
     etype, msg, file = err["type"], err["msg"], source.file
     where = _where(path)
+    if err["loc"][-1:] == ("[key]",):  # a mapping's key failed (only `roles` constrains its keys)
+        role = path[-1]
+        if path[:1] == ("roles",):
+            return language_diagnostic("GO005", f"roles: unknown role {_show(role)}{_roles_hint(role)}", file, source.pos(path, key=True))
+        return language_diagnostic("GO005", f"{_where(path[:-1]) or 'spec'}: key {_show(role)}: {_friendly(etype, msg)}", file, source.pos(path, key=True))
     if etype == "duplicate_rule_name":
         ctx = err["ctx"]
         first = source.pos(("rules", ctx["first"], "name"))
@@ -90,15 +104,34 @@ def _one(err: dict, path: tuple, model, data, source: SourceMap) -> Diagnostic:
         return language_diagnostic("GO006", f"missing required field '{path[-1]}' in {_where(parent) or 'the spec'}", file, source.pos(parent, key=True))
     if path and path[-1] == "name" and len(path) >= 2 and path[-2] == "match" and etype == "value_error":
         return language_diagnostic("GO007", msg.removeprefix("Value error, "), file, source.pos(path))
+    if path == ("roles",) and etype == "value_error":  # checked over the whole mapping: point at the pattern
+        return language_diagnostic("GO007", f"roles: {msg.removeprefix('Value error, ')}", file, source.pos(_bad_role_pattern(data) or path))
     value = _get(data, path)
     got = "" if isinstance(value, (dict, list)) or value is _MISSING else f", got {_show(value)}"
     msg = msg.removeprefix("Value error, ")
     if etype == "literal_error" and path and path[-1] == "kind":
         return language_diagnostic("GO004", f"{msg}{got}", file, source.pos(path))
+    if etype == "literal_error" and isinstance(value, str) and "role" in path[-2:]:  # `role: hedd`, `role: [hedd]`
+        return language_diagnostic("GO005", f"{where}: unknown role {_show(value)}{_roles_hint(value)}", file, source.pos(path))
     if etype == "literal_error" and isinstance(value, str):  # `scale: scoin`
         choices = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
         got += did_you_mean(value, choices)
     return language_diagnostic("GO005", f"{where or 'spec'}: {_friendly(etype, msg)}{got}", file, source.pos(path))
+
+
+def _bad_role_pattern(data) -> tuple | None:
+    """The path of the first ``re:`` pattern under ``roles`` that does not compile."""
+    for role, patterns in data["roles"].items():
+        for i, pattern in enumerate(patterns):
+            try:
+                re.compile(pattern[3:]) if pattern.startswith("re:") else None
+            except re.error:
+                return ("roles", role, i)
+    return None
+
+
+def _roles_hint(word: str) -> str:
+    return f"{did_you_mean(word, ROLE_NAMES)} (roles: {', '.join(ROLE_NAMES)})"
 
 
 def _friendly(etype: str, msg: str) -> str:
@@ -147,6 +180,8 @@ def _walk(loc: tuple, data) -> tuple[tuple, Any, tuple | None]:
             models = _item_models(models)
             node = node[seg]
             path.append(seg)
+        elif seg == "[key]":  # the key of the entry just walked into failed: the path stays there
+            continue
         elif isinstance(node, dict) and isinstance(seg, str) and node.get("kind") == seg:  # discriminator tag
             models = [m for m in models if _kind_of(m) == seg] or models
         elif isinstance(seg, str) and _is_member_tag(seg):  # which union member: not a place in the data

@@ -3,18 +3,20 @@
 # the output layer: sign lmo scaled 1/din (ρ_L = 10); embeddings: ColNorm of the transposed table
 # (Scion's ColNorm(transpose=True)); norms and biases: BiasRMS. ColNorm/BiasRMS are isotropic log
 # barriers (ε = 1e-8), the lmos the indicator reference.
+# Rules route by role (inferred from the model's structure); view=auto takes each expert of a
+# batched MoE weight and each block of a fused projection as its own matrix.
 geomopt 1
 name "uscion"
 defaults lr=0.02 direction=polyak(alpha=0.1)
 
-rule embeddings match module=Embedding:
+rule embeddings match role=embedding ndim=2:
     geometry columnwise(log_barrier(eps=1e-08), scale=scion, layout=in_out)
 
-rule head match "re:(lm_)?head\\.weight":
+rule head match role=[head, router]:
     geometry anisotropic(indicator, radius=10.0, scale=scion)
 
-rule hidden match "**.weight" ndim=[2, 3, 4, 5]:
-    geometry spectral(indicator, approx=newton_schulz, scale=scion)
+rule hidden match role=[hidden, expert]:
+    geometry spectral(indicator, approx=newton_schulz, scale=scion, view=auto)
 
-rule rest match "**":
+rule rest match "**":   # norms, biases, other vectors: BiasRMS
     geometry isotropic(log_barrier(eps=1e-08), scale=scion)
