@@ -61,3 +61,12 @@ def test_ab_script_compares_this_tree_with_a_commit(capsys):
     out = capsys.readouterr().out
     names = re.findall(r"^\| ([^|]+?) \| [\d.]+ \| [\d.]+ \|$", out, flags=re.M)
     assert names == ["torch.optim.Muon", "base HEAD", "this tree"], out
+
+
+def test_experts_script_compares_the_batched_view_with_separate_tensors(capsys):
+    assert _script("experts").main(["--experts", "3", "--shape", "12x8", "--tensors", "2", "--iters", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "tensors" in line]
+    assert len(rows) == 2, rows
+    batched = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert "view batch: 1" in batched[0] and float(batched[1]) > 0
+    assert float(batched[3]) == 0.0  # E matrices either way: the same bits
