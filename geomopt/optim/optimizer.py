@@ -62,6 +62,11 @@ class NonFiniteGradientError(FloatingPointError):
 class GeomOptimizer(Optimizer):
     """``GeomOptimizer(model_or_named_parameters, spec)``: spec is a Spec, a path or a dict.
 
+    ``roles``: role → name patterns (``{"head": ["proj_out.weight"]}``), over the roles inferred
+    from the model (:mod:`geomopt.compile.roles`) and the spec's ``roles:``. Roles are inferred
+    from an ``nn.Module``'s structure, guessed from names and shapes for an iterable of
+    (name, tensor), and only where the spec reads them (``match: {role: …}``, ``view: auto``).
+
     ``track_update``: measure ‖X⁺ − X‖ each step for :meth:`diagnostics` (two passes over
     every tensor: off by default, like the gap).
 
