@@ -88,6 +88,44 @@ def test_char_gpt_quick(tmp_path):
     assert all(v["fro_over_rho"] <= 0.5 * 1.001 for v in prox["norms"].values())
 
 
+
+def test_moe_quick(tmp_path):
+    rec = _run("moe.py", tmp_path, "--no-progress")
+    summary, runs = rec["results"]["summary"], rec["results"]["runs"]
+    assert list(summary) == ["muon.yaml", "AdamW"] and [r["optimizer"] for r in runs] == list(summary)
+    for r in runs:
+        assert len(r["val"]) == rec["settings"]["steps"] == 8
+        assert all(math.isfinite(v) and 0 < v < math.log(256) + 1.0 for v in r["val"] + r["train"])
+    # both optimizers start from the same weights and see the same batches: equal first training loss
+    assert runs[0]["train"][0] == runs[1]["train"][0]
+    rows = {r["parameter"]: r for r in rec["routing"]}
+    layer = "model.layers.0."
+    assert all(n.startswith(layer) or ".layers." not in n for n in rows)
+    experts = [r for n, r in rows.items() if ".experts." in n]
+    assert {r["parameter"].rsplit(".", 1)[-1] for r in experts} == {"gate_up_proj", "down_proj"}
+    for r in experts:  # batched (E, out, in): one matrix per expert (gate_up_proj: per gate/up half)
+        assert (r["role"], r["rule"], r["geometry"]) == ("expert", "hidden", "spectral"), r
+    assert rows[layer + "mlp.experts.down_proj"]["view"] == "4 × 64×128"
+    assert rows[layer + "mlp.experts.gate_up_proj"]["view"] == "8 × 128×64"
+    router = rows[layer + "mlp.gate.weight"]
+    assert router["role"] == "router" and router["geometry"] != "spectral" and router["view"] == "-"
+    assert rows[layer + "self_attn.q_proj.weight"]["role"] == "hidden"
+    assert rows["lm_head.weight"]["role"] == "head" and rows["model.embed_tokens.weight"]["role"] == "embedding"
+    # the README's tables come from this JSON
+    md = subprocess.run([sys.executable, str(ROOT / "examples" / "moe.py"), "--markdown", "--out-dir", str(tmp_path)],
+                        capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "| `model.layers.0.mlp.experts.down_proj` | 4×64×128 | expert | hidden | spectral | 4 × 64×128 |" in md
+    assert f"| {summary['AdamW']['final_val']:.3f} |" in md
+
+
+def test_readme_quotes_moe_results():
+    # the README's "Any architecture" tables are `examples/moe.py --markdown` of the committed moe.json
+    md = subprocess.run([sys.executable, str(ROOT / "examples" / "moe.py"), "--markdown"],
+                        capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    readme = (ROOT / "README.md").read_text()
+    for block in md.split("\n\n"):
+        assert block in readme, block
+
 def test_example_specs_lint_clean_except_the_intended_heuristic():
     from geomopt.compile import lint_spec
 

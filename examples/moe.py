@@ -1,0 +1,307 @@
+"""Muon on a mixture-of-experts model: a shipped spec routes any architecture by role.
+
+Model: a small Mixtral (transformers' MixtralForCausalLM from a config, random init; default 2
+layers, width 64, 4 heads (2 key/value heads), 4 experts of width 128, top-2 routing, vocabulary
+= the 256 byte values, context 64). Its expert weights are batched tensors, (experts, out, in):
+``gate_up_proj`` (4, 256, 64) holds every expert's gate and up projections, ``down_proj``
+(4, 64, 128) their down projections; ``mlp.gate`` is the router (4, 64).
+
+``specs/muon.yaml`` names no parameter: its rules match roles (embedding, head, router, hidden,
+expert), which geomopt infers from the model's structure, and its spectral rule reads the matrix
+``view: auto``, so each expert's matrix is orthogonalized on its own (gate_up_proj: each expert's
+gate and up halves, 8 matrices of 128×64), the router and the head get AdamW. The routing table
+(one layer, plus the embedding, final norm and head) is printed and saved in the results JSON.
+
+Data and training: the byte-level corpus of `geomopt demo` (pydoc's bundled topic help, 90/10
+train/validation split), the same seed, initial weights and batches for both optimizers, batch 32,
+linear decay to 10% of the lr; the training loss adds Mixtral's load-balancing loss
+(router_aux_loss_coef 0.001), the reported validation loss is the cross-entropy alone
+(nats/byte, 4 fixed batches of 64). Optimizers:
+
+  muon.yaml   specs/muon.yaml (lr 0.02 on hidden and expert matrices, AdamW lr 1e-3 elsewhere)
+  AdamW       torch.optim.AdamW(lr 3e-3, betas (0.9, 0.95), weight decay 0.1) — as `geomopt demo`
+
+Newton–Schulz dtype: muon.yaml runs its Newton–Schulz iteration in bfloat16 (as torch.optim.Muon
+does, on every device). CPUs without native bf16 matrix units (AVX2-only, like this project's) run
+bf16 matmuls through a slow path, where one muon.yaml step on this model costs several times the
+float32 step. So ``--ns-dtype auto`` (the default) keeps the spec's bfloat16 on CUDA and, on CPU,
+times one optimizer step in each dtype first and overrides the hidden rule's ``approx.dtype`` to
+float32 when bf16 is more than 2× slower (the spec is loaded, edited as a dict and passed to
+GeomOptimizer); the timings and the choice are printed and recorded in the JSON.
+
+Run:  python examples/moe.py                 # defaults: 400 steps per optimizer, about 2–3 min on one CPU thread
+      python examples/moe.py --markdown      # print the README's tables from examples/results/moe.json
+      python examples/moe.py --quick         # 8 steps: a smoke test (seconds)
+Writes examples/results/moe.json and moe.png (or under --out-dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+import geomopt  # noqa: E402
+from geomopt.cli.demo import batches, corpus_bytes, save_figure  # noqa: E402
+from geomopt.compile.plan import view_text  # noqa: E402
+
+SPEC = "muon"
+OPTIMIZERS = ("muon.yaml", "AdamW")
+
+
+def build_model(args):
+    import transformers  # an examples dependency
+
+    config = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=args.hidden, intermediate_size=args.expert_width, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2), num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k, max_position_embeddings=args.block, tie_word_embeddings=False,
+        output_router_logits=True, router_aux_loss_coef=0.001)
+    return transformers.MixtralForCausalLM(config)
+
+
+def step_seconds(args, dtype: str, reps: int) -> float:
+    """Median wall time of one muon.yaml optimizer step on a fresh model (random gradients) with
+    Newton–Schulz in ``dtype``."""
+    torch.manual_seed(args.seed)
+    model = build_model(args).to(args.device)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt = geomopt.GeomOptimizer(model, muon_spec(dtype))
+    opt.step()  # warm-up
+    times = []
+    for _ in range(reps):
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        opt.step()
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return _common.median(times)
+
+
+def ns_dtype(args, reps: int) -> tuple[str, dict]:
+    """The Newton–Schulz dtype to run, and the step times that chose it (auto on CPU: the spec's
+    bfloat16 unless a step in bf16 takes more than twice as long as in float32)."""
+    if args.ns_dtype != "auto":
+        return args.ns_dtype, {}
+    if args.device != "cpu":
+        return "bfloat16", {}
+    times = {dt: step_seconds(args, dt, reps) for dt in ("bfloat16", "float32")}
+    return ("float32" if times["bfloat16"] > 2 * times["float32"] else "bfloat16"), times
+
+
+def muon_spec(dtype: str) -> dict:
+    """specs/muon.yaml as a dict, with the hidden rule's Newton–Schulz dtype set to ``dtype``."""
+    spec = geomopt.load_spec(_common.spec_path(SPEC)).model_dump()
+    for rule in spec["rules"]:
+        approx = (rule.get("geometry") or {}).get("approx")
+        if approx and approx.get("kind") == "newton_schulz":
+            approx["dtype"] = dtype
+    return spec
+
+
+def routing_rows(plan, layer: int = 0) -> list[dict]:
+    """One row per tensor of layer ``layer`` and of no layer (embedding, final norm, head)."""
+    rows = []
+    for p in plan:
+        if ".layers." in p.name and f".layers.{layer}." not in p.name:
+            continue
+        rows.append(dict(parameter=p.name, shape="×".join(map(str, p.shape)), role=p.role, rule=p.rule,
+                         geometry=p.geometry["kind"], view=view_text(p), lr=p.lr))
+    return rows
+
+
+def train_one(label: str, make_opt, args, data, *, progress: bool) -> tuple[dict, object]:
+    """Train one fresh model (seed ``args.seed``) with ``make_opt(model)``; demo.train's curve format."""
+    torch.manual_seed(args.seed)
+    model = build_model(args).to(args.device)
+    opt = make_opt(model)
+    steps = args.steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - 0.9 * k / steps)
+    train_data, val_data = data
+    it = batches(train_data, args.block, args.batch, torch.Generator().manual_seed(args.seed))
+    val_gen = torch.Generator().manual_seed(args.seed + 1)
+    val_batches = [tuple(t.to(args.device) for t in next(batches(val_data, args.block, 64, val_gen))) for _ in range(4)]
+    eval_every = max(1, steps // 20)
+
+    def ce(x, y):
+        out = model(input_ids=x)
+        return F.cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), y.reshape(-1)), out
+
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=steps, desc=label, unit="step", dynamic_ncols=True)
+        except ImportError:  # tqdm is an optional extra
+            pass
+    curve_steps, curve_train, curve_val = [], [], []
+    running = None
+    start = time.perf_counter()
+    for k in range(steps):
+        x, y = (t.to(args.device) for t in next(it))
+        loss, out = ce(x, y)
+        total = loss + model.config.router_aux_loss_coef * out.aux_loss
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        opt.step()
+        sched.step()
+        running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
+        if (k + 1) % eval_every == 0 or k + 1 == steps:
+            model.eval()
+            with torch.no_grad():
+                val = sum(ce(vx, vy)[0].item() for vx, vy in val_batches) / len(val_batches)
+            model.train()
+            curve_steps.append(k + 1)
+            curve_train.append(running)
+            curve_val.append(val)
+            if bar is not None:
+                bar.set_postfix(train=f"{running:.3f}", val=f"{val:.3f}")
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return dict(label=label, steps=curve_steps, train=curve_train, val=curve_val,
+                seconds=round(time.perf_counter() - start, 2)), opt
+
+
+def plot(runs: list[dict], path: Path, title: str) -> bool:
+    plt = _common.pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for r in runs:
+        (line,) = ax.plot(r["steps"], r["val"], label=f"{r['label']} (val)")
+        ax.plot(r["steps"], r["train"], "--", color=line.get_color(), alpha=0.5, label=f"{r['label']} (train, EMA)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return save_figure(fig, path)
+
+
+def markdown(record: dict) -> str:
+    """The README's tables, from a results record (moe.json)."""
+    lines = ["| parameter | shape | role | rule | geometry | view |", "|---|---|---|---|---|---|"]
+    for r in record["routing"]:
+        lines.append(f"| `{r['parameter']}` | {r['shape']} | {r['role']} | {r['rule']} | {r['geometry']} | {r['view']} |")
+    lines += ["", "| optimizer | final val. loss (nats/byte) | best val. loss | bits/byte | time (s) |",
+              "|---|---|---|---|---|"]
+    for name, s in record["results"]["summary"].items():
+        lines.append(f"| {s['describe']} | {s['final_val']:.3f} | {s['best_val']:.3f} | {s['bits_per_byte']:.2f} | "
+                     f"{s['seconds']:.0f} |")
+    st, threads = record["settings"], record["threads"]
+    lines += ["", f"`{record['command']}`: {st['steps']} steps per optimizer, {record['seconds_total']:.0f} s of training "
+                  f"({threads} thread{'s' if threads != 1 else ''}, torch {record['torch']}, "
+                  f"transformers {st['transformers']}). {record['note']}."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=400, help="training steps per optimizer")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--block", type=int, default=64, help="context length (bytes)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--experts", type=int, default=4)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--expert-width", type=int, default=128)
+    ap.add_argument("--adamw-lr", type=float, default=3e-3)
+    ap.add_argument("--ns-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="Newton–Schulz dtype (auto: the spec's bfloat16 on CUDA; on CPU, bfloat16 unless a timed "
+                         "step in bf16 takes more than twice as long as in float32)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: on this project's shared "
+                                                           "2-core CPU, 2 threads ran several times slower)")
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of: " + ", ".join(OPTIMIZERS))
+    ap.add_argument("--quick", action="store_true", help="8 steps (for tests)")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--markdown", action="store_true", help="print the README's tables from OUT_DIR/moe.json and exit")
+    ap.add_argument("--out-dir", "--out", dest="out_dir", default=str(_common.RESULTS))
+    args = ap.parse_args(argv)
+    out = Path(args.out_dir)
+    if args.markdown:
+        print(markdown(json.loads((out / "moe.json").read_text())))
+        return 0
+    if args.quick:
+        args.steps = 8
+    names = _common.chosen_optimizers(ap, args.optimizers, OPTIMIZERS)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    dtype, step_times = ns_dtype(args, reps=3 if args.quick else 15)
+    note = f"Newton–Schulz in {dtype}"
+    if step_times:
+        bf, f32 = step_times["bfloat16"], step_times["float32"]
+        note += (f" (one muon.yaml step, median: {bf * 1e3:.0f} ms in bfloat16, {f32 * 1e3:.0f} ms in float32, "
+                 f"{bf / f32:.0f}×; " + ("muon.yaml's bfloat16 overridden" if dtype != "bfloat16" else "as muon.yaml")
+                 + f"; CPU capability {torch.backends.cpu.get_cpu_capability()})")
+    elif dtype != "bfloat16":
+        note += " (muon.yaml's bfloat16 overridden by --ns-dtype)"
+    spec = muon_spec(dtype)
+    print(note)
+
+    raw = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
+    split = int(0.9 * len(raw))
+    data = (raw[:split], raw[split:])
+
+    makers = {
+        "muon.yaml": lambda m: geomopt.GeomOptimizer(m, spec),
+        "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=args.adamw_lr, betas=(0.9, 0.95), weight_decay=0.1),
+    }
+    describe = {
+        "muon.yaml": f"`specs/muon.yaml` (Newton–Schulz in {dtype})",
+        "AdamW": f"AdamW (lr {args.adamw_lr:g}, betas (0.9, 0.95), wd 0.1)",
+    }
+    routing = routing_rows(geomopt.GeomOptimizer(build_model(args), spec).plan)
+    print("\n== routing of specs/muon.yaml on Mixtral (layer 0 and the tensors outside the layers)")
+    cols = ("parameter", "shape", "role", "rule", "geometry", "view")
+    width = {k: max(len(k), *(len(str(r[k])) for r in routing)) for k in cols}
+    print("  ".join(k.ljust(w) for k, w in width.items()))
+    for r in routing:
+        print("  ".join(str(r[k]).ljust(w) for k, w in width.items()).rstrip())
+
+    t0 = time.perf_counter()
+    runs = []
+    print(f"\n== training {args.steps} steps per optimizer (seed {args.seed})")
+    for name in names:
+        r, _ = train_one(name, makers[name], args, data, progress=not args.no_progress)
+        r.update(optimizer=name, final_val=r["val"][-1], best_val=min(r["val"]))
+        runs.append(r)
+        print(f"{name:<10} val {r['final_val']:.4f} (best {r['best_val']:.4f}), {r['seconds']:.1f} s", flush=True)
+    total = time.perf_counter() - t0
+    summary = {r["optimizer"]: dict(describe=describe[r["optimizer"]], final_val=r["final_val"], best_val=r["best_val"],
+                                    bits_per_byte=r["final_val"] / math.log(2), seconds=r["seconds"]) for r in runs}
+
+    settings = {k: v for k, v in vars(args).items() if k not in ("out_dir", "markdown")}
+    settings.update(optimizers=names, ns_dtype_used=dtype, cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                    step_seconds_by_ns_dtype={k: round(v, 5) for k, v in step_times.items()},
+                    corpus_bytes=len(raw), eval_every=max(1, args.steps // 20), model="MixtralForCausalLM",
+                    transformers=__import__("transformers").__version__)
+    record = _common.write_results(out / "moe.json", settings=settings, results=dict(summary=summary, runs=runs),
+                                   seconds=total, extra=dict(note=note, routing=routing))
+    print()
+    print(markdown(record))
+    print(f"total {total:.1f} s")
+    if plot(runs, out / "moe.png", "byte-level Mixtral (4 experts, top-2) on Python's bundled docs"):
+        print(f"wrote {out / 'moe.json'} and {out / 'moe.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
