@@ -33,7 +33,7 @@ from geomopt.geometry.backward import backward
 
 ROOT = Path(__file__).resolve().parents[1]
 GEOMETRY = {"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-3},
-            "approx": {"kind": "svd"}, "radius": 1.0, "split": None}
+            "approx": {"kind": "svd"}, "radius": 1.0, "view": None}
 CASES = [
     ("frobenius_ball", {"kind": "frobenius_ball", "radius": 2.0}),
     ("rank", {"kind": "rank", "k": 16}),

@@ -27,7 +27,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.n_head = c.n_head
-        self.c_attn = nn.Linear(c.n_embd, 3 * c.n_embd, bias=c.bias)  # fused QKV: split=3
+        self.c_attn = nn.Linear(c.n_embd, 3 * c.n_embd, bias=c.bias)  # fused QKV: view auto reads 3 blocks
         self.c_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
 
     def forward(self, x):
