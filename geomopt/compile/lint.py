@@ -152,11 +152,17 @@ def unused_rule(ctx: LintContext):
 
 @lint_rule("GO103", "shadowed-rule", "warning", needs_model=True)
 def shadowed_rule(ctx: LintContext):
-    """A rule whose every match is already owned by earlier rules (the first match wins).
+    """A rule whose every match is already owned by earlier rules (the first match wins). Not
+    reported for a role rule whose only matches are tied tensors with several roles (GPT-2's
+    ``wte`` = ``lm_head`` is an embedding and a head: the embedding rule owns it, GO111 says so).
 
     Bad: a catch-all ``match: "**"`` before ``match: "*.bias"``. Fixed: put specific rules first.
     """
+    roles = {p.name: p.role for p in ctx.params}
     for i, rule in enumerate(ctx.spec.rules):
+        if rule.match.role is not None and all(roles.get(n) is not None and len(roles[n].roles) > 1
+                                               for n in ctx.matched[i]):
+            continue
         if ctx.matched[i] and all(ctx.owner[n] is not None and ctx.owner[n] < i for n in ctx.matched[i]):
             earlier = sorted({ctx.spec.rules[ctx.owner[n]].name for n in ctx.matched[i]})
             yield (f"rule '{rule.name}' is shadowed: all {len(ctx.matched[i])} parameters it matches are owned by "
@@ -385,9 +391,16 @@ def _roles_of(rule) -> set:
 
 
 def _absent_role(ctx: LintContext, rule) -> bool:
-    """A rule selecting by role, none of whose roles any tensor of the model has."""
-    wanted = _roles_of(rule)
-    return bool(wanted) and not any(p.role is not None and wanted & set(p.role.roles) for p in ctx.params)
+    """A rule selecting by role that matches nothing because of its role (and shape) predicates:
+    its name pattern, if any, names some tensor."""
+    if rule.match.role is None:
+        return False
+    if rule.match.name is None:
+        return True
+    from geomopt.compile.match import glob_regex
+
+    fm = glob_regex(rule.match.name).fullmatch
+    return any(fm(p.name) or any(fm(a) for a in p.aliases) for p in ctx.params)
 
 
 @lint_rule("GO113", "absent-role", "note", needs_model=True)
@@ -403,7 +416,10 @@ def absent_role(ctx: LintContext):
     for i, rule in enumerate(ctx.spec.rules):
         if not ctx.matched[i] and not ctx.undecided[i] and _absent_role(ctx, rule):
             roles = ", ".join(sorted(_roles_of(rule)))
-            yield f"rule '{rule.name}' is idle: no tensor of this model has role {roles}", ("rules", i, "match", "role")
+            rest = describe(rule.match.model_copy(update={"role": None, "name": None})) if (
+                rule.match.ndim is not None or rule.match.shape is not None or rule.match.module is not None) else ""
+            yield (f"rule '{rule.name}' is idle: no tensor of this model has role {roles}"
+                   + (f" with {rest}" if rest else "")), ("rules", i, "match", "role")
 
 
 @lint_rule("GO114", "unused-role-pattern", "warning", needs_model=True)
