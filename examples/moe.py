@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 import geomopt  # noqa: E402
-from geomopt.cli.demo import batches, corpus_bytes, save_figure  # noqa: E402
+from geomopt.cli.demo import corpus_bytes, save_figure, train  # noqa: E402
 from geomopt.compile.plan import view_text  # noqa: E402
 
 SPEC = "muon"
@@ -122,59 +122,21 @@ def routing_rows(plan, layer: int = 0) -> list[dict]:
     return rows
 
 
-def train_one(label: str, make_opt, args, data, *, progress: bool) -> tuple[dict, object]:
-    """Train one fresh model (seed ``args.seed``) with ``make_opt(model)``; demo.train's curve format."""
-    torch.manual_seed(args.seed)
-    model = build_model(args).to(args.device)
-    opt = make_opt(model)
-    steps = args.steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - 0.9 * k / steps)
-    train_data, val_data = data
-    it = batches(train_data, args.block, args.batch, torch.Generator().manual_seed(args.seed))
-    val_gen = torch.Generator().manual_seed(args.seed + 1)
-    val_batches = [tuple(t.to(args.device) for t in next(batches(val_data, args.block, 64, val_gen))) for _ in range(4)]
-    eval_every = max(1, steps // 20)
+def moe_loss(model, x, y):
+    """(cross-entropy + Mixtral's load-balancing loss, the cross-entropy alone)."""
+    out = model(input_ids=x)
+    ce = F.cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), y.reshape(-1))
+    return ce + model.config.router_aux_loss_coef * out.aux_loss, ce
 
-    def ce(x, y):
-        out = model(input_ids=x)
-        return F.cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), y.reshape(-1)), out
 
-    bar = None
-    if progress:
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=steps, desc=label, unit="step", dynamic_ncols=True)
-        except ImportError:  # tqdm is an optional extra
-            pass
-    curve_steps, curve_train, curve_val = [], [], []
-    running = None
-    start = time.perf_counter()
-    for k in range(steps):
-        x, y = (t.to(args.device) for t in next(it))
-        loss, out = ce(x, y)
-        total = loss + model.config.router_aux_loss_coef * out.aux_loss
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        opt.step()
-        sched.step()
-        running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
-        if (k + 1) % eval_every == 0 or k + 1 == steps:
-            model.eval()
-            with torch.no_grad():
-                val = sum(ce(vx, vy)[0].item() for vx, vy in val_batches) / len(val_batches)
-            model.train()
-            curve_steps.append(k + 1)
-            curve_train.append(running)
-            curve_val.append(val)
-            if bar is not None:
-                bar.set_postfix(train=f"{running:.3f}", val=f"{val:.3f}")
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    return dict(label=label, steps=curve_steps, train=curve_train, val=curve_val,
-                seconds=round(time.perf_counter() - start, 2)), opt
+def train_one(label: str, make_opt, args, *, progress: bool) -> dict:
+    """Train one fresh model (seed ``args.seed``) with ``make_opt(model)`` through demo.train's
+    loop (its data, batches, schedule and curves)."""
+    result = train(make_opt, steps=args.steps, seed=args.seed, block=args.block, batch=args.batch,
+                   eval_every=max(1, args.steps // 20), label=label, progress=progress, device=args.device,
+                   build=lambda: build_model(args), loss=moe_loss)
+    result["seconds"] = round(result["seconds"], 2)
+    return result
 
 
 def plot(runs: list[dict], path: Path, title: str) -> bool:
@@ -256,10 +218,6 @@ def main(argv=None) -> int:
     spec = muon_spec(dtype)
     print(note)
 
-    raw = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
-    split = int(0.9 * len(raw))
-    data = (raw[:split], raw[split:])
-
     makers = {
         "muon.yaml": lambda m: geomopt.GeomOptimizer(m, spec),
         "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=args.adamw_lr, betas=(0.9, 0.95), weight_decay=0.1),
@@ -280,7 +238,7 @@ def main(argv=None) -> int:
     runs = []
     print(f"\n== training {args.steps} steps per optimizer (seed {args.seed})")
     for name in names:
-        r, _ = train_one(name, makers[name], args, data, progress=not args.no_progress)
+        r = train_one(name, makers[name], args, progress=not args.no_progress)
         r.update(optimizer=name, final_val=r["val"][-1], best_val=min(r["val"]))
         runs.append(r)
         print(f"{name:<10} val {r['final_val']:.4f} (best {r['best_val']:.4f}), {r['seconds']:.1f} s", flush=True)
@@ -291,7 +249,7 @@ def main(argv=None) -> int:
     settings = {k: v for k, v in vars(args).items() if k not in ("out_dir", "markdown")}
     settings.update(optimizers=names, ns_dtype_used=dtype, cpu_capability=torch.backends.cpu.get_cpu_capability(),
                     step_seconds_by_ns_dtype={k: round(v, 5) for k, v in step_times.items()},
-                    corpus_bytes=len(raw), eval_every=max(1, args.steps // 20), model="MixtralForCausalLM",
+                    corpus_bytes=len(corpus_bytes()), eval_every=max(1, args.steps // 20), model="MixtralForCausalLM",
                     transformers=__import__("transformers").__version__)
     record = _common.write_results(out / "moe.json", settings=settings, results=dict(summary=summary, runs=runs),
                                    seconds=total, extra=dict(note=note, routing=routing))

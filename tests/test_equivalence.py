@@ -22,7 +22,9 @@ LR, WD, MOMENTUM = 0.02, 0.1, 0.95
 
 
 class Hidden(nn.Module):
-    """Only hidden 2-D weights (tall, square, wide), named so muon.yaml's ``hidden`` rule owns them."""
+    """Only hidden 2-D weights (tall, square, wide). Role inference reads the last layer as the
+    model's head, so the tests give all three the role hidden (:data:`HIDDEN_ROLES`): then
+    muon.yaml's ``hidden`` rule owns them."""
 
     def __init__(self):
         super().__init__()
@@ -30,8 +32,13 @@ class Hidden(nn.Module):
                                      nn.Linear(24, 8, bias=False)])
 
 
+HIDDEN_ROLES = {"hidden": ["layers.*.weight"]}
+
+
 def muon_spec(approx_dtype: str | None = None) -> dict:
+    """muon.yaml with :data:`HIDDEN_ROLES` (the spec's ``roles:``) and the Newton–Schulz dtype."""
     spec = geomopt.load_spec(SPECS / "muon.yaml").model_dump()
+    spec["roles"] = HIDDEN_ROLES
     if approx_dtype is not None:
         for rule in spec["rules"]:
             if rule["name"] == "hidden":
@@ -47,7 +54,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_muon_spec_reads_as_torch_muon():
-    plan = geomopt.compile_spec(SPECS / "muon.yaml", Hidden())
+    plan = geomopt.compile_spec(SPECS / "muon.yaml", Hidden(), roles=HIDDEN_ROLES)  # the Python API's roles=
+    assert plan["layers.2.weight"].role == "hidden"
+    assert geomopt.compile_spec(SPECS / "muon.yaml", Hidden())["layers.2.weight"].role == "head"  # inferred
     for p in plan:
         assert p.rule == "hidden"
         assert p.lr == LR and p.weight_decay == WD
@@ -64,7 +73,7 @@ def test_muon_matches_torch_optim_muon_one_step_updates(approx_dtype, tol):
     torch.manual_seed(0)
     model = Hidden()
     ref_model = copy.deepcopy(model)
-    opt = geomopt.GeomOptimizer(model, muon_spec(approx_dtype) if approx_dtype else SPECS / "muon.yaml")
+    opt = geomopt.GeomOptimizer(model, muon_spec(approx_dtype))
     ref = torch.optim.Muon(ref_model.parameters(), lr=LR, weight_decay=WD, momentum=MOMENTUM, nesterov=True,
                            adjust_lr_fn="original")
     worst = worst_fro = 0.0

@@ -35,11 +35,13 @@ def batches(data, block: int, batch: int, generator):
 
 
 def train(make_opt, *, steps: int, seed: int, block: int = 64, batch: int = 32, eval_every: int = 25, label: str = "",
-          progress: bool = True, warmup: int = 0, config=None, device: str = "cpu"):
-    """Train a small byte-level GPT; returns dict(label, steps, train, val, seconds).
+          progress: bool = True, warmup: int = 0, config=None, device: str = "cpu", build=None, loss=None):
+    """Train a small byte-level model; returns dict(label, steps, train, val, seconds).
 
     ``config``: a GPTConfig (default: 2 layers, 4 heads, width 64, context ``block``); ``device``:
-    where the model and batches live (the data is sampled on the CPU with the same generator)."""
+    where the model and batches live (the data is sampled on the CPU with the same generator).
+    ``build()``: another model (context ``block``), with ``loss(model, x, y)`` → (the loss to
+    minimize, the cross-entropy to report); default: the GPT of ``config`` and its loss."""
     import torch
 
     from geomopt.models import GPT, GPTConfig
@@ -48,10 +50,17 @@ def train(make_opt, *, steps: int, seed: int, block: int = 64, batch: int = 32, 
     raw = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
     split = int(0.9 * len(raw))
     train_data, val_data = raw[:split], raw[split:]
-    if config is None:
-        config = GPTConfig(vocab_size=256, block_size=block, n_layer=2, n_head=4, n_embd=64)
-    block = config.block_size
-    model = GPT(config).to(device)
+    if build is None:
+        if config is None:
+            config = GPTConfig(vocab_size=256, block_size=block, n_layer=2, n_head=4, n_embd=64)
+        block = config.block_size
+        model = GPT(config).to(device)
+    else:
+        model = build().to(device)
+    if loss is None:
+        def loss(m, x, y):
+            value = m(x, y)[1]
+            return value, value
     opt = make_opt(model)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda k: min(1.0, (k + 1) / warmup) if warmup else 1.0 * (1 - 0.9 * k / steps))
@@ -74,16 +83,16 @@ def train(make_opt, *, steps: int, seed: int, block: int = 64, batch: int = 32, 
         x, y = next(it)
         if device != "cpu":
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        _, loss = model(x, y)
+        total, reported = loss(model, x, y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         opt.step()
         sched.step()
-        running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
+        running = reported.item() if running is None else 0.9 * running + 0.1 * reported.item()
         if (k + 1) % eval_every == 0 or k + 1 == steps:
             model.eval()
             with torch.no_grad():
-                val = sum(model(vx, vy)[1].item() for vx, vy in val_batches) / len(val_batches)
+                val = sum(loss(model, vx, vy)[1].item() for vx, vy in val_batches) / len(val_batches)
             model.train()
             curve_steps.append(k + 1)
             curve_train.append(running)

@@ -392,6 +392,14 @@ RoleName = Literal["embedding", "head", "router", "expert", "norm", "bias", "hid
 ROLE_NAMES = ("embedding", "head", "router", "expert", "norm", "bias", "hidden", "other")
 
 
+def _check_regex(pattern: str) -> None:
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as exc:
+            raise ValueError(f"bad regular expression {pattern[3:]!r}: {exc}") from None
+
+
 class Match(_Model):
     """Which parameters a rule owns: every given predicate must hold.
 
@@ -414,11 +422,7 @@ class Match(_Model):
             return v
         if v == "":
             raise ValueError("empty name pattern; use '**' to match every parameter")
-        if v.startswith("re:"):
-            try:
-                re.compile(v[3:])
-            except re.error as exc:
-                raise ValueError(f"bad regular expression {v[3:]!r}: {exc}") from None
+        _check_regex(v)
         return v
 
     @model_validator(mode="after")
@@ -494,11 +498,7 @@ class Spec(_Model):
     def _role_patterns_compile(cls, v):
         for patterns in v.values():
             for pattern in patterns:
-                if pattern.startswith("re:"):
-                    try:
-                        re.compile(pattern[3:])
-                    except re.error as exc:
-                        raise ValueError(f"bad regular expression {pattern[3:]!r}: {exc}") from None
+                _check_regex(pattern)
         return v
 
 
