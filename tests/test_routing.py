@@ -657,3 +657,34 @@ def test_shipped_specs_lint_clean(spec_name, arch):
     diags = lint_spec(spec, model_params(build(arch))[0])
     assert [d.format() for d in diags if d.severity != "note"] == []
     assert {d.code for d in diags} <= {"GO109", "GO111", "GO113"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_checkpoint_guesses_split_spectral_from_non_spectral_like_the_model(arch):
+    """From names and shapes alone (a checkpoint's state dict), every tensor's guessed role falls
+    on the same side of the spectral line as the role inferred from the model; the roles
+    themselves agree except where only the module tree can tell (a tied head, a BatchNorm bias
+    named like any bias). Structures (experts, gate/up halves) are guessed too."""
+    from geomopt.compile.match import ParamInfo
+    from geomopt.compile.roles import guess_roles
+
+    model = build(arch)
+    infos = [ParamInfo(n, tuple(t.shape)) for n, t in model.state_dict().items() if t.is_floating_point()]
+    guessed = guess_roles(infos)
+    table = ROLES[arch]
+    aliases = {a: n for n, names in ALIASES.get(arch, {}).items() for a in names}
+    differ = []
+    for p in infos:
+        if aliases.get(p.name, p.name) not in table:
+            continue  # a buffer (BatchNorm's running statistics): no parameter, no plan
+        want = set(table[aliases.get(p.name, p.name)].split("+"))
+        got = guessed[p.name]
+        assert got.guessed and "guessed" in got.evidence
+        assert bool(want & SPECTRAL) == bool(set(got.roles) & SPECTRAL), (p.name, want, got.roles)
+        if not set(got.roles) <= want:
+            differ.append((p.name, sorted(want), got.roles))
+    assert all(set(w) <= {"norm", "bias", "embedding", "head"} and set(g) <= {"norm", "bias", "embedding", "head"}
+               for _, w, g in differ), differ
+    if arch in ("mixtral", "qwen2-moe"):
+        up = next(p for p in infos if p.name.endswith("experts.gate_up_proj"))
+        assert guessed[up.name].structure == {"batch": 1, "blocks": 2}

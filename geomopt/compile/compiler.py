@@ -46,8 +46,7 @@ def model_params(model, roles: bool = True) -> tuple[list[ParamInfo], dict[str, 
 
     infos, tensors = params_from_model(model)
     if roles and isinstance(model, torch.nn.Module):
-        inferred, _ = infer_roles(model, infos)
-        assign(infos, inferred)
+        assign(infos, infer_roles(model, infos))
     return infos, tensors
 
 

@@ -82,6 +82,7 @@ class _Model:
         self.norms: dict[type, bool] = {}
         self.embeddings: dict[type, Optional[str]] = {}
         self.experts: Optional[list] = None
+        self.excluded: list[str] = []  # modules the head rule skips (claimed as norm, embedding, router, expert)
         self.children: dict[str, list[str]] = {}
         for name in self.modules:
             if name:
@@ -244,8 +245,6 @@ def _heads(m: _Model):
         d_in = lambda mod, w: w.shape[0] if "Conv1D" in m.mro(mod) else w.shape[1]  # noqa: E731
         if same_parent and d_in(last, w_last) == d_in(prev, w_prev) and d_in(last, w_last) != m.out_features(prev):
             heads.insert(0, (prev_name, prev))
-            m.notes.append(f"two candidate heads read the same features: '{prev_name}' and '{last_name}'; both get "
-                           f"role head (give one another role with the spec's roles: if that is wrong)")
     for name, mod in heads:
         if name not in found:
             yield name, Claim("head", "last layer with a matrix weight (registration order)" if len(heads) == 1
@@ -310,12 +309,10 @@ def _own_role(pname: str, ndim: int) -> Optional[str]:
     return "bias" if (pname == "bias" or pname.endswith("_bias")) and ndim <= 2 else None
 
 
-def infer_roles(model, infos: list[ParamInfo]) -> tuple[dict[str, Role], list[str]]:
+def infer_roles(model, infos: list[ParamInfo]) -> dict[str, Role]:
     """Roles of ``infos`` (from :func:`~geomopt.compile.params.params_from_model`) inferred from
-    ``model``'s structure; and notes on ambiguous inferences."""
+    ``model``'s structure (an ambiguous inference says so in its evidence; lint GO119 reports it)."""
     m = _Model(model)
-    m.notes = []
-    m.excluded = []
     claims: dict[str, Claim] = {}
     for rule_name, rule in MODULE_RULES:
         if rule_name == "head":
@@ -359,7 +356,7 @@ def infer_roles(model, infos: list[ParamInfo]) -> tuple[dict[str, Role], list[st
             if structure is None and mod is not None and len(p.shape) >= 2:
                 structure = _structure(m, name, mod, pname, p.shape, role)
         out[p.name] = Role(tuple(roles), "; ".join(evidence), False, structure)
-    return out, m.notes
+    return out
 
 
 def _structure(m: _Model, name: str, mod, pname: str, shape: tuple[int, ...], role: str) -> Optional[dict]:
@@ -387,16 +384,16 @@ _DIGITS = re.compile(r"\.\d+(?=\.)")
 def guess_roles(infos: list[ParamInfo]) -> dict[str, Role]:
     """Roles from names and shapes only (a checkpoint), each marked as a guess:
 
-    * ``bias``: the last name part is ``bias`` or ends in ``_bias``;
     * ``norm``: < 2 dims and a name part like ``norm``, ``ln_1``, ``layernorm``, ``bn1``;
+    * ``bias``: the last name part is ``bias`` or ends in ``_bias``;
     * ``embedding``: a name part containing ``embed`` or ``emb``, or ``wte``, ``wpe``, ``shared``,
       ``relative_attention_bias``, ``cls_token``, ``pos_embed…``, ``position_embeddings``;
     * ``expert``: a name part ``experts`` (≥ 3 dims: ``batch: 1``; ``gate_up``: two blocks);
     * ``router``: a 2-D ``gate`` / ``router`` / ``*_gate`` weight in a block that has experts, with
       the expert count or one output rows;
-    * ``head``: a top-level ``lm_head``, ``head``, ``classifier``, ``score``, ``output``, ``fc`` or
-      ``logits`` weight, any ``lm_head``/``classifier`` weight, or a non-embedding 2-D weight with an
-      embedding's shape (vocabulary × width);
+    * ``head``: outside the numbered blocks, a top-level ``lm_head``, ``head``, ``classifier``,
+      ``score``, ``output``, ``fc`` or ``logits`` weight, any ``lm_head``/``classifier`` weight, or
+      a non-embedding 2-D weight with an embedding's shape (vocabulary × width);
     * else ``hidden`` (≥ 2 dims) or ``other``.
     """
     expert_counts: dict[str, int] = {}  # block prefix → expert count
@@ -427,11 +424,12 @@ def _guess(p: ParamInfo, experts: dict[str, int], embed_shapes: set) -> Role:
     parts = p.name.split(".")
     last, ndim = parts[-1], len(p.shape)
     mods = parts[:-1]
+    outside_layers = not any(s.isdigit() for s in mods)  # heads sit outside the numbered blocks
     structure = None
-    if _own_role(last, ndim):
-        role, why = "bias", f"named {last!r}"
-    elif ndim < 2 and any(_NORMISH.search(s.lower()) for s in mods):
+    if ndim < 2 and any(_NORMISH.search(s.lower()) for s in mods):
         role, why = "norm", "a vector under a norm-like name"
+    elif _own_role(last, ndim):
+        role, why = "bias", f"named {last!r}"
     elif any(_EMBED.search(s) for s in parts):
         role, why = "embedding", "an embedding-like name"
     elif "experts" in parts:
@@ -443,9 +441,10 @@ def _guess(p: ParamInfo, experts: dict[str, int], embed_shapes: set) -> Role:
     elif (ndim == 2 and mods and (mods[-1] in ("gate", "router") or mods[-1].endswith("_gate"))
           and ".".join(mods[:-1]) in experts and p.shape[0] in (experts[".".join(mods[:-1])], 1)):
         role, why = "router", "a gate beside experts"
-    elif ndim >= 2 and ((len(mods) == 1 and mods[0] in _HEADS) or "lm_head" in mods or "classifier" in mods):
+    elif ndim >= 2 and outside_layers and ((len(mods) == 1 and mods[0] in _HEADS) or "lm_head" in mods
+                                           or "classifier" in mods):
         role, why = "head", "an output-layer name"
-    elif ndim == 2 and p.shape in embed_shapes:
+    elif ndim == 2 and outside_layers and p.shape in embed_shapes:
         role, why = "head", "an embedding's shape (vocabulary × width)"
     elif ndim < 2:
         role, why = ("norm", "a vector weight") if last == "weight" else ("other", "a vector")
