@@ -17,7 +17,8 @@ import torch
 from geomopt import GeomOptimizer
 from geomopt.geometry.registry import BACKWARD_OPS, FORWARD_OPS, _load
 from geomopt.distributed import (
-    FORWARD_LOCALITY, LOCAL, OWNER, REDUCE, LocalExecutor, assign, backward_locality, chunk_sizes, make_executor,
+    FORWARD_LOCALITY, LOCAL, OWNER, REDUCE, LocalExecutor, Request, assign, backward_locality, chunk_sizes,
+    make_executor,
 )
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
@@ -169,3 +170,18 @@ def test_distributed_benchmark_halves_the_matrices_per_rank():
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| muon |")]
     per_rank = {(int(r[1]), int(r[2])): float(r[3]) for r in rows}
     assert per_rank == {(1, 0): 8.0, (2, 0): 4.0, (2, 1): 4.0}
+
+
+def test_request_cost_sums_the_matrices_of_a_view():
+    """The work estimate that balances matrix functions across ranks counts E expert matrices of an
+    (E, out, in) weight, not one E × out·in matrix."""
+    import geomopt
+
+    w = torch.nn.Parameter(torch.zeros(4, 16, 8))
+    spec = {"geomopt": 1, "name": "e", "rules": [{"name": "x", "match": "**", "geometry": {
+        "kind": "spectral", "reference": {"kind": "indicator"}, "view": {"kind": "matrix", "batch": 1}}}]}
+    opt = geomopt.GeomOptimizer([("experts.w", w)], spec)
+    pp = opt.plan["experts.w"]
+    req = opt._request([(w, pp)], torch.zeros(1, 4, 16, 8), "owner", None)
+    assert req.row_cost() == 4 * 16 * 8 * 8
+    assert Request(None, torch.zeros(1, 4, 16, 8), "owner").row_cost() == 4 * 128 * 4  # the plain reading

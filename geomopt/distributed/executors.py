@@ -58,7 +58,8 @@ class Request:
 
     ``fn(x) -> (out, flags)``: ``out`` has x's shape, ``flags`` is a bool tensor (rows,) or None.
     ``shard_dim``: dim of ``x`` that is sharded across ranks (FSDP2; None when replicated).
-    ``full_shape``: shape of one row of the unsharded input."""
+    ``full_shape``: shape of one row of the unsharded input. ``cost``: the FLOPs of one row when
+    its matrix view is not the (shape[0], rest) matrix (experts, blocks: the view's sum)."""
 
     fn: Callable
     x: torch.Tensor
@@ -66,13 +67,17 @@ class Request:
     shard_dim: Optional[int] = None
     full_shape: tuple = ()
     mesh: object = None
+    cost: Optional[float] = None
 
     @property
     def rows(self) -> int:
         return self.x.shape[0]
 
     def row_cost(self) -> float:
-        """FLOPs of a matrix function of one row, up to a constant: m·n·min(m, n)."""
+        """FLOPs of a matrix function of one row, up to a constant: m·n·min(m, n) (summed over the
+        matrices of a view)."""
+        if self.cost is not None:
+            return self.cost
         shape = self.full_shape or tuple(self.x.shape[1:])
         m = shape[0] if shape else 1
         n = math.prod(shape[1:]) if len(shape) > 1 else 1

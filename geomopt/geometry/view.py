@@ -97,6 +97,16 @@ def count(view: Optional[dict], shape: tuple[int, ...]) -> int:
     return n * (math.prod(shape[b + 2:]) if view["trailing"] == "batch" else 1)
 
 
+def cost(view: Optional[dict], shape: tuple[int, ...]) -> Optional[float]:
+    """Σ m·n·min(m, n) over the matrices of one tensor under ``view`` (the distributed executors'
+    work estimate); None without a view."""
+    if view is None:
+        return None
+    shapes = matrix_shapes(view, shape)
+    per = count(view, shape) // len(shapes)
+    return float(sum(per * m * n * min(m, n) for m, n in shapes))
+
+
 def describe(view: Optional[dict], shape: tuple[int, ...]) -> str:
     """"4 × 256×64", "3 × 64×64", "64×192" (blocks of different sizes: "64×64 + 2 × 16×64")."""
     shapes = matrix_shapes(view, shape)

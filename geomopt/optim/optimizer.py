@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 
 from geomopt.compile import as_spec, plan_from_infos
 from geomopt.compile.compiler import model_params, needs_roles
+from geomopt.geometry.view import cost as view_cost
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.geometry.backward import backward
 from geomopt.geometry.adam import adam_moments
@@ -677,13 +678,14 @@ class GeomOptimizer(Optimizer):
     def _request(self, items: list, x: torch.Tensor, locality: str, fn) -> Request:
         """An operator request for a bucket (sharding read off its first parameter)."""
         p, pp = items[0]
+        cost = view_cost(pp.geometry.get("view"), pp.op_shape)
         if not is_dtensor(p):
-            return Request(fn, x, locality)
+            return Request(fn, x, locality, cost=cost)
         dim = p.placements[0].dim % p.ndim
         if pp.transpose and dim < 2:
             dim = 1 - dim
         full = tuple(_view(torch.empty(p.shape, device="meta"), pp).shape)
-        return Request(fn, x, locality, shard_dim=dim + 1, full_shape=full, mesh=p.device_mesh)
+        return Request(fn, x, locality, shard_dim=dim + 1, full_shape=full, mesh=p.device_mesh, cost=cost)
 
     def _gather(self, items: list) -> dict:
         """The state of a batched call: stacked tensors (the per-parameter state entries are views
