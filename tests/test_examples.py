@@ -126,6 +126,7 @@ def test_readme_quotes_moe_results():
     for block in md.split("\n\n"):
         assert block in readme, block
 
+
 def test_example_specs_lint_clean_except_the_intended_heuristic():
     from geomopt.compile import lint_spec
 
