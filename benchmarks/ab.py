@@ -11,6 +11,7 @@ hits every row alike, which is what makes a before/after figure trustworthy on a
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import io
 import re
@@ -23,8 +24,11 @@ from pathlib import Path
 
 import torch
 
-import geomopt
-from geomopt.cli.bench import Timer, device_name, hidden_matrices
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import emit  # noqa: E402
+
+import geomopt  # noqa: E402
+from geomopt.cli.bench import Timer, device_name, hidden_matrices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--spec", default=str(ROOT / "specs" / "muon.yaml"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         base = import_base(args.base, Path(tmp))
@@ -83,11 +88,12 @@ def main(argv=None) -> int:
             for name, opt in opts:
                 times[name] += timer(opt.step, 0, 1)
     muon = statistics.median(times["torch.optim.Muon"])
-    print(f"### A/B: {Path(args.spec).name} on {args.model}, {device_name(args.device)}, torch {torch.__version__}\n")
-    print("| optimizer | step (ms, median) | × torch Muon |\n|---|---|---|")
+    lines = [f"### A/B: {Path(args.spec).name} on {args.model}, {device_name(args.device)}, torch {torch.__version__}"
+             f" — {datetime.date.today().isoformat()}", "", "| optimizer | step (ms, median) | × torch Muon |", "|---|---|---|"]
     for name, _ in opts:
         ms = statistics.median(times[name])
-        print(f"| {name} | {ms:.2f} | {ms / muon:.3f} |")
+        lines.append(f"| {name} | {ms:.2f} | {ms / muon:.3f} |")
+    emit("\n".join(lines), args.record)
     return 0
 
 

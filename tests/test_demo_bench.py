@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 from geomopt.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_quick_lints_plans_trains_and_plots(tmp_path, capsys):
@@ -18,6 +22,22 @@ def test_demo_quick_lints_plans_trains_and_plots(tmp_path, capsys):
         final_val = float(cols[2])
         assert 0 < final_val < 5.545  # below ln(256), the loss of a uniform byte model
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads(out.with_suffix(".json").read_text())
+    assert [r["label"] for r in summary["results"]] == ["spectral-clip", "AdamW"]
+    assert summary["results"][0]["final_val"] == round(float(rows["spectral-clip"][2]), 4)
+
+
+def test_readme_quotes_the_demo_results():
+    """The README's demo table is examples/results/demo.json (written by ``geomopt demo --out
+    examples/results/demo.png``), not typed by hand."""
+    summary = json.loads((ROOT / "examples" / "results" / "demo.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    spec, adamw = summary["results"]
+    assert summary["command"] == "geomopt demo" and summary["steps"] == 800
+    assert re.search(rf"\| spectral-clip \(uScion \+ spectral-ball clipping\) \| {spec['final_val']:.3f} \| "
+                     rf"{spec['bits_per_byte']:.2f} \| {spec['seconds']:.0f} \|", readme)
+    assert re.search(rf"\| AdamW \(lr 3e-3, betas \(0.9, 0.95\), wd 0.1\) \| {adamw['final_val']:.3f} \| "
+                     rf"{adamw['bits_per_byte']:.2f} \| {adamw['seconds']:.0f} \|", readme)
 
 
 def test_bench_reports_ratios_against_muon_and_adamw(capsys):

@@ -3,6 +3,7 @@ that ships with Python (byte level), compare with AdamW, print a table and write
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -177,8 +178,16 @@ def run(args) -> int:
         print(f"{r['label']:<22} {r['train'][-1]:>11.4f} {r['val'][-1]:>10.4f} {best:>9.4f} "
               f"{r['val'][-1] / math.log(2):>9.3f} {r['seconds']:>9.1f}")
     out = Path(args.out)
+    summary = out.with_suffix(".json")  # what the README quotes, next to the plot
+    summary.parent.mkdir(parents=True, exist_ok=True)
+    summary.write_text(json.dumps(dict(
+        command="geomopt demo" + (f" --steps {args.steps}" if args.steps else "") + (" --quick" if args.quick else ""),
+        spec=spec.name, steps=steps, seed=args.seed, torch=torch.__version__, threads=torch.get_num_threads(),
+        results=[dict(label=r["label"], final_val=round(r["val"][-1], 4), best_val=round(min(r["val"]), 4),
+                      bits_per_byte=round(r["val"][-1] / math.log(2), 3), seconds=round(r["seconds"], 1))
+                 for r in results]), indent=2) + "\n", encoding="utf-8")
     if plot(results, out):
-        print(f"\nplot written to {out}")
+        print(f"\nplot written to {out} (numbers in {summary})")
     else:
         print("\n(matplotlib is not installed: pip install 'geomopt[examples]' for the plot)")
     return EXIT_CLEAN

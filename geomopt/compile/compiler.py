@@ -44,9 +44,11 @@ def model_params(model, roles: bool = True) -> tuple[list[ParamInfo], dict[str, 
     where a plan reads roles)."""
     import torch
 
-    infos, tensors = params_from_model(model)
-    if roles and isinstance(model, torch.nn.Module):
-        assign(infos, infer_roles(model, infos))
+    if not (roles and isinstance(model, torch.nn.Module)):
+        return params_from_model(model)
+    modules = dict(model.named_modules(remove_duplicate=False))  # one walk of the tree for both
+    infos, tensors = params_from_model(model, modules)
+    assign(infos, infer_roles(model, infos, modules))
     return infos, tensors
 
 

@@ -16,12 +16,13 @@ def _module_classes(module) -> tuple[str, ...]:
     return tuple(c.__name__ for c in type(module).__mro__ if c.__name__ not in ("Module", "object"))
 
 
-def params_from_model(model) -> tuple[list[ParamInfo], dict[str, object]]:
+def params_from_model(model, modules: dict | None = None) -> tuple[list[ParamInfo], dict[str, object]]:
     """(infos, tensors by name) from an ``nn.Module`` or an iterable of (name, tensor).
 
     Tied tensors (one tensor under several names) appear once, under their first name, with the
     other names in ``aliases`` and the module classes of every name in ``modules`` (a rule that
-    matches any of its names matches it). Frozen means an ``nn.Parameter`` with
+    matches any of its names matches it). ``modules``: ``dict(model.named_modules(remove_duplicate=False))``
+    when the caller has it already. Frozen means an ``nn.Parameter`` with
     ``requires_grad=False``; plain tensors in an iterable (e.g. a state dict's values, which never
     require grad) are not frozen, as in a checkpoint.
     """
@@ -29,7 +30,7 @@ def params_from_model(model) -> tuple[list[ParamInfo], dict[str, object]]:
 
     if isinstance(model, torch.nn.Module):
         named = list(model.named_parameters(remove_duplicate=False))
-        owner = dict(model.named_modules(remove_duplicate=False))
+        owner = modules if modules is not None else dict(model.named_modules(remove_duplicate=False))
     else:
         try:
             named = [(str(n), t) for n, t in model]

@@ -75,9 +75,9 @@ _NORM = re.compile(r"Norm(\dd)?$")
 class _Model:
     """The module tree of a model, read once."""
 
-    def __init__(self, model):
+    def __init__(self, model, modules: Optional[dict] = None):
         self.model = model
-        self.modules: dict[str, object] = dict(model.named_modules(remove_duplicate=False))
+        self.modules: dict[str, object] = modules if modules is not None else dict(model.named_modules(remove_duplicate=False))
         self.classes: dict[type, tuple[str, ...]] = {}
         self.norms: dict[type, bool] = {}
         self.embeddings: dict[type, Optional[str]] = {}
@@ -309,10 +309,11 @@ def _own_role(pname: str, ndim: int) -> Optional[str]:
     return "bias" if (pname == "bias" or pname.endswith("_bias")) and ndim <= 2 else None
 
 
-def infer_roles(model, infos: list[ParamInfo]) -> dict[str, Role]:
+def infer_roles(model, infos: list[ParamInfo], modules: Optional[dict] = None) -> dict[str, Role]:
     """Roles of ``infos`` (from :func:`~geomopt.compile.params.params_from_model`) inferred from
-    ``model``'s structure (an ambiguous inference says so in its evidence; lint GO119 reports it)."""
-    m = _Model(model)
+    ``model``'s structure (an ambiguous inference says so in its evidence; lint GO119 reports it).
+    ``modules``: ``dict(model.named_modules(remove_duplicate=False))`` when the caller has it."""
+    m = _Model(model, modules)
     claims: dict[str, Claim] = {}
     for rule_name, rule in MODULE_RULES:
         if rule_name == "head":
@@ -482,6 +483,8 @@ def ensure_roles(infos: list[ParamInfo], spec_roles: Optional[dict] = None, extr
     """Give every tensor without a role a guessed one, then apply the spec's ``roles:`` and the
     caller's ``roles=`` (in that order: the caller wins)."""
     missing = [p for p in infos if p.role is None]
+    if not missing and not spec_roles and not extra:
+        return  # roles inferred from the model, nothing to add
     roles = {p.name: p.role for p in infos if p.role is not None}
     if missing:
         roles.update(guess_roles(missing))
