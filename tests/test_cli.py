@@ -472,3 +472,22 @@ def test_lint_accepts_directories_as_linters_do(capsys, tmp_path):
     assert "bad.geom" in out and "notes.txt" not in out
     code, out, _ = run(capsys, "lint", *sorted(str(p) for p in (ROOT / "specs").iterdir()))
     assert code == 0, out
+
+
+def test_lint_of_a_directory_without_specs_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a spec")
+    code, out, err = run(capsys, "lint", str(tmp_path))
+    assert code == 2 and out == "" and "no spec files (.yaml, .yml, .geom) found in" in err and "Traceback" not in err
+
+
+def test_spec_text_is_accepted_where_a_path_is_expected():
+    """A string with a line break cannot be a path: it is read as the spec itself (YAML, or the DSL
+    when it opens with ``geomopt 1``), with positions in ``<string>``."""
+    yaml_text = 'geomopt: 1\nname: t\nrules:\n  - {name: all, match: "**", geometry: {kind: euclidean}}\n'
+    dsl_text = '# a comment\ngeomopt 1\nname "t"\nrule all match "**":\n    geometry euclidean\n'
+    model = torch.nn.Linear(3, 2)
+    for text in (yaml_text, dsl_text):
+        opt = geomopt.GeomOptimizer(model, text)
+        assert {g["rule"] for g in opt.param_groups} == {"all"}
+    with pytest.raises(geomopt.SpecError, match="<string>:4:"):
+        geomopt.GeomOptimizer(model, yaml_text.replace("euclidean", "euclidian"))

@@ -131,6 +131,8 @@ def cmd_lint(args) -> int:
     params, from_ckpt = _params(args)
     diags: list[Diagnostic] = []
     files = _spec_files(args.specs)
+    if not files:
+        raise UsageError(f"no spec files (.yaml, .yml, .geom) found in {', '.join(args.specs)}")
     for path in files:
         try:
             spec = load_spec(path)

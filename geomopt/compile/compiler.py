@@ -114,14 +114,19 @@ def _undecided_only(ctx: LintContext, source) -> list[Diagnostic]:
 
 
 def as_spec(spec: Union[Spec, str, dict, "object"]) -> Spec:
-    """A Spec from a Spec, a path (.yaml/.yml/.geom) or a plain dict."""
+    """A Spec from a Spec, a path (.yaml/.yml/.geom), spec text (a string with a line break: YAML,
+    or the DSL when it opens with ``geomopt 1``) or a plain dict."""
+    import re
     from pathlib import Path
 
     from geomopt.spec.source import Parsed, SourceMap
-    from geomopt.spec.validate import load_spec, validate
+    from geomopt.spec.validate import load_spec, parse_spec, validate
 
     if isinstance(spec, Spec):
         return spec
+    if isinstance(spec, str) and "\n" in spec:  # no path has a line break: the text itself
+        dsl = re.match(r"\s*(#[^\n]*\n\s*)*geomopt\s+\d", spec) is not None
+        return parse_spec(spec, "dsl" if dsl else "yaml", file="<string>")
     if isinstance(spec, (str, Path)):
         return load_spec(spec)
     if isinstance(spec, dict):
