@@ -644,3 +644,22 @@ def test_stiefel_polar_recovers_from_an_infeasible_start():
         deviation.append(float((w.detach().T @ w.detach() - torch.eye(32)).abs().max()))
     assert opt.diagnostics()["w"]["fallbacks"] >= 1  # the first step was flagged
     assert deviation[0] < 0.5 and deviation[1] < 2e-6 and deviation[2] < 2e-6
+
+
+@pytest.mark.parametrize("constraint", [{"kind": "stiefel", "radius": 1.0}, {"kind": "spectral_ball", "radius": 1.0},
+                                        {"kind": "frobenius_sphere", "radius": 2.0}])
+def test_project_on_init_keeps_a_feasible_tensor_bit_for_bit(constraint):
+    """Projecting on init leaves a tensor already in the set untouched (a re-projection would move
+    its low bits: an SVD reconstruction), and still projects one just outside it."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(12, 8) * 3)
+    spec = one_rule({"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}}, constraint=constraint)
+    geomopt.GeomOptimizer([("w", p)], spec)  # onto the set
+    feasible = p.detach().clone()
+    geomopt.GeomOptimizer([("w", p)], spec)
+    assert torch.equal(p.detach(), feasible)
+    with torch.no_grad():
+        p.mul_(1.001)  # 0.1% outside: far beyond rounding
+    geomopt.GeomOptimizer([("w", p)], spec)
+    torch.testing.assert_close(p.detach(), feasible, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(p.detach(), feasible * 1.001)

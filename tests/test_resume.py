@@ -35,9 +35,17 @@ CASES = {
     "muon-gpt-lambdalr": ("gpt", "float32", str(SPECS / "muon.yaml"), False, True, False),
     "scion-gpt-bf16": ("gpt", "bfloat16", str(SPECS / "scion.yaml"), False, False, False),
     "stiefel-mlp": ("mlp", "float32", str(SPECS / "stiefel.yaml"), False, True, False),
+    "hyperball-mlp": ("mlp", "float32", str(SPECS / "hyperball.yaml"), False, False, False),
+    "prox-frobenius-mlp": ("mlp", "float32", str(SPECS / "prox-muon-frobenius.yaml"), False, False, False),
+    "spectral-clip-gpt": ("gpt", "float32", str(SPECS / "spectral-clip.yaml"), False, False, False),
     "storm-mlp-closure-gap": ("mlp", "float32", STORM_SPEC, True, False, True),
 }
 BEFORE, AFTER = 3, 3
+CONSTRAINED = ["stiefel-mlp", "hyperball-mlp", "prox-frobenius-mlp", "spectral-clip-gpt"]
+# every case resumes as "build the optimizer, then load the weights and its state"; the constrained
+# ones also as "load the weights, then build the optimizer (which projects on init), then load
+# its state": a feasible tensor must keep its bits through that projection
+RESUMES = list(CASES) + [f"{name}@weights-first" for name in CONSTRAINED]
 
 # The worker runs in a fresh interpreter: rebuild (different init seed, so loading must do all
 # the work), load the checkpoint, continue, save.
@@ -50,9 +58,13 @@ WORKER = textwrap.dedent('''
     from test_resume import build, CASES, BEFORE, AFTER
 
     for name in json.loads(sys.argv[1]):
-        ckpt = torch.load(sys.argv[2] + "/" + name + ".pt", weights_only=True)
-        model, opt, sched, batch_fn, closure = build(name, seed=123)
-        model.load_state_dict(ckpt["model"])
+        case, _, order = name.partition("@")
+        ckpt = torch.load(sys.argv[2] + "/" + case + ".pt", weights_only=True)
+        if order == "weights-first":
+            model, opt, sched, batch_fn, closure = build(case, seed=123, weights=ckpt["model"])
+        else:
+            model, opt, sched, batch_fn, closure = build(case, seed=123)
+            model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         if sched is not None:
             sched.load_state_dict(ckpt["sched"])
@@ -62,13 +74,17 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-def build(name: str, seed: int = 0):
+def build(name: str, seed: int = 0, weights: dict | None = None):
+    """The case's model, optimizer, scheduler, batches and closure flag; ``weights``: a model state
+    loaded before the optimizer is built."""
     kind, dtype, spec, closure, scheduled, track_gap = CASES[name]
     dtype = getattr(torch, dtype)
     if kind == "gpt":
         model, batch_fn = tiny_gpt(seed, dtype=dtype), gpt_batch
     else:
         model, batch_fn = tiny_mlp(seed, dtype=dtype, depth=3), lambda k: mlp_batch(k, dtype=dtype)
+    if weights is not None:
+        model.load_state_dict(weights)
     opt = geomopt.GeomOptimizer(model, spec, track_gap=track_gap)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + 0.3 * k)) if scheduled else None
     return model, opt, sched, batch_fn, closure
@@ -94,16 +110,16 @@ def resumed(tmp_path_factory):
                     "sched": sched.state_dict() if sched else None}, tmp / f"{name}.pt")
         train(model, opt, AFTER, batch_fn, start=BEFORE, closure=closure, scheduler=sched)
         straight[name] = (model, opt)
-    proc = subprocess.run([sys.executable, "-c", WORKER.format(tests=str(ROOT / "tests")), json.dumps(list(CASES)),
+    proc = subprocess.run([sys.executable, "-c", WORKER.format(tests=str(ROOT / "tests")), json.dumps(RESUMES),
                            str(tmp)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return straight, {name: torch.load(tmp / f"{name}.out.pt", weights_only=True) for name in CASES}
+    return straight, {name: torch.load(tmp / f"{name}.out.pt", weights_only=True) for name in RESUMES}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", RESUMES)
 def test_resume_in_new_process_is_bit_identical(resumed, name):
     straight, out = resumed
-    model, opt = straight[name]
+    model, opt = straight[name.partition("@")[0]]
     got = out[name]
     for (n, a), b in zip(model.state_dict().items(), got["model"].values()):
         assert a.dtype == b.dtype and torch.equal(a, b), n

@@ -158,15 +158,20 @@ class GeomOptimizer(Optimizer):
     @torch.no_grad()
     def _project_on_init(self) -> None:
         """Project constrained tensors onto their set (DESIGN "Feasibility"), as Scion's init does,
-        so every backward step is defined. A sharded tensor is projected whole (on every rank,
-        once) and each rank keeps its shard."""
+        so every backward step is defined. A tensor already in the set (within rounding:
+        :func:`_in_set`) is left bit for bit as it is, so weights loaded before the optimizer is
+        built resume exactly. A sharded tensor is projected whole (on every rank, once) and each
+        rank keeps its shard."""
         for group, plans in zip(self.param_groups, self._plans):
             for p, pp in zip(group["params"], plans):
                 c = pp.constraint
                 if c is None or not pp.project_on_init or c["kind"] == "proximal_decay":
                     continue
                 x = _view(_full(p), pp)
-                xp, _ = backward(_upcast(x), 1.0, _euclidean(pp), c)
+                xu = _upcast(x)
+                xp, _ = backward(xu, 1.0, _euclidean(pp), c)
+                if _in_set(xu, xp, x.dtype):
+                    continue  # already feasible (a resumed run's weights): keep every bit
                 x.copy_(xp)
                 if is_dtensor(p):
                     p.to_local().copy_(_my_shard(_view(x, pp), p))  # _view is its own inverse
@@ -908,6 +913,15 @@ def _finite(t) -> torch.Tensor:
     # abs().amax() propagates NaN and ∞ and is an order of magnitude faster on CPU than
     # isfinite().all() or vector_norm(ord=inf)
     return torch.isfinite(t.abs().amax()) if t.numel() else torch.ones((), dtype=torch.bool)
+
+
+def _in_set(x: torch.Tensor, xp: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether x is in the set that ``xp`` = P_C(x) projects onto, up to rounding: ‖xp − x‖_F ≤
+    (64u + 2u_dtype)·‖x‖_F, u the working precision (what re-projecting a point of the set moves it
+    by: an SVD or eigh reconstruction) and u_dtype the parameter's (a point of the set rounded to
+    bf16)."""
+    slack = 64 * torch.finfo(x.dtype).eps + 2 * torch.finfo(dtype).eps
+    return bool(torch.linalg.vector_norm(xp - x) <= slack * torch.linalg.vector_norm(x))
 
 
 def _stack(tensors: list) -> torch.Tensor:
