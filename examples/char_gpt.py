@@ -43,16 +43,22 @@ OPTIMIZERS = {
 
 
 def hidden_norms(model, opt) -> dict:
-    """‖W‖_F / ρ and ‖W‖₂ / ρ of each constrained-or-spectral hidden matrix at the end (ρ: its lmo radius)."""
+    """‖W‖_F / ρ and ‖W‖₂ / ρ of each hidden weight at the end (ρ: its lmo radius), the largest
+    over the matrices of its view (a fused q, k, v weight is three matrices, each with its ρ)."""
     out = {}
     plan = {pp.name: pp for pp in opt.plan}
     for name, p in model.named_parameters():
         pp = plan.get(name)
         if pp is None or pp.rule != "hidden":
             continue
-        w = p.detach().float().reshape(p.shape[0], -1)
-        out[name] = dict(fro_over_rho=round(w.norm().item() / pp.radius, 3),
-                         spec_over_rho=round(torch.linalg.matrix_norm(w, 2).item() / pp.radius, 3))
+        w = p.detach().float()
+        w = (w.T if pp.transpose else w).reshape(pp.op_shape[0], -1)
+        view = pp.geometry.get("view") or {}
+        sizes = view.get("blocks") or [w.shape[0]]
+        factors = view.get("factors") or [1.0] * len(sizes)
+        blocks = [(m, pp.radius * f) for m, f in zip(w.split(sizes), factors)]
+        out[name] = dict(fro_over_rho=round(max(m.norm().item() / r for m, r in blocks), 3),
+                         spec_over_rho=round(max(torch.linalg.matrix_norm(m, 2).item() / r for m, r in blocks), 3))
     return out
 
 
