@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 import geomopt  # noqa: E402
-from geomopt.cli.demo import corpus_bytes, save_figure, train  # noqa: E402
+from geomopt.cli.demo import corpus_bytes, plot, train  # noqa: E402
 from geomopt.compile.plan import view_text  # noqa: E402
 
 SPEC = "muon"
@@ -137,22 +137,6 @@ def train_one(label: str, make_opt, args, *, progress: bool) -> dict:
                    build=lambda: build_model(args), loss=moe_loss)
     result["seconds"] = round(result["seconds"], 2)
     return result
-
-
-def plot(runs: list[dict], path: Path, title: str) -> bool:
-    plt = _common.pyplot()
-    if plt is None:
-        return False
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for r in runs:
-        (line,) = ax.plot(r["steps"], r["val"], label=f"{r['label']} (val)")
-        ax.plot(r["steps"], r["train"], "--", color=line.get_color(), alpha=0.5, label=f"{r['label']} (train, EMA)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/byte)")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    return save_figure(fig, path)
 
 
 def markdown(record: dict) -> str:

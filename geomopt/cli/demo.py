@@ -107,7 +107,7 @@ def train(make_opt, *, steps: int, seed: int, block: int = 64, batch: int = 32, 
     return dict(label=label, steps=curve_steps, train=curve_train, val=curve_val, seconds=time.perf_counter() - start)
 
 
-def plot(results: list[dict], path: Path) -> bool:
+def plot(results: list[dict], path: Path, title: str = "byte-level GPT on Python's bundled docs") -> bool:
     try:
         import matplotlib
 
@@ -121,7 +121,7 @@ def plot(results: list[dict], path: Path) -> bool:
         ax.plot(r["steps"], r["train"], "--", color=line.get_color(), alpha=0.5, label=f"{r['label']} (train, EMA)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/byte)")
-    ax.set_title("byte-level GPT on Python's bundled docs")
+    ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
     return save_figure(fig, path)
