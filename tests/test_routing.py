@@ -688,3 +688,56 @@ def test_checkpoint_guesses_split_spectral_from_non_spectral_like_the_model(arch
     if arch in ("mixtral", "qwen2-moe"):
         up = next(p for p in infos if p.name.endswith("experts.gate_up_proj"))
         assert guessed[up.name].structure == {"batch": 1, "blocks": 2}
+
+
+# ---------------------------------------------------------------- more architectures, spot checks
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2)
+MORE = {
+    "phi3": lambda t: t.Phi3ForCausalLM(t.Phi3Config(**SMALL, pad_token_id=0)),
+    "olmoe": lambda t: t.OlmoeForCausalLM(t.OlmoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2)),
+    "qwen3-moe": lambda t: t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2,
+                                                                   moe_intermediate_size=32)),
+    "gpt-oss": lambda t: t.GptOssForCausalLM(t.GptOssConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2,
+                                                             head_dim=16)),
+    "deepseek-v3": lambda t: t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
+        **SMALL, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, n_group=1, topk_group=1)),
+}
+# (tensor, view description under muon.yaml, radius under muon.yaml's √max(1, dout/din))
+SPOT = {
+    "phi3": [("model.layers.0.self_attn.qkv_proj.weight", "64×64 + 2 × 32×64", 1.0),  # GQA: q, k, v unequal
+             ("model.layers.0.mlp.gate_up_proj.weight", "2 × 96×64", math.sqrt(96 / 64))],
+    "olmoe": [("model.layers.0.mlp.experts.gate_up_proj", "8 × 96×64", math.sqrt(96 / 64)),
+              ("model.layers.0.mlp.experts.down_proj", "4 × 64×96", 1.0)],
+    "qwen3-moe": [("model.layers.0.mlp.experts.gate_up_proj", "8 × 32×64", 1.0)],
+    # stored (E, in, out) with gate and up interleaved: whole experts, the preset read transposed
+    "gpt-oss": [("model.layers.0.mlp.experts.gate_up_proj", "4 × 64×192", math.sqrt(192 / 64)),
+                ("model.layers.0.mlp.experts.down_proj", "4 × 96×64", 1.0)],
+    # multi-head latent attention: no fused q, k, v anywhere (its layers only happen to have such sizes)
+    "deepseek-v3": [("model.layers.0.self_attn.o_proj.weight", "64×64", 1.0),
+                    ("model.layers.0.self_attn.q_b_proj.weight", "64×24", math.sqrt(64 / 24)),
+                    ("model.layers.0.mlp.experts.gate_up_proj", "8 × 32×64", 1.0)],
+}
+
+
+@pytest.mark.parametrize("arch", list(MORE))
+def test_more_architectures_route_and_view_right(arch):
+    t = _transformers()
+    torch.manual_seed(0)
+    model = MORE[arch](t)
+    plan = compile_spec(ROOT / "specs" / "muon.yaml", model)
+    for pp in plan:
+        roles = set(pp.role.split("+"))
+        spectral = pp.geometry["kind"] == "spectral"
+        assert spectral == bool(roles & SPECTRAL) and not (spectral and roles & NOT_SPECTRAL), (pp.name, pp.role)
+    routers = [pp.name for pp in plan if pp.role == "router"]
+    assert (len(routers) == 1) == (arch != "phi3"), routers
+    for name, view, radius in SPOT[arch]:
+        pp = plan[name]
+        assert describe(pp.geometry["view"], pp.op_shape) == view, name
+        assert pp.radius == pytest.approx(radius), name
+    diags = lint_spec(geomopt.load_spec(ROOT / "specs" / "muon.yaml"), model_params(model)[0])
+    assert [d.format() for d in diags if d.severity != "note"] == []

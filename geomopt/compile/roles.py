@@ -277,9 +277,10 @@ def _fused_blocks(m: _Model, name: str, mod, pname: str, shape: tuple[int, ...])
     """Output-axis block sizes of a fused projection, or None. ``nn.MultiheadAttention``'s
     ``in_proj_weight``: q, k, v of equal size; a layer of an attention module (a class named
     ``…Attention…``/``…Attn…`` that states its head counts — ``num_heads``/``n_head``,
-    ``num_key_value_heads``, ``head_dim`` — itself or in its ``config``) whose outputs number
-    (heads + 2·kv heads)·head dim: q, k, v (unequal under grouped-query attention; GPT-2's
-    ``c_attn``); a weight named ``gate_up_proj``: two equal halves. (Other modules may hold head
+    ``num_key_value_heads``, ``head_dim`` — itself or in its ``config``, and has two matrix layers:
+    the fused projection and the output projection) whose outputs number (heads + 2·kv heads)·head
+    dim: q, k, v (unequal under grouped-query attention; GPT-2's ``c_attn``, Phi-3's ``qkv_proj``);
+    a weight named ``gate_up_proj``: two equal halves. (Other modules may hold head
     counts too, e.g. a Hugging Face MLP holds the model's config: they say nothing of its layers.)"""
     if pname == "in_proj_weight" and "MultiheadAttention" in m.mro(mod) and len(shape) == 2 and shape[0] % 3 == 0:
         return [shape[0] // 3] * 3
@@ -289,6 +290,9 @@ def _fused_blocks(m: _Model, name: str, mod, pname: str, shape: tuple[int, ...])
     if parent is None or len(shape) != 2:
         return None
     if not any("Attention" in c or "Attn" in c for c in m.mro(parent)):
+        return None
+    layers = [c for c in m.children.get(name.rpartition(".")[0], []) if m.weight(m.modules[c]) is not None]
+    if len(layers) != 2:  # a fused q, k, v projection and the output projection, nothing else
         return None
     counts = _head_counts(parent)
     if counts is None:
@@ -361,17 +365,28 @@ def infer_roles(model, infos: list[ParamInfo], modules: Optional[dict] = None) -
 
 
 def _structure(m: _Model, name: str, mod, pname: str, shape: tuple[int, ...], role: str) -> Optional[dict]:
+    """What an ``auto`` view reads: ``batch: 1`` for batched expert weights; ``layout: in_out`` where
+    the experts module says its weights are stored (E, in, out) (``is_transposed``, GPT-OSS); the
+    output-axis blocks of a fused projection. A fused [gate, up] weight is cut in two only where it
+    is concatenated (Hugging Face's ``is_concatenated``, or no such flag) and stored (out, in):
+    GPT-OSS interleaves gate and up columns, which no block view reads."""
     batch = 1 if role == "expert" and len(shape) >= 3 else 0
+    transposed = bool(batch and getattr(mod, "is_transposed", False))
     blocks = None
     if "gate_up" in pname or "gate_up" in name.rpartition(".")[0].rpartition(".")[2]:
         rows = shape[batch]
-        blocks = 2 if rows % 2 == 0 else None
+        concatenated = getattr(mod, "is_concatenated", True)
+        blocks = 2 if rows % 2 == 0 and concatenated and not transposed else None
     elif role in ("hidden", "expert"):
-        sizes = _fused_blocks(m, name.rpartition(".")[0], mod, pname, shape)
-        blocks = sizes
+        blocks = _fused_blocks(m, name.rpartition(".")[0], mod, pname, shape)
     if not batch and blocks is None:
         return None
-    return {"batch": batch, "blocks": blocks} if blocks is not None else {"batch": batch}
+    out: dict = {"batch": batch}
+    if blocks is not None:
+        out["blocks"] = blocks
+    if transposed:
+        out["layout"] = "in_out"
+    return out
 
 
 # ---------------------------------------------------------------- names and shapes only

@@ -49,6 +49,8 @@ def fan_dims(geometry: dict, shape: tuple[int, ...]) -> tuple[int, int]:
     view = concrete(geometry, shape)
     if view is not None:
         first, rest = matrix_shapes(view, shape)[0]
+        if view.get("layout") == "in_out":  # each matrix stored (in, out)
+            first, rest = rest, first
     else:
         first, rest = (shape[0] if shape else 1), math.prod(shape[1:])
     if geometry.get("layout", "out_in") == "in_out":

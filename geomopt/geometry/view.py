@@ -13,7 +13,9 @@ over an element of shape ``S``:
   q, k, v; fused [gate, up]; heads);
 * ``factors``: per block, its scale preset's radius over block 0's (the plan's radius is block
   0's); None when every block has the same radius. ``scale_constraint``: a ``relative``
-  constraint's radius scales by the same factors.
+  constraint's radius scales by the same factors. ``layout: in_out`` (from the model's structure:
+  experts stored (E, in, out)): each matrix is stored transposed, which only the scale presets
+  read (the spectral maps commute with transposition).
 
 No view (None) is the plain (S[0], prod(S[1:])) matrix every operator reads by itself. The
 operators never see a view: :func:`apply` turns the tensor into one stacked (N, m, n) batch per
@@ -39,11 +41,13 @@ def resolve(view: Optional[dict], shape: tuple[int, ...], structure: Optional[di
     if view is None:
         return None
     shape = tuple(int(s) for s in shape)
+    layout = None
     if view.get("kind") == "auto":
         structure = structure or {}
         batch, trailing, blocks = int(structure.get("batch", 0)), "cols", structure.get("blocks")
+        layout = structure.get("layout")
         if len(shape) < batch + 2:  # structure from a name heuristic that this shape contradicts
-            batch, blocks = 0, None
+            batch, blocks, layout = 0, None, None
     else:
         batch, trailing, blocks = int(view.get("batch", 0)), view.get("trailing", "cols"), view.get("blocks")
     need = batch + 2
@@ -65,7 +69,10 @@ def resolve(view: Optional[dict], shape: tuple[int, ...], structure: Optional[di
         blocks = None
     if batch == 0 and blocks is None and (trailing == "cols" or len(shape) == 2):
         return None  # the plain matrix
-    return {"batch": batch, "trailing": trailing, "blocks": blocks, "factors": None}
+    out = {"batch": batch, "trailing": trailing, "blocks": blocks, "factors": None}
+    if layout == "in_out":
+        out["layout"] = "in_out"  # each matrix stored (in, out): scale presets read it transposed
+    return out
 
 
 def concrete(geometry: dict, shape: tuple[int, ...]) -> Optional[dict]:
