@@ -42,7 +42,7 @@ def h_np(ref: dict, u: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
         if ref["kind"] == "log_barrier":
             val = -ref["eps"] * (np.log1p(-np.minimum(a, 1)) + a)
-        else:  # power barrier: ε(x²/2)·₂F₁(2/κ, 1/κ; 1 + 2/κ; |x|^κ) (DESIGN's table)
+        else:  # power barrier: ε(x²/2)·₂F₁(2/κ, 1/κ; 1 + 2/κ; |x|^κ) (geomopt.geometry.reference)
             k = ref["kappa"]
             val = ref["eps"] * a * a / 2 * sp.hyp2f1(2 / k, 1 / k, 1 + 2 / k, np.minimum(a, 1) ** k)
     return np.where(a < 1, val, np.inf)
@@ -616,7 +616,7 @@ def test_stiefel_polar_takes_the_cheaper_iteration(shape, gram_route, monkeypatc
 @pytest.mark.parametrize("shape,rank", [((40, 24), None), ((24, 40), None), ((40, 24), 5)])
 def test_spectral_ball_polar_accuracy(dtype, bound, shape, rank):
     """SVD-free clipping vs SVD clipping: max-entry error ≤ bound·r on Gaussian and rank-deficient
-    matrices (rank-deficient inputs are where DESIGN's ½[Y + rQ − PQᵀ(Y − rQ)] form loses ~1e-1·r
+    matrices (rank-deficient inputs are where the ½[Y + rQ − PQᵀ(Y − rQ)] form loses ~1e-1·r
     in fp32 with an iterative polar; see _spectral_ball_polar)."""
     g = torch.Generator().manual_seed(0)
     y = torch.randn(3, *shape, generator=g, dtype=torch.float64)
@@ -655,7 +655,7 @@ def test_spectral_ball_polar_accuracy_on_training_steps(dtype, bound, shape, gam
 
 
 def test_polar_identity_for_clipping_holds_exactly_with_svd_polar():
-    """The clipping identity itself (DESIGN) with exact polar factors: equality to rounding."""
+    """The clipping identity itself (_spectral_ball_polar's docstring) with exact polar factors: equality to rounding."""
     y = torch.randn(7, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     r = 1.3
 

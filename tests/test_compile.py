@@ -138,7 +138,7 @@ def _fan(shape):
     return shape[0], math.prod(shape[1:])
 
 
-# (geometry, tensor shape, expected radius multiplier of the preset) — formulas from DESIGN / Scion
+# (geometry, tensor shape, expected radius multiplier of the preset) — formulas from geomopt.geometry.scale / Scion
 SCALE_ROWS = [
     ({**SPECTRAL, "scale": "scion"}, (192, 64), math.sqrt(192 / 64)),
     ({**SPECTRAL, "scale": "scion"}, (64, 256), math.sqrt(64 / 256)),

@@ -228,7 +228,7 @@ def _ns_fp32(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor
 def _scion_lmo(kind: str, g: torch.Tensor, eps_per_unit: bool = False) -> torch.Tensor:
     """Scion's norms (LIONS-EPFL/scion, scion.py), written from their definitions: ColNorm and
     BiasRMS are g/(c‖g‖ + 1e-8). ``eps_per_unit`` uses 1e-8·c instead, i.e. ρ·g/(‖g‖ + 1e-8) with
-    ρ = 1/c, which is what the specs' ``eps: 1.0e-8`` log barrier computes (DESIGN: Scion's exact
+    ρ = 1/c, which is what the specs' ``eps: 1.0e-8`` log barrier computes (Scion's exact
     ε is 1e-8/c, shape-dependent)."""
     eps = 1e-8
     if kind == "Spectral":  # normalized=True: scale √(d_out/d_in)

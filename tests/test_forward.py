@@ -382,7 +382,7 @@ def _scion_sign(g):  # Sign(normalized=True).lmo
     ids=["ColNorm", "RowNorm", "BiasRMS", "Sign", "ColNorm-transpose", "RowNorm-transpose"],
 )
 def test_scion_presets_reproduce_scion_lmos(geometry, scion_lmo, shape, layout_shape):
-    """Scion's g/(c‖g‖ + 1e-8) is the isotropic log barrier with ρ = 1/c, ε = 1e-8/c (DESIGN)."""
+    """Scion's g/(c‖g‖ + 1e-8) is the isotropic log barrier with ρ = 1/c, ε = 1e-8/c (paper Remark 2.5)."""
     g = randn(*shape, seed=6)
     rho = radius_scale(geometry, shape)
     if "reference" not in geometry:

@@ -98,7 +98,7 @@ def test_power_barrier_conj_matches_quadrature(kappa):
 
 
 def test_power_barrier_closed_forms():
-    """κ = 2: h = ε(1−√(1−x²)), h* = √(ε²+y²)−ε; κ = 1 is the log barrier (DESIGN table)."""
+    """κ = 2: h = ε(1−√(1−x²)), h* = √(ε²+y²)−ε; κ = 1 is the log barrier (geomopt.geometry.reference)."""
     x = torch.linspace(-0.999, 0.999, 101, dtype=F64)
     y = torch.logspace(-8, 4, 101, dtype=F64)
     k2 = make_reference({"kind": "power_barrier", "kappa": 2, "eps": 0.1})

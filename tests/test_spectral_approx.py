@@ -136,7 +136,7 @@ def test_newton_schulz_bf16_reproduces_torch_muon(shape):
 
 
 def test_newton_schulz_singular_values_end_in_muon_band():
-    """Muon's quintic is non-convergent: σ (normalized σ ≥ 0.05) ends in ≈ [0.68, 1.13] (DESIGN)."""
+    """Muon's quintic is non-convergent: σ (normalized σ ≥ 0.05) ends in ≈ [0.68, 1.13] (geomopt.geometry.spectral)."""
     s = torch.logspace(math.log10(0.05), 0, 12, dtype=F64)
     d = with_singular_values(s / s.norm(), 12, 20)
     out = torch.linalg.svdvals(newton_schulz(d))

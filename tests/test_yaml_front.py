@@ -1,5 +1,5 @@
 """The YAML front end: YAML 1.2 core-schema resolution, safe loading only, duplicate keys, and the
-positions every diagnostic is built from (DESIGN: Known traps)."""
+positions every diagnostic is built from (YAML's known traps: duplicate keys, implicit types)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Backward (proximal) steps: X⁺ ∈ argmin_Z g(Z) + (γ⋆φ)(Z − Y), paper eq. (update), Table 1.
 
 With φ = ρ⋆φ₁ the step sees only t = γρ: (γ⋆φ)(Z − Y) = t·φ₁((Z − Y)/t). One small function per
-row of DESIGN's backward table, registered under ``(geometry, constraint)``; the contract is in
+row of the backward table (paper Table 1), registered under ``(geometry, constraint)``; the contract is in
 :mod:`geomopt.geometry.registry`::
 
     fn(y, t, ref, constraint: dict, *, gamma, geometry: dict, batch_dims) -> (x, fallback)
@@ -177,7 +177,7 @@ def _ball_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start: t
     """σ(τ) solving σ + (h₁*)'(τσ) = α, σ ≥ 0 (Appendix A.1 with x = sign(y)·tσ); τ: (B, 1)."""
     kind = ref.kind
     if kind == "log_barrier":
-        # τσ² + bσ − α = 0, b = 1 + τ(1 − α): the cancellation-free root (DESIGN, Appendix A.1).
+        # τσ² + bσ − α = 0, b = 1 + τ(1 − α): the cancellation-free root (paper Appendix A.1).
         b = 1 + tau * (1 - alpha)
         d = torch.hypot(b, 2 * torch.sqrt(tau * alpha))
         return torch.where(b > 0, 2 * alpha / (b + d), (d - b) / (2 * tau))
@@ -191,7 +191,7 @@ def _sphere_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start:
     """σ(τ) solving σ − (h₁*)'(τσ) = α with σ ≥ α (outward sphere step, the largest root)."""
     kind = ref.kind
     if kind == "log_barrier":
-        # τσ² + cσ − α = 0, c = 1 − τ(1 + α) (DESIGN; α = 0 gives σ = max(0, 1 − 1/τ)).
+        # τσ² + cσ − α = 0, c = 1 − τ(1 + α) (α = 0 gives σ = max(0, 1 − 1/τ)).
         c = 1 - tau * (1 + alpha)
         d = torch.hypot(c, 2 * torch.sqrt(tau * alpha))
         return torch.where(c <= 0, (d - c) / (2 * tau), 2 * alpha / (c + d))
@@ -326,7 +326,7 @@ def _sphere_euclid(a: torch.Tensor, r: float) -> torch.Tensor:
 
 
 def _sphere_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Anisotropic sphere step on magnitudes (DESIGN): the ball step if ‖a‖ ≥ r, else the outward
+    """Anisotropic sphere step on magnitudes (paper Appendix A.1, outward): the ball step if ‖a‖ ≥ r, else the outward
     bisection with |x_i| ≥ |y_i| (:func:`_sphere_sigma`, Σs² increasing in τ); infeasible where
     Σ(a_i + t)² < r² (outward) or the ball step is infeasible (inward)."""
     euclid = _sphere_euclid(a, r)
@@ -683,7 +683,7 @@ def anisotropic_l2_ball(y, t, ref, constraint, *, gamma, geometry, batch_dims):
 
 @backward_op("anisotropic", "frobenius_sphere")
 def anisotropic_sphere(y, t, ref, constraint, *, gamma, geometry, batch_dims):
-    """Frobenius (ℓ2) sphere under φ₁ = Σh(x_i) (DESIGN's table): the ball step if ‖Y‖ ≥ r, else
+    """Frobenius (ℓ2) sphere under φ₁ = Σh(x_i) (paper Theorem 3.5 with Appendix A.1): the ball step if ‖Y‖ ≥ r, else
     the outward step sign(x_i) = sign(y_i), |x_i| = s_i ≥ |y_i| with s_i − t(h*)'(ν s_i) = |y_i|
     (log barrier: νs² + (1 − νt − νa)s − a = 0; a = 0: s = max(0, t − 1/ν)), ν by bisection.
     Feasible iff Σ(|y_i| + t)² ≥ r²; at Y = 0 the result is (r/√n)·1."""
@@ -895,7 +895,7 @@ def groupwise_frobenius_ball(y, t, ref, constraint, *, gamma, geometry, batch_di
     """Frobenius ball under φ₁ = Σ_j h(‖x_j‖) over rows (columns) x_j. For fixed row norms s_j the
     constraint depends only on s, and ‖x_j − y_j‖ ≥ |s_j − ‖y_j‖| with equality iff x_j ∥ y_j, so
     the prox is x_j = (s_j/‖y_j‖)·y_j with s the anisotropic ℓ2-ball step (Appendix A.1) on the
-    vector of row norms a_j = ‖y_j‖ (DESIGN's table). Zero rows stay zero."""
+    vector of row norms a_j = ‖y_j‖. Zero rows stay zero."""
     rows, tr = _rows(y, batch_dims, geometry)
     a = _norm(rows)
     s, bad = _ball_magnitudes(a, t, constraint["radius"], ref, y.dtype)

@@ -1,6 +1,6 @@
 """Forward ops: the preconditioner ρ·∇φ₁*(D) of the forward step Y = X − γ∇φ*(D) (paper eq. (2.1)).
 
-One registered op per geometry kind (DESIGN's geometry table), each
+One registered op per geometry kind (README: the math in one paragraph), each
 ``fn(d, geometry: dict, *, radius, batch_dims=0, state=None) -> Tensor`` with ``geometry`` the
 ``model_dump()`` of a spec geometry. The leading ``batch_dims`` dims of ``d`` index independent
 tensors (the optimizer stacks same-shape tensors into one bucket), so every norm and every matrix
@@ -38,7 +38,7 @@ def _element_dims(d: torch.Tensor, batch_dims: int) -> tuple[int, ...]:
 
 @forward_op("euclidean")
 def euclidean(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
-    """φ = ½‖·‖²: ∇φ*(D) = ρD (SGD; DESIGN geometry table, row euclidean)."""
+    """φ = ½‖·‖²: ∇φ*(D) = ρD (SGD)."""
     return (_work(d) * radius).to(out_dtype or d.dtype)
 
 
@@ -100,7 +100,7 @@ def _blockwise(d, geometry, radius, batch_dims, out_dtype):
 def rowwise(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """Isotropic per row (output unit) of the (d_out, d_in) matrix, φ(X) = Σ_i h(‖X_i,:‖)
     (block-separable): row i ↦ ρ·[(h*)'(s_i)/s_i]·D_i,:, s_i = ‖D_i,:‖. Scion's RowNorm is the log
-    barrier with ρ = 1/c, ε = 1e-8/c (DESIGN, Remark 2.5). The matrix is the (shape[0], rest) view
+    barrier with ρ = 1/c, ε = 1e-8/c (paper Remark 2.5). The matrix is the (shape[0], rest) view
     for ``layout: out_in`` and its transpose for ``in_out`` (stored columns are then the rows)."""
     return _blockwise(d, geometry, radius, batch_dims, out_dtype)
 

@@ -1,4 +1,4 @@
-"""Stationarity gap (paper Section 4; DESIGN "Stationarity gap"), Fenchel–Young form:
+"""Stationarity gap (paper Section 4), Fenchel–Young form:
 
     gap = ρ·[φ₁*(G) + φ₁(W) − ⟨G, W⟩],   W = (X⁺ − Y)/(γρ) from the backward step, G = ∇f(X⁺).
 

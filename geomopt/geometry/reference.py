@@ -68,7 +68,7 @@ class Reference:
 @reference("log_barrier")
 class LogBarrier(Reference):
     """h(x) = −ε(ln(1−|x|)+|x|), h'(x) = εx/(1−|x|), (h*)'(y) = y/(ε+|y|),
-    h*(y) = |y| − ε·ln(1+|y|/ε) (DESIGN's table; paper Example 2.6)."""
+    h*(y) = |y| − ε·ln(1+|y|/ε) (paper Example 2.6)."""
 
     kappa = 1.0
 

@@ -13,7 +13,7 @@ Presets:
 ``none``
     1.
 ``scion`` — Scion's lmo scalings (Pethick et al. 2025, github.com/LIONS-EPFL/scion, scion.py),
-    in the paper's reading ρ = 1/c of g/(c‖g‖ + 1e-8) (DESIGN, Remark 2.5):
+    in the paper's reading ρ = 1/c of g/(c‖g‖ + 1e-8) (paper Remark 2.5):
     spectral: Spectral (normalized=True) ρ = √(d_out/d_in);
     anisotropic: Sign (normalized=True) ρ = 1/d_in;
     rowwise (one vector of length d_in per output unit): RowNorm (normalized=True, its default)

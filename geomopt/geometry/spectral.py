@@ -180,7 +180,7 @@ def compute_dtype(x: torch.Tensor, kind: str, dtype: str = "auto") -> torch.dtyp
 
 
 def default_prenormalize(approx_kind: str) -> dict:
-    """DESIGN "Pre-normalization": on (frobenius, ε = 1e-7) for the polynomial iterations, off otherwise."""
+    """Pre-normalization (module docstring): on (frobenius, ε = 1e-7) for the polynomial iterations, off otherwise."""
     if approx_kind in POLYNOMIAL_APPROXES:
         return {"kind": "frobenius", "eps": 1e-7}
     return {"kind": "none"}

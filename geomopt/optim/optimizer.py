@@ -2,7 +2,7 @@
 
 One param_group per rule; ``lr``, ``weight_decay``, ``radius``, ``alpha`` (the direction's
 α = 1 − β) live in the group, so torch LR schedulers, GradScaler and checkpoint tools work
-unchanged. Per tensor, one step is (DESIGN, "Flow of data")::
+unchanged. Per tensor, one step is (spec → plan → step)::
 
     X ← X(1 − γ·wd)                       decoupled weight decay (torch's form)
     d ← direction(g)                      none / Polyak(+Nesterov) / STORM
@@ -157,7 +157,7 @@ class GeomOptimizer(Optimizer):
 
     @torch.no_grad()
     def _project_on_init(self) -> None:
-        """Project constrained tensors onto their set (DESIGN "Feasibility"), as Scion's init does,
+        """Project constrained tensors onto their set (geomopt.geometry.backward: feasibility), as Scion's init does,
         so every backward step is defined. A tensor already in the set (within rounding:
         :func:`_in_set`) is left bit for bit as it is, so weights loaded before the optimizer is
         built resume exactly. A sharded tensor is projected whole (on every rank, once) and each

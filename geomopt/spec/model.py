@@ -521,7 +521,7 @@ def resolve_hyper(spec: Spec, rule: Rule) -> dict:
 
 def effective_prenormalize(geometry: Spectral):
     """Newton–Schulz and Polar Express diverge without pre-normalization, so it defaults on
-    (ε = 1e-7) for them; off for svd and gram_eigh (DESIGN: pre-normalization)."""
+    (ε = 1e-7) for them; off for svd and gram_eigh (geomopt.geometry.spectral: pre-normalization)."""
     if geometry.prenormalize is not None:
         return geometry.prenormalize
     if geometry.approx.kind in ("newton_schulz", "polar_express"):
