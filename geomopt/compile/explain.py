@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from importlib import resources
 
-from geomopt.compile.match import Matcher, ParamInfo, describe
+from geomopt.compile.match import Matcher, ParamInfo, any_name, describe
 from geomopt.compile.plan import ParamPlan, _call_text, _geometry_text, view_text
 from geomopt.spec.diagnostics import did_you_mean
 from geomopt.spec.model import Spec
@@ -17,7 +17,7 @@ def _predicates(match, p: ParamInfo) -> list[str]:
     """Each predicate of a rule's match that fails for ``p``, said in words."""
     why = []
     one = Matcher(match)
-    if match.name is not None and one.fullmatch(p.name) is None and not any(one.fullmatch(a) for a in p.aliases):
+    if match.name is not None and not any_name(one.fullmatch, p):
         why.append(f"name does not match {match.name!r}")
     if one.ndims is not None and len(p.shape) not in one.ndims:
         why.append(f"ndim {len(p.shape)} not in {sorted(one.ndims)}")

@@ -12,7 +12,7 @@ import difflib
 import math
 from typing import Callable, Iterable, Optional
 
-from geomopt.compile.match import Matcher, ParamInfo, describe
+from geomopt.compile.match import Matcher, ParamInfo, any_name, describe, glob_regex
 from geomopt.compile.plan import op_layout
 from geomopt.spec.diagnostics import LANGUAGE_CODES, Diagnostic
 from geomopt.spec.model import Spec
@@ -397,10 +397,8 @@ def _absent_role(ctx: LintContext, rule) -> bool:
         return False
     if rule.match.name is None:
         return True
-    from geomopt.compile.match import glob_regex
-
     fm = glob_regex(rule.match.name).fullmatch
-    return any(fm(p.name) or any(fm(a) for a in p.aliases) for p in ctx.params)
+    return any(any_name(fm, p) for p in ctx.params)
 
 
 @lint_rule("GO113", "absent-role", "note", needs_model=True)
@@ -429,12 +427,10 @@ def unused_role_pattern(ctx: LintContext):
 
     Bad: ``roles: {head: ["clasifier.weight"]}``. Fixed: ``roles: {head: ["classifier.weight"]}``.
     """
-    from geomopt.compile.match import glob_regex
-
     for role, patterns in ctx.spec.roles.items():
         for j, pattern in enumerate(patterns):
             fm = glob_regex(pattern).fullmatch
-            if not any(fm(p.name) or any(fm(a) for a in p.aliases) for p in ctx.params):
+            if not any(any_name(fm, p) for p in ctx.params):
                 yield f"roles: pattern {pattern!r} for role {role} names no tensor of the model", ("roles", role, j)
 
 

@@ -64,6 +64,12 @@ def glob_regex(pattern: str) -> re.Pattern:
     return re.compile("".join(out))
 
 
+def any_name(fullmatch, p: ParamInfo) -> bool:
+    """Whether ``fullmatch`` (a compiled name pattern's) matches any name of ``p``: a tied tensor
+    matches a name pattern if any of its names does."""
+    return fullmatch(p.name) is not None or (bool(p.aliases) and any(fullmatch(a) for a in p.aliases))
+
+
 class Matcher:
     """A :class:`Match` compiled once: its predicates as plain values (the regex compiled, ``ndim``
     as a set), so matching a rule against thousands of tensors costs one regex call per name."""
@@ -90,7 +96,7 @@ class Matcher:
 
         A tied tensor matches a name pattern if any of its names does."""
         fm = self.fullmatch
-        if fm is not None and fm(p.name) is None and not any(fm(a) for a in p.aliases):
+        if fm is not None and not any_name(fm, p):
             return False
         if self.ndims is not None and len(p.shape) not in self.ndims:
             return False
@@ -113,8 +119,7 @@ class Matcher:
             idx = [i for i in idx if len(params[i].shape) in ndims]
         fm = self.fullmatch
         if fm is not None:
-            idx = [i for i in idx if fm(params[i].name) is not None
-                   or (params[i].aliases and any(fm(a) for a in params[i].aliases))]
+            idx = [i for i in idx if any_name(fm, params[i])]
         if self.shape is not None:
             idx = [i for i in idx if self._shape_ok(params[i].shape)]
         if self.roles is not None:

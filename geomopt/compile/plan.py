@@ -53,6 +53,16 @@ class ParamPlan:
         return key
 
     @property
+    def matrix_cost(self) -> Optional[float]:
+        """Σ m·n·min(m, n) over the matrices of the tensor's view (None without a view): the
+        distributed executors' work estimate. Computed once."""
+        if "_cost" not in self.__dict__:
+            from geomopt.geometry.view import cost
+
+            object.__setattr__(self, "_cost", cost(self.geometry.get("view"), self.op_shape))
+        return self.__dict__["_cost"]
+
+    @property
     def approx(self) -> Optional[dict]:
         return self.geometry.get("approx")
 

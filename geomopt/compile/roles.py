@@ -27,7 +27,7 @@ import dataclasses
 import re
 from typing import Callable, Iterable, Optional
 
-from geomopt.compile.match import ParamInfo, glob_regex
+from geomopt.compile.match import ParamInfo, any_name, glob_regex
 
 ROLES = ("embedding", "head", "router", "expert", "norm", "bias", "hidden", "other")
 
@@ -483,7 +483,7 @@ def override(roles: dict[str, Role], infos: list[ParamInfo], patterns: dict[str,
         for pat in pats:
             fm = glob_regex(pat).fullmatch
             for p in infos:
-                if fm(p.name) or any(fm(a) for a in p.aliases):
+                if any_name(fm, p):
                     old = roles.get(p.name)
                     roles[p.name] = Role((role,), f"{where}: {pat!r}", False, old.structure if old else None)
 

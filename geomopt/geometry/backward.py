@@ -45,7 +45,7 @@ import torch
 from geomopt.geometry.reference import Quadratic, Reference, make_reference
 from geomopt.geometry.registry import BACKWARD_OPS, backward_op, supported_constraints
 from geomopt.geometry.view import apply as apply_view
-from geomopt.geometry.view import concrete
+from geomopt.geometry.view import split_view
 
 CONSTRAINT_KINDS = (
     "l2_ball", "linf_ball", "linf_sphere", "sign_set", "frobenius_ball", "frobenius_sphere", "spectral_ball",
@@ -84,10 +84,9 @@ def backward(
         raise ValueError(_unsupported_message(gkind, ckind))
     rho = float(radius if radius is not None else geometry.get("radius", 1.0))
     ref = make_reference(geometry["reference"]) if geometry.get("reference") else Quadratic()
-    view = concrete(geometry, y.shape[batch_dims:])
+    view, plain = split_view(geometry, y.shape[batch_dims:])
     if view is None:
         return op(y, float(gamma) * rho, ref, constraint, gamma=float(gamma), geometry=geometry, batch_dims=batch_dims)
-    plain = {k: v for k, v in geometry.items() if k != "view"}
     scaled = view.get("scale_constraint") and "radius" in constraint
 
     def per_stack(mats, f):

@@ -17,7 +17,7 @@ from geomopt.geometry.reference import Reference, make_reference
 from geomopt.geometry.registry import FORWARD_OPS, forward_op
 from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, apply_approx, compute_dtype, matrix_view
 from geomopt.geometry.view import apply as apply_view
-from geomopt.geometry.view import concrete
+from geomopt.geometry.view import split_view
 
 
 def _work(d: torch.Tensor) -> torch.Tensor:
@@ -160,10 +160,9 @@ def forward(
     if op is None:
         raise ValueError(f"unknown geometry kind {kind!r}; expected one of {', '.join(FORWARD_OPS)}")
     rho = float(geometry.get("radius", 1.0)) if radius is None else float(radius)
-    view = None if kind in ("euclidean", "isotropic", "adam") else concrete(geometry, d.shape[batch_dims:])
+    view, plain = split_view(geometry, d.shape[batch_dims:])
     if view is None or kind == "anisotropic" and not view["factors"]:  # elementwise: only factors matter
         return op(d, geometry, radius=rho, batch_dims=batch_dims, state=state, out_dtype=out_dtype)
-    plain = {k: v for k, v in geometry.items() if k != "view"}
     out, _ = apply_view(d, batch_dims, view, lambda m, f: (
         op(m, plain, radius=rho * f, batch_dims=1, state=state, out_dtype=out_dtype), None))
     return out

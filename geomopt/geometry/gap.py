@@ -23,7 +23,7 @@ import torch
 
 from geomopt.geometry.reference import Quadratic, Reference, make_reference
 from geomopt.geometry.spectral import POLYNOMIAL_APPROXES
-from geomopt.geometry.view import concrete, reduce
+from geomopt.geometry.view import reduce, split_view
 
 
 def stationarity_gap(
@@ -48,9 +48,8 @@ def stationarity_gap(
     if ref.kind == "indicator":
         return None
     rho = float(radius if radius is not None else geometry.get("radius", 1.0))
-    view = None if kind in ("euclidean", "isotropic") else concrete(geometry, g.shape[batch_dims:])
+    view, plain = split_view(geometry, g.shape[batch_dims:])
     if view is not None:  # the sum over the view's matrices, each with its own radius ρ·f
-        plain = {k: v for k, v in geometry.items() if k != "view"}
         return reduce(g, batch_dims, view,
                       lambda gm, wm, f: stationarity_gap(gm, wm / f, plain, radius=rho * f, batch_dims=1), w)
     dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
@@ -83,9 +82,8 @@ def dual_norm(g: torch.Tensor, geometry: dict, batch_dims: int = 0) -> torch.Ten
     weighted by its radius factor), ℓ1 for anisotropic, Σ of row (column) norms for rowwise
     (columnwise), Frobenius for isotropic, euclidean and adam. Shape ``g.shape[:batch_dims]``."""
     kind = geometry["kind"]
-    view = None if kind in ("euclidean", "isotropic", "adam") else concrete(geometry, g.shape[batch_dims:])
+    view, plain = split_view(geometry, g.shape[batch_dims:])
     if view is not None:
-        plain = {k: v for k, v in geometry.items() if k != "view"}
         return reduce(g, batch_dims, view, lambda gm, f: f * dual_norm(gm, plain, batch_dims=1))
     dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
     gb = g.to(dtype).reshape(math.prod(g.shape[:batch_dims]), -1)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 
-from geomopt.geometry.view import concrete, matrix_shapes
+from geomopt.geometry.view import concrete, matrix_shapes, without_view
 
 _MATRIX_KINDS = ("spectral", "rowwise", "columnwise")
 SCALE_PRESETS = ("none", "scion", "muon_original", "match_rms_adamw")
@@ -88,7 +88,7 @@ def block_factors(geometry: dict, shape: tuple[int, ...], view: dict) -> list[fl
     """Per block of ``view``, its preset's radius over the first block's (None when all equal)."""
     if view is None or not view["blocks"] or len(set(view["blocks"])) == 1:
         return None
-    plain = {k: v for k, v in geometry.items() if k != "view"}
+    plain = without_view(geometry)
     scales = [radius_scale(plain, (m, n)) for m, n in matrix_shapes(view, shape)]
     factors = [s / scales[0] for s in scales]
     return None if all(f == 1.0 for f in factors) else factors

@@ -84,6 +84,18 @@ def concrete(geometry: dict, shape: tuple[int, ...]) -> Optional[dict]:
     return resolve(view, tuple(shape))
 
 
+def without_view(geometry: dict) -> dict:
+    """The geometry an operator receives for one stack of a view's matrices."""
+    return {k: v for k, v in geometry.items() if k != "view"}
+
+
+def split_view(geometry: dict, shape: tuple[int, ...]) -> tuple[Optional[dict], dict]:
+    """(the concrete view of ``geometry`` for an element of ``shape``, the geometry without it);
+    (None, ``geometry``) when it reads the plain matrix."""
+    view = concrete(geometry, shape)
+    return (None, geometry) if view is None else (view, without_view(geometry))
+
+
 def matrix_shapes(view: Optional[dict], shape: tuple[int, ...]) -> list[tuple[int, int]]:
     """(rows, cols) of each distinct block, in block order (one entry without blocks)."""
     shape = tuple(int(s) for s in shape)

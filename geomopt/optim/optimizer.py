@@ -27,7 +27,6 @@ from torch.optim import Optimizer
 
 from geomopt.compile import as_spec, plan_from_infos
 from geomopt.compile.compiler import model_params, needs_roles
-from geomopt.geometry.view import cost as view_cost
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.geometry.backward import backward
 from geomopt.geometry.adam import adam_moments
@@ -683,7 +682,7 @@ class GeomOptimizer(Optimizer):
     def _request(self, items: list, x: torch.Tensor, locality: str, fn) -> Request:
         """An operator request for a bucket (sharding read off its first parameter)."""
         p, pp = items[0]
-        cost = view_cost(pp.geometry.get("view"), pp.op_shape)
+        cost = pp.matrix_cost
         if not is_dtensor(p):
             return Request(fn, x, locality, cost=cost)
         dim = p.placements[0].dim % p.ndim
