@@ -106,6 +106,14 @@ def _params(args):
     return None, False
 
 
+def _required_params(args, command: str):
+    """:func:`_params` for a command that needs a model or a checkpoint."""
+    params, from_ckpt = _params(args)
+    if params is None:
+        raise UsageError(f"{command} needs --model NAME|pkg.module:factory or --checkpoint FILE")
+    return params, from_ckpt
+
+
 # ---------------------------------------------------------------- commands
 
 
@@ -151,9 +159,7 @@ def cmd_plan(args) -> int:
     from geomopt.compile import lint_spec, plan_from_infos
     from geomopt.spec.validate import load_spec
 
-    params, from_ckpt = _params(args)
-    if params is None:
-        raise UsageError("plan needs --model NAME|pkg.module:factory or --checkpoint FILE")
+    params, from_ckpt = _required_params(args, "plan")
     try:
         spec = load_spec(args.spec)
         plan = plan_from_infos(spec, params)
@@ -178,9 +184,7 @@ def cmd_explain(args) -> int:
     from geomopt.compile.explain import explain
     from geomopt.spec.validate import load_spec
 
-    params, _ = _params(args)
-    if params is None:
-        raise UsageError("explain needs --model NAME|pkg.module:factory or --checkpoint FILE")
+    params, _ = _required_params(args, "explain")
     spec = load_spec(args.spec)
     try:
         plan = plan_from_infos(spec, params).params
@@ -199,13 +203,10 @@ def cmd_explain(args) -> int:
 
 def cmd_init(args) -> int:
     from geomopt.compile.explain import recipe, role_summary, starter
-    from geomopt.compile.lint import LintContext  # noqa: F401  (lint rules registered)
     from geomopt.spec.printers import dump_spec
     from geomopt.spec.validate import parse_spec
 
-    params, _ = _params(args)
-    if params is None:
-        raise UsageError("init needs --model NAME|pkg.module:factory")
+    params, _ = _params(args)  # --model is required by the parser
     try:
         text = recipe(args.recipe)
     except KeyError as exc:

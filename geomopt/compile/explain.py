@@ -115,12 +115,4 @@ def role_summary(infos: list[ParamInfo]) -> str:
     return ", ".join(f"{n} {r}" for r, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def first_examples(infos: list[ParamInfo], per_role: int = 2) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for p in infos:
-        if p.role is not None and len(out.setdefault(p.role.name, [])) < per_role:
-            out[p.role.name].append(p.name)
-    return out
-
-
 __all__ = ["RECIPES", "explain", "recipe", "role_summary", "starter"]

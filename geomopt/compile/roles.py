@@ -279,13 +279,11 @@ def _fused_blocks(m: _Model, name: str, mod, pname: str, shape: tuple[int, ...])
     ``…Attention…``/``…Attn…`` that states its head counts — ``num_heads``/``n_head``,
     ``num_key_value_heads``, ``head_dim`` — itself or in its ``config``, and has two matrix layers:
     the fused projection and the output projection) whose outputs number (heads + 2·kv heads)·head
-    dim: q, k, v (unequal under grouped-query attention; GPT-2's ``c_attn``, Phi-3's ``qkv_proj``);
-    a weight named ``gate_up_proj``: two equal halves. (Other modules may hold head
+    dim: q, k, v (unequal under grouped-query attention; GPT-2's ``c_attn``, Phi-3's ``qkv_proj``).
+    (Fused [gate, up] weights are :func:`_structure`'s. Other modules may hold head
     counts too, e.g. a Hugging Face MLP holds the model's config: they say nothing of its layers.)"""
     if pname == "in_proj_weight" and "MultiheadAttention" in m.mro(mod) and len(shape) == 2 and shape[0] % 3 == 0:
         return [shape[0] // 3] * 3
-    if "gate_up" in pname or "gate_up" in name.rpartition(".")[2]:
-        return None  # handled by the caller (the axis depends on batching)
     parent = m.modules.get(name.rpartition(".")[0])
     if parent is None or len(shape) != 2:
         return None
