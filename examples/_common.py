@@ -1,7 +1,9 @@
-"""Shared helpers for the paper-reproduction examples: spec paths, the results record (JSON with
-the exact command line, settings, timings, torch version and date) and small formatting helpers.
-The byte-level GPT training loop and plot live in :mod:`geomopt.cli.demo` and are reused from
-there (``corpus_bytes``, ``train``, ``plot``)."""
+"""Shared helpers for the paper-reproduction examples: spec paths, the output folder, the results
+record (JSON with the exact command line, settings, timings, the machine, torch version and date)
+and small formatting helpers. The byte-level GPT training loop and plot live in
+:mod:`geomopt.cli.demo` and are reused from there (``corpus_bytes``, ``train``, ``plot``), as is
+the output convention: ``--out DIR`` (default ``runs/<name>/`` under the current directory,
+git-ignored), and ``--record``, which rewrites the committed ``examples/results/<name>.*``."""
 
 from __future__ import annotations
 
@@ -13,9 +15,36 @@ import statistics
 import sys
 from pathlib import Path
 
+from geomopt.cli.demo import RECORD_REPEATS, machine, output_dir, source_version  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results"  # the committed results (written with --record only)
+
+
+def add_output_args(parser, name: str, *, repeats: bool = False) -> None:
+    """``--out DIR`` and ``--record`` (and ``--repeats N`` where the timed runs are repeated)."""
+    parser.add_argument("--out", metavar="DIR", help=f"output folder (default: runs/{name}/ under the current "
+                        "directory, git-ignored; with --record: examples/results/)")
+    what = f", timing each training --repeats times (default {RECORD_REPEATS})" if repeats else ""
+    parser.add_argument("--record", action="store_true",
+                        help=f"record mode: rewrite the committed examples/results/{name}.* (or --out){what}, with the machine")
+    if repeats:
+        parser.add_argument("--repeats", type=int, help=f"timed runs of each training (default 1; {RECORD_REPEATS} "
+                            "with --record): the README shows their min–max")
+
+
+def resolve_output(parser, args, name: str) -> Path:
+    """The output folder of ``args`` (a usage error where it would rewrite the committed results
+    without --record); sets ``args.repeats`` where the script has it."""
+    if hasattr(args, "repeats"):
+        if args.repeats is not None and args.repeats < 1:
+            parser.error("--repeats must be at least 1")
+        args.repeats = args.repeats or (RECORD_REPEATS if args.record else 1)
+    try:
+        return output_dir(args.out, args.record, name, results=RESULTS)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def spec_path(name: str) -> Path:
@@ -42,7 +71,15 @@ def command_line() -> str:
     return " ".join(shlex.quote(a) for a in ["python", *sys.argv]) if sys.argv and sys.argv[0] else "python"
 
 
-def write_results(path: Path, *, settings: dict, results: dict, seconds: float, extra: dict | None = None) -> dict:
+def settings_of(args, **more) -> dict:
+    """The run's settings for the record: its arguments less the output folder, plus ``more``."""
+    return {**{k: v for k, v in vars(args).items() if k != "out"}, **more}
+
+
+def write_results(path: Path, *, settings: dict, results: dict, seconds: float, extra: dict | None = None,
+                  device: str = "cpu") -> dict:
+    """Write the results record ``path`` (JSON): command, date, versions, the machine (CPU model,
+    cores, threads; the GPU on CUDA), the source commit, total seconds, settings and results."""
     import torch
 
     record = {
@@ -52,6 +89,8 @@ def write_results(path: Path, *, settings: dict, results: dict, seconds: float, 
         "python": platform.python_version(),
         "platform": platform.platform(),
         "threads": torch.get_num_threads(),
+        "machine": machine(device),
+        "source": source_version(ROOT),
         "seconds_total": round(seconds, 2),
         "settings": settings,
         "results": results,

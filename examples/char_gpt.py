@@ -15,7 +15,10 @@ All with the same lr (the specs' 0.02), linear warmup then linear decay to 10%.
 
 Run:  python examples/char_gpt.py                              # defaults: about 3 min on 2 CPU cores
       python examples/char_gpt.py --device cuda --steps 5000 --n-layer 6 --n-embd 384 --block 256 --batch 64
-Writes examples/results/char_gpt.json and char_gpt.png (or under --out-dir).
+      python examples/char_gpt.py --record                     # rewrite the committed examples/results/char_gpt.*
+Writes char_gpt.json and char_gpt.png to --out (default runs/char_gpt/ under the current directory).
+--repeats N (3 with --record) trains each optimizer N times, interleaved, and records every run's
+time (the README shows their min–max); losses and norms are the first run's.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 import geomopt  # noqa: E402
-from geomopt.cli.demo import corpus_bytes, plot, train  # noqa: E402
+from geomopt.cli.demo import corpus_bytes, plot, span, train  # noqa: E402
 from geomopt.models import GPTConfig  # noqa: E402
 
 OPTIMIZERS = {
@@ -62,7 +65,7 @@ def hidden_norms(model, opt) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--seeds", type=int, default=1)
@@ -78,8 +81,14 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of: " + ", ".join(OPTIMIZERS))
     ap.add_argument("--quick", action="store_true", help="20 steps, width 32 (for tests)")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--out-dir", default=str(_common.RESULTS))
+    _common.add_output_args(ap, "char_gpt", repeats=True)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
+    out = _common.resolve_output(ap, args, "char_gpt")
     if args.quick:
         args.steps, args.n_embd, args.block = 20, 32, 32
     names = _common.chosen_optimizers(ap, args.optimizers, OPTIMIZERS)
@@ -90,44 +99,60 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     runs = []
     for seed in range(args.seed0, args.seed0 + args.seeds):
-        for name in names:
-            held = {}
+        kept = {}  # optimizer → its first run at this seed
+        for k in range(args.repeats):  # interleaved, so that a change in the machine's load reaches every optimizer
+            for name in names:
+                held = {}
 
-            def make_opt(model, _spec=_common.spec_path(OPTIMIZERS[name])):
-                opt = geomopt.GeomOptimizer(model, _spec)
-                if args.lr:
-                    for g in opt.param_groups:
-                        g["lr"] = g["initial_lr"] = args.lr
-                held.update(model=model, opt=opt)
-                return opt
+                def make_opt(model, _spec=_common.spec_path(OPTIMIZERS[name])):
+                    opt = geomopt.GeomOptimizer(model, _spec)
+                    if args.lr:
+                        for g in opt.param_groups:
+                            g["lr"] = g["initial_lr"] = args.lr
+                    held.update(model=model, opt=opt)
+                    return opt
 
-            r = train(make_opt, steps=args.steps, seed=seed, batch=args.batch, eval_every=eval_every, label=name,
-                      progress=not args.no_progress, warmup=args.warmup, config=config, device=args.device)
-            r.update(optimizer=name, seed=seed, spec=_common.spec_label(OPTIMIZERS[name]), final_val=r["val"][-1],
-                     best_val=min(r["val"]), norms=hidden_norms(held["model"], held["opt"]),
-                     fallbacks={k: v.get("fallbacks") for k, v in held["opt"].diagnostics().items() if isinstance(v, dict)})
-            r["seconds"] = round(r["seconds"], 2)
-            runs.append(r)
-            fro = [v["fro_over_rho"] for v in r["norms"].values()]
-            print(f"seed {seed} {name:<22} val {r['final_val']:.4f} (best {r['best_val']:.4f}), "
-                  f"hidden ‖W‖_F/ρ {min(fro):.2f}–{max(fro):.2f}, {r['seconds']:.1f} s", flush=True)
+                label = name if args.repeats == 1 else f"{name} ({k + 1}/{args.repeats})"
+                r = train(make_opt, steps=args.steps, seed=seed, batch=args.batch, eval_every=eval_every, label=label,
+                          progress=not args.no_progress, warmup=args.warmup, config=config, device=args.device)
+                if k:  # a timing repeat: keep its time, check it trained the same
+                    f = kept[name]
+                    f["seconds_runs"].append(round(r["seconds"], 2))
+                    f["identical"] = f["identical"] and r["train"] == f["train"] and r["val"] == f["val"]
+                    print(f"seed {seed} {name:<22} run {k + 1}/{args.repeats}: {r['seconds']:.1f} s", flush=True)
+                    continue
+                r.update(label=name, optimizer=name, seed=seed, spec=_common.spec_label(OPTIMIZERS[name]),
+                         final_val=r["val"][-1], best_val=min(r["val"]), norms=hidden_norms(held["model"], held["opt"]),
+                         fallbacks={rule: v.get("fallbacks") for rule, v in held["opt"].diagnostics().items()
+                                    if isinstance(v, dict)},
+                         seconds_runs=[round(r["seconds"], 2)], identical=True)
+                kept[name] = r
+                runs.append(r)
+                fro = [v["fro_over_rho"] for v in r["norms"].values()]
+                print(f"seed {seed} {name:<22} val {r['final_val']:.4f} (best {r['best_val']:.4f}), "
+                      f"hidden ‖W‖_F/ρ {min(fro):.2f}–{max(fro):.2f}, {r['seconds']:.1f} s", flush=True)
+    for r in runs:
+        r["seconds"] = round(_common.median(r["seconds_runs"]), 2)
     summary = {}
     for n in names:
         rs = [r for r in runs if r["optimizer"] == n]
         m, s = _common.mean_std([r["final_val"] for r in rs])
         summary[n] = dict(spec=rs[0]["spec"], final_val=[r["final_val"] for r in rs], mean_final_val=m, std_final_val=s,
-                          bits_per_byte=m / math.log(2), seconds=round(sum(r["seconds"] for r in rs), 1))
+                          bits_per_byte=m / math.log(2), seconds=round(sum(r["seconds"] for r in rs), 1),
+                          seconds_per_run=[t for r in rs for t in r["seconds_runs"]])
     total = time.perf_counter() - t0
-    print(f"\n| optimizer | spec | final val. loss (nats/byte) | bits/byte | time (s) |")
+    print(f"\n| optimizer | spec | final val. loss (nats/byte) | bits/byte | time per run (s) |")
     print("|---|---|---|---|---|")
     for n, s in summary.items():
         pm = f" ± {s['std_final_val']:.4f}" if len(s["final_val"]) > 1 else ""
-        print(f"| {n} | {s['spec']} | {s['mean_final_val']:.4f}{pm} | {s['bits_per_byte']:.3f} | {s['seconds']} |")
+        print(f"| {n} | {s['spec']} | {s['mean_final_val']:.4f}{pm} | {s['bits_per_byte']:.3f} | "
+              f"{span(s['seconds_per_run'], '{:.1f}')} |")
     print(f"total {total:.1f} s")
-    out = Path(args.out_dir)
-    settings = {k: v for k, v in vars(args).items() if k != "out_dir"}
-    settings.update(optimizers=names, corpus_bytes=len(corpus_bytes()), eval_every=eval_every)
-    _common.write_results(out / "char_gpt.json", settings=settings, results=dict(summary=summary, runs=runs), seconds=total)
+    if not all(r["identical"] for r in runs):
+        print("note: the repeated runs' losses differ (nondeterministic kernels); the table shows the first runs'")
+    settings = _common.settings_of(args, optimizers=names, corpus_bytes=len(corpus_bytes()), eval_every=eval_every)
+    _common.write_results(out / "char_gpt.json", settings=settings, results=dict(summary=summary, runs=runs), seconds=total,
+                          device=args.device, extra=dict(repeats_identical=all(r["identical"] for r in runs)))
     first = [r for r in runs if r["seed"] == args.seed0]
     if plot(first, out / "char_gpt.png"):
         print(f"wrote {out / 'char_gpt.json'} and {out / 'char_gpt.png'}")

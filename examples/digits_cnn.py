@@ -16,7 +16,9 @@ std over seeds. The paper's CIFAR10 figure averages 50 runs at ρ_l = 8, ρ_L = 
 
 Run:  python examples/digits_cnn.py                  # defaults: see --help (about 3 min on 2 CPU cores)
       python examples/digits_cnn.py --seeds 20 --epochs 30
-Writes examples/results/digits_cnn.json and digits_cnn.png (or under --out-dir).
+      python examples/digits_cnn.py --record         # rewrite the committed examples/results/digits_cnn.*
+Writes digits_cnn.json (with every run's time: the README's time range is over seeds, each the same
+work) and digits_cnn.png to --out (default runs/digits_cnn/ under the current directory).
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def plot(runs, summary, path: Path, args) -> bool:
     return save_figure(fig, path, dpi=110)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--seed0", type=int, default=0)
@@ -136,8 +138,14 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=0.0, help="override the specs' lr (default: the spec's)")
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of: " + ", ".join(OPTIMIZERS))
     ap.add_argument("--quick", action="store_true", help="1 seed, 1 epoch, width 8 (for tests)")
-    ap.add_argument("--out-dir", default=str(_common.RESULTS))
+    _common.add_output_args(ap, "digits_cnn")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
+    out = _common.resolve_output(ap, args, "digits_cnn")
     if args.quick:
         args.seeds, args.epochs, args.width = 1, 1, 8
     args.seed_list = list(range(args.seed0, args.seed0 + args.seeds))
@@ -163,9 +171,7 @@ def main(argv=None) -> int:
         print(f"| {n} | {s['spec']} | {100 * s['mean']:.2f} ± {100 * s['std']:.2f} % | {100 * min(s['test_acc']):.2f} | "
               f"{100 * max(s['test_acc']):.2f} | {s['seconds']} |")
     print(f"total {total:.1f} s")
-    out = Path(args.out_dir)
-    settings = {k: v for k, v in vars(args).items() if k != "out_dir"}
-    settings["optimizers"] = names
+    settings = _common.settings_of(args, optimizers=names)
     _common.write_results(out / "digits_cnn.json", settings=settings, results=dict(summary=summary, runs=runs), seconds=total)
     if plot(runs, summary, out / "digits_cnn.png", args):
         print(f"wrote {out / 'digits_cnn.json'} and {out / 'digits_cnn.png'}")

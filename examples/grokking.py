@@ -23,9 +23,11 @@ the cap). All optimizers use a linear warmup of --warmup epochs, then a constant
 Run:  python examples/grokking.py              # defaults: 5 seeds, cap 500, one CPU thread (27 min here)
       python examples/grokking.py --seeds 10   # the paper's 10 seeds
       python examples/grokking.py --quick      # 1 seed, 3 epochs, width 32: a smoke test (seconds)
-Writes examples/results/grokking.json (exact command, settings, per-seed epochs and curves, medians,
-wall time; rewritten after every run, so an interrupted run keeps what it finished) and
-grokking.png (or under --out-dir).
+      python examples/grokking.py --record     # rewrite the committed examples/results/grokking.*
+Writes grokking.json (exact command, settings, the machine, per-seed epochs, curves and times,
+medians, wall time; rewritten after every run, so an interrupted run keeps what it finished) and
+grokking.png to --out (default runs/grokking/ under the current directory). The README's time
+range is per epoch over seeds and optimizers' runs (every epoch is the same work).
 """
 
 from __future__ import annotations
@@ -228,7 +230,7 @@ def plot(runs: list[dict], summary: dict, path: Path, args) -> bool:
     return save_figure(fig, path, dpi=110)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=5, help="number of seeds (paper: 10; default 5 to fit ~25 min on one CPU thread)")
     ap.add_argument("--seed0", type=int, default=0, help="first seed")
@@ -248,18 +250,22 @@ def main(argv=None) -> int:
     ap.add_argument("--full-curves", action="store_true", help="keep training to --max-epochs after hitting the target")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 seed, 3-epoch cap, width 32, 1 warmup epoch unless given")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    ap.add_argument("--out-dir", default=str(_common.RESULTS))
+    _common.add_output_args(ap, "grokking")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.quick:  # new defaults; flags given explicitly still win
         ap.set_defaults(seeds=1, max_epochs=3, width=32, warmup=1)
         args = ap.parse_args(argv)
+    out = _common.resolve_output(ap, args, "grokking")
     args.seed_list = list(range(args.seed0, args.seed0 + args.seeds))
     names = _common.chosen_optimizers(ap, args.optimizers, OPTIMIZERS)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    out = Path(args.out_dir)
-    settings = {k: v for k, v in vars(args).items() if k not in ("out_dir",)}
-    settings.update(p=P, examples=P * (P - 1), optimizers=names)
+    settings = _common.settings_of(args, p=P, examples=P * (P - 1), optimizers=names)
     runs = []
     # seeds outermost, so that an interrupted run has every optimizer on the same seeds so far
     for seed in args.seed_list:

@@ -30,15 +30,17 @@ float32 when bf16 is more than 2× slower (the spec is loaded, edited as a dict 
 GeomOptimizer); the timings and the choice are printed and recorded in the JSON.
 
 Run:  python examples/moe.py                 # defaults: 400 steps per optimizer, about 2–3 min on one CPU thread
-      python examples/moe.py --markdown      # print the README's tables from examples/results/moe.json
       python examples/moe.py --quick         # 8 steps: a smoke test (seconds)
-Writes examples/results/moe.json and moe.png (or under --out-dir).
+      python examples/moe.py --record        # rewrite the committed examples/results/moe.* (3 timed runs each)
+Writes moe.json and moe.png to --out (default runs/moe/ under the current directory). --repeats N
+(3 with --record) trains each optimizer N times, interleaved, and records every run's time (the
+README shows their min–max); losses are the first run's. The README's tables are generated from
+examples/results/moe.json by scripts/readme_tables.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -51,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 import geomopt  # noqa: E402
-from geomopt.cli.demo import corpus_bytes, plot, train  # noqa: E402
+from geomopt.cli.demo import corpus_bytes, plot, span, train  # noqa: E402
 from geomopt.compile.plan import view_text  # noqa: E402
 
 SPEC = "muon"
@@ -69,9 +71,9 @@ def build_model(args):
     return transformers.MixtralForCausalLM(config)
 
 
-def step_seconds(args, dtype: str, reps: int) -> float:
-    """Median wall time of one muon.yaml optimizer step on a fresh model (random gradients) with
-    Newton–Schulz in ``dtype``."""
+def step_seconds(args, dtype: str, reps: int) -> list[float]:
+    """Wall times of ``reps`` muon.yaml optimizer steps on a fresh model (random gradients) with
+    Newton–Schulz in ``dtype``, after one warm-up step."""
     torch.manual_seed(args.seed)
     model = build_model(args).to(args.device)
     for p in model.parameters():
@@ -87,18 +89,20 @@ def step_seconds(args, dtype: str, reps: int) -> float:
         if args.device != "cpu":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    return _common.median(times)
+    return times
 
 
 def ns_dtype(args, reps: int) -> tuple[str, dict]:
-    """The Newton–Schulz dtype to run, and the step times that chose it (auto on CPU: the spec's
-    bfloat16 unless a step in bf16 takes more than twice as long as in float32)."""
+    """The Newton–Schulz dtype to run, and the step times that chose it, per dtype (auto on CPU:
+    the spec's bfloat16 unless a step in bf16 takes more than twice as long as in float32, in
+    median)."""
     if args.ns_dtype != "auto":
         return args.ns_dtype, {}
     if args.device != "cpu":
         return "bfloat16", {}
     times = {dt: step_seconds(args, dt, reps) for dt in ("bfloat16", "float32")}
-    return ("float32" if times["bfloat16"] > 2 * times["float32"] else "bfloat16"), times
+    slow = _common.median(times["bfloat16"]) > 2 * _common.median(times["float32"])
+    return ("float32" if slow else "bfloat16"), times
 
 
 def muon_spec(dtype: str) -> dict:
@@ -139,24 +143,7 @@ def train_one(label: str, make_opt, args, *, progress: bool) -> dict:
     return result
 
 
-def markdown(record: dict) -> str:
-    """The README's tables, from a results record (moe.json)."""
-    lines = ["| parameter | shape | role | rule | geometry | view |", "|---|---|---|---|---|---|"]
-    for r in record["routing"]:
-        lines.append(f"| `{r['parameter']}` | {r['shape']} | {r['role']} | {r['rule']} | {r['geometry']} | {r['view']} |")
-    lines += ["", "| optimizer | final val. loss (nats/byte) | best val. loss | bits/byte | time (s) |",
-              "|---|---|---|---|---|"]
-    for name, s in record["results"]["summary"].items():
-        lines.append(f"| {s['describe']} | {s['final_val']:.3f} | {s['best_val']:.3f} | {s['bits_per_byte']:.2f} | "
-                     f"{s['seconds']:.0f} |")
-    st, threads = record["settings"], record["threads"]
-    lines += ["", f"`{record['command']}`: {st['steps']} steps per optimizer, {record['seconds_total']:.0f} s of training "
-                  f"({threads} thread{'s' if threads != 1 else ''}, torch {record['torch']}, "
-                  f"transformers {st['transformers']}). {record['note']}."]
-    return "\n".join(lines)
-
-
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=400, help="training steps per optimizer")
     ap.add_argument("--seed", type=int, default=0)
@@ -178,22 +165,24 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of: " + ", ".join(OPTIMIZERS))
     ap.add_argument("--quick", action="store_true", help="8 steps (for tests)")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--markdown", action="store_true", help="print the README's tables from OUT_DIR/moe.json and exit")
-    ap.add_argument("--out-dir", "--out", dest="out_dir", default=str(_common.RESULTS))
+    _common.add_output_args(ap, "moe", repeats=True)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
-    out = Path(args.out_dir)
-    if args.markdown:
-        print(markdown(json.loads((out / "moe.json").read_text())))
-        return 0
+    out = _common.resolve_output(ap, args, "moe")
     if args.quick:
         args.steps = 8
     names = _common.chosen_optimizers(ap, args.optimizers, OPTIMIZERS)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    dtype, step_times = ns_dtype(args, reps=3 if args.quick else 15)
+    step_reps = 3 if args.quick else 15
+    dtype, step_times = ns_dtype(args, reps=step_reps)
     note = f"Newton–Schulz in {dtype}"
     if step_times:
-        bf, f32 = step_times["bfloat16"], step_times["float32"]
+        bf, f32 = _common.median(step_times["bfloat16"]), _common.median(step_times["float32"])
         note += (f" (one muon.yaml step, median: {bf * 1e3:.0f} ms in bfloat16, {f32 * 1e3:.0f} ms in float32, "
                  f"{bf / f32:.0f}×; " + ("muon.yaml's bfloat16 overridden" if dtype != "bfloat16" else "as muon.yaml")
                  + f"; CPU capability {torch.backends.cpu.get_cpu_capability()})")
@@ -219,26 +208,48 @@ def main(argv=None) -> int:
         print("  ".join(str(r[k]).ljust(w) for k, w in width.items()).rstrip())
 
     t0 = time.perf_counter()
-    runs = []
-    print(f"\n== training {args.steps} steps per optimizer (seed {args.seed})")
-    for name in names:
-        r = train_one(name, makers[name], args, progress=not args.no_progress)
-        r.update(optimizer=name, final_val=r["val"][-1], best_val=min(r["val"]))
-        runs.append(r)
-        print(f"{name:<10} val {r['final_val']:.4f} (best {r['best_val']:.4f}), {r['seconds']:.1f} s", flush=True)
+    runs = {}
+    print(f"\n== training {args.steps} steps per optimizer (seed {args.seed})"
+          + (f", {args.repeats} timed runs each" if args.repeats > 1 else ""))
+    for k in range(args.repeats):  # interleaved, so that a change in the machine's load reaches every optimizer
+        for name in names:
+            label = name if args.repeats == 1 else f"{name} ({k + 1}/{args.repeats})"
+            r = train_one(label, makers[name], args, progress=not args.no_progress)
+            if k:  # a timing repeat: keep its time, check it trained the same
+                f = runs[name]
+                f["seconds_runs"].append(r["seconds"])
+                f["identical"] = f["identical"] and r["train"] == f["train"] and r["val"] == f["val"]
+                print(f"{name:<10} run {k + 1}/{args.repeats}: {r['seconds']:.1f} s", flush=True)
+                continue
+            r.update(label=name, optimizer=name, final_val=r["val"][-1], best_val=min(r["val"]),
+                     seconds_runs=[r["seconds"]], identical=True)
+            runs[name] = r
+            print(f"{name:<10} val {r['final_val']:.4f} (best {r['best_val']:.4f}), {r['seconds']:.1f} s", flush=True)
+    runs = list(runs.values())
+    for r in runs:
+        r["seconds"] = round(_common.median(r["seconds_runs"]), 2)
     total = time.perf_counter() - t0
     summary = {r["optimizer"]: dict(describe=describe[r["optimizer"]], final_val=r["final_val"], best_val=r["best_val"],
-                                    bits_per_byte=r["final_val"] / math.log(2), seconds=r["seconds"]) for r in runs}
+                                    bits_per_byte=r["final_val"] / math.log(2), seconds=r["seconds"],
+                                    seconds_runs=r["seconds_runs"]) for r in runs}
 
-    settings = {k: v for k, v in vars(args).items() if k not in ("out_dir", "markdown")}
-    settings.update(optimizers=names, ns_dtype_used=dtype, cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                    step_seconds_by_ns_dtype={k: round(v, 5) for k, v in step_times.items()},
-                    corpus_bytes=len(corpus_bytes()), eval_every=max(1, args.steps // 20), model="MixtralForCausalLM",
-                    transformers=__import__("transformers").__version__)
-    record = _common.write_results(out / "moe.json", settings=settings, results=dict(summary=summary, runs=runs),
-                                   seconds=total, extra=dict(note=note, routing=routing))
-    print()
-    print(markdown(record))
+    settings = _common.settings_of(
+        args, optimizers=names, ns_dtype_used=dtype, cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        step_seconds_by_ns_dtype={k: round(_common.median(v), 5) for k, v in step_times.items()},
+        step_seconds_range_by_ns_dtype={k: [round(min(v), 5), round(max(v), 5)] for k, v in step_times.items()},
+        step_timing_reps=step_reps,
+        corpus_bytes=len(corpus_bytes()), eval_every=max(1, args.steps // 20), model="MixtralForCausalLM",
+        transformers=__import__("transformers").__version__)
+    _common.write_results(out / "moe.json", settings=settings, results=dict(summary=summary, runs=runs),
+                          seconds=total, device=args.device,
+                          extra=dict(note=note, routing=routing, repeats_identical=all(r["identical"] for r in runs)))
+    print("\n| optimizer | final val. loss (nats/byte) | best val. loss | bits/byte | time per run (s) |")
+    print("|---|---|---|---|---|")
+    for s in summary.values():
+        print(f"| {s['describe']} | {s['final_val']:.3f} | {s['best_val']:.3f} | {s['bits_per_byte']:.2f} | "
+              f"{span(s['seconds_runs'], '{:.1f}')} |")
+    if not all(r["identical"] for r in runs):
+        print("note: the repeated runs' losses differ (nondeterministic kernels); the table shows the first runs'")
     print(f"total {total:.1f} s")
     if plot(runs, out / "moe.png", "byte-level Mixtral (4 experts, top-2) on Python's bundled docs"):
         print(f"wrote {out / 'moe.json'} and {out / 'moe.png'}")

@@ -17,20 +17,25 @@ at a panel's fixed ε a different step count can be farther from (h₄*)' than f
 against ε = 1e-3). The best-fit ε (≈ 9.7e-4, 5.8e-4, 3.2e-4, 1.7e-4 for 5–8 steps) is within ~10%
 of the slope model ε = 1/∏aᵢ of :func:`geomopt.geometry.realized_reference`.
 
-Run:  python examples/plot_preconditioners.py [--out examples/results/preconditioners.png]
+Run:  python examples/plot_preconditioners.py            # writes runs/preconditioners/preconditioners.png
+      python examples/plot_preconditioners.py --record   # rewrites the committed examples/results/preconditioners.png
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from geomopt.geometry import realized_reference
-from geomopt.geometry.spectral import compose_polynomials, polar_express_coefficients
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+from geomopt.geometry import realized_reference  # noqa: E402
+from geomopt.geometry.spectral import compose_polynomials, polar_express_coefficients  # noqa: E402
 
 F64 = torch.float64
 PANEL_EPS = (1e-3, 5e-4, 3e-4)
@@ -123,11 +128,10 @@ def summary(steps_list=(5, 6, 7, 8), coefficients: str = "polar_express") -> lis
     return rows
 
 
-def plot(out: str, coefficients: str = "polar_express") -> None:
-    import matplotlib
+def plot(out: Path, coefficients: str = "polar_express") -> None:
+    from geomopt.cli.demo import save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _common.pyplot()
 
     sigma = torch.logspace(-6, 0, 4000, dtype=F64)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
@@ -142,25 +146,28 @@ def plot(out: str, coefficients: str = "polar_express") -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("mapped singular value")
     fig.suptitle("Polar Express fits $(h_4^*)'$ more closely than sign (paper, Appendix F)")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
+    save_figure(fig, out, dpi=130)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--coefficients", default="polar_express", choices=["polar_express", "speedrun"])
+    _common.add_output_args(parser, "preconditioners")
+    return parser
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join("examples", "results", "preconditioners.png"))
-    parser.add_argument("--coefficients", default="polar_express", choices=["polar_express", "speedrun"])
+    parser = build_parser()
     args = parser.parse_args(argv)
+    out = _common.resolve_output(parser, args, "preconditioners") / "preconditioners.png"
     rows = summary(coefficients=args.coefficients)
     head = " ".join(f"L2 vs h4'(eps={e:g})" for e in PANEL_EPS)
     print(f"{'steps':>5}  {'L2 vs sign':>10}  {head}  {'best eps':>9}  {'L2 at best':>10}  {'1/prod a':>9}  closer to h4'")
     for r in rows:
         cols = "  ".join(f"{r.l2_h4[e]:>17.6f}" for e in PANEL_EPS)
         print(f"{r.steps:>5}  {r.l2_sign:>10.6f}  {cols}  {r.best_eps:>9.3e}  {r.l2_best:>10.6f}  {r.slope_eps:>9.3e}  {r.closer_to_h4}")
-    plot(args.out, args.coefficients)
-    print(f"wrote {args.out}")
+    plot(out, args.coefficients)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

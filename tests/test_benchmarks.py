@@ -70,3 +70,13 @@ def test_experts_script_compares_the_batched_view_with_separate_tensors(capsys):
     batched = [c.strip() for c in rows[0].strip("|").split("|")]
     assert "view batch: 1" in batched[0] and float(batched[1]) > 0
     assert float(batched[3]) == 0.0  # E matrices either way: the same bits
+
+
+def test_dtype_script_times_the_shipped_auto_against_forced_bf16(capsys):
+    assert _script("dtype").main(["--model", "gpt", "--iters", "1", "--size", "64"]) == 0
+    out = capsys.readouterr().out
+    f32, bf16 = map(float, re.search(r"float32 ([\d.]+) GFLOP/s, bfloat16 ([\d.]+) GFLOP/s", out).groups())
+    assert f32 > 0 and bf16 > 0
+    names = re.findall(r"^\| ([^|]+?) \| [\d.]+ \|", out, flags=re.M)
+    assert names == ["torch.optim.Muon (bf16 Newton–Schulz)", "AdamW (fused)", "muon.yaml, dtype auto (shipped)",
+                     "muon.yaml, dtype bfloat16 (forced)"], out

@@ -1,14 +1,95 @@
 """``geomopt demo``: lint a shipped spec against a built-in GPT, show the plan, train it on text
-that ships with Python (byte level), compare with AdamW, print a table and write a plot."""
+that ships with Python (byte level), compare with AdamW, print a table and write a plot.
+
+Output convention, shared with the scripts in ``examples/``: a run writes its JSON and PNG to the
+folder ``--out`` (default ``runs/<name>/`` under the current directory; ``runs/`` is git-ignored),
+so running it never changes a checkout. ``--record`` is record mode: it rewrites the committed
+results in ``examples/results/`` of a source checkout (or ``--out``), times each training run
+``--repeats`` times (default 3) and records the machine, for the README's tables
+(``scripts/readme_tables.py``)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
+import platform
+import statistics
+import subprocess
 import time
 from pathlib import Path
 
 SPECS_DIR = Path(__file__).resolve().parents[1] / "specs"  # shipped inside the package (specs/ links here)
+REPO = Path(__file__).resolve().parents[2]  # the source checkout, when geomopt runs from one
+RESULTS_DIR = REPO / "examples" / "results"  # the committed results the README quotes
+RUNS = Path("runs")  # default output root, relative to the current directory (git-ignored)
+RECORD_REPEATS = 3  # timed runs per training in record mode
+
+
+def output_dir(out: str | None, record: bool, name: str, results: Path = RESULTS_DIR) -> Path:
+    """Where a run named ``name`` writes: ``out`` if given, else the committed ``results`` folder
+    (examples/results/) in record mode, else ``runs/<name>/``. The committed results are
+    rewritten only in record mode (ValueError otherwise, and when record mode has no source
+    checkout to write to)."""
+    results = results.resolve()
+    if out is None:
+        if not record:
+            return RUNS / name
+        if not results.is_dir():
+            raise ValueError(f"--record rewrites examples/results/ of a source checkout, and {results} "
+                             "does not exist; pass --out DIR to record elsewhere")
+        return results
+    path = Path(out)
+    resolved = path.resolve()
+    if not record and (resolved == results or results in resolved.parents):
+        raise ValueError(f"{out} holds the committed results; pass --record to rewrite them")
+    return path
+
+
+def machine(device: str = "cpu") -> dict:
+    """What timings were measured on: CPU model, logical cores, torch threads, torch version,
+    platform (and the GPU on a CUDA device)."""
+    import torch
+
+    cpu = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("model name", "Model name", "Hardware")):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = dict(cpu=cpu or platform.processor() or platform.machine() or "unknown", cores=os.cpu_count(),
+                threads=torch.get_num_threads(), torch=torch.__version__, python=platform.python_version(),
+                platform=platform.platform())
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def source_version(root: Path = REPO) -> dict | None:
+    """The checkout's commit, and whether files other than the recorded results and the README
+    differ from it; None outside a git checkout."""
+    if not (root / ".git").exists():
+        return None
+    git = ["git", "--no-optional-locks", "-C", str(root)]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=20, check=True).stdout.strip()
+        changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                  ":!examples/results", ":!README.md"], capture_output=True, text=True,
+                                 timeout=20, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return dict(commit=commit, dirty=bool(changed))
+
+
+def span(values, fmt: str = "{:.0f}") -> str:
+    """``min–max`` of ``values`` in ``fmt``, one number where both ends print the same."""
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def corpus_bytes(limit: int = 2_000_000) -> bytes:
@@ -142,11 +223,17 @@ def run(args) -> int:
     import torch
 
     import geomopt
-    from geomopt.cli.main import EXIT_CLEAN, EXIT_FINDINGS, report
+    from geomopt.cli.main import EXIT_CLEAN, EXIT_FINDINGS, UsageError, report
     from geomopt.compile import lint_spec
     from geomopt.compile.compiler import model_params
     from geomopt.models import GPT, GPTConfig
 
+    try:
+        out = output_dir(args.out, args.record, "demo")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.repeats is not None and args.repeats < 1:
+        raise UsageError("--repeats must be at least 1")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     spec_path = Path(args.spec)
     spec = geomopt.load_spec(spec_path)
@@ -164,33 +251,68 @@ def run(args) -> int:
     for r in rows:
         print(f"  {r['rule']:<12} {r['tensors']:>3} tensors {r['elements']:>8} elements  {r['geometry']:<{width}}  {r['constraint']}")
     steps = args.steps or (30 if args.quick else 800)
-    print(f"\n== training {steps} steps per optimizer (seed {args.seed})")
-    results = [
-        train(lambda m: geomopt.GeomOptimizer(m, spec), steps=steps, seed=args.seed, label=spec.name,
-              eval_every=max(1, steps // 20), progress=not args.no_progress),
-        train(lambda m: torch.optim.AdamW(m.parameters(), lr=args.adamw_lr, betas=(0.9, 0.95), weight_decay=0.1),
-              steps=steps, seed=args.seed, label="AdamW", eval_every=max(1, steps // 20),
-              progress=not args.no_progress),
+    repeats = args.repeats or (RECORD_REPEATS if args.record else 1)
+    makers = [
+        (spec.name, lambda m: geomopt.GeomOptimizer(m, spec)),
+        ("AdamW", lambda m: torch.optim.AdamW(m.parameters(), lr=args.adamw_lr, betas=(0.9, 0.95), weight_decay=0.1)),
     ]
-    print(f"\n{'optimizer':<22} {'final train':>11} {'final val':>10} {'best val':>9} {'bits/byte':>9} {'time (s)':>9}")
+    print(f"\n== training {steps} steps per optimizer (seed {args.seed})"
+          + (f", {repeats} timed runs each" if repeats > 1 else ""))
+    runs: dict[str, list[dict]] = {label: [] for label, _ in makers}
+    for k in range(repeats):  # interleaved, so that a change in the machine's load reaches every optimizer
+        for label, make in makers:
+            r = train(make, steps=steps, seed=args.seed, label=label if repeats == 1 else f"{label} ({k + 1}/{repeats})",
+                      eval_every=max(1, steps // 20), progress=not args.no_progress)
+            runs[label].append(dict(r, label=label))
+    results = []
+    for label, rs in runs.items():  # the curves of the first run; every run's time
+        results.append(dict(rs[0], seconds_runs=[r["seconds"] for r in rs],
+                            identical=all(r["train"] == rs[0]["train"] and r["val"] == rs[0]["val"] for r in rs)))
+    print(f"\n{'optimizer':<22} {'final train':>11} {'final val':>10} {'best val':>9} {'bits/byte':>9} {'time (s)':>11}")
     for r in results:
         best = min(r["val"])
         print(f"{r['label']:<22} {r['train'][-1]:>11.4f} {r['val'][-1]:>10.4f} {best:>9.4f} "
-              f"{r['val'][-1] / math.log(2):>9.3f} {r['seconds']:>9.1f}")
-    out = Path(args.out)
-    summary = out.with_suffix(".json")  # what the README quotes, next to the plot
-    summary.parent.mkdir(parents=True, exist_ok=True)
-    summary.write_text(json.dumps(dict(
-        command="geomopt demo" + (f" --steps {args.steps}" if args.steps else "") + (" --quick" if args.quick else ""),
-        spec=spec.name, steps=steps, seed=args.seed, torch=torch.__version__, threads=torch.get_num_threads(),
+              f"{r['val'][-1] / math.log(2):>9.3f} {span(r['seconds_runs'], '{:.1f}'):>11}")
+    if not all(r["identical"] for r in results):
+        print("note: the repeated runs' losses differ (nondeterministic kernels); the table shows the first run's")
+    record = dict(
+        command=_command(args), spec=spec.name, steps=steps, seed=args.seed, adamw_lr=args.adamw_lr,
+        quick=bool(args.quick), record=bool(args.record), repeats=repeats,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        torch=torch.__version__, threads=torch.get_num_threads(), machine=machine(), source=source_version(),
+        repeats_identical=all(r["identical"] for r in results),
         results=[dict(label=r["label"], final_val=round(r["val"][-1], 4), best_val=round(min(r["val"]), 4),
-                      bits_per_byte=round(r["val"][-1] / math.log(2), 3), seconds=round(r["seconds"], 1))
-                 for r in results]), indent=2) + "\n", encoding="utf-8")
-    if plot(results, out):
-        print(f"\nplot written to {out} (numbers in {summary})")
+                      bits_per_byte=round(r["val"][-1] / math.log(2), 3),
+                      seconds=round(statistics.median(r["seconds_runs"]), 1),
+                      seconds_runs=[round(t, 1) for t in r["seconds_runs"]]) for r in results])
+    summary = out / "demo.json"  # what the README quotes (scripts/readme_tables.py), next to the plot
+    summary.parent.mkdir(parents=True, exist_ok=True)
+    summary.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    if plot(results, out / "demo.png"):
+        print(f"\nwrote {out / 'demo.png'} and {summary}")
     else:
-        print("\n(matplotlib is not installed: pip install 'geomopt[examples]' for the plot)")
+        print(f"\nwrote {summary} (matplotlib is not installed: pip install 'geomopt[examples]' for the plot)")
     return EXIT_CLEAN
+
+
+def _command(args) -> str:
+    """The demo's command line, as far as it changes the numbers."""
+    parts = ["geomopt demo"]
+    if Path(args.spec).resolve() != (SPECS_DIR / "spectral-clip.yaml").resolve():
+        parts.append(f"--spec {args.spec}")
+    if args.steps:
+        parts.append(f"--steps {args.steps}")
+    if args.quick:
+        parts.append("--quick")
+    if args.seed:
+        parts.append(f"--seed {args.seed}")
+    if args.adamw_lr != 3e-3:
+        parts.append(f"--adamw-lr {args.adamw_lr:g}")
+    if args.record:
+        parts.append("--record")
+    if args.repeats:
+        parts.append(f"--repeats {args.repeats}")
+    return " ".join(parts)
 
 
 def add_parser(sub) -> None:
@@ -200,6 +322,11 @@ def add_parser(sub) -> None:
     sp.add_argument("--quick", action="store_true", help="a few steps only (for tests)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--adamw-lr", type=float, default=3e-3)
-    sp.add_argument("--out", default="demo.png", help="where to write the PNG plot")
+    sp.add_argument("--out", metavar="DIR", help="folder for demo.png and demo.json (default: runs/demo/ under the "
+                    "current directory; with --record: examples/results/)")
+    sp.add_argument("--record", action="store_true", help="record mode: rewrite the committed examples/results/demo.* "
+                    f"(or --out), timing each training --repeats times (default {RECORD_REPEATS}), with the machine")
+    sp.add_argument("--repeats", type=int, help="timed runs of each training (default 1; "
+                    f"{RECORD_REPEATS} with --record); the table shows min–max")
     sp.add_argument("--no-progress", action="store_true", help="no progress bars")
     sp.set_defaults(fn=run)

@@ -227,8 +227,11 @@ def cmd_init(args) -> int:
 
 
 def cmd_fmt(args) -> int:
+    """Canonical form, comments kept: each stays on the element it was written at (see
+    :mod:`geomopt.spec.comments`), across formats too."""
+    from geomopt.spec.comments import collect
     from geomopt.spec.printers import dump_spec
-    from geomopt.spec.validate import format_of, load_spec
+    from geomopt.spec.validate import format_of, load_spec, source_of
 
     try:
         source_format = format_of(args.spec)
@@ -236,8 +239,10 @@ def cmd_fmt(args) -> int:
     except SpecError as exc:
         report(exc.diagnostics, "text")
         return _status(exc.diagnostics, False)
+    # the text load_spec parsed (it read the file as UTF-8 and refused it otherwise)
+    comments = collect(Path(args.spec).read_bytes().decode("utf-8"), source_of(spec))
     target = args.to or source_format
-    text = dump_spec(spec, target)
+    text = dump_spec(spec, target, comments)
     if args.check:
         current = Path(args.spec).read_text(encoding="utf-8")
         if target != source_format or current != text:

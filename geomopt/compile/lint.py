@@ -12,6 +12,7 @@ import difflib
 import math
 from typing import Callable, Iterable, Optional
 
+from geomopt.catalog import has_backward, realized_reference, supported_constraints
 from geomopt.compile.match import Matcher, ParamInfo, any_name, describe, glob_regex
 from geomopt.compile.plan import op_layout
 from geomopt.spec.diagnostics import LANGUAGE_CODES, Diagnostic
@@ -76,6 +77,10 @@ class LintContext:
         matched: list[list[str]] = []
         undecided: list[list[str]] = []
         for i, rule in enumerate(spec.rules):
+            if not trainable:  # the spec alone: nothing to match (and no pattern to compile)
+                matched.append([])
+                undecided.append([])
+                continue
             hits, unknown = Matcher(rule.match).select(trainable)
             for j in hits:
                 if owner_index[j] is None:
@@ -260,13 +265,11 @@ def no_operator(ctx: LintContext):
     Bad: ``geometry: {kind: spectral}`` with ``constraint: {kind: l0, k: 10}``.
     Fixed: a constraint the geometry supports, e.g. ``rank``, or an anisotropic geometry for ``l0``.
     """
-    from geomopt.geometry.registry import get_backward, supported_constraints
-
     for i, rule in enumerate(ctx.spec.rules):
         if rule.constraint is None:
             continue
         g, c = rule.geometry.kind, rule.constraint.kind
-        if get_backward(g, c) is None:
+        if not has_backward(g, c):
             have = supported_constraints(g)
             yield (f"no backward operator for {g} geometry with {c} constraint; {g} supports: "
                    f"{', '.join(have) if have else 'no constraints'}"), ("rules", i, "constraint", "kind")
@@ -292,15 +295,16 @@ def dubious_value(ctx: LintContext):
 
     Bad: ``reference: {kind: log_barrier, eps: 1.0e-20}``. Fixed: ``eps: 1.0e-8``.
     """
-    from geomopt.geometry.scale import radius_scale
-
     for i, rule in enumerate(ctx.spec.rules):
         for eps, path in _eps_paths(rule, i):
             if eps < 1e-12:
                 yield f"eps={eps:g} is below 1e-12: float32 cannot resolve it; use ≥ 1e-12 (1e-8 is usual)", path
-        if getattr(rule.geometry, "scale", "none") != "none":
+        owned = ctx.owned(i)
+        if owned and getattr(rule.geometry, "scale", "none") != "none":
+            from geomopt.geometry.scale import radius_scale  # torch: only with a model
+
             geometry = rule.geometry.model_dump()
-            for p in ctx.owned(i):
+            for p in owned:
                 op_geometry, _, op_shape = op_layout(geometry, p)  # the shape the compiled plan scales by
                 try:
                     s = radius_scale(op_geometry, op_shape)
@@ -326,8 +330,6 @@ def reference_approx_mismatch(ctx: LintContext):
     ``constraint: {kind: frobenius_ball}``. Fixed: ``reference: {kind: power_barrier, kappa: 4,
     eps: 1.05e-3}`` (what PE-5 realizes), or ``approx: {kind: svd}``.
     """
-    from geomopt.geometry.spectral import realized_reference
-
     for i, rule in enumerate(ctx.spec.rules):
         g = rule.geometry
         if g.kind != "spectral" or rule.constraint is None or rule.constraint.kind not in _H_DEPENDENT:

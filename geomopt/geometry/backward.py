@@ -1,8 +1,8 @@
 """Backward (proximal) steps: X⁺ ∈ argmin_Z g(Z) + (γ⋆φ)(Z − Y), paper eq. (update), Table 1.
 
 With φ = ρ⋆φ₁ the step sees only t = γρ: (γ⋆φ)(Z − Y) = t·φ₁((Z − Y)/t). One small function per
-row of the backward table (paper Table 1), registered under ``(geometry, constraint)``; the contract is in
-:mod:`geomopt.geometry.registry`::
+row of the backward table (paper Table 1), registered under the ``(geometry, constraint)`` pairs its
+row of :data:`geomopt.catalog.BACKWARD_TABLE` names; the contract is in :mod:`geomopt.geometry.registry`::
 
     fn(y, t, ref, constraint: dict, *, gamma, geometry: dict, batch_dims) -> (x, fallback)
 
@@ -42,20 +42,12 @@ from typing import Callable
 
 import torch
 
+# the constraint kinds and the backward table (which op serves which pairs) are plain data there
+from geomopt.catalog import CONSTRAINT_KINDS, SEPARABLE_SETS, SET_KINDS, SPECTRAL_SETS  # noqa: F401
 from geomopt.geometry.reference import Quadratic, Reference, make_reference
 from geomopt.geometry.registry import BACKWARD_OPS, backward_op, supported_constraints
 from geomopt.geometry.view import apply as apply_view
 from geomopt.geometry.view import split_view
-
-CONSTRAINT_KINDS = (
-    "l2_ball", "linf_ball", "linf_sphere", "sign_set", "frobenius_ball", "frobenius_sphere", "spectral_ball",
-    "spectral_sphere", "stiefel", "l0", "rank", "proximal_decay",
-)
-SET_KINDS = tuple(k for k in CONSTRAINT_KINDS if k != "proximal_decay")
-SPECTRAL_SETS = ("spectral_ball", "spectral_sphere", "stiefel", "rank")
-# Sets whose prox is P_C(Y) for every separable (anisotropic) φ: h even and increasing in |u|, and
-# the nearest point in ‖·‖∞ coincides with the Euclidean one.
-SEPARABLE_SETS = ("sign_set", "linf_ball", "linf_sphere", "l0")
 
 
 # ---------------------------------------------------------------- public entry point
@@ -629,7 +621,7 @@ def _spectral_norm_estimate(e: torch.Tensor, iters: int = 12) -> torch.Tensor:
 # ---------------------------------------------------------------- euclidean, isotropic: P_C(Y)
 
 
-@backward_op(("euclidean", "isotropic"), SET_KINDS)
+@backward_op
 def euclidean_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     """X⁺ = P_C(Y), the Euclidean projection (paper Example 2.6: an isotropic φ = h∘‖·‖ is an
     increasing function of the distance, so the prox of an indicator is P_C; for euclidean φ it
@@ -653,7 +645,7 @@ def euclidean_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
 # ---------------------------------------------------------------- anisotropic (Table 1, first half)
 
 
-@backward_op("anisotropic", SEPARABLE_SETS)
+@backward_op
 def anisotropic_separable(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     """Sets whose anisotropic prox is P_C(Y) for every even h increasing in |u| (paper Table 1):
     sign_set(r) → r·sign(Y) (sign(0) := +1); linf_ball(r) → clip(Y, −r, r); linf_sphere(r) → clip
@@ -668,7 +660,7 @@ def anisotropic_separable(y, t, ref, constraint, *, gamma, geometry, batch_dims)
     return _unflat(x, y), _per_element(bad, y, batch_dims)
 
 
-@backward_op("anisotropic", ("l2_ball", "frobenius_ball"))
+@backward_op
 def anisotropic_l2_ball(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     """ℓ2 (Frobenius) ball under φ₁ = Σh(x_i) (paper Appendix A.1): Y if ‖Y‖ ≤ r, else
     x_i = sign(y_i)·s_i with s_i + t(h*)'(ν s_i) = |y_i| and ν ≥ 0 found by bisection so that
@@ -680,7 +672,7 @@ def anisotropic_l2_ball(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     return x, None if bad is None else _per_element(bad, y, batch_dims)
 
 
-@backward_op("anisotropic", "frobenius_sphere")
+@backward_op
 def anisotropic_sphere(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     """Frobenius (ℓ2) sphere under φ₁ = Σh(x_i) (paper Theorem 3.5 with Appendix A.1): the ball step if ‖Y‖ ≥ r, else
     the outward step sign(x_i) = sign(y_i), |x_i| = s_i ≥ |y_i| with s_i − t(h*)'(ν s_i) = |y_i|
@@ -695,7 +687,7 @@ def anisotropic_sphere(y, t, ref, constraint, *, gamma, geometry, batch_dims):
 # ---------------------------------------------------------------- spectral (Table 1, second half)
 
 
-@backward_op("spectral", ("stiefel", "spectral_ball", "spectral_sphere", "rank"))
+@backward_op
 def spectral_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     """Orthogonally invariant sets whose spectral prox is P_C(Y) for every h (Theorem 3.5 reduces
     to the separable step on σ(Y), whose solution is h-independent; Table 1):
@@ -716,7 +708,7 @@ def spectral_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     return _unflat(x, y), None if bad is None else _element_any(bad, y, batch_dims)
 
 
-@backward_op("spectral", ("frobenius_ball", "l2_ball"))
+@backward_op
 def spectral_frobenius_ball(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     """Frobenius ball under φ₁ = Σh(σ_i) (Theorem 3.5 with Appendix A.1): the anisotropic ℓ2-ball
     step on σ(Y), then X⁺ = U·Diag(x)·Vᵀ."""
@@ -725,7 +717,7 @@ def spectral_frobenius_ball(y, t, ref, constraint, *, gamma, geometry, batch_dim
     return _unflat(x, y), None if bad is None else _element_any(bad, y, batch_dims)
 
 
-@backward_op("spectral", "frobenius_sphere")
+@backward_op
 def spectral_frobenius_sphere(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     """Frobenius sphere under φ₁ = Σh(σ_i) (Theorem 3.5): the anisotropic sphere step on σ(Y)
     (outward steps may lift zero singular values: LAPACK's completions give their vectors), then
@@ -889,7 +881,7 @@ def _from_rows(rows: torch.Tensor, transposed: bool, y: torch.Tensor) -> torch.T
     return _unflat(rows.transpose(-2, -1) if transposed else rows, y)
 
 
-@backward_op(("rowwise", "columnwise"), ("frobenius_ball", "l2_ball"))
+@backward_op
 def groupwise_frobenius_ball(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     """Frobenius ball under φ₁ = Σ_j h(‖x_j‖) over rows (columns) x_j. For fixed row norms s_j the
     constraint depends only on s, and ‖x_j − y_j‖ ≥ |s_j − ‖y_j‖| with equality iff x_j ∥ y_j, so
@@ -903,7 +895,7 @@ def groupwise_frobenius_ball(y, t, ref, constraint, *, gamma, geometry, batch_di
     return x, None if bad is None else _per_element(bad, y, batch_dims)
 
 
-@backward_op(("rowwise", "columnwise"), "frobenius_sphere")
+@backward_op
 def groupwise_frobenius_sphere(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     """Frobenius sphere under the row(column)-wise isotropic φ: same reduction as the ball (row
     norms carry the constraint, each row stays on its ray), with the anisotropic sphere step on
@@ -922,7 +914,7 @@ def groupwise_frobenius_sphere(y, t, ref, constraint, *, gamma, geometry, batch_
 # ---------------------------------------------------------------- proximal decay (every geometry but adam)
 
 
-@backward_op(("euclidean", "isotropic", "anisotropic", "spectral", "rowwise", "columnwise"), "proximal_decay")
+@backward_op
 def proximal_decay(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     """g = (1/λ)⋆φ: X⁺ = Y/(1 + γλ) (paper Remark 2.5; implicit radius ρ/λ). From the optimality
     condition ∇φ(λX) = ∇φ((Y − X)/γ), injectivity of ∇φ gives λX = (Y − X)/γ; it uses γ, not t.

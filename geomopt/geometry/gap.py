@@ -1,18 +1,56 @@
 """Stationarity gap (paper Section 4), Fenchel–Young form:
 
-    gap = ρ·[φ₁*(G) + φ₁(W) − ⟨G, W⟩],   W = (X⁺ − Y)/(γρ) from the backward step, G = ∇f(X⁺).
+    gap = ρ·[φ₁*(Ĝ) + φ₁(W) − ⟨Ĝ, W⟩],   W = (X⁺ − Y)/(γρ) from the backward step, G = ∇f(X⁺),
 
-It is ≥ 0 and vanishes iff G = ∇φ₁(W), i.e. −G = −∇φ₁(W) ∈ ∂g(X⁺): X⁺ is stationary. It needs h and
-h*, never h', so it stays finite and accurate for tiny ε.
+with Ĝ = G, or G pre-normalized per matrix as the forward step normalizes its input (below). It is
+≥ 0 and needs h and h*, never h', so it stays finite and accurate for tiny ε.
+
+What a zero certifies. The backward step X⁺ ∈ argmin_Z g(Z) + t·φ₁((Z − Y)/t) has the optimality
+condition −∇φ₁(W) ∈ ∂g(X⁺) *for the reference φ₁ it was computed with*, and Fenchel–Young gives
+φ₁*(Ĝ) + φ₁(W) − ⟨Ĝ, W⟩ = 0 iff Ĝ = ∇φ₁(W). So gap = 0 iff −Ĝ is the subgradient −∇φ₁(W) ∈ ∂g(X⁺)
+the step picked: X⁺ is stationary (paper Section 4: the gap is D_{φ*}(∇f, −∇̃g)); conversely at a
+fixed point of an exact forward step (W = ∇φ₁*(Ĝ)) it is 0. So φ₁ must be a reference the
+backward step is a prox for:
+
+* the declared reference, always: every backward step uses it (:mod:`geomopt.geometry.backward`),
+  whatever approximation the forward step runs. For Newton–Schulz / Polar Express rules the
+  realized κ = 4 barrier (:func:`geomopt.geometry.spectral.realized_reference`) enters the
+  backward step only through the declaration: measured against it while the backward step used
+  another h, a zero (Ĝ = ∇φ_realized(W)) would not make −Ĝ a subgradient of g;
+* every reference, where the backward step does not depend on h (spectral set projections:
+  spectral_ball, spectral_sphere, stiefel, rank, paper Table 1; or no constraint). There the one
+  the forward realizes is taken, so that the gap vanishes where the forward is ∇φ₁*(Ĝ) (at a
+  fixed point W is the forward's output).
+
+``reference="auto"`` (the default) applies that rule: the realized reference for a Newton–Schulz /
+Polar Express rule whose backward step is independent of h, the declared one otherwise (for the
+shipped specs they agree closely: the specs declare the realized barrier, ε to a few %). ``"declared"``
+and ``"realized"`` force one; ``"realized"`` under an h-dependent step (Frobenius ball, sphere)
+measures the distance to the iteration's own fixed point, not stationarity. The gap is always
+computed exactly (singular values by SVD), never with the polynomial iteration.
+
+Scale. With ``prenormalize`` (on by default for Newton–Schulz / Polar Express) the forward step
+sees D̂ = D/(‖D‖_F + ε) per matrix, so at a fixed point W = ∇φ₁*(Ĝ), and pairing W with G would
+leave D_{φ₁*}(G, Ĝ) > 0 at stationary points. For a set constraint ∂g(X⁺) is a cone, −Ĝ ∈ ∂g(X⁺)
+iff −G ∈ ∂g(X⁺), and the gap pairs W with Ĝ. ``proximal_decay`` (g = (1/λ)⋆φ) is not a cone: there
+it pairs W with G (the normalized iteration's fixed points are not stationary for f + g then, and
+the gap says so).
+
+The floor of a polynomial iteration. The composed odd polynomial p of Newton–Schulz / Polar
+Express is no ∇φ₁* (it oscillates around 1: for σ̂ ≥ 2e-3 Muon's 5-step map lies between 0.68
+and 1.2, Polar Express's between 0.87 and 1.13), so
+at its fixed points the gap is the model error ρ·Σᵢ D_h(p(σ̂ᵢ), (h*)'(σ̂ᵢ)) > 0 over the active
+directions, and +∞ where p(σ̂ᵢ) > 1 puts W outside dom φ₁ (the backward step flags such steps as
+fallbacks).
 
 For numerical nonnegativity the sum is evaluated as a sum of terms that are each ≥ 0 in exact
 arithmetic, each clamped at 0: per-coordinate Fenchel–Young terms h(w) + h*(g) − g·w, plus the
 Cauchy–Schwarz (isotropic, per row) or von Neumann (spectral) slack ‖G‖‖W‖ − ⟨G, W⟩ resp.
 Σσ_i(G)σ_i(W) − tr(GᵀW).
 
-Not available (returns None): the indicator reference (φ₁ = δ, the gap degenerates: use
-:func:`dual_norm` where g ≡ 0), Newton–Schulz / Polar Express forwards (they realize a different h
-than the declared one), and adam (outside the theory).
+Not available (None; :func:`gap_unavailable` says why): adam (no reference function), and the
+indicator reference (φ₁* = ‖·‖_* is not strictly convex: the Fenchel–Young term vanishes for every
+Ĝ in the normal cone at W, so a zero certifies nothing; use :func:`dual_norm` where g ≡ 0).
 """
 
 from __future__ import annotations
@@ -21,9 +59,51 @@ import math
 
 import torch
 
-from geomopt.geometry.reference import Quadratic, Reference, make_reference
-from geomopt.geometry.spectral import POLYNOMIAL_APPROXES
+from geomopt.geometry.backward import SPECTRAL_SETS
+from geomopt.geometry.reference import Reference, make_reference
+from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, default_prenormalize, prenormalize, realized_reference
 from geomopt.geometry.view import reduce, split_view
+
+#: values of the ``reference`` argument (module docstring)
+GAP_REFERENCES = ("auto", "declared", "realized")
+
+
+def gap_reference(geometry: dict, constraint: dict | None = None, reference: str = "auto") -> dict | None:
+    """The reference the gap of a (geometry, constraint) pair is measured against (module
+    docstring): the declared one, or for a Newton–Schulz / Polar Express forward the realized
+    κ = 4 barrier where ``reference`` is ``"realized"``, or ``"auto"`` and the backward step does
+    not depend on h. None for adam. ``constraint`` None means g ≡ 0."""
+    if reference not in GAP_REFERENCES:
+        raise ValueError(f"unknown gap reference {reference!r}; expected one of {', '.join(GAP_REFERENCES)}")
+    kind = geometry["kind"]
+    if kind == "adam":
+        return None
+    declared = dict(geometry.get("reference") or {"kind": "quadratic"})
+    approx = geometry.get("approx") or {}
+    realized = realized_reference(approx) if kind == "spectral" and approx.get("kind") in POLYNOMIAL_APPROXES else None
+    if realized is None or reference == "declared":
+        return declared
+    if reference == "realized" or _any_reference(geometry, constraint):
+        return realized
+    return declared
+
+
+def gap_unavailable(geometry: dict, constraint: dict | None = None, reference: str = "auto") -> str | None:
+    """Why :func:`stationarity_gap` is None for this (geometry, constraint) pair, and what to look
+    at instead; None where it is defined."""
+    ref = gap_reference(geometry, constraint, reference)
+    if ref is None:
+        return ("the adam geometry is outside the theory: its step is not ∇φ₁* of a reference function, "
+                "so there is no Fenchel–Young pair (G, W); watch the loss and update_norm")
+    if ref["kind"] != "indicator":
+        return None
+    why = ("the indicator reference has φ₁* = ‖·‖_*, not strictly convex: φ₁*(G) − ⟨G, W⟩ vanishes for every "
+           "G in the normal cone at W, so a zero would not certify stationarity")
+    approx = (geometry.get("approx") or {}).get("kind")
+    if geometry["kind"] == "spectral" and approx in POLYNOMIAL_APPROXES and _any_reference(geometry, constraint):
+        return why + (f"; reference 'auto' measures the {approx} forward's realized κ = 4 barrier, which certifies "
+                      "here (the backward step does not depend on h)")
+    return why + "; declare a barrier (power_barrier or log_barrier, small eps: the same steps as eps → 0) to measure a gap"
 
 
 def stationarity_gap(
@@ -31,27 +111,46 @@ def stationarity_gap(
     w: torch.Tensor,
     geometry: dict,
     *,
+    constraint: dict | None = None,
+    reference: str = "auto",
     radius: float | None = None,
     batch_dims: int = 0,
 ) -> torch.Tensor | None:
-    """ρ·[φ₁*(G) + φ₁(W) − ⟨G, W⟩] per batch element (shape ``g.shape[:batch_dims]``), in float32
-    (float64 for float64 input); None where the gap is not defined (see module docstring).
-    ``radius`` overrides ``geometry["radius"]``. Entries of W outside dom φ₁ (beyond rounding)
-    give +∞."""
-    kind = geometry["kind"]
-    if kind == "adam":
-        return None
-    approx = (geometry.get("approx") or {}).get("kind")
-    if approx in POLYNOMIAL_APPROXES:
-        return None
-    ref = make_reference(geometry["reference"]) if geometry.get("reference") else Quadratic()
-    if ref.kind == "indicator":
+    """ρ·[φ₁*(Ĝ) + φ₁(W) − ⟨Ĝ, W⟩] per batch element (shape ``g.shape[:batch_dims]``), in float32
+    (float64 for float64 input); None where the gap is not defined (:func:`gap_unavailable`).
+    φ₁ is :func:`gap_reference`'s; Ĝ is G pre-normalized per matrix as the geometry's forward step
+    normalizes its input, except under ``proximal_decay`` (module docstring). ``constraint``: the
+    rule's (None: g ≡ 0); ``radius`` overrides ``geometry["radius"]``. Entries of W outside dom φ₁
+    (beyond rounding) give +∞."""
+    cfg = gap_reference(geometry, constraint, reference)
+    if cfg is None or cfg["kind"] == "indicator":
         return None
     rho = float(radius if radius is not None else geometry.get("radius", 1.0))
+    return _gap(g, w, geometry, make_reference(cfg), _gap_prenormalize(geometry, constraint), rho, batch_dims)
+
+
+def _any_reference(geometry: dict, constraint: dict | None) -> bool:
+    """Whether the backward step is the prox for every reference: no constraint, or a spectral set
+    projection (paper Table 1; :func:`geomopt.geometry.backward.spectral_projection`)."""
+    return constraint is None or geometry["kind"] == "spectral" and constraint["kind"] in SPECTRAL_SETS
+
+
+def _gap_prenormalize(geometry: dict, constraint: dict | None) -> dict | None:
+    """The pre-normalization the gap applies to G (a :func:`prenormalize` cfg), or None."""
+    if geometry["kind"] != "spectral" or constraint is not None and constraint["kind"] == "proximal_decay":
+        return None
+    cfg = geometry.get("prenormalize")
+    if cfg is None:
+        cfg = default_prenormalize((geometry.get("approx") or {}).get("kind", "svd"))
+    return None if cfg.get("kind", "frobenius") == "none" else cfg
+
+
+def _gap(g: torch.Tensor, w: torch.Tensor, geometry: dict, ref: Reference, prenorm: dict | None, rho: float,
+         batch_dims: int) -> torch.Tensor:
+    kind = geometry["kind"]
     view, plain = split_view(geometry, g.shape[batch_dims:])
     if view is not None:  # the sum over the view's matrices, each with its own radius ρ·f
-        return reduce(g, batch_dims, view,
-                      lambda gm, wm, f: stationarity_gap(gm, wm / f, plain, radius=rho * f, batch_dims=1), w)
+        return reduce(g, batch_dims, view, lambda gm, wm, f: _gap(gm, wm / f, plain, ref, prenorm, rho * f, 1), w)
     dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
     gb = g.to(dtype).reshape(math.prod(g.shape[:batch_dims]), -1)
     wb = w.to(dtype).reshape(gb.shape)
@@ -67,6 +166,8 @@ def stationarity_gap(
         val = _iso(ref, gr, wr).sum(-1)
     elif kind == "spectral":
         gm, wm = _matrices(g.to(dtype), batch_dims, geometry), _matrices(w.to(dtype), batch_dims, geometry)
+        if prenorm is not None:  # per matrix, as the forward step's approximations do
+            gm = prenormalize(gm, prenorm)
         sg, sw = torch.linalg.svdvals(gm), torch.linalg.svdvals(wm)
         per = _fy(ref, sg, sw).sum(-1)
         slack = ((sg * sw).sum(-1) - (gm * wm).sum((-2, -1))).clamp(min=0)  # von Neumann

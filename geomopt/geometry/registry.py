@@ -1,4 +1,5 @@
-"""Registries of operators, filled by decorators in forward.py and backward.py.
+"""Registries of operators, filled by decorators in forward.py and backward.py (which pairs a
+backward op serves is plain data in :mod:`geomopt.catalog`, readable without torch).
 
 Operators are pure functions of tensors and plain config: spec fragments as plain dicts (the
 ``model_dump()`` of :mod:`geomopt.spec.model`), never spec objects.
@@ -15,6 +16,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from geomopt.catalog import BACKWARD_TABLE, backward_pairs
+from geomopt.catalog import supported_constraints as supported_constraints  # re-exported: torch-free
+
 FORWARD_OPS: dict[str, Callable] = {}
 BACKWARD_OPS: dict[tuple[str, str], Callable] = {}
 
@@ -27,23 +31,17 @@ def forward_op(geometry: str) -> Callable[[Callable], Callable]:
     return register
 
 
-def backward_op(geometry: str | tuple[str, ...], constraint: str | tuple[str, ...]) -> Callable[[Callable], Callable]:
-    geometries = (geometry,) if isinstance(geometry, str) else geometry
-    constraints = (constraint,) if isinstance(constraint, str) else constraint
-
-    def register(fn: Callable) -> Callable:
-        for g in geometries:
-            for c in constraints:
-                BACKWARD_OPS[(g, c)] = fn
-        return fn
-
-    return register
-
-
-def supported_constraints(geometry: str) -> list[str]:
-    """Constraint kinds with a registered backward op for ``geometry``, in registration order."""
-    _load()
-    return [c for (g, c) in BACKWARD_OPS if g == geometry]
+def backward_op(fn: Callable) -> Callable:
+    """Register ``fn`` under the (geometry, constraint) pairs of its row of the backward table,
+    :data:`geomopt.catalog.BACKWARD_TABLE` (keyed by the function's name): the table is the one
+    place a pair is declared, so lint knows the pairs without importing the ops."""
+    if not callable(fn) or fn.__name__ not in BACKWARD_TABLE:
+        name = getattr(fn, "__name__", repr(fn))
+        raise TypeError(f"backward op {name!r} has no row in geomopt.catalog.BACKWARD_TABLE: declare the "
+                        f"(geometries, constraints) it serves there, then decorate it with a bare @backward_op")
+    for pair in backward_pairs(fn.__name__):
+        BACKWARD_OPS[pair] = fn
+    return fn
 
 
 def get_backward(geometry: str, constraint: str) -> Callable | None:

@@ -19,7 +19,10 @@ import difflib
 import functools
 import hashlib
 import json
+import logging
 import math
+import warnings
+from collections import defaultdict
 from typing import Callable, Optional, Union
 
 import torch
@@ -31,13 +34,14 @@ from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.geometry.backward import backward
 from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.forward import elementwise_into, forward, input_dtype, isotropic_factors
-from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, muon_order
+from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, BF16Warning, muon_order, slow_bf16
 from geomopt.optim.directions import DIRECTIONS
 from geomopt.distributed import (
     FORWARD_LOCALITY, LocalExecutor, Request, ShardedExecutor, backward_locality, chunk_sizes, is_dtensor,
     make_executor,
 )
 from geomopt.optim.graphs import GraphedOp
+from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
 from geomopt.optim.schedules import SCHEDULES
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
@@ -53,6 +57,9 @@ def _euclidean(pp: ParamPlan) -> dict:
 def spec_hash(spec: Spec) -> str:
     """Content hash of a spec (independent of spelling, comments and file format)."""
     return hashlib.sha256(json.dumps(spec.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+log = logging.getLogger("geomopt")
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -105,6 +112,8 @@ class GeomOptimizer(Optimizer):
         infos, tensors = model_params(model_or_named_parameters, needs_roles(self.spec, roles))
         self.plan: Plan = plan_from_infos(self.spec, infos, roles=roles)
         self.spec_hash = spec_hash(self.spec)
+        # the model's parameter order (a torch optimizer's state saved without names maps by it)
+        self._order = ([i.name for i in infos], [i.name for i in infos if i.requires_grad])
         self.track_gap = track_gap
         self.track_update = track_update
         self.cuda_graphs = cuda_graphs
@@ -118,7 +127,8 @@ class GeomOptimizer(Optimizer):
             first = plans[0]
             d = first.direction
             groups.append(dict(
-                params=[tensors[p.name] for p in plans], rule=rule.name, spec_hash=self.spec_hash, lr=first.lr,
+                params=[tensors[p.name] for p in plans], param_names=[p.name for p in plans], rule=rule.name,
+                spec_hash=self.spec_hash, lr=first.lr,
                 weight_decay=first.weight_decay, radius=first.geometry["radius"], direction=d["kind"],
                 alpha=d.get("alpha", 1.0), nesterov=d.get("nesterov", False), init=d.get("init", "zero"),
                 schedule=first.schedule, on_nonfinite=first.on_nonfinite, step=0,
@@ -142,6 +152,7 @@ class GeomOptimizer(Optimizer):
         self._executor = make_executor([p for g in self.param_groups for p in g["params"]], distributed, process_group)
         self._sharded = isinstance(self._executor, ShardedExecutor)
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
+        self._warn_slow_bf16(tensors)
         self._project_on_init()
 
     # ------------------------------------------------------------ set-up
@@ -153,6 +164,16 @@ class GeomOptimizer(Optimizer):
             raise RuntimeError("GeomOptimizer's param groups are the spec's rules: add a rule to the spec (and "
                                "build a new optimizer) instead of calling add_param_group")
         super().add_param_group(param_group)
+
+    def _warn_slow_bf16(self, tensors: dict) -> None:
+        """One warning when rules ask for bf16 matrix iterations on a CPU that emulates bf16."""
+        slow = sorted({pp.rule for pp in self.plan if slow_bf16(pp.geometry.get("approx"), tensors[pp.name].device)})
+        if slow:
+            warnings.warn(
+                f"rule(s) {', '.join(map(repr, slow))} of spec '{self.spec.name}' run their matrix iteration in "
+                f"bfloat16 on a CPU without native bf16 matmuls, which emulates them: about 100x slower than float32 "
+                f"(1.1 against 134 GFLOP/s measured on an AVX2 CPU), so a step can take seconds. Set the approx's "
+                f"dtype to auto (bf16 on CUDA, float32 on CPU) or float32", BF16Warning, stacklevel=3)
 
     @torch.no_grad()
     def _project_on_init(self) -> None:
@@ -731,19 +752,51 @@ class GeomOptimizer(Optimizer):
     # ------------------------------------------------------------ diagnostics
 
     @torch.no_grad()
-    def diagnostics(self) -> dict[str, dict]:
+    def diagnostics(self, *, gap_reference: str = "auto") -> dict[str, dict]:
         """Per rule: ``gap`` (stationarity-gap estimate, W of the last step paired with the current
-        gradient; None where undefined or not tracked; NaN while a gradient is non-finite),
-        ``dual_norm`` (ρ‖G‖_* where g ≡ 0),
+        gradient, :func:`geomopt.geometry.gap.stationarity_gap`; None where undefined or not
+        tracked; NaN while a gradient is non-finite; +∞ where W left dom φ₁), ``gap_note`` (None
+        where ``gap`` is a finite sum over all the rule's tensors, else why not, naming the rule and
+        what to look at instead), ``dual_norm`` (ρ‖G‖_* where g ≡ 0),
         ``violation`` (max distance of a tensor to its constraint set), ``update_norm`` (of the last
         step), ``skipped`` and ``fallbacks`` (steps where the backward step was undefined and the
-        Euclidean projection was used). Syncs with the device: call it every N steps."""
-        from geomopt.geometry.gap import dual_norm, stationarity_gap
+        Euclidean projection was used). ``gap_reference``: ``"auto"`` (default), ``"declared"`` or
+        ``"realized"``, the reference Newton–Schulz / Polar Express rules are measured against
+        (:mod:`geomopt.geometry.gap`). Syncs with the device: call it every N steps."""
+        from geomopt.geometry.gap import dual_norm, gap_unavailable, stationarity_gap
+
+        def note(rule, pp, why, gap, measured, outside, unpaired):
+            """A rule's ``gap_note``: None where its gap is a finite sum over all its tensors."""
+            head = f"rule {rule!r} ({pp.geometry['kind']} geometry): "
+            if pp.geometry["kind"] != "adam" and pp.constraint is None:
+                return head + "no constraint (g ≡ 0): the gap of the lmo method is ρ‖G‖_*, reported as dual_norm"
+            if why is not None:
+                return head + why
+            if not self.track_gap:
+                return head + "not tracked: GeomOptimizer(..., track_gap=True) keeps the W of each step for the gap"
+            if gap is not None and math.isnan(gap):
+                return head + "a gradient is non-finite (the step is skipped): no estimate"
+            if gap is None and not unpaired:
+                return head + "no gradient: the gap pairs the current gradient with the W of the last step"
+            if gap is None:
+                return head + "no W yet: the gap pairs the W of the last step with the current gradient"
+            if outside:
+                return head + (f"W of the last step lies outside dom φ₁ for {outside} of {measured} tensor(s), so "
+                               "the Fenchel–Young gap is +∞: the barrier step was undefined there and fell back to "
+                               "the Euclidean projection (see fallbacks; e.g. a Newton–Schulz / Polar Express "
+                               "forward whose singular values overshoot 1)")
+            if unpaired:
+                return head + (f"the sum over {measured} of {measured + unpaired} tensors: the others have a "
+                               "gradient but no W from the last step")
+            return None
 
         out = {}
         for group, plans, counters in zip(self.param_groups, self._plans, self._counters):
             gap = dual = None
             violation = 0.0
+            first = plans[0]
+            why = gap_unavailable(first.geometry, first.constraint, gap_reference)
+            measured = outside = unpaired = 0  # tensors: with a gap value, +∞ among them, gradient but no W
             for p, pp in zip(group["params"], plans):
                 rho = group["radius"] * self._scale(pp)
                 g = None if p.grad is None else _upcast(_view(_full(p.grad), pp))
@@ -767,15 +820,21 @@ class GeomOptimizer(Optimizer):
                     # g ≡ 0: the gap of the lmo method is ρ‖G‖_*
                     dual = (dual or 0.0) + rho * float(dual_norm(g, pp.geometry))
                 elif w is not None:
-                    val = stationarity_gap(g, w, pp.geometry, radius=rho)
+                    val = stationarity_gap(g, w, pp.geometry, constraint=pp.constraint, reference=gap_reference,
+                                           radius=rho)
                     if val is not None:
                         gap = (gap or 0.0) + float(val)
+                        measured += 1
+                        outside += math.isinf(float(val))
+                elif pp.constraint is not None:
+                    unpaired += 1
             update_sq = counters["update_sq"]
             if self._sharded:  # each rank holds the squared norm of its shards' update
                 update_sq = update_sq.clone()
                 self._executor.dist.all_reduce(update_sq, group=self._executor.group)
             out[group["rule"]] = dict(
-                gap=gap, dual_norm=dual, violation=violation,
+                gap=gap, gap_note=note(group["rule"], first, why, gap, measured, outside, unpaired),
+                dual_norm=dual, violation=violation,
                 update_norm=float(update_sq) ** 0.5 if self.track_update else None, skipped=counters["skipped"],
                 fallbacks=int(counters["fallbacks"]),
             )
@@ -792,26 +851,44 @@ class GeomOptimizer(Optimizer):
         sd["geomopt"] = dict(
             spec_hash=self.spec_hash, spec=dump_spec(self.spec, "yaml"),
             world_size=self._executor.world, sharded=self._sharded,
-            counters=[dict(c, fallbacks=c["fallbacks"].clone(), update_sq=c["update_sq"].clone()) for c in self._counters],
+            counters=[_copy_counters(c) for c in self._counters],
             spec_groups=[dict(g) for g in self._spec_groups],
+            transposed=[pp.name for plans in self._plans for pp in plans if pp.transpose],
         )
         return sd
 
-    def load_state_dict(self, state_dict: dict, *, allow_spec_change: bool = False) -> None:
+    def load_state_dict(self, state_dict: dict, *, allow_spec_change: bool = False,
+                        model=None) -> Optional[MigrationReport]:
         """Load a checkpoint; refuses one saved under a different spec (saying what differs)
-        unless ``allow_spec_change=True``. Then groups must still line up (as torch requires), the
-        state (directions, moments, step counts) is resumed, and every group value that the new
-        spec sets differently from the saved one (lr, weight_decay, radius, direction, …) follows
-        the new spec; values it leaves alone resume as saved (e.g. an lr a scheduler changed)."""
+        unless ``allow_spec_change=True``.
+
+        Under the same spec the state resumes as torch does, bit for bit. Under another spec it
+        is carried over by parameter name (:mod:`geomopt.optim.migrate`): each tensor keeps the
+        kinds of state (Adam moments, momentum) its new rule uses where the shapes still fit, the
+        rest is reset, and the returned :class:`MigrationReport` (also logged) says which. Groups
+        are matched by rule name: a value the new spec sets differently (lr, weight_decay, radius,
+        direction, …) follows the new spec; a value it leaves alone resumes as saved (e.g. an lr
+        a scheduler changed). The ``state_dict()`` of ``torch.optim.AdamW``, ``Adam`` and ``Muon``
+        loads the same way (``allow_spec_change=True``); ``model``: the model that optimizer was
+        built on, when it was given ``model.parameters()`` (no names) and is not this optimizer's
+        model. Nothing is changed when loading fails."""
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, state_dict)
+            state_dict = state_dict if out is None else out
+        source = source_of(state_dict)
         meta = state_dict.get("geomopt")
-        if meta is None and state_dict.get("param_groups") and "spec_hash" in state_dict["param_groups"][0]:
+        if source != "geomopt":
+            if not allow_spec_change:
+                raise ValueError(
+                    f"this is the state of {'torch.optim.Muon' if source == 'muon' else 'torch.optim.Adam(W)'}, "
+                    f"not of a geomopt spec: pass allow_spec_change=True to carry its state over by parameter name "
+                    f"(load_state_dict returns what was kept and reset)")
+            return self._migrate(state_dict, source, None, model)
+        if meta is None:
             # torch.distributed.checkpoint keeps only "state" and "param_groups": the groups carry the hash
             meta = dict(spec_hash=state_dict["param_groups"][0]["spec_hash"])
-        if meta is None:
-            if not allow_spec_change:
-                raise ValueError("this optimizer state was not saved by GeomOptimizer (no spec hash); "
-                                 "pass allow_spec_change=True to load it anyway")
-        elif meta["spec_hash"] != self.spec_hash and not allow_spec_change:
+        if meta["spec_hash"] != self.spec_hash and not allow_spec_change:
             if "spec" in meta:
                 diff = difflib.unified_diff(meta["spec"].splitlines(), dump_spec(self.spec, "yaml").splitlines(),
                                             "saved spec", "current spec", lineterm="", n=1)
@@ -821,15 +898,22 @@ class GeomOptimizer(Optimizer):
                 saved, what = f"hash {meta['spec_hash']}", ""
             raise ValueError(
                 f"optimizer state was saved under spec {saved}, this optimizer runs '{self.spec.name}' "
-                f"(hash {self.spec_hash}){what}\npass allow_spec_change=True to load it anyway")
-        if meta is not None and (meta.get("sharded") or self._sharded) and meta.get("world_size", self._executor.world) \
+                f"(hash {self.spec_hash}){what}\npass allow_spec_change=True to carry the state over by "
+                f"parameter name")
+        if (meta.get("sharded") or self._sharded) and meta.get("world_size", self._executor.world) \
                 != self._executor.world:
             raise ValueError(
                 f"this optimizer state was saved {'sharded over' if meta.get('sharded') else 'on'} "
                 f"{meta['world_size']} rank(s) and this run has {self._executor.world}: sharded state (FSDP2) loads "
                 f"only at the world size it was saved at. Save and load with torch.distributed.checkpoint "
                 f"(get_state_dict / set_state_dict), which reshards")
-        super().load_state_dict(state_dict)
+        if meta["spec_hash"] != self.spec_hash and all("param_names" in g for g in state_dict["param_groups"]):
+            return self._migrate(state_dict, source, meta, model)
+        try:
+            super().load_state_dict(state_dict)
+        except ValueError as err:  # a checkpoint without names whose groups do not line up
+            raise ValueError(f"{err}: this checkpoint has no parameter names, so its state can only be loaded "
+                             f"into the same rules in the same order") from None
         # torch.optim casts floating state to the parameter's dtype (it calls
         # Optimizer._process_value_according_to_param_policy directly, so an override is never
         # used); geomopt keeps float32 state for bf16 parameters: reload it with the device only.
@@ -841,15 +925,68 @@ class GeomOptimizer(Optimizer):
                 self.state[p] = {k: _to_device(v, p.device) for k, v in saved.items()}
         for group in self.param_groups:
             group["spec_hash"] = self.spec_hash
-        if meta is not None and self.spec_hash != meta["spec_hash"]:
+        if self.spec_hash != meta["spec_hash"]:
             old = meta.get("spec_groups") or [{}] * len(self.param_groups)
             for group, was, now in zip(self.param_groups, old, self._spec_groups):
-                for key in self._SPEC_KEYS:
-                    if key not in was or was[key] != now[key]:
-                        group[key] = _copy(now[key])
-        if meta is not None and len(meta.get("counters", [])) == len(self._counters):
-            self._counters = [dict(c, fallbacks=c["fallbacks"].clone(), update_sq=c["update_sq"].clone()) for c in meta["counters"]]
+                self._follow_spec(group, was, now)
+        if len(meta.get("counters", [])) == len(self._counters):
+            self._counters = [_copy_counters(c) for c in meta["counters"]]
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
+        return None
+
+    def _follow_spec(self, group: dict, was: dict, now: dict) -> None:
+        """After a spec change: the group values the new spec sets differently follow it."""
+        for key in self._SPEC_KEYS:
+            if key not in was or was[key] != now[key]:
+                group[key] = _copy(now[key])
+
+    def _migrate(self, state_dict: dict, source: str, meta: Optional[dict], model) -> MigrationReport:
+        """Carry a state over by parameter name (:mod:`geomopt.optim.migrate`); everything is
+        built first and installed at the end, so a failure leaves the optimizer as it was."""
+        if model is not None:
+            named = list(model.named_parameters())
+            order = ([n for n, _ in named], [n for n, q in named if q.requires_grad])
+        else:
+            order = self._order
+        names = saved_names(state_dict, *order)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        saved = {name: translate(state_dict["state"][i], source) for name, i in zip(names, ids)
+                 if i in state_dict["state"]}
+        groups = [dict(g) for g in self.param_groups]
+        counters = list(self._counters)
+        if meta is not None:  # a geomopt checkpoint: groups and counters follow their rule's name
+            by_rule = {g.get("rule"): i for i, g in enumerate(state_dict["param_groups"])}
+            spec_groups = meta.get("spec_groups") or [{}] * len(state_dict["param_groups"])
+            for k, (group, now) in enumerate(zip(groups, self._spec_groups)):
+                i = by_rule.get(group["rule"])
+                if i is None:
+                    continue
+                kept = {key: _copy(v) for key, v in state_dict["param_groups"][i].items()
+                        if key not in ("params", "param_names", "spec_hash")}
+                groups[k] = dict(group, **kept)
+                self._follow_spec(groups[k], spec_groups[i], now)
+                if len(meta.get("counters", [])) == len(state_dict["param_groups"]):
+                    counters[k] = _copy_counters(meta["counters"][i])
+        targets = [(pp.name, p, pp, group["direction"])
+                   for group, plans in zip(groups, self._plans) for p, pp in zip(group["params"], plans)]
+        transposed = set(meta["transposed"]) if meta is not None and "transposed" in meta else None
+        state, report = migrate_state(saved, targets, source, transposed)
+        # install (nothing above wrote to the optimizer)
+        self.state = defaultdict(dict, state)
+        for group, new in zip(self.param_groups, groups):
+            group.clear()
+            group.update(new)
+        self._counters = counters
+        self._buffers.clear()
+        self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+        log.info("%s", report)
+        return report
+
+
+def _copy_counters(c: dict) -> dict:
+    return dict(c, fallbacks=c["fallbacks"].clone(), update_sq=c["update_sq"].clone())
 
 
 def _to_device(value, device):

@@ -1,8 +1,29 @@
-"""Printers: a :class:`Spec` back to YAML or the DSL, losslessly (``parse(dump(s)) == s``).
+"""Printers: a :class:`Spec` back to YAML or the DSL, losslessly (``parse(dump(s)) == s``), in
+one canonical layout — what ``geomopt fmt`` writes and ``geomopt fmt --check`` expects.
 
 Only what differs from a default is written (``kind`` always), so printed specs stay short —
 except the numbers that define the math (a reference's ε and κ, a direction's α), which are
 always written out. ``view: {kind: auto}`` prints as its shorthand ``view: auto`` (DSL ``view=auto``).
+
+Canonical layout, the same elements in the same order in both spellings: ``geomopt``, ``name``,
+``description``, ``defaults``, ``roles``, then the rules; in a rule ``match``, ``geometry``,
+``constraint``, then its settings; in a mapping ``kind`` first, then a geometry's ``reference``,
+then the fields in the model's order, a ``view`` last.
+
+* YAML: block mappings down to each rule's fields (rules indented under ``rules:``); a mapping
+  value below that is written in flow style (``{kind: adam, betas: [0.9, 0.95]}``) where it fits
+  in 100 columns and holds no commented element, else in block style, and so on down; lists in
+  flow style (a list of lists too long for one line: one ``- […]`` item a line). Match patterns
+  and role patterns are always double-quoted; other strings are plain where YAML 1.1 and 1.2 both
+  read them back as the same string, else double-quoted. Floats are Python's shortest round-trip
+  spelling, with an exponent as ``1.0e-8`` (a ``.`` so that YAML 1.1 tools read a float too).
+* DSL: one statement a line and a blank line before each rule, as in ``grammars/geomopt.lark``'s
+  examples; a statement or call holding a commented element is broken one item a line (calls with
+  a trailing comma), so that each comment has its element's line. Exponents as ``1e-8``.
+
+Comments (:mod:`geomopt.spec.comments`) are printed when given: the header (its ``$schema``
+modeline first), each element's own-line comments above it, its trailing comment after its
+first line (two spaces before the ``#``), the footer last.
 """
 
 from __future__ import annotations
@@ -10,23 +31,29 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import Optional
 
 import yaml
 from pydantic import BaseModel
 
+from geomopt.spec.comments import Comments
 from geomopt.spec.dsl_front import KIND_FIELDS
 from geomopt.spec.model import LogBarrier, Polyak, PowerBarrier, Spec, Storm
+from geomopt.spec.yaml_front import YamlDumper
 
 _EXPLICIT = (LogBarrier, PowerBarrier, Polyak, Storm)
-from geomopt.spec.yaml_front import YamlDumper
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 _RESERVED = {"true", "false", "geomopt", "name", "description", "defaults", "roles", "rule", "match", "geometry",
              "constraint", "lr", "weight_decay", "direction", "schedule", "on_nonfinite", "project_on_init"}
 
+WIDTH = 100  # YAML: a mapping value fits in flow style on one line this long, or is written in block style
+_RULE_HEAD = ("name", "match", "geometry", "constraint")  # what the rule is before how it is tuned
+
 
 def to_plain(model: BaseModel) -> dict:
-    """Fields that differ from their defaults (``kind`` always), recursively, as plain data."""
+    """Fields that differ from their defaults (``kind`` always), recursively, as plain data; the
+    kind first, then a ``reference`` (a geometry's), then the other fields in order, a view last."""
     fields = type(model).model_fields
     out = {"kind": model.kind} if "kind" in fields else {}
     explicit = isinstance(model, _EXPLICIT)
@@ -36,6 +63,8 @@ def to_plain(model: BaseModel) -> dict:
         if name == "kind" or (default and not (explicit and name in ("eps", "kappa", "alpha"))):
             continue
         out[name] = _plain(value)
+    if "reference" in out:  # what the geometry is, then its reference (the DSL's positional argument)
+        out = {**({"kind": out.pop("kind")} if "kind" in out else {}), "reference": out.pop("reference"), **out}
     if "view" in out:  # a base-class field, first in field order: print what the geometry is first
         out["view"] = out.pop("view")
     return out
@@ -49,31 +78,201 @@ def _plain(value):
     return value
 
 
-def dump_spec(spec: Spec, format: str = "yaml") -> str:
-    """``format``: "yaml" or "dsl"."""
-    if format == "yaml":
-        return dump_yaml(spec)
-    if format == "dsl":
-        return dump_dsl(spec)
-    raise ValueError(f"format must be 'yaml' or 'dsl', got {format!r}")
-
-
-def dump_yaml(spec: Spec) -> str:
+def _data(spec: Spec) -> dict:
+    """The plain data both printers print, rules' fields in canonical order."""
     data = to_plain(spec)
     rules = []
     for rule in data["rules"]:
-        m = rule.get("match", {})
-        if set(m) == {"name"}:  # the common shorthand: match: "pattern"
-            rule["match"] = m["name"]
-        if rule["geometry"].get("view") == {"kind": "auto"}:  # the shorthand the shipped specs use
-            rule["geometry"]["view"] = "auto"
-        # what the rule is before how it is tuned, as the shipped specs read
-        head = {k: rule.pop(k) for k in ("name", "match", "geometry", "constraint") if k in rule}
+        head = {k: rule.pop(k) for k in _RULE_HEAD if k in rule}
         rules.append({**head, **rule})
     data["rules"] = rules
-    # One document: the top level always holds the rules list, so it prints in block style (dumped
-    # on its own, `name: x` alone would print as the flow mapping `{name: x}`).
-    return yaml.dump(data, Dumper=YamlDumper, sort_keys=False, default_flow_style=None, allow_unicode=True, width=100)
+    return data
+
+
+def _match_shorthand(match: dict) -> bool:
+    return set(match) == {"name"}
+
+
+def elements(data: dict) -> list[tuple]:
+    """The elements (comment anchors, :mod:`geomopt.spec.comments`) the printers print, in order:
+    every mapping key but ``kind`` and a rule's ``name``, and each rule; not the keys inside a
+    ``match`` written as its pattern alone."""
+    out = [("geomopt",), ("name",)]
+    if "description" in data:
+        out.append(("description",))
+    for top in ("defaults", "roles"):
+        if data.get(top):
+            out.append((top,))
+            out += _keys(data[top], (top,))
+    for i, rule in enumerate(data["rules"]):
+        path = ("rules", i)
+        out.append(path)
+        for key, value in rule.items():
+            if key == "name":
+                continue
+            out.append(path + (key,))
+            if not (key == "match" and _match_shorthand(value)):
+                out += _keys(value, path + (key,))
+    return out
+
+
+def _keys(value, path) -> list[tuple]:
+    out = []
+    if isinstance(value, dict):
+        for key, v in value.items():
+            if key != "kind":
+                out.append(path + (key,))
+                out += _keys(v, path + (key,))
+    return out
+
+
+def dump_spec(spec: Spec, format: str = "yaml", comments: Optional[Comments] = None) -> str:
+    """``format``: "yaml" or "dsl". ``comments``: a file's comments
+    (:func:`geomopt.spec.comments.collect`), printed on the elements they belong to."""
+    if format == "yaml":
+        return dump_yaml(spec, comments)
+    if format == "dsl":
+        return dump_dsl(spec, comments)
+    raise ValueError(f"format must be 'yaml' or 'dsl', got {format!r}")
+
+
+def _float(value: float, dot: bool) -> str:
+    """Shortest round-trip spelling; an exponent without zero padding (``1e-8``), its mantissa
+    with a ``.`` where ``dot`` (``1.0e-8``: YAML 1.1 reads a float only with one)."""
+    if not math.isfinite(value):
+        raise ValueError(f"no spelling for {value!r} in a spec")
+    text = repr(value)
+    if "e" not in text:
+        return text
+    mantissa, exponent = text.split("e")
+    if dot and "." not in mantissa:
+        mantissa += ".0"
+    sign = exponent[0] if exponent[0] in "+-" else ""
+    return f"{mantissa}e{sign}{exponent.lstrip('+-').lstrip('0') or '0'}"
+
+
+class _Lines:
+    """Output lines, with the comments of the element each line starts."""
+
+    def __init__(self, comments: Comments):
+        self.comments = comments
+        self.lines: list[str] = []
+
+    def put(self, indent: int, text: str, path: Optional[tuple] = None) -> None:
+        pad = " " * indent
+        if path is not None:
+            self.lines += [pad + c for c in self.comments.before.get(path, ())]
+        trailing = self.comments.trailing.get(path) if path is not None else None
+        self.lines.append(pad + text + (f"  {trailing}" if trailing else ""))
+
+    def text(self) -> str:
+        lines = [*self.comments.header_lines(), *self.lines]
+        if self.comments.footer:
+            lines += ["", *self.comments.footer]
+        return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- YAML
+
+
+def _is_pattern(path: tuple) -> bool:
+    """A match's name pattern (or its shorthand) or a role's pattern list: always quoted."""
+    return (path[0] == "roles" and len(path) == 2) or (
+        path[0] == "rules" and len(path) >= 3 and path[2] == "match" and (len(path) == 3 or path[3:] == ("name",)))
+
+
+def _yaml_str(value: str, flow: bool, quote: bool) -> str:
+    """A string as YAML: plain where safe in this context (``flow``: inside ``[…]``/``{…}``), else
+    double-quoted (always where ``quote``)."""
+    if not quote:
+        doc = [value] if flow else {"k": value}
+        text = yaml.dump(doc, Dumper=YamlDumper, default_flow_style=flow, allow_unicode=True, width=1 << 30)
+        text = text[1:-2] if flow else text[3:-1]
+        if not text.startswith(("'", '"')) and "\n" not in text:
+            return text
+    text = yaml.dump([value], Dumper=YamlDumper, default_flow_style=True, allow_unicode=True, width=1 << 30,
+                     default_style='"')
+    return text[1:-2]
+
+
+def _yaml_scalar(value, flow: bool, quote: bool = False) -> str:
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if value is None:
+        return "null"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return _float(value, dot=True)
+    if isinstance(value, str):
+        return _yaml_str(value, flow, quote)
+    raise TypeError(f"cannot print {value!r} in YAML")
+
+
+def _yaml_flow(value, quote: bool = False) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml_flow(v, quote and k == 'name')}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml_flow(v, quote) for v in value) + "]"
+    return _yaml_scalar(value, flow=True, quote=quote)
+
+
+class _Yaml:
+    def __init__(self, comments: Comments):
+        self.out = _Lines(comments)
+        self.comments = comments
+
+    def item(self, key: str, value, path: tuple, indent: int) -> None:
+        """``key: value`` at ``indent``, its value in flow style where it fits, else in block style."""
+        quote = _is_pattern(path)
+        head = f"{key}:"
+        if isinstance(value, dict) and value:
+            if not self.comments.has_inside(path):
+                line = f"{head} {_yaml_flow(value, quote)}"
+                if indent + len(line) <= WIDTH:
+                    return self.out.put(indent, line, path)
+            self.out.put(indent, head, path)
+            for k, v in value.items():
+                self.item(k, v, path + (k,), indent + 2)
+        elif isinstance(value, list):
+            line = f"{head} {_yaml_flow(value, quote)}"
+            if indent + len(line) <= WIDTH or not any(isinstance(v, list) for v in value):
+                return self.out.put(indent, line, path)
+            self.out.put(indent, head, path)
+            for v in value:
+                self.out.put(indent + 2, f"- {_yaml_flow(v, quote)}")
+        elif isinstance(value, dict):
+            self.out.put(indent, f"{head} {{}}", path)
+        else:
+            self.out.put(indent, f"{head} {_yaml_scalar(value, flow=False, quote=quote)}", path)
+
+
+def dump_yaml(spec: Spec, comments: Optional[Comments] = None) -> str:
+    data = _data(spec)
+    comments = (comments or Comments()).resolve(elements(data))
+    y = _Yaml(comments)
+    for key in ("geomopt", "name", "description"):
+        if key in data:
+            y.item(key, data[key], (key,), 0)
+    for key in ("defaults", "roles"):
+        if data.get(key):
+            y.out.put(0, f"{key}:", (key,))
+            for k, v in data[key].items():
+                y.item(k, v, (key, k), 2)
+    y.out.put(0, "rules:")
+    for i, rule in enumerate(data["rules"]):
+        path = ("rules", i)
+        rule = dict(rule)
+        if _match_shorthand(rule["match"]):  # the common shorthand: match: "pattern"
+            rule["match"] = rule["match"]["name"]
+        if isinstance(rule["geometry"], dict) and rule["geometry"].get("view") == {"kind": "auto"}:
+            rule["geometry"] = {**rule["geometry"], "view": "auto"}  # the shorthand the shipped specs use
+        y.out.put(2, f"- name: {_yaml_scalar(rule.pop('name'), flow=False)}", path)
+        for k, v in rule.items():
+            y.item(k, v, path + (k,), 4)
+    return y.out.text()
 
 
 # ---------------------------------------------------------------- DSL
@@ -89,10 +288,14 @@ def _scalar(value) -> str:
     if isinstance(value, float):
         if not math.isfinite(value):
             raise ValueError(f"the DSL has no spelling for {value!r}")
-        return repr(value)
+        return _float(value, dot=False)
     if isinstance(value, str):
-        return value if _IDENT.match(value) and value not in _RESERVED else json.dumps(value, ensure_ascii=False)
+        return value if _IDENT.match(value) and value not in _RESERVED else _string(value)
     raise TypeError(f"cannot print {value!r} in the DSL")
+
+
+def _string(value: str) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _value(value, field: str | None = None) -> str:
@@ -104,45 +307,81 @@ def _value(value, field: str | None = None) -> str:
 
 
 def _call(d: dict, field: str | None) -> str:
-    d = dict(d)
-    kind = d.pop("kind")
-    args = []
-    if field == "geometry" and "reference" in d:
-        args.append(_value(d.pop("reference"), "reference"))
-    args += [f"{k}={_value(v, k)}" for k, v in d.items()]
+    kind, args = _args(d, field)
     if not args and field in KIND_FIELDS:
         return kind
-    return f"{kind}({', '.join(args)})"
+    return f"{kind}({', '.join(f'{prefix}{_value(v, k)}' for k, prefix, v in args)})"
 
 
-def _settings(d: dict) -> list[str]:
-    return [f"{k}={_value(v, k)}" for k, v in d.items()]
+def _args(d: dict, field: str | None) -> tuple:
+    """(kind, [(key, "key=" or "" for the positional reference, value)…]) of a call."""
+    d = dict(d)
+    kind = d.pop("kind")
+    return kind, [(k, "" if (k == "reference" and field == "geometry") else f"{k}=", v) for k, v in d.items()]
 
 
-def dump_dsl(spec: Spec) -> str:
-    data = to_plain(spec)
-    lines = [f"geomopt {data['geomopt']}", f"name {json.dumps(data['name'], ensure_ascii=False)}"]
+class _Dsl:
+    def __init__(self, comments: Comments):
+        self.out = _Lines(comments)
+        self.comments = comments
+
+    def broken(self, path: tuple) -> bool:
+        return self.comments.has_inside(path)
+
+    def item(self, prefix: str, value, path: tuple, indent: int, field: str | None, suffix: str = "",
+             text: str | None = None) -> None:
+        """``prefix value suffix`` at ``indent``; a call holding a commented element one argument a line."""
+        if isinstance(value, dict) and self.broken(path):
+            kind, args = _args(value, field)
+            self.out.put(indent, f"{prefix}{kind}(", path)
+            for k, arg_prefix, v in args:
+                self.item(arg_prefix, v, path + (k,), indent + 4, k, ",")
+            self.out.put(indent, ")" + suffix)
+        else:
+            self.out.put(indent, prefix + (_value(value, field) if text is None else text) + suffix, path)
+
+    def statement(self, keyword: str, items: list, path: tuple) -> None:
+        """``defaults …`` / ``roles …``: ``key=value`` items on the keyword's line, or one a line."""
+        if not self.broken(path):
+            return self.out.put(0, " ".join([keyword, *(f"{k}={text}" for k, _, text in items)]), path)
+        self.out.put(0, keyword, path)
+        for k, v, text in items:
+            self.item(f"{k}=", v, path + (k,), 4, k, text=text)
+
+
+def dump_dsl(spec: Spec, comments: Optional[Comments] = None) -> str:
+    data = _data(spec)
+    comments = (comments or Comments()).resolve(elements(data))
+    d = _Dsl(comments)
+    d.out.put(0, f"geomopt {data['geomopt']}", ("geomopt",))
+    d.out.put(0, f"name {_string(data['name'])}", ("name",))
     if "description" in data:
-        lines.append(f"description {json.dumps(data['description'], ensure_ascii=False)}")
+        d.out.put(0, f"description {_string(data['description'])}", ("description",))
     defaults = data.get("defaults") or {}
     if defaults:
-        lines.append("defaults " + " ".join(_settings(defaults)))
+        d.statement("defaults", [(k, v, _value(v, k)) for k, v in defaults.items()], ("defaults",))
     roles = data.get("roles") or {}
     if roles:  # role names are plain words; patterns always quoted, as a match's name pattern is
-        lines.append("roles " + " ".join(
-            f"{role}=[{', '.join(json.dumps(p, ensure_ascii=False) for p in patterns)}]" for role, patterns in roles.items()))
-    for rule in data["rules"]:
+        d.statement("roles", [(r, p, f"[{', '.join(_string(x) for x in p)}]") for r, p in roles.items()], ("roles",))
+    for i, rule in enumerate(data["rules"]):
+        path = ("rules", i)
         rule = dict(rule)
-        match = rule.pop("match")
-        head = [f"rule {rule.pop('name')} match"]
-        if "name" in match:
-            head.append(json.dumps(match.pop("name"), ensure_ascii=False))
-        head += [f"{k}={_value(v, k)}" for k, v in match.items()]
-        lines.append("")
-        lines.append(" ".join(head) + ":")
-        lines.append(f"    geometry {_value(rule.pop('geometry'), 'geometry')}")
-        if "constraint" in rule:
-            lines.append(f"    constraint {_value(rule.pop('constraint'), 'constraint')}")
-        lines += [f"    {s}" for s in _settings(rule)]
-    return "\n".join(lines) + "\n"
-
+        name, match = rule.pop("name"), rule.pop("match")
+        mpath = path + ("match",)
+        items = [(k, v, _string(v) if k == "name" else _value(v, k)) for k, v in match.items()]
+        words = [text if k == "name" else f"{k}={text}" for k, _, text in items]
+        d.out.lines.append("")
+        if not (d.broken(mpath) or mpath in comments.before or mpath in comments.trailing):
+            d.out.put(0, f"rule {name} match {' '.join(words)}:", path)
+        else:
+            d.out.put(0, f"rule {name}", path)
+            if not d.broken(mpath):
+                d.out.put(4, f"match {' '.join(words)}:", mpath)
+            else:
+                d.out.put(4, "match", mpath)
+                for j, (k, v, text) in enumerate(items):
+                    d.item("" if k == "name" else f"{k}=", v, mpath + (k,), 8, k, ":" if j == len(items) - 1 else "",
+                           text=text)
+        for k, v in rule.items():
+            d.item(f"{k} " if k in ("geometry", "constraint") else f"{k}=", v, path + (k,), 4, k)
+    return d.out.text()

@@ -17,10 +17,10 @@ rule head match role=[head, router]:
     lr=0.001
 
 rule hidden match role=[hidden, expert]:
-    geometry spectral(indicator, approx=newton_schulz(dtype=bfloat16), prenormalize=max, scale=muon_original, view=auto)
+    geometry spectral(indicator, approx=newton_schulz, prenormalize=max, scale=muon_original, view=auto)
     direction=polyak(alpha=0.05, nesterov=true)
 
-rule rest match "**":   # norms, biases, other vectors
+rule rest match "**":  # norms, biases, other vectors
     geometry adam(betas=[0.9, 0.95])
     lr=0.001
     weight_decay=0.0

@@ -10,7 +10,7 @@ name "prox-muon-frobenius"
 defaults lr=0.02 direction=polyak(alpha=0.1)
 
 rule embeddings match role=embedding ndim=2:
-    geometry columnwise(log_barrier(eps=1e-08), scale=scion, layout=in_out)
+    geometry columnwise(log_barrier(eps=1e-8), scale=scion, layout=in_out)
 
 rule head match role=[head, router]:
     geometry anisotropic(indicator, radius=10.0, scale=scion)
@@ -19,5 +19,5 @@ rule hidden match role=[hidden, expert]:
     geometry spectral(power_barrier(kappa=4.0, eps=0.00105), approx=polar_express, scale=scion, view=auto)
     constraint frobenius_ball(radius=0.5, relative=true)
 
-rule rest match "**":   # norms, biases, other vectors: BiasRMS
-    geometry isotropic(log_barrier(eps=1e-08), scale=scion)
+rule rest match "**":  # norms, biases, other vectors: BiasRMS
+    geometry isotropic(log_barrier(eps=1e-8), scale=scion)

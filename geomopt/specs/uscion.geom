@@ -10,7 +10,7 @@ name "uscion"
 defaults lr=0.02 direction=polyak(alpha=0.1)
 
 rule embeddings match role=embedding ndim=2:
-    geometry columnwise(log_barrier(eps=1e-08), scale=scion, layout=in_out)
+    geometry columnwise(log_barrier(eps=1e-8), scale=scion, layout=in_out)
 
 rule head match role=[head, router]:
     geometry anisotropic(indicator, radius=10.0, scale=scion)
@@ -18,5 +18,5 @@ rule head match role=[head, router]:
 rule hidden match role=[hidden, expert]:
     geometry spectral(indicator, approx=newton_schulz, scale=scion, view=auto)
 
-rule rest match "**":   # norms, biases, other vectors: BiasRMS
-    geometry isotropic(log_barrier(eps=1e-08), scale=scion)
+rule rest match "**":  # norms, biases, other vectors: BiasRMS
+    geometry isotropic(log_barrier(eps=1e-8), scale=scion)

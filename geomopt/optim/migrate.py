@@ -1,0 +1,228 @@
+"""State migration: carry optimizer state over to a different spec, by parameter name.
+
+A checkpoint saved under one spec (or by ``torch.optim.AdamW`` / ``Adam`` / ``Muon``) is loaded
+into an optimizer running another spec. Each tensor's saved state is translated into geomopt's
+kinds of state, and a kind is kept where the tensor's new rule uses it and its shape still fits:
+
+==================  =================================  =================================
+kind                geomopt keys                       torch.optim keys
+==================  =================================  =================================
+Adam moments        exp_avg, exp_avg_sq, adam_step     exp_avg, exp_avg_sq, step (Adam, AdamW)
+momentum            d (a Polyak average of gradients)  momentum_buffer (Muon: buf.lerp_(g, 1 − β))
+STORM estimate      d and prev                         —
+gap memory W        w                                  —
+==================  =================================  =================================
+
+A kind moves as a unit (moments without their step count would be bias-corrected wrongly; a
+STORM estimate without its previous iterate cannot be continued). W always restarts: it belongs
+to the old rule's backward step and is measured again after the next one. Everything else starts
+fresh, and the :class:`MigrationReport` says, per tensor, what was kept and what was reset.
+
+Names come from the saved groups' ``param_names`` (geomopt writes them; torch optimizers built
+from ``model.named_parameters()`` do too), or, for a torch optimizer built from
+``model.parameters()``, from the model's parameter order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from geomopt.compile.plan import ParamPlan
+
+# kind → the geomopt state keys it is made of (moved together or not at all)
+KINDS = {
+    "adam": ("exp_avg", "exp_avg_sq", "adam_step"),
+    "storm": ("d", "prev"),
+    "momentum": ("d",),
+    "gap": ("w",),
+}
+# torch.optim state keys → geomopt's, per source optimizer
+_TORCH = {
+    "adam": {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "step": "adam_step"},
+    "muon": {"momentum_buffer": "d"},
+}
+# state kept in the operators' layout (transposed for ``layout: in_out``) on unsharded tensors
+VIEW_KEYS = ("d", "exp_avg", "exp_avg_sq", "w")
+
+
+def kinds_used(pp: ParamPlan, direction: str) -> tuple[str, ...]:
+    """The kinds of state a rule's step keeps for this tensor."""
+    out = []
+    if pp.geometry["kind"] == "adam":
+        out.append("adam")
+    if direction == "storm":
+        out.append("storm")
+    elif direction == "polyak":
+        out.append("momentum")
+    return tuple(out)
+
+
+def kinds_held(state: dict) -> tuple[str, ...]:
+    """The kinds of state a saved entry holds (a STORM estimate also counts as momentum)."""
+    out = [k for k, keys in KINDS.items() if all(key in state for key in keys)]
+    if "storm" in out:
+        out.remove("momentum")  # d with prev is a STORM estimate; alone it is momentum
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class MigrationReport:
+    """What :meth:`GeomOptimizer.load_state_dict` did with a state from another spec or optimizer:
+    per tensor name, the kinds of state kept and reset (with why), and the saved tensors that
+    this optimizer does not have."""
+
+    source: str  # "geomopt", "torch.optim.AdamW", ...
+    kept: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    reset: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # name → ["kind: why"]
+    dropped: list[str] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"state from {self.source}: kept for {sum(map(bool, self.kept.values()))} tensor(s), "
+                 f"reset for {sum(map(bool, self.reset.values()))}, dropped {len(self.dropped)}"]
+        for name in sorted(set(self.kept) | set(self.reset)):
+            kept, reset = self.kept.get(name, []), self.reset.get(name, [])
+            if kept or reset:
+                parts = ([f"kept {', '.join(kept)}"] if kept else []) + [f"reset {r}" for r in reset]
+                lines.append(f"  {name}: " + "; ".join(parts))
+        if self.dropped:
+            lines.append(f"  no such tensor here (dropped): {', '.join(self.dropped)}")
+        return "\n".join(lines)
+
+
+def source_of(state_dict: dict) -> str:
+    """Which optimizer saved a state dict: ``geomopt``, ``adam`` (Adam, AdamW) or ``muon``; a
+    ValueError for anything else."""
+    groups = state_dict.get("param_groups") or []
+    if "geomopt" in state_dict or (groups and "spec_hash" in groups[0]):
+        return "geomopt"
+    keys = set().union(*(s.keys() for s in state_dict.get("state", {}).values()))
+    group_keys = set().union(*(g.keys() for g in groups)) if groups else set()
+    if "momentum_buffer" in keys and {"ns_steps", "ns_coefficients"} & group_keys:
+        return "muon"
+    if {"exp_avg", "exp_avg_sq"} <= keys and "betas" in group_keys:
+        return "adam"
+    if not keys and "betas" in group_keys:
+        return "adam"  # an Adam that has not stepped yet
+    what = ("torch.optim.SGD (its momentum b ← μb + g is not an average of gradients)"
+            if "momentum_buffer" in keys else f"an optimizer with state keys {sorted(keys)}")
+    raise ValueError(f"cannot load the state of {what}: geomopt loads its own state and that of "
+                     f"torch.optim.AdamW, Adam and Muon")
+
+
+def saved_names(state_dict: dict, model_names: list[str] | None, trainable: list[str] | None) -> list[str]:
+    """The parameter name of each saved index, in index order: the groups' ``param_names``, or
+    the model's parameter order for a single-group state saved without names."""
+    groups = state_dict["param_groups"]
+    count = sum(len(g["params"]) for g in groups)
+    if all("param_names" in g for g in groups):
+        return [n for g in groups for n in g["param_names"]]
+    if len(groups) > 1:
+        raise ValueError(
+            f"this state has {len(groups)} parameter groups and no parameter names, so which tensor each entry "
+            f"belongs to is unknown: build the source optimizer from model.named_parameters() (its state_dict "
+            f"then carries the names) and save again")
+    for names in (model_names, trainable):
+        if names is not None and len(names) == count:
+            return names
+    have = "" if model_names is None else f" and the model has {len(model_names)} ({len(trainable or [])} trainable)"
+    raise ValueError(
+        f"this state holds {count} parameter(s) and no names{have}: pass model= (the model the source "
+        f"optimizer was built on, with model.parameters() in the same order), or build the source optimizer "
+        f"from model.named_parameters()")
+
+
+def translate(entry: dict, source: str) -> dict:
+    """A saved per-tensor state in geomopt's keys (torch.optim's ``step`` tensor becomes an int);
+    keys with no geomopt counterpart (e.g. AMSGrad's ``max_exp_avg_sq``) are left out."""
+    if source == "geomopt":
+        return dict(entry)
+    out = {}
+    for key, value in entry.items():
+        ours = _TORCH[source].get(key)
+        if ours == "adam_step":
+            out[ours] = int(value.item() if isinstance(value, torch.Tensor) else value)
+        elif ours is not None:
+            out[ours] = value
+    return out
+
+
+def migrate_state(saved: dict[str, dict], targets: list[tuple], source: str,
+                  transposed: set[str] | None = None) -> tuple[dict, MigrationReport]:
+    """New per-tensor state for ``targets`` [(name, tensor, ParamPlan, direction kind)] from
+    ``saved`` {name: geomopt-keyed state}. ``transposed``: names whose saved state is in the
+    transposed (operator) layout; None: as each tensor's plan says (a checkpoint without layouts).
+    Builds new tensors only (copies on the parameter's device): nothing is written until the caller
+    installs the result."""
+    report = MigrationReport({"geomopt": "a geomopt checkpoint of another spec", "adam": "torch.optim.Adam(W)",
+                              "muon": "torch.optim.Muon"}[source])
+    state: dict = {}
+    names = set()
+    for name, p, pp, direction in targets:
+        names.add(name)
+        entry = saved.get(name)
+        if entry is None:
+            continue
+        was_t = pp.transpose if transposed is None else name in transposed
+        new, kept, reset = {}, [], []
+        used = kinds_used(pp, direction)
+        for kind in kinds_held(entry):
+            into = kind if kind in used else "momentum" if kind == "storm" and "momentum" in used else None
+            if kind == "gap":
+                reset.append("w (the gap's W: measured again after the next step)")
+                continue
+            if into is None:
+                reset.append(f"{kind} ({_why_not(kind, pp, direction)})")
+                continue
+            moved = {}
+            for key in KINDS[into]:
+                value = entry[key]
+                if isinstance(value, torch.Tensor) and key != "adam_step":
+                    value = _relayout(value, key, was_t, pp.transpose, source)
+                    if _param_shape(value, key, pp) != tuple(p.shape):
+                        moved = None
+                        reset.append(f"{kind} (saved shape {_param_shape(value, key, pp)}, "
+                                     f"the tensor is {tuple(p.shape)})")
+                        break
+                    value = value.detach().to(device=p.device, dtype=torch.promote_types(value.dtype, torch.float32),
+                                              copy=True)
+                moved[key] = value
+            if moved:
+                new.update(moved)
+                kept.append(into if into == kind else "momentum (the d of the STORM estimate)")
+        if new:
+            state[p] = new
+        report.kept[name], report.reset[name] = kept, reset
+    report.dropped = sorted(set(saved) - names)
+    return state, report
+
+
+def _why_not(kind: str, pp: ParamPlan, direction: str) -> str:
+    if kind == "adam":
+        return f"rule '{pp.rule}' uses the {pp.geometry['kind']} geometry, not adam"
+    if kind == "momentum" and direction == "storm":
+        return f"rule '{pp.rule}' uses storm, whose estimate also needs the previous iterate"
+    return f"rule '{pp.rule}' uses the direction {direction}"
+
+
+def _relayout(value: torch.Tensor, key: str, was_t: bool, now_t: bool, source: str) -> torch.Tensor:
+    """From the saved layout to the new plan's: geomopt keeps ``VIEW_KEYS`` of unsharded tensors
+    transposed for ``layout: in_out``; torch.optim and sharded (DTensor) state are laid out like
+    the parameter."""
+    from geomopt.distributed import is_dtensor
+
+    if key not in VIEW_KEYS or is_dtensor(value):
+        return value
+    if source != "geomopt":
+        was_t = False
+    return value.transpose(0, 1) if was_t != now_t else value
+
+
+def _param_shape(value: torch.Tensor, key: str, pp: ParamPlan) -> tuple:
+    """The shape of an entry in the new layout, read as the parameter's."""
+    from geomopt.distributed import is_dtensor
+
+    if pp.transpose and key in VIEW_KEYS and not is_dtensor(value):
+        return tuple(value.transpose(0, 1).shape)
+    return tuple(value.shape)

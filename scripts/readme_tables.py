@@ -1,0 +1,494 @@
+#!/usr/bin/env python
+"""Generate the README's result tables and quoted numbers from the committed results
+(``examples/results/*.json``), so that the README cannot drift from them.
+
+README.md marks every generated part with a key. A block (a table and its caption):
+
+    <!-- results:demo -->
+    ...
+    <!-- /results -->
+
+or a value inside a sentence: ``<!-- results:grokking:clip-epochs -->60–106 epochs<!-- /results -->``.
+The text between the markers is replaced by what the key's renderer makes of the JSON. A
+renderer whose JSON lacks the field (a record made before the field existed) leaves the text as
+written; one whose sentence no longer fits the numbers (e.g. "every seed groks" when one does
+not) fails with a message saying which sentence to rewrite.
+
+Times are shown as ranges, min–max over the timed runs a record holds (``--record`` repeats each
+single-seed training 3 times; multi-seed experiments range over their seeds, each the same work),
+with the machine they were measured on where the record has it; a single time is one number.
+
+    python scripts/readme_tables.py            # rewrite README.md's marked parts
+    python scripts/readme_tables.py --check    # exit 1, with a diff, where README.md disagrees
+    python scripts/readme_tables.py --print --results runs/demo   # what a run's JSON would give
+
+Needs only the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+RESULTS = ROOT / "examples" / "results"
+MARKER = re.compile(r"<!-- results:(?P<key>[\w.:-]+) -->(?P<body>.*?)<!-- /results -->", re.S)
+
+
+class Stale(Exception):
+    """A README sentence around a generated value no longer fits the results: rewrite it."""
+
+
+class Records:
+    """The results records of a folder, loaded on first use."""
+
+    def __init__(self, folder: Path, committed: bool):
+        self.folder, self.committed, self._cache = folder, committed, {}
+
+    def __call__(self, stem: str) -> dict:
+        if stem not in self._cache:
+            path = self.folder / f"{stem}.json"
+            rec = json.loads(path.read_text(encoding="utf-8"))
+            quick = rec.get("quick") or (rec.get("settings") or {}).get("quick")
+            if self.committed and quick:
+                raise Stale(f"{path} was recorded with --quick: record it again without --quick")
+            self._cache[stem] = rec
+        return self._cache[stem]
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def span(values, fmt: str = "{:.0f}") -> str:
+    """``min–max`` of ``values`` in ``fmt``, one number where both ends print the same."""
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def duration(seconds: float) -> str:
+    seconds = round(seconds)
+    if seconds < 120:
+        return f"{seconds} s"
+    m, s = divmod(seconds, 60)
+    return f"{m} min {s} s" if m < 60 else f"{m // 60} h {m % 60} min"
+
+
+def machine_text(rec: dict) -> str:
+    """The machine a record's times were measured on, as far as the record knows it."""
+    m = rec.get("machine")
+    if not m:
+        return f"a machine the record does not name ({plural(rec['threads'], 'torch thread')}, torch {rec['torch']})"
+    text = f"{m['cpu']} ({plural(m['cores'], 'core')}, {plural(m['threads'], 'torch thread')}), torch {m['torch']}"
+    return f"{m['gpu']}, host {text}" if m.get("gpu") else text
+
+
+def made_text(rec: dict) -> str:
+    """``, 2026-11-24, geomopt abc1234``: the record's date and source commit, where it has them."""
+    parts = []
+    if rec.get("date"):
+        parts.append(rec["date"][:10])
+    src = rec.get("source")
+    if src:
+        parts.append(f"geomopt {src['commit']}" + (" with uncommitted changes" if src.get("dirty") else ""))
+    return "".join(f", {p}" for p in parts)
+
+
+def repeat_text(n: int, what: str = "of each optimizer's training") -> str:
+    return f"one run {what}" if n == 1 else f"min–max over {n} runs {what}"
+
+
+def differ_text(rec: dict) -> str:
+    return (" The repeated runs' losses differed (nondeterministic kernels); losses are the first run's."
+            if rec.get("repeats_identical") is False else "")
+
+
+def row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def table(head: list[str], rows: list[list]) -> list[str]:
+    return [row(*head), "|" + "---|" * len(head), *(row(*r) for r in rows)]
+
+
+def summary_runs(rec: dict, name: str) -> list[dict]:
+    return [r for r in rec["results"]["runs"] if r["optimizer"] == name]
+
+
+# ---------------------------------------------------------------- demo
+
+DEMO_SPECS = {"spectral-clip": "uScion + spectral-ball clipping"}  # the README's words for the demo's spec
+
+
+def demo(records) -> str:
+    rec = records("demo")
+    rows = []
+    for r in rec["results"]:
+        if r["label"] == "AdamW":
+            name = f"AdamW (lr {rec.get('adamw_lr', 3e-3):g}, betas (0.9, 0.95), wd 0.1)"
+        else:
+            name = f"{r['label']} ({DEMO_SPECS[r['label']]})" if r["label"] in DEMO_SPECS else r["label"]
+        times = r.get("seconds_runs") or [r["seconds"]]
+        rows.append([name, f"{r['final_val']:.3f}", f"{r['bits_per_byte']:.2f}", span(times)])
+    n = len(rec["results"][0].get("seconds_runs") or [0])
+    lines = table(["optimizer", "final val. loss (nats/byte)", "bits/byte", "time (s)"], rows)
+    lines += ["", f"`{rec['command']}`: {rec['steps']} steps per optimizer, seed {rec['seed']}{made_text(rec)}. "
+                  f"Time: {repeat_text(n)}, on {machine_text(rec)}; it varies with the machine's load."
+                  + differ_text(rec)]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- grokking
+
+GROK_CLIP, GROK_USCION, GROK_ADAMW = "uScion + spectral clip", "uScion", "AdamW"
+
+
+def _epochs(rec: dict, name: str) -> dict[int, int]:
+    return {r["seed"]: r["epochs_to_target"] for r in summary_runs(rec, name)}
+
+
+def grokking(records) -> str:
+    rec = records("grokking")
+    st, summary = rec["settings"], rec["results"]["summary"]
+    seeds = summary[next(iter(summary))]["seeds"]
+    rows = []
+    for name, s in summary.items():
+        per_seed = []
+        for r in summary_runs(rec, name):
+            cell = str(r["epochs_to_target"])
+            if not r["reached"]:
+                cell += f" (not reached: {r['final_val_acc']:.1%} at epoch {len(r['curve'])})"
+            per_seed.append(cell)
+        per_epoch = [r["seconds"] / len(r["curve"]) for r in summary_runs(rec, name)]
+        rows.append([name, f"{s['median_epochs']:g}", ", ".join(per_seed), f"{s['reached']}/{s['runs']}",
+                     span(per_epoch, "{:.2f}")])
+    head = ["optimizer", f"median epochs to {st['target']:.0%} val. acc. (cap {st['max_epochs']})",
+            f"per seed ({', '.join(map(str, seeds))})", "reached", "time per epoch (s)"]
+    lines = table(head, rows)
+    lines += ["", f"`{rec['command']}`: {plural(len(seeds), 'seed')}, {duration(rec['seconds_total'])} for the whole "
+                  f"command{made_text(rec)}. Time per epoch: min–max over the seeds (every epoch is the same work), "
+                  f"on {machine_text(rec)}."]
+    return "\n".join(lines)
+
+
+def _reached(rec: dict, name: str) -> list[int]:
+    return [r["epochs_to_target"] for r in summary_runs(rec, name) if r["reached"]]
+
+
+def grokking_clip_epochs(records) -> str:
+    rec = records("grokking")
+    s = rec["results"]["summary"][GROK_CLIP]
+    if s["reached"] != s["runs"]:
+        raise Stale("spectral-ball clipping no longer groks on every seed")
+    return f"{span(s['epochs'], '{:d}')} epochs (median {s['median_epochs']:g})"
+
+
+def grokking_uscion_epochs(records) -> str:
+    rec = records("grokking")
+    s = rec["results"]["summary"][GROK_USCION]
+    reached = _reached(rec, GROK_USCION)
+    if s["reached"] == s["runs"] or not reached:
+        raise Stale("uScion now groks on every seed, or on none")
+    return f"median {s['median_epochs']:g}; {span(reached, '{:d}')} on the seeds that grok"
+
+
+def grokking_uscion_miss(records) -> str:
+    rec = records("grokking")
+    missed = [r for r in summary_runs(rec, GROK_USCION) if not r["reached"]]
+    if not missed or any(r["final_train_acc"] < 0.9 for r in missed):
+        raise Stale("the uScion seeds that miss the target no longer all fit the training set")
+    seeds = ", ".join(str(r["seed"]) for r in missed)
+    train = ", ".join(f"{r['final_train_acc']:.0%}" for r in missed)
+    val = ", ".join(f"{r['final_val_acc']:.0%}" for r in missed)
+    cap = rec["settings"]["max_epochs"]
+    if len(missed) == 1:
+        return f"seed {seeds} fits the training set ({train}) but still has only {val} validation accuracy at the {cap}-epoch cap"
+    return f"seeds {seeds} fit the training set ({train}) but still have only {val} validation accuracy at the {cap}-epoch cap"
+
+
+def grokking_adamw_epochs(records) -> str:
+    rec = records("grokking")
+    s = rec["results"]["summary"][GROK_ADAMW]
+    if s["reached"] != s["runs"]:
+        raise Stale("AdamW no longer groks on every seed")
+    return f"median {s['median_epochs']:g}, {span(s['epochs'], '{:d}')}"
+
+
+def _wins(rec: dict, a: str, *others: str) -> tuple[int, int]:
+    ea, eo = _epochs(rec, a), [_epochs(rec, o) for o in others]
+    return sum(all(ea[seed] < e[seed] for e in eo) for seed in ea), len(ea)
+
+
+def grokking_clip_wins(records) -> str:
+    k, n = _wins(records("grokking"), GROK_CLIP, GROK_USCION, GROK_ADAMW)
+    return "every seed" if k == n else f"{k} of {n} seeds"
+
+
+def grokking_uscion_wins(records) -> str:
+    k, n = _wins(records("grokking"), GROK_USCION, GROK_ADAMW)
+    return f"{k} of {n} seeds"
+
+
+def grokking_commit(records) -> str | None:
+    src = records("grokking").get("source")
+    if not src:
+        return None  # recorded before records named their commit: left as written
+    return src["commit"] + (" (with uncommitted changes)" if src.get("dirty") else "")
+
+
+# ---------------------------------------------------------------- digits
+
+DIGITS_NAMES = {"+ Frobenius (Euclidean proj.)": "+ Frobenius ball, Euclidean projection (heuristic)",
+                "+ Frobenius (anisotropic prox)": "+ Frobenius ball, exact anisotropic prox"}
+
+
+def spec_cell(path: str | None) -> str:
+    return f"`{path.removeprefix('specs/')}`" if path else "–"
+
+
+def digits_cnn(records) -> str:
+    rec = records("digits_cnn")
+    st, summary = rec["settings"], rec["results"]["summary"]
+    rows = []
+    for name, s in summary.items():
+        times = [r["seconds"] for r in summary_runs(rec, name)]
+        rows.append([DIGITS_NAMES.get(name, name), spec_cell(s["spec"]), f"{100 * s['mean']:.2f} ± {100 * s['std']:.2f} %",
+                     span(times, "{:.1f}")])
+    tf = round(100 * st["test_fraction"])
+    n = len(st["seed_list"])
+    lines = table(["optimizer", "spec", "test accuracy (mean ± std)", "time per seed (s)"], rows)
+    lines += ["", f"`{rec['command']}`: {plural(n, 'seed')}, {plural(st['epochs'], 'epoch')}, stratified {100 - tf}/{tf} "
+                  f"split; {duration(rec['seconds_total'])} for the whole command{made_text(rec)}. Time per seed: "
+                  f"min–max over the {plural(n, 'seed')} (each the same work), on {machine_text(rec)}."]
+    return "\n".join(lines)
+
+
+def digits_acc_range(records) -> str:
+    means = [s["mean"] for s in records("digits_cnn")["results"]["summary"].values()]
+    return f"{100 * min(means):.1f}–{100 * max(means):.1f}%"
+
+
+def _cost(rec: dict, slow: str, base: str) -> str:
+    s = rec["results"]["summary"]
+    return f"{s[slow]['seconds'] / s[base]['seconds']:.1f}×"
+
+
+def digits_prox_cost(records) -> str:
+    return _cost(records("digits_cnn"), "+ Frobenius (anisotropic prox)", "uScion")
+
+
+# ---------------------------------------------------------------- char_gpt
+
+CHAR_NAMES = {"prox Frobenius 0.5ρ": "prox Frobenius ball, 0.5ρ (paper's setting)",
+              "prox Frobenius 4ρ": "prox Frobenius ball, 4ρ"}
+CHAR_USCION, CHAR_PROX, CHAR_R4 = "uScion", "prox Frobenius 0.5ρ", "prox Frobenius 4ρ"
+
+
+def _fro(rec: dict, name: str) -> list[float]:
+    return [v["fro_over_rho"] for r in summary_runs(rec, name) for v in r["norms"].values()]
+
+
+def char_gpt(records) -> str:
+    rec = records("char_gpt")
+    st, summary = rec["settings"], rec["results"]["summary"]
+    rows, runs = [], 1
+    for name, s in summary.items():
+        loss = f"{s['mean_final_val']:.3f}" + (f" ± {s['std_final_val']:.3f}" if len(s["final_val"]) > 1 else "")
+        fro = _fro(rec, name)
+        times = s.get("seconds_per_run") or [s["seconds"]]
+        runs = len(times)
+        rows.append([CHAR_NAMES.get(name, name), spec_cell(s["spec"]), loss, f"{s['bits_per_byte']:.2f}",
+                     span(fro, "{:.2f}" if max(fro) < 5 else "{:.1f}"), span(times)])
+    head = ["optimizer", "spec", "final val. loss (nats/byte)" + (" (mean ± std)" if st["seeds"] > 1 else ""),
+            "bits/byte", "final ‖W‖_F/ρ (hidden)", "time (s)"]
+    lines = table(head, rows)
+    lines += ["", f"`{rec['command']}`: {st['steps']} steps, {plural(st['seeds'], 'seed')}; "
+                  f"{duration(rec['seconds_total'])} for the whole command{made_text(rec)}. "
+                  f"Time: {repeat_text(runs)}, on {machine_text(rec)}." + differ_text(rec)]
+    return "\n".join(lines)
+
+
+def char_uscion_norms(records) -> str:
+    fro = _fro(records("char_gpt"), CHAR_USCION)
+    return f"{span(fro, '{:.0f}')}ρ"
+
+
+def _val(rec: dict, name: str) -> float:
+    return rec["results"]["summary"][name]["mean_final_val"]
+
+
+def char_prox_vs_uscion(records) -> str:
+    rec = records("char_gpt")
+    return f"{_val(rec, CHAR_PROX):.2f} vs {_val(rec, CHAR_USCION):.2f}"
+
+
+def char_r4_vs_uscion(records) -> str:
+    rec = records("char_gpt")
+    return f"{_val(rec, CHAR_R4):.3f} vs {_val(rec, CHAR_USCION):.3f}"
+
+
+def char_prox_cost(records) -> str:
+    return _cost(records("char_gpt"), CHAR_PROX, CHAR_USCION)
+
+
+def char_prox_fallbacks(records) -> str:
+    n = sum((r["fallbacks"] or {}).get("hidden") or 0 for r in summary_runs(records("char_gpt"), CHAR_PROX))
+    return plural(n, "hidden step")
+
+
+# ---------------------------------------------------------------- moe
+
+
+def moe_routing(records) -> str:
+    rows = [[f"`{r['parameter']}`", r["shape"], r["role"], r["rule"], r["geometry"], r["view"]]
+            for r in records("moe")["routing"]]
+    return "\n".join(table(["parameter", "shape", "role", "rule", "geometry", "view"], rows))
+
+
+def moe(records) -> str:
+    rec = records("moe")
+    st = rec["settings"]
+    rows, runs = [], 1
+    for s in rec["results"]["summary"].values():
+        times = s.get("seconds_runs") or [s["seconds"]]
+        runs = len(times)
+        rows.append([s["describe"], f"{s['final_val']:.3f}", f"{s['best_val']:.3f}", f"{s['bits_per_byte']:.2f}",
+                     span(times)])
+    lines = table(["optimizer", "final val. loss (nats/byte)", "best val. loss", "bits/byte", "time (s)"], rows)
+    dtype = st["ns_dtype_used"]
+    note = f"Newton–Schulz in {dtype}"
+    med, rng = st.get("step_seconds_by_ns_dtype") or {}, st.get("step_seconds_range_by_ns_dtype")
+    if med:
+        ratio = med["bfloat16"] / med["float32"]
+        if rng:
+            each = (f"{span([t * 1e3 for t in rng['bfloat16']])} ms in bfloat16, {span([t * 1e3 for t in rng['float32']])} "
+                    f"ms in float32, min–max over {st['step_timing_reps']} steps each; medians {ratio:.0f}× apart")
+        else:
+            each = f"median: {med['bfloat16'] * 1e3:.0f} ms in bfloat16, {med['float32'] * 1e3:.0f} ms in float32, {ratio:.0f}×"
+        note += (f" (one muon.yaml step, {each}; "
+                 + ("muon.yaml's bfloat16 overridden" if dtype != "bfloat16" else "as muon.yaml")
+                 + f"; CPU capability {st['cpu_capability']})")
+    elif dtype != "bfloat16":
+        note += " (muon.yaml's bfloat16 overridden by --ns-dtype)"
+    lines += ["", f"`{rec['command']}`: {st['steps']} steps per optimizer, seed {st['seed']}; "
+                  f"{duration(rec['seconds_total'])} of training{made_text(rec)}, transformers {st['transformers']}. "
+                  f"Time: {repeat_text(runs)}, on {machine_text(rec)}. {note}." + differ_text(rec)]
+    return "\n".join(lines)
+
+
+RENDERERS = {
+    "demo": demo,
+    "moe-routing": moe_routing,
+    "moe": moe,
+    "grokking": grokking,
+    "grokking:clip-epochs": grokking_clip_epochs,
+    "grokking:uscion-epochs": grokking_uscion_epochs,
+    "grokking:uscion-miss": grokking_uscion_miss,
+    "grokking:adamw-epochs": grokking_adamw_epochs,
+    "grokking:clip-wins": grokking_clip_wins,
+    "grokking:uscion-wins": grokking_uscion_wins,
+    "grokking:commit": grokking_commit,
+    "digits_cnn": digits_cnn,
+    "digits_cnn:acc-range": digits_acc_range,
+    "digits_cnn:prox-cost": digits_prox_cost,
+    "char_gpt": char_gpt,
+    "char_gpt:uscion-norms": char_uscion_norms,
+    "char_gpt:prox-vs-uscion": char_prox_vs_uscion,
+    "char_gpt:r4-vs-uscion": char_r4_vs_uscion,
+    "char_gpt:prox-cost": char_prox_cost,
+    "char_gpt:prox-fallbacks": char_prox_fallbacks,
+}
+
+
+# ---------------------------------------------------------------- README
+
+
+def regenerate(text: str, records) -> tuple[str, list[str]]:
+    """``text`` with every marked part rendered from ``records``, and the problems found (unknown
+    keys, missing JSON, sentences that no longer fit)."""
+    problems = []
+
+    def sub(m: re.Match) -> str:
+        key, body = m["key"], m["body"]
+        fn = RENDERERS.get(key)
+        if fn is None:
+            problems.append(f"unknown key {key!r} (known: {', '.join(RENDERERS)})")
+            return m[0]
+        try:
+            value = fn(records)
+        except Stale as exc:
+            problems.append(f"{key}: {exc}: rewrite the README's sentence around this key")
+            return m[0]
+        except (OSError, KeyError, ValueError, TypeError) as exc:
+            problems.append(f"{key}: cannot render from the results ({type(exc).__name__}: {exc})")
+            return m[0]
+        if value is None:
+            return m[0]
+        if "\n" in body:  # a block: keep the markers on lines of their own
+            value = f"\n{value}\n"
+        elif "\n" in value:
+            problems.append(f"{key}: a block renderer used inside a sentence")
+            return m[0]
+        return f"<!-- results:{key} -->{value}<!-- /results -->"
+
+    return MARKER.sub(sub, text), problems
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1 (with a diff) where the README disagrees with the results")
+    mode.add_argument("--print", action="store_true", help="print every key's rendering instead of touching the README")
+    ap.add_argument("--readme", type=Path, default=README, help="the README to check or rewrite (default: README.md)")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="folder of the results JSON (default: examples/results/; another folder only with --print)")
+    args = ap.parse_args(argv)
+    committed = args.results.resolve() == RESULTS.resolve()
+    if not committed and not args.print:
+        ap.error("the README quotes the committed results: --results DIR is for --print only")
+    records = Records(args.results, committed)
+    if args.print:
+        for key, fn in RENDERERS.items():
+            try:
+                value = fn(records)
+            except FileNotFoundError:
+                continue  # a run folder holds one experiment's JSON
+            except Stale as exc:
+                value = f"(stale: {exc})"
+            print(f"<!-- results:{key} -->" + ("(left as written)" if value is None else
+                  f"\n{value}\n" if "\n" in value else value) + "<!-- /results -->")
+        return 0
+    text = args.readme.read_text(encoding="utf-8")
+    keys = [m["key"] for m in MARKER.finditer(text)]
+    new, problems = regenerate(text, records)
+    missing = [k for k in RENDERERS if k not in keys]
+    if missing:
+        problems.append(f"keys without a marker in {args.readme.name}: {', '.join(missing)}")
+    for p in problems:
+        print(f"{args.readme.name}: {p}", file=sys.stderr)
+    if args.check:
+        if new != text:
+            sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True),
+                                                       f"{args.readme.name} (as is)", f"{args.readme.name} (from results)"))
+            print(f"{args.readme.name} disagrees with {args.results}: run python scripts/readme_tables.py",
+                  file=sys.stderr)
+        return 1 if new != text or problems else 0
+    if new != text:
+        args.readme.write_text(new, encoding="utf-8")
+        print(f"rewrote {sum(a != b for a, b in zip(MARKER.findall(text), MARKER.findall(new)))} marked part(s) "
+              f"of {args.readme}")
+    else:
+        print(f"{args.readme} already agrees with {args.results}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
