@@ -5,10 +5,10 @@
 * ``roles``: the shipped ``muon.yaml`` (rules by role, ``view: auto``) against an ``nn.Module`` of
   the same tensors built on the meta device, so role inference from the module tree is timed too.
 
-Reports the median of 5 runs of ``compile_spec`` for each and appends rows under "## Compile" in
-benchmarks/RESULTS.md.
+Reports the median of 5 runs of ``compile_spec`` for each; with ``--record`` appends the rows
+under "## Compile" in benchmarks/RESULTS.md.
 
-    python benchmarks/compile.py [--blocks 500] [--runs 5] [--no-record]
+    python benchmarks/compile.py [--blocks 500] [--runs 5] [--record] [--note TEXT]
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=500)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="append the rows to benchmarks/RESULTS.md")
     ap.add_argument("--note", default="", help="free text for the last column")
     args = ap.parse_args()
     print(f"| date | machine | torch | workload | wall (median of {args.runs}) | CPU | note |")
@@ -159,7 +159,7 @@ def main() -> None:
         row = (f"| {datetime.date.today().isoformat()} | {os.cpu_count()}-core CPU ({platform.machine()}) "
                f"| torch {torch.__version__} | {what} | {wall * 1000:.0f} ms | {cpu * 1000:.0f} ms | {note} |")
         print(row)
-        if not args.no_record:
+        if args.record:
             record(row, args.runs)
 
 

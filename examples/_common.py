@@ -15,20 +15,22 @@ import statistics
 import sys
 from pathlib import Path
 
-from geomopt.cli.demo import RECORD_REPEATS, machine, output_dir, source_version  # noqa: E402
+from geomopt.cli.demo import RECORD_REPEATS, machine, output_dir, source_version
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
 RESULTS = Path(__file__).resolve().parent / "results"  # the committed results (written with --record only)
 
 
-def add_output_args(parser, name: str, *, repeats: bool = False) -> None:
-    """``--out DIR`` and ``--record`` (and ``--repeats N`` where the timed runs are repeated)."""
+def add_output_args(parser, name: str, *, repeats: bool = False, timed: bool = True) -> None:
+    """``--out DIR`` and ``--record`` (and ``--repeats N`` where the timed runs are repeated);
+    ``timed``: the script records timings (and so the machine)."""
     parser.add_argument("--out", metavar="DIR", help=f"output folder (default: runs/{name}/ under the current "
                         "directory, git-ignored; with --record: examples/results/)")
     what = f", timing each training --repeats times (default {RECORD_REPEATS})" if repeats else ""
+    what += ", with the machine" if timed else ""
     parser.add_argument("--record", action="store_true",
-                        help=f"record mode: rewrite the committed examples/results/{name}.* (or --out){what}, with the machine")
+                        help=f"record mode: rewrite the committed examples/results/{name}.* (or --out){what}")
     if repeats:
         parser.add_argument("--repeats", type=int, help=f"timed runs of each training (default 1; {RECORD_REPEATS} "
                             "with --record): the README shows their min–max")
@@ -68,7 +70,12 @@ def chosen_optimizers(parser, text: str, known) -> list[str]:
 
 
 def command_line() -> str:
-    return " ".join(shlex.quote(a) for a in ["python", *sys.argv]) if sys.argv and sys.argv[0] else "python"
+    """``python examples/NAME.py ARGS``: the command as run, the script named from the checkout's root."""
+    if not (sys.argv and sys.argv[0]):
+        return "python"
+    script = Path(sys.argv[0]).resolve()
+    shown = str(script.relative_to(ROOT)) if ROOT in script.parents else sys.argv[0]
+    return " ".join(shlex.quote(a) for a in ["python", shown, *sys.argv[1:]])
 
 
 def settings_of(args, **more) -> dict:

@@ -26,8 +26,8 @@ Run:  python examples/grokking.py              # defaults: 5 seeds, cap 500, one
       python examples/grokking.py --record     # rewrite the committed examples/results/grokking.*
 Writes grokking.json (exact command, settings, the machine, per-seed epochs, curves and times,
 medians, wall time; rewritten after every run, so an interrupted run keeps what it finished) and
-grokking.png to --out (default runs/grokking/ under the current directory). The README's time
-range is per epoch over seeds and optimizers' runs (every epoch is the same work).
+grokking.png to --out (default runs/grokking/ under the current directory). The README's times
+are per epoch: each seed's mean, min–max over the seeds (every epoch is the same work).
 """
 
 from __future__ import annotations

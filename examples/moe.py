@@ -21,13 +21,9 @@ linear decay to 10% of the lr; the training loss adds Mixtral's load-balancing l
   muon.yaml   specs/muon.yaml (lr 0.02 on hidden and expert matrices, AdamW lr 1e-3 elsewhere)
   AdamW       torch.optim.AdamW(lr 3e-3, betas (0.9, 0.95), weight decay 0.1) — as `geomopt demo`
 
-Newton–Schulz dtype: muon.yaml runs its Newton–Schulz iteration in bfloat16 (as torch.optim.Muon
-does, on every device). CPUs without native bf16 matrix units (AVX2-only, like this project's) run
-bf16 matmuls through a slow path, where one muon.yaml step on this model costs several times the
-float32 step. So ``--ns-dtype auto`` (the default) keeps the spec's bfloat16 on CUDA and, on CPU,
-times one optimizer step in each dtype first and overrides the hidden rule's ``approx.dtype`` to
-float32 when bf16 is more than 2× slower (the spec is loaded, edited as a dict and passed to
-GeomOptimizer); the timings and the choice are printed and recorded in the JSON.
+Newton–Schulz dtype: muon.yaml leaves it at ``auto``, bf16 on CUDA (as torch.optim.Muon) and
+float32 on CPU, where bf16 matmuls are emulated on CPUs without native bf16 (AVX2-only, like this
+project's); the spec is used exactly as shipped.
 
 Run:  python examples/moe.py                 # defaults: 400 steps per optimizer, about 2–3 min on one CPU thread
       python examples/moe.py --quick         # 8 steps: a smoke test (seconds)
@@ -55,6 +51,7 @@ import _common  # noqa: E402
 import geomopt  # noqa: E402
 from geomopt.cli.demo import corpus_bytes, plot, span, train  # noqa: E402
 from geomopt.compile.plan import view_text  # noqa: E402
+from geomopt.geometry.spectral import compute_dtype  # noqa: E402
 
 SPEC = "muon"
 OPTIMIZERS = ("muon.yaml", "AdamW")
@@ -69,50 +66,6 @@ def build_model(args):
         num_experts_per_tok=args.top_k, max_position_embeddings=args.block, tie_word_embeddings=False,
         output_router_logits=True, router_aux_loss_coef=0.001)
     return transformers.MixtralForCausalLM(config)
-
-
-def step_seconds(args, dtype: str, reps: int) -> list[float]:
-    """Wall times of ``reps`` muon.yaml optimizer steps on a fresh model (random gradients) with
-    Newton–Schulz in ``dtype``, after one warm-up step."""
-    torch.manual_seed(args.seed)
-    model = build_model(args).to(args.device)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    opt = geomopt.GeomOptimizer(model, muon_spec(dtype))
-    opt.step()  # warm-up
-    times = []
-    for _ in range(reps):
-        if args.device != "cpu":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        opt.step()
-        if args.device != "cpu":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return times
-
-
-def ns_dtype(args, reps: int) -> tuple[str, dict]:
-    """The Newton–Schulz dtype to run, and the step times that chose it, per dtype (auto on CPU:
-    the spec's bfloat16 unless a step in bf16 takes more than twice as long as in float32, in
-    median)."""
-    if args.ns_dtype != "auto":
-        return args.ns_dtype, {}
-    if args.device != "cpu":
-        return "bfloat16", {}
-    times = {dt: step_seconds(args, dt, reps) for dt in ("bfloat16", "float32")}
-    slow = _common.median(times["bfloat16"]) > 2 * _common.median(times["float32"])
-    return ("float32" if slow else "bfloat16"), times
-
-
-def muon_spec(dtype: str) -> dict:
-    """specs/muon.yaml as a dict, with the hidden rule's Newton–Schulz dtype set to ``dtype``."""
-    spec = geomopt.load_spec(_common.spec_path(SPEC)).model_dump()
-    for rule in spec["rules"]:
-        approx = (rule.get("geometry") or {}).get("approx")
-        if approx and approx.get("kind") == "newton_schulz":
-            approx["dtype"] = dtype
-    return spec
 
 
 def routing_rows(plan, layer: int = 0) -> list[dict]:
@@ -156,9 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--expert-width", type=int, default=128)
     ap.add_argument("--adamw-lr", type=float, default=3e-3)
-    ap.add_argument("--ns-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                    help="Newton–Schulz dtype (auto: the spec's bfloat16 on CUDA; on CPU, bfloat16 unless a timed "
-                         "step in bf16 takes more than twice as long as in float32)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: on this project's shared "
                                                            "2-core CPU, 2 threads ran several times slower)")
@@ -178,17 +128,9 @@ def main(argv=None) -> int:
     names = _common.chosen_optimizers(ap, args.optimizers, OPTIMIZERS)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    step_reps = 3 if args.quick else 15
-    dtype, step_times = ns_dtype(args, reps=step_reps)
-    note = f"Newton–Schulz in {dtype}"
-    if step_times:
-        bf, f32 = _common.median(step_times["bfloat16"]), _common.median(step_times["float32"])
-        note += (f" (one muon.yaml step, median: {bf * 1e3:.0f} ms in bfloat16, {f32 * 1e3:.0f} ms in float32, "
-                 f"{bf / f32:.0f}×; " + ("muon.yaml's bfloat16 overridden" if dtype != "bfloat16" else "as muon.yaml")
-                 + f"; CPU capability {torch.backends.cpu.get_cpu_capability()})")
-    elif dtype != "bfloat16":
-        note += " (muon.yaml's bfloat16 overridden by --ns-dtype)"
-    spec = muon_spec(dtype)
+    spec = _common.spec_path(SPEC)
+    dtype = str(compute_dtype(torch.empty(0, device=args.device), "newton_schulz")).removeprefix("torch.")  # auto here
+    note = f"Newton–Schulz in {dtype} (muon.yaml's dtype auto on {args.device})"
     print(note)
 
     makers = {
@@ -235,9 +177,6 @@ def main(argv=None) -> int:
 
     settings = _common.settings_of(
         args, optimizers=names, ns_dtype_used=dtype, cpu_capability=torch.backends.cpu.get_cpu_capability(),
-        step_seconds_by_ns_dtype={k: round(_common.median(v), 5) for k, v in step_times.items()},
-        step_seconds_range_by_ns_dtype={k: [round(min(v), 5), round(max(v), 5)] for k, v in step_times.items()},
-        step_timing_reps=step_reps,
         corpus_bytes=len(corpus_bytes()), eval_every=max(1, args.steps // 20), model="MixtralForCausalLM",
         transformers=__import__("transformers").__version__)
     _common.write_results(out / "moe.json", settings=settings, results=dict(summary=summary, runs=runs),

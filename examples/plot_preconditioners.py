@@ -152,7 +152,7 @@ def plot(out: Path, coefficients: str = "polar_express") -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--coefficients", default="polar_express", choices=["polar_express", "speedrun"])
-    _common.add_output_args(parser, "preconditioners")
+    _common.add_output_args(parser, "preconditioners", timed=False)
     return parser
 
 

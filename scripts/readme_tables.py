@@ -9,10 +9,10 @@ README.md marks every generated part with a key. A block (a table and its captio
     <!-- /results -->
 
 or a value inside a sentence: ``<!-- results:grokking:clip-epochs -->60–106 epochs<!-- /results -->``.
-The text between the markers is replaced by what the key's renderer makes of the JSON. A
-renderer whose JSON lacks the field (a record made before the field existed) leaves the text as
-written; one whose sentence no longer fits the numbers (e.g. "every seed groks" when one does
-not) fails with a message saying which sentence to rewrite.
+The text between the markers is replaced by what the key's renderer makes of the JSON. A value
+the JSON does not carry (the commit, in records made before they named it) is left as written;
+a sentence that no longer fits the numbers (e.g. "every seed groks" when one does not) fails
+with a message saying which to rewrite; a committed record made with --quick is refused.
 
 Times are shown as ranges, min–max over the timed runs a record holds (``--record`` repeats each
 single-seed training 3 times; multi-seed experiments range over their seeds, each the same work),
@@ -44,6 +44,10 @@ class Stale(Exception):
     """A README sentence around a generated value no longer fits the results: rewrite it."""
 
 
+class Unusable(Exception):
+    """A results record the README must not quote (a --quick run)."""
+
+
 class Records:
     """The results records of a folder, loaded on first use."""
 
@@ -56,7 +60,7 @@ class Records:
             rec = json.loads(path.read_text(encoding="utf-8"))
             quick = rec.get("quick") or (rec.get("settings") or {}).get("quick")
             if self.committed and quick:
-                raise Stale(f"{path} was recorded with --quick: record it again without --quick")
+                raise Unusable(f"{path} was recorded with --quick: record it again without --quick")
             self._cache[stem] = rec
         return self._cache[stem]
 
@@ -174,8 +178,9 @@ def grokking(records) -> str:
             f"per seed ({', '.join(map(str, seeds))})", "reached", "time per epoch (s)"]
     lines = table(head, rows)
     lines += ["", f"`{rec['command']}`: {plural(len(seeds), 'seed')}, {duration(rec['seconds_total'])} for the whole "
-                  f"command{made_text(rec)}. Time per epoch: min–max over the seeds (every epoch is the same work), "
-                  f"on {machine_text(rec)}."]
+                  f"command{made_text(rec)}. Time per epoch: "
+                  + ("each seed's mean, min–max over the seeds" if len(seeds) > 1 else "the run's mean")
+                  + f" (every epoch is the same work), on {machine_text(rec)}."]
     return "\n".join(lines)
 
 
@@ -267,7 +272,238 @@ def digits_cnn(records) -> str:
     lines = table(["optimizer", "spec", "test accuracy (mean ± std)", "time per seed (s)"], rows)
     lines += ["", f"`{rec['command']}`: {plural(n, 'seed')}, {plural(st['epochs'], 'epoch')}, stratified {100 - tf}/{tf} "
                   f"split; {duration(rec['seconds_total'])} for the whole command{made_text(rec)}. Time per seed: "
-                  f"min–max over the {plural(n, 'seed')} (each the same work), on {machine_text(rec)}."]
+                  + ("one run" if n == 1 else f"min–max over the {n} seeds (each the same work)")
+                  + f", on {machine_text(rec)}."]
+    return "\n".join(lines)
+
+
+def digits_acc_range(records) -> str:
+    means = [s["mean"] for s in records("digits_cnn")["results"]["summary"].values()]
+    return f"{100 * min(means):.1f}–{100 * max(means):.1f}%"
+
+
+def _cost(rec: dict, slow: str, base: str) -> str:
+    s = rec["results"]["summary"]
+    return f"{s[slow]['seconds'] / s[base]['seconds']:.1f}×"
+
+
+def digits_prox_cost(records) -> str:
+    return _cost(records("digits_cnn"), "+ Frobenius (anisotropic prox)", "uScion")
+
+
+# ---------------------------------------------------------------- char_gpt
+
+CHAR_NAMES = {"prox Frobenius 0.5ρ": "prox Frobenius ball, 0.5ρ (paper's setting)",
+              "prox Frobenius 4ρ": "prox Frobenius ball, 4ρ"}
+CHAR_USCION, CHAR_PROX, CHAR_R4 = "uScion", "prox Frobenius 0.5ρ", "prox Frobenius 4ρ"
+
+
+def _fro(rec: dict, name: str) -> list[float]:
+    return [v["fro_over_rho"] for r in summary_runs(rec, name) for v in r["norms"].values()]
+
+
+def char_gpt(records) -> str:
+    rec = records("char_gpt")
+    st, summary = rec["settings"], rec["results"]["summary"]
+    rows, runs = [], 1
+    for name, s in summary.items():
+        loss = f"{s['mean_final_val']:.3f}" + (f" ± {s['std_final_val']:.3f}" if len(s["final_val"]) > 1 else "")
+        fro = _fro(rec, name)
+        times = s.get("seconds_per_run") or [s["seconds"]]
+        runs = len(times)
+        rows.append([CHAR_NAMES.get(name, name), spec_cell(s["spec"]), loss, f"{s['bits_per_byte']:.2f}",
+                     span(fro, "{:.2f}" if max(fro) < 5 else "{:.1f}"), span(times)])
+    head = ["optimizer", "spec", "final val. loss (nats/byte)" + (" (mean ± std)" if st["seeds"] > 1 else ""),
+            "bits/byte", "final ‖W‖_F/ρ (hidden)", "time (s)"]
+    lines = table(head, rows)
+    lines += ["", f"`{rec['command']}`: {st['steps']} steps, {plural(st['seeds'], 'seed')}; "
+                  f"{duration(rec['seconds_total'])} for the whole command{made_text(rec)}. "
+                  f"Time: {repeat_text(runs)}, on {machine_text(rec)}." + differ_text(rec)]
+    return "\n".join(lines)
+
+
+def char_uscion_norms(records) -> str:
+    fro = _fro(records("char_gpt"), CHAR_USCION)
+    return f"{span(fro, '{:.0f}')}ρ"
+
+
+def _val(rec: dict, name: str) -> float:
+    return rec["results"]["summary"][name]["mean_final_val"]
+
+
+def char_prox_vs_uscion(records) -> str:
+    rec = records("char_gpt")
+    return f"{_val(rec, CHAR_PROX):.2f} vs {_val(rec, CHAR_USCION):.2f}"
+
+
+def char_r4_vs_uscion(records) -> str:
+    rec = records("char_gpt")
+    return f"{_val(rec, CHAR_R4):.3f} vs {_val(rec, CHAR_USCION):.3f}"
+
+
+def char_prox_cost(records) -> str:
+    return _cost(records("char_gpt"), CHAR_PROX, CHAR_USCION)
+
+
+def char_prox_fallbacks(records) -> str:
+    n = sum((r["fallbacks"] or {}).get("hidden") or 0 for r in summary_runs(records("char_gpt"), CHAR_PROX))
+    return plural(n, "hidden step")
+
+
+# ---------------------------------------------------------------- moe
+
+
+def moe_routing(records) -> str:
+    rows = [[f"`{r['parameter']}`", r["shape"], r["role"], r["rule"], r["geometry"], r["view"]]
+            for r in records("moe")["routing"]]
+    return "\n".join(table(["parameter", "shape", "role", "rule", "geometry", "view"], rows))
+
+
+def moe(records) -> str:
+    rec = records("moe")
+    st = rec["settings"]
+    rows, runs = [], 1
+    for s in rec["results"]["summary"].values():
+        times = s.get("seconds_runs") or [s["seconds"]]
+        runs = len(times)
+        rows.append([s["describe"], f"{s['final_val']:.3f}", f"{s['best_val']:.3f}", f"{s['bits_per_byte']:.2f}",
+                     span(times)])
+    lines = table(["optimizer", "final val. loss (nats/byte)", "best val. loss", "bits/byte", "time (s)"], rows)
+    dtype = st["ns_dtype_used"]
+    if "step_seconds_by_ns_dtype" in st:  # a record from before muon.yaml's dtype was auto
+        note = f"Newton–Schulz in {dtype} (muon.yaml's bfloat16 overridden on this CPU)"
+    else:
+        note = f"Newton–Schulz in {dtype} (muon.yaml's dtype auto on {st.get('device', 'cpu')})"
+    lines += ["", f"`{rec['command']}`: {rec['steps']} steps per optimizer, seed {rec['seed']}{made_text(rec)}. "
+                  f"Time: {repeat_text(n)}, on {machine_text(rec)}; it varies with the machine's load."
+                  + differ_text(rec)]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- grokking
+
+GROK_CLIP, GROK_USCION, GROK_ADAMW = "uScion + spectral clip", "uScion", "AdamW"
+
+
+def _epochs(rec: dict, name: str) -> dict[int, int]:
+    return {r["seed"]: r["epochs_to_target"] for r in summary_runs(rec, name)}
+
+
+def grokking(records) -> str:
+    rec = records("grokking")
+    st, summary = rec["settings"], rec["results"]["summary"]
+    seeds = summary[next(iter(summary))]["seeds"]
+    rows = []
+    for name, s in summary.items():
+        per_seed = []
+        for r in summary_runs(rec, name):
+            cell = str(r["epochs_to_target"])
+            if not r["reached"]:
+                cell += f" (not reached: {r['final_val_acc']:.1%} at epoch {len(r['curve'])})"
+            per_seed.append(cell)
+        per_epoch = [r["seconds"] / len(r["curve"]) for r in summary_runs(rec, name)]
+        rows.append([name, f"{s['median_epochs']:g}", ", ".join(per_seed), f"{s['reached']}/{s['runs']}",
+                     span(per_epoch, "{:.2f}")])
+    head = ["optimizer", f"median epochs to {st['target']:.0%} val. acc. (cap {st['max_epochs']})",
+            f"per seed ({', '.join(map(str, seeds))})", "reached", "time per epoch (s)"]
+    lines = table(head, rows)
+    lines += ["", f"`{rec['command']}`: {plural(len(seeds), 'seed')}, {duration(rec['seconds_total'])} for the whole "
+                  f"command{made_text(rec)}. Time per epoch: "
+                  + ("each seed's mean, min–max over the seeds" if len(seeds) > 1 else "the run's mean")
+                  + f" (every epoch is the same work), on {machine_text(rec)}."]
+    return "\n".join(lines)
+
+
+def _reached(rec: dict, name: str) -> list[int]:
+    return [r["epochs_to_target"] for r in summary_runs(rec, name) if r["reached"]]
+
+
+def grokking_clip_epochs(records) -> str:
+    rec = records("grokking")
+    s = rec["results"]["summary"][GROK_CLIP]
+    if s["reached"] != s["runs"]:
+        raise Stale("spectral-ball clipping no longer groks on every seed")
+    return f"{span(s['epochs'], '{:d}')} epochs (median {s['median_epochs']:g})"
+
+
+def grokking_uscion_epochs(records) -> str:
+    rec = records("grokking")
+    s = rec["results"]["summary"][GROK_USCION]
+    reached = _reached(rec, GROK_USCION)
+    if s["reached"] == s["runs"] or not reached:
+        raise Stale("uScion now groks on every seed, or on none")
+    return f"median {s['median_epochs']:g}; {span(reached, '{:d}')} on the seeds that grok"
+
+
+def grokking_uscion_miss(records) -> str:
+    rec = records("grokking")
+    missed = [r for r in summary_runs(rec, GROK_USCION) if not r["reached"]]
+    if not missed or any(r["final_train_acc"] < 0.9 for r in missed):
+        raise Stale("the uScion seeds that miss the target no longer all fit the training set")
+    seeds = ", ".join(str(r["seed"]) for r in missed)
+    train = ", ".join(f"{r['final_train_acc']:.0%}" for r in missed)
+    val = ", ".join(f"{r['final_val_acc']:.0%}" for r in missed)
+    cap = rec["settings"]["max_epochs"]
+    if len(missed) == 1:
+        return f"seed {seeds} fits the training set ({train}) but still has only {val} validation accuracy at the {cap}-epoch cap"
+    return f"seeds {seeds} fit the training set ({train}) but still have only {val} validation accuracy at the {cap}-epoch cap"
+
+
+def grokking_adamw_epochs(records) -> str:
+    rec = records("grokking")
+    s = rec["results"]["summary"][GROK_ADAMW]
+    if s["reached"] != s["runs"]:
+        raise Stale("AdamW no longer groks on every seed")
+    return f"median {s['median_epochs']:g}, {span(s['epochs'], '{:d}')}"
+
+
+def _wins(rec: dict, a: str, *others: str) -> tuple[int, int]:
+    ea, eo = _epochs(rec, a), [_epochs(rec, o) for o in others]
+    return sum(all(ea[seed] < e[seed] for e in eo) for seed in ea), len(ea)
+
+
+def grokking_clip_wins(records) -> str:
+    k, n = _wins(records("grokking"), GROK_CLIP, GROK_USCION, GROK_ADAMW)
+    return "every seed" if k == n else f"{k} of {n} seeds"
+
+
+def grokking_uscion_wins(records) -> str:
+    k, n = _wins(records("grokking"), GROK_USCION, GROK_ADAMW)
+    return f"{k} of {n} seeds"
+
+
+def grokking_commit(records) -> str | None:
+    src = records("grokking").get("source")
+    if not src:
+        return None  # recorded before records named their commit: left as written
+    return src["commit"] + (" (with uncommitted changes)" if src.get("dirty") else "")
+
+
+# ---------------------------------------------------------------- digits
+
+DIGITS_NAMES = {"+ Frobenius (Euclidean proj.)": "+ Frobenius ball, Euclidean projection (heuristic)",
+                "+ Frobenius (anisotropic prox)": "+ Frobenius ball, exact anisotropic prox"}
+
+
+def spec_cell(path: str | None) -> str:
+    return f"`{path.removeprefix('specs/')}`" if path else "–"
+
+
+def digits_cnn(records) -> str:
+    rec = records("digits_cnn")
+    st, summary = rec["settings"], rec["results"]["summary"]
+    rows = []
+    for name, s in summary.items():
+        times = [r["seconds"] for r in summary_runs(rec, name)]
+        rows.append([DIGITS_NAMES.get(name, name), spec_cell(s["spec"]), f"{100 * s['mean']:.2f} ± {100 * s['std']:.2f} %",
+                     span(times, "{:.1f}")])
+    tf = round(100 * st["test_fraction"])
+    n = len(st["seed_list"])
+    lines = table(["optimizer", "spec", "test accuracy (mean ± std)", "time per seed (s)"], rows)
+    lines += ["", f"`{rec['command']}`: {plural(n, 'seed')}, {plural(st['epochs'], 'epoch')}, stratified {100 - tf}/{tf} "
+                  f"split; {duration(rec['seconds_total'])} for the whole command{made_text(rec)}. Time per seed: "
+                  + ("one run" if n == 1 else f"min–max over the {n} seeds (each the same work)")
+                  + f", on {machine_text(rec)}."]
     return "\n".join(lines)
 
 
@@ -427,6 +663,9 @@ def regenerate(text: str, records) -> tuple[str, list[str]]:
         except Stale as exc:
             problems.append(f"{key}: {exc}: rewrite the README's sentence around this key")
             return m[0]
+        except Unusable as exc:
+            problems.append(f"{key}: {exc}")
+            return m[0]
         except (OSError, KeyError, ValueError, TypeError) as exc:
             problems.append(f"{key}: cannot render from the results ({type(exc).__name__}: {exc})")
             return m[0]
@@ -461,8 +700,8 @@ def main(argv=None) -> int:
                 value = fn(records)
             except FileNotFoundError:
                 continue  # a run folder holds one experiment's JSON
-            except Stale as exc:
-                value = f"(stale: {exc})"
+            except (Stale, Unusable) as exc:
+                value = f"(cannot render: {exc})"
             print(f"<!-- results:{key} -->" + ("(left as written)" if value is None else
                   f"\n{value}\n" if "\n" in value else value) + "<!-- /results -->")
         return 0

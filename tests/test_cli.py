@@ -332,7 +332,10 @@ def test_fmt_to_dsl_and_back_is_lossless(capsys, tmp_path):
 
 def test_fmt_check(capsys, tmp_path):
     path = tmp_path / "s.yaml"
-    path.write_text(Path(USCION).read_text(encoding="utf-8"), encoding="utf-8")  # comments: not canonical
+    text = Path(USCION).read_text(encoding="utf-8")
+    assert "{kind: newton_schulz}" in text
+    # a default written out: not canonical (the shipped file itself is)
+    path.write_text(text.replace("{kind: newton_schulz}", "{kind: newton_schulz, steps: 5}"), encoding="utf-8")
     code, _, err = run(capsys, "fmt", str(path), "--check")
     assert code == 1 and "would reformat" in err
     assert run(capsys, "fmt", str(path), "-o", str(path))[0] == 0

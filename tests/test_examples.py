@@ -1,8 +1,10 @@
-"""The paper-reproduction examples run for real (``--quick``), write sane JSON and PNG files; the
-README's trainer integrations (Hugging Face Trainer, Lightning) run two real steps."""
+"""The paper-reproduction examples run for real (``--quick``), write sane JSON and PNG files to
+``--out`` (record mode too: repeated timings, the machine); the README's trainer integrations
+(Hugging Face Trainer, Lightning) run two real steps."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -20,16 +22,32 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _run(script: str, tmp_path: Path, *extra: str) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--quick", "--out-dir", str(tmp_path), *extra],
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--quick", "--out", str(tmp_path), *extra],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     stem = script.removesuffix(".py")
     record = json.loads((tmp_path / f"{stem}.json").read_text())
     assert (tmp_path / f"{stem}.png").read_bytes()[:8] == PNG
-    assert script in record["command"] and "--quick" in record["command"]
+    assert record["command"].startswith(f"python examples/{script} --quick")
     assert record["torch"] == torch.__version__ and record["date"] and record["seconds_total"] > 0
-    assert record["settings"]["quick"] is True
+    assert record["settings"]["quick"] is True and "out" not in record["settings"]
+    machine = record["machine"]
+    assert machine["cpu"] and machine["cores"] >= 1 and machine["threads"] == record["threads"]
+    assert machine["torch"] == torch.__version__
     return record
+
+
+def _readme_tables():
+    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "scripts" / "readme_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _render(key: str, folder: Path) -> str:
+    """What scripts/readme_tables.py makes of the record in ``folder`` for the README's ``key``."""
+    tables = _readme_tables()
+    return tables.RENDERERS[key](tables.Records(folder, committed=False))
 
 
 def test_grokking_quick(tmp_path):
@@ -74,28 +92,38 @@ def test_digits_cnn_quick(tmp_path):
         assert 0.0 <= s["mean"] <= 1.0 and s["std"] == 0.0, (name, s)
     for r in rec["results"]["runs"]:
         assert r["curve"] and all(0.0 <= tr <= 1.0 and 0.0 <= te <= 1.0 for _, tr, te in r["curve"])
+    table = _render("digits_cnn", tmp_path)
+    assert "| uScion | `examples/digits-uscion.yaml` |" in table and "Time per seed: one run, on " in table
 
 
 def test_char_gpt_quick(tmp_path):
     rec = _run("char_gpt.py", tmp_path, "--no-progress")
     summary, runs = rec["results"]["summary"], rec["results"]["runs"]
     assert list(summary) == ["uScion", "prox Frobenius 0.5ρ", "prox Frobenius 4ρ"]
+    assert rec["settings"]["record"] is False and rec["settings"]["repeats"] == 1
     for r in runs:
         assert all(0 < v < math.log(256) + 0.5 for v in r["val"])
-        assert r["norms"]
+        assert r["norms"] and len(r["seconds_runs"]) == 1
+    assert all(len(s["seconds_per_run"]) == 1 for s in summary.values())
     # the proximal Frobenius step keeps every hidden matrix in its ball (radius 0.5ρ, float tolerance)
     prox = next(r for r in runs if r["optimizer"] == "prox Frobenius 0.5ρ")
     assert all(v["fro_over_rho"] <= 0.5 * 1.001 for v in prox["norms"].values())
 
 
 
-def test_moe_quick(tmp_path):
-    rec = _run("moe.py", tmp_path, "--no-progress")
+def test_moe_quick_in_record_mode(tmp_path):
+    # record mode into a temporary --out: every training timed twice, the machine recorded
+    rec = _run("moe.py", tmp_path, "--no-progress", "--record", "--repeats", "2")
     summary, runs = rec["results"]["summary"], rec["results"]["runs"]
     assert list(summary) == ["muon.yaml", "AdamW"] and [r["optimizer"] for r in runs] == list(summary)
+    assert rec["settings"]["record"] is True and rec["settings"]["repeats"] == 2
+    assert rec["repeats_identical"] is True  # same seed, same batches: the repeats train identically
     for r in runs:
         assert len(r["val"]) == rec["settings"]["steps"] == 8
         assert all(math.isfinite(v) and 0 < v < math.log(256) + 1.0 for v in r["val"] + r["train"])
+        assert len(r["seconds_runs"]) == 2 and all(t > 0 for t in r["seconds_runs"])
+        assert summary[r["optimizer"]]["seconds_runs"] == r["seconds_runs"]
+    assert rec["settings"]["ns_dtype_used"] == "float32"  # muon.yaml's dtype auto on CPU
     # both optimizers start from the same weights and see the same batches: equal first training loss
     assert runs[0]["train"][0] == runs[1]["train"][0]
     rows = {r["parameter"]: r for r in rec["routing"]}
@@ -111,20 +139,12 @@ def test_moe_quick(tmp_path):
     assert router["role"] == "router" and router["geometry"] != "spectral" and router["view"] == "-"
     assert rows[layer + "self_attn.q_proj.weight"]["role"] == "hidden"
     assert rows["lm_head.weight"]["role"] == "head" and rows["model.embed_tokens.weight"]["role"] == "embedding"
-    # the README's tables come from this JSON
-    md = subprocess.run([sys.executable, str(ROOT / "examples" / "moe.py"), "--markdown", "--out-dir", str(tmp_path)],
-                        capture_output=True, text=True, timeout=60, check=True).stdout
-    assert "| `model.layers.0.mlp.experts.down_proj` | 4×64×128 | expert | hidden | spectral | 4 × 64×128 |" in md
-    assert f"| {summary['AdamW']['final_val']:.3f} |" in md
-
-
-def test_readme_quotes_moe_results():
-    # the README's "Any architecture" tables are `examples/moe.py --markdown` of the committed moe.json
-    md = subprocess.run([sys.executable, str(ROOT / "examples" / "moe.py"), "--markdown"],
-                        capture_output=True, text=True, timeout=60, check=True).stdout.strip()
-    readme = (ROOT / "README.md").read_text()
-    for block in md.split("\n\n"):
-        assert block in readme, block
+    # scripts/readme_tables.py renders the README's tables from such a record: times as min–max with the machine
+    routing = _render("moe-routing", tmp_path)
+    assert "| `model.layers.0.mlp.experts.down_proj` | 4×64×128 | expert | hidden | spectral | 4 × 64×128 |" in routing
+    table = _render("moe", tmp_path)
+    assert f"| {summary['AdamW']['final_val']:.3f} |" in table
+    assert "min–max over 2 runs of each optimizer's training" in table and rec["machine"]["cpu"] in table
 
 
 def test_example_specs_lint_clean_except_the_intended_heuristic():

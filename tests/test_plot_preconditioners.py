@@ -79,8 +79,7 @@ def test_best_fit_eps_near_design_and_slope_model(rows, steps, design_eps):
 
 
 def test_main_writes_png(pp, tmp_path, capsys):
-    out = tmp_path / "sub" / "pe.png"
-    pp.main(["--out", str(out)])
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pp.main(["--out", str(tmp_path / "sub")])
+    assert (tmp_path / "sub" / "preconditioners.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert "best eps" in text and all(f"\n{s:>5}" in text for s in (5, 6, 7, 8))

@@ -249,7 +249,8 @@ def test_tricky_strings_are_quoted():
         m.Rule(name="lr", match=m.Match(module="geometry"), geometry=m.Euclidean()),
     ])
     y = geomopt.dump_spec(spec, "yaml")
-    assert "name: 'yes'" in y and "description: '1e-3'" in y and "'10:30'" in y and "'null'" in y
+    assert 'name: "yes"' in y and 'description: "1e-3"' in y and '"10:30"' in y and 'module: "null"' in y
+    assert "- name: \"true\"" in y  # a rule name YAML 1.1 would read as a boolean
     d = geomopt.dump_spec(spec, "dsl")
     assert 'module="null"' not in d  # null is not a DSL word: it may print bare
     assert 'module="geometry"' in d and 'name "yes"' in d

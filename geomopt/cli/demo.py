@@ -41,6 +41,8 @@ def output_dir(out: str | None, record: bool, name: str, results: Path = RESULTS
                              "does not exist; pass --out DIR to record elsewhere")
         return results
     path = Path(out)
+    if path.suffix.lower() in (".png", ".json"):
+        raise ValueError(f"--out {out}: a folder is expected ({name}.json and {name}.png are written into it)")
     resolved = path.resolve()
     if not record and (resolved == results or results in resolved.parents):
         raise ValueError(f"{out} holds the committed results; pass --record to rewrite them")

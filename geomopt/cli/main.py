@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     sp.set_defaults(fn=cmd_init)
 
-    sp = sub.add_parser("fmt", help="print a spec in canonical YAML or DSL form")
+    sp = sub.add_parser("fmt", help="print a spec in canonical YAML or DSL form (comments kept)")
     sp.add_argument("spec", metavar="SPEC")
     sp.add_argument("--to", choices=("yaml", "dsl"), help="target format (default: the file's own)")
     sp.add_argument("--check", action="store_true", help="exit 1 if the file is not already formatted")

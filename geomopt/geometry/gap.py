@@ -2,46 +2,46 @@
 
     gap = ρ·[φ₁*(Ĝ) + φ₁(W) − ⟨Ĝ, W⟩],   W = (X⁺ − Y)/(γρ) from the backward step, G = ∇f(X⁺),
 
-with Ĝ = G, or G pre-normalized per matrix as the forward step normalizes its input (below). It is
-≥ 0 and needs h and h*, never h', so it stays finite and accurate for tiny ε.
+Ĝ = G, or G pre-normalized per matrix as the forward step normalizes its input (Scale, below). It
+is ≥ 0 and needs h and h*, never h', so it stays finite and accurate for tiny ε.
 
 What a zero certifies. The backward step X⁺ ∈ argmin_Z g(Z) + t·φ₁((Z − Y)/t) has the optimality
-condition −∇φ₁(W) ∈ ∂g(X⁺) *for the reference φ₁ it was computed with*, and Fenchel–Young gives
-φ₁*(Ĝ) + φ₁(W) − ⟨Ĝ, W⟩ = 0 iff Ĝ = ∇φ₁(W). So gap = 0 iff −Ĝ is the subgradient −∇φ₁(W) ∈ ∂g(X⁺)
-the step picked: X⁺ is stationary (paper Section 4: the gap is D_{φ*}(∇f, −∇̃g)); conversely at a
-fixed point of an exact forward step (W = ∇φ₁*(Ĝ)) it is 0. So φ₁ must be a reference the
-backward step is a prox for:
+condition −∇φ₁(W) ∈ ∂g(X⁺) *for the reference φ₁ it was computed with*, and by Fenchel–Young
+gap = 0 iff Ĝ = ∇φ₁(W); then −Ĝ = −∇φ₁(W) ∈ ∂g(X⁺) and X⁺ is stationary (the paper's
+D_{φ*}(∇f, −∇̃g) with the subgradient the step picked). Conversely, at a fixed point of an exact
+forward step W = ∇φ₁*(Ĝ) and the gap is 0. So φ₁ must be a reference the backward step is a
+prox for:
 
 * the declared reference, always: every backward step uses it (:mod:`geomopt.geometry.backward`),
-  whatever approximation the forward step runs. For Newton–Schulz / Polar Express rules the
-  realized κ = 4 barrier (:func:`geomopt.geometry.spectral.realized_reference`) enters the
+  whatever approximation the forward step runs. The realized κ = 4 barrier of a Newton–Schulz /
+  Polar Express forward (:func:`geomopt.geometry.spectral.realized_reference`) reaches the
   backward step only through the declaration: measured against it while the backward step used
   another h, a zero (Ĝ = ∇φ_realized(W)) would not make −Ĝ a subgradient of g;
-* every reference, where the backward step does not depend on h (spectral set projections:
-  spectral_ball, spectral_sphere, stiefel, rank, paper Table 1; or no constraint). There the one
-  the forward realizes is taken, so that the gap vanishes where the forward is ∇φ₁*(Ĝ) (at a
-  fixed point W is the forward's output).
+* any reference, where the backward step does not depend on h (spectral set projections:
+  spectral_ball, spectral_sphere, stiefel, rank, paper Table 1; no constraint). There the one the
+  forward realizes is the right one: the gap then vanishes at the iteration's fixed points as far
+  as the forward is ∇φ₁*(Ĝ).
 
-``reference="auto"`` (the default) applies that rule: the realized reference for a Newton–Schulz /
-Polar Express rule whose backward step is independent of h, the declared one otherwise (for the
-shipped specs they agree closely: the specs declare the realized barrier, ε to a few %). ``"declared"``
-and ``"realized"`` force one; ``"realized"`` under an h-dependent step (Frobenius ball, sphere)
-measures the distance to the iteration's own fixed point, not stationarity. The gap is always
-computed exactly (singular values by SVD), never with the polynomial iteration.
+``reference="auto"`` (the default) is that rule: the realized barrier for a Newton–Schulz / Polar
+Express rule whose backward step is independent of h, the declared reference otherwise (the
+shipped specs declare the realized barrier, ε to a few %, so the two differ little there; where
+the declared one is the indicator, "auto" still measures such a rule). ``"declared"`` and
+``"realized"`` force one; ``"realized"`` under an h-dependent step (Frobenius ball, sphere) measures
+the distance to the iteration's own fixed point, not stationarity. Either way the gap is computed
+exactly (singular values by SVD), never with the polynomial iteration.
 
 Scale. With ``prenormalize`` (on by default for Newton–Schulz / Polar Express) the forward step
 sees D̂ = D/(‖D‖_F + ε) per matrix, so at a fixed point W = ∇φ₁*(Ĝ), and pairing W with G would
-leave D_{φ₁*}(G, Ĝ) > 0 at stationary points. For a set constraint ∂g(X⁺) is a cone, −Ĝ ∈ ∂g(X⁺)
-iff −G ∈ ∂g(X⁺), and the gap pairs W with Ĝ. ``proximal_decay`` (g = (1/λ)⋆φ) is not a cone: there
-it pairs W with G (the normalized iteration's fixed points are not stationary for f + g then, and
-the gap says so).
+leave D_{φ₁*}(G, Ĝ) > 0 at stationary points (negligible where σ(G) ≫ ε, of order ρε per direction
+for small gradients). For a set constraint ∂g(X⁺) is a cone, −Ĝ ∈ ∂g(X⁺) iff −G ∈ ∂g(X⁺), and W
+is paired with Ĝ. ``proximal_decay`` (g = (1/λ)⋆φ) is no cone: W is paired with G (the normalized
+iteration's fixed points are not stationary for f + g then, and the gap says so).
 
 The floor of a polynomial iteration. The composed odd polynomial p of Newton–Schulz / Polar
-Express is no ∇φ₁* (it oscillates around 1: for σ̂ ≥ 2e-3 Muon's 5-step map lies between 0.68
-and 1.2, Polar Express's between 0.87 and 1.13), so
-at its fixed points the gap is the model error ρ·Σᵢ D_h(p(σ̂ᵢ), (h*)'(σ̂ᵢ)) > 0 over the active
-directions, and +∞ where p(σ̂ᵢ) > 1 puts W outside dom φ₁ (the backward step flags such steps as
-fallbacks).
+Express is no ∇φ₁* (it oscillates around 1: for σ̂ ≥ 2e-3 Muon's 5-step map lies between 0.68 and
+1.2, Polar Express's between 0.87 and 1.13), so at its fixed points the gap is its model error
+ρ·Σᵢ [h*(σ̂ᵢ) + h(p(σ̂ᵢ)) − σ̂ᵢ·p(σ̂ᵢ)] over the active directions, not 0; and +∞ once p(σ̂ᵢ) > 1
+puts W outside dom φ₁ (the backward step counts such steps as fallbacks).
 
 For numerical nonnegativity the sum is evaluated as a sum of terms that are each ≥ 0 in exact
 arithmetic, each clamped at 0: per-coordinate Fenchel–Young terms h(w) + h*(g) − g·w, plus the
@@ -59,7 +59,7 @@ import math
 
 import torch
 
-from geomopt.geometry.backward import SPECTRAL_SETS
+from geomopt.catalog import SPECTRAL_SETS
 from geomopt.geometry.reference import Reference, make_reference
 from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, default_prenormalize, prenormalize, realized_reference
 from geomopt.geometry.view import reduce, split_view
@@ -80,7 +80,8 @@ def gap_reference(geometry: dict, constraint: dict | None = None, reference: str
         return None
     declared = dict(geometry.get("reference") or {"kind": "quadratic"})
     approx = geometry.get("approx") or {}
-    realized = realized_reference(approx) if kind == "spectral" and approx.get("kind") in POLYNOMIAL_APPROXES else None
+    polynomial = kind == "spectral" and approx.get("kind") in POLYNOMIAL_APPROXES
+    realized = realized_reference(approx) if polynomial else None
     if realized is None or reference == "declared":
         return declared
     if reference == "realized" or _any_reference(geometry, constraint):
@@ -93,17 +94,18 @@ def gap_unavailable(geometry: dict, constraint: dict | None = None, reference: s
     at instead; None where it is defined."""
     ref = gap_reference(geometry, constraint, reference)
     if ref is None:
-        return ("the adam geometry is outside the theory: its step is not ∇φ₁* of a reference function, "
-                "so there is no Fenchel–Young pair (G, W); watch the loss and update_norm")
+        return ("adam is outside the theory: its step is not ∇φ₁* of a reference function, so there is no "
+                "Fenchel–Young pair (G, W) to measure; watch the loss and update_norm")
     if ref["kind"] != "indicator":
         return None
-    why = ("the indicator reference has φ₁* = ‖·‖_*, not strictly convex: φ₁*(G) − ⟨G, W⟩ vanishes for every "
-           "G in the normal cone at W, so a zero would not certify stationarity")
+    why = ("the indicator reference has φ₁* = ‖·‖_*, not strictly convex: φ₁*(G) − ⟨G, W⟩ vanishes for "
+           "every G in the normal cone at W, so a zero would not certify stationarity")
     approx = (geometry.get("approx") or {}).get("kind")
     if geometry["kind"] == "spectral" and approx in POLYNOMIAL_APPROXES and _any_reference(geometry, constraint):
-        return why + (f"; reference 'auto' measures the {approx} forward's realized κ = 4 barrier, which certifies "
-                      "here (the backward step does not depend on h)")
-    return why + "; declare a barrier (power_barrier or log_barrier, small eps: the same steps as eps → 0) to measure a gap"
+        return why + (f"; reference 'auto' measures the {approx} forward's realized κ = 4 barrier, which "
+                      "certifies here (the backward step does not depend on h)")
+    return why + ("; declare a barrier (power_barrier or log_barrier, small eps: the same steps as eps → 0) "
+                  "to measure a gap")
 
 
 def stationarity_gap(

@@ -30,6 +30,7 @@ import dataclasses
 import torch
 
 from geomopt.compile.plan import ParamPlan
+from geomopt.distributed import is_dtensor
 
 # kind → the geomopt state keys it is made of (moved together or not at all)
 KINDS = {
@@ -210,8 +211,6 @@ def _relayout(value: torch.Tensor, key: str, was_t: bool, now_t: bool, source: s
     """From the saved layout to the new plan's: geomopt keeps ``VIEW_KEYS`` of unsharded tensors
     transposed for ``layout: in_out``; torch.optim and sharded (DTensor) state are laid out like
     the parameter."""
-    from geomopt.distributed import is_dtensor
-
     if key not in VIEW_KEYS or is_dtensor(value):
         return value
     if source != "geomopt":
@@ -221,8 +220,6 @@ def _relayout(value: torch.Tensor, key: str, was_t: bool, now_t: bool, source: s
 
 def _param_shape(value: torch.Tensor, key: str, pp: ParamPlan) -> tuple:
     """The shape of an entry in the new layout, read as the parameter's."""
-    from geomopt.distributed import is_dtensor
-
     if pp.transpose and key in VIEW_KEYS and not is_dtensor(value):
         return tuple(value.transpose(0, 1).shape)
     return tuple(value.shape)

@@ -17,8 +17,8 @@ How a comment attaches:
   the lines just above it, indented as it is;
 * a comment at the end of a line is **trailing** for the first element that starts on that line
   (``- name: x  # c`` is the rule's, ``approx: {…}  # c`` the ``approx`` key's); on a line where
-  no element starts (a list continued over lines, a ``kind:`` line) it is the trailing comment of
-  the nearest element above, or, if that already has one, a ``before`` comment of the next;
+  no element starts (a list or call continued over lines) it is the trailing comment of the
+  nearest element above, or, if that already has one, a ``before`` comment of the next;
 * own-line comments after the last element are the **footer** (printed last, after a blank line).
 
 The printers (:mod:`geomopt.spec.printers`) print only elements that differ from defaults, and
@@ -32,12 +32,13 @@ YAML → DSL → YAML keeps every comment text on the same element, and printing
 The ``# yaml-language-server: $schema=…`` modeline (which editors read to validate a YAML spec
 against ``schema/geomopt-1.schema.json``) is a header comment in both spellings: the printers
 write it first, spelled ``# yaml-language-server: $schema=URL``, in YAML and in the DSL alike
-(where it means nothing to the DSL, but is carried so that converting back restores it).
-Blank lines are layout, not content: the canonical form decides them.
+(where it means nothing to the DSL, but is carried so that converting back restores it). Only
+the header holds it: elsewhere that text is an ordinary comment. Blank lines are layout, not content: the canonical form decides them.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
 from typing import Iterable, Optional
@@ -262,31 +263,29 @@ def attach(found: list[Comment], source: SourceMap) -> Comments:
     if not anchors:
         out.header = [c.text for c in found]
         return out
-    first = anchors[0][0]
+    starts = [pos for pos, _ in anchors]
     by_line: dict = {}
     for pos, path in anchors:
         by_line.setdefault(pos[0], (pos, path))  # the first (outermost) element on each line
 
     def following(at: tuple) -> Optional[Path]:
-        return next((path for pos, path in anchors if pos > at), None)
+        i = bisect.bisect_right(starts, at)
+        return anchors[i][1] if i < len(anchors) else None
 
     for c in found:
         at = (c.line, c.col)
         if c.own_line:
-            if at < first:
+            if at < starts[0]:
                 out.header.append(c.text)
-                continue
-            _before(out, following(at), c)
+            else:
+                _before(out, following(at), c)
             continue
         here = by_line.get(c.line)
         if here is not None and here[0] < at:
             target = here[1]
-        else:
-            above = [path for pos, path in anchors if pos < at]
-            target = above[-1] if above else None
-            if above:  # the outermost element starting on that element's line
-                line = next(pos for pos, path in anchors if path == target)[0]
-                target = by_line[line][1]
+        else:  # no element starts on this line: the outermost one on the line of the nearest above
+            i = bisect.bisect_left(starts, at) - 1
+            target = by_line[starts[i][0]][1] if i >= 0 else None
         if target is not None and target not in out.trailing:
             out.trailing[target] = c.text
             out.lines[("trailing", target)] = c.line

@@ -14,6 +14,9 @@ A call ``kind(a=…, …)`` is the mapping ``{kind: …, a: …}``; a bare word 
 (``direction=none``, ``spectral(indicator)``, ``view=auto``) is ``{kind: word}``; a geometry's one
 positional argument is its ``reference``; elsewhere a bare word is a string (``role=hidden``).
 ``roles role=[patterns…]`` is the spec's ``roles`` mapping.
+
+Comments are dropped here, as the grammar ignores them; :mod:`geomopt.spec.comments` finds them
+in the text and attaches them by the positions recorded here, so that ``geomopt fmt`` keeps them.
 """
 
 from __future__ import annotations

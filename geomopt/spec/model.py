@@ -21,7 +21,7 @@ Probability = Annotated[float, Field(gt=0, le=1)]
 
 class _Model(BaseModel):
     # allow_inf_nan=False: no field means anything at ±inf/nan, and the DSL has no spelling for them
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False, defer_build=True)
 
 
 # ---------------------------------------------------------------- reference functions h

@@ -17,9 +17,10 @@ then the fields in the model's order, a ``view`` last.
   and role patterns are always double-quoted; other strings are plain where YAML 1.1 and 1.2 both
   read them back as the same string, else double-quoted. Floats are Python's shortest round-trip
   spelling, with an exponent as ``1.0e-8`` (a ``.`` so that YAML 1.1 tools read a float too).
-* DSL: one statement a line and a blank line before each rule, as in ``grammars/geomopt.lark``'s
-  examples; a statement or call holding a commented element is broken one item a line (calls with
-  a trailing comma), so that each comment has its element's line. Exponents as ``1e-8``.
+* DSL: one statement a line, a blank line before each rule, a rule's fields a line each indented
+  four spaces; a statement, match or call holding a commented element is broken one item a line
+  (a call's arguments with a trailing comma), so that each comment has its element's line.
+  Exponents as ``1e-8``.
 
 Comments (:mod:`geomopt.spec.comments`) are printed when given: the header (its ``$schema``
 modeline first), each element's own-line comments above it, its trailing comment after its

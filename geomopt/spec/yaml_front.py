@@ -4,16 +4,28 @@ PyYAML resolves YAML 1.1: ``1e-3`` would load as a string, ``yes``/``on`` as boo
 as 630, and duplicate keys silently overwrite. Here scalars resolve by the YAML 1.2 core schema
 (floats with or without a dot, booleans only true/false), duplicate keys are errors, and only
 safe tags are accepted.
+
+Speed: libyaml (PyYAML's C parser) reads the text into events, from which :func:`_load_fast`
+builds the data and positions :func:`_build` would make of the pure-Python loader's node tree
+(ten times faster on a large spec). Input that is not one well-formed document, or on which the
+two parsers could differ, goes to the pure-Python loader, whose messages are the reference: an
+error reads the same whichever parser met the text first.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 
 import yaml
 
 from geomopt.spec.diagnostics import SpecError, language_diagnostic
 from geomopt.spec.source import MAX_DEPTH, MAX_NODES, Parsed, SourceMap
+
+try:
+    from yaml._yaml import CParser as _CParser
+except ImportError:  # PyYAML built without libyaml: the pure-Python loader does it all
+    _CParser = None
 
 _INT = re.compile(r"^[-+]?[0-9]+$|^0o[0-7]+$|^0x[0-9a-fA-F]+$")
 _FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$|^[-+]?\.(inf|Inf|INF)$|^\.(nan|NaN|NAN)$")
@@ -84,6 +96,169 @@ def _pos(mark) -> tuple[int, int]:
 def parse_yaml(text: str, file: str = "<spec>") -> Parsed:
     """Text → plain data + :class:`SourceMap`; raises :class:`SpecError` on malformed YAML."""
     source = SourceMap(file=file, format="yaml")
+    try:
+        return Parsed(_load_fast(text, source), source)
+    except _Fallback:
+        source = SourceMap(file=file, format="yaml")
+    root = _compose(text, file)
+    if root is None or (isinstance(root, yaml.ScalarNode) and root.value == "" and root.style is None and root.tag == _T + "null"):
+        # no document, or only `---` / `...`: an empty plain scalar
+        raise SpecError([language_diagnostic("GO009", "empty spec: expected a mapping with 'geomopt: 1', 'name' and 'rules'", file)])
+    counter = [0]
+    data = _build(root, (), source, counter, set())
+    return Parsed(data, source)
+
+
+class _Fallback(Exception):
+    """Raised by :func:`_load_fast` for input only the pure-Python loader may judge."""
+
+
+_EVENTS = yaml.events
+# Where libyaml and PyYAML's scanner disagree (found by differential fuzzing): a tab inside a plain
+# scalar or before a token (PyYAML refuses it), a byte order mark after the start (columns differ),
+# a comment right after a block scalar's indicators (libyaml accepts `|-#`). Two more are checked
+# per scalar: an empty one (libyaml may mark it elsewhere), and '?' inside a plain scalar in a
+# flow collection (PyYAML ends the scalar there).
+_LIBYAML_DIFFERS = re.compile(r"\t|.\ufeff|[|>][-+0-9]*#", re.S)
+_STR, _MAP, _SEQ = _T + "str", _T + "map", _T + "seq"
+_NONE = object()  # no pending mapping key; no cached scalar
+
+
+def _load_fast(text: str, source: SourceMap):
+    """What :func:`_build` makes of the pure-Python loader's node tree for ``text``, the same data
+    and the same positions in ``source``, straight from libyaml's events: no node tree, no
+    recursion. Raises :class:`_Fallback` wherever the pure-Python loader must decide: no libyaml,
+    input on which the two parsers differ, any error (syntax, tag, duplicate or merge key, a key
+    that is not a scalar, an alias to an unknown, open or repeated anchor, too deep, too many
+    nodes), no document or several."""
+    if _CParser is None or _LIBYAML_DIFFERS.search(text):
+        raise _Fallback
+    try:
+        parser = _CParser(text)
+    except ValueError:  # a lone surrogate cannot be encoded for libyaml
+        raise _Fallback from None
+    try:
+        return _from_events(parser.get_event, source)
+    except (yaml.YAMLError, ValueError):
+        raise _Fallback from None
+    finally:
+        parser.dispose()
+
+
+def _from_events(get_event, source: SourceMap):
+    resolve = _Resolver().resolve
+    scalar_event, alias_event = _EVENTS.ScalarEvent, _EVENTS.AliasEvent
+    mapping_start, sequence_start = _EVENTS.MappingStartEvent, _EVENTS.SequenceStartEvent
+    mapping_end, sequence_end = _EVENTS.MappingEndEvent, _EVENTS.SequenceEndEvent
+    scalars: dict = {}  # (tag, text, implicit) → value: specs repeat their kinds and numbers
+    values: list = []  # (path, pos) of every value node, in the order _build records them
+    keys: list = []  # (path, pos) of every mapping key
+    anchors: dict = {}  # name → None while its collection is open, then what an alias copies
+    stack: list = []  # the enclosing collections' states
+    get_event()  # StreamStartEvent
+    if get_event().__class__ is not _EVENTS.DocumentStartEvent:
+        raise _Fallback  # no document: the reference says so
+    root = container = _NONE
+    path: tuple = ()
+    key = _NONE
+    mapping = flow = False
+    nodes = 0
+    while True:
+        event = get_event()
+        cls = event.__class__
+        if cls is mapping_end or cls is sequence_end:
+            value, own = container, path
+            container, path, key, mapping, flow, anchor, v0, k0, n0 = stack.pop()
+            if anchor is not None:
+                cut = len(own)
+                anchors[anchor] = (value, [(p[cut:], q) for p, q in values[v0:]], [(p[cut:], q) for p, q in keys[k0:]],
+                                   nodes - n0)
+        elif cls is _EVENTS.DocumentEndEvent:
+            if get_event().__class__ is not _EVENTS.StreamEndEvent:
+                raise _Fallback  # several documents
+            source.values, source.keys = dict(values), dict(keys)
+            return root
+        else:
+            if mapping and key is _NONE:  # a mapping key: a plain word
+                if cls is not scalar_event or event.anchor is not None:
+                    raise _Fallback
+                text, style = event.value, event.style
+                if not text or (not style and (text == "<<" or (flow and "?" in text))):
+                    raise _Fallback
+                word = _scalar_value(event, scalars, resolve)
+                key = word if isinstance(word, str) else text
+                if key in container:
+                    raise _Fallback
+                mark = event.start_mark
+                keys.append((path + (key,), (mark.line + 1, mark.column + 1)))
+                continue
+            at = () if container is _NONE else path + (key,) if mapping else path + (len(container),)
+            if cls is alias_event:
+                stored = anchors.get(event.anchor)
+                if stored is None:
+                    raise _Fallback
+                value, sub_values, sub_keys, count = stored
+                nodes += count
+                if nodes > MAX_NODES or len(at) + max(len(p) for p, _ in sub_values) > MAX_DEPTH:
+                    raise _Fallback
+                values += [(at + p, q) for p, q in sub_values]
+                keys += [(at + p, q) for p, q in sub_keys]
+                if isinstance(value, (dict, list)):
+                    value = copy.deepcopy(value)
+            else:
+                nodes += 1
+                if nodes > MAX_NODES or len(at) > MAX_DEPTH:
+                    raise _Fallback
+                mark = event.start_mark
+                pos = (mark.line + 1, mark.column + 1)
+                values.append((at, pos))
+                anchor = event.anchor
+                if anchor is not None and anchor in anchors:
+                    raise _Fallback
+                if cls is scalar_event:
+                    text = event.value
+                    if not event.style and (not text or (flow and "?" in text)):
+                        raise _Fallback
+                    value = _scalar_value(event, scalars, resolve)
+                    if anchor is not None:
+                        anchors[anchor] = (value, [((), pos)], [], 1)
+                else:  # a mapping or a list opens
+                    opens_mapping = cls is mapping_start
+                    if event.tag not in (None, "!", _MAP if opens_mapping else _SEQ):
+                        raise _Fallback
+                    if anchor is not None:
+                        anchors[anchor] = None  # open: an alias to it inside is recursive
+                    stack.append((container, path, key, mapping, flow, anchor, len(values) - 1, len(keys), nodes - 1))
+                    container, path, key, mapping, flow = {} if opens_mapping else [], at, _NONE, opens_mapping, event.flow_style
+                    continue
+        if container is _NONE:
+            root = value
+        elif mapping:
+            container[key] = value
+            key = _NONE
+        else:
+            container.append(value)
+
+
+def _scalar_value(event, cache: dict, resolve):
+    """A scalar event's value as :func:`_scalar` reads it (through ``cache``); :class:`_Fallback`
+    where :func:`_scalar` raises."""
+    tag, text = event.tag, event.value
+    key = (tag, text, event.implicit)
+    value = cache.get(key, _NONE)
+    if value is _NONE:
+        if tag is None:
+            tag = resolve(yaml.ScalarNode, text, event.implicit)
+        elif tag == "!":
+            tag = _STR
+        if tag != _STR and (tag not in _EXPLICIT or not _EXPLICIT[tag].match(text)):
+            raise _Fallback
+        value = cache[key] = _convert(tag, text)
+    return value
+
+
+def _compose(text: str, file: str):
+    """The pure-Python loader's node tree (None for no document); the reference for every error."""
     loader = None
     try:
         loader = _Loader(text)
@@ -111,12 +286,7 @@ def parse_yaml(text: str, file: str = "<spec>") -> Parsed:
         raise SpecError([language_diagnostic("GO010", f"unreadable input: {exc.reason} (character #x{exc.character:04x}); a spec is plain UTF-8 text", file, (line, col))]) from None
     except yaml.YAMLError as exc:  # pragma: no cover - PyYAML raises Marked errors for text input
         raise SpecError([language_diagnostic("GO001", f"YAML error: {exc}", file)]) from None
-    if root is None or (isinstance(root, yaml.ScalarNode) and root.value == "" and root.style is None and root.tag == _T + "null"):
-        # no document, or only `---` / `...`: an empty plain scalar
-        raise SpecError([language_diagnostic("GO009", "empty spec: expected a mapping with 'geomopt: 1', 'name' and 'rules'", file)])
-    counter = [0]
-    data = _build(root, (), source, counter, set())
-    return Parsed(data, source)
+    return root
 
 
 def _build(node, path, source: SourceMap, counter, active: set):
@@ -181,6 +351,13 @@ def _scalar(node, source: SourceMap):
         raise SpecError([_tag_error(node, source)])
     if not _EXPLICIT[tag].match(value):  # explicit `!!int 0b11`, `!!float abc`: not that type in YAML 1.2
         raise SpecError([language_diagnostic("GO005", f"{value!r} is not a valid !!{tag[len(_T):]} (YAML 1.2 core schema)", source.file, _pos(node.start_mark))])
+    return _convert(tag, value)
+
+
+def _convert(tag: str, value: str):
+    """A scalar's text as a Python value, once its tag is known to fit it."""
+    if tag == _STR:
+        return value
     if tag == _T + "bool":
         return value.lower() == "true"
     if tag == _T + "int":

@@ -17,6 +17,7 @@ rule head match role=[head, router]:
     lr=0.001
 
 rule hidden match role=[hidden, expert]:
+    # Newton–Schulz: 5 steps; dtype auto: bf16 on CUDA (as torch.optim.Muon), fp32 on CPU
     geometry spectral(indicator, approx=newton_schulz, prenormalize=max, scale=muon_original, view=auto)
     direction=polyak(alpha=0.05, nesterov=true)
 
