@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import os
 import platform
 import statistics
@@ -132,7 +133,12 @@ def main(argv=None) -> int:
             rows.append(f"| {name} | {path.stat().st_size / 1000:.1f} kB | {rules} | {statistics.median(times):.3f} | "
                         f"{min(times):.3f} | {'yes' if imports_torch(path) else 'no'} | {count(proc)} |")
     cpu = f"{platform.machine()} CPU, {os.cpu_count()} cores"
-    lines = [f"### geomopt lint (no model), {cpu}, Python {platform.python_version()} — {datetime.date.today().isoformat()}",
+    try:
+        torch = f"torch {importlib.metadata.version('torch')} installed"
+    except importlib.metadata.PackageNotFoundError:
+        torch = "no torch installed"
+    lines = [f"### geomopt lint (no model), {cpu}, Python {platform.python_version()}, {torch} — "
+             f"{datetime.date.today().isoformat()}",
              "", f"| spec | size | rules | wall (s, median of {runs}) | wall (s, min) | imports torch | errors / warnings / notes |",
              "|---|---|---|---|---|---|---|", *rows]
     emit("\n".join(lines), args.record)

@@ -80,3 +80,11 @@ def test_dtype_script_times_the_shipped_auto_against_forced_bf16(capsys):
     names = re.findall(r"^\| ([^|]+?) \| [\d.]+ \|", out, flags=re.M)
     assert names == ["torch.optim.Muon (bf16 Newton–Schulz)", "AdamW (fused)", "muon.yaml, dtype auto (shipped)",
                      "muon.yaml, dtype bfloat16 (forced)"], out
+
+
+def test_lint_script_times_shipped_and_generated_specs(capsys):
+    assert _script("lint").main(["--quick"]) == 0
+    rows = re.findall(r"^\| (\S+) \| [\d.]+ kB \| (\d+) \| [\d.]+ \| [\d.]+ \| (yes|no) \|", capsys.readouterr().out, flags=re.M)
+    assert [r[0] for r in rows] == ["specs/muon.yaml", "specs/muon.geom", "generated.yaml", "generated.geom"], rows
+    assert all(int(r[1]) >= 4 for r in rows)
+    assert [r[2] for r in rows] == ["no"] * 4  # lint without a model never imports torch

@@ -93,10 +93,10 @@ def test_shipped_yaml_modeline_is_first_in_both_spellings(path):
 def test_muon_keeps_its_newton_schulz_dtype_note():
     text = (SPECS / "muon.yaml").read_text(encoding="utf-8")
     line = next(l for l in text.splitlines() if "approx:" in l)
-    assert line.strip() == "approx: {kind: newton_schulz}  # dtype auto: bf16 on CUDA as torch.optim.Muon, fp32 on CPU"
+    assert line.strip() == "approx: {kind: newton_schulz}  # 5 steps; dtype auto: bf16 on CUDA as torch.optim.Muon, fp32 on CPU"
     assert geomopt.load_spec(SPECS / "muon.yaml").rules[2].geometry.approx.dtype == "auto"
     dsl = fmt(text, "yaml", "dsl")
-    assert "        approx=newton_schulz,  # dtype auto: bf16 on CUDA as torch.optim.Muon, fp32 on CPU\n" in dsl
+    assert "        approx=newton_schulz,  # 5 steps; dtype auto: bf16 on CUDA as torch.optim.Muon, fp32 on CPU\n" in dsl
 
 
 # ---------------------------------------------------------------- a handmade spec
@@ -311,7 +311,7 @@ def test_fmt_check_sees_comment_layout(capsys, tmp_path):
     """Comments are part of the canonical form: three spaces before a `#`, a lost indent fail the check."""
     canonical = (SPECS / "muon.yaml").read_text(encoding="utf-8")
     path = tmp_path / "m.yaml"
-    for bad in (canonical.replace("}  # dtype", "}   # dtype"), canonical.replace("\n# torch", "\n\n# torch", 1)):
+    for bad in (canonical.replace("}  # 5 steps", "}   # 5 steps"), canonical.replace("\n# torch", "\n\n# torch", 1)):
         assert bad != canonical
         path.write_text(bad, encoding="utf-8")
         code, _, err = run(capsys, "fmt", path, "--check")

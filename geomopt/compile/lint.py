@@ -275,13 +275,19 @@ def no_operator(ctx: LintContext):
                    f"{', '.join(have) if have else 'no constraints'}"), ("rules", i, "constraint", "kind")
 
 
+def _field(model, name: str, default=None):
+    """A spec model's field, or ``default`` where its kind has none (a plain lookup: ``getattr``
+    on a field a model lacks goes through pydantic's slow ``__getattr__``)."""
+    return model.__dict__.get(name, default)
+
+
 def _eps_paths(rule, i):
     g = rule.geometry
-    ref = getattr(g, "reference", None)
-    if ref is not None and getattr(ref, "eps", None) is not None:
+    ref = _field(g, "reference")
+    if ref is not None and _field(ref, "eps") is not None:
         yield ref.eps, ("rules", i, "geometry", "reference", "eps")
-    pre = getattr(g, "prenormalize", None)
-    if pre is not None and getattr(pre, "eps", None) is not None:
+    pre = _field(g, "prenormalize")
+    if pre is not None and _field(pre, "eps") is not None:
         yield pre.eps, ("rules", i, "geometry", "prenormalize", "eps")
     if g.kind == "adam":
         yield g.eps, ("rules", i, "geometry", "eps")
@@ -300,7 +306,7 @@ def dubious_value(ctx: LintContext):
             if eps < 1e-12:
                 yield f"eps={eps:g} is below 1e-12: float32 cannot resolve it; use ≥ 1e-12 (1e-8 is usual)", path
         owned = ctx.owned(i)
-        if owned and getattr(rule.geometry, "scale", "none") != "none":
+        if owned and _field(rule.geometry, "scale", "none") != "none":
             from geomopt.geometry.scale import radius_scale  # torch: only with a model
 
             geometry = rule.geometry.model_dump()
@@ -378,7 +384,7 @@ def outside_theory(ctx: LintContext):
         g = rule.geometry
         if g.kind == "adam":
             yield f"rule '{rule.name}': the adam geometry is outside the paper's theory", ("rules", i, "geometry", "kind")
-        ref = getattr(g, "reference", None)
+        ref = _field(g, "reference")
         if rule.constraint is not None and ref is not None and ref.kind == "indicator":
             yield (f"rule '{rule.name}': {rule.constraint.kind} with the indicator reference is outside the "
                    f"theory (no stationarity gap)"), ("rules", i, "geometry", "reference")

@@ -31,11 +31,11 @@ def forward_op(geometry: str) -> Callable[[Callable], Callable]:
     return register
 
 
-def backward_op(fn: Callable) -> Callable:
+def backward_op(fn: Callable, *pairs) -> Callable:
     """Register ``fn`` under the (geometry, constraint) pairs of its row of the backward table,
     :data:`geomopt.catalog.BACKWARD_TABLE` (keyed by the function's name): the table is the one
     place a pair is declared, so lint knows the pairs without importing the ops."""
-    if not callable(fn) or fn.__name__ not in BACKWARD_TABLE:
+    if pairs or not callable(fn) or fn.__name__ not in BACKWARD_TABLE:
         name = getattr(fn, "__name__", repr(fn))
         raise TypeError(f"backward op {name!r} has no row in geomopt.catalog.BACKWARD_TABLE: declare the "
                         f"(geometries, constraints) it serves there, then decorate it with a bare @backward_op")

@@ -30,10 +30,8 @@ from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from geomopt.spec.diagnostics import SpecError, did_you_mean, language_diagnostic
+from geomopt.spec.model import KIND_FIELDS
 from geomopt.spec.source import MAX_DEPTH, Parsed, SourceMap
-
-# Fields whose value is a {kind: …} mapping: a bare word there names the kind.
-KIND_FIELDS = frozenset({"geometry", "constraint", "reference", "approx", "prenormalize", "direction", "schedule", "view"})
 
 _KEYWORDS = {
     "GEOMOPT": "geomopt", "NAME": "name", "DESCRIPTION": "description", "DEFAULTS": "defaults", "ROLES": "roles",

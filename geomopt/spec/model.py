@@ -21,7 +21,7 @@ Probability = Annotated[float, Field(gt=0, le=1)]
 
 class _Model(BaseModel):
     # allow_inf_nan=False: no field means anything at ±inf/nan, and the DSL has no spelling for them
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False, defer_build=True)
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------- reference functions h
@@ -167,6 +167,9 @@ class MatrixView(_Model):
 
 View = Annotated[Union[AutoView, MatrixView], Field(discriminator="kind")]
 VIEW_KINDS = ("auto", "matrix")
+
+# Fields whose value is a {kind: …} mapping: a bare word there (DSL) names the kind.
+KIND_FIELDS = frozenset({"geometry", "constraint", "reference", "approx", "prenormalize", "direction", "schedule", "view"})
 
 
 def _view_shorthand(v):

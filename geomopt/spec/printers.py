@@ -38,8 +38,7 @@ import yaml
 from pydantic import BaseModel
 
 from geomopt.spec.comments import Comments
-from geomopt.spec.dsl_front import KIND_FIELDS
-from geomopt.spec.model import LogBarrier, Polyak, PowerBarrier, Spec, Storm
+from geomopt.spec.model import KIND_FIELDS, LogBarrier, Polyak, PowerBarrier, Spec, Storm
 from geomopt.spec.yaml_front import YamlDumper
 
 _EXPLICIT = (LogBarrier, PowerBarrier, Polyak, Storm)

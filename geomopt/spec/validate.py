@@ -277,9 +277,6 @@ def _field_name(path) -> str:
 
 def parse_spec(text: str, format: str = "yaml", *, file: str = "<spec>") -> Spec:
     """Parse spec text (``format`` "yaml" or "dsl"); raises :class:`SpecError` with positions."""
-    from geomopt.spec.dsl_front import parse_dsl
-    from geomopt.spec.yaml_front import parse_yaml
-
     if format not in ("yaml", "dsl"):
         raise ValueError(f"format must be 'yaml' or 'dsl', got {format!r}")
     if len(text) > MAX_BYTES:
@@ -288,16 +285,20 @@ def parse_spec(text: str, format: str = "yaml", *, file: str = "<spec>") -> Spec
         at = text.index("\x00")
         line = text.count("\n", 0, at) + 1
         raise SpecError([language_diagnostic("GO010", "binary input (NUL byte): a spec is plain UTF-8 text", file, (line, at - (text.rfind("\n", 0, at) + 1) + 1))])
-    with _gc_paused():
-        return validate((parse_yaml if format == "yaml" else parse_dsl)(text, file))
+    if format == "yaml":
+        from geomopt.spec.yaml_front import parse_yaml as parse
+    else:  # lark (the DSL's parser) loads only for DSL text
+        from geomopt.spec.dsl_front import parse_dsl as parse
+    with gc_paused():
+        return validate(parse(text, file))
 
 
 @contextlib.contextmanager
-def _gc_paused():
-    """Pause the cyclic garbage collector while a front end and pydantic build a spec: a large one
-    is a few hundred thousand small acyclic objects, and the collector's passes over them, which
-    their allocation triggers, took two thirds of a 1 MB YAML spec's parse. Reference counting
-    frees everything as usual; the previous state is restored."""
+def gc_paused():
+    """Pause the cyclic garbage collector while a spec is built and linted: a large one is a few
+    hundred thousand small acyclic objects, and the collector's passes over them, which their
+    allocation triggers, took two thirds of a 1 MB YAML spec's parse (and most of its lint).
+    Reference counting frees everything as usual; the previous state is restored."""
     enabled = gc.isenabled()
     gc.disable()
     try:

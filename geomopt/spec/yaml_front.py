@@ -114,12 +114,12 @@ class _Fallback(Exception):
 
 
 _EVENTS = yaml.events
-# Where libyaml and PyYAML's scanner disagree (found by differential fuzzing): a tab inside a plain
-# scalar or before a token (PyYAML refuses it), a byte order mark after the start (columns differ),
-# a comment right after a block scalar's indicators (libyaml accepts `|-#`). Two more are checked
-# per scalar: an empty one (libyaml may mark it elsewhere), and '?' inside a plain scalar in a
-# flow collection (PyYAML ends the scalar there).
-_LIBYAML_DIFFERS = re.compile(r"\t|.\ufeff|[|>][-+0-9]*#", re.S)
+# Where libyaml and PyYAML's scanner disagree (found by differential fuzzing), the fast path steps
+# aside: a tab (PyYAML refuses one inside a plain scalar or before a token), a byte order mark after
+# the start (columns differ), an empty scalar (libyaml may mark it elsewhere), '?' inside a plain
+# scalar in a flow collection (PyYAML ends the scalar there), a comment right after a block
+# scalar's indicators (libyaml accepts `|-#`).
+_BLOCK_HEADER_COMMENT = re.compile(r"[|>][-+0-9]*#")
 _STR, _MAP, _SEQ = _T + "str", _T + "map", _T + "seq"
 _NONE = object()  # no pending mapping key; no cached scalar
 
@@ -131,26 +131,28 @@ def _load_fast(text: str, source: SourceMap):
     input on which the two parsers differ, any error (syntax, tag, duplicate or merge key, a key
     that is not a scalar, an alias to an unknown, open or repeated anchor, too deep, too many
     nodes), no document or several."""
-    if _CParser is None or _LIBYAML_DIFFERS.search(text):
+    if _CParser is None or "\t" in text or text.find("\ufeff", 1) >= 0:
         raise _Fallback
     try:
         parser = _CParser(text)
     except ValueError:  # a lone surrogate cannot be encoded for libyaml
         raise _Fallback from None
     try:
-        return _from_events(parser.get_event, source)
+        return _from_events(parser.get_event, source, text)
     except (yaml.YAMLError, ValueError):
         raise _Fallback from None
     finally:
         parser.dispose()
 
 
-def _from_events(get_event, source: SourceMap):
+def _from_events(get_event, source: SourceMap, text: str):
     resolve = _Resolver().resolve
     scalar_event, alias_event = _EVENTS.ScalarEvent, _EVENTS.AliasEvent
     mapping_start, sequence_start = _EVENTS.MappingStartEvent, _EVENTS.SequenceStartEvent
     mapping_end, sequence_end = _EVENTS.MappingEndEvent, _EVENTS.SequenceEndEvent
-    scalars: dict = {}  # (tag, text, implicit) → value: specs repeat their kinds and numbers
+    plain: dict = {}  # text → value of untagged plain scalars: specs repeat their kinds and numbers
+    scalars: dict = {}  # (tag, text, implicit) → value of the others
+    block_checked = False
     values: list = []  # (path, pos) of every value node, in the order _build records them
     keys: list = []  # (path, pos) of every mapping key
     anchors: dict = {}  # name → None while its collection is open, then what an alias copies
@@ -162,75 +164,88 @@ def _from_events(get_event, source: SourceMap):
     path: tuple = ()
     key = _NONE
     mapping = flow = False
-    nodes = 0
     while True:
         event = get_event()
         cls = event.__class__
-        if cls is mapping_end or cls is sequence_end:
+        if cls is scalar_event:
+            word, style = event.value, event.style
+            if not style:
+                if not word or (flow and "?" in word):
+                    raise _Fallback
+                if event.tag is None:
+                    value = plain.get(word, _NONE)
+                    if value is _NONE:
+                        value = plain[word] = _scalar_value(event, scalars, resolve)
+                else:
+                    value = _scalar_value(event, scalars, resolve)
+            else:
+                if not block_checked and style in "|>":
+                    if _BLOCK_HEADER_COMMENT.search(text):
+                        raise _Fallback
+                    block_checked = True
+                value = _scalar_value(event, scalars, resolve)
+            mark = event.start_mark
+            pos = (mark.line + 1, mark.column + 1)
+            anchor = event.anchor
+            if mapping:
+                if key is _NONE:  # a key: a plain word, said once
+                    if anchor is not None or (word == "<<" and not style):
+                        raise _Fallback
+                    key = value if value.__class__ is str else word
+                    if key in container:
+                        raise _Fallback
+                    keys.append((path + (key,), pos))
+                    continue
+                at = path + (key,)
+            else:
+                at = () if container is _NONE else path + (len(container),)
+            values.append((at, pos))  # one per node: len(values) counts them as _build does
+            if anchor is not None:
+                if anchor in anchors:
+                    raise _Fallback
+                anchors[anchor] = (value, [((), pos)], [])
+        elif cls is mapping_end or cls is sequence_end:
             value, own = container, path
-            container, path, key, mapping, flow, anchor, v0, k0, n0 = stack.pop()
+            container, path, key, mapping, flow, anchor, v0, k0 = stack.pop()
             if anchor is not None:
                 cut = len(own)
-                anchors[anchor] = (value, [(p[cut:], q) for p, q in values[v0:]], [(p[cut:], q) for p, q in keys[k0:]],
-                                   nodes - n0)
-        elif cls is _EVENTS.DocumentEndEvent:
-            if get_event().__class__ is not _EVENTS.StreamEndEvent:
-                raise _Fallback  # several documents
+                anchors[anchor] = (value, [(p[cut:], q) for p, q in values[v0:]], [(p[cut:], q) for p, q in keys[k0:]])
+        elif cls is mapping_start or cls is sequence_start:
+            if mapping and key is _NONE:  # a mapping or a list as a key
+                raise _Fallback
+            at = () if container is _NONE else path + (key,) if mapping else path + (len(container),)
+            opens_mapping = cls is mapping_start
+            anchor = event.anchor
+            # (deeper than MAX_DEPTH below this one: the reference decides which message)
+            if (len(values) >= MAX_NODES or len(at) >= MAX_DEPTH or event.tag not in (None, "!", _MAP if opens_mapping else _SEQ)
+                    or (anchor is not None and anchor in anchors)):
+                raise _Fallback
+            mark = event.start_mark
+            values.append((at, (mark.line + 1, mark.column + 1)))
+            if anchor is not None:
+                anchors[anchor] = None  # open: an alias to it inside it is recursive
+            stack.append((container, path, key, mapping, flow, anchor, len(values) - 1, len(keys)))
+            container, path, key, mapping, flow = {} if opens_mapping else [], at, _NONE, opens_mapping, event.flow_style
+            continue
+        elif cls is alias_event:
+            if mapping and key is _NONE:
+                raise _Fallback
+            stored = anchors.get(event.anchor)
+            if stored is None:  # unknown, or open (recursive)
+                raise _Fallback
+            value, sub_values, sub_keys = stored
+            at = () if container is _NONE else path + (key,) if mapping else path + (len(container),)
+            if len(values) + len(sub_values) > MAX_NODES or len(at) + max(len(p) for p, _ in sub_values) > MAX_DEPTH:
+                raise _Fallback
+            values += [(at + p, q) for p, q in sub_values]
+            keys += [(at + p, q) for p, q in sub_keys]
+            if isinstance(value, (dict, list)):
+                value = copy.deepcopy(value)  # _build makes a new one at each alias
+        else:  # DocumentEndEvent
+            if get_event().__class__ is not _EVENTS.StreamEndEvent or len(values) > MAX_NODES:
+                raise _Fallback  # several documents, or too many nodes
             source.values, source.keys = dict(values), dict(keys)
             return root
-        else:
-            if mapping and key is _NONE:  # a mapping key: a plain word
-                if cls is not scalar_event or event.anchor is not None:
-                    raise _Fallback
-                text, style = event.value, event.style
-                if not text or (not style and (text == "<<" or (flow and "?" in text))):
-                    raise _Fallback
-                word = _scalar_value(event, scalars, resolve)
-                key = word if isinstance(word, str) else text
-                if key in container:
-                    raise _Fallback
-                mark = event.start_mark
-                keys.append((path + (key,), (mark.line + 1, mark.column + 1)))
-                continue
-            at = () if container is _NONE else path + (key,) if mapping else path + (len(container),)
-            if cls is alias_event:
-                stored = anchors.get(event.anchor)
-                if stored is None:
-                    raise _Fallback
-                value, sub_values, sub_keys, count = stored
-                nodes += count
-                if nodes > MAX_NODES or len(at) + max(len(p) for p, _ in sub_values) > MAX_DEPTH:
-                    raise _Fallback
-                values += [(at + p, q) for p, q in sub_values]
-                keys += [(at + p, q) for p, q in sub_keys]
-                if isinstance(value, (dict, list)):
-                    value = copy.deepcopy(value)
-            else:
-                nodes += 1
-                if nodes > MAX_NODES or len(at) > MAX_DEPTH:
-                    raise _Fallback
-                mark = event.start_mark
-                pos = (mark.line + 1, mark.column + 1)
-                values.append((at, pos))
-                anchor = event.anchor
-                if anchor is not None and anchor in anchors:
-                    raise _Fallback
-                if cls is scalar_event:
-                    text = event.value
-                    if not event.style and (not text or (flow and "?" in text)):
-                        raise _Fallback
-                    value = _scalar_value(event, scalars, resolve)
-                    if anchor is not None:
-                        anchors[anchor] = (value, [((), pos)], [], 1)
-                else:  # a mapping or a list opens
-                    opens_mapping = cls is mapping_start
-                    if event.tag not in (None, "!", _MAP if opens_mapping else _SEQ):
-                        raise _Fallback
-                    if anchor is not None:
-                        anchors[anchor] = None  # open: an alias to it inside is recursive
-                    stack.append((container, path, key, mapping, flow, anchor, len(values) - 1, len(keys), nodes - 1))
-                    container, path, key, mapping, flow = {} if opens_mapping else [], at, _NONE, opens_mapping, event.flow_style
-                    continue
         if container is _NONE:
             root = value
         elif mapping:
