@@ -96,7 +96,7 @@ class BF16Warning(UserWarning):
 def native_bf16_cpu() -> bool:
     """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16, AMX, or what oneDNN
     counts as bf16-capable); without it a bf16 matmul is emulated: on an AVX2-only CPU it ran at
-    1.1 GFLOP/s against 134 GFLOP/s in fp32 (benchmarks/RESULTS.md). Unknown counts as native."""
+    1.2 GFLOP/s against 119 GFLOP/s in fp32 (benchmarks/dtype.py). Unknown counts as native."""
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
                     or torch.ops.mkldnn._is_mkldnn_bf16_supported())
