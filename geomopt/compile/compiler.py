@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import pickle
 from typing import Optional, Union
 
@@ -14,7 +12,7 @@ from geomopt.compile.plan import ParamPlan, Plan, bucket_key, op_layout, ops_key
 from geomopt.compile.roles import assign, ensure_roles, infer_roles
 from geomopt.spec.diagnostics import Diagnostic, SpecError
 from geomopt.spec.model import Spec, effective_prenormalize, resolve_hyper
-from geomopt.spec.validate import source_of
+from geomopt.spec.validate import gc_paused, source_of
 
 # Findings that make a plan impossible: compile raises on these (lint reports them all).
 BLOCKING = ("GO101", "GO104", "GO105")
@@ -33,7 +31,7 @@ def compile_spec(spec: Union[Spec, str, dict], model, *, roles: Optional[dict] =
     patterns), inapplicable geometries and views, and (geometry, constraint) pairs with no
     operator."""
     spec = as_spec(spec)
-    with _gc_paused():
+    with gc_paused():
         infos, _ = model_params(model, needs_roles(spec, roles))
         return plan_from_infos(spec, infos, roles=roles)
 
@@ -59,25 +57,10 @@ def needs_roles(spec: Spec, roles: Optional[dict] = None) -> bool:
         for r in spec.rules)
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """Pause the cyclic garbage collector while building tens of thousands of small acyclic
-    objects: its full passes, triggered by the allocations, would scan every live tensor of the
-    model each time (half the compile time of a 10,000-tensor model). The previous state is
-    restored; reference counting frees everything as usual meanwhile."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def plan_from_infos(spec: Spec, infos: list[ParamInfo], *, roles: Optional[dict] = None) -> Plan:
     """The plan of ``spec`` for tensors ``infos``; raises :class:`SpecError` on blocking findings.
     Tensors without a role get one guessed from names and shapes when the spec reads roles."""
-    with _gc_paused():
+    with gc_paused():
         if needs_roles(spec, roles):
             ensure_roles(infos, spec.roles, roles)
         return _plan_from_infos(spec, infos)

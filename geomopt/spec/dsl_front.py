@@ -61,7 +61,7 @@ class _WholeWords:
 @functools.lru_cache(maxsize=1)
 def _parser() -> Lark:
     text = resources.files("geomopt").joinpath("grammars/geomopt.lark").read_text(encoding="utf-8")
-    return Lark(text, parser="lalr", propagate_positions=True, maybe_placeholders=False, postlex=_WholeWords())
+    return Lark(text, parser="lalr", maybe_placeholders=False, postlex=_WholeWords())
 
 
 def _expected(names) -> str:
@@ -133,9 +133,11 @@ def _end(text: str) -> tuple[int, int]:
 
 
 def _pos(item) -> tuple[int, int]:
-    if isinstance(item, Token):
-        return (item.line, item.column)
-    return (item.meta.line, item.meta.column)
+    """Where a token or a subtree starts (a subtree: its first token; the parser keeps no
+    positions of its own for trees, which would cost a third of a large spec's parse)."""
+    while not isinstance(item, Token):
+        item = item.children[0]
+    return (item.line, item.column)
 
 
 class _Walker:
