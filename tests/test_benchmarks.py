@@ -88,3 +88,14 @@ def test_lint_script_times_shipped_and_generated_specs(capsys):
     assert [r[0] for r in rows] == ["specs/muon.yaml", "specs/muon.geom", "generated.yaml", "generated.geom"], rows
     assert all(int(r[1]) >= 4 for r in rows)
     assert [r[2] for r in rows] == ["no"] * 4  # lint without a model never imports torch
+
+
+def test_memory_script_measures_held_bytes_against_torch(capsys):
+    assert _script("memory").main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| (\S+)\.yaml \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", out, flags=re.M)
+    assert [r[0] for r in rows] == ["muon", "adamw-hybrid", "sign-descent", "normalized-sgd"], out
+    for row in rows:
+        geomopt_held, torch_held, ratio, per_param_g, per_param_t = map(float, row[1:])
+        assert geomopt_held > 0 and torch_held > 0 and per_param_g > 0 and per_param_t > 0, row
+        assert ratio >= 0.5, row  # a sanity floor, not a bound: both hold at least the momentum

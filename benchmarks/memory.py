@@ -1,0 +1,282 @@
+"""Optimizer-held memory: geomopt against torch's own optimizers running the same algorithm on an
+HF GPT-2 (2 layers, built from a config: random init, nothing downloaded) at two widths.
+
+    python benchmarks/memory.py [--specs muon adamw-hybrid ...] [--quick] [--record NOTE]
+
+"Held" is every tensor storage reachable from the optimizer object (its ``state``, stacked
+``_buffers``, kept scratch, graphs, … found by walking its attributes), each storage counted once,
+parameters and gradients excluded, after 3 steps (forward, backward, step on a random token batch)
+so that lazily created state exists. The torch reference follows the geomopt plan tensor by tensor:
+adam rules → ``AdamW(fused=True)``, spectral rules with momentum → ``torch.optim.Muon`` (its
+Newton–Schulz swapped for a float32 copy: bf16 is emulated on this CPU), other rules
+with momentum → ``SGD(momentum=1−α)``, rules without → ``SGD()``, each with the rule's lr, weight
+decay, betas. Every (spec, width, optimizer) runs in its own subprocess; "peak RSS Δ" is the largest
+rise of the process's resident set during one ``step()`` over its RSS just before (peak reset per
+step through /proc/self/clear_refs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import emit  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = ["muon", "adamw-hybrid", "sign-descent", "normalized-sgd"]
+WIDTHS = [(384, 8192), (768, 50257)]  # (n_embd, vocab)
+QUICK_WIDTHS = [(64, 512)]
+MiB = 2 ** 20
+
+
+# ---------------------------------------------------------------------------------- the worker
+
+def held_storages(root, exclude: set[int]) -> dict[int, tuple[int, str]]:
+    """data_ptr → (bytes, label) of every tensor storage reachable from ``root`` (dicts, lists,
+    tuples, sets, ``functools.partial`` and the ``__dict__`` of non-torch objects, recursively),
+    each storage once, the ``exclude`` pointers left out. The label is the first path it was
+    reached by, shortened to what names it (``state.exp_avg``, ``_buffers.u``)."""
+    import functools
+
+    import torch
+
+    seen, out = set(), {}
+
+    def label(path: tuple) -> str:
+        head = path[0]
+        if head == "state":  # state[param][key]
+            return f"state.{path[2]}" if len(path) > 2 else "state"
+        if head == "_buffers" and len(path) > 1 and isinstance(path[1], tuple):
+            tags = [t for t in path[1] if isinstance(t, str)]
+            return "_buffers." + "/".join(tags) if tags else "_buffers"
+        return ".".join(str(p) for p in path if isinstance(p, str))
+
+    def visit(obj, path):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.grad is not None:
+                visit(obj.grad, path + ("grad",))
+            s = obj.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr and ptr not in exclude and ptr not in out:
+                out[ptr] = (s.nbytes(), label(path))
+            return
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                visit(k, path + ("<key>",))
+                visit(v, path + (k if isinstance(k, (str, tuple)) else "<p>",))
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for v in obj:
+                visit(v, path)
+        elif isinstance(obj, functools.partial):
+            visit(obj.args, path)
+            visit(obj.keywords, path)
+        elif isinstance(obj, torch.nn.Module):
+            return  # a model is parameters and buffers of its own, not the optimizer's
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            for k, v in vars(obj).items():
+                visit(v, path + (k,))
+
+    visit(root, ())
+    return out
+
+
+def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim.Muon's quintic Newton–Schulz, in float32 (torch's runs in bfloat16, which this
+    CPU only emulates, ~100× slower); the held state is the same either way."""
+    import torch
+
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def torch_reference(model, plan):
+    """torch optimizers running each tensor's algorithm of ``plan``, one group per rule."""
+    import torch
+
+    params = dict(model.named_parameters())
+    rules: dict[str, list] = {}
+    for pp in plan:
+        rules.setdefault(pp.rule, []).append(pp)
+    adam, muon, sgd = [], [], []
+    for name, pps in rules.items():
+        pp = pps[0]
+        geometry, direction = pp.geometry, pp.direction
+        group = {"params": [params[q.name] for q in pps], "lr": pp.lr, "weight_decay": pp.weight_decay}
+        momentum = 1 - direction["alpha"] if direction["kind"] == "polyak" else 0.0
+        if direction["kind"] not in ("polyak", "none"):
+            raise SystemExit(f"rule {name}: no torch reference for direction {direction['kind']}")
+        if geometry["kind"] == "adam":
+            if direction["kind"] != "none":
+                raise SystemExit(f"rule {name}: adam with a direction has no torch reference")
+            adam.append(group | {"betas": tuple(geometry.get("betas", (0.9, 0.999)))})
+        elif geometry["kind"] == "spectral" and momentum:
+            muon.append(group | {"momentum": momentum, "nesterov": direction.get("nesterov", False)})
+        else:
+            sgd.append(group | {"momentum": momentum, "nesterov": bool(momentum and direction.get("nesterov"))})
+    opts = []
+    if muon:
+        import torch.optim._muon
+
+        torch.optim._muon._zeropower_via_newtonschulz = newton_schulz_float32
+        opts.append(torch.optim.Muon(muon, adjust_lr_fn="original"))
+    if adam:
+        opts.append(torch.optim.AdamW(adam, fused=True))
+    if sgd:
+        opts.append(torch.optim.SGD(sgd))
+    return opts
+
+
+def rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_reset() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker(job: dict) -> dict:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import torch
+    import transformers
+
+    import geomopt
+
+    torch.manual_seed(0)
+    width, vocab, seq, batch = job["width"], job["vocab"], job["seq"], job["batch"]
+    config = transformers.GPT2Config(n_layer=2, n_embd=width, n_head=max(1, width // 64), vocab_size=vocab,
+                                     n_positions=seq)
+    model = transformers.GPT2LMHeadModel(config).float()
+    spec = ROOT / "specs" / f"{job['spec']}.yaml"
+    geo = geomopt.GeomOptimizer(model, str(spec))
+    if job["side"] == "geomopt":
+        opts = [geo]
+    else:
+        opts = torch_reference(model, geo.plan)
+    del geo
+    params = list({id(p): p for p in model.parameters()}.values())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+    deltas, exact = [], True
+    for _ in range(job["steps"]):
+        model(tokens, labels=tokens).loss.backward()
+        exact = peak_reset() and exact
+        before = rss_now() if exact else peak_rss()
+        for opt in opts:
+            opt.step()
+        deltas.append(peak_rss() - before)
+        if _ < job["steps"] - 1:
+            for opt in opts:
+                opt.zero_grad()
+    exclude = {p.untyped_storage().data_ptr() for p in params}
+    exclude |= {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
+    held = held_storages(opts, exclude)
+    by_label: dict[str, int] = {}
+    for nbytes, name in held.values():
+        by_label[name] = by_label.get(name, 0) + nbytes
+    return {"held": sum(b for b, _ in held.values()), "param_bytes": param_bytes, "rss_delta": max(deltas),
+            "rss_exact": exact, "by_label": by_label,
+            "optimizers": [type(o).__name__ + ("(fused)" if o.defaults.get("fused") else "") for o in opts]}
+
+
+# ------------------------------------------------------------------------------------- the table
+
+def run_job(job: dict) -> dict:
+    env = dict(os.environ, TRANSFORMERS_VERBOSITY="error")
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True,
+                          text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("MEMORY ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"worker {job} failed:\n{proc.stdout}\n{proc.stderr}")
+    return json.loads(lines[-1][len("MEMORY "):])
+
+
+def breakdown(by_label: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v / MiB:.2f}" for k, v in sorted(by_label.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--specs", nargs="+", default=SPECS, help="shipped spec names (specs/NAME.yaml)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="tiny sizes (width 64, vocab 512) for a smoke test")
+    p.add_argument("--record", metavar="NOTE", help="append the tables to benchmarks/RESULTS.md with this note")
+    p.add_argument("--jobs", type=int, default=2, help="subprocesses at a time (each measures only itself)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print("MEMORY " + json.dumps(worker(json.loads(args.worker))))
+        return 0
+    widths = QUICK_WIDTHS if args.quick else WIDTHS
+    seq, batch = (16, 2) if args.quick else (128, 4)
+    import torch
+
+    from geomopt.cli.bench import device_name
+
+    tables = []
+    for width, vocab in widths:
+        lines = [f"### Optimizer-held memory: HF GPT-2 (2 layers, width {width}, vocab {vocab}, "
+                 f"batch {batch}×{seq}), {args.steps} steps, {device_name('cpu')}, float32, torch "
+                 f"{torch.__version__} — {datetime.date.today().isoformat()}", "",
+                 "| spec | geomopt held (MiB) | torch held (MiB) | ratio | held / param bytes (geomopt) "
+                 "| held / param bytes (torch) | peak RSS Δ in step (geomopt, MiB) "
+                 "| peak RSS Δ in step (torch, MiB) |",
+                 "|---|---|---|---|---|---|---|---|"]
+        notes = []
+        jobs = [{"spec": spec, "width": width, "vocab": vocab, "seq": seq, "batch": batch, "steps": args.steps,
+                 "side": side} for spec in args.specs for side in ("geomopt", "torch")]
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            results = list(pool.map(run_job, jobs))
+        for spec, g, t in zip(args.specs, results[::2], results[1::2]):
+            pb = g["param_bytes"]
+            lines.append(f"| {spec}.yaml | {g['held'] / MiB:.2f} | {t['held'] / MiB:.2f} | "
+                         f"{g['held'] / t['held']:.3f} | {g['held'] / pb:.3f} | {t['held'] / pb:.3f} | "
+                         f"{g['rss_delta'] / MiB:.1f} | {t['rss_delta'] / MiB:.1f} |")
+            notes.append(f"- {spec}.yaml — geomopt: {breakdown(g['by_label'])}; torch "
+                         f"({' + '.join(t['optimizers'])}): {breakdown(t['by_label'])}")
+        exact = "" if g["rss_exact"] and t["rss_exact"] else " (peak RSS: ru_maxrss, no per-step reset here)"
+        lines += ["", f"Parameter bytes: {pb / MiB:.2f} MiB. Held MiB by holder{exact}:", *notes]
+        tables.append("\n".join(lines))
+    emit("\n\n".join(tables), args.record)
+    return 0
+
+
+if __name__ == "__main__":
+    start = time.perf_counter()
+    code = main()
+    if "--worker" not in sys.argv:
+        print(f"({time.perf_counter() - start:.0f} s)")
+    sys.exit(code)
