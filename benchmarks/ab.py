@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import emit  # noqa: E402
 
 import geomopt  # noqa: E402
-from geomopt.cli.bench import Timer, device_name, hidden_matrices  # noqa: E402
+from geomopt.cli.bench import Timer, device_name, hidden_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,16 +61,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         base = import_base(args.base, Path(tmp))
-        params = hidden_matrices(args.model, args.device, torch.float32)
-        gen = torch.Generator().manual_seed(1)
-        grads = [(torch.randn(q.shape, generator=gen) * 1e-3).to(args.device) for _, q in params]
-
-        def fresh():
-            ps = [(n, torch.nn.Parameter(q.detach().clone())) for n, q in params]
-            for (_, q), g in zip(ps, grads):
-                q.grad = g.clone()
-            return ps
-
+        _, fresh = hidden_workload(args.model, args.device, torch.float32)
         rows = [("torch.optim.Muon", lambda ps: torch.optim.Muon([q for _, q in ps], lr=0.02, weight_decay=0.1,
                                                                   momentum=0.95, nesterov=True)),
                 (f"base {args.base}", lambda ps: base.GeomOptimizer(ps, args.spec)),

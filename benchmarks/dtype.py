@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import emit  # noqa: E402
 
 import geomopt  # noqa: E402
-from geomopt.cli.bench import Timer, device_name, hidden_matrices  # noqa: E402
+from geomopt.cli.bench import Timer, device_name, hidden_workload  # noqa: E402
 from geomopt.geometry.spectral import BF16Warning, native_bf16_cpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,16 +55,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     f32 = gflops(args.size, torch.float32, args.device, max(3, args.iters))
     bf16 = gflops(args.size, torch.bfloat16, args.device, max(1, args.iters // 3))
-    params = hidden_matrices(args.model, args.device, torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    grads = [(torch.randn(q.shape, generator=gen) * 1e-3).to(args.device) for _, q in params]
-
-    def fresh():
-        ps = [(n, torch.nn.Parameter(q.detach().clone())) for n, q in params]
-        for (_, q), g in zip(ps, grads):
-            q.grad = g.clone()
-        return ps
-
+    _, fresh = hidden_workload(args.model, args.device, torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BF16Warning)  # the forced row is the point of the table
         rows = [("torch.optim.Muon (bf16 Newton–Schulz)",

@@ -34,6 +34,24 @@ def hidden_matrices(model_name: str, device, dtype):
     return out
 
 
+def hidden_workload(model_name: str, device, dtype):
+    """(the hidden matrices, ``fresh``): ``fresh()`` gives new (name, Parameter) copies of them,
+    each with the same fixed random gradient, so every optimizer compared steps on equal tensors."""
+    import torch
+
+    base = hidden_matrices(model_name, device, dtype)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    grads = [(torch.randn(p.shape, generator=gen) * 1e-3).to(device=device, dtype=dtype) for _, p in base]
+
+    def fresh():
+        params = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in base]
+        for (_, p), g in zip(params, grads):
+            p.grad = g.clone()
+        return params
+
+    return base, fresh
+
+
 def ns_flops(shapes, steps: int = 5) -> float:
     """FLOPs of quintic Newton–Schulz: per step, for m ≤ n, XXᵀ (2m²n), A² (2m³), (bA+cA²)X (2m²n)."""
     total = 0.0
@@ -77,17 +95,8 @@ def bench(model_name: str, specs: list[str], device: str = "cpu", warmup: int = 
 
     import geomopt
 
-    dt = getattr(torch, dtype)
-    base = hidden_matrices(model_name, device, dt)
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    grads = [(torch.randn(p.shape, generator=gen) * 1e-3).to(device=device, dtype=dt) for _, p in base]
+    base, fresh = hidden_workload(model_name, device, getattr(torch, dtype))
     timer = Timer(device)
-
-    def fresh():
-        params = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in base]
-        for (_, p), g in zip(params, grads):
-            p.grad = g.clone()
-        return params
 
     candidates = [
         ("torch.optim.Muon", lambda ps: torch.optim.Muon([p for _, p in ps], lr=0.02, weight_decay=0.1,
