@@ -369,11 +369,7 @@ def moe(records) -> str:
         rows.append([s["describe"], f"{s['final_val']:.3f}", f"{s['best_val']:.3f}", f"{s['bits_per_byte']:.2f}",
                      span(times)])
     lines = table(["optimizer", "final val. loss (nats/byte)", "best val. loss", "bits/byte", "time (s)"], rows)
-    dtype = st["ns_dtype_used"]
-    if "step_seconds_by_ns_dtype" in st:  # a record from before muon.yaml's dtype was auto
-        note = f"Newton–Schulz in {dtype} (muon.yaml's bfloat16 overridden on this CPU)"
-    else:
-        note = f"Newton–Schulz in {dtype} (muon.yaml's dtype auto on {st.get('device', 'cpu')})"
+    note = f"Newton–Schulz in {st['ns_dtype_used']} (muon.yaml's dtype auto on {st['device']})"
     lines += ["", f"`{rec['command']}`: {st['steps']} steps per optimizer, seed {st['seed']}; "
                   f"{duration(rec['seconds_total'])} of training{made_text(rec)}, transformers {st['transformers']}. "
                   f"Time: {repeat_text(runs)}, on {machine_text(rec)}. {note}." + differ_text(rec)]

@@ -44,7 +44,8 @@ _TORCH = {
     "adam": {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "step": "adam_step"},
     "muon": {"momentum_buffer": "d"},
 }
-# state kept in the operators' layout (transposed for ``layout: in_out``) on unsharded tensors
+# state kept in the operators' layout (transposed for ``layout: in_out``) on unsharded tensors;
+# "prev" is an iterate, laid out like the parameter (the optimizer's state rows read this too)
 VIEW_KEYS = ("d", "exp_avg", "exp_avg_sq", "w")
 
 
@@ -165,14 +166,14 @@ def migrate_state(saved: dict[str, dict], targets: list[tuple], source: str,
         entry = saved.get(name)
         if entry is None:
             continue
-        was_t = pp.transpose if transposed is None else name in transposed
+        was_t = source == "geomopt" and (pp.transpose if transposed is None else name in transposed)
         new, kept, reset = {}, [], []
         used = kinds_used(pp, direction)
         for kind in kinds_held(entry):
-            into = kind if kind in used else "momentum" if kind == "storm" and "momentum" in used else None
             if kind == "gap":
                 reset.append("w (the gap's W: measured again after the next step)")
                 continue
+            into = kind if kind in used else "momentum" if kind == "storm" and "momentum" in used else None
             if into is None:
                 reset.append(f"{kind} ({_why_not(kind, pp, direction)})")
                 continue
@@ -180,12 +181,17 @@ def migrate_state(saved: dict[str, dict], targets: list[tuple], source: str,
             for key in KINDS[into]:
                 value = entry[key]
                 if isinstance(value, torch.Tensor) and key != "adam_step":
-                    value = _relayout(value, key, was_t, pp.transpose, source)
-                    if _param_shape(value, key, pp) != tuple(p.shape):
+                    # geomopt keeps VIEW_KEYS of unsharded tensors in the operators' layout;
+                    # torch.optim and sharded (DTensor) state are laid out like the parameter
+                    viewed = key in VIEW_KEYS and not is_dtensor(value)
+                    if viewed and was_t:
+                        value = value.transpose(0, 1)
+                    if tuple(value.shape) != tuple(p.shape):
                         moved = None
-                        reset.append(f"{kind} (saved shape {_param_shape(value, key, pp)}, "
-                                     f"the tensor is {tuple(p.shape)})")
+                        reset.append(f"{kind} (saved shape {tuple(value.shape)}, the tensor is {tuple(p.shape)})")
                         break
+                    if viewed and pp.transpose:
+                        value = value.transpose(0, 1)
                     value = value.detach().to(device=p.device, dtype=torch.promote_types(value.dtype, torch.float32),
                                               copy=True)
                 moved[key] = value
@@ -205,21 +211,3 @@ def _why_not(kind: str, pp: ParamPlan, direction: str) -> str:
     if kind == "momentum" and direction == "storm":
         return f"rule '{pp.rule}' uses storm, whose estimate also needs the previous iterate"
     return f"rule '{pp.rule}' uses the direction {direction}"
-
-
-def _relayout(value: torch.Tensor, key: str, was_t: bool, now_t: bool, source: str) -> torch.Tensor:
-    """From the saved layout to the new plan's: geomopt keeps ``VIEW_KEYS`` of unsharded tensors
-    transposed for ``layout: in_out``; torch.optim and sharded (DTensor) state are laid out like
-    the parameter."""
-    if key not in VIEW_KEYS or is_dtensor(value):
-        return value
-    if source != "geomopt":
-        was_t = False
-    return value.transpose(0, 1) if was_t != now_t else value
-
-
-def _param_shape(value: torch.Tensor, key: str, pp: ParamPlan) -> tuple:
-    """The shape of an entry in the new layout, read as the parameter's."""
-    if pp.transpose and key in VIEW_KEYS and not is_dtensor(value):
-        return tuple(value.transpose(0, 1).shape)
-    return tuple(value.shape)

@@ -41,7 +41,7 @@ from geomopt.distributed import (
     make_executor,
 )
 from geomopt.optim.graphs import GraphedOp
-from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
+from geomopt.optim.migrate import VIEW_KEYS, MigrationReport, migrate_state, saved_names, source_of, translate
 from geomopt.optim.schedules import SCHEDULES
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
@@ -1075,8 +1075,6 @@ def _view(t: torch.Tensor, pp: ParamPlan) -> torch.Tensor:
     return t.transpose(0, 1) if pp.transpose else t
 
 
-# state kept in the operators' layout (transposed for ``layout: in_out``); "prev" is an iterate
-_VIEW_STATE = ("d", "exp_avg", "exp_avg_sq", "w")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -1101,7 +1099,7 @@ def _state_row(entry: torch.Tensor, pp: ParamPlan, key: str) -> torch.Tensor:
     if not is_dtensor(entry):
         return entry
     local = entry.to_local()
-    return _view(local, pp) if key in _VIEW_STATE else local
+    return _view(local, pp) if key in VIEW_KEYS else local
 
 
 def _state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str) -> torch.Tensor:
@@ -1110,5 +1108,5 @@ def _state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str) ->
         return row
     from torch.distributed.tensor import DTensor
 
-    local = _view(row, pp) if key in _VIEW_STATE else row
+    local = _view(row, pp) if key in VIEW_KEYS else row
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
