@@ -1,12 +1,15 @@
 """Optimizer-held memory: geomopt against torch's own optimizers running the same algorithm on an
 HF GPT-2 (2 layers, built from a config: random init, nothing downloaded) at two widths.
 
-    python benchmarks/memory.py [--specs muon adamw-hybrid ...] [--quick] [--record NOTE]
+    python benchmarks/memory.py [--specs muon examples/adam-all ...] [--quick] [--record NOTE]
 
-"Held" is every tensor storage reachable from the optimizer object (its ``state``, stacked
-``_buffers``, kept scratch, graphs, … found by walking its attributes), each storage counted once,
-parameters and gradients excluded, after 3 steps (forward, backward, step on a random token batch)
-so that lazily created state exists. The torch reference follows the geomopt plan tensor by tensor:
+Every shipped spec by default (specs/*.yaml and specs/examples/*.yaml). "Held" is every tensor
+storage reachable from the optimizer object (its ``state``, stacked ``_buffers``, workspace,
+graphs, … found by walking its attributes), each storage counted once, parameters and gradients
+excluded, after 3 steps (forward, backward, step on a random token batch) so that lazily created
+state exists. It is split into the state (what the algorithm keeps between steps; the ratio to
+torch's is the figure to hold at 1) and geomopt's workspace (a step's scratch, shared by the
+buckets, which run one after another: bounded by the largest bucket, reported beside it). The torch reference follows the geomopt plan tensor by tensor:
 adam rules → ``AdamW(fused=True)``, spectral rules with momentum → ``torch.optim.Muon`` (its
 Newton–Schulz swapped for a float32 copy: bf16 is emulated on this CPU), other rules
 with momentum → ``SGD(momentum=1−α)``, rules without → ``SGD()``, each with the rule's lr, weight
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import emit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECS = ["muon", "adamw-hybrid", "sign-descent", "normalized-sgd"]
+SPECS = sorted(str(p.relative_to(ROOT / "specs"))[:-len(".yaml")] for p in (ROOT / "specs").rglob("*.yaml"))
 WIDTHS = [(384, 8192), (768, 50257)]  # (n_embd, vocab)
 QUICK_WIDTHS = [(64, 512)]
 MiB = 2 ** 20
@@ -55,6 +58,8 @@ def held_storages(root, exclude: set[int]) -> dict[int, tuple[int, str]]:
         head = path[0]
         if head == "state":  # state[param][key]
             return f"state.{path[2]}" if len(path) > 2 else "state"
+        if head == "_workspace":  # _workspace._buffers[(slot, device, dtype)]
+            return f"workspace.{path[2][0]}" if len(path) > 2 and isinstance(path[2], tuple) else "workspace"
         if head == "_buffers" and len(path) > 1 and isinstance(path[1], tuple):
             tags = [t for t in path[1] if isinstance(t, str)]
             return "_buffers." + "/".join(tags) if tags else "_buffers"
@@ -182,6 +187,11 @@ def worker(job: dict) -> dict:
     model = transformers.GPT2LMHeadModel(config).float()
     spec = ROOT / "specs" / f"{job['spec']}.yaml"
     geo = geomopt.GeomOptimizer(model, str(spec))
+    named = dict(model.named_parameters())
+    buckets: dict[str, int] = {}
+    for pp in geo.plan:
+        t = named[pp.name]
+        buckets[pp.bucket] = buckets.get(pp.bucket, 0) + t.numel() * t.element_size()
     if job["side"] == "geomopt":
         opts = [geo]
     else:
@@ -207,7 +217,9 @@ def worker(job: dict) -> dict:
     by_label: dict[str, int] = {}
     for nbytes, name in held.values():
         by_label[name] = by_label.get(name, 0) + nbytes
-    return {"held": sum(b for b, _ in held.values()), "param_bytes": param_bytes, "rss_delta": max(deltas),
+    workspace = sum(b for b, name in held.values() if name.startswith("workspace"))
+    return {"held": sum(b for b, _ in held.values()), "workspace": workspace, "largest_bucket": max(buckets.values()),
+            "param_bytes": param_bytes, "rss_delta": max(deltas),
             "rss_exact": exact, "by_label": by_label,
             "optimizers": [type(o).__name__ + ("(fused)" if o.defaults.get("fused") else "") for o in opts]}
 
@@ -251,10 +263,10 @@ def main(argv=None) -> int:
         lines = [f"### Optimizer-held memory: HF GPT-2 (2 layers, width {width}, vocab {vocab}, "
                  f"batch {batch}×{seq}), {args.steps} steps, {device_name('cpu')}, float32, torch "
                  f"{torch.__version__} — {datetime.date.today().isoformat()}", "",
-                 "| spec | geomopt held (MiB) | torch held (MiB) | ratio | held / param bytes (geomopt) "
-                 "| held / param bytes (torch) | peak RSS Δ in step (geomopt, MiB) "
-                 "| peak RSS Δ in step (torch, MiB) |",
-                 "|---|---|---|---|---|---|---|---|"]
+                 "| spec | geomopt state (MiB) | torch state (MiB) | state ratio | geomopt workspace (MiB) "
+                 "| largest bucket (MiB) | held / param bytes (geomopt) | held / param bytes (torch) "
+                 "| peak RSS Δ in step (geomopt, MiB) | peak RSS Δ in step (torch, MiB) |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
         notes = []
         jobs = [{"spec": spec, "width": width, "vocab": vocab, "seq": seq, "batch": batch, "steps": args.steps,
                  "side": side} for spec in args.specs for side in ("geomopt", "torch")]
@@ -262,9 +274,11 @@ def main(argv=None) -> int:
             results = list(pool.map(run_job, jobs))
         for spec, g, t in zip(args.specs, results[::2], results[1::2]):
             pb = g["param_bytes"]
-            lines.append(f"| {spec}.yaml | {g['held'] / MiB:.2f} | {t['held'] / MiB:.2f} | "
-                         f"{g['held'] / t['held']:.3f} | {g['held'] / pb:.3f} | {t['held'] / pb:.3f} | "
-                         f"{g['rss_delta'] / MiB:.1f} | {t['rss_delta'] / MiB:.1f} |")
+            state = g["held"] - g["workspace"]
+            ratio = f"{state / t['held']:.3f}" if t["held"] else ("1.000" if not state else "∞")
+            lines.append(f"| {spec}.yaml | {state / MiB:.2f} | {t['held'] / MiB:.2f} | {ratio} | "
+                         f"{g['workspace'] / MiB:.2f} | {g['largest_bucket'] / MiB:.2f} | {g['held'] / pb:.3f} | "
+                         f"{t['held'] / pb:.3f} | {g['rss_delta'] / MiB:.1f} | {t['rss_delta'] / MiB:.1f} |")
             notes.append(f"- {spec}.yaml — geomopt: {breakdown(g['by_label'])}; torch "
                          f"({' + '.join(t['optimizers'])}): {breakdown(t['by_label'])}")
         exact = "" if g["rss_exact"] and t["rss_exact"] else " (peak RSS: ru_maxrss, no per-step reset here)"

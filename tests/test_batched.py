@@ -267,5 +267,5 @@ def test_direction_written_in_the_forward_dtype_gives_the_same_bits(monkeypatch)
             opt.step()
         for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
             assert torch.equal(a, b), (step, n)
-    u = [v for k, v in opts[0]._buffers.items() if k[-1] == "u"]
+    u = [v for k, v in opts[0]._workspace._buffers.items() if k[0] == "u"]
     assert u and all(t.dtype == torch.bfloat16 for t in u)

@@ -43,6 +43,7 @@ from geomopt.distributed import (
 from geomopt.optim.graphs import GraphedOp
 from geomopt.optim.migrate import VIEW_KEYS, MigrationReport, migrate_state, saved_names, source_of, translate
 from geomopt.optim.schedules import SCHEDULES
+from geomopt.optim.workspace import Workspace
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
 
@@ -149,6 +150,10 @@ class GeomOptimizer(Optimizer):
                 by_key.setdefault(pp.bucket, []).append(i)
             self._buckets.append(list(by_key.values()))
         self._buffers: dict = {}  # (param ids, state key) → stacked state; per-param state holds views
+        self._workspace = Workspace()  # a step's scratch, shared by its buckets
+        # the flat path's chunk: the largest bucket (what a batched step stacks at once)
+        self._chunk_numel = max((sum(g["params"][i].numel() for i in b) for g, bs in zip(self.param_groups, self._buckets)
+                                 for b in bs), default=1)
         self._executor = make_executor([p for g in self.param_groups for p in g["params"]], distributed, process_group)
         self._sharded = isinstance(self._executor, ShardedExecutor)
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
@@ -258,7 +263,9 @@ class GeomOptimizer(Optimizer):
 
             if not defer:
                 writes()
-            steps = [self._step_bucket(gi, self.param_groups[gi], items, g, gp, *schedules[gi], deferred=defer)
+            shared = not defer and isinstance(self._executor, LocalExecutor)  # buckets one after another
+            steps = [self._step_bucket(gi, self.param_groups[gi], items, g, gp, *schedules[gi], deferred=defer,
+                                       shared=shared)
                      for (gi, items, flat), g, gp in zip(jobs, grads, prevs) if not flat]
             if not self._run(steps, writes if defer else None):
                 return loss
@@ -271,7 +278,19 @@ class GeomOptimizer(Optimizer):
         round's requests go to the executor together, so a distributed executor makes one
         exchange per round, with the same requests in the same order on every rank.
         ``barrier`` runs after the first round (the forward ops); False from it abandons the
-        step (False returned)."""
+        step (False returned). In one process without a barrier there is nothing to exchange or
+        wait for: each bucket's step runs to its end before the next starts, so they share the
+        workspace and the transients of one bucket are freed before the next is made."""
+        if barrier is None and isinstance(self._executor, LocalExecutor):
+            for s in steps:
+                answer = None
+                while True:
+                    try:
+                        request = s.send(answer)
+                    except StopIteration:
+                        break
+                    answer = self._executor.run([request])[0]
+            return True
         pending = [(s, None) for s in steps]
         answers = [None] * len(steps)
         first = True
@@ -345,10 +364,10 @@ class GeomOptimizer(Optimizer):
             return grads
         return _stack(grads)
 
-    def _polyak_rows(self, gs: list, state: dict, group: dict, items: list) -> torch.Tensor:
+    def _polyak_rows(self, gs: list, state: dict, group: dict, items: list, shared: bool) -> torch.Tensor:
         """Polyak momentum (:func:`geomopt.optim.directions.polyak`, same arithmetic) read from
         the unstacked gradients: d ← d.lerp(g, α) row by row into the stacked state, and with
-        Nesterov u = g.lerp(d, 1 − α) written into a kept stacked buffer (no copy of G)."""
+        Nesterov u = g.lerp(d, 1 − α) written into a scratch (:meth:`_lookahead`; no copy of G)."""
         alpha = group["alpha"]
         d = state.get("d")
         if d is None:
@@ -361,7 +380,7 @@ class GeomOptimizer(Optimizer):
             return d
         # u in the dtype the forward op casts it to first (bf16 for Newton–Schulz on CUDA): the
         # lerp rounds once into it, so the cast pass is saved and the bits are the same
-        u = self._kept(items, "u", d.shape, d, dtype=input_dtype(items[0][1].geometry, d))
+        u = self._lookahead(items, d.shape, d, shared)
         for i, g in enumerate(gs):
             torch.lerp(g, d[i], 1 - alpha, out=u[i])
         return u
@@ -370,13 +389,13 @@ class GeomOptimizer(Optimizer):
         """:meth:`_polyak_rows` with the write of d put off, for :meth:`_can_defer`: the gradients
         are stacked once (a transient copy, one launch instead of one per tensor: on an H100 the
         step is bound by the host's launches, measured 5% faster), u is read from them and the
-        old d into the kept scratch (in the forward op's dtype), and the returned ``commit()``
+        old d into a scratch (:meth:`_lookahead`, in the forward op's dtype), and the returned ``commit()``
         writes d ← d.lerp(g, α) later. Without Nesterov u = d.lerp(g, α) (the new d); with it
         g.lerp(d⁺, 1 − α) = β²d + (1 − β²)g, β = 1 − α, read as d.lerp(g, 1 − β²) (the same
         value, rounded once)."""
         alpha, nesterov = group["alpha"], group["nesterov"]
         g = _stack(gs)
-        u = self._kept(items, "u", g.shape, g, dtype=input_dtype(items[0][1].geometry, g))
+        u = self._lookahead(items, g.shape, g, False)
         d = state.get("d")
         if d is None and group["init"] == "gradient":  # d⁰ = g⁰, and with Nesterov u = g too
             u.copy_(g)
@@ -404,95 +423,120 @@ class GeomOptimizer(Optimizer):
 
     def _step_flat(self, group: dict, items: list, grads: list, gamma: float, alpha) -> None:
         """One step of an elementwise rule with foreach kernels: the state lives in flat buffers
-        (per-parameter state entries are views of them), the forward map runs once on a flat
-        buffer, and the parameters are updated in place. Same arithmetic as
-        :meth:`_step_bucket`, so the same bits, except adam on devices with a fused AdamW kernel
-        (:meth:`_adam_flat`: torch.optim.AdamW(fused=True)'s bits there)."""
+        (per-parameter state entries are views of them), the forward map runs on flat memory, and
+        the parameters are updated in place. Same arithmetic as :meth:`_step_bucket`, so the same
+        bits, except adam on devices with a fused AdamW kernel (:meth:`_adam_update`:
+        torch.optim.AdamW(fused=True)'s bits there).
+
+        u (the direction the map reads) is the gradients or the momentum themselves where the map
+        only reads it; Nesterov's look-ahead, the sign map's output and unfused Adam's denominator
+        are written chunk by chunk into the workspace (:meth:`_flat_chunks`: at most the largest
+        bucket at a time), so no buffer as large as the rule is kept."""
         pp = items[0][1]
+        geometry, kind = pp.geometry, pp.geometry["kind"]
         alpha = group["alpha"] if alpha is None else alpha
         xs = [_view(_local(p), q) for p, q in items]
         gs = grads  # operators' layout already (_job_grads)
-        adam = pp.geometry["kind"] == "adam"
-        reads_u = pp.geometry["kind"] in ("adam", "isotropic", "euclidean")  # u is only read: the gradients can serve
-        # u = the direction (the gradients themselves, the state, or a kept scratch), then
-        # ∇φ₁*(u) into the scratch: no allocation in steady state; the scratch (one kept buffer
-        # as large as the rule's tensors) is only made where something is written to it
-        scratch = functools.partial(self._flat_buffer, items, xs, "scratch")
-        u = u_views = None
-        if group["direction"] == "none":
-            if reads_u:
-                u_views = gs
-            else:
-                u, u_views = scratch()
-                torch._foreach_copy_(u_views, gs)
-        else:
+        d = ds = None
+        nesterov = False
+        if group["direction"] != "none":
             first = "d" not in self.state[items[0][0]]
-            d, d_views = self._flat_state(items, xs, "d")
+            d, ds = self._flat_state(items, xs, "d")
             if first and group["init"] == "gradient":
-                torch._foreach_copy_(d_views, gs)
+                torch._foreach_copy_(ds, gs)  # d⁰ = g⁰ (and with Nesterov u = g.lerp(g, ·) = g)
             else:
-                torch._foreach_lerp_(d_views, gs, alpha)
-            u, u_views = d, d_views
-            if group["nesterov"] and not (first and group["init"] == "gradient"):
-                buf, u_views = scratch()
-                torch._foreach_copy_(u_views, gs)
-                u = buf.lerp_(d, 1 - alpha)  # g.lerp(d, 1 − α), as the batched path
-        if adam:
-            self._adam_flat(items, xs, u_views, scratch, pp.geometry, gamma, group["weight_decay"])
-            return
-        decay = 1 - gamma * group["weight_decay"]
-        if pp.geometry["kind"] == "isotropic":
-            # ρ·(h*)'(‖D‖)/‖D‖·D per tensor (forward.isotropic), the factor applied in the axpy
-            factors = isotropic_factors(torch.stack(torch._foreach_norm(u_views)), pp.geometry)
-            if group["weight_decay"]:
-                torch._foreach_mul_(xs, decay)
-            torch._foreach_addcmul_(xs, u_views, list(factors.unbind(0)),
-                                    value=-gamma * group["radius"] * self._scale(pp))
-            return
-        if pp.geometry["kind"] == "euclidean":
+                torch._foreach_lerp_(ds, gs, alpha)
+                nesterov = group["nesterov"]
+        adam = self._adam_state(items, xs) if kind == "adam" else None
+        fused = adam is not None and _fused_adam(xs, gs if ds is None else ds)
+        writes = nesterov or kind == "anisotropic" or (adam is not None and not fused)
+        take = functools.partial(self._workspace.take, dtype=xs[0].dtype, device=xs[0].device)
+        for lo, hi, off, n in self._flat_chunks(xs) if writes else [(0, len(xs), 0, None)]:
+            span = slice(lo, hi)
+            if nesterov or (kind == "anisotropic" and d is None):
+                u = take("u", (n,))
+                u_views = _split_like(u, xs[span])
+                torch._foreach_copy_(u_views, gs[span])
+                if nesterov:
+                    u.lerp_(d[off:off + n], 1 - alpha)  # g.lerp(d, 1 − α), as the batched path
+            elif d is not None:
+                u, u_views = (d if n is None else d[off:off + n]), ds[span]
+            else:
+                u, u_views = None, gs[span]
+            if adam is not None:
+                m, v, step = adam
+                self._adam_update(xs[span], u_views, m, v, step, off, n, geometry, gamma, group["weight_decay"],
+                                  fused, take)
+                continue
+            scale = -gamma * group["radius"] * self._scale(pp)
+            if kind == "isotropic":
+                # ρ·(h*)'(‖D‖)/‖D‖·D per tensor (forward.isotropic), the factor applied in the axpy
+                factors = isotropic_factors(torch.stack(torch._foreach_norm(u_views)), geometry)
+                if group["weight_decay"]:
+                    torch._foreach_mul_(xs[span], 1 - gamma * group["weight_decay"])
+                torch._foreach_addcmul_(xs[span], u_views, list(factors.unbind(0)), value=scale)
+                continue
             steps = u_views
-        else:
-            out, steps = scratch()
-            elementwise_into(u, pp.geometry, out)
-        if group["weight_decay"]:
-            torch._foreach_mul_(xs, decay)
-        torch._foreach_add_(xs, steps, alpha=-gamma * group["radius"] * self._scale(pp))
+            if kind == "anisotropic":
+                out = u if nesterov or d is None else take("u", (n,))  # in place over a scratch u
+                elementwise_into(u, geometry, out)
+                steps = _split_like(out, xs[span])
+            if group["weight_decay"]:
+                torch._foreach_mul_(xs[span], 1 - gamma * group["weight_decay"])
+            torch._foreach_add_(xs[span], steps, alpha=scale)
 
-    def _adam_flat(self, items, xs, u_views, scratch, geometry, gamma, weight_decay) -> None:
-        """AdamW's update on flat moments: torch's fused AdamW kernel where the device has one and
-        the tensors are contiguous (torch.optim.AdamW(fused=True) bit for bit: one pass instead of
-        eight), else :func:`geomopt.geometry.adam.adam_moments`'s op order (AdamW's single-tensor
-        path, bit for bit)."""
-        beta1, beta2 = (float(b) for b in geometry.get("betas", (0.9, 0.999)))
-        eps = float(geometry.get("eps", 1e-8))
-        first = self.state[items[0][0]].get("adam_step", 0)
-        m, m_views = self._flat_state(items, xs, "exp_avg")
-        v, v_views = self._flat_state(items, xs, "exp_avg_sq")
-        step = first + 1
+    def _flat_chunks(self, xs: list):
+        """(lo, hi, offset, numel) of consecutive runs of ``xs`` of at most the largest bucket's
+        size (a tensor larger than that, which no plan makes, is a run of its own): the flat path's
+        scratch never exceeds what a bucket's step takes."""
+        lo, off, n = 0, 0, 0
+        for i, x in enumerate(xs):
+            if n and n + x.numel() > self._chunk_numel:
+                yield lo, i, off, n
+                lo, off, n = i, off + n, 0
+            n += x.numel()
+        yield lo, len(xs), off, n
+
+    def _adam_state(self, items: list, xs: list) -> tuple:
+        """The flat Adam moments of a flat call and the step number this step takes (the count
+        is per parameter; a flat call's tensors share it, :meth:`_jobs`)."""
+        step = self.state[items[0][0]].get("adam_step", 0) + 1
+        m, _ = self._flat_state(items, xs, "exp_avg")
+        v, _ = self._flat_state(items, xs, "exp_avg_sq")
         for p, _ in items:
             self.state[p]["adam_step"] = step
-        # the fused kernel walks every tensor in memory order, so all of them must share one layout
-        # (contiguous); a channels_last or transposed parameter or gradient takes the unfused ops
-        if xs[0].device.type in _FUSED_ADAM_DEVICES and all(t.is_contiguous() for t in (*xs, *u_views)):
+        return m, v, step
+
+    def _adam_update(self, xs, us, m, v, step, off, n, geometry, gamma, weight_decay, fused, take) -> None:
+        """AdamW's update of ``xs`` on the flat moments (from ``off``; ``n`` entries, or all of
+        them when None): torch's fused AdamW kernel where :func:`_fused_adam` allows it
+        (torch.optim.AdamW(fused=True) bit for bit: one pass instead of eight), else
+        :func:`geomopt.geometry.adam.adam_moments`'s op order (AdamW's single-tensor path, bit for
+        bit) with the denominator in the workspace."""
+        beta1, beta2 = (float(b) for b in geometry.get("betas", (0.9, 0.999)))
+        eps = float(geometry.get("eps", 1e-8))
+        if n is not None:
+            m, v = m[off:off + n], v[off:off + n]
+        m_views, v_views = _split_like(m, xs), _split_like(v, xs)
+        if fused:
             steps = [torch.full((), step, dtype=torch.float32, device=xs[0].device)] * len(xs)  # read, not written
-            torch._fused_adamw_(xs, u_views, m_views, v_views, [], steps, lr=gamma, beta1=beta1, beta2=beta2,
-                                weight_decay=weight_decay, eps=eps,
-                                amsgrad=False, maximize=False)
+            torch._fused_adamw_(xs, us, m_views, v_views, [], steps, lr=gamma, beta1=beta1, beta2=beta2,
+                                weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
             return
-        torch._foreach_lerp_(m_views, u_views, 1 - beta1)
+        torch._foreach_lerp_(m_views, us, 1 - beta1)
         v.mul_(beta2)
-        torch._foreach_addcmul_(v_views, u_views, u_views, value=1 - beta2)
+        torch._foreach_addcmul_(v_views, us, us, value=1 - beta2)
         bias_correction1 = 1 - beta1**step
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-        denom, denom_views = scratch()
+        denom = take("denom", v.shape)
         torch.sqrt(v, out=denom).div_(bias_correction2_sqrt).add_(eps)
         if weight_decay:
             torch._foreach_mul_(xs, 1 - gamma * weight_decay)
-        torch._foreach_addcdiv_(xs, m_views, denom_views, value=-gamma / bias_correction1)
+        torch._foreach_addcdiv_(xs, m_views, _split_like(denom, xs), value=-gamma / bias_correction1)
 
     def _kept(self, items: list, name: str, shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
-        """A scratch buffer kept across steps for this call's tensors (fresh memory each step
-        costs page faults on CPU); its contents are the caller's to overwrite."""
+        """A scratch buffer kept across steps for this call's tensors, for a CUDA graph that reads
+        it in place (:meth:`_forward_fn`); its contents are the caller's to overwrite."""
         key = tuple(id(p) for p, _ in items) + (name,)
         dtype = like.dtype if dtype is None else dtype
         buf = self._buffers.get(key)
@@ -500,9 +544,17 @@ class GeomOptimizer(Optimizer):
             buf = self._buffers[key] = torch.empty(shape, dtype=dtype, device=like.device)
         return buf
 
-    def _flat_buffer(self, items: list, xs: list, name: str) -> tuple:
-        buf = self._kept(items, name, torch.Size([sum(x.numel() for x in xs)]), xs[0])
-        return buf, _split_like(buf, xs)
+    def _lookahead(self, items: list, shape, like: torch.Tensor, shared: bool) -> torch.Tensor:
+        """Where a bucket writes its direction u (in the dtype the forward op casts it to first):
+        kept per bucket when a CUDA graph reads it in place; the workspace when the buckets run
+        one after another (``shared``); else fresh memory, freed after the step (buckets whose
+        steps interleave: distributed rounds, the deferred finiteness test)."""
+        dtype = input_dtype(items[0][1].geometry, like)
+        if self.cuda_graphs and like.is_cuda:
+            return self._kept(items, "u", shape, like, dtype=dtype)
+        if shared:
+            return self._workspace.take("u", shape, dtype, like.device)
+        return torch.empty(shape, dtype=dtype, device=like.device)
 
     def _flat_state(self, items: list, xs: list, key: str) -> tuple:
         """The flat buffer of state ``key`` for a flat call and its per-parameter views (rebuilt
@@ -595,13 +647,14 @@ class GeomOptimizer(Optimizer):
         return out
 
     def _step_bucket(self, gi: int, group: dict, items: list, g: torch.Tensor, g_prev, gamma: float, alpha,
-                     deferred: bool = False):
+                     deferred: bool = False, shared: bool = False):
         """One batched step of same-shape tensors: leading dim = tensor index (batch_dims=1).
 
         A generator: it yields a :class:`Request` for the forward and for the backward operator
         and receives ``(out, flags)``, so :meth:`_run` can hand a round's operators to the
         executor together (locally, or shared out across ranks). ``deferred``: write nothing
-        before the first yield (:meth:`_can_defer`)."""
+        before the first yield (:meth:`_can_defer`); ``shared``: the buckets run one after another
+        (:meth:`_run`), so this one may use the workspace."""
         counters = self._counters[gi]
         pp = items[0][1]
         views = [_view(_local(p), q) for p, q in items]
@@ -613,7 +666,7 @@ class GeomOptimizer(Optimizer):
         if isinstance(g, list) and deferred:
             d, commit = self._polyak_ahead(g, state, hyper, items)
         elif isinstance(g, list):
-            d = self._polyak_rows(g, state, hyper, items)
+            d = self._polyak_rows(g, state, hyper, items, shared)
         else:
             gu = _upcast(g)
             # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
@@ -1019,6 +1072,13 @@ def _spec_name(yaml_text: str) -> str:
 # per-parameter state tensors that batched calls keep stacked (entries are views of a bucket buffer)
 _STACKED = ("d", "exp_avg", "exp_avg_sq", "prev", "w")
 _FUSED_ADAM_DEVICES = ("cpu", "cuda")  # where torch._fused_adamw_ has kernels
+
+
+def _fused_adam(xs: list, us: list) -> bool:
+    """Whether torch's fused AdamW kernel can step ``xs`` with directions ``us``: a device that
+    has one, and every tensor contiguous (the kernel walks all of them in memory order, so a
+    channels_last or transposed parameter or gradient takes the unfused ops)."""
+    return xs[0].device.type in _FUSED_ADAM_DEVICES and all(t.is_contiguous() for t in (*xs, *us))
 
 
 def _flat_like(xs: list) -> tuple:

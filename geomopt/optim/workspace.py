@@ -1,0 +1,42 @@
+"""Scratch memory of a step, shared by its buckets.
+
+A bucket's step needs a few transient tensors as large as the bucket (Nesterov's look-ahead u in
+the forward op's dtype, the elementwise map's output of a flat chunk). Where buckets run one after
+another (one process, no deferred finiteness test), one buffer per (slot, device, dtype) serves
+them all: a bucket takes a view of its first ``numel`` entries and is done with it before the next
+bucket takes it. So the optimizer holds what the algorithm needs (its state) plus scratch bounded
+by the largest bucket, not a kept copy per tensor; and it is not allocated anew each step, which
+on CPU costs a page fault per 4 KiB touched (fresh memory is mapped in on first write).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class Workspace:
+    """One growable flat buffer per (slot, device, dtype); :meth:`take` returns a view of it.
+
+    A caller may hold at most one view per slot at a time: the next :meth:`take` of the slot
+    overwrites it (and may reallocate it, when it needs more than the buffer has)."""
+
+    def __init__(self):
+        self._buffers: dict = {}
+
+    def take(self, slot: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n = math.prod(shape)
+        key = (slot, torch.device(device), dtype)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            self._buffers.pop(key, None)  # freed before the larger one is made
+            buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def clear(self) -> None:
+        self._buffers.clear()

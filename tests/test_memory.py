@@ -1,0 +1,168 @@
+"""What the optimizer holds between steps: the algorithm's own state, counted independently from
+the plan (a momentum per tensor that has a direction, two moments per Adam tensor, the previous
+iterate for STORM), plus one workspace bounded by the largest bucket; nothing per tensor beyond.
+And the flat path's chunking (the workspace's bound) changes no bit of the step."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import geomopt
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "specs").rglob("*.yaml"))
+
+
+def _held_storages():
+    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "benchmarks" / "memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.held_storages
+
+
+held_storages = _held_storages()
+
+
+def _llama():
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config)
+
+    def loss(step):
+        ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(step))
+        return model(ids, labels=ids).loss
+
+    return model, loss
+
+
+def _gpt():
+    from optim_helpers import gpt_batch, loss_of, tiny_gpt
+
+    model = tiny_gpt(0)
+    return model, lambda step: loss_of(model, gpt_batch(step))
+
+
+def expected_state_bytes(opt, model) -> int:
+    """The bytes of the state each tensor's algorithm keeps (float32 at least), from the plan."""
+    named = dict(model.named_parameters())
+    total = 0
+    for pp in opt.plan:
+        t = named[pp.name]
+        n, size = t.numel(), max(t.element_size(), 4)
+        if pp.direction["kind"] != "none":
+            total += n * size  # d
+        if pp.direction["kind"] == "storm":
+            total += n * t.element_size()  # the previous iterate
+        if pp.geometry["kind"] == "adam":
+            total += 2 * n * size  # exp_avg, exp_avg_sq
+    return total
+
+
+def largest_bucket_bytes(opt, model) -> int:
+    named = dict(model.named_parameters())
+    sizes: dict = {}
+    for pp in opt.plan:
+        t = named[pp.name]
+        sizes[pp.bucket] = sizes.get(pp.bucket, 0) + t.numel() * max(t.element_size(), 4)
+    return max(sizes.values())
+
+
+def held_after_steps(model, loss, spec, steps=3, **kw):
+    opt = geomopt.GeomOptimizer(model, spec, **kw)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        if opt._needs_closure:
+            def closure(step=step):
+                opt.zero_grad(set_to_none=True)
+                value = loss(step)
+                value.backward()
+                return value
+            opt.step(closure)
+        else:
+            loss(step).backward()
+            opt.step()
+    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    exclude |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    return opt, held_storages(opt, exclude)
+
+
+@pytest.mark.parametrize("model_fn", [_gpt, _llama], ids=["gpt", "hf-llama"])
+@pytest.mark.parametrize("spec", SHIPPED)
+def test_held_memory_is_the_state_plus_a_workspace_bounded_by_the_largest_bucket(spec, model_fn):
+    model, loss = model_fn()
+    opt, held = held_after_steps(model, loss, str(ROOT / spec))
+    state = sum(b for b, name in held.values() if name.startswith("state"))
+    workspace = sum(b for b, name in held.values() if name.startswith("workspace"))
+    other = {name: b for b, name in held.values() if not name.startswith(("state", "workspace", "_counters"))}
+    assert state == expected_state_bytes(opt, model), {name: b for b, name in held.values()}
+    assert not other, other  # no kept buffer outside the state and the workspace
+    assert workspace <= largest_bucket_bytes(opt, model), (workspace, largest_bucket_bytes(opt, model))
+    assert sum(b for b, name in held.values() if name.startswith("_counters")) < 64  # a few scalars
+
+
+def test_storm_and_nesterov_keep_only_their_state():
+    """STORM keeps d and the previous iterate; a Nesterov look-ahead and a sign map's output live
+    in the workspace, not per tensor."""
+    model, loss = _gpt()
+    spec = {"geomopt": 1, "name": "t", "defaults": {"lr": 0.01}, "rules": [
+        {"name": "hidden", "match": {"name": "**.weight", "ndim": 2}, "direction": {"kind": "storm", "alpha": 0.2},
+         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}}},
+        {"name": "rest", "match": "**", "direction": {"kind": "polyak", "alpha": 0.1, "nesterov": True},
+         "geometry": {"kind": "anisotropic", "reference": {"kind": "indicator"}}}]}
+    opt, held = held_after_steps(model, loss, spec)
+    state = sum(b for b, name in held.values() if name.startswith("state"))
+    assert state == expected_state_bytes(opt, model)
+    assert {name for _, name in held.values()} <= {"state.d", "state.prev", "workspace.u", "_counters.fallbacks",
+                                                    "_counters.update_sq"}
+
+
+FLAT = {
+    "sign-nesterov": ({"kind": "anisotropic", "reference": {"kind": "indicator"}},
+                      {"kind": "polyak", "alpha": 0.1, "nesterov": True}),
+    "sign-momentum": ({"kind": "anisotropic", "reference": {"kind": "indicator"}}, {"kind": "polyak", "alpha": 0.1}),
+    "sign-plain": ({"kind": "anisotropic", "reference": {"kind": "indicator"}}, {"kind": "none"}),
+    "isotropic-nesterov": ({"kind": "isotropic", "reference": {"kind": "log_barrier", "eps": 1e-8}},
+                           {"kind": "polyak", "alpha": 0.1, "nesterov": True}),
+    "adam-unfused": ({"kind": "adam"}, {"kind": "none"}),
+    "adam-nesterov": ({"kind": "adam"}, {"kind": "polyak", "alpha": 0.1, "nesterov": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(FLAT))
+def test_flat_chunks_give_the_same_bits_as_one_pass(name, monkeypatch):
+    """The flat path in chunks of at most the largest bucket (several chunks on this model) equals
+    the same path in one chunk, bit for bit, over steps with a missing gradient."""
+    import geomopt.optim.optimizer as optimizer_module
+    from optim_helpers import gpt_batch, loss_of, tiny_gpt
+
+    if name == "adam-unfused":
+        monkeypatch.setattr(optimizer_module, "_FUSED_ADAM_DEVICES", ())
+    geometry, direction = FLAT[name]
+    spec = {"geomopt": 1, "name": "t", "defaults": {"lr": 0.01, "weight_decay": 0.1},
+            "rules": [{"name": "all", "match": "**", "geometry": geometry, "direction": direction}]}
+    models = [tiny_gpt(0), tiny_gpt(0)]
+    opts = [geomopt.GeomOptimizer(m, copy.deepcopy(spec)) for m in models]
+    whole = sum(p.numel() for p in models[1].parameters())
+    opts[1]._chunk_numel = whole  # one chunk
+    chunks = list(opts[0]._flat_chunks([p for p in models[0].parameters()]))
+    assert len(chunks) > 2 and all(n <= opts[0]._chunk_numel or hi - lo == 1 for lo, hi, _, n in chunks)
+    for step in range(4):
+        for model, opt in zip(models, opts):
+            opt.zero_grad(set_to_none=True)
+            loss_of(model, gpt_batch(step)).backward()
+            if step == 2:
+                model.transformer.h[0].mlp.c_fc.weight.grad = None
+            opt.step()
+        for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+            assert torch.equal(a, b), (name, step, n)
+    assert opts[0]._workspace.nbytes < opts[1]._workspace.nbytes or opts[1]._workspace.nbytes == 0
