@@ -168,7 +168,7 @@ geometry = st.one_of(
     model(m.Adam, radius=pos, eps=pos,
           betas=st.lists(st.floats(min_value=0, max_value=1, exclude_max=True, allow_nan=False), min_size=2, max_size=2)),
 )
-method = st.sampled_from(["exact", "polar"])
+method = st.sampled_from(["auto", "exact", "polar"])
 radius_fields = dict(radius=pos, relative=st.booleans())
 constraint = st.one_of(
     *[model(cls, **radius_fields) for cls in (m.L2Ball, m.LinfBall, m.LinfSphere, m.SignSet, m.FrobeniusBall, m.FrobeniusSphere, m.SpectralSphere)],

@@ -6,7 +6,7 @@ import math
 from importlib import resources
 
 from geomopt.compile.match import Matcher, ParamInfo, any_name, describe
-from geomopt.compile.plan import ParamPlan, _call_text, _geometry_text, view_text
+from geomopt.compile.plan import ParamPlan, _call_text, _geometry_text, constraint_text, view_text
 from geomopt.spec.diagnostics import did_you_mean
 from geomopt.spec.model import Spec
 
@@ -79,7 +79,11 @@ def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], na
     if pp.transpose:
         extra.append("acts on the transpose (layout in_out)")
     lines.append(f"forward    {_geometry_text(pp)}" + (f"; {', '.join(extra)}" if extra else ""))
-    lines.append(f"backward   {_call_text(pp.constraint)}")
+    lines.append(f"backward   {constraint_text(pp)}")
+    if pp.constraint and pp.constraint.get("method") == "auto" and g["kind"] == "spectral":
+        from geomopt.geometry.method import AUTO_RULE
+
+        lines.append(f"           method auto on {pp.device}: {AUTO_RULE}; exact or polar forces one")
     lines.append(f"direction  {_call_text(pp.direction)}; schedule {_call_text(pp.schedule)}")
     lines.append(f"lr         {pp.lr:g}; weight decay {pp.weight_decay:g}")
     scale = pp.radius / g["radius"] if g["radius"] else math.nan

@@ -146,12 +146,15 @@ class Plan:
         rows: dict[str, dict] = {}
         for p in self.params:
             r = rows.setdefault(p.rule, dict(rule=p.rule, tensors=0, elements=0, geometry=_geometry_text(p),
-                                             constraint=_constraint_text(p.constraint), lr=p.lr))
+                                             constraint=p.constraint, lr=p.lr, _methods=set()))
             r["tensors"] += 1
             n = 1
             for d in p.shape:
                 n *= d
             r["elements"] += n
+            r["_methods"].update(resolved_methods(p))
+        for r in rows.values():  # a rule's tensors may resolve method: auto differently (sizes)
+            r["constraint"] = _constraint_text(r["constraint"], r.pop("_methods"))
         return list(rows.values())
 
     def table(self) -> str:
@@ -162,7 +165,7 @@ class Plan:
         for p in self.params:
             name = p.name + (f" (= {', '.join(p.aliases)})" if p.aliases else "")
             rows.append((name, "×".join(map(str, p.shape)) or "scalar", p.role or "-", p.rule, _geometry_text(p),
-                         view_text(p), _constraint_text(p.constraint), f"{p.lr:g}",
+                         view_text(p), constraint_text(p), f"{p.lr:g}",
                          f"{p.radius:.4g}" + (" ᵀ" if p.transpose else ""), str(bucket_ids[p.bucket])))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -186,7 +189,7 @@ def view_text(p: ParamPlan) -> str:
 def _call_text(d: Optional[dict]) -> str:
     if not d:
         return "-"
-    quiet = {("relative", False), ("method", "exact"), ("dtype", "auto")}  # defaults say nothing
+    quiet = {("relative", False), ("dtype", "auto")}  # defaults say nothing
     args = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items()
             if k != "kind" and not isinstance(v, (dict, list)) and v is not None and (k, v) not in quiet]
     return f"{d['kind']}({', '.join(args)})" if args else d["kind"]
@@ -202,5 +205,29 @@ def _geometry_text(p: ParamPlan) -> str:
     return text
 
 
-def _constraint_text(c: Optional[dict]) -> str:
+def resolved_methods(p: ParamPlan) -> list[str]:
+    """What ``method: auto`` of the tensor's constraint runs as on its device, per distinct matrix
+    shape of its view (:func:`geomopt.geometry.method.resolve_method`, the backward step's own
+    rule); [] when the constraint has no auto method. Only the spectral geometry's step reads
+    ``method`` (the others' projections are exact)."""
+    c = p.constraint
+    if not c or c.get("method") != "auto":
+        return []
+    if p.geometry["kind"] != "spectral":
+        return ["exact"]
+    from geomopt.geometry.method import resolve_method
+    from geomopt.geometry.view import matrix_shapes
+
+    return sorted({resolve_method(c, p.device, s) for s in matrix_shapes(p.geometry.get("view"), p.op_shape)})
+
+
+def constraint_text(p: ParamPlan) -> str:
+    """The tensor's constraint as a call, ``method=auto→exact`` (or ``→polar``) saying what auto
+    resolves to on the tensor's device."""
+    return _constraint_text(p.constraint, resolved_methods(p))
+
+
+def _constraint_text(c: Optional[dict], methods=()) -> str:
+    if c and c.get("method") == "auto":
+        return _call_text({**c, "method": "auto" + ("→" + "/".join(sorted(methods)) if methods else "")})
     return _call_text(c)

@@ -291,11 +291,25 @@ class FrobeniusSphere(_Radius):
     kind: Literal["frobenius_sphere"] = "frobenius_sphere"
 
 
+#: the ``method`` of spectral_ball and stiefel (geomopt.geometry.method resolves ``auto`` where the
+#: step runs; this module stays torch-free, so the rule is spelled out here too)
+_METHOD_DESCRIPTION = (
+    "How the backward step is computed. exact: diagonalize the small Gram matrix (batched eigh; "
+    "the SVD where that is not as accurate). polar: SVD-free polar iterations, matrix products "
+    "only (approximate: max-entry error <= 2e-6*r in fp32 on training's steps). auto (the "
+    "default): chosen per bucket where the step runs, exact on CPU, polar on CUDA where the "
+    "smaller matrix side > 32 (larger matrices leave cuSOLVER's batched eigh for a per-matrix "
+    "loop), exact otherwise. exact and polar force one.")
+
+Method = Annotated[Literal["auto", "exact", "polar"], Field(description=_METHOD_DESCRIPTION)]
+
+
 class SpectralBall(_Radius):
-    """``method: polar`` clips singular values from two polar factors, SVD-free (approximate)."""
+    """``method: polar`` clips singular values from two polar factors, SVD-free (approximate);
+    ``auto`` (the default) picks exact or polar by device and matrix size."""
 
     kind: Literal["spectral_ball"] = "spectral_ball"
-    method: Literal["exact", "polar"] = "exact"
+    method: Method = "auto"
 
 
 class SpectralSphere(_Radius):
@@ -303,10 +317,11 @@ class SpectralSphere(_Radius):
 
 
 class Stiefel(_Radius):
-    """``method: polar`` normalizes by r + t and runs a convergent polar iteration (approximate)."""
+    """``method: polar`` normalizes by r + t and runs a convergent polar iteration (approximate);
+    ``auto`` (the default) picks exact or polar by device and matrix size."""
 
     kind: Literal["stiefel"] = "stiefel"
-    method: Literal["exact", "polar"] = "exact"
+    method: Method = "auto"
 
 
 class L0(_Model):
