@@ -429,73 +429,72 @@ class GeomOptimizer(Optimizer):
         torch.optim.AdamW(fused=True)'s bits there).
 
         u (the direction the map reads) is the gradients or the momentum themselves where the map
-        only reads it; Nesterov's look-ahead, the sign map's output and unfused Adam's denominator
-        are written chunk by chunk into the workspace (:meth:`_flat_chunks`: at most the largest
-        bucket at a time), so no buffer as large as the rule is kept."""
+        only reads it, and then the step is one pass of each op over all tensors. Where something
+        is written besides the state and the parameters (Nesterov's look-ahead, the sign map's
+        output, unfused Adam's denominator) the whole step runs block by block
+        (:func:`_blocks`: row ranges of at most :data:`BLOCK` entries, as large as the largest
+        bucket at most): each block's momentum, map and update follow each other while the block
+        is in cache, and the scratch is one block of the workspace. Every op is elementwise, so
+        blocks change no bit."""
         pp = items[0][1]
         geometry, kind = pp.geometry, pp.geometry["kind"]
         alpha = group["alpha"] if alpha is None else alpha
+        wd = group["weight_decay"]
+        scale = -gamma * group["radius"] * self._scale(pp)
         xs = [_view(_local(p), q) for p, q in items]
         gs = grads  # operators' layout already (_job_grads)
         d = ds = None
-        nesterov = False
+        lerp = nesterov = False
         if group["direction"] != "none":
             first = "d" not in self.state[items[0][0]]
             d, ds = self._flat_state(items, xs, "d")
             if first and group["init"] == "gradient":
                 torch._foreach_copy_(ds, gs)  # d⁰ = g⁰ (and with Nesterov u = g.lerp(g, ·) = g)
             else:
-                torch._foreach_lerp_(ds, gs, alpha)
-                nesterov = group["nesterov"]
+                lerp, nesterov = True, group["nesterov"]
         adam = self._adam_state(items, xs) if kind == "adam" else None
         fused = adam is not None and _fused_adam(xs, gs if ds is None else ds)
         writes = nesterov or kind == "anisotropic" or (adam is not None and not fused)
+        if not writes:
+            blocks = [(None, 0, d.numel() if d is not None else None)]
+        else:  # isotropic reads whole tensors (a norm each): blocks of whole tensors
+            blocks = _blocks(xs, min(self._chunk_numel, BLOCK) if kind != "isotropic" else self._chunk_numel,
+                             rows=kind != "isotropic")
         take = functools.partial(self._workspace.take, dtype=xs[0].dtype, device=xs[0].device)
-        for lo, hi, off, n in self._flat_chunks(xs) if writes else [(0, len(xs), 0, None)]:
-            span = slice(lo, hi)
+        for pieces, off, n in blocks:
+            cut = (lambda ts: ts) if pieces is None else functools.partial(_cut, pieces=pieces)
+            x_b, g_b = cut(xs), cut(gs)
+            d_b = None if d is None else cut(ds)
+            if lerp:
+                torch._foreach_lerp_(d_b, g_b, alpha)
             if nesterov or (kind == "anisotropic" and d is None):
                 u = take("u", (n,))
-                u_views = _split_like(u, xs[span])
-                torch._foreach_copy_(u_views, gs[span])
+                u_views = _split_like(u, x_b)
+                torch._foreach_copy_(u_views, g_b)
                 if nesterov:
                     u.lerp_(d[off:off + n], 1 - alpha)  # g.lerp(d, 1 − α), as the batched path
             elif d is not None:
-                u, u_views = (d if n is None else d[off:off + n]), ds[span]
+                u, u_views = d[off:off + n], d_b
             else:
-                u, u_views = None, gs[span]
+                u, u_views = None, g_b
             if adam is not None:
-                m, v, step = adam
-                self._adam_update(xs[span], u_views, m, v, step, off, n, geometry, gamma, group["weight_decay"],
-                                  fused, take)
+                self._adam_update(x_b, u_views, *adam, pieces, off, geometry, gamma, wd, fused, take)
                 continue
-            scale = -gamma * group["radius"] * self._scale(pp)
             if kind == "isotropic":
                 # ρ·(h*)'(‖D‖)/‖D‖·D per tensor (forward.isotropic), the factor applied in the axpy
                 factors = isotropic_factors(torch.stack(torch._foreach_norm(u_views)), geometry)
-                if group["weight_decay"]:
-                    torch._foreach_mul_(xs[span], 1 - gamma * group["weight_decay"])
-                torch._foreach_addcmul_(xs[span], u_views, list(factors.unbind(0)), value=scale)
+                if wd:
+                    torch._foreach_mul_(x_b, 1 - gamma * wd)
+                torch._foreach_addcmul_(x_b, u_views, list(factors.unbind(0)), value=scale)
                 continue
             steps = u_views
             if kind == "anisotropic":
-                out = u if nesterov or d is None else take("u", (n,))  # in place over a scratch u
+                out = u if nesterov or d is None else take("u", (u.numel(),))  # in place over a scratch u
                 elementwise_into(u, geometry, out)
-                steps = _split_like(out, xs[span])
-            if group["weight_decay"]:
-                torch._foreach_mul_(xs[span], 1 - gamma * group["weight_decay"])
-            torch._foreach_add_(xs[span], steps, alpha=scale)
-
-    def _flat_chunks(self, xs: list):
-        """(lo, hi, offset, numel) of consecutive runs of ``xs`` of at most the largest bucket's
-        size (a tensor larger than that, which no plan makes, is a run of its own): the flat path's
-        scratch never exceeds what a bucket's step takes."""
-        lo, off, n = 0, 0, 0
-        for i, x in enumerate(xs):
-            if n and n + x.numel() > self._chunk_numel:
-                yield lo, i, off, n
-                lo, off, n = i, off + n, 0
-            n += x.numel()
-        yield lo, len(xs), off, n
+                steps = _split_like(out, x_b)
+            if wd:
+                torch._foreach_mul_(x_b, 1 - gamma * wd)
+            torch._foreach_add_(x_b, steps, alpha=scale)
 
     def _adam_state(self, items: list, xs: list) -> tuple:
         """The flat Adam moments of a flat call and the step number this step takes (the count
@@ -507,16 +506,16 @@ class GeomOptimizer(Optimizer):
             self.state[p]["adam_step"] = step
         return m, v, step
 
-    def _adam_update(self, xs, us, m, v, step, off, n, geometry, gamma, weight_decay, fused, take) -> None:
-        """AdamW's update of ``xs`` on the flat moments (from ``off``; ``n`` entries, or all of
-        them when None): torch's fused AdamW kernel where :func:`_fused_adam` allows it
-        (torch.optim.AdamW(fused=True) bit for bit: one pass instead of eight), else
-        :func:`geomopt.geometry.adam.adam_moments`'s op order (AdamW's single-tensor path, bit for
-        bit) with the denominator in the workspace."""
+    def _adam_update(self, xs, us, m, v, step, pieces, off, geometry, gamma, weight_decay, fused, take) -> None:
+        """AdamW's update of ``xs`` (a block's ``pieces`` of the flat call, from ``off`` in the
+        flat moments ``m``, ``v``; all of it when ``pieces`` is None): torch's fused AdamW kernel
+        where :func:`_fused_adam` allows it (torch.optim.AdamW(fused=True) bit for bit: one pass
+        instead of eight), else :func:`geomopt.geometry.adam.adam_moments`'s op order (AdamW's
+        single-tensor path, bit for bit) with the denominator in the workspace."""
         beta1, beta2 = (float(b) for b in geometry.get("betas", (0.9, 0.999)))
         eps = float(geometry.get("eps", 1e-8))
-        if n is not None:
-            m, v = m[off:off + n], v[off:off + n]
+        n = sum(x.numel() for x in xs)
+        m, v = m[off:off + n], v[off:off + n]
         m_views, v_views = _split_like(m, xs), _split_like(v, xs)
         if fused:
             steps = [torch.full((), step, dtype=torch.float32, device=xs[0].device)] * len(xs)  # read, not written
@@ -1072,6 +1071,53 @@ def _spec_name(yaml_text: str) -> str:
 # per-parameter state tensors that batched calls keep stacked (entries are views of a bucket buffer)
 _STACKED = ("d", "exp_avg", "exp_avg_sq", "prev", "w")
 _FUSED_ADAM_DEVICES = ("cpu", "cuda")  # where torch._fused_adamw_ has kernels
+
+
+#: entries of a block of the flat path (:func:`_blocks`): 1 MiB per float32 array, so a block's
+#: parameters, gradients, state and scratch stay in a core's L2 / the shared L3 between its ops
+BLOCK = 1 << 18
+
+
+def _blocks(xs: list, cap: int, rows: bool = True) -> list:
+    """The flat path's blocks over ``xs`` (in flat order): ``(pieces, offset, numel)`` with
+    ``pieces`` a list of (tensor index, first row, end row) (rows None: the whole tensor) of at
+    most ``cap`` entries (a row larger than that is a block of its own); ``rows=False`` keeps
+    tensors whole (a tensor larger than ``cap`` is then a block of its own)."""
+    out, pieces, off, n = [], [], 0, 0
+
+    def close():
+        nonlocal pieces, off, n
+        if pieces:
+            out.append((pieces, off, n))
+            pieces, off, n = [], off + n, 0
+
+    for i, x in enumerate(xs):
+        size = x.numel()
+        if n + size <= cap or not rows or x.dim() == 0:
+            if n + size > cap:
+                close()
+            pieces.append((i, None, None))
+            n += size
+            continue
+        row, start = size // x.shape[0], 0
+        while start < x.shape[0]:
+            k = (cap - n) // row
+            if k == 0 and n:
+                close()
+                continue
+            end = min(x.shape[0], start + max(k, 1))
+            pieces.append((i, start, end))
+            n += (end - start) * row
+            start = end
+            if n >= cap:
+                close()
+    close()
+    return out
+
+
+def _cut(ts: list, pieces: list) -> list:
+    """The ``pieces`` (:func:`_blocks`) of the tensors ``ts``."""
+    return [ts[i] if a is None else ts[i][a:b] for i, a, b in pieces]
 
 
 def _fused_adam(xs: list, us: list) -> bool:
