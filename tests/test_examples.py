@@ -112,8 +112,10 @@ def test_char_gpt_quick(tmp_path):
 
 
 def test_moe_quick_in_record_mode(tmp_path):
-    # record mode into a temporary --out: every training timed twice, the machine recorded
-    rec = _run("moe.py", tmp_path, "--no-progress", "--record", "--repeats", "2")
+    # record mode into a temporary --out: every training timed twice, the machine recorded. Context
+    # 16 and batch 8 (default 64 and 32): 16× fewer tokens per training step, 4× fewer per
+    # evaluation; the widths and expert count, which the routing rows check, stay the defaults
+    rec = _run("moe.py", tmp_path, "--no-progress", "--record", "--repeats", "2", "--block", "16", "--batch", "8")
     summary, runs = rec["results"]["summary"], rec["results"]["runs"]
     assert list(summary) == ["muon.yaml", "AdamW"] and [r["optimizer"] for r in runs] == list(summary)
     assert rec["settings"]["record"] is True and rec["settings"]["repeats"] == 2

@@ -169,7 +169,7 @@ def _git(repo: Path, *args: str) -> str:
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_demo_and_an_example_leave_a_checkout_clean(tmp_path):
     """A snapshot of this working tree (tracked and untracked, not ignored files) as a fresh git
-    repository; `geomopt demo --quick` (5 steps) and `examples/grokking.py --quick` run inside it
+    repository; `geomopt demo --quick` (5 steps) and `examples/grokking.py --quick` (1 epoch) run inside it
     with their default output folders, from its own code; afterwards `git status --porcelain` is
     empty."""
     if not (ROOT / ".git").exists():
@@ -200,7 +200,7 @@ def test_demo_and_an_example_leave_a_checkout_clean(tmp_path):
     where = run("-c", "import geomopt.cli.demo as d; print(d.__file__); print(d.output_dir(None, True, 'demo'))")
     assert where.split() == [str(repo / "geomopt" / "cli" / "demo.py"), str(repo / "examples" / "results")]
     run("-m", "geomopt.cli.main", "demo", "--quick", "--steps", "5", "--no-progress")  # 5 steps: only the files matter
-    run("examples/grokking.py", "--quick")
+    run("examples/grokking.py", "--quick", "--max-epochs", "1")  # 1 epoch (quick: 3): only the files matter
 
     assert _git(repo, "status", "--porcelain") == ""
     assert (repo / "runs" / "demo" / "demo.png").is_file() and (repo / "runs" / "demo" / "demo.json").is_file()

@@ -1,0 +1,23 @@
+"""Settings for the whole test session.
+
+One torch thread, here and in every subprocess a test starts (the examples, the benchmark scripts,
+torchrun ranks inherit the environment), unless OMP_NUM_THREADS is already set. The suite's tensors
+are tiny, so a second intra-op thread buys nothing; on a 2-core CPU that is also running anything
+else, every parallel region waits until both threads get a core. Measured on such a machine (2
+cores, AVX2, other jobs running): the four Scion equivalence tests 0.2 s each at 1 thread against
+6–9 s at 2, benchmarks/svd_free.py's test 0.2 s against 20 s, the whole suite 3 min 51 s against
+5 min 58 s run back to back (and up to 13 min at 2 threads under heavier load).
+``OMP_NUM_THREADS=2 python -m pytest`` runs it with two.
+"""
+
+from __future__ import annotations
+
+import os
+
+_threads = os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", _threads)
+
+import torch  # noqa: E402  (after the environment, so that this process starts with it too)
+
+if _threads.isdigit() and int(_threads) > 0:
+    torch.set_num_threads(int(_threads))
