@@ -100,3 +100,21 @@ def test_memory_script_measures_held_bytes_against_torch(capsys):
         assert state > 0 and torch_state > 0 and largest > 0, row
         assert ratio == round(state / torch_state, 3) or abs(ratio - state / torch_state) < 2e-3, row
         assert workspace <= largest, row  # the step's scratch: at most the largest bucket
+
+
+def test_suite_script_times_the_test_command(capsys):
+    assert _script("suite").main(["--", "tests/test_match.py", "-k", "module_rule or select_agrees"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\*\*this tree \(\w+.*\)\*\*: \d+ min \d+ s wall \(\d+ passed", out), out
+    tests = re.findall(r"^\| [\d.]+ \| (call|setup|teardown) \| `(tests/test_match\.py::\S+)` \|$", out, flags=re.M)
+    assert tests and all(t.startswith("tests/test_match.py::") for _, t in tests), out
+
+
+def test_elementwise_script_times_specs_against_fused_adamw(capsys):
+    assert _script("elementwise").main(["--widths", "64", "--iters", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = dict(re.findall(r"^\| (.+?) \| [\d.]+ \| ([\d.]+) \|$", out, flags=re.M))
+    assert float(rows["AdamW (fused)"]) == 1.0, out
+    for name in ("geomopt examples/adam-all", "geomopt sign-descent", "geomopt normalized-sgd",
+                 "check (geomopt's finiteness test alone)"):
+        assert float(rows[name]) > 0, (name, out)
