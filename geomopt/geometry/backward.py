@@ -697,7 +697,7 @@ def spectral_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     spectral_ball) is SVD-free and approximate: :func:`_stiefel_polar`, :func:`_spectral_ball_polar`.
     Infeasible where max_i |x_i − σ_i| > t (the spectral distance from Y to C)."""
     kind = constraint["kind"]
-    if constraint.get("method", "exact") == "polar":
+    if __import__("geomopt.geometry.method", fromlist=["_"]).resolve_method(constraint, y.device, y.shape[batch_dims:]) == "polar":
         return _POLAR[kind](y, t, ref, constraint, geometry=geometry, batch_dims=batch_dims)
 
     def step(s):
