@@ -167,7 +167,7 @@ def test_flat_blocks_give_the_same_bits_as_one_pass(name, monkeypatch):
     for step in range(4):
         for i, (model, opt) in enumerate(zip(models, opts)):
             monkeypatch.setattr(optimizer_module, "BLOCK", 3000 if i == 0 else whole)
-            opt._chunk_numel = 3000 if i == 0 else whole
+            opt._largest_bucket = 3000 if i == 0 else whole
             opt.zero_grad(set_to_none=True)
             loss_of(model, gpt_batch(step)).backward()
             if step == 2:

@@ -151,9 +151,9 @@ class GeomOptimizer(Optimizer):
             self._buckets.append(list(by_key.values()))
         self._buffers: dict = {}  # (param ids, state key) → stacked state; per-param state holds views
         self._workspace = Workspace()  # a step's scratch, shared by its buckets
-        # the flat path's chunk: the largest bucket (what a batched step stacks at once)
-        self._chunk_numel = max((sum(g["params"][i].numel() for i in b) for g, bs in zip(self.param_groups, self._buckets)
-                                 for b in bs), default=1)
+        # entries of the largest bucket (what a batched step stacks at once): bounds the flat path's blocks
+        self._largest_bucket = max((sum(g["params"][i].numel() for i in b)
+                                    for g, bs in zip(self.param_groups, self._buckets) for b in bs), default=1)
         self._executor = make_executor([p for g in self.param_groups for p in g["params"]], distributed, process_group)
         self._sharded = isinstance(self._executor, ShardedExecutor)
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
@@ -458,7 +458,7 @@ class GeomOptimizer(Optimizer):
         if not writes:
             blocks = [(None, 0, d.numel() if d is not None else None)]
         else:  # isotropic reads whole tensors (a norm each): blocks of whole tensors
-            blocks = _blocks(xs, min(self._chunk_numel, BLOCK) if kind != "isotropic" else self._chunk_numel,
+            blocks = _blocks(xs, min(self._largest_bucket, BLOCK) if kind != "isotropic" else self._largest_bucket,
                              rows=kind != "isotropic")
         take = functools.partial(self._workspace.take, dtype=xs[0].dtype, device=xs[0].device)
         for pieces, off, n in blocks:
