@@ -247,18 +247,18 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes (width 64, vocab 512) for a smoke test")
     p.add_argument("--record", metavar="NOTE", help="append the tables to benchmarks/RESULTS.md with this note")
     p.add_argument("--jobs", type=int, default=2, help="subprocesses at a time (each measures only itself)")
+    p.add_argument("--widths", type=int, nargs="+", help="model widths (384, 768; default both)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         print("MEMORY " + json.dumps(worker(json.loads(args.worker))))
         return 0
-    widths = QUICK_WIDTHS if args.quick else WIDTHS
+    widths = QUICK_WIDTHS if args.quick else [w for w in WIDTHS if not args.widths or w[0] in args.widths]
     seq, batch = (16, 2) if args.quick else (128, 4)
     import torch
 
     from geomopt.cli.bench import device_name
 
-    tables = []
     for width, vocab in widths:
         lines = [f"### Optimizer-held memory: HF GPT-2 (2 layers, width {width}, vocab {vocab}, "
                  f"batch {batch}×{seq}), {args.steps} steps, {device_name('cpu')}, float32, torch "
@@ -283,8 +283,7 @@ def main(argv=None) -> int:
                          f"({' + '.join(t['optimizers'])}): {breakdown(t['by_label'])}")
         exact = "" if g["rss_exact"] and t["rss_exact"] else " (peak RSS: ru_maxrss, no per-step reset here)"
         lines += ["", f"Parameter bytes: {pb / MiB:.2f} MiB. Held MiB by holder{exact}:", *notes]
-        tables.append("\n".join(lines))
-    emit("\n\n".join(tables), args.record)
+        emit("\n".join(lines), args.record)  # each width as soon as it is measured
     return 0
 
 
