@@ -58,13 +58,17 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
+    p.add_argument("--no-torch", action="store_true",
+                   help="leave torch.optim.Muon out (its Newton–Schulz runs in bf16, which a CPU without native "
+                        "bf16 emulates: seconds per step)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         base = import_base(args.base, Path(tmp))
         _, fresh = hidden_workload(args.model, args.device, torch.float32)
-        rows = [("torch.optim.Muon", lambda ps: torch.optim.Muon([q for _, q in ps], lr=0.02, weight_decay=0.1,
-                                                                  momentum=0.95, nesterov=True)),
-                (f"base {args.base}", lambda ps: base.GeomOptimizer(ps, args.spec)),
+        rows = [] if args.no_torch else [
+            ("torch.optim.Muon", lambda ps: torch.optim.Muon([q for _, q in ps], lr=0.02, weight_decay=0.1,
+                                                             momentum=0.95, nesterov=True))]
+        rows += [(f"base {args.base}", lambda ps: base.GeomOptimizer(ps, args.spec)),
                 ("this tree", lambda ps: geomopt.GeomOptimizer(ps, args.spec))]
         if torch.device(args.device).type == "cuda":
             rows += [(f"base {args.base}, graphs", lambda ps: base.GeomOptimizer(ps, args.spec, cuda_graphs=True)),
@@ -78,12 +82,14 @@ def main(argv=None) -> int:
         for _ in range(args.iters):
             for name, opt in opts:
                 times[name] += timer(opt.step, 0, 1)
-    muon = statistics.median(times["torch.optim.Muon"])
+    muon = statistics.median(times["torch.optim.Muon"]) if "torch.optim.Muon" in times else None
+    ref = statistics.median(times[f"base {args.base}"])
     lines = [f"### A/B: {Path(args.spec).name} on {args.model}, {device_name(args.device)}, torch {torch.__version__}"
-             f" — {datetime.date.today().isoformat()}", "", "| optimizer | step (ms, median) | × torch Muon |", "|---|---|---|"]
+             f" — {datetime.date.today().isoformat()}", "", "| optimizer | step (ms, median) | × torch Muon | × base |",
+             "|---|---|---|---|"]
     for name, _ in opts:
         ms = statistics.median(times[name])
-        lines.append(f"| {name} | {ms:.2f} | {ms / muon:.3f} |")
+        lines.append(f"| {name} | {ms:.2f} | {f'{ms / muon:.3f}' if muon else '–'} | {ms / ref:.3f} |")
     emit("\n".join(lines), args.record)
     return 0
 

@@ -59,8 +59,11 @@ def test_step_script_times_against_muon_and_adamw(spec, capsys):
 def test_ab_script_compares_this_tree_with_a_commit(capsys):
     assert _script("ab").main(["--base", "HEAD", "--model", "gpt", "--iters", "1"]) == 0
     out = capsys.readouterr().out
-    names = re.findall(r"^\| ([^|]+?) \| [\d.]+ \| [\d.]+ \|$", out, flags=re.M)
+    names = re.findall(r"^\| ([^|]+?) \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, flags=re.M)
     assert names == ["torch.optim.Muon", "base HEAD", "this tree"], out
+    assert _script("ab").main(["--base", "HEAD", "--model", "gpt", "--iters", "1", "--no-torch"]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"^\| ([^|]+?) \| [\d.]+ \| – \| [\d.]+ \|$", out, flags=re.M) == ["base HEAD", "this tree"], out
 
 
 def test_experts_script_compares_the_batched_view_with_separate_tensors(capsys):
