@@ -497,26 +497,29 @@ class GeomOptimizer(Optimizer):
             torch._foreach_add_(x_b, steps, alpha=scale)
 
     def _adam_state(self, items: list, xs: list) -> tuple:
-        """The flat Adam moments of a flat call and the step number this step takes (the count
-        is per parameter; a flat call's tensors share it, :meth:`_jobs`)."""
+        """The flat Adam moments of a flat call (buffers and their per-tensor views) and the step
+        number this step takes (the count is per parameter; a flat call's tensors share it,
+        :meth:`_jobs`)."""
         step = self.state[items[0][0]].get("adam_step", 0) + 1
-        m, _ = self._flat_state(items, xs, "exp_avg")
-        v, _ = self._flat_state(items, xs, "exp_avg_sq")
+        m = self._flat_state(items, xs, "exp_avg")
+        v = self._flat_state(items, xs, "exp_avg_sq")
         for p, _ in items:
             self.state[p]["adam_step"] = step
         return m, v, step
 
     def _adam_update(self, xs, us, m, v, step, pieces, off, geometry, gamma, weight_decay, fused, take) -> None:
         """AdamW's update of ``xs`` (a block's ``pieces`` of the flat call, from ``off`` in the
-        flat moments ``m``, ``v``; all of it when ``pieces`` is None): torch's fused AdamW kernel
+        flat moments ``m``, ``v``, each a (buffer, views) pair; all of it when ``pieces`` is None): torch's fused AdamW kernel
         where :func:`_fused_adam` allows it (torch.optim.AdamW(fused=True) bit for bit: one pass
         instead of eight), else :func:`geomopt.geometry.adam.adam_moments`'s op order (AdamW's
         single-tensor path, bit for bit) with the denominator in the workspace."""
         beta1, beta2 = (float(b) for b in geometry.get("betas", (0.9, 0.999)))
         eps = float(geometry.get("eps", 1e-8))
-        n = sum(x.numel() for x in xs)
-        m, v = m[off:off + n], v[off:off + n]
-        m_views, v_views = _split_like(m, xs), _split_like(v, xs)
+        (m, m_views), (v, v_views) = m, v
+        if pieces is not None:
+            n = sum(x.numel() for x in xs)
+            m, v = m[off:off + n], v[off:off + n]
+            m_views, v_views = _split_like(m, xs), _split_like(v, xs)
         if fused:
             steps = [torch.full((), step, dtype=torch.float32, device=xs[0].device)] * len(xs)  # read, not written
             torch._fused_adamw_(xs, us, m_views, v_views, [], steps, lr=gamma, beta1=beta1, beta2=beta2,
