@@ -114,3 +114,20 @@ def same_snapshot(a: list, b: list) -> bool:
         elif x != y:
             return False
     return True
+
+
+def step_in_lockstep(models: list, opts: list, steps: int = 4, setup=None, drop_at: int = 2) -> None:
+    """Step two tiny GPTs with their optimizers on the same batches (the first MLP's c_fc gradient
+    dropped at step ``drop_at``), asserting bit-equal parameters after every step; ``setup(i)``
+    runs before model i steps."""
+    for step in range(steps):
+        for i, (model, opt) in enumerate(zip(models, opts)):
+            if setup is not None:
+                setup(i)
+            opt.zero_grad(set_to_none=True)
+            loss_of(model, gpt_batch(step)).backward()
+            if step == drop_at:
+                model.transformer.h[0].mlp.c_fc.weight.grad = None
+            opt.step()
+        for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+            assert torch.equal(a, b), (step, n)

@@ -244,7 +244,7 @@ def test_flat_adam_with_channels_last_weights_is_torch_adamw():
 def test_direction_written_in_the_forward_dtype_gives_the_same_bits(monkeypatch):
     """Nesterov's u is written straight in the dtype Newton–Schulz casts it to (bf16 here, as on
     CUDA): the same bits as writing it in fp32 and casting, over steps and a missed gradient."""
-    from optim_helpers import gpt_batch, loss_of, tiny_gpt
+    from optim_helpers import step_in_lockstep, tiny_gpt
 
     import geomopt.optim.optimizer as optimizer_module
 
@@ -257,15 +257,7 @@ def test_direction_written_in_the_forward_dtype_gives_the_same_bits(monkeypatch)
     models = [tiny_gpt(0), tiny_gpt(0)]
     opts = [geomopt.GeomOptimizer(m, copy.deepcopy(spec)) for m in models]
     low = optimizer_module.input_dtype
-    for step in range(4):
-        for i, (model, opt) in enumerate(zip(models, opts)):
-            monkeypatch.setattr(optimizer_module, "input_dtype", low if i == 0 else lambda g, like: like.dtype)
-            opt.zero_grad(set_to_none=True)
-            loss_of(model, gpt_batch(step)).backward()
-            if step == 2:
-                model.transformer.h[0].mlp.c_fc.weight.grad = None
-            opt.step()
-        for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-            assert torch.equal(a, b), (step, n)
+    step_in_lockstep(models, opts, setup=lambda i: monkeypatch.setattr(
+        optimizer_module, "input_dtype", low if i == 0 else lambda g, like: like.dtype))
     u = [v for k, v in opts[0]._workspace._buffers.items() if k[0] == "u"]
     assert u and all(t.dtype == torch.bfloat16 for t in u)

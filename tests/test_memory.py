@@ -144,7 +144,7 @@ def test_flat_blocks_give_the_same_bits_as_one_pass(name, monkeypatch):
     tensors and hold several) equals the same path in one block, bit for bit, over steps with a
     missing gradient; the scratch is one block."""
     import geomopt.optim.optimizer as optimizer_module
-    from optim_helpers import gpt_batch, loss_of, tiny_gpt
+    from optim_helpers import step_in_lockstep, tiny_gpt
 
     if name == "adam-unfused":
         monkeypatch.setattr(optimizer_module, "_FUSED_ADAM_DEVICES", ())
@@ -164,15 +164,10 @@ def test_flat_blocks_give_the_same_bits_as_one_pass(name, monkeypatch):
         assert n == sum(t.numel() for t in optimizer_module._cut(xs, pieces))
         assert n <= 3000 or len(pieces) == 1
     whole = sum(p.numel() for p in models[1].parameters())
-    for step in range(4):
-        for i, (model, opt) in enumerate(zip(models, opts)):
-            monkeypatch.setattr(optimizer_module, "BLOCK", 3000 if i == 0 else whole)
-            opt._largest_bucket = 3000 if i == 0 else whole
-            opt.zero_grad(set_to_none=True)
-            loss_of(model, gpt_batch(step)).backward()
-            if step == 2:
-                model.transformer.h[0].mlp.c_fc.weight.grad = None
-            opt.step()
-        for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-            assert torch.equal(a, b), (name, step, n)
+
+    def setup(i):
+        monkeypatch.setattr(optimizer_module, "BLOCK", 3000 if i == 0 else whole)
+        opts[i]._largest_bucket = 3000 if i == 0 else whole
+
+    step_in_lockstep(models, opts, setup=setup)
     assert opts[0]._workspace.nbytes <= 2 * 3000 * 4
