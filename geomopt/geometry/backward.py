@@ -44,6 +44,7 @@ import torch
 
 # the constraint kinds and the backward table (which op serves which pairs) are plain data there
 from geomopt.catalog import CONSTRAINT_KINDS, SEPARABLE_SETS, SET_KINDS, SPECTRAL_SETS  # noqa: F401
+from geomopt.geometry import method as method_choice
 from geomopt.geometry.reference import Quadratic, Reference, make_reference
 from geomopt.geometry.registry import BACKWARD_OPS, backward_op, supported_constraints
 from geomopt.geometry.view import apply as apply_view
@@ -694,10 +695,11 @@ def spectral_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     stiefel(r) → r·U Vᵀ (reduced SVD, wide or tall; zero σ use LAPACK's completions; Y = 0 →
     r·I_{m×n}); spectral_ball(r) → U·Diag(min(σ_i, r))·Vᵀ; spectral_sphere(r) → the linf_sphere
     step on σ (Appendix A.2); rank(k) → U·Diag(H_k(σ))·Vᵀ. ``method: polar`` (stiefel,
-    spectral_ball) is SVD-free and approximate: :func:`_stiefel_polar`, :func:`_spectral_ball_polar`.
+    spectral_ball) is SVD-free and approximate: :func:`_stiefel_polar`, :func:`_spectral_ball_polar`;
+    ``auto`` picks one by device and size (:func:`geomopt.geometry.method.resolve_method`).
     Infeasible where max_i |x_i − σ_i| > t (the spectral distance from Y to C)."""
     kind = constraint["kind"]
-    if __import__("geomopt.geometry.method", fromlist=["_"]).resolve_method(constraint, y.device, y.shape[batch_dims:]) == "polar":
+    if method_choice.resolve_method(constraint, y.device, y.shape[batch_dims:]) == "polar":
         return _POLAR[kind](y, t, ref, constraint, geometry=geometry, batch_dims=batch_dims)
 
     def step(s):
