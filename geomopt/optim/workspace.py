@@ -37,6 +37,3 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-    def clear(self) -> None:
-        self._buffers.clear()
