@@ -1,6 +1,6 @@
 """Exact spectral backward steps: geomopt's batched op against per-matrix torch.linalg.svd.
 
-    python benchmarks/backward.py [--device cpu|cuda] [--record NOTE]
+    python benchmarks/backward.py [--device cpu|cuda] [--threads N] [--repeats N] [--record NOTE]
 
 For each (constraint, Y) a bucket of B matrices is stepped (1) by geomopt's batched backward op
 (Gram–eigh where it is as accurate as the SVD, see ``_spectral_map``) and (2) matrix by matrix:
@@ -9,9 +9,12 @@ both max-entry errors against the same step done by a float64 SVD of the same (f
 either a Gaussian matrix (σ near the sets, as in training) or one whose σ spread over four
 decades around the radius ("far").
 
-The last two columns are the floor of any exact step that diagonalizes the small Gram matrix:
-the time of the batched ``torch.linalg.eigh`` of G = YᵀY (YYᵀ when wide) alone, in float32, and
-the speed-up over the per-matrix SVD that such a step could reach if everything else were free.
+The last three columns are the floor of any exact step that diagonalizes the small Gram matrix:
+the time of the batched ``torch.linalg.eigh`` of G = YᵀY (YYᵀ when wide) alone, in float32, the
+speed-up over the per-matrix SVD that such a step could reach if everything else were free, and
+geomopt's time in units of that floor. The floor is timed in alternation with geomopt's op on
+each row (``--repeats`` pairs, medians; the ratio is the median of the pairs' ratios), so load
+that drifts during a run moves both alike.
 """
 
 from __future__ import annotations
@@ -63,6 +66,13 @@ def _per_matrix_svd(y, c, t):
     return torch.stack(out)
 
 
+def _paired(fa, fb, repeats: int, timer) -> tuple[float, float, float]:
+    """Medians of fa's and fb's times, called in alternation, and the median of their ratios."""
+    pairs = [(timer(fa, 0, 1)[0], timer(fb, 0, 1)[0]) for _ in range(repeats)]
+    return (statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
+            statistics.median(a / b for a, b in pairs))
+
+
 def _ms(v: float) -> str:
     """Milliseconds to 0.1 ms, and to three digits below 1 ms (tiny shapes)."""
     return f"{v:.1f}" if v >= 1 else f"{v:.3g}"
@@ -73,8 +83,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--shape", default="256x128")
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's own)")
     p.add_argument("--record", metavar="NOTE")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     m, n = (int(s) for s in args.shape.split("x"))
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(args.batch, m, n, generator=gen, dtype=torch.float64) / (m ** 0.5)
@@ -87,21 +101,23 @@ def main(argv=None) -> int:
     for label, y64 in (("", base), (", far", far)):
         y = y64.float().to(args.device)
         gram = y.mT @ y if m >= n else y @ y.mT
-        floor = statistics.median(timer(lambda: torch.linalg.eigh(gram), 1, 5))  # the eigensolver alone
+        eigh = lambda: torch.linalg.eigh(gram)  # the eigensolver alone
         for name, c in CASES:
             batched = lambda: backward(y, gamma, GEOMETRY, c, batch_dims=1)[0]
             single = lambda: _per_matrix_svd(y, c, t)
-            tb, ts = (statistics.median(timer(fn, 1, 5)) for fn in (batched, single))
+            timer(batched, 1, 0), timer(eigh, 1, 0)
+            tb, floor, ratio = _paired(batched, eigh, args.repeats, timer)
+            ts = statistics.median(timer(single, 1, 5))
             exact = _per_matrix_svd(y.double(), c, t)
             err_b = (batched().double() - exact).abs().max().item()
             err_s = (single().double() - exact).abs().max().item()
-            rows.append((name + label, ts, tb, ts / tb, err_s, err_b, floor, ts / floor))
+            rows.append((name + label, ts, tb, ts / tb, err_s, err_b, floor, ts / floor, ratio))
     dev = device_name(args.device)
     lines = [f"### backward steps, {args.batch} × {m}×{n} fp32 on {dev} — {datetime.date.today()}, torch {torch.__version__}",
              "", "| constraint, Y | per-matrix SVD (ms) | geomopt batched (ms) | speed-up | SVD error | geomopt error "
-             "| eigh(G) alone (ms) | eigh-bound speed-up |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r[0]} | {_ms(r[1])} | {_ms(r[2])} | {r[3]:.1f}× | {r[4]:.1e} | {r[5]:.1e} | {_ms(r[6])} | {r[7]:.1f}× |"
+             "| eigh(G) alone (ms) | eigh-bound speed-up | geomopt / eigh floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r[0]} | {_ms(r[1])} | {_ms(r[2])} | {r[3]:.1f}× | {r[4]:.1e} | {r[5]:.1e} | {_ms(r[6])} | {r[7]:.1f}× | {r[8]:.2f} |"
               for r in rows]
     emit("\n".join(lines), args.record)
     return 0

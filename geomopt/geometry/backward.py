@@ -14,7 +14,8 @@ own constraint, and :func:`backward` hands the op each stack of them.
 Conventions shared by every op (documented once here):
 
 * Numerics: float32 (float64 for float64 input; bfloat16/float16 upcast), result in the input
-  dtype. Scalar solves use a fixed number of halvings (no host syncs).
+  dtype. Scalar solves use a fixed number of steps (no host syncs): safeguarded Newton for the
+  ball, halvings for the sphere.
 * Every projection onto a set is independent of ε: h_ε = ε·h₁ only rescales the objective. The
   scalar solves therefore run with ε = 1 and a dimensionless multiplier τ = tν; only κ matters.
 * Feasibility: with a barrier or indicator reference the step is defined only if C meets
@@ -166,77 +167,76 @@ def _ref_profile(ref: Reference) -> str:
 
 
 def _ball_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start: torch.Tensor | None) -> torch.Tensor:
-    """σ(τ) solving σ + (h₁*)'(τσ) = α, σ ≥ 0 (Appendix A.1 with x = sign(y)·tσ); τ: (B, 1)."""
-    kind = ref.kind
-    if kind == "log_barrier":
-        # τσ² + bσ − α = 0, b = 1 + τ(1 − α): the cancellation-free root (paper Appendix A.1).
-        b = 1 + tau * (1 - alpha)
-        d = torch.hypot(b, 2 * torch.sqrt(tau * alpha))
-        return torch.where(b > 0, 2 * alpha / (b + d), (d - b) / (2 * tau))
-    if kind == "indicator":
-        # κ → ∞: (h₁*)' = clip(·, −1, 1), so σ = α/(1+τ) until the box |x − y| ≤ t binds.
-        return torch.maximum(alpha / (1 + tau), alpha - 1)
-    return _power_sigma(alpha, tau, ref, start, True)
+    """σ(τ) solving σ + (h₁*)'(τσ) = α, σ ≥ 0 (Appendix A.1 with x = sign(y)·tσ), in closed form:
+    log barrier and indicator (the power barrier: :func:`_solve_ball`, :func:`_power_sigma`)."""
+    return _log_ball_sigma(alpha, tau) if ref.kind == "log_barrier" else _box_sigma(alpha, tau)
+
+
+def _log_ball_sigma(alpha: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    # τσ² + bσ − α = 0, b = 1 + τ(1 − α): the cancellation-free root (paper Appendix A.1).
+    b = 1 + tau * (1 - alpha)
+    d = torch.hypot(b, 2 * torch.sqrt(tau * alpha))
+    return torch.where(b > 0, 2 * alpha / (b + d), (d - b) / (2 * tau))
+
+
+def _box_sigma(alpha: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    # κ → ∞: (h₁*)' = clip(·, −1, 1), so σ = α/(1+τ) until the box |x − y| ≤ t binds.
+    return torch.maximum(alpha / (1 + tau), alpha - 1)
 
 
 def _sphere_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start: torch.Tensor | None) -> torch.Tensor:
-    """σ(τ) solving σ − (h₁*)'(τσ) = α with σ ≥ α (outward sphere step, the largest root)."""
-    kind = ref.kind
-    if kind == "log_barrier":
+    """σ(τ) solving σ − (h₁*)'(τσ) = α with σ ≥ α (outward sphere step, the largest root): log
+    barrier and indicator (the power barrier: :func:`_power_sigma`)."""
+    if ref.kind == "log_barrier":
         # τσ² + cσ − α = 0, c = 1 − τ(1 + α) (α = 0 gives σ = max(0, 1 − 1/τ)).
         c = 1 - tau * (1 + alpha)
         d = torch.hypot(c, 2 * torch.sqrt(tau * alpha))
         return torch.where(c <= 0, (d - c) / (2 * tau), 2 * alpha / (c + d))
-    if kind == "indicator":
-        # κ → ∞ limit; at τ = 1 zero entries jump 0 → 1: the final interpolation fills the gap.
-        grow = alpha / (1 - tau).clamp(min=torch.finfo(alpha.dtype).tiny)
-        return torch.where(tau * (alpha + 1) < 1, grow, alpha + 1)
-    return _power_sigma(alpha, tau, ref, start, False)
+    # κ → ∞ limit; at τ = 1 zero entries jump 0 → 1: the final interpolation fills the gap.
+    grow = alpha / (1 - tau).clamp(min=torch.finfo(alpha.dtype).tiny)
+    return torch.where(tau * (alpha + 1) < 1, grow, alpha + 1)
 
 
-def _power_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start: torch.Tensor | None, inward) -> torch.Tensor:
-    """The power barrier's σ(τ): the root of H(σ) = σ + c·f(τσ) − α, f = (h₁*)', with c = +1 for
-    the ball (inward; H concave increasing: Newton from a point left of the root, H ≤ 0, climbs
-    monotonically to it, clamped to [start, α]) and c = −1 for the outward sphere step (H convex:
-    Newton from the right, H ≥ 0, descends monotonically to the largest root, clamped to
-    [α, start]). ``inward``: a bool, or a bool tensor broadcasting against α (one solve for rows
-    of both kinds, same arithmetic per row)."""
-    kappa = ref.kappa
+def _power_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start: torch.Tensor | None,
+                 inward: torch.Tensor) -> torch.Tensor:
+    """The power barrier's σ(τ) for the sphere's solve: the root of H(σ) = σ + c·f(τσ) − α,
+    f = (h₁*)', with c = +1 on the rows where ``inward`` (B, 1) (the ball: H concave increasing:
+    Newton from a point left of the root, H ≤ 0, climbs monotonically to it, clamped to
+    [start, α]) and c = −1 on the others (outward: H convex: Newton from the right, H ≥ 0,
+    descends monotonically to the largest root, clamped to [α, start])."""
     tiny = torch.finfo(alpha.dtype).eps
-    if isinstance(inward, bool):  # one kind: c is a Python number, the bounds need no select
-        c = 1.0 if inward else -1.0
-        if start is None:
-            start = alpha.sub(1).clamp(min=0) if inward else alpha + 1
-        lower, upper = (start, alpha) if inward else (alpha, start)
-    else:
-        c = torch.where(inward, 1.0, -1.0).to(alpha.dtype)
-        if start is None:
-            start = torch.where(inward, alpha.sub(1).clamp(min=0), alpha + 1)
-        lower, upper = torch.where(inward, start, alpha), torch.where(inward, alpha, start)
+    c = torch.where(inward, 1.0, -1.0).to(alpha.dtype)
+    if start is None:
+        start = torch.where(inward, alpha.sub(1).clamp(min=0), alpha + 1)
+    lower, upper = torch.where(inward, start, alpha), torch.where(inward, alpha, start)
     s = start
-    # the loop is most of a Frobenius-ball step's time: few ops, in place where the operand is
-    # this iteration's own
     for _ in range(_NEWTON_STEPS):
-        u = tau * s
-        g = _unit_iso_factor(u, kappa)
-        f = u.mul_(g)  # (h₁*)'(τσ)
-        slope = g.pow_(kappa + 1).mul_(tau)  # τ·(h₁*)''(τσ)
-        if isinstance(c, float):
-            num = (s + f if c > 0 else s - f).sub_(alpha)
-            den = slope.add_(1) if c > 0 else slope.neg_().add_(1).clamp_(min=tiny)
-        else:
-            num = torch.addcmul(s, c, f).sub_(alpha)
-            den = slope.mul_(c).add_(1).clamp_(min=tiny)
+        f, fp = _unit_dual(tau * s, ref.kappa)
+        num = torch.addcmul(s, c, f).sub_(alpha)
+        den = fp.mul_(tau).mul_(c).add_(1).clamp_(min=tiny)
         s = torch.addcdiv(s, num, den, value=-1).clamp_(min=lower, max=upper)
     return s
 
 
-def _unit_iso_factor(u: torch.Tensor, kappa: float) -> torch.Tensor:
-    """(1 + u^κ)^{−1/κ} for u ≥ 0: :meth:`PowerBarrier.iso_factor` at ε = 1, written in place on its
-    own temporaries for the Newton loop (about 1.5× faster there than calling the method), as
-    1/(m·(1 + q^κ)^{1/κ}) with m = max(u, 1), q = min(u, 1)/m, so nothing overflows; a new tensor."""
-    m = u.clamp(min=1)
-    return u.clamp(max=1).div_(m).pow_(kappa).add_(1).pow_(-1 / kappa).div_(m)
+def _unit_dual(u: torch.Tensor, kappa: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """((h₁*)'(u), (h₁*)''(u)) = (u·g, g^{κ+1}), g = (1 + u^κ)^{−1/κ} (:meth:`PowerBarrier.iso_factor`
+    at ε = 1), for u ≥ 0. u is capped below the overflow of u^κ, where (h₁*)' = 1 and (h₁*)'' = 0
+    to the working precision. For κ = 2^j (j ≥ 1) by j squarings, j − 1 square roots and a
+    reciprocal one (a fifth of the time of two powers)."""
+    uc = u.clamp(max=torch.finfo(u.dtype).max ** (1 / kappa) / 2)
+    j = math.log2(kappa)
+    if j.is_integer() and 1 <= j <= 6:
+        q = uc.square()
+        for _ in range(int(j) - 1):
+            q.square_()
+        g = q.add_(1).sqrt()
+        for _ in range(int(j) - 1):
+            g.sqrt_()
+        g = g.reciprocal_()
+    else:
+        q = uc.pow(kappa).add_(1)
+        g = q.pow(-1 / kappa)
+    return g * uc, g.div_(q)
 
 
 def _signed_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start: torch.Tensor | None,
@@ -248,9 +248,9 @@ def _signed_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start:
     return torch.where(inward, _ball_sigma(alpha, tau, ref, start), _sphere_sigma(alpha, tau, ref, start))
 
 
-# Newton steps per bisection step. Warm starts (σ at the bracket end on the safe side) keep every
-# solve close to its root: measured, 4 steps reproduce 60-step results to 1e-15 over
-# κ ∈ [1, 64] and t/r ∈ [1e-4, 20] (a cold start needs up to 16); 6 leaves a margin.
+# Newton steps per bisection step of the sphere's solve. Warm starts (σ at the bracket end on the
+# safe side) keep every solve close to its root: measured, 4 steps reproduce 60-step results to
+# 1e-15 over κ ∈ [1, 64] and t/r ∈ [1e-4, 20] (a cold start needs up to 16); 6 leaves a margin.
 _NEWTON_STEPS = 6
 
 
@@ -267,13 +267,12 @@ def _interpolate(sig_a: torch.Tensor, sig_b: torch.Tensor, target: torch.Tensor)
 
 def _ball_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Anisotropic ℓ2-ball step on magnitudes a (B, n) ≥ 0 (paper Appendix A.1):
-    s = a if ‖a‖ ≤ r, else bisection on τ with s_i(τ) from :func:`_ball_sigma`, Σs² = r².
-    Returns (s, infeasible) — infeasible where Σ(a_i − t)₊² > r², i.e. the ball misses
-    Y + t·dom φ₁; there s is the Euclidean projection a·r/‖a‖."""
+    s = a if ‖a‖ ≤ r, else s_i = t·σ_i(τ) from σ + (h₁*)'(τσ) = a/t with τ such that Σs² = r²
+    (:func:`_solve_ball`). Returns (s, infeasible) — infeasible where Σ(a_i − t)₊² > r², i.e. the
+    ball misses Y + t·dom φ₁; there s is the Euclidean projection a·r/‖a‖."""
     if _ref_profile(ref) == "quadratic":
         return _proj_l2_ball(a, r), None
-    s = _solve_tau(_ball_sigma, a, t, r, ref, decreasing=True)
-    return _ball_finish(a, s, t, r, dtype)
+    return _ball_finish(a, _solve_ball(a / t, (r / t) ** 2, ref) * t, t, r, dtype)
 
 
 def _ball_finish(a: torch.Tensor, s: torch.Tensor, t: float, r: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,12 +285,103 @@ def _ball_finish(a: torch.Tensor, s: torch.Tensor, t: float, r: float, dtype) ->
     return torch.where(bad.unsqueeze(-1), _proj_l2_ball(a, r), s), bad
 
 
+def _newton_steps(dtype: torch.dtype, kappa: float) -> int:
+    # Measured against 120 halvings in float64 (power barrier κ = 1, 1.5, 2, 3, 4, 16, 64, log
+    # barrier; 3, 64 and 300 entries uniform, |Gaussian|, over four decades, two or one nonzero,
+    # all equal; t/r from 1e-4 to 20; ‖a‖ from just outside r to a millionth short of infeasible):
+    # float64 reaches ≤ 5e-12 relative in 8 steps; float32 the float32 conditioning of the problem
+    # (as the former 24 halvings did) in 4 for κ ≥ 3 (κ = 2 needs 5, κ = 1 and the log barrier 8).
+    return 4 if dtype != torch.float64 and kappa >= 3 else 8
+
+
+def _solve_ball(alpha: torch.Tensor, rho2: float, ref: Reference) -> torch.Tensor:
+    """σ ≥ 0 with σ_i + (h₁*)'(τσ_i) = α_i (units of t) and Σσ² = ρ², by a safeguarded Newton
+    method on τ with a fixed step count (:func:`_newton_steps`; no host syncs).
+
+    Start: the indicator's root (:func:`_box_tau`), exact for the indicator and a lower bound
+    otherwise ((h₁*)'(u) ≤ min(u, 1) makes its σ the smallest). Each step: σ(τ) by two Newton steps
+    (closed form for the log barrier), which bracket it as s ≤ σ(τ) ≤ upper (H concave, H' ≥ 1);
+    the bracket [lo, hi] on τ moves where Σs² > ρ² or Σupper² < ρ² (Σσ² decreases in τ); then
+    Newton on Ψ = log(Σσ² − Σσ_∞²) over log(1 + τ), σ_∞ = (α − 1)₊ the τ → ∞ limit — straight for
+    the shrink σ = α/(1+τ) and for the power-law tails σ − σ_∞ ~ τ^{−κ} — with the target gap
+    floored at u·ρ² (the float rounding of Σσ²). A step that leaves the bracket (beyond its
+    rounding) is replaced by bisection in log τ. The result is scaled onto Σσ² = ρ² exactly."""
+    tau = _box_tau(alpha, rho2)
+    lim = (alpha - 1).clamp_(min=0)
+    s = torch.maximum(alpha / (tau + 1), lim)  # the indicator's σ
+    if ref.kind == "indicator":
+        return s * (rho2 / (s * s).sum(-1, keepdim=True)).sqrt()
+    power = ref.kind == "power_barrier"
+    eps = torch.finfo(alpha.dtype).eps
+    lo, hi = tau, torch.full_like(tau, _TAU_MAX)
+    steps = _newton_steps(alpha.dtype, ref.kappa if power else 1.0)
+    for step in range(steps + 1):
+        s, upper, rate = _ball_newton(alpha, lim, tau, s, ref.kappa) if power else _ball_log(alpha, tau)
+        total = (s * s).sum(-1, keepdim=True)
+        if step == steps:
+            return s * (rho2 / total).sqrt()
+        lo = torch.where(total > rho2, tau, lo)
+        hi = torch.where((upper * upper).sum(-1, keepdim=True) < rho2, tau, hi)
+        slope = (s * rate).sum(-1, keepdim=True)  # −½·dΣσ²/dτ
+        gap = ((s - lim) * (s + lim)).sum(-1, keepdim=True)
+        dtau = gap * torch.log(gap / (gap - total + rho2).clamp(min=eps * rho2)) / (2 * slope)
+        grow = tau + 1
+        new = torch.expm1(dtau / grow).mul_(grow).add_(tau)
+        slack = 8 * eps * ((total + rho2) / (2 * slope) + grow)
+        inside = (new >= lo - slack) & (new <= hi + slack)  # NaN is outside
+        new = torch.where(inside, torch.minimum(torch.maximum(new, lo), hi), (lo * hi).sqrt())
+        s, tau = s - rate * (new - tau), new  # first-order predictor of σ(new)
+
+
+_TAU_MAX = 2.0**60
+
+
+def _ball_newton(alpha: torch.Tensor, lim: torch.Tensor, tau: torch.Tensor, s: torch.Tensor, kappa: float):
+    """Two Newton steps on H(σ) = σ + (h₁*)'(τσ) − α (power barrier) from s, clamped to the
+    indicator's σ = max(α/(1+τ), lim) below (a lower bound) and α above: H is concave with H' ≥ 1,
+    so each lands at or below the root and the root is at most s − min(H(s), 0). Returns (σ, that
+    upper bound, −dσ/dτ = σ·f'/(1 + τf') with f' at the last start)."""
+    floor = torch.maximum(alpha / (tau + 1), lim)
+    s = torch.minimum(torch.maximum(s, floor), alpha)
+    for _ in range(2):
+        f, fp = _unit_dual(tau * s, kappa)
+        h = f.add_(s).sub_(alpha)
+        d = fp.mul(tau).add_(1)
+        upper = s - h.clamp(max=0)
+        s = torch.addcdiv(s, h, d, value=-1).clamp_(min=floor, max=alpha)
+    return s, upper, s * fp / d
+
+
+def _ball_log(alpha: torch.Tensor, tau: torch.Tensor):
+    """The log barrier's σ(τ) in closed form, as (σ, σ, −dσ/dτ = σ·f'/(1 + τf'), f' = 1/(1 + τσ)²)."""
+    s = _log_ball_sigma(alpha, tau)
+    fp = (tau * s).add_(1).pow_(-2)
+    return s, s, s * fp / fp.mul(tau).add_(1)
+
+
+def _box_tau(alpha: torch.Tensor, rho2: float) -> torch.Tensor:
+    """τ with Σ max(α/(1+τ), α − 1)₊² = ρ² (the indicator's ball step) exactly, in float64: with α
+    sorted descending the first k entries are boxed (at α − 1) and the others shrunk (α·μ,
+    μ = 1/(1+τ)) on the piece between the k-th and (k+1)-th breakpoints μ_k = 1 − 1/α_k, where
+    Σσ² = C_k + A_k·μ² (C_k = Σ_{i≤k}(α_i − 1)₊², A_k = Σ_{i>k} α_i²); k counts the breakpoints
+    at which Σσ² still exceeds ρ². Capped at _TAU_MAX (infeasible rows)."""
+    a = torch.sort(alpha.double(), dim=-1, descending=True).values
+    zero = torch.zeros_like(a[..., :1])
+    boxed = torch.cat([zero, (a - 1).clamp(min=0).square().cumsum(-1)], -1)
+    shrunk = torch.cat([a.square().flip(-1).cumsum(-1).flip(-1), zero], -1)
+    mu = torch.cat([torch.ones_like(zero), (1 - 1 / a).clamp(min=0), zero], -1)
+    k = (boxed[..., 1:] + shrunk[..., 1:] * mu[..., 1:-1].square() > rho2).sum(-1, keepdim=True)
+    root = ((rho2 - boxed.gather(-1, k)) / shrunk.gather(-1, k)).clamp(min=0).sqrt()
+    root = torch.minimum(torch.maximum(root, mu.gather(-1, k + 1)), mu.gather(-1, k))
+    return (1 / root - 1).clamp(max=_TAU_MAX).to(alpha.dtype)
+
+
 def _solve_tau(sigma: Callable, a: torch.Tensor, t: float, r: float, ref: Reference, *, decreasing) -> torch.Tensor:
-    """s = t·σ(α, τ) with Σs² = r², α = a/t, by bisection on log τ ∈ [−_LOG_TAU, _LOG_TAU]
-    (Σσ² decreasing in τ for the ball's σ, increasing for the sphere's outward σ; ``decreasing``:
-    a bool, or per row a (B, 1) bool tensor), then linear
-    interpolation between the bracket's ends (:func:`_interpolate`). The power barrier's σ is
-    warm-started from the bracket's upper end."""
+    """The sphere's solve: s = t·σ(α, τ) with Σs² = r², α = a/t, by bisection on
+    log τ ∈ [−_LOG_TAU, _LOG_TAU] (Σσ² decreasing in τ on the rows where ``decreasing`` (B, 1):
+    the ball's σ, increasing on the others: the sphere's outward σ), then linear interpolation
+    between the bracket's ends (:func:`_interpolate`). The power barrier's σ is warm-started from
+    the bracket's upper end."""
     alpha, rho2 = a / t, (r / t) ** 2
     lo = torch.full_like(a[..., :1], -_LOG_TAU)
     hi = -lo
@@ -300,8 +390,7 @@ def _solve_tau(sigma: Callable, a: torch.Tensor, t: float, r: float, ref: Refere
         mid = (lo + hi) / 2
         sig = sigma(alpha, mid.exp(), ref, sig_hi)
         total = (sig * sig).sum(-1, keepdim=True)
-        up = (total > rho2 if decreasing else total < rho2) if isinstance(decreasing, bool) else \
-            torch.where(decreasing, total > rho2, total < rho2)  # the root lies above mid
+        up = torch.where(decreasing, total > rho2, total < rho2)  # the root lies above mid
         lo, hi = torch.where(up, mid, lo), torch.where(up, hi, mid)
         if sig_hi is not None:
             sig_hi = torch.where(up, sig_hi, sig)
@@ -441,37 +530,56 @@ def _spectral_map(mats: torch.Tensor, step: Callable):
     some of the matrices, in another dtype): extra is None or one value per matrix.
 
     Batched Gram–eigh instead of an SVD where it is as accurate: with the small Gram matrix
-    G = AᵀA of A = M/‖M‖_F (AAᵀ when wide) = V·Diag(λ)·Vᵀ, σ = ‖M‖_F·√λ and
-    X = M·V·Diag(w)·Vᵀ, w = x/σ (w = 0 where σ = 0: M v = 0 there). Eigh of the Gram costs a third
+    G = MᵀM (MMᵀ when wide) = V·Diag(λ)·Vᵀ, σ = √λ and X = M·V·Diag(w)·Vᵀ, w = x/σ (where σ
+    rounds to 0 and x = 0, w continues the smallest σ's: M v ≈ 0 there). Eigh of the Gram costs a third
     of an SVD on CPU, but its backward error is u·λ_max: by the Daleckii–Krein formula X moves by
     about ‖M‖·max|Γ_w|·u·λ_max, Γ_w the divided differences of w in λ (the adjacent ones bound
     all of them), against ‖M‖·max(|Γ_x|, max w, 1)·u for the SVD (Γ_x: those of x in σ; max w
     bounds the rotation terms (x_i + x_j)/(σ_i + σ_j)). So, per matrix, with
     R = λ_max·max|Γ_w| / max(|Γ_x|, max w, 1): float32 Gram–eigh where R ≤ 8 (training's steps: σ
     near the set), float64 Gram–eigh where u₆₄·R ≤ 8·u₃₂ (Y far outside, σ spread over decades),
-    else the SVD: R is infinite for equal σ that ``step`` separates (a rank cut through a tie: the SVD's
-    own choice is taken) and where ``step`` lifts σ = 0 (Stiefel, outward sphere steps on a
-    rank-deficient Y: the singular vectors LAPACK completes). M = 0 keeps the identity frame of
-    :func:`_svd`. Only the matrices that need it are redone; one host sync per call (the choice),
-    one more per redo."""
-    x, extra, ratio = _gram_map(mats, step, mats.dtype)
+    else the SVD: R is infinite for σ equal to the input's rounding that ``step`` separates (a rank
+    cut through a tie: the SVD's own choice is taken), where ``step`` lifts σ = 0 (Stiefel, outward
+    sphere steps on a rank-deficient Y: the singular vectors LAPACK completes) and where G's products
+    underflow (‖M‖²_F below max(m, n)·tiny/u). M = 0 keeps the identity frame of
+    :func:`_svd`. Only the matrices that need it are redone, and only the accepted ones are composed
+    (:func:`_gram_compose`); one host sync per call (the choice), one more per redo."""
+    unit = torch.finfo(mats.dtype).eps  # the input's rounding (mats: the working dtype)
+    x, extra, ratio, frame = _gram_eigh(mats, step, unit)
     # per matrix: 0 done, 1 float64 Gram–eigh, 2 SVD (R infinite: no Gram matrix resolves it)
     higher = 1 if mats.dtype != torch.float64 else 2
-    route = torch.where(ratio <= _GRAM_TOLERANCE, 0, torch.where(ratio.isfinite(), higher, 2)).tolist()  # host sync
+    route = torch.where(ratio <= _GRAM_TOLERANCE, 0, torch.where(ratio.isfinite(), higher, 2))
+    route, width, zero = torch.stack([route, frame[3], frame[4]]).tolist()  # host sync
+    out = _gram_compose(mats, x, frame, [i for i, r in enumerate(route) if r == 0], width, zero)
     redo = [i for i, r in enumerate(route) if r == 1]
     svd = [i for i, r in enumerate(route) if r == 2]
     if redo:
-        rows = torch.tensor(redo, device=mats.device)
-        x64, extra64, ratio64 = _gram_map(mats[rows], step, torch.float64)
-        x, extra = _put(x, rows, x64), _put(extra, rows, extra64)
-        u32, u64 = torch.finfo(mats.dtype).eps, torch.finfo(torch.float64).eps
-        svd += [i for i, r in zip(redo, (ratio64 > _GRAM_TOLERANCE * u32 / u64).tolist()) if r]  # host sync
+        out, extra, failed = _float64_redo(mats, redo, step, unit, out, extra)
+        svd += failed
     if svd:
         rows = torch.tensor(sorted(svd), device=mats.device)
         u, s, vh = _svd(mats[rows])
         xs, extra_s = step(s)
-        x, extra = _put(x, rows, _compose(u, xs, vh)), _put(extra, rows, extra_s)
-    return x, extra
+        out[rows], extra = _compose(u, xs, vh), _put(extra, rows, extra_s)
+    return out, extra
+
+
+def _float64_redo(mats: torch.Tensor, redo: list, step: Callable, unit: float, out: torch.Tensor, extra):
+    """The float64 Gram–eigh attempt of :func:`_spectral_map` on the matrices ``redo``: composed into
+    ``out`` (and ``extra``) where u₆₄·R ≤ 8·u (u: the input's rounding); returns (out, extra, the
+    others, for the SVD)."""
+    rows = torch.tensor(redo, device=mats.device)
+    m64 = (mats if len(redo) == len(mats) else mats[rows]).double()
+    x, extra64, ratio, frame = _gram_eigh(m64, step, unit)
+    bad, width, zero = torch.stack([ratio > _GRAM_TOLERANCE * unit / torch.finfo(torch.float64).eps,
+                                    frame[3], frame[4]]).tolist()  # host sync
+    good = [j for j, b in enumerate(bad) if not b]
+    composed = _gram_compose(m64, x, frame, good, width, zero).to(out.dtype)
+    if len(good) == len(mats):
+        out = composed
+    else:
+        out[rows[good]] = composed[good]
+    return out, _put(extra, rows, extra64), [i for i, b in zip(redo, bad) if b]
 
 
 def _put(t: torch.Tensor | None, rows: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
@@ -483,28 +591,76 @@ def _put(t: torch.Tensor | None, rows: torch.Tensor, values: torch.Tensor | None
     return t
 
 
-def _gram_map(mats: torch.Tensor, step: Callable, dtype: torch.dtype):
-    """One Gram–eigh attempt of :func:`_spectral_map` in ``dtype``: (X in the input's dtype,
-    extra, R per matrix)."""
-    m, n = mats.shape[-2:]
-    work = mats.to(dtype)
-    scale = torch.linalg.matrix_norm(work)
-    zero = scale == 0
-    a = work / torch.where(zero, 1, scale)[:, None, None]
-    tall = m >= n
-    lam, v = torch.linalg.eigh(a.mT @ a if tall else a @ a.mT)
-    lam, v = lam.flip(-1).clamp(min=0), v.flip(-1)  # descending, as σ
-    s = scale[:, None] * lam.sqrt()
+def _gram_eigh(work: torch.Tensor, step: Callable, unit: float):
+    """One Gram–eigh attempt of :func:`_spectral_map` in ``work``'s dtype (``unit``: the input's
+    rounding): (x, extra, R per matrix, frame) with frame = (V (eigh's ascending order),
+    w (descending, as σ), c, width, zero): w is x/σ set to c = w at the smallest σ wherever x = c·σ
+    to the rounding of x (where rounding alone separates them), width the number of leading σ where
+    it is not, zero the flags of M = 0."""
+    m, n = work.shape[-2:]
+    dtype = work.dtype
+    lam, v = torch.linalg.eigh(work.mT @ work if m >= n else work @ work.mT)
+    lam = lam.flip(-1).clamp(min=0)  # descending, as σ²
+    trace = lam.sum(-1)  # ‖M‖²_F: below max(m, n)·tiny/u, G's products underflow beyond its rounding (SVD)
+    zero, small = trace == 0, trace < max(m, n) * torch.finfo(dtype).tiny / torch.finfo(dtype).eps
+    s = lam.sqrt()
     x, extra = step(s)
-    w = torch.where(s > 0, x / torch.where(s > 0, s, 1), 0)
+    pos = s > 0
+    w = torch.where(pos, x / torch.where(pos, s, 1), 0)
+    c = w.gather(-1, (pos.sum(-1, keepdim=True) - 1).clamp(min=0))  # w at the smallest σ > 0
+    w = torch.where(pos, w, c)
+    differs = (x - c * s).abs() > 4 * torch.finfo(dtype).eps * x.abs().amax(-1, keepdim=True)
+    w = torch.where(differs, w, c)
+    width = (differs * torch.arange(1, w.shape[-1] + 1, device=w.device)).amax(-1)
     ratio = lam[:, 0] * _max_slope(w, lam) / torch.maximum(_max_slope(x, s), w.amax(-1)).clamp(min=1)
-    ratio = torch.where(((x > 0) & (s == 0)).any(-1) & ~zero, math.inf, ratio)  # lifts a null direction
-    frame = (v * w.unsqueeze(-2)) @ v.mT
-    out = work @ frame if tall else frame @ work
-    # M = 0: the identity frame, x on the diagonal
-    diagonal = torch.eye(m, n, dtype=dtype, device=mats.device) * torch.nn.functional.pad(x, (0, n - x.shape[-1]))[:, None, :]
-    out = torch.where(zero[:, None, None], diagonal, out)
-    return out.to(mats.dtype), extra, torch.where(ratio.isnan(), math.inf, ratio)
+    # the SVD where step separates σ equal to the input's rounding (a tie: the SVD's own choice is
+    # taken), lifts a null direction, or G underflows
+    tie = (s[:, :-1] - s[:, 1:] <= 4 * unit * s[:, :1]) & (w[:, :-1] != w[:, 1:])
+    ratio = torch.where((tie.any(-1) | ((x > 0) & (s == 0)).any(-1) | small) & ~zero, math.inf, ratio)
+    return x, extra, torch.where(ratio.isnan(), math.inf, ratio), (v, w, c, width, zero)
+
+
+def _gram_compose(mats: torch.Tensor, x: torch.Tensor, frame: tuple, rows: list, width: list, zero: list):
+    """X = M·V·Diag(w)·Vᵀ (V·Diag(w)·Vᵀ·M when wide) for the matrices ``rows`` of the batch, the others
+    left unset, in ``mats``' dtype. Where it takes fewer multiply-adds (4pqK against 2q³ + 2pq², q the
+    small side), as c·M + (M·V_K)·Diag(w_K − c)·V_Kᵀ over the K leading directions where w ≠ c (the
+    clipped σ, the kept rank, none for a Frobenius projection): K is the matrix's ``width`` rounded up
+    to a multiple of 8 and the matrices are grouped by it, so that each result depends on its own
+    matrix only (distributed owners compute bit for bit what one process does). M = 0: the identity
+    frame, x on the diagonal."""
+    p, q = max(mats.shape[-2:]), min(mats.shape[-2:])
+    groups: dict[int, list[int]] = {}
+    for i in rows:
+        k = -(-width[i] // 8) * 8  # a multiple of 8 (k = 1 would take another kernel for a batch of one)
+        groups.setdefault(k if 2 * p * k < q * q + p * q else q, []).append(i)
+    if list(groups.values()) == [list(range(len(mats)))]:
+        return _gram_product(mats, x, frame, next(iter(groups)), zero)
+    out = torch.empty(mats.shape, dtype=mats.dtype, device=mats.device)
+    for k, group in groups.items():
+        idx = torch.tensor(group, device=mats.device, dtype=torch.long)
+        out[idx] = _gram_product(mats[idx], x[idx], tuple(f[idx] for f in frame), k, [zero[i] for i in group])
+    return out
+
+
+def _gram_product(mats: torch.Tensor, x: torch.Tensor, frame: tuple, k: int, zero: list) -> torch.Tensor:
+    """:func:`_gram_compose` for one group: the low-rank form over the k leading directions (k < q),
+    else the frame V·Diag(w)·Vᵀ."""
+    v, w, c = frame[:3]
+    m, n = mats.shape[-2:]
+    q = min(m, n)
+    if k < q:
+        vk = v[..., q - k:]  # eigh's ascending order: the k largest σ last
+        dk = (w[:, :k] - c).flip(-1)[:, None, :]
+        out = mats * c[:, :, None]
+        if k:
+            out.baddbmm_((mats @ vk) * dk, vk.mT) if m >= n else out.baddbmm_(vk * dk, vk.mT @ mats)
+    else:
+        f = (v * w.flip(-1)[:, None, :]) @ v.mT
+        out = mats @ f if m >= n else f @ mats
+    if any(zero):
+        diagonal = torch.eye(m, n, dtype=mats.dtype, device=mats.device) * torch.nn.functional.pad(x, (0, n - q))[:, None, :]
+        out = torch.where(torch.tensor(zero, dtype=torch.bool, device=mats.device)[:, None, None], diagonal, out)
+    return out
 
 
 def _max_slope(f: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
