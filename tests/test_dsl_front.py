@@ -141,7 +141,7 @@ rules:
 ERRORS = [
     # (text after HEAD, code, line, col, substrings)
     ('rule a match "**":\n    foo euclidean\n', "GO001", 4, 5,
-     ["unexpected token 'foo'", "expected one of constraint, defaults, description, direction", "geometry", "lr", "rule"]),
+     ["unexpected token 'foo'", "expected one of constraint, decay, defaults, description, direction", "geometry", "lr", "rule"]),
     ('rule a match "**":\n    geometyr euclidean\n', "GO001", 4, 5, ["did you mean 'geometry'"]),
     ('rule a match "**":\n    geometry euclidean\n    constrant l0(k=1)\n', "GO001", 5, 5, ["did you mean 'constraint'"]),
     ('rule a match "**":\n    geometry euclidean\n    lrr=1\n', "GO001", 5, 5, ["'lrr'", "did you mean 'lr'"]),

@@ -62,7 +62,8 @@ def test_muon_spec_reads_as_torch_muon():
     for p in plan:
         assert p.rule == "hidden"
         assert p.lr == LR and p.weight_decay == WD
-        assert p.direction == {"kind": "polyak", "alpha": pytest.approx(1 - MOMENTUM), "nesterov": True, "init": "zero"}
+        assert p.direction == {"kind": "polyak", "alpha": pytest.approx(1 - MOMENTUM), "nesterov": True, "init": "zero",
+                                   "warmup_steps": 0, "warmup_alpha": None}
         assert p.radius == pytest.approx(math.sqrt(max(1.0, p.shape[0] / p.shape[1])))  # "original" adjustment
 
 

@@ -280,7 +280,8 @@ def test_schema_has_the_discriminated_kinds():
         ("Spectral", "reference"): {"log_barrier", "power_barrier", "indicator", "quadratic"},
         ("Spectral", "approx"): {"svd", "gram_eigh", "newton_schulz", "polar_express"},
         ("Spectral", "prenormalize"): {"frobenius", "max", "none"},
-        ("Rule", "direction"): {"none", "polyak", "storm"},
+        ("Rule", "direction"): set(m.DIRECTION_KINDS),
+        ("Rule", "decay"): {"decoupled", "cautious"},
         ("Defaults", "schedule"): {"constant", "theory", "storm"},
         **{(owner, "view"): set(m.VIEW_KINDS) for owner in ("Anisotropic", "Spectral", "Rowwise", "Columnwise")},
     }
@@ -294,6 +295,8 @@ def test_schema_has_the_discriminated_kinds():
             target = defs[ref.rsplit("/", 1)[-1]]
             assert target["properties"]["kind"]["const"] == kind
             assert target.get("additionalProperties") is False
+    post = next(s for s in defs["Rule"]["properties"]["post"]["anyOf"] if s.get("type") == "array")
+    assert set(post["items"]["discriminator"]["mapping"]) == set(m.STAGE_ORDER)
     assert schema["properties"]["geomopt"]["const"] == 1
     assert set(schema["required"]) == {"geomopt", "name", "rules"}
     match = defs["Rule"]["properties"]["match"]["anyOf"]

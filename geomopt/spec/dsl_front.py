@@ -36,7 +36,7 @@ from geomopt.spec.source import MAX_DEPTH, Parsed, SourceMap
 _KEYWORDS = {
     "GEOMOPT": "geomopt", "NAME": "name", "DESCRIPTION": "description", "DEFAULTS": "defaults", "ROLES": "roles",
     "RULE": "rule", "MATCH": "match", "GEOMETRY": "geometry", "CONSTRAINT": "constraint", "LR": "lr",
-    "WEIGHT_DECAY": "weight_decay", "DIRECTION": "direction", "SCHEDULE": "schedule",
+    "WEIGHT_DECAY": "weight_decay", "DECAY": "decay", "POST": "post", "DIRECTION": "direction", "SCHEDULE": "schedule",
     "ON_NONFINITE": "on_nonfinite", "PROJECT_ON_INIT": "project_on_init", "TRUE": "true", "FALSE": "false",
 }
 _SHOWN = {
@@ -124,7 +124,7 @@ def parse_dsl(text: str, file: str = "<spec>") -> Parsed:
     return Parsed(_Walker(source).start(tree), source)
 
 
-_BODY_WORD = re.compile(r"(?<![\w\-])(geometry|constraint|lr|weight_decay|direction|schedule|on_nonfinite|project_on_init)\s*$")
+_BODY_WORD = re.compile(r"(?<![\w\-])(geometry|constraint|lr|weight_decay|decay|direction|post|schedule|on_nonfinite|project_on_init)\s*$")
 
 
 def _end(text: str) -> tuple[int, int]:
@@ -250,7 +250,8 @@ class _Walker:
             return self.call(item, path, field)
         if kind == "list":
             values = [c for c in item.children if not (isinstance(c, Token) and c.type in ("LSQB", "RSQB", "COMMA"))]
-            return [self.value(v, path + (i,)) for i, v in enumerate(values)]
+            item_field = field if field == "post" else None  # a list of stages: bare words name kinds
+            return [self.value(v, path + (i,), item_field) for i, v in enumerate(values)]
         tok = item.children[0]
         if kind == "string":
             return self.string(tok)

@@ -169,7 +169,8 @@ View = Annotated[Union[AutoView, MatrixView], Field(discriminator="kind")]
 VIEW_KINDS = ("auto", "matrix")
 
 # Fields whose value is a {kind: …} mapping: a bare word there (DSL) names the kind.
-KIND_FIELDS = frozenset({"geometry", "constraint", "reference", "approx", "prenormalize", "direction", "schedule", "view"})
+KIND_FIELDS = frozenset({"geometry", "constraint", "reference", "approx", "prenormalize", "direction", "schedule", "view",
+                         "decay", "post"})
 
 
 def _view_shorthand(v):
@@ -363,12 +364,42 @@ class NoDirection(_Model):
 
 
 class Polyak(_Model):
-    """d ← αg + (1−α)d (β = 1 − α in Muon's terms); d⁰ = 0, or g⁰ with ``init: gradient``."""
+    """d ← αg + (1−α)d (β = 1 − α in Muon's terms); d⁰ = 0, or g⁰ with ``init: gradient``.
+    Momentum warmup: α moves linearly from ``warmup_alpha`` at step 0 to ``alpha`` at step
+    ``warmup_steps`` (Muon's β from 0.85 to 0.95 over 300 steps: ``alpha: 0.05, warmup_steps:
+    300, warmup_alpha: 0.15``)."""
 
     kind: Literal["polyak"] = "polyak"
     alpha: Probability = 0.1
     nesterov: bool = False
     init: Literal["zero", "gradient"] = "zero"
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    warmup_alpha: Optional[Probability] = None
+
+    @model_validator(mode="after")
+    def _warmup_complete(self):
+        if (self.warmup_steps > 0) != (self.warmup_alpha is not None):
+            raise ValueError("momentum warmup needs both warmup_steps (> 0) and warmup_alpha (α at step 0)")
+        return self
+
+
+class HeavyBall(_Model):
+    """torch.optim.SGD's momentum: b⁰ = g⁰, then b ← μb + (1−τ)g; d = b, or g + μb with
+    ``nesterov`` (τ = ``dampening``)."""
+
+    kind: Literal["heavy_ball"] = "heavy_ball"
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    dampening: Annotated[float, Field(ge=0, le=1)] = 0.0
+    nesterov: bool = False
+
+
+class Lion(_Model):
+    """Lion's direction (Chen et al. 2023): d = β₁m + (1−β₁)g, then m ← β₂m + (1−β₂)g; m⁰ = 0.
+    The sign is the geometry's (anisotropic with the indicator reference)."""
+
+    kind: Literal["lion"] = "lion"
+    beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, Field(ge=0, lt=1)] = 0.99
 
 
 class Storm(_Model):
@@ -378,7 +409,8 @@ class Storm(_Model):
     alpha: Probability = 0.1
 
 
-Direction = Annotated[Union[NoDirection, Polyak, Storm], Field(discriminator="kind")]
+Direction = Annotated[Union[NoDirection, Polyak, HeavyBall, Lion, Storm], Field(discriminator="kind")]
+DIRECTION_KINDS = ("none", "polyak", "heavy_ball", "lion", "storm")
 
 
 class ConstantSchedule(_Model):
@@ -400,6 +432,66 @@ class StormSchedule(_Model):
 
 
 Schedule = Annotated[Union[ConstantSchedule, TheorySchedule, StormSchedule], Field(discriminator="kind")]
+
+# ---------------------------------------------------------------- post-stages and weight decay
+
+
+class SecondMoment(_Model):
+    """Normalize the preconditioned update U by a running second moment of it: v ← β₂v +
+    (1−β₂)·mean(U²) over each row (``axis: row``, NorMuon), each column (``column``) or per
+    entry (``element``, AdaMuon); U ← U/(√(v/c) + ε), c = 1 − β₂ᵗ with ``bias_correction`` else 1."""
+
+    kind: Literal["second_moment"] = "second_moment"
+    axis: Literal["row", "column", "element"] = "row"
+    beta2: Annotated[float, Field(ge=0, lt=1)] = 0.95
+    eps: PositiveFloat = 1e-8
+    bias_correction: bool = False
+
+
+class DualScale(_Model):
+    """U ← ⟨U, D⟩·U per tensor: for the exact lmo U of a norm, ⟨U, D⟩ = ‖D‖_* and the step is
+    steepest descent in that norm (PolarGrad's nuclear-norm-scaled polar step for spectral)."""
+
+    kind: Literal["dual_scale"] = "dual_scale"
+
+
+class RmsMatch(_Model):
+    """U ← U·t·√n/(‖U‖_F + ε) per tensor of n entries: RMS t (0.2: Moonlight's AdamW-matched
+    scale), ``input`` (the RMS U had when the geometry gave it: NorMuon's preserved norm) or
+    ``polar`` (the RMS of a semi-orthogonal matrix of the tensor's view: AdaMuon)."""
+
+    kind: Literal["rms_match"] = "rms_match"
+    target: Union[PositiveFloat, Literal["input", "polar"]] = 0.2
+    eps: PositiveFloat = 1e-8
+
+
+class Cautious(_Model):
+    """Cautious masking (Liang et al. 2024): U ← U⊙m·n/(Σm + 1), m = [U⊙G > 0], G the
+    gradient: components whose sign disagrees with the gradient are dropped, the rest rescaled."""
+
+    kind: Literal["cautious"] = "cautious"
+
+
+PostStage = Annotated[Union[SecondMoment, DualScale, RmsMatch, Cautious], Field(discriminator="kind")]
+#: the order post-stages run in (and must be listed in); each at most once
+STAGE_ORDER = ("second_moment", "dual_scale", "rms_match", "cautious")
+
+
+class DecoupledDecay(_Model):
+    """X ← X − γλX (AdamW's decoupled weight decay, torch's form X(1 − γλ))."""
+
+    kind: Literal["decoupled"] = "decoupled"
+
+
+class CautiousDecay(_Model):
+    """X ← X − γλ·[S⊙X ≥ 0]⊙X, S the step: decay only where the update and the weight agree in
+    sign (Chen et al. 2025, cautious weight decay)."""
+
+    kind: Literal["cautious"] = "cautious"
+
+
+Decay = Annotated[Union[DecoupledDecay, CautiousDecay], Field(discriminator="kind")]
+
 
 # ---------------------------------------------------------------- matching, rules, spec
 
@@ -459,26 +551,54 @@ class Hyper(_Model):
     lr: Optional[Annotated[float, Field(ge=0)]] = None
     weight_decay: Optional[Annotated[float, Field(ge=0)]] = None
     direction: Optional[Direction] = None
+    decay: Optional[Decay] = None
     schedule: Optional[Schedule] = None
     on_nonfinite: Optional[Literal["skip", "raise"]] = None
     project_on_init: Optional[bool] = None
 
+    @field_validator("decay", mode="before")
+    @classmethod
+    def _decay_shorthand(cls, v):
+        return _view_shorthand(v)
+
 
 class Defaults(Hyper):
     """Spec-wide defaults; unset fields fall back to lr 0.02, weight_decay 0, direction none,
-    schedule constant, on_nonfinite skip, project_on_init true."""
+    decay decoupled, schedule constant, on_nonfinite skip, project_on_init true."""
 
 
 class Rule(Hyper):
+    """``post``: stages applied to the geometry's update, in :data:`STAGE_ORDER`; one step is
+    direction → geometry → post-stages → weight decay → constraint."""
+
     name: Annotated[str, Field(pattern=_RULE_NAME)]
     match: Match
     geometry: Geometry
+    post: Optional[Annotated[list[PostStage], Field(min_length=1)]] = None
     constraint: Optional[Constraint] = None
 
     @field_validator("match", mode="before")
     @classmethod
     def _match_shorthand(cls, v):
         return {"name": v} if isinstance(v, str) else v
+
+    @field_validator("post", mode="before")
+    @classmethod
+    def _post_shorthand(cls, v):
+        return [_view_shorthand(s) for s in v] if isinstance(v, list) else v
+
+    @field_validator("post")
+    @classmethod
+    def _post_order(cls, v):
+        if v is None:
+            return v
+        for i, (a, b) in enumerate(zip(v, v[1:])):
+            if STAGE_ORDER.index(a.kind) >= STAGE_ORDER.index(b.kind):
+                what = "appears twice" if a.kind == b.kind else f"must come before '{a.kind}'"
+                raise PydanticCustomError(
+                    "stage_order", "post-stage '{stage}' {what}: post-stages run once each, in the order {order}",
+                    {"stage": b.kind, "what": what, "index": i + 1, "order": ", ".join(STAGE_ORDER)})
+        return v
 
 
 class Spec(_Model):
@@ -521,7 +641,7 @@ class Spec(_Model):
 
 
 RESOLVED_DEFAULTS = dict(
-    lr=0.02, weight_decay=0.0, direction=NoDirection(), schedule=ConstantSchedule(), on_nonfinite="skip",
+    lr=0.02, weight_decay=0.0, direction=NoDirection(), decay=DecoupledDecay(), schedule=ConstantSchedule(), on_nonfinite="skip",
     project_on_init=True,
 )
 

@@ -45,10 +45,11 @@ _EXPLICIT = (LogBarrier, PowerBarrier, Polyak, Storm)
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 _RESERVED = {"true", "false", "geomopt", "name", "description", "defaults", "roles", "rule", "match", "geometry",
-             "constraint", "lr", "weight_decay", "direction", "schedule", "on_nonfinite", "project_on_init"}
+             "constraint", "lr", "weight_decay", "decay", "direction", "post", "schedule", "on_nonfinite",
+             "project_on_init"}
 
 WIDTH = 100  # YAML: a mapping value fits in flow style on one line this long, or is written in block style
-_RULE_HEAD = ("name", "match", "geometry", "constraint")  # what the rule is before how it is tuned
+_RULE_HEAD = ("name", "match", "geometry", "post", "constraint")  # what the rule is before how it is tuned
 
 
 def to_plain(model: BaseModel) -> dict:
@@ -302,7 +303,7 @@ def _value(value, field: str | None = None) -> str:
     if isinstance(value, dict):
         return _call(value, field)
     if isinstance(value, list):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
+        return "[" + ", ".join(_value(v, field if field == "post" else None) for v in value) + "]"
     return _scalar(value)
 
 

@@ -88,6 +88,8 @@ def _one(err: dict, path: tuple, model, data, source: SourceMap) -> Diagnostic:
         ctx = err["ctx"]
         first = source.pos(("rules", ctx["first"], "name"))
         return language_diagnostic("GO005", f"duplicate rule name '{ctx['name']}' (first given at line {first[0]}, column {first[1]}): rule names must be unique", file, source.pos(("rules", ctx["index"], "name")))
+    if etype == "stage_order":
+        return language_diagnostic("GO005", f"{where}: {msg}", file, source.pos(path + (err["ctx"]["index"], "kind")))
     if etype == "extra_forbidden":
         field = path[-1]
         allowed = sorted(model.model_fields) if model else []
