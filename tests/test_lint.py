@@ -193,6 +193,21 @@ ROWS = [
     Row("GO118", HEAD + BY_ROLE + ADAM_REST, ROLE_CKPT, "GO118", "4:3",
         fixed=HEAD + '  - {name: io, match: "lm_head.weight", geometry: {kind: adam}}\n' + ADAM_REST),
     Row("GO119", HEAD + BY_ROLE + ADAM_REST, _TwoHeads, "GO119", "4:3"),
+    Row("GO120", HEAD + f'  - name: all\n    match: "**"\n    geometry: {EUCLID}\n'
+        '    post: [{kind: second_moment, axis: row}]\n', CKPT, "GO120", "7:40",
+        fixed=HEAD + f'  - name: all\n    match: "**"\n    geometry: {EUCLID}\n'
+        '    post: [{kind: second_moment, axis: element}]\n'),
+    Row("GO121", HEAD + '  - name: signs\n    match: "**"\n    geometry: {kind: anisotropic, reference: {kind: indicator}}\n'
+        '    post: [{kind: second_moment, axis: element}]\n', None, "GO121", "7:19",
+        fixed=HEAD + '  - name: signs\n    match: "**"\n    geometry: {kind: anisotropic, reference: {kind: indicator}}\n'
+        '    post: [{kind: cautious}]\n'),
+    Row("GO122", HEAD + f'  - name: hidden\n    match: "**"\n    geometry: {SPECTRAL}\n    post: [cautious]\n'
+        '    constraint: {kind: spectral_ball}\n', None, "GO122", "7:12",
+        fixed=HEAD + f'  - name: hidden\n    match: "**"\n    geometry: {SPECTRAL}\n    post: [cautious]\n'),
+    Row("GO122-decay", HEAD + f'  - name: hidden\n    match: "**"\n    geometry: {SPECTRAL}\n    weight_decay: 0.1\n'
+        '    decay: cautious\n    constraint: {kind: frobenius_ball}\n', None, "GO122", "8:12",
+        fixed=HEAD + f'  - name: hidden\n    match: "**"\n    geometry: {SPECTRAL}\n    weight_decay: 0.1\n'
+        '    decay: cautious\n'),
 ]
 
 

@@ -15,7 +15,7 @@ from geomopt.spec.model import Spec, effective_prenormalize, resolve_hyper
 from geomopt.spec.validate import gc_paused, source_of
 
 # Findings that make a plan impossible: compile raises on these (lint reports them all).
-BLOCKING = ("GO101", "GO104", "GO105")
+BLOCKING = ("GO101", "GO104", "GO105", "GO120")
 
 
 def lint_spec(spec: Spec, params: Optional[list[ParamInfo]] = None, *, from_checkpoint: bool = False) -> list[Diagnostic]:
@@ -128,6 +128,8 @@ class _RulePlanner:
         self.lr, self.weight_decay = hyper["lr"], hyper["weight_decay"]
         self.on_nonfinite, self.project_on_init = hyper["on_nonfinite"], hyper["project_on_init"]
         self.direction = hyper["direction"].model_dump()
+        self.decay = hyper["decay"].kind
+        self.post = tuple(s.model_dump() for s in rule.post or ())
         self.schedule = hyper["schedule"].model_dump()
         geometry = rule.geometry.model_dump()
         if rule.geometry.kind == "spectral":
@@ -148,13 +150,13 @@ class _RulePlanner:
         fragments, radius, ops = resolved
         # Each plan gets its own dicts (as model_dump gave): plans are plain data a caller may edit.
         # One unpickling copies all four nested fragments at C speed.
-        geometry, constraint, direction, schedule = pickle.loads(fragments)
+        geometry, constraint, direction, schedule, post = pickle.loads(fragments)
         plan = ParamPlan(
             name=p.name, shape=p.shape, dtype=p.dtype, device=p.device, rule=self.rule.name, rule_index=self.index,
             geometry=geometry, constraint=constraint, direction=direction, schedule=schedule, lr=self.lr,
             weight_decay=self.weight_decay, radius=radius, transpose=transpose, on_nonfinite=self.on_nonfinite,
             project_on_init=self.project_on_init, aliases=p.aliases,
-            role="" if p.role is None else p.role.name,
+            role="" if p.role is None else p.role.name, post=post, decay=self.decay,
         )
         object.__setattr__(plan, "_bucket", bucket_key(self.index, ops, op_shape, p.dtype, p.device))
         return plan
@@ -167,5 +169,5 @@ class _RulePlanner:
         if constraint is not None and constraint.get("relative"):
             # ``relative``: the radius is in units of the geometry's resolved radius ρ
             constraint = {**constraint, "radius": constraint["radius"] * radius, "relative": False}
-        fragments = pickle.dumps((geometry, constraint, self.direction, self.schedule), pickle.HIGHEST_PROTOCOL)
+        fragments = pickle.dumps((geometry, constraint, self.direction, self.schedule, self.post), pickle.HIGHEST_PROTOCOL)
         return fragments, radius, ops_key(geometry, constraint, radius, transpose)

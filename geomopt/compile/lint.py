@@ -370,6 +370,77 @@ def decay_leaves_set(ctx: LintContext):
                    f"each step; remove it"), ("rules", i, "constraint", "kind")
 
 
+@lint_rule("GO120", "inapplicable-stage", "error", needs_model=True)
+def inapplicable_stage(ctx: LintContext):
+    """A post-stage that cannot act on a tensor its rule owns: row or column second moments
+    (``second_moment`` with ``axis: row`` or ``column``) need a matrix, and a 1-D tensor has none.
+
+    Bad: ``match: "**"`` with ``post: [{kind: second_moment, axis: row}]`` (biases are 1-D).
+    Fixed: ``axis: element``, or a rule that owns only matrices (``match: {ndim: 2}``).
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        for j, stage in enumerate(rule.post or ()):
+            if stage.kind != "second_moment" or stage.axis == "element":
+                continue
+            small = [p for p in ctx.owned(i) if len(p.shape) < 2]
+            if small:
+                names = ", ".join(f"'{p.name}' ({_shape(p)})" for p in small[:3]) + (" …" if len(small) > 3 else "")
+                yield (f"rule '{rule.name}': second_moment(axis={stage.axis}) normalizes rows or columns of a matrix, "
+                       f"and {len(small)} tensor(s) it owns have fewer than 2 dims: {names}; use axis: element or "
+                       f"match only matrices (ndim: 2)"), ("rules", i, "post", j, "axis")
+
+
+def _sign_like(rule) -> bool:
+    ref = _field(rule.geometry, "reference")
+    return rule.geometry.kind == "anisotropic" and ref is not None and ref.kind == "indicator"
+
+
+@lint_rule("GO121", "stage-undoes-geometry", "warning")
+def stage_undoes_geometry(ctx: LintContext):
+    """A post-stage that undoes what the geometry did: an elementwise second moment after a sign
+    geometry (every entry of sign(D) has magnitude 1, so the running mean of U² tends to 1 and the
+    stage only adds lag), or after the adam geometry (the update is normalized twice).
+
+    Bad: ``geometry: {kind: anisotropic, reference: {kind: indicator}}`` with ``post:
+    [{kind: second_moment, axis: element}]``. Fixed: drop the stage, or normalize a spectral or
+    Euclidean update instead.
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        for j, stage in enumerate(rule.post or ()):
+            if stage.kind == "second_moment" and stage.axis == "element" and (_sign_like(rule) or rule.geometry.kind == "adam"):
+                what = "a sign geometry's entries all have magnitude 1" if _sign_like(rule) else "adam already divides by √v"
+                yield (f"rule '{rule.name}': second_moment(axis=element) after the {rule.geometry.kind} geometry: {what}, "
+                       f"so the stage undoes nothing useful; drop it"), ("rules", i, "post", j, "kind")
+
+
+#: constraints whose backward step acts entry by entry (a masked update is still theirs to project)
+_ELEMENTWISE_SETS = ("proximal_decay", "linf_ball", "sign_set")
+
+
+@lint_rule("GO122", "cautious-under-constraint", "warning")
+def cautious_under_constraint(ctx: LintContext):
+    """Cautious masking (``post: [cautious]``) or cautious weight decay under a constraint whose
+    backward step is a prox of the whole update (balls, spheres, Stiefel, rank): the prox is
+    defined for the geometry's step Y = X − γρ∇φ*(D), and a masked step or a partial decay is no
+    longer that, so the step leaves the method the constraint was chosen for.
+
+    Bad: ``post: [{kind: cautious}]`` with ``constraint: {kind: spectral_ball}``. Fixed: drop the
+    masking, or drop the constraint (cautious Muon is unconstrained).
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        if rule.constraint is None or rule.constraint.kind in _ELEMENTWISE_SETS:
+            continue
+        for j, stage in enumerate(rule.post or ()):
+            if stage.kind == "cautious":
+                yield (f"rule '{rule.name}': cautious masking under the {rule.constraint.kind} constraint, whose prox "
+                       f"needs the full update; drop one of them"), ("rules", i, "post", j, "kind")
+        decay = rule.decay if rule.decay is not None else ctx.spec.defaults.decay
+        if decay is not None and decay.kind == "cautious":
+            at = ("rules", i, "decay") if rule.decay is not None else ("defaults", "decay")
+            yield (f"rule '{rule.name}': cautious weight decay under the {rule.constraint.kind} constraint, whose prox "
+                   f"needs the full update; use decoupled decay or drop the decay"), at
+
+
 @lint_rule("GO109", "outside-theory", "note")
 def outside_theory(ctx: LintContext):
     """Choices the paper's convergence theory does not cover: the ``adam`` geometry (an escape hatch

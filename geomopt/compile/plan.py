@@ -17,7 +17,7 @@ from geomopt.compile.match import ParamInfo
 class ParamPlan:
     """How one tensor is optimized.
 
-    ``geometry``/``constraint``/``direction``/``schedule`` are plain spec fragments with defaults
+    ``geometry``/``constraint``/``direction``/``schedule`` (and each of ``post``) are plain spec fragments with defaults
     filled in (``prenormalize`` and ``layout`` resolved); ``radius`` is the geometry's radius times
     its scale preset for this shape; ``transpose`` means the ops act on the transposed tensor
     (``layout: in_out``, e.g. Hugging Face Conv1D).
@@ -41,6 +41,8 @@ class ParamPlan:
     project_on_init: bool
     aliases: tuple[str, ...] = ()
     role: str = ""  # the tensor's role(s) ("" when the plan did not read roles)
+    post: tuple = ()  # the rule's post-stages (spec fragments, in run order)
+    decay: str = "decoupled"  # weight decay: decoupled or cautious
 
     @property
     def bucket(self) -> str:

@@ -2,7 +2,9 @@
 
 Each is ``fn(g, state, group, *, g_prev=None, inplace=False) -> d`` and may update ``state`` in
 place; ``group`` holds the scalars (``alpha``, ``nesterov``) so torch-style schedulers can change
-them; ``inplace`` says ``g`` is the caller's scratch copy, which the function may overwrite.
+them, and ``group["spec_direction"]`` the direction's own spec fragment (heavy ball's μ and τ,
+Lion's betas); ``inplace`` says ``g`` is the caller's scratch copy, which the function may
+overwrite.
 """
 
 from __future__ import annotations
@@ -46,6 +48,37 @@ def polyak(g, state, group, *, g_prev=None, inplace=False):
     if not group["nesterov"]:
         return buf
     return g.lerp_(buf, 1 - alpha) if inplace else g.lerp(buf, 1 - alpha)
+
+
+@direction("heavy_ball")
+def heavy_ball(g, state, group, *, g_prev=None, inplace=False):
+    """Heavy-ball momentum as torch.optim.SGD runs it (Polyak 1964; Sutskever et al. 2013 for
+    Nesterov): b⁰ = g⁰, then b ← μb + (1−τ)g; d = b, or d = g + μb with ``nesterov`` (τ =
+    ``dampening``). Same op order as torch's single-tensor SGD, so the same bits."""
+    cfg = group["spec_direction"]
+    mu = cfg["momentum"]
+    buf = state.get("d")
+    if buf is None:
+        buf = state["d"] = g.clone()
+    else:
+        buf.mul_(mu).add_(g, alpha=1 - cfg["dampening"])
+    if not cfg["nesterov"]:
+        return buf
+    return g.add_(buf, alpha=mu) if inplace else g.add(buf, alpha=mu)
+
+
+@direction("lion")
+def lion(g, state, group, *, g_prev=None, inplace=False):
+    """Lion's interpolation (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms",
+    Algorithm 2): d = β₁m + (1−β₁)g, then m ← β₂m + (1−β₂)g, m⁰ = 0; the sign is the geometry's
+    (anisotropic, indicator reference). lion-pytorch's op order (mul, add), so the same bits."""
+    cfg = group["spec_direction"]
+    m = state.get("d")
+    if m is None:
+        m = state["d"] = torch.zeros_like(g)
+    d = torch.mul(m, cfg["beta1"]).add_(g, alpha=1 - cfg["beta1"])
+    m.mul_(cfg["beta2"]).add_(g, alpha=1 - cfg["beta2"])
+    return d
 
 
 @direction("storm")

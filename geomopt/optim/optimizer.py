@@ -4,9 +4,10 @@ One param_group per rule; ``lr``, ``weight_decay``, ``radius``, ``alpha`` (the d
 α = 1 − β) live in the group, so torch LR schedulers, GradScaler and checkpoint tools work
 unchanged. Per tensor, one step is (spec → plan → step)::
 
-    X ← X(1 − γ·wd)                       decoupled weight decay (torch's form)
-    d ← direction(g)                      none / Polyak(+Nesterov) / STORM
-    Y = X − γ·ρ·∇φ₁*(d)                   forward op of the geometry
+    d ← direction(g)                      none / Polyak(+Nesterov) / heavy ball / Lion / STORM
+    U = post(∇φ₁*(d))                     forward op of the geometry, then the rule's post-stages
+    Y = X(1 − γ·wd) − γ·ρ·U               decoupled weight decay (torch's form; cautious: only
+                                          where U and X agree in sign) and the step
     X⁺ = backward(Y)                      prox of the constraint (t = γρ)
 
 written back in the parameter's dtype; state (directions, Adam moments) is kept in float32 at
@@ -42,6 +43,7 @@ from geomopt.distributed import (
 )
 from geomopt.optim.graphs import GraphedOp
 from geomopt.optim.migrate import VIEW_KEYS, MigrationReport, migrate_state, saved_names, source_of, translate
+from geomopt.optim import stages as post_stages
 from geomopt.optim.schedules import SCHEDULES
 from geomopt.optim.workspace import Workspace
 from geomopt.spec.model import Spec
@@ -156,6 +158,12 @@ class GeomOptimizer(Optimizer):
                                     for g, bs in zip(self.param_groups, self._buckets) for b in bs), default=1)
         self._executor = make_executor([p for g in self.param_groups for p in g["params"]], distributed, process_group)
         self._sharded = isinstance(self._executor, ShardedExecutor)
+        staged = sorted({pp.rule for pp in self.plan if pp.post})
+        if self._sharded and staged:
+            raise ValueError(
+                f"rule(s) {', '.join(map(repr, staged))} of spec '{self.spec.name}' have post-stages, which GeomOptimizer "
+                f"does not run on FSDP2-sharded (DTensor) parameters yet (their row/column and per-tensor statistics "
+                f"would need the whole tensor): drop the post-stages for FSDP2, or train with DDP")
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
         self._warn_slow_bf16(tensors)
         self._project_on_init()
@@ -246,8 +254,9 @@ class GeomOptimizer(Optimizer):
             schedules, devices = {}, {}
             for gi, items, _ in jobs:
                 if gi not in schedules:
-                    schedules[gi] = SCHEDULES[self.param_groups[gi]["schedule"]["kind"]](
-                        self.param_groups[gi], self.param_groups[gi]["step"])
+                    group = self.param_groups[gi]
+                    gamma, alpha = SCHEDULES[group["schedule"]["kind"]](group, group["step"])
+                    schedules[gi] = (gamma, _warmed(alpha, group, items[0][1].direction))
                     devices[gi] = items[0][0].device
 
             def writes() -> bool:
@@ -321,7 +330,8 @@ class GeomOptimizer(Optimizer):
             if flat:
                 continue
             group = self.param_groups[gi]
-            if (muon_order(items[0][0].device) or items[0][1].geometry["kind"] == "adam"
+            pp = items[0][1]
+            if (muon_order(items[0][0].device) or pp.geometry["kind"] == "adam" or pp.post or pp.decay != "decoupled"
                     or group["direction"] not in ("none", "polyak")
                     or (group["direction"] == "polyak" and not isinstance(g, list))):
                 return False
@@ -343,7 +353,8 @@ class GeomOptimizer(Optimizer):
                     if p.grad is None:
                         continue
                     st = self.state[p]
-                    key = (tuple(sorted(k for k in st if k in _STACKED)), st.get("adam_step"))
+                    key = (tuple(sorted(k for k in st if k in _STACKED)),
+                           (st.get("adam_step"), st.get(post_stages.STAGE_STEP)))
                     if flat:
                         key += (p.dtype, p.grad.dtype, p.device, self._scale(plans[i]))
                         if not (p.dtype == p.grad.dtype and p.dtype in (torch.float32, torch.float64)):
@@ -418,7 +429,7 @@ class GeomOptimizer(Optimizer):
         needs one norm per tensor), with no constraint, no STORM and nothing tracked: its tensors
         need no stacking."""
         kinds = ("euclidean", "anisotropic", "adam") + (() if self._sharded else ("isotropic",))  # isotropic: whole-tensor norm
-        return (pp.geometry["kind"] in kinds and pp.constraint is None
+        return (pp.geometry["kind"] in kinds and pp.constraint is None and not pp.post and pp.decay == "decoupled"
                 and group["direction"] in ("none", "polyak") and not self.track_gap and not self.track_update)
 
     def _step_flat(self, group: dict, items: list, grads: list, gamma: float, alpha) -> None:
@@ -660,10 +671,16 @@ class GeomOptimizer(Optimizer):
         counters = self._counters[gi]
         pp = items[0][1]
         views = [_view(_local(p), q) for p, q in items]
-        hyper = dict(group, alpha=alpha) if alpha is not None else group
+        hyper = dict(group, alpha=alpha) if alpha is not None else dict(group)
+        hyper["spec_direction"] = pp.direction  # the direction's own parameters (heavy ball, Lion)
         state = self._gather(items)
         if self._needs_closure:
             state["prev"] = torch.stack([_local(p).detach() for p, _ in items]).clone()
+        post = pp.post
+        reads = post_stages.reads(post) if post else set()
+        g_raw = None
+        if "gradient" in reads:  # the raw gradient, before a direction may overwrite its copy
+            g_raw = _upcast(_stack(g)) if isinstance(g, list) else _upcast(g).clone()
         commit = None
         if isinstance(g, list) and deferred:
             d, commit = self._polyak_ahead(g, state, hyper, items)
@@ -676,18 +693,20 @@ class GeomOptimizer(Optimizer):
                                                inplace=len(items) > 1 or gu is not g)
         wd = group["weight_decay"]
         decay = 1 - gamma * wd
+        cautious_decay = wd != 0 and pp.decay == "cautious"
         rho = group["radius"] * self._scale(pp)
         geometry = pp.geometry
         constraint = pp.constraint
         # unconstrained, parameters in the working dtype: X ← X(1 − γ·wd) − γρ·∇φ₁*(d) in place on
         # the parameters, with no stacked copy of X and no write-back
-        inplace = (constraint is None and geometry["kind"] != "adam" and not self.track_update
+        inplace = (constraint is None and geometry["kind"] != "adam" and not self.track_update and not cautious_decay
                    and views[0].dtype == _upcast(views[0]).dtype)
         # one pass (off torch Muon's op order, :func:`muon_order`; in one process, as the executors
         # exchange results in the input's dtype): the forward op folds a constant radius r into its
         # result S = r·∇φ₁*(d), written in X's dtype, and X.lerp_(S, γ·wd) with r = −ρ/wd is
         # X(1 − γ·wd) − γρ·∇φ₁*(d); without decay X += γ·S with r = −ρ
-        one_pass = inplace and not muon_order(views[0].device) and isinstance(self._executor, LocalExecutor)
+        one_pass = (inplace and not post and not muon_order(views[0].device)
+                    and isinstance(self._executor, LocalExecutor))
         lerp = one_pass and wd != 0 and abs(rho / wd) < 1e30
         radius = (-rho / wd if lerp else -rho) if one_pass else 1.0
         if geometry["kind"] != "adam":
@@ -695,6 +714,8 @@ class GeomOptimizer(Optimizer):
                                           self._forward_fn(items, geometry, radius, views[0].dtype if one_pass else None))
         if commit is not None:
             commit()
+        if post and geometry["kind"] != "adam":
+            step = yield from self._post(items, pp, state, step, g_raw, d)
         if inplace:
             steps = list(step.unbind(0))
             if lerp:
@@ -708,15 +729,18 @@ class GeomOptimizer(Optimizer):
             self._scatter(items, state)
             return
         x = _upcast(_stack(views))
-        if geometry["kind"] == "adam":
+        if geometry["kind"] == "adam" and not post:
             exp_avg, denom, bc1 = adam_moments(d, state, geometry)
-            xw = x * decay if group["weight_decay"] else x
+            xw = _decayed(x, exp_avg, decay, cautious_decay) if wd else x
             y = xw.addcdiv(exp_avg, denom, value=-gamma / bc1)  # AdamW's op order, bit for bit
         else:
+            if geometry["kind"] == "adam":  # the adam geometry's update, then the post-stages
+                exp_avg, denom, bc1 = adam_moments(d, state, geometry)
+                step = yield from self._post(items, pp, state, exp_avg / denom / bc1, g_raw, d)
             # Y = X(1 − γ·wd) − γρ·∇φ₁*(d): ρ folds into the axpy (one pass fewer than scaling the
             # forward output), and the decayed copy of X is updated in place
             if wd:
-                y = (x * decay).add_(step, alpha=-gamma * rho)
+                y = _decayed(x, step, decay, cautious_decay).add_(step, alpha=-gamma * rho)
             else:
                 y = torch.add(x, step, alpha=-gamma * rho)
         if constraint is not None:
@@ -734,6 +758,17 @@ class GeomOptimizer(Optimizer):
             counters["update_sq"] = counters["update_sq"] + torch.dot(delta, delta).to(counters["update_sq"].device)
         self._scatter(items, state)
         torch._foreach_copy_(views, list(x_new.unbind(0)))
+
+    def _post(self, items: list, pp: ParamPlan, state: dict, u: torch.Tensor, g_raw, d):
+        """The rule's post-stages on the bucket's update ``u`` (:mod:`geomopt.optim.stages`), as one
+        request (a sub-generator of :meth:`_step_bucket`); their step count is per tensor."""
+        step = state.get(post_stages.STAGE_STEP, 0) + 1
+        state[post_stages.STAGE_STEP] = step
+        ctx = post_stages.Context(state, pp.op_shape, view=pp.geometry.get("view"), gradient=g_raw,
+                                  direction=None if d is None else _upcast(d), step=step)
+        out, _ = yield self._request(items, u, post_stages.locality(pp.post),
+                                     lambda m: (post_stages.run(m, list(pp.post), ctx), None))
+        return out
 
     def _forward_fn(self, items: list, geometry: dict, radius: float = 1.0, out_dtype=None):
         """The bucket's forward op (``radius``·∇φ₁*, in ``out_dtype``); replayed from a CUDA graph
@@ -784,8 +819,9 @@ class GeomOptimizer(Optimizer):
                 # sum in the same order and a resumed run matches bit for bit
                 buf = _stack(rows).clone()
             out[key] = buf
-        if "adam_step" in first:
-            out["adam_step"] = first["adam_step"]
+        for key in ("adam_step", post_stages.STAGE_STEP):
+            if key in first:
+                out[key] = first[key]
         return out
 
     def _scatter(self, items: list, state: dict) -> None:
@@ -1072,7 +1108,7 @@ def _spec_name(yaml_text: str) -> str:
 
 
 # per-parameter state tensors that batched calls keep stacked (entries are views of a bucket buffer)
-_STACKED = ("d", "exp_avg", "exp_avg_sq", "prev", "w")
+_STACKED = ("d", "exp_avg", "exp_avg_sq", "prev", "w", *post_stages.STAGE_STATE)
 _FUSED_ADAM_DEVICES = ("cpu", "cuda")  # where torch._fused_adamw_ has kernels
 
 
@@ -1221,3 +1257,22 @@ def _state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str) ->
 
     local = _view(row, pp) if key in VIEW_KEYS else row
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _decayed(x: torch.Tensor, step: torch.Tensor, decay: float, cautious: bool) -> torch.Tensor:
+    """X(1 − γλ) (decoupled), or, cautious (Chen et al. 2025), X(1 − γλ) only where the step S and
+    X agree in sign (S⊙X ≥ 0) and X elsewhere."""
+    if not cautious:
+        return x * decay
+    return torch.where(step * x >= 0, x * decay, x)
+
+
+def _warmed(alpha, group: dict, direction: dict):
+    """α of this step under a Polyak momentum warmup: from ``warmup_alpha`` at step 0 linearly to
+    the group's α at ``warmup_steps``, then the group's (a schedule's own α wins)."""
+    steps = direction.get("warmup_steps", 0)
+    if alpha is not None or not steps:
+        return alpha
+    frac = min(group["step"] / steps, 1.0)
+    start = direction["warmup_alpha"]
+    return start + (group["alpha"] - start) * frac

@@ -1,0 +1,179 @@
+"""Post-stages: what a rule does to the geometry's update U = ∇φ₁*(D) before weight decay and the
+constraint (one step is direction → geometry → post-stages → weight decay → constraint).
+
+Each stage is a registered unit ``fn(u, cfg, ctx) -> u`` on a bucket's stacked update (leading
+dim = tensor index), with the state it keeps, what it reads besides U, and its locality for the
+distributed executors (:mod:`geomopt.distributed`): ``local`` stages act entry by entry,
+``reduce`` stages need a sum over each tensor (or over its rows / columns). Stages run in
+:data:`geomopt.spec.model.STAGE_ORDER`, at most once each, after the forward op and with ρ = 1:
+the rule's radius ρ multiplies their result, so a stage shapes the unit update and ρ still sets
+the step. Every stage computes in float32 at least (the forward op's output dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import torch
+
+from geomopt.distributed import LOCAL, REDUCE
+from geomopt.geometry.view import matrix_shapes
+
+#: per-parameter state keys of the stages (stacked per bucket like the momentum)
+STAGE_STATE = ("post_v",)
+#: the per-parameter step count of the stages (an int, like ``adam_step``)
+STAGE_STEP = "post_step"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    fn: Callable
+    state: tuple[str, ...]
+    reads: tuple[str, ...]  # "gradient", "direction", "input_norm" besides U
+    locality: Callable[[dict], str]  # cfg → locality
+
+
+STAGES: dict[str, Stage] = {}
+
+
+def stage(kind: str, *, state: tuple = (), reads: tuple = (), locality: Callable[[dict], str] = lambda cfg: REDUCE):
+    def register(fn):
+        STAGES[kind] = Stage(fn, state, reads, locality)
+        return fn
+
+    return register
+
+
+@dataclasses.dataclass
+class Context:
+    """What a bucket's stages read besides U: the stacked state (created on first use), the raw
+    gradient and the direction (operators' layout, float32 at least), the Frobenius norm of U as
+    the geometry gave it (per tensor), the stages' step number, the tensor's op shape and view."""
+
+    state: dict
+    op_shape: tuple[int, ...]
+    view: Optional[dict] = None
+    gradient: Optional[torch.Tensor] = None
+    direction: Optional[torch.Tensor] = None
+    input_norm: Optional[torch.Tensor] = None
+    step: int = 1
+
+
+def _dims(u: torch.Tensor) -> tuple[int, ...]:
+    return tuple(range(1, u.ndim))
+
+
+def _norm(u: torch.Tensor) -> torch.Tensor:
+    """‖U‖_F per tensor, shaped to broadcast against the stack."""
+    return torch.linalg.vector_norm(u, dim=_dims(u), keepdim=True)
+
+
+def _matrix_axes(ctx: Context) -> tuple[int, tuple[int, ...], Optional[list[int]]]:
+    """(row dim, column dims, row blocks) of the tensor's matrices in the stacked update (dim 0 is
+    the tensor index): the geometry's view where it has one (experts: rows of each expert; a
+    conv kernel: out × in·kh·kw, or one out × in matrix per position with ``trailing: batch``),
+    else the (shape[0], rest) matrix."""
+    view, ndim = ctx.view, len(ctx.op_shape)
+    if view is None:
+        return 1, tuple(range(2, ndim + 1)), None
+    b = view["batch"]
+    row = b + 1
+    cols = (row + 1,) if view["trailing"] == "batch" else tuple(range(row + 1, ndim + 1))
+    return row, cols, view["blocks"]
+
+
+@stage("second_moment", state=("post_v",), locality=lambda cfg: LOCAL if cfg["axis"] == "element" else REDUCE)
+def second_moment(u, cfg, ctx):
+    """v ← β₂v + (1−β₂)·mean(U²) over each row (``axis: row``: NorMuon, Li et al. 2025, Alg. 1),
+    each column (``column``; each row block of a view on its own) or per entry (``element``:
+    AdaMuon, Si et al. 2025, Alg. 1); U ← U/(√(v/c) + ε), c = 1 − β₂ᵗ with ``bias_correction``
+    (AdaMuon) else 1 (NorMuon). v starts at 0 and is kept per tensor (``post_v``)."""
+    sq = u * u
+    expand = None
+    if cfg["axis"] == "element":
+        m2 = sq
+    elif cfg["axis"] == "row":
+        _, cols, _ = _matrix_axes(ctx)
+        m2 = sq.mean(dim=cols, keepdim=True) if cols else sq
+    else:
+        row, _, blocks = _matrix_axes(ctx)
+        sizes = blocks or [u.shape[row]]
+        m2 = torch.cat([p.mean(dim=row, keepdim=True) for p in sq.split(sizes, dim=row)], dim=row)
+        if len(sizes) > 1:
+            index = torch.repeat_interleave(torch.arange(len(sizes), device=u.device),
+                                            torch.tensor(sizes, device=u.device))
+            expand = (row, index)
+    v = ctx.state.get("post_v")
+    if v is None:
+        v = ctx.state["post_v"] = torch.zeros_like(m2)
+    v.lerp_(m2, 1 - cfg["beta2"])
+    c = 1 - cfg["beta2"] ** ctx.step if cfg["bias_correction"] else 1.0
+    denom = (v / c).sqrt_().add_(cfg["eps"]) if c != 1.0 else v.sqrt().add_(cfg["eps"])
+    if expand is not None:
+        denom = denom.index_select(*expand)
+    return u / denom
+
+
+@stage("dual_scale", reads=("direction",))
+def dual_scale(u, cfg, ctx):
+    """U ← ⟨U, D⟩·U per tensor. For the exact lmo U = lmo(D) of a norm ‖·‖, ⟨U, D⟩ = ‖D‖_*, so
+    the step is ‖D‖_*·lmo(D), steepest descent in ‖·‖ (Kelner et al. 2014; Bernstein & Newhouse
+    2024); with the spectral geometry it is PolarGrad's nuclear-norm-scaled polar step (Lau, Long &
+    Su 2025: X ← X − γ·tr(H)·U_p for D = U_p·H)."""
+    return u * (u * ctx.direction).sum(dim=_dims(u), keepdim=True)
+
+
+def _polar_norm(ctx: Context) -> float:
+    """‖Q‖_F of a semi-orthogonal Q with the tensor's matrices: √Σ min(m_i, n_i)."""
+    from geomopt.geometry.view import count
+
+    shapes = matrix_shapes(ctx.view, ctx.op_shape)
+    per = count(ctx.view, ctx.op_shape) // len(shapes) if ctx.view is not None else 1
+    return math.sqrt(per * sum(min(m, n) for m, n in shapes))
+
+
+@stage("rms_match", reads=("input_norm",))
+def rms_match(u, cfg, ctx):
+    """U ← U·T/(‖U‖_F + ε) per tensor of n entries: T = t·√n for a number t (RMS t; 0.2 is
+    Moonlight's AdamW-matched scale, Liu et al. 2025, and NorMuon's ``match_rms``), the norm U had
+    when the geometry gave it for ``input`` (NorMuon's official ``preserve_norm``), or √Σmin(m, n)
+    over the tensor's matrices for ``polar``, the norm of a semi-orthogonal matrix (AdaMuon)."""
+    target = cfg["target"]
+    if target == "input":
+        scale = ctx.input_norm
+    elif target == "polar":
+        scale = _polar_norm(ctx)
+    else:
+        scale = float(target) * math.sqrt(math.prod(ctx.op_shape))
+    return u * (scale / (_norm(u) + cfg["eps"]))
+
+
+@stage("cautious", reads=("gradient",))
+def cautious(u, cfg, ctx):
+    """U ← U⊙m·n/(Σm + 1), m = [U⊙G > 0] per tensor of n entries (Cautious optimizers, Liang et al.
+    2024, as their code and pytorch-optimizer apply it): components whose sign disagrees with the
+    gradient G are dropped and the rest scaled up by about the fraction dropped."""
+    mask = (u * ctx.gradient > 0).to(u.dtype)
+    n = math.prod(u.shape[1:])
+    return u * mask * (n / (mask.sum(dim=_dims(u), keepdim=True) + 1))
+
+
+def locality(post: list) -> str:
+    """One request runs a rule's stages: ``reduce`` if any stage reduces, else ``local``."""
+    return REDUCE if any(STAGES[s["kind"]].locality(s) == REDUCE for s in post) else LOCAL
+
+
+def reads(post: list) -> set:
+    return {r for s in post for r in STAGES[s["kind"]].reads}
+
+
+def run(u: torch.Tensor, post: list, ctx: Context) -> torch.Tensor:
+    """The rule's post-stages on the stacked update ``u`` (in their spec order)."""
+    if "input_norm" in reads(post):
+        ctx.input_norm = _norm(u)
+    for cfg in post:
+        u = STAGES[cfg["kind"]].fn(u, cfg, ctx)
+    return u
+
