@@ -65,6 +65,35 @@ MIXED = {
 }
 
 
+# every post-stage (each second-moment axis), cautious decay and the heavy-ball and Lion directions;
+# DDP only: FSDP2 refuses post-stages at construction (the test checks the message)
+STAGED = {
+    "geomopt": 1, "name": "staged",
+    "defaults": {"lr": 0.01, "direction": {"kind": "polyak", "alpha": 0.1, "nesterov": True, "warmup_steps": 2,
+                                           "warmup_alpha": 0.3}},
+    "rules": [
+        {"name": "qkv", "match": "**.c_attn.weight",
+         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"},
+                      "layout": "in_out"},
+         "post": [{"kind": "second_moment", "axis": "row"}, {"kind": "dual_scale"}, {"kind": "rms_match", "target": "input"},
+                  {"kind": "cautious"}],
+         "weight_decay": 0.1, "decay": "cautious"},
+        {"name": "fc", "match": "**.c_fc.weight",
+         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}},
+         "post": [{"kind": "second_moment", "axis": "column"}, {"kind": "rms_match", "target": 0.2}],
+         "direction": {"kind": "heavy_ball", "momentum": 0.9, "nesterov": True}},
+        {"name": "proj", "match": "**.c_proj.weight",
+         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}},
+         "post": [{"kind": "second_moment", "axis": "element", "bias_correction": True},
+                  {"kind": "rms_match", "target": "polar"}]},
+        {"name": "head", "match": "lm_head.weight", "geometry": {"kind": "adam"}, "post": [{"kind": "cautious"}],
+         "weight_decay": 0.1, "decay": "cautious"},
+        {"name": "rest", "match": "**", "geometry": {"kind": "anisotropic", "reference": {"kind": "indicator"}},
+         "direction": {"kind": "lion"}, "post": [{"kind": "cautious"}], "lr": 1e-3},
+    ],
+}
+
+
 def make_model(seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     # dims chosen so that Shard(0) splits some tensors unevenly (vocab 97, 3·24 = 72 rows)
@@ -141,6 +170,7 @@ def main(out: Path) -> None:
         train(model, opt, data)
         result["fsdp"][name] = params_of(model)
         result["work"][name].update(fsdp=opt.work.flops, fsdp_kind=type(opt._executor).__name__)
+    result["staged"] = staged(data)
     result["checkpoint"] = checkpoint_round_trip(data)
     result["dcp"] = dcp_round_trip(data)
     result["errors"] = bad_input()
@@ -148,6 +178,30 @@ def main(out: Path) -> None:
     torch.save(result, out / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def staged(data) -> dict:
+    """:data:`STAGED` under DDP against one process, and FSDP2's refusal of post-stages."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ref = make_model()
+    train(ref, GeomOptimizer(ref, STAGED, distributed=False), data)
+    model = make_model()
+    ddp = DDP(model)
+    opt = GeomOptimizer(model, STAGED)
+    for idx in data:
+        opt.zero_grad(set_to_none=True)
+        logits = ddp(idx[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1)).backward()
+        opt.step()
+    out = dict(ref=params_of(ref), ddp=params_of(model), kind=type(opt._executor).__name__,
+               state=sorted({k for st in opt.state.values() for k in st}))
+    try:
+        GeomOptimizer(shard(make_model()), STAGED)
+        out["fsdp_error"] = None
+    except ValueError as e:
+        out["fsdp_error"] = str(e)
+    return out
 
 
 def _clone(obj):

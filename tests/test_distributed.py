@@ -80,6 +80,19 @@ def test_spectral_work_per_rank_is_about_half(ranks, name):
         assert all(0.35 <= s <= 0.65 for s in shares), (mode, shares)
 
 
+def test_every_stage_under_ddp_matches_single_process(ranks):
+    """A spec with every post-stage, cautious decay, heavy-ball and Lion directions and a momentum
+    warmup: DDP runs the stages on every rank's full data, bit for bit as one process."""
+    for r in ranks:
+        s = r["staged"]
+        assert s["kind"] == "ReplicatedExecutor"
+        assert {"d", "post_v", "post_step", "exp_avg", "exp_avg_sq"} <= set(s["state"])
+        assert all(torch.equal(s["ddp"][k], s["ref"][k]) for k in s["ref"])
+        assert any(not torch.equal(s["ref"][k], worker.make_model().state_dict()[k]) for k in s["ref"])
+        assert s["fsdp_error"] and "post-stages" in s["fsdp_error"] and "'qkv'" in s["fsdp_error"]
+    assert all(torch.equal(ranks[0]["staged"]["ddp"][k], ranks[1]["staged"]["ddp"][k]) for k in ranks[0]["staged"]["ddp"])
+
+
 def test_checkpoint_round_trip_across_two_ranks(ranks):
     a, b = (r["checkpoint"] for r in ranks)
     assert a["keys"] == b["keys"] and a["keys"]

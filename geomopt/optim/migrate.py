@@ -8,14 +8,19 @@ kinds of state, and a kind is kept where the tensor's new rule uses it and its s
 kind                geomopt keys                       torch.optim keys
 ==================  =================================  =================================
 Adam moments        exp_avg, exp_avg_sq, adam_step     exp_avg, exp_avg_sq, step (Adam, AdamW)
-momentum            d (a Polyak average of gradients)  momentum_buffer (Muon: buf.lerp_(g, 1 − β))
+momentum            d (a Polyak average of gradients,  momentum_buffer (Muon: buf.lerp_(g, 1 − β))
+                    or Lion's m)
 STORM estimate      d and prev                         —
 gap memory W        w                                  —
+second moment       post_v, post_step                  —
 ==================  =================================  =================================
 
 A kind moves as a unit (moments without their step count would be bias-corrected wrongly; a
 STORM estimate without its previous iterate cannot be continued). W always restarts: it belongs
-to the old rule's backward step and is measured again after the next one. Everything else starts
+to the old rule's backward step and is measured again after the next one; so does a post-stage's
+second moment (its shape follows the stage's axis and the tensor's view, and it re-forms in about
+1/(1−β₂) steps); and a rule with heavy-ball momentum starts its buffer fresh (a sum of gradients,
+not an average, so an average does not move into it). Everything else starts
 fresh, and the :class:`MigrationReport` says, per tensor, what was kept and what was reset.
 
 Names come from the saved groups' ``param_names`` (geomopt writes them; torch optimizers built
@@ -38,6 +43,7 @@ KINDS = {
     "storm": ("d", "prev"),
     "momentum": ("d",),
     "gap": ("w",),
+    "second_moment": ("post_v", "post_step"),
 }
 # torch.optim state keys → geomopt's, per source optimizer
 _TORCH = {
@@ -56,7 +62,7 @@ def kinds_used(pp: ParamPlan, direction: str) -> tuple[str, ...]:
         out.append("adam")
     if direction == "storm":
         out.append("storm")
-    elif direction == "polyak":
+    elif direction in ("polyak", "lion"):
         out.append("momentum")
     return tuple(out)
 
@@ -172,6 +178,9 @@ def migrate_state(saved: dict[str, dict], targets: list[tuple], source: str,
         for kind in kinds_held(entry):
             if kind == "gap":
                 reset.append("w (the gap's W: measured again after the next step)")
+                continue
+            if kind == "second_moment":
+                reset.append("second moment (a post-stage's v restarts after a spec change)")
                 continue
             into = kind if kind in used else "momentum" if kind == "storm" and "momentum" in used else None
             if into is None:
