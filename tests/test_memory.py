@@ -65,7 +65,34 @@ def expected_state_bytes(opt, model) -> int:
             total += n * t.element_size()  # the previous iterate
         if pp.geometry["kind"] == "adam":
             total += 2 * n * size  # exp_avg, exp_avg_sq
+        for stage in pp.post:
+            if stage["kind"] == "second_moment":
+                total += _second_moment_numel(stage["axis"], pp) * size  # post_v
     return total
+
+
+def _second_moment_numel(axis: str, pp) -> int:
+    """Entries of a second moment: one per entry, per row of each matrix, or per column of each
+    matrix (each row block its own) of the tensor's view."""
+    shape, view = pp.op_shape, pp.geometry.get("view")
+    n = 1
+    for d in shape:
+        n *= d
+    if axis == "element":
+        return n
+    b = view["batch"] if view else 0
+    if axis == "row":
+        cols = shape[b + 1] if view and view["trailing"] == "batch" else n // (shape[b] * max(1, _prod(shape[:b])))
+        return n // cols
+    blocks = (view or {}).get("blocks") or [shape[b]]
+    return n // shape[b] * len(blocks)
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
 
 
 def largest_bucket_bytes(opt, model) -> int:
@@ -171,3 +198,31 @@ def test_flat_blocks_give_the_same_bits_as_one_pass(name, monkeypatch):
 
     step_in_lockstep(models, opts, setup=setup)
     assert opts[0]._workspace.nbytes <= 2 * 3000 * 4
+
+
+@pytest.mark.parametrize("axis", ["row", "column", "element"])
+def test_post_stage_state_is_one_second_moment_per_row_column_or_entry(axis):
+    """A second moment of each axis (on experts-free HF Llama matrices, GPT's in_out projections and
+    a conv-like 4-D tensor read as one matrix per kernel position): the state is the momentum plus
+    exactly the second moment's entries."""
+    model, loss = _llama()
+    spec = {"geomopt": 1, "name": "t", "rules": [
+        {"name": "hidden", "match": {"role": ["hidden", "expert"]}, "direction": {"kind": "polyak", "alpha": 0.05},
+         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"},
+                      "view": "auto"},
+         "post": [{"kind": "second_moment", "axis": axis}, {"kind": "rms_match", "target": 0.2}, {"kind": "cautious"}]},
+        {"name": "rest", "match": "**", "geometry": {"kind": "adam"}, "direction": {"kind": "lion"},
+         "post": [{"kind": "second_moment", "axis": "element"}]},
+    ]}
+    opt, held = held_after_steps(model, loss, spec)
+    state = sum(b for b, name in held.values() if name.startswith("state"))
+    assert state == expected_state_bytes(opt, model), {name: b for b, name in held.values()}
+
+    conv = torch.nn.Conv2d(3, 8, 3)
+    spec = {"geomopt": 1, "name": "c", "rules": [{"name": "k", "match": "weight", "post": [{"kind": "second_moment", "axis": axis}],
+                                                  "geometry": {"kind": "spectral", "reference": {"kind": "indicator"},
+                                                               "view": {"kind": "matrix", "trailing": "batch"}}},
+                                                 {"name": "b", "match": "bias", "geometry": {"kind": "euclidean"}}]}
+    opt, held = held_after_steps(conv, lambda step: conv(torch.randn(2, 3, 6, 6)).square().mean(), spec)
+    state = sum(b for b, name in held.values() if name.startswith("state"))
+    assert state == expected_state_bytes(opt, conv) == _second_moment_numel(axis, opt.plan["weight"]) * 4

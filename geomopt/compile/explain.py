@@ -79,13 +79,15 @@ def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], na
     if pp.transpose:
         extra.append("acts on the transpose (layout in_out)")
     lines.append(f"forward    {_geometry_text(pp)}" + (f"; {', '.join(extra)}" if extra else ""))
+    if pp.post:
+        lines.append(f"post       {' → '.join(_call_text(s) for s in pp.post)} (on the forward's update, before ρ)")
     lines.append(f"backward   {constraint_text(pp)}")
     if pp.constraint and pp.constraint.get("method") == "auto" and g["kind"] == "spectral":
         from geomopt.geometry.method import AUTO_RULE
 
         lines.append(f"           method auto on {pp.device}: {AUTO_RULE}; exact or polar forces one")
     lines.append(f"direction  {_call_text(pp.direction)}; schedule {_call_text(pp.schedule)}")
-    lines.append(f"lr         {pp.lr:g}; weight decay {pp.weight_decay:g}")
+    lines.append(f"lr         {pp.lr:g}; weight decay {pp.weight_decay:g}" + (f" ({pp.decay})" if pp.weight_decay else ""))
     scale = pp.radius / g["radius"] if g["radius"] else math.nan
     lines.append(f"radius     {pp.radius:.4g} (geometry radius {g['radius']:g} × preset {scale:.4g}); "
                  f"step size lr·radius = {pp.lr * pp.radius:.4g}")

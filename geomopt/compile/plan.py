@@ -204,6 +204,8 @@ def _geometry_text(p: ParamPlan) -> str:
         text += f"[{_call_text(g['reference'])}]"
     if g.get("approx") is not None:
         text += f" via {_call_text({k: v for k, v in g['approx'].items() if k != 'coefficients'})}"
+    if p.post:
+        text += " + " + " + ".join(s["kind"] for s in p.post)
     return text
 
 
