@@ -393,3 +393,18 @@ def test_every_stage_round_trips_through_the_dsl():
     dsl = dump_spec(spec, "dsl")
     assert geomopt.parse_spec(dsl, "dsl") == spec
     assert geomopt.parse_spec(dump_spec(geomopt.parse_spec(dsl, "dsl"), "yaml"), "yaml") == spec
+
+
+def test_every_stage_kind_is_registered_with_its_state_locality_and_source():
+    from geomopt.distributed import LOCAL, REDUCE
+    from geomopt.optim.stages import STAGES
+    from geomopt.spec.model import STAGE_ORDER
+
+    assert set(STAGES) == set(STAGE_ORDER)
+    for kind, stage in STAGES.items():
+        doc = stage.fn.__doc__ or ""
+        assert "←" in doc and any(ch.isdigit() for ch in doc), kind  # a formula and a year
+        cfg = {"axis": "row"} if kind == "second_moment" else {}
+        assert stage.locality(cfg) in (LOCAL, REDUCE)
+    assert STAGES["second_moment"].locality({"axis": "element"}) == LOCAL
+    assert STAGES["second_moment"].state == ("post_v",)

@@ -21,8 +21,6 @@ import torch
 from geomopt.distributed import LOCAL, REDUCE
 from geomopt.geometry.view import matrix_shapes
 
-#: per-parameter state keys of the stages (stacked per bucket like the momentum)
-STAGE_STATE = ("post_v",)
 #: the per-parameter step count of the stages (an int, like ``adam_step``)
 STAGE_STEP = "post_step"
 
@@ -158,6 +156,10 @@ def cautious(u, cfg, ctx):
     mask = (u * ctx.gradient > 0).to(u.dtype)
     n = math.prod(u.shape[1:])
     return u * mask * (n / (mask.sum(dim=_dims(u), keepdim=True) + 1))
+
+
+#: per-parameter state keys the stages declare (stacked per bucket like the momentum)
+STAGE_STATE = tuple(dict.fromkeys(key for s in STAGES.values() for key in s.state))
 
 
 def locality(post: list) -> str:
