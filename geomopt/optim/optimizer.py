@@ -38,7 +38,7 @@ from geomopt.geometry.forward import elementwise_into, forward, input_dtype, iso
 from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, BF16Warning, muon_order, slow_bf16
 from geomopt.optim.directions import DIRECTIONS
 from geomopt.distributed import (
-    FORWARD_LOCALITY, LocalExecutor, Request, ShardedExecutor, backward_locality, chunk_sizes, is_dtensor,
+    FORWARD_LOCALITY, LOCAL, LocalExecutor, Request, ShardedExecutor, backward_locality, chunk_sizes, is_dtensor,
     make_executor,
 )
 from geomopt.optim.graphs import GraphedOp
@@ -158,12 +158,7 @@ class GeomOptimizer(Optimizer):
                                     for g, bs in zip(self.param_groups, self._buckets) for b in bs), default=1)
         self._executor = make_executor([p for g in self.param_groups for p in g["params"]], distributed, process_group)
         self._sharded = isinstance(self._executor, ShardedExecutor)
-        staged = sorted({pp.rule for pp in self.plan if pp.post})
-        if self._sharded and staged:
-            raise ValueError(
-                f"rule(s) {', '.join(map(repr, staged))} of spec '{self.spec.name}' have post-stages, which GeomOptimizer "
-                f"does not run on FSDP2-sharded (DTensor) parameters yet (their row/column and per-tensor statistics "
-                f"would need the whole tensor): drop the post-stages for FSDP2, or train with DDP")
+        self._replicated: dict = {}  # param ids → stage state keys every rank holds whole (FSDP2)
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
         self._warn_slow_bf16(tensors)
         self._project_on_init()
@@ -764,10 +759,20 @@ class GeomOptimizer(Optimizer):
         request (a sub-generator of :meth:`_step_bucket`); their step count is per tensor."""
         step = state.get(post_stages.STAGE_STEP, 0) + 1
         state[post_stages.STAGE_STEP] = step
+        shard = None
+        p = items[0][0]
+        if is_dtensor(p):  # sums over a cut dim are all-reduced by the stages themselves
+            dim = _op_shard_dim(p, pp)
+            sizes = chunk_sizes(pp.op_shape[dim], p.device_mesh.size())
+            rank = p.device_mesh.get_local_rank()
+            shard = post_stages.Shard(dim + 1, sum(sizes[:rank]), sizes[rank], self._executor.group)
         ctx = post_stages.Context(state, pp.op_shape, view=pp.geometry.get("view"), gradient=g_raw,
-                                  direction=None if d is None else _upcast(d), step=step)
-        out, _ = yield self._request(items, u, post_stages.locality(pp.post),
-                                     lambda m: (post_stages.run(m, list(pp.post), ctx), None))
+                                  direction=None if d is None else _upcast(d), step=step, shard=shard)
+        # local on every executor: the stages sum across shards where they need to (Context.sum),
+        # the same collectives in the same order on every rank
+        out, _ = yield Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)
+        if shard is not None:
+            self._replicated[tuple(id(q) for q, _ in items)] = set(ctx.replicated)
         return out
 
     def _forward_fn(self, items: list, geometry: dict, radius: float = 1.0, out_dtype=None):
@@ -828,6 +833,7 @@ class GeomOptimizer(Optimizer):
         """Bind the per-parameter state entries to rows of the stacked state (DTensors over the
         rows for sharded parameters, laid out like the parameter)."""
         ids = tuple(id(p) for p, _ in items)
+        whole = self._replicated.get(ids, ())
         for key, value in state.items():
             if key in _STACKED:
                 if self._buffers.get((ids, key)) is value and all(
@@ -835,7 +841,7 @@ class GeomOptimizer(Optimizer):
                     continue
                 self._buffers[(ids, key)] = value
                 for i, (p, pp) in enumerate(items):
-                    self.state[p][key] = _state_entry(value[i], p, pp, key)
+                    self.state[p][key] = _state_entry(value[i], p, pp, key, key in whole)
             else:
                 for p, _ in items:
                     self.state[p][key] = value
@@ -1249,11 +1255,33 @@ def _state_row(entry: torch.Tensor, pp: ParamPlan, key: str) -> torch.Tensor:
     return _view(local, pp) if key in VIEW_KEYS else local
 
 
-def _state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str) -> torch.Tensor:
-    """Inverse of :func:`_state_row`: for a sharded parameter, a DTensor sharded like it."""
+def _op_shard_dim(p, pp: ParamPlan) -> int:
+    """The dim of the operators' view of DTensor ``p`` that is cut across ranks."""
+    dim = p.placements[0].dim % p.ndim
+    return 1 - dim if pp.transpose and dim < 2 else dim
+
+
+def _state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, whole: bool = False) -> torch.Tensor:
+    """Inverse of :func:`_state_row`: for a sharded parameter, a DTensor sharded like it. A stage's
+    state (:data:`geomopt.optim.stages.STAGE_STATE`) has its own shape in the operators' layout: a
+    DTensor cut along the same dim as the tensor, or replicated (``whole``) where it is a statistic
+    over that dim, which every rank holds whole."""
     if not is_dtensor(p):
         return row
     from torch.distributed.tensor import DTensor
+    if key in post_stages.STAGE_STATE:
+        from torch.distributed.tensor import Replicate, Shard
+
+        if whole:
+            return DTensor.from_local(row, p.device_mesh, (Replicate(),), run_check=False)
+        dim = _op_shard_dim(p, pp)
+        shape = list(row.shape)
+        shape[dim] = pp.op_shape[dim]
+        stride = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            stride[i] = stride[i + 1] * max(shape[i + 1], 1)
+        return DTensor.from_local(row, p.device_mesh, (Shard(dim),), run_check=False, shape=torch.Size(shape),
+                                  stride=tuple(stride))
 
     local = _view(row, pp) if key in VIEW_KEYS else row
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

@@ -4,7 +4,10 @@ constraint (one step is direction → geometry → post-stages → weight decay 
 Each stage is a registered unit ``fn(u, cfg, ctx) -> u`` on a bucket's stacked update (leading
 dim = tensor index), with the state it keeps, what it reads besides U, and its locality for the
 distributed executors (:mod:`geomopt.distributed`): ``local`` stages act entry by entry,
-``reduce`` stages need a sum over each tensor (or over its rows / columns). Stages run in
+``reduce`` stages need a sum over each tensor (or over its rows / columns). A bucket's stages run
+as one request where its data is (DDP: every rank holds whole tensors; FSDP2: each rank its
+shards), and a ``reduce`` stage's sums over a dim cut across ranks are all-reduced by
+:meth:`Context.sum`, the same collectives in the same order on every rank. Stages run in
 :data:`geomopt.spec.model.STAGE_ORDER`, at most once each, after the forward op and with ρ = 1:
 the rule's radius ρ multiplies their result, so a stage shapes the unit update and ρ still sets
 the step. Every stage computes in float32 at least (the forward op's output dtype).
@@ -44,11 +47,27 @@ def stage(kind: str, *, state: tuple = (), reads: tuple = (), locality: Callable
     return register
 
 
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Where a bucket's stacked update is cut across ranks (FSDP2): along ``dim`` of the stack,
+    this rank holding entries ``start`` … ``start`` + its local size of ``size``; ``group`` is the
+    process group to sum over."""
+
+    dim: int
+    start: int
+    size: int
+    group: object
+
+
 @dataclasses.dataclass
 class Context:
     """What a bucket's stages read besides U: the stacked state (created on first use), the raw
     gradient and the direction (operators' layout, float32 at least), the Frobenius norm of U as
-    the geometry gave it (per tensor), the stages' step number, the tensor's op shape and view."""
+    the geometry gave it (per tensor), the stages' step number, the tensor's op shape and view,
+    and, for sharded tensors (:class:`Shard`), where the stack is cut: sums over a cut dim are
+    all-reduced (:meth:`sum`), so every rank normalizes its shard by the whole tensor's
+    statistics. ``replicated``: the state keys whose entries every rank holds whole (a statistic
+    over the cut dim) rather than cut like the tensor."""
 
     state: dict
     op_shape: tuple[int, ...]
@@ -57,15 +76,43 @@ class Context:
     direction: Optional[torch.Tensor] = None
     input_norm: Optional[torch.Tensor] = None
     step: int = 1
+    shard: Optional[Shard] = None
+    replicated: set = dataclasses.field(default_factory=set)
+
+    def cut(self, dims) -> bool:
+        return self.shard is not None and self.shard.dim in tuple(dims)
+
+    def sum(self, t: torch.Tensor, dims) -> torch.Tensor:
+        """Σ over ``dims`` (kept), over the whole tensor where a dim is cut across ranks."""
+        out = t.sum(dim=tuple(dims), keepdim=True)
+        if self.cut(dims):
+            import torch.distributed as dist
+
+            dist.all_reduce(out, group=self.shard.group)
+        return out
+
+    def mean(self, t: torch.Tensor, dims) -> torch.Tensor:
+        if not self.cut(dims):
+            return t.mean(dim=tuple(dims), keepdim=True)
+        full = (len(t), *self.op_shape)
+        return self.sum(t, dims) / math.prod(full[d] for d in dims)
+
+    def norm(self, u: torch.Tensor) -> torch.Tensor:
+        """‖U‖_F per tensor, shaped to broadcast against the stack."""
+        if not self.cut(_dims(u)):
+            return torch.linalg.vector_norm(u, dim=_dims(u), keepdim=True)
+        return self.sum(u * u, _dims(u)).sqrt_()
+
+    def rows(self, dim: int, device) -> torch.Tensor:
+        """The whole tensor's indices along ``dim`` of this rank's entries."""
+        n = self.op_shape[dim - 1]
+        if self.shard is not None and self.shard.dim == dim:
+            return torch.arange(self.shard.start, self.shard.start + self.shard.size, device=device)
+        return torch.arange(n, device=device)
 
 
 def _dims(u: torch.Tensor) -> tuple[int, ...]:
     return tuple(range(1, u.ndim))
-
-
-def _norm(u: torch.Tensor) -> torch.Tensor:
-    """‖U‖_F per tensor, shaped to broadcast against the stack."""
-    return torch.linalg.vector_norm(u, dim=_dims(u), keepdim=True)
 
 
 def _matrix_axes(ctx: Context) -> tuple[int, tuple[int, ...], Optional[list[int]]]:
@@ -94,15 +141,29 @@ def second_moment(u, cfg, ctx):
         m2 = sq
     elif cfg["axis"] == "row":
         _, cols, _ = _matrix_axes(ctx)
-        m2 = sq.mean(dim=cols, keepdim=True) if cols else sq
+        m2 = ctx.mean(sq, cols) if cols else sq
+        if ctx.cut(cols):
+            ctx.replicated.add("post_v")
     else:
         row, _, blocks = _matrix_axes(ctx)
-        sizes = blocks or [u.shape[row]]
-        m2 = torch.cat([p.mean(dim=row, keepdim=True) for p in sq.split(sizes, dim=row)], dim=row)
-        if len(sizes) > 1:
-            index = torch.repeat_interleave(torch.arange(len(sizes), device=u.device),
-                                            torch.tensor(sizes, device=u.device))
-            expand = (row, index)
+        sizes = blocks or [ctx.op_shape[row - 1]]
+        if len(sizes) == 1:
+            m2 = ctx.mean(sq, (row,))
+        else:  # per row block: each block's rows summed into its own entry, then / its size
+            block = torch.bucketize(ctx.rows(row, u.device), torch.tensor(sizes, device=u.device).cumsum(0), right=True)
+            shape = list(sq.shape)
+            shape[row] = len(sizes)
+            m2 = sq.new_zeros(shape).index_add_(row, block, sq)
+            if ctx.cut((row,)):
+                import torch.distributed as dist
+
+                dist.all_reduce(m2, group=ctx.shard.group)
+            count = [1] * sq.ndim
+            count[row] = len(sizes)
+            m2 = m2 / torch.tensor(sizes, dtype=sq.dtype, device=u.device).reshape(count)
+            expand = (row, block)
+        if ctx.cut((row,)):
+            ctx.replicated.add("post_v")
     v = ctx.state.get("post_v")
     if v is None:
         v = ctx.state["post_v"] = torch.zeros_like(m2)
@@ -120,7 +181,7 @@ def dual_scale(u, cfg, ctx):
     the step is ‖D‖_*·lmo(D), steepest descent in ‖·‖ (Kelner et al. 2014; Bernstein & Newhouse
     2024); with the spectral geometry it is PolarGrad's nuclear-norm-scaled polar step (Lau, Long &
     Su 2025: X ← X − γ·tr(H)·U_p for D = U_p·H)."""
-    return u * (u * ctx.direction).sum(dim=_dims(u), keepdim=True)
+    return u * ctx.sum(u * ctx.direction, _dims(u))
 
 
 def _polar_norm(ctx: Context) -> float:
@@ -145,7 +206,7 @@ def rms_match(u, cfg, ctx):
         scale = _polar_norm(ctx)
     else:
         scale = float(target) * math.sqrt(math.prod(ctx.op_shape))
-    return u * (scale / (_norm(u) + cfg["eps"]))
+    return u * (scale / (ctx.norm(u) + cfg["eps"]))
 
 
 @stage("cautious", reads=("gradient",))
@@ -154,8 +215,8 @@ def cautious(u, cfg, ctx):
     2024, as their code and pytorch-optimizer apply it): components whose sign disagrees with the
     gradient G are dropped and the rest scaled up by about the fraction dropped."""
     mask = (u * ctx.gradient > 0).to(u.dtype)
-    n = math.prod(u.shape[1:])
-    return u * mask * (n / (mask.sum(dim=_dims(u), keepdim=True) + 1))
+    n = math.prod(ctx.op_shape)
+    return u * mask * (n / (ctx.sum(mask, _dims(u)) + 1))
 
 
 #: per-parameter state keys the stages declare (stacked per bucket like the momentum)
@@ -174,7 +235,7 @@ def reads(post: list) -> set:
 def run(u: torch.Tensor, post: list, ctx: Context) -> torch.Tensor:
     """The rule's post-stages on the stacked update ``u`` (in their spec order)."""
     if "input_norm" in reads(post):
-        ctx.input_norm = _norm(u)
+        ctx.input_norm = ctx.norm(u)
     for cfg in post:
         u = STAGES[cfg["kind"]].fn(u, cfg, ctx)
     return u
