@@ -3,9 +3,9 @@
 The public API (README: Python API) is re-exported here; everything else may move.
 """
 
-from geomopt.spec import Diagnostic, Spec, SpecError, dump_spec, load_spec, parse_spec
+from geomopt.spec import Diagnostic, Spec, SpecError, dump_spec, load_spec, parse_spec, shipped_specs
 
-__all__ = ["Diagnostic", "Spec", "SpecError", "dump_spec", "load_spec", "parse_spec", "compile_spec",
+__all__ = ["Diagnostic", "Spec", "SpecError", "dump_spec", "load_spec", "parse_spec", "shipped_specs", "compile_spec",
            "forward_step", "backward_step", "GeomOptimizer"]
 __version__ = "0.1.0"
 

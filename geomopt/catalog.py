@@ -6,8 +6,9 @@ that only reasons about a spec) reads it without loading the math.
   function under its row (:func:`geomopt.geometry.registry.backward_op`), so this table is the one
   place a (geometry, constraint) pair is declared; :func:`supported_constraints` and
   :func:`has_backward` answer from it.
-* The spectral approximations' coefficient lists (Newton–Schulz, Polar Express) and the reference
-  they realize (:func:`realized_reference`); :mod:`geomopt.geometry.spectral` runs them.
+* The spectral approximations' coefficient lists (Newton–Schulz, plain or Gram, and Polar
+  Express) and the reference they realize (:func:`realized_reference`);
+  :mod:`geomopt.geometry.spectral` runs them.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def _triple(t: Sequence[float]) -> Triple:
 def approx_coefficients(approx: dict) -> list[Triple] | None:
     """The triples an ``approx`` dict runs (None for svd and gram_eigh)."""
     kind = approx.get("kind", "svd")
-    if kind == "newton_schulz":
+    if kind in ("newton_schulz", "gram_newton_schulz"):  # the same map, by another route
         return newton_schulz_coefficients(approx.get("steps", 5), approx.get("coefficients"))
     if kind == "polar_express":
         return polar_express_coefficients(approx.get("steps", 5), approx.get("coefficients", "polar_express"))
@@ -156,10 +157,11 @@ def approx_coefficients(approx: dict) -> list[Triple] | None:
 
 
 def realized_reference(approx: dict) -> dict | None:
-    """The reference an approximation realizes: for newton_schulz / polar_express the κ = 4 power
-    barrier with ε = 1/∏aᵢ (the composed polynomial's slope at 0 is ∏aᵢ, and
-    (h₄*)'(σ) = σ/(ε⁴+σ⁴)^{1/4} has slope 1/ε there; paper Appendix F, Theorem 4.7), on the
-    pre-normalized input. None for svd and gram_eigh (they realize the declared reference)."""
+    """The reference an approximation realizes: for newton_schulz (gram_newton_schulz: the same
+    map) / polar_express the κ = 4 power barrier with ε = 1/∏aᵢ (the composed polynomial's slope
+    at 0 is ∏aᵢ, and (h₄*)'(σ) = σ/(ε⁴+σ⁴)^{1/4} has slope 1/ε there; paper Appendix F,
+    Theorem 4.7), on the pre-normalized input. None for svd and gram_eigh (they realize the
+    declared reference)."""
     coeffs = approx_coefficients(approx)
     if coeffs is None:
         return None

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Generate the README's result tables and quoted numbers from the committed results
-(``examples/results/*.json``), so that the README cannot drift from them.
+(``examples/results/*.json``, and ``benchmarks/results/catalog.json`` for the catalogue table),
+so that the README cannot drift from them.
 
 README.md marks every generated part with a key. A block (a table and its caption):
 
@@ -54,9 +55,11 @@ class Records:
     def __init__(self, folder: Path, committed: bool):
         self.folder, self.committed, self._cache = folder, committed, {}
 
-    def __call__(self, stem: str) -> dict:
+    def __call__(self, stem: str, committed_path: Path | None = None) -> dict:
+        """The record ``stem``: ``folder/stem.json``, or ``committed_path`` for a record kept
+        elsewhere in the checkout (benchmarks/results/) when reading the committed results."""
         if stem not in self._cache:
-            path = self.folder / f"{stem}.json"
+            path = committed_path if committed_path is not None and self.committed else self.folder / f"{stem}.json"
             rec = json.loads(path.read_text(encoding="utf-8"))
             quick = rec.get("quick") or (rec.get("settings") or {}).get("quick")
             if self.committed and quick:
@@ -376,6 +379,51 @@ def moe(records) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- catalogue
+
+CATALOG_RESULTS = ROOT / "benchmarks" / "results" / "catalog.json"
+
+
+def sci(x: float) -> str:
+    """A relative difference: ``0`` (bit for bit), else two digits, ``5.8e-6``."""
+    if x == 0:
+        return "0"
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+CATALOG_MODELS = {"gpt": "GPT", "gpt-clip": "GPT, hidden ×40", "llama": "HF Llama"}
+
+
+def catalog(records) -> str:
+    """The catalogue table; a row whose LM-loss figure is far above its same-gradients one (two
+    runs that drift apart, not a mismatch) gets a numbered note with the record's reason."""
+    rec = records("catalog", CATALOG_RESULTS)
+    rows, notes = [], []
+    for c in rec["cases"]:
+        paper = f"[{c['paper']}]({c['url']})" if c.get("url") else c["paper"]
+        same, loss = c["modes"]["same"], c["modes"]["loss"]
+        loss_cell = sci(loss["max_rel"]) + (" (bit for bit)" if loss["max_rel"] == 0 else "")
+        if loss["max_rel"] > 1e-3 and loss["max_rel"] > 100 * same["max_rel"]:
+            notes.append(f"{c['optimizer']}: {loss['why']}.")
+            loss_cell += f" ({len(notes)})"
+        rows.append([c["optimizer"], f"`{c['spec'].removeprefix('specs/')}`", paper, f"{c['kind']}: {c['reference']}",
+                     CATALOG_MODELS.get(c["model"], c["model"]), c["steps"],
+                     sci(same["max_rel"]) + (" (bit for bit)" if same["max_rel"] == 0 else ""), loss_cell])
+    head = ["optimizer", "spec", "paper", "reference", "model", "steps", "max rel. diff., same gradients",
+            "max rel. diff., LM loss"]
+    lines = table(head, rows)
+    v = rec.get("versions") or {}
+    pkgs = ", ".join(f"{k} {v[k]}" for k in ("pytorch-optimizer", "lion-pytorch", "transformers") if v.get(k))
+    lines += ["", f"`{rec['command']}`: {plural(len(rec['cases']), 'spec')}, {duration(rec['seconds_total'])} for the "
+                  f"whole command{made_text(rec)}, on {machine_text(rec)}; {pkgs}. Relative difference: the largest, "
+                  f"over the model's tensors, of ‖X_geomopt − X_ref‖_F / ‖X_ref − X₀‖_F after the steps; \"same "
+                  f"gradients\": both optimizers get the same standard-normal gradients every step, \"LM loss\": each "
+                  f"model the gradient of its own next-token loss on the step's fixed batch."]
+    lines += [f"({i}) {note}" for i, note in enumerate(notes, 1)]
+    return "\n\n".join(["\n".join(lines[:len(rows) + 2]), *lines[len(rows) + 3:]])
+
+
 RENDERERS = {
     "demo": demo,
     "moe-routing": moe_routing,
@@ -397,6 +445,7 @@ RENDERERS = {
     "char_gpt:r4-vs-uscion": char_r4_vs_uscion,
     "char_gpt:prox-cost": char_prox_cost,
     "char_gpt:prox-fallbacks": char_prox_fallbacks,
+    "catalog": catalog,
 }
 
 

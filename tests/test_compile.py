@@ -124,7 +124,8 @@ def test_hyper_parameters_resolve_rule_over_defaults_over_builtins():
     w, b = plan["weight"], plan["bias"]
     assert (w.lr, w.weight_decay, w.direction, w.on_nonfinite) == (0.1, 0.0, {"kind": "none"}, "raise")
     assert (b.lr, b.weight_decay, b.on_nonfinite) == (0.05, 0.01, "skip")
-    assert b.direction == {"kind": "polyak", "alpha": 0.2, "nesterov": False, "init": "zero"}
+    assert b.direction == {"kind": "polyak", "alpha": 0.2, "nesterov": False, "init": "zero",
+                           "warmup_steps": 0, "warmup_alpha": None}
     assert w.project_on_init is False and b.project_on_init is False
     assert w.schedule == b.schedule == {"kind": "constant"}
 

@@ -600,7 +600,8 @@ def test_muon_step_orthogonalizes_each_expert_and_each_gate_up_half():
     lr, wd, direction = pp.lr, pp.weight_decay, pp.direction
     assert (pp.rule, lr, wd) == ("hidden", 0.02, 0.1)  # muon.yaml's defaults
     assert pp.geometry["approx"]["dtype"] == "float32" and pp.geometry["scale"] == "muon_original"
-    assert direction == {"kind": "polyak", "alpha": 0.05, "nesterov": True, "init": "zero"}
+    assert direction == {"kind": "polyak", "alpha": 0.05, "nesterov": True, "init": "zero",
+                         "warmup_steps": 0, "warmup_alpha": None}
 
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     model(input_ids=idx, labels=idx).loss.backward()

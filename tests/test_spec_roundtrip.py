@@ -278,7 +278,7 @@ def test_schema_has_the_discriminated_kinds():
         ("Rule", "geometry"): set(m.GEOMETRY_KINDS),
         ("Rule", "constraint"): set(m.CONSTRAINT_KINDS),
         ("Spectral", "reference"): {"log_barrier", "power_barrier", "indicator", "quadratic"},
-        ("Spectral", "approx"): {"svd", "gram_eigh", "newton_schulz", "polar_express"},
+        ("Spectral", "approx"): {"svd", "gram_eigh", "newton_schulz", "gram_newton_schulz", "polar_express"},
         ("Spectral", "prenormalize"): {"frobenius", "max", "none"},
         ("Rule", "direction"): set(m.DIRECTION_KINDS),
         ("Rule", "decay"): {"decoupled", "cautious"},
@@ -298,7 +298,8 @@ def test_schema_has_the_discriminated_kinds():
     post = next(s for s in defs["Rule"]["properties"]["post"]["anyOf"] if s.get("type") == "array")
     assert set(post["items"]["discriminator"]["mapping"]) == set(m.STAGE_ORDER)
     assert schema["properties"]["geomopt"]["const"] == 1
-    assert set(schema["required"]) == {"geomopt", "name", "rules"}
+    assert set(schema["required"]) == {"geomopt", "name"}  # and rules, unless it extends (geomopt.spec.extends)
+    assert schema["if"]["required"] == ["extends"] and schema["else"]["required"] == ["rules"]
     match = defs["Rule"]["properties"]["match"]["anyOf"]
     assert any(s.get("type") == "string" for s in match) and any(s.get("$ref") == "#/$defs/Match" for s in match)
     # `view: auto` is shorthand for `view: {kind: auto}` on every geometry that has a view

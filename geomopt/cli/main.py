@@ -1,5 +1,8 @@
 """The ``geomopt`` command: lint, plan, explain, init, fmt, schema, rule (and demo, bench where installed).
 
+Every SPEC argument is a spec file or a shipped spec's name (``geomopt lint muon``:
+:func:`geomopt.spec.extends.shipped_specs`).
+
 Exit status, as linters do: 0 clean, 1 findings at error level (or warnings with ``--strict``),
 2 usage error or unreadable input. A user mistake never prints a traceback.
 """
@@ -118,6 +121,7 @@ def _required_params(args, command: str):
 
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".geom")
+SPEC_HELP = "a spec file (.yaml, .yml, .geom) or a shipped spec's name (muon, scion, …)"
 
 
 def _spec_files(paths) -> list[str]:
@@ -237,23 +241,33 @@ def cmd_init(args) -> int:
 
 def cmd_fmt(args) -> int:
     """Canonical form, comments kept: each stays on the element it was written at (see
-    :mod:`geomopt.spec.comments`), across formats too."""
+    :mod:`geomopt.spec.comments`), across formats too. A spec that extends another prints as
+    written (``extends`` kept); ``--resolved`` prints the merged spec (without comments)."""
     from geomopt.spec.comments import collect
+    from geomopt.spec.extends import find_spec, layer_of
     from geomopt.spec.printers import dump_spec
     from geomopt.spec.validate import format_of, load_spec, source_of
 
+    if args.resolved and args.check:
+        raise UsageError("--check compares a file with its canonical form; --resolved prints another spec (the merged one)")
     try:
-        source_format = format_of(args.spec)
-        spec = load_spec(args.spec)
+        path = find_spec(args.spec)
+        source_format = format_of(path)
+        spec = load_spec(path)
     except SpecError as exc:
         report(exc.diagnostics, "text")
         return _status(exc.diagnostics, False)
-    # the text load_spec parsed (it read the file as UTF-8 and refused it otherwise)
-    comments = collect(Path(args.spec).read_bytes().decode("utf-8"), source_of(spec))
+    comments = None
+    if not args.resolved:  # the text load_spec parsed (it read the file as UTF-8 and refused it otherwise)
+        layer = layer_of(source_of(spec))
+        comments = collect(path.read_bytes().decode("utf-8"), layer.source if layer else source_of(spec))
     target = args.to or source_format
-    text = dump_spec(spec, target, comments)
+    try:
+        text = dump_spec(spec, target, comments, resolved=args.resolved)
+    except ValueError as exc:  # a YAML null in an extending spec, which the DSL cannot spell
+        raise UsageError(f"{args.spec}: {exc}") from None
     if args.check:
-        current = Path(args.spec).read_text(encoding="utf-8")
+        current = path.read_text(encoding="utf-8")
         if target != source_format or current != text:
             print(f"{args.spec}: would reformat" + (f" (to {target})" if target != source_format else ""), file=sys.stderr)
             return EXIT_FINDINGS
@@ -324,20 +338,20 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--checkpoint", help="a .pt/.pth/.bin or .safetensors file (names and shapes only)")
 
     sp = sub.add_parser("lint", help="check specs, alone or against a model or checkpoint")
-    sp.add_argument("specs", nargs="+", metavar="SPEC", help="spec files, or directories holding them")
+    sp.add_argument("specs", nargs="+", metavar="SPEC", help="spec files, directories holding them, or shipped specs by name")
     target(sp)
     sp.add_argument("--format", choices=("text", "json", "github"), default="text")
     sp.add_argument("--strict", action="store_true", help="warnings fail too (exit 1)")
     sp.set_defaults(fn=cmd_lint)
 
     sp = sub.add_parser("plan", help="show the per-tensor plan of a spec against a model")
-    sp.add_argument("spec", metavar="SPEC")
+    sp.add_argument("spec", metavar="SPEC", help=SPEC_HELP)
     target(sp)
     sp.add_argument("--format", choices=("text", "json"), default="text")
     sp.set_defaults(fn=cmd_plan)
 
     sp = sub.add_parser("explain", help="why one tensor gets its update: role, rules, view, ops, lr, radius")
-    sp.add_argument("spec", metavar="SPEC")
+    sp.add_argument("spec", metavar="SPEC", help=SPEC_HELP)
     sp.add_argument("param", metavar="PARAM", help="the parameter's dotted name (any name of a tied tensor)")
     target(sp)
     sp.set_defaults(fn=cmd_explain)
@@ -351,9 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_init)
 
     sp = sub.add_parser("fmt", help="print a spec in canonical YAML or DSL form (comments kept)")
-    sp.add_argument("spec", metavar="SPEC")
+    sp.add_argument("spec", metavar="SPEC", help=SPEC_HELP)
     sp.add_argument("--to", choices=("yaml", "dsl"), help="target format (default: the file's own)")
     sp.add_argument("--check", action="store_true", help="exit 1 if the file is not already formatted")
+    sp.add_argument("--resolved", action="store_true", help="a spec that extends another: print the merged spec, "
+                    "without extends (default: as written)")
     sp.add_argument("-o", "--output", help="write here instead of stdout")
     sp.set_defaults(fn=cmd_fmt)
 

@@ -97,8 +97,10 @@ def _undecided_only(ctx: LintContext, source) -> list[Diagnostic]:
 
 
 def as_spec(spec: Union[Spec, str, dict, "object"]) -> Spec:
-    """A Spec from a Spec, a path (.yaml/.yml/.geom), spec text (a string with a line break: YAML,
-    or the DSL when it opens with ``geomopt 1``) or a plain dict."""
+    """A Spec from a Spec, a path (.yaml/.yml/.geom), a shipped spec's name (``"muon"``: a string
+    with no path separator, line break or extension; :func:`geomopt.shipped_specs`), spec text (a
+    string with a line break: YAML, or the DSL when it opens with ``geomopt 1``) or a plain dict.
+    A spec that ``extends`` another comes back merged (:mod:`geomopt.spec.extends`)."""
     import re
     from pathlib import Path
 
@@ -114,7 +116,7 @@ def as_spec(spec: Union[Spec, str, dict, "object"]) -> Spec:
         return load_spec(spec)
     if isinstance(spec, dict):
         return validate(Parsed(spec, SourceMap(file="<dict>")))
-    raise TypeError(f"spec must be a Spec, a path or a dict, not {type(spec).__name__}")
+    raise TypeError(f"spec must be a Spec, a path, a shipped spec's name or a dict, not {type(spec).__name__}")
 
 
 class _RulePlanner:

@@ -6,13 +6,15 @@ matrices) and a reference :class:`~geomopt.geometry.reference.Reference`, regist
 
     svd            exact for any h: reduced SVD, U·Diag((h*)'(σ))·Vᵀ
     gram_eigh      exact in float64: eigh of the smaller Gram matrix
-    newton_schulz  Muon's quintic iteration; realizes its own map, ignores the reference
-    polar_express  per-step quintics (Amsel et al. 2025); realizes its own map, ignores the reference
+    newton_schulz       Muon's quintic iteration; realizes its own map, ignores the reference
+    gram_newton_schulz  the same map iterated on the small Gram side (restarted, Dao AI Lab 2026)
+    polar_express       per-step quintics (Amsel et al. 2025); realizes its own map, ignores the reference
 
 Pre-normalization (geometry field ``prenormalize``) is applied by every approximation in the same
 way, per matrix (norms over the last two dims): ``frobenius`` D/(‖D‖_F + ε), ``max``
 D/max(‖D‖_F, ε) (torch.optim.Muon), ``none``. ``None`` means the default: frobenius with ε = 1e-7
-for newton_schulz / polar_express (they diverge without it), none for svd / gram_eigh.
+for newton_schulz / gram_newton_schulz / polar_express (they diverge without it), none for svd /
+gram_eigh.
 
 Newton–Schulz and Polar Express are *not* the ε → 0 limit (the matrix sign): the paper models them
 (Remark 3.4, Appendix F, Theorem 4.7) as the spectral κ = 4 power barrier with ε ≈ 1/∏aᵢ, the
@@ -24,6 +26,8 @@ Realized ε (κ = 4) per list and step count, as :func:`realized_reference` comp
     polar_express (1.01)      0.00102   0.000547  0.000295  0.000157
     speedrun (modded-nanogpt) 0.00101   0.000431  0.000184  7.82e-05
     newton_schulz (Muon)      0.00206   0.000599  0.000174  5.05e-05
+
+(gram_newton_schulz realizes newton_schulz's: it is the same map.)
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Callable, Sequence
 import torch
 
 from geomopt.geometry.reference import Reference
+from geomopt.spec.model import POLYNOMIAL_APPROX_KINDS
 
 # The coefficient lists and what they realize are plain data (lint reads them without torch).
 from geomopt.catalog import (  # noqa: F401  (re-exported)
@@ -66,7 +71,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torc
 
 # the approximations that are matrix polynomial iterations (realize their own map, run in bf16 on
 # CUDA, pre-normalize by default), as opposed to the exact factorizations svd and gram_eigh
-POLYNOMIAL_APPROXES = ("newton_schulz", "polar_express")
+POLYNOMIAL_APPROXES = POLYNOMIAL_APPROX_KINDS
 
 
 def compute_dtype(x: torch.Tensor, kind: str, dtype: str = "auto") -> torch.dtype:
@@ -365,6 +370,109 @@ def newton_schulz(
     ≈ the κ = 4 power barrier of :func:`realized_reference`; ``ref`` is ignored."""
     coeffs = newton_schulz_coefficients(steps, coefficients)
     return _polynomial(x, "newton_schulz", coeffs, dtype, prenormalize, scale, out_dtype)
+
+
+def gram_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, prenorm: dict | None = None,
+                           restarts: Sequence[int] = (2,), scale: float = 1.0,
+                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`odd_quintic_iteration`'s map (``scale``·p_k(…p_1(D̂)), D̂ = x pre-normalized by
+    ``prenorm``) iterated on the small Gram side (restarted Gram Newton–Schulz: Dao AI Lab,
+    https://dao-lab.ai/blog/2026/gram-newton-schulz/, as microsoft/dion runs it). For X (m×n,
+    m ≤ n) a step is X ← Q·X with Q = aI + P, P = bA + cA², A = XXᵀ; Q is a polynomial in A, so
+    with X = R·X₀ only the m×m matrices are iterated:
+
+        R ← Q·R,   A ← Q·A·Q   (= A·Q²: Q commutes with A)
+
+    and the rectangular product X = R·X₀ is formed at the end and after each step of ``restarts``
+    (1-based step numbers; there A = XXᵀ is recomputed from the new X and R starts again from I:
+    the Gram recursion squares the conditioning, and restarting bounds how far rounding in A
+    travels). Steps listed at or past the last are ignored. A step costs up to four m×m products
+    (P; R ← Q·R unless R was just reset; A ← Q·A·Q, two, unless X is formed next) where
+    newton_schulz's costs two m×m×n products and one m×m; the m×m×n products are the first Gram
+    matrix, X and its Gram matrix at each restart, and X at the end (5 steps, restart after 2: 4
+    against 10; it pays where m ≪ n, benchmarks/gram_ns.py). Tall matrices are read transposed
+    (A = XᵀX, X ← X·Q, R accumulated on the right): nothing is copied.
+
+    Accuracy: equal to newton_schulz to ≤ 2e-11 in float64; in float32 within its rounding on
+    rectangular matrices, while on square ones (σ down to σ_max/n, squared in A) 8 steps with one
+    restart lose 1e-3, restarts every two steps keep it at 4e-6 (tests/test_gram_newton_schulz.py).
+
+    Pre-normalization and ``scale`` are folded into R: ‖D‖²_F = tr(A₀) (summed in at least
+    float32, float64 for float64 work), A₀ is scaled by f² and the first Q by f
+    (f = 1/(‖D‖_F + ε) or 1/max(‖D‖_F, ε)); ``scale`` multiplies the last R. The result is in
+    ``out_dtype`` (default: x's)."""
+    cfg = {"kind": "none"} if prenorm is None else prenorm
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    m, n = x.shape[-2:]
+    right = m > n  # tall: the n×n Gram XᵀX, products on the right
+    lead = x.shape[:-2]
+    X = x.reshape(-1, m, n)
+
+    def gram(X: torch.Tensor) -> torch.Tensor:
+        return X.mT @ X if right else X @ X.mT
+
+    def times(R: torch.Tensor, X: torch.Tensor) -> torch.Tensor:  # R acting on X: R·X, or X·R for tall X
+        return X @ R if right else R @ X
+
+    A = gram(X)
+    sq = A.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.promote_types(A.dtype, torch.float32))
+    f = _prenorm_factor(sq, cfg)
+    pending = None if f is None else f.to(A.dtype)[:, None, None]  # folded into the first Q
+    if pending is not None:
+        A.mul_(pending * pending)
+    steps = len(coefficients)
+    if steps == 0:
+        factor = scale if pending is None else pending * scale
+        return (X * factor).to(out_dtype).reshape(*lead, m, n)
+    restart_after = {int(r) for r in restarts}
+    R = None
+    for i, (a, b, c) in enumerate(coefficients, start=1):
+        P = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b·A + c·A²
+        if R is None:  # R = Q (times the pending pre-normalization)
+            R = P.clone() if i < steps and i not in restart_after else P
+            R.diagonal(dim1=-2, dim2=-1).add_(a)
+            if pending is not None:
+                R.mul_(pending)
+                pending = None
+        else:  # R ← Q·R = aR + P·R (tall: R·Q)
+            R = torch.baddbmm(R, R, P, beta=a) if right else torch.baddbmm(R, P, R, beta=a)
+        if i == steps:
+            break
+        if i in restart_after:  # form X, recompute its Gram matrix, start R again
+            X = times(R, X)
+            A = gram(X)
+            R = None
+        else:  # A ← Q·A·Q: T = aA + P·A = Q·A, then A = aT + T·P = Q·A·Q
+            T = torch.baddbmm(A, P, A, beta=a)
+            A = torch.baddbmm(T, T, P, beta=a)
+    if scale != 1.0:
+        R = R * scale
+    out = _bmm_into(X, R, out_dtype) if right else _bmm_into(R, X, out_dtype)
+    return out.reshape(*lead, m, n)
+
+
+@approx_op("gram_newton_schulz")
+def gram_newton_schulz(
+    x: torch.Tensor,
+    ref: Reference | None = None,
+    *,
+    steps: int = 5,
+    coefficients: Sequence[Sequence[float]] | None = None,
+    restarts: Sequence[int] = (2,),
+    prenormalize: dict | None = None,
+    dtype: str = "auto",
+    scale: float = 1.0,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """:func:`newton_schulz`'s map (the same ``steps`` and ``coefficients``, the same
+    pre-normalization default and working dtype) computed by :func:`gram_quintic_iteration`:
+    iterations on the small Gram side, X formed after each step in ``restarts`` (default: after
+    step 2) and at the end. Fewer FLOPs where m ≪ n. ``ref`` is ignored."""
+    coeffs = newton_schulz_coefficients(steps, coefficients)
+    work = _working(x, "gram_newton_schulz", dtype)
+    cfg = default_prenormalize("gram_newton_schulz") if prenormalize is None else prenormalize
+    return gram_quintic_iteration(work, coeffs, prenorm=cfg, restarts=restarts, scale=scale,
+                                  out_dtype=out_dtype or x.dtype)
 
 
 @approx_op("polar_express")

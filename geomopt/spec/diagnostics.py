@@ -63,6 +63,17 @@ LANGUAGE_CODES: dict[str, tuple[str, str]] = {
     "GO008": ("unsupported-version", "`geomopt:` names a language version this release does not read"),
     "GO009": ("empty-spec", "the file holds no spec"),
     "GO010": ("unreadable-input", "the input is not a readable text spec (missing, binary, too large)"),
+    # spec inheritance (geomopt.spec.extends)
+    "GO011": ("unknown-base", "`extends` names neither a shipped spec nor a spec file (the message lists the "
+              "shipped names): write a shipped name (muon, scion, …) or a path to a .yaml, .yml or .geom file, "
+              "relative to the extending file"),
+    "GO012": ("inheritance-cycle", "a spec extends itself, directly or through its bases: remove one `extends` of "
+              "the chain the message names"),
+    "GO013": ("bad-override", "`before`, `after` or `remove` on a rule that does not fit the base: naming a rule the "
+              "base lacks, both `before` and `after`, placing an override (it keeps its base rule's place), a removed "
+              "rule with other fields, or any of them in a spec without `extends`"),
+    "GO014": ("invalid-extends", "`extends` is not a string: give a shipped spec's name (`extends: muon`) or a "
+              "path (`extends: ../base.yaml`)"),
 }
 
 

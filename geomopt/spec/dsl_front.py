@@ -15,6 +15,10 @@ A call ``kind(a=…, …)`` is the mapping ``{kind: …, a: …}``; a bare word 
 positional argument is its ``reference``; elsewhere a bare word is a string (``role=hidden``).
 ``roles role=[patterns…]`` is the spec's ``roles`` mapping.
 
+A spec that builds on another (:mod:`geomopt.spec.extends`) says ``extends "muon"``; its rules
+may then leave out ``match`` (``rule hidden:`` overrides the base rule ``hidden``) and take
+``before=RULE``, ``after=RULE`` or ``remove=true`` as they take any setting.
+
 Comments are dropped here, as the grammar ignores them; :mod:`geomopt.spec.comments` finds them
 in the text and attaches them by the positions recorded here, so that ``geomopt fmt`` keeps them.
 """
@@ -38,6 +42,7 @@ _KEYWORDS = {
     "RULE": "rule", "MATCH": "match", "GEOMETRY": "geometry", "CONSTRAINT": "constraint", "LR": "lr",
     "WEIGHT_DECAY": "weight_decay", "DECAY": "decay", "POST": "post", "DIRECTION": "direction", "SCHEDULE": "schedule",
     "ON_NONFINITE": "on_nonfinite", "PROJECT_ON_INIT": "project_on_init", "TRUE": "true", "FALSE": "false",
+    "EXTENDS": "extends", "BEFORE": "before", "AFTER": "after", "REMOVE": "remove",
 }
 _SHOWN = {
     "IDENT": "a name", "STRING": "a string", "SIGNED_NUMBER": "a number", "INT": "an integer",
@@ -64,11 +69,18 @@ def _parser() -> Lark:
     return Lark(text, parser="lalr", maybe_placeholders=False, postlex=_WholeWords())
 
 
+# keywords of spec inheritance (geomopt.spec.extends): not listed among what a syntax error expects
+# where others are, so messages speak of what most specs write (a misspelling still gets its hint)
+_INHERITANCE = {"EXTENDS", "BEFORE", "AFTER", "REMOVE"}
+
+
 def _expected(names) -> str:
     names = set(names or ())
     words = set(_KEYWORDS) - {"TRUE", "FALSE"}
     if "IDENT" in names and words <= names:  # where any field name goes: "a name" covers the keywords
         names -= words
+    if names - _INHERITANCE:
+        names -= _INHERITANCE
     shown = sorted(_KEYWORDS.get(n, _SHOWN.get(n, n)) for n in names)
     return ", ".join(shown)
 
@@ -106,6 +118,8 @@ def parse_dsl(text: str, file: str = "<spec>") -> Parsed:
     except UnexpectedToken as exc:
         tok = exc.token
         exc.expected = _parser_expected(exc)
+        if {"MATCH", "COLON"} <= exc.expected:  # after `rule NAME`: ':' alone is an override (extends) only
+            exc.expected -= {"COLON"}
         line, col = (exc.line, exc.column) if tok.type != "$END" else _end(text)
         if set(exc.expected) == {"EQUAL"}:  # `match "*"` then `geometry …`: the ':' is missing
             prev = _BODY_WORD.search(text, 0, exc.pos_in_stream)
@@ -124,7 +138,7 @@ def parse_dsl(text: str, file: str = "<spec>") -> Parsed:
     return Parsed(_Walker(source).start(tree), source)
 
 
-_BODY_WORD = re.compile(r"(?<![\w\-])(geometry|constraint|lr|weight_decay|decay|direction|post|schedule|on_nonfinite|project_on_init)\s*$")
+_BODY_WORD = re.compile(r"(?<![\w\-])(geometry|constraint|lr|weight_decay|decay|direction|post|schedule|on_nonfinite|project_on_init|before|after|remove)\s*$")
 
 
 def _end(text: str) -> tuple[int, int]:
@@ -167,6 +181,7 @@ class _Walker:
 
     def start(self, tree: Tree) -> dict:
         version, *statements = tree.children
+        self.extends = any(st.data == "extends_stmt" for st in statements)
         out: dict = {}
         self.source.values[()] = (1, 1)
         tok = version.children[1]
@@ -178,6 +193,8 @@ class _Walker:
             if kind == "name_stmt":
                 self.source.values[("name",)] = _pos(st.children[1])
                 self.put(out, (), "name", st.children[0], st.children[1], self.string(st.children[1]))
+            elif kind == "extends_stmt":
+                self.put(out, (), "extends", st.children[0], st.children[1], self.value(st.children[1], ("extends",)))
             elif kind == "description_stmt":
                 self.source.values[("description",)] = _pos(st.children[1])
                 self.put(out, (), "description", st.children[0], st.children[1], self.string(st.children[1]))
@@ -205,17 +222,31 @@ class _Walker:
         return out
 
     def rule(self, tree: Tree, path) -> dict:
-        rule_kw, ident, match_kw, *rest = tree.children
+        rule_kw, ident, *rest = tree.children
         self.source.values[path] = _pos(tree)
         out: dict = {}
         self.source.values[path + ("name",)] = _pos(ident)
         self.put(out, path, "name", ident, ident, str(ident))
+        items = iter(rest)
+        if rest[0].type == "COLON":  # no match: an override of a base rule (geomopt.spec.extends)
+            if not self.extends:
+                self.error("GO001", "unexpected token ':'; expected one of match (a rule without a match only overrides "
+                           "a base rule, in a spec with 'extends')", rest[0])
+            next(items)
+        else:
+            self.match(out, path, items)
+        for item in items:
+            self.item(out, path, item)
+        return out
+
+    def match(self, out: dict, path, items) -> None:
+        """``match …:``: the match items up to the colon."""
+        match_kw = next(items)
         match: dict = {}
         mpath = path + ("match",)
         self.source.values[mpath] = _pos(match_kw)
         self.source.keys[mpath] = _pos(match_kw)
         out["match"] = match
-        items = iter(rest)
         for item in items:
             if isinstance(item, Token) and item.type == "COLON":
                 break
@@ -227,9 +258,6 @@ class _Walker:
                 key_tree, _eq, value = item.children
                 key = str(key_tree.children[0])
                 self.put(match, mpath, key, key_tree, value, self.value(value, mpath + (key,), key))
-        for item in items:
-            self.item(out, path, item)
-        return out
 
     def item(self, out: dict, path, tree: Tree) -> None:
         """``geometry …`` / ``constraint …`` / ``lr=…``: one field of a rule or of defaults."""

@@ -110,7 +110,48 @@ class PolarExpress(_Model):
         return v
 
 
-Approx = Annotated[Union[Svd, GramEigh, NewtonSchulz, PolarExpress], Field(discriminator="kind")]
+class GramNewtonSchulz(_Model):
+    """Newton–Schulz's quintic run on the small Gram side (restarted Gram Newton–Schulz, Dao AI Lab
+    2026, as in microsoft/dion): for X (m×n, m ≤ n) a step is X ← Q·X, Q = aI + bA + cA², A = XXᵀ,
+    so only the m×m matrices R (X = R·X₀) and A ← QAQ are iterated; X = R·X₀ is formed at the end
+    and after each step listed in ``restarts`` (where A is recomputed from it and R reset), for
+    stability. The same map as newton_schulz (same ``steps`` and ``coefficients``) in fewer FLOPs
+    where m ≪ n. ``restarts``: step numbers 1 … steps−1; the default [2] restarts after step 2
+    where there is a step 3 (nothing where steps ≤ 2)."""
+
+    kind: Literal["gram_newton_schulz"] = "gram_newton_schulz"
+    steps: Annotated[int, Field(ge=1, le=100)] = 5
+    coefficients: Optional[list[Triple]] = None
+    restarts: list[Annotated[int, Field(ge=1)]] = [2]
+    dtype: ApproxDtype = "auto"
+
+    @field_validator("coefficients")  # steps is validated first, so errors point at the field
+    @classmethod
+    def _coefficients_fit_steps(cls, v, info):
+        steps = info.data.get("steps")
+        if v is not None and steps is not None and len(v) not in (1, steps):
+            raise ValueError(f"coefficients must hold 1 or steps={steps} triples, got {len(v)}")
+        return v
+
+    @field_validator("restarts")  # only given values: the default [2] is validated for no step count
+    @classmethod
+    def _restarts_within_steps(cls, v, info):
+        steps = info.data.get("steps")
+        bad = [r for r in v if steps is not None and r >= steps]
+        if bad:
+            raise ValueError(f"restarts must be step numbers below steps={steps} (X is formed after the last step "
+                             f"anyway), got {bad[0]}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"restarts must be distinct, got {v}")
+        return v
+
+
+Approx = Annotated[Union[Svd, GramEigh, NewtonSchulz, GramNewtonSchulz, PolarExpress], Field(discriminator="kind")]
+
+#: The approximations that are matrix polynomial iterations: they realize their own map (the κ = 4
+#: power barrier), pre-normalize by default, run in bf16 on CUDA (geomopt.geometry.spectral); svd
+#: and gram_eigh are exact factorizations.
+POLYNOMIAL_APPROX_KINDS = ("newton_schulz", "gram_newton_schulz", "polar_express")
 
 # ---------------------------------------------------------------- pre-normalization
 
@@ -611,6 +652,12 @@ class Spec(_Model):
     defaults: Defaults = Field(default_factory=Defaults)
     roles: dict[RoleName, Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]] = Field(default_factory=dict)
     rules: Annotated[list[Rule], Field(min_length=1)]
+    #: the spec this one was merged onto (geomopt.spec.extends: a shipped name or a path), as
+    #: written; the other fields hold the merged result. Not in model_dump() (nor equality).
+    extends: Optional[str] = Field(default=None, exclude=True, description=(
+        "A spec to build on: a shipped spec's name (muon, scion, …) or a path (relative to this file). "
+        "This spec's defaults and roles merge onto the base's, its rules override the base's rules of the "
+        "same name or are added (before/after a base rule, or at the end); `remove: true` drops one."))
     _source: Any = PrivateAttr(default=None)  # positions, when parsed from text
 
     def __eq__(self, other) -> bool:  # equal content, wherever it was parsed from
@@ -658,10 +705,11 @@ def resolve_hyper(spec: Spec, rule: Rule) -> dict:
 
 
 def effective_prenormalize(geometry: Spectral):
-    """Newton–Schulz and Polar Express diverge without pre-normalization, so it defaults on
-    (ε = 1e-7) for them; off for svd and gram_eigh (geomopt.geometry.spectral: pre-normalization)."""
+    """Newton–Schulz (plain or Gram) and Polar Express diverge without pre-normalization, so it
+    defaults on (ε = 1e-7) for them (:data:`POLYNOMIAL_APPROX_KINDS`); off for svd and gram_eigh
+    (geomopt.geometry.spectral: pre-normalization)."""
     if geometry.prenormalize is not None:
         return geometry.prenormalize
-    if geometry.approx.kind in ("newton_schulz", "polar_express"):
+    if geometry.approx.kind in POLYNOMIAL_APPROX_KINDS:
         return FrobeniusPrenorm()
     return NoPrenorm()

@@ -22,6 +22,12 @@ then the fields in the model's order, a ``view`` last.
   (a call's arguments with a trailing comma), so that each comment has its element's line.
   Exponents as ``1e-8``.
 
+A spec that extends another (:mod:`geomopt.spec.extends`) prints as written: its own layer
+(``extends``, overrides, ``before``/``after``/``remove``), every value it gives kept, even one equal
+to a default (it overrides the base's), shorthands spelled as above, ``extends`` after
+``geomopt``; a rule's ``before``, ``after``, ``remove`` after its ``match``. ``resolved=True``
+prints the merged spec instead, without ``extends``.
+
 Comments (:mod:`geomopt.spec.comments`) are printed when given: the header (its ``$schema``
 modeline first), each element's own-line comments above it, its trailing comment after its
 first line (two spaces before the ``#``), the footer last.
@@ -38,7 +44,9 @@ import yaml
 from pydantic import BaseModel
 
 from geomopt.spec.comments import Comments
+from geomopt.spec.extends import layer_of
 from geomopt.spec.model import KIND_FIELDS, LogBarrier, Polyak, PowerBarrier, Spec, Storm
+from geomopt.spec.validate import source_of
 from geomopt.spec.yaml_front import YamlDumper
 
 _EXPLICIT = (LogBarrier, PowerBarrier, Polyak, Storm)
@@ -46,10 +54,12 @@ _EXPLICIT = (LogBarrier, PowerBarrier, Polyak, Storm)
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 _RESERVED = {"true", "false", "geomopt", "name", "description", "defaults", "roles", "rule", "match", "geometry",
              "constraint", "lr", "weight_decay", "decay", "direction", "post", "schedule", "on_nonfinite",
-             "project_on_init"}
+             "project_on_init", "extends", "before", "after", "remove"}
 
 WIDTH = 100  # YAML: a mapping value fits in flow style on one line this long, or is written in block style
 _RULE_HEAD = ("name", "match", "geometry", "post", "constraint")  # what the rule is before how it is tuned
+_TOP = ("geomopt", "extends", "name", "description", "defaults", "roles", "rules")
+_LAYER_RULE_HEAD = ("name", "match", "before", "after", "remove", "geometry", "post", "constraint")
 
 
 def to_plain(model: BaseModel) -> dict:
@@ -59,6 +69,8 @@ def to_plain(model: BaseModel) -> dict:
     out = {"kind": model.kind} if "kind" in fields else {}
     explicit = isinstance(model, _EXPLICIT)
     for name, field in fields.items():
+        if field.exclude:  # not content (a spec's `extends`): model_dump() leaves it out too
+            continue
         value = getattr(model, name)
         default = not field.is_required() and value == field.get_default(call_default_factory=True)
         if name == "kind" or (default and not (explicit and name in ("eps", "kappa", "alpha"))):
@@ -90,6 +102,47 @@ def _data(spec: Spec) -> dict:
     return data
 
 
+def layer_data(raw: dict) -> dict:
+    """The plain data of an extending spec's own layer, as the printers print it: every value as
+    given, shorthands expanded as the DSL reads them (``match: "p"``, ``view: auto``, ``decay:
+    cautious``), in canonical order (top-level and rule keys as :data:`_TOP` and
+    :data:`_LAYER_RULE_HEAD`, in a mapping ``kind`` first, a ``reference`` next, a ``view`` last,
+    the rest as written)."""
+    out = {k: raw[k] for k in _TOP if k in raw}
+    for key in ("defaults", "roles"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _normal(v, k) for k, v in out[key].items()}
+    if isinstance(out.get("rules"), list):
+        rules = []
+        for rule in out["rules"]:
+            rule = {k: _normal(v, k) for k, v in rule.items()}
+            rules.append({**{k: rule.pop(k) for k in _LAYER_RULE_HEAD if k in rule}, **rule})
+        out["rules"] = rules
+    return out
+
+
+def _normal(value, field):
+    """One layer value, shorthands expanded, a mapping's keys in canonical order."""
+    if field == "match" and isinstance(value, str):
+        return {"name": value}
+    if isinstance(value, str) and field in KIND_FIELDS:
+        return {"kind": value}
+    if isinstance(value, list):
+        return [_normal(v, field if field == "post" else None) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: _normal(v, k) for k, v in value.items()}
+    head = {k: out.pop(k) for k in ("kind", "reference") if k in out}
+    tail = {"view": out.pop("view")} if "view" in out else {}
+    return {**head, **out, **tail}
+
+
+def printed_data(spec: Spec, resolved: bool = False) -> dict:
+    """What the printers print: an extending spec's own layer (unless ``resolved``), else the spec."""
+    layer = None if resolved else layer_of(source_of(spec))
+    return _data(spec) if layer is None else layer_data(layer.data)
+
+
 def _match_shorthand(match: dict) -> bool:
     return set(match) == {"name"}
 
@@ -98,14 +151,14 @@ def elements(data: dict) -> list[tuple]:
     """The elements (comment anchors, :mod:`geomopt.spec.comments`) the printers print, in order:
     every mapping key but ``kind`` and a rule's ``name``, and each rule; not the keys inside a
     ``match`` written as its pattern alone."""
-    out = [("geomopt",), ("name",)]
+    out = [("geomopt",), *([("extends",)] if "extends" in data else []), ("name",)]
     if "description" in data:
         out.append(("description",))
     for top in ("defaults", "roles"):
         if data.get(top):
             out.append((top,))
             out += _keys(data[top], (top,))
-    for i, rule in enumerate(data["rules"]):
+    for i, rule in enumerate(data.get("rules", ())):
         path = ("rules", i)
         out.append(path)
         for key, value in rule.items():
@@ -127,13 +180,14 @@ def _keys(value, path) -> list[tuple]:
     return out
 
 
-def dump_spec(spec: Spec, format: str = "yaml", comments: Optional[Comments] = None) -> str:
+def dump_spec(spec: Spec, format: str = "yaml", comments: Optional[Comments] = None, *, resolved: bool = False) -> str:
     """``format``: "yaml" or "dsl". ``comments``: a file's comments
-    (:func:`geomopt.spec.comments.collect`), printed on the elements they belong to."""
+    (:func:`geomopt.spec.comments.collect`), printed on the elements they belong to. A spec that
+    extends another prints as written (``extends`` kept), or merged where ``resolved``."""
     if format == "yaml":
-        return dump_yaml(spec, comments)
+        return dump_yaml(spec, comments, resolved=resolved)
     if format == "dsl":
-        return dump_dsl(spec, comments)
+        return dump_dsl(spec, comments, resolved=resolved)
     raise ValueError(f"format must be 'yaml' or 'dsl', got {format!r}")
 
 
@@ -250,11 +304,11 @@ class _Yaml:
             self.out.put(indent, f"{head} {_yaml_scalar(value, flow=False, quote=quote)}", path)
 
 
-def dump_yaml(spec: Spec, comments: Optional[Comments] = None) -> str:
-    data = _data(spec)
+def dump_yaml(spec: Spec, comments: Optional[Comments] = None, *, resolved: bool = False) -> str:
+    data = printed_data(spec, resolved)
     comments = (comments or Comments()).resolve(elements(data))
     y = _Yaml(comments)
-    for key in ("geomopt", "name", "description"):
+    for key in ("geomopt", "extends", "name", "description"):
         if key in data:
             y.item(key, data[key], (key,), 0)
     for key in ("defaults", "roles"):
@@ -262,13 +316,14 @@ def dump_yaml(spec: Spec, comments: Optional[Comments] = None) -> str:
             y.out.put(0, f"{key}:", (key,))
             for k, v in data[key].items():
                 y.item(k, v, (key, k), 2)
-    y.out.put(0, "rules:")
-    for i, rule in enumerate(data["rules"]):
+    if "rules" in data:
+        y.out.put(0, "rules:")
+    for i, rule in enumerate(data.get("rules", ())):
         path = ("rules", i)
         rule = dict(rule)
-        if _match_shorthand(rule["match"]):  # the common shorthand: match: "pattern"
+        if "match" in rule and _match_shorthand(rule["match"]):  # the common shorthand: match: "pattern"
             rule["match"] = rule["match"]["name"]
-        if isinstance(rule["geometry"], dict) and rule["geometry"].get("view") == {"kind": "auto"}:
+        if isinstance(rule.get("geometry"), dict) and rule["geometry"].get("view") == {"kind": "auto"}:
             rule["geometry"] = {**rule["geometry"], "view": "auto"}  # the shorthand the shipped specs use
         y.out.put(2, f"- name: {_yaml_scalar(rule.pop('name'), flow=False)}", path)
         for k, v in rule.items():
@@ -292,6 +347,8 @@ def _scalar(value) -> str:
         return _float(value, dot=False)
     if isinstance(value, str):
         return value if _IDENT.match(value) and value not in _RESERVED else _string(value)
+    if value is None:  # only an extending spec's YAML can say null (reset a base's value)
+        raise ValueError("the DSL has no null (a spec that extends another resets a base's value with it): keep this spec in YAML")
     raise TypeError(f"cannot print {value!r} in the DSL")
 
 
@@ -350,11 +407,13 @@ class _Dsl:
             self.item(f"{k}=", v, path + (k,), 4, k, text=text)
 
 
-def dump_dsl(spec: Spec, comments: Optional[Comments] = None) -> str:
-    data = _data(spec)
+def dump_dsl(spec: Spec, comments: Optional[Comments] = None, *, resolved: bool = False) -> str:
+    data = printed_data(spec, resolved)
     comments = (comments or Comments()).resolve(elements(data))
     d = _Dsl(comments)
     d.out.put(0, f"geomopt {data['geomopt']}", ("geomopt",))
+    if "extends" in data:
+        d.out.put(0, f"extends {_string(data['extends'])}", ("extends",))
     d.out.put(0, f"name {_string(data['name'])}", ("name",))
     if "description" in data:
         d.out.put(0, f"description {_string(data['description'])}", ("description",))
@@ -364,15 +423,17 @@ def dump_dsl(spec: Spec, comments: Optional[Comments] = None) -> str:
     roles = data.get("roles") or {}
     if roles:  # role names are plain words; patterns always quoted, as a match's name pattern is
         d.statement("roles", [(r, p, f"[{', '.join(_string(x) for x in p)}]") for r, p in roles.items()], ("roles",))
-    for i, rule in enumerate(data["rules"]):
+    for i, rule in enumerate(data.get("rules", ())):
         path = ("rules", i)
         rule = dict(rule)
-        name, match = rule.pop("name"), rule.pop("match")
+        name, match = rule.pop("name"), rule.pop("match", None)
         mpath = path + ("match",)
-        items = [(k, v, _string(v) if k == "name" else _value(v, k)) for k, v in match.items()]
+        items = [(k, v, _string(v) if k == "name" else _value(v, k)) for k, v in (match or {}).items()]
         words = [text if k == "name" else f"{k}={text}" for k, _, text in items]
         d.out.lines.append("")
-        if not (d.broken(mpath) or mpath in comments.before or mpath in comments.trailing):
+        if match is None:  # an override of a base rule (geomopt.spec.extends)
+            d.out.put(0, f"rule {name}:", path)
+        elif not (d.broken(mpath) or mpath in comments.before or mpath in comments.trailing):
             d.out.put(0, f"rule {name} match {' '.join(words)}:", path)
         else:
             d.out.put(0, f"rule {name}", path)

@@ -13,6 +13,7 @@ from typing import Any, Union
 from pydantic import BaseModel, ValidationError
 
 from geomopt.spec.diagnostics import Diagnostic, SpecError, did_you_mean, language_diagnostic
+from geomopt.spec.extends import find_spec, resolve, shipped_menu
 from geomopt.spec.model import ROLE_NAMES, Spec
 from geomopt.spec.source import MAX_BYTES, Parsed, SourceMap
 
@@ -22,6 +23,22 @@ def source_of(spec: Spec) -> SourceMap | None:
 
 
 def validate(parsed: Parsed) -> Spec:
+    """Plain data + positions → :class:`Spec`: a spec that ``extends`` another is merged onto it
+    first (:mod:`geomopt.spec.extends`), then validated as any spec; raises :class:`SpecError`."""
+    check_root(parsed)
+    parsed = resolve(parsed, _read_base)
+    data, source = parsed.data, parsed.source
+    try:
+        spec = Spec.model_validate(data)
+    except ValidationError as exc:
+        found = _diagnostics(exc, data, source)
+        raise SpecError(sorted(found, key=lambda d: (d.file != source.file, d.file, d.line, d.col))) from None
+    spec._source = source
+    return spec
+
+
+def check_root(parsed: Parsed) -> Parsed:
+    """One file's root is a mapping that reads language version 1 (or says no version)."""
     data, source = parsed.data, parsed.source
     if not isinstance(data, dict):
         what = {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(type(data), "null")
@@ -30,12 +47,24 @@ def validate(parsed: Parsed) -> Spec:
     if "geomopt" in data and (version != 1 or isinstance(version, bool)):  # True == 1 in Python
         wanted = "geomopt 1" if source.format == "dsl" else "geomopt: 1"
         raise SpecError([language_diagnostic("GO008", f"unsupported language version {_show(version)}: this release reads '{wanted}'", source.file, source.pos(("geomopt",)))])
-    try:
-        spec = Spec.model_validate(data)
-    except ValidationError as exc:
-        raise SpecError(sorted(_diagnostics(exc, data, source), key=lambda d: (d.line, d.col))) from None
-    spec._source = source
-    return spec
+    return parsed
+
+
+def _read_base(path: FsPath) -> Parsed:
+    """A base spec file's plain data (``extends``), its root checked."""
+    return check_root(read_spec(path))
+
+
+def _at(source: SourceMap, path, *, key: bool = False):
+    """Where ``path`` was written: for a merged spec, in the file that wrote it (``locate``)."""
+    locate = getattr(source, "locate", None)
+    return locate(path, key=key) if locate is not None else source.pos(path, key=key)
+
+
+def _diag(code: str, message: str, source: SourceMap, pos) -> Diagnostic:
+    """A language diagnostic at ``pos``, in the file that position is in (a merged spec's
+    positions carry their file: :class:`geomopt.spec.extends.At`)."""
+    return language_diagnostic(code, message, getattr(pos, "file", source.file), pos)
 
 
 def _diagnostics(exc: ValidationError, data, source: SourceMap) -> list[Diagnostic]:
@@ -77,50 +106,53 @@ def _fits(err: dict, data, path: tuple) -> bool:
 
 
 def _one(err: dict, path: tuple, model, data, source: SourceMap) -> Diagnostic:
-    etype, msg, file = err["type"], err["msg"], source.file
+    etype, msg = err["type"], err["msg"]
     where = _where(path)
     if err["loc"][-1:] == ("[key]",):  # a mapping's key failed (only `roles` constrains its keys)
         role = path[-1]
         if path[:1] == ("roles",):
-            return language_diagnostic("GO005", f"roles: unknown role {_show(role)}{_roles_hint(role)}", file, source.pos(path, key=True))
-        return language_diagnostic("GO005", f"{_where(path[:-1]) or 'spec'}: key {_show(role)}: {_friendly(etype, msg)}", file, source.pos(path, key=True))
+            return _diag("GO005", f"roles: unknown role {_show(role)}{_roles_hint(role)}", source, _at(source, path, key=True))
+        return _diag("GO005", f"{_where(path[:-1]) or 'spec'}: key {_show(role)}: {_friendly(etype, msg)}", source, _at(source, path, key=True))
     if etype == "duplicate_rule_name":
         ctx = err["ctx"]
-        first = source.pos(("rules", ctx["first"], "name"))
-        return language_diagnostic("GO005", f"duplicate rule name '{ctx['name']}' (first given at line {first[0]}, column {first[1]}): rule names must be unique", file, source.pos(("rules", ctx["index"], "name")))
+        first, here = _at(source, ("rules", ctx["first"], "name")), _at(source, ("rules", ctx["index"], "name"))
+        first_file = getattr(first, "file", source.file)
+        of = f" of {first_file}" if first_file != getattr(here, "file", source.file) else ""
+        return _diag("GO005", f"duplicate rule name '{ctx['name']}' (first given at line {first[0]}, column {first[1]}{of}): rule names must be unique", source, here)
     if etype == "stage_order":
-        return language_diagnostic("GO005", f"{where}: {msg}", file, source.pos(path + (err["ctx"]["index"], "kind")))
+        return _diag("GO005", f"{where}: {msg}", source, _at(source, path + (err["ctx"]["index"], "kind")))
     if etype == "extra_forbidden":
         field = path[-1]
         allowed = sorted(model.model_fields) if model else []
         hint = did_you_mean(field, allowed)
         listed = f" ({where[:-len(str(field))].rstrip('.') or 'spec'} fields: {', '.join(allowed)})" if allowed else ""
-        return language_diagnostic("GO003", f"unknown field '{field}'{hint}{listed}", file, source.pos(path, key=True))
+        return _diag("GO003", f"unknown field '{field}'{hint}{listed}", source, _at(source, path, key=True))
     if etype == "union_tag_invalid":
         tag = err["ctx"]["tag"]
         expected = [t.strip(" '") for t in err["ctx"]["expected_tags"].split(",")]
         what = _field_name(path)
-        return language_diagnostic("GO004", f"unknown {what} kind '{tag}'{did_you_mean(tag, expected)} (expected one of: {', '.join(expected)})", file, source.pos(path + ("kind",)))
+        return _diag("GO004", f"unknown {what} kind '{tag}'{did_you_mean(tag, expected)} (expected one of: {', '.join(expected)})", source, _at(source, path + ("kind",)))
     if etype == "union_tag_not_found":
-        return language_diagnostic("GO006", f"{_field_name(path)} needs a 'kind'", file, source.pos(path))
+        hint = " (an override names its kind: the base's kind to merge into its value, another to replace it)" if hasattr(source, "locate") else ""
+        return _diag("GO006", f"{_field_name(path)} needs a 'kind'{hint}", source, _at(source, path))
     if etype == "missing":
         parent = path[:-1]
-        return language_diagnostic("GO006", f"missing required field '{path[-1]}' in {_where(parent) or 'the spec'}", file, source.pos(parent, key=True))
+        return _diag("GO006", f"missing required field '{path[-1]}' in {_where(parent) or 'the spec'}", source, _at(source, parent, key=True))
     if path and path[-1] == "name" and len(path) >= 2 and path[-2] == "match" and etype == "value_error":
-        return language_diagnostic("GO007", msg.removeprefix("Value error, "), file, source.pos(path))
+        return _diag("GO007", msg.removeprefix("Value error, "), source, _at(source, path))
     if path == ("roles",) and etype == "value_error":  # checked over the whole mapping: point at the pattern
-        return language_diagnostic("GO007", f"roles: {msg.removeprefix('Value error, ')}", file, source.pos(_bad_role_pattern(data) or path))
+        return _diag("GO007", f"roles: {msg.removeprefix('Value error, ')}", source, _at(source, _bad_role_pattern(data) or path))
     value = _get(data, path)
     got = "" if isinstance(value, (dict, list)) or value is _MISSING else f", got {_show(value)}"
     msg = msg.removeprefix("Value error, ")
     if etype == "literal_error" and path and path[-1] == "kind":
-        return language_diagnostic("GO004", f"{msg}{got}", file, source.pos(path))
+        return _diag("GO004", f"{msg}{got}", source, _at(source, path))
     if etype == "literal_error" and isinstance(value, str) and "role" in path[-2:]:  # `role: hedd`, `role: [hedd]`
-        return language_diagnostic("GO005", f"{where}: unknown role {_show(value)}{_roles_hint(value)}", file, source.pos(path))
+        return _diag("GO005", f"{where}: unknown role {_show(value)}{_roles_hint(value)}", source, _at(source, path))
     if etype == "literal_error" and isinstance(value, str):  # `scale: scoin`
         choices = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
         got += did_you_mean(value, choices)
-    return language_diagnostic("GO005", f"{where or 'spec'}: {_friendly(etype, msg)}{got}", file, source.pos(path))
+    return _diag("GO005", f"{where or 'spec'}: {_friendly(etype, msg)}{got}", source, _at(source, path))
 
 
 def _bad_role_pattern(data) -> tuple | None:
@@ -277,8 +309,9 @@ def _field_name(path) -> str:
 # ---------------------------------------------------------------- public entry points
 
 
-def parse_spec(text: str, format: str = "yaml", *, file: str = "<spec>") -> Spec:
-    """Parse spec text (``format`` "yaml" or "dsl"); raises :class:`SpecError` with positions."""
+def parse_text(text: str, format: str = "yaml", *, file: str = "<spec>") -> Parsed:
+    """Spec text (``format`` "yaml" or "dsl") → plain data + positions, not yet validated;
+    raises :class:`SpecError` for text that is no spec (too large, binary, malformed)."""
     if format not in ("yaml", "dsl"):
         raise ValueError(f"format must be 'yaml' or 'dsl', got {format!r}")
     if len(text) > MAX_BYTES:
@@ -291,8 +324,15 @@ def parse_spec(text: str, format: str = "yaml", *, file: str = "<spec>") -> Spec
         from geomopt.spec.yaml_front import parse_yaml as parse
     else:  # lark (the DSL's parser) loads only for DSL text
         from geomopt.spec.dsl_front import parse_dsl as parse
+    return parse(text, file)
+
+
+def parse_spec(text: str, format: str = "yaml", *, file: str = "<spec>") -> Spec:
+    """Parse spec text (``format`` "yaml" or "dsl"); raises :class:`SpecError` with positions.
+    A relative ``extends`` path is read from the working directory (or ``file``'s directory,
+    where ``file`` is a file)."""
     with gc_paused():
-        return validate(parse(text, file))
+        return validate(parse_text(text, format, file=file))
 
 
 @contextlib.contextmanager
@@ -320,14 +360,15 @@ def format_of(path: str | FsPath) -> str:
     raise SpecError([language_diagnostic("GO010", f"unknown spec extension {suffix or '(none)'!r}: use .yaml, .yml or .geom", str(path))])
 
 
-def load_spec(path: str | FsPath) -> Spec:
-    """Read a ``.yaml``/``.yml`` or ``.geom`` file; raises :class:`SpecError`."""
+def read_spec(path: str | FsPath) -> Parsed:
+    """A ``.yaml``/``.yml`` or ``.geom`` file's plain data + positions, not yet validated."""
     fmt = format_of(path)
     p = FsPath(path)
     try:
         raw = p.read_bytes()
     except OSError as exc:
-        raise SpecError([language_diagnostic("GO010", f"cannot read spec: {exc.strerror or exc}", str(path))]) from None
+        menu = f" ({shipped_menu()})" if isinstance(exc, FileNotFoundError) else ""
+        raise SpecError([language_diagnostic("GO010", f"cannot read spec: {exc.strerror or exc}{menu}", str(path))]) from None
     if len(raw) > MAX_BYTES:
         raise SpecError([language_diagnostic("GO010", f"spec too large ({len(raw)} bytes; the limit is {MAX_BYTES})", str(path))])
     try:
@@ -336,4 +377,11 @@ def load_spec(path: str | FsPath) -> Spec:
         line = raw.count(b"\n", 0, exc.start) + 1
         col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
         raise SpecError([language_diagnostic("GO010", "not UTF-8 text (binary file?): a spec is plain UTF-8 text", str(path), (line, col))]) from None
-    return parse_spec(text, fmt, file=str(path))
+    return parse_text(text, fmt, file=str(path))
+
+
+def load_spec(path: str | FsPath) -> Spec:
+    """Read a ``.yaml``/``.yml`` or ``.geom`` file, or a shipped spec by name (``"muon"``:
+    :func:`geomopt.spec.extends.shipped_specs`); raises :class:`SpecError`."""
+    with gc_paused():
+        return validate(read_spec(find_spec(path)))
