@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import emit  # noqa: E402
+from _results import emit, round_robin  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ["examples/adam-all", "sign-descent", "normalized-sgd"]
@@ -73,16 +71,7 @@ def measure(width: int, iters: int, base_pkg=None) -> tuple[list[tuple[str, floa
         rows.append((f"geomopt {spec}", geomopt.GeomOptimizer(fresh(), path).step))
         if base_pkg is not None:
             rows.append((f"base {spec}", base_pkg.GeomOptimizer(fresh(), path).step))
-    times: dict = {name: [] for name, _ in rows}
-    for _ in range(3):
-        for _, fn in rows:
-            fn()
-    for _ in range(iters):
-        for name, fn in rows:
-            t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return [(name, statistics.median(times[name])) for name, _ in rows], sum(p.numel() for _, p in base)
+    return round_robin(rows, iters), sum(p.numel() for _, p in base)
 
 
 def main(argv=None) -> int:

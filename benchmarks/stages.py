@@ -17,15 +17,13 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import emit  # noqa: E402
+from _results import emit, round_robin  # noqa: E402
 from elementwise import gpt2_tensors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,16 +66,7 @@ def measure(width: int, iters: int) -> tuple[list[tuple[str, float]], int]:
         return params
 
     rows = [(name, geomopt.GeomOptimizer(fresh(), spec).step) for name, spec in variants()]
-    times: dict = {name: [] for name, _ in rows}
-    for _ in range(3):
-        for _, fn in rows:
-            fn()
-    for _ in range(iters):
-        for name, fn in rows:
-            t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return [(name, statistics.median(times[name])) for name, _ in rows], sum(p.numel() for _, p in base)
+    return round_robin(rows, iters), sum(p.numel() for _, p in base)
 
 
 def main(argv=None) -> int:

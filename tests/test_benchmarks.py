@@ -121,3 +121,18 @@ def test_elementwise_script_times_specs_against_fused_adamw(capsys):
     for name in ("geomopt examples/adam-all", "geomopt sign-descent", "geomopt normalized-sgd",
                  "check (geomopt's finiteness test alone)"):
         assert float(rows[name]) > 0, (name, out)
+
+
+def test_stages_script_times_staged_variants_against_the_muon_spec(capsys):
+    assert _script("stages").main(["--widths", "64", "--iters", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = dict(re.findall(r"^\| (.+?) \| [\d.]+ \| ([\d.]+) \|$", out, flags=re.M))
+    assert float(rows["muon"]) == 1.0, out
+    for name in ("normuon", "adamuon", "muon + cautious", "muon + cautious decay"):
+        assert float(rows[name]) > 0, (name, out)
+
+
+def test_gram_ns_script_compares_the_two_iterations(capsys):
+    assert _script("gram_ns").main(["--shapes", "16x64", "--batch", "2", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^\| 2 × 16×64 \|", out, flags=re.M), out

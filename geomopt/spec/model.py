@@ -76,6 +76,14 @@ class GramEigh(_Model):
     dtype: ApproxDtype = "auto"
 
 
+def _fit_steps(v, info):
+    """A per-step coefficient list holds one triple (for every step) or one per step."""
+    steps = info.data.get("steps")
+    if v is not None and steps is not None and len(v) not in (1, steps):
+        raise ValueError(f"coefficients must hold 1 or steps={steps} triples, got {len(v)}")
+    return v
+
+
 class NewtonSchulz(_Model):
     """Quintic Newton–Schulz, X ← aX + b(XXᵀ)X + c(XXᵀ)²X; default Muon's (3.4445, −4.7750, 2.0315)."""
 
@@ -84,13 +92,8 @@ class NewtonSchulz(_Model):
     coefficients: Optional[list[Triple]] = None
     dtype: ApproxDtype = "auto"
 
-    @field_validator("coefficients")  # a field validator (steps is validated first), so errors point at it
-    @classmethod
-    def _coefficients_fit_steps(cls, v, info):
-        steps = info.data.get("steps")
-        if v is not None and steps is not None and len(v) not in (1, steps):
-            raise ValueError(f"coefficients must hold 1 or steps={steps} triples, got {len(v)}")
-        return v
+    # a field validator (steps is validated first), so errors point at the field
+    _coefficients_fit_steps = field_validator("coefficients")(_fit_steps)
 
 
 class PolarExpress(_Model):
@@ -125,13 +128,7 @@ class GramNewtonSchulz(_Model):
     restarts: list[Annotated[int, Field(ge=1)]] = [2]
     dtype: ApproxDtype = "auto"
 
-    @field_validator("coefficients")  # steps is validated first, so errors point at the field
-    @classmethod
-    def _coefficients_fit_steps(cls, v, info):
-        steps = info.data.get("steps")
-        if v is not None and steps is not None and len(v) not in (1, steps):
-            raise ValueError(f"coefficients must hold 1 or steps={steps} triples, got {len(v)}")
-        return v
+    _coefficients_fit_steps = field_validator("coefficients")(_fit_steps)
 
     @field_validator("restarts")  # only given values: the default [2] is validated for no step count
     @classmethod
