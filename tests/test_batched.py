@@ -121,9 +121,6 @@ def test_flat_elementwise_path_equals_batched_path_bit_for_bit(name, monkeypatch
     device has no fused AdamW kernel); the fused one is checked against torch's below."""
     from optim_helpers import gpt_batch, loss_of, tiny_gpt
 
-    import geomopt.optim.optimizer as optimizer_module
-
-    monkeypatch.setattr(optimizer_module, "_FUSED_ADAM_DEVICES", ())
     geometry, direction = FLAT_VARIANTS[name]
     ulps = geometry["kind"] == "isotropic"
     match = {"name": "**.weight", "ndim": 2} if geometry.get("layout") else "**"
@@ -132,7 +129,7 @@ def test_flat_elementwise_path_equals_batched_path_bit_for_bit(name, monkeypatch
         rules.append({"name": "rest", "match": "**", "geometry": {"kind": "euclidean"}})
     spec = {"geomopt": 1, "name": "t", "defaults": {"lr": 0.01, "weight_decay": 0.1}, "rules": rules}
     flat_model, ref_model = tiny_gpt(0), tiny_gpt(0)
-    flat = geomopt.GeomOptimizer(flat_model, copy.deepcopy(spec))
+    flat = geomopt.GeomOptimizer(flat_model, copy.deepcopy(spec), implementation="foreach")
     ref = geomopt.GeomOptimizer(ref_model, copy.deepcopy(spec), track_update=True)
     for step in range(6):
         for model, opt in ((flat_model, flat), (ref_model, ref)):
@@ -146,7 +143,7 @@ def test_flat_elementwise_path_equals_batched_path_bit_for_bit(name, monkeypatch
         ref.step()
         if step == 3:  # resume the flat one from its checkpoint (views rebuilt from loaded state)
             sd = copy.deepcopy(flat.state_dict())
-            flat = geomopt.GeomOptimizer(flat_model, copy.deepcopy(spec))
+            flat = geomopt.GeomOptimizer(flat_model, copy.deepcopy(spec), implementation="foreach")
             flat.load_state_dict(sd)
         for (n, p), q in zip(flat_model.named_parameters(), ref_model.parameters()):
             if ulps:  # per-tensor norms reduce in another order, or the fused kernel rounds its own way
@@ -246,7 +243,7 @@ def test_direction_written_in_the_forward_dtype_gives_the_same_bits(monkeypatch)
     CUDA): the same bits as writing it in fp32 and casting, over steps and a missed gradient."""
     from optim_helpers import step_in_lockstep, tiny_gpt
 
-    import geomopt.optim.optimizer as optimizer_module
+    import geomopt.optim.bucket_step as optimizer_module
 
     spec = {"geomopt": 1, "name": "t", "defaults": {"lr": 0.02, "weight_decay": 0.1}, "rules": [
         {"name": "hidden", "match": {"name": "**.weight", "ndim": 2},

@@ -170,25 +170,24 @@ def test_flat_blocks_give_the_same_bits_as_one_pass(name, monkeypatch):
     """The flat path block by block (row ranges of a few thousand entries here, so blocks cut
     tensors and hold several) equals the same path in one block, bit for bit, over steps with a
     missing gradient; the scratch is one block."""
-    import geomopt.optim.optimizer as optimizer_module
+    import geomopt.optim.flat as optimizer_module
     from optim_helpers import step_in_lockstep, tiny_gpt
 
-    if name == "adam-unfused":
-        monkeypatch.setattr(optimizer_module, "_FUSED_ADAM_DEVICES", ())
     geometry, direction = FLAT[name]
     spec = {"geomopt": 1, "name": "t", "defaults": {"lr": 0.01, "weight_decay": 0.1},
             "rules": [{"name": "all", "match": "**", "geometry": geometry, "direction": direction}]}
     models = [tiny_gpt(0), tiny_gpt(0)]
-    opts = [geomopt.GeomOptimizer(m, copy.deepcopy(spec)) for m in models]
+    implementation = "foreach" if name == "adam-unfused" else "auto"
+    opts = [geomopt.GeomOptimizer(m, copy.deepcopy(spec), implementation=implementation) for m in models]
     xs = list(models[0].parameters())
-    blocks = optimizer_module._blocks(xs, 3000)
+    blocks = optimizer_module.flat_blocks(xs, 3000)
     assert any(a is not None for pieces, _, _ in blocks for _, a, _ in pieces)  # tensors are cut
     assert any(len(pieces) > 1 for pieces, _, _ in blocks)  # blocks hold several pieces
-    cut = [t for pieces, _, _ in blocks for t in optimizer_module._cut([x.detach().reshape(x.shape) for x in xs],
+    cut = [t for pieces, _, _ in blocks for t in optimizer_module.cut_pieces([x.detach().reshape(x.shape) for x in xs],
                                                                        pieces)]
     assert torch.equal(torch.cat([t.reshape(-1) for t in cut]), torch.cat([x.detach().reshape(-1) for x in xs]))
     for pieces, off, n in blocks:
-        assert n == sum(t.numel() for t in optimizer_module._cut(xs, pieces))
+        assert n == sum(t.numel() for t in optimizer_module.cut_pieces(xs, pieces))
         assert n <= 3000 or len(pieces) == 1
     whole = sum(p.numel() for p in models[1].parameters())
 

@@ -406,14 +406,14 @@ def test_nonfinite_raise_before_anything_is_written(where, form, monkeypatch):
 def test_finiteness_is_awaited_after_the_forward_ops_where_deferred(form, monkeypatch):
     """CUDA's form launches every bucket's forward op (reads into scratch) before the host waits
     for the finiteness test, and writes nothing before it; the CPU form tests first."""
-    import geomopt.optim.optimizer as optimizer_module
+    import geomopt.optim.bucket_step as optimizer_module
+    from geomopt.optim.optimizer import GeomOptimizer
 
     _forms(form, monkeypatch)
     model = tiny_mlp(0)
     opt = geomopt.GeomOptimizer(model, _two_rule_spec())
     train(model, opt, 1, mlp_batch)
     order = []
-    GeomOptimizer = optimizer_module.GeomOptimizer
     real_forward, real_skip = optimizer_module.forward, GeomOptimizer._skip_nonfinite
     monkeypatch.setattr(optimizer_module, "forward", lambda *a, **k: order.append("forward") or real_forward(*a, **k))
     monkeypatch.setattr(GeomOptimizer, "_skip_nonfinite",

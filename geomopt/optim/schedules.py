@@ -41,3 +41,14 @@ def storm(group, k):
     ``lr`` multiplies γ_k (lr = 1 is the theorem)."""
     a = (k + 1) ** (-2.0 / 3.0)
     return group["lr"] * a, a
+
+
+def warmup_alpha(alpha, group: dict, direction: dict):
+    """α of this step under a Polyak momentum warmup: from ``warmup_alpha`` at step 0 linearly to
+    the group's α at ``warmup_steps``, then the group's (a schedule's own α wins)."""
+    steps = direction.get("warmup_steps", 0)
+    if alpha is not None or not steps:
+        return alpha
+    frac = min(group["step"] / steps, 1.0)
+    start = direction["warmup_alpha"]
+    return start + (group["alpha"] - start) * frac

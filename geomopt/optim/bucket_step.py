@@ -1,0 +1,196 @@
+"""One batched step of a bucket (same-shape tensors of a rule): direction → forward op →
+post-stages → weight decay → backward op, as a generator of operator requests so the executors
+(:mod:`geomopt.distributed`) can share a round's matrix work across ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from geomopt.compile.plan import ParamPlan
+from geomopt.distributed import LOCAL, LocalExecutor, Request, backward_locality, chunk_sizes, is_dtensor
+from geomopt.distributed import FORWARD_LOCALITY
+from geomopt.geometry.adam import adam_moments
+from geomopt.geometry import backward
+from geomopt.geometry.forward import forward, input_dtype
+from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, muon_order
+from geomopt.optim import stages as post_stages
+from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows
+from geomopt.optim.graphs import GraphedOp
+from geomopt.optim.tensors import local, op_shard_dim, op_view, stack, upcast
+
+
+class BucketStep:
+    """A bucket's step (a mixin of :class:`~geomopt.optim.GeomOptimizer`)."""
+
+    def _step_bucket(self, gi: int, group: dict, items: list, g: torch.Tensor, g_prev, gamma: float, alpha,
+                     deferred: bool = False, shared: bool = False):
+        """One batched step of same-shape tensors: leading dim = tensor index (batch_dims=1).
+
+        A generator: it yields a :class:`Request` for the forward and for the backward operator
+        and receives ``(out, flags)``, so :meth:`_run` can hand a round's operators to the
+        executor together (locally, or shared out across ranks). ``deferred``: write nothing
+        before the first yield (:meth:`_can_defer`); ``shared``: the buckets run one after another
+        (:meth:`_run`), so this one may use the workspace."""
+        counters = self._counters[gi]
+        pp = items[0][1]
+        views = [op_view(local(p), q) for p, q in items]
+        hyper = dict(group, alpha=alpha) if alpha is not None else dict(group)
+        hyper["spec_direction"] = pp.direction  # the direction's own parameters (heavy ball, Lion)
+        state = self._stacked.gather(self.state, items)
+        if self._needs_closure:
+            state["prev"] = torch.stack([local(p).detach() for p, _ in items]).clone()
+        post = pp.post
+        reads = post_stages.reads(post) if post else set()
+        g_raw = None
+        if "gradient" in reads:  # the raw gradient, before a direction may overwrite its copy
+            g_raw = upcast(stack(g)) if isinstance(g, list) else upcast(g).clone()
+        commit = None
+        if isinstance(g, list) and deferred:
+            d, commit = polyak_ahead(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, False))
+        elif isinstance(g, list):
+            d = polyak_rows(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, shared))
+        else:
+            gu = upcast(g)
+            # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
+            d = DIRECTIONS[group["direction"]](gu, state, hyper, g_prev=None if g_prev is None else upcast(g_prev),
+                                               inplace=len(items) > 1 or gu is not g)
+        wd = group["weight_decay"]
+        decay = 1 - gamma * wd
+        cautious_decay = wd != 0 and pp.decay == "cautious"
+        rho = group["radius"] * self._scale(pp)
+        geometry = pp.geometry
+        constraint = pp.constraint
+        # unconstrained, parameters in the working dtype: X ← X(1 − γ·wd) − γρ·∇φ₁*(d) in place on
+        # the parameters, with no stacked copy of X and no write-back
+        inplace = (constraint is None and geometry["kind"] != "adam" and not self.track_update and not cautious_decay
+                   and views[0].dtype == upcast(views[0]).dtype)
+        # one pass (off torch Muon's op order, :func:`muon_order`; in one process, as the executors
+        # exchange results in the input's dtype): the forward op folds a constant radius r into its
+        # result S = r·∇φ₁*(d), written in X's dtype, and X.lerp_(S, γ·wd) with r = −ρ/wd is
+        # X(1 − γ·wd) − γρ·∇φ₁*(d); without decay X += γ·S with r = −ρ
+        one_pass = (inplace and not post and not muon_order(views[0].device)
+                    and isinstance(self._executor, LocalExecutor))
+        lerp = one_pass and wd != 0 and abs(rho / wd) < 1e30
+        radius = (-rho / wd if lerp else -rho) if one_pass else 1.0
+        if geometry["kind"] != "adam":
+            step, _ = yield self._request(items, d, FORWARD_LOCALITY[geometry["kind"]],
+                                          self._forward_fn(items, geometry, radius, views[0].dtype if one_pass else None))
+        if commit is not None:
+            commit()
+        if post and geometry["kind"] != "adam":
+            step = yield from self._post(items, pp, state, step, g_raw, d)
+        if inplace:
+            steps = list(step.unbind(0))
+            if lerp:
+                torch._foreach_lerp_(views, steps, gamma * wd)
+            else:
+                # torch Muon's op order (same bits on CPU): decay, then the axpy of the step (ρ
+                # already in it where the forward op folded it)
+                if wd:
+                    torch._foreach_mul_(views, decay)
+                torch._foreach_add_(views, steps, alpha=gamma if one_pass else -gamma * rho)
+            self._stacked.scatter(self.state, items, state)
+            return
+        x = upcast(stack(views))
+        if geometry["kind"] == "adam" and not post:
+            exp_avg, denom, bc1 = adam_moments(d, state, geometry)
+            xw = decayed(x, exp_avg, decay, cautious_decay) if wd else x
+            y = xw.addcdiv(exp_avg, denom, value=-gamma / bc1)  # AdamW's op order, bit for bit
+        else:
+            if geometry["kind"] == "adam":  # the adam geometry's update, then the post-stages
+                exp_avg, denom, bc1 = adam_moments(d, state, geometry)
+                step = yield from self._post(items, pp, state, exp_avg / denom / bc1, g_raw, d)
+            # Y = X(1 − γ·wd) − γρ·∇φ₁*(d): ρ folds into the axpy (one pass fewer than scaling the
+            # forward output), and the decayed copy of X is updated in place
+            if wd:
+                y = decayed(x, step, decay, cautious_decay).add_(step, alpha=-gamma * rho)
+            else:
+                y = torch.add(x, step, alpha=-gamma * rho)
+        if constraint is not None:
+            x_new, fallback = yield self._request(
+                items, y, backward_locality(geometry["kind"], constraint["kind"]),
+                lambda m: backward(m, gamma, geometry, constraint, radius=rho, batch_dims=1))
+        else:
+            x_new, fallback = y, None
+        if fallback is not None:
+            counters["fallbacks"] = counters["fallbacks"] + fallback.sum().to(counters["fallbacks"].device)
+        if self.track_gap and constraint is not None and gamma * rho > 0:
+            state["w"] = (x_new - y) / (gamma * rho)
+        if self.track_update:
+            delta = (x_new - x).reshape(-1)
+            counters["update_sq"] = counters["update_sq"] + torch.dot(delta, delta).to(counters["update_sq"].device)
+        self._stacked.scatter(self.state, items, state)
+        torch._foreach_copy_(views, list(x_new.unbind(0)))
+
+    def _post(self, items: list, pp: ParamPlan, state: dict, u: torch.Tensor, g_raw, d):
+        """The rule's post-stages on the bucket's update ``u`` (:mod:`geomopt.optim.stages`), as one
+        request (a sub-generator of :meth:`_step_bucket`); their step count is per tensor."""
+        step = state.get(post_stages.STAGE_STEP, 0) + 1
+        state[post_stages.STAGE_STEP] = step
+        shard = None
+        p = items[0][0]
+        if is_dtensor(p):  # sums over a cut dim are all-reduced by the stages themselves
+            dim = op_shard_dim(p, pp)
+            sizes = chunk_sizes(pp.op_shape[dim], p.device_mesh.size())
+            rank = p.device_mesh.get_local_rank()
+            shard = post_stages.Shard(dim + 1, sum(sizes[:rank]), sizes[rank], self._executor.group)
+        ctx = post_stages.Context(state, pp.op_shape, view=pp.geometry.get("view"), gradient=g_raw,
+                                  direction=None if d is None else upcast(d), step=step, shard=shard)
+        # local on every executor: the stages sum across shards where they need to (Context.sum),
+        # the same collectives in the same order on every rank
+        out, _ = yield Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)
+        if shard is not None:
+            self._stacked.replicated[tuple(id(q) for q, _ in items)] = set(ctx.replicated)
+        return out
+
+    def _forward_fn(self, items: list, geometry: dict, radius: float = 1.0, out_dtype=None):
+        """The bucket's forward op (``radius``·∇φ₁*, in ``out_dtype``); replayed from a CUDA graph
+        (:mod:`geomopt.optim.graphs`) for the polynomial iterations when ``cuda_graphs`` is on and
+        the step runs in one process (the graph reads the bucket's kept scratch u in place when
+        that is its input)."""
+        fn = lambda m: (forward(m, geometry, radius=radius, batch_dims=1, out_dtype=out_dtype), None)  # noqa: E731
+        approx = (geometry.get("approx") or {}).get("kind")
+        if not (self.cuda_graphs and approx in POLYNOMIAL_APPROXES
+                and isinstance(self._executor, LocalExecutor) and items[0][0].is_cuda):
+            return fn
+        ids = tuple(id(p) for p, _ in items)
+        key = ids + (radius, out_dtype)  # the graph bakes both in
+        op = self._graphs.get(key)
+        if op is None:
+            if len(self._graphs) >= 2 * sum(map(len, self._buckets)):
+                return fn  # buckets split by missing gradients in many ways: no graph per split
+            op = self._graphs[key] = GraphedOp(fn)
+        op.scratch = self._buffers.get(ids + ("u",))
+        return op
+
+    def _request(self, items: list, x: torch.Tensor, locality: str, fn) -> Request:
+        """An operator request for a bucket (sharding read off its first parameter)."""
+        p, pp = items[0]
+        cost = pp.matrix_cost
+        if not is_dtensor(p):
+            return Request(fn, x, locality, cost=cost)
+        dim = p.placements[0].dim % p.ndim
+        if pp.transpose and dim < 2:
+            dim = 1 - dim
+        full = tuple(op_view(torch.empty(p.shape, device="meta"), pp).shape)
+        return Request(fn, x, locality, shard_dim=dim + 1, full_shape=full, mesh=p.device_mesh, cost=cost)
+
+    def _lookahead(self, items: list, shape, like: torch.Tensor, shared: bool) -> torch.Tensor:
+        """Where a bucket writes its direction u (in the dtype the forward op casts it to first):
+        kept per bucket when a CUDA graph reads it in place; the workspace when the buckets run
+        one after another (``shared``); else fresh memory, freed after the step (buckets whose
+        steps interleave: distributed rounds, the deferred finiteness test)."""
+        dtype = input_dtype(items[0][1].geometry, like)
+        if self.cuda_graphs and like.is_cuda:
+            return self._stacked.kept(items, "u", shape, like, dtype=dtype)
+        if shared:
+            return self._workspace.take("u", shape, dtype, like.device)
+        return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def decayed(x: torch.Tensor, step: torch.Tensor, decay: float, cautious: bool) -> torch.Tensor:
+    """X(1 − γλ) (decoupled), or, cautious (Chen et al. 2025), X(1 − γλ) only where the step S and
+    X agree in sign (S⊙X ≥ 0) and X elsewhere."""
+    if not cautious:
+        return x * decay
+    return torch.where(step * x >= 0, x * decay, x)

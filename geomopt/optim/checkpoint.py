@@ -1,0 +1,202 @@
+"""Checkpoints: ``state_dict`` with what the spec set (hash, text, per-group values, counters),
+``load_state_dict`` that resumes bit for bit under the same spec and carries state over by name
+under another (:mod:`geomopt.optim.migrate`), refusing what cannot load with what to do."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import logging
+from collections import defaultdict
+from typing import Optional
+
+import torch
+
+from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
+from geomopt.spec.model import Spec
+from geomopt.spec.printers import dump_spec
+
+log = logging.getLogger("geomopt")
+
+
+def spec_hash(spec: Spec) -> str:
+    """Content hash of a spec (independent of spelling, comments and file format)."""
+    return hashlib.sha256(json.dumps(spec.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Checkpoints:
+    """Saving and loading (a mixin of :class:`~geomopt.optim.GeomOptimizer`)."""
+
+    _SPEC_KEYS = ("rule", "lr", "weight_decay", "radius", "direction", "alpha", "nesterov", "init", "schedule",
+                  "on_nonfinite")
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["geomopt"] = dict(
+            spec_hash=self.spec_hash, spec=dump_spec(self.spec, "yaml"),
+            world_size=self._executor.world, sharded=self._sharded,
+            counters=[copy_counters(c) for c in self._counters],
+            spec_groups=[dict(g) for g in self._spec_groups],
+            transposed=[pp.name for plans in self._plans for pp in plans if pp.transpose],
+        )
+        return sd
+
+    def load_state_dict(self, state_dict: dict, *, allow_spec_change: bool = False,
+                        model=None) -> Optional[MigrationReport]:
+        """Load a checkpoint; refuses one saved under a different spec (saying what differs)
+        unless ``allow_spec_change=True``.
+
+        Under the same spec the state resumes as torch does, bit for bit. Under another spec it
+        is carried over by parameter name (:mod:`geomopt.optim.migrate`): each tensor keeps the
+        kinds of state (Adam moments, momentum) its new rule uses where the shapes still fit, the
+        rest is reset, and the returned :class:`MigrationReport` (also logged) says which. Groups
+        are matched by rule name: a value the new spec sets differently (lr, weight_decay, radius,
+        direction, …) follows the new spec; a value it leaves alone resumes as saved (e.g. an lr
+        a scheduler changed). The ``state_dict()`` of ``torch.optim.AdamW``, ``Adam`` and ``Muon``
+        loads the same way (``allow_spec_change=True``); ``model``: the model that optimizer was
+        built on, when it was given ``model.parameters()`` (no names) and is not this optimizer's
+        model. Nothing is changed when loading fails."""
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, state_dict)
+            state_dict = state_dict if out is None else out
+        source = source_of(state_dict)
+        meta = state_dict.get("geomopt")
+        if source != "geomopt":
+            if not allow_spec_change:
+                raise ValueError(
+                    f"this is the state of {'torch.optim.Muon' if source == 'muon' else 'torch.optim.Adam(W)'}, "
+                    f"not of a geomopt spec: pass allow_spec_change=True to carry its state over by parameter name "
+                    f"(load_state_dict returns what was kept and reset)")
+            return self._migrate(state_dict, source, None, model)
+        if meta is None:
+            # torch.distributed.checkpoint keeps only "state" and "param_groups": the groups carry the hash
+            meta = dict(spec_hash=state_dict["param_groups"][0]["spec_hash"])
+        if meta["spec_hash"] != self.spec_hash and not allow_spec_change:
+            if "spec" in meta:
+                diff = difflib.unified_diff(meta["spec"].splitlines(), dump_spec(self.spec, "yaml").splitlines(),
+                                            "saved spec", "current spec", lineterm="", n=1)
+                saved = f"'{spec_name(meta['spec'])}' (hash {meta['spec_hash']})"
+                what = "; what differs:\n" + "\n".join(list(diff)[:40])
+            else:
+                saved, what = f"hash {meta['spec_hash']}", ""
+            raise ValueError(
+                f"optimizer state was saved under spec {saved}, this optimizer runs '{self.spec.name}' "
+                f"(hash {self.spec_hash}){what}\npass allow_spec_change=True to carry the state over by "
+                f"parameter name")
+        if (meta.get("sharded") or self._sharded) and meta.get("world_size", self._executor.world) \
+                != self._executor.world:
+            raise ValueError(
+                f"this optimizer state was saved {'sharded over' if meta.get('sharded') else 'on'} "
+                f"{meta['world_size']} rank(s) and this run has {self._executor.world}: sharded state (FSDP2) loads "
+                f"only at the world size it was saved at. Save and load with torch.distributed.checkpoint "
+                f"(get_state_dict / set_state_dict), which reshards")
+        if meta["spec_hash"] != self.spec_hash and all("param_names" in g for g in state_dict["param_groups"]):
+            return self._migrate(state_dict, source, meta, model)
+        try:
+            super().load_state_dict(state_dict)
+        except ValueError as err:  # a checkpoint without names whose groups do not line up
+            raise ValueError(f"{err}: this checkpoint has no parameter names, so its state can only be loaded "
+                             f"into the same rules in the same order") from None
+        # torch.optim casts floating state to the parameter's dtype (it calls
+        # Optimizer._process_value_according_to_param_policy directly, so an override is never
+        # used); geomopt keeps float32 state for bf16 parameters: reload it with the device only.
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(pid)
+            if saved is not None:
+                self.state[p] = {k: to_device(v, p.device) for k, v in saved.items()}
+        for group in self.param_groups:
+            group["spec_hash"] = self.spec_hash
+        if self.spec_hash != meta["spec_hash"]:
+            old = meta.get("spec_groups") or [{}] * len(self.param_groups)
+            for group, was, now in zip(self.param_groups, old, self._spec_groups):
+                self._follow_spec(group, was, now)
+        if len(meta.get("counters", [])) == len(self._counters):
+            self._counters = [copy_counters(c) for c in meta["counters"]]
+        self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
+        return None
+
+    def _follow_spec(self, group: dict, was: dict, now: dict) -> None:
+        """After a spec change: the group values the new spec sets differently follow it."""
+        for key in self._SPEC_KEYS:
+            if key not in was or was[key] != now[key]:
+                group[key] = copy_value(now[key])
+
+    def _migrate(self, state_dict: dict, source: str, meta: Optional[dict], model) -> MigrationReport:
+        """Carry a state over by parameter name (:mod:`geomopt.optim.migrate`); everything is
+        built first and installed at the end, so a failure leaves the optimizer as it was."""
+        if model is not None:
+            named = list(model.named_parameters())
+            order = ([n for n, _ in named], [n for n, q in named if q.requires_grad])
+        else:
+            order = self._order
+        names = saved_names(state_dict, *order)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        saved = {name: translate(state_dict["state"][i], source) for name, i in zip(names, ids)
+                 if i in state_dict["state"]}
+        groups = [dict(g) for g in self.param_groups]
+        counters = list(self._counters)
+        if meta is not None:  # a geomopt checkpoint: groups and counters follow their rule's name
+            by_rule = {g.get("rule"): i for i, g in enumerate(state_dict["param_groups"])}
+            spec_groups = meta.get("spec_groups") or [{}] * len(state_dict["param_groups"])
+            for k, (group, now) in enumerate(zip(groups, self._spec_groups)):
+                i = by_rule.get(group["rule"])
+                if i is None:
+                    continue
+                kept = {key: copy_value(v) for key, v in state_dict["param_groups"][i].items()
+                        if key not in ("params", "param_names", "spec_hash")}
+                groups[k] = dict(group, **kept)
+                self._follow_spec(groups[k], spec_groups[i], now)
+                if len(meta.get("counters", [])) == len(state_dict["param_groups"]):
+                    counters[k] = copy_counters(meta["counters"][i])
+        targets = [(pp.name, p, pp, group["direction"])
+                   for group, plans in zip(groups, self._plans) for p, pp in zip(group["params"], plans)]
+        transposed = set(meta["transposed"]) if meta is not None and "transposed" in meta else None
+        state, report = migrate_state(saved, targets, source, transposed)
+        # install (nothing above wrote to the optimizer)
+        self.state = defaultdict(dict, state)
+        for group, new in zip(self.param_groups, groups):
+            group.clear()
+            group.update(new)
+        self._counters = counters
+        self._buffers.clear()
+        self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+        log.info("%s", report)
+        return report
+
+
+def copy_counters(c: dict) -> dict:
+    return dict(c, fallbacks=c["fallbacks"].clone(), update_sq=c["update_sq"].clone())
+
+
+def to_device(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, copy=True)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def copy_value(value):
+    if isinstance(value, dict):
+        return {k: copy_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [copy_value(v) for v in value]
+    return value
+
+
+def new_counters() -> dict:
+    return dict(skipped=0, fallbacks=torch.zeros((), dtype=torch.int64), update_sq=torch.zeros(()))
+
+
+def spec_name(yaml_text: str) -> str:
+    for line in yaml_text.splitlines():
+        if line.startswith("name:"):
+            return line.split(":", 1)[1].strip()
+    return "?"
+

@@ -1,0 +1,134 @@
+"""The optimizer's stacked state: a bucket's state tensors (momentum, Adam moments, a stage's second
+moment, …) live stacked, one row per tensor, and each parameter's state entry is a view of its
+row, so a batched step reads and writes them without copies. For sharded (DTensor) parameters the
+entries are DTensors over the rows, laid out like the parameter (a stage's state: cut like it, or
+replicated where it is a statistic over the cut dim)."""
+
+from __future__ import annotations
+
+import torch
+
+from geomopt.compile.plan import ParamPlan
+from geomopt.distributed import is_dtensor
+from geomopt.optim import stages as post_stages
+from geomopt.optim.migrate import VIEW_KEYS
+from geomopt.optim.tensors import flat_like, op_shard_dim, op_view, stack
+
+#: per-parameter state tensors that batched calls keep stacked (entries are views of a bucket buffer)
+STACKED = ("d", "exp_avg", "exp_avg_sq", "prev", "w", *post_stages.STAGE_STATE)
+#: per-parameter step counts (ints), shared by a bucket's tensors
+COUNTS = ("adam_step", post_stages.STAGE_STEP)
+
+
+class StackedState:
+    """``buffers``: (parameter ids, key) → the stacked tensor whose rows the entries view (and the
+    flat buffers of the elementwise path, the kept scratch of CUDA graphs); ``replicated``:
+    parameter ids → the stage state keys every rank holds whole. Methods take the optimizer's
+    ``state`` (torch's per-parameter dict), which load_state_dict may replace."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+        self.replicated: dict = {}
+
+    def gather(self, state, items: list) -> dict:
+        """The state of a batched call: stacked tensors (the per-parameter state entries are views
+        of them, so nothing is copied in steady state) and the shared step counts."""
+        first = state[items[0][0]]
+        ids = tuple(id(p) for p, _ in items)
+        out = {}
+        for key in STACKED:
+            if key not in first:
+                continue
+            buf = self.buffers.get((ids, key))
+            rows = [state_row(state[p][key], pp, key) for p, pp in items]
+            if buf is None or any(e._base is not buf or e.data_ptr() != buf[i].data_ptr() for i, e in enumerate(rows)):
+                # first use, or state replaced (load_state_dict): restack, in the memory layout a
+                # step gives it (a lone tensor keeps its own, e.g. transposed), so that reductions
+                # sum in the same order and a resumed run matches bit for bit
+                buf = stack(rows).clone()
+            out[key] = buf
+        for key in COUNTS:
+            if key in first:
+                out[key] = first[key]
+        return out
+
+    def scatter(self, state, items: list, values: dict) -> None:
+        """Bind the per-parameter state entries to rows of the stacked ``values`` (DTensors over the
+        rows for sharded parameters, laid out like the parameter)."""
+        ids = tuple(id(p) for p, _ in items)
+        whole = self.replicated.get(ids, ())
+        for key, value in values.items():
+            if key in STACKED:
+                if self.buffers.get((ids, key)) is value and all(
+                        state_row(state[p][key], pp, key)._base is value for p, pp in items):
+                    continue
+                self.buffers[(ids, key)] = value
+                for i, (p, pp) in enumerate(items):
+                    state[p][key] = state_entry(value[i], p, pp, key, key in whole)
+            else:
+                for p, _ in items:
+                    state[p][key] = value
+
+    def flat(self, state, items: list, xs: list, key: str) -> tuple:
+        """The flat buffer of state ``key`` for a flat call and its per-parameter views (rebuilt
+        when the entries are not its views: first step, or after load_state_dict)."""
+        ids = tuple(id(p) for p, _ in items) + ("flat", key)
+        buf = self.buffers.get(ids)
+        entries = [state[p].get(key) for p, _ in items]
+        if buf is not None and all(e is not None for e in entries):
+            rows = [state_row(e, pp, key) for e, (_, pp) in zip(entries, items)]
+            if all(r._base is buf for r in rows):
+                return buf, rows
+        buf, views = flat_like(xs)
+        if all(e is not None for e in entries):
+            torch._foreach_copy_(views, [state_row(e, pp, key) for e, (_, pp) in zip(entries, items)])
+        else:
+            buf.zero_()
+        self.buffers[ids] = buf
+        for v, (p, pp) in zip(views, items):
+            state[p][key] = state_entry(v, p, pp, key)
+        return buf, views
+
+    def kept(self, items: list, name: str, shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+        """A scratch buffer kept across steps for this call's tensors, for a CUDA graph that reads
+        it in place; its contents are the caller's to overwrite."""
+        key = tuple(id(p) for p, _ in items) + (name,)
+        dtype = like.dtype if dtype is None else dtype
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self.buffers[key] = torch.empty(shape, dtype=dtype, device=like.device)
+        return buf
+
+
+def state_row(entry: torch.Tensor, pp: ParamPlan, key: str) -> torch.Tensor:
+    """A state entry as a row of its bucket's stacked state (local data, operators' layout)."""
+    if not is_dtensor(entry):
+        return entry
+    local = entry.to_local()
+    return op_view(local, pp) if key in VIEW_KEYS else local
+
+
+def state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, whole: bool = False) -> torch.Tensor:
+    """Inverse of :func:`state_row`: for a sharded parameter, a DTensor sharded like it. A stage's
+    state (:data:`geomopt.optim.stages.STAGE_STATE`) has its own shape in the operators' layout: a
+    DTensor cut along the same dim as the tensor, or replicated (``whole``) where it is a statistic
+    over that dim, which every rank holds whole."""
+    if not is_dtensor(p):
+        return row
+    from torch.distributed.tensor import DTensor
+    if key in post_stages.STAGE_STATE:
+        from torch.distributed.tensor import Replicate, Shard
+
+        if whole:
+            return DTensor.from_local(row, p.device_mesh, (Replicate(),), run_check=False)
+        dim = op_shard_dim(p, pp)
+        shape = list(row.shape)
+        shape[dim] = pp.op_shape[dim]
+        stride = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            stride[i] = stride[i + 1] * max(shape[i + 1], 1)
+        return DTensor.from_local(row, p.device_mesh, (Shard(dim),), run_check=False, shape=torch.Size(shape),
+                                  stride=tuple(stride))
+
+    local = op_view(row, pp) if key in VIEW_KEYS else row
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

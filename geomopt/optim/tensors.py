@@ -1,0 +1,67 @@
+"""Small tensor helpers the optimizer's modules share: stacking, the working dtype, the
+operators' layout (``layout: in_out``), sharded (DTensor) data, flat buffers."""
+
+from __future__ import annotations
+
+import torch
+
+from geomopt.compile.plan import ParamPlan
+from geomopt.distributed import chunk_sizes, is_dtensor
+
+
+def stack(tensors: list) -> torch.Tensor:
+    """Stack along a new leading dim; one tensor becomes a view (no copy)."""
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """float32 at least (bf16 gradients and state in float32; float64 stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def op_view(t: torch.Tensor, pp: ParamPlan) -> torch.Tensor:
+    """The tensor as the operators see it (transposed for ``layout: in_out``)."""
+    return t.transpose(0, 1) if pp.transpose else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's data of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a DTensor is all-gathered: every rank must call this)."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def my_shard(full: torch.Tensor, like) -> torch.Tensor:
+    """This rank's shard of ``full`` for a DTensor sharded like ``like``."""
+    dim = like.placements[0].dim % like.ndim
+    mesh = like.device_mesh
+    return full.split(chunk_sizes(full.shape[dim], mesh.size()), dim=dim)[mesh.get_local_rank()]
+
+
+def op_shard_dim(p, pp: ParamPlan) -> int:
+    """The dim of the operators' view of DTensor ``p`` that is cut across ranks."""
+    dim = p.placements[0].dim % p.ndim
+    return 1 - dim if pp.transpose and dim < 2 else dim
+
+
+def flat_like(xs: list) -> tuple:
+    """An empty flat buffer holding every tensor of ``xs``, and its views shaped like them."""
+    buf = torch.empty(sum(x.numel() for x in xs), dtype=xs[0].dtype, device=xs[0].device)
+    return buf, split_like(buf, xs)
+
+
+def split_like(flat: torch.Tensor, xs: list) -> list:
+    return [v.view(x.shape) for v, x in zip(flat.split([x.numel() for x in xs]), xs)]
+
+
+def in_set(x: torch.Tensor, xp: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether x is in the set that ``xp`` = P_C(x) projects onto, up to rounding: ‖xp − x‖_F ≤
+    (64u + 2u_dtype)·‖x‖_F, u the working precision (what re-projecting a point of the set moves it
+    by: an SVD or eigh reconstruction) and u_dtype the parameter's (a point of the set rounded to
+    bf16)."""
+    slack = 64 * torch.finfo(x.dtype).eps + 2 * torch.finfo(dtype).eps
+    return bool(torch.linalg.vector_norm(xp - x) <= slack * torch.linalg.vector_norm(x))
+
