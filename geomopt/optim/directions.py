@@ -14,16 +14,10 @@ from typing import Callable
 import torch
 
 from geomopt.optim.tensors import stack
+from geomopt.registry import Registry
 
-DIRECTIONS: dict[str, Callable] = {}
-
-
-def direction(kind: str):
-    def register(fn):
-        DIRECTIONS[kind] = fn
-        return fn
-
-    return register
+DIRECTIONS = Registry("direction")
+direction = DIRECTIONS.register
 
 
 @direction("none")

@@ -7,17 +7,10 @@ The group's ``lr`` stays the scheduler-visible base, so any torch LR scheduler c
 
 from __future__ import annotations
 
-from typing import Callable
+from geomopt.registry import Registry
 
-SCHEDULES: dict[str, Callable] = {}
-
-
-def schedule(kind: str):
-    def register(fn):
-        SCHEDULES[kind] = fn
-        return fn
-
-    return register
+SCHEDULES = Registry("schedule")
+schedule = SCHEDULES.register
 
 
 @schedule("constant")

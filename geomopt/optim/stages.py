@@ -23,6 +23,7 @@ import torch
 
 from geomopt.distributed import LOCAL, REDUCE
 from geomopt.geometry.view import matrix_shapes
+from geomopt.registry import Registry
 
 #: the per-parameter step count of the stages (an int, like ``adam_step``)
 STAGE_STEP = "post_step"
@@ -36,12 +37,15 @@ class Stage:
     locality: Callable[[dict], str]  # cfg → locality
 
 
-STAGES: dict[str, Stage] = {}
+STAGES = Registry("post-stage")
 
 
 def stage(kind: str, *, state: tuple = (), reads: tuple = (), locality: Callable[[dict], str] = lambda cfg: REDUCE):
+    """Register ``fn`` as the post-stage ``kind`` with the state it keeps, what it reads and its
+    locality (a function of the stage's spec fragment)."""
+
     def register(fn):
-        STAGES[kind] = Stage(fn, state, reads, locality)
+        STAGES.add(kind, Stage(fn, state, reads, locality))
         return fn
 
     return register
