@@ -12,7 +12,8 @@ import torch
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from geomopt.spec.diagnostics import SpecError, language_diagnostic
-from geomopt.spec.model import Constraint, Geometry, Spectral, effective_prenormalize
+from geomopt.compile.resolve import geometry_fragment, resolve
+from geomopt.spec.model import Constraint, Geometry
 
 _GEOMETRY = TypeAdapter(Geometry)
 _CONSTRAINT = TypeAdapter(Constraint)
@@ -33,34 +34,34 @@ def _fragment(adapter: TypeAdapter, value, what: str):
 
 
 def geometry_dict(geometry: Union[Mapping, BaseModel]) -> dict:
-    """Validated geometry fragment as the operators take it (prenormalize resolved)."""
-    g = _fragment(_GEOMETRY, geometry, "geometry")
-    out = g.model_dump()
-    if isinstance(g, Spectral):
-        out["prenormalize"] = effective_prenormalize(g).model_dump()
-    if "layout" in out:
-        out["layout"] = "out_in" if out["layout"] == "auto" else out["layout"]
-    return out
+    """Validated geometry fragment with its defaults (pre-normalization resolved), as in a plan."""
+    return geometry_fragment(_fragment(_GEOMETRY, geometry, "geometry"))
 
 
-def _radius(g: dict, t: torch.Tensor, batch_dims: int) -> float:
-    """ρ as a spec resolves it for one tensor: ``radius`` times the ``scale`` preset of its shape."""
-    from geomopt.geometry.scale import radius_scale
+def _ops(geometry, constraint, t: torch.Tensor, batch_dims: int):
+    """:func:`geomopt.compile.resolve.resolve` for one element of ``t``, as a spec resolves it."""
+    c = None if constraint is None else _fragment(_CONSTRAINT, constraint, "constraint").model_dump()
+    return resolve(geometry_dict(geometry), c, tuple(t.shape[batch_dims:]))
 
-    return float(g["radius"]) * radius_scale(g, tuple(t.shape[batch_dims:]))
+
+def _transposed(t: torch.Tensor, ops, batch_dims: int) -> torch.Tensor:
+    """``t`` as the operators see it (``layout: in_out``: the transpose of each element)."""
+    return t.transpose(batch_dims, batch_dims + 1) if ops.transpose else t
 
 
 def forward_step(d: torch.Tensor, geometry: Union[Mapping, BaseModel], *, batch_dims: int = 0,
                  state: Optional[dict] = None) -> torch.Tensor:
     """∇φ*(D) = ρ·∇φ₁*(D) for ``geometry`` (the forward / preconditioner step); ρ is ``radius``
-    times the ``scale`` preset for the shape of one element of ``d``, as in a spec.
+    times the ``scale`` preset for the shape of one element of ``d``, as in a spec (``layout:
+    in_out``: of its transpose, which the operators act on).
 
     ``batch_dims`` leading dims index independent tensors; ``state`` is needed by ``adam`` only.
     """
     from geomopt.geometry.forward import forward
 
-    g = geometry_dict(geometry)
-    return forward(d, g, radius=_radius(g, d, batch_dims), batch_dims=batch_dims, state=state)
+    ops = _ops(geometry, None, d, batch_dims)
+    out = forward(_transposed(d, ops, batch_dims), ops.geometry, radius=ops.radius, batch_dims=batch_dims, state=state)
+    return _transposed(out, ops, batch_dims)
 
 
 def backward_step(y: torch.Tensor, gamma: float, geometry: Union[Mapping, BaseModel],
@@ -72,12 +73,10 @@ def backward_step(y: torch.Tensor, gamma: float, geometry: Union[Mapping, BaseMo
     With ``return_fallback`` also returns the flags of tensors where C did not meet
     Y + t·int dom φ₁ and the Euclidean projection was used instead.
     """
-    from geomopt.geometry.backward import backward
+    from geomopt.geometry import backward
 
-    g = geometry_dict(geometry)
-    rho = _radius(g, y, batch_dims)
-    c = None if constraint is None else _fragment(_CONSTRAINT, constraint, "constraint").model_dump()
-    if c is not None and c.get("relative"):  # radius in units of the geometry's ρ (scale preset included)
-        c.update(radius=c["radius"] * rho, relative=False)
-    x, fallback = backward(y, gamma, g, c, radius=rho, batch_dims=batch_dims)
+    ops = _ops(geometry, constraint, y, batch_dims)
+    x, fallback = backward(_transposed(y, ops, batch_dims), gamma, ops.geometry, ops.constraint, radius=ops.radius,
+                           batch_dims=batch_dims)
+    x = _transposed(x, ops, batch_dims)
     return (x, fallback) if return_fallback else x

@@ -8,10 +8,11 @@ from typing import Optional, Union
 from geomopt.compile.lint import LintContext, run_rules
 from geomopt.compile.match import ParamInfo
 from geomopt.compile.params import params_from_model
-from geomopt.compile.plan import ParamPlan, Plan, bucket_key, op_layout, ops_key, resolve_view
+from geomopt.compile.plan import ParamPlan, Plan
+from geomopt.compile.resolve import geometry_fragment, resolve
 from geomopt.compile.roles import assign, ensure_roles, infer_roles
 from geomopt.spec.diagnostics import Diagnostic, SpecError
-from geomopt.spec.model import Spec, effective_prenormalize, resolve_hyper
+from geomopt.spec.model import Spec, resolve_hyper
 from geomopt.spec.validate import gc_paused, source_of
 
 # Findings that make a plan impossible: compile raises on these (lint reports them all).
@@ -121,7 +122,8 @@ def as_spec(spec: Union[Spec, str, dict, "object"]) -> Spec:
 
 class _RulePlanner:
     """Resolves one rule's values once (hyper-parameters, dumped geometry and constraint) and each
-    (shape, layout) once, so planning many tensors of few shapes costs little per tensor."""
+    (shape, layout, structure) once (:func:`geomopt.compile.resolve.resolve`), so planning many
+    tensors of few shapes costs little per tensor."""
 
     def __init__(self, spec: Spec, index: int):
         rule = spec.rules[index]
@@ -133,43 +135,29 @@ class _RulePlanner:
         self.decay = hyper["decay"].kind
         self.post = tuple(s.model_dump() for s in rule.post or ())
         self.schedule = hyper["schedule"].model_dump()
-        geometry = rule.geometry.model_dump()
-        if rule.geometry.kind == "spectral":
-            geometry["prenormalize"] = effective_prenormalize(rule.geometry).model_dump()
-        self.geometry = geometry
+        self.geometry = geometry_fragment(rule.geometry)
         self.constraint = rule.constraint.model_dump() if rule.constraint else None
-        self.auto_view = (geometry.get("view") or {}).get("kind") == "auto"
-        self._resolved: dict = {}  # (transpose, op_shape) → (pickled fragments, radius, ops key)
+        self.auto_view = (self.geometry.get("view") or {}).get("kind") == "auto"
+        self._resolved: dict = {}  # (shape, Conv1D, structure) → (pickled fragments, Ops)
 
     def plan(self, p: ParamInfo) -> ParamPlan:
-        geometry, transpose, op_shape = op_layout(self.geometry, p)
+        conv1d = bool(p.modules and "Conv1D" in p.modules)
         structure = p.role.structure if p.role is not None and self.auto_view else None
-        key = (transpose, op_shape, None if structure is None else repr(structure))
+        key = (p.shape, conv1d, None if structure is None else repr(structure))
         resolved = self._resolved.get(key)
         if resolved is None:
-            geometry = resolve_view(geometry, op_shape, structure, self.constraint)
-            resolved = self._resolved[key] = self._resolve(geometry, transpose, op_shape)
-        fragments, radius, ops = resolved
-        # Each plan gets its own dicts (as model_dump gave): plans are plain data a caller may edit.
-        # One unpickling copies all four nested fragments at C speed.
+            ops = resolve(self.geometry, self.constraint, p.shape, conv1d=conv1d, structure=structure, post=self.post)
+            fragments = pickle.dumps((ops.geometry, ops.constraint, self.direction, self.schedule, self.post),
+                                     pickle.HIGHEST_PROTOCOL)
+            resolved = self._resolved[key] = (fragments, ops)
+        fragments, ops = resolved
+        # Each plan gets its own dicts (as model_dump gave); one unpickling copies all the nested
+        # fragments at C speed.
         geometry, constraint, direction, schedule, post = pickle.loads(fragments)
-        plan = ParamPlan(
+        return ParamPlan(
             name=p.name, shape=p.shape, dtype=p.dtype, device=p.device, rule=self.rule.name, rule_index=self.index,
             geometry=geometry, constraint=constraint, direction=direction, schedule=schedule, lr=self.lr,
-            weight_decay=self.weight_decay, radius=radius, transpose=transpose, on_nonfinite=self.on_nonfinite,
+            weight_decay=self.weight_decay, radius=ops.radius, transpose=ops.transpose, on_nonfinite=self.on_nonfinite,
             project_on_init=self.project_on_init, aliases=p.aliases,
-            role="" if p.role is None else p.role.name, post=post, decay=self.decay,
+            role="" if p.role is None else p.role.name, post=post, decay=self.decay, ops=ops.digest,
         )
-        object.__setattr__(plan, "_bucket", bucket_key(self.index, ops, op_shape, p.dtype, p.device))
-        return plan
-
-    def _resolve(self, geometry: dict, transpose: bool, op_shape: tuple[int, ...]):
-        from geomopt.geometry.scale import radius_scale
-
-        radius = geometry["radius"] * radius_scale(geometry, op_shape)
-        constraint = self.constraint
-        if constraint is not None and constraint.get("relative"):
-            # ``relative``: the radius is in units of the geometry's resolved radius ρ
-            constraint = {**constraint, "radius": constraint["radius"] * radius, "relative": False}
-        fragments = pickle.dumps((geometry, constraint, self.direction, self.schedule, self.post), pickle.HIGHEST_PROTOCOL)
-        return fragments, radius, ops_key(geometry, constraint, radius, transpose)

@@ -1,26 +1,30 @@
 """The compiled plan: one :class:`ParamPlan` per tensor, grouped into buckets.
 
-Everything here is resolved and plain (dicts of spec fragments, floats): the optimizer executes a
-plan without looking at the spec again.
+Everything here is resolved and plain (dicts of spec fragments with their defaults filled, floats):
+the optimizer executes a plan without looking at the spec again. The resolution itself (layout,
+view, radius, relative constraints, pre-normalization) is :mod:`geomopt.compile.resolve`, shared
+with the functional API.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Optional
 
-from geomopt.compile.match import ParamInfo
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamPlan:
     """How one tensor is optimized.
 
-    ``geometry``/``constraint``/``direction``/``schedule`` (and each of ``post``) are plain spec fragments with defaults
-    filled in (``prenormalize`` and ``layout`` resolved); ``radius`` is the geometry's radius times
-    its scale preset for this shape; ``transpose`` means the ops act on the transposed tensor
-    (``layout: in_out``, e.g. Hugging Face Conv1D).
+    ``geometry``/``constraint``/``direction``/``schedule`` (and each of ``post``) are plain spec
+    fragments with every default filled in (``prenormalize``, ``layout`` and the ``view`` resolved:
+    :func:`geomopt.compile.resolve.resolve`); ``radius`` is the geometry's radius times its scale
+    preset for this shape; ``transpose`` means the ops act on the transposed tensor (``layout:
+    in_out``, e.g. Hugging Face Conv1D). A plan is frozen: edit one with ``dataclasses.replace``,
+    which computes its ``bucket`` again (the fragments are not to be changed in place).
     """
 
     name: str
@@ -43,16 +47,17 @@ class ParamPlan:
     role: str = ""  # the tensor's role(s) ("" when the plan did not read roles)
     post: tuple = ()  # the rule's post-stages (spec fragments, in run order)
     decay: str = "decoupled"  # weight decay: decoupled or cautious
+    #: tensors with equal keys run as one batched call: same rule, operators, op shape, dtype and
+    #: device (computed at construction, from ``ops`` where the planner passes it)
+    bucket: str = dataclasses.field(init=False, compare=False)
+    #: the digest of (geometry, constraint, radius, transpose, post) when the caller has it (the
+    #: planner computes it once per rule and shape); None: computed here
+    ops: dataclasses.InitVar[Optional[str]] = None
 
-    @property
-    def bucket(self) -> str:
-        """Tensors with equal keys run as one batched call: same rule, ops, shape, dtype, device."""
-        key = self.__dict__.get("_bucket")
-        if key is None:  # computed once (the compiler seeds it from a per-rule cache)
-            key = bucket_key(self.rule_index, ops_key(self.geometry, self.constraint, self.radius, self.transpose),
-                             self.op_shape, self.dtype, self.device)
-            object.__setattr__(self, "_bucket", key)
-        return key
+    def __post_init__(self, ops: Optional[str]) -> None:
+        if ops is None:
+            ops = ops_digest(self.geometry, self.constraint, self.radius, self.transpose, self.post)
+        object.__setattr__(self, "bucket", f"{self.rule_index}|{ops}|{self.op_shape}|{self.dtype}|{self.device}")
 
     @property
     def matrix_cost(self) -> Optional[float]:
@@ -76,46 +81,10 @@ class ParamPlan:
         return self.shape
 
 
-def ops_key(geometry: dict, constraint: Optional[dict], radius: float, transpose: bool) -> str:
-    return json.dumps([geometry, constraint, radius, transpose], sort_keys=True)
-
-
-def bucket_key(rule_index: int, ops: str, op_shape: tuple[int, ...], dtype: str, device: str) -> str:
-    return f"{rule_index}|{ops}|{op_shape}|{dtype}|{device}"
-
-
-def op_layout(geometry: dict, p: ParamInfo) -> tuple[dict, bool, tuple[int, ...]]:
-    """(geometry as the ops see it, transpose, op_shape) for tensor ``p``.
-
-    ``layout: in_out`` (and ``auto`` on a Hugging Face ``Conv1D``, which stores (d_in, d_out))
-    means the ops act on the transposed tensor, so the geometry they receive says ``out_in``."""
-    layout = geometry.get("layout", "out_in")
-    if layout == "auto":
-        layout = "in_out" if p.modules and "Conv1D" in p.modules else "out_in"
-    transpose = layout == "in_out" and len(p.shape) >= 2
-    if "layout" in geometry and geometry["layout"] != "out_in":
-        geometry = {**geometry, "layout": "out_in"}
-    shape = p.shape
-    return geometry, transpose, ((shape[1], shape[0], *shape[2:]) if transpose else shape)
-
-
-def resolve_view(geometry: dict, op_shape: tuple[int, ...], structure: Optional[dict],
-                 constraint: Optional[dict] = None) -> dict:
-    """The geometry with its spec ``view`` resolved for one tensor (:func:`geomopt.geometry.view.resolve`;
-    ``structure`` from the tensor's role), block radius factors and whether a ``relative``
-    constraint scales with them. Raises ValueError when the view does not fit."""
-    spec_view = geometry.get("view")
-    if spec_view is None or "kind" not in spec_view:
-        return geometry
-    from geomopt.geometry.scale import block_factors
-    from geomopt.geometry.view import resolve
-
-    view = resolve(spec_view, op_shape, structure)
-    if view is not None:
-        view["factors"] = block_factors(geometry, op_shape, view)
-        if view["factors"] and constraint is not None and constraint.get("relative"):
-            view["scale_constraint"] = True
-    return {**geometry, "view": view}
+def ops_digest(geometry: dict, constraint: Optional[dict], radius: float, transpose: bool, post: tuple = ()) -> str:
+    """A short digest of what a tensor's operators compute (equal for equal fragments)."""
+    text = json.dumps([geometry, constraint, radius, transpose, list(post)], sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 @dataclasses.dataclass
@@ -235,3 +204,6 @@ def _constraint_text(c: Optional[dict], methods=()) -> str:
     if c and c.get("method") == "auto":
         return _call_text({**c, "method": "auto" + ("→" + "/".join(sorted(methods)) if methods else "")})
     return _call_text(c)
+
+
+from geomopt.compile.resolve import op_layout, resolve_view  # noqa: E402,F401  (lint's imports, until it moves)
