@@ -123,8 +123,8 @@ def adam_update(xs, us, m, v, step, pieces, off, geometry, gamma, weight_decay, 
     where :func:`can_fuse_adam` allows it (torch.optim.AdamW(fused=True) bit for bit: one pass
     instead of eight), else :func:`geomopt.geometry.adam.adam_moments`'s op order (AdamW's
     single-tensor path, bit for bit) with the denominator in the workspace."""
-    beta1, beta2 = (float(b) for b in geometry.get("betas", (0.9, 0.999)))
-    eps = float(geometry.get("eps", 1e-8))
+    beta1, beta2 = (float(b) for b in geometry["betas"])  # a plan's fragment holds every default
+    eps = float(geometry["eps"])
     (m, m_views), (v, v_views) = m, v
     if pieces is not None:
         n = sum(x.numel() for x in xs)

@@ -38,7 +38,7 @@ from geomopt.optim.stacked import STACKED, StackedState
 from geomopt.optim import stages as post_stages
 from geomopt.optim.tensors import full, in_set, local, my_shard, op_view, stack, upcast
 from geomopt.optim.workspace import Workspace
-from geomopt.spec.model import Spec
+from geomopt.spec.model import RESOLVED_DEFAULTS, Spec
 
 __all__ = ["GeomOptimizer", "NonFiniteGradientError", "spec_hash"]
 
@@ -120,7 +120,7 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
             ))
             self._plans.append(plans)
         self._building = True
-        super().__init__(groups, dict(lr=0.02, weight_decay=0.0))
+        super().__init__(groups, dict(lr=RESOLVED_DEFAULTS["lr"], weight_decay=RESOLVED_DEFAULTS["weight_decay"]))
         self._building = False
         # what the spec set per group, saved with the state: after a spec change, values the new
         # spec changed win over the checkpoint's (load_state_dict)
