@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import emit  # noqa: E402
 
 from geomopt.cli.bench import Timer, device_name
-from geomopt.geometry.backward import backward
+from geomopt.geometry.prox import backward
 
 ROOT = Path(__file__).resolve().parents[1]
 GEOMETRY = {"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-3},
@@ -49,12 +49,13 @@ def _sigma_step(c, t, dtype):
     """The scalar step on σ that the op applies (the same private helpers)."""
     from geomopt.geometry.reference import make_reference
 
-    B = importlib.import_module("geomopt.geometry.backward")  # the module (the package exports the function)
+    scalar = importlib.import_module("geomopt.geometry.prox.scalar")
+    vector = importlib.import_module("geomopt.geometry.prox.vector")
 
     ref = make_reference(GEOMETRY["reference"])
     if c["kind"] == "frobenius_ball":
-        return lambda s: B._ball_magnitudes(s, t, c["radius"], ref, dtype)[0]
-    return lambda s: B._sigma_proj(c["kind"], s, c)
+        return lambda s: scalar._ball_magnitudes(s, t, c["radius"], ref, dtype)[0]
+    return lambda s: vector._sigma_proj(c["kind"], s, c)
 
 
 def _per_matrix_svd(y, c, t):

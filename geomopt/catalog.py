@@ -1,8 +1,8 @@
 """What the operators support, as plain data: no torch, so ``geomopt lint`` (and anything else
 that only reasons about a spec) reads it without loading the math.
 
-* The backward table (paper Table 1): every backward op of :mod:`geomopt.geometry.backward` by
-  function name, with the geometries and constraints it serves. The op module registers each
+* The backward table (paper Table 1): every backward op of :mod:`geomopt.geometry.prox` by
+  function name, with the geometries and constraints it serves. The op modules register each
   function under its row (:func:`geomopt.geometry.registry.backward_op`), so this table is the one
   place a (geometry, constraint) pair is declared; :func:`supported_constraints` and
   :func:`has_backward` answer from it.
@@ -26,7 +26,7 @@ SPECTRAL_SETS = ("spectral_ball", "spectral_sphere", "stiefel", "rank")
 # the nearest point in ‖·‖∞ coincides with the Euclidean one.
 SEPARABLE_SETS = ("sign_set", "linf_ball", "linf_sphere", "l0")
 
-#: backward op (function name in geomopt.geometry.backward) → (geometries, constraints) it serves,
+#: backward op (function name in geomopt.geometry.prox) → (geometries, constraints) it serves,
 #: in registration order (the order :func:`supported_constraints` lists them in).
 BACKWARD_TABLE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "euclidean_projection": (("euclidean", "isotropic"), SET_KINDS),

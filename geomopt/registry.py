@@ -6,6 +6,10 @@ join with a decorator, ``@REGISTRY.register(key, **meta)``; ``meta`` (a locality
 is kept beside the unit in :attr:`Registry.meta`. Registering a key twice is an error (two units
 cannot own one name), and looking up an unknown key raises a ``KeyError`` that names what the
 registry holds and the known keys. Torch-free: lint and the spec layer import it.
+
+Also here, torch-free: the localities an operator declares when it registers (its ``locality``
+meta), which say where it can run when a tensor is split across ranks
+(:mod:`geomopt.distributed.executors`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,12 @@ from __future__ import annotations
 from typing import Any, Callable, Hashable, TypeVar
 
 T = TypeVar("T")
+
+#: Localities. ``LOCAL``: elementwise, runs on any shard as is. ``REDUCE``: needs whole-tensor,
+#: row or column norms (torch reduces them over shards). ``OWNER``: a matrix function (SVD, polar,
+#: Newton–Schulz, top-k) that needs the whole matrix on one rank.
+LOCAL, REDUCE, OWNER = "local", "reduce", "owner"
+LOCALITIES = (LOCAL, REDUCE, OWNER)
 
 
 class Registry(dict):

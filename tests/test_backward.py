@@ -21,7 +21,8 @@ import scipy.special as sp
 import torch
 from hypothesis import given, settings, strategies as st
 
-from geomopt.geometry.backward import backward, polar
+from geomopt.geometry.prox import backward
+from geomopt.geometry.prox.polar import polar
 from geomopt.geometry.registry import BACKWARD_OPS
 
 LOG = {"kind": "log_barrier", "eps": 1e-3}
@@ -596,7 +597,7 @@ def test_stiefel_polar_accuracy(dtype, bound, shape, gamma):
 def test_stiefel_polar_takes_the_cheaper_iteration(shape, gram_route, monkeypatch):
     """Near Stiefel, elongated matrices go through the Gram matrix's inverse square root (fewer
     FLOPs), square ones through Newton–Schulz on Y; both match r·U·Vᵀ of the SVD to ≤ 2e-6·r."""
-    mod = importlib.import_module("geomopt.geometry.backward")
+    mod = importlib.import_module("geomopt.geometry.prox.polar")
     calls = []
     inverse_sqrt = mod._inverse_sqrt
     monkeypatch.setattr(mod, "_inverse_sqrt", lambda *a, **k: calls.append(1) or inverse_sqrt(*a, **k))
@@ -841,7 +842,7 @@ def test_ball_magnitudes_match_nested_root_finding_in_float64(ref, t_over_r):
     scipy root-finding written from the optimality conditions: σ + (h₁*)'(τσ) = α per entry (h₁ with
     ε = 1: (h₁*)'(y) = y/(1 + y^κ)^{1/κ}, log barrier y/(1 + y)), τ such that Σσ² = (r/t)².
     Relative error ≤ 1e-12 in float64."""
-    mod = importlib.import_module("geomopt.geometry.backward")  # the package exports the function
+    mod = importlib.import_module("geomopt.geometry.prox.scalar")
     from geomopt.geometry.reference import make_reference
 
     kappa = ref.get("kappa")

@@ -1,6 +1,6 @@
 """The exact spectral steps at the eigensolver floor and the Frobenius ball's Newton solve.
 
-The ball's scalar solve (geomopt.geometry.backward._solve_ball: safeguarded Newton on τ, fixed
+The ball's scalar solve (geomopt.geometry.prox.scalar._solve_ball: safeguarded Newton on τ, fixed
 step count) against an independent float64 root finding written from the optimality conditions
 (scipy brentq for σ_i and for τ), for every reference it supports; then the batched Gram–eigh
 steps (low-rank composition, routes) against a float64 SVD of the same matrices.
@@ -16,10 +16,12 @@ import pytest
 import scipy.optimize as so
 import torch
 
-from geomopt.geometry.backward import backward
+from geomopt.geometry.prox import backward
 from geomopt.geometry.reference import make_reference
 
-B = importlib.import_module("geomopt.geometry.backward")  # the module (the package exports the function)
+scalar = importlib.import_module("geomopt.geometry.prox.scalar")
+vector = importlib.import_module("geomopt.geometry.prox.vector")
+spectral_map = importlib.import_module("geomopt.geometry.prox.spectral_map")
 
 REFS = {
     "pow1": {"kind": "power_barrier", "kappa": 1.0, "eps": 1e-3},
@@ -90,7 +92,7 @@ def test_ball_newton_matches_float64_brute_force(ref, dist, t_over_r, theta):
     a = _scaled(_magnitudes(dist, 40, rng), t, r, theta)
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
         at = torch.tensor(a, dtype=dtype)[None]
-        s, bad = B._ball_magnitudes(at, t, r, make_reference(REFS[ref]), dtype)
+        s, bad = scalar._ball_magnitudes(at, t, r, make_reference(REFS[ref]), dtype)
         assert not bool(bad[0])
         want = _ball_brute(REFS[ref], at[0].double().numpy(), t, r)
         err = np.abs(s[0].double().numpy() - want).max() / want.max()
@@ -101,7 +103,7 @@ def test_ball_solve_has_no_host_syncs():
     """Fixed step count, no data-dependent control flow: the whole solve runs on the meta device
     (any .item(), .tolist() or bool() of a tensor would raise there)."""
     for ref in REFS.values():
-        s, bad = B._ball_magnitudes(torch.empty(3, 7, device="meta"), 0.1, 1.0, make_reference(ref), torch.float32)
+        s, bad = scalar._ball_magnitudes(torch.empty(3, 7, device="meta"), 0.1, 1.0, make_reference(ref), torch.float32)
         assert s.shape == (3, 7) and bad.shape == (3,)
 
 
@@ -111,11 +113,11 @@ def test_ball_rows_are_independent_and_flags_unchanged():
     rng = np.random.default_rng(3)
     a = torch.tensor(np.stack([rng.uniform(0, 1, 16) * k for k in (0.1, 0.4, 1.0, 5.0)]), dtype=torch.float32)
     ref = make_reference(REFS["pow4"])
-    s, bad = B._ball_magnitudes(a, 0.3, 1.0, ref, torch.float32)
+    s, bad = scalar._ball_magnitudes(a, 0.3, 1.0, ref, torch.float32)
     assert torch.equal(s[0], a[0]) and not bool(bad[0])
     assert bool(bad[3]) and torch.allclose(s[3], a[3] / a[3].norm())
     for i in range(4):
-        si, bi = B._ball_magnitudes(a[i:i + 1], 0.3, 1.0, ref, torch.float32)
+        si, bi = scalar._ball_magnitudes(a[i:i + 1], 0.3, 1.0, ref, torch.float32)
         assert torch.equal(si[0], s[i]) and bool(bi[0]) == bool(bad[i])
 
 
@@ -139,8 +141,8 @@ def _buckets(shape, batch=4):
 def _step_values(s: torch.Tensor, c: dict, t: float) -> torch.Tensor:
     """The op's own scalar step on σ, in float64."""
     if c["kind"] == "frobenius_ball":
-        return B._ball_magnitudes(s.double(), t, c["radius"], make_reference(GEOMETRY["reference"]), torch.float64)[0]
-    return B._sigma_proj(c["kind"], s.double(), c)
+        return scalar._ball_magnitudes(s.double(), t, c["radius"], make_reference(GEOMETRY["reference"]), torch.float64)[0]
+    return vector._sigma_proj(c["kind"], s.double(), c)
 
 
 def _svd_step(y: torch.Tensor, c: dict, t: float) -> torch.Tensor:
@@ -215,8 +217,8 @@ def test_low_rank_composition_equals_the_frame():
         w = c.expand(3, q).clone()
         w[:, :5] = torch.rand(3, 5, generator=g, dtype=torch.float64)
         frame = (v, w, c)
-        low = B._gram_product(m, None, frame, 8, [False] * 3)
-        full = B._gram_product(m, None, frame, q, [False] * 3)
+        low = spectral_map._gram_product(m, None, frame, 8, [False] * 3)
+        full = spectral_map._gram_product(m, None, frame, q, [False] * 3)
         torch.testing.assert_close(low, full, rtol=1e-12, atol=1e-12)
 
 

@@ -24,7 +24,7 @@ from scipy import integrate, optimize
 from torch import nn
 
 import geomopt
-from geomopt.geometry.backward import backward
+from geomopt.geometry.prox import backward
 from geomopt.geometry.gap import dual_norm, gap_reference, gap_unavailable, stationarity_gap
 from geomopt.geometry.reference import make_reference
 from geomopt.geometry.spectral import approx_coefficients, compose_polynomials, realized_reference

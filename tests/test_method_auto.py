@@ -25,8 +25,9 @@ from geomopt.geometry.method import CUDA_BATCHED_EIGH_MAX, METHOD_KINDS, resolve
 from geomopt.spec import model as m
 from geomopt.spec.schema import schema
 
-# the module (the package's ``backward`` attribute is the function)
-backward = importlib.import_module("geomopt.geometry.backward")
+# the package (its ``backward`` attribute is the function), and the module of the polar steps
+backward = importlib.import_module("geomopt.geometry.prox")
+prox_polar = importlib.import_module("geomopt.geometry.prox.polar")
 ROOT = Path(__file__).resolve().parents[1]
 SPECTRAL = {"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 2e-3},
             "approx": {"kind": "newton_schulz"}}
@@ -113,7 +114,7 @@ def test_kinds_without_a_polar_step_are_exact(kind):
 
 
 def test_the_method_kinds_are_the_polar_steps():
-    assert set(METHOD_KINDS) == set(backward._POLAR)
+    assert set(METHOD_KINDS) == set(prox_polar._POLAR)
     assert set(METHOD_KINDS) == {name for name, cls in (("stiefel", m.Stiefel), ("spectral_ball", m.SpectralBall),
                                                          ("spectral_sphere", m.SpectralSphere), ("rank", m.Rank))
                                  if "method" in cls.model_fields}
@@ -267,7 +268,7 @@ def test_explain_says_what_auto_resolves_to_and_the_rule():
 @pytest.mark.parametrize("name", ["stiefel", "spectral-clip"])
 def test_lint_finds_the_same_with_auto_exact_and_polar(name):
     """No lint rule reads ``method``: a shipped spec (auto by default) lints as it did with exact."""
-    base = geomopt.load_spec(ROOT / "specs" / f"{name}.yaml")
+    base = geomopt.load_spec(ROOT / "geomopt" / "specs" / f"{name}.yaml")
     infos = model_params(_model())[0]
     data = base.model_dump()
     found = {}

@@ -1,11 +1,17 @@
-"""Sharding bucket work across ranks (torch.distributed, DTensor): see :mod:`.executors`."""
+"""Sharding bucket work across ranks (torch.distributed, DTensor): see :mod:`.executors`.
+
+``LOCAL``, ``REDUCE``, ``OWNER`` live in :mod:`geomopt.registry` (torch-free) and are re-exported
+here; each operator declares its locality when it registers
+(:func:`geomopt.geometry.registry.forward_locality`, :func:`~geomopt.geometry.registry.backward_locality`).
+"""
 
 from geomopt.distributed.executors import (
-    FORWARD_LOCALITY, LOCAL, OWNER, REDUCE, LocalExecutor, ReplicatedExecutor, Request, ShardedExecutor,
-    WorkCounter, assign, backward_locality, chunk_sizes, is_dtensor, make_executor,
+    LocalExecutor, ReplicatedExecutor, Request, ShardedExecutor, WorkCounter, assign, chunk_sizes, is_dtensor,
+    make_executor,
 )
+from geomopt.registry import LOCAL, OWNER, REDUCE
 
 __all__ = [
-    "FORWARD_LOCALITY", "LOCAL", "OWNER", "REDUCE", "LocalExecutor", "ReplicatedExecutor", "Request",
-    "ShardedExecutor", "WorkCounter", "assign", "backward_locality", "chunk_sizes", "is_dtensor", "make_executor",
+    "LOCAL", "OWNER", "REDUCE", "LocalExecutor", "ReplicatedExecutor", "Request", "ShardedExecutor", "WorkCounter",
+    "assign", "chunk_sizes", "is_dtensor", "make_executor",
 ]

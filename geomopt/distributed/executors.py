@@ -16,7 +16,9 @@ requests in the same order, so collectives line up without any handshake:
   operators gather each matrix on its owning rank with one ``all_to_all`` per round, compute there
   and send the shards back with a second ``all_to_all`` (the layout microsoft/dion uses).
 
-Locality of every registered operator is declared below (a test checks none is missing).
+The locality of every operator (``LOCAL``, ``REDUCE``, ``OWNER``: :mod:`geomopt.registry`) is
+declared where it registers (:mod:`geomopt.geometry.registry`: ``forward_locality``,
+``backward_locality``); the caller puts it on each request.
 """
 
 from __future__ import annotations
@@ -28,28 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-LOCAL, REDUCE, OWNER = "local", "reduce", "owner"
-
-#: forward op kind → locality (elementwise maps are local; whole-tensor or row/column norms
-#: reduce; matrix functions need the whole matrix on one rank)
-FORWARD_LOCALITY = {
-    "euclidean": LOCAL, "anisotropic": LOCAL, "adam": LOCAL,
-    "isotropic": REDUCE, "rowwise": REDUCE, "columnwise": REDUCE,
-    "spectral": OWNER,
-}
-
-_SPECTRAL_SETS = ("spectral_ball", "spectral_sphere", "stiefel", "rank")
-
-
-def backward_locality(geometry: str, constraint: str) -> str:
-    """Locality of the backward op registered for (geometry, constraint)."""
-    if constraint == "proximal_decay":
-        return LOCAL  # X/(1 + γλ) or a per-entry shrink
-    if geometry == "spectral" or constraint in _SPECTRAL_SETS or constraint in ("l0", "linf_sphere"):
-        return OWNER  # SVD / polar / top-k / first argmax over the whole tensor
-    if constraint in ("linf_ball", "sign_set"):
-        return LOCAL if geometry in ("euclidean", "anisotropic") else REDUCE  # isotropic: feasibility norm
-    return REDUCE  # ℓ2 / Frobenius balls and spheres; row / column groups
+from geomopt.registry import LOCAL, OWNER, REDUCE
 
 
 @dataclass

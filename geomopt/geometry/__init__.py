@@ -1,20 +1,22 @@
 """The math, torch only: reference functions h, forward ops ∇φ*, spectral approximations,
-backward ops (the prox table), radius presets, and the registry of kinds."""
+backward ops (the prox table, :mod:`geomopt.geometry.prox`), radius presets, and the registries
+of kinds. How every operator reads a tensor (working dtype, plain matrix, row/column groups) is
+:mod:`geomopt.geometry.matrix`; matrix views (experts, blocks) are :mod:`geomopt.geometry.view`.
 
-from geomopt.geometry.forward import forward
+Importing the package registers every unit: the registries (:mod:`geomopt.geometry.registry`,
+``APPROX_OPS`` in :mod:`~geomopt.geometry.spectral`, ``REFERENCES`` in
+:mod:`~geomopt.geometry.reference`) import no op module, and the op modules, imported here, fill
+them.
+"""
+
+# the op modules: importing them registers their units
 from geomopt.geometry.reference import make_reference
+from geomopt.geometry.spectral import realized_reference
+from geomopt.geometry.forward import forward
+from geomopt.geometry.prox import backward
+
 from geomopt.geometry.registry import supported_constraints
 from geomopt.geometry.scale import check_applicable, radius_scale
-from geomopt.geometry.spectral import realized_reference
-
-try:
-    from geomopt.geometry.backward import backward
-except ImportError as _exc:  # backward.py not there yet (or broken): fail when called, not on import
-    _backward_error = _exc
-
-    def backward(*args, **kwargs):
-        raise ImportError(f"geomopt.geometry.backward is unavailable: {_backward_error}") from _backward_error
-
 
 __all__ = [
     "forward",

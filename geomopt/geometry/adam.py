@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from geomopt.geometry.matrix import working_dtype
+
 
 def adam_moments(g: torch.Tensor, state: dict, geometry: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Update m ← β₁m + (1−β₁)g, v ← β₂v + (1−β₂)g² in ``state`` (float32 at least) and return
@@ -13,7 +15,7 @@ def adam_moments(g: torch.Tensor, state: dict, geometry: dict) -> tuple[torch.Te
     eps = float(geometry.get("eps", 1e-8))
     if "exp_avg" not in state:
         state["adam_step"] = 0
-        dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+        dtype = working_dtype(g.dtype)
         state["exp_avg"] = torch.zeros_like(g, dtype=dtype, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(g, dtype=dtype, memory_format=torch.preserve_format)
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]

@@ -4,8 +4,12 @@ One registered op per geometry kind (README: the math in one paragraph), each
 ``fn(d, geometry: dict, *, radius, batch_dims=0, state=None) -> Tensor`` with ``geometry`` the
 ``model_dump()`` of a spec geometry. The leading ``batch_dims`` dims of ``d`` index independent
 tensors (the optimizer stacks same-shape tensors into one bucket), so every norm and every matrix
-is per batch element. Ops compute in at least float32 (bf16 inputs are upcast) and return
-``out_dtype`` (default: the input dtype).
+is per batch element. Ops compute in at least float32 (bf16 inputs are upcast:
+:func:`geomopt.geometry.matrix.upcast`) and return ``out_dtype`` (default: the input dtype).
+
+Each op declares its locality when it registers (:mod:`geomopt.geometry.registry`): elementwise
+maps are ``LOCAL``, whole-tensor or row/column norms ``REDUCE``, the spectral map (a matrix
+function) ``OWNER``.
 """
 
 from __future__ import annotations
@@ -13,16 +17,12 @@ from __future__ import annotations
 import torch
 
 from geomopt.geometry.adam import adam_moments  # noqa: F401  (re-exported: the optimizer's exact AdamW path)
+from geomopt.geometry.matrix import by_rows, matrix_view, upcast
 from geomopt.geometry.reference import Reference, make_reference
-from geomopt.geometry.registry import FORWARD_OPS, forward_op
-from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, apply_approx, compute_dtype, matrix_view
+from geomopt.geometry.registry import FORWARD_OPS, LOCAL, OWNER, REDUCE
+from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, apply_approx, compute_dtype
 from geomopt.geometry.view import apply as apply_view
 from geomopt.geometry.view import split_view
-
-
-def _work(d: torch.Tensor) -> torch.Tensor:
-    # fp32 at least: bf16 norms and divisions would put ~0.4% noise on every entry.
-    return d.to(torch.promote_types(d.dtype, torch.float32))
 
 
 def _reference(geometry: dict) -> Reference:
@@ -36,30 +36,30 @@ def _element_dims(d: torch.Tensor, batch_dims: int) -> tuple[int, ...]:
     return tuple(range(batch_dims, d.ndim))
 
 
-@forward_op("euclidean")
+@FORWARD_OPS.register("euclidean", locality=LOCAL)
 def euclidean(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """φ = ½‖·‖²: ∇φ*(D) = ρD (SGD)."""
-    return (_work(d) * radius).to(out_dtype or d.dtype)
+    return (upcast(d) * radius).to(out_dtype or d.dtype)
 
 
-@forward_op("isotropic")
+@FORWARD_OPS.register("isotropic", locality=REDUCE)
 def isotropic(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """φ = h∘‖·‖_F: ∇φ*(D) = ρ·(h*)'(‖D‖)·D/‖D‖ = ρ·[(h*)'(s)/s]·D, s = ‖D‖_F per batch element
     (paper Corollary 3.2(i), Example 2.3: log barrier gives D/(ε+‖D‖), normalized SGD). The factor
     (h*)'(s)/s is :meth:`Reference.iso_factor`, finite at s = 0, so D/‖D‖ is never formed."""
-    x = _work(d)
+    x = upcast(d)
     s = torch.linalg.vector_norm(x, dim=_element_dims(x, batch_dims), keepdim=True)
     return (x * (radius * _reference(geometry).iso_factor(s))).to(out_dtype or d.dtype)
 
 
-@forward_op("anisotropic")
+@FORWARD_OPS.register("anisotropic", locality=LOCAL)
 def anisotropic(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """φ(X) = Σ h(X_ij): ∇φ*(D)_ij = ρ·(h*)'(D_ij) (paper Example 2.3, separable; the indicator
     gives ρ·sign(D), Scion's Sign with ρ = 1/d_in)."""
-    return (radius * _reference(geometry).dual_grad(_work(d))).to(out_dtype or d.dtype)
+    return (radius * _reference(geometry).dual_grad(upcast(d))).to(out_dtype or d.dtype)
 
 
-@forward_op("spectral")
+@FORWARD_OPS.register("spectral", locality=OWNER)
 def spectral(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """φ(X) = Σ h(σ_i(X)): ∇φ*(D) = ρ·U·Diag((h*)'(σ_i))·Vᵀ (paper Corollary 3.2(ii), Example 3.3;
     Muon-like). Each element is the matrix (shape[0], prod(rest)) (a ``view`` makes it several:
@@ -86,17 +86,14 @@ def input_dtype(geometry: dict, like: torch.Tensor) -> torch.dtype:
 
 
 def _blockwise(d, geometry, radius, batch_dims, out_dtype):
-    x = _work(d)
-    mats = matrix_view(x, batch_dims)
-    # Groups are rows of the logical (d_out, d_in) matrix for rowwise, its columns for columnwise;
-    # ``layout: in_out`` stores that matrix transposed (GPT-2 Conv1D, embeddings), which swaps them.
-    by_row = (geometry["kind"] == "rowwise") != (geometry.get("layout", "out_in") == "in_out")
-    s = torch.linalg.vector_norm(mats, dim=-1 if by_row else -2, keepdim=True)
+    mats = matrix_view(upcast(d), batch_dims)
+    # the groups: rows or columns of the stored matrix (geomopt.geometry.matrix.by_rows)
+    s = torch.linalg.vector_norm(mats, dim=-1 if by_rows(geometry) else -2, keepdim=True)
     out = mats * (radius * _reference(geometry).iso_factor(s))
     return out.reshape(d.shape).to(out_dtype or d.dtype)
 
 
-@forward_op("rowwise")
+@FORWARD_OPS.register("rowwise", locality=REDUCE)
 def rowwise(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """Isotropic per row (output unit) of the (d_out, d_in) matrix, φ(X) = Σ_i h(‖X_i,:‖)
     (block-separable): row i ↦ ρ·[(h*)'(s_i)/s_i]·D_i,:, s_i = ‖D_i,:‖. Scion's RowNorm is the log
@@ -105,7 +102,7 @@ def rowwise(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     return _blockwise(d, geometry, radius, batch_dims, out_dtype)
 
 
-@forward_op("columnwise")
+@FORWARD_OPS.register("columnwise", locality=REDUCE)
 def columnwise(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """Isotropic per column (input unit) of the (d_out, d_in) matrix: column j ↦
     ρ·[(h*)'(s_j)/s_j]·D_:,j, s_j = ‖D_:,j‖ (Scion's ColNorm; on an ``in_out`` embedding
@@ -129,7 +126,7 @@ def isotropic_factors(norms: torch.Tensor, geometry: dict) -> torch.Tensor:
     return _reference(geometry).iso_factor(norms)
 
 
-@forward_op("adam")
+@FORWARD_OPS.register("adam", locality=LOCAL)
 def adam(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """Adam(W)'s update direction, outside the paper's theory (an escape hatch; lint says so):
     m ← β₁m + (1−β₁)d, v ← β₂v + (1−β₂)d², returns ρ·m/(bc₁·(√v/√bc₂ + ε)), bc_i = 1 − β_i^t

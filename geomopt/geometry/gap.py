@@ -12,7 +12,7 @@ D_{φ*}(∇f, −∇̃g) with the subgradient the step picked). Conversely, at a
 forward step W = ∇φ₁*(Ĝ) and the gap is 0. So φ₁ must be a reference the backward step is a
 prox for:
 
-* the declared reference, always: every backward step uses it (:mod:`geomopt.geometry.backward`),
+* the declared reference, always: every backward step uses it (:mod:`geomopt.geometry.prox`),
   whatever approximation the forward step runs. The realized κ = 4 barrier of a Newton–Schulz /
   Polar Express forward (:func:`geomopt.geometry.spectral.realized_reference`) reaches the
   backward step only through the declaration: measured against it while the backward step used
@@ -60,6 +60,7 @@ import math
 import torch
 
 from geomopt.catalog import SPECTRAL_SETS
+from geomopt.geometry.matrix import groups, matrices, vectors, working_dtype
 from geomopt.geometry.reference import Reference, make_reference
 from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, default_prenormalize, prenormalize, realized_reference
 from geomopt.geometry.view import reduce, split_view
@@ -133,7 +134,7 @@ def stationarity_gap(
 
 def _any_reference(geometry: dict, constraint: dict | None) -> bool:
     """Whether the backward step is the prox for every reference: no constraint, or a spectral set
-    projection (paper Table 1; :func:`geomopt.geometry.backward.spectral_projection`)."""
+    projection (paper Table 1; :func:`geomopt.geometry.prox.spectral.spectral_projection`)."""
     return constraint is None or geometry["kind"] == "spectral" and constraint["kind"] in SPECTRAL_SETS
 
 
@@ -153,8 +154,8 @@ def _gap(g: torch.Tensor, w: torch.Tensor, geometry: dict, ref: Reference, preno
     view, plain = split_view(geometry, g.shape[batch_dims:])
     if view is not None:  # the sum over the view's matrices, each with its own radius ρ·f
         return reduce(g, batch_dims, view, lambda gm, wm, f: _gap(gm, wm / f, plain, ref, prenorm, rho * f, 1), w)
-    dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
-    gb = g.to(dtype).reshape(math.prod(g.shape[:batch_dims]), -1)
+    dtype = working_dtype(g.dtype)
+    gb = vectors(g.to(dtype), batch_dims)
     wb = w.to(dtype).reshape(gb.shape)
     if kind == "euclidean" or ref.kind == "quadratic" and kind in ("anisotropic", "isotropic"):
         # ½‖W‖² + ½‖G‖² − ⟨G, W⟩ = ½‖W − G‖² for every lifting of the quadratic.
@@ -164,10 +165,10 @@ def _gap(g: torch.Tensor, w: torch.Tensor, geometry: dict, ref: Reference, preno
     elif kind == "isotropic":
         val = _iso(ref, gb, wb)
     elif kind in ("rowwise", "columnwise"):
-        gr, wr = _groups(g.to(dtype), batch_dims, geometry), _groups(w.to(dtype), batch_dims, geometry)
+        gr, wr = groups(g.to(dtype), batch_dims, geometry), groups(w.to(dtype), batch_dims, geometry)
         val = _iso(ref, gr, wr).sum(-1)
     elif kind == "spectral":
-        gm, wm = _matrices(g.to(dtype), batch_dims, geometry), _matrices(w.to(dtype), batch_dims, geometry)
+        gm, wm = matrices(g.to(dtype), batch_dims), matrices(w.to(dtype), batch_dims)
         if prenorm is not None:  # per matrix, as the forward step's approximations do
             gm = prenormalize(gm, prenorm)
         sg, sw = torch.linalg.svdvals(gm), torch.linalg.svdvals(wm)
@@ -188,15 +189,15 @@ def dual_norm(g: torch.Tensor, geometry: dict, batch_dims: int = 0) -> torch.Ten
     view, plain = split_view(geometry, g.shape[batch_dims:])
     if view is not None:
         return reduce(g, batch_dims, view, lambda gm, f: f * dual_norm(gm, plain, batch_dims=1))
-    dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
-    gb = g.to(dtype).reshape(math.prod(g.shape[:batch_dims]), -1)
+    dtype = working_dtype(g.dtype)
+    gb = vectors(g.to(dtype), batch_dims)
     if kind == "anisotropic":
         val = gb.abs().sum(-1)
     elif kind == "spectral":
-        s = torch.linalg.svdvals(_matrices(g.to(dtype), batch_dims, geometry))
+        s = torch.linalg.svdvals(matrices(g.to(dtype), batch_dims))
         val = s.sum(-1).reshape(gb.shape[0], -1).sum(-1)
     elif kind in ("rowwise", "columnwise"):
-        val = torch.linalg.vector_norm(_groups(g.to(dtype), batch_dims, geometry), dim=-1).sum(-1)
+        val = torch.linalg.vector_norm(groups(g.to(dtype), batch_dims, geometry), dim=-1).sum(-1)
     else:
         val = torch.linalg.vector_norm(gb, dim=-1)
     return val.reshape(g.shape[:batch_dims])
@@ -227,19 +228,3 @@ def _iso(ref: Reference, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ng, nw = torch.linalg.vector_norm(g, dim=-1), torch.linalg.vector_norm(w, dim=-1)
     slack = (ng * nw - (g * w).sum(-1)).clamp(min=0)
     return _fy(ref, ng, nw) + slack
-
-
-def _matrices(x: torch.Tensor, batch_dims: int, geometry: dict) -> torch.Tensor:
-    shape = x.shape[batch_dims:]
-    m = shape[0] if len(shape) else 1
-    return x.reshape(-1, m, max(1, math.prod(shape[1:])))
-
-
-def _groups(x: torch.Tensor, batch_dims: int, geometry: dict) -> torch.Tensor:
-    """(B, groups, len): rows for rowwise, columns for columnwise (``layout: in_out`` swaps),
-    matching :func:`geomopt.geometry.backward._rows`."""
-    shape = x.shape[batch_dims:]
-    m = shape[0] if len(shape) else 1
-    mats = x.reshape(math.prod(x.shape[:batch_dims]), m, -1)
-    by_row = (geometry["kind"] == "rowwise") != (geometry.get("layout", "out_in") == "in_out")
-    return mats if by_row else mats.transpose(-2, -1)

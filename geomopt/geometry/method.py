@@ -1,7 +1,7 @@
 """``method: auto`` of the ``stiefel`` and ``spectral_ball`` constraints: exact or polar, chosen
 where the backward step runs (the device and the matrix size are known only there).
 
-The two methods (:func:`geomopt.geometry.backward.spectral_projection`): ``exact`` diagonalizes
+The two methods (:func:`geomopt.geometry.prox.spectral.spectral_projection`): ``exact`` diagonalizes
 the small Gram matrix (batched ``eigh``; the SVD where that is not as accurate), ``polar`` runs
 SVD-free polar iterations (matrix products only; approximate, max-entry error ≤ 2e-6·r in fp32 on
 training's steps, tests/test_backward.py). ``exact`` and ``polar`` in a spec force one; ``auto``
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-#: constraint kinds with a ``method`` field (and a polar step in geomopt.geometry.backward)
+#: constraint kinds with a ``method`` field (and a polar step in geomopt.geometry.prox.polar)
 METHOD_KINDS = ("stiefel", "spectral_ball")
 
 #: matrices whose smaller side is at most this run ``exact`` under ``auto`` on CUDA

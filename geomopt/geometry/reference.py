@@ -12,14 +12,17 @@ from typing import Callable, Mapping
 
 import torch
 
-REFERENCES: dict[str, type] = {}
+from geomopt.registry import Registry
+
+#: reference kind → its class (``make_reference`` builds one from a spec fragment)
+REFERENCES = Registry("reference")
 
 
 def reference(kind: str) -> Callable[[type], type]:
+    """Register a :class:`Reference` subclass under ``kind`` (also its ``kind`` attribute)."""
     def register(cls: type) -> type:
         cls.kind = kind
-        REFERENCES[kind] = cls
-        return cls
+        return REFERENCES.register(kind)(cls)
 
     return register
 

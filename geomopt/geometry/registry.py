@@ -1,59 +1,104 @@
-"""Registries of operators, filled by decorators in forward.py and backward.py (which pairs a
-backward op serves is plain data in :mod:`geomopt.catalog`, readable without torch).
+"""Registries of the forward and backward operators, and where each runs (its locality).
+
+The op modules (:mod:`geomopt.geometry.forward`, the rows of :mod:`geomopt.geometry.prox`) import
+this module and register into it; ``geomopt.geometry``'s ``__init__`` imports the op modules, so
+every operator is registered once the package is imported (this module imports none of them).
+Which pairs a backward op serves is plain data in :mod:`geomopt.catalog`, readable without torch.
 
 Operators are pure functions of tensors and plain config: spec fragments as plain dicts (the
 ``model_dump()`` of :mod:`geomopt.spec.model`), never spec objects.
 
 Forward op:   ``fn(d, geometry: dict, *, radius: float, batch_dims: int, state: dict | None,
               out_dtype: torch.dtype | None) -> Tensor`` returns ρ·∇φ₁*(d) in out_dtype (None: d's).
+              Registered with ``@FORWARD_OPS.register(kind, locality=LOCAL | REDUCE | OWNER)``.
 Backward op:  ``fn(y, t, ref, constraint: dict, *, gamma: float, geometry: dict, batch_dims: int)
               -> (x, fallback)``, t = γρ; ``fallback`` is a bool tensor of shape
               ``y.shape[:batch_dims]`` (True where the step was undefined and the Euclidean
-              projection was used) or None when the op cannot fail.
+              projection was used) or None when the op cannot fail. Registered with
+              ``@backward_op(locality=...)`` under the pairs of its row of the backward table.
+
+Localities (:data:`geomopt.registry.LOCAL`, ``REDUCE``, ``OWNER``; re-exported here) are read by
+the distributed executors through :func:`forward_locality` and :func:`backward_locality`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import difflib
+from typing import Callable, Union
 
-from geomopt.catalog import BACKWARD_TABLE, backward_pairs
+from geomopt.catalog import BACKWARD_TABLE, CONSTRAINT_KINDS, backward_pairs
 from geomopt.catalog import supported_constraints as supported_constraints  # re-exported: torch-free
+from geomopt.registry import LOCAL, LOCALITIES, OWNER, REDUCE, Registry
 
-FORWARD_OPS: dict[str, Callable] = {}
-BACKWARD_OPS: dict[tuple[str, str], Callable] = {}
+__all__ = [
+    "FORWARD_OPS", "BACKWARD_OPS", "LOCAL", "REDUCE", "OWNER", "backward_op", "get_forward", "get_backward",
+    "forward_locality", "backward_locality", "supported_constraints", "unsupported_message",
+]
+
+#: A backward op's locality: one of LOCAL / REDUCE / OWNER, or a function of the (geometry,
+#: constraint) kinds where it depends on the pair.
+Locality = Union[str, Callable[[str, str], str]]
+
+#: geometry kind → forward op; meta ``locality``
+FORWARD_OPS = Registry("forward op")
+#: (geometry kind, constraint kind) → backward op; meta ``locality`` (a :data:`Locality`)
+BACKWARD_OPS = Registry("backward op")
 
 
-def forward_op(geometry: str) -> Callable[[Callable], Callable]:
-    def register(fn: Callable) -> Callable:
-        FORWARD_OPS[geometry] = fn
-        return fn
-
-    return register
-
-
-def backward_op(fn: Callable, *pairs) -> Callable:
-    """Register ``fn`` under the (geometry, constraint) pairs of its row of the backward table,
-    :data:`geomopt.catalog.BACKWARD_TABLE` (keyed by the function's name): the table is the one
-    place a pair is declared, so lint knows the pairs without importing the ops."""
-    if pairs or not callable(fn) or fn.__name__ not in BACKWARD_TABLE:
-        name = getattr(fn, "__name__", repr(fn))
+def backward_op(fn: Callable | None = None, *pairs, locality: Locality | None = None):
+    """Register a backward op under the (geometry, constraint) pairs of its row of the backward
+    table, :data:`geomopt.catalog.BACKWARD_TABLE` (keyed by the function's name: the table is the
+    one place a pair is declared, so lint knows the pairs without importing the ops), with its
+    ``locality``. Used as ``@backward_op(locality=REDUCE)``, or ``locality=fn(geometry,
+    constraint)`` where the pair decides."""
+    if fn is None:
+        if pairs or locality is None:
+            raise TypeError("decorate a backward op with @backward_op(locality=...) and declare the (geometries, "
+                            "constraints) it serves in geomopt.catalog.BACKWARD_TABLE")
+        return lambda f: backward_op(f, locality=locality)
+    name = getattr(fn, "__name__", repr(fn))
+    if pairs or not callable(fn) or name not in BACKWARD_TABLE:
         raise TypeError(f"backward op {name!r} has no row in geomopt.catalog.BACKWARD_TABLE: declare the "
-                        f"(geometries, constraints) it serves there, then decorate it with a bare @backward_op")
-    for pair in backward_pairs(fn.__name__):
-        BACKWARD_OPS[pair] = fn
+                        f"(geometries, constraints) it serves there, then decorate it with @backward_op(locality=...)")
+    if not callable(locality) and locality not in LOCALITIES:
+        raise TypeError(f"backward op {name!r}: locality must be one of {', '.join(LOCALITIES)} or a function of "
+                        f"(geometry, constraint), got {locality!r}")
+    for pair in backward_pairs(name):
+        BACKWARD_OPS.add(pair, fn, locality=locality)
     return fn
 
 
 def get_backward(geometry: str, constraint: str) -> Callable | None:
-    _load()
     return BACKWARD_OPS.get((geometry, constraint))
 
 
 def get_forward(geometry: str) -> Callable | None:
-    _load()
     return FORWARD_OPS.get(geometry)
 
 
-def _load() -> None:
-    # Importing the op modules runs their decorators.
-    from geomopt.geometry import backward, forward  # noqa: F401
+def forward_locality(kind: str) -> str:
+    """Locality of the forward op of geometry ``kind`` (KeyError naming the known kinds if none)."""
+    FORWARD_OPS[kind]  # noqa: B018  (the registry's KeyError for an unknown kind)
+    return FORWARD_OPS.meta[kind]["locality"]
+
+
+def backward_locality(geometry: str, constraint: str) -> str:
+    """Locality of the backward op registered for (``geometry``, ``constraint``); ValueError (as
+    :func:`geomopt.geometry.backward` raises) for a pair with no op."""
+    if (geometry, constraint) not in BACKWARD_OPS:
+        raise ValueError(unsupported_message(geometry, constraint))
+    locality = BACKWARD_OPS.meta[(geometry, constraint)]["locality"]
+    return locality(geometry, constraint) if callable(locality) else locality
+
+
+def unsupported_message(gkind: str, ckind: str) -> str:
+    """Why (gkind, ckind) has no backward op, naming the constraints ``gkind`` supports."""
+    supported = supported_constraints(gkind)
+    if ckind not in CONSTRAINT_KINDS:
+        near = difflib.get_close_matches(ckind, CONSTRAINT_KINDS, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        return f"unknown constraint {ckind!r}{hint} {gkind} geometry supports: {', '.join(supported) or 'none'}"
+    return (
+        f"no backward step for constraint {ckind!r} under {gkind!r} geometry; "
+        f"{gkind} geometry supports: {', '.join(supported) or 'none (no constraint)'}"
+    )

@@ -47,12 +47,9 @@ def fan_dims(geometry: dict, shape: tuple[int, ...]) -> tuple[int, int]:
     reads it."""
     shape = tuple(int(s) for s in shape)
     view = concrete(geometry, shape)
-    if view is not None:
-        first, rest = matrix_shapes(view, shape)[0]
-        if view.get("layout") == "in_out":  # each matrix stored (in, out)
-            first, rest = rest, first
-    else:
-        first, rest = (shape[0] if shape else 1), math.prod(shape[1:])
+    first, rest = matrix_shapes(view, shape)[0]  # no view: the plain (shape[0], rest) matrix
+    if view is not None and view.get("layout") == "in_out":  # each matrix stored (in, out)
+        first, rest = rest, first
     if geometry.get("layout", "out_in") == "in_out":
         return rest, first
     return first, rest

@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
+from geomopt.geometry.matrix import working_dtype
 from geomopt.geometry.reference import Reference
+from geomopt.registry import Registry
 from geomopt.spec.model import POLYNOMIAL_APPROX_KINDS
 
 # The coefficient lists and what they realize are plain data (lint reads them without torch).
@@ -90,7 +92,7 @@ def compute_dtype(x: torch.Tensor, kind: str, dtype: str = "auto") -> torch.dtyp
         return torch.float64
     if kind in POLYNOMIAL_APPROXES and x.is_cuda:
         return torch.bfloat16
-    return torch.promote_types(x.dtype, torch.float32)
+    return working_dtype(x.dtype)
 
 
 class BF16Warning(UserWarning):
@@ -169,15 +171,8 @@ def _prenorm_factor(sq_norm: torch.Tensor, cfg: dict) -> torch.Tensor | None:
 
 # ---------------------------------------------------------------- the approximations
 
-APPROX_OPS: dict[str, Callable[..., torch.Tensor]] = {}
-
-
-def approx_op(kind: str) -> Callable[[Callable], Callable]:
-    def register(fn: Callable) -> Callable:
-        APPROX_OPS[kind] = fn
-        return fn
-
-    return register
+#: approx kind → ``fn(x, ref, *, prenormalize, dtype, scale, out_dtype, **options)``
+APPROX_OPS = Registry("spectral approx")
 
 
 def _rank_tol(sigma_max: torch.Tensor, m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -186,7 +181,7 @@ def _rank_tol(sigma_max: torch.Tensor, m: int, n: int, dtype: torch.dtype) -> to
     return max(m, n) * torch.finfo(dtype).eps * sigma_max
 
 
-@approx_op("svd")
+@APPROX_OPS.register("svd")
 def svd(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dtype: str = "auto",
         scale: float = 1.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Exact ∇φ*(D) = U·Diag((h*)'(σ))·Vᵀ from the reduced SVD (paper Corollary 3.2; reduced
@@ -200,7 +195,7 @@ def svd(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dt
     return ((u * mapped.unsqueeze(-2)) @ vh).to(out_dtype or x.dtype)
 
 
-@approx_op("gram_eigh")
+@APPROX_OPS.register("gram_eigh")
 def gram_eigh(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dtype: str = "auto",
               scale: float = 1.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """∇φ*(D) from the smaller Gram matrix: for m ≤ n, DDᵀ = QΛQᵀ, σ = √λ and
@@ -353,7 +348,7 @@ def _polynomial(x, kind, coeffs, dtype, prenorm, scale, out_dtype) -> torch.Tens
                                  out_dtype=out_dtype or x.dtype)
 
 
-@approx_op("newton_schulz")
+@APPROX_OPS.register("newton_schulz")
 def newton_schulz(
     x: torch.Tensor,
     ref: Reference | None = None,
@@ -415,7 +410,7 @@ def gram_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, p
         return X @ R if right else R @ X
 
     A = gram(X)
-    sq = A.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.promote_types(A.dtype, torch.float32))
+    sq = A.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=working_dtype(A.dtype))
     f = _prenorm_factor(sq, cfg)
     pending = None if f is None else f.to(A.dtype)[:, None, None]  # folded into the first Q
     if pending is not None:
@@ -451,7 +446,7 @@ def gram_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, p
     return out.reshape(*lead, m, n)
 
 
-@approx_op("gram_newton_schulz")
+@APPROX_OPS.register("gram_newton_schulz")
 def gram_newton_schulz(
     x: torch.Tensor,
     ref: Reference | None = None,
@@ -475,7 +470,7 @@ def gram_newton_schulz(
                                   out_dtype=out_dtype or x.dtype)
 
 
-@approx_op("polar_express")
+@APPROX_OPS.register("polar_express")
 def polar_express(
     x: torch.Tensor,
     ref: Reference | None = None,
@@ -506,16 +501,3 @@ def apply_approx(x: torch.Tensor, ref: Reference | None, approx: dict | None, pr
     if ref is None and kind in ("svd", "gram_eigh"):
         raise ValueError(f"approx {kind!r} needs a reference function")
     return APPROX_OPS[kind](x, ref, prenormalize=prenorm, scale=scale, out_dtype=out_dtype, **approx)
-
-
-# ---------------------------------------------------------------- matrix views of tensors
-
-
-def matrix_view(d: torch.Tensor, batch_dims: int = 0) -> torch.Tensor:
-    """Each element of ``d`` (shape ``B + S``, B = leading ``batch_dims`` dims) as the matrix
-    (S[0], prod(S[1:])) (conv weights: out channels × the rest); ``.reshape(d.shape)`` undoes it.
-    Other readings (experts, blocks, kernel positions) are :mod:`geomopt.geometry.view`'s."""
-    shape = d.shape[batch_dims:]
-    if len(shape) < 2:
-        raise ValueError(f"a matrix view needs a tensor with at least 2 dims per element, got {tuple(shape)}")
-    return d.reshape(*d.shape[:batch_dims], shape[0], math.prod(shape[1:]))

@@ -17,10 +17,10 @@ over an element of shape ``S``:
   experts stored (E, in, out)): each matrix is stored transposed, which only the scale presets
   read (the spectral maps commute with transposition).
 
-No view (None) is the plain (S[0], prod(S[1:])) matrix every operator reads by itself. The
-operators never see a view: :func:`apply` turns the tensor into one stacked (N, m, n) batch per
-block size (a reshape, no copy, for expert batches and equal blocks), calls the operator on each
-with ``batch_dims=1`` and puts the results back.
+No view (None) is the plain (S[0], prod(S[1:])) matrix every operator reads by itself
+(:mod:`geomopt.geometry.matrix`). The operators never see a view: :func:`apply` turns the tensor
+into one stacked (N, m, n) batch per block size (a reshape, no copy, for expert batches and equal
+blocks), calls the operator on each with ``batch_dims=1`` and puts the results back.
 """
 
 from __future__ import annotations

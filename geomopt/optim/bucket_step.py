@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from geomopt.compile.plan import ParamPlan
-from geomopt.distributed import LOCAL, LocalExecutor, Request, backward_locality, chunk_sizes, is_dtensor
-from geomopt.distributed import FORWARD_LOCALITY
+from geomopt.distributed import LOCAL, LocalExecutor, Request, chunk_sizes, is_dtensor
 from geomopt.geometry.adam import adam_moments
 from geomopt.geometry import backward
 from geomopt.geometry.forward import forward, input_dtype
+from geomopt.geometry.registry import backward_locality, forward_locality
 from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, muon_order
 from geomopt.optim import stages as post_stages
 from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows
@@ -73,7 +73,7 @@ class BucketStep:
         lerp = one_pass and wd != 0 and abs(rho / wd) < 1e30
         radius = (-rho / wd if lerp else -rho) if one_pass else 1.0
         if geometry["kind"] != "adam":
-            step, _ = yield self._request(items, d, FORWARD_LOCALITY[geometry["kind"]],
+            step, _ = yield self._request(items, d, forward_locality(geometry["kind"]),
                                           self._forward_fn(items, geometry, radius, views[0].dtype if one_pass else None))
         if commit is not None:
             commit()

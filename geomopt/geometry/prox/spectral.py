@@ -1,0 +1,57 @@
+"""The spectral rows of the backward table (paper Table 1, second half), φ₁ = Σh(σ_i): the set
+projections (stiefel, spectral ball and sphere, rank: P_C(Y) for every h, exact or by the polar
+iterations) and the Frobenius ball and sphere (the scalar solves on σ(Y), Theorem 3.5). Every
+step is a matrix function: locality ``OWNER``."""
+
+from __future__ import annotations
+
+from geomopt.geometry import method as method_choice
+from geomopt.geometry.matrix import matrices, upcast
+from geomopt.geometry.prox.common import _per_element, _too_far, _unflat
+from geomopt.geometry.prox.polar import _POLAR
+from geomopt.geometry.prox.scalar import _ball_magnitudes, _sphere_magnitudes
+from geomopt.geometry.prox.spectral_map import _spectral_map
+from geomopt.geometry.prox.vector import _sigma_proj
+from geomopt.geometry.registry import OWNER, backward_op
+
+
+@backward_op(locality=OWNER)
+def spectral_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
+    """Orthogonally invariant sets whose spectral prox is P_C(Y) for every h (Theorem 3.5 reduces
+    to the separable step on σ(Y), whose solution is h-independent; Table 1):
+    stiefel(r) → r·U Vᵀ (reduced SVD, wide or tall; zero σ use LAPACK's completions; Y = 0 →
+    r·I_{m×n}); spectral_ball(r) → U·Diag(min(σ_i, r))·Vᵀ; spectral_sphere(r) → the linf_sphere
+    step on σ (Appendix A.2); rank(k) → U·Diag(H_k(σ))·Vᵀ. ``method: polar`` (stiefel,
+    spectral_ball) is SVD-free and approximate: :func:`~geomopt.geometry.prox.polar._stiefel_polar`,
+    :func:`~geomopt.geometry.prox.polar._spectral_ball_polar`;
+    ``auto`` picks one by device and size (:func:`geomopt.geometry.method.resolve_method`).
+    Infeasible where max_i |x_i − σ_i| > t (the spectral distance from Y to C)."""
+    kind = constraint["kind"]
+    if method_choice.resolve_method(constraint, y.device, y.shape[batch_dims:]) == "polar":
+        return _POLAR[kind](y, t, ref, constraint, geometry=geometry, batch_dims=batch_dims)
+
+    def step(s):
+        sx = _sigma_proj(kind, s, constraint)
+        return sx, _too_far((sx - s).abs().amax(-1), t, s.amax(-1), y) if ref.bounded else None
+
+    x, bad = _spectral_map(matrices(upcast(y), batch_dims), step)
+    return _unflat(x, y), None if bad is None else _per_element(bad, y, batch_dims)
+
+
+@backward_op(locality=OWNER)
+def spectral_frobenius_ball(y, t, ref, constraint, *, gamma, geometry, batch_dims):
+    """Frobenius ball under φ₁ = Σh(σ_i) (Theorem 3.5 with Appendix A.1): the anisotropic ℓ2-ball
+    step on σ(Y), then X⁺ = U·Diag(x)·Vᵀ."""
+    x, bad = _spectral_map(matrices(upcast(y), batch_dims),
+                           lambda s: _ball_magnitudes(s, t, constraint["radius"], ref, y.dtype))
+    return _unflat(x, y), None if bad is None else _per_element(bad, y, batch_dims)
+
+
+@backward_op(locality=OWNER)
+def spectral_frobenius_sphere(y, t, ref, constraint, *, gamma, geometry, batch_dims):
+    """Frobenius sphere under φ₁ = Σh(σ_i) (Theorem 3.5): the anisotropic sphere step on σ(Y)
+    (outward steps may lift zero singular values: LAPACK's completions give their vectors), then
+    U·Diag(x)·Vᵀ. Y = 0 → (r/√q)·I_{m×n}."""
+    x, bad = _spectral_map(matrices(upcast(y), batch_dims),
+                           lambda s: _sphere_magnitudes(s, t, constraint["radius"], ref, y.dtype))
+    return _unflat(x, y), None if bad is None else _per_element(bad, y, batch_dims)
