@@ -1,10 +1,13 @@
-"""Adam(W)'s moments, shared by the ``adam`` forward op and the optimizer's exact AdamW path."""
+"""Adam(W), written once per form: :func:`adam_moments` on one (stacked) tensor, shared by the
+``adam`` forward op and the optimizer's batched path (torch.optim.AdamW's single-tensor op order),
+and :func:`adam_multi_tensor` on lists of tensors (torch's fused AdamW kernel, or foreach ops in
+the same op order), the optimizer's flat path."""
 
 from __future__ import annotations
 
 import torch
 
-from geomopt.geometry.matrix import working_dtype
+from geomopt.geometry.matrix import split_like, working_dtype
 
 
 def adam_moments(g: torch.Tensor, state: dict, geometry: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -27,3 +30,33 @@ def adam_moments(g: torch.Tensor, state: dict, geometry: dict) -> tuple[torch.Te
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
     return exp_avg, denom, bias_correction1
+
+
+def adam_multi_tensor(xs, us, m, v, step, pieces, off, geometry, gamma, weight_decay, fused, take) -> None:
+    """AdamW's update of ``xs`` (a block's ``pieces`` of the flat call, from ``off`` in the
+    flat moments ``m``, ``v``, each a (buffer, views) pair; all of it when ``pieces`` is None): torch's fused AdamW kernel
+    where ``fused`` (the caller checked the device has it: :func:`geomopt.optim.flat.can_fuse_adam`) (torch.optim.AdamW(fused=True) bit for bit: one pass
+    instead of eight), else :func:`adam_moments`'s op order (AdamW's
+    single-tensor path, bit for bit) with the denominator in ``take("denom", shape)`` (a scratch)."""
+    beta1, beta2 = (float(b) for b in geometry["betas"])  # a plan's fragment holds every default
+    eps = float(geometry["eps"])
+    (m, m_views), (v, v_views) = m, v
+    if pieces is not None:
+        n = sum(x.numel() for x in xs)
+        m, v = m[off:off + n], v[off:off + n]
+        m_views, v_views = split_like(m, xs), split_like(v, xs)
+    if fused:
+        steps = [torch.full((), step, dtype=torch.float32, device=xs[0].device)] * len(xs)  # read, not written
+        torch._fused_adamw_(xs, us, m_views, v_views, [], steps, lr=gamma, beta1=beta1, beta2=beta2,
+                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        return
+    torch._foreach_lerp_(m_views, us, 1 - beta1)
+    v.mul_(beta2)
+    torch._foreach_addcmul_(v_views, us, us, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    denom = take("denom", v.shape)
+    torch.sqrt(v, out=denom).div_(bias_correction2_sqrt).add_(eps)
+    if weight_decay:
+        torch._foreach_mul_(xs, 1 - gamma * weight_decay)
+    torch._foreach_addcdiv_(xs, m_views, split_like(denom, xs), value=-gamma / bias_correction1)

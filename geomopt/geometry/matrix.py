@@ -71,3 +71,8 @@ def groups(x: torch.Tensor, batch_dims: int, geometry: dict) -> torch.Tensor:
     m = shape[0] if len(shape) else 1
     mats = x.reshape(math.prod(x.shape[:batch_dims]), m, -1)
     return mats if by_rows(geometry) else mats.transpose(-2, -1)
+
+
+def split_like(flat: torch.Tensor, xs: list) -> list:
+    """Views of the 1-D ``flat`` shaped like the tensors ``xs``, in order (a flat buffer's pieces)."""
+    return [v.view(x.shape) for v, x in zip(flat.split([x.numel() for x in xs]), xs)]

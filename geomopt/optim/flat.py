@@ -10,6 +10,7 @@ import functools
 import torch
 
 from geomopt.compile.plan import ParamPlan
+from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.forward import elementwise_into, isotropic_factors
 from geomopt.optim.tensors import local, op_view, split_like
 
@@ -87,7 +88,7 @@ class FlatPath:
             else:
                 u, u_views = None, g_b
             if adam is not None:
-                adam_update(x_b, u_views, *adam, pieces, off, geometry, gamma, wd, fused, take)
+                adam_multi_tensor(x_b, u_views, *adam, pieces, off, geometry, gamma, wd, fused, take)
                 continue
             if kind == "isotropic":
                 # ρ·(h*)'(‖D‖)/‖D‖·D per tensor (forward.isotropic), the factor applied in the axpy
@@ -115,36 +116,6 @@ class FlatPath:
         for p, _ in items:
             self.state[p]["adam_step"] = step
         return m, v, step
-
-
-def adam_update(xs, us, m, v, step, pieces, off, geometry, gamma, weight_decay, fused, take) -> None:
-    """AdamW's update of ``xs`` (a block's ``pieces`` of the flat call, from ``off`` in the
-    flat moments ``m``, ``v``, each a (buffer, views) pair; all of it when ``pieces`` is None): torch's fused AdamW kernel
-    where :func:`can_fuse_adam` allows it (torch.optim.AdamW(fused=True) bit for bit: one pass
-    instead of eight), else :func:`geomopt.geometry.adam.adam_moments`'s op order (AdamW's
-    single-tensor path, bit for bit) with the denominator in the workspace."""
-    beta1, beta2 = (float(b) for b in geometry["betas"])  # a plan's fragment holds every default
-    eps = float(geometry["eps"])
-    (m, m_views), (v, v_views) = m, v
-    if pieces is not None:
-        n = sum(x.numel() for x in xs)
-        m, v = m[off:off + n], v[off:off + n]
-        m_views, v_views = split_like(m, xs), split_like(v, xs)
-    if fused:
-        steps = [torch.full((), step, dtype=torch.float32, device=xs[0].device)] * len(xs)  # read, not written
-        torch._fused_adamw_(xs, us, m_views, v_views, [], steps, lr=gamma, beta1=beta1, beta2=beta2,
-                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-        return
-    torch._foreach_lerp_(m_views, us, 1 - beta1)
-    v.mul_(beta2)
-    torch._foreach_addcmul_(v_views, us, us, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    denom = take("denom", v.shape)
-    torch.sqrt(v, out=denom).div_(bias_correction2_sqrt).add_(eps)
-    if weight_decay:
-        torch._foreach_mul_(xs, 1 - gamma * weight_decay)
-    torch._foreach_addcdiv_(xs, m_views, split_like(denom, xs), value=-gamma / bias_correction1)
 
 
 #: entries of a block of the flat path (:func:`_blocks`): 4 MiB per float32 array, so a block's

@@ -7,6 +7,7 @@ import torch
 
 from geomopt.compile.plan import ParamPlan
 from geomopt.distributed import chunk_sizes, is_dtensor
+from geomopt.geometry.matrix import split_like
 
 
 def stack(tensors: list) -> torch.Tensor:
@@ -51,10 +52,6 @@ def flat_like(xs: list) -> tuple:
     """An empty flat buffer holding every tensor of ``xs``, and its views shaped like them."""
     buf = torch.empty(sum(x.numel() for x in xs), dtype=xs[0].dtype, device=xs[0].device)
     return buf, split_like(buf, xs)
-
-
-def split_like(flat: torch.Tensor, xs: list) -> list:
-    return [v.view(x.shape) for v, x in zip(flat.split([x.numel() for x in xs]), xs)]
 
 
 def in_set(x: torch.Tensor, xp: torch.Tensor, dtype: torch.dtype) -> bool:
