@@ -1,6 +1,6 @@
 """Per-rank orthogonalization time with 1 vs 2 ranks (DDP: replicated parameters).
 
-    python benchmarks/distributed.py [--model gpt-bench] [--spec specs/muon.yaml …] [--ranks 1 2]
+    python benchmarks/distributed.py [--model gpt-bench] [--spec geomopt/specs/muon.yaml …] [--ranks 1 2]
                                      [--device cpu|cuda] [--record NOTE]
 
 Launches ``torchrun --nproc_per_node N`` on itself for each N (gloo on CPU, nccl on CUDA). Every
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.spec = args.spec or [str(ROOT / "specs" / "muon.yaml"), str(ROOT / "specs" / "spectral-clip.yaml")]
+    args.spec = args.spec or [str(ROOT / "geomopt" / "specs" / "muon.yaml"), str(ROOT / "geomopt" / "specs" / "spectral-clip.yaml")]
     if args.worker:
         worker(args)
         return 0

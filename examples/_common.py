@@ -18,7 +18,7 @@ from pathlib import Path
 from geomopt.cli.demo import RECORD_REPEATS, machine, output_dir, source_version
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECS = ROOT / "specs"
+SPECS = ROOT / "geomopt" / "specs"
 RESULTS = Path(__file__).resolve().parent / "results"  # the committed results (written with --record only)
 
 
@@ -33,7 +33,7 @@ def add_output_args(parser, name: str, *, repeats: bool = False, timed: bool = T
                         help=f"record mode: rewrite the committed examples/results/{name}.* (or --out){what}")
     if repeats:
         parser.add_argument("--repeats", type=int, help=f"timed runs of each training (default 1; {RECORD_REPEATS} "
-                            "with --record): the README shows their min–max")
+                            "with --record): the docs show their min–max")
 
 
 def resolve_output(parser, args, name: str) -> Path:
@@ -50,13 +50,13 @@ def resolve_output(parser, args, name: str) -> Path:
 
 
 def spec_path(name: str) -> Path:
-    """An example's own spec (specs/examples/) or a shipped one (specs/)."""
+    """An example's own spec (geomopt/specs/examples/) or a shipped one (geomopt/specs/)."""
     own = SPECS / "examples" / f"{name}.yaml"
     return own if own.exists() else SPECS / f"{name}.yaml"
 
 
 def spec_label(name: str) -> str:
-    """The spec's path as the README and the results name it."""
+    """The spec's path as the docs and the results name it."""
     return str(spec_path(name).relative_to(ROOT))
 
 

@@ -4,7 +4,7 @@ paper's Appendix "NanoGPT" experiment, scaled down to text that ships with Pytho
 Model and data: geomopt.models.GPT (nanoGPT-style, GPT-2 parameter names; default 2 layers,
 4 heads, width 64, context 64) on pydoc's bundled topic help (the corpus of `geomopt demo`,
 90/10 train/validation split), byte level. The training loop, corpus and plot are
-geomopt.cli.demo's ``train``, ``corpus_bytes`` and ``plot``. Optimizers, each a spec in specs/examples/ (or specs/):
+geomopt.cli.demo's ``train``, ``corpus_bytes`` and ``plot``. Optimizers, each a spec in geomopt/specs/examples/ (or geomopt/specs/):
 
   uScion                  uscion.yaml                      unconstrained Scion (the paper's baseline)
   prox Frobenius 0.5ρ     prox-muon-frobenius.yaml         + proximal Frobenius ball at half the lmo radius,
@@ -18,7 +18,7 @@ Run:  python examples/char_gpt.py                              # defaults: about
       python examples/char_gpt.py --record                     # rewrite the committed examples/results/char_gpt.*
 Writes char_gpt.json and char_gpt.png to --out (default runs/char_gpt/ under the current directory).
 --repeats N (3 with --record) trains each optimizer N times, interleaved, and records every run's
-time (the README shows their min–max); losses and norms are the first run's.
+time (the docs show their min–max); losses and norms are the first run's.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ships with scikit-learn: the 8×8 handwritten digits, 1797 images, 10 classes).
 
 Model: geomopt.models.SmallCNN (three 3×3 conv layers with BatchNorm, width 32/64/64, a linear
-head). Optimizers, each a spec in specs/examples/ (or specs/):
+head). Optimizers, each a spec in geomopt/specs/examples/ (or geomopt/specs/):
 
   uScion                        digits-uscion.yaml              unconstrained Scion (ρ_l = 1, ρ_L = 10)
   + spectral clip               digits-spectral-clip.yaml       + projection onto the spectral ball at the lmo radius
@@ -17,7 +17,7 @@ std over seeds. The paper's CIFAR10 figure averages 50 runs at ρ_l = 8, ρ_L = 
 Run:  python examples/digits_cnn.py                  # defaults: see --help (about 3 min on 2 CPU cores)
       python examples/digits_cnn.py --seeds 20 --epochs 30
       python examples/digits_cnn.py --record         # rewrite the committed examples/results/digits_cnn.*
-Writes digits_cnn.json (with every run's time: the README's time range is over seeds, each the same
+Writes digits_cnn.json (with every run's time: the docs' time range is over seeds, each the same
 work) and digits_cnn.png to --out (default runs/digits_cnn/ under the current directory).
 """
 

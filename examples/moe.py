@@ -6,7 +6,7 @@ layers, width 64, 4 heads (2 key/value heads), 4 experts of width 128, top-2 rou
 ``gate_up_proj`` (4, 256, 64) holds every expert's gate and up projections, ``down_proj``
 (4, 64, 128) their down projections; ``mlp.gate`` is the router (4, 64).
 
-``specs/muon.yaml`` names no parameter: its rules match roles (embedding, head, router, hidden,
+``geomopt/specs/muon.yaml`` names no parameter: its rules match roles (embedding, head, router, hidden,
 expert), which geomopt infers from the model's structure, and its spectral rule reads the matrix
 ``view: auto``, so each expert's matrix is orthogonalized on its own (gate_up_proj: each expert's
 gate and up halves, 8 matrices of 128×64), the router and the head get AdamW. The routing table
@@ -18,7 +18,7 @@ linear decay to 10% of the lr; the training loss adds Mixtral's load-balancing l
 (router_aux_loss_coef 0.001), the reported validation loss is the cross-entropy alone
 (nats/byte, 4 fixed batches of 64). Optimizers:
 
-  muon.yaml   specs/muon.yaml (lr 0.02 on hidden and expert matrices, AdamW lr 1e-3 elsewhere)
+  muon.yaml   geomopt/specs/muon.yaml (lr 0.02 on hidden and expert matrices, AdamW lr 1e-3 elsewhere)
   AdamW       torch.optim.AdamW(lr 3e-3, betas (0.9, 0.95), weight decay 0.1) — as `geomopt demo`
 
 Newton–Schulz dtype: muon.yaml leaves it at ``auto``, bf16 on CUDA (as torch.optim.Muon) and
@@ -30,7 +30,7 @@ Run:  python examples/moe.py                 # defaults: 400 steps per optimizer
       python examples/moe.py --record        # rewrite the committed examples/results/moe.* (3 timed runs each)
 Writes moe.json and moe.png to --out (default runs/moe/ under the current directory). --repeats N
 (3 with --record) trains each optimizer N times, interleaved, and records every run's time (the
-README shows their min–max); losses are the first run's. The README's tables are generated from
+docs show their min–max); losses are the first run's. The docs' tables are generated from
 examples/results/moe.json by scripts/readme_tables.py.
 """
 
@@ -138,11 +138,11 @@ def main(argv=None) -> int:
         "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=args.adamw_lr, betas=(0.9, 0.95), weight_decay=0.1),
     }
     describe = {
-        "muon.yaml": f"`specs/muon.yaml` (Newton–Schulz in {dtype})",
+        "muon.yaml": f"`geomopt/specs/muon.yaml` (Newton–Schulz in {dtype})",
         "AdamW": f"AdamW (lr {args.adamw_lr:g}, betas (0.9, 0.95), wd 0.1)",
     }
     routing = routing_rows(geomopt.GeomOptimizer(build_model(args), spec).plan)
-    print("\n== routing of specs/muon.yaml on Mixtral (layer 0 and the tensors outside the layers)")
+    print("\n== routing of geomopt/specs/muon.yaml on Mixtral (layer 0 and the tensors outside the layers)")
     cols = ("parameter", "shape", "role", "rule", "geometry", "view")
     width = {k: max(len(k), *(len(str(r[k])) for r in routing)) for k in cols}
     print("  ".join(k.ljust(w) for k, w in width.items()))

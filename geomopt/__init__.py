@@ -1,6 +1,6 @@
 """geomopt: say, per parameter, which geometry it is optimized in and which set it stays in.
 
-The public API (README: Python API) is re-exported here; everything else may move.
+The public API (docs/guide/python.md, docs/guide/api.md) is re-exported here; everything else may move.
 """
 
 from geomopt.spec import Diagnostic, Spec, SpecError, dump_spec, load_spec, parse_spec, shipped_specs

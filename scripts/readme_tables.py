@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Generate the README's result tables and quoted numbers from the committed results
-(``examples/results/*.json``, and ``benchmarks/results/catalog.json`` for the catalogue table),
-so that the README cannot drift from them.
+"""Generate the result tables and quoted numbers of README.md and of the documentation
+(``docs/**/*.md``) from the committed results (``examples/results/*.json``,
+``benchmarks/results/catalog.json`` for the catalogue, and ``benchmarks/RESULTS.md``, whose
+sections the performance page quotes), so that neither can drift from them.
 
-README.md marks every generated part with a key. A block (a table and its caption):
+README.md and the docs pages mark every generated part with a key (each key once, in whichever
+of those files it lives). A block (a table and its caption):
 
     <!-- results:demo -->
     ...
@@ -19,9 +21,11 @@ Times are shown as ranges, min–max over the timed runs a record holds (``--rec
 single-seed training 3 times; multi-seed experiments range over their seeds, each the same work),
 with the machine they were measured on where the record has it; a single time is one number.
 
-    python scripts/readme_tables.py            # rewrite README.md's marked parts
-    python scripts/readme_tables.py --check    # exit 1, with a diff, where README.md disagrees
+    python scripts/readme_tables.py            # rewrite the marked parts of README.md and docs/
+    python scripts/readme_tables.py --check    # exit 1, with a diff, where a file disagrees
     python scripts/readme_tables.py --print --results runs/demo   # what a run's JSON would give
+
+``--readme FILE`` stands in for README.md and ``--docs DIR`` for docs/ (the tests check copies).
 
 Needs only the standard library.
 """
@@ -37,7 +41,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 RESULTS = ROOT / "examples" / "results"
+BENCH_RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 MARKER = re.compile(r"<!-- results:(?P<key>[\w.:-]+) -->(?P<body>.*?)<!-- /results -->", re.S)
 
 
@@ -258,8 +264,14 @@ DIGITS_NAMES = {"+ Frobenius (Euclidean proj.)": "+ Frobenius ball, Euclidean pr
                 "+ Frobenius (anisotropic prox)": "+ Frobenius ball, exact anisotropic prox"}
 
 
+def spec_name(path: str) -> str:
+    """A spec's path as recorded (``specs/…`` before the repository's ``specs`` link was removed,
+    ``geomopt/specs/…`` since), relative to the shipped specs' folder."""
+    return path.removeprefix("geomopt/").removeprefix("specs/")
+
+
 def spec_cell(path: str | None) -> str:
-    return f"`{path.removeprefix('specs/')}`" if path else "–"
+    return f"`{spec_name(path)}`" if path else "–"
 
 
 def digits_cnn(records) -> str:
@@ -369,7 +381,8 @@ def moe(records) -> str:
     for s in rec["results"]["summary"].values():
         times = s.get("seconds_runs") or [s["seconds"]]
         runs = len(times)
-        rows.append([s["describe"], f"{s['final_val']:.3f}", f"{s['best_val']:.3f}", f"{s['bits_per_byte']:.2f}",
+        describe = re.sub(r"`(?:geomopt/)?specs/", "`", s["describe"])
+        rows.append([describe, f"{s['final_val']:.3f}", f"{s['best_val']:.3f}", f"{s['bits_per_byte']:.2f}",
                      span(times)])
     lines = table(["optimizer", "final val. loss (nats/byte)", "best val. loss", "bits/byte", "time (s)"], rows)
     note = f"Newton–Schulz in {st['ns_dtype_used']} (muon.yaml's dtype auto on {st['device']})"
@@ -407,7 +420,7 @@ def catalog(records) -> str:
         if loss["max_rel"] > 1e-3 and loss["max_rel"] > 100 * same["max_rel"]:
             notes.append(f"{c['optimizer']}: {loss['why']}.")
             loss_cell += f" ({len(notes)})"
-        rows.append([c["optimizer"], f"`{c['spec'].removeprefix('specs/')}`", paper, f"{c['kind']}: {c['reference']}",
+        rows.append([c["optimizer"], f"`{spec_name(c['spec'])}`", paper, f"{c['kind']}: {c['reference']}",
                      CATALOG_MODELS.get(c["model"], c["model"]), c["steps"],
                      sci(same["max_rel"]) + (" (bit for bit)" if same["max_rel"] == 0 else ""), loss_cell])
     head = ["optimizer", "spec", "paper", "reference", "model", "steps", "max rel. diff., same gradients",
@@ -422,6 +435,77 @@ def catalog(records) -> str:
                   f"model the gradient of its own next-token loss on the step's fixed batch."]
     lines += [f"({i}) {note}" for i, note in enumerate(notes, 1)]
     return "\n\n".join(["\n".join(lines[:len(rows) + 2]), *lines[len(rows) + 3:]])
+
+
+def catalog_names(records) -> str:
+    """The catalogue by name, one sentence: each shipped name and the optimizer it is."""
+    rec = records("catalog", CATALOG_RESULTS)
+    return ", ".join(f"`{Path(c['spec']).stem}` ({c['optimizer']})" for c in rec["cases"])
+
+
+# ---------------------------------------------------------------- benchmarks/RESULTS.md, quoted
+
+HEADING = re.compile(r"^(#{2,6}) (.+?)\s*$")
+
+#: key → (a regular expression a section's heading must match, how many of the matching sections
+#: to quote: the last ``n`` in the file, in file order). A quote copies the sections verbatim (their
+#: tables, captions and notes), under their headings set in bold, so a page quoting them says
+#: only what the log says.
+BENCH_QUOTES = {
+    "compile": (r"Compile$", 1),
+    "step-cpu": (r"gpt-bench on x86_64 CPU, 2 threads — .*8 hidden matrices", 1),
+    "step-cpu-width": (r"gpt-bench-w[24] on x86_64 CPU", 2),
+    "step-ddp": (r"gpt-bench, DDP on x86_64 CPU", 1),
+    "step-gpu-first": (r"All shipped specs$", 1),
+    "step-gpu": (r"GPU: NVIDIA H100 80GB HBM3, second session", 1),
+    "cuda-graphs": (r"CUDA graphs", 1),
+    "backward-gpu": (r"Exact backward steps and SVD-free constraints$", 1),
+    "backward-cpu": (r"backward steps, 16 × 256×128 fp32", 1),
+    "svd-free-cpu": (r"SVD-free steps, gpt-bench on x86_64 CPU", 1),
+    "experts": (r"MoE experts", 1),
+    "dtype": (r"Newton–Schulz dtype", 1),
+    "memory": (r"Optimizer-held memory", 4),
+    "elementwise": (r"Elementwise steps", 2),
+    "gram-ns": (r"newton_schulz vs gram_newton_schulz", 1),
+    "stages": (r"Post-stages", 2),
+    "lint": (r"geomopt lint \(no model\)", 1),
+    "suite": (r"Test suite", 1),
+}
+#: quotes that keep their subsections (the others end at the next heading of any level)
+BENCH_WITH_SUBSECTIONS = {"cuda-graphs"}
+
+
+def bench_sections(text: str, subsections: bool = False) -> list[tuple[int, str, list[str]]]:
+    """(level, heading, body lines) of every section of RESULTS.md: to the next heading, or with
+    ``subsections`` to the next heading of its level or above."""
+    lines = text.splitlines()
+    heads = [(i, len(m[1]), m[2]) for i, line in enumerate(lines) if (m := HEADING.match(line))]
+    out = []
+    for k, (i, level, title) in enumerate(heads):
+        end = next((j for j, lv, _ in heads[k + 1:] if lv <= level or not subsections), len(lines))
+        out.append((level, title, lines[i + 1:end]))
+    return out
+
+
+def bench_quote(key: str):
+    pattern, count = BENCH_QUOTES[key]
+
+    def render(records) -> str:
+        text = BENCH_RESULTS.read_text(encoding="utf-8")
+        sections = [s for s in bench_sections(text, key in BENCH_WITH_SUBSECTIONS) if re.search(pattern, s[1])]
+        if len(sections) < count:
+            raise Stale(f"benchmarks/RESULTS.md has {len(sections)} section(s) headed like {pattern!r}, the page quotes {count}")
+        parts = []
+        for _, title, body in sections[-count:]:
+            body = [f"**{m[2]}**" if (m := HEADING.match(line)) else line for line in body]
+            text = "\n".join(body).strip()
+            text = re.sub(r"\n{3,}", "\n\n", text)
+            text = re.sub(r"(?m)^(\|.*\|)\n(?=[^|\n])", r"\1\n\n", text)  # a table ends before its caption
+            parts.append(f"**{title}** (`benchmarks/RESULTS.md`)\n\n{text}")
+        return "\n\n".join(parts)
+
+    render.__name__ = f"bench_{key.replace('-', '_')}"
+    return render
 
 
 RENDERERS = {
@@ -446,10 +530,25 @@ RENDERERS = {
     "char_gpt:prox-cost": char_prox_cost,
     "char_gpt:prox-fallbacks": char_prox_fallbacks,
     "catalog": catalog,
+    "catalog:names": catalog_names,
+    **{f"bench:{key}": bench_quote(key) for key in BENCH_QUOTES},
 }
 
 
-# ---------------------------------------------------------------- README
+# ---------------------------------------------------------------- README and docs
+
+
+def targets(readme: Path = README, docs: Path = DOCS) -> list[Path]:
+    """The files whose marked parts are generated: the README and every page under docs/."""
+    pages = sorted(p for p in docs.rglob("*.md") if "hooks" not in p.relative_to(docs).parts) if docs.is_dir() else []
+    return [readme, *pages]
+
+
+def _name(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def regenerate(text: str, records) -> tuple[str, list[str]]:
@@ -466,7 +565,7 @@ def regenerate(text: str, records) -> tuple[str, list[str]]:
         try:
             value = fn(records)
         except Stale as exc:
-            problems.append(f"{key}: {exc}: rewrite the README's sentence around this key")
+            problems.append(f"{key}: {exc}: rewrite the sentence around this key")
             return m[0]
         except Unusable as exc:
             problems.append(f"{key}: {exc}")
@@ -489,15 +588,16 @@ def regenerate(text: str, records) -> tuple[str, list[str]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="exit 1 (with a diff) where the README disagrees with the results")
-    mode.add_argument("--print", action="store_true", help="print every key's rendering instead of touching the README")
+    mode.add_argument("--check", action="store_true", help="exit 1 (with a diff) where a file disagrees with the results")
+    mode.add_argument("--print", action="store_true", help="print every key's rendering instead of touching the files")
     ap.add_argument("--readme", type=Path, default=README, help="the README to check or rewrite (default: README.md)")
+    ap.add_argument("--docs", type=Path, default=DOCS, help="the documentation folder to check or rewrite (default: docs/)")
     ap.add_argument("--results", type=Path, default=RESULTS,
                     help="folder of the results JSON (default: examples/results/; another folder only with --print)")
     args = ap.parse_args(argv)
     committed = args.results.resolve() == RESULTS.resolve()
     if not committed and not args.print:
-        ap.error("the README quotes the committed results: --results DIR is for --print only")
+        ap.error("the README and the docs quote the committed results: --results DIR is for --print only")
     records = Records(args.results, committed)
     if args.print:
         for key, fn in RENDERERS.items():
@@ -510,27 +610,38 @@ def main(argv=None) -> int:
             print(f"<!-- results:{key} -->" + ("(left as written)" if value is None else
                   f"\n{value}\n" if "\n" in value else value) + "<!-- /results -->")
         return 0
-    text = args.readme.read_text(encoding="utf-8")
-    keys = [m["key"] for m in MARKER.finditer(text)]
-    new, problems = regenerate(text, records)
-    missing = [k for k in RENDERERS if k not in keys]
-    if missing:
-        problems.append(f"keys without a marker in {args.readme.name}: {', '.join(missing)}")
-    for p in problems:
-        print(f"{args.readme.name}: {p}", file=sys.stderr)
-    if args.check:
+    files = targets(args.readme, args.docs)
+    seen: dict[str, list[str]] = {}
+    problems, changed = [], []
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        for m in MARKER.finditer(text):
+            seen.setdefault(m["key"], []).append(_name(path))
+        new, found = regenerate(text, records)
+        problems += [f"{_name(path)}: {p}" for p in found]
         if new != text:
+            changed.append((path, text, new))
+    missing = [k for k in RENDERERS if k not in seen]
+    if missing:
+        problems.append(f"keys without a marker in {', '.join(_name(p) for p in files[:1])} or docs/: {', '.join(missing)}")
+    twice = {k: where for k, where in seen.items() if len(where) > 1}
+    for key, where in twice.items():
+        problems.append(f"key {key!r} is marked {len(where)} times ({', '.join(where)}): mark each key once")
+    for p in problems:
+        print(p, file=sys.stderr)
+    if args.check:
+        for path, text, new in changed:
+            name = _name(path)
             sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True),
-                                                       f"{args.readme.name} (as is)", f"{args.readme.name} (from results)"))
-            print(f"{args.readme.name} disagrees with {args.results}: run python scripts/readme_tables.py",
-                  file=sys.stderr)
-        return 1 if new != text or problems else 0
-    if new != text:
-        args.readme.write_text(new, encoding="utf-8")
+                                                       f"{name} (as is)", f"{name} (from results)"))
+            print(f"{name} disagrees with the results: run python scripts/readme_tables.py", file=sys.stderr)
+        return 1 if changed or problems else 0
+    for path, text, new in changed:
+        path.write_text(new, encoding="utf-8")
         print(f"rewrote {sum(a != b for a, b in zip(MARKER.findall(text), MARKER.findall(new)))} marked part(s) "
-              f"of {args.readme}")
-    else:
-        print(f"{args.readme} already agrees with {args.results}")
+              f"of {_name(path)}")
+    if not changed:
+        print(f"{', '.join(_name(p) for p in files[:1])} and docs/ already agree with the results")
     return 1 if problems else 0
 
 

@@ -48,7 +48,7 @@ def test_every_catalogue_spec_has_a_case_and_a_header():
     for case in CASES:
         text = case.path.read_text(encoding="utf-8")
         header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
-        assert text.startswith("# yaml-language-server: $schema=../../schema/geomopt-1.schema.json\n"), case.key
+        assert text.startswith("# yaml-language-server: $schema=../../../schema/geomopt-1.schema.json\n"), case.key
         assert "Reference:" in header and re.search(r"\bRules?\b", header), case.key
         arxiv = re.search(r"arxiv\.org/abs/(\d{4}\.\d{4,5})", case.url or "")
         if arxiv:  # the header cites the paper the table links to

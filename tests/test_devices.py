@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import geomopt
-import geomopt.geometry.spectral as spectral_module
+import geomopt.geometry.polynomial as spectral_module
 from optim_helpers import DEVICES, SHIPPED, SPECS, tiny_gpt
 
 STEPS = 3

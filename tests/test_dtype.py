@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import geomopt
-from geomopt.geometry import spectral
+from geomopt.geometry import dtypes as spectral
 from geomopt.geometry.spectral import BF16Warning, compute_dtype
 from optim_helpers import SHIPPED, SPECS, tiny_mlp
 

@@ -17,7 +17,7 @@ from geomopt.compile.explain import RECIPES
 from geomopt.models import MODELS
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-MUON = str(Path(__file__).resolve().parents[1] / "specs" / "muon.yaml")
+MUON = str(Path(__file__).resolve().parents[1] / "geomopt" / "specs" / "muon.yaml")
 
 MOE_FACTORY = textwrap.dedent('''
     import torch
@@ -45,7 +45,7 @@ def _run(capsys, *argv) -> tuple[int, str, str]:
 
 
 def test_explain_says_role_rules_view_ops_and_radius(capsys):
-    rc, out, _ = _run(capsys, "explain", "specs/uscion.yaml", "transformer.h.0.attn.c_attn.weight", "--model", "gpt")
+    rc, out, _ = _run(capsys, "explain", "uscion", "transformer.h.0.attn.c_attn.weight", "--model", "gpt")
     assert rc == 0
     assert "role       hidden" in out
     assert "1. embeddings" in out and "no: role hidden not in ['embedding']" in out
@@ -67,7 +67,7 @@ def test_explain_an_expert_of_a_moe_model(capsys, moe_module):
 
 
 def test_explain_unknown_parameter_is_a_usage_error(capsys):
-    rc, _, err = _run(capsys, "explain", "specs/muon.yaml", "transformer.h.0.attn.c_atn.weight", "--model", "gpt")
+    rc, _, err = _run(capsys, "explain", "muon", "transformer.h.0.attn.c_atn.weight", "--model", "gpt")
     assert rc == 2 and "no parameter 'transformer.h.0.attn.c_atn.weight'" in err
     assert "did you mean 'transformer.h.0.attn.c_attn.weight'" in err and "Traceback" not in err
 

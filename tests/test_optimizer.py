@@ -359,7 +359,7 @@ def _forms(form, monkeypatch):
     """``cuda``: run CUDA's forms here (:func:`geomopt.geometry.spectral.muon_order` false), where
     the finiteness test is awaited after the forward ops are launched (deferred)."""
     if form == "cuda":
-        import geomopt.geometry.spectral as spectral_module
+        import geomopt.geometry.polynomial as spectral_module
 
         monkeypatch.setattr(spectral_module, "_MUON_ORDER_DEVICES", ())
 

@@ -1,5 +1,6 @@
-"""The README's result tables are generated from the committed results (scripts/readme_tables.py),
-and running the demo or an example from inside a checkout leaves it clean."""
+"""The result tables of the README and the docs are generated from the committed results
+(scripts/readme_tables.py), and running the demo or an example from inside a checkout leaves it
+clean."""
 
 from __future__ import annotations
 
@@ -42,18 +43,23 @@ def _check(*args: str) -> subprocess.CompletedProcess:
 # ---------------------------------------------------------------- the README and the committed JSON
 
 
+def _docs_copy(tmp_path: Path) -> Path:
+    """A copy of docs/ (the pages with marked parts), to check or rewrite instead of the real one."""
+    return Path(shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("hooks")))
+
+
 def test_readme_agrees_with_the_committed_results():
     proc = _check()
     assert proc.returncode == 0, (
-        "README.md disagrees with examples/results/*.json; run `python scripts/readme_tables.py`\n"
+        "README.md or docs/ disagree with the committed results; run `python scripts/readme_tables.py`\n"
         + proc.stdout + proc.stderr)
 
 
 def test_every_renderer_has_a_marker_and_every_results_file_is_quoted(tables):
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    keys = [m["key"] for m in tables.MARKER.finditer(text)]
-    assert sorted(keys) == sorted(tables.RENDERERS)  # each once
-    stems = {key.split(":")[0].replace("moe-routing", "moe") for key in keys}
+    keys = [m["key"] for path in tables.targets() for m in tables.MARKER.finditer(path.read_text(encoding="utf-8"))]
+    assert tables.targets()[0] == ROOT / "README.md" and len(tables.targets()) > 1  # the README and docs/*.md
+    assert sorted(keys) == sorted(tables.RENDERERS)  # each once, in one of the files
+    stems = {key.split(":")[0].replace("moe-routing", "moe") for key in keys if not key.startswith("bench:")}
     committed = {p.stem for p in (ROOT / "examples" / "results").glob("*.json")}
     assert committed <= stems, f"results the README does not quote: {committed - stems}"
 
@@ -66,19 +72,35 @@ def test_check_fails_on_a_stale_number(tmp_path):
     cells[1] = "0.123"  # the final validation loss, no longer the JSON's
     stale = readme[:row] + " | ".join(cells) + readme[readme.index("\n", row):]
     (tmp_path / "README.md").write_text(stale, encoding="utf-8")
-    proc = _check("--readme", str(tmp_path / "README.md"))
+    docs = _docs_copy(tmp_path)
+    proc = _check("--readme", str(tmp_path / "README.md"), "--docs", str(docs))
     assert proc.returncode == 1 and "-" + " | ".join(cells) in proc.stdout
     # the rewrite restores it
-    assert subprocess.run([sys.executable, str(SCRIPT), "--readme", str(tmp_path / "README.md")],
+    assert subprocess.run([sys.executable, str(SCRIPT), "--readme", str(tmp_path / "README.md"), "--docs", str(docs)],
                           capture_output=True, timeout=60).returncode == 0
     assert (tmp_path / "README.md").read_text(encoding="utf-8") == readme
 
 
 def test_check_fails_on_a_missing_marker(tmp_path):
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    (tmp_path / "README.md").write_text(readme.replace("<!-- results:digits_cnn:prox-cost -->", "", 1), encoding="utf-8")
-    proc = _check("--readme", str(tmp_path / "README.md"))
+    docs = _docs_copy(tmp_path)
+    page = docs / "examples" / "digits.md"
+    page.write_text(page.read_text(encoding="utf-8").replace("<!-- results:digits_cnn:prox-cost -->", "", 1), encoding="utf-8")
+    proc = _check("--docs", str(docs))
     assert proc.returncode == 1 and "digits_cnn:prox-cost" in proc.stderr
+
+
+def test_check_fails_on_a_key_marked_twice(tmp_path):
+    docs = _docs_copy(tmp_path)
+    (docs / "extra.md").write_text("<!-- results:digits_cnn:acc-range -->x<!-- /results -->\n", encoding="utf-8")
+    proc = _check("--docs", str(docs))
+    assert proc.returncode == 1 and "'digits_cnn:acc-range' is marked 2 times" in proc.stderr
+
+
+def test_a_benchmark_quote_copies_the_log_verbatim(tables):
+    text = tables.RENDERERS["bench:compile"](tables.Records(tables.RESULTS, committed=True))
+    log = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    assert text.startswith("**Compile** (`benchmarks/RESULTS.md`)")
+    assert all(line in log for line in text.splitlines()[1:] if line)  # every line quoted as the log has it
 
 
 # ---------------------------------------------------------------- rendering

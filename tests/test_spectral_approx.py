@@ -151,7 +151,7 @@ def test_batched_and_transposed_iterations_agree(monkeypatch):
         torch.testing.assert_close(batched, torch.stack([fn(x) for x in d]), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(fn(d.mT), batched.mT, rtol=1e-12, atol=1e-12)
     # the iteration from the right (CUDA's form for tall matrices: no transposed copies) is the same map
-    import geomopt.geometry.spectral as spectral_module
+    import geomopt.geometry.polynomial as spectral_module
 
     monkeypatch.setattr(spectral_module, "_MUON_ORDER_DEVICES", ())
     for fn in (newton_schulz, polar_express):
@@ -171,7 +171,7 @@ def test_copy_free_iteration_error_in_bf16(shape, decades, bound, fn, monkeypatc
     (measured 0.84–0.97× Muon's error); up to 2.2× worse where σ spans one decade (measured
     1.4–2.2×: rounding a + (bA + cA²)ᵢᵢ to bf16 costs the diagonal its low bits, where Muon adds
     a·X in the product's fp32 epilogue at the price of copying X each step)."""
-    import geomopt.geometry.spectral as spectral_module
+    import geomopt.geometry.polynomial as spectral_module
 
     m, n = shape
     s = torch.logspace(0, -decades, min(m, n), dtype=F64)
@@ -197,7 +197,7 @@ def test_folded_iteration_is_the_same_map(prenorm, shape, steps, monkeypatch):
     """CUDA's form folds the pre-normalization (‖D‖²_F = tr A₁), the output scale and the output
     dtype into the small factors and the last product; in float64 it is the same map as the
     normalize-then-iterate form, for every pre-normalization, both orientations, batched or not."""
-    import geomopt.geometry.spectral as spectral_module
+    import geomopt.geometry.polynomial as spectral_module
 
     g = torch.Generator().manual_seed(11)
     d = torch.randn(shape, generator=g, dtype=F64) * 3.0
@@ -215,7 +215,7 @@ def test_folded_iteration_is_the_same_map(prenorm, shape, steps, monkeypatch):
 
 
 def test_folded_iteration_leaves_its_input_alone(monkeypatch):
-    import geomopt.geometry.spectral as spectral_module
+    import geomopt.geometry.polynomial as spectral_module
 
     monkeypatch.setattr(spectral_module, "_MUON_ORDER_DEVICES", ())
     d = torch.randn(3, 8, 5, dtype=torch.bfloat16)
@@ -227,7 +227,7 @@ def test_folded_iteration_leaves_its_input_alone(monkeypatch):
 def test_product_into_a_wider_dtype_where_bmm_cannot():
     """:func:`_bmm_into` writes fp32 from bf16 operands: natively where torch's bmm takes
     ``out_dtype`` (CUDA), else by rounding to bf16 and casting (CPU), which this checks."""
-    from geomopt.geometry.spectral import _OUT_DTYPE_BMM, _bmm_into
+    from geomopt.geometry.polynomial import _OUT_DTYPE_BMM, _bmm_into
 
     g = torch.Generator().manual_seed(2)
     a = torch.randn(2, 6, 4, generator=g).bfloat16()

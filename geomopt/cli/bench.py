@@ -12,7 +12,7 @@ import statistics
 import time
 from pathlib import Path
 
-SPECS_DIR = Path(__file__).resolve().parents[1] / "specs"  # shipped inside the package (specs/ links here)
+SPECS_DIR = Path(__file__).resolve().parents[1] / "specs"  # shipped inside the package
 
 
 def hidden_matrices(model_name: str, device, dtype):
@@ -168,7 +168,7 @@ def run(args) -> int:
 def add_parser(sub) -> None:
     sp = sub.add_parser("bench", help="step time against torch.optim.Muon and fused AdamW on the same tensors")
     sp.add_argument("--model", default="gpt-bench", help="built-in model whose hidden matrices are used")
-    sp.add_argument("--spec", action="append", help="spec(s) to time (default specs/muon.yaml); repeatable")
+    sp.add_argument("--spec", action="append", help="spec(s) to time (default: the shipped muon); repeatable")
     sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     sp.add_argument("--warmup", type=int, default=3)
     sp.add_argument("--iters", type=int, default=10)

@@ -20,7 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
-SPECS_DIR = Path(__file__).resolve().parents[1] / "specs"  # shipped inside the package (specs/ links here)
+SPECS_DIR = Path(__file__).resolve().parents[1] / "specs"  # shipped inside the package
 REPO = Path(__file__).resolve().parents[2]  # the source checkout, when geomopt runs from one
 RESULTS_DIR = REPO / "examples" / "results"  # the committed results the README quotes
 RUNS = Path("runs")  # default output root, relative to the current directory (git-ignored)
@@ -72,8 +72,8 @@ def machine(device: str = "cpu") -> dict:
 
 
 def source_version(root: Path = REPO) -> dict | None:
-    """The checkout's commit, and whether files other than the recorded results and the README
-    differ from it; None outside a git checkout."""
+    """The checkout's commit, and whether files other than the recorded results and the pages that
+    quote them (README.md, docs/) differ from it; None outside a git checkout."""
     if not (root / ".git").exists():
         return None
     git = ["git", "--no-optional-locks", "-C", str(root)]
@@ -81,7 +81,7 @@ def source_version(root: Path = REPO) -> dict | None:
         commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 timeout=20, check=True).stdout.strip()
         changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                  ":!examples/results", ":!README.md"], capture_output=True, text=True,
+                                  ":!examples/results", ":!README.md", ":!docs"], capture_output=True, text=True,
                                  timeout=20, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
@@ -225,9 +225,10 @@ def run(args) -> int:
     import torch
 
     import geomopt
-    from geomopt.cli.main import EXIT_CLEAN, EXIT_FINDINGS, UsageError, report
+    from geomopt.cli.main import EXIT_CLEAN, EXIT_FINDINGS, UsageError
     from geomopt.compile import lint_spec
     from geomopt.compile.compiler import model_params
+    from geomopt.lint.reporters import report
     from geomopt.models import GPT, GPTConfig
 
     try:

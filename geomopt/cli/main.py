@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from geomopt.lint.reporters import REPORTERS, report
 from geomopt.spec.diagnostics import Diagnostic, SpecError
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
@@ -28,22 +29,7 @@ class UsageError(Exception):
     """A mistake in how the command was called (bad --model, missing file …): exit 2."""
 
 
-# ---------------------------------------------------------------- reporters
-
-
-def report(diags: list[Diagnostic], fmt: str, out=None) -> None:
-    out = out or sys.stdout
-    if fmt == "json":
-        json.dump([d.to_dict() for d in diags], out, indent=2, ensure_ascii=False)
-        out.write("\n")
-    elif fmt == "github":
-        level = {"error": "error", "warning": "warning", "note": "notice"}
-        for d in diags:
-            msg = d.message.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
-            out.write(f"::{level[d.severity]} file={d.file},line={d.line},col={d.col},title={d.code} {d.name}::{msg}\n")
-    else:
-        for d in diags:
-            out.write(d.format() + "\n")
+# ---------------------------------------------------------------- exit status
 
 
 def _status(diags: list[Diagnostic], strict: bool) -> int:
@@ -136,21 +122,26 @@ def _spec_files(paths) -> list[str]:
     return out
 
 
-def _lint_file(path: str, params, from_ckpt: bool) -> list[Diagnostic]:
-    """The findings of one spec file; its spec is freed on return."""
-    from geomopt.compile import lint_spec
+def _lint_file(path: str, params, from_ckpt: bool, select=None, ignore=None) -> list[Diagnostic]:
+    """The findings of one spec file (its suppression comments applied); its spec is freed on return."""
+    from geomopt.lint import lint_spec
     from geomopt.spec.validate import load_spec
 
     try:
         spec = load_spec(path)
     except SpecError as exc:
         return exc.diagnostics
-    return lint_spec(spec, params, from_checkpoint=from_ckpt)
+    return lint_spec(spec, params, from_checkpoint=from_ckpt, select=select, ignore=ignore)
 
 
 def cmd_lint(args) -> int:
+    from geomopt.lint import selected_codes
     from geomopt.spec.validate import gc_paused
 
+    try:
+        selected_codes(args.select, args.ignore)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     params, from_ckpt = _params(args)
     diags: list[Diagnostic] = []
     files = _spec_files(args.specs)
@@ -160,7 +151,7 @@ def cmd_lint(args) -> int:
     # cyclic collector's passes over them would cost more than the lint itself.
     with gc_paused():
         for path in files:
-            diags += _lint_file(path, params, from_ckpt)
+            diags += _lint_file(path, params, from_ckpt, args.select, args.ignore)
     report(diags, args.format)
     if args.format == "text" and sys.stderr.isatty():
         n = {s: sum(d.severity == s for d in diags) for s in ("error", "warning", "note")}
@@ -291,7 +282,7 @@ def cmd_schema(args) -> int:
 
 
 def cmd_rule(args) -> int:
-    from geomopt.compile.lint import RULES, rule_doc
+    from geomopt.lint import RULES, rule_doc
     from geomopt.spec.diagnostics import LANGUAGE_CODES
 
     if args.code in ("roles", "views"):
@@ -340,8 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("lint", help="check specs, alone or against a model or checkpoint")
     sp.add_argument("specs", nargs="+", metavar="SPEC", help="spec files, directories holding them, or shipped specs by name")
     target(sp)
-    sp.add_argument("--format", choices=("text", "json", "github"), default="text")
+    sp.add_argument("--format", choices=tuple(REPORTERS), default="text")
     sp.add_argument("--strict", action="store_true", help="warnings fail too (exit 1)")
+    sp.add_argument("--select", action="append", metavar="CODES", help="only these rules: comma-separated codes, "
+                    "prefixes (GO1: every GO1xx) or rule names (as ruff's --select)")
+    sp.add_argument("--ignore", action="append", metavar="CODES", help="not these rules (the more specific of "
+                    "--select and --ignore wins)")
     sp.set_defaults(fn=cmd_lint)
 
     sp = sub.add_parser("plan", help="show the per-tensor plan of a spec against a model")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 from typing import Optional, Union
 
-from geomopt.compile.lint import LintContext, run_rules
+from geomopt.lint import LintContext, run_rules
 from geomopt.compile.match import ParamInfo
 from geomopt.compile.params import params_from_model
 from geomopt.compile.plan import ParamPlan, Plan
@@ -17,12 +17,6 @@ from geomopt.spec.validate import gc_paused, source_of
 
 # Findings that make a plan impossible: compile raises on these (lint reports them all).
 BLOCKING = ("GO101", "GO104", "GO105", "GO120")
-
-
-def lint_spec(spec: Spec, params: Optional[list[ParamInfo]] = None, *, from_checkpoint: bool = False) -> list[Diagnostic]:
-    """Every lint finding of ``spec`` against ``params`` (None: the spec alone), sorted by position."""
-    ctx = LintContext.build(spec, params, from_checkpoint)
-    return sorted(run_rules(ctx, source_of(spec)), key=lambda d: (d.line, d.col, d.code))
 
 
 def compile_spec(spec: Union[Spec, str, dict], model, *, roles: Optional[dict] = None) -> Plan:

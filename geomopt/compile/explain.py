@@ -104,7 +104,7 @@ def recipe(name: str) -> str:
 def starter(spec: Spec, infos: list[ParamInfo], model_name: str) -> Spec:
     """``spec`` (a recipe) without the rules this model leaves idle (roles it does not have), named
     for the model: a spec that lints clean against it."""
-    from geomopt.compile.lint import LintContext
+    from geomopt.lint import LintContext
 
     ctx = LintContext.build(spec, infos)
     keep = [r for i, r in enumerate(spec.rules) if ctx.matched[i]]

@@ -204,6 +204,3 @@ def _constraint_text(c: Optional[dict], methods=()) -> str:
     if c and c.get("method") == "auto":
         return _call_text({**c, "method": "auto" + ("→" + "/".join(sorted(methods)) if methods else "")})
     return _call_text(c)
-
-
-from geomopt.compile.resolve import op_layout, resolve_view  # noqa: E402,F401  (lint's imports, until it moves)

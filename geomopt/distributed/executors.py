@@ -1,4 +1,4 @@
-"""Where each operator runs under ``torch.distributed`` (README: Distributed training).
+"""Where each operator runs under ``torch.distributed`` (docs: guide/distributed.md).
 
 A step asks for its operators through *requests* (:class:`Request`): the stacked input of a
 bucket and the operator to apply. An executor answers them, and every rank answers the same

@@ -1,6 +1,6 @@
 """Forward ops: the preconditioner ρ·∇φ₁*(D) of the forward step Y = X − γ∇φ*(D) (paper eq. (2.1)).
 
-One registered op per geometry kind (README: the math in one paragraph), each
+One registered op per geometry kind (docs: design.md, the math contracts), each
 ``fn(d, geometry: dict, *, radius, batch_dims=0, state=None) -> Tensor`` with ``geometry`` the
 ``model_dump()`` of a spec geometry. The leading ``batch_dims`` dims of ``d`` index independent
 tensors (the optimizer stacks same-shape tensors into one bucket), so every norm and every matrix

@@ -51,7 +51,7 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-# Codes of the language itself (parse and schema); lint rules register theirs in geomopt.compile.lint.
+# Codes of the language itself (parse and schema); lint rules register theirs in geomopt.lint.
 LANGUAGE_CODES: dict[str, tuple[str, str]] = {
     "GO001": ("syntax-error", "the file is not valid YAML / DSL"),
     "GO002": ("duplicate-key", "a key given twice in one mapping (YAML would silently keep the last)"),

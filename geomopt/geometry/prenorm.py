@@ -1,0 +1,51 @@
+"""Pre-normalization of the spectral approximations (geometry field ``prenormalize``).
+
+Per matrix of a (..., m, n) tensor (norms over the last two dims): ``frobenius`` D/(‖D‖_F + ε),
+``max`` D/max(‖D‖_F, ε) (torch.optim.Muon), ``none``. ``None`` means the default
+(:func:`default_prenormalize`): frobenius with ε = 1e-7 for the polynomial iterations
+(newton_schulz, gram_newton_schulz, polar_express: they diverge without it), none for svd and
+gram_eigh. The polynomial iterations fold it into their small factors (:func:`prenorm_factor`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from geomopt.spec.model import POLYNOMIAL_APPROX_KINDS
+
+
+def default_prenormalize(approx_kind: str) -> dict:
+    """Pre-normalization (module docstring): on (frobenius, ε = 1e-7) for the polynomial iterations, off otherwise."""
+    if approx_kind in POLYNOMIAL_APPROX_KINDS:
+        return {"kind": "frobenius", "eps": 1e-7}
+    return {"kind": "none"}
+
+
+def prenormalize(x: torch.Tensor, cfg: dict | None, approx_kind: str = "svd", inplace: bool = False) -> torch.Tensor:
+    """Scale each matrix of ``x`` (..., m, n): ``frobenius`` D/(‖D‖_F + ε) (Muon reference code,
+    Scion, paper eq. (4.1)), ``max`` D/max(‖D‖_F, ε) (torch.optim.Muon), ``none``. ``cfg`` None
+    selects :func:`default_prenormalize`; a dict without ``kind`` means frobenius (the spec model's
+    default). ``inplace``: divide ``x`` itself (a scratch copy)."""
+    cfg = default_prenormalize(approx_kind) if cfg is None else cfg
+    if cfg.get("kind", "frobenius") == "none":
+        return x
+    denom = _prenorm_denominator(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), cfg)
+    return x.div_(denom) if inplace else torch.div(x, denom)
+
+
+def _prenorm_denominator(norm: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """What :func:`prenormalize` divides a matrix by, from its ‖D‖_F (cfg kind frobenius or max)."""
+    kind = cfg.get("kind", "frobenius")
+    eps = float(cfg.get("eps", 1e-7))
+    if kind == "frobenius":
+        return norm + eps
+    if kind == "max":
+        return norm.clamp(min=eps)
+    raise ValueError(f"unknown prenormalize kind {kind!r}; expected frobenius, max or none")
+
+
+def prenorm_factor(sq_norm: torch.Tensor, cfg: dict) -> torch.Tensor | None:
+    """The factor :func:`prenormalize` multiplies a matrix by, from its ‖D‖²_F (None for ``none``)."""
+    if cfg.get("kind", "frobenius") == "none":
+        return None
+    return _prenorm_denominator(sq_norm.sqrt(), cfg).reciprocal()

@@ -1,0 +1,30 @@
+"""``geomopt lint``: lint rules GO101–GO123, each a small registered unit with a code, a kebab-case
+name, a severity and a docstring (with a bad and a fixed example) that ``geomopt rule CODE`` prints.
+
+Modules, one concern each:
+
+* :mod:`~geomopt.lint.context`: the registry :data:`RULES`, :func:`lint_rule`,
+  :class:`LintContext` (what a rule reads) and :func:`run_rules`;
+* rule families: :mod:`~geomopt.lint.coverage` (GO101–GO103, GO110–GO112: which rule owns each
+  tensor), :mod:`~geomopt.lint.applicability` (GO104, GO105, GO120: blocking errors),
+  :mod:`~geomopt.lint.values` (GO106–GO109, GO121, GO122: legal but suspect values and
+  combinations), :mod:`~geomopt.lint.roles` (GO113–GO119: roles and views);
+* :mod:`~geomopt.lint.suppress`: ``# geomopt: disable=CODE`` comments and GO123;
+* :mod:`~geomopt.lint.runner`: :func:`lint_spec` with ``select=`` / ``ignore=``;
+* :mod:`~geomopt.lint.reporters`: text, json and github output.
+
+A new rule is a function in its family's module, decorated with :func:`lint_rule`, plus a failing
+and a passing fixture in ``tests/lint_fixtures/`` (its README gives the format).
+"""
+
+# isort: skip_file
+# Order matters: the compiler imports LintContext and run_rules from this package, and the rule
+# families import geomopt.compile; what the compiler needs is bound before any family loads (so
+# either package may be imported first).
+from geomopt.lint.context import RULES, LintContext, LintRule, lint_rule, rule_doc, run_rules
+from geomopt.lint.runner import lint_spec, selected_codes
+from geomopt.lint import coverage, applicability, values, roles, suppress  # noqa: F401  (register the rules)
+from geomopt.lint.reporters import REPORTERS, report
+
+__all__ = ["REPORTERS", "RULES", "LintContext", "LintRule", "lint_rule", "lint_spec", "report", "rule_doc",
+           "run_rules", "selected_codes"]

@@ -1,0 +1,167 @@
+"""The lint machinery the rule families share: the rule registry (:data:`RULES`), the
+:func:`lint_rule` decorator, the :class:`LintContext` a rule reads, and :func:`run_rules`.
+
+A rule is ``fn(ctx) -> iterable of (message, path)``; ``path`` locates the finding in the spec
+source (``("rules", 2, "constraint")``). Rules never raise for a bad spec: they report.
+
+This module imports nothing from :mod:`geomopt.compile` at import time (the matcher loads when a
+context is built): the compiler imports :class:`LintContext` and :func:`run_rules` from here, and
+either package may be imported first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from geomopt.registry import Registry
+from geomopt.spec.diagnostics import LANGUAGE_CODES, Diagnostic
+from geomopt.spec.model import Spec
+from geomopt.spec.source import SourceMap
+
+if TYPE_CHECKING:  # pragma: no cover
+    from geomopt.compile.match import ParamInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class LintRule:
+    """One registered rule: what ``geomopt rule CODE`` prints and what :func:`run_rules` calls."""
+
+    code: str
+    name: str
+    severity: str
+    fn: Callable
+    needs_model: bool = False
+
+    @property
+    def doc(self) -> str:
+        return (self.fn.__doc__ or "").strip()
+
+
+#: code → :class:`LintRule`; ``RULES.meta[code]`` holds code, name, severity and needs_model
+RULES: Registry = Registry("lint rule")
+
+
+def lint_rule(code: str, name: str, severity: str, *, needs_model: bool = False):
+    """Register ``fn`` under ``code``; ``needs_model`` rules run only when linting against a model
+    or a checkpoint. A code registered twice is an error."""
+
+    def register(fn):
+        meta = {"code": code, "name": name, "severity": severity, "needs_model": needs_model}
+        RULES.register(code, **meta)(LintRule(fn=fn, **meta))
+        return fn
+
+    return register
+
+
+def rule_by_name(name: str) -> str | None:
+    """The code of the rule called ``name`` (kebab-case), or None."""
+    for code, rule in RULES.items():
+        if rule.name == name:
+            return code
+    return None
+
+
+@dataclasses.dataclass
+class LintContext:
+    spec: Spec
+    params: list[ParamInfo]  # trainable tensors, ties collapsed
+    frozen: list[ParamInfo]
+    owner: dict[str, int | None]  # parameter name → index of the rule that owns it
+    matched: list[list[str]]  # per rule: every parameter it matches (owned or not)
+    undecided: list[list[str]]  # per rule: parameters a module predicate could not decide
+    from_checkpoint: bool = False
+    has_model: bool = True
+    owned_by: list[list[ParamInfo]] | None = None  # per rule: the parameters it owns
+
+    @classmethod
+    def build(cls, spec: Spec, params: list[ParamInfo] | None, from_checkpoint: bool = False) -> LintContext:
+        """``params`` None: lint the spec alone (rules that need a model are skipped).
+
+        Matching runs rule by rule over all tensors (:meth:`Matcher.select`), so its cost is one
+        regex call per (rule, name), not a Python call per pair."""
+        from geomopt.compile.match import Matcher
+
+        has_model = params is not None
+        params = params or []
+        if any(p.role is None for p in params) and (spec.roles or any(r.match.role is not None for r in spec.rules)):
+            from geomopt.compile.roles import ensure_roles
+
+            ensure_roles(params, spec.roles)
+        trainable = [p for p in params if p.requires_grad]
+        frozen = [p for p in params if not p.requires_grad]
+        owner_index: list[int | None] = [None] * len(trainable)
+        matched: list[list[str]] = []
+        undecided: list[list[str]] = []
+        for i, rule in enumerate(spec.rules):
+            if not trainable:  # the spec alone: nothing to match (and no pattern to compile)
+                matched.append([])
+                undecided.append([])
+                continue
+            hits, unknown = Matcher(rule.match).select(trainable)
+            for j in hits:
+                if owner_index[j] is None:
+                    owner_index[j] = i
+            matched.append([trainable[j].name for j in hits])
+            undecided.append([trainable[j].name for j in unknown])
+        owned_by: list[list[ParamInfo]] = [[] for _ in spec.rules]
+        for p, i in zip(trainable, owner_index):
+            if i is not None:
+                owned_by[i].append(p)
+        owner = {p.name: i for p, i in zip(trainable, owner_index)}
+        return cls(spec, trainable, frozen, owner, matched, undecided, from_checkpoint, has_model, owned_by)
+
+    def owned(self, i: int) -> list[ParamInfo]:
+        if self.owned_by is not None:
+            return self.owned_by[i]
+        return [p for p in self.params if self.owner.get(p.name) == i]
+
+
+def runs(rule: LintRule, ctx: LintContext, codes: Iterable[str] | None = None) -> bool:
+    """Whether :func:`run_rules` runs ``rule`` for ``ctx`` (``codes``: the selected codes)."""
+    return (codes is None or rule.code in codes) and (ctx.has_model or not rule.needs_model)
+
+
+def run_rules(ctx: LintContext, source: SourceMap | None, codes: Iterable[str] | None = None) -> list[Diagnostic]:
+    """The findings of every registered rule (of those in ``codes``, when given), unsorted."""
+    wanted = set(codes) if codes is not None else None
+    file = source.file if source else "<spec>"
+    out = []
+    for code, rule in RULES.items():
+        if not runs(rule, ctx, wanted):
+            continue
+        for message, path in rule.fn(ctx):
+            line, col = source.pos(path) if source else (1, 1)
+            out.append(Diagnostic(code, rule.name, rule.severity, message, file, line, col))
+    return out
+
+
+def rule_doc(code: str) -> str | None:
+    """The text ``geomopt rule CODE`` prints (language codes included)."""
+    code = code.upper()
+    if code in RULES:
+        r = RULES[code]
+        return f"{r.code} {r.name} ({r.severity})\n\n{r.doc}\n"
+    if code in LANGUAGE_CODES:
+        name, doc = LANGUAGE_CODES[code]
+        return f"{code} {name} (error)\n\n{doc[0].upper() + doc[1:]}.\n"
+    return None
+
+
+# ---------------------------------------------------------------- helpers of several families
+
+
+def shape_text(p: ParamInfo) -> str:
+    """``4×3``, or ``scalar``."""
+    return "×".join(map(str, p.shape)) or "scalar"
+
+
+def field(model, name: str, default=None):
+    """A spec model's field, or ``default`` where its kind has none (a plain lookup: ``getattr``
+    on a field a model lacks goes through pydantic's slow ``__getattr__``)."""
+    return model.__dict__.get(name, default)
+
+
+__all__ = ["RULES", "LintContext", "LintRule", "field", "lint_rule", "rule_by_name", "rule_doc", "run_rules", "runs",
+           "shape_text"]

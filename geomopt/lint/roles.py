@@ -1,0 +1,171 @@
+"""Roles and views: does the spec treat each kind of tensor (embedding, head, router, expert,
+hidden, …; :mod:`geomopt.compile.roles`) as its role asks? GO113 a role rule idle for this model
+(a note), GO114 a ``roles:`` pattern naming no tensor, GO115 a head, embedding or router under a
+spectral geometry, GO116 a body matrix falling to a non-matrix catch-all, GO117 batched expert
+weights read as one matrix, and the notes GO118 guessed roles, GO119 an ambiguous head. All need a
+model or a checkpoint.
+"""
+
+from __future__ import annotations
+
+from geomopt.compile.match import any_name, describe, glob_regex
+from geomopt.lint.context import LintContext, lint_rule, shape_text
+
+
+def _roles_of(rule) -> set:
+    role = rule.match.role
+    return set() if role is None else {role} if isinstance(role, str) else set(role)
+
+
+def role_is_absent(ctx: LintContext, rule) -> bool:
+    """A rule selecting by role that matches nothing because of its role (and shape) predicates:
+    its name pattern, if any, names some tensor."""
+    if rule.match.role is None:
+        return False
+    if rule.match.name is None:
+        return True
+    fm = glob_regex(rule.match.name).fullmatch
+    return any(any_name(fm, p) for p in ctx.params)
+
+
+@lint_rule("GO113", "absent-role", "note", needs_model=True)
+def absent_role(ctx: LintContext):
+    """A rule that selects tensors by role matches nothing because the model has no tensor with
+    that role: a generic spec meets models without embeddings (a ResNet) or experts (a dense
+    transformer). Information, not a problem; a name pattern that matches nothing stays a
+    warning (GO102), since that is usually a typo.
+
+    Example: ``match: {role: embedding}`` against a ResNet-18 notes "no tensor has role
+    embedding".
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        if not ctx.matched[i] and not ctx.undecided[i] and role_is_absent(ctx, rule):
+            roles = ", ".join(sorted(_roles_of(rule)))
+            rest = describe(rule.match.model_copy(update={"role": None, "name": None})) if (
+                rule.match.ndim is not None or rule.match.shape is not None or rule.match.module is not None) else ""
+            yield (f"rule '{rule.name}' is idle: no tensor of this model has role {roles}"
+                   + (f" with {rest}" if rest else "")), ("rules", i, "match", "role")
+
+
+@lint_rule("GO114", "unused-role-pattern", "warning", needs_model=True)
+def unused_role_pattern(ctx: LintContext):
+    """A pattern under the spec's ``roles:`` that names no tensor: usually a misspelled name, so
+    the role it meant to give is not given.
+
+    Bad: ``roles: {head: ["clasifier.weight"]}``. Fixed: ``roles: {head: ["classifier.weight"]}``.
+    """
+    for role, patterns in ctx.spec.roles.items():
+        for j, pattern in enumerate(patterns):
+            fm = glob_regex(pattern).fullmatch
+            if not any(any_name(fm, p) for p in ctx.params):
+                yield f"roles: pattern {pattern!r} for role {role} names no tensor of the model", ("roles", role, j)
+
+
+_SPECIAL = ("head", "embedding", "router")
+
+
+@lint_rule("GO115", "special-role-spectral", "warning", needs_model=True)
+def special_role_spectral(ctx: LintContext):
+    """A head, embedding or router under a spectral geometry: their updates are not the spectral
+    lmo's job (an embedding's rows are looked up one token at a time, a head's and a router's
+    outputs are logits), and Muon/Scion practice gives them their own rule. The message gives the
+    evidence for the role (``geomopt explain`` shows it too).
+
+    Bad: ``match: {name: "**.weight", ndim: 2}`` with a spectral geometry on a BERT classifier
+    (``classifier.weight`` is the head). Fixed: a rule ``match: {role: [head, router]}`` before it.
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        if rule.geometry.kind != "spectral":
+            continue
+        for p in ctx.owned(i):
+            special = [r for r in (p.role.roles if p.role else ()) if r in _SPECIAL]
+            if special:
+                guess = " (guessed from names)" if p.role.guessed else ""
+                yield (f"rule '{rule.name}' gives the spectral geometry to '{p.name}' ({shape_text(p)}), which has role "
+                       f"{special[0]}{guess}: {p.role.evidence}; give it a rule before this one "
+                       f"(match: {{role: {special[0]}}})"), ("rules", i, "match")
+
+
+@lint_rule("GO116", "matrix-to-catch-all", "warning", needs_model=True)
+def matrix_to_catch_all(ctx: LintContext):
+    """A body tensor with ≥ 2 dims (role hidden or expert) that falls to a rule with a
+    non-matrix geometry while the spec has a spectral rule: usually a pattern that missed it
+    (batched expert weights (E, out, in) sent to Adam by an ``ndim: 2`` match).
+
+    Bad: ``match: {name: "**.weight", ndim: 2}`` on a Mixtral (``experts.gate_up_proj`` is 3-D
+    and falls to the catch-all). Fixed: ``match: {role: [hidden, expert]}`` with ``view: auto``.
+    """
+    spectral = [i for i, r in enumerate(ctx.spec.rules) if r.geometry.kind == "spectral"]
+    if not spectral:
+        return
+    for i, rule in enumerate(ctx.spec.rules):
+        if rule.geometry.kind in ("spectral", "rowwise", "columnwise"):
+            continue
+        missed = [p for p in ctx.owned(i) if len(p.shape) >= 2 and p.role is not None
+                  and set(p.role.roles) & {"hidden", "expert"} and not set(p.role.roles) & set(_SPECIAL)]
+        if missed:
+            shown = ", ".join(f"'{p.name}' ({shape_text(p)}, {p.role.name})" for p in missed[:3]) + (" …" if len(missed) > 3 else "")
+            yield (f"rule '{rule.name}' ({rule.geometry.kind}) takes {len(missed)} body matrix tensor(s) while rule "
+                   f"'{ctx.spec.rules[spectral[0]].name}' is spectral: {shown}; match them by role "
+                   f"(match: {{role: [hidden, expert]}})"), ("rules", i, "match")
+
+
+@lint_rule("GO117", "merged-matrices", "warning", needs_model=True)
+def merged_matrices(ctx: LintContext):
+    """A matrix geometry whose view merges matrices the model keeps separate: batched expert
+    weights (E, out, in) read as one E × out·in matrix orthogonalize the experts together (each
+    expert's slice then has singular values far from 1).
+
+    Bad: ``geometry: {kind: spectral, …}`` (no view) on Mixtral's ``experts.gate_up_proj``.
+    Fixed: ``view: auto`` (or ``view: {kind: matrix, batch: 1}``).
+    """
+    from geomopt.compile.resolve import op_layout, resolve_view
+
+    for i, rule in enumerate(ctx.spec.rules):
+        if rule.geometry.kind not in ("spectral", "rowwise", "columnwise"):
+            continue
+        geometry = rule.geometry.model_dump()
+        for p in ctx.owned(i):
+            structure = p.role.structure if p.role is not None else None
+            if not structure or not structure.get("batch") or len(p.shape) < 3:
+                continue
+            op_geometry, _, op_shape = op_layout(geometry, p)
+            try:
+                view = resolve_view(op_geometry, op_shape, structure).get("view")
+            except ValueError:
+                continue  # GO104's finding
+            if view is None or view["batch"] < structure["batch"]:
+                yield (f"rule '{rule.name}' reads '{p.name}' ({shape_text(p)}) as one matrix, but it holds "
+                       f"{p.shape[0]} experts ({p.role.evidence}); add view: auto"), ("rules", i, "geometry", "kind")
+
+
+@lint_rule("GO118", "guessed-roles", "note", needs_model=True)
+def guessed_roles(ctx: LintContext):
+    """Roles read from names and shapes only (a checkpoint, or a list of (name, tensor)) are
+    guesses: lint against the model (``--model``) to infer them from its structure, or pin them
+    with the spec's ``roles:``.
+
+    Example: ``geomopt lint muon --checkpoint model.safetensors`` notes how many roles
+    were guessed and shows a few.
+    """
+    if not any(r.match.role is not None for r in ctx.spec.rules) and not ctx.spec.roles:
+        return
+    guessed = [p for p in ctx.params if p.role is not None and p.role.guessed]
+    if guessed:
+        shown = ", ".join(f"'{p.name}' → {p.role.name}" for p in guessed[:4]) + (" …" if len(guessed) > 4 else "")
+        yield (f"{len(guessed)} role(s) guessed from names and shapes (no model): {shown}; lint with --model to "
+               f"infer them from the model's structure"), ("rules",)
+
+
+@lint_rule("GO119", "ambiguous-role", "note", needs_model=True)
+def ambiguous_role(ctx: LintContext):
+    """An inference with two candidates, e.g. two last layers reading the same features (two
+    heads): both get the role, never one silently; pin the intended one with the spec's
+    ``roles:`` if that is wrong.
+
+    Example: a model ending in ``head_a = Linear(64, 10)`` and ``head_b = Linear(64, 5)``: both are
+    heads, and lint names both.
+    """
+    both = [p.name for p in ctx.params if p.role is not None and "one of two last layers" in p.role.evidence]
+    if both:
+        yield f"two candidate heads, both given role head: {', '.join(repr(n) for n in both)}", ("rules",)

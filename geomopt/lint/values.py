@@ -1,0 +1,175 @@
+"""Values and combinations that are legal but suspect: GO106 numerically dubious values (a tiny
+ε, a scale preset that makes updates vanish), GO107 a spectral approximation that realizes another
+reference than the declared one under an h-dependent constraint, GO108 decoupled decay that leaves
+a sphere or Stiefel set, GO109 choices outside the paper's theory (a note), GO121 a post-stage that
+undoes the geometry, GO122 cautious masking or decay under a whole-update prox. None needs a model
+(GO106's scale check uses one where given).
+"""
+
+from __future__ import annotations
+
+import math
+
+from geomopt.catalog import realized_reference
+from geomopt.lint.context import LintContext, field, lint_rule, shape_text
+
+
+def _eps_paths(rule, i):
+    g = rule.geometry
+    ref = field(g, "reference")
+    if ref is not None and field(ref, "eps") is not None:
+        yield ref.eps, ("rules", i, "geometry", "reference", "eps")
+    pre = field(g, "prenormalize")
+    if pre is not None and field(pre, "eps") is not None:
+        yield pre.eps, ("rules", i, "geometry", "prenormalize", "eps")
+    if g.kind == "adam":
+        yield g.eps, ("rules", i, "geometry", "eps")
+
+
+@lint_rule("GO106", "dubious-value", "warning")
+def dubious_value(ctx: LintContext):
+    """Values that are legal but numerically dubious: an ε below 1e-12 (below float32 resolution of
+    the quantities it guards) or a scale preset that shrinks a radius below 1e-4 of its value
+    (updates vanish; e.g. ``scale: scion`` on a sign geometry of a 50k-wide embedding).
+
+    Bad: ``reference: {kind: log_barrier, eps: 1.0e-20}``. Fixed: ``eps: 1.0e-8``.
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        for eps, path in _eps_paths(rule, i):
+            if eps < 1e-12:
+                yield f"eps={eps:g} is below 1e-12: float32 cannot resolve it; use ≥ 1e-12 (1e-8 is usual)", path
+        owned = ctx.owned(i)
+        if owned and field(rule.geometry, "scale", "none") != "none":
+            from geomopt.compile.resolve import op_layout
+            from geomopt.geometry.scale import radius_scale  # torch: only with a model
+
+            geometry = rule.geometry.model_dump()
+            for p in owned:
+                op_geometry, _, op_shape = op_layout(geometry, p)  # the shape the compiled plan scales by
+                try:
+                    s = radius_scale(op_geometry, op_shape)
+                except (ValueError, ZeroDivisionError):
+                    continue
+                if s < 1e-4:
+                    yield (f"scale={rule.geometry.scale} multiplies the radius by {s:.2g} for '{p.name}' "
+                           f"({shape_text(p)}): its updates nearly vanish"), ("rules", i, "geometry", "scale")
+                    break
+
+
+_H_DEPENDENT = {"l2_ball", "frobenius_ball", "frobenius_sphere"}
+
+
+@lint_rule("GO107", "reference-approx-mismatch", "warning")
+def reference_approx_mismatch(ctx: LintContext):
+    """Newton–Schulz and Polar Express realize the spectral power barrier κ = 4 with ε ≈ 1/∏aᵢ
+    (paper Appendix F, Theorem 4.7), not the declared reference. Under a constraint whose backward
+    step depends on h (ℓ2 / Frobenius ball and sphere) the declared reference is what the step uses,
+    so a mismatch makes forward and backward disagree.
+
+    Bad: ``reference: {kind: log_barrier}`` with ``approx: {kind: polar_express, steps: 5}`` and
+    ``constraint: {kind: frobenius_ball}``. Fixed: ``reference: {kind: power_barrier, kappa: 4,
+    eps: 1.05e-3}`` (what PE-5 realizes), or ``approx: {kind: svd}``.
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        g = rule.geometry
+        if g.kind != "spectral" or rule.constraint is None or rule.constraint.kind not in _H_DEPENDENT:
+            continue
+        realized = realized_reference(g.approx.model_dump())
+        if realized is None:
+            continue
+        ref = g.reference
+        ok = (ref.kind == "power_barrier" and abs(ref.kappa - realized["kappa"]) < 1e-9
+              and abs(math.log(ref.eps / realized["eps"])) < math.log(2))
+        if not ok:
+            yield (f"rule '{rule.name}': {g.approx.kind}({g.approx.steps} steps) realizes power_barrier(kappa=4, "
+                   f"eps≈{realized['eps']:.3g}) but the {rule.constraint.kind} step uses the declared "
+                   f"{ref.kind}; declare the realized reference or use approx svd"), ("rules", i, "geometry", "reference")
+
+
+_SET_SHRUNK = {"frobenius_sphere", "stiefel", "sign_set", "spectral_sphere", "linf_sphere"}
+
+
+@lint_rule("GO108", "decay-leaves-set", "warning")
+def decay_leaves_set(ctx: LintContext):
+    """Decoupled weight decay (X ← X(1 − lr·wd)) shrinks X off a sphere, Stiefel or sign set
+    before every step; the backward step then starts from an infeasible point.
+
+    Bad: ``weight_decay: 0.1`` with ``constraint: {kind: stiefel}``. Fixed: drop the decay (the set
+    already bounds the weights) or use a ball.
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        wd = rule.weight_decay if rule.weight_decay is not None else ctx.spec.defaults.weight_decay
+        if wd and rule.constraint is not None and rule.constraint.kind in _SET_SHRUNK:
+            yield (f"rule '{rule.name}': weight_decay={wd:g} shrinks X out of the {rule.constraint.kind} "
+                   f"each step; remove it"), ("rules", i, "constraint", "kind")
+
+
+def _sign_like(rule) -> bool:
+    ref = field(rule.geometry, "reference")
+    return rule.geometry.kind == "anisotropic" and ref is not None and ref.kind == "indicator"
+
+
+@lint_rule("GO121", "stage-undoes-geometry", "warning")
+def stage_undoes_geometry(ctx: LintContext):
+    """A post-stage that undoes what the geometry did: an elementwise second moment after a sign
+    geometry (every entry of sign(D) has magnitude 1, so the running mean of U² tends to 1 and the
+    stage only adds lag), or after the adam geometry (the update is normalized twice).
+
+    Bad: ``geometry: {kind: anisotropic, reference: {kind: indicator}}`` with ``post:
+    [{kind: second_moment, axis: element}]``. Fixed: drop the stage, or normalize a spectral or
+    Euclidean update instead.
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        for j, stage in enumerate(rule.post or ()):
+            if stage.kind == "second_moment" and stage.axis == "element" and (_sign_like(rule) or rule.geometry.kind == "adam"):
+                what = "a sign geometry's entries all have magnitude 1" if _sign_like(rule) else "adam already divides by √v"
+                yield (f"rule '{rule.name}': second_moment(axis=element) after the {rule.geometry.kind} geometry: {what}, "
+                       f"so the stage undoes nothing useful; drop it"), ("rules", i, "post", j, "kind")
+
+
+#: constraints whose backward step acts entry by entry (a masked update is still theirs to project)
+_ELEMENTWISE_SETS = ("proximal_decay", "linf_ball", "sign_set")
+
+
+@lint_rule("GO122", "cautious-under-constraint", "warning")
+def cautious_under_constraint(ctx: LintContext):
+    """Cautious masking (``post: [cautious]``) or cautious weight decay under a constraint whose
+    backward step is a prox of the whole update (balls, spheres, Stiefel, rank): the prox is
+    defined for the geometry's step Y = X − γρ∇φ*(D), and a masked step or a partial decay is no
+    longer that, so the step leaves the method the constraint was chosen for.
+
+    Bad: ``post: [{kind: cautious}]`` with ``constraint: {kind: spectral_ball}``. Fixed: drop the
+    masking, or drop the constraint (cautious Muon is unconstrained).
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        if rule.constraint is None or rule.constraint.kind in _ELEMENTWISE_SETS:
+            continue
+        for j, stage in enumerate(rule.post or ()):
+            if stage.kind == "cautious":
+                yield (f"rule '{rule.name}': cautious masking under the {rule.constraint.kind} constraint, whose prox "
+                       f"needs the full update; drop one of them"), ("rules", i, "post", j, "kind")
+        decay = rule.decay if rule.decay is not None else ctx.spec.defaults.decay
+        if decay is not None and decay.kind == "cautious":
+            at = ("rules", i, "decay") if rule.decay is not None else ("defaults", "decay")
+            yield (f"rule '{rule.name}': cautious weight decay under the {rule.constraint.kind} constraint, whose prox "
+                   f"needs the full update; use decoupled decay or drop the decay"), at
+
+
+@lint_rule("GO109", "outside-theory", "note")
+def outside_theory(ctx: LintContext):
+    """Choices the paper's convergence theory does not cover: the ``adam`` geometry (an escape hatch
+    for hybrids) and any constraint with the ``indicator`` reference (lmo / Frank–Wolfe steps:
+    the Fenchel–Young stationarity gap is not available).
+
+    Example: ``geometry: {kind: adam}`` (noted; fine for embeddings in a hybrid). Inside the theory:
+    ``geometry: {kind: spectral, reference: {kind: power_barrier, kappa: 4, eps: 1.0e-3}}`` with
+    ``constraint: {kind: frobenius_ball}``.
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        g = rule.geometry
+        if g.kind == "adam":
+            yield f"rule '{rule.name}': the adam geometry is outside the paper's theory", ("rules", i, "geometry", "kind")
+        ref = field(g, "reference")
+        if rule.constraint is not None and ref is not None and ref.kind == "indicator":
+            yield (f"rule '{rule.name}': {rule.constraint.kind} with the indicator reference is outside the "
+                   f"theory (no stationarity gap)"), ("rules", i, "geometry", "reference")

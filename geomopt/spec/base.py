@@ -1,0 +1,30 @@
+"""The spec language's common ground: the strict base model, shared field types, ``{kind: …}`` shorthand.
+
+The kinds themselves are in :mod:`geomopt.spec.geometries`, :mod:`geomopt.spec.constraints` and
+:mod:`geomopt.spec.updates`; rules and the spec in :mod:`geomopt.spec.model`, which re-exports
+every name of the language.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+Probability = Annotated[float, Field(gt=0, le=1)]
+
+
+class _Model(BaseModel):
+    # allow_inf_nan=False: no field means anything at ±inf/nan, and the DSL has no spelling for them
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# Fields whose value is a {kind: …} mapping: a bare word there (DSL) names the kind.
+KIND_FIELDS = frozenset({"geometry", "constraint", "reference", "approx", "prenormalize", "direction", "schedule", "view",
+                         "decay", "post"})
+
+
+def _view_shorthand(v):
+    """``view: auto`` is shorthand for ``view: {kind: auto}`` (likewise ``decay`` and each post-stage)."""
+    return {"kind": v} if isinstance(v, str) else v

@@ -1,0 +1,276 @@
+"""Geometries φ and their parts: references h, spectral approximations, pre-normalization, views.
+
+Pydantic models of the spec language (:mod:`geomopt.spec.model` re-exports them), each kind
+discriminated on ``kind``; the operators in :mod:`geomopt.geometry` receive their
+``model_dump()`` dicts.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import Field, field_validator
+
+from geomopt.spec.base import PositiveFloat, _Model, _view_shorthand
+
+# ---------------------------------------------------------------- reference functions h
+
+
+class LogBarrier(_Model):
+    """h(x) = −ε(ln(1−|x|)+|x|); (h*)'(y) = y/(ε+|y|)."""
+
+    kind: Literal["log_barrier"] = "log_barrier"
+    eps: PositiveFloat = 1e-8
+
+
+class PowerBarrier(_Model):
+    """h'(x) = εx/(1−|x|^κ)^{1/κ}; (h*)'(y) = y/(ε^κ+|y|^κ)^{1/κ}."""
+
+    kind: Literal["power_barrier"] = "power_barrier"
+    kappa: Annotated[float, Field(ge=1)] = 4.0
+    eps: PositiveFloat = 1e-3
+
+
+class Indicator(_Model):
+    """h = δ_[−1,1], the ε→0 limit: (h*)' = sign (the lmo)."""
+
+    kind: Literal["indicator"] = "indicator"
+
+
+class Quadratic(_Model):
+    """h(x) = x²/2: the Euclidean reference."""
+
+    kind: Literal["quadratic"] = "quadratic"
+
+
+Reference = Annotated[Union[LogBarrier, PowerBarrier, Indicator, Quadratic], Field(discriminator="kind")]
+
+# ---------------------------------------------------------------- spectral approximations
+
+ApproxDtype = Literal["auto", "float32", "bfloat16", "float64"]
+Triple = Annotated[list[float], Field(min_length=3, max_length=3)]
+
+
+class Svd(_Model):
+    """Exact: U·Diag((h*)'(σ))·Vᵀ from torch.linalg.svd."""
+
+    kind: Literal["svd"] = "svd"
+    dtype: ApproxDtype = "auto"
+
+
+class GramEigh(_Model):
+    """Exact in float64: eigh of the Gram matrix DᵀD (or DDᵀ)."""
+
+    kind: Literal["gram_eigh"] = "gram_eigh"
+    dtype: ApproxDtype = "auto"
+
+
+def _fit_steps(v, info):
+    """A per-step coefficient list holds one triple (for every step) or one per step."""
+    steps = info.data.get("steps")
+    if v is not None and steps is not None and len(v) not in (1, steps):
+        raise ValueError(f"coefficients must hold 1 or steps={steps} triples, got {len(v)}")
+    return v
+
+
+class NewtonSchulz(_Model):
+    """Quintic Newton–Schulz, X ← aX + b(XXᵀ)X + c(XXᵀ)²X; default Muon's (3.4445, −4.7750, 2.0315)."""
+
+    kind: Literal["newton_schulz"] = "newton_schulz"
+    steps: Annotated[int, Field(ge=1, le=100)] = 5
+    coefficients: Optional[list[Triple]] = None
+    dtype: ApproxDtype = "auto"
+
+    # a field validator (steps is validated first), so errors point at the field
+    _coefficients_fit_steps = field_validator("coefficients")(_fit_steps)
+
+
+class PolarExpress(_Model):
+    """Polar Express: per-step quintic coefficients ("polar_express": the authors' list with its
+    1.01 safety factor; "speedrun": the 5-step speedrun list; or a user list of triples)."""
+
+    kind: Literal["polar_express"] = "polar_express"
+    steps: Annotated[int, Field(ge=1, le=100)] = 5
+    coefficients: Union[Literal["polar_express", "speedrun"], list[Triple]] = "polar_express"
+    dtype: ApproxDtype = "auto"
+
+    @field_validator("coefficients")
+    @classmethod
+    def _coefficients_not_empty(cls, v):
+        if isinstance(v, list) and len(v) < 1:
+            raise ValueError("coefficients must hold at least one triple")
+        return v
+
+
+class GramNewtonSchulz(_Model):
+    """Newton–Schulz's quintic run on the small Gram side (restarted Gram Newton–Schulz, Dao AI Lab
+    2026, as in microsoft/dion): for X (m×n, m ≤ n) a step is X ← Q·X, Q = aI + bA + cA², A = XXᵀ,
+    so only the m×m matrices R (X = R·X₀) and A ← QAQ are iterated; X = R·X₀ is formed at the end
+    and after each step listed in ``restarts`` (where A is recomputed from it and R reset), for
+    stability. The same map as newton_schulz (same ``steps`` and ``coefficients``) in fewer FLOPs
+    where m ≪ n. ``restarts``: step numbers 1 … steps−1; the default [2] restarts after step 2
+    where there is a step 3 (nothing where steps ≤ 2)."""
+
+    kind: Literal["gram_newton_schulz"] = "gram_newton_schulz"
+    steps: Annotated[int, Field(ge=1, le=100)] = 5
+    coefficients: Optional[list[Triple]] = None
+    restarts: list[Annotated[int, Field(ge=1)]] = [2]
+    dtype: ApproxDtype = "auto"
+
+    _coefficients_fit_steps = field_validator("coefficients")(_fit_steps)
+
+    @field_validator("restarts")  # only given values: the default [2] is validated for no step count
+    @classmethod
+    def _restarts_within_steps(cls, v, info):
+        steps = info.data.get("steps")
+        bad = [r for r in v if steps is not None and r >= steps]
+        if bad:
+            raise ValueError(f"restarts must be step numbers below steps={steps} (X is formed after the last step "
+                             f"anyway), got {bad[0]}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"restarts must be distinct, got {v}")
+        return v
+
+
+Approx = Annotated[Union[Svd, GramEigh, NewtonSchulz, GramNewtonSchulz, PolarExpress], Field(discriminator="kind")]
+
+#: The approximations that are matrix polynomial iterations: they realize their own map (the κ = 4
+#: power barrier), pre-normalize by default, run in bf16 on CUDA (geomopt.geometry.spectral); svd
+#: and gram_eigh are exact factorizations.
+POLYNOMIAL_APPROX_KINDS = ("newton_schulz", "gram_newton_schulz", "polar_express")
+
+# ---------------------------------------------------------------- pre-normalization
+
+
+class FrobeniusPrenorm(_Model):
+    """D ← D/(‖D‖_F + ε) (Muon reference code, Scion)."""
+
+    kind: Literal["frobenius"] = "frobenius"
+    eps: PositiveFloat = 1e-7
+
+
+class MaxPrenorm(_Model):
+    """D ← D/max(‖D‖_F, ε) (torch.optim.Muon)."""
+
+    kind: Literal["max"] = "max"
+    eps: PositiveFloat = 1e-7
+
+
+class NoPrenorm(_Model):
+    """No pre-normalization (the default for svd and gram_eigh)."""
+
+    kind: Literal["none"] = "none"
+
+
+Prenormalize = Annotated[Union[FrobeniusPrenorm, MaxPrenorm, NoPrenorm], Field(discriminator="kind")]
+
+# ---------------------------------------------------------------- geometries
+
+Scale = Literal["none", "scion", "muon_original", "match_rms_adamw"]
+Layout = Literal["auto", "out_in", "in_out"]  # auto: in_out for Hugging Face Conv1D, else out_in
+
+
+class AutoView(_Model):
+    """The matrices the tensor's structure says it holds (:mod:`geomopt.compile.roles`): each
+    expert of a batched (E, out, in) expert weight, each block of a fused projection (q, k, v;
+    gate, up), a conv kernel as out × in·kh·kw; a plain (out, in) matrix otherwise."""
+
+    kind: Literal["auto"] = "auto"
+
+
+class MatrixView(_Model):
+    """How a tensor is read as a batch of matrices. ``batch``: leading axes that index separate
+    matrices (MoE experts: 1). The next axis is the rows; the axes after it are the columns
+    (``trailing: cols``, conv: out × in·kh·kw), or the first of them is and the rest index
+    separate matrices (``trailing: batch``, conv: one out × in matrix per kernel position).
+    ``blocks``: the rows cut into k equal blocks, or into blocks of the given sizes, each its own
+    matrix (heads, fused q,k,v under grouped-query attention, fused [gate, up])."""
+
+    kind: Literal["matrix"] = "matrix"
+    batch: Annotated[int, Field(ge=0)] = 0
+    trailing: Literal["cols", "batch"] = "cols"
+    blocks: Optional[Union[Annotated[int, Field(ge=1)], Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)]]] = None
+
+
+View = Annotated[Union[AutoView, MatrixView], Field(discriminator="kind")]
+VIEW_KINDS = ("auto", "matrix")
+
+
+class _Geometry(_Model):
+    radius: PositiveFloat = 1.0
+
+
+class _MatrixGeometry(_Geometry):
+    view: Optional[View] = None
+
+    @field_validator("view", mode="before")
+    @classmethod
+    def _view_shorthand(cls, v):
+        return _view_shorthand(v)
+
+
+class Euclidean(_Geometry):
+    """φ = ½‖·‖²: ∇φ*(D) = D (SGD)."""
+
+    kind: Literal["euclidean"] = "euclidean"
+
+
+class Isotropic(_Geometry):
+    """∇φ*(D) = (h*)'(‖D‖_F)·D/‖D‖_F (normalized gradient)."""
+
+    kind: Literal["isotropic"] = "isotropic"
+    reference: Reference
+    scale: Scale = "none"
+
+
+class Anisotropic(_MatrixGeometry):
+    """∇φ*(D) = (h*)'(D_ij) elementwise (sign-like)."""
+
+    kind: Literal["anisotropic"] = "anisotropic"
+    reference: Reference
+    scale: Scale = "none"
+    layout: Layout = "auto"
+
+
+class Spectral(_MatrixGeometry):
+    """∇φ*(D) = U·Diag((h*)'(σ_i))·Vᵀ per matrix of the tensor's ``view`` (default: the
+    (shape[0], rest) matrix)."""
+
+    kind: Literal["spectral"] = "spectral"
+    reference: Reference
+    approx: Approx = Field(default_factory=Svd)
+    prenormalize: Optional[Prenormalize] = None
+    scale: Scale = "none"
+    layout: Layout = "auto"
+
+
+class Rowwise(_MatrixGeometry):
+    """Isotropic per row (Scion RowNorm)."""
+
+    kind: Literal["rowwise"] = "rowwise"
+    reference: Reference
+    scale: Scale = "none"
+    layout: Layout = "auto"
+
+
+class Columnwise(_MatrixGeometry):
+    """Isotropic per column (Scion ColNorm)."""
+
+    kind: Literal["columnwise"] = "columnwise"
+    reference: Reference
+    scale: Scale = "none"
+    layout: Layout = "auto"
+
+
+class Adam(_Geometry):
+    """Adam(W)'s update as a state-carrying forward op: outside the paper's theory."""
+
+    kind: Literal["adam"] = "adam"
+    betas: Annotated[list[Annotated[float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = [0.9, 0.999]
+    eps: PositiveFloat = 1e-8
+
+
+Geometry = Annotated[
+    Union[Euclidean, Isotropic, Anisotropic, Spectral, Rowwise, Columnwise, Adam], Field(discriminator="kind")
+]
+GEOMETRY_KINDS = ("euclidean", "isotropic", "anisotropic", "spectral", "rowwise", "columnwise", "adam")

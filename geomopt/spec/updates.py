@@ -1,0 +1,151 @@
+"""Directions, schedules, post-stages and weight decay: the parts of a step around its geometry.
+
+Pydantic models of the spec language (:mod:`geomopt.spec.model` re-exports them), each kind
+discriminated on ``kind``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import Field, model_validator
+
+from geomopt.spec.base import PositiveFloat, Probability, _Model
+
+# ---------------------------------------------------------------- directions and schedules
+
+
+class NoDirection(_Model):
+    """d = g."""
+
+    kind: Literal["none"] = "none"
+
+
+class Polyak(_Model):
+    """d ← αg + (1−α)d (β = 1 − α in Muon's terms); d⁰ = 0, or g⁰ with ``init: gradient``.
+    Momentum warmup: α moves linearly from ``warmup_alpha`` at step 0 to ``alpha`` at step
+    ``warmup_steps`` (Muon's β from 0.85 to 0.95 over 300 steps: ``alpha: 0.05, warmup_steps:
+    300, warmup_alpha: 0.15``)."""
+
+    kind: Literal["polyak"] = "polyak"
+    alpha: Probability = 0.1
+    nesterov: bool = False
+    init: Literal["zero", "gradient"] = "zero"
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    warmup_alpha: Optional[Probability] = None
+
+    @model_validator(mode="after")
+    def _warmup_complete(self):
+        if (self.warmup_steps > 0) != (self.warmup_alpha is not None):
+            raise ValueError("momentum warmup needs both warmup_steps (> 0) and warmup_alpha (α at step 0)")
+        return self
+
+
+class HeavyBall(_Model):
+    """torch.optim.SGD's momentum: b⁰ = g⁰, then b ← μb + (1−τ)g; d = b, or g + μb with
+    ``nesterov`` (τ = ``dampening``)."""
+
+    kind: Literal["heavy_ball"] = "heavy_ball"
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    dampening: Annotated[float, Field(ge=0, le=1)] = 0.0
+    nesterov: bool = False
+
+
+class Lion(_Model):
+    """Lion's direction (Chen et al. 2023): d = β₁m + (1−β₁)g, then m ← β₂m + (1−β₂)g; m⁰ = 0.
+    The sign is the geometry's (anisotropic with the indicator reference)."""
+
+    kind: Literal["lion"] = "lion"
+    beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, Field(ge=0, lt=1)] = 0.99
+
+
+class Storm(_Model):
+    """d ← g(x_k) + (1−α)(d − g(x_{k−1})) on the same batch; needs ``step(closure)``."""
+
+    kind: Literal["storm"] = "storm"
+    alpha: Probability = 0.1
+
+
+Direction = Annotated[Union[NoDirection, Polyak, HeavyBall, Lion, Storm], Field(discriminator="kind")]
+DIRECTION_KINDS = ("none", "polyak", "heavy_ball", "lion", "storm")
+
+
+class ConstantSchedule(_Model):
+    kind: Literal["constant"] = "constant"
+
+
+class TheorySchedule(_Model):
+    """γ = γ̄(K+1)^(−3/4), α = (K+1)^(−1/2) (Theorem 4.3)."""
+
+    kind: Literal["theory"] = "theory"
+    horizon: Annotated[int, Field(ge=1)]
+    gamma_bar: PositiveFloat
+
+
+class StormSchedule(_Model):
+    """α_k = γ_k = (k+1)^(−2/3) (Theorem 4.5)."""
+
+    kind: Literal["storm"] = "storm"
+
+
+Schedule = Annotated[Union[ConstantSchedule, TheorySchedule, StormSchedule], Field(discriminator="kind")]
+
+# ---------------------------------------------------------------- post-stages and weight decay
+
+
+class SecondMoment(_Model):
+    """Normalize the preconditioned update U by a running second moment of it: v ← β₂v +
+    (1−β₂)·mean(U²) over each row (``axis: row``, NorMuon), each column (``column``) or per
+    entry (``element``, AdaMuon); U ← U/(√(v/c) + ε), c = 1 − β₂ᵗ with ``bias_correction`` else 1."""
+
+    kind: Literal["second_moment"] = "second_moment"
+    axis: Literal["row", "column", "element"] = "row"
+    beta2: Annotated[float, Field(ge=0, lt=1)] = 0.95
+    eps: PositiveFloat = 1e-8
+    bias_correction: bool = False
+
+
+class DualScale(_Model):
+    """U ← ⟨U, D⟩·U per tensor: for the exact lmo U of a norm, ⟨U, D⟩ = ‖D‖_* and the step is
+    steepest descent in that norm (PolarGrad's nuclear-norm-scaled polar step for spectral)."""
+
+    kind: Literal["dual_scale"] = "dual_scale"
+
+
+class RmsMatch(_Model):
+    """U ← U·t·√n/(‖U‖_F + ε) per tensor of n entries: RMS t (0.2: Moonlight's AdamW-matched
+    scale), ``input`` (the RMS U had when the geometry gave it: NorMuon's preserved norm) or
+    ``polar`` (the RMS of a semi-orthogonal matrix of the tensor's view: AdaMuon)."""
+
+    kind: Literal["rms_match"] = "rms_match"
+    target: Union[PositiveFloat, Literal["input", "polar"]] = 0.2
+    eps: PositiveFloat = 1e-8
+
+
+class Cautious(_Model):
+    """Cautious masking (Liang et al. 2024): U ← U⊙m·n/(Σm + 1), m = [U⊙G > 0], G the
+    gradient: components whose sign disagrees with the gradient are dropped, the rest rescaled."""
+
+    kind: Literal["cautious"] = "cautious"
+
+
+PostStage = Annotated[Union[SecondMoment, DualScale, RmsMatch, Cautious], Field(discriminator="kind")]
+#: the order post-stages run in (and must be listed in); each at most once
+STAGE_ORDER = ("second_moment", "dual_scale", "rms_match", "cautious")
+
+
+class DecoupledDecay(_Model):
+    """X ← X − γλX (AdamW's decoupled weight decay, torch's form X(1 − γλ))."""
+
+    kind: Literal["decoupled"] = "decoupled"
+
+
+class CautiousDecay(_Model):
+    """X ← X − γλ·[S⊙X ≥ 0]⊙X, S the step: decay only where the update and the weight agree in
+    sign (Chen et al. 2025, cautious weight decay)."""
+
+    kind: Literal["cautious"] = "cautious"
+
+
+Decay = Annotated[Union[DecoupledDecay, CautiousDecay], Field(discriminator="kind")]
