@@ -17,9 +17,10 @@ from geomopt.optim import stages as post_stages
 from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows
 from geomopt.optim.graphs import GraphedOp
 from geomopt.optim.tensors import local, op_shard_dim, op_view, stack, upcast
+from geomopt.optim.host import Host
 
 
-class BucketStep:
+class BucketStep(Host):
     """A bucket's step (a mixin of :class:`~geomopt.optim.GeomOptimizer`)."""
 
     def _step_bucket(self, gi: int, group: dict, items: list, g: torch.Tensor, g_prev, gamma: float, alpha,
@@ -74,7 +75,8 @@ class BucketStep:
         radius = (-rho / wd if lerp else -rho) if one_pass else 1.0
         if geometry["kind"] != "adam":
             step, _ = yield self._request(items, d, forward_locality(geometry["kind"]),
-                                          self._forward_fn(items, geometry, radius, views[0].dtype if one_pass else None))
+                                          self._forward_fn(items, geometry, radius,
+                                                           views[0].dtype if one_pass else None))
         if commit is not None:
             commit()
         if post and geometry["kind"] != "adam":

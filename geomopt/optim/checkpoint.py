@@ -16,6 +16,7 @@ import torch
 from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
+from geomopt.optim.host import Host
 
 log = logging.getLogger("geomopt")
 
@@ -25,7 +26,7 @@ def spec_hash(spec: Spec) -> str:
     return hashlib.sha256(json.dumps(spec.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-class Checkpoints:
+class Checkpoints(Host):
     """Saving and loading (a mixin of :class:`~geomopt.optim.GeomOptimizer`)."""
 
     _SPEC_KEYS = ("rule", "lr", "weight_decay", "radius", "direction", "alpha", "nesterov", "init", "schedule",
@@ -42,7 +43,9 @@ class Checkpoints:
         )
         return sd
 
-    def load_state_dict(self, state_dict: dict, *, allow_spec_change: bool = False,
+    # override: torch's returns None; this one also takes allow_spec_change / model and returns the
+    # MigrationReport of a state carried over from another spec or optimizer
+    def load_state_dict(self, state_dict: dict, *, allow_spec_change: bool = False,  # type: ignore[override]
                         model=None) -> Optional[MigrationReport]:
         """Load a checkpoint; refuses one saved under a different spec (saying what differs)
         unless ``allow_spec_change=True``.

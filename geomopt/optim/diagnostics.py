@@ -12,6 +12,7 @@ from geomopt.compile.plan import ParamPlan
 from geomopt.distributed import is_dtensor
 from geomopt.geometry import backward
 from geomopt.optim.tensors import full, op_view, upcast
+from geomopt.optim.host import Host
 
 
 def euclidean_geometry(pp: ParamPlan) -> dict:
@@ -20,7 +21,7 @@ def euclidean_geometry(pp: ParamPlan) -> dict:
     return {"kind": "euclidean", "radius": 1.0, "view": pp.geometry.get("view")}
 
 
-class Diagnostics:
+class Diagnostics(Host):
     """``diagnostics()`` (a mixin of :class:`~geomopt.optim.GeomOptimizer`)."""
 
     @torch.no_grad()

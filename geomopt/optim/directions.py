@@ -115,13 +115,13 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable) -> torc
 
 
 def polyak_ahead(gs: list, state: dict, group: dict, lookahead: Callable) -> tuple:
-    """:func:`polyak_rows` with the write of d put off, for a step that waits for its finiteness test after the forward ops: the gradients
-    are stacked once (a transient copy, one launch instead of one per tensor: on an H100 the
-    step is bound by the host's launches, measured 5% faster), u is read from them and the
-    old d into a scratch (``lookahead``, in the forward op's dtype), and the returned ``commit()``
-    writes d ← d.lerp(g, α) later. Without Nesterov u = d.lerp(g, α) (the new d); with it
-    g.lerp(d⁺, 1 − α) = β²d + (1 − β²)g, β = 1 − α, read as d.lerp(g, 1 − β²) (the same
-    value, rounded once)."""
+    """:func:`polyak_rows` with the write of d put off, for a step that waits for its finiteness
+    test after the forward ops: the gradients are stacked once (a transient copy, one launch
+    instead of one per tensor: on an H100 the step is bound by the host's launches, measured
+    5% faster), u is read from them and the old d into a scratch (``lookahead``, in the
+    forward op's dtype), and the returned ``commit()`` writes d ← d.lerp(g, α) later.
+    Without Nesterov u = d.lerp(g, α) (the new d); with it g.lerp(d⁺, 1 − α) = β²d + (1 −
+    β²)g, β = 1 − α, read as d.lerp(g, 1 − β²) (the same value, rounded once)."""
     alpha, nesterov = group["alpha"], group["nesterov"]
     g = stack(gs)
     u = lookahead(g.shape, g)

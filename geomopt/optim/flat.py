@@ -6,6 +6,7 @@ one and ``implementation`` allows it."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -13,6 +14,7 @@ from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.forward import elementwise_into, isotropic_factors
 from geomopt.optim.tensors import local, op_view, split_like
+from geomopt.optim.host import Host
 
 #: device types with a fused AdamW kernel (torch._fused_adamw_)
 FUSED_ADAM_DEVICES = ("cpu", "cuda")
@@ -20,14 +22,15 @@ FUSED_ADAM_DEVICES = ("cpu", "cuda")
 IMPLEMENTATIONS = ("auto", "fused", "foreach")
 
 
-class FlatPath:
+class FlatPath(Host):
     """The flat path's orchestration (a mixin of :class:`~geomopt.optim.GeomOptimizer`)."""
 
     def _flat_rule(self, group: dict, pp: ParamPlan) -> bool:
         """A rule whose whole step is elementwise (φ euclidean, anisotropic or adam; isotropic
         needs one norm per tensor), with no constraint, no STORM and nothing tracked: its tensors
         need no stacking."""
-        kinds = ("euclidean", "anisotropic", "adam") + (() if self._sharded else ("isotropic",))  # isotropic: whole-tensor norm
+        # isotropic: a whole-tensor norm, which shards would reduce
+        kinds = ("euclidean", "anisotropic", "adam") + (() if self._sharded else ("isotropic",))
         return (pp.geometry["kind"] in kinds and pp.constraint is None and not pp.post and pp.decay == "decoupled"
                 and group["direction"] in ("none", "polyak") and not self.track_gap and not self.track_update)
 
@@ -53,7 +56,10 @@ class FlatPath:
         scale = -gamma * group["radius"] * self._scale(pp)
         xs = [op_view(local(p), q) for p, q in items]
         gs = grads  # operators' layout already (_job_grads)
-        d = ds = None
+        # the momentum's flat buffer and views, where the rule has a direction (Any: the control
+        # flow below, not the types, says where they are set)
+        d: Any = None
+        ds: Any = None
         lerp = nesterov = False
         if group["direction"] != "none":
             first = "d" not in self.state[items[0][0]]
@@ -65,6 +71,7 @@ class FlatPath:
         adam = self._adam_state(items, xs) if kind == "adam" else None
         fused = adam is not None and can_fuse_adam(xs, gs if ds is None else ds, self.implementation)
         writes = nesterov or kind == "anisotropic" or (adam is not None and not fused)
+        blocks: list[Any]
         if not writes:
             blocks = [(None, 0, d.numel() if d is not None else None)]
         else:  # isotropic reads whole tensors (a norm each): blocks of whole tensors
@@ -74,9 +81,11 @@ class FlatPath:
         for pieces, off, n in blocks:
             cut = (lambda ts: ts) if pieces is None else functools.partial(cut_pieces, pieces=pieces)
             x_b, g_b = cut(xs), cut(gs)
-            d_b = None if d is None else cut(ds)
+            d_b: Any = None if d is None else cut(ds)
             if lerp:
                 torch._foreach_lerp_(d_b, g_b, alpha)
+            u: Any
+            u_views: Any
             if nesterov or (kind == "anisotropic" and d is None):
                 u = take("u", (n,))
                 u_views = split_like(u, x_b)
@@ -88,7 +97,8 @@ class FlatPath:
             else:
                 u, u_views = None, g_b
             if adam is not None:
-                adam_multi_tensor(x_b, u_views, *adam, pieces, off, geometry, gamma, wd, fused, take)
+                (m, v, count) = adam
+                adam_multi_tensor(x_b, u_views, m, v, count, pieces, off, geometry, gamma, wd, fused, take)
                 continue
             if kind == "isotropic":
                 # ρ·(h*)'(‖D‖)/‖D‖·D per tensor (forward.isotropic), the factor applied in the axpy
@@ -131,7 +141,9 @@ def flat_blocks(xs: list, cap: int, rows: bool = True) -> list:
     ``pieces`` a list of (tensor index, first row, end row) (rows None: the whole tensor) of at
     most ``cap`` entries (a row larger than that is a block of its own); ``rows=False`` keeps
     tensors whole (a tensor larger than ``cap`` is then a block of its own)."""
-    out, pieces, off, n = [], [], 0, 0
+    out: list = []
+    pieces: list = []
+    off = n = 0
 
     def close():
         nonlocal pieces, off, n

@@ -17,7 +17,7 @@ against eager execution).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -33,10 +33,12 @@ class GraphedOp:
 
     def __init__(self, fn: Callable):
         self.fn = fn
-        self.graph = self.static_in = self.static_out = None
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.static_in: Optional[torch.Tensor] = None
+        self.static_out = None
         # a scratch tensor of the caller's that the graph may read in place (no copy): set by the
         # caller before a call whose input is that scratch, whose contents it may overwrite
-        self.scratch = None
+        self.scratch: Optional[torch.Tensor] = None
 
     def __call__(self, x: torch.Tensor):
         if not can_graph(x):
@@ -44,6 +46,7 @@ class GraphedOp:
         s = self.static_in
         if s is None or s.shape != x.shape or s.dtype != x.dtype or s.device != x.device or s.stride() != x.stride():
             self._capture(x)
+        assert self.static_in is not None and self.graph is not None  # captured above
         if x.data_ptr() != self.static_in.data_ptr():
             self.static_in.copy_(x)
         self.graph.replay()
@@ -57,6 +60,6 @@ class GraphedOp:
         with torch.cuda.stream(side):
             self.fn(self.static_in)
         torch.cuda.current_stream(x.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        graph = self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             self.static_out = self.fn(self.static_in)

@@ -31,6 +31,7 @@ from ``model.named_parameters()`` do too), or, for a torch optimizer built from
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -186,7 +187,7 @@ def migrate_state(saved: dict[str, dict], targets: list[tuple], source: str,
             if into is None:
                 reset.append(f"{kind} ({_why_not(kind, pp, direction)})")
                 continue
-            moved = {}
+            moved: Optional[dict] = {}
             for key in KINDS[into]:
                 value = entry[key]
                 if isinstance(value, torch.Tensor) and key != "adam_step":
@@ -203,7 +204,7 @@ def migrate_state(saved: dict[str, dict], targets: list[tuple], source: str,
                         value = value.transpose(0, 1)
                     value = value.detach().to(device=p.device, dtype=torch.promote_types(value.dtype, torch.float32),
                                               copy=True)
-                moved[key] = value
+                moved[key] = value  # type: ignore[index]  # None only after the break above
             if moved:
                 new.update(moved)
                 kept.append(into if into == kind else "momentum (the d of the STORM estimate)")

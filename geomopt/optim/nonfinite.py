@@ -5,13 +5,14 @@ or raises, per rule (``on_nonfinite``), on every rank alike."""
 from __future__ import annotations
 
 import torch
+from geomopt.optim.host import Host
 
 
 class NonFiniteGradientError(FloatingPointError):
     """A non-finite gradient under ``on_nonfinite: raise``; parameters and state are untouched."""
 
 
-class NonFiniteCheck:
+class NonFiniteCheck(Host):
     """The optimizer's finiteness test (a mixin of :class:`~geomopt.optim.GeomOptimizer`: reads
     ``param_groups``, ``_counters``, ``_executor``, ``_flag_host``)."""
 

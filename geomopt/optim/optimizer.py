@@ -162,7 +162,8 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
             warnings.warn(
                 f"rule(s) {', '.join(map(repr, slow))} of spec '{self.spec.name}' run their matrix iteration in "
                 f"bfloat16 on a CPU without native bf16 matmuls, which emulates them: about 100x slower than float32 "
-                f"(a 512³ matmul ran at 1.2 against 119 GFLOP/s on an AVX2 CPU), so a step can take seconds. Set the approx's "
+                f"(a 512³ matmul ran at 1.2 against 119 GFLOP/s on an AVX2 CPU), so a step can take seconds. "
+                f"Set the approx's "
                 f"dtype to auto (bf16 on CUDA, float32 on CPU) or float32", BF16Warning, stacklevel=3)
 
     @torch.no_grad()
@@ -197,7 +198,9 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
 
     # ------------------------------------------------------------ the step
 
-    def step(self, closure: Optional[Callable[[], torch.Tensor]] = None):
+    # override: torch's stub types the closure's loss as a float; geomopt returns what the closure
+    # returns (a Tensor, as torch's own optimizers do at run time)
+    def step(self, closure: Optional[Callable[[], torch.Tensor]] = None):  # type: ignore[override]
         """One step for every parameter that has a gradient; returns the closure's loss.
 
         Non-finite gradients are checked in every group before anything is written: under
@@ -330,7 +333,7 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
                     if p.grad is None:
                         continue
                     st = self.state[p]
-                    key = (tuple(sorted(k for k in st if k in STACKED)),
+                    key: tuple = (tuple(sorted(k for k in st if k in STACKED)),
                            (st.get("adam_step"), st.get(post_stages.STAGE_STEP)))
                     if flat:
                         key += (p.dtype, p.grad.dtype, p.device, self._scale(plans[i]))

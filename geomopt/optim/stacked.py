@@ -6,6 +6,8 @@ replicated where it is a statistic over the cut dim)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional, cast
+
 import torch
 
 from geomopt.compile.plan import ParamPlan
@@ -13,6 +15,9 @@ from geomopt.distributed import is_dtensor
 from geomopt.optim import stages as post_stages
 from geomopt.optim.migrate import VIEW_KEYS
 from geomopt.optim.tensors import flat_like, op_shard_dim, op_view, stack
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 #: per-parameter state tensors that batched calls keep stacked (entries are views of a bucket buffer)
 STACKED = ("d", "exp_avg", "exp_avg_sq", "prev", "w", *post_stages.STAGE_STATE)
@@ -39,7 +44,7 @@ class StackedState:
         for key in STACKED:
             if key not in first:
                 continue
-            buf = self.buffers.get((ids, key))
+            buf: Optional[torch.Tensor] = self.buffers.get((ids, key))
             rows = [state_row(state[p][key], pp, key) for p, pp in items]
             if buf is None or any(e._base is not buf or e.data_ptr() != buf[i].data_ptr() for i, e in enumerate(rows)):
                 # first use, or state replaced (load_state_dict): restack, in the memory layout a
@@ -104,7 +109,7 @@ def state_row(entry: torch.Tensor, pp: ParamPlan, key: str) -> torch.Tensor:
     """A state entry as a row of its bucket's stacked state (local data, operators' layout)."""
     if not is_dtensor(entry):
         return entry
-    local = entry.to_local()
+    local = cast("DTensor", entry).to_local()
     return op_view(local, pp) if key in VIEW_KEYS else local
 
 
@@ -116,6 +121,8 @@ def state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, who
     if not is_dtensor(p):
         return row
     from torch.distributed.tensor import DTensor
+
+    p = cast(DTensor, p)
     if key in post_stages.STAGE_STATE:
         from torch.distributed.tensor import Replicate, Shard
 

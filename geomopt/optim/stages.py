@@ -89,7 +89,7 @@ class Context:
     def sum(self, t: torch.Tensor, dims) -> torch.Tensor:
         """Σ over ``dims`` (kept), over the whole tensor where a dim is cut across ranks."""
         out = t.sum(dim=tuple(dims), keepdim=True)
-        if self.cut(dims):
+        if self.shard is not None and self.cut(dims):
             import torch.distributed as dist
 
             dist.all_reduce(out, group=self.shard.group)

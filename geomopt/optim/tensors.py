@@ -3,11 +3,16 @@ operators' layout (``layout: in_out``), sharded (DTensor) data, flat buffers."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from geomopt.compile.plan import ParamPlan
 from geomopt.distributed import chunk_sizes, is_dtensor
 from geomopt.geometry.matrix import split_like
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def stack(tensors: list) -> torch.Tensor:
@@ -27,12 +32,12 @@ def op_view(t: torch.Tensor, pp: ParamPlan) -> torch.Tensor:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's data of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
-    return t.to_local() if is_dtensor(t) else t
+    return cast("DTensor", t).to_local() if is_dtensor(t) else t
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor (a DTensor is all-gathered: every rank must call this)."""
-    return t.full_tensor() if is_dtensor(t) else t
+    return cast("DTensor", t).full_tensor() if is_dtensor(t) else t
 
 
 def my_shard(full: torch.Tensor, like) -> torch.Tensor:
