@@ -3,14 +3,22 @@
 The public API (docs/guide/python.md, docs/guide/api.md) is re-exported here; everything else may move.
 """
 
+from typing import TYPE_CHECKING
+
 from geomopt.spec import Diagnostic, Spec, SpecError, dump_spec, load_spec, parse_spec, shipped_specs
+
+if TYPE_CHECKING:
+    # seen by type checkers only; at runtime these load lazily through __getattr__ below
+    from geomopt.compile import compile_spec
+    from geomopt.functional import backward_step, forward_step
+    from geomopt.optim import GeomOptimizer
 
 __all__ = ["Diagnostic", "Spec", "SpecError", "dump_spec", "load_spec", "parse_spec", "shipped_specs", "compile_spec",
            "forward_step", "backward_step", "GeomOptimizer"]
 __version__ = "0.1.0"
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> object:
     # torch-dependent parts load on first use, so `geomopt lint` starts fast
     if name == "compile_spec":
         from geomopt.compile import compile_spec

@@ -38,7 +38,8 @@ BACKWARD_TABLE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "spectral_frobenius_sphere": (("spectral",), ("frobenius_sphere",)),
     "groupwise_frobenius_ball": (("rowwise", "columnwise"), ("frobenius_ball", "l2_ball")),
     "groupwise_frobenius_sphere": (("rowwise", "columnwise"), ("frobenius_sphere",)),
-    "proximal_decay": (("euclidean", "isotropic", "anisotropic", "spectral", "rowwise", "columnwise"), ("proximal_decay",)),
+    "proximal_decay": (("euclidean", "isotropic", "anisotropic", "spectral", "rowwise", "columnwise"),
+                       ("proximal_decay",)),
 }
 
 
@@ -124,13 +125,15 @@ def newton_schulz_coefficients(steps: int = 5, coefficients: Sequence[Sequence[f
     return triples
 
 
-def polar_express_coefficients(steps: int = 5, coefficients: str | Sequence[Sequence[float]] = "polar_express") -> list[Triple]:
+def polar_express_coefficients(steps: int = 5,
+                               coefficients: str | Sequence[Sequence[float]] = "polar_express") -> list[Triple]:
     """The first ``steps`` triples of a named list (``polar_express``, ``speedrun``) or a user list;
     past its end the last triple repeats (for ``polar_express`` the last is the fixed point
     (15/8, −5/4, 3/8) of the quintic Newton–Schulz iteration, as the authors do)."""
     if isinstance(coefficients, str):
         if coefficients not in COEFFICIENT_LISTS:
-            raise ValueError(f"unknown coefficient list {coefficients!r}; expected one of {sorted(COEFFICIENT_LISTS)} or a list of triples")
+            raise ValueError(f"unknown coefficient list {coefficients!r}; "
+                             f"expected one of {sorted(COEFFICIENT_LISTS)} or a list of triples")
         base = list(COEFFICIENT_LISTS[coefficients])
     else:
         base = [_triple(t) for t in coefficients]

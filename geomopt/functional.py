@@ -15,8 +15,8 @@ from geomopt.spec.diagnostics import SpecError, language_diagnostic
 from geomopt.compile.resolve import geometry_fragment, resolve
 from geomopt.spec.model import Constraint, Geometry
 
-_GEOMETRY = TypeAdapter(Geometry)
-_CONSTRAINT = TypeAdapter(Constraint)
+_GEOMETRY: TypeAdapter[Geometry] = TypeAdapter(Geometry)
+_CONSTRAINT: TypeAdapter[Constraint] = TypeAdapter(Constraint)
 
 
 def _fragment(adapter: TypeAdapter, value, what: str):
@@ -29,7 +29,8 @@ def _fragment(adapter: TypeAdapter, value, what: str):
         where = ".".join(str(p) for p in first["loc"])
         raise SpecError([language_diagnostic("GO005", f"{what}.{where}: {first['msg']}", f"<{what}>")]) from None
     except (TypeError, ValueError) as exc:
-        raise SpecError([language_diagnostic("GO005", f"{what} must be a mapping with a 'kind': {exc}", f"<{what}>")]) from None
+        raise SpecError([language_diagnostic("GO005", f"{what} must be a mapping with a 'kind': {exc}",
+                                             f"<{what}>")]) from None
     return model
 
 

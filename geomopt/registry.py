@@ -38,7 +38,8 @@ class Registry(dict):
         ``meta``."""
 
         def add(unit: T) -> T:
-            for key in keys or (getattr(unit, "__name__"),):
+            # getattr: a unit is any object (T); mypy cannot know it has a __name__
+            for key in keys or (getattr(unit, "__name__"),):  # noqa: B009
                 self.add(key, unit, **meta)
             return unit
 

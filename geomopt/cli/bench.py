@@ -7,6 +7,7 @@ The tensors are a model's hidden matrices (what Muon optimizes): the 2-D weights
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -105,7 +106,7 @@ def bench(model_name: str, specs: list[str], device: str = "cpu", warmup: int = 
     ]
     for spec in specs:
         loaded = geomopt.load_spec(spec)
-        candidates.append((f"geomopt {loaded.name}", lambda ps, s=loaded: geomopt.GeomOptimizer(ps, s)))
+        candidates.append((f"geomopt {loaded.name}", functools.partial(geomopt.GeomOptimizer, spec=loaded)))
     flops = ns_flops([p.shape for _, p in base])
     opts = [(name, make(fresh())) for name, make in candidates]
     times: dict = {name: [] for name, _ in opts}

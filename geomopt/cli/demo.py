@@ -252,7 +252,8 @@ def run(args) -> int:
     rows = plan.summary()
     width = max(len(r["geometry"]) for r in rows)
     for r in rows:
-        print(f"  {r['rule']:<12} {r['tensors']:>3} tensors {r['elements']:>8} elements  {r['geometry']:<{width}}  {r['constraint']}")
+        print(f"  {r['rule']:<12} {r['tensors']:>3} tensors {r['elements']:>8} elements  "
+              f"{r['geometry']:<{width}}  {r['constraint']}")
     steps = args.steps or (30 if args.quick else 800)
     repeats = args.repeats or (RECORD_REPEATS if args.record else 1)
     makers = [
@@ -264,14 +265,16 @@ def run(args) -> int:
     runs: dict[str, list[dict]] = {label: [] for label, _ in makers}
     for k in range(repeats):  # interleaved, so that a change in the machine's load reaches every optimizer
         for label, make in makers:
-            r = train(make, steps=steps, seed=args.seed, label=label if repeats == 1 else f"{label} ({k + 1}/{repeats})",
+            r = train(make, steps=steps, seed=args.seed,
+                      label=label if repeats == 1 else f"{label} ({k + 1}/{repeats})",
                       eval_every=max(1, steps // 20), progress=not args.no_progress)
             runs[label].append(dict(r, label=label))
     results = []
-    for label, rs in runs.items():  # the curves of the first run; every run's time
+    for _label, rs in runs.items():  # the curves of the first run; every run's time
         results.append(dict(rs[0], seconds_runs=[r["seconds"] for r in rs],
                             identical=all(r["train"] == rs[0]["train"] and r["val"] == rs[0]["val"] for r in rs)))
-    print(f"\n{'optimizer':<22} {'final train':>11} {'final val':>10} {'best val':>9} {'bits/byte':>9} {'time (s)':>11}")
+    print(f"\n{'optimizer':<22} {'final train':>11} {'final val':>10} {'best val':>9} {'bits/byte':>9} "
+          f"{'time (s)':>11}")
     for r in results:
         best = min(r["val"])
         print(f"{r['label']:<22} {r['train'][-1]:>11.4f} {r['val'][-1]:>10.4f} {best:>9.4f} "

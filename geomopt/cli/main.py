@@ -62,7 +62,7 @@ def load_model(ref: str):
         raise UsageError(f"--model {ref}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from None
     finally:
         sys.path.pop(0)
-    factory = module
+    factory: object = module
     for part in attr.split("."):
         factory = getattr(factory, part, None)
         if factory is None:
@@ -155,7 +155,8 @@ def cmd_lint(args) -> int:
     report(diags, args.format)
     if args.format == "text" and sys.stderr.isatty():
         n = {s: sum(d.severity == s for d in diags) for s in ("error", "warning", "note")}
-        print(f"{len(files)} spec(s): {n['error']} error(s), {n['warning']} warning(s), {n['note']} note(s)", file=sys.stderr)
+        print(f"{len(files)} spec(s): {n['error']} error(s), {n['warning']} warning(s), {n['note']} note(s)",
+              file=sys.stderr)
     return _status(diags, args.strict)
 
 
@@ -171,7 +172,8 @@ def cmd_plan(args) -> int:
         report(exc.diagnostics, args.format)
         return _status(exc.diagnostics, False)
     if args.format == "json":
-        rows = [{**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)}, "bucket": p.bucket} for p in plan.params]
+        rows = [{**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)}, "bucket": p.bucket}
+                for p in plan.params]
         json.dump(rows, sys.stdout, indent=2, default=str)
         print()
     else:
@@ -240,7 +242,8 @@ def cmd_fmt(args) -> int:
     from geomopt.spec.validate import format_of, load_spec, source_of
 
     if args.resolved and args.check:
-        raise UsageError("--check compares a file with its canonical form; --resolved prints another spec (the merged one)")
+        raise UsageError("--check compares a file with its canonical form; "
+                         "--resolved prints another spec (the merged one)")
     try:
         path = find_spec(args.spec)
         source_format = format_of(path)
@@ -250,8 +253,10 @@ def cmd_fmt(args) -> int:
         return _status(exc.diagnostics, False)
     comments = None
     if not args.resolved:  # the text load_spec parsed (it read the file as UTF-8 and refused it otherwise)
-        layer = layer_of(source_of(spec))
-        comments = collect(path.read_bytes().decode("utf-8"), layer.source if layer else source_of(spec))
+        source = source_of(spec)
+        assert source is not None  # load_spec parsed the file, so the spec has its positions
+        layer = layer_of(source)
+        comments = collect(path.read_bytes().decode("utf-8"), layer.source if layer else source)
     target = args.to or source_format
     try:
         text = dump_spec(spec, target, comments, resolved=args.resolved)
@@ -260,7 +265,8 @@ def cmd_fmt(args) -> int:
     if args.check:
         current = path.read_text(encoding="utf-8")
         if target != source_format or current != text:
-            print(f"{args.spec}: would reformat" + (f" (to {target})" if target != source_format else ""), file=sys.stderr)
+            print(f"{args.spec}: would reformat" + (f" (to {target})" if target != source_format else ""),
+                  file=sys.stderr)
             return EXIT_FINDINGS
         return EXIT_CLEAN
     if args.output:
@@ -301,10 +307,10 @@ def cmd_rule(args) -> int:
         for code, r in sorted(RULES.items()):
             print(f"{code}  {r.name:<26} {r.severity:<8} {_summary(r.doc)}")
         return EXIT_CLEAN
-    doc = rule_doc(args.code)
-    if doc is None:
+    text = rule_doc(args.code)
+    if text is None:
         raise UsageError(f"unknown rule {args.code!r}; `geomopt rule` lists them")
-    sys.stdout.write(doc)
+    sys.stdout.write(text)
     return EXIT_CLEAN
 
 
@@ -319,7 +325,8 @@ def _summary(doc: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="geomopt", description="Declarative geometries and constraints for PyTorch optimizers.")
+    p = argparse.ArgumentParser(prog="geomopt",
+                                description="Declarative geometries and constraints for PyTorch optimizers.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -329,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--checkpoint", help="a .pt/.pth/.bin or .safetensors file (names and shapes only)")
 
     sp = sub.add_parser("lint", help="check specs, alone or against a model or checkpoint")
-    sp.add_argument("specs", nargs="+", metavar="SPEC", help="spec files, directories holding them, or shipped specs by name")
+    sp.add_argument("specs", nargs="+", metavar="SPEC",
+                    help="spec files, directories holding them, or shipped specs by name")
     target(sp)
     sp.add_argument("--format", choices=tuple(REPORTERS), default="text")
     sp.add_argument("--strict", action="store_true", help="warnings fail too (exit 1)")
@@ -376,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("code", nargs="?")
     sp.set_defaults(fn=cmd_rule)
 
-    for name, module in (("demo", "geomopt.cli.demo"), ("bench", "geomopt.cli.bench")):
+    for _name, module in (("demo", "geomopt.cli.demo"), ("bench", "geomopt.cli.bench")):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -48,7 +48,7 @@ def model_params(model, roles: bool = True) -> tuple[list[ParamInfo], dict[str, 
 def needs_roles(spec: Spec, roles: Optional[dict] = None) -> bool:
     """Whether planning ``spec`` reads roles: a ``role`` match, an ``auto`` view, ``roles:``."""
     return bool(roles or spec.roles) or any(
-        r.match.role is not None or (getattr(r.geometry, "view", None) is not None and r.geometry.view.kind == "auto")
+        r.match.role is not None or ((view := getattr(r.geometry, "view", None)) is not None and view.kind == "auto")
         for r in spec.rules)
 
 
@@ -71,6 +71,7 @@ def _plan_from_infos(spec: Spec, infos: list[ParamInfo]) -> Plan:
     params = []
     for p in ctx.params:
         i = ctx.owner[p.name]
+        assert i is not None  # an unmatched or undecided tensor raised SpecError above
         planner = planners.get(i) or planners.setdefault(i, _RulePlanner(spec, i))
         params.append(planner.plan(p))
     return Plan(params, frozen=[p.name for p in ctx.frozen], spec_name=spec.name)

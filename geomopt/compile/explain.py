@@ -87,7 +87,8 @@ def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], na
 
         lines.append(f"           method auto on {pp.device}: {AUTO_RULE}; exact or polar forces one")
     lines.append(f"direction  {_call_text(pp.direction)}; schedule {_call_text(pp.schedule)}")
-    lines.append(f"lr         {pp.lr:g}; weight decay {pp.weight_decay:g}" + (f" ({pp.decay})" if pp.weight_decay else ""))
+    lines.append(f"lr         {pp.lr:g}; weight decay {pp.weight_decay:g}"
+                 + (f" ({pp.decay})" if pp.weight_decay else ""))
     scale = pp.radius / g["radius"] if g["radius"] else math.nan
     lines.append(f"radius     {pp.radius:.4g} (geometry radius {g['radius']:g} × preset {scale:.4g}); "
                  f"step size lr·radius = {pp.lr * pp.radius:.4g}")
@@ -108,7 +109,8 @@ def starter(spec: Spec, infos: list[ParamInfo], model_name: str) -> Spec:
 
     ctx = LintContext.build(spec, infos)
     keep = [r for i, r in enumerate(spec.rules) if ctx.matched[i]]
-    return spec.model_copy(update={"rules": keep, "name": f"{spec.name}-{model_name}".replace(":", "-").replace(".", "-"),
+    return spec.model_copy(update={"rules": keep,
+                                   "name": f"{spec.name}-{model_name}".replace(":", "-").replace(".", "-"),
                                    "description": f"{spec.name} for {model_name}, from `geomopt init`"})
 
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from geomopt.spec.model import Match
+
+if TYPE_CHECKING:
+    from geomopt.compile.role_types import Role
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +31,7 @@ class ParamInfo:
     modules: Optional[tuple[str, ...]] = None
     aliases: tuple[str, ...] = ()  # other names of the same (tied) tensor
     device: str = "cpu"
-    role: Optional[object] = None  # a :class:`geomopt.compile.roles.Role`, once assigned
+    role: Optional[Role] = None  # once assigned
 
     @property
     def ndim(self) -> int:
@@ -86,9 +89,11 @@ class Matcher:
         self.roles = None if role is None else frozenset(role if isinstance(role, list) else [role])
 
     def _role_ok(self, p: ParamInfo) -> bool:
+        assert self.roles is not None  # callers test it first
         return p.role is not None and not self.roles.isdisjoint(p.role.roles)
 
     def _shape_ok(self, shape: tuple[int, ...]) -> bool:
+        assert self.shape is not None  # callers test it first
         return len(self.shape) == len(shape) and all(s == "*" or s == d for s, d in zip(self.shape, shape))
 
     def __call__(self, p: ParamInfo) -> Optional[bool]:
@@ -128,7 +133,7 @@ class Matcher:
             return idx, []
         module = self.module
         undecided = [i for i in idx if params[i].modules is None]
-        return [i for i in idx if params[i].modules is not None and module in params[i].modules], undecided
+        return [i for i in idx if (mods := params[i].modules) is not None and module in mods], undecided
 
 
 def matches(match: Match, p: ParamInfo) -> Optional[bool]:

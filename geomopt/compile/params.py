@@ -52,33 +52,33 @@ def params_from_model(model, modules: dict | None = None) -> tuple[list[ParamInf
                 continue  # the same pair listed twice
             raise ValueError(f"parameter name {name!r} appears twice with different tensors")
         seen[name] = id(tensor)
-        modules = None
+        mod_classes: tuple[str, ...] | None = None
         if owner is not None:
             mod = owner.get(name.rpartition(".")[0])
             if mod is None:
-                modules = ()
+                mod_classes = ()
             else:
                 cls = type(mod)
-                modules = classes.get(cls)
-                if modules is None:
-                    modules = classes[cls] = _module_classes(mod)
+                mod_classes = classes.get(cls)
+                if mod_classes is None:
+                    mod_classes = classes[cls] = _module_classes(mod)
         key = id(tensor)
         if key in first:
             row = rows[first[key]]
             row[2].append(name)
-            if modules is not None:
-                row[3] = row[3] + tuple(m for m in modules if m not in row[3])
+            if mod_classes is not None:
+                row[3] = row[3] + tuple(m for m in mod_classes if m not in row[3])
             continue
         first[key] = len(rows)
-        rows.append([name, tensor, [], modules])
+        rows.append([name, tensor, [], mod_classes])
     dtypes: dict = {}
     devices: dict = {}
     infos, tensors = [], {}
-    for name, tensor, aliases, modules in rows:
+    for name, tensor, aliases, mod_classes in rows:
         dtype = dtypes.get(tensor.dtype) or dtypes.setdefault(tensor.dtype, str(tensor.dtype).removeprefix("torch."))
         device = devices.get(tensor.device) or devices.setdefault(tensor.device, str(tensor.device))
         frozen = isinstance(tensor, parameter) and not tensor.requires_grad
-        infos.append(ParamInfo(name, tuple(tensor.shape), dtype, not frozen, modules, tuple(aliases), device))
+        infos.append(ParamInfo(name, tuple(tensor.shape), dtype, not frozen, mod_classes, tuple(aliases), device))
         tensors[name] = tensor
     return infos, tensors
 
@@ -109,7 +109,8 @@ def _safetensors_header(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
             raise ValueError(f"{path}: not a safetensors file (bad header)") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: not a safetensors file (header is not a JSON object)")
-    dtypes = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+    # keyed by whatever the header holds: an unknown dtype (or none) is shown as written
+    dtypes: dict[object, str] = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
     out = []
     for name, meta in header.items():
         if name == "__metadata__" or not isinstance(meta, dict):
@@ -137,7 +138,8 @@ def _torch_checkpoint(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
         if isinstance(exc, pickle.UnpicklingError) and text.startswith("Weights only load failed"):
             why = "weights-only unpickling failed: not a file of tensors and plain containers"
         else:
-            why = text.splitlines()[0][:200] if text and not isinstance(exc, (KeyError, IndexError)) else type(exc).__name__
+            why = (text.splitlines()[0][:200] if text and not isinstance(exc, (KeyError, IndexError))
+                   else type(exc).__name__)
         raise ValueError(f"{path}: not a readable torch checkpoint ({why})") from None
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
@@ -145,5 +147,6 @@ def _torch_checkpoint(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
             break
     if not isinstance(obj, dict):
         raise ValueError(f"{path}: expected a state dict (name → tensor), found {type(obj).__name__}")
-    return [(str(n), tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in obj.items() if isinstance(t, torch.Tensor)]
+    return [(str(n), tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in obj.items()
+            if isinstance(t, torch.Tensor)]
 

@@ -143,7 +143,8 @@ class Plan:
         lines.insert(1, "  ".join("-" * w for w in widths))
         tail = f"{len(self.params)} tensors in {len(bucket_ids)} buckets"
         if self.frozen:
-            tail += f"; {len(self.frozen)} frozen (skipped): {', '.join(self.frozen[:5])}" + (" …" if len(self.frozen) > 5 else "")
+            tail += (f"; {len(self.frozen)} frozen (skipped): {', '.join(self.frozen[:5])}"
+                     + (" …" if len(self.frozen) > 5 else ""))
         return "\n".join(lines + [tail])
 
 

@@ -10,7 +10,8 @@ import re
 from geomopt.compile.match import ParamInfo
 from geomopt.compile.role_types import Role, own_role
 
-_EMBED = re.compile(r"embed|(^|_)emb(_|$)|^wte$|^wpe$|^shared$|^relative_attention_bias$|^cls_token$|^pos_embed|^mask_token$|^position_embeddings$")
+_EMBED = re.compile(r"embed|(^|_)emb(_|$)|^wte$|^wpe$|^shared$|^relative_attention_bias$|^cls_token$|^pos_embed"
+                    r"|^mask_token$|^position_embeddings$")
 _NORMISH = re.compile(r"norm|^ln(_|\d|$)|_ln$|^bn\d*$|layernorm")
 _HEADS = ("lm_head", "head", "classifier", "score", "output", "fc", "logits")
 _DIGITS = re.compile(r"\.\d+(?=\.)")

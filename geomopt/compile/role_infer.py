@@ -10,11 +10,14 @@ gives it, or ``hidden``/``other``. The module rules' docstrings are the document
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from geomopt.compile.match import ParamInfo
 from geomopt.compile.role_structure import tensor_structure
 from geomopt.compile.role_types import Claim, Role, own_role
+
+if TYPE_CHECKING:
+    import torch
 
 
 # ---------------------------------------------------------------- module rules
@@ -41,7 +44,8 @@ class _Model:
 
     def __init__(self, model, modules: Optional[dict] = None):
         self.model = model
-        self.modules: dict[str, object] = modules if modules is not None else dict(model.named_modules(remove_duplicate=False))
+        self.modules: dict[str, torch.nn.Module] = (modules if modules is not None
+                                                    else dict(model.named_modules(remove_duplicate=False)))
         self.classes: dict[type, tuple[str, ...]] = {}
         self.norms: dict[type, bool] = {}
         self.embeddings: dict[type, Optional[str]] = {}
@@ -112,10 +116,12 @@ def _embeddings(m: _Model):
             continue
         kind = type(mod)
         if kind not in m.embeddings:
-            m.embeddings[kind] = next((c for c in m.mro(mod) if c.endswith(("Embedding", "Embeddings", "EmbeddingBag"))), None)
+            m.embeddings[kind] = next(
+                (c for c in m.mro(mod) if c.endswith(("Embedding", "Embeddings", "EmbeddingBag"))), None)
         cls = m.embeddings[kind]
         if cls is not None:
-            yield name, Claim("embedding", f"{type(mod).__name__} is an embedding" + ("" if cls == type(mod).__name__ else f" ({cls})"))
+            yield name, Claim("embedding", f"{type(mod).__name__} is an embedding"
+                              + ("" if cls == type(mod).__name__ else f" ({cls})"))
 
 
 def _experts(m: _Model) -> list[tuple[str, str, int]]:
@@ -153,8 +159,10 @@ def _routers(m: _Model):
                 continue
             out = m.out_features(m.modules[child])
             if out is not None and out in (count, 1):
-                what = f"{count} outputs = the expert count of '{container}'" if out == count else "one output (a scalar gate)"
-                yield child, Claim("router", f"{type(m.modules[child]).__name__} beside experts '{container}' with {what}")
+                what = (f"{count} outputs = the expert count of '{container}'" if out == count
+                        else "one output (a scalar gate)")
+                yield child, Claim("router", f"{type(m.modules[child]).__name__} beside experts '{container}' "
+                                             f"with {what}")
 
 
 @module_rule("expert")
@@ -209,7 +217,7 @@ def _heads(m: _Model):
         d_in = lambda mod, w: w.shape[0] if "Conv1D" in m.mro(mod) else w.shape[1]  # noqa: E731
         if same_parent and d_in(last, w_last) == d_in(prev, w_prev) and d_in(last, w_last) != m.out_features(prev):
             heads.insert(0, (prev_name, prev))
-    for name, mod in heads:
+    for name, _ in heads:
         if name not in found:
             yield name, Claim("head", "last layer with a matrix weight (registration order)" if len(heads) == 1
                               else "one of two last layers reading the same features")
@@ -227,12 +235,12 @@ def infer_roles(model, infos: list[ParamInfo], modules: Optional[dict] = None) -
     for rule_name, rule in MODULE_RULES:
         if rule_name == "head":
             m.excluded = [n for n, c in claims.items() if c.role in ("norm", "embedding", "router", "expert")]
-        for name, claim in rule(m):
-            claims.setdefault(name, claim)
+        for name, claimed in rule(m):
+            claims.setdefault(name, claimed)
     out: dict[str, Role] = {}
     cache: dict[str, Optional[tuple[str, Claim]]] = {}
 
-    def claim_of(module_name: str):
+    def claim_of(module_name: str) -> Optional[tuple[str, Claim]]:
         """The first claim on this module or its nearest claimed ancestor."""
         if module_name in cache:
             return cache[module_name]
@@ -256,7 +264,8 @@ def infer_roles(model, infos: list[ParamInfo], modules: Optional[dict] = None) -
             elif claim is not None:
                 role, why = claim.role, claim.evidence
             else:
-                role, why = ("hidden", "a matrix of the body") if len(p.shape) >= 2 else ("other", "a vector of the body")
+                role, why = (("hidden", "a matrix of the body") if len(p.shape) >= 2
+                             else ("other", "a vector of the body"))
             if role == "router" and len(p.shape) < 2:
                 role = "bias"
             if role in roles:

@@ -72,7 +72,7 @@ def tensor_structure(m: _Model, name: str, mod, pname: str, shape: tuple[int, ..
     GPT-OSS interleaves gate and up columns, which no block view reads."""
     batch = 1 if role == "expert" and len(shape) >= 3 else 0
     transposed = bool(batch and getattr(mod, "is_transposed", False))
-    blocks = None
+    blocks: Optional[int | list[int]] = None
     if "gate_up" in pname or "gate_up" in name.rpartition(".")[0].rpartition(".")[2]:
         rows = shape[batch]
         concatenated = getattr(mod, "is_concatenated", True)

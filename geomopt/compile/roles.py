@@ -35,8 +35,8 @@ from geomopt.compile.role_guess import guess_roles
 from geomopt.compile.role_infer import MODULE_RULES, ModuleRule, infer_roles, module_rule
 from geomopt.compile.role_types import ROLES, Claim, Role
 
-__all__ = ["MODULE_RULES", "ROLES", "Claim", "ModuleRule", "Role", "assign", "ensure_roles", "guess_roles", "infer_roles",
-           "module_rule", "override", "role_docs"]
+__all__ = ["MODULE_RULES", "ROLES", "Claim", "ModuleRule", "Role", "assign", "ensure_roles", "guess_roles",
+           "infer_roles", "module_rule", "override", "role_docs"]
 
 
 # ---------------------------------------------------------------- overrides and assignment
@@ -81,7 +81,7 @@ def ensure_roles(infos: list[ParamInfo], spec_roles: Optional[dict] = None, extr
 def role_docs() -> str:
     """The inference rules, for ``geomopt rule roles``."""
     parts = [__doc__.strip(), "Module rules, in order:"]
-    for name, fn in MODULE_RULES:
+    for _, fn in MODULE_RULES:
         parts.append("  " + " ".join((fn.__doc__ or "").split()))
     parts.append("From names and shapes:\n" + "\n".join("  " + line.strip() for line in
                                                          (guess_roles.__doc__ or "").strip().splitlines()[1:]))

@@ -26,11 +26,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, cast
 
 import torch
 
 from geomopt.registry import LOCAL, OWNER, REDUCE
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass
@@ -47,7 +50,7 @@ class Request:
     locality: str
     shard_dim: Optional[int] = None
     full_shape: tuple = ()
-    mesh: object = None
+    mesh: Optional[DeviceMesh] = None
     cost: Optional[float] = None
 
     @property
@@ -199,7 +202,8 @@ class ReplicatedExecutor(_DistExecutor):
         for i in idxs:
             if mine[i] is not None:
                 _, out, flags = mine[i]
-                parts.append(torch.cat([out.reshape(out.shape[0], -1).to(dtype), flags.to(dtype).unsqueeze(1)], 1).reshape(-1))
+                parts.append(torch.cat([out.reshape(out.shape[0], -1).to(dtype), flags.to(dtype).unsqueeze(1)], 1)
+                             .reshape(-1))
         size = max(sizes)
         buf = torch.zeros(size, dtype=dtype, device=device)
         if parts:
@@ -247,7 +251,7 @@ class ShardedExecutor(_DistExecutor):
 
         shape = (req.rows, *req.full_shape)
         stride = _contiguous_strides(shape)
-        placements = (Shard(req.shard_dim),)
+        placements = (Shard(cast(int, req.shard_dim)),)  # reduce requests on DTensors carry their shard dim
         x = DTensor.from_local(req.x, req.mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
         out, flags = req.fn(x)
         if out.placements != placements:
@@ -257,7 +261,8 @@ class ShardedExecutor(_DistExecutor):
         return out.to_local(), flags
 
     def _shard_sizes(self, req: Request) -> list[int]:
-        return chunk_sizes(req.full_shape[req.shard_dim - 1], self.world)
+        # owner requests on DTensors carry their shard dim
+        return chunk_sizes(req.full_shape[cast(int, req.shard_dim) - 1], self.world)
 
     def _owner_round(self, requests, owners, results, idxs, dtype) -> None:
         world, me = self.world, self.rank
@@ -266,7 +271,7 @@ class ShardedExecutor(_DistExecutor):
         def piece_shape(req: Request, q: int) -> list:
             """Shape of rank q's shard of one row."""
             shape = list(req.full_shape)
-            shape[req.shard_dim - 1] = self._shard_sizes(req)[q]
+            shape[cast(int, req.shard_dim) - 1] = self._shard_sizes(req)[q]  # set on owner requests on DTensors
             return shape
 
         def piece_numel(req: Request, q: int) -> int:
@@ -278,7 +283,8 @@ class ShardedExecutor(_DistExecutor):
             parts = [requests[i].x[r].reshape(-1) for i in idxs for r in range(requests[i].rows) if owners[i][r] == q]
             send_sizes.append(sum(p.numel() for p in parts))
             send += parts
-        recv_sizes = [sum(piece_numel(requests[i], s) for i in idxs for r in range(requests[i].rows) if owners[i][r] == me)
+        recv_sizes = [sum(piece_numel(requests[i], s) for i in idxs for r in range(requests[i].rows)
+                          if owners[i][r] == me)
                       for s in range(world)]
         received = self._all_to_all(send, send_sizes, recv_sizes, dtype, device)
         # 2. the owner assembles its matrices (rank order along the shard dim) and computes them
@@ -314,7 +320,8 @@ class ShardedExecutor(_DistExecutor):
                     parts += [out.reshape(-1).to(dtype), flag.to(dtype).reshape(1)]
             send_sizes.append(sum(p.numel() for p in parts))
             send += parts
-        recv_sizes = [sum(piece_numel(requests[i], me) + 1 for i in idxs for r in range(requests[i].rows) if owners[i][r] == s)
+        recv_sizes = [sum(piece_numel(requests[i], me) + 1 for i in idxs for r in range(requests[i].rows)
+                          if owners[i][r] == s)
                       for s in range(world)]
         received = self._all_to_all(send, send_sizes, recv_sizes, dtype, device)
         offsets = [sum(recv_sizes[:s]) for s in range(world)]
@@ -356,7 +363,8 @@ def make_executor(params: list, distributed, process_group) -> object:
     dtensor = [is_dtensor(p) for p in params]
     if distributed is False or distributed == "none":
         if any(dtensor):
-            raise ValueError("parameters are DTensors (FSDP2): GeomOptimizer needs distributed='auto' or 'fsdp' for them")
+            raise ValueError("parameters are DTensors (FSDP2): GeomOptimizer needs distributed='auto' or 'fsdp' "
+                             "for them")
         return LocalExecutor()
     if distributed not in ("auto", "ddp", "fsdp", True):
         raise ValueError(f"distributed must be 'auto', 'ddp', 'fsdp' or False, not {distributed!r}")

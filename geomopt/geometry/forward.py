@@ -28,7 +28,8 @@ from geomopt.geometry.view import split_view
 def _reference(geometry: dict) -> Reference:
     cfg = geometry.get("reference")
     if cfg is None:
-        raise ValueError(f"geometry {geometry.get('kind')!r} needs a reference (log_barrier, power_barrier, indicator, quadratic)")
+        raise ValueError(f"geometry {geometry.get('kind')!r} needs a reference "
+                         f"(log_barrier, power_barrier, indicator, quadratic)")
     return make_reference(cfg)
 
 

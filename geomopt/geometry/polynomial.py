@@ -11,7 +11,7 @@ same map on the small Gram side.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 
@@ -69,6 +69,7 @@ def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, pr
     if tall:
         X = _transposed_copy(X)
     lead = X.shape[:-2]
+    mm_add: Callable[..., torch.Tensor]
     if X.ndim >= 3:
         X = X.reshape(-1, *X.shape[-2:])
         mm_add = torch.baddbmm
@@ -107,7 +108,7 @@ def _folded_iteration(x: torch.Tensor, coefficients: Sequence[Triple], prenorm: 
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         gram = X.mT @ X if right else X @ X.mT
-        factor = 1.0 if i < last else scale
+        factor: float | torch.Tensor = 1.0 if i < last else scale
         if i == 0:
             f = prenorm_factor(gram.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32), prenorm)
             if f is not None:
@@ -230,6 +231,7 @@ def gram_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, p
         else:  # A ← Q·A·Q: T = aA + P·A = Q·A, then A = aT + T·P = Q·A·Q
             T = torch.baddbmm(A, P, A, beta=a)
             A = torch.baddbmm(T, T, P, beta=a)
+    R = cast(torch.Tensor, R)  # the last step (coefficients is not empty) set it
     if scale != 1.0:
         R = R * scale
     out = _bmm_into(X, R, out_dtype) if right else _bmm_into(R, X, out_dtype)

@@ -8,7 +8,7 @@ Construct from a spec fragment with :func:`make_reference`.
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping
+from typing import Callable, Mapping, TypeVar
 
 import torch
 
@@ -17,10 +17,12 @@ from geomopt.registry import Registry
 #: reference kind → its class (``make_reference`` builds one from a spec fragment)
 REFERENCES = Registry("reference")
 
+_R = TypeVar("_R", bound="Reference")
 
-def reference(kind: str) -> Callable[[type], type]:
+
+def reference(kind: str) -> Callable[[type[_R]], type[_R]]:
     """Register a :class:`Reference` subclass under ``kind`` (also its ``kind`` attribute)."""
-    def register(cls: type) -> type:
+    def register(cls: type[_R]) -> type[_R]:
         cls.kind = kind
         return REFERENCES.register(kind)(cls)
 

@@ -113,7 +113,8 @@ def svd(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dt
     ``out_dtype`` (default: x's), as for every approximation."""
     work = _prepare(x, "svd", dtype, prenormalize)
     u, s, vh = torch.linalg.svd(work, full_matrices=False)
-    tol = _rank_tol(s[..., :1], *work.shape[-2:], work.dtype)
+    m, n = work.shape[-2:]
+    tol = _rank_tol(s[..., :1], m, n, work.dtype)
     mapped = torch.where(s > tol, ref.dual_grad(s) * scale, torch.zeros_like(s))
     return ((u * mapped.unsqueeze(-2)) @ vh).to(out_dtype or x.dtype)
 

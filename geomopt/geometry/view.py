@@ -26,7 +26,7 @@ blocks), calls the operator on each with ``batch_dims=1`` and puts the results b
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 
@@ -52,7 +52,8 @@ def resolve(view: Optional[dict], shape: tuple[int, ...], structure: Optional[di
         batch, trailing, blocks = int(view.get("batch", 0)), view.get("trailing", "cols"), view.get("blocks")
     need = batch + 2
     if len(shape) < need:
-        raise ValueError(f"view batch={batch} needs at least {need} dims (batch axes, rows, columns), got shape {shape}")
+        raise ValueError(f"view batch={batch} needs at least {need} dims (batch axes, rows, columns), "
+                         f"got shape {shape}")
     rows = shape[batch]
     if isinstance(blocks, int):
         if rows % blocks:
@@ -194,7 +195,8 @@ def apply(x: torch.Tensor, batch_dims: int, view: dict, fn: Callable) -> tuple[t
         if flag is not None:
             f = flag.reshape(n_el, -1).any(-1)
             flags = f if flags is None else flags | f
-    out = _restore(result, x, batch_dims, view)
+    # blocks is not None here, so the loop ran and set result
+    out = _restore(cast(torch.Tensor, result), x, batch_dims, view)
     return out, None if flags is None else flags.reshape(x.shape[:batch_dims])
 
 
@@ -213,4 +215,4 @@ def reduce(x: torch.Tensor, batch_dims: int, view: dict, fn: Callable, *others: 
         offset += size
         part = vals.reshape(n_el, -1).sum(-1)
         total = part if total is None else total + part
-    return total.reshape(x.shape[:batch_dims])
+    return cast(torch.Tensor, total).reshape(x.shape[:batch_dims])  # blocks is never empty

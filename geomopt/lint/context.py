@@ -106,10 +106,10 @@ class LintContext:
             matched.append([trainable[j].name for j in hits])
             undecided.append([trainable[j].name for j in unknown])
         owned_by: list[list[ParamInfo]] = [[] for _ in spec.rules]
-        for p, i in zip(trainable, owner_index):
-            if i is not None:
-                owned_by[i].append(p)
-        owner = {p.name: i for p, i in zip(trainable, owner_index)}
+        for p, owner_i in zip(trainable, owner_index):
+            if owner_i is not None:
+                owned_by[owner_i].append(p)
+        owner = {p.name: owner_i for p, owner_i in zip(trainable, owner_index)}
         return cls(spec, trainable, frozen, owner, matched, undecided, from_checkpoint, has_model, owned_by)
 
     def owned(self, i: int) -> list[ParamInfo]:

@@ -57,11 +57,12 @@ def shadowed_rule(ctx: LintContext):
     """
     roles = {p.name: p.role for p in ctx.params}
     for i, rule in enumerate(ctx.spec.rules):
-        if rule.match.role is not None and all(roles.get(n) is not None and len(roles[n].roles) > 1
+        if rule.match.role is not None and all((r := roles.get(n)) is not None and len(r.roles) > 1
                                                for n in ctx.matched[i]):
             continue
-        if ctx.matched[i] and all(ctx.owner[n] is not None and ctx.owner[n] < i for n in ctx.matched[i]):
-            earlier = sorted({ctx.spec.rules[ctx.owner[n]].name for n in ctx.matched[i]})
+        earlier_owners = [o for n in ctx.matched[i] if (o := ctx.owner[n]) is not None and o < i]
+        if ctx.matched[i] and len(earlier_owners) == len(ctx.matched[i]):
+            earlier = sorted({ctx.spec.rules[o].name for o in earlier_owners})
             yield (f"rule '{rule.name}' is shadowed: all {len(ctx.matched[i])} parameters it matches are owned by "
                    f"earlier rule(s) {', '.join(earlier)}; move it up or narrow them"), ("rules", i, "match")
 
@@ -78,7 +79,8 @@ def frozen_parameters(ctx: LintContext):
     """
     if ctx.frozen:
         names = [p.name for p in ctx.frozen]
-        yield f"{len(names)} frozen parameter(s) skipped: {', '.join(names[:5])}" + (" …" if len(names) > 5 else ""), ("rules",)
+        yield (f"{len(names)} frozen parameter(s) skipped: {', '.join(names[:5])}" + (" …" if len(names) > 5 else ""),
+               ("rules",))
 
 
 @lint_rule("GO111", "tied-parameters", "note", needs_model=True)
@@ -93,7 +95,8 @@ def tied_parameters(ctx: LintContext):
     """
     for p in ctx.params:
         if p.aliases:
-            yield f"'{p.name}' is tied to {', '.join(repr(a) for a in p.aliases)}: planned once, by its first name", ("rules",)
+            yield (f"'{p.name}' is tied to {', '.join(repr(a) for a in p.aliases)}: planned once, by its first name",
+                   ("rules",))
 
 
 @lint_rule("GO112", "undecidable-module", "note", needs_model=True)

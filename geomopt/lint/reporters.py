@@ -40,7 +40,8 @@ _GITHUB_LEVEL = {"error": "error", "warning": "warning", "note": "notice"}
 def github_report(diags: Iterable[Diagnostic], out) -> None:
     for d in diags:
         msg = d.message.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
-        out.write(f"::{_GITHUB_LEVEL[d.severity]} file={d.file},line={d.line},col={d.col},title={d.code} {d.name}::{msg}\n")
+        out.write(f"::{_GITHUB_LEVEL[d.severity]} file={d.file},line={d.line},col={d.col},"
+                  f"title={d.code} {d.name}::{msg}\n")
 
 
 def report(diags: list[Diagnostic], fmt: str = "text", out=None) -> None:

@@ -78,11 +78,13 @@ def special_role_spectral(ctx: LintContext):
         if rule.geometry.kind != "spectral":
             continue
         for p in ctx.owned(i):
-            special = [r for r in (p.role.roles if p.role else ()) if r in _SPECIAL]
+            if p.role is None:
+                continue
+            special = [r for r in p.role.roles if r in _SPECIAL]
             if special:
                 guess = " (guessed from names)" if p.role.guessed else ""
-                yield (f"rule '{rule.name}' gives the spectral geometry to '{p.name}' ({shape_text(p)}), which has role "
-                       f"{special[0]}{guess}: {p.role.evidence}; give it a rule before this one "
+                yield (f"rule '{rule.name}' gives the spectral geometry to '{p.name}' ({shape_text(p)}), "
+                       f"which has role {special[0]}{guess}: {p.role.evidence}; give it a rule before this one "
                        f"(match: {{role: {special[0]}}})"), ("rules", i, "match")
 
 
@@ -101,10 +103,11 @@ def matrix_to_catch_all(ctx: LintContext):
     for i, rule in enumerate(ctx.spec.rules):
         if rule.geometry.kind in ("spectral", "rowwise", "columnwise"):
             continue
-        missed = [p for p in ctx.owned(i) if len(p.shape) >= 2 and p.role is not None
+        missed = [(p, p.role) for p in ctx.owned(i) if len(p.shape) >= 2 and p.role is not None
                   and set(p.role.roles) & {"hidden", "expert"} and not set(p.role.roles) & set(_SPECIAL)]
         if missed:
-            shown = ", ".join(f"'{p.name}' ({shape_text(p)}, {p.role.name})" for p in missed[:3]) + (" …" if len(missed) > 3 else "")
+            shown = (", ".join(f"'{p.name}' ({shape_text(p)}, {role.name})" for p, role in missed[:3])
+                     + (" …" if len(missed) > 3 else ""))
             yield (f"rule '{rule.name}' ({rule.geometry.kind}) takes {len(missed)} body matrix tensor(s) while rule "
                    f"'{ctx.spec.rules[spectral[0]].name}' is spectral: {shown}; match them by role "
                    f"(match: {{role: [hidden, expert]}})"), ("rules", i, "match")
@@ -126,7 +129,9 @@ def merged_matrices(ctx: LintContext):
             continue
         geometry = rule.geometry.model_dump()
         for p in ctx.owned(i):
-            structure = p.role.structure if p.role is not None else None
+            if p.role is None:
+                continue
+            structure = p.role.structure
             if not structure or not structure.get("batch") or len(p.shape) < 3:
                 continue
             op_geometry, _, op_shape = op_layout(geometry, p)
@@ -150,9 +155,9 @@ def guessed_roles(ctx: LintContext):
     """
     if not any(r.match.role is not None for r in ctx.spec.rules) and not ctx.spec.roles:
         return
-    guessed = [p for p in ctx.params if p.role is not None and p.role.guessed]
+    guessed = [(p, p.role) for p in ctx.params if p.role is not None and p.role.guessed]
     if guessed:
-        shown = ", ".join(f"'{p.name}' → {p.role.name}" for p in guessed[:4]) + (" …" if len(guessed) > 4 else "")
+        shown = ", ".join(f"'{p.name}' → {role.name}" for p, role in guessed[:4]) + (" …" if len(guessed) > 4 else "")
         yield (f"{len(guessed)} role(s) guessed from names and shapes (no model): {shown}; lint with --model to "
                f"infer them from the model's structure"), ("rules",)
 

@@ -35,7 +35,8 @@ from geomopt.spec.source import MAX_BYTES, SourceMap
 UNUSED = "GO123"
 #: the cheap test that spares scanning the comments of a file without suppressions
 QUICK = re.compile(r"geomopt\s*:\s*disable", re.IGNORECASE)
-DIRECTIVE = re.compile(r"#\s*geomopt\s*:\s*disable(?P<file>-file)?(?![\w-])(?:\s*=\s*(?P<codes>[\w-]+(?:[ \t]*,[ \t]*[\w-]+)*))?",
+DIRECTIVE = re.compile(r"#\s*geomopt\s*:\s*disable(?P<file>-file)?(?![\w-])"
+                       r"(?:\s*=\s*(?P<codes>[\w-]+(?:[ \t]*,[ \t]*[\w-]+)*))?",
                        re.IGNORECASE)
 
 

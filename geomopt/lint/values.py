@@ -39,7 +39,8 @@ def dubious_value(ctx: LintContext):
             if eps < 1e-12:
                 yield f"eps={eps:g} is below 1e-12: float32 cannot resolve it; use ≥ 1e-12 (1e-8 is usual)", path
         owned = ctx.owned(i)
-        if owned and field(rule.geometry, "scale", "none") != "none":
+        scale = field(rule.geometry, "scale", "none")  # euclidean and adam have no scale
+        if owned and scale != "none":
             from geomopt.compile.resolve import op_layout
             from geomopt.geometry.scale import radius_scale  # torch: only with a model
 
@@ -51,7 +52,7 @@ def dubious_value(ctx: LintContext):
                 except (ValueError, ZeroDivisionError):
                     continue
                 if s < 1e-4:
-                    yield (f"scale={rule.geometry.scale} multiplies the radius by {s:.2g} for '{p.name}' "
+                    yield (f"scale={scale} multiplies the radius by {s:.2g} for '{p.name}' "
                            f"({shape_text(p)}): its updates nearly vanish"), ("rules", i, "geometry", "scale")
                     break
 
@@ -81,9 +82,10 @@ def reference_approx_mismatch(ctx: LintContext):
         ok = (ref.kind == "power_barrier" and abs(ref.kappa - realized["kappa"]) < 1e-9
               and abs(math.log(ref.eps / realized["eps"])) < math.log(2))
         if not ok:
-            yield (f"rule '{rule.name}': {g.approx.kind}({g.approx.steps} steps) realizes power_barrier(kappa=4, "
-                   f"eps≈{realized['eps']:.3g}) but the {rule.constraint.kind} step uses the declared "
-                   f"{ref.kind}; declare the realized reference or use approx svd"), ("rules", i, "geometry", "reference")
+            steps = field(g.approx, "steps")  # realized is None for svd and gram_eigh, which have no steps
+            yield (f"rule '{rule.name}': {g.approx.kind}({steps} steps) realizes power_barrier(kappa=4, "
+                   f"eps≈{realized['eps']:.3g}) but the {rule.constraint.kind} step uses the declared {ref.kind}; "
+                   f"declare the realized reference or use approx svd"), ("rules", i, "geometry", "reference")
 
 
 _SET_SHRUNK = {"frobenius_sphere", "stiefel", "sign_set", "spectral_sphere", "linf_sphere"}
@@ -121,10 +123,12 @@ def stage_undoes_geometry(ctx: LintContext):
     """
     for i, rule in enumerate(ctx.spec.rules):
         for j, stage in enumerate(rule.post or ()):
-            if stage.kind == "second_moment" and stage.axis == "element" and (_sign_like(rule) or rule.geometry.kind == "adam"):
-                what = "a sign geometry's entries all have magnitude 1" if _sign_like(rule) else "adam already divides by √v"
-                yield (f"rule '{rule.name}': second_moment(axis=element) after the {rule.geometry.kind} geometry: {what}, "
-                       f"so the stage undoes nothing useful; drop it"), ("rules", i, "post", j, "kind")
+            if (stage.kind == "second_moment" and stage.axis == "element"
+                    and (_sign_like(rule) or rule.geometry.kind == "adam")):
+                what = ("a sign geometry's entries all have magnitude 1" if _sign_like(rule)
+                        else "adam already divides by √v")
+                yield (f"rule '{rule.name}': second_moment(axis=element) after the {rule.geometry.kind} geometry: "
+                       f"{what}, so the stage undoes nothing useful; drop it"), ("rules", i, "post", j, "kind")
 
 
 #: constraints whose backward step acts entry by entry (a masked update is still theirs to project)
@@ -168,7 +172,8 @@ def outside_theory(ctx: LintContext):
     for i, rule in enumerate(ctx.spec.rules):
         g = rule.geometry
         if g.kind == "adam":
-            yield f"rule '{rule.name}': the adam geometry is outside the paper's theory", ("rules", i, "geometry", "kind")
+            yield (f"rule '{rule.name}': the adam geometry is outside the paper's theory",
+                   ("rules", i, "geometry", "kind"))
         ref = field(g, "reference")
         if rule.constraint is not None and ref is not None and ref.kind == "indicator":
             yield (f"rule '{rule.name}': {rule.constraint.kind} with the indicator reference is outside the "

@@ -62,18 +62,19 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig = GPTConfig()):
+    def __init__(self, config: GPTConfig | None = None):
         super().__init__()
-        self.config = c = config
+        self.config = c = config if config is not None else GPTConfig()
+        wte = nn.Embedding(c.vocab_size, c.n_embd)
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(c.vocab_size, c.n_embd),
+            wte=wte,
             wpe=nn.Embedding(c.block_size, c.n_embd),
             h=nn.ModuleList(Block(c) for _ in range(c.n_layer)),
             ln_f=nn.LayerNorm(c.n_embd, bias=c.bias),
         ))
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         if c.tie_weights:
-            self.transformer.wte.weight = self.lm_head.weight
+            wte.weight = self.lm_head.weight
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):

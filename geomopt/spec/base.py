@@ -21,8 +21,8 @@ class _Model(BaseModel):
 
 
 # Fields whose value is a {kind: …} mapping: a bare word there (DSL) names the kind.
-KIND_FIELDS = frozenset({"geometry", "constraint", "reference", "approx", "prenormalize", "direction", "schedule", "view",
-                         "decay", "post"})
+KIND_FIELDS = frozenset({"geometry", "constraint", "reference", "approx", "prenormalize", "direction", "schedule",
+                         "view", "decay", "post"})
 
 
 def _view_shorthand(v):

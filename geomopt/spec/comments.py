@@ -33,7 +33,8 @@ The ``# yaml-language-server: $schema=…`` modeline (which editors read to vali
 against ``schema/geomopt-1.schema.json``) is a header comment in both spellings: the printers
 write it first, spelled ``# yaml-language-server: $schema=URL``, in YAML and in the DSL alike
 (where it means nothing to the DSL, but is carried so that converting back restores it). Only
-the header holds it: elsewhere that text is an ordinary comment. Blank lines are layout, not content: the canonical form decides them.
+the header holds it: elsewhere that text is an ordinary comment. Blank lines are layout, not
+content: the canonical form decides them.
 """
 
 from __future__ import annotations

@@ -89,6 +89,8 @@ def _parser_expected(exc) -> set:
     """What the parser (not the lexer) would accept where it stopped. A token the contextual lexer
     cannot place arrives with the lexer's view, in which keywords hide inside IDENT."""
     state = getattr(exc, "state", None)
+    if state is None:
+        return set(exc.expected or ())
     try:
         return {n for n in state.parse_conf.parse_table.states[state.position] if n.isupper() or n == "$END"}
     except (AttributeError, KeyError, IndexError, TypeError):
@@ -104,12 +106,14 @@ def _describe(token) -> str:
 def parse_dsl(text: str, file: str = "<spec>") -> Parsed:
     """Text → plain data + :class:`SourceMap`; raises :class:`SpecError` with positions."""
     source = SourceMap(file=file, format="dsl")
-    if not text.strip() or all(l.strip().startswith("#") or not l.strip() for l in text.splitlines()):
+    if not text.strip() or all(ln.strip().startswith("#") or not ln.strip() for ln in text.splitlines()):
         raise SpecError([language_diagnostic("GO009", "empty spec: expected 'geomopt 1', a name and rules", file)])
     try:
         tree = _parser().parse(text)
     except UnexpectedCharacters as exc:
-        ch = text[exc.pos_in_stream] if exc.pos_in_stream < len(text) else ""
+        # lark declares pos_in_stream = None on UnexpectedInput; the lexer sets it to the int it stopped at
+        at: int = exc.pos_in_stream  # type: ignore[assignment]
+        ch = text[at] if at < len(text) else ""
         if ch == '"':
             message = "unterminated string: a string closes with '\"' on the same line (write \\n for a line break)"
         else:
@@ -122,23 +126,33 @@ def parse_dsl(text: str, file: str = "<spec>") -> Parsed:
             exc.expected -= {"COLON"}
         line, col = (exc.line, exc.column) if tok.type != "$END" else _end(text)
         if set(exc.expected) == {"EQUAL"}:  # `match "*"` then `geometry …`: the ':' is missing
-            prev = _BODY_WORD.search(text, 0, exc.pos_in_stream)
+            # lark declares pos_in_stream = None on UnexpectedInput; here it is the lexed token's start (an int)
+            end: int = exc.pos_in_stream  # type: ignore[assignment]
+            prev = _BODY_WORD.search(text, 0, end)
             if prev:
-                line, col = text.count("\n", 0, prev.start(1)) + 1, prev.start(1) - (text.rfind("\n", 0, prev.start(1)) + 1) + 1
-                raise SpecError([language_diagnostic("GO001", f"expected ':' before '{prev.group(1)}': a rule's match ends with ':' (or a match field needs '=value')", file, (line, col))]) from None
+                line, col = (text.count("\n", 0, prev.start(1)) + 1,
+                             prev.start(1) - (text.rfind("\n", 0, prev.start(1)) + 1) + 1)
+                raise SpecError([language_diagnostic("GO001", f"expected ':' before '{prev.group(1)}': a rule's match "
+                                                              f"ends with ':' (or a match field needs '=value')",
+                                                     file, (line, col))]) from None
         # a misspelled keyword (`geometyr`, `lrr=`) lexes as a name: say which keyword it resembles
         hint = did_you_mean(tok, [_KEYWORDS[n] for n in exc.expected if n in _KEYWORDS]) if tok.type == "IDENT" else ""
         if "COLON" in exc.expected and not hint:
             hint = " (a rule's match ends with ':')"
-        raise SpecError([language_diagnostic("GO001", f"unexpected {_describe(tok)}; expected one of {_expected(exc.expected)}{hint}", file, (line, col))]) from None
+        raise SpecError([language_diagnostic("GO001", f"unexpected {_describe(tok)}; "
+                                                      f"expected one of {_expected(exc.expected)}{hint}",
+                                             file, (line, col))]) from None
     except UnexpectedEOF as exc:
-        raise SpecError([language_diagnostic("GO001", f"unexpected end of input; expected one of {_expected(exc.expected)}", file, _end(text))]) from None
+        raise SpecError([language_diagnostic("GO001", f"unexpected end of input; "
+                                                      f"expected one of {_expected(exc.expected)}",
+                                             file, _end(text))]) from None
     except UnexpectedInput as exc:  # pragma: no cover - the three above cover LALR
         raise SpecError([language_diagnostic("GO001", f"syntax error: {exc}", file, (exc.line, exc.column))]) from None
     return Parsed(_Walker(source).start(tree), source)
 
 
-_BODY_WORD = re.compile(r"(?<![\w\-])(geometry|constraint|lr|weight_decay|decay|direction|post|schedule|on_nonfinite|project_on_init|before|after|remove)\s*$")
+_BODY_WORD = re.compile(r"(?<![\w\-])(geometry|constraint|lr|weight_decay|decay|direction|post|schedule|on_nonfinite"
+                        r"|project_on_init|before|after|remove)\s*$")
 
 
 def _end(text: str) -> tuple[int, int]:
@@ -151,6 +165,7 @@ def _pos(item) -> tuple[int, int]:
     positions of its own for trees, which would cost a third of a large spec's parse)."""
     while not isinstance(item, Token):
         item = item.children[0]
+    assert item.line is not None and item.column is not None  # the lexer positions every token it makes
     return (item.line, item.column)
 
 
@@ -167,15 +182,18 @@ class _Walker:
         try:
             value = json.loads(tok, strict=False)
         except json.JSONDecodeError as exc:
-            self.error("GO001", f"bad string literal: {exc.msg} (strings use JSON escapes: \\\\, \\\", \\n, \\uXXXX)", tok)
+            self.error("GO001", f"bad string literal: {exc.msg} "
+                                "(strings use JSON escapes: \\\\, \\\", \\n, \\uXXXX)", tok)
         if any("\ud800" <= ch <= "\udfff" for ch in value):  # "\ud800" alone: not text (YAML refuses it too)
-            self.error("GO001", "bad string literal: lone surrogate escape (write a \\uXXXX pair, or the character itself)", tok)
+            self.error("GO001", "bad string literal: lone surrogate escape "
+                                "(write a \\uXXXX pair, or the character itself)", tok)
         return value
 
     def put(self, out: dict, path, key: str, key_item, value_item, value):
         if key in out:
             first = self.source.keys[path + (key,)]
-            self.error("GO002", f"duplicate key '{key}' (first given at line {first[0]}, column {first[1]}): remove one", key_item)
+            self.error("GO002", f"duplicate key '{key}' (first given at line {first[0]}, column {first[1]}): "
+                                "remove one", key_item)
         self.source.keys[path + (key,)] = _pos(key_item)
         out[key] = value
 
@@ -185,9 +203,10 @@ class _Walker:
         out: dict = {}
         self.source.values[()] = (1, 1)
         tok = version.children[1]
+        assert isinstance(tok, Token)  # the grammar's version statement: GEOMOPT INT
         self.source.values[("geomopt",)] = _pos(tok)
         self.put(out, (), "geomopt", version.children[0], tok, int(tok))
-        rules = []
+        rules: list[dict] = []
         for st in statements:
             kind = st.data
             if kind == "name_stmt":
@@ -228,10 +247,11 @@ class _Walker:
         self.source.values[path + ("name",)] = _pos(ident)
         self.put(out, path, "name", ident, ident, str(ident))
         items = iter(rest)
-        if rest[0].type == "COLON":  # no match: an override of a base rule (geomopt.spec.extends)
+        # no match: an override of a base rule (geomopt.spec.extends)
+        if isinstance(rest[0], Token) and rest[0].type == "COLON":
             if not self.extends:
-                self.error("GO001", "unexpected token ':'; expected one of match (a rule without a match only overrides "
-                           "a base rule, in a spec with 'extends')", rest[0])
+                self.error("GO001", "unexpected token ':'; expected one of match (a rule without a match only "
+                           "overrides a base rule, in a spec with 'extends')", rest[0])
             next(items)
         else:
             self.match(out, path, items)
@@ -304,7 +324,8 @@ class _Walker:
         positional = [a for a in args if a.data == "positional"]
         if positional:
             if field != "geometry" or len(positional) > 1 or args[0].data != "positional":
-                self.error("GO005", "positional argument not allowed here: write name=value (only a geometry takes one, its reference, first)", positional[-1])
+                self.error("GO005", "positional argument not allowed here: write name=value "
+                                    "(only a geometry takes one, its reference, first)", positional[-1])
             ref = positional[0].children[0]
             self.source.keys[path + ("reference",)] = _pos(ref)
             out["reference"] = self.value(ref, path + ("reference",), "reference")

@@ -55,6 +55,8 @@ _OWN = ("geomopt", "name", "description", "extends")  # each file's own: never i
 class At(tuple):
     """A (line, col) position that knows its file: a merged spec's values come from several."""
 
+    file: str
+
     def __new__(cls, pos, file: str):
         self = super().__new__(cls, (pos[0], pos[1]))
         self.file = file
@@ -81,6 +83,7 @@ class MergedSourceMap(SourceMap):
         at = self.locate(path, key=key)
         if getattr(at, "file", self.file) == self.file:
             return at
+        assert self.layer is not None  # a value from another file: a merged map, which keeps the child's parse
         return At(self.layer.source.pos(("extends",), key=True), self.file)
 
 
@@ -165,7 +168,8 @@ def _base_path(parsed: Parsed) -> Path:
     """The file ``extends`` names (GO014 for a value that is no name, GO011 for one naming nothing)."""
     value, source = parsed.data["extends"], parsed.source
     if not isinstance(value, str) or not value.strip():
-        shown = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "a mapping"}.get(type(value), "null")
+        shown = {bool: "a boolean", int: "a number", float: "a number", list: "a list",
+                 dict: "a mapping"}.get(type(value), "null")
         shown = "an empty string" if isinstance(value, str) else shown
         raise _error("GO014", f"extends takes a spec to build on, as a string: a shipped name (e.g. \"muon\") or a "
                      f"path, not {shown}", source, ("extends",))
@@ -173,8 +177,8 @@ def _base_path(parsed: Parsed) -> Path:
         shipped = shipped_specs()
         if value in shipped:
             return shipped[value]
-        raise _error("GO011", f"extends: no shipped spec named {value!r}{did_you_mean(value, shipped)} ({shipped_menu()})",
-                     source, ("extends",))
+        raise _error("GO011", f"extends: no shipped spec named {value!r}{did_you_mean(value, shipped)} "
+                     f"({shipped_menu()})", source, ("extends",))
     path = Path(value)
     if not path.is_absolute():
         own = Path(source.file)
@@ -194,8 +198,8 @@ def _check_plain(parsed: Parsed) -> None:
     for i, rule in enumerate(rules if isinstance(rules, list) else ()):
         for key in PLACEMENT:
             if isinstance(rule, dict) and key in rule:
-                raise _error("GO013", f"rules[{i}].{key}: '{key}' places a rule among the rules of a base: only in a spec "
-                             "with 'extends: BASE'", parsed.source, ("rules", i, key))
+                raise _error("GO013", f"rules[{i}].{key}: '{key}' places a rule among the rules of a base: "
+                             "only in a spec with 'extends: BASE'", parsed.source, ("rules", i, key))
 
 
 class _Merger:
@@ -247,7 +251,8 @@ class _Merger:
         self.place(self.child, cp, dp)
         out = {}
         for k, v in b.items():
-            out[k] = self.value(v, bp + (k,), c[k], cp + (k,), dp + (k,), k) if k in c else self.take(self.base, bp + (k,), v, dp + (k,))
+            out[k] = (self.value(v, bp + (k,), c[k], cp + (k,), dp + (k,), k) if k in c
+                      else self.take(self.base, bp + (k,), v, dp + (k,)))
         for k, v in c.items():
             if k not in b:
                 out[k] = self.take(self.child, cp + (k,), v, dp + (k,))
@@ -280,20 +285,22 @@ class _Merger:
                 seen.add(name)
                 i = names[name]
                 if where is not None:
-                    raise self._at(j, where, f"rule '{name}' overrides the base's rule of that name, which keeps its place: "
-                                   f"'{where}' only places a new rule (to move a base rule, remove it and add a rule under a new name)")
+                    raise self._at(j, where, f"rule '{name}' overrides the base's rule of that name, which keeps its "
+                                   f"place: '{where}' only places a new rule (to move a base rule, remove it and add a "
+                                   f"rule under a new name)")
                 if rule.get("remove") is True:
                     extra = [k for k in rule if k not in ("name", "remove")]
                     if extra:
-                        raise self._at(j, "remove", f"rule '{name}' is removed: drop its other fields ({', '.join(extra)})")
+                        raise self._at(j, "remove",
+                                       f"rule '{name}' is removed: drop its other fields ({', '.join(extra)})")
                     own[i] = None
                 else:
                     own[i] = ("over", i, j)
                 continue
             seen.add(name)
             if rule.get("remove") is True:
-                raise self._at(j, "remove", f"the base has no rule '{name}' to remove{did_you_mean(name, names)} (its rules: "
-                               f"{', '.join(names) or 'none'})")
+                raise self._at(j, "remove", f"the base has no rule '{name}' to remove{did_you_mean(name, names)} "
+                               f"(its rules: {', '.join(names) or 'none'})")
             if where is None:
                 tail.append(("new", j))
                 continue
@@ -315,7 +322,8 @@ class _Merger:
                 out.append(self.value(base_rules[i], path + (i,), _strip(child_rules[j]), path + (j,), dp, "rule"))
             else:
                 rule = child_rules[item[1]]
-                out.append(self.take(self.child, path + (item[1],), _strip(rule) if isinstance(rule, dict) else rule, dp))
+                out.append(self.take(self.child, path + (item[1],), _strip(rule) if isinstance(rule, dict) else rule,
+                                     dp))
         return out
 
     def _check_placement(self, rule: dict, j: int) -> None:

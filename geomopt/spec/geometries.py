@@ -189,7 +189,8 @@ class MatrixView(_Model):
     kind: Literal["matrix"] = "matrix"
     batch: Annotated[int, Field(ge=0)] = 0
     trailing: Literal["cols", "batch"] = "cols"
-    blocks: Optional[Union[Annotated[int, Field(ge=1)], Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)]]] = None
+    blocks: Optional[Union[Annotated[int, Field(ge=1)],
+                           Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)]]] = None
 
 
 View = Annotated[Union[AutoView, MatrixView], Field(discriminator="kind")]

@@ -145,7 +145,8 @@ class Match(_Model):
     name: Optional[str] = None
     module: Optional[str] = None
     role: Optional[Union[RoleName, Annotated[list[RoleName], Field(min_length=1)]]] = None
-    ndim: Optional[Union[Annotated[int, Field(ge=0)], Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]]] = None
+    ndim: Optional[Union[Annotated[int, Field(ge=0)],
+                         Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]]] = None
     shape: Optional[list[ShapeDim]] = None
 
     @field_validator("name")
@@ -232,7 +233,8 @@ class Spec(_Model):
     name: Annotated[str, Field(min_length=1)]
     description: Optional[str] = None
     defaults: Defaults = Field(default_factory=Defaults)
-    roles: dict[RoleName, Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]] = Field(default_factory=dict)
+    roles: dict[RoleName, Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]] = Field(
+        default_factory=dict)
     rules: Annotated[list[Rule], Field(min_length=1)]
     #: the spec this one was merged onto (geomopt.spec.extends: a shipped name or a path), as
     #: written; the other fields hold the merged result. Not in model_dump() (nor equality).
@@ -245,7 +247,8 @@ class Spec(_Model):
     def __eq__(self, other) -> bool:  # equal content, wherever it was parsed from
         return isinstance(other, Spec) and self.model_dump() == other.model_dump()
 
-    __hash__ = None
+    # unhashable, as equality is by content; mypy wants object's method signature, Python takes None to mean unhashable
+    __hash__ = None  # type: ignore[assignment]
 
     @model_validator(mode="after")
     def _unique_rule_names(self):
@@ -270,8 +273,8 @@ class Spec(_Model):
 
 
 RESOLVED_DEFAULTS = dict(
-    lr=0.02, weight_decay=0.0, direction=NoDirection(), decay=DecoupledDecay(), schedule=ConstantSchedule(), on_nonfinite="skip",
-    project_on_init=True,
+    lr=0.02, weight_decay=0.0, direction=NoDirection(), decay=DecoupledDecay(), schedule=ConstantSchedule(),
+    on_nonfinite="skip", project_on_init=True,
 )
 
 

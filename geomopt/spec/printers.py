@@ -66,7 +66,8 @@ def to_plain(model: BaseModel) -> dict:
     """Fields that differ from their defaults (``kind`` always), recursively, as plain data; the
     kind first, then a ``reference`` (a geometry's), then the other fields in order, a view last."""
     fields = type(model).model_fields
-    out = {"kind": model.kind} if "kind" in fields else {}
+    # kind: a pydantic field of the models that have one (tested first), which BaseModel does not declare
+    out = {"kind": model.kind} if "kind" in fields else {}  # type: ignore[attr-defined]
     explicit = isinstance(model, _EXPLICIT)
     for name, field in fields.items():
         if field.exclude:  # not content (a spec's `extends`): model_dump() leaves it out too
@@ -151,7 +152,7 @@ def elements(data: dict) -> list[tuple]:
     """The elements (comment anchors, :mod:`geomopt.spec.comments`) the printers print, in order:
     every mapping key but ``kind`` and a rule's ``name``, and each rule; not the keys inside a
     ``match`` written as its pattern alone."""
-    out = [("geomopt",), *([("extends",)] if "extends" in data else []), ("name",)]
+    out: list[tuple] = [("geomopt",), *([("extends",)] if "extends" in data else []), ("name",)]
     if "description" in data:
         out.append(("description",))
     for top in ("defaults", "roles"):
@@ -348,7 +349,8 @@ def _scalar(value) -> str:
     if isinstance(value, str):
         return value if _IDENT.match(value) and value not in _RESERVED else _string(value)
     if value is None:  # only an extending spec's YAML can say null (reset a base's value)
-        raise ValueError("the DSL has no null (a spec that extends another resets a base's value with it): keep this spec in YAML")
+        raise ValueError("the DSL has no null (a spec that extends another resets a base's value with it): "
+                         "keep this spec in YAML")
     raise TypeError(f"cannot print {value!r} in the DSL")
 
 

@@ -23,7 +23,8 @@ def schema() -> dict:
     for definition in out["$defs"].values():
         view = definition.get("properties", {}).get("view")
         if view is not None:
-            view["anyOf"].insert(0, {"type": "string", "enum": list(VIEW_KINDS), "description": "shorthand for {kind: …}"})
+            view["anyOf"].insert(0, {"type": "string", "enum": list(VIEW_KINDS),
+                                     "description": "shorthand for {kind: …}"})
     _inheritance(out)
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -44,7 +45,8 @@ def _inheritance(out: dict) -> None:
         union = next((s for s in [prop, *prop.get("anyOf", [])] if "discriminator" in s), None)
         if union is None:
             return {"$ref": f"#/$defs/Rule/properties/{name}"}
-        partial = {"type": "object", "required": ["kind"], "properties": {"kind": {"enum": sorted(union["discriminator"]["mapping"])}}}
+        partial = {"type": "object", "required": ["kind"],
+                   "properties": {"kind": {"enum": sorted(union["discriminator"]["mapping"])}}}
         return {"anyOf": [partial, {"type": "null"}]} if "anyOf" in prop else partial
     out["$defs"]["RuleOverride"] = {
         "type": "object",

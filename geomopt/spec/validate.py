@@ -11,6 +11,7 @@ from pathlib import Path as FsPath
 from typing import Any, Union
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from geomopt.spec.diagnostics import Diagnostic, SpecError, did_you_mean, language_diagnostic
 from geomopt.spec.extends import find_spec, resolve, shipped_menu
@@ -41,12 +42,16 @@ def check_root(parsed: Parsed) -> Parsed:
     """One file's root is a mapping that reads language version 1 (or says no version)."""
     data, source = parsed.data, parsed.source
     if not isinstance(data, dict):
-        what = {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(type(data), "null")
-        raise SpecError([language_diagnostic("GO005", f"a spec is a mapping with 'geomopt: 1', 'name' and 'rules', not {what}", source.file, source.pos(()))])
+        what = {list: "a list", str: "a string", bool: "a boolean", int: "a number",
+                float: "a number"}.get(type(data), "null")
+        raise SpecError([language_diagnostic("GO005", f"a spec is a mapping with 'geomopt: 1', 'name' and 'rules', "
+                                                      f"not {what}", source.file, source.pos(()))])
     version = data.get("geomopt")
     if "geomopt" in data and (version != 1 or isinstance(version, bool)):  # True == 1 in Python
         wanted = "geomopt 1" if source.format == "dsl" else "geomopt: 1"
-        raise SpecError([language_diagnostic("GO008", f"unsupported language version {_show(version)}: this release reads '{wanted}'", source.file, source.pos(("geomopt",)))])
+        raise SpecError([language_diagnostic("GO008", f"unsupported language version {_show(version)}: "
+                                                      f"this release reads '{wanted}'",
+                                             source.file, source.pos(("geomopt",)))])
     return parsed
 
 
@@ -87,7 +92,8 @@ def _diagnostics(exc: ValidationError, data, source: SourceMap) -> list[Diagnost
             extra.setdefault(path[:-1], []).append(str(path[-1]))
     out, seen = [], set()
     for err, path, model, union_at in found:
-        if union_at is not None and path == union_at and (union_at in deeper or (union_at in fits and not _fits(err, data, path))):
+        if union_at is not None and path == union_at and (union_at in deeper
+                                                          or (union_at in fits and not _fits(err, data, path))):
             continue
         if err["type"] == "missing" and path and did_you_mean(path[-1], extra.get(path[:-1], [])):
             continue
@@ -99,26 +105,29 @@ def _diagnostics(exc: ValidationError, data, source: SourceMap) -> list[Diagnost
     return out
 
 
-def _fits(err: dict, data, path: tuple) -> bool:
+def _fits(err: ErrorDetails, data, path: tuple) -> bool:
     """Whether the union member ``err`` came from has the value's shape (a list member, a list)."""
     member = next((s for s in err["loc"] if isinstance(s, str) and _is_member_tag(s)), "")
     return isinstance(_get(data, path), list) == member.startswith("list[")
 
 
-def _one(err: dict, path: tuple, model, data, source: SourceMap) -> Diagnostic:
+def _one(err: ErrorDetails, path: tuple, model, data, source: SourceMap) -> Diagnostic:
     etype, msg = err["type"], err["msg"]
     where = _where(path)
     if err["loc"][-1:] == ("[key]",):  # a mapping's key failed (only `roles` constrains its keys)
         role = path[-1]
         if path[:1] == ("roles",):
-            return _diag("GO005", f"roles: unknown role {_show(role)}{_roles_hint(role)}", source, _at(source, path, key=True))
-        return _diag("GO005", f"{_where(path[:-1]) or 'spec'}: key {_show(role)}: {_friendly(etype, msg)}", source, _at(source, path, key=True))
+            return _diag("GO005", f"roles: unknown role {_show(role)}{_roles_hint(role)}", source,
+                         _at(source, path, key=True))
+        return _diag("GO005", f"{_where(path[:-1]) or 'spec'}: key {_show(role)}: {_friendly(etype, msg)}", source,
+                     _at(source, path, key=True))
     if etype == "duplicate_rule_name":
         ctx = err["ctx"]
         first, here = _at(source, ("rules", ctx["first"], "name")), _at(source, ("rules", ctx["index"], "name"))
         first_file = getattr(first, "file", source.file)
         of = f" of {first_file}" if first_file != getattr(here, "file", source.file) else ""
-        return _diag("GO005", f"duplicate rule name '{ctx['name']}' (first given at line {first[0]}, column {first[1]}{of}): rule names must be unique", source, here)
+        return _diag("GO005", f"duplicate rule name '{ctx['name']}' (first given at line {first[0]}, "
+                              f"column {first[1]}{of}): rule names must be unique", source, here)
     if etype == "stage_order":
         return _diag("GO005", f"{where}: {msg}", source, _at(source, path + (err["ctx"]["index"], "kind")))
     if etype == "extra_forbidden":
@@ -131,17 +140,21 @@ def _one(err: dict, path: tuple, model, data, source: SourceMap) -> Diagnostic:
         tag = err["ctx"]["tag"]
         expected = [t.strip(" '") for t in err["ctx"]["expected_tags"].split(",")]
         what = _field_name(path)
-        return _diag("GO004", f"unknown {what} kind '{tag}'{did_you_mean(tag, expected)} (expected one of: {', '.join(expected)})", source, _at(source, path + ("kind",)))
+        return _diag("GO004", f"unknown {what} kind '{tag}'{did_you_mean(tag, expected)} "
+                              f"(expected one of: {', '.join(expected)})", source, _at(source, path + ("kind",)))
     if etype == "union_tag_not_found":
-        hint = " (an override names its kind: the base's kind to merge into its value, another to replace it)" if hasattr(source, "locate") else ""
+        hint = (" (an override names its kind: the base's kind to merge into its value, another to replace it)"
+                if hasattr(source, "locate") else "")
         return _diag("GO006", f"{_field_name(path)} needs a 'kind'{hint}", source, _at(source, path))
     if etype == "missing":
         parent = path[:-1]
-        return _diag("GO006", f"missing required field '{path[-1]}' in {_where(parent) or 'the spec'}", source, _at(source, parent, key=True))
+        return _diag("GO006", f"missing required field '{path[-1]}' in {_where(parent) or 'the spec'}", source,
+                     _at(source, parent, key=True))
     if path and path[-1] == "name" and len(path) >= 2 and path[-2] == "match" and etype == "value_error":
         return _diag("GO007", msg.removeprefix("Value error, "), source, _at(source, path))
     if path == ("roles",) and etype == "value_error":  # checked over the whole mapping: point at the pattern
-        return _diag("GO007", f"roles: {msg.removeprefix('Value error, ')}", source, _at(source, _bad_role_pattern(data) or path))
+        return _diag("GO007", f"roles: {msg.removeprefix('Value error, ')}", source,
+                     _at(source, _bad_role_pattern(data) or path))
     value = _get(data, path)
     got = "" if isinstance(value, (dict, list)) or value is _MISSING else f", got {_show(value)}"
     msg = msg.removeprefix("Value error, ")
@@ -315,11 +328,13 @@ def parse_text(text: str, format: str = "yaml", *, file: str = "<spec>") -> Pars
     if format not in ("yaml", "dsl"):
         raise ValueError(f"format must be 'yaml' or 'dsl', got {format!r}")
     if len(text) > MAX_BYTES:
-        raise SpecError([language_diagnostic("GO010", f"spec too large ({len(text)} characters; the limit is {MAX_BYTES})", file)])
+        raise SpecError([language_diagnostic("GO010", f"spec too large ({len(text)} characters; "
+                                                      f"the limit is {MAX_BYTES})", file)])
     if "\x00" in text:
         at = text.index("\x00")
         line = text.count("\n", 0, at) + 1
-        raise SpecError([language_diagnostic("GO010", "binary input (NUL byte): a spec is plain UTF-8 text", file, (line, at - (text.rfind("\n", 0, at) + 1) + 1))])
+        raise SpecError([language_diagnostic("GO010", "binary input (NUL byte): a spec is plain UTF-8 text", file,
+                                             (line, at - (text.rfind("\n", 0, at) + 1) + 1))])
     if format == "yaml":
         from geomopt.spec.yaml_front import parse_yaml as parse
     else:  # lark (the DSL's parser) loads only for DSL text
@@ -357,7 +372,8 @@ def format_of(path: str | FsPath) -> str:
         return "yaml"
     if suffix == ".geom":
         return "dsl"
-    raise SpecError([language_diagnostic("GO010", f"unknown spec extension {suffix or '(none)'!r}: use .yaml, .yml or .geom", str(path))])
+    raise SpecError([language_diagnostic("GO010", f"unknown spec extension {suffix or '(none)'!r}: "
+                                                  f"use .yaml, .yml or .geom", str(path))])
 
 
 def read_spec(path: str | FsPath) -> Parsed:
@@ -368,15 +384,18 @@ def read_spec(path: str | FsPath) -> Parsed:
         raw = p.read_bytes()
     except OSError as exc:
         menu = f" ({shipped_menu()})" if isinstance(exc, FileNotFoundError) else ""
-        raise SpecError([language_diagnostic("GO010", f"cannot read spec: {exc.strerror or exc}{menu}", str(path))]) from None
+        raise SpecError([language_diagnostic("GO010", f"cannot read spec: {exc.strerror or exc}{menu}",
+                                             str(path))]) from None
     if len(raw) > MAX_BYTES:
-        raise SpecError([language_diagnostic("GO010", f"spec too large ({len(raw)} bytes; the limit is {MAX_BYTES})", str(path))])
+        raise SpecError([language_diagnostic("GO010", f"spec too large ({len(raw)} bytes; the limit is {MAX_BYTES})",
+                                             str(path))])
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise SpecError([language_diagnostic("GO010", "not UTF-8 text (binary file?): a spec is plain UTF-8 text", str(path), (line, col))]) from None
+        raise SpecError([language_diagnostic("GO010", "not UTF-8 text (binary file?): a spec is plain UTF-8 text",
+                                             str(path), (line, col))]) from None
     return parse_text(text, fmt, file=str(path))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import re
+from typing import Any
 
 import yaml
 
@@ -101,9 +102,11 @@ def parse_yaml(text: str, file: str = "<spec>") -> Parsed:
     except _Fallback:
         source = SourceMap(file=file, format="yaml")
     root = _compose(text, file)
-    if root is None or (isinstance(root, yaml.ScalarNode) and root.value == "" and root.style is None and root.tag == _T + "null"):
+    if root is None or (isinstance(root, yaml.ScalarNode) and root.value == "" and root.style is None
+                        and root.tag == _T + "null"):
         # no document, or only `---` / `...`: an empty plain scalar
-        raise SpecError([language_diagnostic("GO009", "empty spec: expected a mapping with 'geomopt: 1', 'name' and 'rules'", file)])
+        raise SpecError([language_diagnostic("GO009", "empty spec: expected a mapping with 'geomopt: 1', 'name' and "
+                                                      "'rules'", file)])
     counter = [0]
     data = _build(root, (), source, counter, set())
     return Parsed(data, source)
@@ -160,7 +163,8 @@ def _from_events(get_event, source: SourceMap, text: str):
     get_event()  # StreamStartEvent
     if get_event().__class__ is not _EVENTS.DocumentStartEvent:
         raise _Fallback  # no document: the reference says so
-    root = container = _NONE
+    root = _NONE
+    container: Any = _NONE  # the open dict or list (_NONE until the root opens): Any, as the sentinel is an object
     path: tuple = ()
     key = _NONE
     mapping = flow = False
@@ -217,7 +221,8 @@ def _from_events(get_event, source: SourceMap, text: str):
             opens_mapping = cls is mapping_start
             anchor = event.anchor
             # (deeper than MAX_DEPTH below this one: the reference decides which message)
-            if (len(values) >= MAX_NODES or len(at) >= MAX_DEPTH or event.tag not in (None, "!", _MAP if opens_mapping else _SEQ)
+            if (len(values) >= MAX_NODES or len(at) >= MAX_DEPTH
+                    or event.tag not in (None, "!", _MAP if opens_mapping else _SEQ)
                     or (anchor is not None and anchor in anchors)):
                 raise _Fallback
             mark = event.start_mark
@@ -225,7 +230,8 @@ def _from_events(get_event, source: SourceMap, text: str):
             if anchor is not None:
                 anchors[anchor] = None  # open: an alias to it inside it is recursive
             stack.append((container, path, key, mapping, flow, anchor, len(values) - 1, len(keys)))
-            container, path, key, mapping, flow = {} if opens_mapping else [], at, _NONE, opens_mapping, event.flow_style
+            container, path, key, mapping, flow = ({} if opens_mapping else [], at, _NONE, opens_mapping,
+                                                   event.flow_style)
             continue
         elif cls is alias_event:
             if mapping and key is _NONE:
@@ -283,22 +289,27 @@ def _compose(text: str, file: str):
             loader.dispose()
     except RecursionError:  # PyYAML composes recursively: "[[[[…" thousands deep
         where = (loader.line + 1, loader.column + 1) if loader is not None else (1, 1)
-        raise SpecError([language_diagnostic("GO010", f"spec nested too deeply (more than {MAX_DEPTH} levels)", file, where)]) from None
+        raise SpecError([language_diagnostic("GO010", f"spec nested too deeply (more than {MAX_DEPTH} levels)", file,
+                                             where)]) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = exc.problem or "malformed YAML"
         if exc.context_mark and ("end of stream" in problem or "<stream end>" in problem):
             # an unclosed quote or bracket: point where it opened, not at the end of the file
             mark = exc.context_mark
-            problem = "unterminated quoted string" if "quoted scalar" in (exc.context or "") else f"{problem} (opened here, never closed)"
+            problem = ("unterminated quoted string" if "quoted scalar" in (exc.context or "")
+                       else f"{problem} (opened here, never closed)")
         if "\t" in problem or "'\\t'" in problem:
             problem += " (YAML indentation must use spaces, not tabs)"
         ctx = f" {exc.context}" if exc.context else ""
-        raise SpecError([language_diagnostic("GO001", f"YAML syntax error: {problem}{ctx}", file, _pos(mark) if mark else (1, 1))]) from None
+        raise SpecError([language_diagnostic("GO001", f"YAML syntax error: {problem}{ctx}", file,
+                                             _pos(mark) if mark else (1, 1))]) from None
     except yaml.reader.ReaderError as exc:
         line = text.count("\n", 0, exc.position) + 1
         col = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
-        raise SpecError([language_diagnostic("GO010", f"unreadable input: {exc.reason} (character #x{exc.character:04x}); a spec is plain UTF-8 text", file, (line, col))]) from None
+        raise SpecError([language_diagnostic("GO010", f"unreadable input: {exc.reason} "
+                                                      f"(character #x{exc.character:04x}); a spec is plain UTF-8 text",
+                                             file, (line, col))]) from None
     except yaml.YAMLError as exc:  # pragma: no cover - PyYAML raises Marked errors for text input
         raise SpecError([language_diagnostic("GO001", f"YAML error: {exc}", file)]) from None
     return root
@@ -307,11 +318,14 @@ def _compose(text: str, file: str):
 def _build(node, path, source: SourceMap, counter, active: set):
     counter[0] += 1
     if counter[0] > MAX_NODES:
-        raise SpecError([language_diagnostic("GO010", f"spec too large: more than {MAX_NODES} YAML nodes (aliases expanded)", source.file, _pos(node.start_mark))])
+        raise SpecError([language_diagnostic("GO010", f"spec too large: more than {MAX_NODES} YAML nodes "
+                                                      f"(aliases expanded)", source.file, _pos(node.start_mark))])
     if id(node) in active:  # `&a [*a]`: an alias inside its own anchor
-        raise SpecError([language_diagnostic("GO005", "recursive YAML alias: the value anchored here contains an alias to itself", source.file, _pos(node.start_mark))])
+        raise SpecError([language_diagnostic("GO005", "recursive YAML alias: the value anchored here contains "
+                                                      "an alias to itself", source.file, _pos(node.start_mark))])
     if len(path) > MAX_DEPTH:
-        raise SpecError([language_diagnostic("GO010", f"spec nested too deeply (more than {MAX_DEPTH} levels)", source.file, _pos(node.start_mark))])
+        raise SpecError([language_diagnostic("GO010", f"spec nested too deeply (more than {MAX_DEPTH} levels)",
+                                             source.file, _pos(node.start_mark))])
     source.values[path] = _pos(node.start_mark)
     if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
         expected = _T + ("map" if isinstance(node, yaml.MappingNode) else "seq")
@@ -330,15 +344,19 @@ def _collection(node, path, source: SourceMap, counter, active: set):
         out = {}
         for key_node, value_node in node.value:
             if not isinstance(key_node, yaml.ScalarNode):
-                raise SpecError([language_diagnostic("GO005", "mapping keys must be plain words", source.file, _pos(key_node.start_mark))])
+                raise SpecError([language_diagnostic("GO005", "mapping keys must be plain words", source.file,
+                                                     _pos(key_node.start_mark))])
             if key_node.tag == _T + "merge" or (key_node.value == "<<" and key_node.style is None):
-                raise SpecError([language_diagnostic("GO005", "merge keys (<<) are not supported: write the fields out", source.file, _pos(key_node.start_mark))])
+                raise SpecError([language_diagnostic("GO005", "merge keys (<<) are not supported: write the fields out",
+                                                     source.file, _pos(key_node.start_mark))])
             key = _scalar(key_node, source)
             if not isinstance(key, str):
                 key = str(key_node.value)
             if key in out:
                 first = source.keys[path + (key,)]
-                raise SpecError([language_diagnostic("GO002", f"duplicate key '{key}' (first given at line {first[0]}, column {first[1]}); YAML would silently keep the last: remove one", source.file, _pos(key_node.start_mark))])
+                raise SpecError([language_diagnostic("GO002", f"duplicate key '{key}' (first given at line {first[0]}, "
+                                                              f"column {first[1]}); YAML would silently keep the last: "
+                                                              f"remove one", source.file, _pos(key_node.start_mark))])
             source.keys[path + (key,)] = _pos(key_node.start_mark)
             out[key] = _build(value_node, path + (key,), source, counter, active)
         return out
@@ -365,7 +383,8 @@ def _scalar(node, source: SourceMap):
     if tag not in _EXPLICIT:
         raise SpecError([_tag_error(node, source)])
     if not _EXPLICIT[tag].match(value):  # explicit `!!int 0b11`, `!!float abc`: not that type in YAML 1.2
-        raise SpecError([language_diagnostic("GO005", f"{value!r} is not a valid !!{tag[len(_T):]} (YAML 1.2 core schema)", source.file, _pos(node.start_mark))])
+        raise SpecError([language_diagnostic("GO005", f"{value!r} is not a valid !!{tag[len(_T):]} "
+                                                      f"(YAML 1.2 core schema)", source.file, _pos(node.start_mark))])
     return _convert(tag, value)
 
 

@@ -27,8 +27,8 @@ vectors and of singular values), ``scalar`` (the τ solves of the ball and spher
 Conventions shared by every op (documented once here):
 
 * Numerics: float32 (float64 for float64 input; bfloat16/float16 upcast:
-  :func:`geomopt.geometry.matrix.working_dtype`), result in the input dtype. Scalar solves use a fixed number of steps (no host syncs): safeguarded Newton for the
-  ball, halvings for the sphere.
+  :func:`geomopt.geometry.matrix.working_dtype`), result in the input dtype. Scalar solves use a
+  fixed number of steps (no host syncs): safeguarded Newton for the ball, halvings for the sphere.
 * Every projection onto a set is independent of ε: h_ε = ε·h₁ only rescales the objective. The
   scalar solves therefore run with ε = 1 and a dimensionless multiplier τ = tν; only κ matters.
 * Feasibility: with a barrier or indicator reference the step is defined only if C meets

@@ -76,7 +76,8 @@ def scaled_polar_schedule(floor: float, dtype: torch.dtype) -> list[float]:
     singular value in [floor, 1] to within the dtype's precision of 1, then one plain step
     (α = 1) to settle rounding; simulated on the host (no device syncs)."""
     eps = torch.finfo(dtype).eps
-    low, alphas = floor, []
+    low = floor
+    alphas: list[float] = []
     while 1 - low > eps and len(alphas) < 200:
         a = min(math.sqrt(3 / (1 + low + low * low)), _ALPHA_CAP)
         alphas.append(a)
@@ -132,14 +133,15 @@ def _stiefel_polar(y, t, ref, constraint, *, geometry, batch_dims):
     Gershgorin bound on σ_max²) keeps σ/c ≤ 1.5 < √3 (convergence) for any Y — then iterate for
     the host-computed number of steps that lifts the smallest feasible σ/c to 1 in the working
     precision: cubic Newton–Schulz on Y (scaled, :func:`polar`) or Y·G^{−1/2} by the Gram
-    matrix's inverse square root, whichever costs fewer FLOPs (:func:`_polar_by_cost`). Measured against the SVD on Y = X − tW,
-    X ∈ Stiefel(r), ‖W‖₂ ≤ 0.99, t ∈ {0.3, 0.02, 0.001}·r (48×24, 24×48, 256×128, 128×512):
-    tests/test_backward.py asserts max-entry error ≤ 2e-6·r (fp32), ≤ 1e-13·r (fp64). The step
-    count is the feasible case's (4 steps for t = 0.02r): Y far from Stiefel(r) — not a step from
-    a feasible X — is flagged and left less converged (8e-2·r for a Gaussian 64×32 Y); in training
-    the next step brings X back to ~3e-7 (tests/test_optimizer.py). Use ``method: exact`` for
-    arbitrary Y. The flag uses a power-iteration estimate of ‖Y − X⁺‖₂ (a lower bound: marginal
-    infeasibility can go unflagged)."""
+    matrix's inverse square root, whichever costs fewer FLOPs (:func:`_polar_by_cost`). Measured
+    against the SVD on Y = X − tW, X ∈ Stiefel(r), ‖W‖₂ ≤ 0.99, t ∈ {0.3, 0.02, 0.001}·r
+    (48×24, 24×48, 256×128, 128×512): tests/test_backward.py asserts max-entry error ≤ 2e-6·r
+    (fp32), ≤ 1e-13·r (fp64). The step count is the feasible case's (4 steps for t = 0.02r): Y far
+    from Stiefel(r) — not a step from a feasible X — is flagged and left less converged (8e-2·r
+    for a Gaussian 64×32 Y); in training the next step brings X back to ~3e-7
+    (tests/test_optimizer.py). Use ``method: exact`` for arbitrary Y. The flag uses a
+    power-iteration estimate of ‖Y − X⁺‖₂ (a lower bound: marginal infeasibility can go
+    unflagged)."""
     r = constraint["radius"]
     mats = matrices(upcast(y), batch_dims)
     q = min(mats.shape[-2:])

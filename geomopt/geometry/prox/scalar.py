@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
@@ -90,8 +90,9 @@ def _power_sigma(alpha: torch.Tensor, tau: torch.Tensor, ref: Reference, start: 
         start = torch.where(inward, alpha.sub(1).clamp(min=0), alpha + 1)
     lower, upper = torch.where(inward, start, alpha), torch.where(inward, alpha, start)
     s = start
+    kappa = cast(float, ref.kappa)  # the power barrier's κ, a float
     for _ in range(_NEWTON_STEPS):
-        f, fp = _unit_dual(tau * s, ref.kappa)
+        f, fp = _unit_dual(tau * s, kappa)
         num = torch.addcmul(s, c, f).sub_(alpha)
         den = fp.mul_(tau).mul_(c).add_(1).clamp_(min=tiny)
         s = torch.addcdiv(s, num, den, value=-1).clamp_(min=lower, max=upper)
@@ -140,7 +141,8 @@ def _interpolate(sig_a: torch.Tensor, sig_b: torch.Tensor, target: torch.Tensor)
     a = (sig_a * sig_a).sum(-1, keepdim=True)
     b = (sig_b * sig_b).sum(-1, keepdim=True)
     den = b - a
-    theta = torch.where(den != 0, (target - a) / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(den))
+    theta = torch.where(den != 0, (target - a) / torch.where(den != 0, den, torch.ones_like(den)),
+                        torch.zeros_like(den))
     theta = theta.clamp(0, 1)
     return torch.sqrt((sig_a * sig_a + theta * (sig_b * sig_b - sig_a * sig_a)).clamp(min=0))
 
@@ -174,9 +176,10 @@ def _solve_ball(alpha: torch.Tensor, rho2: float, ref: Reference) -> torch.Tenso
     power = ref.kind == "power_barrier"
     eps = torch.finfo(alpha.dtype).eps
     lo, hi = tau, torch.full_like(tau, _TAU_MAX)
-    steps = _newton_steps(alpha.dtype, ref.kappa if power else 1.0)
+    kappa = cast(float, ref.kappa) if power else 1.0  # the power barrier's κ, a float
+    steps = _newton_steps(alpha.dtype, kappa)
     for step in range(steps + 1):
-        s, upper, rate = _ball_newton(alpha, lim, tau, s, ref.kappa) if power else _ball_log(alpha, tau)
+        s, upper, rate = _ball_newton(alpha, lim, tau, s, kappa) if power else _ball_log(alpha, tau)
         total = (s * s).sum(-1, keepdim=True)
         if step == steps:
             return s * (rho2 / total).sqrt()
@@ -191,6 +194,7 @@ def _solve_ball(alpha: torch.Tensor, rho2: float, ref: Reference) -> torch.Tenso
         inside = (new >= lo - slack) & (new <= hi + slack)  # NaN is outside
         new = torch.where(inside, torch.minimum(torch.maximum(new, lo), hi), (lo * hi).sqrt())
         s, tau = s - rate * (new - tau), new  # first-order predictor of σ(new)
+    raise AssertionError("unreachable: the last step returns")
 
 
 _TAU_MAX = 2.0**60
@@ -262,7 +266,8 @@ def _solve_tau(sigma: Callable, a: torch.Tensor, t: float, r: float, ref: Refere
 # ---------------------------------------------------------------- the steps on magnitudes
 
 
-def _ball_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _ball_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference,
+                     dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Anisotropic ℓ2-ball step on magnitudes a (B, n) ≥ 0 (paper Appendix A.1):
     s = a if ‖a‖ ≤ r, else s_i = t·σ_i(τ) from σ + (h₁*)'(τσ) = a/t with τ such that Σs² = r²
     (:func:`_solve_ball`). Returns (s, infeasible) — infeasible where Σ(a_i − t)₊² > r², i.e. the
@@ -282,10 +287,11 @@ def _ball_finish(a: torch.Tensor, s: torch.Tensor, t: float, r: float, dtype) ->
     return torch.where(bad.unsqueeze(-1), _proj_l2_ball(a, r), s), bad
 
 
-def _sphere_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Anisotropic sphere step on magnitudes (paper Appendix A.1, outward): the ball step if ‖a‖ ≥ r, else the outward
-    bisection with |x_i| ≥ |y_i| (:func:`_sphere_sigma`, Σs² increasing in τ); infeasible where
-    Σ(a_i + t)² < r² (outward) or the ball step is infeasible (inward)."""
+def _sphere_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference,
+                       dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Anisotropic sphere step on magnitudes (paper Appendix A.1, outward): the ball step if
+    ‖a‖ ≥ r, else the outward bisection with |x_i| ≥ |y_i| (:func:`_sphere_sigma`, Σs² increasing
+    in τ); infeasible where Σ(a_i + t)² < r² (outward) or the ball step is infeasible (inward)."""
     euclid = _sphere_euclid(a, r)
     if _ref_profile(ref) == "quadratic":
         return euclid, None

@@ -96,6 +96,7 @@ def _put(t: torch.Tensor | None, rows: torch.Tensor, values: torch.Tensor | None
     """``t`` with ``rows`` replaced by ``values`` (None stays None)."""
     if t is None:
         return None
+    assert values is not None  # step gives extra for every matrix or for none
     t = t.clone()
     t[rows] = values.to(t.dtype)
     return t
@@ -168,7 +169,8 @@ def _gram_product(mats: torch.Tensor, x: torch.Tensor, frame: tuple, k: int, zer
         f = (v * w.flip(-1)[:, None, :]) @ v.mT
         out = mats @ f if m >= n else f @ mats
     if any(zero):
-        diagonal = torch.eye(m, n, dtype=mats.dtype, device=mats.device) * torch.nn.functional.pad(x, (0, n - q))[:, None, :]
+        diagonal = (torch.eye(m, n, dtype=mats.dtype, device=mats.device)
+                    * torch.nn.functional.pad(x, (0, n - q))[:, None, :])
         out = torch.where(torch.tensor(zero, dtype=torch.bool, device=mats.device)[:, None, None], diagonal, out)
     return out
 

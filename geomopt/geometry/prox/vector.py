@@ -17,7 +17,8 @@ def _sphere_euclid(a: torch.Tensor, r: float) -> torch.Tensor:
     """Euclidean projection of magnitudes onto the sphere; a = 0 → (r/√n)·1."""
     norm = _norm(a).unsqueeze(-1)
     n = a.shape[-1]
-    return torch.where(norm > 0, a * r / norm.clamp(min=torch.finfo(a.dtype).tiny), torch.full_like(a, r / math.sqrt(n)))
+    return torch.where(norm > 0, a * r / norm.clamp(min=torch.finfo(a.dtype).tiny),
+                       torch.full_like(a, r / math.sqrt(n)))
 
 
 def _proj_l2_ball(v: torch.Tensor, r: float) -> torch.Tensor:
