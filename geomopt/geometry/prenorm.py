@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from geomopt.spec.model import POLYNOMIAL_APPROX_KINDS
+from geomopt.spec.model import POLYNOMIAL_APPROX_KINDS, FrobeniusPrenorm, NoPrenorm
+
+#: ε of a pre-normalization fragment that leaves it out: the spec model's default (1e-7)
+_EPS: float = FrobeniusPrenorm.model_fields["eps"].default
 
 
 def default_prenormalize(approx_kind: str) -> dict:
-    """Pre-normalization (module docstring): on (frobenius, ε = 1e-7) for the polynomial iterations, off otherwise."""
-    if approx_kind in POLYNOMIAL_APPROX_KINDS:
-        return {"kind": "frobenius", "eps": 1e-7}
-    return {"kind": "none"}
+    """Pre-normalization (module docstring): on (frobenius, the spec model's ε) for the polynomial
+    iterations, off otherwise, as :func:`geomopt.spec.model.effective_prenormalize` says."""
+    return (FrobeniusPrenorm() if approx_kind in POLYNOMIAL_APPROX_KINDS else NoPrenorm()).model_dump()
 
 
 def prenormalize(x: torch.Tensor, cfg: dict | None, approx_kind: str = "svd", inplace: bool = False) -> torch.Tensor:
@@ -36,7 +38,7 @@ def prenormalize(x: torch.Tensor, cfg: dict | None, approx_kind: str = "svd", in
 def _prenorm_denominator(norm: torch.Tensor, cfg: dict) -> torch.Tensor:
     """What :func:`prenormalize` divides a matrix by, from its ‖D‖_F (cfg kind frobenius or max)."""
     kind = cfg.get("kind", "frobenius")
-    eps = float(cfg.get("eps", 1e-7))
+    eps = float(cfg.get("eps", _EPS))
     if kind == "frobenius":
         return norm + eps
     if kind == "max":

@@ -7,7 +7,7 @@ every name of the language.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,6 +23,18 @@ class _Model(BaseModel):
 # Fields whose value is a {kind: …} mapping: a bare word there (DSL) names the kind.
 KIND_FIELDS = frozenset({"geometry", "constraint", "reference", "approx", "prenormalize", "direction", "schedule",
                          "view", "decay", "post"})
+
+
+def kinds_of(union: Any) -> tuple[str, ...]:
+    """The ``kind`` values of a discriminated union of models (``Annotated[Union[…], Field(…)]``),
+    in the union's order: the one place each list of kinds is written."""
+    members = get_args(get_args(union)[0])
+    return tuple(m.model_fields["kind"].default for m in members)
+
+
+def kinds_of_literal(literal: Any) -> tuple[str, ...]:
+    """The values of a ``Literal[…]``, in order."""
+    return tuple(get_args(literal))
 
 
 def _view_shorthand(v):

@@ -10,7 +10,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field
 
-from geomopt.spec.base import PositiveFloat, _Model
+from geomopt.spec.base import PositiveFloat, _Model, kinds_of
 
 # ---------------------------------------------------------------- constraints g
 
@@ -104,7 +104,4 @@ Constraint = Annotated[
     ],
     Field(discriminator="kind"),
 ]
-CONSTRAINT_KINDS = (
-    "l2_ball", "linf_ball", "linf_sphere", "sign_set", "frobenius_ball", "frobenius_sphere", "spectral_ball",
-    "spectral_sphere", "stiefel", "l0", "rank", "proximal_decay",
-)
+CONSTRAINT_KINDS = kinds_of(Constraint)

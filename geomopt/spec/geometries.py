@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
-from geomopt.spec.base import PositiveFloat, _Model, _view_shorthand
+from geomopt.spec.base import PositiveFloat, _Model, _view_shorthand, kinds_of
 
 # ---------------------------------------------------------------- reference functions h
 
@@ -194,7 +194,7 @@ class MatrixView(_Model):
 
 
 View = Annotated[Union[AutoView, MatrixView], Field(discriminator="kind")]
-VIEW_KINDS = ("auto", "matrix")
+VIEW_KINDS = kinds_of(View)
 
 
 class _Geometry(_Model):
@@ -274,4 +274,4 @@ class Adam(_Geometry):
 Geometry = Annotated[
     Union[Euclidean, Isotropic, Anisotropic, Spectral, Rowwise, Columnwise, Adam], Field(discriminator="kind")
 ]
-GEOMETRY_KINDS = ("euclidean", "isotropic", "anisotropic", "spectral", "rowwise", "columnwise", "adam")
+GEOMETRY_KINDS = kinds_of(Geometry)

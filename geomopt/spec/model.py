@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from geomopt.spec.base import KIND_FIELDS, PositiveFloat, Probability, _Model, _view_shorthand
+from geomopt.spec.base import KIND_FIELDS, PositiveFloat, Probability, _Model, _view_shorthand, kinds_of_literal
 from geomopt.spec.constraints import (
     CONSTRAINT_KINDS,
     L0,
@@ -122,7 +122,7 @@ ShapeDim = Union[Annotated[int, Field(ge=0)], Literal["*"]]
 
 #: What a tensor does in its model (:mod:`geomopt.compile.roles` infers it).
 RoleName = Literal["embedding", "head", "router", "expert", "norm", "bias", "hidden", "other"]
-ROLE_NAMES = ("embedding", "head", "router", "expert", "norm", "bias", "hidden", "other")
+ROLE_NAMES = kinds_of_literal(RoleName)
 
 
 def _check_regex(pattern: str) -> None:

@@ -10,7 +10,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
-from geomopt.spec.base import PositiveFloat, Probability, _Model
+from geomopt.spec.base import PositiveFloat, Probability, _Model, kinds_of
 
 # ---------------------------------------------------------------- directions and schedules
 
@@ -68,7 +68,7 @@ class Storm(_Model):
 
 
 Direction = Annotated[Union[NoDirection, Polyak, HeavyBall, Lion, Storm], Field(discriminator="kind")]
-DIRECTION_KINDS = ("none", "polyak", "heavy_ball", "lion", "storm")
+DIRECTION_KINDS = kinds_of(Direction)
 
 
 class ConstantSchedule(_Model):
@@ -131,8 +131,8 @@ class Cautious(_Model):
 
 
 PostStage = Annotated[Union[SecondMoment, DualScale, RmsMatch, Cautious], Field(discriminator="kind")]
-#: the order post-stages run in (and must be listed in); each at most once
-STAGE_ORDER = ("second_moment", "dual_scale", "rms_match", "cautious")
+#: the order post-stages run in (and must be listed in; the union's order), each at most once
+STAGE_ORDER = kinds_of(PostStage)
 
 
 class DecoupledDecay(_Model):
