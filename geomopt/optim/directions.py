@@ -1,4 +1,6 @@
-"""Direction estimators d (paper Section 4): registered updaters of a per-tensor state.
+"""Direction estimators d (paper Section 4): registered updaters of a per-tensor state, and
+Polyak's other forms beside them (rows of a stacked state, put off for the deferred finiteness
+test, foreach over a flat block), so each direction is written in one module.
 
 Each is ``fn(g, state, group, *, g_prev=None, inplace=False) -> d`` and may update ``state`` in
 place; ``group`` holds the scalars (``alpha``, ``nesterov``) so torch-style schedulers can change
@@ -44,6 +46,12 @@ def polyak(g, state, group, *, g_prev=None, inplace=False):
     if not group["nesterov"]:
         return buf
     return g.lerp_(buf, 1 - alpha) if inplace else g.lerp(buf, 1 - alpha)
+
+
+def polyak_foreach(ds: list, gs: list, alpha: float) -> None:
+    """:func:`polyak`'s d ← d.lerp(g, α) on lists of tensors (the flat path's form: one foreach
+    launch over every tensor of a block; Nesterov's look-ahead is the caller's g.lerp(d, 1 − α))."""
+    torch._foreach_lerp_(ds, gs, alpha)
 
 
 @direction("heavy_ball")

@@ -13,6 +13,7 @@ import torch
 from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.forward import elementwise_into, isotropic_factors
+from geomopt.optim.directions import polyak_foreach
 from geomopt.optim.tensors import local, op_view, split_like
 from geomopt.optim.host import Host
 
@@ -83,7 +84,7 @@ class FlatPath(Host):
             x_b, g_b = cut(xs), cut(gs)
             d_b: Any = None if d is None else cut(ds)
             if lerp:
-                torch._foreach_lerp_(d_b, g_b, alpha)
+                polyak_foreach(d_b, g_b, alpha)
             u: Any
             u_views: Any
             if nesterov or (kind == "anisotropic" and d is None):
