@@ -22,11 +22,10 @@ then the fields in the model's order, a ``view`` last.
   (a call's arguments with a trailing comma), so that each comment has its element's line.
   Exponents as ``1e-8``.
 
-A spec that extends another (:mod:`geomopt.spec.extends`) prints as written: its own layer
-(``extends``, overrides, ``before``/``after``/``remove``), every value it gives kept, even one equal
-to a default (it overrides the base's), shorthands spelled as above, ``extends`` after
-``geomopt``; a rule's ``before``, ``after``, ``remove`` after its ``match``. ``resolved=True``
-prints the merged spec instead, without ``extends``.
+A spec that extends another (:mod:`geomopt.spec.extends`) prints as written: its own layer, every
+value it gives kept even where it equals a default (it overrides the base's), ``extends`` after
+``geomopt``, a rule's ``before``, ``after``, ``remove`` after its ``match``; ``resolved=True``
+prints the merged spec instead.
 
 Comments (:mod:`geomopt.spec.comments`) are printed when given: the header (its ``$schema``
 modeline first), each element's own-line comments above it, its trailing comment after its
