@@ -226,3 +226,36 @@ def test_the_report_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="geomopt"):
         report = opt.load_state_dict(adam.state_dict(), allow_spec_change=True)
     assert str(report) in caplog.text and "reset adam (rule 'hidden' uses the spectral geometry" in caplog.text
+
+
+def test_torch_muon_and_adamw_pair_loads_with_two_calls():
+    """The usual torch setup, Muon on the hidden matrices and AdamW on the rest: loading one state
+    and then the other leaves every tensor with what its own optimizer saved (a torch optimizer's
+    state fills the tensors it names and leaves the others alone)."""
+    model = tiny_mlp(0)
+    named = list(model.named_parameters())
+    hidden = [(n, p) for n, p in named if p.ndim == 2 and not n.startswith("head")]
+    rest = [(n, p) for n, p in named if (n, p) not in hidden]
+    muon = torch.optim.Muon(hidden, lr=0.02, momentum=0.95)
+    adamw = torch.optim.AdamW(rest, lr=1e-3)
+    for step in range(2):
+        muon.zero_grad()
+        adamw.zero_grad()
+        _loss(model, step).backward()
+        muon.step()
+        adamw.step()
+    assert {n for n, _ in hidden} == {"layers.0.weight"}
+    spec = _spec({"name": "hidden", "match": {"name": "layers.*.weight"}, "direction": {"kind": "polyak", "alpha": 0.05},
+                  "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}}},
+                 REST_ADAM)
+    opt = geomopt.GeomOptimizer(model, spec)
+    first = opt.load_state_dict(muon.state_dict(), allow_spec_change=True)
+    second = opt.load_state_dict(adamw.state_dict(), allow_spec_change=True)
+    assert set(first.kept) == {n for n, _ in hidden} and set(second.kept) == {n for n, _ in rest}
+    for name, p in hidden:
+        assert torch.equal(opt.state[p]["d"], muon.state[p]["momentum_buffer"]), name
+    for name, p in rest:
+        assert torch.equal(opt.state[p]["exp_avg"], adamw.state[p]["exp_avg"]), name
+        assert opt.state[p]["adam_step"] == 2
+    _loss(model, 3).backward()
+    opt.step()

@@ -59,7 +59,9 @@ class Checkpoints(Host):
         a scheduler changed). The ``state_dict()`` of ``torch.optim.AdamW``, ``Adam`` and ``Muon``
         loads the same way (``allow_spec_change=True``); ``model``: the model that optimizer was
         built on, when it was given ``model.parameters()`` (no names) and is not this optimizer's
-        model. Nothing is changed when loading fails."""
+        model. A torch optimizer's state fills the tensors it names and leaves the others' state as
+        it is, so a Muon + AdamW pair loads with two calls, one per optimizer. Nothing is changed
+        when loading fails."""
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             out = pre_hook(self, state_dict)
@@ -159,6 +161,11 @@ class Checkpoints(Host):
                    for group, plans in zip(groups, self._plans) for p, pp in zip(group["params"], plans)]
         transposed = set(meta["transposed"]) if meta is not None and "transposed" in meta else None
         state, report = migrate_state(saved, targets, source, transposed)
+        if meta is None:
+            # a torch optimizer's state covers the tensors it optimized: the others keep what they
+            # hold, so torch.optim.Muon's state and then AdamW's (the usual pair) load one after the other
+            state = {**{p: st for name, p, _, _ in targets if name not in saved and (st := self.state.get(p))},
+                     **state}
         # install (nothing above wrote to the optimizer)
         self.state = defaultdict(dict, state)
         for group, new in zip(self.param_groups, groups):
