@@ -21,3 +21,12 @@ def test_module_is_short_and_says_what_it_holds(path):
 
 def test_no_symlink_at_the_repository_root():
     assert not [p.name for p in ROOT.iterdir() if p.is_symlink()]
+
+
+def test_every_spec_folder_ships_with_the_package():
+    """The wheel carries every spec the docs and examples name by path (package data)."""
+    tomllib = pytest.importorskip("tomllib")  # Python ≥ 3.11 (this project's CI and machines)
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    patterns = data["tool"]["setuptools"]["package-data"]["geomopt"]
+    folders = {p.parent.relative_to(ROOT / "geomopt").as_posix() for p in (ROOT / "geomopt" / "specs").rglob("*.yaml")}
+    assert folders and all(f"{folder}/*" in patterns for folder in folders), (folders, patterns)
