@@ -32,3 +32,11 @@ def round_robin(rows: list, iters: int, warmup: int = 3) -> list[tuple[str, floa
             fn()
             times[name].append((time.perf_counter() - t0) * 1e3)
     return [(name, statistics.median(times[name])) for name, _ in rows]
+
+
+def ratio_table(heading: str, what: str, against: str, rows: list) -> str:
+    """A markdown table of ``(name, median ms)`` rows, each with its ratio to the first row's."""
+    base = rows[0][1]
+    lines = [heading, "", f"| {what} | step (ms, median) | × {against} |", "|---|---|---|"]
+    lines += [f"| {name} | {ms:.2f} | {ms / base:.3f} |" for name, ms in rows]
+    return "\n".join(lines)

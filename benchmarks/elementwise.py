@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import emit, round_robin  # noqa: E402
+from _results import emit, ratio_table, round_robin  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ["examples/adam-all", "sign-descent", "normalized-sgd"]
@@ -91,13 +91,10 @@ def main(argv=None) -> int:
     tables = []
     for width in args.widths:
         rows, n = measure(width, args.iters, base_pkg)
-        adamw = rows[0][1]
-        lines = [f"### Elementwise steps: HF GPT-2 (2 layers, width {width}, {n / 1e6:.1f}M parameters), "
-                 f"{device_name('cpu')}, float32, torch {torch.__version__} — {datetime.date.today().isoformat()}"
-                 + (f", base {args.base}" if args.base else ""), "",
-                 "| optimizer | step (ms, median) | × fused AdamW |", "|---|---|---|"]
-        lines += [f"| {name} | {ms:.2f} | {ms / adamw:.3f} |" for name, ms in rows]
-        tables.append("\n".join(lines))
+        heading = (f"### Elementwise steps: HF GPT-2 (2 layers, width {width}, {n / 1e6:.1f}M parameters), "
+                   f"{device_name('cpu')}, float32, torch {torch.__version__} — {datetime.date.today().isoformat()}"
+                   + (f", base {args.base}" if args.base else ""))
+        tables.append(ratio_table(heading, "optimizer", "fused AdamW", rows))
     emit("\n\n".join(tables), args.record)
     return 0
 

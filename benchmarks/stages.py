@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import emit, round_robin  # noqa: E402
+from _results import emit, ratio_table, round_robin  # noqa: E402
 from elementwise import gpt2_tensors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,13 +82,9 @@ def main(argv=None) -> int:
     tables = []
     for width in args.widths:
         rows, n = measure(width, args.iters)
-        muon = rows[0][1]
-        lines = [f"### Post-stages: HF GPT-2 (2 layers, width {width}, {n / 1e6:.1f}M parameters), "
-                 f"{device_name('cpu')}, float32, torch {torch.__version__} — "
-                 f"{datetime.date.today().isoformat()}", "",
-                 "| spec | step (ms, median) | × muon spec |", "|---|---|---|"]
-        lines += [f"| {name} | {ms:.2f} | {ms / muon:.3f} |" for name, ms in rows]
-        tables.append("\n".join(lines))
+        heading = (f"### Post-stages: HF GPT-2 (2 layers, width {width}, {n / 1e6:.1f}M parameters), "
+                   f"{device_name('cpu')}, float32, torch {torch.__version__} — {datetime.date.today().isoformat()}")
+        tables.append(ratio_table(heading, "spec", "muon spec", rows))
     emit("\n\n".join(tables), args.record)
     return 0
 

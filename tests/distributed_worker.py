@@ -117,6 +117,20 @@ def train(model, opt, data):
         opt.step()
 
 
+def train_ddp(model, opt, data):
+    """:func:`train` through torch's DistributedDataParallel, which averages the gradients (the
+    optimizer shares out the matrix functions)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model)
+    for idx in data:
+        opt.zero_grad(set_to_none=True)
+        logits = ddp(idx[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+
+
 def params_of(model) -> dict:
     out = {}
     for name, p in model.named_parameters():
@@ -154,17 +168,9 @@ def main(out: Path) -> None:
 
         # DDP: torch's DistributedDataParallel averages the gradients; the optimizer shares out
         # the matrix functions
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         model = make_model()
-        ddp = DDP(model)
         opt = GeomOptimizer(model, spec)
-        for idx in data:
-            opt.zero_grad(set_to_none=True)
-            logits = ddp(idx[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
-            loss.backward()
-            opt.step()
+        train_ddp(model, opt, data)
         result["ddp"][name] = params_of(model)
         result["work"][name] = dict(ddp=opt.work.flops, ref=ref_flops, kind=type(opt._executor).__name__)
 
@@ -189,18 +195,12 @@ def staged(data) -> dict:
     """:data:`STAGED` under DDP and FSDP2 against one process, and its FSDP2 checkpoint: state
     saved after 2 steps and loaded into a fresh optimizer resumes exactly."""
     from torch.distributed.tensor import DTensor
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     ref = make_model()
     train(ref, GeomOptimizer(ref, STAGED, distributed=False), data)
     model = make_model()
-    ddp = DDP(model)
     opt = GeomOptimizer(model, STAGED)
-    for idx in data:
-        opt.zero_grad(set_to_none=True)
-        logits = ddp(idx[:, :-1])
-        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1)).backward()
-        opt.step()
+    train_ddp(model, opt, data)
     out = dict(ref=params_of(ref), ddp=params_of(model), kind=type(opt._executor).__name__,
                state=sorted({k for st in opt.state.values() for k in st}))
 

@@ -250,7 +250,7 @@ class ShardedExecutor(_DistExecutor):
         from torch.distributed.tensor import DTensor, Shard
 
         shape = (req.rows, *req.full_shape)
-        stride = _contiguous_strides(shape)
+        stride = contiguous_strides(shape)
         placements = (Shard(cast(int, req.shard_dim)),)  # reduce requests on DTensors carry their shard dim
         x = DTensor.from_local(req.x, req.mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
         out, flags = req.fn(x)
@@ -345,7 +345,7 @@ class ShardedExecutor(_DistExecutor):
         return recv
 
 
-def _contiguous_strides(shape) -> tuple:
+def contiguous_strides(shape) -> tuple:
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)

@@ -35,8 +35,8 @@ class BucketStep(Host):
         counters = self._counters[gi]
         pp = items[0][1]
         views = [op_view(local(p), q) for p, q in items]
-        hyper = dict(group, alpha=alpha) if alpha is not None else dict(group)
-        hyper["spec_direction"] = pp.direction  # the direction's own parameters (heavy ball, Lion)
+        # the group's scalars (α as scheduled) and the direction's own parameters (heavy ball, Lion)
+        hyper = dict(group, alpha=group["alpha"] if alpha is None else alpha, spec_direction=pp.direction)
         state = self._stacked.gather(self.state, items)
         if self._needs_closure:
             state["prev"] = torch.stack([local(p).detach() for p, _ in items]).clone()
@@ -171,11 +171,8 @@ class BucketStep(Host):
         cost = pp.matrix_cost
         if not is_dtensor(p):
             return Request(fn, x, locality, cost=cost)
-        dim = p.placements[0].dim % p.ndim
-        if pp.transpose and dim < 2:
-            dim = 1 - dim
-        full = tuple(op_view(torch.empty(p.shape, device="meta"), pp).shape)
-        return Request(fn, x, locality, shard_dim=dim + 1, full_shape=full, mesh=p.device_mesh, cost=cost)
+        return Request(fn, x, locality, shard_dim=op_shard_dim(p, pp) + 1, full_shape=pp.op_shape,
+                       mesh=p.device_mesh, cost=cost)
 
     def _lookahead(self, items: list, shape, like: torch.Tensor, shared: bool) -> torch.Tensor:
         """Where a bucket writes its direction u (in the dtype the forward op casts it to first):

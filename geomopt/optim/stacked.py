@@ -12,6 +12,7 @@ import torch
 
 from geomopt.compile.plan import ParamPlan
 from geomopt.distributed import is_dtensor
+from geomopt.distributed.executors import contiguous_strides
 from geomopt.optim import stages as post_stages
 from geomopt.optim.migrate import VIEW_KEYS
 from geomopt.optim.tensors import flat_like, op_shard_dim, op_view, stack
@@ -131,11 +132,8 @@ def state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, who
         dim = op_shard_dim(p, pp)
         shape = list(row.shape)
         shape[dim] = pp.op_shape[dim]
-        stride = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            stride[i] = stride[i + 1] * max(shape[i + 1], 1)
         return DTensor.from_local(row, p.device_mesh, (Shard(dim),), run_check=False, shape=torch.Size(shape),
-                                  stride=tuple(stride))
+                                  stride=contiguous_strides(shape))
 
     local = op_view(row, pp) if key in VIEW_KEYS else row
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

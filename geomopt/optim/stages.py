@@ -86,14 +86,18 @@ class Context:
     def cut(self, dims) -> bool:
         return self.shard is not None and self.shard.dim in tuple(dims)
 
-    def sum(self, t: torch.Tensor, dims) -> torch.Tensor:
-        """Σ over ``dims`` (kept), over the whole tensor where a dim is cut across ranks."""
-        out = t.sum(dim=tuple(dims), keepdim=True)
-        if self.shard is not None and self.cut(dims):
+    def across(self, partial: torch.Tensor, dims) -> torch.Tensor:
+        """``partial``, a sum over ``dims`` of this rank's entries, summed over the ranks where one
+        of ``dims`` is cut across them (in place); as it is otherwise."""
+        if self.shard is not None and self.shard.dim in tuple(dims):
             import torch.distributed as dist
 
-            dist.all_reduce(out, group=self.shard.group)
-        return out
+            dist.all_reduce(partial, group=self.shard.group)
+        return partial
+
+    def sum(self, t: torch.Tensor, dims) -> torch.Tensor:
+        """Σ over ``dims`` (kept), over the whole tensor where a dim is cut across ranks."""
+        return self.across(t.sum(dim=tuple(dims), keepdim=True), dims)
 
     def mean(self, t: torch.Tensor, dims) -> torch.Tensor:
         if not self.cut(dims):
@@ -141,33 +145,29 @@ def second_moment(u, cfg, ctx):
     (AdaMuon) else 1 (NorMuon). v starts at 0 and is kept per tensor (``post_v``)."""
     sq = u * u
     expand = None
+    reduced: tuple[int, ...] = ()  # the dims the statistic sums over
     if cfg["axis"] == "element":
         m2 = sq
     elif cfg["axis"] == "row":
-        _, cols, _ = _matrix_axes(ctx)
-        m2 = ctx.mean(sq, cols) if cols else sq
-        if ctx.cut(cols):
-            ctx.replicated.add("post_v")
+        _, reduced, _ = _matrix_axes(ctx)
+        m2 = ctx.mean(sq, reduced) if reduced else sq
     else:
         row, _, blocks = _matrix_axes(ctx)
+        reduced = (row,)
         sizes = blocks or [ctx.op_shape[row - 1]]
         if len(sizes) == 1:
-            m2 = ctx.mean(sq, (row,))
+            m2 = ctx.mean(sq, reduced)
         else:  # per row block: each block's rows summed into its own entry, then / its size
             block = torch.bucketize(ctx.rows(row, u.device), torch.tensor(sizes, device=u.device).cumsum(0), right=True)
             shape = list(sq.shape)
             shape[row] = len(sizes)
-            m2 = sq.new_zeros(shape).index_add_(row, block, sq)
-            if ctx.cut((row,)):
-                import torch.distributed as dist
-
-                dist.all_reduce(m2, group=ctx.shard.group)
+            m2 = ctx.across(sq.new_zeros(shape).index_add_(row, block, sq), reduced)
             count = [1] * sq.ndim
             count[row] = len(sizes)
             m2 = m2 / torch.tensor(sizes, dtype=sq.dtype, device=u.device).reshape(count)
             expand = (row, block)
-        if ctx.cut((row,)):
-            ctx.replicated.add("post_v")
+    if ctx.cut(reduced):  # a statistic over the cut dim: every rank holds it whole
+        ctx.replicated.add("post_v")
     v = ctx.state.get("post_v")
     if v is None:
         v = ctx.state["post_v"] = torch.zeros_like(m2)
@@ -225,11 +225,6 @@ def cautious(u, cfg, ctx):
 
 #: per-parameter state keys the stages declare (stacked per bucket like the momentum)
 STAGE_STATE = tuple(dict.fromkeys(key for s in STAGES.values() for key in s.state))
-
-
-def locality(post: list) -> str:
-    """One request runs a rule's stages: ``reduce`` if any stage reduces, else ``local``."""
-    return REDUCE if any(STAGES[s["kind"]].locality(s) == REDUCE for s in post) else LOCAL
 
 
 def reads(post: list) -> set:
