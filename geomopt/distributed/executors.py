@@ -33,7 +33,7 @@ import torch
 from geomopt.registry import LOCAL, OWNER, REDUCE
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    from geomopt.distributed.layout import Layout
 
 
 @dataclass
@@ -41,16 +41,16 @@ class Request:
     """Apply ``fn`` to ``x`` (leading dim = tensor index; rows are independent).
 
     ``fn(x) -> (out, flags)``: ``out`` has x's shape, ``flags`` is a bool tensor (rows,) or None.
-    ``shard_dim``: dim of ``x`` that is sharded across ranks (FSDP2; None when replicated).
+    ``layout``: where each rank's block of one row lies (:class:`~geomopt.distributed.layout.Layout`,
+    in the operators' view; None when every rank holds the whole input).
     ``full_shape``: shape of one row of the unsharded input. ``cost``: the FLOPs of one row when
     its matrix view is not the (shape[0], rest) matrix (experts, blocks: the view's sum)."""
 
     fn: Callable
     x: torch.Tensor
     locality: str
-    shard_dim: Optional[int] = None
+    layout: Optional[Layout] = None
     full_shape: tuple = ()
-    mesh: Optional[DeviceMesh] = None
     cost: Optional[float] = None
 
     @property
@@ -226,9 +226,16 @@ class ReplicatedExecutor(_DistExecutor):
 
 
 class ShardedExecutor(_DistExecutor):
-    """FSDP2: inputs are local shards. ``reduce`` requests run on DTensors (torch reduces the
-    norms over shards); ``owner`` requests gather each matrix on its owner (all_to_all), compute
-    there and send the shards back (all_to_all)."""
+    """FSDP2, HSDP, FSDP2 × TP: inputs are local blocks of DTensors (:mod:`.layout`). ``reduce``
+    requests run on DTensors (torch reduces the norms over the mesh); ``owner`` requests gather
+    each matrix on its owner (one all_to_all over the group per round: each block from the first
+    rank that holds it), compute there and send every rank its block back (a second all_to_all)."""
+
+    def __init__(self, group, params: list, names: list):
+        from geomopt.distributed.layout import layouts
+
+        super().__init__(group)
+        self.layouts = dict(zip(map(id, params), layouts(params, names, group, self.dist)))
 
     def run(self, requests: list[Request]) -> list:
         results: list = [None] * len(requests)
@@ -247,82 +254,66 @@ class ShardedExecutor(_DistExecutor):
         return results
 
     def _on_dtensor(self, req: Request):
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor
 
+        layout = cast("Layout", req.layout)  # requests on DTensors carry their layout
         shape = (req.rows, *req.full_shape)
-        stride = contiguous_strides(shape)
-        placements = (Shard(cast(int, req.shard_dim)),)  # reduce requests on DTensors carry their shard dim
-        x = DTensor.from_local(req.x, req.mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+        placements = layout.stacked_placements()
+        x = DTensor.from_local(req.x, layout.mesh, placements, run_check=False, shape=torch.Size(shape),
+                               stride=contiguous_strides(shape))
         out, flags = req.fn(x)
-        if out.placements != placements:
-            out = out.redistribute(req.mesh, placements)
+        if tuple(out.placements) != placements:
+            out = out.redistribute(layout.mesh, placements)
         if isinstance(flags, DTensor):
             flags = flags.full_tensor()
         return out.to_local(), flags
 
-    def _shard_sizes(self, req: Request) -> list[int]:
-        # owner requests on DTensors carry their shard dim
-        return chunk_sizes(req.full_shape[cast(int, req.shard_dim) - 1], self.world)
-
     def _owner_round(self, requests, owners, results, idxs, dtype) -> None:
         world, me = self.world, self.rank
         device = requests[idxs[0]].x.device
+        lay = {i: cast("Layout", requests[i].layout) for i in idxs}
 
-        def piece_shape(req: Request, q: int) -> list:
-            """Shape of rank q's shard of one row."""
-            shape = list(req.full_shape)
-            shape[cast(int, req.shard_dim) - 1] = self._shard_sizes(req)[q]  # set on owner requests on DTensors
-            return shape
+        def owned(i: int, q: int) -> list:
+            return [r for r in range(requests[i].rows) if owners[i][r] == q]
 
-        def piece_numel(req: Request, q: int) -> int:
-            return math.prod(piece_shape(req, q))
-
-        # 1. every rank sends its shard of each row to the row's owner
+        # 1. the first holder of each block sends it to the row's owner
         send, send_sizes = [], []
         for q in range(world):
-            parts = [requests[i].x[r].reshape(-1) for i in idxs for r in range(requests[i].rows) if owners[i][r] == q]
+            parts = [requests[i].x[r].reshape(-1) for i in idxs if lay[i].primary(me) for r in owned(i, q)]
             send_sizes.append(sum(p.numel() for p in parts))
             send += parts
-        recv_sizes = [sum(piece_numel(requests[i], s) for i in idxs for r in range(requests[i].rows)
-                          if owners[i][r] == me)
+        recv_sizes = [sum(lay[i].numel(s) * len(owned(i, me)) for i in idxs if lay[i].primary(s))
                       for s in range(world)]
         received = self._all_to_all(send, send_sizes, recv_sizes, dtype, device)
-        # 2. the owner assembles its matrices (rank order along the shard dim) and computes them
+        # 2. the owner places the blocks in the whole matrix and computes its rows
         offsets = [sum(recv_sizes[:s]) for s in range(world)]
         computed: dict = {}
         for i in idxs:
-            req = requests[i]
-            rows = [r for r in range(req.rows) if owners[i][r] == me]
+            req, rows = requests[i], owned(i, me)
             if not rows:
                 continue
-            full = []
-            for _ in rows:
-                pieces = []
+            full = req.x.new_empty((len(rows), *req.full_shape))
+            for k in range(len(rows)):
                 for s in range(world):
-                    n = piece_numel(req, s)
-                    pieces.append(received[offsets[s]: offsets[s] + n].reshape(piece_shape(req, s)))
-                    offsets[s] += n
-                full.append(torch.cat(pieces, req.shard_dim - 1))
+                    if lay[i].primary(s):
+                        n = lay[i].numel(s)
+                        piece = received[offsets[s]: offsets[s] + n]
+                        full[k][lay[i].slices(s)] = piece.reshape([m for _, m in lay[i].blocks[s]])
+                        offsets[s] += n
             self.work.add(req, len(rows))
-            out, flags = self.work.timed(_apply, req, torch.stack(full))
+            out, flags = self.work.timed(_apply, req, full)
             computed[i] = dict(zip(rows, zip(out.unbind(0), flags.unbind(0))))
-        # 3. the owner sends each rank its shard of the result (and the fallback flag)
+        # 3. the owner sends every rank its block of the result (and the fallback flag)
         send, send_sizes = [], []
         for q in range(world):
             parts = []
             for i in idxs:
-                req = requests[i]
-                for r in range(req.rows):
-                    if owners[i][r] != me:
-                        continue
+                for r in owned(i, me):
                     out, flag = computed[i][r]
-                    out = out.split(self._shard_sizes(req), dim=req.shard_dim - 1)[q]
-                    parts += [out.reshape(-1).to(dtype), flag.to(dtype).reshape(1)]
+                    parts += [out[lay[i].slices(q)].reshape(-1).to(dtype), flag.to(dtype).reshape(1)]
             send_sizes.append(sum(p.numel() for p in parts))
             send += parts
-        recv_sizes = [sum(piece_numel(requests[i], me) + 1 for i in idxs for r in range(requests[i].rows)
-                          if owners[i][r] == s)
-                      for s in range(world)]
+        recv_sizes = [sum((lay[i].numel(me) + 1) * len(owned(i, s)) for i in idxs) for s in range(world)]
         received = self._all_to_all(send, send_sizes, recv_sizes, dtype, device)
         offsets = [sum(recv_sizes[:s]) for s in range(world)]
         for i in idxs:
@@ -353,7 +344,7 @@ def contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def make_executor(params: list, distributed, process_group) -> object:
+def make_executor(params: list, distributed, process_group, names: Optional[list] = None) -> object:
     """The executor for these parameters: ``distributed`` False → local; "auto" (default) →
     sharded if any parameter is a DTensor, replicated if torch.distributed is initialized with
     more than one rank, else local; "ddp" / "fsdp" force the mode (and fail clearly when the
@@ -374,8 +365,8 @@ def make_executor(params: list, distributed, process_group) -> object:
                              "(or none of it)")
         if distributed == "ddp":
             raise ValueError("distributed='ddp' expects replicated (plain) parameters, but they are DTensors (FSDP2)")
-        group = _mesh_group(params)
-        return ShardedExecutor(group)
+        names = names or [f"parameter {i}" for i in range(len(params))]
+        return ShardedExecutor(_mesh_group(params, process_group), params, names)
     if distributed == "fsdp":
         raise ValueError("distributed='fsdp' expects DTensor parameters: call torch.distributed.fsdp.fully_shard on "
                          "the model before building the optimizer")
@@ -401,15 +392,32 @@ def _dtensor_class():
 _DTENSOR = _dtensor_class()  # looked up once: is_dtensor runs per tensor per step
 
 
-def _mesh_group(params: list):
-    from torch.distributed.tensor import Shard
+def _mesh_group(params: list, process_group):
+    """The process group a sharded step communicates over: ``process_group`` when given; else the
+    mesh's ranks when every parameter lives on one mesh (its group on a 1-D mesh, the whole
+    world or a group of its ranks on a 2-D one); else (parameters on sub-meshes of a larger mesh,
+    as FSDP2 × TP leaves norms and embeddings) the whole world."""
+    import torch.distributed as dist
 
-    mesh = params[0].device_mesh
+    if process_group is not None:
+        group = process_group
+    else:
+        meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in params}
+        if len(meshes) > 1:
+            group = None
+        else:
+            mesh = params[0].device_mesh
+            ranks = sorted(next(iter(meshes)))
+            if mesh.ndim == 1:
+                group = mesh.get_group()
+            elif len(ranks) == dist.get_world_size():
+                group = None
+            else:
+                group = dist.new_group(ranks, use_local_synchronization=True)
+    members = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     for p in params:
-        if p.device_mesh != mesh:
-            raise ValueError("GeomOptimizer supports one device mesh for all DTensor parameters")
-        if mesh.ndim != 1 or len(p.placements) != 1 or not isinstance(p.placements[0], Shard):
-            raise ValueError(
-                f"GeomOptimizer supports DTensor parameters sharded on one dim of a 1-D mesh (fully_shard), "
-                f"got placements {p.placements} on a {mesh.ndim}-D mesh")
-    return mesh.get_group()
+        outside = set(p.device_mesh.mesh.flatten().tolist()) - members
+        if outside:
+            raise ValueError(f"a DTensor parameter's mesh has rank(s) {sorted(outside)} outside the optimizer's "
+                             f"process group {sorted(members)}: pass process_group= covering the whole mesh")
+    return group

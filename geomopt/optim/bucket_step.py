@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from geomopt.compile.plan import ParamPlan
-from geomopt.distributed import LOCAL, LocalExecutor, Request, chunk_sizes, is_dtensor
+from geomopt.distributed import LOCAL, LocalExecutor, Request, is_dtensor
 from geomopt.geometry.adam import adam_moments
 from geomopt.geometry import backward
 from geomopt.geometry.forward import forward, input_dtype
@@ -16,7 +16,7 @@ from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, muon_order
 from geomopt.optim import stages as post_stages
 from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows
 from geomopt.optim.graphs import GraphedOp
-from geomopt.optim.tensors import local, op_shard_dim, op_view, stack, upcast
+from geomopt.optim.tensors import local, op_layout, op_view, stack, upcast
 from geomopt.optim.host import Host
 
 
@@ -108,7 +108,7 @@ class BucketStep(Host):
                 y = decayed(x, step, decay, cautious_decay).add_(step, alpha=-gamma * rho)
             else:
                 y = torch.add(x, step, alpha=-gamma * rho)
-        if constraint is not None:
+        if constraint is not None and gamma * rho != 0:  # (a step of length 0 leaves X, feasible, as it is)
             x_new, fallback = yield self._request(
                 items, y, backward_locality(geometry["kind"], constraint["kind"]),
                 lambda m: backward(m, gamma, geometry, constraint, radius=rho, batch_dims=1))
@@ -118,7 +118,7 @@ class BucketStep(Host):
             counters["fallbacks"] = counters["fallbacks"] + fallback.sum().to(counters["fallbacks"].device)
         if self.track_gap and constraint is not None and gamma * rho > 0:
             state["w"] = (x_new - y) / (gamma * rho)
-        if self.track_update:
+        if self.track_update and self._first_holder(items[0][0]):  # replicas count their block once
             delta = (x_new - x).reshape(-1)
             counters["update_sq"] = counters["update_sq"] + torch.dot(delta, delta).to(counters["update_sq"].device)
         self._stacked.scatter(self.state, items, state)
@@ -132,17 +132,15 @@ class BucketStep(Host):
         shard = None
         p = items[0][0]
         if is_dtensor(p):  # sums over a cut dim are all-reduced by the stages themselves
-            dim = op_shard_dim(p, pp)
-            sizes = chunk_sizes(pp.op_shape[dim], p.device_mesh.size())
-            rank = p.device_mesh.get_local_rank()
-            shard = post_stages.Shard(dim + 1, sum(sizes[:rank]), sizes[rank], self._executor.group)
+            layout = op_layout(self._executor.layouts[id(p)], pp)
+            shard = post_stages.Shard(layout.mine(), layout.cuts, layout.mesh)
         ctx = post_stages.Context(state, pp.op_shape, view=pp.geometry.get("view"), gradient=g_raw,
                                   direction=None if d is None else upcast(d), step=step, shard=shard)
         # local on every executor: the stages sum across shards where they need to (Context.sum),
         # the same collectives in the same order on every rank
         out, _ = yield Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)
         if shard is not None:
-            self._stacked.replicated[tuple(id(q) for q, _ in items)] = set(ctx.replicated)
+            self._stacked.reduced[tuple(id(q) for q, _ in items)] = dict(ctx.reduced)
         return out
 
     def _forward_fn(self, items: list, geometry: dict, radius: float = 1.0, out_dtype=None):
@@ -171,8 +169,12 @@ class BucketStep(Host):
         cost = pp.matrix_cost
         if not is_dtensor(p):
             return Request(fn, x, locality, cost=cost)
-        return Request(fn, x, locality, shard_dim=op_shard_dim(p, pp) + 1, full_shape=pp.op_shape,
-                       mesh=p.device_mesh, cost=cost)
+        return Request(fn, x, locality, layout=op_layout(self._executor.layouts[id(p)], pp), full_shape=pp.op_shape,
+                       cost=cost)
+
+    def _first_holder(self, p) -> bool:
+        """Whether this rank's block of ``p`` is the first copy of it (always, unsharded)."""
+        return not is_dtensor(p) or self._executor.layouts[id(p)].primary(self._executor.rank)
 
     def _lookahead(self, items: list, shape, like: torch.Tensor, shared: bool) -> torch.Tensor:
         """Where a bucket writes its direction u (in the dtype the forward op casts it to first):

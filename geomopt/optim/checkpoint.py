@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from geomopt.distributed import is_dtensor
 from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
@@ -36,12 +37,17 @@ class Checkpoints(Host):
         sd = super().state_dict()
         sd["geomopt"] = dict(
             spec_hash=self.spec_hash, spec=dump_spec(self.spec, "yaml"),
-            world_size=self._executor.world, sharded=self._sharded,
+            world_size=self._executor.world, sharded=self._sharded, mesh=self._mesh_signature(),
             counters=[copy_counters(c) for c in self._counters],
             spec_groups=[dict(g) for g in self._spec_groups],
             transposed=[pp.name for plans in self._plans for pp in plans if pp.transpose],
         )
         return sd
+
+    def _mesh_signature(self) -> list:
+        """The meshes and placements of the sharded parameters ("2x2 (Replicate(), Shard(dim=0))" …)."""
+        return sorted({"x".join(map(str, p.device_mesh.shape)) + f" {tuple(p.placements)}"
+                       for g in self.param_groups for p in g["params"] if is_dtensor(p)})
 
     # override: torch's returns None; this one also takes allow_spec_change / model and returns the
     # MigrationReport of a state carried over from another spec or optimizer
@@ -90,13 +96,16 @@ class Checkpoints(Host):
                 f"optimizer state was saved under spec {saved}, this optimizer runs '{self.spec.name}' "
                 f"(hash {self.spec_hash}){what}\npass allow_spec_change=True to carry the state over by "
                 f"parameter name")
-        if (meta.get("sharded") or self._sharded) and meta.get("world_size", self._executor.world) \
-                != self._executor.world:
+        saved_mesh = meta.get("mesh", self._mesh_signature())
+        if (meta.get("sharded") or self._sharded) and (meta.get("world_size", self._executor.world)
+                                                       != self._executor.world or saved_mesh != self._mesh_signature()):
+            where = f"{meta['world_size']} rank(s)" + (f" (mesh {', '.join(saved_mesh)})" if saved_mesh else "")
+            here = f"{self._executor.world}" + (f" (mesh {', '.join(self._mesh_signature())})"
+                                                 if self._mesh_signature() else "")
             raise ValueError(
-                f"this optimizer state was saved {'sharded over' if meta.get('sharded') else 'on'} "
-                f"{meta['world_size']} rank(s) and this run has {self._executor.world}: sharded state (FSDP2) loads "
-                f"only at the world size it was saved at. Save and load with torch.distributed.checkpoint "
-                f"(get_state_dict / set_state_dict), which reshards")
+                f"this optimizer state was saved {'sharded over' if meta.get('sharded') else 'on'} {where} and this "
+                f"run has {here}: sharded state (FSDP2, HSDP, TP) loads only on the mesh it was saved on. Save and "
+                f"load with torch.distributed.checkpoint (get_state_dict / set_state_dict), which reshards")
         if meta["spec_hash"] != self.spec_hash and all("param_names" in g for g in state_dict["param_groups"]):
             return self._migrate(state_dict, source, meta, model)
         try:

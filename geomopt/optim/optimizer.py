@@ -26,6 +26,7 @@ from geomopt.compile import as_spec, plan_from_infos
 from geomopt.compile.compiler import model_params, needs_roles
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.distributed import LocalExecutor, ShardedExecutor, is_dtensor, make_executor
+from geomopt.distributed.layout import layout_key
 from geomopt.geometry import backward
 from geomopt.geometry.spectral import BF16Warning, muon_order, slow_bf16
 from geomopt.optim.bucket_step import BucketStep
@@ -36,7 +37,7 @@ from geomopt.optim.nonfinite import NonFiniteCheck, NonFiniteGradientError
 from geomopt.optim.schedules import SCHEDULES, warmup_alpha
 from geomopt.optim.stacked import STACKED, StackedState
 from geomopt.optim import stages as post_stages
-from geomopt.optim.tensors import full, in_set, local, my_shard, op_view, stack, upcast
+from geomopt.optim.tensors import full, in_set, local, op_view, stack, upcast
 from geomopt.optim.workspace import Workspace
 from geomopt.spec.model import RESOLVED_DEFAULTS, Spec
 
@@ -128,10 +129,10 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
         self._counters = [new_counters() for _ in self.param_groups]
         # same-(ops, shape, dtype, device) tensors of a group run as one batched call (Plan buckets)
         self._buckets = []
-        for plans in self._plans:
+        for group, plans in zip(self.param_groups, self._plans):
             by_key: dict = {}
-            for i, pp in enumerate(plans):
-                by_key.setdefault(pp.bucket, []).append(i)
+            for i, pp in enumerate(plans):  # sharded tensors stack their shards: same mesh and placements too
+                by_key.setdefault((pp.bucket, layout_key(group["params"][i])), []).append(i)
             self._buckets.append(list(by_key.values()))
         self._stacked = StackedState()  # the buckets' stacked state; per-param state entries view its rows
         self._buffers = self._stacked.buffers
@@ -139,8 +140,10 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
         # entries of the largest bucket (what a batched step stacks at once): bounds the flat path's blocks
         self._largest_bucket = max((sum(g["params"][i].numel() for i in b)
                                     for g, bs in zip(self.param_groups, self._buckets) for b in bs), default=1)
-        self._executor = make_executor([p for g in self.param_groups for p in g["params"]], distributed, process_group)
+        self._executor = make_executor([p for g in self.param_groups for p in g["params"]], distributed, process_group,
+                                       names=[pp.name for plans in self._plans for pp in plans])
         self._sharded = isinstance(self._executor, ShardedExecutor)
+        self._stacked.layouts = getattr(self._executor, "layouts", {})
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
         self._warn_slow_bf16(tensors)
         self._project_on_init()
@@ -185,7 +188,8 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
                     continue  # already feasible (a resumed run's weights): keep every bit
                 x.copy_(xp)
                 if is_dtensor(p):
-                    p.to_local().copy_(my_shard(op_view(x, pp), p))  # _view is its own inverse
+                    block = self._executor.layouts[id(p)].slices(self._executor.rank)
+                    p.to_local().copy_(op_view(x, pp)[block])  # _view is its own inverse
 
     @property
     def work(self):

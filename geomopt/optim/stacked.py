@@ -15,7 +15,7 @@ from geomopt.distributed import is_dtensor
 from geomopt.distributed.executors import contiguous_strides
 from geomopt.optim import stages as post_stages
 from geomopt.optim.migrate import VIEW_KEYS
-from geomopt.optim.tensors import flat_like, op_shard_dim, op_view, stack
+from geomopt.optim.tensors import flat_like, op_layout, op_view, stack
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -28,13 +28,15 @@ COUNTS = ("adam_step", post_stages.STAGE_STEP)
 
 class StackedState:
     """``buffers``: (parameter ids, key) → the stacked tensor whose rows the entries view (and the
-    flat buffers of the elementwise path, the kept scratch of CUDA graphs); ``replicated``:
-    parameter ids → the stage state keys every rank holds whole. Methods take the optimizer's
+    flat buffers of the elementwise path, the kept scratch of CUDA graphs); ``reduced``:
+    parameter ids → per stage state key, the stack dims its statistic sums out; ``layouts``:
+    parameter id → :class:`~geomopt.distributed.layout.Layout` of sharded parameters. Methods take the optimizer's
     ``state`` (torch's per-parameter dict), which load_state_dict may replace."""
 
     def __init__(self):
         self.buffers: dict = {}
-        self.replicated: dict = {}
+        self.reduced: dict = {}
+        self.layouts: dict = {}
 
     def gather(self, state, items: list) -> dict:
         """The state of a batched call: stacked tensors (the per-parameter state entries are views
@@ -62,7 +64,7 @@ class StackedState:
         """Bind the per-parameter state entries to rows of the stacked ``values`` (DTensors over the
         rows for sharded parameters, laid out like the parameter)."""
         ids = tuple(id(p) for p, _ in items)
-        whole = self.replicated.get(ids, ())
+        reduced = self.reduced.get(ids, {})
         for key, value in values.items():
             if key in STACKED:
                 if self.buffers.get((ids, key)) is value and all(
@@ -70,7 +72,9 @@ class StackedState:
                     continue
                 self.buffers[(ids, key)] = value
                 for i, (p, pp) in enumerate(items):
-                    state[p][key] = state_entry(value[i], p, pp, key, key in whole)
+                    layout = self.layouts.get(id(p))
+                    state[p][key] = state_entry(value[i], p, pp, key, layout and op_layout(layout, pp),
+                                                reduced.get(key, ()))
             else:
                 for p, _ in items:
                     state[p][key] = value
@@ -114,25 +118,26 @@ def state_row(entry: torch.Tensor, pp: ParamPlan, key: str) -> torch.Tensor:
     return op_view(local, pp) if key in VIEW_KEYS else local
 
 
-def state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, whole: bool = False) -> torch.Tensor:
+def state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, layout=None,
+                reduced: tuple = ()) -> torch.Tensor:
     """Inverse of :func:`state_row`: for a sharded parameter, a DTensor sharded like it. A stage's
-    state (:data:`geomopt.optim.stages.STAGE_STATE`) has its own shape in the operators' layout: a
-    DTensor cut along the same dim as the tensor, or replicated (``whole``) where it is a statistic
-    over that dim, which every rank holds whole."""
+    state (:data:`geomopt.optim.stages.STAGE_STATE`) has its own shape in the operators' layout
+    (``layout``: the tensor's there): a statistic that sums out the stack dims ``reduced`` is cut
+    like the tensor along the dims it keeps and replicated over the mesh dims that cut the others
+    (every rank there holds the all-reduced values)."""
     if not is_dtensor(p):
         return row
     from torch.distributed.tensor import DTensor
 
     p = cast(DTensor, p)
     if key in post_stages.STAGE_STATE:
-        from torch.distributed.tensor import Replicate, Shard
-
-        if whole:
-            return DTensor.from_local(row, p.device_mesh, (Replicate(),), run_check=False)
-        dim = op_shard_dim(p, pp)
+        kept = [d for d in range(row.ndim) if d + 1 not in reduced]
         shape = list(row.shape)
-        shape[dim] = pp.op_shape[dim]
-        return DTensor.from_local(row, p.device_mesh, (Shard(dim),), run_check=False, shape=torch.Size(shape),
+        for d in kept:
+            if layout.cuts[d]:
+                shape[d] = pp.op_shape[d]
+        placements = layout.statistic_placements(tuple(d - 1 for d in reduced))
+        return DTensor.from_local(row, p.device_mesh, placements, run_check=False, shape=torch.Size(shape),
                                   stride=contiguous_strides(shape))
 
     local = op_view(row, pp) if key in VIEW_KEYS else row

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -53,14 +53,13 @@ def stage(kind: str, *, state: tuple = (), reads: tuple = (), locality: Callable
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """Where a bucket's stacked update is cut across ranks (FSDP2): along ``dim`` of the stack,
-    this rank holding entries ``start`` … ``start`` + its local size of ``size``; ``group`` is the
-    process group to sum over."""
+    """Where a bucket's stacked update is cut across ranks (FSDP2, HSDP, FSDP2 × TP): ``block``: per
+    dim of one tensor, this rank's (start, size); ``cuts``: per dim, the mesh dims that cut it
+    (a dim cut by none is whole here); ``mesh``: the device mesh whose groups sum over them."""
 
-    dim: int
-    start: int
-    size: int
-    group: object
+    block: tuple
+    cuts: tuple
+    mesh: Any  # torch.distributed.device_mesh.DeviceMesh
 
 
 @dataclasses.dataclass
@@ -70,8 +69,8 @@ class Context:
     the geometry gave it (per tensor), the stages' step number, the tensor's op shape and view,
     and, for sharded tensors (:class:`Shard`), where the stack is cut: sums over a cut dim are
     all-reduced (:meth:`sum`), so every rank normalizes its shard by the whole tensor's
-    statistics. ``replicated``: the state keys whose entries every rank holds whole (a statistic
-    over the cut dim) rather than cut like the tensor."""
+    statistics. ``reduced``: per state key, the dims of the stack its statistic sums out (its
+    entries are then replicated over the mesh dims that cut those dims)."""
 
     state: dict
     op_shape: tuple[int, ...]
@@ -81,18 +80,27 @@ class Context:
     input_norm: Optional[torch.Tensor] = None
     step: int = 1
     shard: Optional[Shard] = None
-    replicated: set = dataclasses.field(default_factory=set)
+    reduced: dict = dataclasses.field(default_factory=dict)
+
+    def _mesh_dims(self, dims) -> list:
+        if self.shard is None:
+            return []
+        return sorted({m for d in dims for m in self.shard.cuts[d - 1]})
 
     def cut(self, dims) -> bool:
-        return self.shard is not None and self.shard.dim in tuple(dims)
+        return bool(self._mesh_dims(dims))
 
     def across(self, partial: torch.Tensor, dims) -> torch.Tensor:
         """``partial``, a sum over ``dims`` of this rank's entries, summed over the ranks where one
-        of ``dims`` is cut across them (in place); as it is otherwise."""
-        if self.shard is not None and self.shard.dim in tuple(dims):
+        of ``dims`` is cut across them (in place; one all-reduce per mesh dim that cuts them,
+        never over a replicating one); as it is otherwise."""
+        mesh_dims = self._mesh_dims(dims)
+        if mesh_dims:
             import torch.distributed as dist
 
-            dist.all_reduce(partial, group=self.shard.group)
+            mesh = self.shard.mesh  # type: ignore[union-attr]  # mesh dims exist only with a shard
+            for m in mesh_dims:
+                dist.all_reduce(partial, group=mesh.get_group(m))
         return partial
 
     def sum(self, t: torch.Tensor, dims) -> torch.Tensor:
@@ -113,10 +121,10 @@ class Context:
 
     def rows(self, dim: int, device) -> torch.Tensor:
         """The whole tensor's indices along ``dim`` of this rank's entries."""
-        n = self.op_shape[dim - 1]
-        if self.shard is not None and self.shard.dim == dim:
-            return torch.arange(self.shard.start, self.shard.start + self.shard.size, device=device)
-        return torch.arange(n, device=device)
+        if self.shard is not None:
+            start, size = self.shard.block[dim - 1]
+            return torch.arange(start, start + size, device=device)
+        return torch.arange(self.op_shape[dim - 1], device=device)
 
 
 def _dims(u: torch.Tensor) -> tuple[int, ...]:
@@ -166,8 +174,7 @@ def second_moment(u, cfg, ctx):
             count[row] = len(sizes)
             m2 = m2 / torch.tensor(sizes, dtype=sq.dtype, device=u.device).reshape(count)
             expand = (row, block)
-    if ctx.cut(reduced):  # a statistic over the cut dim: every rank holds it whole
-        ctx.replicated.add("post_v")
+    ctx.reduced["post_v"] = reduced  # replicated over the mesh dims that cut these
     v = ctx.state.get("post_v")
     if v is None:
         v = ctx.state["post_v"] = torch.zeros_like(m2)

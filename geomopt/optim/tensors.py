@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from geomopt.compile.plan import ParamPlan
-from geomopt.distributed import chunk_sizes, is_dtensor
+from geomopt.distributed import is_dtensor
 from geomopt.geometry.matrix import split_like
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
+
+    from geomopt.distributed.layout import Layout
 
 
 def stack(tensors: list) -> torch.Tensor:
@@ -40,17 +42,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return cast("DTensor", t).full_tensor() if is_dtensor(t) else t
 
 
-def my_shard(full: torch.Tensor, like) -> torch.Tensor:
-    """This rank's shard of ``full`` for a DTensor sharded like ``like``."""
-    dim = like.placements[0].dim % like.ndim
-    mesh = like.device_mesh
-    return full.split(chunk_sizes(full.shape[dim], mesh.size()), dim=dim)[mesh.get_local_rank()]
-
-
-def op_shard_dim(p, pp: ParamPlan) -> int:
-    """The dim of the operators' view of DTensor ``p`` that is cut across ranks."""
-    dim = p.placements[0].dim % p.ndim
-    return 1 - dim if pp.transpose and dim < 2 else dim
+def op_layout(layout: "Layout", pp: ParamPlan) -> "Layout":
+    """A sharded tensor's layout as the operators see it (transposed for ``layout: in_out``)."""
+    return layout.transposed() if pp.transpose else layout
 
 
 def flat_like(xs: list) -> tuple:

@@ -1,0 +1,341 @@
+"""Run by tests/test_layouts.py under ``torchrun --nproc_per_node 4`` (gloo, CPU).
+
+An HF Llama (random init from a config) trains for a few steps under every layout a 4-process
+world can hold, for every shipped spec and two specs that use every operator locality and every
+post-stage, and each run's parameters are gathered whole; each rank also computes the
+single-process reference of a quarter of the specs. Every rank sees the same batch, so the
+data-parallel gradients equal the one-process ones bit for bit and the differences are the
+optimizer's (and, under tensor parallelism, the forward's split matmuls).
+
+Layouts (4 processes): ``ddp`` (two DDP pairs, ranks {0,1} and {2,3}), ``fsdp`` (FSDP2 on two
+1-D meshes of 2), ``hsdp`` (a 2 × 2 mesh: Replicate × Shard), ``fsdp_tp`` (FSDP2 × TP on a 2 × 2
+mesh: q, k, v, gate, up column-wise, o, down row-wise; embeddings, norms and the head FSDP2 only,
+on the dp sub-mesh).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from geomopt import GeomOptimizer, shipped_specs  # noqa: E402
+
+STEPS = 2
+LAYOUTS = ("ddp", "fsdp", "hsdp", "fsdp_tp")
+CFG = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+
+# every operator locality class: owner (SVD, polar, rank, spectral sphere, Stiefel, top-k), reduce
+# (isotropic, rowwise, Frobenius / ℓ2 balls and spheres) and local (anisotropic, adam, ℓ∞, prox)
+MIXED = {
+    "geomopt": 1, "name": "mixed",
+    "defaults": {"lr": 0.01, "direction": {"kind": "polyak", "alpha": 0.2}},
+    "rules": [
+        {"name": "embed", "match": "model.embed_tokens.weight",
+         "geometry": {"kind": "rowwise", "reference": {"kind": "log_barrier", "eps": 1e-8}},
+         "constraint": {"kind": "frobenius_ball", "radius": 2.0}},
+        {"name": "q", "match": "**.q_proj.weight",
+         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"},
+                      "layout": "in_out"},
+         "constraint": {"kind": "rank", "k": 4}},
+        {"name": "k", "match": "**.k_proj.weight", "geometry": {"kind": "euclidean"},
+         "constraint": {"kind": "l0", "k": 100}},
+        {"name": "v", "match": "**.v_proj.weight",
+         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}},
+         "constraint": {"kind": "stiefel"}},
+        {"name": "o", "match": "**.o_proj.weight",
+         "geometry": {"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 2e-3},
+                      "approx": {"kind": "polar_express", "steps": 6}, "layout": "in_out"},
+         "constraint": {"kind": "spectral_sphere", "radius": 1.0}},
+        {"name": "gate", "match": "**.gate_proj.weight",
+         "geometry": {"kind": "anisotropic", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-2}},
+         "constraint": {"kind": "frobenius_sphere", "radius": 3.0}},
+        {"name": "up", "match": "**.up_proj.weight",
+         "geometry": {"kind": "isotropic", "reference": {"kind": "log_barrier", "eps": 1e-8}},
+         "constraint": {"kind": "l2_ball", "radius": 1.5}},
+        {"name": "down", "match": "**.down_proj.weight",
+         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}},
+         "constraint": {"kind": "spectral_ball", "radius": 1.0}},
+        {"name": "head", "match": "lm_head.weight", "geometry": {"kind": "adam"}, "weight_decay": 0.1},
+        {"name": "norm", "match": "model.norm.weight", "geometry": {"kind": "euclidean"},
+         "constraint": {"kind": "proximal_decay", "lam": 0.1}},
+        {"name": "ln", "match": "**.*_layernorm.weight", "geometry": {"kind": "euclidean"},
+         "constraint": {"kind": "linf_sphere", "radius": 1.0}},
+    ],
+}
+
+# every post-stage (each second-moment axis, over rows and columns cut by FSDP2 and by TP),
+# cautious decay, the heavy-ball and Lion directions
+STAGED = {
+    "geomopt": 1, "name": "staged",
+    "defaults": {"lr": 0.01, "direction": {"kind": "polyak", "alpha": 0.1, "nesterov": True, "warmup_steps": 2,
+                                           "warmup_alpha": 0.3}},
+    "rules": [
+        {"name": "q", "match": "**.q_proj.weight",
+         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"},
+                      "layout": "in_out"},
+         "post": [{"kind": "second_moment", "axis": "row"}, {"kind": "dual_scale"},
+                  {"kind": "rms_match", "target": "input"}, {"kind": "cautious"}],
+         "weight_decay": 0.1, "decay": "cautious"},
+        {"name": "mlp_in", "match": r"re:.*\.(gate|up)_proj\.weight",
+         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}},
+         "post": [{"kind": "second_moment", "axis": "column"}, {"kind": "rms_match", "target": 0.2}],
+         "direction": {"kind": "heavy_ball", "momentum": 0.9, "nesterov": True}},
+        {"name": "proj", "match": r"re:.*\.(o|down)_proj\.weight",
+         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}},
+         "post": [{"kind": "second_moment", "axis": "element", "bias_correction": True},
+                  {"kind": "rms_match", "target": "polar"}]},
+        {"name": "head", "match": "lm_head.weight", "geometry": {"kind": "adam"}, "post": [{"kind": "cautious"}],
+         "weight_decay": 0.1, "decay": "cautious"},
+        {"name": "rest", "match": "**",
+         "geometry": {"kind": "anisotropic", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-2}},
+         "direction": {"kind": "lion"}, "lr": 1e-3},
+    ],
+}
+
+SPECS = {**{name: str(path) for name, path in shipped_specs().items()}, "mixed": MIXED, "staged": STAGED}
+
+
+def make_model(seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG))
+    model.train()
+    return model
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randint(0, CFG["vocab_size"], (4, 9), generator=torch.Generator().manual_seed(step))
+
+
+def train(model, opt, steps=range(STEPS), forward=None) -> None:
+    for step in steps:
+        opt.zero_grad(set_to_none=True)
+        ids = batch(step)
+        (forward or model)(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+
+def params_of(model) -> dict:
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+class World:
+    """The 4-process world's meshes and groups (built once: every rank creates them in order)."""
+
+    def __init__(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.rank = dist.get_rank()
+        self.pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        self.pair = self.pairs[self.rank // 2]
+        self.hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+        self.tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def wrap(self, layout: str, model):
+        """(the model as laid out, the forward to call, GeomOptimizer keyword arguments)."""
+        from torch.distributed.fsdp import fully_shard
+
+        if layout == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            return model, DDP(model, process_group=self.pair), dict(process_group=self.pair)
+        if layout == "fsdp_tp":
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            plan = {}
+            for i in range(CFG["num_hidden_layers"]):
+                for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                             "mlp.up_proj"):
+                    plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+                for name in ("self_attn.o_proj", "mlp.down_proj"):
+                    plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+            parallelize_module(model, self.tp["tp"], plan)
+            mesh = self.tp["dp"]
+        else:
+            mesh = self.hsdp["shard"] if layout == "fsdp" else self.hsdp
+        for block in model.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, model, {}
+
+
+def run_layouts(world: World, result: dict) -> None:
+    for layout in LAYOUTS:
+        model, forward, kwargs = world.wrap(layout, make_model())
+        start = {name: _local(p).clone() for name, p in model.named_parameters()}
+        result[layout], result["work"][layout], result["seconds"][layout] = {}, {}, {}
+        for name, spec in SPECS.items():
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    _local(p).copy_(start[pname])
+            opt = GeomOptimizer(model, spec, **kwargs)
+            t0 = time.perf_counter()
+            train(model, opt, forward=forward)
+            result["seconds"][layout][name] = time.perf_counter() - t0
+            result[layout][name] = params_of(model)
+            result["work"][layout][name] = opt.work.flops
+            if name == "muon":
+                result.setdefault("executor", {})[layout] = type(opt._executor).__name__
+        result.setdefault("placements", {})[layout] = {n: str(getattr(p, "placements", "")) for n, p in
+                                                       model.named_parameters()}
+
+
+def _local(p):
+    return p.to_local() if hasattr(p, "to_local") else p.data
+
+
+def references(rank: int, world: int) -> dict:
+    """One process (``distributed=False``) for this rank's share of the specs."""
+    out = {}
+    for i, (name, spec) in enumerate(SPECS.items()):
+        if i % world == rank:
+            model = make_model()
+            opt = GeomOptimizer(model, spec, distributed=False)
+            train(model, opt)
+            out[name] = dict(params=params_of(model), flops=opt.work.flops)
+    return out
+
+
+def round_trips(world: World) -> dict:
+    """HSDP and FSDP2 × TP: opt.state_dict() into a fresh optimizer, and a DCP save / load of
+    model and optimizer, resume bit for bit; the state is sharded like the parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for layout in ("hsdp", "fsdp_tp"):
+        for spec_name in ("staged", "mixed"):
+            spec = SPECS[spec_name]
+            model, forward, kw = world.wrap(layout, make_model())
+            opt = GeomOptimizer(model, spec, **kw)
+            train(model, opt, range(2), forward)
+            like = all(isinstance(v, DTensor) and v.device_mesh == p.device_mesh
+                       for p in model.parameters() for k, v in opt.state[p].items()
+                       if isinstance(v, torch.Tensor) and v.ndim > 0)
+            plain_like = all(v.placements == p.placements and v.shape == p.shape
+                             for p in model.parameters() for k, v in opt.state[p].items()
+                             if k in ("d", "exp_avg", "exp_avg_sq"))
+            saved_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            saved_opt = _clone(opt.state_dict())
+            msd, osd = get_state_dict(model, opt)
+            path = [tempfile.mkdtemp(prefix="geomopt-dcp-") if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(path)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path[0])
+            train(model, opt, range(2, 4), forward)
+            expected = params_of(model)
+
+            fresh, fwd, kw = world.wrap(layout, make_model(seed=7))
+            fresh.load_state_dict(saved_model)
+            fresh_opt = GeomOptimizer(fresh, spec, **kw)
+            fresh_opt.load_state_dict(saved_opt)
+            train(fresh, fresh_opt, range(2, 4), fwd)
+            got = params_of(fresh)
+
+            via_dcp, fwd, kw = world.wrap(layout, make_model(seed=7))
+            dcp_opt = GeomOptimizer(via_dcp, spec, **kw)
+            msd, osd = get_state_dict(via_dcp, dcp_opt)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=path[0])
+            set_state_dict(via_dcp, dcp_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            train(via_dcp, dcp_opt, range(2, 4), fwd)
+            got_dcp = params_of(via_dcp)
+            out[(layout, spec_name)] = dict(
+                state_dict=all(torch.equal(expected[k], got[k]) for k in expected),
+                dcp=all(torch.equal(expected[k], got_dcp[k]) for k in expected),
+                dtensor_state=like, placed_like_params=plain_like)
+    return out
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    return obj
+
+
+def bad_input(world: World) -> dict:
+    """Refusals: a Partial placement, a 3-D mesh, a state_dict from another mesh shape."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    out = {}
+    w = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 8), world.hsdp, (Replicate(), Partial()),
+                                              run_check=False))
+    out["partial"] = _error(lambda: GeomOptimizer([("blocks.0.w", w)], "muon"))
+    mesh3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "b", "c"))
+    w3 = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 8), mesh3, (Replicate(), Shard(0), Shard(1)),
+                                               run_check=False))
+    out["mesh3"] = _error(lambda: GeomOptimizer([("blocks.0.w3", w3)], "muon"))
+    model, forward, kw = world.wrap("hsdp", make_model())
+    opt = GeomOptimizer(model, "muon", **kw)
+    train(model, opt, range(1), forward)
+    sd = opt.state_dict()
+    other, forward, kw = world.wrap("fsdp_tp", make_model())
+    out["mesh_change"] = _error(lambda: GeomOptimizer(other, "muon", **kw).load_state_dict(sd))
+    return out
+
+
+def _error(fn):
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def nonfinite(world: World) -> dict:
+    """A NaN in one rank's TP block only: every rank skips the step, nothing is written."""
+    model, forward, kw = world.wrap("fsdp_tp", make_model())
+    opt = GeomOptimizer(model, "muon", **kw)
+    train(model, opt, range(1), forward)
+    before = params_of(model)
+    opt.zero_grad(set_to_none=True)
+    ids = batch(5)
+    forward(input_ids=ids, labels=ids).loss.backward()
+    if dist.get_rank() == 3:
+        model.model.layers[0].mlp.down_proj.weight.grad.to_local()[0, 0] = float("nan")
+    opt.step()
+    after = params_of(model)
+    return dict(unchanged=all(torch.equal(before[k], after[k]) for k in before),
+                skipped={rule: d["skipped"] for rule, d in opt.diagnostics().items()})
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    world = World()
+    result: dict = {"work": {}, "seconds": {}}
+    t0 = time.perf_counter()
+    result["ref"] = references(rank, size)
+    result["seconds"]["ref"] = time.perf_counter() - t0
+    run_layouts(world, result)
+    result["round_trips"] = round_trips(world)
+    result["errors"] = bad_input(world)
+    result["nonfinite"] = nonfinite(world)
+    result["seconds"]["total"] = time.perf_counter() - t0
+    if rank != 0:  # the gathered parameters are the same on every rank: rank 0 keeps them
+        for layout in LAYOUTS:
+            result.pop(layout)
+    torch.save(result, out / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
