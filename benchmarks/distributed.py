@@ -1,13 +1,22 @@
-"""Per-rank orthogonalization time with 1 vs 2 ranks (DDP: replicated parameters).
+"""Distributed steps: per-rank orthogonalization time with 1 vs 2 ranks (DDP), and, with
+``--layouts``, every layout of a 4-process world side by side.
 
     python benchmarks/distributed.py [--model gpt-bench] [--spec geomopt/specs/muon.yaml …] [--ranks 1 2]
                                      [--device cpu|cuda] [--record NOTE]
+    python benchmarks/distributed.py --layouts [--width 256] [--spec muon …] [--record NOTE]
 
 Launches ``torchrun --nproc_per_node N`` on itself for each N (gloo on CPU, nccl on CUDA). Every
 rank steps a GeomOptimizer over the model's hidden matrices (fixed random gradients) and reports
 the median step time and the time its share of the matrix functions took (``opt.work``: host
 time, so on CUDA it synchronizes before and after each step). With --record, appends the table to
 benchmarks/RESULTS.md.
+
+``--layouts`` (4 gloo processes on CPU: :mod:`_layouts`) steps an HF Llama under one process,
+DDP ×2, FSDP2 ×2, HSDP 2×2 and FSDP2 × TP 2×2 and reports, per layout and spec, the bytes each
+rank sends in the optimizer's step (relative to the model's parameter bytes) and the step's
+time; then it runs the layout matrix of tests/layout_worker.py (every shipped spec) and reports
+each layout's largest deviation from one process. With --record it also writes
+benchmarks/results/layouts.json, which the README's table is generated from.
 """
 
 from __future__ import annotations
@@ -95,9 +104,15 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--record", metavar="NOTE")
+    p.add_argument("--layouts", action="store_true", help="every 4-process layout (see the docstring)")
+    p.add_argument("--width", type=int, default=256, help="--layouts: the Llama's width (default 256)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.layouts:
+        import _layouts
+
+        return _layouts.main(args)
     args.spec = args.spec or [str(ROOT / "geomopt" / "specs" / "muon.yaml"), str(ROOT / "geomopt" / "specs" / "spectral-clip.yaml")]
     if args.worker:
         worker(args)

@@ -104,11 +104,11 @@ STAGED = {
 SPECS = {**{name: str(path) for name, path in shipped_specs().items()}, "mixed": MIXED, "staged": STAGED}
 
 
-def make_model(seed: int = 0):
+def make_model(seed: int = 0, cfg: dict = CFG):
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
     model.train()
     return model
 
@@ -154,7 +154,7 @@ class World:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
             plan = {}
-            for i in range(CFG["num_hidden_layers"]):
+            for i in range(len(model.model.layers)):
                 for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
                              "mlp.up_proj"):
                     plan[f"model.layers.{i}.{name}"] = ColwiseParallel()

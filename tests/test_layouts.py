@@ -184,6 +184,12 @@ def test_layout_views_and_replicas():
     blocks = (((0, 4), (0, 6)), ((4, 4), (0, 6)), ((0, 4), (0, 6)), ((4, 4), (0, 6)))  # HSDP: ranks 2, 3 replicas
     lay = Layout(blocks, 2, None, _placements("R", "S0"), ((1,), ()))
     assert [lay.primary(q) for q in range(4)] == [True, True, False, False]
+    # the owner's own copy where it has one, else the holder its rank picks: each block exactly once
+    assert [q for q in range(4) if lay.sends(q, 2)] == [1, 2]
+    assert [q for q in range(4) if lay.sends(q, 3)] == [2, 3]
+    assert [q for q in range(4) if lay.sends(q, 0)] == [0, 1]
+    for owner in range(4):
+        assert sorted(blocks[q] for q in range(4) if lay.sends(q, owner)) == sorted(set(blocks))
     assert lay.slices(1) == (slice(4, 8), slice(0, 6)) and lay.numel(3) == 24
     t = lay.transposed()
     assert t.blocks[1] == ((0, 6), (4, 4)) and t.cuts == ((), (1,)) and repr(t.placements[1]) == "Shard(dim=1)"

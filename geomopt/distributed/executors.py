@@ -276,13 +276,13 @@ class ShardedExecutor(_DistExecutor):
         def owned(i: int, q: int) -> list:
             return [r for r in range(requests[i].rows) if owners[i][r] == q]
 
-        # 1. the first holder of each block sends it to the row's owner
+        # 1. one holder of each block sends it to the row's owner (the owner itself where it holds one)
         send, send_sizes = [], []
         for q in range(world):
-            parts = [requests[i].x[r].reshape(-1) for i in idxs if lay[i].primary(me) for r in owned(i, q)]
+            parts = [requests[i].x[r].reshape(-1) for i in idxs if lay[i].sends(me, q) for r in owned(i, q)]
             send_sizes.append(sum(p.numel() for p in parts))
             send += parts
-        recv_sizes = [sum(lay[i].numel(s) * len(owned(i, me)) for i in idxs if lay[i].primary(s))
+        recv_sizes = [sum(lay[i].numel(s) * len(owned(i, me)) for i in idxs if lay[i].sends(s, me))
                       for s in range(world)]
         received = self._all_to_all(send, send_sizes, recv_sizes, dtype, device)
         # 2. the owner places the blocks in the whole matrix and computes its rows
@@ -295,7 +295,7 @@ class ShardedExecutor(_DistExecutor):
             full = req.x.new_empty((len(rows), *req.full_shape))
             for k in range(len(rows)):
                 for s in range(world):
-                    if lay[i].primary(s):
+                    if lay[i].sends(s, me):
                         n = lay[i].numel(s)
                         piece = received[offsets[s]: offsets[s] + n]
                         full[k][lay[i].slices(s)] = piece.reshape([m for _, m in lay[i].blocks[s]])

@@ -15,7 +15,8 @@ contiguous block of the tensor, a range per dim (:func:`block`):
 
 :class:`Layout` holds the blocks of every rank of the optimizer's process group (exchanged once,
 at construction) so the owner of a matrix knows which piece to ask each rank for, and which
-ranks hold the same block (replicas: only the first sends; all receive).
+ranks hold the same block (replicas: one sends, the owner's own copy where it has one; all
+receive the result).
 """
 
 from __future__ import annotations
@@ -110,8 +111,18 @@ class Layout:
         return out
 
     def primary(self, q: int) -> bool:
-        """Whether rank q sends its block (the lowest rank holding it; an empty block sends nothing)."""
+        """Whether rank q holds the first copy of its block (the lowest rank holding it; an empty
+        block is nobody's): what counts a block once over replicas."""
         return self.numel(q) > 0 and self.blocks.index(self.blocks[q]) == q
+
+    def sends(self, q: int, owner: int) -> bool:
+        """Whether rank q sends its block to ``owner`` to assemble a matrix there: the owner's own
+        copy where it holds one (nothing crosses the network), else one of the block's holders,
+        picked by the owner's rank so that replicas share the sending."""
+        if self.numel(q) == 0:
+            return False
+        holders = [s for s, b in enumerate(self.blocks) if b == self.blocks[q]]
+        return q == (owner if owner in holders else holders[owner % len(holders)])
 
     def slices(self, q: int) -> tuple:
         return tuple(slice(s, s + n) for s, n in self.blocks[q])

@@ -1,0 +1,231 @@
+"""``benchmarks/distributed.py --layouts``: every layout of a 4-process world (gloo, CPU) side by side.
+
+Per layout (one process, DDP ×2, FSDP2 ×2, HSDP 2×2, FSDP2 × TP 2×2: tests/layout_worker.py builds
+them) and spec, an HF Llama (random init from a config) takes one forward / backward and then
+``--iters`` optimizer steps on those gradients. Reported per rank, medians:
+
+* ``sent / param bytes``: what the rank hands to collectives during one ``opt.step()`` (counted
+  at torch's dispatcher, c10d and functional collectives alike, so DTensor's own reductions
+  count), divided by the model's parameter bytes. Per collective: ring all-reduce 2(w−1)/w·n,
+  all-gather (w−1)·n, reduce-scatter (w−1)/w·n, all-to-all what leaves the rank, broadcast n
+  from the root; n the input's bytes, w the group's size. FSDP2's and DDP's own traffic in
+  forward / backward is not the optimizer's and is not counted.
+* ``step (ms)``: the step's time, steps timed without the counter.
+
+Then the layout matrix of tests/layout_worker.py (every shipped spec and the locality / stage
+specs, 2 steps) gives each layout's largest deviation from one process,
+max over tensors of ‖X − X₁‖_F / ‖X₁‖_F.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+RESULTS = ROOT / "benchmarks" / "results" / "layouts.json"
+DEFAULT_SPECS = ["muon", "adamw-hybrid", "spectral-clip", "normuon"]
+
+
+def sent_bytes(func, args, kwargs) -> float:
+    """Bytes this rank sends in one collective (see the module docstring), 0 for anything else."""
+    name = func.__name__.split(".")[0]
+    ns = func.namespace
+    if ns not in ("c10d", "_c10d_functional"):
+        return 0.0
+
+    def size(t) -> float:
+        ts = t if isinstance(t, (list, tuple)) else [t]
+        return float(sum(x.numel() * x.element_size() for x in ts if isinstance(x, torch.Tensor)))
+
+    def group(obj):
+        if isinstance(obj, str):
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            obj = _resolve_process_group(obj)
+        elif isinstance(obj, torch.ScriptObject):  # c10d ops carry the group boxed
+            obj = torch.distributed.ProcessGroup.unbox(obj)
+        return obj.size(), obj.rank()
+
+    if ns == "c10d":
+        if name == "allreduce_":
+            w, _ = group(args[1])
+            return 2 * (w - 1) / w * size(args[0])
+        if name in ("allgather_", "_allgather_base_"):
+            w, _ = group(args[2])
+            return (w - 1) * size(args[1])
+        if name in ("reduce_scatter_", "_reduce_scatter_base_"):
+            w, _ = group(args[2])
+            return (w - 1) / w * size(args[1])
+        if name == "alltoall_base_":
+            w, r = group(args[2])
+            return _all_to_all(args[1], args[4], w, r)
+        if name == "broadcast_":
+            w, r = group(args[1])
+            return size(args[0]) if r == args[2] else 0.0
+        return 0.0
+    if name == "all_reduce":
+        w, _ = group(args[2])
+        return 2 * (w - 1) / w * size(args[0])
+    if name == "all_gather_into_tensor":
+        w, _ = group(args[2])
+        return (w - 1) * size(args[0])
+    if name == "reduce_scatter_tensor":
+        w, _ = group(args[3])
+        return (w - 1) / w * size(args[0])
+    if name == "all_to_all_single":
+        w, r = group(args[3])
+        return _all_to_all(args[0], args[2], w, r)
+    return 0.0
+
+
+def _all_to_all(x: torch.Tensor, splits, w: int, r: int) -> float:
+    total = float(x.numel() * x.element_size())
+    if not splits:
+        return total * (w - 1) / w
+    row = total / max(sum(splits), 1)
+    return total - splits[r] * row
+
+
+def _counter():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sent = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.sent += sent_bytes(func, args, kwargs or {})
+            return func(*args, **(kwargs or {}))
+
+    return Counter()
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    import layout_worker as lw
+    from geomopt import GeomOptimizer
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(args.threads)
+    world = lw.World()
+    cfg = dict(lw.CFG, hidden_size=args.width, intermediate_size=2 * args.width, num_attention_heads=8,
+               num_key_value_heads=4, vocab_size=4 * args.width)
+    out: dict = {}
+    for layout in ("single", *lw.LAYOUTS):
+        for spec in args.spec:
+            model = lw.make_model(cfg=cfg)
+            if layout == "single":
+                forward, kw = model, dict(distributed=False)
+            else:
+                model, forward, kw = world.wrap(layout, model)
+            opt = GeomOptimizer(model, spec, **kw)
+            ids = torch.randint(0, cfg["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(0))
+            forward(input_ids=ids, labels=ids).loss.backward()
+            param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # DTensor: whole
+            times = []
+            for i in range(args.warmup + args.iters):
+                dist.barrier()
+                t0 = time.perf_counter()
+                opt.step()
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+            counter = _counter()
+            dist.barrier()
+            with counter:
+                opt.step()
+            row = dict(step_ms=1e3 * statistics.median(times), sent=counter.sent / param_bytes)
+            rows: list = [None] * dist.get_world_size()
+            dist.all_gather_object(rows, row)
+            out.setdefault(layout, {})[spec] = rows
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(dict(cost=out, param_mb=param_bytes / 2**20)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _torchrun(script: Path, *argv: str, threads: int) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", str(script), *argv]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TRANSFORMERS_VERBOSITY="error")
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+
+
+def deviations(threads: int) -> dict:
+    """tests/layout_worker.py's layout matrix: per layout, the largest deviation from one process
+    over every spec, and the spec it occurs at."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _torchrun(ROOT / "tests" / "layout_worker.py", tmp, threads=threads)
+        ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    ref = {}
+    for r in ranks:
+        ref.update({name: v["params"] for name, v in r["ref"].items()})
+    out = {}
+    for layout in ("ddp", "fsdp", "hsdp", "fsdp_tp"):
+        worst = max((max(float((got[k] - ref[name][k]).norm() / ref[name][k].norm().clamp_min(1e-30))
+                         for k in got), name) for name, got in ranks[0][layout].items())
+        out[layout] = dict(max_rel=worst[0], spec=worst[1], specs=len(ranks[0][layout]),
+                           placements=ranks[0]["placements"][layout])
+    return out
+
+
+def main(args) -> int:
+    if args.worker:
+        worker(args)
+        return 0
+    from _results import emit
+
+    from geomopt.cli.bench import device_name
+
+    args.spec = args.spec or DEFAULT_SPECS
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        argv = ["--layouts", "--worker", "--out", str(out), "--width", str(args.width), "--threads",
+                str(args.threads), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+        _torchrun(ROOT / "benchmarks" / "distributed.py", *argv, *(a for s in args.spec for a in ("--spec", s)),
+                  threads=args.threads)
+        cost = json.loads(out.read_text())
+    dev = deviations(args.threads)
+    record = dict(date=datetime.date.today().isoformat(), torch=torch.__version__, device=device_name("cpu"),
+                  threads=args.threads, width=args.width, param_mb=cost["param_mb"], cost=cost["cost"],
+                  deviation=dev, commit=_commit())
+    lines = [f"### Layouts on 4 gloo processes ({device_name('cpu')}, 2 cores shared) — {record['date']}, torch "
+             f"{record['torch']}, {args.threads} thread(s) per rank",
+             "", f"HF Llama width {args.width}, {cost['param_mb']:.1f} MiB of float32 parameters; per rank: bytes "
+             f"sent in one optimizer step / parameter bytes, step time (median ms, min–max over ranks).", "",
+             "| spec | " + " | ".join(cost["cost"]) + " |", "|---|" + "---|" * len(cost["cost"])]
+    for spec in args.spec:
+        cells = []
+        for layout, by_spec in cost["cost"].items():
+            rows = by_spec[spec]
+            sent = max(r["sent"] for r in rows)
+            ms = [r["step_ms"] for r in rows]
+            cells.append(f"{sent:.2f}× · {min(ms):.0f}–{max(ms):.0f} ms")
+        lines.append(f"| {spec} | " + " | ".join(cells) + " |")
+    lines += ["", "| layout | largest deviation from one process | at spec | specs |", "|---|---|---|---|"]
+    for layout, d in dev.items():
+        lines.append(f"| {layout} | {d['max_rel']:.1e} | {d['spec']} | {d['specs']} |")
+    emit("\n".join(lines), args.record)
+    if args.record:
+        RESULTS.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
