@@ -198,9 +198,12 @@ def main(args) -> int:
                   threads=args.threads)
         cost = json.loads(out.read_text())
     dev = deviations(args.threads)
-    record = dict(date=datetime.date.today().isoformat(), torch=torch.__version__, device=device_name("cpu"),
-                  threads=args.threads, width=args.width, param_mb=cost["param_mb"], cost=cost["cost"],
-                  deviation=dev, commit=_commit())
+    from geomopt.cli.demo import machine, source_version
+
+    m = dict(machine("cpu"), threads=args.threads)
+    record = dict(command="python benchmarks/distributed.py --layouts", date=datetime.date.today().isoformat(),
+                  torch=torch.__version__, threads=args.threads, machine=m, source=source_version(ROOT),
+                  width=args.width, param_mb=cost["param_mb"], cost=cost["cost"], deviation=dev)
     lines = [f"### Layouts on 4 gloo processes ({device_name('cpu')}, 2 cores shared) — {record['date']}, torch "
              f"{record['torch']}, {args.threads} thread(s) per rank",
              "", f"HF Llama width {args.width}, {cost['param_mb']:.1f} MiB of float32 parameters; per rank: bytes "
@@ -208,7 +211,7 @@ def main(args) -> int:
              "| spec | " + " | ".join(cost["cost"]) + " |", "|---|" + "---|" * len(cost["cost"])]
     for spec in args.spec:
         cells = []
-        for layout, by_spec in cost["cost"].items():
+        for by_spec in cost["cost"].values():
             rows = by_spec[spec]
             sent = max(r["sent"] for r in rows)
             ms = [r["step_ms"] for r in rows]
@@ -221,11 +224,3 @@ def main(args) -> int:
     if args.record:
         RESULTS.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return 0
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""

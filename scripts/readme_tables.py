@@ -437,6 +437,37 @@ def catalog(records) -> str:
     return "\n\n".join(["\n".join(lines[:len(rows) + 2]), *lines[len(rows) + 3:]])
 
 
+# ---------------------------------------------------------------- distributed layouts
+
+LAYOUT_RESULTS = ROOT / "benchmarks" / "results" / "layouts.json"
+LAYOUT_NAMES = {"single": "one process", "ddp": "DDP ×2", "fsdp": "FSDP2 ×2", "hsdp": "HSDP 2×2 (Replicate, Shard)",
+                "fsdp_tp": "FSDP2 × TP 2×2"}
+
+
+def layouts(records) -> str:
+    """Per layout: the deviation from one process over every spec of the layout matrix, and each
+    benchmarked spec's bytes sent per rank in a step (÷ parameter bytes) and step time."""
+    rec = records("layouts", LAYOUT_RESULTS)
+    specs = list(next(iter(rec["cost"].values())))
+    rows = []
+    for layout, by_spec in rec["cost"].items():
+        d = rec["deviation"].get(layout)
+        dev = "—" if d is None else sci(d["max_rel"]) + (" (bit for bit)" if d["max_rel"] == 0 else "")
+        cells = [f"{max(r['sent'] for r in by_spec[s]):.2f}×, {span([r['step_ms'] for r in by_spec[s]])} ms"
+                 for s in specs]
+        rows.append([LAYOUT_NAMES.get(layout, layout), dev, *cells])
+    n = max(d["specs"] for d in rec["deviation"].values())
+    head = ["layout", f"deviation from one process ({n} specs)", *(f"`{s}`: sent, step" for s in specs)]
+    caption = (f"`{rec['command']}`{made_text(rec)}, 4 gloo processes on {machine_text(rec)}. Deviation: the "
+               f"largest, over every shipped spec and two that use every operator locality and post-stage, of "
+               f"max over tensors ‖X − X₁‖_F / ‖X₁‖_F after 2 steps of an HF Llama (tests/test_layouts.py asserts "
+               f"it). Sent: the bytes a rank hands to collectives in one optimizer step (ring all-reduce "
+               f"2(w−1)/w·n, all-gather (w−1)·n, all-to-all what leaves the rank), largest over ranks, ÷ the "
+               f"parameter bytes of an HF Llama of width {rec['width']} ({rec['param_mb']:.1f} MiB); step: the "
+               f"step's median time, min–max over ranks (4 processes share 2 cores).")
+    return "\n".join(table(head, rows)) + "\n\n" + caption
+
+
 def catalog_names(records) -> str:
     """The catalogue by name, one sentence: each shipped name and the optimizer it is."""
     rec = records("catalog", CATALOG_RESULTS)
@@ -531,6 +562,8 @@ RENDERERS = {
     "char_gpt:prox-fallbacks": char_prox_fallbacks,
     "catalog": catalog,
     "catalog:names": catalog_names,
+    "layouts": layouts,
+    "layouts:docs": layouts,
     **{f"bench:{key}": bench_quote(key) for key in BENCH_QUOTES},
 }
 

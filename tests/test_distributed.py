@@ -17,7 +17,7 @@ import torch
 from geomopt import GeomOptimizer
 from geomopt.geometry.registry import BACKWARD_OPS, FORWARD_OPS, backward_locality, forward_locality
 from geomopt.distributed import (
-    LOCAL, OWNER, REDUCE, LocalExecutor, Request, assign, chunk_sizes,
+    LOCAL, OWNER, REDUCE, LocalExecutor, Request, assign,
     make_executor,
 )
 
@@ -146,13 +146,6 @@ def test_assign_balances_flops():
     assert loads == [15.0, 15.0]
     assert assign(costs, 2) == owners  # deterministic
     assert sorted(set(assign([1.0] * 5, 3))) == [0, 1, 2]
-
-
-@pytest.mark.parametrize("n,world", [(7, 2), (97, 2), (1, 2), (10, 4), (0, 2), (72, 3)])
-def test_chunk_sizes_match_torch_chunk(n, world):
-    pieces = list(torch.arange(n).chunk(world)) if n else []
-    want = [len(p) for p in pieces] + [0] * (world - len(pieces))
-    assert chunk_sizes(n, world) == want
 
 
 def test_single_process_uses_the_local_executor():

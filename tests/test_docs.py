@@ -120,7 +120,8 @@ def test_readme_is_short_and_keeps_its_set_up_commands():
     assert len(lines) <= 200, len(lines)
     text = "\n".join(lines)
     assert 'pip install torch==2.13.0 && pip install -e ".[examples]" && geomopt demo' in text
-    assert 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q' in text
+    assert ('pip install torch==2.13.0 && pip install -e ".[test]" && pip install --no-deps torchtitan==0.3.0 '
+            '&& python -m pytest -q') in text
 
 
 def test_no_symlinks_at_the_root():

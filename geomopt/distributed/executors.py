@@ -10,11 +10,13 @@ requests in the same order, so collectives line up without any handshake:
   a balanced split of their FLOPs (longest job first onto the least loaded rank); each rank
   computes its matrices (still batched per bucket) and one ``all_gather`` per round and dtype
   shares the results, as distributed Muon does. Elementwise and norm-based operators stay local.
-* :class:`ShardedExecutor` (FSDP2: DTensor parameters, ``Shard(k)`` on a 1-D mesh): ``local``
-  operators act on the local shards; ``reduce`` operators (Frobenius / ℓ2 norms of isotropic steps
-  and balls, row and column norms) run on DTensors, so torch reduces over shards; ``owner``
-  operators gather each matrix on its owning rank with one ``all_to_all`` per round, compute there
-  and send the shards back with a second ``all_to_all`` (the layout microsoft/dion uses).
+* :class:`ShardedExecutor` (DTensor parameters: FSDP2 on a 1-D mesh, HSDP and FSDP2 × TP on a
+  2-D one; :mod:`.layout` says which block of each tensor every rank holds): ``local`` operators
+  act on the local blocks; ``reduce`` operators (Frobenius / ℓ2 norms of isotropic steps and
+  balls, row and column norms) run on DTensors, so torch reduces over the mesh; ``owner``
+  operators gather each matrix on its owning rank (any rank of the mesh, balanced by FLOPs) with
+  one ``all_to_all`` per round, each block from one rank that holds it, compute there and send
+  every rank its block back with a second ``all_to_all`` (the layout microsoft/dion uses).
 
 The locality of every operator (``LOCAL``, ``REDUCE``, ``OWNER``: :mod:`geomopt.registry`) is
 declared where it registers (:mod:`geomopt.geometry.registry`: ``forward_locality``,
@@ -104,12 +106,6 @@ def assign(costs: list[float], world: int) -> list[int]:
         owners[j] = r
         load[r] += costs[j]
     return owners
-
-
-def chunk_sizes(n: int, world: int) -> list[int]:
-    """Sizes of the ``Shard`` pieces of a dim of size n (torch.chunk semantics, as DTensor)."""
-    step = -(-n // world) if n else 0
-    return [max(0, min(step, n - r * step)) for r in range(world)]
 
 
 def _apply(req: Request, x: torch.Tensor):

@@ -66,13 +66,15 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
     Non-finite gradients (any group) skip the whole step or raise, per rule (``on_nonfinite``),
     before anything is written.
 
-    ``distributed``: ``"auto"`` (default) runs sharded (FSDP2) when the parameters are DTensors,
-    replicated (DDP) when ``torch.distributed`` is initialized with more than one rank, and local
-    otherwise; ``"ddp"`` / ``"fsdp"`` insist on one mode, ``False`` opts out. Under DDP each rank
-    computes a balanced share of the matrix functions (Newton–Schulz, SVD, polar) and the results
-    are all-gathered; under FSDP2 elementwise work stays on the shards, norms are reduced over
-    shards and each matrix function runs on one owning rank (:mod:`geomopt.distributed`).
-    ``process_group``: the DDP group (default: the world).
+    ``distributed``: ``"auto"`` (default) runs sharded when the parameters are DTensors (FSDP2 on
+    a 1-D mesh; HSDP or FSDP2 × tensor parallel on a 2-D one), replicated (DDP) when
+    ``torch.distributed`` is initialized with more than one rank, and local otherwise; ``"ddp"`` /
+    ``"fsdp"`` insist on one mode, ``False`` opts out. Under DDP each rank computes a balanced
+    share of the matrix functions (Newton–Schulz, SVD, polar) and the results are all-gathered;
+    sharded, elementwise work stays on each rank's block, norms are reduced over the mesh and each
+    matrix function runs on one owning rank (:mod:`geomopt.distributed`).
+    ``process_group``: the DDP group, or the group a sharded step communicates over (default: the
+    parameters' mesh, or the world when they live on several sub-meshes).
 
     ``implementation``: how the elementwise (flat) path runs Adam: ``"auto"`` (default) through
     torch's fused AdamW kernel where the device has one (CPU, CUDA) and every tensor is
