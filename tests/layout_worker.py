@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from distributed_worker import _clone  # noqa: E402  (the 2-process worker's deep copy of a state dict)
 from geomopt import GeomOptimizer, shipped_specs  # noqa: E402
 
 STEPS = 2
@@ -256,16 +257,6 @@ def round_trips(world: World) -> dict:
                 dcp=all(torch.equal(expected[k], got_dcp[k]) for k in expected),
                 dtensor_state=like, placed_like_params=plain_like)
     return out
-
-
-def _clone(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone(v) for v in obj]
-    return obj
 
 
 def bad_input(world: World) -> dict:
