@@ -12,6 +12,10 @@ them) and spec, an HF Llama (random init from a config) takes one forward / back
   forward / backward is not the optimizer's and is not counted.
 * ``step (ms)``: the step's time, steps timed without the counter.
 
+``--base COMMIT`` also steps that commit's package where it serves the layout (one process, DDP,
+1-D FSDP2), round robin with this tree's on the same model and gradients (a before / after of the
+step); it records only the table, not the JSON.
+
 Then the layout matrix of tests/layout_worker.py (every shipped spec and the locality / stage
 specs, 2 steps) gives each layout's largest deviation from one process,
 max over tensors of ‖X − X₁‖_F / ‖X₁‖_F.
@@ -124,6 +128,11 @@ def worker(args) -> None:
     world = lw.World()
     cfg = dict(lw.CFG, hidden_size=args.width, intermediate_size=2 * args.width, num_attention_heads=8,
                num_key_value_heads=4, vocab_size=4 * args.width)
+    base = None
+    if args.base:  # the --base commit's package, for the layouts it serves (one process, DDP, 1-D FSDP2)
+        from ab import import_base
+
+        base = import_base(args.base, Path(tempfile.mkdtemp(prefix="geomopt-base-")))
     out: dict = {}
     for layout in ("single", *lw.LAYOUTS):
         for spec in args.spec:
@@ -132,25 +141,30 @@ def worker(args) -> None:
                 forward, kw = model, dict(distributed=False)
             else:
                 model, forward, kw = world.wrap(layout, model)
-            opt = GeomOptimizer(model, spec, **kw)
+            opts = {"this tree": GeomOptimizer(model, spec, **kw)}
+            if base is not None and layout in ("single", "ddp", "fsdp"):
+                opts[f"base {args.base}"] = base.GeomOptimizer(model, spec, **kw)
             ids = torch.randint(0, cfg["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(0))
             forward(input_ids=ids, labels=ids).loss.backward()
             param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # DTensor: whole
-            times = []
-            for i in range(args.warmup + args.iters):
+            times: dict = {name: [] for name in opts}
+            for i in range(args.warmup + args.iters):  # round robin: the machine's drift hits both alike
+                for name, opt in opts.items():
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    opt.step()
+                    if i >= args.warmup:
+                        times[name].append(time.perf_counter() - t0)
+            for name, opt in opts.items():
+                counter = _counter()
                 dist.barrier()
-                t0 = time.perf_counter()
-                opt.step()
-                if i >= args.warmup:
-                    times.append(time.perf_counter() - t0)
-            counter = _counter()
-            dist.barrier()
-            with counter:
-                opt.step()
-            row = dict(step_ms=1e3 * statistics.median(times), sent=counter.sent / param_bytes)
-            rows: list = [None] * dist.get_world_size()
-            dist.all_gather_object(rows, row)
-            out.setdefault(layout, {})[spec] = rows
+                with counter:
+                    opt.step()
+                row = dict(step_ms=1e3 * statistics.median(times[name]), sent=counter.sent / param_bytes)
+                rows: list = [None] * dist.get_world_size()
+                dist.all_gather_object(rows, row)
+                key = layout if name == "this tree" else f"{layout} ({name})"
+                out.setdefault(key, {})[spec] = rows
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(dict(cost=out, param_mb=param_bytes / 2**20)))
     dist.barrier()
@@ -194,10 +208,11 @@ def main(args) -> int:
         out = Path(tmp) / "out.json"
         argv = ["--layouts", "--worker", "--out", str(out), "--width", str(args.width), "--threads",
                 str(args.threads), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+        argv += ["--base", args.base] if args.base else []
         _torchrun(ROOT / "benchmarks" / "distributed.py", *argv, *(a for s in args.spec for a in ("--spec", s)),
                   threads=args.threads)
         cost = json.loads(out.read_text())
-    dev = deviations(args.threads)
+    dev = {} if args.base else deviations(args.threads)  # --base: the step-time comparison only
     from geomopt.cli.demo import machine, source_version
 
     m = dict(machine("cpu"), threads=args.threads)
@@ -217,10 +232,11 @@ def main(args) -> int:
             ms = [r["step_ms"] for r in rows]
             cells.append(f"{sent:.2f}× · {min(ms):.0f}–{max(ms):.0f} ms")
         lines.append(f"| {spec} | " + " | ".join(cells) + " |")
-    lines += ["", "| layout | largest deviation from one process | at spec | specs |", "|---|---|---|---|"]
-    for layout, d in dev.items():
-        lines.append(f"| {layout} | {d['max_rel']:.1e} | {d['spec']} | {d['specs']} |")
+    if dev:
+        lines += ["", "| layout | largest deviation from one process | at spec | specs |", "|---|---|---|---|"]
+        for layout, d in dev.items():
+            lines.append(f"| {layout} | {d['max_rel']:.1e} | {d['spec']} | {d['specs']} |")
     emit("\n".join(lines), args.record)
-    if args.record:
+    if args.record and not args.base:
         RESULTS.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return 0

@@ -3,7 +3,7 @@
 
     python benchmarks/distributed.py [--model gpt-bench] [--spec geomopt/specs/muon.yaml …] [--ranks 1 2]
                                      [--device cpu|cuda] [--record NOTE]
-    python benchmarks/distributed.py --layouts [--width 256] [--spec muon …] [--record NOTE]
+    python benchmarks/distributed.py --layouts [--width 256] [--spec muon …] [--base COMMIT] [--record NOTE]
 
 Launches ``torchrun --nproc_per_node N`` on itself for each N (gloo on CPU, nccl on CUDA). Every
 rank steps a GeomOptimizer over the model's hidden matrices (fixed random gradients) and reports
@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--record", metavar="NOTE")
     p.add_argument("--layouts", action="store_true", help="every 4-process layout (see the docstring)")
     p.add_argument("--width", type=int, default=256, help="--layouts: the Llama's width (default 256)")
+    p.add_argument("--base", metavar="COMMIT", help="--layouts: also time this commit's package (before / after)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
