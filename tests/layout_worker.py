@@ -105,6 +105,58 @@ STAGED = {
 SPECS = {**{name: str(path) for name, path in shipped_specs().items()}, "mixed": MIXED, "staged": STAGED}
 
 
+class Experts(torch.nn.Module):
+    """An MoE layer's experts as one (E, out, in) weight, each expert a matrix (the spec's view), E = 5
+    so that FSDP2 cuts them unevenly (3 + 2 over 2 ranks; 2 + 2 + 1 + 0 would be over 4)."""
+
+    def __init__(self, experts: int = 5, d: int = 8, h: int = 12):
+        super().__init__()
+        torch.manual_seed(3)
+        self.inp = torch.nn.Linear(d, d)
+        self.experts = torch.nn.Parameter(torch.randn(experts, h, d) / d ** 0.5)
+
+    def forward(self, x):
+        return torch.einsum("bd,ehd->beh", self.inp(x), self.experts).tanh().square().mean()
+
+
+EXPERT_SPEC = {
+    "geomopt": 1, "name": "experts",
+    "rules": [
+        {"name": "experts", "match": "experts", "lr": 0.02,
+         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"},
+                      "view": {"kind": "matrix", "batch": 1}},
+         "constraint": {"kind": "spectral_ball", "radius": 1.0}},
+        {"name": "rest", "match": "**", "geometry": {"kind": "adam"}, "lr": 1e-3},
+    ],
+}
+
+
+def experts(world: "World") -> dict:
+    """Experts cut whole across ranks (FSDP2 ×2 and ×4, HSDP 2×2: Shard(0) of the expert dim): each rank
+    orthogonalizes its own experts, so the work splits without a gather, and the update is the
+    one-process update."""
+    from torch.distributed.fsdp import fully_shard
+
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+
+    def run(model, **kw):
+        opt = GeomOptimizer(model, EXPERT_SPEC, **kw)
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            model(x).backward()
+            opt.step()
+        return params_of(model), opt.work.flops
+
+    ref, ref_flops = run(Experts(), distributed=False)
+    out = {"ref_flops": ref_flops}
+    for layout, mesh in (("fsdp", world.hsdp["shard"]), ("hsdp", world.hsdp), ("fsdp4", world.flat)):
+        model = Experts()
+        fully_shard(model, mesh=mesh)
+        got, flops = run(model)
+        out[layout] = dict(flops=flops, max_rel=max(float((got[k] - ref[k]).norm() / ref[k].norm()) for k in ref))
+    return out
+
+
 def make_model(seed: int = 0, cfg: dict = CFG):
     import transformers
 
@@ -142,6 +194,7 @@ class World:
         self.pair = self.pairs[self.rank // 2]
         self.hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
         self.tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        self.flat = init_device_mesh("cpu", (4,))
 
     def wrap(self, layout: str, model):
         """(the model as laid out, the forward to call, GeomOptimizer keyword arguments)."""
@@ -311,12 +364,13 @@ def main(out: Path) -> None:
     torch.set_num_threads(1)
     rank, size = dist.get_rank(), dist.get_world_size()
     world = World()
-    result: dict = {"work": {}, "seconds": {}}
+    result: dict = {"work": {}, "seconds": {}, "rank": rank}
     t0 = time.perf_counter()
     result["ref"] = references(rank, size)
     result["seconds"]["ref"] = time.perf_counter() - t0
     run_layouts(world, result)
     result["round_trips"] = round_trips(world)
+    result["experts"] = experts(world)
     result["errors"] = bad_input(world)
     result["nonfinite"] = nonfinite(world)
     result["seconds"]["total"] = time.perf_counter() - t0

@@ -98,6 +98,19 @@ def test_matrix_work_is_balanced_over_the_ranks(ranks, reference, layout, share)
         assert sum(r["work"][layout][name] for r in ranks) == pytest.approx(total * 4 / share, rel=1e-9)
 
 
+def test_experts_cut_whole_are_computed_where_they_are(ranks):
+    """FSDP2 cuts a (5, 12, 8) expert weight into 3 + 2 whole experts: each rank orthogonalizes its
+    own (its FLOPs are its experts' share: no rank gathers the tensor), and the update matches one
+    process; under HSDP the replicas compute their copies alike; over 4 ranks (2 + 2 + 1 + 0) the
+    last holds none and computes nothing."""
+    for r in ranks:
+        e = r["experts"]
+        shares = dict(fsdp=[3, 2, 3, 2][r["rank"]], hsdp=[3, 2, 3, 2][r["rank"]], fsdp4=[2, 2, 1, 0][r["rank"]])
+        for layout, share in shares.items():
+            assert e[layout]["max_rel"] <= BOUND, (layout, e[layout])
+            assert e[layout]["flops"] == pytest.approx(e["ref_flops"] * share / 5, rel=1e-9, abs=1e-9), (layout, e)
+
+
 @pytest.mark.parametrize("key", [("hsdp", "staged"), ("hsdp", "mixed"), ("fsdp_tp", "staged"),
                                  ("fsdp_tp", "mixed")])
 def test_state_dict_and_dcp_round_trips_are_exact(ranks, key):

@@ -46,13 +46,17 @@ class Request:
     ``layout``: where each rank's block of one row lies (:class:`~geomopt.distributed.layout.Layout`,
     in the operators' view; None when every rank holds the whole input).
     ``full_shape``: shape of one row of the unsharded input. ``cost``: the FLOPs of one row when
-    its matrix view is not the (shape[0], rest) matrix (experts, blocks: the view's sum)."""
+    its matrix view is not the (shape[0], rest) matrix (experts, blocks: the view's sum; of the
+    local matrices where they are ``whole``). ``whole``: an owner request whose matrices each lie
+    whole on every rank (only their batch dims are cut: experts under FSDP2), which every rank
+    computes on its own blocks."""
 
     fn: Callable
     x: torch.Tensor
     locality: str
     layout: Optional[Layout] = None
     full_shape: tuple = ()
+    whole: bool = False
     cost: Optional[float] = None
 
     @property
@@ -156,7 +160,8 @@ class _DistExecutor:
 
     def _owners(self, requests: list[Request]) -> list[list[int]]:
         """Owner of each row of each owner-class request (one balanced split for the round)."""
-        jobs = [(i, r) for i, req in enumerate(requests) if req.locality == OWNER for r in range(req.rows)]
+        jobs = [(i, r) for i, req in enumerate(requests) if req.locality == OWNER and not req.whole
+                for r in range(req.rows)]
         costs = [requests[i].row_cost() for i, _ in jobs]
         out = [[-1] * req.rows for req in requests]
         for (i, r), o in zip(jobs, assign(costs, self.world)):
@@ -241,9 +246,15 @@ class ShardedExecutor(_DistExecutor):
                 results[i] = req.fn(req.x)
             elif req.locality == REDUCE:
                 results[i] = self._on_dtensor(req)
+            elif req.whole:  # each rank's matrices are whole: computed where they are (if it holds any)
+                if req.x.numel() == 0:
+                    results[i] = (req.x.clone(), torch.zeros(req.rows, dtype=torch.bool, device=req.x.device))
+                    continue
+                self.work.add(req, req.rows)
+                results[i] = self.work.timed(_apply, req, req.x)
         by_dtype: dict = {}
         for i, req in enumerate(requests):
-            if req.locality == OWNER:
+            if req.locality == OWNER and not req.whole:
                 by_dtype.setdefault(req.x.dtype, []).append(i)
         for dtype, idxs in by_dtype.items():
             self._owner_round(requests, owners, results, idxs, dtype)

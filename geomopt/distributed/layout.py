@@ -216,6 +216,19 @@ def _meets(a: Block, b: Block) -> bool:
     return all(sa < sb + nb and sb < sa + na for (sa, na), (sb, nb) in zip(a, b))
 
 
+def whole_matrices(view: Optional[dict], cuts: tuple) -> bool:
+    """Whether every matrix of a tensor's ``view`` lies whole on each rank: the dims cut across
+    ranks (``cuts``, the operators' layout) only index matrices (an expert's, a kernel position's),
+    never their rows or columns. Then a matrix function runs on each rank's own matrices, with no
+    gather (:class:`~geomopt.distributed.executors.ShardedExecutor`)."""
+    cut = {d for d, mesh_dims in enumerate(cuts) if mesh_dims}
+    if view is None or not cut:
+        return False
+    b = view["batch"]
+    batch = set(range(b)) | (set(range(b + 2, len(cuts))) if view["trailing"] == "batch" else set())
+    return cut <= batch
+
+
 def layout_key(p) -> Optional[tuple]:
     """What a bucket's tensors must share to stack their shards: the mesh's ranks and the placements."""
     mesh = getattr(p, "device_mesh", None)

@@ -4,10 +4,13 @@ post-stages → weight decay → backward op, as a generator of operator request
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from geomopt.compile.plan import ParamPlan
-from geomopt.distributed import LOCAL, LocalExecutor, Request, is_dtensor
+from geomopt.distributed import LOCAL, OWNER, LocalExecutor, Request, is_dtensor
+from geomopt.distributed.layout import whole_matrices
 from geomopt.geometry.adam import adam_moments
 from geomopt.geometry import backward
 from geomopt.geometry.forward import forward, input_dtype
@@ -169,8 +172,13 @@ class BucketStep(Host):
         cost = pp.matrix_cost
         if not is_dtensor(p):
             return Request(fn, x, locality, cost=cost)
-        return Request(fn, x, locality, layout=op_layout(self._executor.layouts[id(p)], pp), full_shape=pp.op_shape,
-                       cost=cost)
+        layout = op_layout(self._executor.layouts[id(p)], pp)
+        if locality == OWNER and whole_matrices(pp.geometry.get("view"), layout.cuts):
+            # experts cut whole across ranks: each rank's matrices (the cost: of its share of them)
+            share = x[0].numel() / math.prod(pp.op_shape)
+            return Request(fn, x, locality, layout=layout, full_shape=pp.op_shape,
+                           cost=None if cost is None else cost * share, whole=True)
+        return Request(fn, x, locality, layout=layout, full_shape=pp.op_shape, cost=cost)
 
     def _first_holder(self, p) -> bool:
         """Whether this rank's block of ``p`` is the first copy of it (always, unsharded)."""
