@@ -72,8 +72,9 @@ def machine(device: str = "cpu") -> dict:
 
 
 def source_version(root: Path = REPO) -> dict | None:
-    """The checkout's commit, and whether files other than the recorded results and the pages that
-    quote them (README.md, docs/) differ from it; None outside a git checkout."""
+    """The checkout's commit, and whether files other than the recorded results (examples/results,
+    benchmarks/results, benchmarks/RESULTS.md) and the pages that quote them (README.md, docs/)
+    differ from it; None outside a git checkout."""
     if not (root / ".git").exists():
         return None
     git = ["git", "--no-optional-locks", "-C", str(root)]
@@ -81,7 +82,8 @@ def source_version(root: Path = REPO) -> dict | None:
         commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 timeout=20, check=True).stdout.strip()
         changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                  ":!examples/results", ":!README.md", ":!docs"], capture_output=True, text=True,
+                                  ":!examples/results", ":!benchmarks/results", ":!benchmarks/RESULTS.md",
+                                  ":!README.md", ":!docs"], capture_output=True, text=True,
                                  timeout=20, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
