@@ -342,6 +342,22 @@ def _error(fn):
     return None
 
 
+def diagnostics(world: World) -> dict:
+    """``track_update`` norms under HSDP and FSDP2 × TP against one process: replicas count their
+    block once."""
+    spec = SPECS["mixed"]
+    ref = make_model()
+    opt = GeomOptimizer(ref, spec, distributed=False, track_update=True)
+    train(ref, opt)
+    out = {"ref": {rule: d["update_norm"] for rule, d in opt.diagnostics().items()}}
+    for layout in ("hsdp", "fsdp_tp"):
+        model, forward, kw = world.wrap(layout, make_model())
+        opt = GeomOptimizer(model, spec, track_update=True, **kw)
+        train(model, opt, forward=forward)
+        out[layout] = {rule: d["update_norm"] for rule, d in opt.diagnostics().items()}
+    return out
+
+
 def nonfinite(world: World) -> dict:
     """A NaN in one rank's TP block only: every rank skips the step, nothing is written."""
     model, forward, kw = world.wrap("fsdp_tp", make_model())
@@ -371,6 +387,7 @@ def main(out: Path) -> None:
     run_layouts(world, result)
     result["round_trips"] = round_trips(world)
     result["experts"] = experts(world)
+    result["diagnostics"] = diagnostics(world)
     result["errors"] = bad_input(world)
     result["nonfinite"] = nonfinite(world)
     result["seconds"]["total"] = time.perf_counter() - t0

@@ -129,6 +129,17 @@ def test_unservable_meshes_and_placements_are_refused(ranks):
         assert "2x2 (Replicate(), Shard(dim=0))" in e["mesh_change"]
 
 
+def test_update_norms_count_each_block_once(ranks):
+    """diagnostics()' update norm (track_update) under HSDP (replicas) and FSDP2 × TP equals one
+    process's, per rule: a replica's block counted twice would read √2 too large."""
+    for r in ranks:
+        d = r["diagnostics"]
+        for layout in ("hsdp", "fsdp_tp"):
+            assert d[layout].keys() == d["ref"].keys()
+            for rule, norm in d["ref"].items():
+                assert d[layout][rule] == pytest.approx(norm, rel=1e-4), (layout, rule)
+
+
 def test_a_nonfinite_gradient_in_one_tp_block_skips_the_step_everywhere(ranks):
     for r in ranks:
         assert r["nonfinite"]["unchanged"]
