@@ -487,6 +487,7 @@ BENCH_QUOTES = {
     "step-cpu": (r"gpt-bench on x86_64 CPU, 2 threads — .*8 hidden matrices", 1),
     "step-cpu-width": (r"gpt-bench-w[24] on x86_64 CPU", 2),
     "step-ddp": (r"gpt-bench, DDP on x86_64 CPU", 1),
+    "layouts": (r"Layouts on 4 gloo processes", 2),
     "step-gpu-first": (r"All shipped specs$", 1),
     "step-gpu": (r"GPU: NVIDIA H100 80GB HBM3, second session", 1),
     "cuda-graphs": (r"CUDA graphs", 1),
