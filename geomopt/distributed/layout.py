@@ -21,7 +21,7 @@ receive the result).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 Block = tuple  # ((start, size) per dim)
@@ -100,28 +100,35 @@ class Layout:
     mesh: Any  # torch.distributed.device_mesh.DeviceMesh
     placements: tuple
     cuts: tuple
+    holders: tuple = field(init=False, repr=False)  # per rank: the ranks holding its block
+    numels: tuple = field(init=False, repr=False)
+
+    def __post_init__(self):
+        # looked up per row and rank in every owner round: computed once
+        first: dict = {}
+        for q, b in enumerate(self.blocks):
+            first.setdefault(b, []).append(q)
+        object.__setattr__(self, "holders", tuple(tuple(first[b]) for b in self.blocks))
+        object.__setattr__(self, "numels", tuple(_volume(b) for b in self.blocks))
 
     def mine(self) -> Block:
         return self.blocks[self.rank]
 
     def numel(self, q: int) -> int:
-        out = 1
-        for _, n in self.blocks[q]:
-            out *= n
-        return out
+        return self.numels[q]
 
     def primary(self, q: int) -> bool:
         """Whether rank q holds the first copy of its block (the lowest rank holding it; an empty
         block is nobody's): what counts a block once over replicas."""
-        return self.numel(q) > 0 and self.blocks.index(self.blocks[q]) == q
+        return self.numels[q] > 0 and self.holders[q][0] == q
 
     def sends(self, q: int, owner: int) -> bool:
         """Whether rank q sends its block to ``owner`` to assemble a matrix there: the owner's own
         copy where it holds one (nothing crosses the network), else one of the block's holders,
         picked by the owner's rank so that replicas share the sending."""
-        if self.numel(q) == 0:
+        if self.numels[q] == 0:
             return False
-        holders = [s for s, b in enumerate(self.blocks) if b == self.blocks[q]]
+        holders = self.holders[q]
         return q == (owner if owner in holders else holders[owner % len(holders)])
 
     def slices(self, q: int) -> tuple:
