@@ -229,8 +229,9 @@ class ReplicatedExecutor(_DistExecutor):
 class ShardedExecutor(_DistExecutor):
     """FSDP2, HSDP, FSDP2 × TP: inputs are local blocks of DTensors (:mod:`.layout`). ``reduce``
     requests run on DTensors (torch reduces the norms over the mesh); ``owner`` requests gather
-    each matrix on its owner (one all_to_all over the group per round: each block from the first
-    rank that holds it), compute there and send every rank its block back (a second all_to_all)."""
+    each matrix on its owner (one all_to_all over the group per round: each block from one rank
+    that holds it, the owner itself where it does), compute there and send every rank its block
+    back (a second all_to_all)."""
 
     def __init__(self, group, params: list, names: list):
         from geomopt.distributed.layout import layouts

@@ -19,7 +19,7 @@ from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, muon_order
 from geomopt.optim import stages as post_stages
 from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows
 from geomopt.optim.graphs import GraphedOp
-from geomopt.optim.tensors import local, op_layout, op_view, stack, upcast
+from geomopt.optim.tensors import local, op_view, stack, upcast
 from geomopt.optim.host import Host
 
 
@@ -135,7 +135,7 @@ class BucketStep(Host):
         shard = None
         p = items[0][0]
         if is_dtensor(p):  # sums over a cut dim are all-reduced by the stages themselves
-            layout = op_layout(self._executor.layouts[id(p)], pp)
+            layout = self._stacked.layouts[id(p)]
             shard = post_stages.Shard(layout.mine(), layout.cuts, layout.mesh)
         ctx = post_stages.Context(state, pp.op_shape, view=pp.geometry.get("view"), gradient=g_raw,
                                   direction=None if d is None else upcast(d), step=step, shard=shard)
@@ -172,7 +172,7 @@ class BucketStep(Host):
         cost = pp.matrix_cost
         if not is_dtensor(p):
             return Request(fn, x, locality, cost=cost)
-        layout = op_layout(self._executor.layouts[id(p)], pp)
+        layout = self._stacked.layouts[id(p)]
         if locality == OWNER and whole_matrices(pp.geometry.get("view"), layout.cuts):
             # experts cut whole across ranks: each rank's matrices (the cost: of its share of them)
             share = x[0].numel() / math.prod(pp.op_shape)
@@ -182,7 +182,7 @@ class BucketStep(Host):
 
     def _first_holder(self, p) -> bool:
         """Whether this rank's block of ``p`` is the first copy of it (always, unsharded)."""
-        return not is_dtensor(p) or self._executor.layouts[id(p)].primary(self._executor.rank)
+        return not is_dtensor(p) or self._stacked.layouts[id(p)].primary(self._executor.rank)
 
     def _lookahead(self, items: list, shape, like: torch.Tensor, shared: bool) -> torch.Tensor:
         """Where a bucket writes its direction u (in the dtype the forward op casts it to first):

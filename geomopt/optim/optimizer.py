@@ -37,7 +37,7 @@ from geomopt.optim.nonfinite import NonFiniteCheck, NonFiniteGradientError
 from geomopt.optim.schedules import SCHEDULES, warmup_alpha
 from geomopt.optim.stacked import STACKED, StackedState
 from geomopt.optim import stages as post_stages
-from geomopt.optim.tensors import full, in_set, local, op_view, stack, upcast
+from geomopt.optim.tensors import full, in_set, local, op_layout, op_view, stack, upcast
 from geomopt.optim.workspace import Workspace
 from geomopt.spec.model import RESOLVED_DEFAULTS, Spec
 
@@ -145,7 +145,10 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
         self._executor = make_executor([p for g in self.param_groups for p in g["params"]], distributed, process_group,
                                        names=[pp.name for plans in self._plans for pp in plans])
         self._sharded = isinstance(self._executor, ShardedExecutor)
-        self._stacked.layouts = getattr(self._executor, "layouts", {})
+        # sharded parameters' layouts as the operators see them (transposed for layout: in_out), once
+        blocks = getattr(self._executor, "layouts", {})
+        self._stacked.layouts = {id(p): op_layout(blocks[id(p)], pp) for g, plans in zip(self.param_groups, self._plans)
+                                 for p, pp in zip(g["params"], plans) if id(p) in blocks}
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
         self._warn_slow_bf16(tensors)
         self._project_on_init()

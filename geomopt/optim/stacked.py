@@ -15,7 +15,7 @@ from geomopt.distributed import is_dtensor
 from geomopt.distributed.executors import contiguous_strides
 from geomopt.optim import stages as post_stages
 from geomopt.optim.migrate import VIEW_KEYS
-from geomopt.optim.tensors import flat_like, op_layout, op_view, stack
+from geomopt.optim.tensors import flat_like, op_view, stack
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -30,7 +30,8 @@ class StackedState:
     """``buffers``: (parameter ids, key) → the stacked tensor whose rows the entries view (and the
     flat buffers of the elementwise path, the kept scratch of CUDA graphs); ``reduced``:
     parameter ids → per stage state key, the stack dims its statistic sums out; ``layouts``:
-    parameter id → :class:`~geomopt.distributed.layout.Layout` of sharded parameters. Methods take the optimizer's
+    parameter id → :class:`~geomopt.distributed.layout.Layout` of a sharded parameter, in the
+    operators' layout (set by the optimizer). Methods take the optimizer's
     ``state`` (torch's per-parameter dict), which load_state_dict may replace."""
 
     def __init__(self):
@@ -72,8 +73,7 @@ class StackedState:
                     continue
                 self.buffers[(ids, key)] = value
                 for i, (p, pp) in enumerate(items):
-                    layout = self.layouts.get(id(p))
-                    state[p][key] = state_entry(value[i], p, pp, key, layout and op_layout(layout, pp),
+                    state[p][key] = state_entry(value[i], p, pp, key, self.layouts.get(id(p)),
                                                 reduced.get(key, ()))
             else:
                 for p, _ in items:
