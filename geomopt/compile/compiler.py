@@ -19,30 +19,59 @@ from geomopt.spec.validate import gc_paused, source_of
 BLOCKING = ("GO101", "GO104", "GO105", "GO120")
 
 
-def compile_spec(spec: Union[Spec, str, dict], model, *, roles: Optional[dict] = None) -> Plan:
+def compile_spec(spec: Union[Spec, str, dict], model, *, roles: Optional[dict] = None,
+                 example_inputs=None) -> Plan:
     """Compile ``spec`` (Spec, path or dict) against ``model`` (``nn.Module`` or iterable of
     (name, tensor)). ``roles``: role → name patterns, over the inferred roles and the spec's
-    ``roles:``. Raises :class:`SpecError` listing unmatched parameters (with the nearest rule
-    patterns), inapplicable geometries and views, and (geometry, constraint) pairs with no
-    operator."""
+    ``roles:``. ``example_inputs``: inputs of one forward, traced to decide roles from use
+    (:func:`model_params`). Raises :class:`SpecError` listing unmatched parameters (with the
+    nearest rule patterns), inapplicable geometries and views, and (geometry, constraint) pairs
+    with no operator."""
     spec = as_spec(spec)
     with gc_paused():
-        infos, _ = model_params(model, needs_roles(spec, roles))
+        infos, _ = model_params(model, needs_roles(spec, roles), example_inputs)
         return plan_from_infos(spec, infos, roles=roles)
 
 
-def model_params(model, roles: bool = True) -> tuple[list[ParamInfo], dict[str, object]]:
-    """:func:`params_from_model`, with each tensor's role inferred from the model's structure
-    when ``roles`` (an iterable of (name, tensor) gets them guessed from names and shapes later,
-    where a plan reads roles)."""
+def model_params(model, roles: bool = True, example_inputs=None) -> tuple[list[ParamInfo], dict[str, object]]:
+    """:func:`params_from_model`, with each tensor's role when ``roles`` (an iterable of
+    (name, tensor) gets them guessed from names and shapes later, where a plan reads roles).
+
+    Roles come from what each tensor does in one traced forward (:mod:`geomopt.compile.trace`) on
+    ``example_inputs`` (a tensor, tuple, dict or callable: :func:`~geomopt.compile.trace_inputs.as_inputs`)
+    or the model's own (:func:`~geomopt.compile.trace_inputs.default_inputs`: built-in and
+    Hugging Face models), over the module tree's inference; with no inputs, or a forward that
+    fails, from the module tree alone, each role saying why (lint GO124). Unusable
+    ``example_inputs`` raise TypeError."""
     import torch
 
+    from geomopt.compile.trace_inputs import as_inputs, default_inputs
+
+    given = None if example_inputs is None else as_inputs(example_inputs)
     if not (roles and isinstance(model, torch.nn.Module)):
         return params_from_model(model)
     modules = dict(model.named_modules(remove_duplicate=False))  # one walk of the tree for both
     infos, tensors = params_from_model(model, modules)
-    assign(infos, infer_roles(model, infos, modules))
+    inferred = infer_roles(model, infos, modules)
+    assign(infos, _traced_roles(model, infos, inferred, given if given is not None else default_inputs(model)))
     return infos, tensors
+
+
+def _traced_roles(model, infos: list[ParamInfo], inferred: dict, inputs) -> dict:
+    """The trace's roles over ``inferred``, or ``inferred`` marked with why there is no trace."""
+    from geomopt.compile.role_trace import apply_trace, untraced
+    from geomopt.compile.trace import TraceError, trace_model
+
+    if not infos:
+        return inferred
+    if inputs is None:
+        return untraced(inferred, "no example inputs (pass example_inputs=, give the model an example_inputs() "
+                                  "method, or let the CLI's --model factory return (model, inputs))")
+    try:
+        trace = trace_model(model, inputs)
+    except TraceError as exc:
+        return untraced(inferred, f"{exc} (inputs: {inputs.source})")
+    return apply_trace(infos, inferred, trace)
 
 
 def needs_roles(spec: Spec, roles: Optional[dict] = None) -> bool:

@@ -88,4 +88,4 @@ def _guess(p: ParamInfo, experts: dict[str, int], embed_shapes: set) -> Role:
         role, why = "hidden", "a matrix"
         if ndim == 2 and "gate_up" in last + (mods[-1] if mods else "") and p.shape[0] % 2 == 0:
             structure = {"batch": 0, "blocks": 2}
-    return Role((role,), why + " (guessed from names and shapes)", True, structure)
+    return Role((role,), why + " (guessed from names and shapes)", True, structure, basis="names")

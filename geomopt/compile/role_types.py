@@ -20,6 +20,11 @@ class Role:
     evidence: str
     guessed: bool = False
     structure: Optional[dict] = None
+    # how the role was decided: "trace" (what the tensor does in a traced forward), "module tree"
+    # (the model's structure, no trace), "names" (a guess from names and shapes)
+    basis: str = "module tree"
+    inferred: Optional[str] = None  # the module tree's role and evidence where the trace overrode it
+    untraced: Optional[str] = None  # why no trace decided it (basis "module tree")
 
     @property
     def name(self) -> str:

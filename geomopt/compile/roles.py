@@ -53,7 +53,8 @@ def override(roles: dict[str, Role], infos: list[ParamInfo], patterns: dict[str,
             for p in infos:
                 if any_name(fm, p):
                     old = roles.get(p.name)
-                    roles[p.name] = Role((role,), f"{where}: {pat!r}", False, old.structure if old else None)
+                    roles[p.name] = Role((role,), f"{where}: {pat!r}", False, old.structure if old else None,
+                                         basis=where)
 
 
 def assign(infos: list[ParamInfo], roles: dict[str, Role]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -16,6 +17,11 @@ class SmallCNN(nn.Module):
             nn.AdaptiveAvgPool2d(1),
         )
         self.head = nn.Linear(2 * width, n_classes)
+
+    def example_inputs(self) -> torch.Tensor:
+        """One 8×8 image for one traced forward (roles from use: geomopt.compile.trace)."""
+        conv = self.features[0]
+        return torch.zeros(1, conv.in_channels, 8, 8, device=conv.weight.device)
 
     def forward(self, x):
         return self.head(self.features(x).flatten(1))

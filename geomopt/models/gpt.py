@@ -89,6 +89,10 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, 0.0, 0.02)
 
+    def example_inputs(self) -> torch.Tensor:
+        """A few tokens for one traced forward (roles from use: geomopt.compile.trace)."""
+        return torch.zeros(1, min(4, self.config.block_size), dtype=torch.long, device=self.lm_head.weight.device)
+
     def forward(self, idx, targets=None):
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -12,6 +13,11 @@ class MLP(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
         self.head = nn.Linear(dims[-1], d_out)
         self.act = nn.GELU()
+
+    def example_inputs(self) -> torch.Tensor:
+        """One input row for one traced forward (roles from use: geomopt.compile.trace)."""
+        first = self.layers[0] if len(self.layers) else self.head
+        return torch.zeros(1, first.in_features, device=first.weight.device)
 
     def forward(self, x):
         x = x.flatten(1)

@@ -1,0 +1,576 @@
+"""Roles from use: one forward of the model under a dispatch-level tracer.
+
+:func:`trace_model` runs the model once — on the meta device when it can (no memory, no
+compute), else one tiny forward on the model's own device — and records, for every parameter
+followed through view-like ops (views, casts, selects, index gathers, and ops that read only
+parameters: weight norm, ``-exp(A_log)``), how it is consumed (:mod:`geomopt.compile.op_families`):
+a matrix operand, a full or grouped convolution kernel, a lookup table, an indexed table, or
+elementwise only. Along the activations it follows three things:
+
+* **outputs**: which parameterized layers' outputs reach each activation with no parameterized
+  layer in between; a layer whose output reaches the model's prediction outputs and never enters
+  another parameterized layer is a *head* (several where the model has several outputs);
+* **raw input**: activations computed from the model's inputs alone; a layer reading one is a
+  *stem* when its family says so (a lookup, a patchifying or 1-D convolution);
+* **splits**: a layer's output cut along its features (``split``, ``chunk``, slices, ``unbind`` or
+  ``select`` after ``view(…, k, n/k)``) gives the weight's output blocks (a fused q, k, v or gate,
+  up projection).
+
+The model is left as it was: parameters and buffers are stand-ins (meta copies, or for the real
+forward the parameters' data under fresh tensors and clones of the buffers), the RNG state is
+restored, and no gradient reaches the parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from geomopt.compile.op_families import FAMILIES, GROUPED_MM, INDEX_OPS, Family, conv_family, family_of
+
+aten = torch.ops.aten
+
+# ops that hand on (a view of, or a copy of) their first tensor argument
+_VIEWS = frozenset({
+    aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.t, aten.transpose, aten.permute,
+    aten.expand, aten.slice, aten.select, aten.unsqueeze, aten.squeeze, aten.alias, aten.detach, aten.clone,
+    aten._to_copy, aten.contiguous, aten.as_strided, aten.unbind, aten.split, aten.split_with_sizes, aten.chunk,
+    aten.unsafe_split, aten.narrow, aten.flatten, aten.unflatten, aten.movedim, aten.view_as_real,
+    aten.view_as_complex, aten.lift_fresh, aten._conj, aten.resolve_conj, aten.resolve_neg, aten.repeat,
+    aten.lift_fresh_copy, aten.numpy_T, aten.mT, aten.squeeze_copy, aten.view_copy, aten.t_copy,
+    aten.transpose_copy, aten.permute_copy, aten.expand_copy, aten.unsqueeze_copy, aten.select_copy,
+    aten.slice_copy, aten.unbind_copy, aten.split_copy, aten.split_with_sizes_copy, aten.detach_copy,
+    aten.alias_copy, aten._unsafe_index_put, aten.index_put,
+}) | INDEX_OPS
+# ops that read a tensor for its shape, dtype and device only: their outputs are constants
+_LIKE = frozenset({aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like,
+                   aten.randn_like, aten.randint_like, aten.new_zeros, aten.new_ones, aten.new_empty,
+                   aten.new_full, aten.new_empty_strided, aten.empty_strided, aten.sym_size, aten.sym_numel,
+                   aten.sym_stride, aten.sym_storage_offset})
+_SPLITS = frozenset({aten.split, aten.split_with_sizes, aten.unsafe_split, aten.chunk, aten.unbind,
+                     aten.split_copy, aten.split_with_sizes_copy, aten.unbind_copy})
+_RESHAPES = frozenset({aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.view_copy,
+                       aten.unflatten, aten.flatten})
+_SAME_DIMS = frozenset({aten.clone, aten._to_copy, aten.contiguous, aten.alias, aten.detach, aten.expand,
+                        aten.lift_fresh, aten.resolve_conj, aten.resolve_neg, aten.native_dropout,
+                        aten.dropout, aten.detach_copy, aten.alias_copy})
+
+
+@dataclasses.dataclass
+class Use:
+    """How the trace saw one parameter consumed."""
+
+    family: str  # a family of :mod:`geomopt.compile.op_families`
+    op: str  # the aten op that decided it ("aten.addmm")
+    detail: str = ""  # "groups=128", "through select (a stack of matrices)"
+
+
+@dataclasses.dataclass
+class TensorTrace:
+    """What the trace saw of one parameter (by its first name)."""
+
+    uses: dict[str, Use] = dataclasses.field(default_factory=dict)  # family → first use
+    batched: bool = False  # a matrix operand reached through select / index on its leading dims
+    head: Optional[str] = None  # the prediction output it produces ("logits"), when a head
+    stem: Optional[str] = None  # "token", "patch", "audio": a stem reading the raw input
+    reads_input: bool = False  # a layer reading the model's raw input (a stem or not)
+    blocks: Optional[list[int]] = None  # output blocks its layer output is cut into
+
+    @property
+    def reached(self) -> bool:
+        return bool(self.uses)
+
+
+@dataclasses.dataclass
+class Trace:
+    """The result of :func:`trace_model`: per parameter name, and where it ran."""
+
+    tensors: dict[str, TensorTrace]
+    device: str  # "meta", "cpu", "cuda:0"
+    outputs: tuple[str, ...]  # the outputs that decided heads
+    notes: tuple[str, ...] = ()  # why the meta forward was not used, etc.
+
+
+class TraceError(Exception):
+    """No trace: the message says why (a lint note and ``explain`` repeat it)."""
+
+
+# ---------------------------------------------------------------- bookkeeping per tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    """A tensor derived from parameters only: which, and how."""
+
+    params: frozenset  # parameter indices
+    batched: bool = False  # a select / index on a leading dim was taken
+    indexed: bool = False  # rows gathered by an index op
+    computed: bool = False  # through an op that is not a view (a sum with a constant, a norm)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Feat:
+    """Where a layer's output features sit in an activation: dim ``dim`` holds all of them
+    (``k`` = 0), or dim ``dim`` indexes ``k`` equal chunks of them (after ``view(…, k, n/k)``)."""
+
+    layer: int
+    dim: int
+    size: int  # the layer's number of output features
+    k: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Act:
+    """An activation: the layers whose outputs reach it with no layer between (``src``), whether it
+    comes from the model's inputs alone (``raw``), and where a layer's features sit (``feat``)."""
+
+    src: frozenset = frozenset()
+    raw: bool = False
+    feat: Optional[_Feat] = None
+
+
+_EMPTY = _Act()
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
+class _Tracer(TorchDispatchMode):
+    """The dispatch mode: classifies each op's parameter operands and propagates the bookkeeping."""
+
+    def __init__(self, params: list[torch.Tensor], value_free: bool):
+        super().__init__()
+        self.refs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.acts: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        for i, p in enumerate(params):
+            self.refs[p] = _Ref(frozenset((i,)))
+        self.n = len(params)
+        self.uses: list[dict[str, Use]] = [{} for _ in params]
+        self.batched = [False] * len(params)
+        self.stems: list[Optional[str]] = [None] * len(params)
+        self.reads_input = [False] * len(params)
+        self.calls: list[frozenset] = []  # per layer call (an op reading weights): the weights' indices
+        self.fed: set[int] = set()  # layer calls whose output entered another parameterized layer
+        self.pieces: dict[int, set] = {}  # weight → {(start, stop)} cuts of its layers' output features
+        self.value_free = value_free
+
+    # ------------------------------------------------------------ the data-dependent ops on meta
+
+    def _value_free(self, func, args, kwargs):
+        """On meta, ops that read values get plausible stand-ins: a scalar is 0 / False (an index, a
+        count, a condition), ``nonzero`` finds every element, a copy to the CPU is zeros."""
+        packet = func.overloadpacket
+        if packet is aten._local_scalar_dense:
+            t = args[0]
+            return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
+        if packet is aten.is_nonzero:
+            return False
+        if packet is aten.equal:
+            return True
+        if packet in GROUPED_MM and args[0].ndim in (2, 3) and args[1].ndim == 3:
+            a, b = args[0], args[1]  # (tokens, k) × (experts, k, n) → (tokens, n); batched 3-D × 3-D
+            shape = (a.shape[0], b.shape[-1]) if a.ndim == 2 else (a.shape[0], a.shape[1], b.shape[-1])
+            out_dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 and args[4] is not None else a.dtype)
+            return torch.empty(shape, dtype=out_dtype, device="meta")
+        if packet is aten.nonzero:
+            t = args[0]
+            return torch.empty((t.numel(), t.ndim), dtype=torch.long, device="meta")
+        if packet is aten._to_copy and kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "meta":
+            t = args[0]
+            return torch.zeros(t.shape, dtype=kwargs.get("dtype") or t.dtype, device=kwargs["device"])
+        return NotImplemented
+
+    # ------------------------------------------------------------ dispatch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = NotImplemented
+        if self.value_free:
+            out = self._value_free(func, args, kwargs)
+        if out is NotImplemented:
+            out = func(*args, **kwargs)
+        try:
+            self._record(func, args, kwargs, out)
+        except Exception:  # noqa: BLE001 (bookkeeping never breaks the forward; the op is just not recorded)
+            pass
+        return out
+
+    def _record(self, func, args, kwargs, out) -> None:
+        leaves, _ = tree_flatten((args, kwargs))
+        refs, acts = self.refs, self.acts
+        params_in: list[tuple[torch.Tensor, _Ref]] = []
+        acts_in: list[tuple[torch.Tensor, _Act]] = []
+        for a in leaves:
+            if isinstance(a, torch.Tensor):
+                r = refs.get(a)
+                if r is not None:
+                    params_in.append((a, r))
+                    continue
+                act = acts.get(a)
+                if act is not None:
+                    acts_in.append((a, act))
+        if not params_in and not acts_in or func.overloadpacket in _LIKE:
+            return  # constants only (factories, buffers, zeros_like): nothing to follow
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        packet = func.overloadpacket
+        fam = family_of(func)
+        if fam is not None and fam.name == "conv":
+            fam = conv_family(args)
+        operands = fam.operands(func, args) if fam is not None and params_in else ()
+        weight_pos = [p for p in operands if p < len(args) and isinstance(args[p], torch.Tensor)
+                      and args[p] in refs]
+        if len(weight_pos) > 1 and not all(refs[args[p]].computed for p in weight_pos):
+            # a weight (a view of a parameter) times a learned input computed from parameters (DETR's
+            # object queries): the computed one is the layer's input
+            weight_pos = [p for p in weight_pos if not refs[args[p]].computed]
+        if weight_pos:
+            self._layer(func, fam, args, weight_pos, acts_in, outs)
+            operands = [args[p] for p in weight_pos]
+            for a, r in params_in:  # a weight's companions (addmm's bias, a learned input): elementwise
+                if not any(a is o for o in operands):
+                    detail = "a layer's input computed from parameters" if r.computed else ""
+                    for j in r.params:
+                        self.uses[j].setdefault("elementwise", Use("elementwise", str(func.overloadpacket), detail))
+            return
+        if params_in and not acts_in:
+            self._derived(packet, args, params_in, outs)
+            return
+        for _, r in params_in:  # a parameter meeting an activation in any other op
+            family = "indexed" if r.indexed else "elementwise"
+            for i in r.params:
+                self.uses[i].setdefault(family, Use(family, str(packet)))
+        self._activation(func, args, kwargs, acts_in, outs)
+
+    def _layer(self, func, fam: Family, args, weight_pos, acts_in, outs) -> None:
+        """A parameterized layer: record the use, mark the layers feeding it, start its output."""
+        grouped = func.overloadpacket in GROUPED_MM
+        for pos in weight_pos:
+            r = self.refs[args[pos]]
+            if grouped and args[pos].ndim == 3:
+                r = dataclasses.replace(r, batched=True)
+            detail = ""
+            if fam.name == "grouped_conv":
+                detail = f"groups={int(args[8])}"
+            elif r.batched:
+                detail = "through select/index (a stack of matrices)"
+            for i in r.params:
+                self.uses[i].setdefault(fam.name, Use(fam.name, str(func.overloadpacket), detail))
+                self.batched[i] |= r.batched and fam.kind == "matrix"
+        raw = bool(acts_in) and all(a.raw for _, a in acts_in)
+        for _, a in acts_in:
+            self.fed.update(a.src)
+        layer = len(self.calls)
+        self.calls.append(frozenset(i for pos in weight_pos for i in self.refs[args[pos]].params))
+        if raw:
+            stem = fam.stem(func, args, weight_pos[0])
+            for pos in weight_pos:
+                for i in self.refs[args[pos]].params:
+                    self.reads_input[i] = True
+                    self.stems[i] = self.stems[i] or stem
+        feat = None
+        if outs:
+            fd = fam.feature_dim(func, args, weight_pos[0])
+            if fd is not None and outs[0].ndim:
+                d = _dim(fd, outs[0].ndim)
+                feat = _Feat(layer, d, int(outs[0].shape[d]))
+        act = _Act(frozenset((layer,)), False, feat)
+        for o in outs:
+            self.acts[o] = act
+
+    def _derived(self, packet, args, params_in, outs) -> None:
+        """An op on parameters (and constants) only: its outputs are derived from those parameters."""
+        params = frozenset().union(*(r.params for _, r in params_in))
+        batched = any(r.batched for _, r in params_in)
+        indexed = any(r.indexed for _, r in params_in)
+        if packet in (aten.select, aten.select_copy) and args[0] in self.refs and len(args) > 1:
+            batched = batched or _dim(int(args[1]), args[0].ndim) == 0
+        elif packet in INDEX_OPS:
+            batched = indexed = True
+        computed = packet not in _VIEWS or any(r.computed for _, r in params_in)
+        ref = _Ref(params, batched, indexed, computed)
+        for o in outs:
+            if o not in self.refs:
+                self.refs[o] = ref
+
+    def _activation(self, func, args, kwargs, acts_in, outs) -> None:
+        """An op on activations: union of the sources, raw when every activation input is raw, and
+        the features followed through views and cuts."""
+        src = frozenset().union(*(a.src for _, a in acts_in)) if len(acts_in) > 1 else acts_in[0][1].src
+        raw = all(a.raw for _, a in acts_in)
+        feat = None
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        head = self.acts.get(first) if first is not None else None
+        if head is not None and head.feat is not None and outs:
+            feat = self._follow(func, args, kwargs, head.feat, outs)
+        if feat is None or isinstance(feat, _Feat):
+            act = _Act(src, raw, feat)
+            for o in outs:
+                self.acts[o] = act
+        else:  # per-output features (a split)
+            for o, f in zip(outs, feat):
+                self.acts[o] = _Act(src, raw, f)
+
+    # ------------------------------------------------------------ following a layer's features
+
+    def _cut(self, feat: _Feat, start: int, stop: int) -> None:
+        """Record that features [start, stop) of ``feat``'s layer (in units of its dim) were cut out."""
+        unit = feat.size // feat.k if feat.k else 1
+        for i in self.calls[feat.layer]:
+            self.pieces.setdefault(i, set()).add((start * unit, stop * unit))
+
+    def _follow(self, func, args, kwargs, feat: _Feat, outs):
+        packet = func.overloadpacket
+        x = args[0]
+        nd = x.ndim
+        length = feat.k or feat.size
+        if packet in _SPLITS:
+            dim = _dim(int(args[2] if len(args) > 2 else kwargs.get("dim", 0)) if packet is not aten.unbind
+                       and packet is not aten.unbind_copy else int(args[1] if len(args) > 1 else kwargs.get("dim", 0)),
+                       nd)
+            if dim != feat.dim:
+                return [dataclasses.replace(feat, dim=feat.dim - (1 if dim < feat.dim else 0)) for _ in outs] \
+                    if packet in (aten.unbind, aten.unbind_copy) else feat
+            start = 0
+            for o in outs:
+                size = 1 if packet in (aten.unbind, aten.unbind_copy) else int(o.shape[dim])
+                self._cut(feat, start, start + size)
+                start += size
+            return None
+        if packet in (aten.slice, aten.slice_copy, aten.narrow):
+            dim = _dim(int(args[1]) if len(args) > 1 else 0, nd)
+            if dim != feat.dim:
+                return feat
+            if packet is aten.narrow:
+                start, stop = int(args[2]), int(args[2]) + int(args[3])
+            else:
+                start = int(args[2]) if len(args) > 2 and args[2] is not None else 0
+                stop = int(args[3]) if len(args) > 3 and args[3] is not None else length
+                step = int(args[4]) if len(args) > 4 else 1
+                if step != 1:
+                    return None
+                start, stop = max(0, start + length if start < 0 else start), min(length, stop + length
+                                                                                    if stop < 0 else stop)
+            if (start, stop) != (0, length):
+                self._cut(feat, start, stop)
+                return None
+            return feat
+        if packet in (aten.select, aten.select_copy):
+            dim = _dim(int(args[1]), nd)
+            if dim == feat.dim:
+                i = int(args[2])
+                i = i + length if i < 0 else i
+                if feat.k:
+                    self._cut(feat, i, i + 1)
+                return None
+            return dataclasses.replace(feat, dim=feat.dim - (1 if dim < feat.dim else 0))
+        if packet is aten.glu and _dim(int(args[1]) if len(args) > 1 else -1, nd) == feat.dim and not feat.k:
+            self._cut(feat, 0, feat.size // 2)
+            self._cut(feat, feat.size // 2, feat.size)
+            return None
+        out = outs[0]
+        if packet in _SAME_DIMS:
+            return feat if out.ndim == nd else None
+        if packet in (aten.t, aten.transpose, aten.transpose_copy, aten.t_copy):
+            a, b = (0, 1) if packet in (aten.t, aten.t_copy) else (_dim(int(args[1]), nd), _dim(int(args[2]), nd))
+            d = b if feat.dim == a else a if feat.dim == b else feat.dim
+            return dataclasses.replace(feat, dim=d)
+        if packet in (aten.permute, aten.permute_copy):
+            order = [_dim(int(d), nd) for d in args[1]]
+            return dataclasses.replace(feat, dim=order.index(feat.dim))
+        if packet in (aten.unsqueeze, aten.unsqueeze_copy):
+            d = _dim(int(args[1]), nd + 1)
+            return dataclasses.replace(feat, dim=feat.dim + (1 if d <= feat.dim else 0))
+        if packet in (aten.squeeze, aten.squeeze_copy):
+            if out.ndim == nd:
+                return feat
+            dims = args[1] if len(args) > 1 else None
+            dims = [dims] if isinstance(dims, int) else list(dims) if dims is not None else list(range(nd))
+            gone = [i for i in (_dim(int(d), nd) for d in dims) if x.shape[i] == 1]
+            if feat.dim in gone:
+                return None
+            return dataclasses.replace(feat, dim=feat.dim - sum(g < feat.dim for g in gone))
+        if packet in _RESHAPES:
+            return _reshape(feat, tuple(x.shape), tuple(out.shape))
+        if torch.Tag.pointwise in func.tags and tuple(out.shape) == tuple(x.shape):
+            return feat
+        return None
+
+
+def _reshape(feat: _Feat, before: tuple, after: tuple) -> Optional[_Feat]:
+    """Where the features go through a reshape: kept whole at a new dim, or split into (k, n/k)
+    with k leading; anything else loses them."""
+    d = feat.dim
+    lead, size, trail = _prod(before[:d]), before[d], _prod(before[d + 1:])
+    acc = 1
+    for j in range(len(after) + 1):
+        if acc == lead:
+            break
+        if j == len(after) or acc > lead:
+            return None
+        acc *= after[j]
+    else:
+        return None
+    while j < len(after) and after[j] == 1 and size != 1:
+        j += 1  # size-1 dims before the features belong to the leading dims
+    # dims j … m of ``after`` hold the features (their product is ``size``) with ``trail`` after them
+    acc, m = 1, j
+    while m < len(after) and acc < size:
+        acc *= after[m]
+        m += 1
+    if acc != size or _prod(after[m:]) != trail:
+        return None
+    if feat.k:
+        return dataclasses.replace(feat, dim=j) if m - j >= 1 and after[j] == feat.k else None
+    if m - j == 1:
+        return dataclasses.replace(feat, dim=j)
+    return dataclasses.replace(feat, dim=j, k=int(after[j]))
+
+
+# ---------------------------------------------------------------- outputs
+
+# ModelOutput fields that are not predictions: caches, intermediate states, losses
+_NOT_PREDICTIONS = ("loss", "past_key_values", "hidden_states", "attentions", "cache_params", "state",
+                    "rope_deltas", "router_logits", "aux_loss", "encoder_last_hidden_state", "cross_attentions",
+                    "last_hidden_state", "encoder_hidden_states", "encoder_attentions", "decoder_hidden_states",
+                    "decoder_attentions", "intermediate_hidden_states", "intermediate_reference_points",
+                    "auxiliary_outputs", "image_hidden_states", "init_reference_points")
+_STATES = ("last_hidden_state", "pooler_output")
+
+
+def _outputs(out) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the model's prediction outputs: every tensor of a plain output; of a
+    mapping (a Hugging Face ``ModelOutput``), the fields that are not caches, intermediate states or
+    losses — or, for a model with no prediction (a backbone), its final states."""
+    if isinstance(out, torch.Tensor):
+        return [("output", out)]
+    if hasattr(out, "items"):
+        items = [(str(k), v) for k, v in out.items()]
+        picked = [(k, v) for k, v in items if k not in _NOT_PREDICTIONS and not k.endswith("_hidden_states")]
+        if not picked:
+            picked = [(k, v) for k, v in items if k in _STATES]
+        return [(f"{k}{'' if len(leaves) == 1 else f'[{i}]'}", t) for k, v in picked
+                for leaves in [[t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)]]
+                for i, t in enumerate(leaves)]
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return [(f"output[{i}]", t) for i, t in enumerate(leaves)]
+
+
+# ---------------------------------------------------------------- running the forward
+
+
+def _call(model, args, kwargs, values):
+    return torch.func.functional_call(model, values, tuple(args), dict(kwargs), strict=False)
+
+
+def _to_meta(x):
+    if isinstance(x, torch.Tensor):
+        return torch.empty_like(x, device="meta")
+    if isinstance(x, dict):
+        return {k: _to_meta(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_meta(v) for v in x)
+    return x
+
+
+def _run(model, names: list[str], params: list[torch.Tensor], buffers: dict, args, kwargs, meta: bool):
+    """One forward under the tracer; returns (tracer, output)."""
+    if meta:
+        stand_ins = [torch.empty_like(p, device="meta").requires_grad_(p.is_floating_point() or p.is_complex())
+                     for p in params]
+        bufs = {n: torch.empty_like(b, device="meta") for n, b in buffers.items()}
+        args, kwargs = _to_meta(args), _to_meta(kwargs)
+    else:
+        stand_ins = [p.detach().requires_grad_(p.is_floating_point() or p.is_complex()) for p in params]
+        bufs = {n: b.clone() for n, b in buffers.items()}  # BatchNorm statistics, caches: untouched
+    values: dict[str, Any] = dict(bufs)
+    for i, group in enumerate(names):
+        for n in group:
+            values[n] = stand_ins[i]
+    tracer = _Tracer(stand_ins, value_free=meta)
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor):
+            tracer.acts[leaf] = _Act(frozenset(), True, None)
+    device = torch.device("meta") if meta else contextlib.nullcontext()
+    devices = [] if meta else sorted({p.device for p in params if p.device.type != "cpu"}, key=str)
+    with torch.random.fork_rng(devices=devices), device, torch.enable_grad(), tracer:
+        out = _call(model, args, kwargs, values)
+    return tracer, out
+
+
+def _error(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:160]}{'…' if len(text) > 160 else ''}"
+
+
+def trace_model(model: torch.nn.Module, inputs) -> Trace:
+    """Trace one forward of ``model`` on ``inputs`` (an :class:`~geomopt.compile.trace_inputs.Inputs`);
+    raises :class:`TraceError` saying why when neither the meta nor the real forward runs."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    index: dict[int, int] = {}
+    names: list[list[str]] = []
+    params: list[torch.Tensor] = []
+    for n, p in named:
+        if id(p) in index:
+            names[index[id(p)]].append(n)
+            continue
+        index[id(p)] = len(params)
+        names.append([n])
+        params.append(p)
+    if any(type(p).__name__ == "DTensor" or not isinstance(p, torch.Tensor) for p in params):
+        raise TraceError("the parameters are distributed (DTensor): roles come from the module tree; trace the "
+                         "model before sharding it to check them (geomopt plan --model)")
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    notes = []
+    attempts = [True] if all(p.device.type == "meta" for p in params) else [True, False]
+    tracer = out = None
+    for meta in attempts:
+        try:
+            tracer, out = _run(model, names, params, buffers, inputs.args, inputs.kwargs, meta)
+            break
+        except Exception as exc:  # noqa: BLE001 (any failure of user code means: no trace this way)
+            where = "on the meta device" if meta else f"on {params[0].device if params else 'cpu'}"
+            notes.append(f"the forward failed {where} ({_error(exc)})")
+    if tracer is None:
+        raise TraceError("; ".join(notes))
+    device = "meta" if meta else str(params[0].device if params else "cpu")
+    outputs = _outputs(out)
+    heads: dict[int, str] = {}  # weight → the output its layer produces
+    for oname, t in outputs:
+        act = tracer.acts.get(t)
+        for call in (act.src if act is not None else ()):
+            if call not in tracer.fed:
+                for i in tracer.calls[call]:
+                    heads.setdefault(i, oname)
+    result = {}
+    for i, group in enumerate(names):
+        blocks = _blocks(tracer.pieces.get(i), int(params[i].shape[0]) if params[i].ndim else 0)
+        result[group[0]] = TensorTrace(tracer.uses[i], tracer.batched[i], heads.get(i), tracer.stems[i],
+                                       tracer.reads_input[i], blocks)
+    return Trace(result, device, tuple(n for n, _ in outputs), tuple(notes))
+
+
+def _blocks(pieces: Optional[set], _rows: int) -> Optional[list[int]]:
+    """Block sizes when the cuts of a layer's output partition its features into ≥ 2 pieces."""
+    if not pieces or len(pieces) < 2:
+        return None
+    ordered = sorted(pieces)
+    if ordered[0][0] != 0 or any(a[1] != b[0] for a, b in zip(ordered, ordered[1:])):
+        return None
+    return [b - a for a, b in ordered]
+
+
+__all__ = ["FAMILIES", "Trace", "TensorTrace", "TraceError", "Use", "trace_model"]
