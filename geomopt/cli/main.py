@@ -43,12 +43,14 @@ def _status(diags: list[Diagnostic], strict: bool) -> int:
 
 
 def load_model(ref: str):
-    """``NAME`` (a built-in model) or ``pkg.module:factory`` (a callable returning an nn.Module)."""
+    """(model, example inputs or None) from ``NAME`` (a built-in model) or ``pkg.module:factory``
+    (a callable returning an nn.Module, or ``(model, inputs)``: the inputs of one forward that roles
+    are traced on)."""
     from geomopt.models import MODELS
 
     if ":" not in ref:
         if ref in MODELS:
-            return MODELS[ref]()
+            return MODELS[ref](), None
         raise UsageError(f"unknown model {ref!r}: use a built-in name ({', '.join(MODELS)}) or pkg.module:factory")
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
@@ -73,9 +75,20 @@ def load_model(ref: str):
         raise UsageError(f"--model {ref}: the factory raised {type(exc).__name__}: {exc}") from None
     import torch
 
+    inputs = None
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], torch.nn.Module):
+        model, inputs = model
     if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"--model {ref} returned {type(model).__name__}, not a torch.nn.Module")
-    return model
+        raise UsageError(f"--model {ref} returned {type(model).__name__}, not a torch.nn.Module or a "
+                         f"(module, example inputs) pair")
+    if inputs is not None:
+        from geomopt.compile.trace_inputs import as_inputs
+
+        try:
+            inputs = as_inputs(inputs, f"--model {ref}'s inputs")
+        except TypeError as exc:
+            raise UsageError(str(exc)) from None
+    return model, inputs
 
 
 def _params(args):
@@ -84,7 +97,8 @@ def _params(args):
     from geomopt.compile.params import params_from_checkpoint
 
     if getattr(args, "model", None):
-        return model_params(load_model(args.model))[0], False
+        model, inputs = load_model(args.model)
+        return model_params(model, example_inputs=inputs)[0], False
     if getattr(args, "checkpoint", None):
         try:
             return params_from_checkpoint(args.checkpoint), True

@@ -44,9 +44,17 @@ def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], na
     shape = "×".join(map(str, p.shape)) or "scalar"
     lines = [f"parameter  {p.name}" + (f" (= {', '.join(p.aliases)})" if p.aliases else "") + f"  {shape} {p.dtype}"]
     if p.role is not None:
-        lines.append(f"role       {p.role.name}{' (guessed)' if p.role.guessed else ''}: {p.role.evidence}")
-        if p.role.structure:
-            lines.append(f"structure  {p.role.structure}")
+        role = p.role
+        basis = ("guessed from names and shapes" if role.guessed else
+                 "traced" if role.basis == "trace" else
+                 "inferred without a trace" if role.untraced else role.basis)
+        lines.append(f"role       {role.name} ({basis}): {role.evidence}")
+        if role.inferred:
+            lines.append(f"           the module tree said {role.inferred}; the trace wins")
+        if role.untraced:
+            lines.append(f"           no trace: {role.untraced}")
+        if role.structure:
+            lines.append(f"structure  {role.structure}")
     if not p.requires_grad:
         lines.append("frozen     requires_grad=False: the optimizer skips it")
         return "\n".join(lines) + "\n"

@@ -2,8 +2,9 @@
 hidden, …; :mod:`geomopt.compile.roles`) as its role asks? GO113 a role rule idle for this model
 (a note), GO114 a ``roles:`` pattern naming no tensor, GO115 a head, embedding or router under a
 spectral geometry, GO116 a body matrix falling to a non-matrix catch-all, GO117 batched expert
-weights read as one matrix, and the notes GO118 guessed roles, GO119 an ambiguous head. All need a
-model or a checkpoint.
+weights read as one matrix, and the notes GO118 guessed roles, GO119 an ambiguous head, GO124 roles
+decided without a trace, GO125 traced roles that differ from the module tree's. All need a model or
+a checkpoint.
 """
 
 from __future__ import annotations
@@ -174,3 +175,48 @@ def ambiguous_role(ctx: LintContext):
     both = [p.name for p in ctx.params if p.role is not None and "one of two last layers" in p.role.evidence]
     if both:
         yield f"two candidate heads, both given role head: {', '.join(repr(n) for n in both)}", ("rules",)
+
+
+def _examples(items: list[str], n: int = 3) -> str:
+    return ", ".join(items[:n]) + (" …" if len(items) > n else "")
+
+
+@lint_rule("GO124", "untraced-roles", "note", needs_model=True)
+def untraced_roles(ctx: LintContext):
+    """Roles decided without a trace of the forward pass: no example inputs, a forward that failed
+    on the meta device and on the model's own, sharded parameters, or tensors the traced forward
+    never reached. Those roles come from the module tree (class names, registration order), which
+    models nobody here wrote can defeat; the note names the reason so it can be fixed.
+
+    Example: ``geomopt lint muon --model mypkg.models:make`` where ``make`` returns a bare module
+    notes "roles of 62 tensors decided without a trace: no example inputs …"; returning
+    ``(model, torch.zeros(2, 3, 64, 64))`` from the factory traces it.
+    """
+    if not any(r.match.role is not None for r in ctx.spec.rules) and not ctx.spec.roles:
+        return
+    by_reason: dict[str, list[str]] = {}
+    for p in ctx.params:
+        if p.role is not None and p.role.untraced:
+            by_reason.setdefault(p.role.untraced, []).append(f"'{p.name}' → {p.role.name}")
+    for reason, names in by_reason.items():
+        yield (f"roles of {len(names)} tensor(s) decided from the module tree, without a trace: {reason}; "
+               f"e.g. {_examples(names)}"), ("rules",)
+
+
+@lint_rule("GO125", "traced-role-differs", "note", needs_model=True)
+def traced_role_differs(ctx: LintContext):
+    """The traced forward gave a tensor another role than the module tree would: what the tensor
+    does (a matrix operand, a lookup, elementwise only, a grouped convolution, the layer producing
+    an output) decides, and this note lists what changed so nothing moves silently. ``geomopt
+    explain`` shows both verdicts and the op that decided.
+
+    Example: Mamba's ``mixer.A_log`` (64×8, used through ``exp``) was ``hidden`` by the module tree;
+    traced, it is used only elementwise: ``other``.
+    """
+    if not any(r.match.role is not None for r in ctx.spec.rules) and not ctx.spec.roles:
+        return
+    changed = [f"'{p.name}' {p.role.inferred.partition(':')[0]} → {p.role.name}" for p in ctx.params
+               if p.role is not None and p.role.inferred]
+    if changed:
+        yield (f"{len(changed)} role(s) from the traced forward differ from the module tree's: "
+               f"{_examples(changed, 4)} (geomopt explain shows why)"), ("rules",)

@@ -48,9 +48,15 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
     """``GeomOptimizer(model_or_named_parameters, spec)``: spec is a Spec, a path or a dict.
 
     ``roles``: role → name patterns (``{"head": ["proj_out.weight"]}``), over the roles inferred
-    from the model (:mod:`geomopt.compile.roles`) and the spec's ``roles:``. Roles are inferred
-    from an ``nn.Module``'s structure, guessed from names and shapes for an iterable of
+    from the model (:mod:`geomopt.compile.roles`) and the spec's ``roles:``. Roles are decided by
+    what each tensor does in one traced forward of an ``nn.Module`` (:mod:`geomopt.compile.trace`:
+    on the meta device, else one tiny forward that leaves the model as it was), from its
+    module tree where no trace runs, guessed from names and shapes for an iterable of
     (name, tensor), and only where the spec reads them (``match: {role: …}``, ``view: auto``).
+    ``example_inputs``: the traced forward's inputs (a tensor, a tuple of positional arguments, a
+    dict of keyword arguments, or a callable returning one); Hugging Face models and models with
+    an ``example_inputs()`` method supply their own. Without inputs, or when the forward fails,
+    roles come from the module tree and ``geomopt lint`` says why (GO124).
 
     ``track_update``: measure ‖X⁺ − X‖ each step for :meth:`diagnostics` (two passes over
     every tensor: off by default, like the gap).
@@ -92,12 +98,13 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
 
     def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, track_gap: bool = False,
                  track_update: bool = False, distributed: Union[str, bool] = "auto", process_group=None,
-                 cuda_graphs: bool = False, roles: Optional[dict] = None, implementation: str = "auto"):
+                 cuda_graphs: bool = False, roles: Optional[dict] = None, implementation: str = "auto",
+                 example_inputs=None):
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, not {implementation!r}")
         self.implementation = implementation
         self.spec = as_spec(spec)
-        infos, tensors = model_params(model_or_named_parameters, needs_roles(self.spec, roles))
+        infos, tensors = model_params(model_or_named_parameters, needs_roles(self.spec, roles), example_inputs)
         self.plan: Plan = plan_from_infos(self.spec, infos, roles=roles)
         self.spec_hash = spec_hash(self.spec)
         # the model's parameter order (a torch optimizer's state saved without names maps by it)

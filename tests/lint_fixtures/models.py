@@ -51,11 +51,33 @@ class TwoHeads(nn.Module):
         self.head_b = nn.Linear(8, 5)
 
 
+
+
+class Scan(nn.Module):
+    """A state-space-like block: a (8, 4) decay table used only through ``exp`` (the module tree
+    calls it a hidden matrix; the trace sees an elementwise use: GO125), a projection and a head;
+    it brings its own inputs for the trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.zeros(8, 4))
+        self.proj = nn.Linear(4, 8, bias=False)
+        self.head = nn.Linear(8, 3)
+
+    def example_inputs(self):
+        return torch.zeros(2, 4)
+
+    def forward(self, x):
+        h = self.proj(x) * torch.exp(-self.A_log.exp()).sum(-1)
+        return self.head(h)
+
+
 FACTORIES = {
     "frozen-gpt": frozen_gpt,
     "tied-gpt": tied_gpt,
     "moe": MoE,
     "two-heads": TwoHeads,
+    "scan": Scan,
     "linear-4x3": lambda: nn.Linear(4, 3),  # a weight and a 1-D bias (GO104)
     "qkv-64x192": lambda: nn.Linear(64, 192, bias=False),  # a fused q, k, v projection (GO104's view)
 }
