@@ -113,6 +113,9 @@ def apply_trace(infos: list[ParamInfo], inferred: dict[str, Role], trace: Trace)
                                untraced=f"the traced forward ({trace.device}) never reached it")
             continue
         roles, evidence = traced_role(t, inf)
+        if len(p.shape) < 2 and set(roles) & MATRIX_ROLES:  # a vector scaling a matrix (weight norm's g)
+            roles, evidence = (inf.roles, f"{inf.evidence}; traced: {evidence}") if (
+                set(inf.roles) <= _AGREES_ELEMENTWISE) else (("other",), f"a vector; traced: {evidence}")
         structure = traced_structure(p, t, roles, inf.structure if set(roles) & MATRIX_ROLES else None)
         differs = set(roles) != set(inf.roles)
         out[p.name] = Role(roles, evidence, False, structure, basis="trace",

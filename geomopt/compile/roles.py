@@ -7,7 +7,13 @@ flag (roles read from names and shapes only, as for a checkpoint) and a **struct
 ``auto`` matrix view reads (:mod:`geomopt.geometry.view`): ``{"batch": 1}`` for batched expert
 weights (E, out, in), ``{"blocks": [...]}`` for fused projections (sizes along the output axis).
 
-Inference from a model: every registered *module rule* below, in order, claims modules of the
+From a model, roles are decided by what each tensor does in one traced forward (meta device
+first, else one tiny forward that leaves the model as it was; inputs from ``example_inputs=``, the
+model's ``example_inputs()`` or a Hugging Face config): the rules below the op families. Where no
+trace runs (no inputs, a failing forward, sharded parameters) or the forward never reaches a
+tensor, the module tree decides, and lint (GO124) and ``explain`` say so.
+
+Inference from the module tree: every registered *module rule* below, in order, claims modules of the
 model; a parameter takes the role of the first claim on its owning module or an ancestor (the
 module rules' docstrings are the documentation). Then, per parameter: a norm module's parameters
 are ``norm``; otherwise a parameter named ``bias`` (or ``*_bias``) is ``bias``; otherwise the
@@ -81,7 +87,11 @@ def ensure_roles(infos: list[ParamInfo], spec_roles: Optional[dict] = None, extr
 
 def role_docs() -> str:
     """The inference rules, for ``geomopt rule roles``."""
-    parts = [__doc__.strip(), "Module rules, in order:"]
+    from geomopt.compile import role_trace
+    from geomopt.compile.op_families import family_docs
+
+    parts = [__doc__.strip(), (role_trace.__doc__ or "").strip(), "Op families (what the traced forward sees):",
+             family_docs(), "Module rules, in order (without a trace, and beside it):"]
     for _, fn in MODULE_RULES:
         parts.append("  " + " ".join((fn.__doc__ or "").split()))
     parts.append("From names and shapes:\n" + "\n".join("  " + line.strip() for line in

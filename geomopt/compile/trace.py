@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -33,6 +34,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from geomopt.compile.op_families import FAMILIES, GROUPED_MM, INDEX_OPS, Family, conv_family, family_of
+from geomopt.compile.trace_blocks import Feat, blocks, dim_index, follow
+from geomopt.compile.trace_meta import run_memoized, value_free
 
 aten = torch.ops.aten
 
@@ -53,13 +56,7 @@ _LIKE = frozenset({aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_l
                    aten.randn_like, aten.randint_like, aten.new_zeros, aten.new_ones, aten.new_empty,
                    aten.new_full, aten.new_empty_strided, aten.empty_strided, aten.sym_size, aten.sym_numel,
                    aten.sym_stride, aten.sym_storage_offset})
-_SPLITS = frozenset({aten.split, aten.split_with_sizes, aten.unsafe_split, aten.chunk, aten.unbind,
-                     aten.split_copy, aten.split_with_sizes_copy, aten.unbind_copy})
-_RESHAPES = frozenset({aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.view_copy,
-                       aten.unflatten, aten.flatten})
-_SAME_DIMS = frozenset({aten.clone, aten._to_copy, aten.contiguous, aten.alias, aten.detach, aten.expand,
-                        aten.lift_fresh, aten.resolve_conj, aten.resolve_neg, aten.native_dropout,
-                        aten.dropout, aten.detach_copy, aten.alias_copy})
+
 
 
 @dataclasses.dataclass
@@ -115,38 +112,16 @@ class _Ref:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Feat:
-    """Where a layer's output features sit in an activation: dim ``dim`` holds all of them
-    (``k`` = 0), or dim ``dim`` indexes ``k`` equal chunks of them (after ``view(…, k, n/k)``)."""
-
-    layer: int
-    dim: int
-    size: int  # the layer's number of output features
-    k: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
 class _Act:
     """An activation: the layers whose outputs reach it with no layer between (``src``), whether it
     comes from the model's inputs alone (``raw``), and where a layer's features sit (``feat``)."""
 
     src: frozenset = frozenset()
     raw: bool = False
-    feat: Optional[_Feat] = None
+    feat: Optional[Feat] = None
 
 
 _EMPTY = _Act()
-
-
-def _dim(d: int, ndim: int) -> int:
-    return d + ndim if d < 0 else d
-
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= int(x)
-    return out
 
 
 class _Tracer(TorchDispatchMode):
@@ -167,32 +142,7 @@ class _Tracer(TorchDispatchMode):
         self.fed: set[int] = set()  # layer calls whose output entered another parameterized layer
         self.pieces: dict[int, set] = {}  # weight → {(start, stop)} cuts of its layers' output features
         self.value_free = value_free
-
-    # ------------------------------------------------------------ the data-dependent ops on meta
-
-    def _value_free(self, func, args, kwargs):
-        """On meta, ops that read values get plausible stand-ins: a scalar is 0 / False (an index, a
-        count, a condition), ``nonzero`` finds every element, a copy to the CPU is zeros."""
-        packet = func.overloadpacket
-        if packet is aten._local_scalar_dense:
-            t = args[0]
-            return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
-        if packet is aten.is_nonzero:
-            return False
-        if packet is aten.equal:
-            return True
-        if packet in GROUPED_MM and args[0].ndim in (2, 3) and args[1].ndim == 3:
-            a, b = args[0], args[1]  # (tokens, k) × (experts, k, n) → (tokens, n); batched 3-D × 3-D
-            shape = (a.shape[0], b.shape[-1]) if a.ndim == 2 else (a.shape[0], a.shape[1], b.shape[-1])
-            out_dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 and args[4] is not None else a.dtype)
-            return torch.empty(shape, dtype=out_dtype, device="meta")
-        if packet is aten.nonzero:
-            t = args[0]
-            return torch.empty((t.numel(), t.ndim), dtype=torch.long, device="meta")
-        if packet is aten._to_copy and kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "meta":
-            t = args[0]
-            return torch.zeros(t.shape, dtype=kwargs.get("dtype") or t.dtype, device=kwargs["device"])
-        return NotImplemented
+        self.memo: dict = {}  # (op, input metadata) → output metadata, for meta kernels (repeated blocks)
 
     # ------------------------------------------------------------ dispatch
 
@@ -200,7 +150,9 @@ class _Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         out = NotImplemented
         if self.value_free:
-            out = self._value_free(func, args, kwargs)
+            out = value_free(func, args, kwargs)
+            if out is NotImplemented:
+                out = run_memoized(self.memo, func, args, kwargs)
         if out is NotImplemented:
             out = func(*args, **kwargs)
         try:
@@ -237,11 +189,11 @@ class _Tracer(TorchDispatchMode):
             # a weight (a view of a parameter) times a learned input computed from parameters (DETR's
             # object queries): the computed one is the layer's input
             weight_pos = [p for p in weight_pos if not refs[args[p]].computed]
-        if weight_pos:
+        if weight_pos and fam is not None:
             self._layer(func, fam, args, weight_pos, acts_in, outs)
-            operands = [args[p] for p in weight_pos]
+            weights = [args[p] for p in weight_pos]
             for a, r in params_in:  # a weight's companions (addmm's bias, a learned input): elementwise
-                if not any(a is o for o in operands):
+                if not any(a is o for o in weights):
                     detail = "a layer's input computed from parameters" if r.computed else ""
                     for j in r.params:
                         self.uses[j].setdefault("elementwise", Use("elementwise", str(func.overloadpacket), detail))
@@ -285,8 +237,8 @@ class _Tracer(TorchDispatchMode):
         if outs:
             fd = fam.feature_dim(func, args, weight_pos[0])
             if fd is not None and outs[0].ndim:
-                d = _dim(fd, outs[0].ndim)
-                feat = _Feat(layer, d, int(outs[0].shape[d]))
+                d = dim_index(fd, outs[0].ndim)
+                feat = Feat(layer, d, int(outs[0].shape[d]))
         act = _Act(frozenset((layer,)), False, feat)
         for o in outs:
             self.acts[o] = act
@@ -297,7 +249,7 @@ class _Tracer(TorchDispatchMode):
         batched = any(r.batched for _, r in params_in)
         indexed = any(r.indexed for _, r in params_in)
         if packet in (aten.select, aten.select_copy) and args[0] in self.refs and len(args) > 1:
-            batched = batched or _dim(int(args[1]), args[0].ndim) == 0
+            batched = batched or dim_index(int(args[1]), args[0].ndim) == 0
         elif packet in INDEX_OPS:
             batched = indexed = True
         computed = packet not in _VIEWS or any(r.computed for _, r in params_in)
@@ -315,8 +267,8 @@ class _Tracer(TorchDispatchMode):
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         head = self.acts.get(first) if first is not None else None
         if head is not None and head.feat is not None and outs:
-            feat = self._follow(func, args, kwargs, head.feat, outs)
-        if feat is None or isinstance(feat, _Feat):
+            feat = follow(func, args, kwargs, head.feat, outs, self._cut)
+        if feat is None or isinstance(feat, Feat):
             act = _Act(src, raw, feat)
             for o in outs:
                 self.acts[o] = act
@@ -326,118 +278,12 @@ class _Tracer(TorchDispatchMode):
 
     # ------------------------------------------------------------ following a layer's features
 
-    def _cut(self, feat: _Feat, start: int, stop: int) -> None:
+    def _cut(self, feat: Feat, start: int, stop: int) -> None:
         """Record that features [start, stop) of ``feat``'s layer (in units of its dim) were cut out."""
         unit = feat.size // feat.k if feat.k else 1
         for i in self.calls[feat.layer]:
             self.pieces.setdefault(i, set()).add((start * unit, stop * unit))
 
-    def _follow(self, func, args, kwargs, feat: _Feat, outs):
-        packet = func.overloadpacket
-        x = args[0]
-        nd = x.ndim
-        length = feat.k or feat.size
-        if packet in _SPLITS:
-            dim = _dim(int(args[2] if len(args) > 2 else kwargs.get("dim", 0)) if packet is not aten.unbind
-                       and packet is not aten.unbind_copy else int(args[1] if len(args) > 1 else kwargs.get("dim", 0)),
-                       nd)
-            if dim != feat.dim:
-                return [dataclasses.replace(feat, dim=feat.dim - (1 if dim < feat.dim else 0)) for _ in outs] \
-                    if packet in (aten.unbind, aten.unbind_copy) else feat
-            start = 0
-            for o in outs:
-                size = 1 if packet in (aten.unbind, aten.unbind_copy) else int(o.shape[dim])
-                self._cut(feat, start, start + size)
-                start += size
-            return None
-        if packet in (aten.slice, aten.slice_copy, aten.narrow):
-            dim = _dim(int(args[1]) if len(args) > 1 else 0, nd)
-            if dim != feat.dim:
-                return feat
-            if packet is aten.narrow:
-                start, stop = int(args[2]), int(args[2]) + int(args[3])
-            else:
-                start = int(args[2]) if len(args) > 2 and args[2] is not None else 0
-                stop = int(args[3]) if len(args) > 3 and args[3] is not None else length
-                step = int(args[4]) if len(args) > 4 else 1
-                if step != 1:
-                    return None
-                start, stop = max(0, start + length if start < 0 else start), min(length, stop + length
-                                                                                    if stop < 0 else stop)
-            if (start, stop) != (0, length):
-                self._cut(feat, start, stop)
-                return None
-            return feat
-        if packet in (aten.select, aten.select_copy):
-            dim = _dim(int(args[1]), nd)
-            if dim == feat.dim:
-                i = int(args[2])
-                i = i + length if i < 0 else i
-                if feat.k:
-                    self._cut(feat, i, i + 1)
-                return None
-            return dataclasses.replace(feat, dim=feat.dim - (1 if dim < feat.dim else 0))
-        if packet is aten.glu and _dim(int(args[1]) if len(args) > 1 else -1, nd) == feat.dim and not feat.k:
-            self._cut(feat, 0, feat.size // 2)
-            self._cut(feat, feat.size // 2, feat.size)
-            return None
-        out = outs[0]
-        if packet in _SAME_DIMS:
-            return feat if out.ndim == nd else None
-        if packet in (aten.t, aten.transpose, aten.transpose_copy, aten.t_copy):
-            a, b = (0, 1) if packet in (aten.t, aten.t_copy) else (_dim(int(args[1]), nd), _dim(int(args[2]), nd))
-            d = b if feat.dim == a else a if feat.dim == b else feat.dim
-            return dataclasses.replace(feat, dim=d)
-        if packet in (aten.permute, aten.permute_copy):
-            order = [_dim(int(d), nd) for d in args[1]]
-            return dataclasses.replace(feat, dim=order.index(feat.dim))
-        if packet in (aten.unsqueeze, aten.unsqueeze_copy):
-            d = _dim(int(args[1]), nd + 1)
-            return dataclasses.replace(feat, dim=feat.dim + (1 if d <= feat.dim else 0))
-        if packet in (aten.squeeze, aten.squeeze_copy):
-            if out.ndim == nd:
-                return feat
-            dims = args[1] if len(args) > 1 else None
-            dims = [dims] if isinstance(dims, int) else list(dims) if dims is not None else list(range(nd))
-            gone = [i for i in (_dim(int(d), nd) for d in dims) if x.shape[i] == 1]
-            if feat.dim in gone:
-                return None
-            return dataclasses.replace(feat, dim=feat.dim - sum(g < feat.dim for g in gone))
-        if packet in _RESHAPES:
-            return _reshape(feat, tuple(x.shape), tuple(out.shape))
-        if torch.Tag.pointwise in func.tags and tuple(out.shape) == tuple(x.shape):
-            return feat
-        return None
-
-
-def _reshape(feat: _Feat, before: tuple, after: tuple) -> Optional[_Feat]:
-    """Where the features go through a reshape: kept whole at a new dim, or split into (k, n/k)
-    with k leading; anything else loses them."""
-    d = feat.dim
-    lead, size, trail = _prod(before[:d]), before[d], _prod(before[d + 1:])
-    acc = 1
-    for j in range(len(after) + 1):
-        if acc == lead:
-            break
-        if j == len(after) or acc > lead:
-            return None
-        acc *= after[j]
-    else:
-        return None
-    while j < len(after) and after[j] == 1 and size != 1:
-        j += 1  # size-1 dims before the features belong to the leading dims
-    # dims j … m of ``after`` hold the features (their product is ``size``) with ``trail`` after them
-    acc, m = 1, j
-    while m < len(after) and acc < size:
-        acc *= after[m]
-        m += 1
-    if acc != size or _prod(after[m:]) != trail:
-        return None
-    if feat.k:
-        return dataclasses.replace(feat, dim=j) if m - j >= 1 and after[j] == feat.k else None
-    if m - j == 1:
-        return dataclasses.replace(feat, dim=j)
-    return dataclasses.replace(feat, dim=j, k=int(after[j]))
 
 
 # ---------------------------------------------------------------- outputs
@@ -486,7 +332,7 @@ def _to_meta(x):
     return x
 
 
-def _run(model, names: list[str], params: list[torch.Tensor], buffers: dict, args, kwargs, meta: bool):
+def _run(model, names: list[list[str]], params: list[torch.Tensor], buffers: dict, args, kwargs, meta: bool):
     """One forward under the tracer; returns (tracer, output)."""
     if meta:
         stand_ins = [torch.empty_like(p, device="meta").requires_grad_(p.is_floating_point() or p.is_complex())
@@ -516,10 +362,40 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:160]}{'…' if len(text) > 160 else ''}"
 
 
+# model → (signature, Trace or TraceError): one trace per model, parameters and input shapes
+_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _signature(model: torch.nn.Module, named: list, inputs) -> tuple:
+    leaves = tree_flatten((inputs.args, inputs.kwargs))[0]
+    return (model.training, tuple((n, id(p), tuple(p.shape), p.dtype, p.device) for n, p in named),
+            tuple((tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else repr(x)[:64]
+                  for x in leaves))
+
+
 def trace_model(model: torch.nn.Module, inputs) -> Trace:
     """Trace one forward of ``model`` on ``inputs`` (an :class:`~geomopt.compile.trace_inputs.Inputs`);
-    raises :class:`TraceError` saying why when neither the meta nor the real forward runs."""
+    raises :class:`TraceError` saying why when neither the meta nor the real forward runs. The
+    result is kept for the model while its parameters (identity, shape, dtype, device), its
+    training mode and the inputs' shapes stay the same."""
     named = list(model.named_parameters(remove_duplicate=False))
+    key = _signature(model, named, inputs)
+    hit = _CACHE.get(model)
+    if hit is not None and hit[0] == key:
+        if isinstance(hit[1], TraceError):
+            raise hit[1]
+        return hit[1]
+    try:
+        result: Any = _trace(model, named, inputs)
+    except TraceError as exc:
+        result = exc
+    _CACHE[model] = (key, result)
+    if isinstance(result, TraceError):
+        raise result
+    return result
+
+
+def _trace(model: torch.nn.Module, named: list, inputs) -> Trace:
     index: dict[int, int] = {}
     names: list[list[str]] = []
     params: list[torch.Tensor] = []
@@ -557,20 +433,10 @@ def trace_model(model: torch.nn.Module, inputs) -> Trace:
                     heads.setdefault(i, oname)
     result = {}
     for i, group in enumerate(names):
-        blocks = _blocks(tracer.pieces.get(i), int(params[i].shape[0]) if params[i].ndim else 0)
+        cuts = blocks(tracer.pieces.get(i))
         result[group[0]] = TensorTrace(tracer.uses[i], tracer.batched[i], heads.get(i), tracer.stems[i],
-                                       tracer.reads_input[i], blocks)
+                                       tracer.reads_input[i], cuts)
     return Trace(result, device, tuple(n for n, _ in outputs), tuple(notes))
-
-
-def _blocks(pieces: Optional[set], _rows: int) -> Optional[list[int]]:
-    """Block sizes when the cuts of a layer's output partition its features into ≥ 2 pieces."""
-    if not pieces or len(pieces) < 2:
-        return None
-    ordered = sorted(pieces)
-    if ordered[0][0] != 0 or any(a[1] != b[0] for a, b in zip(ordered, ordered[1:])):
-        return None
-    return [b - a for a, b in ordered]
 
 
 __all__ = ["FAMILIES", "Trace", "TensorTrace", "TraceError", "Use", "trace_model"]

@@ -9,6 +9,7 @@ from torch import nn
 class SmallCNN(nn.Module):
     def __init__(self, in_channels: int = 1, width: int = 32, n_classes: int = 10):
         super().__init__()
+        self.in_channels = in_channels
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
             nn.Conv2d(width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(),
@@ -20,8 +21,7 @@ class SmallCNN(nn.Module):
 
     def example_inputs(self) -> torch.Tensor:
         """One 8×8 image for one traced forward (roles from use: geomopt.compile.trace)."""
-        conv = self.features[0]
-        return torch.zeros(1, conv.in_channels, 8, 8, device=conv.weight.device)
+        return torch.zeros(1, self.in_channels, 8, 8, device=self.head.weight.device)
 
     def forward(self, x):
         return self.head(self.features(x).flatten(1))

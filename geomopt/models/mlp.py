@@ -16,8 +16,8 @@ class MLP(nn.Module):
 
     def example_inputs(self) -> torch.Tensor:
         """One input row for one traced forward (roles from use: geomopt.compile.trace)."""
-        first = self.layers[0] if len(self.layers) else self.head
-        return torch.zeros(1, first.in_features, device=first.weight.device)
+        d_in = self.head.in_features if len(self.layers) == 0 else self.layers[0].weight.shape[1]
+        return torch.zeros(1, d_in, device=self.head.weight.device)
 
     def forward(self, x):
         x = x.flatten(1)

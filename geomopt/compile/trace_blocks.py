@@ -1,0 +1,174 @@
+"""Views from use: where a layer's output features go through the traced forward, and the blocks
+its cuts make.
+
+A parameterized layer's output holds its weight's output features along one dim. Views, transposes,
+permutes and pointwise ops carry them to a new dim (:class:`Feat`); a reshape may split them into
+``k`` equal chunks with the chunk index leading (``view(…, 3, n/3)``: q, k, v of
+``nn.MultiheadAttention``; but ``view(…, heads, 3, d)`` interleaves q, k, v per head and is not a cut
+into row blocks); ``split``, ``chunk``, slices, ``unbind``, ``select`` and ``glu`` along them cut
+pieces. Pieces that tile the features into two or more make the weight's output blocks
+(:func:`blocks`): a fused q, k, v or gate, up projection, found from what the forward does with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+aten = torch.ops.aten
+
+_SPLITS = frozenset({aten.split, aten.split_with_sizes, aten.unsafe_split, aten.chunk, aten.unbind,
+                     aten.split_copy, aten.split_with_sizes_copy, aten.unbind_copy})
+_RESHAPES = frozenset({aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.view_copy,
+                       aten.unflatten, aten.flatten})
+_SAME_DIMS = frozenset({aten.clone, aten._to_copy, aten.contiguous, aten.alias, aten.detach, aten.expand,
+                        aten.lift_fresh, aten.resolve_conj, aten.resolve_neg, aten.native_dropout,
+                        aten.dropout, aten.detach_copy, aten.alias_copy})
+
+
+@dataclasses.dataclass(frozen=True)
+class Feat:
+    """Where a layer's output features sit in an activation: dim ``dim`` holds all of them
+    (``k`` = 0), or dim ``dim`` indexes ``k`` equal chunks of them (after ``view(…, k, n/k)``)."""
+
+    layer: int
+    dim: int
+    size: int  # the layer's number of output features
+    k: int = 0
+
+
+def dim_index(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
+def follow(func, args, kwargs, feat: Feat, outs, cut: Callable[[Feat, int, int], None]):
+    """Where ``feat`` sits in the output of op ``func`` on an activation holding it: a new
+    :class:`Feat`, a list of them (one per output of ``unbind``), or None (lost, or cut: ``cut``
+    records the pieces)."""
+    packet = func.overloadpacket
+    x = args[0]
+    nd = x.ndim
+    length = feat.k or feat.size
+    if packet in _SPLITS:
+        dim = dim_index(int(args[2] if len(args) > 2 else kwargs.get("dim", 0)) if packet is not aten.unbind
+                   and packet is not aten.unbind_copy else int(args[1] if len(args) > 1 else kwargs.get("dim", 0)),
+                   nd)
+        if dim != feat.dim:
+            return [dataclasses.replace(feat, dim=feat.dim - (1 if dim < feat.dim else 0)) for _ in outs] \
+                if packet in (aten.unbind, aten.unbind_copy) else feat
+        start = 0
+        for o in outs:
+            size = 1 if packet in (aten.unbind, aten.unbind_copy) else int(o.shape[dim])
+            cut(feat, start, start + size)
+            start += size
+        return None
+    if packet in (aten.slice, aten.slice_copy, aten.narrow):
+        dim = dim_index(int(args[1]) if len(args) > 1 else 0, nd)
+        if dim != feat.dim:
+            return feat
+        if packet is aten.narrow:
+            start, stop = int(args[2]), int(args[2]) + int(args[3])
+        else:
+            start = int(args[2]) if len(args) > 2 and args[2] is not None else 0
+            stop = int(args[3]) if len(args) > 3 and args[3] is not None else length
+            step = int(args[4]) if len(args) > 4 else 1
+            if step != 1:
+                return None
+            start, stop = max(0, start + length if start < 0 else start), min(length, stop + length
+                                                                                if stop < 0 else stop)
+        if (start, stop) != (0, length):
+            cut(feat, start, stop)
+            return None
+        return feat
+    if packet in (aten.select, aten.select_copy):
+        dim = dim_index(int(args[1]), nd)
+        if dim == feat.dim:
+            i = int(args[2])
+            i = i + length if i < 0 else i
+            if feat.k:
+                cut(feat, i, i + 1)
+            return None
+        return dataclasses.replace(feat, dim=feat.dim - (1 if dim < feat.dim else 0))
+    if packet is aten.glu and dim_index(int(args[1]) if len(args) > 1 else -1, nd) == feat.dim and not feat.k:
+        cut(feat, 0, feat.size // 2)
+        cut(feat, feat.size // 2, feat.size)
+        return None
+    out = outs[0]
+    if packet in _SAME_DIMS:
+        return feat if out.ndim == nd else None
+    if packet in (aten.t, aten.transpose, aten.transpose_copy, aten.t_copy):
+        a, b = (0, 1) if packet in (aten.t, aten.t_copy) else (dim_index(int(args[1]), nd), dim_index(int(args[2]), nd))
+        d = b if feat.dim == a else a if feat.dim == b else feat.dim
+        return dataclasses.replace(feat, dim=d)
+    if packet in (aten.permute, aten.permute_copy):
+        order = [dim_index(int(d), nd) for d in args[1]]
+        return dataclasses.replace(feat, dim=order.index(feat.dim))
+    if packet in (aten.unsqueeze, aten.unsqueeze_copy):
+        d = dim_index(int(args[1]), nd + 1)
+        return dataclasses.replace(feat, dim=feat.dim + (1 if d <= feat.dim else 0))
+    if packet in (aten.squeeze, aten.squeeze_copy):
+        if out.ndim == nd:
+            return feat
+        dims = args[1] if len(args) > 1 else None
+        dims = [dims] if isinstance(dims, int) else list(dims) if dims is not None else list(range(nd))
+        gone = [i for i in (dim_index(int(d), nd) for d in dims) if x.shape[i] == 1]
+        if feat.dim in gone:
+            return None
+        return dataclasses.replace(feat, dim=feat.dim - sum(g < feat.dim for g in gone))
+    if packet in _RESHAPES:
+        return _reshape(feat, tuple(x.shape), tuple(out.shape))
+    if torch.Tag.pointwise in func.tags and tuple(out.shape) == tuple(x.shape):
+        return feat
+    return None
+
+
+def _reshape(feat: Feat, before: tuple, after: tuple) -> Optional[Feat]:
+    """Where the features go through a reshape: kept whole at a new dim, or split into (k, n/k)
+    with k leading; anything else loses them."""
+    d = feat.dim
+    lead, size, trail = _prod(before[:d]), before[d], _prod(before[d + 1:])
+    acc = 1
+    for j in range(len(after) + 1):
+        if acc == lead:
+            break
+        if j == len(after) or acc > lead:
+            return None
+        acc *= after[j]
+    else:
+        return None
+    while j < len(after) and after[j] == 1 and size != 1:
+        j += 1  # size-1 dims before the features belong to the leading dims
+    # dims j … m of ``after`` hold the features (their product is ``size``) with ``trail`` after them
+    acc, m = 1, j
+    while m < len(after) and acc < size:
+        acc *= after[m]
+        m += 1
+    if acc != size or _prod(after[m:]) != trail:
+        return None
+    if feat.k:
+        return dataclasses.replace(feat, dim=j) if m - j >= 1 and after[j] == feat.k else None
+    if m - j == 1:
+        return dataclasses.replace(feat, dim=j)
+    return dataclasses.replace(feat, dim=j, k=int(after[j]))
+
+
+def blocks(pieces: Optional[set]) -> Optional[list[int]]:
+    """Block sizes when the cuts of a layer's output partition its features into ≥ 2 pieces."""
+    if not pieces or len(pieces) < 2:
+        return None
+    ordered = sorted(pieces)
+    if ordered[0][0] != 0 or any(a[1] != b[0] for a, b in zip(ordered, ordered[1:])):
+        return None
+    return [b - a for a, b in ordered]
+
+
+__all__ = ["Feat", "blocks", "follow"]
