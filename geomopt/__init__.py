@@ -10,11 +10,12 @@ from geomopt.spec import Diagnostic, Spec, SpecError, dump_spec, load_spec, pars
 if TYPE_CHECKING:
     # seen by type checkers only; at runtime these load lazily through __getattr__ below
     from geomopt.compile import compile_spec
+    from geomopt.compile.lock import RoutingChangedError
     from geomopt.functional import backward_step, forward_step
     from geomopt.optim import GeomOptimizer
 
 __all__ = ["Diagnostic", "Spec", "SpecError", "dump_spec", "load_spec", "parse_spec", "shipped_specs", "compile_spec",
-           "forward_step", "backward_step", "GeomOptimizer"]
+           "forward_step", "backward_step", "GeomOptimizer", "RoutingChangedError"]
 __version__ = "0.1.0"
 
 
@@ -26,6 +27,9 @@ def __getattr__(name: str) -> object:
     if name in ("forward_step", "backward_step"):
         from geomopt import functional
         return getattr(functional, name)
+    if name == "RoutingChangedError":
+        from geomopt.compile.lock import RoutingChangedError
+        return RoutingChangedError
     if name == "GeomOptimizer":
         from geomopt.optim import GeomOptimizer
         return GeomOptimizer

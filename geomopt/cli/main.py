@@ -94,10 +94,12 @@ def load_model(ref: str):
 def _params(args):
     """ParamInfos from --model / --checkpoint, or None (lint the spec alone)."""
     from geomopt.compile.compiler import model_params
+    from geomopt.compile.lock import model_label
     from geomopt.compile.params import params_from_checkpoint
 
     if getattr(args, "model", None):
         model, inputs = load_model(args.model)
+        args.model_label = model_label(model)  # a routing lock's header (plan --lock / --check)
         return model_params(model, example_inputs=inputs)[0], False
     if getattr(args, "checkpoint", None):
         try:
@@ -178,6 +180,8 @@ def cmd_plan(args) -> int:
     from geomopt.compile import lint_spec, plan_from_infos
     from geomopt.spec.validate import load_spec
 
+    if (args.lock or args.check) and args.format != "text":
+        raise UsageError("--lock and --check write and compare a lock file; --format applies to the plan's table")
     params, from_ckpt = _required_params(args, "plan")
     try:
         spec = load_spec(args.spec)
@@ -185,6 +189,10 @@ def cmd_plan(args) -> int:
     except SpecError as exc:
         report(exc.diagnostics, args.format)
         return _status(exc.diagnostics, False)
+    if args.lock or args.check:
+        from geomopt.cli.lock import lock_or_check
+
+        return lock_or_check(args, spec, plan)
     if args.format == "json":
         rows = [{**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)}, "bucket": p.bucket}
                 for p in plan.params]
@@ -365,6 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("spec", metavar="SPEC", help=SPEC_HELP)
     target(sp)
     sp.add_argument("--format", choices=("text", "json"), default="text")
+    g = sp.add_mutually_exclusive_group()
+    g.add_argument("--lock", metavar="FILE", help="write the routing (tensor → role, rule, view) to FILE for CI")
+    g.add_argument("--check", metavar="FILE", help="compare the routing with the lock FILE: exit 1 with the diff "
+                   "when it changed")
     sp.set_defaults(fn=cmd_plan)
 
     sp = sub.add_parser("explain", help="why one tensor gets its update: role, rules, view, ops, lr, radius")

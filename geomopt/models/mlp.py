@@ -9,6 +9,7 @@ from torch import nn
 class MLP(nn.Module):
     def __init__(self, d_in: int = 64, width: int = 128, depth: int = 3, d_out: int = 10):
         super().__init__()
+        self.d_in = d_in
         dims = [d_in] + [width] * (depth - 1)
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
         self.head = nn.Linear(dims[-1], d_out)
@@ -16,8 +17,7 @@ class MLP(nn.Module):
 
     def example_inputs(self) -> torch.Tensor:
         """One input row for one traced forward (roles from use: geomopt.compile.trace)."""
-        d_in = self.head.in_features if len(self.layers) == 0 else self.layers[0].weight.shape[1]
-        return torch.zeros(1, d_in, device=self.head.weight.device)
+        return torch.zeros(1, self.d_in, device=self.head.weight.device)
 
     def forward(self, x):
         x = x.flatten(1)

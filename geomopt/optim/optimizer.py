@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 
 from geomopt.compile import as_spec, plan_from_infos
 from geomopt.compile.compiler import model_params, needs_roles
+from geomopt.compile.lock import check_routing, model_label
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.distributed import LocalExecutor, ShardedExecutor, is_dtensor, make_executor
 from geomopt.distributed.layout import layout_key
@@ -94,12 +95,17 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
     matrices, a slow CPU); each graph keeps a private memory pool of about its bucket's size in
     fp32 (+450 MiB there, for 340 MB of matrices). No effect on CPU, under torch.distributed, or
     while the caller is itself capturing a graph.
+
+    ``expect``: a routing lock (a file ``geomopt plan … --lock`` wrote, or a
+    :class:`geomopt.compile.lock.Lock`): raises :class:`geomopt.RoutingChangedError`, with the diff,
+    when the plan routes a tensor to another rule, role or view than the lock, or the tensors
+    differ, before anything is built (a run that would silently fall back to AdamW stops here).
     """
 
     def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, track_gap: bool = False,
                  track_update: bool = False, distributed: Union[str, bool] = "auto", process_group=None,
                  cuda_graphs: bool = False, roles: Optional[dict] = None, implementation: str = "auto",
-                 example_inputs=None):
+                 example_inputs=None, expect=None):
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, not {implementation!r}")
         self.implementation = implementation
@@ -107,6 +113,8 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
         infos, tensors = model_params(model_or_named_parameters, needs_roles(self.spec, roles), example_inputs)
         self.plan: Plan = plan_from_infos(self.spec, infos, roles=roles)
         self.spec_hash = spec_hash(self.spec)
+        if expect is not None:  # before anything is built or projected: a changed routing stops here
+            check_routing(self.plan, expect, spec_hash=self.spec_hash, model=model_label(model_or_named_parameters))
         # the model's parameter order (a torch optimizer's state saved without names maps by it)
         self._order = ([i.name for i in infos], [i.name for i in infos if i.requires_grad])
         self.track_gap = track_gap
