@@ -1,12 +1,15 @@
-"""Compile time of a 10,000-tensor model, two workloads:
+"""Compile time of a 10,000-tensor model and of a Llama-3-8B-sized one, three workloads:
 
 * ``names``: a 20-rule spec of name patterns against an iterable of (name, tensor) with meta
   tensors (no memory, no init) and realistic dotted names (``blocks.{i}.attn.q.weight`` …);
 * ``roles``: the shipped ``muon.yaml`` (rules by role, ``view: auto``) against an ``nn.Module`` of
-  the same tensors built on the meta device, so role inference from the module tree is timed too.
+  the same tensors built on the meta device, with a forward and example inputs, so deciding roles
+  (one traced forward on meta, and the module tree's inference) is timed too;
+* ``llama-8b``: ``muon.yaml`` against Hugging Face's ``LlamaForCausalLM`` with Llama-3-8B's config
+  (32 layers, width 4096, 128,256 tokens) built on the meta device: its forward traced on meta.
 
-Reports the median of 5 runs of ``compile_spec`` for each; with ``--record`` appends the rows
-under "## Compile" in benchmarks/RESULTS.md.
+Reports the median of 5 runs of ``compile_spec`` for each, the trace cache cleared before each
+run; with ``--record`` appends the rows under "## Compile" in benchmarks/RESULTS.md.
 
     python benchmarks/compile.py [--blocks 500] [--runs 5] [--record] [--note TEXT]
 """
@@ -64,12 +67,43 @@ class Block(torch.nn.Module):
         self.adapter.down, self.adapter.up = lin(D, D // 4, bias=False), lin(D // 4, D, bias=False)
 
 
+    def forward(self, x):
+        h = self.ln_1(x)
+        q, k, v = self.attn.q(h), self.attn.k(h), self.attn.v(h)
+        att = torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+        x = x + self.attn.o(att)
+        h = self.ln_2(x)
+        x = x + self.mlp.proj(torch.nn.functional.gelu(self.mlp.fc(h)) * self.mlp.gate(h))
+        return x + self.adapter.up(self.adapter.down(x))
+
+
 class Model(torch.nn.Module):
     def __init__(self, blocks: int):
         super().__init__()
         self.emb = torch.nn.Embedding(256, D)
         self.blocks = torch.nn.ModuleList(Block() for _ in range(blocks))
         self.head = torch.nn.Linear(D, 256, bias=False)
+
+    def example_inputs(self):
+        return torch.zeros(1, 4, dtype=torch.long, device=self.head.weight.device)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def llama_8b() -> torch.nn.Module:
+    """Hugging Face Llama with Llama-3-8B's configuration, on the meta device (no memory)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
 
 
 def synthetic_model(blocks: int) -> torch.nn.Module:
@@ -124,15 +158,19 @@ def bench(blocks: int, runs: int, workload: str = "names") -> tuple[float, float
     """(median wall seconds, median process CPU seconds, tensors planned) over ``runs`` compiles.
 
     CPU time is reported too: on a shared 2-core machine the wall time also measures the neighbours."""
+    from geomopt.compile import as_spec
+    from geomopt.compile import trace
+
     if workload == "names":
         spec, model = SPEC, synthetic_params(blocks)
-    else:
-        from geomopt.compile import as_spec
-
+    elif workload == "roles":
         spec, model = as_spec(MUON), synthetic_model(blocks)
+    else:
+        spec, model = as_spec(MUON), llama_8b()
     compile_spec(spec, model)  # warm-up: imports, regex cache
     wall, cpu, n = [], [], 0
     for _ in range(runs):
+        getattr(trace, "_CACHE", {}).clear()  # each run traces (a package without tracing has no cache)
         t0, c0 = time.perf_counter(), time.process_time()
         plan = compile_spec(spec, model)
         wall.append(time.perf_counter() - t0)
@@ -147,15 +185,18 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--record", action="store_true", help="append the rows to benchmarks/RESULTS.md")
     ap.add_argument("--note", default="", help="free text for the last column")
+    ap.add_argument("--workloads", nargs="+", default=["names", "roles", "llama-8b"],
+                    choices=["names", "roles", "llama-8b"])
     args = ap.parse_args()
     print(f"| date | machine | torch | workload | wall (median of {args.runs}) | CPU | note |")
     print("|---|---|---|---|---|---|---|")
-    for workload in ("names", "roles"):
+    for workload in args.workloads:
         wall, cpu, n = bench(args.blocks, args.runs, workload)
         load = f"load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
         note = "; ".join(x for x in (args.note, load) if x)
-        what = (f"{len(SPEC['rules'])} name rules × {n} tensors" if workload == "names"
-                else f"muon.yaml (roles inferred, view: auto) × {n}-tensor nn.Module")
+        what = {"names": f"{len(SPEC['rules'])} name rules × {n} tensors",
+                "roles": f"muon.yaml (roles traced, view: auto) × {n}-tensor nn.Module",
+                "llama-8b": f"muon.yaml × Llama-3-8B config on meta ({n} tensors, traced)"}[workload]
         row = (f"| {datetime.date.today().isoformat()} | {os.cpu_count()}-core CPU ({platform.machine()}) "
                f"| torch {torch.__version__} | {what} | {wall * 1000:.0f} ms | {cpu * 1000:.0f} ms | {note} |")
         print(row)

@@ -31,7 +31,6 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
 
 from geomopt.compile.op_families import FAMILIES, GROUPED_MM, INDEX_OPS, Family, conv_family, family_of
 from geomopt.compile.trace_blocks import Feat, blocks, dim_index, follow
@@ -51,6 +50,9 @@ _VIEWS = frozenset({
     aten.slice_copy, aten.unbind_copy, aten.split_copy, aten.split_with_sizes_copy, aten.detach_copy,
     aten.alias_copy, aten._unsafe_index_put, aten.index_put,
 }) | INDEX_OPS
+_SELECTS = frozenset({aten.select, aten.select_copy})
+_PLAIN_VIEWS = _VIEWS - _SELECTS - INDEX_OPS
+
 # ops that read a tensor for its shape, dtype and device only: their outputs are constants
 _LIKE = frozenset({aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like,
                    aten.randn_like, aten.randint_like, aten.new_zeros, aten.new_ones, aten.new_empty,
@@ -124,13 +126,51 @@ class _Act:
 _EMPTY = _Act()
 
 
+class _IdMap:
+    """Tensor → value by identity, keeping each tensor alive for the trace (so no id is reused);
+    the tensors of one small or meta forward cost little to keep."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self):
+        self._items: dict[int, tuple] = {}
+
+    def get(self, t, default=None):
+        hit = self._items.get(id(t))
+        return default if hit is None else hit[1]
+
+    def __contains__(self, t) -> bool:
+        return id(t) in self._items
+
+    def __getitem__(self, t):
+        return self._items[id(t)][1]
+
+    def __setitem__(self, t, value) -> None:
+        self._items[id(t)] = (t, value)
+
+
+def _tensors(x) -> list:
+    """The tensors in an op's arguments or outputs (tensors, and lists/tuples of them, two deep)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    out = []
+    if isinstance(x, dict):
+        x = x.values()
+    for a in x if isinstance(x, (tuple, list, type({}.values()))) else ():
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (tuple, list)):
+            out.extend(b for b in a if isinstance(b, torch.Tensor))
+    return out
+
+
 class _Tracer(TorchDispatchMode):
     """The dispatch mode: classifies each op's parameter operands and propagates the bookkeeping."""
 
     def __init__(self, params: list[torch.Tensor], value_free: bool):
         super().__init__()
-        self.refs: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.acts: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.refs = _IdMap()
+        self.acts = _IdMap()
         for i, p in enumerate(params):
             self.refs[p] = _Ref(frozenset((i,)))
         self.n = len(params)
@@ -162,22 +202,21 @@ class _Tracer(TorchDispatchMode):
         return out
 
     def _record(self, func, args, kwargs, out) -> None:
-        leaves, _ = tree_flatten((args, kwargs))
+        leaves = _tensors(args) + (_tensors(kwargs) if kwargs else [])
         refs, acts = self.refs, self.acts
         params_in: list[tuple[torch.Tensor, _Ref]] = []
         acts_in: list[tuple[torch.Tensor, _Act]] = []
         for a in leaves:
-            if isinstance(a, torch.Tensor):
-                r = refs.get(a)
-                if r is not None:
-                    params_in.append((a, r))
-                    continue
-                act = acts.get(a)
-                if act is not None:
-                    acts_in.append((a, act))
+            r = refs.get(a)
+            if r is not None:
+                params_in.append((a, r))
+                continue
+            act = acts.get(a)
+            if act is not None:
+                acts_in.append((a, act))
         if not params_in and not acts_in or func.overloadpacket in _LIKE:
             return  # constants only (factories, buffers, zeros_like): nothing to follow
-        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        outs = _tensors(out)
         packet = func.overloadpacket
         fam = family_of(func)
         if fam is not None and fam.name == "conv":
@@ -194,9 +233,10 @@ class _Tracer(TorchDispatchMode):
             weights = [args[p] for p in weight_pos]
             for a, r in params_in:  # a weight's companions (addmm's bias, a learned input): elementwise
                 if not any(a is o for o in weights):
-                    detail = "a layer's input computed from parameters" if r.computed else ""
                     for j in r.params:
-                        self.uses[j].setdefault("elementwise", Use("elementwise", str(func.overloadpacket), detail))
+                        if "elementwise" not in self.uses[j]:
+                            detail = "a layer's input computed from parameters" if r.computed else ""
+                            self.uses[j]["elementwise"] = Use("elementwise", str(func.overloadpacket), detail)
             return
         if params_in and not acts_in:
             self._derived(packet, args, params_in, outs)
@@ -204,7 +244,8 @@ class _Tracer(TorchDispatchMode):
         for _, r in params_in:  # a parameter meeting an activation in any other op
             family = "indexed" if r.indexed else "elementwise"
             for i in r.params:
-                self.uses[i].setdefault(family, Use(family, str(packet)))
+                if family not in self.uses[i]:
+                    self.uses[i][family] = Use(family, str(packet))
         self._activation(func, args, kwargs, acts_in, outs)
 
     def _layer(self, func, fam: Family, args, weight_pos, acts_in, outs) -> None:
@@ -245,15 +286,19 @@ class _Tracer(TorchDispatchMode):
 
     def _derived(self, packet, args, params_in, outs) -> None:
         """An op on parameters (and constants) only: its outputs are derived from those parameters."""
-        params = frozenset().union(*(r.params for _, r in params_in))
-        batched = any(r.batched for _, r in params_in)
-        indexed = any(r.indexed for _, r in params_in)
-        if packet in (aten.select, aten.select_copy) and args[0] in self.refs and len(args) > 1:
-            batched = batched or dim_index(int(args[1]), args[0].ndim) == 0
-        elif packet in INDEX_OPS:
-            batched = indexed = True
-        computed = packet not in _VIEWS or any(r.computed for _, r in params_in)
-        ref = _Ref(params, batched, indexed, computed)
+        first = params_in[0][1]
+        if len(params_in) == 1 and packet in _PLAIN_VIEWS:
+            ref = first  # t, view, transpose … of one parameter: the same reference
+        else:
+            params = frozenset().union(*(r.params for _, r in params_in))
+            batched = any(r.batched for _, r in params_in)
+            indexed = any(r.indexed for _, r in params_in)
+            if packet in _SELECTS and args[0] in self.refs and len(args) > 1:
+                batched = batched or dim_index(int(args[1]), args[0].ndim) == 0
+            elif packet in INDEX_OPS:
+                batched = indexed = True
+            computed = packet not in _VIEWS or any(r.computed for _, r in params_in)
+            ref = _Ref(params, batched, indexed, computed)
         for o in outs:
             if o not in self.refs:
                 self.refs[o] = ref
@@ -261,7 +306,12 @@ class _Tracer(TorchDispatchMode):
     def _activation(self, func, args, kwargs, acts_in, outs) -> None:
         """An op on activations: union of the sources, raw when every activation input is raw, and
         the features followed through views and cuts."""
-        src = frozenset().union(*(a.src for _, a in acts_in)) if len(acts_in) > 1 else acts_in[0][1].src
+        if len(acts_in) > 1:
+            src = frozenset().union(*(a.src for _, a in acts_in))
+            if len(src) > 4:  # a residual stream: drop the layers already known to feed another
+                src = frozenset(c for c in src if c not in self.fed)
+        else:
+            src = acts_in[0][1].src
         raw = all(a.raw for _, a in acts_in)
         feat = None
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -335,9 +385,10 @@ def _to_meta(x):
 def _run(model, names: list[list[str]], params: list[torch.Tensor], buffers: dict, args, kwargs, meta: bool):
     """One forward under the tracer; returns (tracer, output)."""
     if meta:
-        stand_ins = [torch.empty_like(p, device="meta").requires_grad_(p.is_floating_point() or p.is_complex())
+        stand_ins = [torch.empty(p.shape, dtype=p.dtype, device="meta").requires_grad_(p.is_floating_point()
+                                                                                      or p.is_complex())
                      for p in params]
-        bufs = {n: torch.empty_like(b, device="meta") for n, b in buffers.items()}
+        bufs = {n: torch.empty(b.shape, dtype=b.dtype, device="meta") for n, b in buffers.items()}
         args, kwargs = _to_meta(args), _to_meta(kwargs)
     else:
         stand_ins = [p.detach().requires_grad_(p.is_floating_point() or p.is_complex()) for p in params]
