@@ -11,10 +11,11 @@ if TYPE_CHECKING:
     # seen by type checkers only; at runtime these load lazily through __getattr__ below
     from geomopt.compile import compile_spec
     from geomopt.functional import backward_step, forward_step
+    from geomopt.lint.coverage import UnusedRuleWarning
     from geomopt.optim import GeomOptimizer
 
 __all__ = ["Diagnostic", "Spec", "SpecError", "dump_spec", "load_spec", "parse_spec", "shipped_specs", "compile_spec",
-           "forward_step", "backward_step", "GeomOptimizer"]
+           "forward_step", "backward_step", "GeomOptimizer", "UnusedRuleWarning"]
 __version__ = "0.1.0"
 
 
@@ -29,4 +30,7 @@ def __getattr__(name: str) -> object:
     if name == "GeomOptimizer":
         from geomopt.optim import GeomOptimizer
         return GeomOptimizer
+    if name == "UnusedRuleWarning":
+        from geomopt.lint.coverage import UnusedRuleWarning
+        return UnusedRuleWarning
     raise AttributeError(f"module 'geomopt' has no attribute {name!r}")

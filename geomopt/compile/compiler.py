@@ -8,6 +8,7 @@ from typing import Optional, Union
 from geomopt.lint import LintContext, run_rules
 from geomopt.compile.match import ParamInfo
 from geomopt.compile.params import params_from_model
+from geomopt.compile.wrappers import named_modules, unwrap
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.compile.resolve import geometry_fragment, resolve
 from geomopt.compile.roles import assign, ensure_roles, infer_roles
@@ -39,9 +40,9 @@ def model_params(model, roles: bool = True) -> tuple[list[ParamInfo], dict[str, 
 
     if not (roles and isinstance(model, torch.nn.Module)):
         return params_from_model(model)
-    modules = dict(model.named_modules(remove_duplicate=False))  # one walk of the tree for both
+    modules = named_modules(model)  # one walk of the tree for both, through wrappers (compile, DDP, …)
     infos, tensors = params_from_model(model, modules)
-    assign(infos, infer_roles(model, infos, modules))
+    assign(infos, infer_roles(unwrap(model), infos, modules))
     return infos, tensors
 
 
