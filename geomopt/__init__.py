@@ -12,10 +12,11 @@ if TYPE_CHECKING:
     from geomopt.compile import compile_spec
     from geomopt.compile.lock import RoutingChangedError
     from geomopt.functional import backward_step, forward_step
+    from geomopt.lint.coverage import UnusedRuleWarning
     from geomopt.optim import GeomOptimizer
 
 __all__ = ["Diagnostic", "Spec", "SpecError", "dump_spec", "load_spec", "parse_spec", "shipped_specs", "compile_spec",
-           "forward_step", "backward_step", "GeomOptimizer", "RoutingChangedError"]
+           "forward_step", "backward_step", "GeomOptimizer", "RoutingChangedError", "UnusedRuleWarning"]
 __version__ = "0.1.0"
 
 
@@ -33,4 +34,7 @@ def __getattr__(name: str) -> object:
     if name == "GeomOptimizer":
         from geomopt.optim import GeomOptimizer
         return GeomOptimizer
+    if name == "UnusedRuleWarning":
+        from geomopt.lint.coverage import UnusedRuleWarning
+        return UnusedRuleWarning
     raise AttributeError(f"module 'geomopt' has no attribute {name!r}")

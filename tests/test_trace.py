@@ -423,3 +423,18 @@ def test_explain_shows_both_verdicts():
     assert "the module tree said hidden" in text
     text = explain(spec, model_params(Broken())[0], list(geomopt.compile_spec(spec, Broken())), "lin.weight")
     assert "(inferred without a trace)" in text and "no trace: no example inputs" in text
+
+
+def test_wrapped_models_are_traced_through_their_wrappers():
+    """torch.compile and activation checkpointing: the trace runs the wrapped module's own forward
+    and its names are the plain model's, so the roles are the plain model's, decided by use."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    from geomopt.models import get_model
+
+    plain = {p.name: (p.role.name, p.role.basis) for p in model_params(get_model("gpt"))[0]}
+    assert {b for _, b in plain.values()} == {"trace"}
+    checkpointed = get_model("gpt")
+    apply_activation_checkpointing(checkpointed, check_fn=lambda mod: type(mod).__name__ == "Block")
+    for wrapped in (torch.compile(get_model("gpt")), checkpointed):
+        assert {p.name: (p.role.name, p.role.basis) for p in model_params(wrapped)[0]} == plain

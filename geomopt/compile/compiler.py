@@ -8,6 +8,7 @@ from typing import Optional, Union
 from geomopt.lint import LintContext, run_rules
 from geomopt.compile.match import ParamInfo
 from geomopt.compile.params import params_from_model
+from geomopt.compile.wrappers import named_modules, unwrap
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.compile.resolve import geometry_fragment, resolve
 from geomopt.compile.roles import assign, ensure_roles, infer_roles
@@ -45,15 +46,16 @@ def model_params(model, roles: bool = True, example_inputs=None) -> tuple[list[P
     ``example_inputs`` raise TypeError."""
     import torch
 
-    from geomopt.compile.trace_inputs import as_inputs, default_inputs
+    from geomopt.compile.trace_inputs import as_inputs
 
     given = None if example_inputs is None else as_inputs(example_inputs)
     if not (roles and isinstance(model, torch.nn.Module)):
         return params_from_model(model)
-    modules = dict(model.named_modules(remove_duplicate=False))  # one walk of the tree for both
+    modules = named_modules(model)  # one walk of the tree for both, through wrappers (compile, DDP, …)
     infos, tensors = params_from_model(model, modules)
-    inferred = infer_roles(model, infos, modules)
-    assign(infos, _traced_roles(model, infos, inferred, given if given is not None else default_inputs(model)))
+    inner = unwrap(model)
+    inferred = infer_roles(inner, infos, modules)
+    assign(infos, _traced_roles(inner, infos, inferred, given))
     return infos, tensors
 
 
@@ -61,9 +63,15 @@ def _traced_roles(model, infos: list[ParamInfo], inferred: dict, inputs) -> dict
     """The trace's roles over ``inferred``, or ``inferred`` marked with why there is no trace."""
     from geomopt.compile.role_trace import apply_trace, untraced
     from geomopt.compile.trace import TraceError, trace_model
+    from geomopt.compile.trace_inputs import default_inputs
 
     if not infos:
         return inferred
+    if inputs is None:
+        try:
+            inputs = default_inputs(model)
+        except Exception as exc:  # noqa: BLE001 (the model's own example_inputs() failed: no trace, say why)
+            return untraced(inferred, f"{type(model).__name__}.example_inputs() raised {type(exc).__name__}: {exc}")
     if inputs is None:
         return untraced(inferred, "no example inputs (pass example_inputs=, give the model an example_inputs() "
                                   "method, or let the CLI's --model factory return (model, inputs))")

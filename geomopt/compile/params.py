@@ -10,6 +10,7 @@ import json
 import struct
 from pathlib import Path
 from geomopt.compile.match import ParamInfo
+from geomopt.compile.wrappers import named_modules, strip, strip_names, unwrap
 
 
 def _module_classes(module) -> tuple[str, ...]:
@@ -21,19 +22,22 @@ def params_from_model(model, modules: dict | None = None) -> tuple[list[ParamInf
 
     Tied tensors (one tensor under several names) appear once, under their first name, with the
     other names in ``aliases`` and the module classes of every name in ``modules`` (a rule that
-    matches any of its names matches it). ``modules``: ``dict(model.named_modules(remove_duplicate=False))``
-    when the caller has it already. Frozen means an ``nn.Parameter`` with
+    matches any of its names matches it). Names are the wrapped model's own: without the segments
+    torch.compile, DDP, FSDP1 and activation checkpointing add (:mod:`geomopt.compile.wrappers`).
+    ``modules``: :func:`~geomopt.compile.wrappers.named_modules` of the model when the caller has it
+    already. Frozen means an ``nn.Parameter`` with
     ``requires_grad=False``; plain tensors in an iterable (e.g. a state dict's values, which never
     require grad) are not frozen, as in a checkpoint.
     """
     import torch
 
     if isinstance(model, torch.nn.Module):
-        named = list(model.named_parameters(remove_duplicate=False))
-        owner = modules if modules is not None else dict(model.named_modules(remove_duplicate=False))
+        named = [(strip(n), t) for n, t in unwrap(model).named_parameters(remove_duplicate=False)]
+        owner = modules if modules is not None else named_modules(model)
     else:
         try:
-            named = [(str(n), t) for n, t in model]
+            pairs = [(str(n), t) for n, t in model]
+            named = list(zip(strip_names(n for n, _ in pairs), (t for _, t in pairs)))
         except (TypeError, ValueError):
             raise TypeError(f"model must be an nn.Module or an iterable of (name, tensor) pairs, not "
                             f"{type(model).__name__}: rules match parameter names, so pass the model or "
@@ -84,15 +88,17 @@ def params_from_model(model, modules: dict | None = None) -> tuple[list[ParamInf
 
 
 def params_from_checkpoint(path: str | Path) -> list[ParamInfo]:
-    """Names, shapes and dtypes of the floating-point tensors in a checkpoint (raises OSError /
-    ValueError with a readable message on a bad file)."""
+    """Names (wrapper segments stripped: :mod:`geomopt.compile.wrappers`), shapes and dtypes of the
+    floating-point tensors in a checkpoint (raises OSError / ValueError with a readable message on
+    a bad file)."""
     path = Path(path)
     if path.suffix == ".safetensors":
         entries = _safetensors_header(path)
     else:
         entries = _torch_checkpoint(path)
-    return [ParamInfo(name=n, shape=s, dtype=d, modules=None) for n, s, d in entries
-            if d.startswith(("float", "bfloat", "F", "BF"))]
+    entries = [e for e in entries if e[2].startswith(("float", "bfloat", "F", "BF"))]
+    names = strip_names(n for n, _, _ in entries)  # a compiled or DDP model's file: the same names as the model's
+    return [ParamInfo(name=name, shape=s, dtype=d, modules=None) for name, (_, s, d) in zip(names, entries)]
 
 
 def _safetensors_header(path: Path) -> list[tuple[str, tuple[int, ...], str]]:

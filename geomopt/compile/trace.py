@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 from geomopt.compile.op_families import FAMILIES, GROUPED_MM, INDEX_OPS, Family, conv_family, family_of
 from geomopt.compile.trace_blocks import Feat, blocks, dim_index, follow
 from geomopt.compile.trace_meta import run_memoized, value_free
+from geomopt.compile.wrappers import strip
 
 aten = torch.ops.aten
 
@@ -485,7 +486,7 @@ def _trace(model: torch.nn.Module, named: list, inputs) -> Trace:
     result = {}
     for i, group in enumerate(names):
         cuts = blocks(tracer.pieces.get(i))
-        result[group[0]] = TensorTrace(tracer.uses[i], tracer.batched[i], heads.get(i), tracer.stems[i],
+        result[strip(group[0])] = TensorTrace(tracer.uses[i], tracer.batched[i], heads.get(i), tracer.stems[i],
                                        tracer.reads_input[i], cuts)
     return Trace(result, device, tuple(n for n, _ in outputs), tuple(notes))
 

@@ -35,9 +35,18 @@ def unmatched_parameter(ctx: LintContext):
                    f"catch-all last rule (match: \"**\")", ("rules",))
 
 
+class UnusedRuleWarning(UserWarning):
+    """Warned by :class:`~geomopt.optim.GeomOptimizer` when it is built, once per rule that GO102
+    finds (a rule matching no tensor of the model): lint reports it only when someone runs lint, and
+    an idle rule (a typo in a pattern, a tensor renamed) otherwise trains the model under another
+    rule without a word. A rule idle only because the model has no tensor of its role (GO113) is
+    not warned about: that is what a generic spec meets on most models."""
+
+
 @lint_rule("GO102", "unused-rule", "warning", needs_model=True)
 def unused_rule(ctx: LintContext):
     """A rule that matches no parameter of the model: usually a misspelled pattern.
+    ``GeomOptimizer`` warns of it too (:class:`UnusedRuleWarning`), with this code.
 
     Bad: ``match: "transformer.h.*.attn.weight"`` on a model whose weights are
     ``transformer.h.0.attn.c_attn.weight``. Fixed: ``match: "transformer.h.*.attn.*.weight"``.
@@ -49,9 +58,15 @@ def unused_rule(ctx: LintContext):
 
 @lint_rule("GO103", "shadowed-rule", "warning", needs_model=True)
 def shadowed_rule(ctx: LintContext):
-    """A rule whose every match is already owned by earlier rules (the first match wins). Not
-    reported for a role rule whose only matches are tied tensors with several roles (GPT-2's
-    ``wte`` = ``lm_head`` is an embedding and a head: the embedding rule owns it, GO111 says so).
+    """A rule whose every match is already owned by earlier rules (the first match wins), below a
+    rule broader than it: one of those earlier rules also matches tensors it does not, so the
+    author most likely meant it to take its tensors first. A fallback is not shadowed: a rule
+    matching every tensor its shadowing rules match (a catch-all ``**`` after rules that happen to
+    claim the whole model, e.g. a LoRA model whose only trainable tensors are the adapters'
+    matrices) would take their tensors if moved up, so it is only idle here; a rule with the same
+    ``match`` as an earlier one is reported. Not reported either for a role rule whose only
+    matches are tied tensors with several roles (GPT-2's ``wte`` = ``lm_head`` is an embedding and
+    a head: the embedding rule owns it, GO111 says so).
 
     Bad: a catch-all ``match: "**"`` before ``match: "*.bias"``. Fixed: put specific rules first.
     """
@@ -61,10 +76,14 @@ def shadowed_rule(ctx: LintContext):
                                                for n in ctx.matched[i]):
             continue
         earlier_owners = [o for n in ctx.matched[i] if (o := ctx.owner[n]) is not None and o < i]
-        if ctx.matched[i] and len(earlier_owners) == len(ctx.matched[i]):
-            earlier = sorted({ctx.spec.rules[o].name for o in earlier_owners})
-            yield (f"rule '{rule.name}' is shadowed: all {len(ctx.matched[i])} parameters it matches are owned by "
-                   f"earlier rule(s) {', '.join(earlier)}; move it up or narrow them"), ("rules", i, "match")
+        if not ctx.matched[i] or len(earlier_owners) != len(ctx.matched[i]):
+            continue
+        mine = set(ctx.matched[i])
+        if all(mine.issuperset(ctx.matched[o]) and ctx.spec.rules[o].match != rule.match for o in set(earlier_owners)):
+            continue  # a fallback behind narrower rules: moving it up would take their tensors
+        earlier = sorted({ctx.spec.rules[o].name for o in earlier_owners})
+        yield (f"rule '{rule.name}' is shadowed: all {len(ctx.matched[i])} parameters it matches are owned by "
+               f"earlier rule(s) {', '.join(earlier)}; move it up or narrow them"), ("rules", i, "match")
 
 
 @lint_rule("GO110", "frozen-parameters", "note", needs_model=True)

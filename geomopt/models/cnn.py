@@ -21,7 +21,7 @@ class SmallCNN(nn.Module):
 
     def example_inputs(self) -> torch.Tensor:
         """One 8×8 image for one traced forward (roles from use: geomopt.compile.trace)."""
-        return torch.zeros(1, self.in_channels, 8, 8, device=self.head.weight.device)
+        return torch.zeros(1, self.in_channels, 8, 8, device=next(self.parameters()).device)
 
     def forward(self, x):
         return self.head(self.features(x).flatten(1))

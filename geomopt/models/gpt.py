@@ -91,7 +91,7 @@ class GPT(nn.Module):
 
     def example_inputs(self) -> torch.Tensor:
         """A few tokens for one traced forward (roles from use: geomopt.compile.trace)."""
-        return torch.zeros(1, min(4, self.config.block_size), dtype=torch.long, device=self.lm_head.weight.device)
+        return torch.zeros(1, min(4, self.config.block_size), dtype=torch.long, device=next(self.parameters()).device)
 
     def forward(self, idx, targets=None):
         t = idx.shape[1]

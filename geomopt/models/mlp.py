@@ -17,7 +17,7 @@ class MLP(nn.Module):
 
     def example_inputs(self) -> torch.Tensor:
         """One input row for one traced forward (roles from use: geomopt.compile.trace)."""
-        return torch.zeros(1, self.d_in, device=self.head.weight.device)
+        return torch.zeros(1, self.d_in, device=next(self.parameters()).device)
 
     def forward(self, x):
         x = x.flatten(1)

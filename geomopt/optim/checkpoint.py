@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from geomopt.compile.wrappers import strip, unwrap
 from geomopt.distributed import is_dtensor
 from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
 from geomopt.spec.model import Spec
@@ -143,11 +144,12 @@ class Checkpoints(Host):
         """Carry a state over by parameter name (:mod:`geomopt.optim.migrate`); everything is
         built first and installed at the end, so a failure leaves the optimizer as it was."""
         if model is not None:
-            named = list(model.named_parameters())
+            named = [(strip(n), q) for n, q in unwrap(model).named_parameters()]
             order = ([n for n, _ in named], [n for n, q in named if q.requires_grad])
         else:
             order = self._order
         names = saved_names(state_dict, *order)
+        renamed = dict(zip((n for g in state_dict["param_groups"] for n in g.get("param_names", ())), names))
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         saved = {name: translate(state_dict["state"][i], source) for name, i in zip(names, ids)
                  if i in state_dict["state"]}
@@ -168,7 +170,8 @@ class Checkpoints(Host):
                     counters[k] = copy_counters(meta["counters"][i])
         targets = [(pp.name, p, pp, group["direction"])
                    for group, plans in zip(groups, self._plans) for p, pp in zip(group["params"], plans)]
-        transposed = set(meta["transposed"]) if meta is not None and "transposed" in meta else None
+        transposed = ({renamed.get(n, strip(n)) for n in meta["transposed"]}
+                      if meta is not None and "transposed" in meta else None)
         state, report = migrate_state(saved, targets, source, transposed)
         if meta is None:
             # a torch optimizer's state covers the tensors it optimized: the others keep what they

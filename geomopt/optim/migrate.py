@@ -25,7 +25,9 @@ fresh, and the :class:`MigrationReport` says, per tensor, what was kept and what
 
 Names come from the saved groups' ``param_names`` (geomopt writes them; torch optimizers built
 from ``model.named_parameters()`` do too), or, for a torch optimizer built from
-``model.parameters()``, from the model's parameter order.
+``model.parameters()``, from the model's parameter order. They are read without wrapper segments
+(:mod:`geomopt.compile.wrappers`), as the plan's are, so a state saved from a compiled or DDP model
+(or by an older geomopt, whose names kept ``_orig_mod.``) finds its tensors in a plain one.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Optional
 import torch
 
 from geomopt.compile.plan import ParamPlan
+from geomopt.compile.wrappers import strip_names
 from geomopt.distributed import is_dtensor
 
 # kind → the geomopt state keys it is made of (moved together or not at all)
@@ -121,12 +124,13 @@ def source_of(state_dict: dict) -> str:
 
 
 def saved_names(state_dict: dict, model_names: list[str] | None, trainable: list[str] | None) -> list[str]:
-    """The parameter name of each saved index, in index order: the groups' ``param_names``, or
-    the model's parameter order for a single-group state saved without names."""
+    """The parameter name of each saved index, in index order: the groups' ``param_names``
+    (wrapper segments stripped), or the model's parameter order for a single-group state saved
+    without names."""
     groups = state_dict["param_groups"]
     count = sum(len(g["params"]) for g in groups)
     if all("param_names" in g for g in groups):
-        return [n for g in groups for n in g["param_names"]]
+        return strip_names(n for g in groups for n in g["param_names"])
     if len(groups) > 1:
         raise ValueError(
             f"this state has {len(groups)} parameter groups and no parameter names, so which tensor each entry "

@@ -166,6 +166,7 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
                                  for p, pp in zip(g["params"], plans) if id(p) in blocks}
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
         self._warn_slow_bf16(tensors)
+        self._warn_unused_rules(infos)
         self._project_on_init()
 
     # ------------------------------------------------------------ set-up
@@ -188,6 +189,25 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
                 f"(a 512³ matmul ran at 1.2 against 119 GFLOP/s on an AVX2 CPU), so a step can take seconds. "
                 f"Set the approx's "
                 f"dtype to auto (bf16 on CUDA, float32 on CPU) or float32", BF16Warning, stacklevel=3)
+
+    def _warn_unused_rules(self, infos: list) -> None:
+        """One :class:`~geomopt.lint.coverage.UnusedRuleWarning` per rule that matches no tensor:
+        lint's GO102 finding, so what lint calls idle (GO113, a role the model lacks) stays quiet
+        and a ``# geomopt: disable=GO102`` comment on the rule silences it here too."""
+        from geomopt.lint import lint_spec
+        from geomopt.lint.coverage import UnusedRuleWarning
+        from geomopt.spec.validate import source_of
+
+        source = source_of(self.spec)
+        for d in lint_spec(self.spec, infos, select="GO102"):
+            if d.code != "GO102":
+                continue  # GO123: a suppression comment of GO102 that silenced nothing
+            where = f"{d.file}:{d.line}:{d.col}" if source is not None and source.values else f"spec '{self.spec.name}'"
+            warnings.warn(
+                f"{where}: GO102 {d.message} of this model, so it optimizes nothing (a misspelled pattern, or tensors "
+                f"that are named otherwise): fix its match (`geomopt lint SPEC --model …` and `geomopt explain` show "
+                f"the model's names) or delete the rule; to keep it, put `# geomopt: disable=GO102` on its line",
+                UnusedRuleWarning, stacklevel=3)
 
     @torch.no_grad()
     def _project_on_init(self) -> None:

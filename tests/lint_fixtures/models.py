@@ -51,8 +51,6 @@ class TwoHeads(nn.Module):
         self.head_b = nn.Linear(8, 5)
 
 
-
-
 class Scan(nn.Module):
     """A state-space-like block: a (8, 4) decay table used only through ``exp`` (the module tree
     calls it a hidden matrix; the trace sees an elementwise use: GO125), a projection and a head;
@@ -72,7 +70,50 @@ class Scan(nn.Module):
         return self.head(h)
 
 
+class LoraLinear(nn.Module):
+    """A LoRA-adapted linear layer laid out as peft's ``lora.Linear`` is (``base_layer``, and
+    ``lora_dropout``, ``lora_A``, ``lora_B`` as ModuleDicts keyed by adapter name)."""
+
+    def __init__(self, base: nn.Linear, r: int = 4):
+        super().__init__()
+        self.base_layer = base
+        self.lora_dropout = nn.ModuleDict({"default": nn.Identity()})
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, r, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(r, base.out_features, bias=False)})
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](self.lora_dropout["default"](x)))
+
+
+def lora(model: nn.Module, targets: tuple[str, ...]) -> nn.Module:
+    """``model`` with the linear layers whose attribute name is in ``targets`` LoRA-adapted and
+    every other tensor frozen, as ``peft.get_peft_model(model, LoraConfig(target_modules=…))``
+    leaves it (peft also puts the model under ``base_model.model.``; names do not matter here)."""
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, nn.Linear) and name.rpartition(".")[2] in targets:
+            parent = model.get_submodule(name.rpartition(".")[0])
+            setattr(parent, name.rpartition(".")[2], LoraLinear(mod))
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    return model
+
+
+def lora_gpt():
+    """The built-in GPT with LoRA on its attention and MLP projections (GO103: the catch-all rule
+    of a role spec has nothing left to take, and is not shadowed)."""
+    return lora(GPT(GPTConfig()), ("c_attn", "c_proj", "c_fc"))
+
+
+def lora_mlp():
+    """The built-in MLP with LoRA on every linear layer, its head included."""
+    from geomopt.models import MLP
+
+    return lora(MLP(), ("0", "1", "head"))
+
+
 FACTORIES = {
+    "lora-gpt": lora_gpt,
+    "lora-mlp": lora_mlp,
     "frozen-gpt": frozen_gpt,
     "tied-gpt": tied_gpt,
     "moe": MoE,
