@@ -158,8 +158,14 @@ def bench(blocks: int, runs: int, workload: str = "names") -> tuple[float, float
     """(median wall seconds, median process CPU seconds, tensors planned) over ``runs`` compiles.
 
     CPU time is reported too: on a shared 2-core machine the wall time also measures the neighbours."""
+    import importlib
+
     from geomopt.compile import as_spec
-    from geomopt.compile import trace
+
+    try:
+        trace_cache = importlib.import_module("geomopt.compile.trace")._CACHE
+    except ImportError:  # a package from before roles were traced (a --before run)
+        trace_cache = {}
 
     if workload == "names":
         spec, model = SPEC, synthetic_params(blocks)
@@ -170,7 +176,7 @@ def bench(blocks: int, runs: int, workload: str = "names") -> tuple[float, float
     compile_spec(spec, model)  # warm-up: imports, regex cache
     wall, cpu, n = [], [], 0
     for _ in range(runs):
-        getattr(trace, "_CACHE", {}).clear()  # each run traces (a package without tracing has no cache)
+        trace_cache.clear()  # each run traces
         t0, c0 = time.perf_counter(), time.process_time()
         plan = compile_spec(spec, model)
         wall.append(time.perf_counter() - t0)

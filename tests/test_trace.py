@@ -438,3 +438,76 @@ def test_wrapped_models_are_traced_through_their_wrappers():
     apply_activation_checkpointing(checkpointed, check_fn=lambda mod: type(mod).__name__ == "Block")
     for wrapped in (torch.compile(get_model("gpt")), checkpointed):
         assert {p.name: (p.role.name, p.role.basis) for p in model_params(wrapped)[0]} == plain
+
+
+# ---------------------------------------------------------------- repeated blocks replayed
+
+
+def _deep_models():
+    t = pytest.importorskip("transformers")
+    t.logging.set_verbosity_error()
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+                 num_key_value_heads=2)
+    return {
+        "llama": lambda: t.LlamaForCausalLM(t.LlamaConfig(**small)),
+        "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(n_layer=5, n_embd=32, n_head=4, vocab_size=64, n_positions=16)),
+        "mixtral": lambda: t.MixtralForCausalLM(t.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2)),
+        "mamba": lambda: t.MambaForCausalLM(t.MambaConfig(vocab_size=64, hidden_size=32, state_size=8,
+                                                          num_hidden_layers=5)),
+        "whisper": lambda: t.WhisperForConditionalGeneration(t.WhisperConfig(
+            vocab_size=64, d_model=32, encoder_layers=5, decoder_layers=5, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+            max_source_positions=8, max_target_positions=16, pad_token_id=0, decoder_start_token_id=1)),
+        "swin": lambda: t.SwinForImageClassification(t.SwinConfig(
+            image_size=32, patch_size=4, embed_dim=16, depths=[5, 2], num_heads=[2, 2], window_size=4, num_labels=5)),
+        "gpt": lambda: geomopt.models.get_model("gpt-bench-x4"),
+    }
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral", "mamba", "whisper", "swin", "gpt"])
+def test_replayed_blocks_give_the_trace_of_running_them(arch, monkeypatch):
+    """A model's later identical blocks are replayed from the summary of the earlier ones: the
+    trace (every tensor's uses, head, stem, blocks) is exactly the one running every block gives."""
+    from geomopt.compile import trace
+
+    torch.manual_seed(0)
+    model = _deep_models()[arch]()
+    inputs = geomopt.compile.trace_inputs.default_inputs(model)
+    trace._CACHE.clear()
+    replayed = trace_model(model, inputs)
+    monkeypatch.setattr(trace, "REPLAY", False)
+    trace._CACHE.clear()
+    full = trace_model(model, inputs)
+    assert replayed.replayed > 0 and full.replayed == 0
+    assert replayed.tensors == full.tensors
+    assert all("forward" not in vars(m) for m in model.modules())  # the patches are gone
+
+
+def test_blocks_that_differ_are_not_replayed():
+    """Blocks with the same parameters whose forward uses them differently (every other block
+    skips its projection) never confirm a summary: each runs."""
+
+    class Block(nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.i = i
+            self.proj = nn.Linear(8, 8)
+            self.gate = nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return x + (self.proj(x) if self.i % 2 else x * self.gate)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(i) for i in range(6))
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    t = traced(Net(), torch.zeros(1, 8))
+    assert t.replayed == 0
+    assert [set(t.tensors[f"blocks.{i}.proj.weight"].uses) for i in range(6)] == [set(), {"matmul"}] * 3

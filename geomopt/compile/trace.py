@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 from geomopt.compile.op_families import FAMILIES, GROUPED_MM, INDEX_OPS, Family, conv_family, family_of
 from geomopt.compile.trace_blocks import Feat, blocks, dim_index, follow
 from geomopt.compile.trace_meta import run_memoized, value_free
+from geomopt.compile.trace_replay import Replayer
 from geomopt.compile.wrappers import strip
 
 aten = torch.ops.aten
@@ -95,6 +96,7 @@ class Trace:
     device: str  # "meta", "cpu", "cuda:0"
     outputs: tuple[str, ...]  # the outputs that decided heads
     notes: tuple[str, ...] = ()  # why the meta forward was not used, etc.
+    replayed: int = 0  # calls of repeated blocks replayed from a summary (geomopt.compile.trace_replay)
 
 
 class TraceError(Exception):
@@ -104,8 +106,7 @@ class TraceError(Exception):
 # ---------------------------------------------------------------- bookkeeping per tensor
 
 
-@dataclasses.dataclass(frozen=True)
-class _Ref:
+class _Ref(NamedTuple):
     """A tensor derived from parameters only: which, and how."""
 
     params: frozenset  # parameter indices
@@ -114,8 +115,7 @@ class _Ref:
     computed: bool = False  # through an op that is not a view (a sum with a constant, a norm)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Act:
+class _Act(NamedTuple):
     """An activation: the layers whose outputs reach it with no layer between (``src``), whether it
     comes from the model's inputs alone (``raw``), and where a layer's features sit (``feat``)."""
 
@@ -124,7 +124,8 @@ class _Act:
     feat: Optional[Feat] = None
 
 
-_EMPTY = _Act()
+_OPS: dict = {}  # op → (overload packet, family, whether its outputs are constants)
+REPLAY = True  # meta traces replay a model's repeated blocks (geomopt.compile.trace_replay)
 
 
 class _IdMap:
@@ -150,18 +151,21 @@ class _IdMap:
         self._items[id(t)] = (t, value)
 
 
+_Tensor = torch.Tensor
+
+
 def _tensors(x) -> list:
     """The tensors in an op's arguments or outputs (tensors, and lists/tuples of them, two deep)."""
-    if isinstance(x, torch.Tensor):
+    if isinstance(x, _Tensor):
         return [x]
-    out = []
     if isinstance(x, dict):
-        x = x.values()
-    for a in x if isinstance(x, (tuple, list, type({}.values()))) else ():
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (tuple, list)):
-            out.extend(b for b in a if isinstance(b, torch.Tensor))
+        x = tuple(x.values())
+    elif not isinstance(x, (tuple, list)):
+        return []
+    out = [a for a in x if isinstance(a, _Tensor)]
+    for a in x:
+        if isinstance(a, (tuple, list)):
+            out.extend(b for b in a if isinstance(b, _Tensor))
     return out
 
 
@@ -181,6 +185,8 @@ class _Tracer(TorchDispatchMode):
         self.reads_input = [False] * len(params)
         self.calls: list[frozenset] = []  # per layer call (an op reading weights): the weights' indices
         self.fed: set[int] = set()  # layer calls whose output entered another parameterized layer
+        self.fed_log: list[int] = []  # the same, in the order they were found
+        self.replayed = 0
         self.pieces: dict[int, set] = {}  # weight → {(start, stop)} cuts of its layers' output features
         self.value_free = value_free
         self.memo: dict = {}  # (op, input metadata) → output metadata, for meta kernels (repeated blocks)
@@ -202,33 +208,52 @@ class _Tracer(TorchDispatchMode):
             pass
         return out
 
+    def mark_fed(self, calls) -> None:
+        """Layer calls whose output entered another parameterized layer (logged for the replayer)."""
+        for c in calls:
+            if c not in self.fed:
+                self.fed.add(c)
+                self.fed_log.append(c)
+
+    def param_index(self, t) -> Optional[int]:
+        """The index of a parameter's stand-in, or None for any other tensor."""
+        r = self.refs.get(t)
+        return next(iter(r.params)) if r is not None and len(r.params) == 1 and not r.computed else None
+
+    tensors_of = staticmethod(_tensors)
+
     def _record(self, func, args, kwargs, out) -> None:
+        info = _OPS.get(func)
+        if info is None:
+            info = _OPS[func] = (func.overloadpacket, family_of(func), func.overloadpacket in _LIKE)
+        packet, fam, like = info
+        if like:
+            return  # zeros_like and kin: constants
         leaves = _tensors(args) + (_tensors(kwargs) if kwargs else [])
-        refs, acts = self.refs, self.acts
+        refs, acts = self.refs._items, self.acts._items
         params_in: list[tuple[torch.Tensor, _Ref]] = []
         acts_in: list[tuple[torch.Tensor, _Act]] = []
         for a in leaves:
-            r = refs.get(a)
-            if r is not None:
-                params_in.append((a, r))
+            hit = refs.get(id(a))
+            if hit is not None:
+                params_in.append((a, hit[1]))
                 continue
-            act = acts.get(a)
-            if act is not None:
-                acts_in.append((a, act))
-        if not params_in and not acts_in or func.overloadpacket in _LIKE:
-            return  # constants only (factories, buffers, zeros_like): nothing to follow
+            hit = acts.get(id(a))
+            if hit is not None:
+                acts_in.append((a, hit[1]))
+        if not params_in and not acts_in:
+            return  # constants only (factories, buffers): nothing to follow
         outs = _tensors(out)
-        packet = func.overloadpacket
-        fam = family_of(func)
         if fam is not None and fam.name == "conv":
             fam = conv_family(args)
         operands = fam.operands(func, args) if fam is not None and params_in else ()
+        refs_ = self.refs
         weight_pos = [p for p in operands if p < len(args) and isinstance(args[p], torch.Tensor)
-                      and args[p] in refs]
-        if len(weight_pos) > 1 and not all(refs[args[p]].computed for p in weight_pos):
+                      and args[p] in refs_]
+        if len(weight_pos) > 1 and not all(refs_[args[p]].computed for p in weight_pos):
             # a weight (a view of a parameter) times a learned input computed from parameters (DETR's
             # object queries): the computed one is the layer's input
-            weight_pos = [p for p in weight_pos if not refs[args[p]].computed]
+            weight_pos = [p for p in weight_pos if not refs_[args[p]].computed]
         if weight_pos and fam is not None:
             self._layer(func, fam, args, weight_pos, acts_in, outs)
             weights = [args[p] for p in weight_pos]
@@ -255,18 +280,19 @@ class _Tracer(TorchDispatchMode):
         for pos in weight_pos:
             r = self.refs[args[pos]]
             if grouped and args[pos].ndim == 3:
-                r = dataclasses.replace(r, batched=True)
+                r = r._replace(batched=True)
             detail = ""
             if fam.name == "grouped_conv":
                 detail = f"groups={int(args[8])}"
             elif r.batched:
                 detail = "through select/index (a stack of matrices)"
             for i in r.params:
-                self.uses[i].setdefault(fam.name, Use(fam.name, str(func.overloadpacket), detail))
+                if fam.name not in self.uses[i]:
+                    self.uses[i][fam.name] = Use(fam.name, str(func.overloadpacket), detail)
                 self.batched[i] |= r.batched and fam.kind == "matrix"
         raw = bool(acts_in) and all(a.raw for _, a in acts_in)
         for _, a in acts_in:
-            self.fed.update(a.src)
+            self.mark_fed(a.src)
         layer = len(self.calls)
         self.calls.append(frozenset(i for pos in weight_pos for i in self.refs[args[pos]].params))
         if raw:
@@ -317,7 +343,8 @@ class _Tracer(TorchDispatchMode):
         feat = None
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         head = self.acts.get(first) if first is not None else None
-        if head is not None and head.feat is not None and outs:
+        if head is not None and head.feat is not None and outs and len(acts_in) == 1:
+            # one activation in (a sum of two, e.g. a residual stream, mixes features: not followed)
             feat = follow(func, args, kwargs, head.feat, outs, self._cut)
         if feat is None or isinstance(feat, Feat):
             act = _Act(src, raw, feat)
@@ -384,15 +411,14 @@ def _to_meta(x):
 
 
 def _run(model, names: list[list[str]], params: list[torch.Tensor], buffers: dict, args, kwargs, meta: bool):
-    """One forward under the tracer; returns (tracer, output)."""
+    """One forward under the tracer; returns (tracer, output); ``tracer.replayed`` counts the
+    block calls replayed."""
     if meta:
-        stand_ins = [torch.empty(p.shape, dtype=p.dtype, device="meta").requires_grad_(p.is_floating_point()
-                                                                                      or p.is_complex())
-                     for p in params]
+        stand_ins = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in params]
         bufs = {n: torch.empty(b.shape, dtype=b.dtype, device="meta") for n, b in buffers.items()}
         args, kwargs = _to_meta(args), _to_meta(kwargs)
     else:
-        stand_ins = [p.detach().requires_grad_(p.is_floating_point() or p.is_complex()) for p in params]
+        stand_ins = [p.detach() for p in params]
         bufs = {n: b.clone() for n, b in buffers.items()}  # BatchNorm statistics, caches: untouched
     values: dict[str, Any] = dict(bufs)
     for i, group in enumerate(names):
@@ -404,8 +430,17 @@ def _run(model, names: list[list[str]], params: list[torch.Tensor], buffers: dic
             tracer.acts[leaf] = _Act(frozenset(), True, None)
     device = torch.device("meta") if meta else contextlib.nullcontext()
     devices = [] if meta else sorted({p.device for p in params if p.device.type != "cpu"}, key=str)
-    with torch.random.fork_rng(devices=devices), device, torch.enable_grad(), tracer:
-        out = _call(model, args, kwargs, values)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)  # nn.MultiheadAttention's fused kernel hides its matmuls
+    replayer = Replayer(tracer, model) if meta and REPLAY else None
+    try:
+        with torch.random.fork_rng(devices=devices), device, torch.no_grad(), tracer:
+            out = _call(model, args, kwargs, values)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+        if replayer is not None:
+            replayer.uninstall()
+            tracer.replayed = replayer.replayed
     return tracer, out
 
 
@@ -488,7 +523,7 @@ def _trace(model: torch.nn.Module, named: list, inputs) -> Trace:
         cuts = blocks(tracer.pieces.get(i))
         result[strip(group[0])] = TensorTrace(tracer.uses[i], tracer.batched[i], heads.get(i), tracer.stems[i],
                                        tracer.reads_input[i], cuts)
-    return Trace(result, device, tuple(n for n, _ in outputs), tuple(notes))
+    return Trace(result, device, tuple(n for n, _ in outputs), tuple(notes), tracer.replayed)
 
 
 __all__ = ["FAMILIES", "Trace", "TensorTrace", "TraceError", "Use", "trace_model"]

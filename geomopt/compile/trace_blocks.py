@@ -12,8 +12,7 @@ pieces. Pieces that tile the features into two or more make the weight's output 
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -28,8 +27,7 @@ _SAME_DIMS = frozenset({aten.clone, aten._to_copy, aten.contiguous, aten.alias, 
                         aten.dropout, aten.detach_copy, aten.alias_copy})
 
 
-@dataclasses.dataclass(frozen=True)
-class Feat:
+class Feat(NamedTuple):
     """Where a layer's output features sit in an activation: dim ``dim`` holds all of them
     (``k`` = 0), or dim ``dim`` indexes ``k`` equal chunks of them (after ``view(…, k, n/k)``)."""
 
@@ -37,6 +35,10 @@ class Feat:
     dim: int
     size: int  # the layer's number of output features
     k: int = 0
+
+    def at(self, dim: int) -> "Feat":
+        """The same features at another dim."""
+        return Feat(self.layer, dim, self.size, self.k)
 
 
 def dim_index(d: int, ndim: int) -> int:
@@ -63,7 +65,7 @@ def follow(func, args, kwargs, feat: Feat, outs, cut: Callable[[Feat, int, int],
                    and packet is not aten.unbind_copy else int(args[1] if len(args) > 1 else kwargs.get("dim", 0)),
                    nd)
         if dim != feat.dim:
-            return [dataclasses.replace(feat, dim=feat.dim - (1 if dim < feat.dim else 0)) for _ in outs] \
+            return [feat.at(feat.dim - (1 if dim < feat.dim else 0)) for _ in outs] \
                 if packet in (aten.unbind, aten.unbind_copy) else feat
         start = 0
         for o in outs:
@@ -97,7 +99,7 @@ def follow(func, args, kwargs, feat: Feat, outs, cut: Callable[[Feat, int, int],
             if feat.k:
                 cut(feat, i, i + 1)
             return None
-        return dataclasses.replace(feat, dim=feat.dim - (1 if dim < feat.dim else 0))
+        return feat.at(feat.dim - (1 if dim < feat.dim else 0))
     if packet is aten.glu and dim_index(int(args[1]) if len(args) > 1 else -1, nd) == feat.dim and not feat.k:
         cut(feat, 0, feat.size // 2)
         cut(feat, feat.size // 2, feat.size)
@@ -108,13 +110,13 @@ def follow(func, args, kwargs, feat: Feat, outs, cut: Callable[[Feat, int, int],
     if packet in (aten.t, aten.transpose, aten.transpose_copy, aten.t_copy):
         a, b = (0, 1) if packet in (aten.t, aten.t_copy) else (dim_index(int(args[1]), nd), dim_index(int(args[2]), nd))
         d = b if feat.dim == a else a if feat.dim == b else feat.dim
-        return dataclasses.replace(feat, dim=d)
+        return feat.at(d)
     if packet in (aten.permute, aten.permute_copy):
         order = [dim_index(int(d), nd) for d in args[1]]
-        return dataclasses.replace(feat, dim=order.index(feat.dim))
+        return feat.at(order.index(feat.dim))
     if packet in (aten.unsqueeze, aten.unsqueeze_copy):
         d = dim_index(int(args[1]), nd + 1)
-        return dataclasses.replace(feat, dim=feat.dim + (1 if d <= feat.dim else 0))
+        return feat.at(feat.dim + (1 if d <= feat.dim else 0))
     if packet in (aten.squeeze, aten.squeeze_copy):
         if out.ndim == nd:
             return feat
@@ -123,7 +125,7 @@ def follow(func, args, kwargs, feat: Feat, outs, cut: Callable[[Feat, int, int],
         gone = [i for i in (dim_index(int(d), nd) for d in dims) if x.shape[i] == 1]
         if feat.dim in gone:
             return None
-        return dataclasses.replace(feat, dim=feat.dim - sum(g < feat.dim for g in gone))
+        return feat.at(feat.dim - sum(g < feat.dim for g in gone))
     if packet in _RESHAPES:
         return _reshape(feat, tuple(x.shape), tuple(out.shape))
     if torch.Tag.pointwise in func.tags and tuple(out.shape) == tuple(x.shape):
@@ -155,10 +157,10 @@ def _reshape(feat: Feat, before: tuple, after: tuple) -> Optional[Feat]:
     if acc != size or _prod(after[m:]) != trail:
         return None
     if feat.k:
-        return dataclasses.replace(feat, dim=j) if m - j >= 1 and after[j] == feat.k else None
+        return feat.at(j) if m - j >= 1 and after[j] == feat.k else None
     if m - j == 1:
-        return dataclasses.replace(feat, dim=j)
-    return dataclasses.replace(feat, dim=j, k=int(after[j]))
+        return feat.at(j)
+    return Feat(feat.layer, j, feat.size, int(after[j]))
 
 
 def blocks(pieces: Optional[set]) -> Optional[list[int]]:
