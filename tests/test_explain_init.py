@@ -105,3 +105,71 @@ def test_rule_documents_roles_and_views(capsys):
     assert "get_output_embeddings" in out and "guess" in out
     rc, out, _ = _run(capsys, "rule", "views")
     assert rc == 0 and "batch" in out and "blocks" in out and "trailing" in out
+
+
+# ---------------------------------------------------------------- roles from use in the CLI
+
+SCAN_FACTORY = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    class Scan(nn.Module):
+        """A decay table used through exp (a matrix by its shape, elementwise by its use), a
+        depthwise short convolution, a projection and a head; no example_inputs() of its own."""
+
+        def __init__(self):
+            super().__init__()
+            self.A_log = nn.Parameter(torch.zeros(16, 4))
+            self.conv = nn.Conv1d(16, 16, 3, padding=1, groups=16)
+            self.proj = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, x):
+            h = self.conv(x.transpose(1, 2)).transpose(1, 2)
+            h = self.proj(h) * torch.exp(-self.A_log.exp()).sum(-1)
+            return self.head(h.mean(1))
+
+    def with_inputs():
+        return Scan(), torch.zeros(1, 5, 16)
+
+    def bare():
+        return Scan()
+''')
+
+
+@pytest.fixture
+def scan_module(tmp_path, monkeypatch):
+    (tmp_path / "scan_factory.py").write_text(SCAN_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    return "scan_factory"
+
+
+def test_explain_shows_the_trace_and_the_module_tree(capsys, scan_module):
+    rc, out, _ = _run(capsys, "explain", "muon", "A_log", "--model", f"{scan_module}:with_inputs")
+    assert rc == 0
+    assert "role       other (traced): used only elementwise (mul)" in out
+    assert "the module tree said hidden" in out and "hidden" not in out.split("rules")[1].split("yes:")[1][:40]
+    rc, out, _ = _run(capsys, "explain", "muon", "A_log", "--model", f"{scan_module}:bare")
+    assert "role       hidden (inferred without a trace)" in out and "no trace: no example inputs" in out
+
+
+def test_init_and_lint_follow_the_traced_roles(tmp_path, capsys, scan_module):
+    out_file = tmp_path / "scan-muon.yaml"
+    rc, _, err = _run(capsys, "init", "--model", f"{scan_module}:with_inputs", "--recipe", "muon", "-o", str(out_file))
+    assert rc == 0, err
+    rc, out, _ = _run(capsys, "lint", str(out_file), "--model", f"{scan_module}:with_inputs")
+    assert rc == 0 and "GO125" in out and "'A_log' hidden → other" in out and "GO124" not in out
+    rc, out, _ = _run(capsys, "plan", "muon", "--model", f"{scan_module}:with_inputs")
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip() and line.split()[0] in (
+        "A_log", "conv.weight", "proj.weight", "head.weight")}
+    assert "spectral" in rows["proj.weight"] and "spectral" not in rows["A_log"]
+    assert "spectral" not in rows["conv.weight"] and "spectral" not in rows["head.weight"]
+    rc, out, _ = _run(capsys, "lint", "muon", "--model", f"{scan_module}:bare")
+    assert rc == 0 and "GO124" in out and "no example inputs" in out
+
+
+def test_a_factory_returning_unusable_inputs_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    (tmp_path / "bad_factory.py").write_text("import torch\n\ndef build():\n    return torch.nn.Linear(2, 2), 3\n")
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = _run(capsys, "lint", "muon", "--model", "bad_factory:build")
+    assert rc == 2 and "Traceback" not in err and "--model bad_factory:build's inputs must be a tensor" in err
