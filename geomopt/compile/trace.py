@@ -26,50 +26,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from geomopt.compile.op_families import FAMILIES, GROUPED_MM, INDEX_OPS, Family, conv_family, family_of
-from geomopt.compile.trace_blocks import Feat, blocks, dim_index, follow
-from geomopt.compile.trace_meta import run_memoized, value_free
+from geomopt.compile.op_families import FAMILIES
+from geomopt.compile.trace_blocks import blocks
+from geomopt.compile.trace_dispatch import Act, Tracer, Use
 from geomopt.compile.trace_replay import Replayer
 from geomopt.compile.wrappers import strip
 
-aten = torch.ops.aten
-
-# ops that hand on (a view of, or a copy of) their first tensor argument
-_VIEWS = frozenset({
-    aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.t, aten.transpose, aten.permute,
-    aten.expand, aten.slice, aten.select, aten.unsqueeze, aten.squeeze, aten.alias, aten.detach, aten.clone,
-    aten._to_copy, aten.contiguous, aten.as_strided, aten.unbind, aten.split, aten.split_with_sizes, aten.chunk,
-    aten.unsafe_split, aten.narrow, aten.flatten, aten.unflatten, aten.movedim, aten.view_as_real,
-    aten.view_as_complex, aten.lift_fresh, aten._conj, aten.resolve_conj, aten.resolve_neg, aten.repeat,
-    aten.lift_fresh_copy, aten.numpy_T, aten.mT, aten.squeeze_copy, aten.view_copy, aten.t_copy,
-    aten.transpose_copy, aten.permute_copy, aten.expand_copy, aten.unsqueeze_copy, aten.select_copy,
-    aten.slice_copy, aten.unbind_copy, aten.split_copy, aten.split_with_sizes_copy, aten.detach_copy,
-    aten.alias_copy, aten._unsafe_index_put, aten.index_put,
-}) | INDEX_OPS
-_SELECTS = frozenset({aten.select, aten.select_copy})
-_PLAIN_VIEWS = _VIEWS - _SELECTS - INDEX_OPS
-
-# ops that read a tensor for its shape, dtype and device only: their outputs are constants
-_LIKE = frozenset({aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like,
-                   aten.randn_like, aten.randint_like, aten.new_zeros, aten.new_ones, aten.new_empty,
-                   aten.new_full, aten.new_empty_strided, aten.empty_strided, aten.sym_size, aten.sym_numel,
-                   aten.sym_stride, aten.sym_storage_offset})
-
-
-
-@dataclasses.dataclass
-class Use:
-    """How the trace saw one parameter consumed."""
-
-    family: str  # a family of :mod:`geomopt.compile.op_families`
-    op: str  # the aten op that decided it ("aten.addmm")
-    detail: str = ""  # "groups=128", "through select (a stack of matrices)"
+REPLAY = True  # meta traces replay a model's repeated blocks (geomopt.compile.trace_replay)
 
 
 @dataclasses.dataclass
@@ -101,267 +69,6 @@ class Trace:
 
 class TraceError(Exception):
     """No trace: the message says why (a lint note and ``explain`` repeat it)."""
-
-
-# ---------------------------------------------------------------- bookkeeping per tensor
-
-
-class _Ref(NamedTuple):
-    """A tensor derived from parameters only: which, and how."""
-
-    params: frozenset  # parameter indices
-    batched: bool = False  # a select / index on a leading dim was taken
-    indexed: bool = False  # rows gathered by an index op
-    computed: bool = False  # through an op that is not a view (a sum with a constant, a norm)
-
-
-class _Act(NamedTuple):
-    """An activation: the layers whose outputs reach it with no layer between (``src``), whether it
-    comes from the model's inputs alone (``raw``), and where a layer's features sit (``feat``)."""
-
-    src: frozenset = frozenset()
-    raw: bool = False
-    feat: Optional[Feat] = None
-
-
-_OPS: dict = {}  # op → (overload packet, family, whether its outputs are constants)
-REPLAY = True  # meta traces replay a model's repeated blocks (geomopt.compile.trace_replay)
-
-
-class _IdMap:
-    """Tensor → value by identity, keeping each tensor alive for the trace (so no id is reused);
-    the tensors of one small or meta forward cost little to keep."""
-
-    __slots__ = ("_items",)
-
-    def __init__(self):
-        self._items: dict[int, tuple] = {}
-
-    def get(self, t, default=None):
-        hit = self._items.get(id(t))
-        return default if hit is None else hit[1]
-
-    def __contains__(self, t) -> bool:
-        return id(t) in self._items
-
-    def __getitem__(self, t):
-        return self._items[id(t)][1]
-
-    def __setitem__(self, t, value) -> None:
-        self._items[id(t)] = (t, value)
-
-
-_Tensor = torch.Tensor
-
-
-def _tensors(x) -> list:
-    """The tensors in an op's arguments or outputs (tensors, and lists/tuples of them, two deep)."""
-    if isinstance(x, _Tensor):
-        return [x]
-    if isinstance(x, dict):
-        x = tuple(x.values())
-    elif not isinstance(x, (tuple, list)):
-        return []
-    out = [a for a in x if isinstance(a, _Tensor)]
-    for a in x:
-        if isinstance(a, (tuple, list)):
-            out.extend(b for b in a if isinstance(b, _Tensor))
-    return out
-
-
-class _Tracer(TorchDispatchMode):
-    """The dispatch mode: classifies each op's parameter operands and propagates the bookkeeping."""
-
-    def __init__(self, params: list[torch.Tensor], value_free: bool):
-        super().__init__()
-        self.refs = _IdMap()
-        self.acts = _IdMap()
-        for i, p in enumerate(params):
-            self.refs[p] = _Ref(frozenset((i,)))
-        self.n = len(params)
-        self.uses: list[dict[str, Use]] = [{} for _ in params]
-        self.batched = [False] * len(params)
-        self.stems: list[Optional[str]] = [None] * len(params)
-        self.reads_input = [False] * len(params)
-        self.calls: list[frozenset] = []  # per layer call (an op reading weights): the weights' indices
-        self.fed: set[int] = set()  # layer calls whose output entered another parameterized layer
-        self.fed_log: list[int] = []  # the same, in the order they were found
-        self.replayed = 0
-        self.pieces: dict[int, set] = {}  # weight → {(start, stop)} cuts of its layers' output features
-        self.value_free = value_free
-        self.memo: dict = {}  # (op, input metadata) → output metadata, for meta kernels (repeated blocks)
-
-    # ------------------------------------------------------------ dispatch
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = NotImplemented
-        if self.value_free:
-            out = value_free(func, args, kwargs)
-            if out is NotImplemented:
-                out = run_memoized(self.memo, func, args, kwargs)
-        if out is NotImplemented:
-            out = func(*args, **kwargs)
-        try:
-            self._record(func, args, kwargs, out)
-        except Exception:  # noqa: BLE001 (bookkeeping never breaks the forward; the op is just not recorded)
-            pass
-        return out
-
-    def mark_fed(self, calls) -> None:
-        """Layer calls whose output entered another parameterized layer (logged for the replayer)."""
-        for c in calls:
-            if c not in self.fed:
-                self.fed.add(c)
-                self.fed_log.append(c)
-
-    def param_index(self, t) -> Optional[int]:
-        """The index of a parameter's stand-in, or None for any other tensor."""
-        r = self.refs.get(t)
-        return next(iter(r.params)) if r is not None and len(r.params) == 1 and not r.computed else None
-
-    tensors_of = staticmethod(_tensors)
-
-    def _record(self, func, args, kwargs, out) -> None:
-        info = _OPS.get(func)
-        if info is None:
-            info = _OPS[func] = (func.overloadpacket, family_of(func), func.overloadpacket in _LIKE)
-        packet, fam, like = info
-        if like:
-            return  # zeros_like and kin: constants
-        leaves = _tensors(args) + (_tensors(kwargs) if kwargs else [])
-        refs, acts = self.refs._items, self.acts._items
-        params_in: list[tuple[torch.Tensor, _Ref]] = []
-        acts_in: list[tuple[torch.Tensor, _Act]] = []
-        for a in leaves:
-            hit = refs.get(id(a))
-            if hit is not None:
-                params_in.append((a, hit[1]))
-                continue
-            hit = acts.get(id(a))
-            if hit is not None:
-                acts_in.append((a, hit[1]))
-        if not params_in and not acts_in:
-            return  # constants only (factories, buffers): nothing to follow
-        outs = _tensors(out)
-        if fam is not None and fam.name == "conv":
-            fam = conv_family(args)
-        operands = fam.operands(func, args) if fam is not None and params_in else ()
-        refs_ = self.refs
-        weight_pos = [p for p in operands if p < len(args) and isinstance(args[p], torch.Tensor)
-                      and args[p] in refs_]
-        if len(weight_pos) > 1 and not all(refs_[args[p]].computed for p in weight_pos):
-            # a weight (a view of a parameter) times a learned input computed from parameters (DETR's
-            # object queries): the computed one is the layer's input
-            weight_pos = [p for p in weight_pos if not refs_[args[p]].computed]
-        if weight_pos and fam is not None:
-            self._layer(func, fam, args, weight_pos, acts_in, outs)
-            weights = [args[p] for p in weight_pos]
-            for a, r in params_in:  # a weight's companions (addmm's bias, a learned input): elementwise
-                if not any(a is o for o in weights):
-                    for j in r.params:
-                        if "elementwise" not in self.uses[j]:
-                            detail = "a layer's input computed from parameters" if r.computed else ""
-                            self.uses[j]["elementwise"] = Use("elementwise", str(func.overloadpacket), detail)
-            return
-        if params_in and not acts_in:
-            self._derived(packet, args, params_in, outs)
-            return
-        for _, r in params_in:  # a parameter meeting an activation in any other op
-            family = "indexed" if r.indexed else "elementwise"
-            for i in r.params:
-                if family not in self.uses[i]:
-                    self.uses[i][family] = Use(family, str(packet))
-        self._activation(func, args, kwargs, acts_in, outs)
-
-    def _layer(self, func, fam: Family, args, weight_pos, acts_in, outs) -> None:
-        """A parameterized layer: record the use, mark the layers feeding it, start its output."""
-        grouped = func.overloadpacket in GROUPED_MM
-        for pos in weight_pos:
-            r = self.refs[args[pos]]
-            if grouped and args[pos].ndim == 3:
-                r = r._replace(batched=True)
-            detail = ""
-            if fam.name == "grouped_conv":
-                detail = f"groups={int(args[8])}"
-            elif r.batched:
-                detail = "through select/index (a stack of matrices)"
-            for i in r.params:
-                if fam.name not in self.uses[i]:
-                    self.uses[i][fam.name] = Use(fam.name, str(func.overloadpacket), detail)
-                self.batched[i] |= r.batched and fam.kind == "matrix"
-        raw = bool(acts_in) and all(a.raw for _, a in acts_in)
-        for _, a in acts_in:
-            self.mark_fed(a.src)
-        layer = len(self.calls)
-        self.calls.append(frozenset(i for pos in weight_pos for i in self.refs[args[pos]].params))
-        if raw:
-            stem = fam.stem(func, args, weight_pos[0])
-            for pos in weight_pos:
-                for i in self.refs[args[pos]].params:
-                    self.reads_input[i] = True
-                    self.stems[i] = self.stems[i] or stem
-        feat = None
-        if outs:
-            fd = fam.feature_dim(func, args, weight_pos[0])
-            if fd is not None and outs[0].ndim:
-                d = dim_index(fd, outs[0].ndim)
-                feat = Feat(layer, d, int(outs[0].shape[d]))
-        act = _Act(frozenset((layer,)), False, feat)
-        for o in outs:
-            self.acts[o] = act
-
-    def _derived(self, packet, args, params_in, outs) -> None:
-        """An op on parameters (and constants) only: its outputs are derived from those parameters."""
-        first = params_in[0][1]
-        if len(params_in) == 1 and packet in _PLAIN_VIEWS:
-            ref = first  # t, view, transpose … of one parameter: the same reference
-        else:
-            params = frozenset().union(*(r.params for _, r in params_in))
-            batched = any(r.batched for _, r in params_in)
-            indexed = any(r.indexed for _, r in params_in)
-            if packet in _SELECTS and args[0] in self.refs and len(args) > 1:
-                batched = batched or dim_index(int(args[1]), args[0].ndim) == 0
-            elif packet in INDEX_OPS:
-                batched = indexed = True
-            computed = packet not in _VIEWS or any(r.computed for _, r in params_in)
-            ref = _Ref(params, batched, indexed, computed)
-        for o in outs:
-            if o not in self.refs:
-                self.refs[o] = ref
-
-    def _activation(self, func, args, kwargs, acts_in, outs) -> None:
-        """An op on activations: union of the sources, raw when every activation input is raw, and
-        the features followed through views and cuts."""
-        if len(acts_in) > 1:
-            src = frozenset().union(*(a.src for _, a in acts_in))
-            if len(src) > 4:  # a residual stream: drop the layers already known to feed another
-                src = frozenset(c for c in src if c not in self.fed)
-        else:
-            src = acts_in[0][1].src
-        raw = all(a.raw for _, a in acts_in)
-        feat = None
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        head = self.acts.get(first) if first is not None else None
-        if head is not None and head.feat is not None and outs and len(acts_in) == 1:
-            # one activation in (a sum of two, e.g. a residual stream, mixes features: not followed)
-            feat = follow(func, args, kwargs, head.feat, outs, self._cut)
-        if feat is None or isinstance(feat, Feat):
-            act = _Act(src, raw, feat)
-            for o in outs:
-                self.acts[o] = act
-        else:  # per-output features (a split)
-            for o, f in zip(outs, feat):
-                self.acts[o] = _Act(src, raw, f)
-
-    # ------------------------------------------------------------ following a layer's features
-
-    def _cut(self, feat: Feat, start: int, stop: int) -> None:
-        """Record that features [start, stop) of ``feat``'s layer (in units of its dim) were cut out."""
-        unit = feat.size // feat.k if feat.k else 1
-        for i in self.calls[feat.layer]:
-            self.pieces.setdefault(i, set()).add((start * unit, stop * unit))
-
 
 
 # ---------------------------------------------------------------- outputs
@@ -424,10 +131,10 @@ def _run(model, names: list[list[str]], params: list[torch.Tensor], buffers: dic
     for i, group in enumerate(names):
         for n in group:
             values[n] = stand_ins[i]
-    tracer = _Tracer(stand_ins, value_free=meta)
+    tracer = Tracer(stand_ins, value_free=meta)
     for leaf in tree_flatten((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor):
-            tracer.acts[leaf] = _Act(frozenset(), True, None)
+            tracer.acts[leaf] = Act(frozenset(), True, None)
     device = torch.device("meta") if meta else contextlib.nullcontext()
     devices = [] if meta else sorted({p.device for p in params if p.device.type != "cpu"}, key=str)
     fastpath = torch.backends.mha.get_fastpath_enabled()

@@ -23,6 +23,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from geomopt.compile.trace_blocks import Feat
+from geomopt.compile.trace_dispatch import Act
+
 MIN_REPEATS = 3
 
 
@@ -32,7 +35,7 @@ def _scalar(x) -> Any:
 
 class Replayer:
     """Patches a model's repeated blocks for one meta trace (undone by :meth:`uninstall`);
-    ``tracer`` is the :class:`geomopt.compile.trace._Tracer`."""
+    ``tracer`` is the :class:`geomopt.compile.trace_dispatch.Tracer`."""
 
     def __init__(self, tracer, model: nn.Module):
         self.tracer = tracer
@@ -154,9 +157,6 @@ class Replayer:
         return (tuple(calls), internal_fed, inputs_fed, kind, tuple(out_specs), uses, per_param)
 
     def _replay(self, summary: tuple, index: list[int], inputs: list):
-        from geomopt.compile.trace import _Act
-        from geomopt.compile.trace_blocks import Feat
-
         tr = self.tracer
         calls, internal_fed, inputs_fed, kind, out_specs, uses, per_param = summary
         base = len(tr.calls)
@@ -186,7 +186,7 @@ class Replayer:
                 own, passing, raw, feat = act
                 src = frozenset(base + c for c in own).union(*(srcs[k] for k in passing))
                 src = frozenset(c for c in src if c not in tr.fed)
-                tr.acts[o] = _Act(src, raw, None if feat is None else Feat(base + feat[0], *feat[1:]))
+                tr.acts[o] = Act(src, raw, None if feat is None else Feat(base + feat[0], *feat[1:]))
             outs.append(o)
         return outs[0] if kind == "tensor" else tuple(outs)
 
