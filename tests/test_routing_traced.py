@@ -88,20 +88,7 @@ ROLES = {
         "backbone.layers.0.mixer.out_proj.weight": "hidden",
         "backbone.norm_f.weight": "norm",
     },
-    "falcon-mamba": {
-        "backbone.embeddings.weight": "embedding+head",
-        "backbone.layers.0.norm.weight": "norm",
-        "backbone.layers.0.mixer.A_log": "other",
-        "backbone.layers.0.mixer.D": "other",
-        "backbone.layers.0.mixer.conv1d.weight": "other",
-        "backbone.layers.0.mixer.conv1d.bias": "bias",
-        "backbone.layers.0.mixer.in_proj.weight": "hidden",
-        "backbone.layers.0.mixer.x_proj.weight": "hidden",
-        "backbone.layers.0.mixer.dt_proj.weight": "hidden",
-        "backbone.layers.0.mixer.dt_proj.bias": "bias",
-        "backbone.layers.0.mixer.out_proj.weight": "hidden",
-        "backbone.norm_f.weight": "norm",
-    },
+    "falcon-mamba": None,  # Mamba's table: the same blocks (filled in below)
     "rwkv": {
         "rwkv.embeddings.weight": "embedding",
         "rwkv.blocks.0.pre_ln.weight": "norm",
@@ -360,6 +347,8 @@ ROLES = {
         "model.decoder.layer_norm.bias": "norm",
     },
 }
+
+ROLES["falcon-mamba"] = ROLES["mamba"]
 
 # what an ``auto`` view reads, from the forward's cuts of each layer's output; none elsewhere
 STRUCTURES = {

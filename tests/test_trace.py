@@ -20,6 +20,8 @@ from geomopt.compile.op_families import FAMILIES
 from geomopt.compile.trace import TraceError, trace_model
 from geomopt.compile.trace_inputs import Inputs, as_inputs
 
+from test_match import _Tied
+
 
 def traced(model: nn.Module, *args, **kwargs):
     return trace_model(model, Inputs(args, kwargs))
@@ -169,13 +171,8 @@ def test_heads_are_the_layers_producing_outputs():
     assert (t.tensors["cls.weight"].head, t.tensors["box.4.weight"].head) == ("logits", "pred_boxes")
 
 
-class Tied(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.wte = nn.Embedding(16, 8)
-        self.body = nn.Linear(8, 8)
-        self.lm_head = nn.Linear(8, 16, bias=False)
-        self.lm_head.weight = self.wte.weight
+class Tied(_Tied):
+    """test_match's tied model (an embedding and a head sharing a weight) with a forward."""
 
     def forward(self, idx):
         return self.lm_head(torch.tanh(self.body(self.wte(idx))))
