@@ -75,20 +75,16 @@ def load_model(ref: str):
         raise UsageError(f"--model {ref}: the factory raised {type(exc).__name__}: {exc}") from None
     import torch
 
-    inputs = None
-    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], torch.nn.Module):
-        model, inputs = model
+    from geomopt.compile.trace_inputs import as_inputs
+
+    model, inputs = model if isinstance(model, tuple) and len(model) == 2 else (model, None)
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"--model {ref} returned {type(model).__name__}, not a torch.nn.Module or a "
                          f"(module, example inputs) pair")
-    if inputs is not None:
-        from geomopt.compile.trace_inputs import as_inputs
-
-        try:
-            inputs = as_inputs(inputs, f"--model {ref}'s inputs")
-        except TypeError as exc:
-            raise UsageError(str(exc)) from None
-    return model, inputs
+    try:
+        return model, None if inputs is None else as_inputs(inputs, f"--model {ref}'s inputs")
+    except TypeError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _params(args):
@@ -96,6 +92,7 @@ def _params(args):
     from geomopt.compile.compiler import model_params
     from geomopt.compile.lock import model_label
     from geomopt.compile.params import params_from_checkpoint
+    from geomopt.spec.source import NotRegularFile
 
     if getattr(args, "model", None):
         model, inputs = load_model(args.model)
@@ -105,7 +102,8 @@ def _params(args):
         try:
             return params_from_checkpoint(args.checkpoint), True
         except OSError as exc:
-            raise UsageError(f"cannot read checkpoint {args.checkpoint}: {exc.strerror or exc}") from None
+            hint = "; give a .pt, .pth, .bin or .safetensors file" if isinstance(exc, NotRegularFile) else ""
+            raise UsageError(f"cannot read checkpoint {args.checkpoint}: {exc.strerror or exc}{hint}") from None
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     return None, False
@@ -261,7 +259,8 @@ def cmd_fmt(args) -> int:
     from geomopt.spec.comments import collect
     from geomopt.spec.extends import find_spec, layer_of
     from geomopt.spec.printers import dump_spec
-    from geomopt.spec.validate import format_of, load_spec, source_of
+    from geomopt.spec.source import MAX_BYTES
+    from geomopt.spec.validate import format_of, load_spec, read_spec_text, source_of
 
     if args.resolved and args.check:
         raise UsageError("--check compares a file with its canonical form; "
@@ -274,18 +273,23 @@ def cmd_fmt(args) -> int:
         report(exc.diagnostics, "text")
         return _status(exc.diagnostics, False)
     comments = None
-    if not args.resolved:  # the text load_spec parsed (it read the file as UTF-8 and refused it otherwise)
+    current = read_spec_text(path)  # as load_spec read it (a regular file, within the size limit, UTF-8)
+    if not args.resolved:
         source = source_of(spec)
         assert source is not None  # load_spec parsed the file, so the spec has its positions
         layer = layer_of(source)
-        comments = collect(path.read_bytes().decode("utf-8"), layer.source if layer else source)
+        comments = collect(current.removeprefix("\ufeff"), layer.source if layer else source)
     target = args.to or source_format
     try:
         text = dump_spec(spec, target, comments, resolved=args.resolved)
     except ValueError as exc:  # a YAML null in an extending spec, which the DSL cannot spell
         raise UsageError(f"{args.spec}: {exc}") from None
+    size = len(text.encode("utf-8"))
+    if size > MAX_BYTES:  # a DSL string's raw control characters print as \u0001 escapes; --resolved merges
+        raise UsageError(f"{args.spec}: the formatted spec would be {size} bytes, over the {MAX_BYTES} that lint "
+                         f"and load read; nothing written: keep this format, or split the spec (a base with "
+                         f"'extends')")
     if args.check:
-        current = path.read_text(encoding="utf-8")
         if target != source_format or current != text:
             print(f"{args.spec}: would reformat" + (f" (to {target})" if target != source_format else ""),
                   file=sys.stderr)

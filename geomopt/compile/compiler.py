@@ -143,7 +143,7 @@ def as_spec(spec: Union[Spec, str, dict, "object"]) -> Spec:
     if isinstance(spec, Spec):
         return spec
     if isinstance(spec, str) and "\n" in spec:  # no path has a line break: the text itself
-        dsl = re.match(r"\s*(#[^\n]*\n\s*)*geomopt\s+\d", spec) is not None
+        dsl = re.match(r"\ufeff?\s*(#[^\n]*\n\s*)*geomopt\s+\d", spec) is not None
         return parse_spec(spec, "dsl" if dsl else "yaml", file="<string>")
     if isinstance(spec, (str, Path)):
         return load_spec(spec)

@@ -6,11 +6,10 @@ Names match whole (``layers.1`` never matches ``layers.10``; ``head`` never ``de
 from __future__ import annotations
 
 import dataclasses
-import functools
-import re
 from typing import TYPE_CHECKING, Optional
 
 from geomopt.spec.model import Match
+from geomopt.spec.patterns import NamePattern, compile_pattern
 
 if TYPE_CHECKING:
     from geomopt.compile.role_types import Role
@@ -38,33 +37,11 @@ class ParamInfo:
         return len(self.shape)
 
 
-@functools.lru_cache(maxsize=4096)
-def glob_regex(pattern: str) -> re.Pattern:
+def glob_regex(pattern: str) -> NamePattern:
     """Glob on dotted names: ``*`` within a segment, ``**`` across segments, ``?`` one character;
-    ``re:…`` is a full-match regular expression."""
-    if pattern.startswith("re:"):
-        return re.compile(pattern[3:])
-    out, i, n = [], 0, len(pattern)
-    while i < n:
-        if pattern.startswith("**.", i):
-            out.append(r"(?:.*\.)?")  # zero or more leading segments
-            i += 3
-        elif pattern.startswith(".**", i) and i + 3 == n:
-            out.append(r"(?:\..*)?")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(r".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append(r"[^.]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append(r"[^.]")
-            i += 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out))
+    ``re:…`` is a full-match regular expression (RE2 syntax). The result's ``fullmatch(name)`` runs
+    in time linear in the name (:mod:`geomopt.spec.patterns`); raises ValueError for a refused pattern."""
+    return compile_pattern(pattern)
 
 
 def any_name(fullmatch, p: ParamInfo) -> bool:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+
 from geomopt.compile.match import ParamInfo
 from geomopt.compile.wrappers import named_modules, strip, strip_names, unwrap
+from geomopt.spec.source import check_regular, open_regular
 
 
 def _module_classes(module) -> tuple[str, ...]:
@@ -92,6 +94,7 @@ def params_from_checkpoint(path: str | Path) -> list[ParamInfo]:
     floating-point tensors in a checkpoint (raises OSError / ValueError with a readable message on
     a bad file)."""
     path = Path(path)
+    check_regular(path)  # not a FIFO (reading one would wait for a writer), a device or a directory
     if path.suffix == ".safetensors":
         entries = _safetensors_header(path)
     else:
@@ -102,7 +105,7 @@ def params_from_checkpoint(path: str | Path) -> list[ParamInfo]:
 
 
 def _safetensors_header(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
-    with path.open("rb") as f:
+    with open_regular(path) as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise ValueError(f"{path}: not a safetensors file (too short)")
@@ -113,6 +116,8 @@ def _safetensors_header(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ValueError(f"{path}: not a safetensors file (bad header)") from None
+        except RecursionError:  # json.loads recurses per level: `{"a": [[[[…` 100,000 deep
+            raise ValueError(f"{path}: not a safetensors file (header nested too deeply)") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: not a safetensors file (header is not a JSON object)")
     # keyed by whatever the header holds: an unknown dtype (or none) is shown as written

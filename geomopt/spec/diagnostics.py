@@ -59,10 +59,12 @@ LANGUAGE_CODES: dict[str, tuple[str, str]] = {
     "GO004": ("unknown-kind", "a `kind` that is not registered"),
     "GO005": ("invalid-value", "a value of the wrong type or out of range"),
     "GO006": ("missing-field", "a required field is absent"),
-    "GO007": ("bad-pattern", "a name pattern that does not compile"),
+    "GO007": ("bad-pattern", "a name pattern that does not compile, or asks what the linear-time matcher (RE2) "
+              "lacks: backreferences, lookaround, repeats over 1000"),
     "GO008": ("unsupported-version", "`geomopt:` names a language version this release does not read"),
     "GO009": ("empty-spec", "the file holds no spec"),
-    "GO010": ("unreadable-input", "the input is not a readable text spec (missing, binary, too large)"),
+    "GO010": ("unreadable-input", "the input is not a readable text spec (missing, not a regular file, binary, too "
+              "large, an integer of thousands of digits)"),
     # spec inheritance (geomopt.spec.extends)
     "GO011": ("unknown-base", "`extends` names neither a shipped spec nor a spec file (the message lists the "
               "shipped names): write a shipped name (muon, scion, …) or a path to a .yaml, .yml or .geom file, "

@@ -35,7 +35,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 
 from geomopt.spec.diagnostics import SpecError, did_you_mean, language_diagnostic
 from geomopt.spec.model import KIND_FIELDS
-from geomopt.spec.source import MAX_DEPTH, Parsed, SourceMap
+from geomopt.spec.source import MAX_DEPTH, Parsed, SourceMap, int_literal_error
 
 _KEYWORDS = {
     "GEOMOPT": "geomopt", "NAME": "name", "DESCRIPTION": "description", "DEFAULTS": "defaults", "ROLES": "roles",
@@ -189,6 +189,12 @@ class _Walker:
                                 "(write a \\uXXXX pair, or the character itself)", tok)
         return value
 
+    def integer(self, tok) -> int:
+        error = int_literal_error(None, str(tok).lstrip("+-"))
+        if error:
+            self.error("GO010", error, tok)
+        return int(tok)
+
     def put(self, out: dict, path, key: str, key_item, value_item, value):
         if key in out:
             first = self.source.keys[path + (key,)]
@@ -205,7 +211,7 @@ class _Walker:
         tok = version.children[1]
         assert isinstance(tok, Token)  # the grammar's version statement: GEOMOPT INT
         self.source.values[("geomopt",)] = _pos(tok)
-        self.put(out, (), "geomopt", version.children[0], tok, int(tok))
+        self.put(out, (), "geomopt", version.children[0], tok, self.integer(tok))
         rules: list[dict] = []
         for st in statements:
             kind = st.data
@@ -305,7 +311,7 @@ class _Walker:
             return self.string(tok)
         if kind == "number":
             text = str(tok)
-            return int(text) if text.lstrip("+-").isdigit() else float(text)
+            return self.integer(tok) if text.lstrip("+-").isdigit() else float(text)
         if kind == "true":
             return True
         if kind == "false":

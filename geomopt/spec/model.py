@@ -14,7 +14,6 @@ ground of :mod:`geomopt.spec.base`.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
@@ -73,6 +72,7 @@ from geomopt.spec.geometries import (
     Triple,
     View,
 )
+from geomopt.spec.patterns import pattern_error
 from geomopt.spec.updates import (
     DIRECTION_KINDS,
     STAGE_ORDER,
@@ -126,11 +126,10 @@ ROLE_NAMES = kinds_of_literal(RoleName)
 
 
 def _check_regex(pattern: str) -> None:
-    if pattern.startswith("re:"):
-        try:
-            re.compile(pattern[3:])
-        except re.error as exc:
-            raise ValueError(f"bad regular expression {pattern[3:]!r}: {exc}") from None
+    """A glob or ``re:`` pattern the matcher runs (:mod:`geomopt.spec.patterns`), else ValueError."""
+    error = pattern_error(pattern)
+    if error is not None:
+        raise ValueError(error)
 
 
 class Match(_Model):

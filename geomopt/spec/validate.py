@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import re
 import types
 import typing
@@ -16,7 +17,8 @@ from pydantic_core import ErrorDetails
 from geomopt.spec.diagnostics import Diagnostic, SpecError, did_you_mean, language_diagnostic
 from geomopt.spec.extends import find_spec, resolve, shipped_menu
 from geomopt.spec.model import ROLE_NAMES, Spec
-from geomopt.spec.source import MAX_BYTES, Parsed, SourceMap
+from geomopt.spec.patterns import pattern_error
+from geomopt.spec.source import MAX_BYTES, NotRegularFile, Parsed, SourceMap, open_regular
 
 def source_of(spec: Spec) -> SourceMap | None:
     """The positions a spec was parsed with (None for specs built in Python)."""
@@ -169,12 +171,10 @@ def _one(err: ErrorDetails, path: tuple, model, data, source: SourceMap) -> Diag
 
 
 def _bad_role_pattern(data) -> tuple | None:
-    """The path of the first ``re:`` pattern under ``roles`` that does not compile."""
+    """The path of the first pattern under ``roles`` that the matcher refuses."""
     for role, patterns in data["roles"].items():
         for i, pattern in enumerate(patterns):
-            try:
-                re.compile(pattern[3:]) if pattern.startswith("re:") else None
-            except re.error:
+            if isinstance(pattern, str) and pattern_error(pattern) is not None:
                 return ("roles", role, i)
     return None
 
@@ -327,6 +327,7 @@ def parse_text(text: str, format: str = "yaml", *, file: str = "<spec>") -> Pars
     raises :class:`SpecError` for text that is no spec (too large, binary, malformed)."""
     if format not in ("yaml", "dsl"):
         raise ValueError(f"format must be 'yaml' or 'dsl', got {format!r}")
+    text = text.removeprefix("\ufeff")  # a byte order mark: editors on Windows write one
     if len(text) > MAX_BYTES:
         raise SpecError([language_diagnostic("GO010", f"spec too large ({len(text)} characters; "
                                                       f"the limit is {MAX_BYTES})", file)])
@@ -378,25 +379,34 @@ def format_of(path: str | FsPath) -> str:
 
 def read_spec(path: str | FsPath) -> Parsed:
     """A ``.yaml``/``.yml`` or ``.geom`` file's plain data + positions, not yet validated."""
-    fmt = format_of(path)
-    p = FsPath(path)
+    return parse_text(read_spec_text(path), format_of(path), file=str(path))
+
+
+def read_spec_text(path: str | FsPath) -> str:
+    """A spec file's text, as written (a byte order mark kept): only a regular file (links
+    followed: not a directory, FIFO or device), refused by its size before it is read, and at most
+    :data:`MAX_BYTES` + 1 bytes read; raises :class:`SpecError` (GO010)."""
+    format_of(path)
     try:
-        raw = p.read_bytes()
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(MAX_BYTES + 1) if size <= MAX_BYTES else b""
     except OSError as exc:
         menu = f" ({shipped_menu()})" if isinstance(exc, FileNotFoundError) else ""
-        raise SpecError([language_diagnostic("GO010", f"cannot read spec: {exc.strerror or exc}{menu}",
+        what = "; give a .yaml, .yml or .geom file" if isinstance(exc, NotRegularFile) else ""
+        raise SpecError([language_diagnostic("GO010", f"cannot read spec: {exc.strerror or exc}{what}{menu}",
                                              str(path))]) from None
-    if len(raw) > MAX_BYTES:
-        raise SpecError([language_diagnostic("GO010", f"spec too large ({len(raw)} bytes; the limit is {MAX_BYTES})",
-                                             str(path))])
+    if size > MAX_BYTES or len(raw) > MAX_BYTES:
+        shown = f"{size} bytes" if size > MAX_BYTES else f"over {MAX_BYTES} bytes"
+        raise SpecError([language_diagnostic("GO010", f"spec too large ({shown}; the limit is {MAX_BYTES}): split "
+                                                      f"it, or build on a base spec with 'extends'", str(path))])
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
         raise SpecError([language_diagnostic("GO010", "not UTF-8 text (binary file?): a spec is plain UTF-8 text",
                                              str(path), (line, col))]) from None
-    return parse_text(text, fmt, file=str(path))
 
 
 def load_spec(path: str | FsPath) -> Spec:

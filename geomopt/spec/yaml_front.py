@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from geomopt.spec.diagnostics import SpecError, language_diagnostic
-from geomopt.spec.source import MAX_DEPTH, MAX_NODES, Parsed, SourceMap
+from geomopt.spec.source import MAX_DEPTH, MAX_NODES, Parsed, SourceMap, int_literal_error
 
 try:
     from yaml._yaml import CParser as _CParser
@@ -385,7 +385,10 @@ def _scalar(node, source: SourceMap):
     if not _EXPLICIT[tag].match(value):  # explicit `!!int 0b11`, `!!float abc`: not that type in YAML 1.2
         raise SpecError([language_diagnostic("GO005", f"{value!r} is not a valid !!{tag[len(_T):]} "
                                                       f"(YAML 1.2 core schema)", source.file, _pos(node.start_mark))])
-    return _convert(tag, value)
+    try:
+        return _convert(tag, value)
+    except ValueError as exc:  # an integer of thousands of digits
+        raise SpecError([language_diagnostic("GO010", str(exc), source.file, _pos(node.start_mark))]) from None
 
 
 def _convert(tag: str, value: str):
@@ -394,12 +397,16 @@ def _convert(tag: str, value: str):
         return value
     if tag == _T + "bool":
         return value.lower() == "true"
-    if tag == _T + "int":
-        if value.startswith("0o"):
-            return int(value[2:], 8)
-        if value.startswith("0x"):
-            return int(value[2:], 16)
-        return int(value)
+    if tag == _T + "int":  # ValueError for one of thousands of digits (the fast loader falls back on it)
+        if value.startswith(("0o", "0x")):
+            number = int(value[2:], 8 if value[1] == "o" else 16)  # linear in the digits: no bound in Python
+            error = int_literal_error(number)
+        else:
+            error = int_literal_error(None, value.lstrip("+-"))
+            number = 0 if error else int(value)
+        if error:
+            raise ValueError(error)
+        return number
     if tag == _T + "float":
         v = value.lower()
         if v.endswith(".inf"):
