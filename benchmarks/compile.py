@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import platform
 import statistics
@@ -200,9 +201,10 @@ def main() -> None:
         wall, cpu, n = bench(args.blocks, args.runs, workload)
         load = f"load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
         note = "; ".join(x for x in (args.note, load) if x)
+        how = "traced" if importlib.util.find_spec("geomopt.compile.trace") else "from the module tree"
         what = {"names": f"{len(SPEC['rules'])} name rules × {n} tensors",
-                "roles": f"muon.yaml (roles traced, view: auto) × {n}-tensor nn.Module",
-                "llama-8b": f"muon.yaml × Llama-3-8B config on meta ({n} tensors, traced)"}[workload]
+                "roles": f"muon.yaml (roles {how}, view: auto) × {n}-tensor nn.Module",
+                "llama-8b": f"muon.yaml × Llama-3-8B config on meta ({n} tensors, roles {how})"}[workload]
         row = (f"| {datetime.date.today().isoformat()} | {os.cpu_count()}-core CPU ({platform.machine()}) "
                f"| torch {torch.__version__} | {what} | {wall * 1000:.0f} ms | {cpu * 1000:.0f} ms | {note} |")
         print(row)
