@@ -1,7 +1,8 @@
 """Roles: what each tensor does in its model, so one spec routes any architecture.
 
 A role is one of ``embedding``, ``head``, ``router``, ``expert``, ``norm``, ``bias``, ``hidden``
-(every other tensor with ≥ 2 dims) and ``other`` (every other tensor with < 2 dims). Rules match
+(a matrix of the body) and ``other`` (everything else: vectors, and tensors the forward uses only
+elementwise, as a grouped convolution's kernel or as an indexed table). Rules match
 it with ``match: {role: …}``. Each tensor also gets the **evidence** for its role, a **guessed**
 flag (roles read from names and shapes only, as for a checkpoint) and a **structure** — what an
 ``auto`` matrix view reads (:mod:`geomopt.geometry.view`): ``{"batch": 1}`` for batched expert
