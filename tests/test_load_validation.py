@@ -294,3 +294,28 @@ def test_a_pre_hook_that_breaks_the_dict_is_refused(stepped):
     opt, saved = stepped
     opt.register_load_state_dict_pre_hook(lambda optimizer, sd: {"state": sd["state"]})
     refused(opt, copy.deepcopy(saved), "'param_groups'")
+
+
+def test_a_pre_hook_may_repair_the_dict_before_it_is_checked(stepped):
+    """The layout is checked after the pre-hooks (as torch's loader indexes after them): a hook
+    that turns another format into this one loads."""
+    opt, saved = stepped
+    wrapped = {"legacy": copy.deepcopy(saved)}
+    opt.register_load_state_dict_pre_hook(lambda optimizer, sd: sd["legacy"] if "legacy" in sd else None)
+    assert opt.load_state_dict(wrapped) is None
+    assert snapshot(opt)["state"] == [frozen(dict(st)) if st is not None else None for st in
+                                      (saved["state"].get(i) for g in saved["param_groups"] for i in g["params"])]
+
+
+def test_a_tensor_lr_survives_a_spec_change_unshared():
+    """Under a spec change the groups the new spec leaves alone resume as saved: a tensor lr stays
+    a tensor and is a copy, not the saved dict's tensor (loading must not alias the checkpoint)."""
+    _, opt = build("muon")
+    sd = copy.deepcopy(opt.state_dict())
+    group_of(sd, "rest")["lr"] = torch.tensor(0.0005)
+    _, other = build("adamw-hybrid", steps=0)
+    other.load_state_dict(sd, allow_spec_change=True)
+    lr = group_of(other.state_dict(), "rest")["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(0.0005)
+    lr.add_(1.0)
+    assert group_of(sd, "rest")["lr"].item() == pytest.approx(0.0005)

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -72,12 +73,13 @@ class Checkpoints(Host):
         model. A torch optimizer's state fills the tensors it names and leaves the others' state as
         it is, so a Muon + AdamW pair loads with two calls, one per optimizer. Nothing is changed
         when loading fails."""
-        check_layout(state_dict)  # before the hooks: they index into it as torch's loader does
+        if not isinstance(state_dict, Mapping):
+            check_layout(state_dict)  # raises, saying what a state dict is
         state_dict = dict(state_dict)  # shallow copy, as torch does; each pre-hook runs once (here)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             out = pre_hook(self, state_dict)
             state_dict = state_dict if out is None else out
-        check_layout(state_dict)
+        check_layout(state_dict)  # after the hooks: one may turn another format into this one
         source = source_of(state_dict)
         meta = state_dict.get("geomopt")
         if source != "geomopt":
@@ -221,6 +223,10 @@ def to_device(value, device):
 
 
 def copy_value(value):
+    """A copy of a group value; a tensor (an lr a scheduler keeps as a tensor) stays a tensor, not
+    shared with the state dict it came from (torch's loader deep-copies the groups)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
     if isinstance(value, dict):
         return {k: copy_value(v) for k, v in value.items()}
     if isinstance(value, list):

@@ -133,8 +133,8 @@ def check_group_values(groups: list) -> None:
 
 def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
     """One tensor's saved state, any source: floating, finite tensors; non-negative second moments
-    and step counts; in geomopt's keys (``geomopt_keys``), an Adam or stage second moment's keys
-    present together (a partial kind fails on the next step, after the load)."""
+    and step counts; in geomopt's keys (``geomopt_keys``), Adam's moments and step count present
+    together (a partial kind fails on the next step, after the load)."""
     for key, value in entry.items():
         if key in STEP_KEYS:
             step = _number(value)
@@ -157,8 +157,9 @@ def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
         if key in SECOND_MOMENTS and bool((data < 0).any()):
             raise CheckpointError(f"tensor '{name}': second moment '{key}' holds {int((data < 0).sum())} negative "
                                   f"value(s) (a mean of squares is ≥ 0; its square root would be NaN): {_FIX}")
-    for kind in ("adam", "second_moment") if geomopt_keys else ():
-        keys = KINDS[kind]
+    # Adam's moments and step count move together (a stage's post_step also counts stages without
+    # state, so it may stand alone)
+    for keys in [KINDS["adam"]] if geomopt_keys else []:
         if any(k in entry for k in keys) and not all(k in entry for k in keys):
             raise CheckpointError(f"tensor '{name}': state has {[k for k in keys if k in entry]} without "
                                   f"{[k for k in keys if k not in entry]} (they are kept together): {_FIX}")
