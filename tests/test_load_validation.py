@@ -206,6 +206,8 @@ def test_names_that_are_not_this_models(stepped):
     (lambda sd: sd["geomopt"].pop("spec_hash"), "spec_hash"),
     (lambda sd: sd["geomopt"].__setitem__("counters", {"skipped": 0}), "geomopt['counters']"),
     (lambda sd: sd["geomopt"]["counters"].__setitem__(0, None), "geomopt['counters'][0]"),
+    (lambda sd: sd["geomopt"].__setitem__("spec_groups", "hidden"), "geomopt['spec_groups']"),
+    (lambda sd: sd["geomopt"].__setitem__("transposed", [0]), "geomopt['transposed']"),
     (lambda sd: entry(sd, "exp_avg")[1].pop("exp_avg_sq"), "'exp_avg_sq'"),
     (lambda sd: entry(sd, "d")[1].__setitem__("d", [0.0] * 4), "'d'"),
 ])
@@ -241,6 +243,17 @@ def test_a_torch_optimizers_state_is_checked_too():
         else:
             st[key].view(-1)[0] = bad
         refused(opt, sd, sd["param_groups"][0]["param_names"][5], f"'{key}'", needle, allow_spec_change=True)
+
+
+def test_another_optimizers_state_is_a_checkpoint_error(stepped):
+    """torch.optim.SGD's momentum is not an average of gradients: refused with the same error
+    type as every other refusal, and nothing changes."""
+    opt, _ = stepped
+    twin = get_model("gpt")
+    sgd = torch.optim.SGD(twin.named_parameters(), lr=0.1, momentum=0.9)
+    twin(*batch(0))[1].backward()
+    sgd.step()
+    refused(opt, sgd.state_dict(), "torch.optim.SGD", allow_spec_change=True)
 
 
 def test_a_valid_state_still_loads_and_resumes_bit_for_bit(stepped):

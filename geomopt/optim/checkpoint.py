@@ -71,8 +71,11 @@ class Checkpoints(Host):
         loads the same way (``allow_spec_change=True``); ``model``: the model that optimizer was
         built on, when it was given ``model.parameters()`` (no names) and is not this optimizer's
         model. A torch optimizer's state fills the tensors it names and leaves the others' state as
-        it is, so a Muon + AdamW pair loads with two calls, one per optimizer. Nothing is changed
-        when loading fails."""
+        it is, so a Muon + AdamW pair loads with two calls, one per optimizer.
+
+        The whole dict is checked before anything is written (:mod:`geomopt.optim.load_check`):
+        a refused load raises :class:`CheckpointError` (a ValueError) naming the tensor or key,
+        and leaves parameters, state, param_groups and counters bit for bit as they were."""
         if not isinstance(state_dict, Mapping):
             check_layout(state_dict)  # raises, saying what a state dict is
         state_dict = dict(state_dict)  # shallow copy, as torch does; each pre-hook runs once (here)
@@ -80,7 +83,10 @@ class Checkpoints(Host):
             out = pre_hook(self, state_dict)
             state_dict = state_dict if out is None else out
         check_layout(state_dict)  # after the hooks: one may turn another format into this one
-        source = source_of(state_dict)
+        try:
+            source = source_of(state_dict)
+        except ValueError as err:  # another optimizer's state (torch.optim.SGD, …)
+            raise CheckpointError(str(err)) from None
         meta = state_dict.get("geomopt")
         if source != "geomopt":
             if not allow_spec_change:
@@ -163,7 +169,10 @@ class Checkpoints(Host):
             order = ([n for n, _ in named], [n for n, q in named if q.requires_grad])
         else:
             order = self._order
-        names = saved_names(state_dict, *order)
+        try:
+            names = saved_names(state_dict, *order)
+        except ValueError as err:  # entries that cannot be told apart by name
+            raise CheckpointError(str(err)) from None
         renamed = dict(zip((n for g in state_dict["param_groups"] for n in g.get("param_names", ())), names))
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for name, i in zip(names, ids):

@@ -91,6 +91,15 @@ def check_meta(meta: Any) -> None:
     if not isinstance(meta, Mapping) or not isinstance(meta.get("spec_hash"), str):
         raise CheckpointError("the state dict's 'geomopt' section has no spec_hash string (nor do its param_groups): "
                               f"it was not saved by GeomOptimizer.state_dict(), or was edited; {_FIX}")
+    for key, ok, what in (("spec", lambda v: isinstance(v, str), "the spec's text"),
+                          ("spec_groups", lambda v: isinstance(v, list) and all(isinstance(g, Mapping) for g in v),
+                           "a list of dicts (one per group)"),
+                          ("transposed", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
+                           "a list of tensor names"),
+                          ("world_size", _is_int, "an int"), ("sharded", lambda v: isinstance(v, bool), "a bool"),
+                          ("mesh", lambda v: isinstance(v, list), "a list")):
+        if key in meta and not ok(meta[key]):
+            raise CheckpointError(f"geomopt['{key}'] is {_short(meta[key])}, not {what}: {_FIX}")
     counters = meta.get("counters", [])
     if not isinstance(counters, list):
         raise CheckpointError(f"geomopt['counters'] is a {type(counters).__name__}, not a list (one per group): "
