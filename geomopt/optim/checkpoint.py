@@ -4,17 +4,21 @@ under another (:mod:`geomopt.optim.migrate`), refusing what cannot load with wha
 
 from __future__ import annotations
 
+import copy
 import difflib
 import hashlib
 import json
 import logging
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
 
 from geomopt.compile.wrappers import strip, unwrap
 from geomopt.distributed import is_dtensor
+from geomopt.optim.load_check import (CheckpointError, check_entry, check_group_values, check_layout,
+                                       check_meta, check_same_spec)
 from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
@@ -67,71 +71,88 @@ class Checkpoints(Host):
         loads the same way (``allow_spec_change=True``); ``model``: the model that optimizer was
         built on, when it was given ``model.parameters()`` (no names) and is not this optimizer's
         model. A torch optimizer's state fills the tensors it names and leaves the others' state as
-        it is, so a Muon + AdamW pair loads with two calls, one per optimizer. Nothing is changed
-        when loading fails."""
-        state_dict = state_dict.copy()
+        it is, so a Muon + AdamW pair loads with two calls, one per optimizer.
+
+        The whole dict is checked before anything is written (:mod:`geomopt.optim.load_check`):
+        a refused load raises :class:`CheckpointError` (a ValueError) naming the tensor or key,
+        and leaves parameters, state, param_groups and counters bit for bit as they were."""
+        if not isinstance(state_dict, Mapping):
+            check_layout(state_dict)  # raises, saying what a state dict is
+        state_dict = dict(state_dict)  # shallow copy, as torch does; each pre-hook runs once (here)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             out = pre_hook(self, state_dict)
             state_dict = state_dict if out is None else out
-        source = source_of(state_dict)
+        check_layout(state_dict)  # after the hooks: one may turn another format into this one
+        try:
+            source = source_of(state_dict)
+        except ValueError as err:  # another optimizer's state (torch.optim.SGD, …)
+            raise CheckpointError(str(err)) from None
         meta = state_dict.get("geomopt")
         if source != "geomopt":
             if not allow_spec_change:
-                raise ValueError(
+                raise CheckpointError(
                     f"this is the state of {'torch.optim.Muon' if source == 'muon' else 'torch.optim.Adam(W)'}, "
                     f"not of a geomopt spec: pass allow_spec_change=True to carry its state over by parameter name "
                     f"(load_state_dict returns what was kept and reset)")
             return self._migrate(state_dict, source, None, model)
         if meta is None:
             # torch.distributed.checkpoint keeps only "state" and "param_groups": the groups carry the hash
-            meta = dict(spec_hash=state_dict["param_groups"][0]["spec_hash"])
+            meta = dict(spec_hash=state_dict["param_groups"][0].get("spec_hash"))
+        check_meta(meta)
+        check_group_values(state_dict["param_groups"])
         if meta["spec_hash"] != self.spec_hash and not allow_spec_change:
-            if "spec" in meta:
+            if isinstance(meta.get("spec"), str):
                 diff = difflib.unified_diff(meta["spec"].splitlines(), dump_spec(self.spec, "yaml").splitlines(),
                                             "saved spec", "current spec", lineterm="", n=1)
                 saved = f"'{spec_name(meta['spec'])}' (hash {meta['spec_hash']})"
                 what = "; what differs:\n" + "\n".join(list(diff)[:40])
             else:
                 saved, what = f"hash {meta['spec_hash']}", ""
-            raise ValueError(
+            raise CheckpointError(
                 f"optimizer state was saved under spec {saved}, this optimizer runs '{self.spec.name}' "
                 f"(hash {self.spec_hash}){what}\npass allow_spec_change=True to carry the state over by "
                 f"parameter name")
         saved_mesh = meta.get("mesh", self._mesh_signature())
         if (meta.get("sharded") or self._sharded) and (meta.get("world_size", self._executor.world)
                                                        != self._executor.world or saved_mesh != self._mesh_signature()):
-            where = f"{meta['world_size']} rank(s)" + (f" (mesh {', '.join(saved_mesh)})" if saved_mesh else "")
+            where = f"{meta.get('world_size', '?')} rank(s)" + (f" (mesh {', '.join(saved_mesh)})"
+                                                                if saved_mesh else "")
             here = f"{self._executor.world}" + (f" (mesh {', '.join(self._mesh_signature())})"
                                                  if self._mesh_signature() else "")
-            raise ValueError(
+            raise CheckpointError(
                 f"this optimizer state was saved {'sharded over' if meta.get('sharded') else 'on'} {where} and this "
                 f"run has {here}: sharded state (FSDP2, HSDP, TP) loads only on the mesh it was saved on. Save and "
                 f"load with torch.distributed.checkpoint (get_state_dict / set_state_dict), which reshards")
         if meta["spec_hash"] != self.spec_hash and all("param_names" in g for g in state_dict["param_groups"]):
             return self._migrate(state_dict, source, meta, model)
-        try:
-            super().load_state_dict(state_dict)
-        except ValueError as err:  # a checkpoint without names whose groups do not line up
-            raise ValueError(f"{err}: this checkpoint has no parameter names, so its state can only be loaded "
-                             f"into the same rules in the same order") from None
-        # torch.optim casts floating state to the parameter's dtype (it calls
-        # Optimizer._process_value_according_to_param_policy directly, so an override is never
-        # used); geomopt keeps float32 state for bf16 parameters: reload it with the device only.
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        check_same_spec(self, state_dict, same_rules=meta["spec_hash"] == self.spec_hash)
+        # everything is checked: build, then install at once (torch's loader is not called: it would
+        # run the pre-hooks a second time, and it casts floating state to the parameter's dtype,
+        # where geomopt keeps float32 state for bf16 parameters)
+        groups = copy.deepcopy(state_dict["param_groups"])  # a tensor lr stays a tensor, as in torch
+        saved_ids = [i for g in groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
+        state: defaultdict = defaultdict(dict)
         for pid, p in zip(saved_ids, params):
             saved = state_dict["state"].get(pid)
             if saved is not None:
-                self.state[p] = {k: to_device(v, p.device) for k, v in saved.items()}
-        for group in self.param_groups:
-            group["spec_hash"] = self.spec_hash
+                state[p] = {k: to_device(v, p.device) for k, v in saved.items()}
+        for group, new in zip(self.param_groups, groups):
+            new["params"] = group["params"]
+            new.setdefault("param_names", group.get("param_names"))
+            new["spec_hash"] = self.spec_hash
         if self.spec_hash != meta["spec_hash"]:
-            old = meta.get("spec_groups") or [{}] * len(self.param_groups)
-            for group, was, now in zip(self.param_groups, old, self._spec_groups):
+            old = meta.get("spec_groups") or [{}] * len(groups)
+            for group, was, now in zip(groups, old, self._spec_groups):
                 self._follow_spec(group, was, now)
-        if len(meta.get("counters", [])) == len(self._counters):
-            self._counters = [copy_counters(c) for c in meta["counters"]]
+        counters = meta.get("counters", [])
+        # install (nothing above wrote to the optimizer)
+        self.__setstate__({"state": state, "param_groups": groups})
+        if len(counters) == len(self._counters):
+            self._counters = [copy_counters(c) for c in counters]
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
         return None
 
     def _follow_spec(self, group: dict, was: dict, now: dict) -> None:
@@ -148,9 +169,15 @@ class Checkpoints(Host):
             order = ([n for n, _ in named], [n for n, q in named if q.requires_grad])
         else:
             order = self._order
-        names = saved_names(state_dict, *order)
+        try:
+            names = saved_names(state_dict, *order)
+        except ValueError as err:  # entries that cannot be told apart by name
+            raise CheckpointError(str(err)) from None
         renamed = dict(zip((n for g in state_dict["param_groups"] for n in g.get("param_names", ())), names))
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for name, i in zip(names, ids):
+            if i in state_dict["state"]:
+                check_entry(name, state_dict["state"][i], source == "geomopt")
         saved = {name: translate(state_dict["state"][i], source) for name, i in zip(names, ids)
                  if i in state_dict["state"]}
         groups = [dict(g) for g in self.param_groups]
@@ -205,6 +232,10 @@ def to_device(value, device):
 
 
 def copy_value(value):
+    """A copy of a group value; a tensor (an lr a scheduler keeps as a tensor) stays a tensor, not
+    shared with the state dict it came from (torch's loader deep-copies the groups)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
     if isinstance(value, dict):
         return {k: copy_value(v) for k, v in value.items()}
     if isinstance(value, list):

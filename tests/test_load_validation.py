@@ -1,0 +1,334 @@
+"""A refused ``load_state_dict`` changes nothing: the whole incoming state dict is checked
+(:mod:`geomopt.optim.load_check`) before anything is written. Each case saves a stepped
+optimizer's state (GPT, shipped specs muon and adamw-hybrid), corrupts one thing in a deep copy,
+and asserts the load raises a CheckpointError naming the tensor or key, and that parameters,
+every state tensor, param_groups and counters are bit for bit what they were."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import geomopt
+from geomopt.models import GPT, GPTConfig, get_model
+from geomopt.optim import CheckpointError
+
+SPECS = ["muon", "adamw-hybrid"]
+
+
+def batch(k: int):
+    g = torch.Generator().manual_seed(100 + k)
+    return torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
+
+
+def build(spec: str, seed: int = 0, model=None, steps: int = 1):
+    torch.manual_seed(seed)
+    model = get_model("gpt") if model is None else model
+    opt = geomopt.GeomOptimizer(model, spec)
+    run(model, opt, 0, steps)
+    return model, opt
+
+
+def run(model, opt, start: int, steps: int) -> None:
+    for k in range(start, start + steps):
+        opt.zero_grad(set_to_none=True)
+        model(*batch(k))[1].backward()
+        opt.step()
+
+
+def bits(t: torch.Tensor) -> tuple:
+    """A tensor's dtype, shape and bytes (bitwise: -0.0 and 0.0 differ, NaNs compare)."""
+    t = t.detach()
+    return t.dtype, tuple(t.shape), bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+def frozen(value):
+    if isinstance(value, torch.Tensor):
+        return bits(value)
+    if isinstance(value, dict):
+        return {k: frozen(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [frozen(v) for v in value]
+    return value
+
+
+def snapshot(opt) -> dict:
+    """Everything a load writes: parameters, per-parameter state (by position), param_groups
+    (the parameters by identity), counters."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return dict(
+        params=[bits(p) for p in params],
+        state=[frozen(dict(opt.state[p])) if p in opt.state else None for p in params],
+        state_keys=len(opt.state),
+        groups=[frozen({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups],
+        group_params=[[id(p) for p in g["params"]] for g in opt.param_groups],
+        counters=frozen(opt._counters),
+    )
+
+
+def refused(opt, sd, *needles, **kw) -> str:
+    """Load ``sd``: it must raise CheckpointError naming every needle and change nothing."""
+    before = snapshot(opt)
+    with pytest.raises(CheckpointError) as err:
+        opt.load_state_dict(sd, **kw)
+    text = str(err.value)
+    for needle in needles:
+        assert needle in text, (needle, text)
+    assert snapshot(opt) == before
+    return text
+
+
+def entry(sd, key: str):
+    """(tensor name, state entry) of the first saved tensor whose state holds ``key``."""
+    names = {i: n for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+    for i, st in sd["state"].items():
+        if key in st:
+            return names[i], st
+    raise AssertionError(f"no state holds {key}")
+
+
+def group_of(sd, rule: str) -> dict:
+    return next(g for g in sd["param_groups"] if g["rule"] == rule)
+
+
+@pytest.fixture(params=SPECS)
+def stepped(request):
+    model, opt = build(request.param)
+    opt.shipped = request.param  # the shipped spec's name, to build more optimizers of it
+    return opt, opt.state_dict()
+
+
+def test_checkpoint_error_is_a_value_error():
+    assert issubclass(CheckpointError, ValueError)
+
+
+def test_counters_without_fallbacks(stepped):
+    opt, saved = stepped
+    sd = copy.deepcopy(saved)
+    del sd["geomopt"]["counters"][1]["fallbacks"]
+    refused(opt, sd, "geomopt['counters'][1]", "'fallbacks'")
+    sd = copy.deepcopy(saved)
+    sd["geomopt"]["counters"][0]["update_sq"] = 0.5
+    refused(opt, sd, "geomopt['counters'][0]['update_sq']")
+
+
+@pytest.mark.parametrize("key", ["d", "exp_avg", "exp_avg_sq"])
+def test_wrong_shape(stepped, key):
+    opt, saved = stepped
+    sd = copy.deepcopy(saved)
+    name, st = entry(sd, key)
+    st[key] = torch.zeros(*st[key].shape, 2)
+    refused(opt, sd, f"'{name}'", f"'{key}'", "shape")
+
+
+@pytest.mark.parametrize("key", ["d", "exp_avg"])
+def test_wrong_dtype(stepped, key):
+    opt, saved = stepped
+    sd = copy.deepcopy(saved)
+    name, st = entry(sd, key)
+    st[key] = st[key].double()
+    refused(opt, sd, f"'{name}'", f"'{key}'", "torch.float64")
+    st[key] = st[key].to(torch.int32)
+    refused(opt, sd, f"'{name}'", f"'{key}'", "torch.int32")
+
+
+@pytest.mark.parametrize("key,bad", [("d", math.nan), ("d", math.inf), ("exp_avg", -math.inf),
+                                     ("exp_avg_sq", math.nan)])
+def test_non_finite_momentum_or_moments(stepped, key, bad):
+    opt, saved = stepped
+    sd = copy.deepcopy(saved)
+    name, st = entry(sd, key)
+    st[key].view(-1)[3] = bad
+    refused(opt, sd, f"'{name}'", f"'{key}'", "non-finite")
+
+
+def test_negative_second_moment(stepped):
+    opt, saved = stepped
+    sd = copy.deepcopy(saved)
+    name, st = entry(sd, "exp_avg_sq")
+    st["exp_avg_sq"].view(-1)[0] = -1e-3
+    refused(opt, sd, f"'{name}'", "'exp_avg_sq'", "negative")
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -0.01, torch.tensor(math.nan), "0.02", None])
+def test_bad_lr(stepped, bad):
+    opt, saved = stepped
+    sd = copy.deepcopy(saved)
+    group_of(sd, "hidden")["lr"] = bad
+    refused(opt, sd, "rule 'hidden'", "'lr'")
+
+
+def test_bad_step_counts(stepped):
+    opt, saved = stepped
+    sd = copy.deepcopy(saved)
+    name, st = entry(sd, "adam_step")
+    st["adam_step"] = -1
+    refused(opt, sd, f"'{name}'", "'adam_step'")
+    st["adam_step"] = 1.5
+    refused(opt, sd, f"'{name}'", "'adam_step'")
+    sd = copy.deepcopy(saved)
+    group_of(sd, "rest")["step"] = "1"
+    refused(opt, sd, "rule 'rest'", "'step'")
+
+
+def test_another_models_state_under_the_same_spec(stepped):
+    """The spec hash does not cover tensor names or shapes: a state saved on a wider or deeper
+    GPT under the same spec is refused, not installed."""
+    opt, _ = stepped
+    for config, needle in ((GPTConfig(n_embd=32), "shape"), (GPTConfig(n_layer=3), "tensor(s)")):
+        _, other = build(opt.shipped, model=GPT(config))
+        assert other.spec_hash == opt.spec_hash
+        refused(opt, copy.deepcopy(other.state_dict()), needle, "model it was saved from")
+
+
+def test_names_that_are_not_this_models(stepped):
+    opt, saved = stepped
+    sd = copy.deepcopy(saved)
+    names = group_of(sd, "hidden")["param_names"]
+    names[0], names[1] = names[1], names[0]
+    refused(opt, sd, f"'{names[0]}'", f"'{names[1]}'", "another model")
+
+
+@pytest.mark.parametrize("corrupt,needle", [
+    (lambda sd: sd.pop("state"), "'state'"),
+    (lambda sd: sd.pop("param_groups"), "'param_groups'"),
+    (lambda sd: sd.__setitem__("state", [1, 2]), "'state'"),
+    (lambda sd: sd.__setitem__("param_groups", []), "no param_groups"),
+    (lambda sd: sd["param_groups"][0].pop("params"), "param_groups[0]"),
+    (lambda sd: sd["param_groups"][1]["param_names"].pop(), "param_groups[1]['param_names']"),
+    (lambda sd: sd["param_groups"][0].pop("direction"), "'direction'"),
+    (lambda sd: sd["param_groups"][0].pop("lr"), "'lr'"),
+    (lambda sd: sd["state"].__setitem__(999, {}), "state entry 999"),
+    (lambda sd: sd["state"].__setitem__(next(iter(sd["state"])), torch.zeros(3)), "not a dict"),
+    (lambda sd: sd["geomopt"].pop("spec_hash"), "spec_hash"),
+    (lambda sd: sd["geomopt"].__setitem__("counters", {"skipped": 0}), "geomopt['counters']"),
+    (lambda sd: sd["geomopt"]["counters"].__setitem__(0, None), "geomopt['counters'][0]"),
+    (lambda sd: sd["geomopt"].__setitem__("spec_groups", "hidden"), "geomopt['spec_groups']"),
+    (lambda sd: sd["geomopt"].__setitem__("transposed", [0]), "geomopt['transposed']"),
+    (lambda sd: entry(sd, "exp_avg")[1].pop("exp_avg_sq"), "'exp_avg_sq'"),
+    (lambda sd: entry(sd, "d")[1].__setitem__("d", [0.0] * 4), "'d'"),
+])
+def test_malformed_dicts(stepped, corrupt, needle):
+    """Missing keys and wrong types: a CheckpointError naming the key, never a bare KeyError or
+    AttributeError from halfway through the load."""
+    opt, saved = stepped
+    sd = copy.deepcopy(saved)
+    corrupt(sd)
+    refused(opt, sd, needle)
+
+
+def test_not_a_dict(stepped):
+    opt, _ = stepped
+    refused(opt, [("state", {})], "not a list")
+
+
+def test_a_torch_optimizers_state_is_checked_too():
+    """Migration (allow_spec_change=True) checks the values it carries over: a NaN AdamW moment
+    or a negative second moment is refused before any tensor's state is replaced."""
+    model, opt = build("muon")
+    torch.manual_seed(0)
+    twin = get_model("gpt")
+    adamw = torch.optim.AdamW(twin.named_parameters())
+    twin(*batch(0))[1].backward()
+    adamw.step()
+    for key, bad, needle in (("exp_avg", math.nan, "non-finite"), ("exp_avg_sq", -1.0, "negative"),
+                             ("step", math.nan, "step count")):
+        sd = copy.deepcopy(adamw.state_dict())
+        st = sd["state"][5]
+        if key == "step":
+            st[key] = torch.tensor(bad)
+        else:
+            st[key].view(-1)[0] = bad
+        refused(opt, sd, sd["param_groups"][0]["param_names"][5], f"'{key}'", needle, allow_spec_change=True)
+
+
+def test_another_optimizers_state_is_a_checkpoint_error(stepped):
+    """torch.optim.SGD's momentum is not an average of gradients: refused with the same error
+    type as every other refusal, and nothing changes."""
+    opt, _ = stepped
+    twin = get_model("gpt")
+    sgd = torch.optim.SGD(twin.named_parameters(), lr=0.1, momentum=0.9)
+    twin(*batch(0))[1].backward()
+    sgd.step()
+    refused(opt, sgd.state_dict(), "torch.optim.SGD", allow_spec_change=True)
+
+
+def test_a_valid_state_still_loads_and_resumes_bit_for_bit(stepped):
+    """The checks refuse nothing a healthy run saves: a refused load, then the valid one, then two
+    more steps match the run that never stopped."""
+    opt, _ = stepped
+    spec = opt.shipped
+    straight, straight_opt = build(spec, steps=3)
+    model, first = build(spec, steps=1)
+    sd = copy.deepcopy(first.state_dict())
+    weights = copy.deepcopy(model.state_dict())
+
+    torch.manual_seed(7)
+    resumed = get_model("gpt")
+    resumed.load_state_dict(weights)
+    opt2 = geomopt.GeomOptimizer(resumed, spec)
+    bad = copy.deepcopy(sd)
+    del bad["geomopt"]["counters"][0]["fallbacks"]
+    refused(opt2, bad, "'fallbacks'")
+    assert opt2.load_state_dict(sd) is None
+    run(resumed, opt2, 1, 2)
+    assert [bits(p) for p in resumed.parameters()] == [bits(p) for p in straight.parameters()]
+    got, want = snapshot(opt2), snapshot(straight_opt)
+    for key in ("params", "state", "state_keys", "groups", "counters"):
+        assert got[key] == want[key], key
+
+
+def test_hooks_run_once_and_a_tensor_lr_stays_a_tensor(stepped):
+    opt, saved = stepped
+    calls = {"pre": 0, "post": 0}
+
+    def pre(optimizer, sd):
+        calls["pre"] += 1
+
+    def post(optimizer):
+        calls["post"] += 1
+
+    opt.register_load_state_dict_pre_hook(pre)
+    opt.register_load_state_dict_post_hook(post)
+    sd = copy.deepcopy(saved)
+    group_of(sd, "hidden")["lr"] = torch.tensor(0.015)
+    opt.load_state_dict(sd)
+    assert calls == {"pre": 1, "post": 1}
+    lr = group_of(opt.state_dict(), "hidden")["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(0.015)
+    assert lr is not group_of(sd, "hidden")["lr"]  # a copy, as torch's loader makes
+
+
+def test_a_pre_hook_that_breaks_the_dict_is_refused(stepped):
+    """What a pre-hook returns is checked like the dict it was given."""
+    opt, saved = stepped
+    opt.register_load_state_dict_pre_hook(lambda optimizer, sd: {"state": sd["state"]})
+    refused(opt, copy.deepcopy(saved), "'param_groups'")
+
+
+def test_a_pre_hook_may_repair_the_dict_before_it_is_checked(stepped):
+    """The layout is checked after the pre-hooks (as torch's loader indexes after them): a hook
+    that turns another format into this one loads."""
+    opt, saved = stepped
+    wrapped = {"legacy": copy.deepcopy(saved)}
+    opt.register_load_state_dict_pre_hook(lambda optimizer, sd: sd["legacy"] if "legacy" in sd else None)
+    assert opt.load_state_dict(wrapped) is None
+    assert snapshot(opt)["state"] == [frozen(dict(st)) if st is not None else None for st in
+                                      (saved["state"].get(i) for g in saved["param_groups"] for i in g["params"])]
+
+
+def test_a_tensor_lr_survives_a_spec_change_unshared():
+    """Under a spec change the groups the new spec leaves alone resume as saved: a tensor lr stays
+    a tensor and is a copy, not the saved dict's tensor (loading must not alias the checkpoint)."""
+    _, opt = build("muon")
+    sd = copy.deepcopy(opt.state_dict())
+    group_of(sd, "rest")["lr"] = torch.tensor(0.0005)
+    _, other = build("adamw-hybrid", steps=0)
+    other.load_state_dict(sd, allow_spec_change=True)
+    lr = group_of(other.state_dict(), "rest")["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(0.0005)
+    lr.add_(1.0)
+    assert group_of(sd, "rest")["lr"].item() == pytest.approx(0.0005)
