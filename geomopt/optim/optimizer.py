@@ -32,6 +32,7 @@ from geomopt.geometry import backward
 from geomopt.geometry.spectral import BF16Warning, muon_order, slow_bf16
 from geomopt.optim.bucket_step import BucketStep
 from geomopt.optim.checkpoint import Checkpoints, copy_value, new_counters, spec_hash
+from geomopt.optim.contract import with_overrides
 from geomopt.optim.diagnostics import Diagnostics, euclidean_geometry
 from geomopt.optim.flat import IMPLEMENTATIONS, FlatPath
 from geomopt.optim.nonfinite import NonFiniteCheck, NonFiniteGradientError
@@ -47,6 +48,9 @@ __all__ = ["GeomOptimizer", "NonFiniteGradientError", "spec_hash"]
 
 class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketStep, Optimizer):
     """``GeomOptimizer(model_or_named_parameters, spec)``: spec is a Spec, a path or a dict.
+
+    ``lr``, ``weight_decay``: replace the spec's ``defaults:`` values; a rule that sets its own
+    keeps it (:mod:`geomopt.optim.contract`). Checked: finite, lr > 0, weight_decay ≥ 0.
 
     ``roles``: role → name patterns (``{"head": ["proj_out.weight"]}``), over the roles inferred
     from the model (:mod:`geomopt.compile.roles`) and the spec's ``roles:``. Roles are decided by
@@ -102,14 +106,15 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
     differ, before anything is built (a run that would silently fall back to AdamW stops here).
     """
 
-    def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, track_gap: bool = False,
+    def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, lr: Optional[float] = None,
+                 weight_decay: Optional[float] = None, track_gap: bool = False,
                  track_update: bool = False, distributed: Union[str, bool] = "auto", process_group=None,
                  cuda_graphs: bool = False, roles: Optional[dict] = None, implementation: str = "auto",
                  example_inputs=None, expect=None):
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, not {implementation!r}")
         self.implementation = implementation
-        self.spec = as_spec(spec)
+        self.spec = with_overrides(as_spec(spec), lr, weight_decay)
         infos, tensors = model_params(model_or_named_parameters, needs_roles(self.spec, roles), example_inputs)
         self.plan: Plan = plan_from_infos(self.spec, infos, roles=roles)
         self.spec_hash = spec_hash(self.spec)
