@@ -12,6 +12,7 @@ import torch
 
 import geomopt
 from geomopt.models import get_model
+from geomopt.optim.contract import GeneratedNamesWarning
 
 
 def model_of(name: str, seed: int = 0):
@@ -81,3 +82,103 @@ def test_bad_lr_or_weight_decay_is_a_value_error_naming_it(kwargs, words):
 def test_lr_or_weight_decay_of_another_type_is_a_type_error_naming_it(kwargs):
     with pytest.raises(TypeError, match=f"{next(iter(kwargs))}="):
         geomopt.GeomOptimizer(model_of("mlp"), "adamw", **kwargs)
+
+
+# ------------------------------------------------------------ model.parameters() and param groups
+
+def routes(opt) -> list:
+    return [(g["rule"], g["param_names"]) for g in opt.param_groups]
+
+
+def test_plain_parameters_are_named_in_order_with_one_warning_that_says_what_to_do():
+    model = model_of("mlp")
+    with pytest.warns(GeneratedNamesWarning) as caught:
+        opt = geomopt.GeomOptimizer(model.parameters(), "adamw-hybrid")
+    assert len([w for w in caught if issubclass(w.category, GeneratedNamesWarning)]) == 1
+    text = str(caught[0].message)
+    assert "model=" in text and "named_parameters()" in text and "guessed" in text
+    assert caught[0].filename == __file__  # points at the caller's line
+    params = list(model.parameters())
+    names = {n: p for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
+    assert names == {f"param.{i}": p for i, p in enumerate(params)}
+    # roles guessed from shapes: every matrix (the head too) to the spectral rule, vectors to Adam;
+    # with model= the head is known for what it does and goes to Adam
+    got = {g["rule"]: {p.ndim for p in g["params"]} for g in opt.param_groups}
+    assert got == {"hidden": {2}, "rest": {1}}
+    named = dict(routes(geomopt.GeomOptimizer(model.parameters(), "adamw-hybrid", model=model)))
+    assert "head.weight" in named["rest"]
+
+
+def test_plain_parameters_step_like_the_named_optimizer():
+    a, b = model_of("mlp"), model_of("mlp")
+    with pytest.warns(GeneratedNamesWarning):
+        opt_a = geomopt.GeomOptimizer(a.parameters(), "sgd-momentum")
+    opt_b = geomopt.GeomOptimizer(b, "sgd-momentum")
+    for k in range(3):
+        set_grads(a, k)
+        set_grads(b, k)
+        opt_a.step()
+        opt_b.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_model_keyword_names_plain_parameters_by_identity_and_routes_like_the_model(recwarn):
+    model = model_of("gpt")
+    opt = geomopt.GeomOptimizer(model.parameters(), "muon", model=model)
+    assert not [w for w in recwarn if issubclass(w.category, GeneratedNamesWarning)]
+    assert routes(opt) == routes(geomopt.GeomOptimizer(model, "muon"))
+    assert {g["rule"] for g in opt.param_groups} >= {"embeddings", "head", "hidden"}  # roles from the model
+
+
+def test_param_group_dicts_cover_their_tensors_only():
+    model = model_of("gpt")
+    blocks = list(model.transformer.h.parameters())
+    opt = geomopt.GeomOptimizer([{"params": blocks}, {"params": model.lm_head.parameters()}], "muon", model=model)
+    given = {id(p) for p in blocks} | {id(p) for p in model.lm_head.parameters()}
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == given
+    names = dict(model.named_parameters())
+    for g in opt.param_groups:
+        assert all(names[n] is p for n, p in zip(g["param_names"], g["params"]))
+    assert "lm_head.weight" in dict(routes(opt))["head"]
+
+
+def test_param_group_dicts_without_model_get_generated_names_in_torch_order():
+    model = model_of("mlp")
+    first, second = list(model.layers.parameters()), list(model.head.parameters())
+    with pytest.warns(GeneratedNamesWarning):
+        opt = geomopt.GeomOptimizer([{"params": first}, {"params": second}], "adamw")
+    names = {n: p for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
+    assert names == {f"param.{i}": p for i, p in enumerate(first + second)}
+
+
+def test_param_group_dicts_of_named_pairs_keep_their_names_without_a_warning(recwarn):
+    model = model_of("mlp")
+    opt = geomopt.GeomOptimizer([{"params": list(model.named_parameters())}], "adamw")
+    assert not [w for w in recwarn if issubclass(w.category, GeneratedNamesWarning)]
+    assert {n for g in opt.param_groups for n in g["param_names"]} == {n for n, _ in model.named_parameters()}
+
+
+@pytest.mark.parametrize("key", ["lr", "weight_decay", "betas"])
+def test_per_group_options_are_refused_saying_where_they_go(key):
+    model = model_of("mlp")
+    with pytest.raises(ValueError) as info:
+        geomopt.GeomOptimizer([{"params": list(model.layers.parameters())},
+                               {"params": list(model.head.parameters()), key: 0.1}], "adamw", model=model)
+    text = str(info.value)
+    assert "param group 1" in text and repr(key) in text and "rule" in text
+
+
+def test_bad_parameter_inputs_are_clear_errors():
+    model, other = model_of("mlp"), model_of("mlp", seed=1)
+    with pytest.raises(ValueError, match="not a parameter of model="):
+        geomopt.GeomOptimizer(other.parameters(), "adamw", model=model)
+    with pytest.raises(TypeError, match="model= names"):
+        geomopt.GeomOptimizer(model, "adamw", model=model)
+    with pytest.raises(TypeError, match="mix"):
+        geomopt.GeomOptimizer([next(model.parameters()), {"params": []}], "adamw")
+    with pytest.raises(ValueError, match="earlier group"):
+        ps = list(model.parameters())
+        geomopt.GeomOptimizer([{"params": ps}, {"params": ps[:1]}], "adamw", model=model)
+    with pytest.raises(ValueError, match="no 'params'"):
+        geomopt.GeomOptimizer([{"lr": 0.1}], "adamw", model=model)

@@ -48,3 +48,130 @@ def with_overrides(spec: Spec, lr: Optional[float] = None, weight_decay: Optiona
     # model_copy keeps the source positions (warnings point at the spec's lines) and skips
     # validation, which _checked did for these two values
     return spec.model_copy(update={"defaults": spec.defaults.model_copy(update=values)})
+
+
+class GeneratedNamesWarning(UserWarning):
+    """The optimizer was given tensors without names: it named them ``param.<i>`` and guessed
+    their roles from shapes alone (pass ``model=`` or ``model.named_parameters()`` instead)."""
+
+
+def collect_params(params, model, roles: bool, example_inputs) -> tuple[list, dict, object]:
+    """(infos, tensors by name, what to label a routing lock with) for whatever torch users pass.
+
+    An ``nn.Module`` or (name, tensor) pairs go to :func:`~geomopt.compile.compiler.model_params`
+    as they are. Plain tensors (``model.parameters()``) and param-group dicts
+    (``[{"params": [...]}, …]``, whose ``params`` may hold tensors or (name, tensor) pairs) are
+    named: with ``model=``, by each tensor's name in that model (matched by identity: the roles
+    then come from the model, traced, as for ``GeomOptimizer(model, spec)``); without, ``param.<i>``,
+    ``i`` its position in the order given, which is the number torch's own ``state_dict()`` gives
+    it, with roles guessed from shapes and one :class:`GeneratedNamesWarning`. Per-group options
+    are refused: the optimizer's param groups are the spec's rules, whose tensors a group need not
+    share, so a group's lr could not live in one of them."""
+    import torch
+
+    from geomopt.compile.compiler import model_params
+
+    if isinstance(params, torch.nn.Module) or isinstance(params, (str, bytes, dict)):
+        if model is not None:
+            raise TypeError("model= names the tensors of a parameter iterable (GeomOptimizer(model.parameters(), "
+                            "spec, model=model)); with a model as the first argument, leave it out")
+        return (*model_params(params, roles, example_inputs), params)
+    if isinstance(params, torch.Tensor):
+        raise TypeError("GeomOptimizer takes a model, model.named_parameters(), model.parameters() or param-group "
+                        "dicts, not a single tensor: wrap it in a list")
+    try:
+        items = list(params)
+    except TypeError:
+        raise TypeError(f"GeomOptimizer takes a model, model.named_parameters(), model.parameters() or param-group "
+                        f"dicts, not {type(params).__name__}") from None
+    if not any(isinstance(x, (torch.Tensor, dict)) for x in items):  # (name, tensor) pairs: named already
+        if model is not None:
+            raise TypeError("model= names plain tensors; these (name, tensor) pairs are named already: leave it out")
+        return (*model_params(items, roles, example_inputs), items)
+    entries = _entries(items)
+    if model is None:
+        pairs = [(name or f"param.{i}", t) for i, (name, t) in enumerate(entries)]
+        generated = sum(name is None for name, _ in entries)
+        if generated:
+            _warn_generated(generated)
+        return (*model_params(pairs, roles, example_inputs), items)
+    return (*_in_model(entries, model, roles, example_inputs), model)
+
+
+def _warn_generated(generated: int) -> None:
+    """One warning per optimizer (not per tensor), pointing at the caller's line."""
+    import warnings
+
+    warnings.warn(
+        f"GeomOptimizer was given {generated} tensor(s) without names: they are named param.0, param.1, … in "
+        f"the order given and their roles are guessed from shapes alone (an embedding looks like any other "
+        f"matrix), so a spec that routes by name or role may route them differently than it would the model. "
+        f"Pass model=model (names them by identity) or model.named_parameters()", GeneratedNamesWarning,
+        stacklevel=4)
+
+
+def _named(x) -> bool:
+    import torch
+
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)
+
+
+def _entries(items: list) -> list[tuple[Optional[str], object]]:
+    """(name or None, tensor) per tensor of a plain list or of param-group dicts, in order."""
+    import torch
+
+    if all(isinstance(x, torch.Tensor) for x in items):
+        return [(None, t) for t in items]
+    if not all(isinstance(x, dict) for x in items):
+        kinds = sorted({type(x).__name__ for x in items})
+        raise TypeError(f"GeomOptimizer's parameters must be all tensors, all (name, tensor) pairs or all "
+                        f"param-group dicts, not a mix of {', '.join(kinds)}")
+    out: list[tuple[Optional[str], object]] = []
+    seen: set = set()
+    for k, group in enumerate(items):
+        if "params" not in group:
+            raise ValueError(f"param group {k} has no 'params' entry: give each group {{'params': [tensors]}}")
+        other = sorted(str(key) for key in group if key != "params")
+        if other:
+            raise ValueError(
+                f"param group {k} sets {', '.join(map(repr, other))}: GeomOptimizer's param groups are its spec's "
+                f"rules, so per-group options do not apply. Set them on the spec's rule that matches these tensors "
+                f"(match them by name with model=model or model.named_parameters()), or pass lr= / weight_decay= "
+                f"to GeomOptimizer for every rule without its own")
+        ps = group["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        for j, x in enumerate(ps):
+            name, t = x if _named(x) else (None, x)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"param group {k}'s params[{j}] is a {type(t).__name__}, not a tensor or a (name, "
+                                f"tensor) pair")
+            if id(t) in seen:
+                raise ValueError(f"param group {k}'s params[{j}] appears in an earlier group too: give each tensor "
+                                 f"to one group")
+            seen.add(id(t))
+            out.append((name, t))
+    return out
+
+
+def _in_model(entries: list, model, roles: bool, example_inputs) -> tuple[list, dict]:
+    """The model's infos and tensors, kept to the ``entries``' tensors in their order."""
+    import torch
+
+    from geomopt.compile.compiler import model_params
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model= must be the nn.Module the parameters belong to, not {type(model).__name__}")
+    if any(name is not None for name, _ in entries):
+        raise TypeError("model= names plain tensors; some of these come with names already: pass tensors only, "
+                        "or leave model= out")
+    infos, tensors = model_params(model, roles, example_inputs)
+    name_of = {id(t): n for n, t in tensors.items()}
+    index: dict[str, int] = {}
+    for i, (_, t) in enumerate(entries):
+        name = name_of.get(id(t))
+        if name is None:
+            raise ValueError(f"parameter {i} given to GeomOptimizer (shape {tuple(t.shape)}) is not a parameter of "
+                             f"model= ({type(model).__name__}): pass the model these parameters belong to")
+        index.setdefault(name, i)
+    kept = sorted((i for i in infos if i.name in index), key=lambda i: index[i.name])
+    return kept, {i.name: tensors[i.name] for i in kept}

@@ -23,7 +23,7 @@ import torch
 from torch.optim import Optimizer
 
 from geomopt.compile import as_spec, plan_from_infos
-from geomopt.compile.compiler import model_params, needs_roles
+from geomopt.compile.compiler import needs_roles
 from geomopt.compile.lock import check_routing, model_label
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.distributed import LocalExecutor, ShardedExecutor, is_dtensor, make_executor
@@ -32,7 +32,7 @@ from geomopt.geometry import backward
 from geomopt.geometry.spectral import BF16Warning, muon_order, slow_bf16
 from geomopt.optim.bucket_step import BucketStep
 from geomopt.optim.checkpoint import Checkpoints, copy_value, new_counters, spec_hash
-from geomopt.optim.contract import with_overrides
+from geomopt.optim.contract import collect_params, with_overrides
 from geomopt.optim.diagnostics import Diagnostics, euclidean_geometry
 from geomopt.optim.flat import IMPLEMENTATIONS, FlatPath
 from geomopt.optim.nonfinite import NonFiniteCheck, NonFiniteGradientError
@@ -48,6 +48,11 @@ __all__ = ["GeomOptimizer", "NonFiniteGradientError", "spec_hash"]
 
 class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketStep, Optimizer):
     """``GeomOptimizer(model_or_named_parameters, spec)``: spec is a Spec, a path or a dict.
+
+    ``model_or_named_parameters`` may also be ``model.parameters()`` or param-group dicts (no
+    per-group options: groups are the spec's rules), named by ``model=`` (by identity, roles from
+    the model) or else ``param.<i>`` in order with roles guessed from shapes and a
+    :class:`~geomopt.optim.contract.GeneratedNamesWarning` (:func:`~geomopt.optim.contract.collect_params`).
 
     ``lr``, ``weight_decay``: replace the spec's ``defaults:`` values; a rule that sets its own
     keeps it (:mod:`geomopt.optim.contract`). Checked: finite, lr > 0, weight_decay ≥ 0.
@@ -107,7 +112,7 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
     """
 
     def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, lr: Optional[float] = None,
-                 weight_decay: Optional[float] = None, track_gap: bool = False,
+                 weight_decay: Optional[float] = None, model=None, track_gap: bool = False,
                  track_update: bool = False, distributed: Union[str, bool] = "auto", process_group=None,
                  cuda_graphs: bool = False, roles: Optional[dict] = None, implementation: str = "auto",
                  example_inputs=None, expect=None):
@@ -115,11 +120,12 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
             raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, not {implementation!r}")
         self.implementation = implementation
         self.spec = with_overrides(as_spec(spec), lr, weight_decay)
-        infos, tensors = model_params(model_or_named_parameters, needs_roles(self.spec, roles), example_inputs)
+        infos, tensors, source = collect_params(model_or_named_parameters, model, needs_roles(self.spec, roles),
+                                                example_inputs)
         self.plan: Plan = plan_from_infos(self.spec, infos, roles=roles)
         self.spec_hash = spec_hash(self.spec)
         if expect is not None:  # before anything is built or projected: a changed routing stops here
-            check_routing(self.plan, expect, spec_hash=self.spec_hash, model=model_label(model_or_named_parameters))
+            check_routing(self.plan, expect, spec_hash=self.spec_hash, model=model_label(source))
         # the model's parameter order (a torch optimizer's state saved without names maps by it)
         self._order = ([i.name for i in infos], [i.name for i in infos if i.requires_grad])
         self.track_gap = track_gap
