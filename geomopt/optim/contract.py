@@ -5,6 +5,10 @@ translation. :class:`~geomopt.optim.GeomOptimizer`'s constructor and step call t
 * ``lr=`` / ``weight_decay=`` keywords (:func:`with_overrides`): they replace the spec's
   ``defaults:`` value, so every rule that does not set its own follows them; a rule that sets one
   keeps it (it was written for that rule: Adam's lr beside Muon's is not the same number).
+* ``model.parameters()`` and param-group dicts (:func:`collect_params`), named for the spec's rules.
+* ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the optimizer (:class:`Copyable`).
+* sparse gradients refused at ``step()`` with the tensor's name (:func:`refuse_sparse`), as
+  torch's AdamW does, before anything is written.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from numbers import Real
 from typing import Optional
 
 from geomopt.spec.model import Spec
+from geomopt.optim.host import Host
 
 
 def _checked(name: str, value, *, positive: bool) -> float:
@@ -175,3 +180,61 @@ def _in_model(entries: list, model, roles: bool, example_inputs) -> tuple[list, 
         index.setdefault(name, i)
     kept = sorted((i for i in infos if i.name in index), key=lambda i: index[i.name])
     return kept, {i.name: tensors[i.name] for i in kept}
+
+
+#: what a copy rebuilds instead of copying: an LR scheduler's wrapper of the original's bound ``step``
+#: (torch drops it too), CUDA graphs and their pinned flag (tied to the original's memory), the
+#: step's scratch, and the stacked-state caches, keyed by the original tensors' ids (the copy
+#: restacks its state on its first step, as after load_state_dict: same values, same bits)
+_REBUILT = ("step", "_graphs", "_flag_host", "_workspace", "_stacked", "_buffers")
+
+
+class Copyable(Host):
+    """``copy.deepcopy`` and pickling (``pickle``, ``torch.save``) of the whole optimizer.
+
+    torch.optim.Optimizer's own ``__getstate__`` keeps only ``defaults``, ``state`` and
+    ``param_groups``: a copy of this optimizer would lose its plan and fail on its first step. Here
+    everything is kept except what :data:`_REBUILT` lists and the hooks, which torch's
+    ``__setstate__`` starts empty (as for its own optimizers: hooks are often closures, which do
+    not pickle). Copy or pickle the model in the same call (``copy.deepcopy((model, opt))``,
+    ``torch.save({"model": model, "opt": opt})``) so the copy's parameters are the copied model's.
+    A distributed optimizer (a process group inside) is refused: save its ``state_dict()``."""
+
+    def _copy_state(self) -> dict:
+        from geomopt.distributed import LocalExecutor
+
+        if not isinstance(self._executor, LocalExecutor):
+            raise TypeError("a distributed GeomOptimizer holds its process group and cannot be copied or pickled: "
+                            "save opt.state_dict() and build a new optimizer on each rank")
+        return {k: v for k, v in self.__dict__.items() if k not in _REBUILT and not k.startswith("_optimizer_")}
+
+    def __getstate__(self) -> dict:
+        """What pickle writes: state entries that view rows of a stacked buffer become tensors of
+        their own (pickle writes a view's whole storage, once per view)."""
+        out = self._copy_state()
+        out["state"] = type(self.state)(dict, {p: {k: _own(v) for k, v in st.items()} for p, st in self.state.items()})
+        return out
+
+    def __deepcopy__(self, memo: dict):
+        """A deep copy keeps views as views (deepcopy copies each storage once)."""
+        import copy
+
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self._copy_state(), memo))
+        return new
+
+    def __setstate__(self, state: dict) -> None:
+        from geomopt.optim.stacked import StackedState
+        from geomopt.optim.workspace import Workspace
+
+        super().__setstate__(state)  # torch's: hooks (empty), the profiled step
+        self._graphs, self._flag_host, self._workspace = {}, None, Workspace()
+        self._stacked = StackedState()
+        self._buffers = self._stacked.buffers
+
+
+def _own(value):
+    import torch
+
+    return value.clone() if isinstance(value, torch.Tensor) and value._base is not None else value

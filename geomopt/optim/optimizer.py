@@ -32,7 +32,7 @@ from geomopt.geometry import backward
 from geomopt.geometry.spectral import BF16Warning, muon_order, slow_bf16
 from geomopt.optim.bucket_step import BucketStep
 from geomopt.optim.checkpoint import Checkpoints, copy_value, new_counters, spec_hash
-from geomopt.optim.contract import collect_params, with_overrides
+from geomopt.optim.contract import Copyable, collect_params, with_overrides
 from geomopt.optim.diagnostics import Diagnostics, euclidean_geometry
 from geomopt.optim.flat import IMPLEMENTATIONS, FlatPath
 from geomopt.optim.nonfinite import NonFiniteCheck, NonFiniteGradientError
@@ -46,7 +46,7 @@ from geomopt.spec.model import RESOLVED_DEFAULTS, Spec
 __all__ = ["GeomOptimizer", "NonFiniteGradientError", "spec_hash"]
 
 
-class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketStep, Optimizer):
+class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketStep, Optimizer):
     """``GeomOptimizer(model_or_named_parameters, spec)``: spec is a Spec, a path or a dict.
 
     ``model_or_named_parameters`` may also be ``model.parameters()`` or param-group dicts (no
