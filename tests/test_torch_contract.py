@@ -256,3 +256,53 @@ def test_pickled_state_entries_own_their_memory():
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
                 assert v.untyped_storage().nbytes() == v.numel() * v.element_size(), k
+
+
+# ------------------------------------------------------------ sparse gradients
+
+def snapshot(model, opt) -> tuple:
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {n: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[p].items()}
+             for n, p in model.named_parameters()}
+    return params, state, [g["step"] for g in opt.param_groups]
+
+
+def assert_same(a: tuple, b: tuple) -> None:
+    (pa, sa, ga), (pb, sb, gb) = a, b
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[n], pb[n]) for n in pa)
+    assert sa.keys() == sb.keys() and ga == gb
+    for n in sa:
+        assert sa[n].keys() == sb[n].keys(), n
+        for k in sa[n]:
+            x, y = sa[n][k], sb[n][k]
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, (n, k)
+
+
+@pytest.mark.parametrize("spec", ["muon", "adamw", "sgd-momentum", "adamw-hybrid"])
+def test_a_sparse_gradient_is_refused_naming_the_tensor_before_anything_is_written(spec):
+    model = model_of("gpt")
+    opt = geomopt.GeomOptimizer(model, spec)
+    set_grads(model, 0)
+    opt.step()  # dense: state exists (momentum, moments) that a sparse step would have to update
+    model.transformer.wte.sparse = True
+    idx = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # refused every time, the state as it was
+        opt.zero_grad()
+        model(idx, idx)[1].backward()
+        assert model.transformer.wte.weight.grad.is_sparse
+        before = snapshot(model, opt)
+        with pytest.raises(RuntimeError) as info:
+            opt.step()
+        text = str(info.value)
+        assert "'transformer.wte.weight'" in text and "does not support sparse gradients" in text
+        assert_same(before, snapshot(model, opt))
+
+
+def test_a_sparse_gradient_on_the_first_step_is_refused_too():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    opt = geomopt.GeomOptimizer(model, "sgd-momentum")
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    before = snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="'0.weight' has a sparse gradient"):
+        opt.step()
+    assert_same(before, snapshot(model, opt))

@@ -7,7 +7,7 @@ translation. :class:`~geomopt.optim.GeomOptimizer`'s constructor and step call t
   keeps it (it was written for that rule: Adam's lr beside Muon's is not the same number).
 * ``model.parameters()`` and param-group dicts (:func:`collect_params`), named for the spec's rules.
 * ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the optimizer (:class:`Copyable`).
-* sparse gradients refused at ``step()`` with the tensor's name (:func:`refuse_sparse`), as
+* sparse gradients refused at ``step()`` with the tensor's name (:func:`sparse_gradient`), as
   torch's AdamW does, before anything is written.
 """
 
@@ -238,3 +238,15 @@ def _own(value):
     import torch
 
     return value.clone() if isinstance(value, torch.Tensor) and value._base is not None else value
+
+
+def sparse_gradient(name: str, layout) -> RuntimeError:
+    """The error for a gradient that is not a dense (strided) tensor, raised by ``step()`` while it
+    gathers the gradients, before anything is written. Refused rather than densified: every
+    geometry acts on the whole tensor (a spectral map mixes all rows, momentum and Adam's moments
+    would fill every row), so a sparse gradient buys nothing here, and letting one through once
+    stored a sparse direction that the next step could not read."""
+    return RuntimeError(
+        f"parameter {name!r} has a sparse gradient ({layout}): geomopt does not support sparse gradients (as "
+        f"torch.optim.AdamW does not); build its module with dense gradients (nn.Embedding(..., sparse=False)) "
+        f"or leave the parameter to torch.optim.SparseAdam")

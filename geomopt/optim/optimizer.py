@@ -32,7 +32,7 @@ from geomopt.geometry import backward
 from geomopt.geometry.spectral import BF16Warning, muon_order, slow_bf16
 from geomopt.optim.bucket_step import BucketStep
 from geomopt.optim.checkpoint import Checkpoints, copy_value, new_counters, spec_hash
-from geomopt.optim.contract import Copyable, collect_params, with_overrides
+from geomopt.optim.contract import Copyable, collect_params, sparse_gradient, with_overrides
 from geomopt.optim.diagnostics import Diagnostics, euclidean_geometry
 from geomopt.optim.flat import IMPLEMENTATIONS, FlatPath
 from geomopt.optim.nonfinite import NonFiniteCheck, NonFiniteGradientError
@@ -261,7 +261,8 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
         Non-finite gradients are checked in every group before anything is written: under
         ``on_nonfinite: raise`` (of a rule that has one) the step raises, otherwise the whole step
         is skipped and counted in the rules that had them; either way parameters and all
-        optimizer state are left exactly as they were."""
+        optimizer state are left exactly as they were. A sparse gradient raises (RuntimeError,
+        naming the tensor), also before anything is written."""
         loss = None
         g_prev: dict = {}
         if self._needs_closure:
@@ -387,6 +388,8 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
                     p = group["params"][i]
                     if p.grad is None:
                         continue
+                    if p.grad.layout != torch.strided:
+                        raise sparse_gradient(plans[i].name, p.grad.layout)
                     st = self.state[p]
                     key: tuple = (tuple(sorted(k for k in st if k in STACKED)),
                            (st.get("adam_step"), st.get(post_stages.STAGE_STEP)))
