@@ -70,6 +70,21 @@ def test_lr_keyword_steps_like_the_spec_with_that_default():
     assert opt_a.spec_hash == opt_b.spec_hash
 
 
+def test_a_checkpoint_remembers_the_keywords_and_other_keywords_are_a_spec_change():
+    model = model_of("mlp")
+    opt = geomopt.GeomOptimizer(model, "sgd-momentum", lr=1e-3)
+    set_grads(model, 0)
+    opt.step()
+    sd = opt.state_dict()
+    assert "lr: 0.001" in sd["geomopt"]["spec"]
+    geomopt.GeomOptimizer(model, "sgd-momentum", lr=1e-3).load_state_dict(sd)  # the same spec: resumes
+    other = geomopt.GeomOptimizer(model, "sgd-momentum", lr=2e-3)
+    with pytest.raises(ValueError, match="lr: 0.002"):  # the diff shows what changed
+        other.load_state_dict(sd)
+    other.load_state_dict(sd, allow_spec_change=True)
+    assert [g["lr"] for g in other.param_groups] == [2e-3]  # the new value wins, as for an edited spec
+
+
 @pytest.mark.parametrize("kwargs, words", [
     (dict(lr=0.0), ("lr=", "> 0")), (dict(lr=-1.0), ("lr=", "> 0")), (dict(lr=math.nan), ("lr=", "finite")),
     (dict(lr=math.inf), ("lr=", "finite")), (dict(weight_decay=-0.1), ("weight_decay=", ">= 0")),

@@ -40,7 +40,7 @@ def with_overrides(spec: Spec, lr: Optional[float] = None, weight_decay: Optiona
     """``spec`` with ``lr`` / ``weight_decay`` (where given) as its ``defaults:`` values.
 
     Folded into the spec rather than into the param groups, so the spec the optimizer holds says
-    what runs: ``geomopt explain``-style dumps, the checkpoint's spec text and hash, and a load
+    what runs: ``dump_spec(opt.spec)``, the checkpoint's spec text and hash, and a load
     under other overrides (a spec change: refused unless ``allow_spec_change=True``, after which
     the new values win, as for an edited spec file) all agree with the groups' values."""
     values = {}
@@ -225,13 +225,17 @@ class Copyable(Host):
         return new
 
     def __setstate__(self, state: dict) -> None:
+        """Also how torch's ``load_state_dict`` installs ``state`` and ``param_groups`` into this
+        optimizer: what :data:`_REBUILT` lists is made only where it is missing (a copy), never
+        replaced (a sharded optimizer's layouts live in ``_stacked``)."""
         from geomopt.optim.stacked import StackedState
         from geomopt.optim.workspace import Workspace
 
-        super().__setstate__(state)  # torch's: hooks (empty), the profiled step
-        self._graphs, self._flag_host, self._workspace = {}, None, Workspace()
-        self._stacked = StackedState()
-        self._buffers = self._stacked.buffers
+        super().__setstate__(state)  # torch's: hooks (empty where missing), the profiled step
+        if "_stacked" not in self.__dict__:
+            self._graphs, self._flag_host, self._workspace = {}, None, Workspace()
+            self._stacked = StackedState()
+            self._buffers = self._stacked.buffers
 
 
 def _own(value):
