@@ -620,10 +620,13 @@ def test_add_param_group_is_refused_with_a_pointer_to_the_spec():
     assert len(opt.param_groups) == 1
 
 
-def test_unnamed_parameters_get_a_clear_error():
+def test_unnamed_parameters_get_a_warning_that_says_how_to_name_them():
+    """model.parameters() is accepted (torch's contract; tests/test_torch_contract.py), with a
+    warning that names are generated and roles guessed."""
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(TypeError, match="named_parameters"):
-        geomopt.GeomOptimizer(model.parameters(), SPECS / "normalized-sgd.yaml")
+    with pytest.warns(UserWarning, match="named_parameters"):
+        opt = geomopt.GeomOptimizer(model.parameters(), SPECS / "normalized-sgd.yaml")
+    assert [n for g in opt.param_groups for n in g["param_names"]] == ["param.0", "param.1"]
 
 
 def test_stiefel_polar_recovers_from_an_infeasible_start():

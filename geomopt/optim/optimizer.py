@@ -23,7 +23,7 @@ import torch
 from torch.optim import Optimizer
 
 from geomopt.compile import as_spec, plan_from_infos
-from geomopt.compile.compiler import model_params, needs_roles
+from geomopt.compile.compiler import needs_roles
 from geomopt.compile.lock import check_routing, model_label
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.distributed import LocalExecutor, ShardedExecutor, is_dtensor, make_executor
@@ -32,6 +32,7 @@ from geomopt.geometry import backward
 from geomopt.geometry.spectral import BF16Warning, muon_order, slow_bf16
 from geomopt.optim.bucket_step import BucketStep
 from geomopt.optim.checkpoint import Checkpoints, copy_value, new_counters, spec_hash
+from geomopt.optim.contract import Copyable, collect_params, sparse_gradient, with_overrides
 from geomopt.optim.diagnostics import Diagnostics, euclidean_geometry
 from geomopt.optim.flat import IMPLEMENTATIONS, FlatPath
 from geomopt.optim.nonfinite import NonFiniteCheck, NonFiniteGradientError
@@ -45,8 +46,16 @@ from geomopt.spec.model import RESOLVED_DEFAULTS, Spec
 __all__ = ["GeomOptimizer", "NonFiniteGradientError", "spec_hash"]
 
 
-class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketStep, Optimizer):
+class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketStep, Optimizer):
     """``GeomOptimizer(model_or_named_parameters, spec)``: spec is a Spec, a path or a dict.
+
+    ``model_or_named_parameters`` may also be ``model.parameters()`` or param-group dicts (no
+    per-group options: groups are the spec's rules), named by ``model=`` (by identity, roles from
+    the model) or else ``param.<i>`` in order with roles guessed from shapes and a
+    :class:`~geomopt.optim.contract.GeneratedNamesWarning` (:func:`~geomopt.optim.contract.collect_params`).
+
+    ``lr``, ``weight_decay``: replace the spec's ``defaults:`` values; a rule that sets its own
+    keeps it (:mod:`geomopt.optim.contract`). Checked: finite, lr > 0, weight_decay ≥ 0.
 
     ``roles``: role → name patterns (``{"head": ["proj_out.weight"]}``), over the roles inferred
     from the model (:mod:`geomopt.compile.roles`) and the spec's ``roles:``. Roles are decided by
@@ -102,19 +111,21 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
     differ, before anything is built (a run that would silently fall back to AdamW stops here).
     """
 
-    def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, track_gap: bool = False,
+    def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, lr: Optional[float] = None,
+                 weight_decay: Optional[float] = None, model=None, track_gap: bool = False,
                  track_update: bool = False, distributed: Union[str, bool] = "auto", process_group=None,
                  cuda_graphs: bool = False, roles: Optional[dict] = None, implementation: str = "auto",
                  example_inputs=None, expect=None):
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, not {implementation!r}")
         self.implementation = implementation
-        self.spec = as_spec(spec)
-        infos, tensors = model_params(model_or_named_parameters, needs_roles(self.spec, roles), example_inputs)
+        self.spec = with_overrides(as_spec(spec), lr, weight_decay)
+        infos, tensors, source = collect_params(model_or_named_parameters, model, needs_roles(self.spec, roles),
+                                                example_inputs)
         self.plan: Plan = plan_from_infos(self.spec, infos, roles=roles)
         self.spec_hash = spec_hash(self.spec)
         if expect is not None:  # before anything is built or projected: a changed routing stops here
-            check_routing(self.plan, expect, spec_hash=self.spec_hash, model=model_label(model_or_named_parameters))
+            check_routing(self.plan, expect, spec_hash=self.spec_hash, model=model_label(source))
         # the model's parameter order (a torch optimizer's state saved without names maps by it)
         self._order = ([i.name for i in infos], [i.name for i in infos if i.requires_grad])
         self.track_gap = track_gap
@@ -250,7 +261,8 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
         Non-finite gradients are checked in every group before anything is written: under
         ``on_nonfinite: raise`` (of a rule that has one) the step raises, otherwise the whole step
         is skipped and counted in the rules that had them; either way parameters and all
-        optimizer state are left exactly as they were."""
+        optimizer state are left exactly as they were. A sparse gradient raises (RuntimeError,
+        naming the tensor), also before anything is written."""
         loss = None
         g_prev: dict = {}
         if self._needs_closure:
@@ -376,6 +388,8 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
                     p = group["params"][i]
                     if p.grad is None:
                         continue
+                    if p.grad.layout != torch.strided:
+                        raise sparse_gradient(plans[i].name, p.grad.layout)
                     st = self.state[p]
                     key: tuple = (tuple(sorted(k for k in st if k in STACKED)),
                            (st.get("adam_step"), st.get(post_stages.STAGE_STEP)))

@@ -1,0 +1,256 @@
+"""What torch users expect of any ``torch.optim.Optimizer`` (the contract PyTorch's generic optimizer
+tests check: ``torch.testing._internal.common_optimizers``), where a geomopt spec needs a word of
+translation. :class:`~geomopt.optim.GeomOptimizer`'s constructor and step call these:
+
+* ``lr=`` / ``weight_decay=`` keywords (:func:`with_overrides`): they replace the spec's
+  ``defaults:`` value, so every rule that does not set its own follows them; a rule that sets one
+  keeps it (it was written for that rule: Adam's lr beside Muon's is not the same number).
+* ``model.parameters()`` and param-group dicts (:func:`collect_params`), named for the spec's rules.
+* ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the optimizer (:class:`Copyable`).
+* sparse gradients refused at ``step()`` with the tensor's name (:func:`sparse_gradient`), as
+  torch's AdamW does, before anything is written.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Optional
+
+from geomopt.spec.model import Spec
+from geomopt.optim.host import Host
+
+
+def _checked(name: str, value, *, positive: bool) -> float:
+    """``value`` as a float, or a clear error naming the keyword."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"GeomOptimizer's {name}= must be a number, not {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"GeomOptimizer's {name}= must be finite, not {value}")
+    if positive and value <= 0:
+        raise ValueError(f"GeomOptimizer's {name}= must be > 0, not {value} (to freeze tensors, leave them out "
+                         f"of the optimizer or give them requires_grad=False)")
+    if value < 0:
+        raise ValueError(f"GeomOptimizer's {name}= must be >= 0, not {value}")
+    return value
+
+
+def with_overrides(spec: Spec, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> Spec:
+    """``spec`` with ``lr`` / ``weight_decay`` (where given) as its ``defaults:`` values.
+
+    Folded into the spec rather than into the param groups, so the spec the optimizer holds says
+    what runs: ``dump_spec(opt.spec)``, the checkpoint's spec text and hash, and a load
+    under other overrides (a spec change: refused unless ``allow_spec_change=True``, after which
+    the new values win, as for an edited spec file) all agree with the groups' values."""
+    values = {}
+    if lr is not None:
+        values["lr"] = _checked("lr", lr, positive=True)
+    if weight_decay is not None:
+        values["weight_decay"] = _checked("weight_decay", weight_decay, positive=False)
+    if not values:
+        return spec
+    # model_copy keeps the source positions (warnings point at the spec's lines) and skips
+    # validation, which _checked did for these two values
+    return spec.model_copy(update={"defaults": spec.defaults.model_copy(update=values)})
+
+
+class GeneratedNamesWarning(UserWarning):
+    """The optimizer was given tensors without names: it named them ``param.<i>`` and guessed
+    their roles from shapes alone (pass ``model=`` or ``model.named_parameters()`` instead)."""
+
+
+def collect_params(params, model, roles: bool, example_inputs) -> tuple[list, dict, object]:
+    """(infos, tensors by name, what to label a routing lock with) for whatever torch users pass.
+
+    An ``nn.Module`` or (name, tensor) pairs go to :func:`~geomopt.compile.compiler.model_params`
+    as they are. Plain tensors (``model.parameters()``) and param-group dicts
+    (``[{"params": [...]}, …]``, whose ``params`` may hold tensors or (name, tensor) pairs) are
+    named: with ``model=``, by each tensor's name in that model (matched by identity: the roles
+    then come from the model, traced, as for ``GeomOptimizer(model, spec)``); without, ``param.<i>``,
+    ``i`` its position in the order given, which is the number torch's own ``state_dict()`` gives
+    it, with roles guessed from shapes and one :class:`GeneratedNamesWarning`. Per-group options
+    are refused: the optimizer's param groups are the spec's rules, whose tensors a group need not
+    share, so a group's lr could not live in one of them."""
+    import torch
+
+    from geomopt.compile.compiler import model_params
+
+    if isinstance(params, torch.nn.Module) or isinstance(params, (str, bytes, dict)):
+        if model is not None:
+            raise TypeError("model= names the tensors of a parameter iterable (GeomOptimizer(model.parameters(), "
+                            "spec, model=model)); with a model as the first argument, leave it out")
+        return (*model_params(params, roles, example_inputs), params)
+    if isinstance(params, torch.Tensor):
+        raise TypeError("GeomOptimizer takes a model, model.named_parameters(), model.parameters() or param-group "
+                        "dicts, not a single tensor: wrap it in a list")
+    try:
+        items = list(params)
+    except TypeError:
+        raise TypeError(f"GeomOptimizer takes a model, model.named_parameters(), model.parameters() or param-group "
+                        f"dicts, not {type(params).__name__}") from None
+    if not any(isinstance(x, (torch.Tensor, dict)) for x in items):  # (name, tensor) pairs: named already
+        if model is not None:
+            raise TypeError("model= names plain tensors; these (name, tensor) pairs are named already: leave it out")
+        return (*model_params(items, roles, example_inputs), items)
+    entries = _entries(items)
+    if model is None:
+        pairs = [(name or f"param.{i}", t) for i, (name, t) in enumerate(entries)]
+        generated = sum(name is None for name, _ in entries)
+        if generated:
+            _warn_generated(generated)
+        return (*model_params(pairs, roles, example_inputs), items)
+    return (*_in_model(entries, model, roles, example_inputs), model)
+
+
+def _warn_generated(generated: int) -> None:
+    """One warning per optimizer (not per tensor), pointing at the caller's line."""
+    import warnings
+
+    warnings.warn(
+        f"GeomOptimizer was given {generated} tensor(s) without names: they are named param.0, param.1, … in "
+        f"the order given and their roles are guessed from shapes alone (an embedding looks like any other "
+        f"matrix), so a spec that routes by name or role may route them differently than it would the model. "
+        f"Pass model=model (names them by identity) or model.named_parameters()", GeneratedNamesWarning,
+        stacklevel=4)
+
+
+def _named(x) -> bool:
+    import torch
+
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)
+
+
+def _entries(items: list) -> list[tuple[Optional[str], object]]:
+    """(name or None, tensor) per tensor of a plain list or of param-group dicts, in order."""
+    import torch
+
+    if all(isinstance(x, torch.Tensor) for x in items):
+        return [(None, t) for t in items]
+    if not all(isinstance(x, dict) for x in items):
+        kinds = sorted({type(x).__name__ for x in items})
+        raise TypeError(f"GeomOptimizer's parameters must be all tensors, all (name, tensor) pairs or all "
+                        f"param-group dicts, not a mix of {', '.join(kinds)}")
+    out: list[tuple[Optional[str], object]] = []
+    seen: set = set()
+    for k, group in enumerate(items):
+        if "params" not in group:
+            raise ValueError(f"param group {k} has no 'params' entry: give each group {{'params': [tensors]}}")
+        other = sorted(str(key) for key in group if key != "params")
+        if other:
+            raise ValueError(
+                f"param group {k} sets {', '.join(map(repr, other))}: GeomOptimizer's param groups are its spec's "
+                f"rules, so per-group options do not apply. Set them on the spec's rule that matches these tensors "
+                f"(match them by name with model=model or model.named_parameters()), or pass lr= / weight_decay= "
+                f"to GeomOptimizer for every rule without its own")
+        ps = group["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        for j, x in enumerate(ps):
+            name, t = x if _named(x) else (None, x)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"param group {k}'s params[{j}] is a {type(t).__name__}, not a tensor or a (name, "
+                                f"tensor) pair")
+            if id(t) in seen:
+                raise ValueError(f"param group {k}'s params[{j}] appears in an earlier group too: give each tensor "
+                                 f"to one group")
+            seen.add(id(t))
+            out.append((name, t))
+    return out
+
+
+def _in_model(entries: list, model, roles: bool, example_inputs) -> tuple[list, dict]:
+    """The model's infos and tensors, kept to the ``entries``' tensors in their order."""
+    import torch
+
+    from geomopt.compile.compiler import model_params
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model= must be the nn.Module the parameters belong to, not {type(model).__name__}")
+    if any(name is not None for name, _ in entries):
+        raise TypeError("model= names plain tensors; some of these come with names already: pass tensors only, "
+                        "or leave model= out")
+    infos, tensors = model_params(model, roles, example_inputs)
+    name_of = {id(t): n for n, t in tensors.items()}
+    index: dict[str, int] = {}
+    for i, (_, t) in enumerate(entries):
+        name = name_of.get(id(t))
+        if name is None:
+            raise ValueError(f"parameter {i} given to GeomOptimizer (shape {tuple(t.shape)}) is not a parameter of "
+                             f"model= ({type(model).__name__}): pass the model these parameters belong to")
+        index.setdefault(name, i)
+    kept = sorted((i for i in infos if i.name in index), key=lambda i: index[i.name])
+    return kept, {i.name: tensors[i.name] for i in kept}
+
+
+#: what a copy rebuilds instead of copying: an LR scheduler's wrapper of the original's bound ``step``
+#: (torch drops it too), CUDA graphs and their pinned flag (tied to the original's memory), the
+#: step's scratch, and the stacked-state caches, keyed by the original tensors' ids (the copy
+#: restacks its state on its first step, as after load_state_dict: same values, same bits)
+_REBUILT = ("step", "_graphs", "_flag_host", "_workspace", "_stacked", "_buffers")
+
+
+class Copyable(Host):
+    """``copy.deepcopy`` and pickling (``pickle``, ``torch.save``) of the whole optimizer.
+
+    torch.optim.Optimizer's own ``__getstate__`` keeps only ``defaults``, ``state`` and
+    ``param_groups``: a copy of this optimizer would lose its plan and fail on its first step. Here
+    everything is kept except what :data:`_REBUILT` lists and the hooks, which torch's
+    ``__setstate__`` starts empty (as for its own optimizers: hooks are often closures, which do
+    not pickle). Copy or pickle the model in the same call (``copy.deepcopy((model, opt))``,
+    ``torch.save({"model": model, "opt": opt})``) so the copy's parameters are the copied model's.
+    A distributed optimizer (a process group inside) is refused: save its ``state_dict()``."""
+
+    def _copy_state(self) -> dict:
+        from geomopt.distributed import LocalExecutor
+
+        if not isinstance(self._executor, LocalExecutor):
+            raise TypeError("a distributed GeomOptimizer holds its process group and cannot be copied or pickled: "
+                            "save opt.state_dict() and build a new optimizer on each rank")
+        return {k: v for k, v in self.__dict__.items() if k not in _REBUILT and not k.startswith("_optimizer_")}
+
+    def __getstate__(self) -> dict:
+        """What pickle writes: state entries that view rows of a stacked buffer become tensors of
+        their own (pickle writes a view's whole storage, once per view)."""
+        out = self._copy_state()
+        out["state"] = type(self.state)(dict, {p: {k: _own(v) for k, v in st.items()} for p, st in self.state.items()})
+        return out
+
+    def __deepcopy__(self, memo: dict):
+        """A deep copy keeps views as views (deepcopy copies each storage once)."""
+        import copy
+
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self._copy_state(), memo))
+        return new
+
+    def __setstate__(self, state: dict) -> None:
+        """Also how torch's ``load_state_dict`` installs ``state`` and ``param_groups`` into this
+        optimizer: what :data:`_REBUILT` lists is made only where it is missing (a copy), never
+        replaced (a sharded optimizer's layouts live in ``_stacked``)."""
+        from geomopt.optim.stacked import StackedState
+        from geomopt.optim.workspace import Workspace
+
+        super().__setstate__(state)  # torch's: hooks (empty where missing), the profiled step
+        if "_stacked" not in self.__dict__:
+            self._graphs, self._flag_host, self._workspace = {}, None, Workspace()
+            self._stacked = StackedState()
+            self._buffers = self._stacked.buffers
+
+
+def _own(value):
+    import torch
+
+    return value.clone() if isinstance(value, torch.Tensor) and value._base is not None else value
+
+
+def sparse_gradient(name: str, layout) -> RuntimeError:
+    """The error for a gradient that is not a dense (strided) tensor, raised by ``step()`` while it
+    gathers the gradients, before anything is written. Refused rather than densified: every
+    geometry acts on the whole tensor (a spectral map mixes all rows, momentum and Adam's moments
+    would fill every row), so a sparse gradient buys nothing here, and letting one through once
+    stored a sparse direction that the next step could not read."""
+    return RuntimeError(
+        f"parameter {name!r} has a sparse gradient ({layout}): geomopt does not support sparse gradients (as "
+        f"torch.optim.AdamW does not); build its module with dense gradients (nn.Embedding(..., sparse=False)) "
+        f"or leave the parameter to torch.optim.SparseAdam")
