@@ -66,6 +66,9 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
     Non-finite gradients (any group) skip the whole step or raise, per rule (``on_nonfinite``),
     before anything is written.
 
+    Zero-size tensors (a dim of size 0) are accepted under every rule and never step: no state,
+    no projection, nothing in :meth:`diagnostics`, as a tensor without a gradient.
+
     ``distributed``: ``"auto"`` (default) runs sharded when the parameters are DTensors (FSDP2 on
     a 1-D mesh; HSDP or FSDP2 × tensor parallel on a 2-D one), replicated (DDP) when
     ``torch.distributed`` is initialized with more than one rank, and local otherwise; ``"ddp"`` /
@@ -184,7 +187,7 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
         for group, plans in zip(self.param_groups, self._plans):
             for p, pp in zip(group["params"], plans):
                 c = pp.constraint
-                if c is None or not pp.project_on_init or c["kind"] == "proximal_decay":
+                if c is None or not pp.project_on_init or c["kind"] == "proximal_decay" or not p.numel():
                     continue
                 x = op_view(full(p), pp)
                 xu = upcast(x)
@@ -328,7 +331,8 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
 
     def _jobs(self) -> list:
         """(group index, [(param, plan), …], flat) per call: a bucket's tensors that have a
-        gradient, split by state history (a tensor that missed steps has its own step counts).
+        gradient and entries (a zero-size tensor is left out, as one without a gradient: it never
+        steps nor gets state), split by state history (a tensor that missed steps has its own step counts).
         ``flat``: an elementwise rule's tensors of one dtype and radius, whatever their shapes,
         run as one flat call (:meth:`_step_flat`)."""
         jobs = []
@@ -339,7 +343,7 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
                 by_key: dict = {}
                 for i in bucket:
                     p = group["params"][i]
-                    if p.grad is None:
+                    if p.grad is None or not p.numel():  # zero-size: no entries, a no-op (no state)
                         continue
                     st = self.state[p]
                     key: tuple = (tuple(sorted(k for k in st if k in STACKED)),
