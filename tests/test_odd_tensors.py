@@ -281,7 +281,10 @@ REFERENCE_GEOMETRIES = (
     + [{"kind": "spectral", "approx": {"kind": a}} for a in ("svd", "gram_eigh", "newton_schulz",
                                                              "gram_newton_schulz", "polar_express")]
     + [{"kind": "spectral", "approx": {"kind": "gram_eigh", "dtype": "float32"}},
-       {"kind": "spectral", "approx": {"kind": "svd"}, "prenormalize": {"kind": "frobenius", "eps": F64_MIN}}])
+       {"kind": "spectral", "approx": {"kind": "svd"}, "prenormalize": {"kind": "frobenius", "eps": F64_MIN}},
+       {"kind": "spectral", "approx": {"kind": "newton_schulz"}, "prenormalize": {"kind": "max", "eps": F64_MIN}},
+       {"kind": "spectral", "approx": {"kind": "gram_newton_schulz"},
+        "prenormalize": {"kind": "frobenius", "eps": F64_MAX}}])
 POLYNOMIAL = ("newton_schulz", "gram_newton_schulz", "polar_express")
 SHAPE = (4, 3)
 
@@ -331,7 +334,8 @@ def _one_step(geometry: dict, reference: dict, grad: torch.Tensor, dtype, *, tra
 @pytest.mark.parametrize("reference", REFERENCES, ids=lambda r: "-".join(f"{v}" for v in r.values()))
 @pytest.mark.parametrize("geometry", REFERENCE_GEOMETRIES,
                          ids=lambda g: "-".join([g["kind"], *((g.get("approx") or {}).values()),
-                                                 *(["prenorm"] if "prenormalize" in g else [])]))
+                                                 *([f"prenorm-{g['prenormalize']['kind']}"] if "prenormalize" in g
+                                                   else [])]))
 def test_extreme_references_keep_parameters_finite(geometry, reference):
     """One step (lr 0.1, ρ = 1) from finite parameters on every gradient of GRADIENTS: finite
     parameters, in float32 (the flat path for the elementwise rules, and the batched one with
@@ -347,6 +351,36 @@ def test_extreme_references_keep_parameters_finite(geometry, reference):
             bound = _bound(geometry, reference)
             limit = 0.1 * (bound if bound is not None else grad.abs().max().item()) * (1 + 1e-5)
             assert moved.max().item() <= limit + 1e-6 * x0.abs().max().item(), (name, track, moved.max())
+
+
+ADAM_LIKE = [
+    {"geometry": {"kind": "adam", "eps": e}} for e in (F64_MIN, 1e-40, F64_MAX)] + [
+    {"geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}},
+     "post": [{"kind": "second_moment", "axis": axis, "eps": e}, {"kind": "rms_match", "target": t, "eps": e}]}
+    for e in (F64_MIN, F64_MAX) for axis, t in (("row", "input"), ("element", 0.2))]
+
+
+@pytest.mark.parametrize("rule", ADAM_LIKE, ids=lambda r: "-".join(
+    [r["geometry"]["kind"], *(s["kind"] for s in r.get("post", [])),
+     str(r["geometry"].get("eps", r.get("post", [{}])[0].get("eps")))]))
+def test_extreme_eps_of_adam_and_post_stages_keep_parameters_finite(rule):
+    """The other ε of the language (Adam's, the second-moment and RMS-matching post-stages'), at the
+    validator's bounds, on every gradient of GRADIENTS for two steps: finite parameters whichever
+    path runs Adam (torch's fused kernel, the foreach ops, the batched path for bfloat16), and with
+    a floor at √tiny the Adam step stays within γ·(1 − β₁)/√(1 − β₂)·(1 + rounding) per entry."""
+    spec = {"geomopt": 1, "name": "eps", "rules": [{"name": "r", "match": "**", "lr": 0.1, "weight_decay": 0.0,
+                                                    **rule}]}
+    for name, grad in GRADIENTS.items():
+        for dtype, implementation in ((torch.float32, "auto"), (torch.float32, "foreach"), (torch.bfloat16, "auto")):
+            x0 = (torch.randn(SHAPE, generator=_rng(1)) * 0.1).to(dtype)
+            p = torch.nn.Parameter(x0.clone())
+            opt = _optimizer([("w", p)], spec, implementation=implementation)
+            for _ in range(2):
+                _step(opt, [p], [grad.to(dtype)])
+            assert torch.isfinite(p).all(), (name, dtype, implementation, p)
+            if rule["geometry"]["kind"] == "adam" and dtype == torch.float32:
+                # |m̂|/(√v̂ + ε) ≤ 1/√(1 − β₂) over two steps (β = 0.9, 0.999), per step of lr 0.1
+                assert (p.detach() - x0).abs().max() <= 2 * 0.1 * 1 / math.sqrt(1 - 0.999) * 1.001, name
 
 
 BOUNDED = [{"kind": "indicator"}] + [{"kind": "log_barrier", "eps": e} for e in (F64_MIN, F64_MAX)] + [
