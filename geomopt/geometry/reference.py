@@ -19,7 +19,6 @@ rounding of |y|/ε to 0 wherever ε > 2.4e83).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable, Mapping, TypeVar, cast
 
@@ -52,15 +51,10 @@ def working_eps(eps: float, dtype: torch.dtype, *, norm: bool = False) -> float:
     """ε as the maps use it in ``dtype`` (module docstring): at least ``tiny`` (``norm``: √tiny,
     for the isotropic factor of a norm), +∞ above the dtype's largest finite value (a Python
     float: torch refuses scalars that overflow the tensor's dtype in some ops)."""
-    return _working_eps(float(eps), dtype, norm)
-
-
-@functools.lru_cache(maxsize=256)
-def _working_eps(eps: float, dtype: torch.dtype, norm: bool) -> float:
-    info = torch.finfo(dtype)
+    info = torch.finfo(dtype)  # no cache: torch.compile traces this (finfo folds to constants)
     if eps > info.max:
         return math.inf
-    return max(eps, math.sqrt(info.tiny) if norm else info.tiny)
+    return max(float(eps), math.sqrt(info.tiny) if norm else info.tiny)
 
 
 class Reference:
