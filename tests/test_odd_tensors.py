@@ -269,6 +269,29 @@ def test_diagnostics_violation_nan_is_not_lost_in_the_maximum():
     assert math.isnan(opt.diagnostics()["r"]["violation"])
 
 
+EXTREME_GAP_REFERENCES = ([{"kind": "log_barrier", "eps": e} for e in (F64_MIN, 1e-300, F64_MAX)]
+                          + [{"kind": "power_barrier", "kappa": k, "eps": e} for k in (1.0, 4.0, F64_MAX)
+                             for e in (F64_MIN, F64_MAX)])
+
+
+@pytest.mark.parametrize("reference", EXTREME_GAP_REFERENCES, ids=lambda r: "-".join(f"{v}" for v in r.values()))
+def test_diagnostics_at_extreme_eps_are_numbers(reference):
+    """The stationarity gap of a rule whose reference sits at the bounds of ε and κ, one step after
+    finite gradients, is a number ≥ 0 (+∞ allowed: W outside dom φ₁), not NaN: h and h* read ε as
+    the working dtype holds it (h*(y) = |y| to rounding where |y|/ε overflows)."""
+    for gkind in ("isotropic", "anisotropic", "rowwise", "spectral"):
+        for constraint in ({"kind": "frobenius_ball", "radius": 1.0}, {"kind": "proximal_decay", "lam": 0.5}):
+            geometry = {"kind": gkind, "reference": reference}
+            spec = {"geomopt": 1, "name": "gap", "rules": [{"name": "r", "match": "**", "geometry": geometry,
+                                                            "constraint": constraint, "lr": 0.1}]}
+            p = torch.nn.Parameter(torch.randn(6, 4, generator=_rng(0)) * 0.1)
+            opt = _optimizer([("w", p)], spec, track_gap=True)
+            _step(opt, [p], [torch.randn(6, 4, generator=_rng(1))])
+            p.grad = torch.randn(6, 4, generator=_rng(2))
+            gap = opt.diagnostics()["r"]["gap"]
+            assert gap is not None and gap >= 0, (gkind, constraint["kind"], gap)
+
+
 # ---------------------------------------------------------------- extreme reference values
 
 EPS = [F64_MIN, 1e-300, 1e-40, 1e-8, 1e30, F64_MAX]

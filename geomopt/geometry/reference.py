@@ -105,7 +105,10 @@ class LogBarrier(Reference):
     def h(self, x):
         # −ln(1−a) − a = g(−a) with g(z) = z − ln(1+z): no cancellation near 0; +∞ off the domain.
         a = x.abs()
-        out = self.eps * _z_minus_log1p(-a.clamp(max=1))
+        e = working_eps(self.eps, a.dtype)
+        if math.isinf(e):  # ε past the dtype's range: h = δ_{0}
+            return torch.where(a == 0, torch.zeros_like(a), torch.full_like(a, math.inf))
+        out = e * _z_minus_log1p(-a.clamp(max=1))
         return torch.where(a >= 1, torch.full_like(out, math.inf), out)
 
     def dh(self, x):
@@ -118,8 +121,14 @@ class LogBarrier(Reference):
         return 1 / (working_eps(self.eps, s.dtype, norm=True) + s)
 
     def conj(self, y):
-        # |y| − ε ln(1+|y|/ε) = ε·g(|y|/ε): the series branch keeps digits for |y| ≪ ε.
-        return self.eps * _z_minus_log1p(y.abs() / self.eps)
+        # |y| − ε ln(1+|y|/ε) = ε·g(|y|/ε): the series branch keeps digits for |y| ≪ ε. Where |y|/ε
+        # overflows, ε·ln(1+|y|/ε) < 10³ε is below the rounding of |y|: h*(y) = |y|.
+        a = y.abs()
+        e = working_eps(self.eps, a.dtype)
+        if math.isinf(e):  # ε past the dtype's range: h* = 0
+            return torch.zeros_like(a)
+        z = a / e
+        return torch.where(torch.isinf(z), a, e * _z_minus_log1p(z))
 
 
 @reference("power_barrier")
@@ -334,8 +343,8 @@ def _power_barrier_conj(y: torch.Tensor, kappa: float, eps: float) -> torch.Tens
     k = float(kappa)
     a = y.abs().to(torch.float64)
     z = a / eps
-    if k == 1.0:
-        return (eps * _z_minus_log1p(z)).to(y.dtype)
+    if k == 1.0:  # the log barrier's h* (where |y|/ε overflows, |y| to its rounding: LogBarrier.conj)
+        return torch.where(torch.isinf(z), a, eps * _z_minus_log1p(z)).to(y.dtype)
     if k == 2.0:
         # √(ε²+y²) − ε = y²/(√(ε²+y²) + ε)
         out = a * a / (torch.hypot(a, torch.full_like(a, eps)) + eps)

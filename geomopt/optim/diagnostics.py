@@ -39,9 +39,9 @@ class Diagnostics(Host):
         goes wrong. Zero-size tensors enter nothing. ``gap_reference``: ``"auto"`` (default), ``"declared"`` or
         ``"realized"``, the reference Newton–Schulz / Polar Express rules are measured against
         (:mod:`geomopt.geometry.gap`). Syncs with the device: call it every N steps."""
-        from geomopt.geometry.gap import dual_norm, gap_unavailable, stationarity_gap
+        from geomopt.geometry.gap import dual_norm, gap_unavailable
 
-        def note(rule, pp, why, gap, measured, outside, unpaired):
+        def note(rule, pp, why, gap, measured, outside, unpaired, bad_w, unmeasurable):
             """A rule's ``gap_note``: None where its gap is a finite sum over all its tensors."""
             head = f"rule {rule!r} ({pp.geometry['kind']} geometry): "
             if pp.geometry["kind"] != "adam" and pp.constraint is None:
@@ -51,9 +51,12 @@ class Diagnostics(Host):
             if not self.track_gap:
                 return head + "not tracked: GeomOptimizer(..., track_gap=True) keeps the W of each step for the gap"
             if gap is not None and math.isnan(gap) and bad_w:
-                return head + (f"W of the last step is non-finite (or its gap failed to compute) for {bad_w} "
-                               "tensor(s): a parameter or the optimizer state holds NaN or ±∞ (see violation): "
-                               "no estimate")
+                return head + (f"W of the last step is non-finite for {bad_w} tensor(s): a parameter or the "
+                               "optimizer state holds NaN or ±∞ (see violation): no estimate")
+            if gap is not None and math.isnan(gap) and unmeasurable:
+                return head + (f"the gap of {unmeasurable} tensor(s) is not representable in the working dtype "
+                               "(its SVD failed, or a term is ∞ − ∞: e.g. entries near the dtype's limits): no "
+                               "estimate")
             if gap is not None and math.isnan(gap):
                 return head + "a gradient is non-finite (the step is skipped): no estimate"
             if gap is None and not unpaired:
@@ -77,7 +80,7 @@ class Diagnostics(Host):
             first = plans[0]
             why = gap_unavailable(first.geometry, first.constraint, gap_reference)
             measured = outside = unpaired = 0  # tensors: with a gap value, +∞ among them, gradient but no W
-            bad_w = 0  # tensors whose W is non-finite (or whose gap raised)
+            bad_w = unmeasurable = 0  # tensors whose W is non-finite; whose gap is NaN from a finite W
             for p, pp in zip(group["params"], plans):
                 if not p.numel():
                     continue  # zero-size: never steps, nothing to measure
@@ -102,12 +105,14 @@ class Diagnostics(Host):
                     # g ≡ 0: the gap of the lmo method is ρ‖G‖_*
                     dual = (dual or 0.0) + rho * _measured(dual_norm, g, pp.geometry)
                 elif w is not None:
-                    val = _gap_of(stationarity_gap, g, w, pp, gap_reference, rho)
+                    finite_w = bool(torch.isfinite(w).all())
+                    val = _gap_of(g, w, pp, gap_reference, rho) if finite_w else math.nan
                     if val is not None:
                         gap = (gap or 0.0) + val
                         measured += 1
                         outside += math.isinf(val)
-                        bad_w += math.isnan(val)
+                        bad_w += not finite_w
+                        unmeasurable += finite_w and math.isnan(val)
                 elif pp.constraint is not None:
                     unpaired += 1
             update_sq = counters["update_sq"]
@@ -115,7 +120,8 @@ class Diagnostics(Host):
                 update_sq = update_sq.clone()
                 self._executor.dist.all_reduce(update_sq, group=self._executor.group)
             out[group["rule"]] = dict(
-                gap=gap, gap_note=note(group["rule"], first, why, gap, measured, outside, unpaired),
+                gap=gap,
+                gap_note=note(group["rule"], first, why, gap, measured, outside, unpaired, bad_w, unmeasurable),
                 dual_norm=dual, violation=violation,
                 update_norm=float(update_sq) ** 0.5 if self.track_update else None, skipped=counters["skipped"],
                 fallbacks=int(counters["fallbacks"]),
@@ -141,12 +147,11 @@ def _measured(fn, x: torch.Tensor, *args) -> float:
         return math.nan
 
 
-def _gap_of(stationarity_gap, g: torch.Tensor, w: torch.Tensor, pp: ParamPlan, reference: str,
-            rho: float) -> float | None:
-    """A tensor's stationarity gap (``g`` finite), NaN where W is non-finite or the gap's SVD fails,
-    None where it is undefined."""
-    if not bool(torch.isfinite(w).all()):
-        return math.nan
+def _gap_of(g: torch.Tensor, w: torch.Tensor, pp: ParamPlan, reference: str, rho: float) -> float | None:
+    """A tensor's stationarity gap (``g`` and ``w`` finite), NaN where its SVD fails, None where it
+    is undefined."""
+    from geomopt.geometry.gap import stationarity_gap
+
     try:
         val = stationarity_gap(g, w, pp.geometry, constraint=pp.constraint, reference=reference, radius=rho)
     except torch.linalg.LinAlgError:
