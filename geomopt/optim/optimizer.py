@@ -133,12 +133,16 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
         self._spec_groups = [{k: copy_value(g[k]) for k in self._SPEC_KEYS} for g in self.param_groups]
         self._counters = [new_counters() for _ in self.param_groups]
         # same-(ops, shape, dtype, device) tensors of a group run as one batched call (Plan buckets)
+        # (zero-size tensors are in none: they never step, :meth:`_jobs`)
         self._buckets = []
+        self._stepping = []  # per group, the indices of its tensors with entries (the flat path's order)
         for group, plans in zip(self.param_groups, self._plans):
             by_key: dict = {}
-            for i, pp in enumerate(plans):  # sharded tensors stack their shards: same mesh and placements too
-                by_key.setdefault((pp.bucket, layout_key(group["params"][i])), []).append(i)
+            stepping = [i for i, p in enumerate(group["params"]) if p.numel()]
+            for i in stepping:  # sharded tensors stack their shards: same mesh and placements too
+                by_key.setdefault((plans[i].bucket, layout_key(group["params"][i])), []).append(i)
             self._buckets.append(list(by_key.values()))
+            self._stepping.append(stepping)
         self._stacked = StackedState()  # the buckets' stacked state; per-param state entries view its rows
         self._buffers = self._stacked.buffers
         self._workspace = Workspace()  # a step's scratch, shared by its buckets
@@ -338,12 +342,12 @@ class GeomOptimizer(Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketSt
         jobs = []
         for gi, (group, plans) in enumerate(zip(self.param_groups, self._plans)):
             flat = self._flat_rule(group, plans[0])
-            buckets = [range(len(plans))] if flat else self._buckets[gi]
+            buckets = [self._stepping[gi]] if flat else self._buckets[gi]  # zero-size tensors in neither
             for bucket in buckets:
                 by_key: dict = {}
                 for i in bucket:
                     p = group["params"][i]
-                    if p.grad is None or not p.numel():  # zero-size: no entries, a no-op (no state)
+                    if p.grad is None:
                         continue
                     st = self.state[p]
                     key: tuple = (tuple(sorted(k for k in st if k in STACKED)),
