@@ -14,7 +14,8 @@ up far past the bound (h*)' ≤ 1 of a bounded reference. With the floor every e
 (h*)'(s)/s·x stays ≤ 1 in magnitude. The maps change only where |y| (s) is within ~2²⁴ of the
 floor (float32: |y| < 2e-31, s < 2e-12), toward the indicator's value that ε → 0 tends to.
 An ε above the working dtype's largest finite value is +∞ there: the maps are 0 (for float32 the
-rounding of |y|/ε to 0 wherever ε > 2.4e83).
+rounding of |y|/ε to 0 wherever ε > 2.4e83). The log barrier's h and h* (the stationarity gap's
+terms) read ε the same way, with h*(y) = |y| to rounding where |y|/ε overflows.
 """
 
 from __future__ import annotations
