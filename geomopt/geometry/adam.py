@@ -8,12 +8,16 @@ from __future__ import annotations
 import torch
 
 from geomopt.geometry.matrix import split_like, working_dtype
+from geomopt.geometry.reference import working_eps
 
 
 def adam_moments(g: torch.Tensor, state: dict, geometry: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Update m ← β₁m + (1−β₁)g, v ← β₂v + (1−β₂)g² in ``state`` (float32 at least) and return
     (m, √v/√bc₂ + ε, bc₁) with bc_i = 1 − β_i^t, in torch.optim.AdamW's single-tensor op order, so
-    ``x.addcdiv(m, denom, value=-lr/bc₁)`` is AdamW's step bit for bit."""
+    ``x.addcdiv(m, denom, value=-lr/bc₁)`` is AdamW's step bit for bit. ε is floored at √tiny of the
+    state's dtype (:func:`geomopt.geometry.reference.working_eps`: √v loses gradients below √tiny,
+    whose squares underflow, and a smaller ε would divide m by ~0 there; +∞ past the dtype's range),
+    which changes nothing for ε ≥ √tiny (1.1e-19 in float32)."""
     beta1, beta2 = (float(b) for b in geometry.get("betas", (0.9, 0.999)))
     eps = float(geometry.get("eps", 1e-8))
     if "exp_avg" not in state:
@@ -28,7 +32,7 @@ def adam_moments(g: torch.Tensor, state: dict, geometry: dict) -> tuple[torch.Te
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(working_eps(eps, exp_avg_sq.dtype, norm=True))
     return exp_avg, denom, bias_correction1
 
 
@@ -40,8 +44,8 @@ def adam_multi_tensor(xs, us, m, v, step, pieces, off, geometry, gamma, weight_d
     instead of eight), else :func:`adam_moments`'s op order (AdamW's
     single-tensor path, bit for bit) with the denominator in ``take("denom", shape)`` (a scratch)."""
     beta1, beta2 = (float(b) for b in geometry["betas"])  # a plan's fragment holds every default
-    eps = float(geometry["eps"])
     (m, m_views), (v, v_views) = m, v
+    eps = working_eps(float(geometry["eps"]), v.dtype, norm=True)
     if pieces is not None:
         n = sum(x.numel() for x in xs)
         m, v = m[off:off + n], v[off:off + n]

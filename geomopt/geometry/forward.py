@@ -152,12 +152,15 @@ def forward(
 ) -> torch.Tensor:
     """ρ·∇φ₁*(d) for a geometry dict (``model_dump()`` of a spec geometry), in ``out_dtype``
     (default: d's); ``radius`` None reads ``geometry["radius"]`` (default 1). A resolved ``view``
-    (:mod:`geomopt.geometry.view`) runs the op on each of its matrix stacks."""
+    (:mod:`geomopt.geometry.view`) runs the op on each of its matrix stacks. A zero-size ``d``
+    gives a zero-size result (no op runs; an adam ``state`` is left as it is)."""
     kind = geometry.get("kind")
     op = FORWARD_OPS.get(kind)
     if op is None:
         raise ValueError(f"unknown geometry kind {kind!r}; expected one of {', '.join(FORWARD_OPS)}")
     rho = float(geometry.get("radius", 1.0)) if radius is None else float(radius)
+    if d.numel() == 0:  # no entries (a dim of size 0): nothing to map, and no matrix to view
+        return torch.empty_like(d, dtype=out_dtype or d.dtype)
     view, plain = split_view(geometry, d.shape[batch_dims:])
     if view is None or kind == "anisotropic" and not view["factors"]:  # elementwise: only factors matter
         return op(d, geometry, radius=rho, batch_dims=batch_dims, state=state, out_dtype=out_dtype)

@@ -205,7 +205,9 @@ def gram_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, p
     f = prenorm_factor(sq, cfg)
     pending = None if f is None else f.to(A.dtype)[:, None, None]  # folded into the first Q
     if pending is not None:
-        A.mul_(pending * pending)
+        # ‖D‖²_F past the dtype's range (entries past √max): f = 0, and the overflowed entries of
+        # A times 0 are NaN; A·f² is 0 there, as is the map of D/‖D‖ rounded through f = 0
+        torch.nan_to_num_(A.mul_(pending * pending), nan=0.0, posinf=0.0, neginf=0.0)
     steps = len(coefficients)
     if steps == 0:
         factor = scale if pending is None else pending * scale

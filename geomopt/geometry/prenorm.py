@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from geomopt.geometry.reference import working_eps
 from geomopt.spec.model import POLYNOMIAL_APPROX_KINDS, FrobeniusPrenorm, NoPrenorm
 
 #: ε of a pre-normalization fragment that leaves it out: the spec model's default (1e-7)
@@ -38,7 +39,10 @@ def prenormalize(x: torch.Tensor, cfg: dict | None, approx_kind: str = "svd", in
 def _prenorm_denominator(norm: torch.Tensor, cfg: dict) -> torch.Tensor:
     """What :func:`prenormalize` divides a matrix by, from its ‖D‖_F (cfg kind frobenius or max)."""
     kind = cfg.get("kind", "frobenius")
-    eps = float(cfg.get("eps", _EPS))
+    # ε as the norm's dtype holds it, floored at √tiny (geomopt.geometry.reference.working_eps): an
+    # ε that rounds to 0 would divide a zero matrix by 0, and one below √tiny would blow up a matrix
+    # whose norm lost its entries' squares; ε past the dtype's range is +∞ (the matrix maps to 0)
+    eps = working_eps(float(cfg.get("eps", _EPS)), norm.dtype, norm=True)
     if kind == "frobenius":
         return norm + eps
     if kind == "max":

@@ -3,12 +3,25 @@
 Each class gives h, h', (h*)', h* and the isotropic factor (h*)'(s)/s, elementwise on tensors.
 A φ is built from h by :mod:`geomopt.geometry.forward` (separable, isotropic, spectral).
 Construct from a spec fragment with :func:`make_reference`.
+
+ε in the working dtype (the forward maps (h*)' and (h*)'(s)/s; the spec accepts any finite ε > 0,
+and the maps must stay finite for every finite input): ε is used as the working dtype holds it
+(:func:`working_eps`), floored at its smallest normal number ``tiny`` (elementwise (h*)'(y): at
+y = 0 a smaller ε would round to 0 and give 0/0), or at √tiny for the isotropic factor, whose s
+is a norm √Σx² in that dtype: squares below ``tiny`` are lost there, so a group whose entries are
+all below √tiny can have s = 0, and a factor 1/(ε + s) with a smaller ε would blow such entries
+up far past the bound (h*)' ≤ 1 of a bounded reference. With the floor every entry of
+(h*)'(s)/s·x stays ≤ 1 in magnitude. The maps change only where |y| (s) is within ~2²⁴ of the
+floor (float32: |y| < 2e-31, s < 2e-12), toward the indicator's value that ε → 0 tends to.
+An ε above the working dtype's largest finite value is +∞ there: the maps are 0 (for float32 the
+rounding of |y|/ε to 0 wherever ε > 2.4e83). The log barrier's h and h* (the stationarity gap's
+terms) read ε the same way, with h*(y) = |y| to rounding where |y|/ε overflows.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, TypeVar
+from typing import Callable, Mapping, TypeVar, cast
 
 import torch
 
@@ -33,6 +46,16 @@ def make_reference(cfg: Mapping) -> "Reference":
     """``{"kind": "power_barrier", "kappa": 4, "eps": 1e-3}`` → a :class:`PowerBarrier`."""
     params = {k: v for k, v in dict(cfg).items() if k != "kind"}
     return REFERENCES[cfg["kind"]](**params)
+
+
+def working_eps(eps: float, dtype: torch.dtype, *, norm: bool = False) -> float:
+    """ε as the maps use it in ``dtype`` (module docstring): at least ``tiny`` (``norm``: √tiny,
+    for the isotropic factor of a norm), +∞ above the dtype's largest finite value (a Python
+    float: torch refuses scalars that overflow the tensor's dtype in some ops)."""
+    info = torch.finfo(dtype)  # no cache: torch.compile traces this (finfo folds to constants)
+    if eps > info.max:
+        return math.inf
+    return max(float(eps), math.sqrt(info.tiny) if norm else info.tiny)
 
 
 class Reference:
@@ -83,21 +106,30 @@ class LogBarrier(Reference):
     def h(self, x):
         # −ln(1−a) − a = g(−a) with g(z) = z − ln(1+z): no cancellation near 0; +∞ off the domain.
         a = x.abs()
-        out = self.eps * _z_minus_log1p(-a.clamp(max=1))
+        e = working_eps(self.eps, a.dtype)
+        if math.isinf(e):  # ε past the dtype's range: h = δ_{0}
+            return torch.where(a == 0, torch.zeros_like(a), torch.full_like(a, math.inf))
+        out = e * _z_minus_log1p(-a.clamp(max=1))
         return torch.where(a >= 1, torch.full_like(out, math.inf), out)
 
     def dh(self, x):
         return self.eps * x / (1 - x.abs())
 
     def dual_grad(self, y):
-        return y / (self.eps + y.abs())
+        return y / (working_eps(self.eps, y.dtype) + y.abs())
 
     def iso_factor(self, s):
-        return 1 / (self.eps + s)
+        return 1 / (working_eps(self.eps, s.dtype, norm=True) + s)
 
     def conj(self, y):
-        # |y| − ε ln(1+|y|/ε) = ε·g(|y|/ε): the series branch keeps digits for |y| ≪ ε.
-        return self.eps * _z_minus_log1p(y.abs() / self.eps)
+        # |y| − ε ln(1+|y|/ε) = ε·g(|y|/ε): the series branch keeps digits for |y| ≪ ε. Where |y|/ε
+        # overflows, ε·ln(1+|y|/ε) < 10³ε is below the rounding of |y|: h*(y) = |y|.
+        a = y.abs()
+        e = working_eps(self.eps, a.dtype)
+        if math.isinf(e):  # ε past the dtype's range: h* = 0
+            return torch.zeros_like(a)
+        z = a / e
+        return torch.where(torch.isinf(z), a, e * _z_minus_log1p(z))
 
 
 @reference("power_barrier")
@@ -117,13 +149,19 @@ class PowerBarrier(Reference):
         return self.eps * x / (-torch.expm1(k * torch.log(x.abs()))).pow(1 / k)
 
     def dual_grad(self, y):
-        return y * self.iso_factor(y.abs())
+        return y * self._factor(y.abs(), working_eps(self.eps, y.dtype))
 
     def iso_factor(self, s):
-        k, e = self.kappa, self.eps
+        return self._factor(s, working_eps(self.eps, s.dtype, norm=True))
+
+    def _factor(self, s: torch.Tensor, e: float) -> torch.Tensor:
+        """(e^κ + s^κ)^{−1/κ} for e > 0 (+∞: 0), s ≥ 0 (+∞ included: 0)."""
+        if math.isinf(e):
+            return torch.zeros_like(s)
+        k = cast(float, self.kappa)  # a float for the power barrier
         # (ε^κ + s^κ)^{−1/κ} = 1/(m·(1 + (min/max)^κ)^{1/κ}) with m = max(ε, s): no overflow.
         m = torch.clamp(s, min=e)
-        r = torch.minimum(s, torch.full_like(s, e)) / m
+        r = torch.clamp(s, max=e) / m
         return 1 / (m * (1 + r.pow(k)).pow(1 / k))
 
     def h(self, x):
@@ -306,8 +344,8 @@ def _power_barrier_conj(y: torch.Tensor, kappa: float, eps: float) -> torch.Tens
     k = float(kappa)
     a = y.abs().to(torch.float64)
     z = a / eps
-    if k == 1.0:
-        return (eps * _z_minus_log1p(z)).to(y.dtype)
+    if k == 1.0:  # the log barrier's h* (where |y|/ε overflows, |y| to its rounding: LogBarrier.conj)
+        return torch.where(torch.isinf(z), a, eps * _z_minus_log1p(z)).to(y.dtype)
     if k == 2.0:
         # √(ε²+y²) − ε = y²/(√(ε²+y²) + ε)
         out = a * a / (torch.hypot(a, torch.full_like(a, eps)) + eps)

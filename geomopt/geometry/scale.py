@@ -59,8 +59,8 @@ def radius_scale(geometry: dict, shape: tuple[int, ...]) -> float:
     """Multiplier of ``geometry["radius"]`` for a tensor of ``shape`` (see the module docstring)."""
     preset = geometry.get("scale", "none") or "none"
     kind = geometry.get("kind")
-    if preset == "none" or kind in ("euclidean", "adam"):
-        return 1.0
+    if preset == "none" or kind in ("euclidean", "adam") or 0 in tuple(int(s) for s in shape):
+        return 1.0  # a zero-size tensor has no entries to step: its radius is never used
     d_out, d_in = fan_dims(geometry, shape)
     if preset == "muon_original":
         return math.sqrt(max(1.0, d_out / d_in))

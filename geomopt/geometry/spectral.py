@@ -129,13 +129,31 @@ def gram_eigh(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = No
     (mapped to (h*)'(0) = 0; the component of D along them is below rounding anyway)."""
     work = _prepare(x, "gram_eigh", dtype, prenormalize)
     m, n = work.shape[-2:]
-    a = work if m <= n else work.mT
+    # each matrix scaled by a power of two c near its largest entry (exact): the Gram matrix of
+    # the scaled a neither overflows (entries past √max, 1.8e19 in float32) nor underflows, and
+    # σ = c·σ' with σ' = √λ of the scaled Gram matrix
+    c = _pow2_scale(work)
+    a = work / c
+    a = a if m <= n else a.mT
     lam, q = torch.linalg.eigh(a @ a.mT)
     sigma = lam.clamp(min=0).sqrt()
     tol = math.sqrt(max(m, n) * torch.finfo(work.dtype).eps) * sigma[..., -1:]
-    factor = torch.where(sigma > tol, ref.iso_factor(sigma) * scale, torch.zeros_like(sigma))
+    # (h*)'(σ)/σ·D = [(h*)'(c·σ')/σ']·a: (h*)' is bounded (barriers, indicator) or σ (quadratic),
+    # so the factor stays finite where 1/σ would not (σ near the dtype's smallest numbers)
+    big = torch.finfo(sigma.dtype).max  # σ past it (a norm past the dtype's range) maps as σ = max
+    mapped = ref.dual_grad((sigma * c[..., 0]).clamp(max=big)) * scale
+    factor = torch.where(sigma > tol, mapped / torch.where(sigma > tol, sigma, 1), torch.zeros_like(sigma))
     out = (q * factor.unsqueeze(-2)) @ (q.mT @ a)
     return (out if m <= n else out.mT).to(out_dtype or x.dtype)
+
+
+def _pow2_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per matrix of ``x`` (..., m, n), shape (..., 1, 1): the power of two c ≤ max|x| < 2c (1 for
+    a zero matrix; representable: at most the dtype's max), so x / c is exact (but for entries it
+    takes below the dtype's smallest normal number) and its entries are below 2."""
+    amax = x.abs().amax(dim=(-2, -1), keepdim=True)
+    _, e = torch.frexp(torch.where(amax > 0, amax, 1))  # amax = f·2^e, f ∈ [½, 1)
+    return torch.ldexp(torch.ones_like(amax), e - 1)
 
 
 def _polynomial(x, kind, coeffs, dtype, prenorm, scale, out_dtype) -> torch.Tensor:

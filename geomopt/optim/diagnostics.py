@@ -33,12 +33,15 @@ class Diagnostics(Host):
         what to look at instead), ``dual_norm`` (ρ‖G‖_* where g ≡ 0),
         ``violation`` (max distance of a tensor to its constraint set), ``update_norm`` (of the last
         step), ``skipped`` and ``fallbacks`` (steps where the backward step was undefined and the
-        Euclidean projection was used). ``gap_reference``: ``"auto"`` (default), ``"declared"`` or
+        Euclidean projection was used). A tensor whose numbers cannot be measured (a parameter, a
+        gradient or a W holding NaN or ±∞; a factorization that fails) makes the rule's sums and
+        maxima it enters NaN, never an exception: diagnostics are what one reads when training
+        goes wrong. Zero-size tensors enter nothing. ``gap_reference``: ``"auto"`` (default), ``"declared"`` or
         ``"realized"``, the reference Newton–Schulz / Polar Express rules are measured against
         (:mod:`geomopt.geometry.gap`). Syncs with the device: call it every N steps."""
-        from geomopt.geometry.gap import dual_norm, gap_unavailable, stationarity_gap
+        from geomopt.geometry.gap import dual_norm, gap_unavailable
 
-        def note(rule, pp, why, gap, measured, outside, unpaired):
+        def note(rule, pp, why, gap, measured, outside, unpaired, bad_w, unmeasurable):
             """A rule's ``gap_note``: None where its gap is a finite sum over all its tensors."""
             head = f"rule {rule!r} ({pp.geometry['kind']} geometry): "
             if pp.geometry["kind"] != "adam" and pp.constraint is None:
@@ -47,6 +50,13 @@ class Diagnostics(Host):
                 return head + why
             if not self.track_gap:
                 return head + "not tracked: GeomOptimizer(..., track_gap=True) keeps the W of each step for the gap"
+            if gap is not None and math.isnan(gap) and bad_w:
+                return head + (f"W of the last step is non-finite for {bad_w} tensor(s): a parameter or the "
+                               "optimizer state holds NaN or ±∞ (see violation): no estimate")
+            if gap is not None and math.isnan(gap) and unmeasurable:
+                return head + (f"the gap of {unmeasurable} tensor(s) is not representable in the working dtype "
+                               "(its SVD failed, or a term is ∞ − ∞: e.g. entries near the dtype's limits): no "
+                               "estimate")
             if gap is not None and math.isnan(gap):
                 return head + "a gradient is non-finite (the step is skipped): no estimate"
             if gap is None and not unpaired:
@@ -70,13 +80,15 @@ class Diagnostics(Host):
             first = plans[0]
             why = gap_unavailable(first.geometry, first.constraint, gap_reference)
             measured = outside = unpaired = 0  # tensors: with a gap value, +∞ among them, gradient but no W
+            bad_w = unmeasurable = 0  # tensors whose W is non-finite; whose gap is NaN from a finite W
             for p, pp in zip(group["params"], plans):
+                if not p.numel():
+                    continue  # zero-size: never steps, nothing to measure
                 rho = group["radius"] * self._scale(pp)
                 g = None if p.grad is None else upcast(op_view(full(p.grad), pp))
                 if pp.constraint is not None and pp.constraint["kind"] != "proximal_decay":
                     x = upcast(op_view(full(p), pp))
-                    xp, _ = backward(x, 1.0, euclidean_geometry(pp), pp.constraint)
-                    violation = max(violation, float((x - xp).norm()))
+                    violation = _worst(violation, _measured(_distance, x, pp))
                 if g is None:
                     continue
                 w = self.state[p].get("w")
@@ -91,14 +103,16 @@ class Diagnostics(Host):
                         gap = math.nan
                 elif lmo_gap:
                     # g ≡ 0: the gap of the lmo method is ρ‖G‖_*
-                    dual = (dual or 0.0) + rho * float(dual_norm(g, pp.geometry))
+                    dual = (dual or 0.0) + rho * _measured(dual_norm, g, pp.geometry)
                 elif w is not None:
-                    val = stationarity_gap(g, w, pp.geometry, constraint=pp.constraint, reference=gap_reference,
-                                           radius=rho)
+                    finite_w = bool(torch.isfinite(w).all())
+                    val = _gap_of(g, w, pp, gap_reference, rho) if finite_w else math.nan
                     if val is not None:
-                        gap = (gap or 0.0) + float(val)
+                        gap = (gap or 0.0) + val
                         measured += 1
-                        outside += math.isinf(float(val))
+                        outside += math.isinf(val)
+                        bad_w += not finite_w
+                        unmeasurable += finite_w and math.isnan(val)
                 elif pp.constraint is not None:
                     unpaired += 1
             update_sq = counters["update_sq"]
@@ -106,9 +120,45 @@ class Diagnostics(Host):
                 update_sq = update_sq.clone()
                 self._executor.dist.all_reduce(update_sq, group=self._executor.group)
             out[group["rule"]] = dict(
-                gap=gap, gap_note=note(group["rule"], first, why, gap, measured, outside, unpaired),
+                gap=gap,
+                gap_note=note(group["rule"], first, why, gap, measured, outside, unpaired, bad_w, unmeasurable),
                 dual_norm=dual, violation=violation,
                 update_norm=float(update_sq) ** 0.5 if self.track_update else None, skipped=counters["skipped"],
                 fallbacks=int(counters["fallbacks"]),
             )
         return out
+
+
+
+def _distance(x: torch.Tensor, pp: ParamPlan) -> torch.Tensor:
+    """‖X − P_C(X)‖_F, P_C the Euclidean projection onto the plan's constraint set."""
+    return (x - backward(x, 1.0, euclidean_geometry(pp), pp.constraint)[0]).norm()
+
+
+def _measured(fn, x: torch.Tensor, *args) -> float:
+    """``float(fn(x, *args))``, or NaN where ``x`` is non-finite (``fn`` is not run then: an SVD or
+    eigh of a NaN raises) or ``fn`` raises a factorization error (finite entries past the working
+    dtype's range)."""
+    if not bool(torch.isfinite(x).all()):
+        return math.nan
+    try:
+        return float(fn(x, *args))
+    except torch.linalg.LinAlgError:
+        return math.nan
+
+
+def _gap_of(g: torch.Tensor, w: torch.Tensor, pp: ParamPlan, reference: str, rho: float) -> float | None:
+    """A tensor's stationarity gap (``g`` and ``w`` finite), NaN where its SVD fails, None where it
+    is undefined."""
+    from geomopt.geometry.gap import stationarity_gap
+
+    try:
+        val = stationarity_gap(g, w, pp.geometry, constraint=pp.constraint, reference=reference, radius=rho)
+    except torch.linalg.LinAlgError:
+        return math.nan
+    return None if val is None else float(val)
+
+
+def _worst(a: float, b: float) -> float:
+    """max(a, b), NaN if either is (Python's max drops a NaN that comes second)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)

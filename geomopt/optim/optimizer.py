@@ -82,6 +82,9 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
     Non-finite gradients (any group) skip the whole step or raise, per rule (``on_nonfinite``),
     before anything is written.
 
+    Zero-size tensors (a dim of size 0) are accepted under every rule and never step: no state,
+    no projection, nothing in :meth:`diagnostics`, as a tensor without a gradient.
+
     ``distributed``: ``"auto"`` (default) runs sharded when the parameters are DTensors (FSDP2 on
     a 1-D mesh; HSDP or FSDP2 × tensor parallel on a 2-D one), replicated (DDP) when
     ``torch.distributed`` is initialized with more than one rank, and local otherwise; ``"ddp"`` /
@@ -156,12 +159,16 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
         self._spec_groups = [{k: copy_value(g[k]) for k in self._SPEC_KEYS} for g in self.param_groups]
         self._counters = [new_counters() for _ in self.param_groups]
         # same-(ops, shape, dtype, device) tensors of a group run as one batched call (Plan buckets)
+        # (zero-size tensors are in none: they never step, :meth:`_jobs`)
         self._buckets = []
+        self._stepping = []  # per group, the indices of its tensors with entries (the flat path's order)
         for group, plans in zip(self.param_groups, self._plans):
             by_key: dict = {}
-            for i, pp in enumerate(plans):  # sharded tensors stack their shards: same mesh and placements too
-                by_key.setdefault((pp.bucket, layout_key(group["params"][i])), []).append(i)
+            stepping = [i for i, p in enumerate(group["params"]) if p.numel()]
+            for i in stepping:  # sharded tensors stack their shards: same mesh and placements too
+                by_key.setdefault((plans[i].bucket, layout_key(group["params"][i])), []).append(i)
             self._buckets.append(list(by_key.values()))
+            self._stepping.append(stepping)
         self._stacked = StackedState()  # the buckets' stacked state; per-param state entries view its rows
         self._buffers = self._stacked.buffers
         self._workspace = Workspace()  # a step's scratch, shared by its buckets
@@ -230,7 +237,7 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
         for group, plans in zip(self.param_groups, self._plans):
             for p, pp in zip(group["params"], plans):
                 c = pp.constraint
-                if c is None or not pp.project_on_init or c["kind"] == "proximal_decay":
+                if c is None or not pp.project_on_init or c["kind"] == "proximal_decay" or not p.numel():
                     continue
                 x = op_view(full(p), pp)
                 xu = upcast(x)
@@ -375,13 +382,14 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
 
     def _jobs(self) -> list:
         """(group index, [(param, plan), …], flat) per call: a bucket's tensors that have a
-        gradient, split by state history (a tensor that missed steps has its own step counts).
+        gradient and entries (a zero-size tensor is left out, as one without a gradient: it never
+        steps nor gets state), split by state history (a tensor that missed steps has its own step counts).
         ``flat``: an elementwise rule's tensors of one dtype and radius, whatever their shapes,
         run as one flat call (:meth:`_step_flat`)."""
         jobs = []
         for gi, (group, plans) in enumerate(zip(self.param_groups, self._plans)):
             flat = self._flat_rule(group, plans[0])
-            buckets = [range(len(plans))] if flat else self._buckets[gi]
+            buckets = [self._stepping[gi]] if flat else self._buckets[gi]  # zero-size tensors in neither
             for bucket in buckets:
                 by_key: dict = {}
                 for i in bucket:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from geomopt.distributed import LOCAL, REDUCE
+from geomopt.geometry.reference import working_eps
 from geomopt.geometry.view import matrix_shapes
 from geomopt.registry import Registry
 
@@ -180,7 +181,8 @@ def second_moment(u, cfg, ctx):
         v = ctx.state["post_v"] = torch.zeros_like(m2)
     v.lerp_(m2, 1 - cfg["beta2"])
     c = 1 - cfg["beta2"] ** ctx.step if cfg["bias_correction"] else 1.0
-    denom = (v / c).sqrt_().add_(cfg["eps"]) if c != 1.0 else v.sqrt().add_(cfg["eps"])
+    eps = working_eps(cfg["eps"], v.dtype, norm=True)  # a square root of squares: floored at √tiny, as Adam's
+    denom = (v / c).sqrt_().add_(eps) if c != 1.0 else v.sqrt().add_(eps)
     if expand is not None:
         denom = denom.index_select(*expand)
     return u / denom
@@ -217,7 +219,8 @@ def rms_match(u, cfg, ctx):
         scale = _polar_norm(ctx)
     else:
         scale = float(target) * math.sqrt(math.prod(ctx.op_shape))
-    return u * (scale / (ctx.norm(u) + cfg["eps"]))
+    norm = ctx.norm(u)
+    return u * (scale / (norm + working_eps(cfg["eps"], norm.dtype, norm=True)))
 
 
 @stage("cautious", reads=("gradient",))

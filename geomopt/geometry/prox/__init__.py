@@ -73,8 +73,9 @@ def backward(
     """The backward step X⁺ ∈ argmin_Z g(Z) + (γ⋆φ)(Z − Y) for one geometry and constraint
     (spec fragments as plain dicts). ``radius`` overrides ``geometry["radius"]`` (ρ); t = γρ.
 
-    Returns ``(x, fallback)``; ``(y, None)`` without a constraint. Raises ValueError for a
-    (geometry, constraint) pair with no operator, naming the constraints that geometry supports.
+    Returns ``(x, fallback)``; ``(y, None)`` without a constraint, and for a zero-size ``y``.
+    Raises ValueError for a (geometry, constraint) pair with no operator, naming the constraints
+    that geometry supports.
     """
     if constraint is None:
         return y, None
@@ -82,6 +83,8 @@ def backward(
     op = BACKWARD_OPS.get((gkind, ckind))
     if op is None:
         raise ValueError(unsupported_message(gkind, ckind))
+    if y.numel() == 0:  # no entries (a dim of size 0): nothing to move, whatever the set
+        return y, None
     rho = float(radius if radius is not None else geometry.get("radius", 1.0))
     ref = make_reference(geometry["reference"]) if geometry.get("reference") else Quadratic()
     view, plain = split_view(geometry, y.shape[batch_dims:])

@@ -51,7 +51,7 @@ def _spectral_map(mats: torch.Tensor, step: Callable):
     else the SVD: R is infinite for σ equal to the input's rounding that ``step`` separates (a rank
     cut through a tie: the SVD's own choice is taken), where ``step`` lifts σ = 0 (Stiefel, outward
     sphere steps on a rank-deficient Y: the singular vectors LAPACK completes) and where G's products
-    underflow (‖M‖²_F below max(m, n)·tiny/u). M = 0 keeps the identity frame of
+    underflow (‖M‖²_F below max(m, n)·tiny/u) or overflow (entries past √max). M = 0 keeps the identity frame of
     :func:`_svd`. Only the matrices that need it are redone, and only the accepted ones are composed
     (:func:`_gram_compose`); one host sync per call (the choice), one more per redo."""
     unit = torch.finfo(mats.dtype).eps  # the input's rounding (mats: the working dtype)
@@ -110,10 +110,15 @@ def _gram_eigh(work: torch.Tensor, step: Callable, unit: float):
     it is not, zero the flags of M = 0."""
     m, n = work.shape[-2:]
     dtype = work.dtype
-    lam, v = torch.linalg.eigh(work.mT @ work if m >= n else work @ work.mT)
+    gram = work.mT @ work if m >= n else work @ work.mT
+    # entries of M past √max (1.8e19 in float32) overflow G: eigh would raise on it, so such a G is
+    # zeroed (the step is then computed by the SVD, below); G itself where it is finite
+    overflow = ~torch.isfinite(gram.diagonal(dim1=-2, dim2=-1).sum(-1))
+    lam, v = torch.linalg.eigh(torch.nan_to_num_(gram, nan=0.0, posinf=0.0, neginf=0.0))
     lam = lam.flip(-1).clamp(min=0)  # descending, as σ²
     trace = lam.sum(-1)  # ‖M‖²_F: below max(m, n)·tiny/u, G's products underflow beyond its rounding (SVD)
-    zero, small = trace == 0, trace < max(m, n) * torch.finfo(dtype).tiny / torch.finfo(dtype).eps
+    zero = (trace == 0) & ~overflow
+    small = (trace < max(m, n) * torch.finfo(dtype).tiny / torch.finfo(dtype).eps) | overflow
     s = lam.sqrt()
     x, extra = step(s)
     pos = s > 0
