@@ -132,7 +132,17 @@ def _gram_eigh(work: torch.Tensor, step: Callable, unit: float):
     # the SVD where step separates σ equal to the input's rounding (a tie: the SVD's own choice is
     # taken), lifts a null direction, or G underflows
     tie = (s[:, :-1] - s[:, 1:] <= 4 * unit * s[:, :1]) & (w[:, :-1] != w[:, 1:])
+    # a lifted null direction: where λ is below G's own rounding (σ = 0 to the eigh's resolution; M·v
+    # is noise there), x well above 0 and above what the resolved σ's largest w would give it (a
+    # Stiefel step on a rank-deficient Y whose last σ is 1e-157; not a ball keeping a tiny σ as is)
+    eps_g = torch.finfo(dtype).eps
+    unresolved = lam <= 4 * eps_g * lam[:, :1]
+    w_resolved = torch.where(unresolved, 0, w).amax(-1, keepdim=True)
+    lifted = (unresolved & (x > 4 * eps_g * x.amax(-1, keepdim=True)) & (x > 2 * s * w_resolved)).any(-1)
     ratio = torch.where((tie.any(-1) | ((x > 0) & (s == 0)).any(-1) | small) & ~zero, math.inf, ratio)
+    # lifted but σ > 0: a float64 Gram may resolve it (a finite R past the tolerance), else the SVD
+    ratio = torch.where(lifted & ~zero, torch.clamp(ratio, min=1e30) if dtype != torch.float64 else math.inf,
+                        ratio)
     return x, extra, torch.where(ratio.isnan(), math.inf, ratio), (v, w, c, width, zero)
 
 
