@@ -508,3 +508,15 @@ def test_blocks_that_differ_are_not_replayed():
     t = traced(Net(), torch.zeros(1, 8))
     assert t.replayed == 0
     assert [set(t.tensors[f"blocks.{i}.proj.weight"].uses) for i in range(6)] == [set(), {"matmul"}] * 3
+
+
+def test_inputs_that_cannot_be_built_from_a_config_name_the_reason():
+    """A Hugging Face-shaped model whose config the input builder cannot read: the roles fall back
+    and say what failed, not "no example inputs"."""
+    import types
+
+    model = Broken()
+    model.config = types.SimpleNamespace(max_source_positions="many")
+    model.main_input_name = "input_features"
+    (why,) = _untraced(model)
+    assert why.startswith("building Broken's example inputs raised ValueError")

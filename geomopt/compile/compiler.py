@@ -70,8 +70,9 @@ def _traced_roles(model, infos: list[ParamInfo], inferred: dict, inputs) -> dict
     if inputs is None:
         try:
             inputs = default_inputs(model)
-        except Exception as exc:  # noqa: BLE001 (the model's own example_inputs() failed: no trace, say why)
-            return untraced(inferred, f"{type(model).__name__}.example_inputs() raised {type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 (building the model's own inputs failed: no trace, say why)
+            return untraced(inferred, f"building {type(model).__name__}'s example inputs raised "
+                                      f"{type(exc).__name__}: {exc}")
     if inputs is None:
         return untraced(inferred, "no example inputs (pass example_inputs=, give the model an example_inputs() "
                                   "method, or let the CLI's --model factory return (model, inputs))")

@@ -12,6 +12,7 @@ pieces. Pieces that tile the features into two or more make the weight's output 
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -20,6 +21,7 @@ aten = torch.ops.aten
 
 _SPLITS = frozenset({aten.split, aten.split_with_sizes, aten.unsafe_split, aten.chunk, aten.unbind,
                      aten.split_copy, aten.split_with_sizes_copy, aten.unbind_copy})
+_UNBINDS = frozenset({aten.unbind, aten.unbind_copy})
 _RESHAPES = frozenset({aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.view_copy,
                        aten.unflatten, aten.flatten})
 _SAME_DIMS = frozenset({aten.clone, aten._to_copy, aten.contiguous, aten.alias, aten.detach, aten.expand,
@@ -45,13 +47,6 @@ def dim_index(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= int(x)
-    return out
-
-
 def follow(func, args, kwargs, feat: Feat, outs, cut: Callable[[Feat, int, int], None]):
     """Where ``feat`` sits in the output of op ``func`` on an activation holding it: a new
     :class:`Feat`, a list of them (one per output of ``unbind``), or None (lost, or cut: ``cut``
@@ -61,15 +56,14 @@ def follow(func, args, kwargs, feat: Feat, outs, cut: Callable[[Feat, int, int],
     nd = x.ndim
     length = feat.k or feat.size
     if packet in _SPLITS:
-        dim = dim_index(int(args[2] if len(args) > 2 else kwargs.get("dim", 0)) if packet is not aten.unbind
-                   and packet is not aten.unbind_copy else int(args[1] if len(args) > 1 else kwargs.get("dim", 0)),
-                   nd)
+        unbind = packet in _UNBINDS
+        pos = 1 if unbind else 2  # unbind(x, dim); split(x, sizes, dim)
+        dim = dim_index(int(args[pos] if len(args) > pos else kwargs.get("dim", 0)), nd)
         if dim != feat.dim:
-            return [feat.at(feat.dim - (1 if dim < feat.dim else 0)) for _ in outs] \
-                if packet in (aten.unbind, aten.unbind_copy) else feat
+            return [feat.at(feat.dim - (1 if dim < feat.dim else 0)) for _ in outs] if unbind else feat
         start = 0
         for o in outs:
-            size = 1 if packet in (aten.unbind, aten.unbind_copy) else int(o.shape[dim])
+            size = 1 if unbind else int(o.shape[dim])
             cut(feat, start, start + size)
             start += size
         return None
@@ -137,7 +131,7 @@ def _reshape(feat: Feat, before: tuple, after: tuple) -> Optional[Feat]:
     """Where the features go through a reshape: kept whole at a new dim, or split into (k, n/k)
     with k leading; anything else loses them."""
     d = feat.dim
-    lead, size, trail = _prod(before[:d]), before[d], _prod(before[d + 1:])
+    lead, size, trail = math.prod(before[:d]), before[d], math.prod(before[d + 1:])
     acc = 1
     for j in range(len(after) + 1):
         if acc == lead:
@@ -154,7 +148,7 @@ def _reshape(feat: Feat, before: tuple, after: tuple) -> Optional[Feat]:
     while m < len(after) and acc < size:
         acc *= after[m]
         m += 1
-    if acc != size or _prod(after[m:]) != trail:
+    if acc != size or math.prod(after[m:]) != trail:
         return None
     if feat.k:
         return feat.at(j) if m - j >= 1 and after[j] == feat.k else None

@@ -128,7 +128,6 @@ class Tracer(TorchDispatchMode):
         self.acts = IdMap()
         for i, p in enumerate(params):
             self.refs[p] = Ref(frozenset((i,)))
-        self.n = len(params)
         self.uses: list[dict[str, Use]] = [{} for _ in params]
         self.batched = [False] * len(params)
         self.stems: list[Optional[str]] = [None] * len(params)
@@ -172,6 +171,11 @@ class Tracer(TorchDispatchMode):
 
     tensors_of = staticmethod(_tensors)
 
+    def src(self, t) -> frozenset:
+        """The layer calls whose outputs reach activation ``t`` (none for any other tensor)."""
+        act = self.acts.get(t)
+        return frozenset() if act is None else act.src
+
     def _record(self, func, args, kwargs, out) -> None:
         info = _OPS.get(func)
         if info is None:
@@ -197,13 +201,12 @@ class Tracer(TorchDispatchMode):
         if fam is not None and fam.name == "conv":
             fam = conv_family(args)
         operands = fam.operands(func, args) if fam is not None and params_in else ()
-        refs_ = self.refs
         weight_pos = [p for p in operands if p < len(args) and isinstance(args[p], torch.Tensor)
-                      and args[p] in refs_]
-        if len(weight_pos) > 1 and not all(refs_[args[p]].computed for p in weight_pos):
+                      and id(args[p]) in refs]
+        if len(weight_pos) > 1 and not all(refs[id(args[p])][1].computed for p in weight_pos):
             # a weight (a view of a parameter) times a learned input computed from parameters (DETR's
             # object queries): the computed one is the layer's input
-            weight_pos = [p for p in weight_pos if not refs_[args[p]].computed]
+            weight_pos = [p for p in weight_pos if not refs[id(args[p])][1].computed]
         if weight_pos and fam is not None:
             self._layer(func, fam, args, weight_pos, acts_in, outs)
             weights = [args[p] for p in weight_pos]

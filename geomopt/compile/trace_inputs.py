@@ -51,7 +51,8 @@ def as_inputs(value: Any, source: str = "example_inputs") -> Inputs:
 
 def default_inputs(model: torch.nn.Module) -> Optional[Inputs]:
     """The model's own inputs: its ``example_inputs()`` method, else a Hugging Face model's from
-    its config; None when neither applies."""
+    its config; None when neither applies. Raises what building them raised (a failing method, a
+    config this builder cannot read)."""
     own = getattr(model, "example_inputs", None)
     if callable(own):
         return as_inputs(own(), f"{type(model).__name__}.example_inputs()")
@@ -59,10 +60,7 @@ def default_inputs(model: torch.nn.Module) -> Optional[Inputs]:
     main = getattr(model, "main_input_name", None)
     if config is None or not isinstance(main, str):
         return None
-    try:
-        return _hf_inputs(model, config, main)
-    except Exception:  # noqa: BLE001 (an unusual config: no inputs, the roles fall back and say so)
-        return None
+    return _hf_inputs(model, config, main)  # an unusual config raises: the caller says why there is no trace
 
 
 def _get(config, *names, default=None):

@@ -116,7 +116,7 @@ class Replayer:
             if not all(i in pos for i in tr.calls[c]):
                 return None  # a layer of a parameter outside the block (a shared table)
             calls.append(tuple(sorted(pos[i] for i in tr.calls[c])))
-        srcs = [tr.acts.get(t).src if tr.acts.get(t) is not None else frozenset() for t in inputs]
+        srcs = [tr.src(t) for t in inputs]
         added = tr.fed_log[log0:]
         internal_fed = tuple(sorted({c - c0 for c in added if c >= c0}))
         external = {c for c in added if c < c0}
@@ -163,7 +163,7 @@ class Replayer:
         for rel in calls:
             tr.calls.append(frozenset(index[k] for k in rel))
         tr.mark_fed(base + c for c in internal_fed)
-        srcs = [tr.acts.get(t).src if tr.acts.get(t) is not None else frozenset() for t in inputs]
+        srcs = [tr.src(t) for t in inputs]
         for s, fed in zip(srcs, inputs_fed):
             if fed:
                 tr.mark_fed(s)
