@@ -63,21 +63,25 @@ class BucketStep(Host):
         geometry = pp.geometry
         constraint = pp.constraint
         projects = constraint is not None and gamma * rho != 0
-        # in one process, state written in place before a request that may fail is journaled
+        # in one process the state changes only when the bucket commits (its last request has
+        # answered): directions update it out of place (``fresh``), and state updated in place
+        # before a request (Adam's moments, post-stages' statistics) is journaled
         saved = [] if saved is None else saved
-        atomic = isinstance(self._executor, LocalExecutor)
-        if atomic and not deferred and (geometry["kind"] != "adam" or post or projects):
+        fresh = isinstance(self._executor, LocalExecutor) and (geometry["kind"] != "adam" or bool(post) or projects)
+        if fresh and (geometry["kind"] == "adam" or post):
             saved.extend(journal(self._stacked.live(items, state)))
         commit = None
         if isinstance(g, list) and deferred:
-            d, commit = polyak_ahead(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, False))
+            d, commit = polyak_ahead(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, False),
+                                     fresh=fresh)
         elif isinstance(g, list):
-            d = polyak_rows(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, shared))
+            d = polyak_rows(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, shared),
+                            fresh=fresh)
         else:
             gu = upcast(g)
             # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
             d = DIRECTIONS[group["direction"]](gu, state, hyper, g_prev=None if g_prev is None else upcast(g_prev),
-                                               inplace=len(items) > 1 or gu is not g)
+                                               inplace=len(items) > 1 or gu is not g, fresh=fresh)
         decay = 1 - gamma * wd
         cautious_decay = wd != 0 and pp.decay == "cautious"
         # unconstrained, parameters in the working dtype: X ← X(1 − γ·wd) − γρ·∇φ₁*(d) in place on
@@ -97,8 +101,6 @@ class BucketStep(Host):
                                           self._forward_fn(items, geometry, radius,
                                                            views[0].dtype if one_pass else None))
         if commit is not None:
-            if atomic and projects:  # the backward op's request follows the write of d
-                saved.extend(journal(self._stacked.live(items, state)))
             commit()
         if post and geometry["kind"] != "adam":
             step = yield from self._post(items, pp, state, step, g_raw, d)
