@@ -793,7 +793,8 @@ def _linted(ex: Example) -> str:
         shapes = ", ".join(f"`{n}` ({s.replace('x', '×')})" for n, s in (w.split("=", 1) for w in target.split()[1:]))
         how = f"Linted against a checkpoint of {shapes} (`--checkpoint`: names and shapes only)"
     else:
-        doc = re.sub(r"\s*\(GO\d{3}[^)]*\)", "", first_sentence(inspect.getdoc(fixture_models()[target]) or ""))
+        doc = first_sentence(inspect.getdoc(fixture_models()[target]) or "")
+        doc = _inline(re.sub(r"\s*\(GO\d{3}[^)]*\)|:\s*GO\d{3}(?=\))", "", doc))  # less the codes it is there for
         how = f"Linted against a model (`--model pkg.module:factory`): {doc[:1].lower() + doc[1:]}"
     return how.rstrip(".") + "."
 

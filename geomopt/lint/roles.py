@@ -213,8 +213,8 @@ def untraced_roles(ctx: LintContext):
 def traced_role_differs(ctx: LintContext):
     """The traced forward gave a tensor another role than the module tree would: what the tensor
     does (a matrix operand, a lookup, elementwise only, a grouped convolution, the layer producing
-    an output) decides, and this note lists what changed so nothing moves silently. ``geomopt
-    explain`` shows both verdicts and the op that decided.
+    an output) decides, and this note lists what changed so nothing moves silently.
+    ``geomopt explain`` shows both verdicts and the op that decided.
 
     Example: Mamba's ``mixer.A_log`` (64×8, used through ``exp``) was ``hidden`` by the module tree;
     traced, it is used only elementwise: ``other``.

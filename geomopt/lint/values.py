@@ -70,8 +70,8 @@ def reference_approx_mismatch(ctx: LintContext):
     so a mismatch makes forward and backward disagree.
 
     Bad: ``reference: {kind: log_barrier}`` with ``approx: {kind: polar_express, steps: 5}`` and
-    ``constraint: {kind: frobenius_ball}``. Fixed: ``reference: {kind: power_barrier, kappa: 4,
-    eps: 1.05e-3}`` (what PE-5 realizes), or ``approx: {kind: svd}``.
+    ``constraint: {kind: frobenius_ball}``. Fixed:
+    ``reference: {kind: power_barrier, kappa: 4, eps: 1.05e-3}`` (what PE-5 realizes), or ``approx: {kind: svd}``.
     """
     for i, rule in enumerate(ctx.spec.rules):
         g = rule.geometry
@@ -122,8 +122,8 @@ def stage_undoes_geometry(ctx: LintContext):
     Every entry of sign(D) has magnitude 1, so the running mean of U² tends to 1 and the stage only adds lag; after
     adam the update is normalized twice.
 
-    Bad: ``geometry: {kind: anisotropic, reference: {kind: indicator}}`` with ``post:
-    [{kind: second_moment, axis: element}]``. Fixed: drop the stage, or normalize a spectral or
+    Bad: ``geometry: {kind: anisotropic, reference: {kind: indicator}}`` with
+    ``post: [{kind: second_moment, axis: element}]``. Fixed: drop the stage, or normalize a spectral or
     Euclidean update instead.
     """
     for i, rule in enumerate(ctx.spec.rules):
