@@ -11,9 +11,10 @@ import functools
 import math
 import statistics
 import time
-from pathlib import Path
 
-SPECS_DIR = Path(__file__).resolve().parents[1] / "specs"  # shipped inside the package
+from geomopt.spec.shipped import shipped_folder
+
+SPECS_DIR = shipped_folder("specs")
 
 
 def hidden_matrices(model_name: str, device, dtype):

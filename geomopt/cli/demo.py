@@ -20,7 +20,9 @@ import subprocess
 import time
 from pathlib import Path
 
-SPECS_DIR = Path(__file__).resolve().parents[1] / "specs"  # shipped inside the package
+from geomopt.spec.shipped import shipped_folder
+
+SPECS_DIR = shipped_folder("specs")
 REPO = Path(__file__).resolve().parents[2]  # the source checkout, when geomopt runs from one
 RESULTS_DIR = REPO / "examples" / "results"  # the committed results the README quotes
 RUNS = Path("runs")  # default output root, relative to the current directory (git-ignored)

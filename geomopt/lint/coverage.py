@@ -14,7 +14,10 @@ from geomopt.lint.roles import role_is_absent
 
 @lint_rule("GO101", "unmatched-parameter", "error", needs_model=True)
 def unmatched_parameter(ctx: LintContext):
-    """A trainable parameter that no rule matches: the optimizer would not know how to step it.
+    """A trainable parameter that no rule matches.
+
+    The optimizer would not know how to step it, so compile refuses the spec (a blocking error) rather than leave
+    the tensor silently untrained.
 
     Bad::
 
@@ -120,8 +123,10 @@ def tied_parameters(ctx: LintContext):
 
 @lint_rule("GO112", "undecidable-module", "note", needs_model=True)
 def undecidable_module(ctx: LintContext):
-    """A ``module:`` predicate cannot be checked against a checkpoint (it stores names and shapes,
-    not module types): lint against the model (``--model``) to check it.
+    """A ``module:`` predicate linted against a checkpoint.
+
+    A checkpoint stores names and shapes, not module types, so lint cannot tell which tensors the rule takes: lint
+    against the model (``--model``) to check it.
 
     Example: ``match: {module: Embedding}`` linted with ``--checkpoint model.safetensors`` notes
     the rule; ``--model pkg.module:factory`` decides it, or match by name instead
