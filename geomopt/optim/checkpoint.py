@@ -39,7 +39,15 @@ class Checkpoints(Host):
                   "on_nonfinite")
 
     def state_dict(self) -> dict:
-        sd = super().state_dict()
+        """torch's state dict, with each Adam step count as torch keeps it (:func:`export_steps`)
+        and what the spec set (``"geomopt"``); the post-hooks see the finished dict."""
+        hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = type(hooks)()  # run below, on the finished dict
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = hooks
+        sd["state"] = {i: export_steps(st) for i, st in sd["state"].items()}
         sd["geomopt"] = dict(
             spec_hash=self.spec_hash, spec=dump_spec(self.spec, "yaml"),
             world_size=self._executor.world, sharded=self._sharded, mesh=self._mesh_signature(),
@@ -47,6 +55,9 @@ class Checkpoints(Host):
             spec_groups=[dict(g) for g in self._spec_groups],
             transposed=[pp.name for plans in self._plans for pp in plans if pp.transpose],
         )
+        for hook in hooks.values():
+            out = hook(self, sd)
+            sd = sd if out is None else out
         return sd
 
     def _mesh_signature(self) -> list:
@@ -88,6 +99,9 @@ class Checkpoints(Host):
         except ValueError as err:  # another optimizer's state (torch.optim.SGD, …)
             raise CheckpointError(str(err)) from None
         meta = state_dict.get("geomopt")
+        if source == "geomopt":  # torch's step tensors (state_dict()) or ints (older checkpoints)
+            state_dict = dict(state_dict, state={i: import_steps(st) if isinstance(st, Mapping) else st
+                                                 for i, st in state_dict["state"].items()})
         if source != "geomopt":
             if not allow_spec_change:
                 raise CheckpointError(
@@ -217,6 +231,42 @@ class Checkpoints(Host):
             post_hook(self)
         log.info("%s", report)
         return report
+
+
+#: Adam's step count in memory (a Python int: the bias corrections need no host sync) and as
+#: torch.optim.Adam(W) saves it (a float32 tensor on the CPU)
+ADAM_STEP, TORCH_STEP = "adam_step", "step"
+#: float32 holds every integer up to 2^24 exactly; a count beyond is saved as float64
+_EXACT_F32 = 1 << 24
+
+
+def export_steps(entry: dict) -> dict:
+    """A parameter's saved state, its Adam step count as torch saves one: ``step``, a float32
+    tensor (float64 from 2^24 steps on, where float32 would round it), in the place of
+    ``adam_step``. Built when the state dict is (no step of the optimizer reads it, so no host
+    synchronization); the optimizer's own state is not touched."""
+    if ADAM_STEP not in entry:
+        return entry
+    n = entry[ADAM_STEP]
+    dtype = torch.float32 if n < _EXACT_F32 else torch.float64
+    return {(TORCH_STEP if k == ADAM_STEP else k): (torch.tensor(float(n), dtype=dtype) if k == ADAM_STEP else v)
+            for k, v in entry.items()}
+
+
+def import_steps(entry: Mapping) -> Mapping:
+    """Inverse of :func:`export_steps`: a saved ``step`` (a tensor or a number that is a count)
+    becomes the int ``adam_step``; an entry saved with ``adam_step`` (older checkpoints) is kept.
+    A ``step`` that is not a count stays as it is, for the load's checks to name."""
+    if TORCH_STEP not in entry or ADAM_STEP in entry:
+        return entry
+    value = entry[TORCH_STEP]
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            return entry
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer() or value < 0:
+        return entry
+    return {(ADAM_STEP if k == TORCH_STEP else k): (int(value) if k == TORCH_STEP else v) for k, v in entry.items()}
 
 
 def copy_counters(c: dict) -> dict:
