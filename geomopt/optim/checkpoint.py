@@ -47,7 +47,7 @@ class Checkpoints(Host):
             sd = super().state_dict()
         finally:
             self._optimizer_state_dict_post_hooks = hooks
-        sd["state"] = {i: export_steps(st) for i, st in sd["state"].items()}
+        sd["state"] = {i: export_steps(st) if isinstance(st, Mapping) else st for i, st in sd["state"].items()}
         sd["geomopt"] = dict(
             spec_hash=self.spec_hash, spec=dump_spec(self.spec, "yaml"),
             world_size=self._executor.world, sharded=self._sharded, mesh=self._mesh_signature(),
@@ -240,7 +240,7 @@ ADAM_STEP, TORCH_STEP = "adam_step", "step"
 _EXACT_F32 = 1 << 24
 
 
-def export_steps(entry: dict) -> dict:
+def export_steps(entry: Mapping) -> Mapping:
     """A parameter's saved state, its Adam step count as torch saves one: ``step``, a float32
     tensor (float64 from 2^24 steps on, where float32 would round it), in the place of
     ``adam_step``. Built when the state dict is (no step of the optimizer reads it, so no host

@@ -25,6 +25,12 @@ from geomopt.optim.host import Host
 
 def _checked(name: str, value, *, positive: bool) -> float:
     """``value`` as a float, or a clear error naming the keyword."""
+    import torch
+
+    if isinstance(value, torch.Tensor):  # torch's own wording, which its generic tests accept
+        raise ValueError(f"{name} as a Tensor is not supported by GeomOptimizer's constructor ({name}= becomes the "
+                         f"spec's defaults: value, a number): pass a float; a tensor set later in "
+                         f"param_groups[i][{name!r}] (by you or a scheduler) is kept as a tensor")
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"GeomOptimizer's {name}= must be a number, not {type(value).__name__}")
     value = float(value)
