@@ -399,7 +399,8 @@ def test_state_dict_deterministic(info):
 
 @INFOS
 def test_can_load_older_state_dict(info):
-    """An older checkpoint: Adam's count as the int adam_step, a group without a later key."""
+    """A checkpoint whose Adam counts were written in torch's form (``step``, a float32 tensor) by
+    torch-side tools loads, and the optimizer steps on."""
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Conv2d(4, 2, 1, stride=2), torch.nn.BatchNorm2d(2))
     x = torch.rand(1, 4, 16, 16)
@@ -411,9 +412,10 @@ def test_can_load_older_state_dict(info):
             opt.step()
         old = copy.deepcopy(opt.state_dict())
         for st in old["state"].values():
-            if "step" in st:
-                st["adam_step"] = int(st.pop("step").item())
+            if "adam_step" in st:
+                st["step"] = torch.tensor(float(st.pop("adam_step")))
         opt.load_state_dict(old)
+        assert all("step" not in st and type(st.get("adam_step", 0)) is int for st in opt.state.values())
         opt.zero_grad()
         model(x).sum().backward()
         opt.step()
@@ -457,9 +459,10 @@ def test_load_nontensor_step(info):
     for i in inputs(info):
         (w, b, x), opt = primed(info, i.kwargs, steps=3)
         sd = copy.deepcopy(opt.state_dict())
-        for st in sd["state"].values():
-            if isinstance(st.get("step"), torch.Tensor):
-                st["step"] = st["step"].item()
+        for st in sd["state"].values():  # geomopt saves the count as an int; torch's name as a float too
+            assert not isinstance(st.get("adam_step"), torch.Tensor)
+            if "adam_step" in st:
+                st["step"] = float(st.pop("adam_step"))
         opt.load_state_dict(sd)
         opt.step(loss_closure(opt, w, b, x))
 

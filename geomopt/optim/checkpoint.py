@@ -39,15 +39,15 @@ class Checkpoints(Host):
                   "on_nonfinite")
 
     def state_dict(self) -> dict:
-        """torch's state dict, with each Adam step count as torch keeps it (:func:`export_steps`)
-        and what the spec set (``"geomopt"``); the post-hooks see the finished dict."""
+        """torch's state dict and what the spec set (``"geomopt"``); the post-hooks see the
+        finished dict. Adam's step count is saved as it is kept, the int ``adam_step``
+        (:data:`ADAM_STEP`)."""
         hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = type(hooks)()  # run below, on the finished dict
         try:
             sd = super().state_dict()
         finally:
             self._optimizer_state_dict_post_hooks = hooks
-        sd["state"] = {i: export_steps(st) if isinstance(st, Mapping) else st for i, st in sd["state"].items()}
         sd["geomopt"] = dict(
             spec_hash=self.spec_hash, spec=dump_spec(self.spec, "yaml"),
             world_size=self._executor.world, sharded=self._sharded, mesh=self._mesh_signature(),
@@ -233,30 +233,19 @@ class Checkpoints(Host):
         return report
 
 
-#: Adam's step count in memory (a Python int: the bias corrections need no host sync) and as
-#: torch.optim.Adam(W) saves it (a float32 tensor on the CPU)
+#: Adam's step count, kept and saved as a Python int (the bias corrections 1 − βᵗ are host
+#: arithmetic, so a step never waits on the device; an int is exact at any count). Not torch's
+#: float32 ``step`` tensor: torch.distributed.checkpoint's flattened optimizer state (what
+#: torchtitan saves) maps each saved key to the optimizer's in-memory key, so the saved key must be
+#: the one the step reads. A ``step`` (torch's name, a tensor or a number) loads as ``adam_step``.
 ADAM_STEP, TORCH_STEP = "adam_step", "step"
-#: float32 holds every integer up to 2^24 exactly; a count beyond is saved as float64
-_EXACT_F32 = 1 << 24
-
-
-def export_steps(entry: Mapping) -> Mapping:
-    """A parameter's saved state, its Adam step count as torch saves one: ``step``, a float32
-    tensor (float64 from 2^24 steps on, where float32 would round it), in the place of
-    ``adam_step``. Built when the state dict is (no step of the optimizer reads it, so no host
-    synchronization); the optimizer's own state is not touched."""
-    if ADAM_STEP not in entry:
-        return entry
-    n = entry[ADAM_STEP]
-    dtype = torch.float32 if n < _EXACT_F32 else torch.float64
-    return {(TORCH_STEP if k == ADAM_STEP else k): (torch.tensor(float(n), dtype=dtype) if k == ADAM_STEP else v)
-            for k, v in entry.items()}
 
 
 def import_steps(entry: Mapping) -> Mapping:
-    """Inverse of :func:`export_steps`: a saved ``step`` (a tensor or a number that is a count)
-    becomes the int ``adam_step``; an entry saved with ``adam_step`` (older checkpoints) is kept.
-    A ``step`` that is not a count stays as it is, for the load's checks to name."""
+    """A saved ``step`` (torch's name for the count: a tensor or a number that is a count, e.g. a
+    state dict converted by torch-side tools) becomes the int ``adam_step``; an entry with
+    ``adam_step`` is kept as it is. A ``step`` that is not a count stays as it is, for the load's
+    checks to name."""
     if TORCH_STEP not in entry or ADAM_STEP in entry:
         return entry
     value = entry[TORCH_STEP]
