@@ -15,7 +15,7 @@ from geomopt.distributed import is_dtensor
 from geomopt.distributed.executors import contiguous_strides
 from geomopt.optim import stages as post_stages
 from geomopt.optim.migrate import VIEW_KEYS
-from geomopt.optim.tensors import flat_like, op_view, stack
+from geomopt.optim.tensors import as_real, flat_like, like_param, op_view, stack
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -92,17 +92,17 @@ class StackedState:
         buf = self.buffers.get(ids)
         entries = [state[p].get(key) for p, _ in items]
         if buf is not None and all(e is not None for e in entries):
-            rows = [state_row(e, pp, key) for e, (_, pp) in zip(entries, items)]
+            rows = [as_real(state_row(e, pp, key)) for e, (_, pp) in zip(entries, items)]
             if all(r._base is buf for r in rows):
                 return buf, rows
         buf, views = flat_like(xs)
         if all(e is not None for e in entries):
-            torch._foreach_copy_(views, [state_row(e, pp, key) for e, (_, pp) in zip(entries, items)])
+            torch._foreach_copy_(views, [as_real(state_row(e, pp, key)) for e, (_, pp) in zip(entries, items)])
         else:
             buf.zero_()
         self.buffers[ids] = buf
-        for v, (p, pp) in zip(views, items):
-            state[p][key] = state_entry(v, p, pp, key)
+        for v, (p, pp) in zip(views, items):  # a complex parameter's entry is complex, as torch's
+            state[p][key] = state_entry(like_param(v, p), p, pp, key)
         return buf, views
 
     def kept(self, items: list, name: str, shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
