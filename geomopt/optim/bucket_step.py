@@ -69,8 +69,8 @@ class BucketStep(Host):
         saved = [] if saved is None else saved
         atomic = isinstance(self._executor, LocalExecutor) and (geometry["kind"] != "adam" or bool(post) or projects)
         fresh: Optional[list] = [] if atomic else None  # updates the direction puts off until the commit
-        if atomic and (geometry["kind"] == "adam" or post):
-            saved.extend(journal(self._stacked.live(items, state)))
+        if atomic and (geometry["kind"] == "adam" or post):  # (d: the direction's, fresh)
+            saved.extend(journal(self._stacked.live(items, state, skip=("d",))))
         commit = None
         if isinstance(g, list) and deferred:
             d, commit = polyak_ahead(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, False),

@@ -61,11 +61,12 @@ class StackedState:
                 out[key] = first[key]
         return out
 
-    def live(self, items: list, values: dict) -> list:
+    def live(self, items: list, values: dict, skip: tuple = ()) -> list:
         """The tensors of :meth:`gather`'s ``values`` that are the state itself (the entries view
-        them), not a fresh stack: what a bucket's in-place update changes at once."""
+        them), not a fresh stack: what a bucket's in-place update changes at once (but ``skip``)."""
         ids = tuple(id(p) for p, _ in items)
-        return [v for key, v in values.items() if key in STACKED and self.buffers.get((ids, key)) is v]
+        return [v for key, v in values.items()
+                if key in STACKED and key not in skip and self.buffers.get((ids, key)) is v]
 
     def scatter(self, state, items: list, values: dict) -> None:
         """Bind the per-parameter state entries to rows of the stacked ``values`` (DTensors over the
