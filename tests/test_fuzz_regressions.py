@@ -3,6 +3,7 @@ against what the step must give rather than only against not raising."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -37,3 +38,29 @@ rule all match "**":
             start, end = _stepped(spec, torch.randn(6, 4, generator=torch.Generator().manual_seed(1)))
             assert torch.isfinite(end).all(), (constraint, ref)
             torch.testing.assert_close(end, start, rtol=1e-6, atol=1e-7)
+
+
+def test_step_scalars_beyond_float32_are_a_plan_error():
+    """radius 1e308, lr 1e300, a Newton–Schulz coefficient 1e300: torch raised "value cannot be
+    converted to type float without overflow" inside step(). Now compile refuses (GO126), naming
+    the rule and the tensor; float64 tensors hold them."""
+    cases = {
+        'geometry isotropic(indicator, radius=1e+308)': "lr·radius",
+        'geometry spectral(indicator, approx=newton_schulz(coefficients=[[1e-300, 1e+300, 0.95]]))': "coefficient",
+        'geometry adam\n    lr=1e+20 weight_decay=1e+20': "lr·weight_decay",
+        'geometry spectral(indicator)\n    constraint frobenius_ball(radius=1e+39)': "constraint's radius",
+    }
+    for body, what in cases.items():
+        text = f'geomopt 1\nname "big"\nrule all match "**":\n    {body}\n'
+        spec = geomopt.parse_spec(text, "dsl")
+        with pytest.raises(geomopt.SpecError) as err:
+            geomopt.compile_spec(spec, [("w", torch.zeros(4, 3))])
+        (d,) = err.value.diagnostics
+        assert d.code == "GO126" and what in d.message and "'w'" in d.message and "rule 'all'" in d.message, d
+        assert "e+" in text.splitlines()[d.line - 1][d.col - 1:], d  # it points at the value
+        geomopt.compile_spec(spec, [("w", torch.zeros(4, 3, dtype=torch.float64))])  # float64 holds them
+    ok = 'geomopt 1\nname "ok"\nrule all match "**":\n    geometry isotropic(indicator, radius=1e+30)\n'
+    start, end = _stepped(ok, torch.zeros(4, 3))
+    # lr 0.02 · radius 1e30, no momentum: each step moves by exactly 2e28 in Frobenius norm
+    assert torch.isfinite(end).all()
+    assert torch.linalg.vector_norm((end - start).double()).item() <= 2 * 2e28 * (1 + 1e-5)
