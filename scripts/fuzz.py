@@ -2,7 +2,9 @@
 
     python scripts/fuzz.py --n 100000 --seed 0 --workers 2 --out benchmarks/results/fuzz.json
 
-Mutant i of seed S is replayed alone with ``--replay S:i`` (prints the spec text and its record).
+Mutant i of seed S is replayed alone with ``--replay S:i`` (prints the spec text and its record);
+``--recheck FILE`` reruns the findings an outcome file lists, on the code as it is now, and adds
+what they give now to the file (``recheck``).
 The generator and the contract are tests/spec_mutants.py and tests/fuzz_pipeline.py; the test
 tests/test_fuzz_pipeline.py runs a slice of the same.
 """
@@ -15,6 +17,7 @@ import concurrent.futures
 import json
 import pathlib
 import platform
+import subprocess
 import sys
 import time
 
@@ -34,6 +37,28 @@ def _chunk(args: tuple[int, int, int]) -> list[dict]:
     return [fuzz_pipeline.run_mutant(seed, i, models) for i in range(lo, hi)]
 
 
+def commit() -> str:
+    """The checkout's commit, with ``+dirty`` where files differ from it."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return head + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def recheck(path: pathlib.Path) -> dict:
+    """Rerun the findings of outcome file ``path`` on the current code; record what they give."""
+    from fuzz_pipeline import FINDINGS, Models, run_mutant
+
+    data = json.loads(path.read_text(encoding="utf-8"))
+    models = Models()
+    now = [run_mutant(data["seed"], r["i"], models) for r in data["findings"]]
+    data["recheck"] = {"commit": commit(), "n": len(now),
+                       "outcomes": dict(sorted(collections.Counter(r["outcome"] for r in now).items())),
+                       "still_findings": [r for r in now if r["outcome"] in FINDINGS]}
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return data["recheck"]
+
+
 def summarize(records: list[dict], seed: int, seconds: float, workers: int) -> dict:
     from fuzz_pipeline import FINDINGS
 
@@ -47,7 +72,7 @@ def summarize(records: list[dict], seed: int, seconds: float, workers: int) -> d
     valid = sum(r.get("stage") != "parse" for r in records)
     slow = sorted(records, key=lambda r: -r["seconds"])[:10]
     return {
-        "seed": seed, "n": len(records), "workers": workers, "seconds": round(seconds, 1),
+        "seed": seed, "n": len(records), "commit": commit(), "workers": workers, "seconds": round(seconds, 1),
         "mutants_per_s": round(len(records) / seconds, 1), "python": platform.python_version(),
         "outcomes": dict(sorted(outcomes.items())),
         "valid_share": round(valid / max(1, len(records)), 4),
@@ -67,7 +92,12 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--out", default=None, help="JSON outcome file (default: print the summary)")
     ap.add_argument("--replay", default=None, metavar="SEED:I")
+    ap.add_argument("--recheck", default=None, metavar="FILE")
     args = ap.parse_args(argv)
+    if args.recheck:
+        again = recheck(pathlib.Path(args.recheck))
+        print(json.dumps({k: again[k] for k in ("commit", "n", "outcomes")}))
+        return 1 if again["still_findings"] else 0
     if args.replay:
         from fuzz_pipeline import Models, run_mutant
         from spec_mutants import mutant
@@ -90,8 +120,7 @@ def main(argv=None) -> int:
     if args.out:
         pathlib.Path(args.out).write_text(text, encoding="utf-8")
     print(json.dumps({k: summary[k] for k in ("n", "seconds", "outcomes", "valid_share", "stepped_share")}))
-    return 1 if any(r["outcome"] in ("crash", "hang", "nonfinite", "nonfinite_step_wrote", "bad_diagnostics")
-                    for r in records) else 0
+    return 1 if summary["findings"] else 0
 
 
 if __name__ == "__main__":
