@@ -43,7 +43,7 @@ rule all match "**":
 def test_step_scalars_beyond_float32_are_a_plan_error():
     """radius 1e308, lr 1e300, a Newton–Schulz coefficient 1e300: torch raised "value cannot be
     converted to type float without overflow" inside step(). Now compile refuses (GO126), naming
-    the rule and the tensor; float64 tensors hold them."""
+    the rule and the tensor; float64 tensors hold the first, third and fourth."""
     cases = {
         'geometry isotropic(indicator, radius=1e+308)': "lr·radius",
         'geometry spectral(indicator, approx=newton_schulz(coefficients=[[1e-300, 1e+300, 0.95]]))': "coefficient",
@@ -58,9 +58,43 @@ def test_step_scalars_beyond_float32_are_a_plan_error():
         (d,) = err.value.diagnostics
         assert d.code == "GO126" and what in d.message and "'w'" in d.message and "rule 'all'" in d.message, d
         assert "e+" in text.splitlines()[d.line - 1][d.col - 1:], d  # it points at the value
-        geomopt.compile_spec(spec, [("w", torch.zeros(4, 3, dtype=torch.float64))])  # float64 holds them
+        if what != "coefficient":  # float64 holds the others (that iteration overflows float64 too)
+            geomopt.compile_spec(spec, [("w", torch.zeros(4, 3, dtype=torch.float64))])
     ok = 'geomopt 1\nname "ok"\nrule all match "**":\n    geometry isotropic(indicator, radius=1e+30)\n'
     start, end = _stepped(ok, torch.zeros(4, 3))
     # lr 0.02 · radius 1e30, no momentum: each step moves by exactly 2e28 in Frobenius norm
     assert torch.isfinite(end).all()
     assert torch.linalg.vector_norm((end - start).double()).item() <= 2 * 2e28 * (1 + 1e-5)
+
+
+def test_diverging_polynomial_iteration_is_a_plan_error():
+    """Newton–Schulz coefficients (10, 10, 10): the quintic iteration blows the singular values up
+    (30 after one step, 2.4e8 after two, past float32 at the third) and the parameters became NaN.
+    Compile now refuses them (GO126); two steps stay finite and compile."""
+    body = 'geometry spectral(indicator, approx=newton_schulz(coefficients=[[10.0, 10.0, 10.0]]{}))'
+    spec = geomopt.parse_spec(f'geomopt 1\nname "d"\nrule all match "**":\n    {body.format("")}\n', "dsl")
+    with pytest.raises(geomopt.SpecError) as err:
+        geomopt.compile_spec(spec, [("w", torch.zeros(4, 3))])
+    assert err.value.diagnostics[0].code == "GO126" and "newton_schulz iteration" in str(err.value)
+    start, end = _stepped(f'geomopt 1\nname "d"\nrule all match "**":\n    {body.format(", steps=2")}\n',
+                          torch.randn(6, 4, generator=torch.Generator().manual_seed(2)))
+    assert torch.isfinite(end).all()
+
+
+def test_iteration_bound_covers_the_composed_polynomial():
+    """The bound is at least every value the composed odd quintics reach on a fine grid of [0, 1]
+    (computed independently in float64), and not far above it for Muon's triple."""
+    from geomopt.catalog import approx_coefficients
+    from geomopt.lint.ranges import iteration_bound
+
+    sigma = torch.linspace(0, 1, 100_001, dtype=torch.float64)
+    for approx in ({"kind": "newton_schulz"}, {"kind": "polar_express"},
+                   {"kind": "newton_schulz", "coefficients": [[10.0, 10.0, 10.0]], "steps": 2}):
+        triples = approx_coefficients(approx)
+        s, reached = sigma.clone(), 1.0
+        for a, b, c in triples:
+            s = a * s + b * s**3 + c * s**5
+            reached = max(reached, s.abs().max().item())
+        assert iteration_bound(triples) >= reached, approx
+    muon = approx_coefficients({"kind": "newton_schulz"})
+    assert iteration_bound(muon) < 10  # 4.775·1.2⁴: the largest term of a step on σ ≤ ~1.2

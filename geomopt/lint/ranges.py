@@ -4,15 +4,47 @@ Every step multiplies a tensor by scalars of the spec: γ·ρ (lr times the reso
 (lr times weight decay), a constraint's radius, a polynomial approximation's coefficients. In a
 float32 tensor (or bf16/fp16, whose step runs in float32) a scalar beyond float32's largest finite
 number, 3.4e38, is no number at all: the step would be ±∞ or NaN, and torch refuses to convert it.
+Likewise a polynomial iteration (Newton–Schulz, Polar Express) whose coefficients grow the
+pre-normalized singular values (in [0, 1]) past that range within its steps.
 """
 
 from __future__ import annotations
 
+import math
+
 from geomopt.lint.context import LintContext, field, lint_rule, shape_text
-from geomopt.spec.model import resolve_hyper
+from geomopt.spec.model import Spectral, effective_prenormalize, resolve_hyper
 
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT64_MAX = 1.7976931348623157e308
+
+
+def _quintic_sup(a: float, b: float, c: float, bound: float) -> float:
+    """max |aσ + bσ³ + cσ⁵| over σ ∈ [0, bound]: at ``bound`` or where p' = a + 3bσ² + 5cσ⁴ = 0
+    (a quadratic in u = σ²); inf where it overflows a float."""
+    candidates = [bound]
+    if c != 0:
+        disc = 9 * b * b - 20 * a * c
+        roots = [(-3 * b + s * math.sqrt(disc)) / (10 * c) for s in (1, -1)] if disc >= 0 else []
+    else:
+        roots = [-a / (3 * b)] if b != 0 else []
+    candidates += [math.sqrt(u) for u in roots if 0 < u < bound * bound]
+    best = max(abs(s * (a + s * s * (b + c * s * s))) for s in candidates)
+    return best if math.isfinite(best) else math.inf
+
+
+def iteration_bound(triples: list) -> float:
+    """The largest number a quintic iteration X ← aX + b(XXᵀ)X + c(XXᵀ)²X forms from singular
+    values in [0, 1]: per step, its input bound B gives the terms up to max(1, |b|, |c|)·B⁴ and
+    the output bound sup |p| on [0, B] (:func:`_quintic_sup`)."""
+    bound, worst = 1.0, 1.0
+    for a, b, c in triples:
+        worst = max(worst, max(1.0, abs(a), abs(b), abs(c)) * bound ** 4 if bound < 1e77 else math.inf)
+        bound = _quintic_sup(a, b, c, bound)
+        worst = max(worst, bound)
+        if not math.isfinite(worst):
+            return math.inf
+    return worst
 
 
 def _scalars(ctx: LintContext, i: int, rho: float):
@@ -35,6 +67,14 @@ def _scalars(ctx: LintContext, i: int, rho: float):
     if isinstance(coefficients, list):
         big = max(abs(v) for triple in coefficients for v in triple)
         yield f"a coefficient {big:g}", big, ("rules", i, "geometry", "approx", "coefficients")
+    if isinstance(rule.geometry, Spectral) and effective_prenormalize(rule.geometry).kind != "none":
+        from geomopt.catalog import approx_coefficients
+
+        triples = approx_coefficients(approx.model_dump())
+        if triples:
+            yield (f"the {approx.kind} iteration on singular values in [0, 1], which reaches "
+                   f"{iteration_bound(triples):g},"), iteration_bound(triples), \
+                ("rules", i, "geometry", "approx", "coefficients" if field(approx, "coefficients") else "kind")
 
 
 @lint_rule("GO126", "step-overflow", "error", needs_model=True)
