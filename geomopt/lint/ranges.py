@@ -1,7 +1,8 @@
 """Ranges: GO126, a step scalar the tensor's floating-point format cannot hold (a blocking error).
 
 Every step multiplies a tensor by scalars of the spec: γ·ρ (lr times the resolved radius), γ·λ
-(lr times weight decay), a constraint's radius, a polynomial approximation's coefficients. In a
+(lr times weight decay), the square of a constraint's radius (the backward steps compare squared
+norms with r²), a polynomial approximation's coefficients. In a
 float32 tensor (or bf16/fp16, whose step runs in float32) a scalar beyond float32's largest finite
 number, 3.4e38, is no number at all: the step would be ±∞ or NaN, and torch refuses to convert it.
 Likewise a polynomial iteration (Newton–Schulz, Polar Express) whose coefficients grow the
@@ -60,8 +61,8 @@ def _scalars(ctx: LintContext, i: int, rho: float):
     c = rule.constraint
     radius = field(c, "radius") if c is not None else None
     if radius is not None:
-        r = radius * (rho if field(c, "relative") else 1.0)
-        yield f"the constraint's radius {r:g}", r, ("rules", i, "constraint", "radius")
+        r = radius * (rho if field(c, "relative") else 1.0)  # the backward steps compare squared norms with r²
+        yield f"the square of the constraint's radius {r:g}", r * r, ("rules", i, "constraint", "radius")
     approx = field(rule.geometry, "approx")
     coefficients = field(approx, "coefficients") if approx is not None else None
     if isinstance(coefficients, list):
@@ -79,8 +80,9 @@ def _scalars(ctx: LintContext, i: int, rho: float):
 
 @lint_rule("GO126", "step-overflow", "error", needs_model=True)
 def step_overflow(ctx: LintContext):
-    """A step scalar beyond the tensor's floating-point range: lr·radius, lr·weight_decay, a
-    constraint's radius or a polynomial coefficient above float32's largest number (3.4e38;
+    """A step scalar beyond the tensor's floating-point range: lr·radius, lr·weight_decay, the
+    square of a constraint's radius, a polynomial coefficient, or the largest number a polynomial
+    iteration forms from pre-normalized singular values, above float32's largest number (3.4e38;
     float64's for float64 tensors). The step would be infinite; torch refuses the scalar.
 
     Bad: ``geometry: {kind: isotropic, reference: {kind: indicator}, radius: 1.0e+308}``.
