@@ -17,7 +17,7 @@ from geomopt.spec.model import Spec, resolve_hyper
 from geomopt.spec.validate import gc_paused, source_of
 
 # Findings that make a plan impossible: compile raises on these (lint reports them all).
-BLOCKING = ("GO101", "GO104", "GO105", "GO120")
+BLOCKING = ("GO101", "GO104", "GO105", "GO120", "GO126")
 
 
 def compile_spec(spec: Union[Spec, str, dict], model, *, roles: Optional[dict] = None,

@@ -1,4 +1,4 @@
-"""``geomopt lint``: lint rules GO101–GO125, each a small registered unit with a code, a kebab-case
+"""``geomopt lint``: lint rules GO101–GO126, each a small registered unit with a code, a kebab-case
 name, a severity and a docstring (with a bad and a fixed example) that ``geomopt rule CODE`` prints.
 
 Modules, one concern each:
@@ -7,6 +7,7 @@ Modules, one concern each:
   :class:`LintContext` (what a rule reads) and :func:`run_rules`;
 * rule families: :mod:`~geomopt.lint.coverage` (GO101–GO103, GO110–GO112: which rule owns each
   tensor), :mod:`~geomopt.lint.applicability` (GO104, GO105, GO120: blocking errors),
+  :mod:`~geomopt.lint.ranges` (GO126: a step scalar beyond the tensor's range, blocking),
   :mod:`~geomopt.lint.values` (GO106–GO109, GO121, GO122: legal but suspect values and
   combinations), :mod:`~geomopt.lint.roles` (GO113–GO119, GO124, GO125: roles and views);
 * :mod:`~geomopt.lint.suppress`: ``# geomopt: disable=CODE`` comments and GO123;
@@ -23,7 +24,7 @@ and a passing fixture in ``tests/lint_fixtures/`` (its README gives the format).
 # either package may be imported first).
 from geomopt.lint.context import RULES, LintContext, LintRule, lint_rule, rule_doc, run_rules
 from geomopt.lint.runner import lint_spec, selected_codes
-from geomopt.lint import coverage, applicability, values, roles, suppress  # noqa: F401  (register the rules)
+from geomopt.lint import coverage, applicability, ranges, values, roles, suppress  # noqa: F401  (register the rules)
 from geomopt.lint.reporters import REPORTERS, report
 
 __all__ = ["REPORTERS", "RULES", "LintContext", "LintRule", "lint_rule", "lint_spec", "report", "rule_doc",

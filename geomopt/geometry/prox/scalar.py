@@ -246,7 +246,7 @@ def _solve_tau(sigma: Callable, a: torch.Tensor, t: float, r: float, ref: Refere
     the ball's σ, increasing on the others: the sphere's outward σ), then linear interpolation
     between the bracket's ends (:func:`_interpolate`). The power barrier's σ is warm-started from
     the bracket's upper end."""
-    alpha, rho2 = a / t, (r / t) ** 2
+    alpha, rho2 = a / t, (r / t) * (r / t)  # not ** 2: a tiny step t makes it inf, not OverflowError
     lo = torch.full_like(a[..., :1], -_LOG_TAU)
     hi = -lo
     sig_hi = None if ref.kind != "power_barrier" else sigma(alpha, hi.exp(), ref, None)
@@ -274,7 +274,7 @@ def _ball_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference,
     ball misses Y + t·dom φ₁; there s is the Euclidean projection a·r/‖a‖."""
     if _ref_profile(ref) == "quadratic":
         return _proj_l2_ball(a, r), None
-    return _ball_finish(a, _solve_ball(a / t, (r / t) ** 2, ref) * t, t, r, dtype)
+    return _ball_finish(a, _solve_ball(a / t, (r / t) * (r / t), ref) * t, t, r, dtype)
 
 
 def _ball_finish(a: torch.Tensor, s: torch.Tensor, t: float, r: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,6 +284,7 @@ def _ball_finish(a: torch.Tensor, s: torch.Tensor, t: float, r: float, dtype) ->
     slack = _slack(a.amax(-1), t, dtype).unsqueeze(-1)
     bad = ((a - t - slack).clamp(min=0).square().sum(-1) > r * r)
     s = torch.where((_norm(a) <= r).unsqueeze(-1), a, _proj_l2_ball(s, r))
+    bad |= ~torch.isfinite(s).all(-1)  # t so small that a/t or (r/t)² overflow: t → 0's limit, the projection
     return torch.where(bad.unsqueeze(-1), _proj_l2_ball(a, r), s), bad
 
 
@@ -303,5 +304,5 @@ def _sphere_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference,
     bad_out = (a + t + slack).square().sum(-1) < r * r
     s_out = s * (r / _norm(s).clamp(min=torch.finfo(a.dtype).tiny)).unsqueeze(-1)
     s = torch.where(inward, s_in, s_out)
-    bad = torch.where(inward.squeeze(-1), bad_in, bad_out)
+    bad = torch.where(inward.squeeze(-1), bad_in, bad_out) | ~torch.isfinite(s).all(-1)  # as in _ball_finish
     return torch.where(bad.unsqueeze(-1), euclid, s), bad

@@ -1,0 +1,127 @@
+"""Fuzz the whole pipeline with N mutated specs and write the outcome as JSON.
+
+    python scripts/fuzz.py --n 100000 --seed 0 --workers 2 --out benchmarks/results/fuzz.json
+
+Mutant i of seed S is replayed alone with ``--replay S:i`` (prints the spec text and its record);
+``--recheck FILE`` reruns the findings an outcome file lists, on the code as it is now, and adds
+what they give now to the file (``recheck``).
+The generator and the contract are tests/spec_mutants.py and tests/fuzz_pipeline.py; the test
+tests/test_fuzz_pipeline.py runs a slice of the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import json
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+CHUNK = 250
+
+
+def _chunk(args: tuple[int, int, int]) -> list[dict]:
+    import torch
+
+    import fuzz_pipeline
+
+    seed, lo, hi = args
+    torch.set_num_threads(1)
+    models = _chunk.__dict__.setdefault("models", fuzz_pipeline.Models())
+    return [fuzz_pipeline.run_mutant(seed, i, models) for i in range(lo, hi)]
+
+
+def commit() -> str:
+    """The checkout's commit, with ``+dirty`` where files differ from it."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return head + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def recheck(path: pathlib.Path) -> dict:
+    """Rerun the findings of outcome file ``path`` on the current code; record what they give."""
+    from fuzz_pipeline import FINDINGS, Models, run_mutant
+
+    data = json.loads(path.read_text(encoding="utf-8"))
+    models = Models()
+    now = [run_mutant(data["seed"], r["i"], models) for r in data["findings"]]
+    data["recheck"] = {"commit": commit(), "n": len(now),
+                       "outcomes": dict(sorted(collections.Counter(r["outcome"] for r in now).items())),
+                       "still_findings": [r for r in now if r["outcome"] in FINDINGS]}
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return data["recheck"]
+
+
+def summarize(records: list[dict], seed: int, seconds: float, workers: int) -> dict:
+    from fuzz_pipeline import FINDINGS
+
+    outcomes = collections.Counter(r["outcome"] for r in records)
+    by_level: dict = {}
+    for r in records:
+        row = by_level.setdefault(f"{r['level']}/{r['fmt']}", {"n": 0, "valid": 0, "stepped": 0})
+        row["n"] += 1
+        row["valid"] += r["outcome"] not in ("parse_refused",) and r.get("stage") != "parse"
+        row["stepped"] += r["outcome"] == "stepped"
+    valid = sum(r.get("stage") != "parse" for r in records)
+    slow = sorted(records, key=lambda r: -r["seconds"])[:10]
+    return {
+        "seed": seed, "n": len(records), "commit": commit(), "workers": workers, "seconds": round(seconds, 1),
+        "mutants_per_s": round(len(records) / seconds, 1), "python": platform.python_version(),
+        "outcomes": dict(sorted(outcomes.items())),
+        "valid_share": round(valid / max(1, len(records)), 4),
+        "stepped_share": round(outcomes["stepped"] / max(1, len(records)), 4),
+        "nan_step_raised": sum(bool(r.get("nan_raised")) for r in records),
+        "by_level": dict(sorted(by_level.items())),
+        "findings": [r for r in records if r["outcome"] in FINDINGS][:200],
+        "slowest": [{k: r.get(k) for k in ("i", "seconds", "model", "outcome", "level", "fmt")} for r in slow],
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start", type=int, default=0, help="first mutant index")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--out", default=None, help="JSON outcome file (default: print the summary)")
+    ap.add_argument("--replay", default=None, metavar="SEED:I")
+    ap.add_argument("--recheck", default=None, metavar="FILE")
+    args = ap.parse_args(argv)
+    if args.recheck:
+        again = recheck(pathlib.Path(args.recheck))
+        print(json.dumps({k: again[k] for k in ("commit", "n", "outcomes")}))
+        return 1 if again["still_findings"] else 0
+    if args.replay:
+        from fuzz_pipeline import Models, run_mutant
+        from spec_mutants import mutant
+
+        seed, i = map(int, args.replay.split(":"))
+        print(mutant(seed, i)[2])
+        print(json.dumps(run_mutant(seed, i, Models())))
+        return 0
+    end = args.start + args.n
+    jobs = [(args.seed, lo, min(lo + CHUNK, end)) for lo in range(args.start, end, CHUNK)]
+    t0, records = time.perf_counter(), []
+    with concurrent.futures.ProcessPoolExecutor(args.workers) as pool:
+        for k, chunk in enumerate(pool.map(_chunk, jobs)):
+            records += chunk
+            if k % 20 == 0:
+                done = len(records)
+                print(f"{done}/{args.n} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    summary = summarize(records, args.seed, time.perf_counter() - t0, args.workers)
+    text = json.dumps(summary, indent=1, sort_keys=False) + "\n"
+    if args.out:
+        pathlib.Path(args.out).write_text(text, encoding="utf-8")
+    print(json.dumps({k: summary[k] for k in ("n", "seconds", "outcomes", "valid_share", "stepped_share")}))
+    return 1 if summary["findings"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Minimized cases the pipeline fuzzer found (tests/test_fuzz_pipeline.py), one test each, checked
+against what the step must give rather than only against not raising."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import geomopt
+
+
+def _stepped(spec_text: str, param: torch.Tensor, steps: int = 2, fmt: str = "dsl", seed: int = 0):
+    """(parameter after the optimizer is built, after ``steps`` steps with random gradients)."""
+    model = nn.Module()
+    model.w = nn.Parameter(param.clone())
+    opt = geomopt.GeomOptimizer([("w", model.w)], geomopt.parse_spec(spec_text, fmt))
+    start = model.w.detach().clone()
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model.w.grad = torch.randn(model.w.shape, generator=g)
+        opt.step()
+    return start, model.w.detach()
+
+
+def test_tiny_step_on_a_sphere_is_the_projection():
+    """lr 1e-300: the prox's (r/t)² overflowed a Python float (OverflowError), and a/t made the
+    solve NaN. As t → 0 the step is the Euclidean projection of Y ≈ X: X stays where it is."""
+    for constraint in ("frobenius_sphere(relative=true)", "frobenius_ball(radius=0.5)"):
+        for ref in ("power_barrier(kappa=4.0, eps=0.002)", "log_barrier(eps=1e-8)", "indicator"):
+            spec = f"""geomopt 1
+name "tiny"
+defaults lr=1e-300
+rule all match "**":
+    geometry spectral({ref}, approx=svd)
+    constraint {constraint}
+"""
+            start, end = _stepped(spec, torch.randn(6, 4, generator=torch.Generator().manual_seed(1)))
+            assert torch.isfinite(end).all(), (constraint, ref)
+            torch.testing.assert_close(end, start, rtol=1e-6, atol=1e-7)
+
+
+def test_step_scalars_beyond_float32_are_a_plan_error():
+    """radius 1e308, lr 1e300, a Newton–Schulz coefficient 1e300: torch raised "value cannot be
+    converted to type float without overflow" inside step(). Now compile refuses (GO126), naming
+    the rule and the tensor; float64 tensors hold the first, third and fourth."""
+    cases = {
+        'geometry isotropic(indicator, radius=1e+308)': "lr·radius",
+        'geometry spectral(indicator, approx=newton_schulz(coefficients=[[1e-300, 1e+300, 0.95]]))': "coefficient",
+        'geometry adam\n    lr=1e+20 weight_decay=1e+20': "lr·weight_decay",
+        'geometry spectral(indicator)\n    constraint frobenius_ball(radius=1e+20)': "constraint's radius",
+    }
+    for body, what in cases.items():
+        text = f'geomopt 1\nname "big"\nrule all match "**":\n    {body}\n'
+        spec = geomopt.parse_spec(text, "dsl")
+        with pytest.raises(geomopt.SpecError) as err:
+            geomopt.compile_spec(spec, [("w", torch.zeros(4, 3))])
+        (d,) = err.value.diagnostics
+        assert d.code == "GO126" and what in d.message and "'w'" in d.message and "rule 'all'" in d.message, d
+        assert "e+" in text.splitlines()[d.line - 1][d.col - 1:], d  # it points at the value
+        if what != "coefficient":  # float64 holds the others (that iteration overflows float64 too)
+            geomopt.compile_spec(spec, [("w", torch.zeros(4, 3, dtype=torch.float64))])
+    ok = 'geomopt 1\nname "ok"\nrule all match "**":\n    geometry isotropic(indicator, radius=1e+30)\n'
+    start, end = _stepped(ok, torch.zeros(4, 3))
+    # lr 0.02 · radius 1e30, no momentum: each step moves by exactly 2e28 in Frobenius norm
+    assert torch.isfinite(end).all()
+    assert torch.linalg.vector_norm((end - start).double()).item() <= 2 * 2e28 * (1 + 1e-5)
+
+
+def test_diverging_polynomial_iteration_is_a_plan_error():
+    """Newton–Schulz coefficients (10, 10, 10): the quintic iteration blows the singular values up
+    (30 after one step, 2.4e8 after two, past float32 at the third) and the parameters became NaN.
+    Compile now refuses them (GO126); two steps stay finite and compile."""
+    body = 'geometry spectral(indicator, approx=newton_schulz(coefficients=[[10.0, 10.0, 10.0]]{}))'
+    spec = geomopt.parse_spec(f'geomopt 1\nname "d"\nrule all match "**":\n    {body.format("")}\n', "dsl")
+    with pytest.raises(geomopt.SpecError) as err:
+        geomopt.compile_spec(spec, [("w", torch.zeros(4, 3))])
+    assert err.value.diagnostics[0].code == "GO126" and "newton_schulz iteration" in str(err.value)
+    start, end = _stepped(f'geomopt 1\nname "d"\nrule all match "**":\n    {body.format(", steps=2")}\n',
+                          torch.randn(6, 4, generator=torch.Generator().manual_seed(2)))
+    assert torch.isfinite(end).all()
+
+
+def test_iteration_bound_covers_the_composed_polynomial():
+    """The bound is at least every value the composed odd quintics reach on a fine grid of [0, 1]
+    (computed independently in float64), and not far above it for Muon's triple."""
+    from geomopt.catalog import approx_coefficients
+    from geomopt.lint.ranges import iteration_bound
+
+    sigma = torch.linspace(0, 1, 100_001, dtype=torch.float64)
+    for approx in ({"kind": "newton_schulz"}, {"kind": "polar_express"},
+                   {"kind": "newton_schulz", "coefficients": [[10.0, 10.0, 10.0]], "steps": 2}):
+        triples = approx_coefficients(approx)
+        s, reached = sigma.clone(), 1.0
+        for a, b, c in triples:
+            s = a * s + b * s**3 + c * s**5
+            reached = max(reached, s.abs().max().item())
+        assert iteration_bound(triples) >= reached, approx
+    muon = approx_coefficients({"kind": "newton_schulz"})
+    assert iteration_bound(muon) < 10  # 4.775·1.2⁴: the largest term of a step on σ ≤ ~1.2
