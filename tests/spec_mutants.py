@@ -26,7 +26,7 @@ import yaml
 import geomopt
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SPECS = ROOT / "geomopt" / "specs"
+SPECS = ROOT / "specs"
 SCHEMA = json.loads((ROOT / "schema" / "geomopt-1.schema.json").read_text(encoding="utf-8"))
 DEFS = SCHEMA["$defs"]
 
