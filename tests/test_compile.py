@@ -205,7 +205,7 @@ def test_relative_constraint_radius_is_in_units_of_the_resolved_radius():
     ({"kind": "gram_eigh"}, None, {"kind": "none"}),
     ({"kind": "newton_schulz"}, {"kind": "max", "eps": 1e-6}, {"kind": "max", "eps": 1e-6}),
     ({"kind": "svd"}, {"kind": "frobenius", "eps": 1e-5}, {"kind": "frobenius", "eps": 1e-5}),
-    ({"kind": "polar_express"}, {"kind": "none"}, {"kind": "none"}),
+    ({"kind": "svd"}, {"kind": "none"}, {"kind": "none"}),
 ])
 def test_prenormalize_defaults_on_for_iterative_approximations(approx, explicit, expected):
     geometry = {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": approx}

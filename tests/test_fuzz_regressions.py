@@ -98,3 +98,26 @@ def test_iteration_bound_covers_the_composed_polynomial():
         assert iteration_bound(triples) >= reached, approx
     muon = approx_coefficients({"kind": "newton_schulz"})
     assert iteration_bound(muon) < 10  # 4.775·1.2⁴: the largest term of a step on σ ≤ ~1.2
+
+
+@pytest.mark.parametrize("approx", ["newton_schulz", "gram_newton_schulz", "polar_express"])
+def test_a_polynomial_iteration_without_prenormalization_is_refused_at_its_key(approx):
+    # mutant 0:5958 (seed 0): muon's hidden rule with prenormalize none made a tiny GPT's matrices
+    # NaN from N(0, 1) gradients (the iteration diverges past σ ≈ 1.5)
+    text = f"""geomopt: 1
+name: raw
+rules:
+  - name: hidden
+    match: "**"
+    geometry:
+      kind: spectral
+      reference: {{kind: indicator}}
+      approx: {{kind: {approx}}}
+      prenormalize: {{kind: none}}
+"""
+    with pytest.raises(geomopt.SpecError) as info:
+        geomopt.parse_spec(text)
+    d = info.value.diagnostics[0]
+    assert (d.line, d.col) == (10, 21) and "diverges" in d.message and "frobenius" in d.message, d
+    ok = geomopt.parse_spec(text.replace(approx, "svd"))  # exact: no iteration to diverge
+    assert ok.rules[0].geometry.prenormalize.kind == "none"

@@ -244,6 +244,19 @@ class Spectral(_MatrixGeometry):
     scale: Scale = "none"
     layout: Layout = "auto"
 
+    @field_validator("prenormalize")
+    @classmethod
+    def _iterations_need_prenormalize(cls, v, info):
+        """A polynomial iteration maps [0, 1] to about 1 and diverges (to ±∞, then NaN) for singular
+        values past its basin (≈ 1.5 for Muon's coefficients): without pre-normalization a finite
+        gradient of norm above that makes the parameters NaN, so it is refused."""
+        approx = info.data.get("approx")
+        if isinstance(v, NoPrenorm) and isinstance(approx, (NewtonSchulz, GramNewtonSchulz, PolarExpress)):
+            raise ValueError(f"prenormalize: none with approx {approx.kind}: its polynomial iteration diverges "
+                             f"(to NaN) for singular values above about 1.5, and a gradient's are unbounded; use "
+                             f"prenormalize: frobenius (the default) or max, or an exact approx (svd, gram_eigh)")
+        return v
+
 
 class Rowwise(_MatrixGeometry):
     """Isotropic per row (Scion RowNorm)."""
