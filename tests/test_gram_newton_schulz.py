@@ -15,7 +15,7 @@ from torch import nn
 
 import geomopt
 from geomopt.catalog import realized_reference
-from geomopt.compile import lint_spec
+from geomopt.lint import lint_spec
 from geomopt.geometry.forward import forward, input_dtype
 from geomopt.geometry.gap import gap_reference
 from geomopt.geometry.spectral import (

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from geomopt import catalog
-from geomopt.compile import lint_spec
+from geomopt.lint import lint_spec
 from geomopt.spec import yaml_front
 from geomopt.spec.diagnostics import SpecError
 from geomopt.spec.validate import parse_spec

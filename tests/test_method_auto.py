@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import geomopt
-from geomopt.compile import compile_spec, lint_spec
+from geomopt.compile import compile_spec
+from geomopt.lint import lint_spec
 from geomopt.compile.compiler import model_params
 from geomopt.compile.explain import explain
 from geomopt.compile.plan import constraint_text, resolved_methods

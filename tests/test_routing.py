@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 import geomopt
-from geomopt.compile import compile_spec, lint_spec
+from geomopt.compile import compile_spec
+from geomopt.lint import lint_spec
 from geomopt.compile.compiler import model_params
 from geomopt.geometry.view import describe
 from geomopt.models import get_model

@@ -228,7 +228,7 @@ def run(args) -> int:
 
     import geomopt
     from geomopt.cli.main import EXIT_CLEAN, EXIT_FINDINGS, UsageError
-    from geomopt.compile import lint_spec
+    from geomopt.lint import lint_spec
     from geomopt.compile.compiler import model_params
     from geomopt.lint.reporters import report
     from geomopt.models import GPT, GPTConfig

@@ -175,7 +175,8 @@ def cmd_lint(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from geomopt.compile import lint_spec, plan_from_infos
+    from geomopt.compile import plan_from_infos
+    from geomopt.lint import lint_spec
     from geomopt.spec.validate import load_spec
 
     if (args.lock or args.check) and args.format != "text":

@@ -5,19 +5,17 @@ from __future__ import annotations
 import pickle
 from typing import Optional, Union
 
-from geomopt.lint import LintContext, run_rules
+from geomopt.compile.blocking import blocking_errors
 from geomopt.compile.match import ParamInfo
+from geomopt.compile.ownership import Ownership
 from geomopt.compile.params import params_from_model
 from geomopt.compile.wrappers import named_modules, unwrap
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.compile.resolve import geometry_fragment, resolve
 from geomopt.compile.roles import assign, ensure_roles, infer_roles
-from geomopt.spec.diagnostics import Diagnostic, SpecError
+from geomopt.spec.diagnostics import SpecError
 from geomopt.spec.model import Spec, resolve_hyper
 from geomopt.spec.validate import gc_paused, source_of
-
-# Findings that make a plan impossible: compile raises on these (lint reports them all).
-BLOCKING = ("GO101", "GO104", "GO105", "GO120")
 
 
 def compile_spec(spec: Union[Spec, str, dict], model, *, roles: Optional[dict] = None,
@@ -100,9 +98,8 @@ def plan_from_infos(spec: Spec, infos: list[ParamInfo], *, roles: Optional[dict]
 
 
 def _plan_from_infos(spec: Spec, infos: list[ParamInfo]) -> Plan:
-    ctx = LintContext.build(spec, infos)
-    errors = run_rules(ctx, source_of(spec), BLOCKING)
-    errors += _undecided_only(ctx, source_of(spec))
+    ctx = Ownership.match(spec, infos)
+    errors = blocking_errors(ctx, source_of(spec))
     if errors:
         raise SpecError(errors)
     planners: dict[int, _RulePlanner] = {}
@@ -113,21 +110,6 @@ def _plan_from_infos(spec: Spec, infos: list[ParamInfo]) -> Plan:
         planner = planners.get(i) or planners.setdefault(i, _RulePlanner(spec, i))
         params.append(planner.plan(p))
     return Plan(params, frozen=[p.name for p in ctx.frozen], spec_name=spec.name)
-
-
-def _undecided_only(ctx: LintContext, source) -> list[Diagnostic]:
-    """Tensors (from a checkpoint) that only ``module:`` predicates could match: lint notes them
-    (GO112), but a plan cannot guess their rule."""
-    undecided = {n for names in ctx.undecided for n in names}
-    names = [p.name for p in ctx.params if ctx.owner.get(p.name) is None and p.name in undecided]
-    if not names:
-        return []
-    line, col = source.pos(("rules",)) if source else (1, 1)
-    shown = ", ".join(repr(n) for n in names[:5]) + (" …" if len(names) > 5 else "")
-    return [Diagnostic("GO101", "unmatched-parameter", "error",
-                       f"{len(names)} parameter(s) matched only by module predicates, which names and shapes "
-                       f"cannot decide: {shown}; plan against the model (--model) or match them by name",
-                       source.file if source else "<spec>", line, col)]
 
 
 def as_spec(spec: Union[Spec, str, dict, "object"]) -> Spec:

@@ -6,6 +6,7 @@ import math
 from importlib import resources
 
 from geomopt.compile.match import Matcher, ParamInfo, any_name, describe
+from geomopt.compile.ownership import Ownership
 from geomopt.compile.plan import ParamPlan, _call_text, _geometry_text, constraint_text, view_text
 from geomopt.spec.diagnostics import did_you_mean
 from geomopt.spec.model import Spec
@@ -113,9 +114,7 @@ def recipe(name: str) -> str:
 def starter(spec: Spec, infos: list[ParamInfo], model_name: str) -> Spec:
     """``spec`` (a recipe) without the rules this model leaves idle (roles it does not have), named
     for the model: a spec that lints clean against it."""
-    from geomopt.lint import LintContext
-
-    ctx = LintContext.build(spec, infos)
+    ctx = Ownership.match(spec, infos)
     keep = [r for i, r in enumerate(spec.rules) if ctx.matched[i]]
     return spec.model_copy(update={"rules": keep,
                                    "name": f"{spec.name}-{model_name}".replace(":", "-").replace(".", "-"),

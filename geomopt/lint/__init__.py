@@ -18,9 +18,7 @@ and a passing fixture in ``tests/lint_fixtures/`` (its README gives the format).
 """
 
 # isort: skip_file
-# Order matters: the compiler imports LintContext and run_rules from this package, and the rule
-# families import geomopt.compile; what the compiler needs is bound before any family loads (so
-# either package may be imported first).
+# Order matters: the rule families register in this order (the order `geomopt rule` lists them).
 from geomopt.lint.context import RULES, LintContext, LintRule, lint_rule, rule_doc, run_rules
 from geomopt.lint.runner import lint_spec, selected_codes
 from geomopt.lint import coverage, applicability, values, roles, suppress  # noqa: F401  (register the rules)
