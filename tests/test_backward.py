@@ -23,7 +23,7 @@ from hypothesis import given, settings, strategies as st
 
 from geomopt.geometry.prox import backward
 from geomopt.geometry.prox.polar import polar
-from geomopt.geometry.registry import BACKWARD_OPS
+from geomopt.geometry.operators import BACKWARD_OPS
 
 LOG = {"kind": "log_barrier", "eps": 1e-3}
 POW4 = {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-3}

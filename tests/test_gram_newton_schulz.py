@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import geomopt
-from geomopt.catalog import realized_reference
+from geomopt.support import realized_reference
 from geomopt.lint import lint_spec
 from geomopt.geometry.forward import forward, input_dtype
 from geomopt.geometry.gap import gap_reference

@@ -156,7 +156,7 @@ def _find(*candidates: tuple[str, str]):
 def registries() -> dict:
     """Every registry the reference reads, filled (the op modules register on import)."""
     import geomopt.geometry  # noqa: F401  (registers the forward and backward operators)
-    from geomopt.geometry import registry as greg
+    from geomopt.geometry import operators as greg
 
     if not greg.FORWARD_OPS and hasattr(greg, "_load"):
         greg._load()
@@ -350,7 +350,7 @@ def _geometry(kind: str) -> dict:
 
 
 def _constraint_geometry(kind: str) -> str:
-    from geomopt.catalog import BACKWARD_PAIRS
+    from geomopt.support import BACKWARD_PAIRS
 
     for g in ("spectral", "anisotropic", "euclidean", "isotropic", "rowwise", "columnwise"):
         if (g, kind) in BACKWARD_PAIRS:
@@ -475,7 +475,7 @@ def fields_table(model, here: str, skip=("kind",)) -> list[str]:
 
 
 def _geometry_extra(kind: str, regs: dict) -> list[str]:
-    from geomopt.catalog import supported_constraints
+    from geomopt.support import supported_constraints
 
     constraints = supported_constraints(kind)
     out = ["**Constraints with a backward operator**: "
@@ -487,7 +487,7 @@ def _geometry_extra(kind: str, regs: dict) -> list[str]:
 
 
 def _constraint_extra(kind: str, regs: dict) -> list[str]:
-    from geomopt.catalog import BACKWARD_PAIRS
+    from geomopt.support import BACKWARD_PAIRS
 
     rows = []
     for (g, c), op in BACKWARD_PAIRS.items():
@@ -568,7 +568,7 @@ def category_page(cat: Category, regs: dict) -> str:
 
 
 def backward_ops_section(regs: dict) -> list[str]:
-    from geomopt.catalog import BACKWARD_TABLE
+    from geomopt.support import BACKWARD_TABLE
 
     lines = ["## Backward operators", "",
              "One operator per row of the paper's Table 1; each serves the (geometry, constraint) pairs listed.", ""]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 
-from geomopt.catalog import has_backward, supported_constraints
+from geomopt.support import has_backward, supported_constraints
 from geomopt.compile.match import shape_text
 from geomopt.compile.ownership import Ownership
 from geomopt.compile.resolve import op_layout, resolve_view

@@ -19,7 +19,7 @@ requests in the same order, so collectives line up without any handshake:
   every rank its block back with a second ``all_to_all`` (the layout microsoft/dion uses).
 
 The locality of every operator (``LOCAL``, ``REDUCE``, ``OWNER``: :mod:`geomopt.registry`) is
-declared where it registers (:mod:`geomopt.geometry.registry`: ``forward_locality``,
+declared where it registers (:mod:`geomopt.geometry.operators`: ``forward_locality``,
 ``backward_locality``); the caller puts it on each request.
 """
 

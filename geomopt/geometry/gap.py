@@ -59,7 +59,7 @@ import math
 
 import torch
 
-from geomopt.catalog import SPECTRAL_SETS
+from geomopt.support import SPECTRAL_SETS
 from geomopt.geometry.matrix import groups, matrices, vectors, working_dtype
 from geomopt.geometry.reference import Reference, make_reference
 from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, default_prenormalize, prenormalize, realized_reference

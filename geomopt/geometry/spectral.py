@@ -46,7 +46,7 @@ from geomopt.geometry.reference import Reference
 from geomopt.registry import Registry
 
 # The coefficient lists and what they realize are plain data (lint reads them without torch).
-from geomopt.catalog import (  # noqa: F401  (re-exported)
+from geomopt.support import (  # noqa: F401  (re-exported)
     COEFFICIENT_LISTS,
     MUON_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,

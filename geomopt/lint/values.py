@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from geomopt.catalog import realized_reference
+from geomopt.support import realized_reference
 from geomopt.compile.match import shape_text
 from geomopt.compile.resolve import op_layout
 from geomopt.lint.context import LintContext, field, lint_rule

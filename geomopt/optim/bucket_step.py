@@ -14,7 +14,7 @@ from geomopt.distributed.layout import whole_matrices
 from geomopt.geometry.adam import adam_moments
 from geomopt.geometry import backward
 from geomopt.geometry.forward import forward, input_dtype
-from geomopt.geometry.registry import backward_locality, forward_locality
+from geomopt.geometry.operators import backward_locality, forward_locality
 from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, muon_order
 from geomopt.optim import stages as post_stages
 from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows

@@ -9,7 +9,7 @@ import torch
 from geomopt.geometry.prox.common import _flat, _per_element, _sign, _too_far, _unflat
 from geomopt.geometry.prox.scalar import _ball_magnitudes, _sphere_magnitudes
 from geomopt.geometry.prox.vector import _VECTOR_PROJ
-from geomopt.geometry.registry import LOCAL, OWNER, REDUCE, backward_op
+from geomopt.geometry.operators import LOCAL, OWNER, REDUCE, backward_op
 
 
 def _separable_locality(geometry: str, constraint: str) -> str:

@@ -3,12 +3,12 @@ Euclidean projection onto every set."""
 
 from __future__ import annotations
 
-from geomopt.catalog import SPECTRAL_SETS
+from geomopt.support import SPECTRAL_SETS
 from geomopt.geometry.matrix import matrices, upcast
 from geomopt.geometry.prox.common import _flat, _norm, _per_element, _too_far, _unflat
 from geomopt.geometry.prox.spectral_map import _spectral_map
 from geomopt.geometry.prox.vector import _VECTOR_PROJ, _sigma_proj
-from geomopt.geometry.registry import LOCAL, OWNER, REDUCE, backward_op
+from geomopt.geometry.operators import LOCAL, OWNER, REDUCE, backward_op
 
 
 def _projection_locality(geometry: str, constraint: str) -> str:

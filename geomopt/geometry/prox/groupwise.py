@@ -10,7 +10,7 @@ import torch
 from geomopt.geometry.matrix import by_rows, groups, upcast
 from geomopt.geometry.prox.common import _norm, _per_element, _unflat
 from geomopt.geometry.prox.scalar import _ball_magnitudes, _sphere_magnitudes
-from geomopt.geometry.registry import REDUCE, backward_op
+from geomopt.geometry.operators import REDUCE, backward_op
 
 
 def _from_rows(rows: torch.Tensor, geometry: dict, y: torch.Tensor) -> torch.Tensor:

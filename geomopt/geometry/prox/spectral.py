@@ -12,7 +12,7 @@ from geomopt.geometry.prox.polar import _POLAR
 from geomopt.geometry.prox.scalar import _ball_magnitudes, _sphere_magnitudes
 from geomopt.geometry.prox.spectral_map import _spectral_map
 from geomopt.geometry.prox.vector import _sigma_proj
-from geomopt.geometry.registry import OWNER, backward_op
+from geomopt.geometry.operators import OWNER, backward_op
 
 
 @backward_op(locality=OWNER)
