@@ -13,7 +13,8 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from geomopt.spec.diagnostics import SpecError, language_diagnostic
 from geomopt.compile.resolve import geometry_fragment, resolve
-from geomopt.spec.model import Constraint, Geometry
+from geomopt.spec.constraints import Constraint
+from geomopt.spec.geometries import Geometry
 
 _GEOMETRY: TypeAdapter[Geometry] = TypeAdapter(Geometry)
 _CONSTRAINT: TypeAdapter[Constraint] = TypeAdapter(Constraint)
@@ -74,7 +75,7 @@ def backward_step(y: torch.Tensor, gamma: float, geometry: Union[Mapping, BaseMo
     With ``return_fallback`` also returns the flags of tensors where C did not meet
     Y + t·int dom φ₁ and the Euclidean projection was used instead.
     """
-    from geomopt.geometry import backward
+    from geomopt.geometry.prox import backward
 
     ops = _ops(geometry, constraint, y, batch_dims)
     x, fallback = backward(_transposed(y, ops, batch_dims), gamma, ops.geometry, ops.constraint, radius=ops.radius,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from geomopt.spec.model import CONSTRAINT_KINDS
+from geomopt.spec.constraints import CONSTRAINT_KINDS
 
 # ---------------------------------------------------------------- the backward table
 

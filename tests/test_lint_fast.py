@@ -245,11 +245,11 @@ def test_a_backward_op_needs_a_row_in_the_support_table():
         backward_op("spectral", "l0")
 
 
-def test_realized_reference_is_the_spectral_modules():
+def test_the_spectral_module_runs_the_support_tables_lists():
     from geomopt.geometry import spectral
 
-    assert spectral.realized_reference is support.realized_reference
-    assert spectral.POLAR_EXPRESS_COEFFICIENTS is support.POLAR_EXPRESS_COEFFICIENTS
+    assert spectral.polar_express_coefficients is support.polar_express_coefficients
+    assert spectral.newton_schulz_coefficients is support.newton_schulz_coefficients
     assert support.realized_reference({"kind": "svd"}) is None
     eps = support.realized_reference({"kind": "polar_express", "steps": 5})["eps"]
     assert abs(eps - 1.02e-3) < 1e-5  # the table in geomopt.geometry.spectral's docstring

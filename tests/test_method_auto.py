@@ -23,7 +23,7 @@ from geomopt.compile.plan import constraint_text, resolved_methods
 from geomopt.geometry import method
 from geomopt.geometry.gap import gap_reference, gap_unavailable
 from geomopt.geometry.method import CUDA_BATCHED_EIGH_MAX, METHOD_KINDS, resolve_method
-from geomopt.spec import model as m
+from geomopt.spec.constraints import Rank, SpectralBall, SpectralSphere, Stiefel
 from geomopt.spec.schema import schema
 
 # the package (its ``backward`` attribute is the function), and the module of the polar steps
@@ -48,7 +48,7 @@ def _model() -> nn.Module:
 # ---------------------------------------------------------------- schema
 
 
-@pytest.mark.parametrize("cls", [m.Stiefel, m.SpectralBall])
+@pytest.mark.parametrize("cls", [Stiefel, SpectralBall])
 def test_the_schema_default_is_auto(cls):
     assert cls().method == "auto"
     assert cls(method="exact").method == "exact" and cls(method="polar").method == "polar"
@@ -115,9 +115,9 @@ def test_kinds_without_a_polar_step_are_exact(kind):
 
 
 def test_the_method_kinds_are_the_polar_steps():
-    assert set(METHOD_KINDS) == set(prox_polar._POLAR)
-    assert set(METHOD_KINDS) == {name for name, cls in (("stiefel", m.Stiefel), ("spectral_ball", m.SpectralBall),
-                                                         ("spectral_sphere", m.SpectralSphere), ("rank", m.Rank))
+    assert set(METHOD_KINDS) == set(prox_polar.POLAR)
+    assert set(METHOD_KINDS) == {name for name, cls in (("stiefel", Stiefel), ("spectral_ball", SpectralBall),
+                                                         ("spectral_sphere", SpectralSphere), ("rank", Rank))
                                  if "method" in cls.model_fields}
 
 

@@ -130,7 +130,7 @@ def train(make_opt, *, steps: int, seed: int, block: int = 64, batch: int = 32, 
     minimize, the cross-entropy to report); default: the GPT of ``config`` and its loss."""
     import torch
 
-    from geomopt.models import GPT, GPTConfig
+    from geomopt.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(seed)
     raw = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
@@ -228,10 +228,10 @@ def run(args) -> int:
 
     import geomopt
     from geomopt.cli.main import EXIT_CLEAN, EXIT_FINDINGS, UsageError
-    from geomopt.lint import lint_spec
+    from geomopt.lint.runner import lint_spec
     from geomopt.compile.compiler import model_params
     from geomopt.lint.reporters import report
-    from geomopt.models import GPT, GPTConfig
+    from geomopt.models.gpt import GPT, GPTConfig
 
     try:
         out = output_dir(args.out, args.record, "demo")

@@ -138,7 +138,7 @@ def _spec_files(paths) -> list[str]:
 
 def _lint_file(path: str, params, from_ckpt: bool, select=None, ignore=None) -> list[Diagnostic]:
     """The findings of one spec file (its suppression comments applied); its spec is freed on return."""
-    from geomopt.lint import lint_spec
+    from geomopt.lint.runner import lint_spec
     from geomopt.spec.validate import load_spec
 
     try:
@@ -149,7 +149,7 @@ def _lint_file(path: str, params, from_ckpt: bool, select=None, ignore=None) -> 
 
 
 def cmd_lint(args) -> int:
-    from geomopt.lint import selected_codes
+    from geomopt.lint.runner import selected_codes
     from geomopt.spec.validate import gc_paused
 
     try:
@@ -175,8 +175,8 @@ def cmd_lint(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from geomopt.compile import plan_from_infos
-    from geomopt.lint import lint_spec
+    from geomopt.compile.compiler import plan_from_infos
+    from geomopt.lint.runner import lint_spec
     from geomopt.spec.validate import load_spec
 
     if (args.lock or args.check) and args.format != "text":
@@ -207,7 +207,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from geomopt.compile import plan_from_infos
+    from geomopt.compile.compiler import plan_from_infos
     from geomopt.compile.explain import explain
     from geomopt.spec.validate import load_spec
 
@@ -315,7 +315,7 @@ def cmd_schema(args) -> int:
 
 
 def cmd_rule(args) -> int:
-    from geomopt.lint import RULES, rule_doc
+    from geomopt.lint.context import RULES, rule_doc
     from geomopt.spec.diagnostics import LANGUAGE_CODES
 
     if args.code in ("roles", "views"):

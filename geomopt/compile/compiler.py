@@ -12,7 +12,8 @@ from geomopt.compile.params import params_from_model
 from geomopt.compile.wrappers import named_modules, unwrap
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.compile.resolve import geometry_fragment, resolve
-from geomopt.compile.roles import assign, ensure_roles, infer_roles
+from geomopt.compile.role_infer import infer_roles
+from geomopt.compile.roles import assign, ensure_roles
 from geomopt.spec.diagnostics import SpecError
 from geomopt.spec.model import Spec, resolve_hyper
 from geomopt.spec.validate import gc_paused, source_of

@@ -7,7 +7,7 @@ from importlib import resources
 
 from geomopt.compile.match import Matcher, ParamInfo, any_name, describe
 from geomopt.compile.ownership import Ownership
-from geomopt.compile.plan import ParamPlan, _call_text, _geometry_text, constraint_text, view_text
+from geomopt.compile.plan import ParamPlan, call_text, geometry_text, constraint_text, view_text
 from geomopt.spec.diagnostics import did_you_mean
 from geomopt.spec.model import Spec
 
@@ -82,20 +82,20 @@ def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], na
         lines.append(f"           block radius factors {[round(f, 4) for f in g['view']['factors']]}")
     extra = []
     if g.get("prenormalize"):
-        extra.append(f"prenormalize {_call_text(g['prenormalize'])}")
+        extra.append(f"prenormalize {call_text(g['prenormalize'])}")
     if g.get("scale", "none") != "none":
         extra.append(f"scale {g['scale']}")
     if pp.transpose:
         extra.append("acts on the transpose (layout in_out)")
-    lines.append(f"forward    {_geometry_text(pp)}" + (f"; {', '.join(extra)}" if extra else ""))
+    lines.append(f"forward    {geometry_text(pp)}" + (f"; {', '.join(extra)}" if extra else ""))
     if pp.post:
-        lines.append(f"post       {' → '.join(_call_text(s) for s in pp.post)} (on the forward's update, before ρ)")
+        lines.append(f"post       {' → '.join(call_text(s) for s in pp.post)} (on the forward's update, before ρ)")
     lines.append(f"backward   {constraint_text(pp)}")
     if pp.constraint and pp.constraint.get("method") == "auto" and g["kind"] == "spectral":
         from geomopt.geometry.method import AUTO_RULE
 
         lines.append(f"           method auto on {pp.device}: {AUTO_RULE}; exact or polar forces one")
-    lines.append(f"direction  {_call_text(pp.direction)}; schedule {_call_text(pp.schedule)}")
+    lines.append(f"direction  {call_text(pp.direction)}; schedule {call_text(pp.schedule)}")
     lines.append(f"lr         {pp.lr:g}; weight decay {pp.weight_decay:g}"
                  + (f" ({pp.decay})" if pp.weight_decay else ""))
     scale = pp.radius / g["radius"] if g["radius"] else math.nan

@@ -11,7 +11,8 @@ import dataclasses
 from typing import Optional, Union
 
 from geomopt.compile.plan import ops_digest
-from geomopt.spec.model import Spectral, effective_prenormalize
+from geomopt.spec.geometries import Spectral
+from geomopt.spec.model import effective_prenormalize
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,12 +11,12 @@ them.
 
 # the op modules: importing them registers their units
 from geomopt.geometry.reference import make_reference
-from geomopt.geometry.spectral import realized_reference
+from geomopt.geometry import spectral  # noqa: F401  (its approximations)
 from geomopt.geometry.forward import forward
 from geomopt.geometry.prox import backward
 
-from geomopt.geometry.operators import supported_constraints
 from geomopt.geometry.scale import check_applicable, radius_scale
+from geomopt.support import realized_reference, supported_constraints
 
 __all__ = [
     "forward",

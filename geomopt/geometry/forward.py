@@ -19,8 +19,10 @@ import torch
 from geomopt.geometry.adam import adam_moments  # noqa: F401  (re-exported: the optimizer's exact AdamW path)
 from geomopt.geometry.matrix import by_rows, matrix_view, upcast
 from geomopt.geometry.reference import Reference, make_reference
-from geomopt.geometry.operators import FORWARD_OPS, LOCAL, OWNER, REDUCE
-from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, apply_approx, compute_dtype
+from geomopt.geometry.operators import FORWARD_OPS
+from geomopt.registry import LOCAL, OWNER, REDUCE
+from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES, compute_dtype
+from geomopt.geometry.spectral import apply_approx
 from geomopt.geometry.view import apply as apply_view
 from geomopt.geometry.view import split_view
 

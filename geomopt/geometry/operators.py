@@ -26,14 +26,12 @@ from __future__ import annotations
 import difflib
 from typing import Callable, Union
 
-from geomopt.support import BACKWARD_TABLE, CONSTRAINT_KINDS, backward_pairs
-from geomopt.support import supported_constraints as supported_constraints  # re-exported: torch-free
-from geomopt.registry import LOCAL, LOCALITIES, OWNER, REDUCE, Registry
+from geomopt.spec.constraints import CONSTRAINT_KINDS
+from geomopt.support import BACKWARD_TABLE, backward_pairs, supported_constraints
+from geomopt.registry import LOCALITIES, Registry
 
-__all__ = [
-    "FORWARD_OPS", "BACKWARD_OPS", "LOCAL", "REDUCE", "OWNER", "backward_op", "get_forward", "get_backward",
-    "forward_locality", "backward_locality", "supported_constraints", "unsupported_message",
-]
+__all__ = ["FORWARD_OPS", "BACKWARD_OPS", "backward_op", "get_forward", "get_backward", "forward_locality",
+           "backward_locality", "unsupported_message"]
 
 #: A backward op's locality: one of LOCAL / REDUCE / OWNER, or a function of the (geometry,
 #: constraint) kinds where it depends on the pair.

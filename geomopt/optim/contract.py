@@ -201,7 +201,7 @@ class Copyable(Host):
     A distributed optimizer (a process group inside) is refused: save its ``state_dict()``."""
 
     def _copy_state(self) -> dict:
-        from geomopt.distributed import LocalExecutor
+        from geomopt.distributed.executors import LocalExecutor
 
         if not isinstance(self._executor, LocalExecutor):
             raise TypeError("a distributed GeomOptimizer holds its process group and cannot be copied or pickled: "

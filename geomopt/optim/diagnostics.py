@@ -9,8 +9,8 @@ import math
 import torch
 
 from geomopt.compile.plan import ParamPlan
-from geomopt.distributed import is_dtensor
-from geomopt.geometry import backward
+from geomopt.distributed.executors import is_dtensor
+from geomopt.geometry.prox import backward
 from geomopt.optim.tensors import full, op_view, upcast
 from geomopt.optim.host import Host
 

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Optional, cast
 import torch
 
 from geomopt.compile.plan import ParamPlan
-from geomopt.distributed import is_dtensor
-from geomopt.distributed.executors import contiguous_strides
+from geomopt.distributed.executors import contiguous_strides, is_dtensor
 from geomopt.optim import stages as post_stages
 from geomopt.optim.migrate import VIEW_KEYS
 from geomopt.optim.tensors import flat_like, op_view, stack

@@ -8,7 +8,7 @@ distributed executors (:mod:`geomopt.distributed`): ``local`` stages act entry b
 as one request where its data is (DDP: every rank holds whole tensors; FSDP2: each rank its
 shards), and a ``reduce`` stage's sums over a dim cut across ranks are all-reduced by
 :meth:`Context.sum`, the same collectives in the same order on every rank. Stages run in
-:data:`geomopt.spec.model.STAGE_ORDER`, at most once each, after the forward op and with ρ = 1:
+:data:`geomopt.spec.updates.STAGE_ORDER`, at most once each, after the forward op and with ρ = 1:
 the rule's radius ρ multiplies their result, so a stage shapes the unit update and ρ still sets
 the step. Every stage computes in float32 at least (the forward op's output dtype).
 """
@@ -21,10 +21,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from geomopt.distributed import LOCAL, REDUCE
+from geomopt.registry import LOCAL, REDUCE, Registry
 from geomopt.geometry.reference import working_eps
 from geomopt.geometry.view import matrix_shapes
-from geomopt.registry import Registry
 
 #: the per-parameter step count of the stages (an int, like ``adam_step``)
 STAGE_STEP = "post_step"

@@ -15,7 +15,7 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 Probability = Annotated[float, Field(gt=0, le=1)]
 
 
-class _Model(BaseModel):
+class SpecModel(BaseModel):
     # allow_inf_nan=False: no field means anything at ±inf/nan, and the DSL has no spelling for them
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -37,6 +37,6 @@ def kinds_of_literal(literal: Any) -> tuple[str, ...]:
     return tuple(get_args(literal))
 
 
-def _view_shorthand(v):
+def view_shorthand(v):
     """``view: auto`` is shorthand for ``view: {kind: auto}`` (likewise ``decay`` and each post-stage)."""
     return {"kind": v} if isinstance(v, str) else v
