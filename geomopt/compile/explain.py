@@ -92,7 +92,7 @@ def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], na
         lines.append(f"post       {' → '.join(call_text(s) for s in pp.post)} (on the forward's update, before ρ)")
     lines.append(f"backward   {constraint_text(pp)}")
     if pp.constraint and pp.constraint.get("method") == "auto" and g["kind"] == "spectral":
-        from geomopt.geometry.method import AUTO_RULE
+        from geomopt.geometry.method import AUTO_RULE  # geomopt.geometry loads torch: off the lint path
 
         lines.append(f"           method auto on {pp.device}: {AUTO_RULE}; exact or polar forces one")
     lines.append(f"direction  {call_text(pp.direction)}; schedule {call_text(pp.schedule)}")

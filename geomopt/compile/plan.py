@@ -64,7 +64,7 @@ class ParamPlan:
         """Σ m·n·min(m, n) over the matrices of the tensor's view (None without a view): the
         distributed executors' work estimate. Computed once."""
         if "_cost" not in self.__dict__:
-            from geomopt.geometry.view import cost
+            from geomopt.geometry.view import cost  # geomopt.geometry loads torch: off the lint path
 
             object.__setattr__(self, "_cost", cost(self.geometry.get("view"), self.op_shape))
         return self.__dict__["_cost"]
@@ -153,7 +153,7 @@ def view_text(p: ParamPlan) -> str:
     "64×576" (a conv kernel as one matrix); "-" for geometries that read no matrix."""
     if p.geometry["kind"] not in ("spectral", "rowwise", "columnwise", "anisotropic") or len(p.shape) < 2:
         return "-"
-    from geomopt.geometry.view import describe
+    from geomopt.geometry.view import describe  # geomopt.geometry loads torch: off the lint path
 
     return describe(p.geometry.get("view"), p.op_shape)
 
@@ -189,6 +189,7 @@ def resolved_methods(p: ParamPlan) -> list[str]:
         return []
     if p.geometry["kind"] != "spectral":
         return ["exact"]
+    # geomopt.geometry loads torch: off the lint path
     from geomopt.geometry.method import resolve_method
     from geomopt.geometry.view import matrix_shapes
 

@@ -87,6 +87,7 @@ def ensure_roles(infos: list[ParamInfo], spec_roles: Optional[dict] = None, extr
 
 def role_docs() -> str:
     """The inference rules, for ``geomopt rule roles``."""
+    # the tracer needs torch: off the lint path
     from geomopt.compile import role_trace
     from geomopt.compile.op_families import family_docs
 

@@ -28,10 +28,13 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+import yaml
+
 from geomopt.compile.blocking import BLOCKING
 from geomopt.lint.context import RULES, lint_rule, rule_by_name
 from geomopt.spec.diagnostics import LANGUAGE_CODES, Diagnostic, did_you_mean
 from geomopt.spec.source import MAX_BYTES, SourceMap
+from geomopt.spec.comments import scan_dsl, scan_yaml
 
 UNUSED = "GO123"
 #: the cheap test that spares scanning the comments of a file without suppressions
@@ -74,9 +77,6 @@ def directives(text: str, format: str = "yaml") -> list[Directive]:
     """The suppression comments of spec ``text`` (``format`` "yaml" or "dsl")."""
     if not QUICK.search(text):
         return []
-    import yaml
-
-    from geomopt.spec.comments import scan_dsl, scan_yaml
 
     try:
         found = scan_dsl(text) if format == "dsl" else scan_yaml(text)

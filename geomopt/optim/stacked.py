@@ -126,7 +126,7 @@ def state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, lay
     (every rank there holds the all-reduced values)."""
     if not is_dtensor(p):
         return row
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # DTensor's package loads only where tensors are sharded
 
     p = cast(DTensor, p)
     if key in post_stages.STAGE_STATE:
