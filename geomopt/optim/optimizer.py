@@ -42,6 +42,9 @@ from geomopt.optim import stages as post_stages
 from geomopt.optim.tensors import full, in_set, local, op_layout, op_view, stack, upcast
 from geomopt.optim.workspace import Workspace
 from geomopt.spec.model import RESOLVED_DEFAULTS, Spec
+from geomopt.lint.runner import lint_spec
+from geomopt.lint.coverage import UnusedRuleWarning
+from geomopt.spec.validate import source_of
 
 __all__ = ["GeomOptimizer"]
 
@@ -212,10 +215,6 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
         """One :class:`~geomopt.lint.coverage.UnusedRuleWarning` per rule that matches no tensor:
         lint's GO102 finding, so what lint calls idle (GO113, a role the model lacks) stays quiet
         and a ``# geomopt: disable=GO102`` comment on the rule silences it here too."""
-        from geomopt.lint.runner import lint_spec
-        from geomopt.lint.coverage import UnusedRuleWarning
-        from geomopt.spec.validate import source_of
-
         source = source_of(self.spec)
         for d in lint_spec(self.spec, infos, select="GO102"):
             if d.code != "GO102":
