@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from geomopt.geometry.adam import adam_moments  # noqa: F401  (re-exported: the optimizer's exact AdamW path)
+from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.matrix import by_rows, matrix_view, upcast
 from geomopt.geometry.reference import Reference, make_reference
 from geomopt.geometry.operators import FORWARD_OPS

@@ -17,7 +17,7 @@ Backward op:  ``fn(y, t, ref, constraint: dict, *, gamma: float, geometry: dict,
               projection was used) or None when the op cannot fail. Registered with
               ``@backward_op(locality=...)`` under the pairs of its row of the backward table.
 
-Localities (:data:`geomopt.registry.LOCAL`, ``REDUCE``, ``OWNER``; re-exported here) are read by
+Localities (:data:`geomopt.registry.LOCAL`, ``REDUCE``, ``OWNER``) are read by
 the distributed executors through :func:`forward_locality` and :func:`backward_locality`.
 """
 

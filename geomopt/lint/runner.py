@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
+from geomopt.compile.match import ParamInfo
 from geomopt.lint.context import RULES, LintContext, rule_by_name, run_rules, runs
 from geomopt.lint.suppress import apply, directives, source_text
 from geomopt.spec.diagnostics import LANGUAGE_CODES, Diagnostic, did_you_mean
 from geomopt.spec.model import Spec
 from geomopt.spec.validate import source_of
-
-if TYPE_CHECKING:  # pragma: no cover
-    from geomopt.compile.match import ParamInfo
 
 Selectors = Union[str, Iterable[str], None]
 

@@ -1,8 +1,7 @@
 """The spec language's common ground: the strict base model, shared field types, ``{kind: …}`` shorthand.
 
 The kinds themselves are in :mod:`geomopt.spec.geometries`, :mod:`geomopt.spec.constraints` and
-:mod:`geomopt.spec.updates`; rules and the spec in :mod:`geomopt.spec.model`, which re-exports
-every name of the language.
+:mod:`geomopt.spec.updates`; rules and the spec in :mod:`geomopt.spec.model`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Constraints g: the sets a rule's step is projected onto, and the proximal decay.
 
-Pydantic models of the spec language (:mod:`geomopt.spec.model` re-exports them), each kind
-discriminated on ``kind``.
+Pydantic models of the spec language, each kind discriminated on ``kind``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Geometries φ and their parts: references h, spectral approximations, pre-normalization, views.
 
-Pydantic models of the spec language (:mod:`geomopt.spec.model` re-exports them), each kind
-discriminated on ``kind``; the operators in :mod:`geomopt.geometry` receive their
-``model_dump()`` dicts.
+Pydantic models of the spec language, each kind discriminated on ``kind``; the operators in
+:mod:`geomopt.geometry` receive their ``model_dump()`` dicts.
 """
 
 from __future__ import annotations

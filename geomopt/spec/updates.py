@@ -1,7 +1,6 @@
 """Directions, schedules, post-stages and weight decay: the parts of a step around its geometry.
 
-Pydantic models of the spec language (:mod:`geomopt.spec.model` re-exports them), each kind
-discriminated on ``kind``.
+Pydantic models of the spec language, each kind discriminated on ``kind``.
 """
 
 from __future__ import annotations
