@@ -3,7 +3,6 @@
 
 A rule is ``fn(ctx) -> iterable of (message, path)``; ``path`` locates the finding in the spec
 source (``("rules", 2, "constraint")``). Rules never raise for a bad spec: they report.
-
 """
 
 from __future__ import annotations
