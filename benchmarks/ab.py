@@ -1,6 +1,6 @@
 """A/B of two versions of geomopt in one process: this tree against a git commit's package.
 
-    python benchmarks/ab.py --base COMMIT [--model gpt2-small] [--spec geomopt/specs/muon.yaml] [--device cuda]
+    python benchmarks/ab.py --base COMMIT [--model gpt2-small] [--spec specs/muon.yaml] [--device cuda]
 
 The base commit's ``geomopt`` package is extracted (``git archive``) into a temporary folder and
 imported under the name ``geomopt_base``, so both versions, torch.optim.Muon and (on CUDA) both
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="git commit (or ref) to compare against")
     p.add_argument("--model", default="gpt-bench")
-    p.add_argument("--spec", default=str(ROOT / "geomopt" / "specs" / "muon.yaml"))
+    p.add_argument("--spec", default=str(ROOT / "specs" / "muon.yaml"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")

@@ -1,4 +1,4 @@
-"""The catalogue's figures: every spec in geomopt/specs/catalog/ against its independent reference
+"""The catalogue's figures: every spec in specs/catalog/ against its independent reference
 (the comparisons of tests/catalog_cases.py, which tests/test_catalog.py asserts), written to
 benchmarks/results/catalog.json, from which ``python scripts/readme_tables.py`` renders the README's
 catalogue table.
@@ -51,7 +51,7 @@ def versions() -> dict:
 def record(case, figures: dict) -> dict:
     """One case's entry: what was compared, how, and the measured figures per mode."""
     return dict(
-        key=case.key, spec=f"geomopt/specs/catalog/{case.key}.yaml", optimizer=case.optimizer, paper=case.paper,
+        key=case.key, spec=f"specs/catalog/{case.key}.yaml", optimizer=case.optimizer, paper=case.paper,
         url=case.url, reference=case.reference, kind=case.kind, model=case.model, steps=case.steps,
         same_as=case.same_as,
         modes={mode: dict(max_rel=r["max_rel"], worst_tensor=r["worst_tensor"], global_rel=r["global_rel"],

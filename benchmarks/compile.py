@@ -152,7 +152,7 @@ SPEC = {
 }
 
 
-MUON = Path(__file__).resolve().parents[1] / "geomopt" / "specs" / "muon.yaml"
+MUON = Path(__file__).resolve().parents[1] / "specs" / "muon.yaml"
 
 
 def bench(blocks: int, runs: int, workload: str = "names") -> tuple[float, float, int]:

@@ -1,7 +1,7 @@
 """Distributed steps: per-rank orthogonalization time with 1 vs 2 ranks (DDP), and, with
 ``--layouts``, every layout of a 4-process world side by side.
 
-    python benchmarks/distributed.py [--model gpt-bench] [--spec geomopt/specs/muon.yaml …] [--ranks 1 2]
+    python benchmarks/distributed.py [--model gpt-bench] [--spec specs/muon.yaml …] [--ranks 1 2]
                                      [--device cpu|cuda] [--record NOTE]
     python benchmarks/distributed.py --layouts [--width 256] [--spec muon …] [--base COMMIT] [--record NOTE]
 
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         import _layouts
 
         return _layouts.main(args)
-    args.spec = args.spec or [str(ROOT / "geomopt" / "specs" / "muon.yaml"), str(ROOT / "geomopt" / "specs" / "spectral-clip.yaml")]
+    args.spec = args.spec or [str(ROOT / "specs" / "muon.yaml"), str(ROOT / "specs" / "spectral-clip.yaml")]
     if args.worker:
         worker(args)
         return 0

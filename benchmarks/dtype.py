@@ -38,7 +38,7 @@ def gflops(n: int, dtype: torch.dtype, device: str, reps: int) -> float:
 
 
 def muon_spec(dtype: str) -> dict:
-    spec = geomopt.load_spec(ROOT / "geomopt" / "specs" / "muon.yaml").model_dump()
+    spec = geomopt.load_spec(ROOT / "specs" / "muon.yaml").model_dump()
     for rule in spec["rules"]:
         if (rule["geometry"].get("approx") or {}).get("kind") == "newton_schulz":
             rule["geometry"]["approx"]["dtype"] = dtype

@@ -67,7 +67,7 @@ def measure(width: int, iters: int, base_pkg=None) -> tuple[list[tuple[str, floa
             ("SGD (momentum, foreach)", torch.optim.SGD(plain(fresh()), lr=1e-3, momentum=0.9, foreach=True).step),
             ("check (geomopt's finiteness test alone)", lambda: bool(_sum_finite(check_grads)))]
     for spec in SPECS:
-        path = str(ROOT / "geomopt" / "specs" / f"{spec}.yaml")
+        path = str(ROOT / "specs" / f"{spec}.yaml")
         rows.append((f"geomopt {spec}", geomopt.GeomOptimizer(fresh(), path).step))
         if base_pkg is not None:
             rows.append((f"base {spec}", base_pkg.GeomOptimizer(fresh(), path).step))

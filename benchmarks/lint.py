@@ -2,7 +2,7 @@
 
     python benchmarks/lint.py [--runs 5] [--size 1000000] [--quick] [--record NOTE]
 
-Rows: the shipped ``geomopt/specs/muon.yaml`` and ``muon.geom``, and generated YAML and DSL specs of
+Rows: the shipped ``specs/muon.yaml`` and ``muon.geom``, and generated YAML and DSL specs of
 about ``--size`` bytes (the loader refuses more than 1 MiB) with thousands of rules that touch
 every spec-only lint rule (findings included: the reporters' cost is part of a lint). Each figure
 is the median wall time of ``python -m geomopt lint SPEC`` over ``--runs`` processes, start-up
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     runs, size = (1, 20_000) if args.quick else (args.runs, args.size)
     with tempfile.TemporaryDirectory() as tmp:
-        cases = [(f"geomopt/specs/muon{ext}", ROOT / "geomopt" / "specs" / f"muon{ext}") for ext in (".yaml", ".geom")]
+        cases = [(f"specs/muon{ext}", ROOT / "specs" / f"muon{ext}") for ext in (".yaml", ".geom")]
         for name, make in (("generated.yaml", yaml_spec), ("generated.geom", dsl_spec)):
             path = Path(tmp) / name
             path.write_text(make(size), encoding="utf-8")

@@ -3,7 +3,7 @@ HF GPT-2 (2 layers, built from a config: random init, nothing downloaded) at two
 
     python benchmarks/memory.py [--specs muon examples/adam-all ...] [--quick] [--record NOTE]
 
-Every shipped spec by default (geomopt/specs/*.yaml and geomopt/specs/examples/*.yaml). "Held" is every tensor
+Every shipped spec by default (specs/*.yaml and specs/examples/*.yaml). "Held" is every tensor
 storage reachable from the optimizer object (its ``state``, stacked ``_buffers``, workspace,
 graphs, … found by walking its attributes), each storage counted once, parameters and gradients
 excluded, after 3 steps (forward, backward, step on a random token batch) so that lazily created
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import emit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECS = sorted(str(p.relative_to(ROOT / "geomopt" / "specs"))[:-len(".yaml")] for p in (ROOT / "geomopt" / "specs").rglob("*.yaml"))
+SPECS = sorted(str(p.relative_to(ROOT / "specs"))[:-len(".yaml")] for p in (ROOT / "specs").rglob("*.yaml"))
 WIDTHS = [(384, 8192), (768, 50257)]  # (n_embd, vocab)
 QUICK_WIDTHS = [(64, 512)]
 MiB = 2 ** 20
@@ -185,7 +185,7 @@ def worker(job: dict) -> dict:
     config = transformers.GPT2Config(n_layer=2, n_embd=width, n_head=max(1, width // 64), vocab_size=vocab,
                                      n_positions=seq)
     model = transformers.GPT2LMHeadModel(config).float()
-    spec = ROOT / "geomopt" / "specs" / f"{job['spec']}.yaml"
+    spec = ROOT / "specs" / f"{job['spec']}.yaml"
     geo = geomopt.GeomOptimizer(model, str(spec))
     named = dict(model.named_parameters())
     buckets: dict[str, int] = {}
@@ -242,7 +242,7 @@ def breakdown(by_label: dict[str, int]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--specs", nargs="+", default=SPECS, help="shipped spec names (geomopt/specs/NAME.yaml)")
+    p.add_argument("--specs", nargs="+", default=SPECS, help="shipped spec names (specs/NAME.yaml)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="tiny sizes (width 64, vocab 512) for a smoke test")
     p.add_argument("--record", metavar="NOTE", help="append the tables to benchmarks/RESULTS.md with this note")

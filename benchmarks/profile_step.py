@@ -1,6 +1,6 @@
 """Where one optimizer step spends its time: host (Python, dispatch) against device (kernels).
 
-    python benchmarks/profile_step.py [--model gpt-bench] [--spec geomopt/specs/muon.yaml] [--device cpu|cuda]
+    python benchmarks/profile_step.py [--model gpt-bench] [--spec specs/muon.yaml] [--device cpu|cuda]
 
 Prints the host time of ``step()`` (time to return, no synchronization), the step's time to
 completion, and torch.profiler's top operators by self device time (CUDA) or self CPU time. A
@@ -26,7 +26,7 @@ from geomopt.cli.bench import Timer, device_name, hidden_matrices
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt-bench")
-    p.add_argument("--spec", default=str(Path(__file__).resolve().parents[1] / "geomopt" / "specs" / "muon.yaml"))
+    p.add_argument("--spec", default=str(Path(__file__).resolve().parents[1] / "specs" / "muon.yaml"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--rows", type=int, default=25)
     args = p.parse_args(argv)

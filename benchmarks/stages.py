@@ -5,7 +5,7 @@ the same tensors.
 
 Every parameter of an HF GPT-2 (2 layers, built from a config: random init, nothing downloaded)
 gets a fixed random gradient; each optimizer steps its own copy, round-robin (the machine's drift
-hits every row alike), medians after 3 warm-up steps. Each variant is ``geomopt/specs/muon.yaml`` with
+hits every row alike), medians after 3 warm-up steps. Each variant is ``specs/muon.yaml`` with
 its hidden rule changed: NorMuon adds ``post: [second_moment(axis=row), rms_match(target=input)]``,
 AdaMuon ``post: [second_moment(axis=element, bias_correction), rms_match(target=polar)]`` with
 AdaMuon's momentum (α = 0.1, no Nesterov), "cautious" adds ``post: [cautious]`` and "cautious
@@ -33,7 +33,7 @@ def variants() -> list[tuple[str, dict]]:
     """(name, spec dict): the Muon spec and its staged variants."""
     import yaml
 
-    muon = yaml.safe_load((ROOT / "geomopt" / "specs" / "muon.yaml").read_text())
+    muon = yaml.safe_load((ROOT / "specs" / "muon.yaml").read_text())
 
     def hidden_with(name: str, **changes) -> dict:
         spec = copy.deepcopy(muon)

@@ -1,6 +1,6 @@
 """Optimizer step time against torch.optim.Muon and fused AdamW on the same tensors.
 
-    python benchmarks/step.py [--model gpt-bench] [--device cpu|cuda] [--spec geomopt/specs/muon.yaml …]
+    python benchmarks/step.py [--model gpt-bench] [--device cpu|cuda] [--spec specs/muon.yaml …]
 
 A thin wrapper over ``geomopt bench`` that also appends the table to benchmarks/RESULTS.md
 (``--record NOTE``).
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
     args = p.parse_args(argv)
-    specs = args.spec or [str(ROOT / "geomopt" / "specs" / "muon.yaml")]
+    specs = args.spec or [str(ROOT / "specs" / "muon.yaml")]
     rows = bench(args.model, specs, device=args.device, iters=args.iters)
     base = hidden_matrices(args.model, "meta", torch.float32)
     n = sum(math.prod(t.shape) for _, t in base)

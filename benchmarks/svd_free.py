@@ -1,6 +1,6 @@
 """SVD-free constrained steps against the exact ones and the unconstrained step.
 
-    python benchmarks/svd_free.py [--model gpt-bench] [--spec geomopt/specs/stiefel.yaml …] [--device cpu|cuda]
+    python benchmarks/svd_free.py [--model gpt-bench] [--spec specs/stiefel.yaml …] [--device cpu|cuda]
                                   [--record NOTE]
 
 For each spec, three optimizers step on copies of the model's hidden matrices (fixed random
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--record", metavar="NOTE")
     args = p.parse_args(argv)
-    specs = args.spec or [str(ROOT / "geomopt" / "specs" / "stiefel.yaml"), str(ROOT / "geomopt" / "specs" / "spectral-clip.yaml")]
+    specs = args.spec or [str(ROOT / "specs" / "stiefel.yaml"), str(ROOT / "specs" / "spectral-clip.yaml")]
     base = hidden_matrices(args.model, args.device, torch.float32)
     gen = torch.Generator().manual_seed(1)
     grads = [(torch.randn(t.shape, generator=gen) * 1e-3).to(args.device) for _, t in base]

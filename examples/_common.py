@@ -18,7 +18,7 @@ from pathlib import Path
 from geomopt.cli.demo import RECORD_REPEATS, machine, output_dir, source_version
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECS = ROOT / "geomopt" / "specs"
+SPECS = ROOT / "specs"
 RESULTS = Path(__file__).resolve().parent / "results"  # the committed results (written with --record only)
 
 
@@ -50,7 +50,7 @@ def resolve_output(parser, args, name: str) -> Path:
 
 
 def spec_path(name: str) -> Path:
-    """An example's own spec (geomopt/specs/examples/) or a shipped one (geomopt/specs/)."""
+    """An example's own spec (specs/examples/) or a shipped one (specs/)."""
     own = SPECS / "examples" / f"{name}.yaml"
     return own if own.exists() else SPECS / f"{name}.yaml"
 

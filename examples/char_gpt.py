@@ -4,7 +4,7 @@ paper's Appendix "NanoGPT" experiment, scaled down to text that ships with Pytho
 Model and data: geomopt.models.GPT (nanoGPT-style, GPT-2 parameter names; default 2 layers,
 4 heads, width 64, context 64) on pydoc's bundled topic help (the corpus of `geomopt demo`,
 90/10 train/validation split), byte level. The training loop, corpus and plot are
-geomopt.cli.demo's ``train``, ``corpus_bytes`` and ``plot``. Optimizers, each a spec in geomopt/specs/examples/ (or geomopt/specs/):
+geomopt.cli.demo's ``train``, ``corpus_bytes`` and ``plot``. Optimizers, each a spec in specs/examples/ (or specs/):
 
   uScion                  uscion.yaml                      unconstrained Scion (the paper's baseline)
   prox Frobenius 0.5ρ     prox-muon-frobenius.yaml         + proximal Frobenius ball at half the lmo radius,

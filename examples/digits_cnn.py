@@ -2,7 +2,7 @@
 ships with scikit-learn: the 8×8 handwritten digits, 1797 images, 10 classes).
 
 Model: geomopt.models.SmallCNN (three 3×3 conv layers with BatchNorm, width 32/64/64, a linear
-head). Optimizers, each a spec in geomopt/specs/examples/ (or geomopt/specs/):
+head). Optimizers, each a spec in specs/examples/ (or specs/):
 
   uScion                        digits-uscion.yaml              unconstrained Scion (ρ_l = 1, ρ_L = 10)
   + spectral clip               digits-spectral-clip.yaml       + projection onto the spectral ball at the lmo radius

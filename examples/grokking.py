@@ -11,8 +11,8 @@ are close to width 128's (`--width 128` restores it). An epoch is one pass over 
 (⌈4656 / 512⌉ = 10 steps). Optimizers (the paper's Figure "grokking"):
 
   AdamW            torch.optim.AdamW(lr 1e-3, betas (0.9, 0.98), weight decay 1.0) — torch_grokking's setting
-  uScion           geomopt/specs/examples/grokking-uscion.yaml (ρ_l = 1 on hidden matrices, ρ_L = 10 on the head)
-  uScion + clip    geomopt/specs/examples/grokking-spectral-clip.yaml (+ spectral-ball clipping of the hidden
+  uScion           specs/examples/grokking-uscion.yaml (ρ_l = 1 on hidden matrices, ρ_L = 10 on the head)
+  uScion + clip    specs/examples/grokking-spectral-clip.yaml (+ spectral-ball clipping of the hidden
                    matrices at the lmo radius; no constraint on the embedding)
 
 Metric: epochs to 95% validation accuracy (capped at --max-epochs, 500 as in the paper; a run

@@ -6,7 +6,7 @@ layers, width 64, 4 heads (2 key/value heads), 4 experts of width 128, top-2 rou
 ``gate_up_proj`` (4, 256, 64) holds every expert's gate and up projections, ``down_proj``
 (4, 64, 128) their down projections; ``mlp.gate`` is the router (4, 64).
 
-``geomopt/specs/muon.yaml`` names no parameter: its rules match roles (embedding, head, router, hidden,
+``specs/muon.yaml`` names no parameter: its rules match roles (embedding, head, router, hidden,
 expert), which geomopt infers from the model's structure, and its spectral rule reads the matrix
 ``view: auto``, so each expert's matrix is orthogonalized on its own (gate_up_proj: each expert's
 gate and up halves, 8 matrices of 128×64), the router and the head get AdamW. The routing table
@@ -18,7 +18,7 @@ linear decay to 10% of the lr; the training loss adds Mixtral's load-balancing l
 (router_aux_loss_coef 0.001), the reported validation loss is the cross-entropy alone
 (nats/byte, 4 fixed batches of 64). Optimizers:
 
-  muon.yaml   geomopt/specs/muon.yaml (lr 0.02 on hidden and expert matrices, AdamW lr 1e-3 elsewhere)
+  muon.yaml   specs/muon.yaml (lr 0.02 on hidden and expert matrices, AdamW lr 1e-3 elsewhere)
   AdamW       torch.optim.AdamW(lr 3e-3, betas (0.9, 0.95), weight decay 0.1) — as `geomopt demo`
 
 Newton–Schulz dtype: muon.yaml leaves it at ``auto``, bf16 on CUDA (as torch.optim.Muon) and
@@ -138,11 +138,11 @@ def main(argv=None) -> int:
         "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=args.adamw_lr, betas=(0.9, 0.95), weight_decay=0.1),
     }
     describe = {
-        "muon.yaml": f"`geomopt/specs/muon.yaml` (Newton–Schulz in {dtype})",
+        "muon.yaml": f"`specs/muon.yaml` (Newton–Schulz in {dtype})",
         "AdamW": f"AdamW (lr {args.adamw_lr:g}, betas (0.9, 0.95), wd 0.1)",
     }
     routing = routing_rows(geomopt.GeomOptimizer(build_model(args), spec).plan)
-    print("\n== routing of geomopt/specs/muon.yaml on Mixtral (layer 0 and the tensors outside the layers)")
+    print("\n== routing of specs/muon.yaml on Mixtral (layer 0 and the tensors outside the layers)")
     cols = ("parameter", "shape", "role", "rule", "geometry", "view")
     width = {k: max(len(k), *(len(str(r[k])) for r in routing)) for k in cols}
     print("  ".join(k.ljust(w) for k, w in width.items()))

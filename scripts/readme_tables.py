@@ -265,8 +265,8 @@ DIGITS_NAMES = {"+ Frobenius (Euclidean proj.)": "+ Frobenius ball, Euclidean pr
 
 
 def spec_name(path: str) -> str:
-    """A spec's path as recorded (``specs/…`` before the repository's ``specs`` link was removed,
-    ``geomopt/specs/…`` since), relative to the shipped specs' folder."""
+    """A spec's path as recorded (``specs/…``; ``geomopt/specs/…`` while the specs lived inside the
+    package), relative to the shipped specs' folder."""
     return path.removeprefix("geomopt/").removeprefix("specs/")
 
 

@@ -1,4 +1,4 @@
-"""The catalogue's comparisons: every spec in geomopt/specs/catalog/ against an independent
+"""The catalogue's comparisons: every spec in specs/catalog/ against an independent
 implementation of the optimizer it names, on the same model, the same initial weights and the same
 batches. Shared by tests/test_catalog.py (which asserts each case's bound) and benchmarks/catalog.py
 (which writes the measured figures to benchmarks/results/catalog.json for the README's table).
@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-CATALOG = ROOT / "geomopt" / "specs" / "catalog"
-SHIPPED = ROOT / "geomopt" / "specs"
+CATALOG = ROOT / "specs" / "catalog"
+SHIPPED = ROOT / "specs"
 if str(Path(__file__).parent) not in sys.path:  # test_equivalence's Scion transcription, from the script too
     sys.path.insert(0, str(Path(__file__).parent))
 
@@ -376,7 +376,7 @@ class Case:
     ``loss`` lets each model take the gradient of its own next-token loss on the step's fixed batch
     (the two training trajectories; differences feed back through the gradients)."""
 
-    key: str  # the spec's file name in geomopt/specs/catalog/, without .yaml
+    key: str  # the spec's file name in specs/catalog/, without .yaml
     optimizer: str
     paper: str
     url: Optional[str]  # arXiv (or the authors') URL; None where there is no paper to link
@@ -392,7 +392,7 @@ class Case:
     steps: int = 6
     spec_edit: Optional[Callable[[dict], dict]] = None
     patches: tuple = ()  # (module, attribute, original → replacement)
-    same_as: Optional[str] = None  # the shipped spec (geomopt/specs/) this one must equal
+    same_as: Optional[str] = None  # the shipped spec (specs/) this one must equal
 
     @property
     def path(self) -> Path:

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from geomopt.models import GPT, GPTConfig, MLP
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECS = ROOT / "geomopt" / "specs"
+SPECS = ROOT / "specs"
 SHIPPED = sorted(SPECS.glob("*.yaml"))
 
 # CPU always; CUDA cases only where a GPU exists (not a skip of a CPU case)

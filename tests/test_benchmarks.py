@@ -50,7 +50,7 @@ def test_profile_script_splits_host_and_completion(capsys):
 @pytest.mark.parametrize("spec", ["muon", "sign-descent"])
 def test_step_script_times_against_muon_and_adamw(spec, capsys):
     root = BENCH.parent
-    assert _script("step").main(["--model", "gpt", "--iters", "2", "--spec", str(root / "geomopt" / "specs" / f"{spec}.yaml")]) == 0
+    assert _script("step").main(["--model", "gpt", "--iters", "2", "--spec", str(root / "specs" / f"{spec}.yaml")]) == 0
     out = capsys.readouterr().out
     names = re.findall(r"^\| ([^|]+?) \| [\d.]+ \|", out, flags=re.M)
     assert names == ["torch.optim.Muon", "AdamW (fused)", f"geomopt {spec}"], out
@@ -88,7 +88,7 @@ def test_dtype_script_times_the_shipped_auto_against_forced_bf16(capsys):
 def test_lint_script_times_shipped_and_generated_specs(capsys):
     assert _script("lint").main(["--quick"]) == 0
     rows = re.findall(r"^\| (\S+) \| [\d.]+ kB \| (\d+) \| [\d.]+ \| [\d.]+ \| (yes|no) \|", capsys.readouterr().out, flags=re.M)
-    assert [r[0] for r in rows] == ["geomopt/specs/muon.yaml", "geomopt/specs/muon.geom", "generated.yaml", "generated.geom"], rows
+    assert [r[0] for r in rows] == ["specs/muon.yaml", "specs/muon.geom", "generated.yaml", "generated.geom"], rows
     assert all(int(r[1]) >= 4 for r in rows)
     assert [r[2] for r in rows] == ["no"] * 4  # lint without a model never imports torch
 

@@ -1,4 +1,4 @@
-"""The catalogue of published optimizers (geomopt/specs/catalog/): each spec against an independent
+"""The catalogue of published optimizers (specs/catalog/): each spec against an independent
 implementation (a package, or a transcription of the paper's update rule, tests/catalog_cases.py),
 and each spec lints clean, round-trips through the DSL, and holds the state its algorithm needs.
 
@@ -48,7 +48,7 @@ def test_every_catalogue_spec_has_a_case_and_a_header():
     for case in CASES:
         text = case.path.read_text(encoding="utf-8")
         header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
-        assert text.startswith("# yaml-language-server: $schema=../../../schema/geomopt-1.schema.json\n"), case.key
+        assert text.startswith("# yaml-language-server: $schema=../../schema/geomopt-1.schema.json\n"), case.key
         assert "Reference:" in header and re.search(r"\bRules?\b", header), case.key
         arxiv = re.search(r"arxiv\.org/abs/(\d{4}\.\d{4,5})", case.url or "")
         if arxiv:  # the header cites the paper the table links to
@@ -62,10 +62,10 @@ def test_package_data_and_test_extra():
         import tomllib
 
         data = tomllib.loads(text)
-        assert "specs/catalog/*" in data["tool"]["setuptools"]["package-data"]["geomopt"]
+        assert data["tool"]["setuptools"]["package-data"]["geomopt.specs.catalog"] == ["*"]
         test = " ".join(data["project"]["optional-dependencies"]["test"])
     else:  # pragma: no cover
-        assert '"specs/catalog/*"' in text
+        assert '"geomopt.specs.catalog" = ["*"]' in text
         test = text
     assert "lion-pytorch" in test and "pytorch-optimizer" in test
 

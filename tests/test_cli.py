@@ -23,8 +23,8 @@ from geomopt.models import MODELS
 from geomopt.spec.diagnostics import LANGUAGE_CODES
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECS = sorted(str(p) for p in (ROOT / "geomopt" / "specs").glob("*.yaml"))
-USCION = str(ROOT / "geomopt" / "specs" / "uscion.yaml")
+SPECS = sorted(str(p) for p in (ROOT / "specs").glob("*.yaml"))
+USCION = str(ROOT / "specs" / "uscion.yaml")
 TEXT_LINE = re.compile(r"^(?P<file>.+?):(?P<line>\d+):(?P<col>\d+): (?P<sev>error|warning|note) (?P<code>GO\d{3}) (?P<msg>.+)$")
 
 # A spec with an error (GO101: biases unmatched) and a warning (GO102: a rule that matches nothing)
@@ -209,7 +209,7 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["pt", "safetensors"])
 def test_lint_against_a_checkpoint(capsys, checkpoints, kind, bad):
     path = checkpoints[kind]
-    normalized = str(ROOT / "geomopt" / "specs" / "normalized-sgd.yaml")
+    normalized = str(ROOT / "specs" / "normalized-sgd.yaml")
     assert run(capsys, "lint", normalized, "--checkpoint", path) == (0, "", "")
     # roles from names and shapes are guesses: noted, not an error
     code, out, _ = run(capsys, "lint", USCION, "--checkpoint", path, "--strict")
@@ -224,14 +224,14 @@ def test_lint_against_a_checkpoint(capsys, checkpoints, kind, bad):
 
 @pytest.mark.parametrize("kind", ["pt", "safetensors"])
 def test_plan_from_a_checkpoint_uses_names_and_shapes(capsys, checkpoints, kind):
-    normalized = str(ROOT / "geomopt" / "specs" / "normalized-sgd.yaml")
+    normalized = str(ROOT / "specs" / "normalized-sgd.yaml")
     code, out, _ = run(capsys, "plan", normalized, "--checkpoint", checkpoints[kind], "--format", "json")
     assert code == 0
     rows = {r["name"]: r for r in json.loads(out)}
     model = checkpoints["model"]
     assert {n: tuple(r["shape"]) for n, r in rows.items()} == {n: tuple(p.shape) for n, p in model.named_parameters()}
     # a spec by roles: the guessed roles keep embeddings, head and norms off the spectral rule
-    code, out, _ = run(capsys, "plan", str(ROOT / "geomopt" / "specs" / "muon.yaml"), "--checkpoint", checkpoints[kind], "--format", "json")
+    code, out, _ = run(capsys, "plan", str(ROOT / "specs" / "muon.yaml"), "--checkpoint", checkpoints[kind], "--format", "json")
     assert code == 0
     rules = {r["name"]: r["rule"] for r in json.loads(out)}
     assert rules["transformer.wte.weight"] == rules["transformer.wpe.weight"] == "embeddings"
@@ -464,16 +464,16 @@ def test_entry_point_reports_user_mistakes_without_traceback(tmp_path):
 
 
 def test_lint_accepts_directories_as_linters_do(capsys, tmp_path):
-    """`geomopt lint geomopt/specs/*` meets geomopt/specs/examples/: a directory stands for the spec files in it."""
+    """`geomopt lint specs/*` meets specs/examples/: a directory stands for the spec files in it."""
     nested = tmp_path / "a" / "b"
     nested.mkdir(parents=True)
-    (nested / "x.yaml").write_text((ROOT / "geomopt" / "specs" / "uscion.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    (nested / "x.yaml").write_text((ROOT / "specs" / "uscion.yaml").read_text(encoding="utf-8"), encoding="utf-8")
     (nested / "notes.txt").write_text("not a spec", encoding="utf-8")
     (tmp_path / "a" / "bad.geom").write_text("geomopt 1\nname \"x\"\nrule r match \"*\"\n", encoding="utf-8")
     code, out, _ = run(capsys, "lint", str(tmp_path / "a"))
     assert code == 1
     assert "bad.geom" in out and "notes.txt" not in out
-    code, out, _ = run(capsys, "lint", *sorted(str(p) for p in (ROOT / "geomopt" / "specs").iterdir()))
+    code, out, _ = run(capsys, "lint", *sorted(str(p) for p in (ROOT / "specs").iterdir()))
     assert code == 0, out
 
 

@@ -19,7 +19,7 @@ from geomopt.support import supported_constraints
 from geomopt.models import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECS = sorted([*(ROOT / "geomopt" / "specs").glob("*.yaml"), *(ROOT / "geomopt" / "specs").glob("*.geom")])  # YAML and DSL
+SPECS = sorted([*(ROOT / "specs").glob("*.yaml"), *(ROOT / "specs").glob("*.geom")])  # YAML and DSL
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_shipped_specs_compile_on_hugging_face_gpt2(spec_path, hf_gpt2):
 
 
 def test_hugging_face_conv1d_gets_the_true_scion_radius(hf_gpt2):
-    plan = compile_spec(ROOT / "geomopt" / "specs" / "scion.yaml", hf_gpt2)
+    plan = compile_spec(ROOT / "specs" / "scion.yaml", hf_gpt2)
     for layer in range(2):
         for suffix in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
             p = plan[f"transformer.h.{layer}.{suffix}.weight"]
@@ -94,7 +94,7 @@ def test_hugging_face_conv1d_gets_the_true_scion_radius(hf_gpt2):
     assert plan["transformer.h.0.attn.c_attn.weight"].radius == pytest.approx(1.0)  # 64 / 64 per block
     assert plan["transformer.h.0.mlp.c_proj.weight"].radius == pytest.approx(0.5)  # 64 / 256
     # the nanoGPT reference model stores the same weights as (d_out, d_in): same radii, no transpose
-    ours = compile_spec(ROOT / "geomopt" / "specs" / "scion.yaml", MODELS["gpt"]())
+    ours = compile_spec(ROOT / "specs" / "scion.yaml", MODELS["gpt"]())
     for p in plan:
         if p.rule == "hidden":
             assert ours[p.name].radius == pytest.approx(p.radius) and not ours[p.name].transpose
@@ -265,7 +265,7 @@ def test_relative_constraints_split_buckets_by_resolved_radius():
 def test_table_has_one_line_per_tensor_and_a_summary():
     model = MODELS["gpt"]()
     model.transformer.wpe.weight.requires_grad_(False)
-    plan = compile_spec(ROOT / "geomopt" / "specs" / "uscion.yaml", model)
+    plan = compile_spec(ROOT / "specs" / "uscion.yaml", model)
     lines = plan.table().splitlines()
     header = lines[0].split()
     assert header == ["parameter", "shape", "role", "rule", "geometry", "view", "constraint", "lr", "radius", "bucket"]
@@ -286,7 +286,7 @@ def test_table_has_one_line_per_tensor_and_a_summary():
 def test_table_shows_aliases_and_constraints():
     model = MODELS["gpt"]()
     model.lm_head.weight = model.transformer.wte.weight
-    plan = compile_spec(ROOT / "geomopt" / "specs" / "spectral-clip.yaml", model)
+    plan = compile_spec(ROOT / "specs" / "spectral-clip.yaml", model)
     text = plan.table()
     assert "transformer.wte.weight (= lm_head.weight)" in text
     assert "spectral_ball(radius=" in text and "relative" not in text.split("\n")[2]
@@ -295,7 +295,7 @@ def test_table_shows_aliases_and_constraints():
 
 def test_summary_counts_tensors_and_elements_per_rule():
     model = MODELS["mlp"]()
-    plan = compile_spec(ROOT / "geomopt" / "specs" / "uscion.yaml", model)
+    plan = compile_spec(ROOT / "specs" / "uscion.yaml", model)
     rows = {r["rule"]: r for r in plan.summary()}
     assert sum(r["tensors"] for r in rows.values()) == len(plan)
     assert sum(r["elements"] for r in rows.values()) == sum(p.numel() for p in model.parameters())
@@ -396,7 +396,7 @@ def test_every_blocking_finding_is_reported_at_once():
 
 def test_compile_from_a_path_a_dict_and_a_spec_agree():
     model = MODELS["gpt"]()
-    path = ROOT / "geomopt" / "specs" / "prox-muon-frobenius.yaml"
+    path = ROOT / "specs" / "prox-muon-frobenius.yaml"
     spec = geomopt.load_spec(path)
     plans = [compile_spec(s, model) for s in (path, str(path), spec.model_dump(), spec)]
     for plan in plans[1:]:
@@ -418,7 +418,7 @@ def test_compile_rejects_what_is_not_a_spec():
 
 def test_iterable_of_name_tensor_pairs():
     model = MODELS["gpt"]()
-    spec = geomopt.load_spec(ROOT / "geomopt" / "specs" / "normalized-sgd.yaml")
+    spec = geomopt.load_spec(ROOT / "specs" / "normalized-sgd.yaml")
     from_module = compile_spec(spec, model)
     from_pairs = compile_spec(spec, model.named_parameters())  # a generator
     assert from_pairs.params == from_module.params
@@ -428,7 +428,7 @@ def test_iterable_of_name_tensor_pairs():
 
 
 def test_compile_rejects_pairs_that_are_not_tensors():
-    spec = geomopt.load_spec(ROOT / "geomopt" / "specs" / "normalized-sgd.yaml")
+    spec = geomopt.load_spec(ROOT / "specs" / "normalized-sgd.yaml")
     with pytest.raises(TypeError, match="not a torch.Tensor"):
         compile_spec(spec, [("a", [1.0, 2.0])])
     with pytest.raises(TypeError, match="iterable of \\(name, tensor\\)"):

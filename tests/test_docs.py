@@ -67,7 +67,8 @@ def test_a_page_per_lint_rule(generated):
     for code, rule in rules.items():
         page = pages[f"lint/{code}.md"]
         assert page.startswith(f"# {code} {rule.name}\n") and "## What it does" in page
-        assert "## Example" in page, code  # every rule shows a bad (or illustrative) example
+        for heading in ("## Why is this bad?", "## Example", "## Use instead", "## How to suppress it"):
+            assert heading in page, (code, heading)  # ruff's form (tests/test_lint_pages.py checks the examples)
         assert f"[{code}]({code}.md)" in pages["lint/index.md"]
 
 
@@ -81,6 +82,8 @@ def test_rule_docstring_parts_are_parsed(generated):
     assert parts["parts"] == [("bad", "`x: 1`."), ("fixed", "`x: 2`.")]
     with pytest.raises(ValueError, match="Bad"):
         module.parse_rule_doc("A rule without an example.")
+    with pytest.raises(ValueError, match="a why"):
+        module.parse_rule_doc("A thing that is wrong.\n\nBad: ``x: 1``.")
 
 
 def test_every_kind_of_every_field_is_documented(generated):
@@ -125,5 +128,6 @@ def test_readme_is_short_and_keeps_its_set_up_commands():
 
 
 def test_no_symlinks_at_the_root():
-    """Symlinks break Windows checkouts: the shipped specs and grammars live in the package only."""
+    """Symlinks break Windows checkouts: specs/ and grammars/ are real folders, which the wheel installs
+    inside the package (pyproject.toml's package-dir)."""
     assert not [p.name for p in ROOT.iterdir() if p.is_symlink()]

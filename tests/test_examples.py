@@ -17,7 +17,7 @@ import torch
 import geomopt
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECS = ROOT / "geomopt" / "specs"
+SPECS = ROOT / "specs"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -54,7 +54,7 @@ def test_grokking_quick(tmp_path):
     rec = _run("grokking.py", tmp_path)
     summary, runs = rec["results"]["summary"], rec["results"]["runs"]
     assert list(summary) == ["AdamW", "uScion", "uScion + spectral clip"]
-    assert summary["uScion"]["spec"] == "geomopt/specs/examples/grokking-uscion.yaml"
+    assert summary["uScion"]["spec"] == "specs/examples/grokking-uscion.yaml"
     cap = rec["settings"]["max_epochs"]
     assert rec["results"]["complete"] is True and rec["threads"] == 1
     for r in runs:

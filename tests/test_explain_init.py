@@ -17,7 +17,7 @@ from geomopt.compile.explain import RECIPES
 from geomopt.models import MODELS
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-MUON = str(Path(__file__).resolve().parents[1] / "geomopt" / "specs" / "muon.yaml")
+MUON = str(Path(__file__).resolve().parents[1] / "specs" / "muon.yaml")
 
 MOE_FACTORY = textwrap.dedent('''
     import torch

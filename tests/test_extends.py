@@ -24,7 +24,7 @@ from geomopt.spec.schema import schema_text
 from geomopt.spec.validate import source_of
 from geomopt.spec.yaml_front import parse_yaml
 
-SPECS = Path(geomopt.__file__).parent / "specs"
+SPECS = Path(__file__).resolve().parents[1] / "specs"
 MUON_RULES = ["embeddings", "head", "hidden", "rest"]
 
 

@@ -25,7 +25,7 @@ from geomopt.spec.validate import parse_spec, source_of
 from test_spec_roundtrip import specs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SPECS = ROOT / "geomopt" / "specs"
+SPECS = ROOT / "specs"
 SHIPPED = sorted([*SPECS.glob("*.yaml"), *SPECS.glob("*.geom"), *(SPECS / "examples").glob("*.yaml")])
 IDS = [str(p.relative_to(SPECS)) for p in SHIPPED]
 OTHER = {".yaml": ".geom", ".geom": ".yaml"}

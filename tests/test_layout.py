@@ -24,9 +24,12 @@ def test_no_symlink_at_the_repository_root():
 
 
 def test_every_spec_folder_ships_with_the_package():
-    """The wheel carries every spec the docs and examples name by path (package data)."""
+    """The wheel carries every spec the docs and examples name by path: each folder under specs/ is a
+    package of its own, with all its files as package data (tests/test_wheel.py builds the wheel)."""
     tomllib = pytest.importorskip("tomllib")  # Python ≥ 3.11 (this project's CI and machines)
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    patterns = data["tool"]["setuptools"]["package-data"]["geomopt"]
-    folders = {p.parent.relative_to(ROOT / "geomopt").as_posix() for p in (ROOT / "geomopt" / "specs").rglob("*.yaml")}
-    assert folders and all(f"{folder}/*" in patterns for folder in folders), (folders, patterns)
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    folders = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "specs").rglob("*.yaml")}
+    packages = {"geomopt." + folder.replace("/", ".") for folder in folders}
+    assert "geomopt.specs.catalog" in packages and packages <= set(setuptools["packages"]), (packages, setuptools)
+    assert all(setuptools["package-data"][p] == ["*"] for p in packages), setuptools["package-data"]
+    assert setuptools["package-dir"] == {"geomopt.specs": "specs", "geomopt.grammars": "grammars"}

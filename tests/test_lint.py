@@ -20,7 +20,7 @@ from geomopt.models import MODELS
 from geomopt.spec.diagnostics import LANGUAGE_CODES
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECS = sorted([*(ROOT / "geomopt" / "specs").glob("*.yaml"), *(ROOT / "geomopt" / "specs").glob("*.geom")])  # YAML and DSL
+SPECS = sorted([*(ROOT / "specs").glob("*.yaml"), *(ROOT / "specs").glob("*.geom")])  # YAML and DSL
 
 HEAD = "geomopt: 1\nname: t\nrules:\n"  # rules start on line 4; the list itself sits at 4:3
 

@@ -24,7 +24,7 @@ from geomopt.spec.diagnostics import SpecError
 from geomopt.spec.validate import parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = sorted((ROOT / "geomopt" / "specs").glob("*.yaml")) + sorted((ROOT / "geomopt" / "specs").glob("*.geom"))
+SHIPPED = sorted((ROOT / "specs").glob("*.yaml")) + sorted((ROOT / "specs").glob("*.geom"))
 
 
 def _bench():
@@ -140,7 +140,7 @@ def _both(text: str):
     return fast, ref
 
 
-CORPUS = [p.read_text(encoding="utf-8") for p in sorted((ROOT / "geomopt" / "specs").glob("*.yaml"))] + [
+CORPUS = [p.read_text(encoding="utf-8") for p in sorted((ROOT / "specs").glob("*.yaml"))] + [
     "a: &x [1, {b: 2}]\nc: *x\nd: *x\n",  # aliases: new containers, positions of the anchor
     "x: &a {y: &b [1]}\nz: *b\nw: *a\n",
     "1: a\n1.5: b\nnull: c\ntrue: d\n'q': e\n",  # keys that are not strings keep their text
@@ -173,7 +173,7 @@ def test_fast_path_steps_aside_where_the_parsers_differ(text):
 _PIECES = ["- ", ": ", "&a ", "*a", "!!str ", "! ", "{", "}", "[", "]", ",", "? ", "|", ">-", "'", '"', "\\",
            "\\x41", "\t", "\n", "\r\n", "\x85", "\u2028", "\ufeff", "#", " # c", "---", "...", "a", "1e-3", "0x1F",
            ".inf", "~", "null", "true", "yes", "10:30", "é", "  ", "    ", "\x07", "<<: ", "a:b", "?"]
-_TEXTS = [p.read_text(encoding="utf-8") for p in sorted((ROOT / "geomopt" / "specs").glob("*.yaml"))]
+_TEXTS = [p.read_text(encoding="utf-8") for p in sorted((ROOT / "specs").glob("*.yaml"))]
 
 
 @st.composite

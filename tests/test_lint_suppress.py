@@ -25,7 +25,7 @@ from geomopt.models import MODELS, SmallCNN
 from geomopt.spec.diagnostics import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "geomopt" / "specs"
+SHIPPED = ROOT / "specs"
 GO107 = ("geomopt: 1\nname: t\nrules:\n  - name: hidden\n    match: \"**\"\n    geometry:\n      kind: spectral\n"
          "      reference: {kind: log_barrier}{COMMENT}\n      approx: {kind: polar_express, steps: 5}\n"
          "    constraint: {kind: frobenius_ball, radius: 1.0}\n")  # GO107 at 8:18

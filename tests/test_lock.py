@@ -22,7 +22,7 @@ from geomopt.optim.checkpoint import spec_hash
 from geomopt.spec.validate import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-MUON = ROOT / "geomopt" / "specs" / "muon.yaml"
+MUON = ROOT / "specs" / "muon.yaml"
 MUON_TEXT = MUON.read_text(encoding="utf-8")
 HIDDEN_MATCH = "match: {role: [hidden, expert]}"
 assert HIDDEN_MATCH in MUON_TEXT  # the edit below relies on it

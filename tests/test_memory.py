@@ -16,7 +16,7 @@ import torch
 import geomopt
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "geomopt" / "specs").rglob("*.yaml"))
+SHIPPED = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "specs").rglob("*.yaml"))
 
 
 def _held_storages():

@@ -269,7 +269,7 @@ def test_explain_says_what_auto_resolves_to_and_the_rule():
 @pytest.mark.parametrize("name", ["stiefel", "spectral-clip"])
 def test_lint_finds_the_same_with_auto_exact_and_polar(name):
     """No lint rule reads ``method``: a shipped spec (auto by default) lints as it did with exact."""
-    base = geomopt.load_spec(ROOT / "geomopt" / "specs" / f"{name}.yaml")
+    base = geomopt.load_spec(ROOT / "specs" / f"{name}.yaml")
     infos = model_params(_model())[0]
     data = base.model_dump()
     found = {}

@@ -203,7 +203,7 @@ def test_view_only_on_matrix_geometries():
 @pytest.mark.parametrize("stem", ["muon", "prox-muon-frobenius", "uscion"])
 def test_shipped_geom_twins_route_by_role(stem):
     """The hand-written .geom files equal their .yaml twins, roles and auto views included."""
-    geom = geomopt.load_spec(ROOT / "geomopt" / "specs" / f"{stem}.geom")
-    assert geom == geomopt.load_spec(ROOT / "geomopt" / "specs" / f"{stem}.yaml")
+    geom = geomopt.load_spec(ROOT / "specs" / f"{stem}.geom")
+    assert geom == geomopt.load_spec(ROOT / "specs" / f"{stem}.yaml")
     hidden = next(r for r in geom.rules if r.name == "hidden")
     assert hidden.match.role == ["hidden", "expert"] and hidden.geometry.view == AutoView()

@@ -524,7 +524,7 @@ def test_structures_match_the_table(arch):
 @pytest.mark.parametrize("spec_name", SPECTRAL_SPECS)
 def test_spectral_specs_route_by_role(spec_name, arch):
     model = build(arch)
-    spec = geomopt.load_spec(ROOT / "geomopt" / "specs" / f"{spec_name}.yaml")
+    spec = geomopt.load_spec(ROOT / "specs" / f"{spec_name}.yaml")
     spectral_rules = [r.name for r in spec.rules if r.geometry.kind == "spectral"]
     assert spectral_rules == ["hidden"]
     plan = compile_spec(spec, model)
@@ -558,13 +558,13 @@ def test_spectral_specs_route_by_role(spec_name, arch):
 def test_fused_projection_views_cut_the_right_rows():
     """The blocks are along the outputs in the operators' layout: GPT-2's Conv1D c_attn is (in, out)
     and transposed for the operators, the built-in gpt's (out, in) is not."""
-    hf = compile_spec(ROOT / "geomopt" / "specs" / "muon.yaml", build("hf-gpt2"))["transformer.h.0.attn.c_attn.weight"]
-    ours = compile_spec(ROOT / "geomopt" / "specs" / "muon.yaml", build("gpt"))["transformer.h.0.attn.c_attn.weight"]
+    hf = compile_spec(ROOT / "specs" / "muon.yaml", build("hf-gpt2"))["transformer.h.0.attn.c_attn.weight"]
+    ours = compile_spec(ROOT / "specs" / "muon.yaml", build("gpt"))["transformer.h.0.attn.c_attn.weight"]
     assert hf.shape == (32, 96) and hf.transpose and hf.op_shape == (96, 32)
     assert hf.geometry["view"]["blocks"] == [32, 32, 32]
     assert ours.shape == (192, 64) and not ours.transpose
     assert ours.geometry["view"]["blocks"] == [64, 64, 64]
-    mha = compile_spec(ROOT / "geomopt" / "specs" / "muon.yaml", build("transformer-encoder"))
+    mha = compile_spec(ROOT / "specs" / "muon.yaml", build("transformer-encoder"))
     mha = mha["encoder.layers.0.self_attn.in_proj_weight"]
     assert mha.shape == (96, 32) and mha.geometry["view"]["blocks"] == [32, 32, 32]
 
@@ -601,7 +601,7 @@ def test_muon_step_orthogonalizes_each_expert_and_each_gate_up_half():
         vocab_size=64, hidden_size=hidden, intermediate_size=inter, num_local_experts=n_experts,
         num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=16))
-    spec = geomopt.load_spec(ROOT / "geomopt" / "specs" / "muon.yaml").model_dump()
+    spec = geomopt.load_spec(ROOT / "specs" / "muon.yaml").model_dump()
     (rule,) = [r for r in spec["rules"] if r["name"] == "hidden"]
     rule["geometry"]["approx"]["dtype"] = "float32"  # Newton–Schulz in fp32 (muon.yaml: bf16)
     opt = geomopt.GeomOptimizer(model, spec)
@@ -655,7 +655,7 @@ def test_muon_step_orthogonalizes_each_expert_and_each_gate_up_half():
         assert _rel(update["gate_up_proj"][e], joint[e]) > 0.1, e
 
 
-ALL_SPECS = sorted(p.stem for p in (ROOT / "geomopt" / "specs").glob("*.yaml"))
+ALL_SPECS = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -663,7 +663,7 @@ ALL_SPECS = sorted(p.stem for p in (ROOT / "geomopt" / "specs").glob("*.yaml"))
 def test_shipped_specs_lint_clean(spec_name, arch):
     """No error and no warning for any shipped spec on any architecture: idle role rules (a model
     without embeddings or experts) are notes, and so is the adam geometry outside the theory."""
-    spec = geomopt.load_spec(ROOT / "geomopt" / "specs" / f"{spec_name}.yaml")
+    spec = geomopt.load_spec(ROOT / "specs" / f"{spec_name}.yaml")
     diags = lint_spec(spec, model_params(build(arch))[0])
     assert [d.format() for d in diags if d.severity != "note"] == []
     assert {d.code for d in diags} <= {"GO109", "GO111", "GO113", "GO125"}
@@ -738,7 +738,7 @@ def test_more_architectures_route_and_view_right(arch):
     t = _transformers()
     torch.manual_seed(0)
     model = MORE[arch](t)
-    plan = compile_spec(ROOT / "geomopt" / "specs" / "muon.yaml", model)
+    plan = compile_spec(ROOT / "specs" / "muon.yaml", model)
     for pp in plan:
         roles = set(pp.role.split("+"))
         spectral = pp.geometry["kind"] == "spectral"
@@ -749,5 +749,5 @@ def test_more_architectures_route_and_view_right(arch):
         pp = plan[name]
         assert describe(pp.geometry["view"], pp.op_shape) == view, name
         assert pp.radius == pytest.approx(radius), name
-    diags = lint_spec(geomopt.load_spec(ROOT / "geomopt" / "specs" / "muon.yaml"), model_params(model)[0])
+    diags = lint_spec(geomopt.load_spec(ROOT / "specs" / "muon.yaml"), model_params(model)[0])
     assert [d.format() for d in diags if d.severity != "note"] == []

@@ -390,7 +390,7 @@ def test_traced_roles_match_the_table(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("spec_name", SPECTRAL_SPECS)
 def test_spectral_specs_route_the_traced_roles(spec_name, arch):
-    plan = compile_spec(ROOT / "geomopt" / "specs" / f"{spec_name}.yaml", build(arch))
+    plan = compile_spec(ROOT / "specs" / f"{spec_name}.yaml", build(arch))
     views = VIEWS.get(arch, {})
     for pp in plan:
         roles = set(pp.role.split("+"))
@@ -405,7 +405,7 @@ def test_spectral_specs_route_the_traced_roles(spec_name, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("spec_name", ALL_SPECS)
 def test_shipped_specs_lint_clean(spec_name, arch):
-    spec = geomopt.load_spec(ROOT / "geomopt" / "specs" / f"{spec_name}.yaml")
+    spec = geomopt.load_spec(ROOT / "specs" / f"{spec_name}.yaml")
     diags = lint_spec(spec, model_params(build(arch))[0])
     assert [d.format() for d in diags if d.severity != "note"] == []
 

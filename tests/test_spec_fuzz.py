@@ -18,10 +18,10 @@ from geomopt.spec.diagnostics import LANGUAGE_CODES, SEVERITY_ORDER
 from geomopt.spec.yaml_front import YamlDumper, parse_yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SHIPPED = sorted((ROOT / "geomopt" / "specs").glob("*.yaml"))
+SHIPPED = sorted((ROOT / "specs").glob("*.yaml"))
 YAML_TEXTS = [p.read_text(encoding="utf-8") for p in SHIPPED]
 DSL_TEXTS = [geomopt.dump_spec(geomopt.load_spec(p), "dsl") for p in SHIPPED]
-DSL_TEXTS += [p.read_text(encoding="utf-8") for p in sorted((ROOT / "geomopt" / "specs").glob("*.geom"))]  # hand-written
+DSL_TEXTS += [p.read_text(encoding="utf-8") for p in sorted((ROOT / "specs").glob("*.geom"))]  # hand-written
 # spec-level roles and matrix views, which the shipped specs do not use
 ROLES_YAML = """geomopt: 1
 name: roles

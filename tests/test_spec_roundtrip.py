@@ -71,8 +71,8 @@ from geomopt.spec.schema import SCHEMA_PATH, schema_text
 from geomopt.spec.yaml_front import parse_yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SHIPPED = sorted((ROOT / "geomopt" / "specs").glob("*.yaml"))
-SHIPPED_DSL = sorted((ROOT / "geomopt" / "specs").glob("*.geom"))
+SHIPPED = sorted((ROOT / "specs").glob("*.yaml"))
+SHIPPED_DSL = sorted((ROOT / "specs").glob("*.geom"))
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -6,20 +6,25 @@
   references, directions, schedules, post-stages: each unit's docstring is its formula and its
   place in the paper). Each kind has an example: a tiny spec that uses it, printed by
   :func:`geomopt.spec.printers.dump_spec` in YAML and in the DSL, both parsed back here.
-* ``lint/GOxxx.md``, one page per lint rule (what it does, why, example, fix), parsed from the
-  rule's docstring (its "Bad:" / "Fixed:" / "Example:" parts), and ``lint/index.md``, the table
-  of every code (the language's GO0xx codes too).
+* ``lint/GOxxx.md``, one page per lint rule in ruff's form: what it does and why it is bad (the
+  rule's docstring: its first sentence, then the rest of its description), an example and what to
+  use instead (one of the rule's ``-fail`` / ``-pass`` fixture pairs in ``tests/lint_fixtures/``,
+  each with what ``geomopt lint`` reports for it, led by the docstring's "Bad:" / "Fixed:" /
+  "Example:" prose), and how to suppress it; and ``lint/index.md``, the table of every code (the
+  language's GO0xx codes too).
 * In hand-written pages, ``<!-- generated:layout -->`` becomes the table of geomopt's packages
   and modules, each with the first sentence of its docstring.
 
 A kind, field or rule the generator cannot document (a required field with no example value, a
-rule docstring without its parts) fails the build: ``mkdocs build --strict`` runs in CI.
+rule docstring without its parts, a rule without a fixture pair that fires and is fixed) fails the
+build: ``mkdocs build --strict`` runs in CI.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import json
 import pkgutil
@@ -663,14 +668,13 @@ def reference_index(cats) -> str:
 # ---------------------------------------------------------------- lint rules
 
 _MARK = re.compile(r"(?<![\w`])(Bad|Fixed|Example|Inside the theory):")
-_HEADINGS = {"bad": "Example", "fixed": "Fix", "example": "Example", "inside the theory": "Inside the theory"}
 
 
 def parse_rule_doc(doc: str) -> dict:
     """A rule docstring as its parts: ``what`` (the first sentence), ``why`` (the rest of the
     description) and ``parts``, the (label, Markdown) pairs of its "Bad:", "Fixed:", "Example:"
-    (and "Inside the theory:") texts in order. A docstring without a "Bad:" or "Example:" part is
-    an error."""
+    (and "Inside the theory:") texts in order. A docstring without a "Bad:" or "Example:" part, or
+    without a why, is an error."""
     text = md(doc, lang="yaml")
     paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
     desc, rest = [], []
@@ -689,25 +693,174 @@ def parse_rule_doc(doc: str) -> dict:
     m = _SENTENCE.match(first)
     what = m[1] if m else first
     why = (first[len(what):].strip() + "\n\n" + "\n\n".join(desc[1:])).strip()
+    if not why:
+        raise ValueError(f"a lint rule's docstring needs a why after its first sentence (what): {doc[:80]!r}")
     return {"what": what, "why": why, "parts": parts}
+
+
+# -- the examples: a rule's lint fixtures (tests/lint_fixtures/, checked by tests/test_lint_fixtures.py)
+
+FIXTURES = ROOT / "tests" / "lint_fixtures"
+_HEADER = re.compile(r"#\s*(?P<key>expect|absent|target|message|select|ignore)\s*:\s*(?P<value>.*?)\s*$")
+
+
+class Example:
+    """A lint fixture as a page shows it: the spec without its test header, what it is linted
+    against (the header's ``target``) and what ``geomopt lint`` reports for it."""
+
+    def __init__(self, path: Path):
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        header, n = {}, 0
+        while n < len(lines) and (h := _HEADER.match(lines[n])):
+            header.setdefault(h["key"], h["value"])
+            n += 1
+        self.path, self.header = path, header
+        self.body = "".join(lines[n:])
+        self.target = header.get("target", "none")
+        self.lang = "yaml" if path.suffix == ".yaml" else "text"
+        self.findings = lint_example(self.body, path.suffix, self.target)
+        self.codes = {d.code for d in self.findings}
+
+
+def fixture_params(target: str):
+    """(ParamInfos or None, from a checkpoint) for a fixture's ``# target:`` (tests/lint_fixtures/README.md)."""
+    from geomopt.compile import ParamInfo
+    from geomopt.compile.compiler import model_params
+    from geomopt.models import MODELS
+
+    words = target.split()
+    if words == ["none"]:
+        return None, False
+    if words[0] == "checkpoint":
+        rows = [w.split("=", 1) for w in words[1:]]
+        return [ParamInfo(name=n, shape=tuple(int(d) for d in s.split("x")), modules=None) for n, s in rows], True
+    factory = MODELS.get(target) or fixture_models()[target]
+    return model_params(factory())[0], False
+
+
+def fixture_models() -> dict:
+    """The fixtures' own small models (tests/lint_fixtures/models.py: ``FACTORIES``)."""
+    spec = importlib.util.spec_from_file_location("lint_fixture_models", FIXTURES / "models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FACTORIES
+
+
+def lint_example(text: str, suffix: str, target: str) -> list:
+    """``geomopt lint``'s findings for a spec ``text`` shown as ``example.yaml`` (or ``.geom``)."""
+    from geomopt.lint import lint_spec
+    from geomopt.spec import parse_spec
+
+    params, from_checkpoint = fixture_params(target)
+    spec = parse_spec(text, "dsl" if suffix == ".geom" else "yaml", file=f"example{suffix}")
+    return lint_spec(spec, params, from_checkpoint=from_checkpoint, text=text)
+
+
+def _target_order(target: str) -> int:
+    from geomopt.models import MODELS
+
+    return 0 if target == "none" else 1 if target in MODELS else 2 if target.startswith("checkpoint") else 3
+
+
+def rule_examples(code: str) -> tuple[Example, Example]:
+    """(bad, fixed): the rule's ``CODE[-variant]-fail`` fixture and the ``-pass`` one of the same
+    name, where the bad one reports the code, the fixed one does not and reports nothing the bad one
+    did not. Of those pairs: one that changes the spec (not only the model it is linted against),
+    then the fewest other findings, the plain variant, a spec linted alone before one linted
+    against a built-in model, a checkpoint or a fixture's model, YAML before the DSL."""
+    pairs = []
+    for fail in sorted(FIXTURES.glob(f"{code}*-fail.*")):
+        fixed = fail.with_name(fail.name.replace("-fail.", "-pass."))
+        if not fixed.exists():
+            continue
+        bad, good = Example(fail), Example(fixed)
+        if {"select", "ignore"} & (set(bad.header) | set(good.header)):
+            continue  # a case of rule selection, not of the rule
+        if code in bad.codes and code not in good.codes and good.codes <= bad.codes:
+            variant = fail.name != f"{code}-fail{fail.suffix}"
+            rank = (bad.body == good.body, len(bad.codes), variant, _target_order(bad.target), fail.suffix != ".yaml")
+            pairs.append(((*rank, fail.name), bad, good))
+    if not pairs:
+        raise ValueError(f"{code}: no pair of fixtures in tests/lint_fixtures/ ({code}[-variant]-fail and -pass) where "
+                         "the failing one reports the code and the passing one fixes it")
+    _, bad, good = min(pairs, key=lambda t: t[0])
+    return bad, good
+
+
+def _linted(ex: Example) -> str:
+    """How the example is linted, as the sentence before its findings."""
+    target = ex.target
+    if target == "none":
+        how = "Linted alone (`geomopt lint example" + ex.path.suffix + "`)"
+    elif _target_order(target) == 1:
+        how = f"Linted against the built-in `{target}` model (`--model {target}`)"
+    elif _target_order(target) == 2:
+        shapes = ", ".join(f"`{n}` ({s.replace('x', '×')})" for n, s in (w.split("=", 1) for w in target.split()[1:]))
+        how = f"Linted against a checkpoint of {shapes} (`--checkpoint`: names and shapes only)"
+    else:
+        doc = first_sentence(inspect.getdoc(fixture_models()[target]) or "")
+        doc = _inline(re.sub(r"\s*\(GO\d{3}[^)]*\)|:\s*GO\d{3}(?=\))", "", doc))  # less the codes it is there for
+        how = f"Linted against a model (`--model pkg.module:factory`): {doc[:1].lower() + doc[1:]}"
+    return how.rstrip(".") + "."
+
+
+def example_lines(ex: Example, lead: str = "") -> list[str]:
+    """An example spec with what ``geomopt lint`` reports for it."""
+    lines = [lead, ""] if lead else []
+    lines += [f"```{ex.lang}", *ex.body.rstrip("\n").splitlines(), "```", ""]
+    if not ex.findings:
+        return lines + [f"{_linted(ex)} `geomopt lint` reports nothing.", ""]
+    return lines + [f"{_linted(ex)} `geomopt lint` reports:", "", "```text",
+                    *(d.format() for d in ex.findings), "```", ""]
+
+
+def suppress_text(rule) -> str:
+    code = rule.code
+    blocking = _find(("geomopt.compile.compiler", "BLOCKING"), ("geomopt.compile", "BLOCKING"))
+    if code in blocking:
+        return (f"It cannot be: {code} is a blocking error (compile refuses the spec), so a "
+                f"`# geomopt: disable={code}` comment does not silence it and is itself reported (GO123). "
+                f"`geomopt lint --ignore {code}` leaves it out of lint's report; compile still refuses the spec.")
+    if code == "GO123":
+        return ("`# geomopt: disable-file=GO123` anywhere in the spec silences it in the whole file; "
+                "`geomopt lint --ignore GO123` (`lint_spec(…, ignore=\"GO123\")`) leaves the rule out of a run.")
+    return (f"Add `# geomopt: disable={code}` (or `disable={rule.name}`) at the end of the line `geomopt lint` points "
+            "to, or on a line of its own directly above it; text after the codes is free, e.g. a reason "
+            f"(`# geomopt: disable={code} -- why`). `# geomopt: disable-file={code}` silences it in the whole file, "
+            f"and `geomopt lint --ignore {code}` (`lint_spec(…, ignore=\"{code}\")`) leaves the rule out of a run.")
 
 
 def rule_page(rule) -> str:
     parts = parse_rule_doc(rule.doc)
+    bad, fixed = rule_examples(rule.code)
+    prose = {"bad": "", "fixed": ""}
+    extra = []
+    for label, chunk in parts["parts"]:
+        if "```" in chunk and label in ("bad", "fixed"):
+            continue  # a sketch of the fixture's spec: the page shows the spec itself
+        if label in ("bad", "example") and not prose["bad"]:
+            prose["bad"] = chunk
+        elif label == "fixed" and not prose["fixed"]:
+            prose["fixed"] = chunk
+        else:
+            extra += [f"## {label[:1].upper() + label[1:]}", "", chunk, ""]
     needs = getattr(rule, "needs_model", False)
+    sources = ", ".join(f"`{ex.path.relative_to(ROOT).as_posix()}`" for ex in (bad, fixed))
     lines = [f"# {rule.code} {rule.name}", "",
-             f"*Generated from the rule's docstring (`geomopt rule {rule.code}` prints it); do not edit.*", "",
+             f"*Generated from the rule's docstring (`geomopt rule {rule.code}` prints it) and its lint fixtures "
+             f"({sources}); do not edit.*", "",
              f"**Severity**: {rule.severity}. **Runs**: "
              + ("only when linting against a model or a checkpoint (`--model`, `--checkpoint`)." if needs
                 else "on the spec alone, and against a model."), "",
-             "## What it does", "", parts["what"], ""]
-    if parts["why"]:
-        lines += ["## Why", "", parts["why"], ""]
-    seen = set()
-    for label, chunk in parts["parts"]:
-        heading = _HEADINGS[label]
-        lines += [f"## {heading}" + (" (another)" if heading in seen else ""), "", chunk, ""]
-        seen.add(heading)
+             "## What it does", "", parts["what"], "",
+             "## Why is this bad?", "", parts["why"], "",
+             "## Example", "", *example_lines(bad, prose["bad"]),
+             "## Use instead", "",
+             *(["The same spec: what differs is the model (the finding is about the model, not the spec).", ""]
+               if fixed.body == bad.body else []),
+             *example_lines(fixed, prose["fixed"]),
+             *extra,
+             "## How to suppress it", "", suppress_text(rule), ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

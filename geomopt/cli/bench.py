@@ -13,12 +13,12 @@ import math
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import geomopt
 from geomopt.cli.main import UsageError
+from geomopt.spec.shipped import shipped_folder
 
-SPECS_DIR = Path(__file__).resolve().parents[1] / "specs"  # shipped inside the package
+SPECS_DIR = shipped_folder("specs")
 
 
 def hidden_matrices(model_name: str, device, dtype):

@@ -26,8 +26,9 @@ from geomopt.cli.main import EXIT_CLEAN, EXIT_FINDINGS, UsageError
 from geomopt.compile.compiler import model_params
 from geomopt.lint.reporters import report
 from geomopt.lint.runner import lint_spec
+from geomopt.spec.shipped import shipped_folder
 
-SPECS_DIR = Path(__file__).resolve().parents[1] / "specs"  # shipped inside the package
+SPECS_DIR = shipped_folder("specs")
 REPO = Path(__file__).resolve().parents[2]  # the source checkout, when geomopt runs from one
 RESULTS_DIR = REPO / "examples" / "results"  # the committed results the README quotes
 RUNS = Path("runs")  # default output root, relative to the current directory (git-ignored)

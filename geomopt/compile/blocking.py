@@ -25,7 +25,10 @@ BLOCKING = Registry("blocking check")
 
 @BLOCKING.register("GO101", name="unmatched-parameter", needs_model=True)
 def unmatched_parameter(ctx: Ownership):
-    """A trainable parameter that no rule matches: the optimizer would not know how to step it.
+    """A trainable parameter that no rule matches.
+
+    The optimizer would not know how to step it, so compile refuses the spec (a blocking error) rather than leave
+    the tensor silently untrained.
 
     Bad::
 
@@ -48,9 +51,11 @@ def unmatched_parameter(ctx: Ownership):
 
 @BLOCKING.register("GO104", name="inapplicable-geometry", needs_model=True)
 def inapplicable_geometry(ctx: Ownership):
-    """A geometry that cannot act on a tensor it owns: spectral (or rowwise/columnwise) on a 1-D
-    tensor, or a ``view`` that does not fit the tensor (blocks that do not divide or sum to its
-    rows, batch axes it lacks).
+    """A geometry that cannot act on a tensor it owns: spectral (or rowwise/columnwise) on a 1-D tensor, or a ``view``
+    that does not fit the tensor (blocks that do not divide or sum to its rows, batch axes it lacks).
+
+    The step is undefined there (a 1-D tensor has no rows or singular values; a view that does not fit has no
+    matrices to act on), so compile refuses the spec (a blocking error).
 
     Bad: ``match: "**"`` with ``geometry: {kind: spectral, …}`` (biases are 1-D).
     Fixed: ``match: {name: "**", ndim: 2}`` and a separate rule for the rest.
@@ -84,6 +89,9 @@ def inapplicable_geometry(ctx: Ownership):
 def no_operator(ctx: Ownership):
     """A (geometry, constraint) pair with no backward operator (paper Table 1 lists the pairs).
 
+    The backward step, which keeps the tensor in the constraint's set under that geometry, has no operator for the
+    pair: there is no step to take, so compile refuses the spec (a blocking error).
+
     Bad: ``geometry: {kind: spectral}`` with ``constraint: {kind: l0, k: 10}``.
     Fixed: a constraint the geometry supports, e.g. ``rank``, or an anisotropic geometry for ``l0``.
     """
@@ -99,8 +107,10 @@ def no_operator(ctx: Ownership):
 
 @BLOCKING.register("GO120", name="inapplicable-stage", needs_model=True)
 def inapplicable_stage(ctx: Ownership):
-    """A post-stage that cannot act on a tensor its rule owns: row or column second moments
-    (``second_moment`` with ``axis: row`` or ``column``) need a matrix, and a 1-D tensor has none.
+    """A post-stage that cannot act on a tensor its rule owns.
+
+    Row or column second moments (``second_moment`` with ``axis: row`` or ``column``) need a matrix, and a 1-D
+    tensor has none: compile refuses the spec (a blocking error).
 
     Bad: ``match: "**"`` with ``post: [{kind: second_moment, axis: row}]`` (biases are 1-D).
     Fixed: ``axis: element``, or a rule that owns only matrices (``match: {ndim: 2}``).

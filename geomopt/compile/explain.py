@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from importlib import resources
 
 from geomopt.compile.match import Matcher, ParamInfo, any_name, describe
 from geomopt.compile.ownership import Ownership
 from geomopt.compile.plan import ParamPlan, call_text, geometry_text, constraint_text, view_text
 from geomopt.spec.diagnostics import did_you_mean
 from geomopt.spec.model import Spec
+from geomopt.spec.shipped import shipped_folder
 
 RECIPES = ("muon", "scion", "uscion", "adamw-hybrid", "hyperball", "prox-muon-frobenius", "spectral-clip", "stiefel")
 
@@ -108,7 +108,7 @@ def recipe(name: str) -> str:
     """The text of a shipped spec by name."""
     if name not in RECIPES:
         raise KeyError(f"unknown recipe {name!r}{did_you_mean(name, RECIPES)}; recipes: {', '.join(RECIPES)}")
-    return resources.files("geomopt").joinpath(f"specs/{name}.yaml").read_text(encoding="utf-8")
+    return (shipped_folder("specs") / f"{name}.yaml").read_text(encoding="utf-8")
 
 
 def starter(spec: Spec, infos: list[ParamInfo], model_name: str) -> Spec:

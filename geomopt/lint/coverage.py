@@ -100,8 +100,10 @@ def tied_parameters(ctx: LintContext):
 
 @lint_rule("GO112", "undecidable-module", "note", needs_model=True)
 def undecidable_module(ctx: LintContext):
-    """A ``module:`` predicate cannot be checked against a checkpoint (it stores names and shapes,
-    not module types): lint against the model (``--model``) to check it.
+    """A ``module:`` predicate linted against a checkpoint.
+
+    A checkpoint stores names and shapes, not module types, so lint cannot tell which tensors the rule takes: lint
+    against the model (``--model``) to check it.
 
     Example: ``match: {module: Embedding}`` linted with ``--checkpoint model.safetensors`` notes
     the rule; ``--model pkg.module:factory`` decides it, or match by name instead

@@ -51,8 +51,9 @@ def absent_role(ctx: LintContext):
 
 @lint_rule("GO114", "unused-role-pattern", "warning", needs_model=True)
 def unused_role_pattern(ctx: LintContext):
-    """A pattern under the spec's ``roles:`` that names no tensor: usually a misspelled name, so
-    the role it meant to give is not given.
+    """A pattern under the spec's ``roles:`` that names no tensor.
+
+    It is usually a misspelled name, so the role it meant to give is not given.
 
     Bad: ``roles: {head: ["clasifier.weight"]}``. Fixed: ``roles: {head: ["classifier.weight"]}``.
     """
@@ -92,9 +93,11 @@ def special_role_spectral(ctx: LintContext):
 
 @lint_rule("GO116", "matrix-to-catch-all", "warning", needs_model=True)
 def matrix_to_catch_all(ctx: LintContext):
-    """A body tensor with ≥ 2 dims (role hidden or expert) that falls to a rule with a
-    non-matrix geometry while the spec has a spectral rule: usually a pattern that missed it
-    (batched expert weights (E, out, in) sent to Adam by an ``ndim: 2`` match).
+    """A body tensor with ≥ 2 dims (role hidden or expert) that falls to a rule with a non-matrix geometry while the
+    spec has a spectral rule.
+
+    It is usually a pattern that missed it: batched expert weights (E, out, in) sent to Adam by an ``ndim: 2``
+    match, while the other matrices of the body take the spectral step.
 
     Bad: ``match: {name: "**.weight", ndim: 2}`` on a Mixtral (``experts.gate_up_proj`` is 3-D
     and falls to the catch-all). Fixed: ``match: {role: [hidden, expert]}`` with ``view: auto``.
@@ -117,9 +120,10 @@ def matrix_to_catch_all(ctx: LintContext):
 
 @lint_rule("GO117", "merged-matrices", "warning", needs_model=True)
 def merged_matrices(ctx: LintContext):
-    """A matrix geometry whose view merges matrices the model keeps separate: batched expert
-    weights (E, out, in) read as one E × out·in matrix orthogonalize the experts together (each
-    expert's slice then has singular values far from 1).
+    """A matrix geometry whose view merges matrices the model keeps separate.
+
+    Batched expert weights (E, out, in) read as one E × out·in matrix orthogonalize the experts together: each
+    expert's slice then has singular values far from 1.
 
     Bad: ``geometry: {kind: spectral, …}`` (no view) on Mixtral's ``experts.gate_up_proj``.
     Fixed: ``view: auto`` (or ``view: {kind: matrix, batch: 1}``).
@@ -146,9 +150,10 @@ def merged_matrices(ctx: LintContext):
 
 @lint_rule("GO118", "guessed-roles", "note", needs_model=True)
 def guessed_roles(ctx: LintContext):
-    """Roles read from names and shapes only (a checkpoint, or a list of (name, tensor)) are
-    guesses: lint against the model (``--model``) to infer them from its structure, or pin them
-    with the spec's ``roles:``.
+    """Roles read from names and shapes only (a checkpoint, or a list of (name, tensor)).
+
+    They are guesses: lint against the model (``--model``) to infer them from its structure, or pin them with the
+    spec's ``roles:``.
 
     Example: ``geomopt lint muon --checkpoint model.safetensors`` notes how many roles
     were guessed and shows a few.
@@ -164,9 +169,10 @@ def guessed_roles(ctx: LintContext):
 
 @lint_rule("GO119", "ambiguous-role", "note", needs_model=True)
 def ambiguous_role(ctx: LintContext):
-    """An inference with two candidates, e.g. two last layers reading the same features (two
-    heads): both get the role, never one silently; pin the intended one with the spec's
-    ``roles:`` if that is wrong.
+    """An inference with two candidates, e.g. two last layers reading the same features (two heads).
+
+    Both get the role, never one silently, and lint names both so that a wrong guess is seen: pin the intended one
+    with the spec's ``roles:`` if that is wrong.
 
     Example: a model ending in ``head_a = Linear(64, 10)`` and ``head_b = Linear(64, 5)``: both are
     heads, and lint names both.
@@ -206,8 +212,8 @@ def untraced_roles(ctx: LintContext):
 def traced_role_differs(ctx: LintContext):
     """The traced forward gave a tensor another role than the module tree would: what the tensor
     does (a matrix operand, a lookup, elementwise only, a grouped convolution, the layer producing
-    an output) decides, and this note lists what changed so nothing moves silently. ``geomopt
-    explain`` shows both verdicts and the op that decided.
+    an output) decides, and this note lists what changed so nothing moves silently.
+    ``geomopt explain`` shows both verdicts and the op that decided.
 
     Example: Mamba's ``mixer.A_log`` (64×8, used through ``exp``) was ``hidden`` by the module tree;
     traced, it is used only elementwise: ``other``.

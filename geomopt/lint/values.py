@@ -30,9 +30,11 @@ def _eps_paths(rule, i):
 
 @lint_rule("GO106", "dubious-value", "warning")
 def dubious_value(ctx: LintContext):
-    """Values that are legal but numerically dubious: an ε below 1e-12 (below float32 resolution of
-    the quantities it guards) or a scale preset that shrinks a radius below 1e-4 of its value
-    (updates vanish; e.g. ``scale: scion`` on a sign geometry of a 50k-wide embedding).
+    """Values that are legal but numerically dubious: an ε below 1e-12, or a scale preset that shrinks a radius below
+    1e-4 of its value.
+
+    Such an ε is below float32 resolution of the quantities it guards, so it guards nothing; a radius scaled that
+    small makes the updates vanish (e.g. ``scale: scion`` on a sign geometry of a 50k-wide embedding).
 
     Bad: ``reference: {kind: log_barrier, eps: 1.0e-20}``. Fixed: ``eps: 1.0e-8``.
     """
@@ -69,8 +71,8 @@ def reference_approx_mismatch(ctx: LintContext):
     so a mismatch makes forward and backward disagree.
 
     Bad: ``reference: {kind: log_barrier}`` with ``approx: {kind: polar_express, steps: 5}`` and
-    ``constraint: {kind: frobenius_ball}``. Fixed: ``reference: {kind: power_barrier, kappa: 4,
-    eps: 1.05e-3}`` (what PE-5 realizes), or ``approx: {kind: svd}``.
+    ``constraint: {kind: frobenius_ball}``. Fixed:
+    ``reference: {kind: power_barrier, kappa: 4, eps: 1.05e-3}`` (what PE-5 realizes), or ``approx: {kind: svd}``.
     """
     for i, rule in enumerate(ctx.spec.rules):
         g = rule.geometry
@@ -94,8 +96,9 @@ _SET_SHRUNK = {"frobenius_sphere", "stiefel", "sign_set", "spectral_sphere", "li
 
 @lint_rule("GO108", "decay-leaves-set", "warning")
 def decay_leaves_set(ctx: LintContext):
-    """Decoupled weight decay (X ← X(1 − lr·wd)) shrinks X off a sphere, Stiefel or sign set
-    before every step; the backward step then starts from an infeasible point.
+    """Decoupled weight decay (X ← X(1 − lr·wd)) under a sphere, Stiefel or sign constraint.
+
+    The decay shrinks X off the set before every step; the backward step then starts from an infeasible point.
 
     Bad: ``weight_decay: 0.1`` with ``constraint: {kind: stiefel}``. Fixed: drop the decay (the set
     already bounds the weights) or use a ball.
@@ -114,12 +117,14 @@ def _sign_like(rule) -> bool:
 
 @lint_rule("GO121", "stage-undoes-geometry", "warning")
 def stage_undoes_geometry(ctx: LintContext):
-    """A post-stage that undoes what the geometry did: an elementwise second moment after a sign
-    geometry (every entry of sign(D) has magnitude 1, so the running mean of U² tends to 1 and the
-    stage only adds lag), or after the adam geometry (the update is normalized twice).
+    """A post-stage that undoes what the geometry did: an elementwise second moment after a sign geometry, or after the
+    adam geometry.
 
-    Bad: ``geometry: {kind: anisotropic, reference: {kind: indicator}}`` with ``post:
-    [{kind: second_moment, axis: element}]``. Fixed: drop the stage, or normalize a spectral or
+    Every entry of sign(D) has magnitude 1, so the running mean of U² tends to 1 and the stage only adds lag; after
+    adam the update is normalized twice.
+
+    Bad: ``geometry: {kind: anisotropic, reference: {kind: indicator}}`` with
+    ``post: [{kind: second_moment, axis: element}]``. Fixed: drop the stage, or normalize a spectral or
     Euclidean update instead.
     """
     for i, rule in enumerate(ctx.spec.rules):
@@ -138,10 +143,11 @@ _ELEMENTWISE_SETS = ("proximal_decay", "linf_ball", "sign_set")
 
 @lint_rule("GO122", "cautious-under-constraint", "warning")
 def cautious_under_constraint(ctx: LintContext):
-    """Cautious masking (``post: [cautious]``) or cautious weight decay under a constraint whose
-    backward step is a prox of the whole update (balls, spheres, Stiefel, rank): the prox is
-    defined for the geometry's step Y = X − γρ∇φ*(D), and a masked step or a partial decay is no
-    longer that, so the step leaves the method the constraint was chosen for.
+    """Cautious masking (``post: [cautious]``) or cautious weight decay under a constraint whose backward step is a
+    prox of the whole update (balls, spheres, Stiefel, rank).
+
+    The prox is defined for the geometry's step Y = X − γρ∇φ*(D); a masked step or a partial decay is no longer
+    that, so the step leaves the method the constraint was chosen for.
 
     Bad: ``post: [{kind: cautious}]`` with ``constraint: {kind: spectral_ball}``. Fixed: drop the
     masking, or drop the constraint (cautious Muon is unconstrained).
@@ -162,9 +168,12 @@ def cautious_under_constraint(ctx: LintContext):
 
 @lint_rule("GO109", "outside-theory", "note")
 def outside_theory(ctx: LintContext):
-    """Choices the paper's convergence theory does not cover: the ``adam`` geometry (an escape hatch
-    for hybrids) and any constraint with the ``indicator`` reference (lmo / Frank–Wolfe steps:
-    the Fenchel–Young stationarity gap is not available).
+    """Choices the paper's convergence theory does not cover: the ``adam`` geometry, and any constraint with the
+    ``indicator`` reference.
+
+    The convergence guarantees do not apply there: ``adam`` is an escape hatch for hybrids, and with the
+    ``indicator`` reference (lmo / Frank–Wolfe steps) the Fenchel–Young stationarity gap is not available. It is
+    a note: fine where chosen on purpose (embeddings in a hybrid).
 
     Example: ``geometry: {kind: adam}`` (noted; fine for embeddings in a hybrid). Inside the theory:
     ``geometry: {kind: spectral, reference: {kind: power_barrier, kappa: 4, eps: 1.0e-3}}`` with

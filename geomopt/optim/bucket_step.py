@@ -5,6 +5,7 @@ post-stages → weight decay → backward op, as a generator of operator request
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -20,6 +21,7 @@ from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
 from geomopt.geometry.polynomial import muon_order
 from geomopt.optim import stages as post_stages
 from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows
+from geomopt.optim.atomic import guarded, journal
 from geomopt.optim.graphs import GraphedOp
 from geomopt.optim.tensors import local, op_view, stack, upcast
 from geomopt.optim.host import Host
@@ -28,15 +30,23 @@ from geomopt.optim.host import Host
 class BucketStep(Host):
     """A bucket's step (a mixin of :class:`~geomopt.optim.GeomOptimizer`)."""
 
-    def _step_bucket(self, gi: int, group: dict, items: list, g: torch.Tensor, g_prev, gamma: float, alpha,
-                     deferred: bool = False, shared: bool = False):
+    def _step_bucket(self, *args, **kwargs):
+        """:meth:`_bucket_step` guarded: an exception in it, or thrown into it at one of its
+        operator requests, restores the state it had updated in place (:mod:`geomopt.optim.atomic`)."""
+        saved: list = []
+        return guarded(self._bucket_step(*args, saved=saved, **kwargs), saved)
+
+    def _bucket_step(self, gi: int, group: dict, items: list, g: torch.Tensor, g_prev, gamma: float, alpha,
+                     deferred: bool = False, shared: bool = False, saved: Optional[list] = None):
         """One batched step of same-shape tensors: leading dim = tensor index (batch_dims=1).
 
         A generator: it yields a :class:`Request` for the forward and for the backward operator
-        and receives ``(out, flags)``, so :meth:`_run` can hand a round's operators to the
+        and receives ``(out, flags)``, so :func:`~geomopt.optim.atomic.drive` can hand a round's operators to the
         executor together (locally, or shared out across ranks). ``deferred``: write nothing
         before the first yield (:meth:`_can_defer`); ``shared``: the buckets run one after another
-        (:meth:`_run`), so this one may use the workspace."""
+        (:func:`~geomopt.optim.atomic.drive`), so this one may use the workspace. ``saved``: where
+        the bucket journals the state it updates in place before an operator request that may
+        still fail (one process: :mod:`geomopt.optim.atomic`)."""
         counters = self._counters[gi]
         pp = items[0][1]
         views = [op_view(local(p), q) for p, q in items]
@@ -50,22 +60,32 @@ class BucketStep(Host):
         g_raw = None
         if "gradient" in reads:  # the raw gradient, before a direction may overwrite its copy
             g_raw = upcast(stack(g)) if isinstance(g, list) else upcast(g).clone()
+        wd = group["weight_decay"]
+        rho = group["radius"] * self._scale(pp)
+        geometry = pp.geometry
+        constraint = pp.constraint
+        projects = constraint is not None and gamma * rho != 0
+        # in one process the state changes only when the bucket commits (its last request has
+        # answered): directions update it out of place (``fresh``), and state updated in place
+        # before a request (Adam's moments, post-stages' statistics) is journaled
+        saved = [] if saved is None else saved
+        fresh = isinstance(self._executor, LocalExecutor) and (geometry["kind"] != "adam" or bool(post) or projects)
+        if fresh and (geometry["kind"] == "adam" or post):
+            saved.extend(journal(self._stacked.live(items, state)))
         commit = None
         if isinstance(g, list) and deferred:
-            d, commit = polyak_ahead(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, False))
+            d, commit = polyak_ahead(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, False),
+                                     fresh=fresh)
         elif isinstance(g, list):
-            d = polyak_rows(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, shared))
+            d = polyak_rows(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, shared),
+                            fresh=fresh)
         else:
             gu = upcast(g)
             # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
             d = DIRECTIONS[group["direction"]](gu, state, hyper, g_prev=None if g_prev is None else upcast(g_prev),
-                                               inplace=len(items) > 1 or gu is not g)
-        wd = group["weight_decay"]
+                                               inplace=len(items) > 1 or gu is not g, fresh=fresh)
         decay = 1 - gamma * wd
         cautious_decay = wd != 0 and pp.decay == "cautious"
-        rho = group["radius"] * self._scale(pp)
-        geometry = pp.geometry
-        constraint = pp.constraint
         # unconstrained, parameters in the working dtype: X ← X(1 − γ·wd) − γρ·∇φ₁*(d) in place on
         # the parameters, with no stacked copy of X and no write-back
         inplace = (constraint is None and geometry["kind"] != "adam" and not self.track_update and not cautious_decay
@@ -113,7 +133,7 @@ class BucketStep(Host):
                 y = decayed(x, step, decay, cautious_decay).add_(step, alpha=-gamma * rho)
             else:
                 y = torch.add(x, step, alpha=-gamma * rho)
-        if constraint is not None and gamma * rho != 0:  # (a step of length 0 leaves X, feasible, as it is)
+        if projects:  # (a step of length 0 leaves X, feasible, as it is)
             x_new, fallback = yield self._request(
                 items, y, backward_locality(geometry["kind"], constraint["kind"]),
                 lambda m: backward(m, gamma, geometry, constraint, radius=rho, batch_dims=1))

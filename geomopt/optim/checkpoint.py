@@ -17,6 +17,7 @@ import torch
 
 from geomopt.compile.wrappers import strip, unwrap
 from geomopt.distributed.executors import is_dtensor
+from geomopt.optim.atomic import PendingStep
 from geomopt.optim.load_check import (CheckpointError, check_entry, check_group_values, check_layout,
                                        check_meta, check_same_spec)
 from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
@@ -46,6 +47,7 @@ class Checkpoints(Host):
             counters=[copy_counters(c) for c in self._counters],
             spec_groups=[dict(g) for g in self._spec_groups],
             transposed=[pp.name for plans in self._plans for pp in plans if pp.transpose],
+            pending=None if self._pending is None else self._pending.to_dict(),
         )
         return sd
 
@@ -146,10 +148,12 @@ class Checkpoints(Host):
             for group, was, now in zip(groups, old, self._spec_groups):
                 self._follow_spec(group, was, now)
         counters = meta.get("counters", [])
+        pending = restored_pending(meta.get("pending"), self.param_groups)
         # install (nothing above wrote to the optimizer)
         self.__setstate__({"state": state, "param_groups": groups})
         if len(counters) == len(self._counters):
             self._counters = [copy_counters(c) for c in counters]
+        self._pending = pending
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -211,6 +215,7 @@ class Checkpoints(Host):
             group.clear()
             group.update(new)
         self._counters = counters
+        self._pending = None  # a carried-over state starts afresh
         self._buffers.clear()
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -253,3 +258,17 @@ def spec_name(yaml_text: str) -> str:
             return line.split(":", 1)[1].strip()
     return "?"
 
+
+
+def restored_pending(saved: Optional[dict], groups: list) -> Optional[PendingStep]:
+    """The interrupted step a checkpoint recorded (:mod:`geomopt.optim.atomic`), on this
+    optimizer's tensors; refused when it names a tensor or group this optimizer lacks."""
+    if saved is None:
+        return None
+    by_name = {n: p for g in groups for n, p in zip(g["param_names"], g["params"])}
+    unknown = [n for n in saved["done"] if n not in by_name] + [str(i) for i in saved["groups"] if i >= len(groups)]
+    if unknown:
+        raise CheckpointError(f"geomopt['pending'] names {', '.join(unknown[:5])}, which this optimizer does not "
+                              f"have: the checkpoint of an interrupted step belongs to another model or spec")
+    return PendingStep(done={id(by_name[n]) for n in saved["done"]}, names=list(saved["done"]),
+                       groups=set(saved["groups"]))

@@ -2,11 +2,14 @@
 Polyak's other forms beside them (rows of a stacked state, put off for the deferred finiteness
 test, foreach over a flat block), so each direction is written in one module.
 
-Each is ``fn(g, state, group, *, g_prev=None, inplace=False) -> d`` and may update ``state`` in
-place; ``group`` holds the scalars (``alpha``, ``nesterov``) so torch-style schedulers can change
-them, and ``group["spec_direction"]`` the direction's own spec fragment (heavy ball's μ and τ,
-Lion's betas); ``inplace`` says ``g`` is the caller's scratch copy, which the function may
-overwrite.
+Each is ``fn(g, state, group, *, g_prev=None, inplace=False, fresh=False) -> d`` and updates
+``state`` in place, or with ``fresh`` out of place: the new tensors replace the old in ``state``
+(a bucket's gathered dict, bound to the optimizer's state only when the bucket commits: so an
+exception before then leaves the state as it was, :mod:`geomopt.optim.atomic`; the same
+arithmetic, so the same bits). ``group`` holds the scalars (``alpha``, ``nesterov``) so
+torch-style schedulers can change them, and ``group["spec_direction"]`` the direction's own spec
+fragment (heavy ball's μ and τ, Lion's betas); ``inplace`` says ``g`` is the caller's scratch
+copy, which the function may overwrite.
 """
 
 from __future__ import annotations
@@ -23,13 +26,13 @@ direction = DIRECTIONS.register
 
 
 @direction("none")
-def plain(g, state, group, *, g_prev=None, inplace=False):
+def plain(g, state, group, *, g_prev=None, inplace=False, fresh=False):
     """d = g."""
     return g
 
 
 @direction("polyak")
-def polyak(g, state, group, *, g_prev=None, inplace=False):
+def polyak(g, state, group, *, g_prev=None, inplace=False, fresh=False):
     """Polyak momentum d ← αg + (1−α)d (Theorem 4.3; β = 1 − α in torch.optim.Muon's terms).
 
     d starts at zero as in torch.optim.Muon and Scion (``init: zero``), or at g⁰ as in the paper
@@ -42,7 +45,10 @@ def polyak(g, state, group, *, g_prev=None, inplace=False):
         buf = state["d"] = g.clone() if group["init"] == "gradient" else torch.zeros_like(g)
         if group["init"] == "gradient":
             return g.lerp(buf, 1 - alpha) if group["nesterov"] else buf
-    buf.lerp_(g, alpha)
+    if fresh:
+        buf = state["d"] = torch.lerp(buf, g, alpha)
+    else:
+        buf.lerp_(g, alpha)
     if not group["nesterov"]:
         return buf
     return g.lerp_(buf, 1 - alpha) if inplace else g.lerp(buf, 1 - alpha)
@@ -55,7 +61,7 @@ def polyak_foreach(ds: list, gs: list, alpha: float) -> None:
 
 
 @direction("heavy_ball")
-def heavy_ball(g, state, group, *, g_prev=None, inplace=False):
+def heavy_ball(g, state, group, *, g_prev=None, inplace=False, fresh=False):
     """Heavy-ball momentum as torch.optim.SGD runs it (Polyak 1964; Sutskever et al. 2013 for
     Nesterov): b⁰ = g⁰, then b ← μb + (1−τ)g; d = b, or d = g + μb with ``nesterov`` (τ =
     ``dampening``). Same op order as torch's single-tensor SGD, so the same bits."""
@@ -65,14 +71,14 @@ def heavy_ball(g, state, group, *, g_prev=None, inplace=False):
     if buf is None:
         buf = state["d"] = g.clone()
     else:
-        buf.mul_(mu).add_(g, alpha=1 - cfg["dampening"])
+        buf = state["d"] = (torch.mul(buf, mu) if fresh else buf.mul_(mu)).add_(g, alpha=1 - cfg["dampening"])
     if not cfg["nesterov"]:
         return buf
     return g.add_(buf, alpha=mu) if inplace else g.add(buf, alpha=mu)
 
 
 @direction("lion")
-def lion(g, state, group, *, g_prev=None, inplace=False):
+def lion(g, state, group, *, g_prev=None, inplace=False, fresh=False):
     """Lion's interpolation (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms",
     Algorithm 2): d = β₁m + (1−β₁)g, then m ← β₂m + (1−β₂)g, m⁰ = 0; the sign is the geometry's
     (anisotropic, indicator reference). lion-pytorch's op order (mul, add), so the same bits."""
@@ -81,12 +87,12 @@ def lion(g, state, group, *, g_prev=None, inplace=False):
     if m is None:
         m = state["d"] = torch.zeros_like(g)
     d = torch.mul(m, cfg["beta1"]).add_(g, alpha=1 - cfg["beta1"])
-    m.mul_(cfg["beta2"]).add_(g, alpha=1 - cfg["beta2"])
+    state["d"] = (torch.mul(m, cfg["beta2"]) if fresh else m.mul_(cfg["beta2"])).add_(g, alpha=1 - cfg["beta2"])
     return d
 
 
 @direction("storm")
-def storm(g, state, group, *, g_prev=None, inplace=False):
+def storm(g, state, group, *, g_prev=None, inplace=False, fresh=False):
     """STORM (Theorem 4.5): d⁰ = g(x₀, ξ₀); then d ← g(x_k, ξ_k) + (1−α)(d − g(x_{k−1}, ξ_k)),
     both gradients on the same batch ξ_k (``g_prev`` comes from re-evaluating the closure at the
     previous iterate)."""
@@ -96,14 +102,15 @@ def storm(g, state, group, *, g_prev=None, inplace=False):
         return state["d"]
     if g_prev is None:
         raise RuntimeError("storm needs g(x_{k-1}, ξ_k): call step(closure)")
-    buf.sub_(g_prev).mul_(1 - group["alpha"]).add_(g)
+    buf = state["d"] = (torch.sub(buf, g_prev) if fresh else buf.sub_(g_prev)).mul_(1 - group["alpha"]).add_(g)
     return buf
 
 
-def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable) -> torch.Tensor:
+def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: bool = False) -> torch.Tensor:
     """Polyak momentum (:func:`geomopt.optim.directions.polyak`, same arithmetic) read from
-    the unstacked gradients: d ← d.lerp(g, α) row by row into the stacked state, and with
-    Nesterov u = g.lerp(d, 1 − α) written into ``lookahead(shape, like)`` (a scratch; no copy of G)."""
+    the unstacked gradients: d ← d.lerp(g, α) row by row into the stacked state (``fresh``: into
+    a new one that replaces it in ``state``), and with Nesterov u = g.lerp(d, 1 − α) written into
+    ``lookahead(shape, like)`` (a scratch; no copy of G)."""
     alpha = group["alpha"]
     d = state.get("d")
     if d is None:
@@ -111,7 +118,13 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable) -> torc
             d = state["d"] = torch.stack(gs)
             return d  # d⁰ = g⁰ (Nesterov: g.lerp(g, ·) = g)
         d = state["d"] = torch.zeros((len(gs), *gs[0].shape), dtype=gs[0].dtype, device=gs[0].device)
-    torch._foreach_lerp_(list(d.unbind(0)), gs, alpha)
+    if fresh:
+        new = state["d"] = torch.empty_like(d)
+        for i, g in enumerate(gs):
+            torch.lerp(d[i], g, alpha, out=new[i])
+        d = new
+    else:
+        torch._foreach_lerp_(list(d.unbind(0)), gs, alpha)
     if not group["nesterov"]:
         return d
     # u in the dtype the forward op casts it to first (bf16 for Newton–Schulz on CUDA): the
@@ -122,14 +135,15 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable) -> torc
     return u
 
 
-def polyak_ahead(gs: list, state: dict, group: dict, lookahead: Callable) -> tuple:
+def polyak_ahead(gs: list, state: dict, group: dict, lookahead: Callable, fresh: bool = False) -> tuple:
     """:func:`polyak_rows` with the write of d put off, for a step that waits for its finiteness
     test after the forward ops: the gradients are stacked once (a transient copy, one launch
     instead of one per tensor: on an H100 the step is bound by the host's launches, measured
     5% faster), u is read from them and the old d into a scratch (``lookahead``, in the
     forward op's dtype), and the returned ``commit()`` writes d ← d.lerp(g, α) later.
     Without Nesterov u = d.lerp(g, α) (the new d); with it g.lerp(d⁺, 1 − α) = β²d + (1 −
-    β²)g, β = 1 − α, read as d.lerp(g, 1 − β²) (the same value, rounded once)."""
+    β²)g, β = 1 − α, read as d.lerp(g, 1 − β²) (the same value, rounded once). ``fresh``: the
+    commit puts a new d in ``state`` rather than writing the old one in place."""
     alpha, nesterov = group["alpha"], group["nesterov"]
     g = stack(gs)
     u = lookahead(g.shape, g)
@@ -146,6 +160,9 @@ def polyak_ahead(gs: list, state: dict, group: dict, lookahead: Callable) -> tup
     def commit():
         if state.get("d") is None:
             state["d"] = torch.zeros(g.shape, dtype=g.dtype, device=g.device)
-        state["d"].lerp_(g, alpha)
+        if fresh:
+            state["d"] = torch.lerp(state["d"], g, alpha)
+        else:
+            state["d"].lerp_(g, alpha)
 
     return u, commit

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from geomopt.compile.plan import ParamPlan, Plan
+    from geomopt.optim.atomic import PendingStep
     from geomopt.optim.stacked import StackedState
     from geomopt.optim.workspace import Workspace
     from geomopt.spec.model import Spec
@@ -41,6 +42,7 @@ class Host(_Base):
     implementation: str
     # what a step uses
     _counters: list[dict[str, Any]]
+    _pending: Optional[PendingStep]
     _stacked: StackedState
     _buffers: dict
     _workspace: Workspace

@@ -97,7 +97,12 @@ def check_meta(meta: Any) -> None:
                           ("transposed", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
                            "a list of tensor names"),
                           ("world_size", _is_int, "an int"), ("sharded", lambda v: isinstance(v, bool), "a bool"),
-                          ("mesh", lambda v: isinstance(v, list), "a list")):
+                          ("mesh", lambda v: isinstance(v, list), "a list"),
+                          ("pending", lambda v: v is None or (
+                              isinstance(v, Mapping) and isinstance(v.get("done"), list)
+                              and all(isinstance(n, str) for n in v["done"]) and isinstance(v.get("groups"), list)
+                              and all(_is_int(i) and i >= 0 for i in v["groups"])),
+                           "None or {'done': [tensor names], 'groups': [group indices]} (an interrupted step)")):
         if key in meta and not ok(meta[key]):
             raise CheckpointError(f"geomopt['{key}'] is {_short(meta[key])}, not {what}: {_FIX}")
     counters = meta.get("counters", [])

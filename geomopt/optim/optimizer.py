@@ -30,6 +30,7 @@ from geomopt.distributed.layout import layout_key
 from geomopt.geometry.prox import backward
 from geomopt.geometry.dtypes import BF16Warning, slow_bf16
 from geomopt.geometry.polynomial import muon_order
+from geomopt.optim.atomic import PendingStep, drive, interrupted
 from geomopt.optim.bucket_step import BucketStep
 from geomopt.optim.checkpoint import Checkpoints, copy_value, new_counters, spec_hash
 from geomopt.optim.contract import Copyable, collect_params, sparse_gradient, with_overrides
@@ -134,6 +135,7 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
             check_routing(self.plan, expect, spec_hash=self.spec_hash, model=model_label(source))
         # the model's parameter order (a torch optimizer's state saved without names maps by it)
         self._order = ([i.name for i in infos], [i.name for i in infos if i.requires_grad])
+        self._pending: Optional[PendingStep] = None  # an interrupted step (:mod:`geomopt.optim.atomic`)
         self.track_gap = track_gap
         self.track_update = track_update
         self.cuda_graphs = cuda_graphs
@@ -301,65 +303,48 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
                     schedules[gi] = (gamma, warmup_alpha(alpha, group, items[0][1].direction))
                     devices[gi] = items[0][0].device
 
+            pending = self._pending
+            done: list = []  # indices of the jobs whose writes are complete (committed)
+
             def writes() -> bool:
                 """Everything that writes at once; False when the step is skipped."""
                 if defer and self._skip_nonfinite(jobs, grads, prevs, check):
                     return False
-                for gi, device in devices.items():
-                    self._counters[gi]["update_sq"] = torch.zeros((), device=device)
-                for (gi, items, flat), g in zip(jobs, grads):
+                if pending is None:  # a completed retry counts the whole step's update
+                    for gi, device in devices.items():
+                        self._counters[gi]["update_sq"] = torch.zeros((), device=device)
+                for j, ((gi, items, flat), g) in enumerate(zip(jobs, grads)):
                     if flat:
                         self._step_flat(self.param_groups[gi], items, g, *schedules[gi])
+                        done.append(j)
                 return True
 
-            if not defer:
-                writes()
-            shared = not defer and isinstance(self._executor, LocalExecutor)  # buckets one after another
-            steps = [self._step_bucket(gi, self.param_groups[gi], items, g, gp, *schedules[gi], deferred=defer,
-                                       shared=shared)
-                     for (gi, items, flat), g, gp in zip(jobs, grads, prevs) if not flat]
-            if not self._run(steps, writes if defer else None):
-                return loss
-            for gi in schedules:
+            local_run = isinstance(self._executor, LocalExecutor)
+            try:
+                if not defer:
+                    writes()
+                shared = not defer and local_run  # buckets one after another
+                steps = [(j, self._step_bucket(gi, self.param_groups[gi], items, g, gp, *schedules[gi],
+                                               deferred=defer, shared=shared))
+                         for j, ((gi, items, flat), g, gp) in enumerate(zip(jobs, grads, prevs)) if not flat]
+                if not drive(self._executor.run, steps, done.append, writes if defer else None,
+                             lockstep=not local_run):
+                    return loss
+            except BaseException as err:
+                self._pending = interrupted(self._pending, err, jobs, done, self.param_groups, self._plans,
+                                            isinstance(self._executor, LocalExecutor))
+                raise
+            for gi in set(schedules) | (pending.groups if pending is not None else set()):
                 self.param_groups[gi]["step"] += 1
+            self._pending = None
         return loss
 
-    def _run(self, steps: list, barrier: Optional[Callable[[], bool]] = None) -> bool:
-        """Drive the bucket steps (generators that yield operator requests) in lockstep: each
-        round's requests go to the executor together, so a distributed executor makes one
-        exchange per round, with the same requests in the same order on every rank.
-        ``barrier`` runs after the first round (the forward ops); False from it abandons the
-        step (False returned). In one process without a barrier there is nothing to exchange or
-        wait for: each bucket's step runs to its end before the next starts, so they share the
-        workspace and the transients of one bucket are freed before the next is made."""
-        if barrier is None and isinstance(self._executor, LocalExecutor):
-            for s in steps:
-                answer = None
-                while True:
-                    try:
-                        request = s.send(answer)
-                    except StopIteration:
-                        break
-                    answer = self._executor.run([request])[0]
-            return True
-        pending = [(s, None) for s in steps]
-        answers = [None] * len(steps)
-        first = True
-        while pending or first:
-            nxt = []
-            for (s, _), answer in zip(pending, answers):
-                try:
-                    nxt.append((s, s.send(answer)))
-                except StopIteration:  # this bucket's step is done
-                    pass
-            pending = nxt
-            answers = self._executor.run([req for _, req in pending]) if pending else []
-            if first and barrier is not None and not barrier():
-                for s, _ in pending:
-                    s.close()
-                return False
-            first = False
-        return True
+    @property
+    def pending_step(self) -> Optional[dict]:
+        """After a step that raised part-way: ``{"done": [names of the tensors whose update is
+        written], "groups": [indices]}``; the next ``step()`` applies only the others. None
+        otherwise."""
+        return None if self._pending is None else self._pending.to_dict()
 
     def _can_defer(self, jobs: list, grads: list) -> bool:
         """Whether this step may await the finiteness test after launching the forward ops: in
@@ -393,8 +378,8 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
                 by_key: dict = {}
                 for i in bucket:
                     p = group["params"][i]
-                    if p.grad is None:
-                        continue
+                    if p.grad is None or (self._pending is not None and id(p) in self._pending.done):
+                        continue  # no gradient, or committed by an interrupted step this one completes
                     if p.grad.layout != torch.strided:
                         raise sparse_gradient(plans[i].name, p.grad.layout)
                     st = self.state[p]

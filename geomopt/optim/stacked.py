@@ -60,6 +60,12 @@ class StackedState:
                 out[key] = first[key]
         return out
 
+    def live(self, items: list, values: dict) -> list:
+        """The tensors of :meth:`gather`'s ``values`` that are the state itself (the entries view
+        them), not a fresh stack: what a bucket's in-place update changes at once."""
+        ids = tuple(id(p) for p, _ in items)
+        return [v for key, v in values.items() if key in STACKED and self.buffers.get((ids, key)) is v]
+
     def scatter(self, state, items: list, values: dict) -> None:
         """Bind the per-parameter state entries to rows of the stacked ``values`` (DTensors over the
         rows for sharded parameters, laid out like the parameter)."""

@@ -28,13 +28,13 @@ from __future__ import annotations
 import functools
 import json
 import re
-from importlib import resources
 
 from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from geomopt.spec.diagnostics import SpecError, did_you_mean, language_diagnostic
 from geomopt.spec.base import KIND_FIELDS
+from geomopt.spec.shipped import shipped_folder
 from geomopt.spec.source import MAX_DEPTH, Parsed, SourceMap, int_literal_error
 
 _KEYWORDS = {
@@ -65,7 +65,7 @@ class _WholeWords:
 
 @functools.lru_cache(maxsize=1)
 def _parser() -> Lark:
-    text = resources.files("geomopt").joinpath("grammars/geomopt.lark").read_text(encoding="utf-8")
+    text = (shipped_folder("grammars") / "geomopt.lark").read_text(encoding="utf-8")
     return Lark(text, parser="lalr", maybe_placeholders=False, postlex=_WholeWords())
 
 

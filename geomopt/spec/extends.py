@@ -1,7 +1,7 @@
 """Spec inheritance (``extends``) and presets (shipped specs by name).
 
 A spec may start from another: ``extends: muon`` names a shipped spec (a file stem in
-``geomopt/specs/``: :func:`shipped_specs`), ``extends: ../base.yaml`` a file (a relative path
+``specs/``: :func:`shipped_specs`), ``extends: ../base.yaml`` a file (a relative path
 resolves against the extending file's directory; against the working directory for a spec given
 as text or as a dict). A bare word (no ``/``, no extension) is always a shipped name; anything
 else is a path. A base may itself extend; it need not be a whole spec on its own.
@@ -40,11 +40,11 @@ their file (:meth:`MergedSourceMap.locate`); its ``pos`` answers in the child's 
 from __future__ import annotations
 
 import dataclasses
-from importlib import resources
 from pathlib import Path
 from typing import Callable, Optional
 
 from geomopt.spec.diagnostics import SpecError, did_you_mean, language_diagnostic
+from geomopt.spec.shipped import shipped_folder
 from geomopt.spec.source import Parsed, SourceMap
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".geom")
@@ -96,10 +96,10 @@ def layer_of(source: Optional[SourceMap]) -> Optional[Parsed]:
 
 
 def shipped_specs() -> dict[str, Path]:
-    """The shipped specs by name: file stem in ``geomopt/specs/``, then in its ``catalog/`` (the
+    """The shipped specs by name: file stem in ``specs/``, then in its ``catalog/`` (the
     published optimizers: ``normuon``, ``lion``, …) → its path (the YAML file where a spec ships in
     both spellings; the top folder's where both have the name)."""
-    root = Path(str(resources.files("geomopt").joinpath("specs")))
+    root = shipped_folder("specs")
     out: dict[str, Path] = {}
     for folder in (root, root / "catalog"):
         if not folder.is_dir():

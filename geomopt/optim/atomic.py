@@ -1,0 +1,182 @@
+"""A step never half-applies.
+
+A step is a sequence of jobs (a bucket of same-shape tensors of a rule, or a flat call of an
+elementwise rule), each of which writes its tensors and their state at once, after every operator
+request it makes (forward op, post-stages, backward op) has answered. An exception from an
+operator (an operator error, out of memory, a fault) therefore reaches a job before it wrote its
+parameters; state it updated in place before that request (momentum, moments) is restored from a
+journal copy (:func:`journal`), so the job leaves every bit as it found it. Jobs that finished
+before are *committed*. :class:`PendingStep` records them: the exception carries a note naming
+the committed and the interrupted tensors, and the next ``step()`` (with the same gradients)
+applies only the tensors not yet committed, then advances the step counts once, so the two calls
+give the bits of one clean step.
+
+Scope: one process. Under torch.distributed an exception on one rank breaks the collectives'
+sequence for all, so such a run restarts from a checkpoint; there no journal is kept (it would
+hold a copy of every bucket's state at once while the rounds run in lockstep).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import torch
+
+
+@dataclass
+class PendingStep:
+    """An interrupted step: ``done`` the ids of the parameters whose update for this step is
+    written, ``names`` theirs (for messages and checkpoints), ``groups`` the param groups that
+    took part (their step counts advance when the step completes)."""
+
+    done: set = field(default_factory=set)
+    names: list = field(default_factory=list)
+    groups: set = field(default_factory=set)
+
+    def to_dict(self) -> dict:
+        return dict(done=list(self.names), groups=sorted(self.groups))
+
+
+def journal(tensors: Iterable[torch.Tensor]) -> list:
+    """(live tensor, copy) pairs: what :func:`restore` writes back."""
+    return [(t, t.clone()) for t in tensors]
+
+
+def restore(saved: Optional[list]) -> None:
+    for live, copy in saved or ():
+        live.copy_(copy)
+
+
+def guarded(gen, saved: list):
+    """``gen`` (a job's step, yielding operator requests) with its journal restored when it
+    raises or an exception is thrown into it; ``saved`` is filled by the job before its first
+    in-place write."""
+    try:
+        return (yield from gen)
+    except BaseException:
+        restore(saved)
+        raise
+
+
+def abort(steps: Iterable) -> None:
+    """Unwind in-flight jobs after a failure: each restores its journal."""
+    for s in steps:
+        try:
+            s.throw(RuntimeError("geomopt: step interrupted"))
+        except BaseException:  # the job re-raises after restoring: expected
+            pass
+
+
+def drive(run: Callable, steps: list, committed: Callable[[int], None], barrier: Optional[Callable] = None,
+          lockstep: bool = False) -> bool:
+    """Drive the jobs' steps (``(index, generator)``; each yields operator requests, ``run``
+    answers a list of them). ``lockstep``: each round's requests go to ``run`` together (a
+    distributed executor exchanges once per round, the same requests in the same order on every
+    rank). ``barrier`` runs after the first round (every job's forward op launched); False from it
+    abandons the step (False returned). Otherwise, and after the barrier in one process, each job
+    runs to its end before the next starts, so at most one job is in flight when something fails.
+    ``committed(index)`` is called as each job finishes; an exception unwinds the jobs in flight
+    (:func:`abort`) and propagates."""
+    if barrier is None and not lockstep:
+        for index, s in steps:
+            _finish(run, index, s, None, committed)
+        return True
+    pending = [(index, s, None) for index, s in steps]
+    first = True
+    while pending or first:
+        nxt = []
+        for k, (index, s, answer) in enumerate(pending):
+            try:
+                nxt.append((index, s, s.send(answer)))
+            except StopIteration:
+                committed(index)
+            except BaseException:
+                abort(s for _, s, _ in nxt + pending[k + 1:])
+                raise
+        try:
+            answers = run([req for _, _, req in nxt]) if nxt else []
+        except BaseException:
+            abort(s for _, s, _ in nxt)
+            raise
+        pending = [(index, s, a) for (index, s, _), a in zip(nxt, answers)]
+        if first and barrier is not None:
+            try:
+                go = barrier()
+            except BaseException:
+                abort(s for _, s, _ in pending)
+                raise
+            if not go:
+                for _, s, _ in pending:
+                    s.close()
+                return False
+            if not lockstep:
+                for k, (index, s, answer) in enumerate(pending):
+                    try:
+                        _finish(run, index, s, answer, committed)
+                    except BaseException:
+                        abort(s for _, s, _ in pending[k + 1:])
+                        raise
+                return True
+        first = False
+    return True
+
+
+def _finish(run: Callable, index: int, s, answer, committed: Callable[[int], None]) -> None:
+    """Run one job's step to its end, answering its requests one at a time."""
+    while True:
+        try:
+            request = s.send(answer)
+        except StopIteration:
+            committed(index)
+            return
+        try:
+            answer = run([request])[0]
+        except BaseException:
+            abort([s])
+            raise
+
+
+def interrupted(pending: Optional[PendingStep], err: BaseException, jobs: list, done: list, groups: list,
+                plans: list, local: bool) -> Optional[PendingStep]:
+    """The pending step after ``err`` interrupted a step whose jobs ``done`` (indices into
+    ``jobs``: (group index, [(param, plan)], flat)) committed, said in a note on the exception
+    (its type unchanged, so ``except torch.OutOfMemoryError`` still works); None when nothing is
+    written (the step can simply be called again)."""
+    if not done and pending is None:
+        return None
+    pending = pending or PendingStep()
+    for _, items, _ in (jobs[j] for j in done):
+        pending.done.update(id(p) for p, _ in items)
+        pending.names.extend(pp.name for _, pp in items)
+    pending.groups |= {gi for gi, _, _ in jobs}
+    committed = [(g["rule"], [pp.name for p, pp in zip(g["params"], ps) if id(p) in pending.done])
+                 for g, ps in zip(groups, plans)]
+    rest: dict = {}
+    for j, (gi, items, _) in enumerate(jobs):
+        if j not in done:
+            rest.setdefault(groups[gi]["rule"], []).extend(pp.name for _, pp in items)
+    note = interrupted_note([c for c in committed if c[1]], list(rest.items()))
+    if not local:
+        note += ("\n  Under torch.distributed the ranks' collectives are out of step after this: restart from "
+                 "the last checkpoint.")
+    if hasattr(err, "add_note"):  # Python >= 3.11
+        err.add_note(note)
+    return pending
+
+
+def interrupted_note(done: list, rest: list) -> str:
+    """What an exception that interrupted a step says: ``done`` / ``rest`` are (rule, names)."""
+
+    def listing(parts: list) -> str:
+        out = []
+        for rule, names in parts:
+            shown = ", ".join(names[:4]) + (f", … ({len(names)} tensors)" if len(names) > 4 else "")
+            out.append(f"rule '{rule}': {shown}")
+        return "; ".join(out) or "none"
+
+    return ("geomopt: this step was interrupted and applied in part.\n"
+            f"  committed (updated for this step): {listing(done)}\n"
+            f"  not applied (parameters and optimizer state as before the step): {listing(rest)}\n"
+            "  Call step() again with the same gradients to apply only the tensors not applied; the step "
+            "counts advance then (opt.pending_step lists the committed tensors).")

@@ -1,0 +1,223 @@
+"""A step never half-applies: a fault injected at every operator request of every shipped spec
+leaves each tensor (parameter and optimizer state) either exactly as before the step or exactly
+as one clean step leaves it, the committed ones are the ones the optimizer names, and calling
+``step()`` again with the same gradients gives the bits of one clean step."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import geomopt
+from geomopt import GeomOptimizer
+from geomopt.geometry import polynomial
+from geomopt.optim.load_check import CheckpointError
+from optim_helpers import gpt_batch, loss_of, tiny_gpt
+
+SPECS = sorted(geomopt.shipped_specs())
+EXAMPLES = sorted((geomopt.shipped_specs()["muon"].parent / "examples").glob("*.yaml"))
+
+
+class InjectedFault(RuntimeError):
+    """The fault the tests inject at an operator request."""
+
+
+def build(spec):
+    model = tiny_gpt(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = GeomOptimizer(model, spec)
+    return model, opt
+
+
+def tensors(opt) -> dict:
+    """name → (parameter, its state entries), for an optimizer or its copy."""
+    return {n: (p, opt.state[p]) for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
+
+
+def grads_of(model, step: int) -> dict:
+    """name → gradient of the loss on batch ``step``."""
+    model.zero_grad(set_to_none=True)
+    loss_of(model, gpt_batch(step)).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def copy_with_grads(opt, grads: list):
+    """A deep copy of ``opt`` (whose parameters carry no gradients) stepped with each of
+    ``grads`` but the last, which it then holds. The copy's first step binds its state entries to
+    the stacked buffers (a copy starts unbound), so the faulty step updates the state in place as
+    a long run does."""
+    twin = copy.deepcopy(opt)
+    for k, g in enumerate(grads):
+        for name, (p, _) in tensors(twin).items():
+            p.grad = g[name].clone() if name in g else None
+        if k < len(grads) - 1:
+            twin.step()
+    return twin
+
+
+def same_state(a: dict, b: dict) -> bool:
+    if set(a) != set(b):
+        return False
+    return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def snapshot(opt) -> dict:
+    return {n: (p.detach().clone(), copy.deepcopy(s)) for n, (p, s) in tensors(opt).items()}
+
+
+def requests_of(opt, grads: list) -> int:
+    """How many operator requests the last step of ``opt`` over ``grads`` makes (on a copy)."""
+    twin = copy_with_grads(opt, grads)
+    run, count = twin._executor.run, [0]
+
+    def counting(requests):
+        count[0] += len(requests)
+        return run(requests)
+
+    twin._executor.run = counting
+    twin.step()
+    return count[0]
+
+
+def inject(opt, at: int) -> None:
+    """Make the ``at``-th operator request of the next step raise :class:`InjectedFault`."""
+    run, count = opt._executor.run, [0]
+
+    def faulty(requests):
+        if count[0] <= at < count[0] + len(requests):
+            raise InjectedFault(f"fault at request {at}")
+        count[0] += len(requests)
+        return run(requests)
+
+    opt._executor.run = faulty
+
+
+def check_every_fault(opt, grads: list) -> int:
+    """Inject a fault at each request of the last step of ``opt`` over ``grads``; returns how
+    many were injected."""
+    clean = copy_with_grads(opt, grads)
+    was = snapshot(clean)
+    clean.step()
+    want = snapshot(clean)
+    n = requests_of(opt, grads)
+    for at in range(n):
+        trial = copy_with_grads(opt, grads)
+        run = trial._executor.run
+        inject(trial, at)
+        with pytest.raises(InjectedFault) as info:
+            trial.step()
+        pending = trial.pending_step
+        done = set(pending["done"]) if pending else set()
+        for name, (p, state) in tensors(trial).items():
+            ref = want[name] if name in done else was[name]
+            assert torch.equal(p, ref[0]), (name, at, name in done)
+            assert same_state(state, ref[1]), (name, at, name in done)
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        if done:  # each rule with committed tensors is named, with its tensors or their count
+            rules = {g["rule"]: [n for n in g["param_names"] if n in done] for g in trial.param_groups}
+            for rule, names in rules.items():
+                assert not names or f"rule '{rule}': {names[0]}" in notes, (rule, notes)
+        # the retry applies only the rest: one clean step's bits and step counts
+        trial._executor.run = run
+        trial.step()
+        assert trial.pending_step is None
+        for name, (p, state) in tensors(trial).items():
+            assert torch.equal(p, want[name][0]), (name, at)
+            assert same_state(state, want[name][1]), (name, at)
+        assert [g["step"] for g in trial.param_groups] == [g["step"] for g in clean.param_groups]
+        assert [c["skipped"] for c in trial._counters] == [c["skipped"] for c in clean._counters]
+    return n
+
+
+@pytest.fixture(params=["muon-order", "deferred"])
+def order(request, monkeypatch):
+    """CPU runs torch Muon's op order, where each bucket steps whole in turn; off it, a step
+    launches every bucket's forward op, then awaits the finiteness test, then writes (the
+    deferred check CUDA runs), whose faults the first round meets before anything is written."""
+    if request.param == "deferred":
+        monkeypatch.setattr(polynomial, "_MUON_ORDER_DEVICES", ())
+    return request.param
+
+
+@pytest.mark.parametrize("spec", SPECS + EXAMPLES, ids=lambda s: getattr(s, "stem", s))
+def test_a_fault_at_any_request_leaves_each_tensor_before_or_after_and_a_retry_completes_the_step(spec, order):
+    model, opt = build(spec)
+    grads = [grads_of(model, 0), grads_of(model, 1)]
+    first = check_every_fault(opt, grads[:1])  # the first step: state created
+    steady = check_every_fault(opt, grads)  # a later step: state updated in place
+    assert first + steady > 0 or all(  # a spec whose every rule runs on the flat path makes no request
+        opt._flat_rule(g, plans[0]) for g, plans in zip(opt.param_groups, opt._plans))
+
+
+def test_the_exception_keeps_its_type_and_names_the_committed_and_the_interrupted_tensors():
+    model, opt = build("muon")
+    grads = [grads_of(model, 0)]
+    n = requests_of(opt, grads)
+    assert n >= 2
+    opt = copy_with_grads(opt, grads)
+    inject(opt, n - 1)
+    with pytest.raises(InjectedFault) as info:
+        opt.step()
+    notes = "\n".join(info.value.__notes__)
+    assert "applied in part" in notes and "not applied" in notes and "step() again" in notes
+    pending = opt.pending_step
+    assert pending["done"] and all(name in notes for name in pending["done"][:2])
+
+
+def test_a_fault_before_anything_is_written_leaves_no_pending_step(monkeypatch):
+    # the deferred check: the matrices' forward ops run before the elementwise rules write
+    monkeypatch.setattr(polynomial, "_MUON_ORDER_DEVICES", ())
+    model, opt = build("muon")
+    opt = copy_with_grads(opt, [grads_of(model, 0)])
+    jobs = opt._jobs()
+    assert opt._can_defer(jobs, [opt._job_grads(gi, items, flat, {}) for gi, items, flat in jobs])
+    was = snapshot(opt)
+    inject(opt, 0)
+    with pytest.raises(InjectedFault) as info:
+        opt.step()
+    assert opt.pending_step is None and not getattr(info.value, "__notes__", [])
+    for name, (p, state) in tensors(opt).items():
+        assert torch.equal(p, was[name][0]) and same_state(state, was[name][1]), name
+
+
+def test_an_interrupted_step_survives_a_checkpoint():
+    model, opt = build("muon")
+    grads = [grads_of(model, 0), grads_of(model, 1)]
+    clean = copy_with_grads(opt, grads)
+    clean.step()
+    n = requests_of(opt, grads)
+    opt = copy_with_grads(opt, grads)
+    inject(opt, n - 1)
+    with pytest.raises(InjectedFault):
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["geomopt"]["pending"]["done"] == opt.pending_step["done"]
+    _, resumed = build("muon")
+    with torch.no_grad():
+        for (p, _), (q, _) in zip(tensors(opt).values(), tensors(resumed).values()):
+            q.copy_(p)
+            q.grad = p.grad.clone()
+    resumed.load_state_dict(saved)
+    assert resumed.pending_step == opt.pending_step
+    resumed.step()
+    for name, (p, state) in tensors(resumed).items():
+        q, ref = tensors(clean)[name]
+        assert torch.equal(p, q), name
+        assert same_state(state, ref), name
+
+
+def test_a_checkpoint_naming_tensors_this_optimizer_lacks_is_refused_before_anything_is_written():
+    model, opt = build("muon")
+    opt = copy_with_grads(opt, [grads_of(model, 0)])
+    saved = copy.deepcopy(opt.state_dict())
+    saved["geomopt"]["pending"] = {"done": ["no.such.weight"], "groups": [0]}
+    with pytest.raises(CheckpointError, match="no.such.weight"):
+        opt.load_state_dict(saved)
+    saved["geomopt"]["pending"] = {"done": "lm_head.weight", "groups": [0]}
+    with pytest.raises(CheckpointError, match="pending"):
+        opt.load_state_dict(saved)
+    assert opt.pending_step is None
