@@ -816,7 +816,7 @@ def example_lines(ex: Example, lead: str = "") -> list[str]:
 
 def suppress_text(rule) -> str:
     code = rule.code
-    blocking = _find(("geomopt.compile.compiler", "BLOCKING"), ("geomopt.compile", "BLOCKING"))
+    blocking = _find(("geomopt.compile.blocking", "BLOCKING"))
     if code in blocking:
         return (f"It cannot be: {code} is a blocking error (compile refuses the spec), so a "
                 f"`# geomopt: disable={code}` comment does not silence it and is itself reported (GO123). "
