@@ -34,17 +34,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def import_base(commit: str, into: Path):
-    """The ``geomopt`` package of ``commit``, importable as ``geomopt_base``."""
-    data = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "geomopt"], check=True,
+    """The ``geomopt`` package of ``commit``, importable as ``geomopt_base`` (with its shipped
+    specs and grammar inside it, as a wheel installs them, wherever the commit keeps them)."""
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", commit], check=True,
+                            capture_output=True, text=True).stdout.split()
+    folders = ["geomopt"] + [f for f in ("specs", "grammars") if f in listed]
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", commit, *folders], check=True,
                           capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(into, filter="data")
     pkg = into / "geomopt_base"
     (into / "geomopt").rename(pkg)
+    for folder in folders[1:]:
+        (into / folder).rename(pkg / folder)
     for path in pkg.rglob("*.py"):
         text = path.read_text()
         text = re.sub(r"\bfrom geomopt([ .])", r"from geomopt_base\1", text)
         text = re.sub(r"\bimport geomopt\b", "import geomopt_base", text)
+        text = text.replace('files("geomopt")', 'files("geomopt_base")')
         path.write_text(text.replace('"geomopt.', '"geomopt_base.'))
     sys.path.insert(0, str(into))
     return importlib.import_module("geomopt_base")

@@ -62,7 +62,7 @@ def test_explain_an_expert_of_a_moe_model(capsys, moe_module):
     assert "role       expert" in out and "4 experts" in out
     assert "view       8 × 48×32" in out  # 4 experts × (gate, up), each 48×32
     rc, out, _ = _run(capsys, "explain", MUON, "model.layers.0.mlp.gate.weight", "--model", moe_module)
-    assert "role       router" in out and "2. head" in out and "yes: owns it" in out
+    assert "role       router" in out and "3. head" in out and "yes: owns it" in out
     assert "forward    adam" in out
 
 
@@ -92,7 +92,7 @@ def test_init_on_a_moe_model_keeps_router_and_expert_rules(tmp_path, capsys, moe
     rc, out, err = _run(capsys, "init", "--model", moe_module, "--recipe", "muon")
     assert rc == 0, err
     spec = geomopt.parse_spec(out, "yaml")
-    assert [r.name for r in spec.rules] == ["embeddings", "head", "hidden", "rest"]
+    assert [r.name for r in spec.rules] == ["hidden", "embeddings", "head", "rest"]
     rc, _, err = _run(capsys, "init", "--model", moe_module, "--recipe", "muonn")
     assert rc == 2 and "did you mean 'muon'" in err
 

@@ -25,7 +25,7 @@ from geomopt.spec.validate import source_of
 from geomopt.spec.yaml_front import parse_yaml
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
-MUON_RULES = ["embeddings", "head", "hidden", "rest"]
+MUON_RULES = ["hidden", "embeddings", "head", "rest"]
 
 
 def write(folder: Path, name: str, text: str) -> Path:
@@ -279,11 +279,11 @@ ERRORS = [
     ("before a rule the base lacks",
      "geomopt: 1\nextends: muon\nname: x\nrules:\n  - name: extra\n    before: hed\n    match: \"**\"\n    geometry: {kind: euclidean}\n",
      'geomopt 1\nextends "muon"\nname "x"\n\nrule extra match "**":\n    before=hed\n    geometry euclidean\n',
-     "GO013", ["rules[0].before", "no rule 'hed'", "did you mean 'head'?", "its rules: embeddings, head, hidden, rest"], "before"),
+     "GO013", ["rules[0].before", "no rule 'hed'", "did you mean 'head'?", "its rules: hidden, embeddings, head, rest"], "before"),
     ("after a rule the base lacks",
      "geomopt: 1\nextends: muon\nname: x\nrules:\n  - {name: extra, match: \"**\", geometry: {kind: euclidean}, after: nope}\n",
      'geomopt 1\nextends "muon"\nname "x"\n\nrule extra match "**":\n    geometry euclidean\n    after=nope\n',
-     "GO013", ["no rule 'nope'", "its rules: embeddings, head, hidden, rest"], "after"),
+     "GO013", ["no rule 'nope'", "its rules: hidden, embeddings, head, rest"], "after"),
     ("both before and after",
      "geomopt: 1\nextends: muon\nname: x\nrules:\n  - name: extra\n    before: head\n    after: head\n    match: \"**\"\n    geometry: {kind: euclidean}\n",
      'geomopt 1\nextends "muon"\nname "x"\n\nrule extra match "**":\n    before=head\n    after=head\n    geometry euclidean\n',
@@ -424,7 +424,7 @@ def test_fmt_resolved_prints_the_merged_spec(tmp_path, capsys):
     assert "extends" not in merged and "remove" not in merged and "after" not in merged
     resolved = geomopt.parse_spec(merged)
     assert resolved == geomopt.load_spec(src) and resolved.extends is None
-    assert names(resolved) == ["embeddings", "head", "gains", "hidden"]
+    assert names(resolved) == ["hidden", "embeddings", "head", "gains"]
     assert main(["fmt", str(src), "--resolved", "--to", "dsl"]) == 0
     assert geomopt.parse_spec(capsys.readouterr().out, "dsl") == resolved
     assert main(["fmt", str(src), "--resolved", "--check"]) == 2
@@ -433,7 +433,7 @@ def test_fmt_resolved_prints_the_merged_spec(tmp_path, capsys):
 
 def test_a_null_has_no_dsl_spelling(tmp_path, capsys):
     src = write(tmp_path, "child.yaml", "geomopt: 1\nextends: muon\nname: x\nrules:\n  - {name: hidden, direction: null}\n")
-    assert geomopt.load_spec(src).rules[2].direction is None
+    assert geomopt.load_spec(src).rules[0].direction is None
     assert main(["fmt", str(src), "--to", "dsl"]) == 2
     out, err = capsys.readouterr()
     assert "keep this spec in YAML" in err and "Traceback" not in err

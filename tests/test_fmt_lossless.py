@@ -93,7 +93,7 @@ def test_muon_keeps_its_newton_schulz_dtype_note():
     text = (SPECS / "muon.yaml").read_text(encoding="utf-8")
     line = next(l for l in text.splitlines() if "approx:" in l)
     assert line.strip() == "approx: {kind: newton_schulz}  # 5 steps; dtype auto: bf16 on CUDA as torch.optim.Muon, fp32 on CPU"
-    assert geomopt.load_spec(SPECS / "muon.yaml").rules[2].geometry.approx.dtype == "auto"
+    assert geomopt.load_spec(SPECS / "muon.yaml").rules[0].geometry.approx.dtype == "auto"
     dsl = fmt(text, "yaml", "dsl")
     assert "        approx=newton_schulz,  # 5 steps; dtype auto: bf16 on CUDA as torch.optim.Muon, fp32 on CPU\n" in dsl
 

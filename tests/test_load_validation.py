@@ -169,6 +169,10 @@ def test_bad_step_counts(stepped):
     refused(opt, sd, f"'{name}'", "'adam_step'")
     st["adam_step"] = 1.5
     refused(opt, sd, f"'{name}'", "'adam_step'")
+    del st["adam_step"]  # torch's name and form for the count: a bad one is named as given
+    for bad in (-1, 1.5, torch.tensor(-1.0), torch.tensor([1.0, 2.0]), torch.tensor(math.nan)):
+        st["step"] = bad
+        refused(opt, sd, f"'{name}'", "'step'")
     sd = copy.deepcopy(saved)
     group_of(sd, "rest")["step"] = "1"
     refused(opt, sd, "rule 'rest'", "'step'")

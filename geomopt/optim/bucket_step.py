@@ -69,16 +69,17 @@ class BucketStep(Host):
         # answered): directions update it out of place (``fresh``), and state updated in place
         # before a request (Adam's moments, post-stages' statistics) is journaled
         saved = [] if saved is None else saved
-        fresh = isinstance(self._executor, LocalExecutor) and (geometry["kind"] != "adam" or bool(post) or projects)
-        if fresh and (geometry["kind"] == "adam" or post):
-            saved.extend(journal(self._stacked.live(items, state)))
+        atomic = isinstance(self._executor, LocalExecutor) and (geometry["kind"] != "adam" or bool(post) or projects)
+        fresh: Optional[list] = [] if atomic else None  # updates the direction puts off until the commit
+        if atomic and (geometry["kind"] == "adam" or post):  # (d: the direction's, fresh)
+            saved.extend(journal(self._stacked.live(items, state, skip=("d",))))
         commit = None
         if isinstance(g, list) and deferred:
             d, commit = polyak_ahead(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, False),
-                                     fresh=fresh)
+                                     fresh=atomic)
         elif isinstance(g, list):
             d = polyak_rows(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, shared),
-                            fresh=fresh)
+                            fresh=atomic)
         else:
             gu = upcast(g)
             # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
@@ -116,6 +117,8 @@ class BucketStep(Host):
                 if wd:
                     torch._foreach_mul_(views, decay)
                 torch._foreach_add_(views, steps, alpha=gamma if one_pass else -gamma * rho)
+            for update in fresh or ():
+                update()
             self._stacked.scatter(self.state, items, state)
             return
         x = upcast(stack(views))
@@ -146,6 +149,8 @@ class BucketStep(Host):
         if self.track_update and self._first_holder(items[0][0]):  # replicas count their block once
             delta = (x_new - x).reshape(-1)
             counters["update_sq"] = counters["update_sq"] + torch.dot(delta, delta).to(counters["update_sq"].device)
+        for update in fresh or ():
+            update()
         self._stacked.scatter(self.state, items, state)
         torch._foreach_copy_(views, list(x_new.unbind(0)))
 

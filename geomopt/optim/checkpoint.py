@@ -40,7 +40,15 @@ class Checkpoints(Host):
                   "on_nonfinite")
 
     def state_dict(self) -> dict:
-        sd = super().state_dict()
+        """torch's state dict and what the spec set (``"geomopt"``); the post-hooks see the
+        finished dict. Adam's step count is saved as it is kept, the int ``adam_step``
+        (:data:`ADAM_STEP`)."""
+        hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = type(hooks)()  # run below, on the finished dict
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = hooks
         sd["geomopt"] = dict(
             spec_hash=self.spec_hash, spec=dump_spec(self.spec, "yaml"),
             world_size=self._executor.world, sharded=self._sharded, mesh=self._mesh_signature(),
@@ -49,6 +57,9 @@ class Checkpoints(Host):
             transposed=[pp.name for plans in self._plans for pp in plans if pp.transpose],
             pending=None if self._pending is None else self._pending.to_dict(),
         )
+        for hook in hooks.values():
+            out = hook(self, sd)
+            sd = sd if out is None else out
         return sd
 
     def _mesh_signature(self) -> list:
@@ -90,6 +101,9 @@ class Checkpoints(Host):
         except ValueError as err:  # another optimizer's state (torch.optim.SGD, …)
             raise CheckpointError(str(err)) from None
         meta = state_dict.get("geomopt")
+        if source == "geomopt":  # torch's step tensors (state_dict()) or ints (older checkpoints)
+            state_dict = dict(state_dict, state={i: import_steps(st) if isinstance(st, Mapping) else st
+                                                 for i, st in state_dict["state"].items()})
         if source != "geomopt":
             if not allow_spec_change:
                 raise CheckpointError(
@@ -222,6 +236,31 @@ class Checkpoints(Host):
             post_hook(self)
         log.info("%s", report)
         return report
+
+
+#: Adam's step count, kept and saved as a Python int (the bias corrections 1 − βᵗ are host
+#: arithmetic, so a step never waits on the device; an int is exact at any count). Not torch's
+#: float32 ``step`` tensor: torch.distributed.checkpoint's flattened optimizer state (what
+#: torchtitan saves) maps each saved key to the optimizer's in-memory key, so the saved key must be
+#: the one the step reads. A ``step`` (torch's name, a tensor or a number) loads as ``adam_step``.
+ADAM_STEP, TORCH_STEP = "adam_step", "step"
+
+
+def import_steps(entry: Mapping) -> Mapping:
+    """A saved ``step`` (torch's name for the count: a tensor or a number that is a count, e.g. a
+    state dict converted by torch-side tools) becomes the int ``adam_step``; an entry with
+    ``adam_step`` is kept as it is. A ``step`` that is not a count stays as it is, for the load's
+    checks to name."""
+    if TORCH_STEP not in entry or ADAM_STEP in entry:
+        return entry
+    value = entry[TORCH_STEP]
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            return entry
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer() or value < 0:
+        return entry
+    return {(ADAM_STEP if k == TORCH_STEP else k): (int(value) if k == TORCH_STEP else v) for k, v in entry.items()}
 
 
 def copy_counters(c: dict) -> dict:

@@ -9,6 +9,8 @@ translation. :class:`~geomopt.optim.GeomOptimizer`'s constructor and step call t
 * ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the optimizer (:class:`Copyable`).
 * sparse gradients refused at ``step()`` with the tensor's name (:func:`sparse_gradient`), as
   torch's AdamW does, before anything is written.
+* complex parameters (:func:`check_complex`): stepped where the rule is elementwise, refused at
+  construction elsewhere.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from geomopt.spec.model import Spec
 
 def _checked(name: str, value, *, positive: bool) -> float:
     """``value`` as a float, or a clear error naming the keyword."""
+    import torch
+
+    if isinstance(value, torch.Tensor):  # torch's own wording, which its generic tests accept
+        raise ValueError(f"{name} as a Tensor is not supported by GeomOptimizer's constructor ({name}= becomes the "
+                         f"spec's defaults: value, a number): pass a float; a tensor set later in "
+                         f"param_groups[i][{name!r}] (by you or a scheduler) is kept as a tensor")
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"GeomOptimizer's {name}= must be a number, not {type(value).__name__}")
     value = float(value)
@@ -227,6 +235,36 @@ class Copyable(Host):
 
 def _own(value):
     return value.clone() if isinstance(value, torch.Tensor) and value._base is not None else value
+
+
+def check_complex(groups: list, plans: list, flat_rule) -> None:
+    """Complex parameters are stepped where the rule is elementwise (``flat_rule``: the flat path's
+    rules, φ euclidean, anisotropic, isotropic or adam with no constraint, post-stage or tracking),
+    as torch.optim does: parameter, gradient and state viewed as real (``torch.view_as_real``), so
+    re and im are two real coordinates (ℂⁿ ≅ ℝ²ⁿ: |z|² = re² + im², an isotropic norm is the
+    complex Frobenius norm). Everything else acts on the tensor as a matrix or through a set
+    whose complex form is another map (a spectral lmo of a complex matrix needs its complex SVD,
+    not one of the real view), so those are refused here, before anything is built, naming the
+    tensor, its rule and what to do."""
+    from geomopt.optim.tensors import FLAT_DTYPES
+
+    for group, gplans in zip(groups, plans):
+        for p, pp in zip(group["params"], gplans):
+            if not p.is_complex():
+                continue
+            if p.dtype not in FLAT_DTYPES:
+                raise ValueError(f"tensor '{pp.name}' is {p.dtype}: geomopt steps complex64 and complex128 "
+                                 f"parameters only; convert it (p.data = p.data.to(torch.complex64))")
+            if not flat_rule(group, pp):
+                raise ValueError(
+                    f"tensor '{pp.name}' is complex ({p.dtype}) and its rule '{group['rule']}' is not elementwise "
+                    f"(geometry {pp.geometry['kind']}"
+                    + (f", constraint {pp.constraint['kind']}" if pp.constraint else "")
+                    + (", post-stages" if pp.post else "") + f", direction {group['direction']}): complex "
+                    f"parameters step only under euclidean, anisotropic, isotropic or adam geometry with no "
+                    f"constraint, post-stage, cautious decay, STORM direction or track_gap/track_update. Route "
+                    f"this tensor to such a rule, or optimize its real view (torch.view_as_real) as a real "
+                    f"parameter")
 
 
 def sparse_gradient(name: str, layout) -> RuntimeError:

@@ -2,14 +2,15 @@
 Polyak's other forms beside them (rows of a stacked state, put off for the deferred finiteness
 test, foreach over a flat block), so each direction is written in one module.
 
-Each is ``fn(g, state, group, *, g_prev=None, inplace=False, fresh=False) -> d`` and updates
-``state`` in place, or with ``fresh`` out of place: the new tensors replace the old in ``state``
-(a bucket's gathered dict, bound to the optimizer's state only when the bucket commits: so an
-exception before then leaves the state as it was, :mod:`geomopt.optim.atomic`; the same
-arithmetic, so the same bits). ``group`` holds the scalars (``alpha``, ``nesterov``) so
-torch-style schedulers can change them, and ``group["spec_direction"]`` the direction's own spec
-fragment (heavy ball's μ and τ, Lion's betas); ``inplace`` says ``g`` is the caller's scratch
-copy, which the function may overwrite.
+Each is ``fn(g, state, group, *, g_prev=None, inplace=False, fresh=None) -> d`` and updates
+``state`` in place; given a list ``fresh``, it leaves the optimizer's state as it is until the
+bucket commits (:mod:`geomopt.optim.atomic`: an exception before then leaves the state as it
+was): new tensors replace the old in ``state`` (a bucket's gathered dict, bound to the state when
+the bucket commits), or, where d does not read the update (Lion), the in-place update is appended
+to ``fresh`` and runs at the commit, which costs no memory. The same arithmetic, so the same bits.
+``group`` holds the scalars (``alpha``, ``nesterov``) so torch-style schedulers can change them,
+and ``group["spec_direction"]`` the direction's own spec fragment (heavy ball's μ and τ, Lion's
+betas); ``inplace`` says ``g`` is the caller's scratch copy, which the function may overwrite.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ direction = DIRECTIONS.register
 
 
 @direction("none")
-def plain(g, state, group, *, g_prev=None, inplace=False, fresh=False):
+def plain(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     """d = g."""
     return g
 
 
 @direction("polyak")
-def polyak(g, state, group, *, g_prev=None, inplace=False, fresh=False):
+def polyak(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     """Polyak momentum d ← αg + (1−α)d (Theorem 4.3; β = 1 − α in torch.optim.Muon's terms).
 
     d starts at zero as in torch.optim.Muon and Scion (``init: zero``), or at g⁰ as in the paper
@@ -45,7 +46,7 @@ def polyak(g, state, group, *, g_prev=None, inplace=False, fresh=False):
         buf = state["d"] = g.clone() if group["init"] == "gradient" else torch.zeros_like(g)
         if group["init"] == "gradient":
             return g.lerp(buf, 1 - alpha) if group["nesterov"] else buf
-    if fresh:
+    if fresh is not None:
         buf = state["d"] = torch.lerp(buf, g, alpha)
     else:
         buf.lerp_(g, alpha)
@@ -61,7 +62,7 @@ def polyak_foreach(ds: list, gs: list, alpha: float) -> None:
 
 
 @direction("heavy_ball")
-def heavy_ball(g, state, group, *, g_prev=None, inplace=False, fresh=False):
+def heavy_ball(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     """Heavy-ball momentum as torch.optim.SGD runs it (Polyak 1964; Sutskever et al. 2013 for
     Nesterov): b⁰ = g⁰, then b ← μb + (1−τ)g; d = b, or d = g + μb with ``nesterov`` (τ =
     ``dampening``). Same op order as torch's single-tensor SGD, so the same bits."""
@@ -71,14 +72,15 @@ def heavy_ball(g, state, group, *, g_prev=None, inplace=False, fresh=False):
     if buf is None:
         buf = state["d"] = g.clone()
     else:
-        buf = state["d"] = (torch.mul(buf, mu) if fresh else buf.mul_(mu)).add_(g, alpha=1 - cfg["dampening"])
+        kept = torch.mul(buf, mu) if fresh is not None else buf.mul_(mu)
+        buf = state["d"] = kept.add_(g, alpha=1 - cfg["dampening"])
     if not cfg["nesterov"]:
         return buf
     return g.add_(buf, alpha=mu) if inplace else g.add(buf, alpha=mu)
 
 
 @direction("lion")
-def lion(g, state, group, *, g_prev=None, inplace=False, fresh=False):
+def lion(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     """Lion's interpolation (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms",
     Algorithm 2): d = β₁m + (1−β₁)g, then m ← β₂m + (1−β₂)g, m⁰ = 0; the sign is the geometry's
     (anisotropic, indicator reference). lion-pytorch's op order (mul, add), so the same bits."""
@@ -87,12 +89,16 @@ def lion(g, state, group, *, g_prev=None, inplace=False, fresh=False):
     if m is None:
         m = state["d"] = torch.zeros_like(g)
     d = torch.mul(m, cfg["beta1"]).add_(g, alpha=1 - cfg["beta1"])
-    state["d"] = (torch.mul(m, cfg["beta2"]) if fresh else m.mul_(cfg["beta2"])).add_(g, alpha=1 - cfg["beta2"])
+    update = lambda: m.mul_(cfg["beta2"]).add_(g, alpha=1 - cfg["beta2"])  # noqa: E731
+    if fresh is None:
+        update()
+    else:  # d has read m: its update can wait for the commit
+        fresh.append(update)
     return d
 
 
 @direction("storm")
-def storm(g, state, group, *, g_prev=None, inplace=False, fresh=False):
+def storm(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     """STORM (Theorem 4.5): d⁰ = g(x₀, ξ₀); then d ← g(x_k, ξ_k) + (1−α)(d − g(x_{k−1}, ξ_k)),
     both gradients on the same batch ξ_k (``g_prev`` comes from re-evaluating the closure at the
     previous iterate)."""
@@ -102,7 +108,8 @@ def storm(g, state, group, *, g_prev=None, inplace=False, fresh=False):
         return state["d"]
     if g_prev is None:
         raise RuntimeError("storm needs g(x_{k-1}, ξ_k): call step(closure)")
-    buf = state["d"] = (torch.sub(buf, g_prev) if fresh else buf.sub_(g_prev)).mul_(1 - group["alpha"]).add_(g)
+    diff = torch.sub(buf, g_prev) if fresh is not None else buf.sub_(g_prev)
+    buf = state["d"] = diff.mul_(1 - group["alpha"]).add_(g)
     return buf
 
 

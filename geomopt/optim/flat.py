@@ -15,7 +15,7 @@ from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.forward import elementwise_into, isotropic_factors
 from geomopt.optim.directions import polyak_foreach
 from geomopt.geometry.matrix import split_like
-from geomopt.optim.tensors import local, op_view
+from geomopt.optim.tensors import as_real, local, op_view
 from geomopt.optim.host import Host
 
 #: device types with a fused AdamW kernel (torch._fused_adamw_)
@@ -29,12 +29,14 @@ class FlatPath(Host):
 
     def _flat_rule(self, group: dict, pp: ParamPlan) -> bool:
         """A rule whose whole step is elementwise (φ euclidean, anisotropic or adam; isotropic
-        needs one norm per tensor), with no constraint, no STORM and nothing tracked: its tensors
-        need no stacking."""
+        needs one norm per tensor), with no constraint, no STORM or Nesterov heavy ball and nothing
+        tracked: its tensors need no stacking."""
         # isotropic: a whole-tensor norm, which shards would reduce
         kinds = ("euclidean", "anisotropic", "adam") + (() if self._sharded else ("isotropic",))
         return (pp.geometry["kind"] in kinds and pp.constraint is None and not pp.post and pp.decay == "decoupled"
-                and group["direction"] in ("none", "polyak") and not self.track_gap and not self.track_update)
+                and (group["direction"] in ("none", "polyak")
+                     or (group["direction"] == "heavy_ball" and not pp.direction["nesterov"]))
+                and not self.track_gap and not self.track_update)
 
     def _step_flat(self, group: dict, items: list, grads: list, gamma: float, alpha) -> None:
         """One step of an elementwise rule with foreach kernels: the state lives in flat buffers
@@ -56,8 +58,8 @@ class FlatPath(Host):
         alpha = group["alpha"] if alpha is None else alpha
         wd = group["weight_decay"]
         scale = -gamma * group["radius"] * self._scale(pp)
-        xs = [op_view(local(p), q) for p, q in items]
-        gs = grads  # operators' layout already (_job_grads)
+        xs = [as_real(op_view(local(p), q)) for p, q in items]  # complex: re, im as reals
+        gs = grads  # operators' layout and real views already (_job_grads)
         # the momentum's flat buffer and views, where the rule has a direction (Any: the control
         # flow below, not the types, says where they are set)
         d: Any = None
@@ -66,8 +68,12 @@ class FlatPath(Host):
         if group["direction"] != "none":
             first = "d" not in self.state[items[0][0]]
             d, ds = self._stacked.flat(self.state, items, xs, "d")
-            if first and group["init"] == "gradient":
+            heavy = group["direction"] == "heavy_ball"
+            if first and (heavy or group["init"] == "gradient"):
                 torch._foreach_copy_(ds, gs)  # d⁰ = g⁰ (and with Nesterov u = g.lerp(g, ·) = g)
+            elif heavy:  # b ← μb + (1 − τ)g, torch.optim.SGD's ops (directions.heavy_ball)
+                torch._foreach_mul_(ds, pp.direction["momentum"])
+                torch._foreach_add_(ds, gs, alpha=1 - pp.direction["dampening"])
             else:
                 lerp, nesterov = True, group["nesterov"]
         adam = self._adam_state(items, xs) if kind == "adam" else None

@@ -34,7 +34,7 @@ from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
 from geomopt.optim import stages as post_stages
 from geomopt.optim.migrate import KINDS, VIEW_KEYS
-from geomopt.optim.tensors import local
+from geomopt.optim.tensors import as_real, local
 
 #: state keys that hold second moments (a mean of squares: never negative)
 SECOND_MOMENTS = ("exp_avg_sq", "post_v", "max_exp_avg_sq")
@@ -160,10 +160,10 @@ def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
             if key in VIEW_KEYS or key in SECOND_MOMENTS or key == "prev" or key == "momentum_buffer":
                 raise CheckpointError(f"tensor '{name}': state '{key}' is {_short(value)}, not a tensor: {_FIX}")
             continue
-        if not value.is_floating_point():
+        if not (value.is_floating_point() or value.is_complex()):  # complex: a complex parameter's state
             raise CheckpointError(f"tensor '{name}': state '{key}' has dtype {value.dtype}, not a floating dtype: "
                                   f"{_FIX}")
-        data = local(value)  # this rank's shard of a DTensor
+        data = as_real(local(value))  # this rank's shard of a DTensor; complex as (re, im)
         if not bool(torch.isfinite(data).all()):
             raise CheckpointError(f"tensor '{name}': state '{key}' holds {int((~torch.isfinite(data)).sum())} "
                                   f"non-finite value(s) (the run had diverged when it was saved): load an earlier "

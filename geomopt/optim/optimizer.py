@@ -33,14 +33,14 @@ from geomopt.geometry.polynomial import muon_order
 from geomopt.optim.atomic import PendingStep, drive, interrupted
 from geomopt.optim.bucket_step import BucketStep
 from geomopt.optim.checkpoint import Checkpoints, copy_value, new_counters, spec_hash
-from geomopt.optim.contract import Copyable, collect_params, sparse_gradient, with_overrides
+from geomopt.optim.contract import Copyable, check_complex, collect_params, sparse_gradient, with_overrides
 from geomopt.optim.diagnostics import Diagnostics, euclidean_geometry
 from geomopt.optim.flat import IMPLEMENTATIONS, FlatPath
 from geomopt.optim.nonfinite import NonFiniteCheck
 from geomopt.optim.schedules import SCHEDULES, warmup_alpha
 from geomopt.optim.stacked import STACKED, StackedState
 from geomopt.optim import stages as post_stages
-from geomopt.optim.tensors import full, in_set, local, op_layout, op_view, stack, upcast
+from geomopt.optim.tensors import FLAT_DTYPES, as_real, full, in_set, local, op_layout, op_view, stack, upcast
 from geomopt.optim.workspace import Workspace
 from geomopt.spec.model import RESOLVED_DEFAULTS, Spec
 from geomopt.lint.runner import lint_spec
@@ -188,6 +188,7 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
         self._stacked.layouts = {id(p): op_layout(blocks[id(p)], pp) for g, plans in zip(self.param_groups, self._plans)
                                  for p, pp in zip(g["params"], plans) if id(p) in blocks}
         self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
+        check_complex(self.param_groups, self._plans, self._flat_rule)
         self._warn_slow_bf16(tensors)
         self._warn_unused_rules(infos)
         self._project_on_init()
@@ -391,14 +392,14 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
                             key += (plans[i].bucket,)  # low precision: batched, per bucket
                     by_key.setdefault(key, []).append((p, plans[i]))
                 for key, items in by_key.items():
-                    ok = flat and key[2] == key[3] and key[2] in (torch.float32, torch.float64)
+                    ok = flat and key[2] == key[3] and key[2] in FLAT_DTYPES
                     jobs.append((gi, items, ok))
         return jobs
 
     def _job_grads(self, gi: int, items: list, flat: bool, g_prev: dict):
         """A job's gradients: stacked (batched ops), or a list (views, no copy) where the flat
         path or a Polyak direction reads them tensor by tensor (:meth:`_polyak_rows`)."""
-        grads = [op_view(local(p.grad), pp) for p, pp in items]
+        grads = [as_real(op_view(local(p.grad), pp)) for p, pp in items]
         group = self.param_groups[gi]
         if flat or (group["direction"] == "polyak" and not g_prev and grads[0].dtype in (torch.float32, torch.float64)
                     and all(g.dtype == grads[0].dtype for g in grads)):

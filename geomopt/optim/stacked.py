@@ -14,7 +14,7 @@ from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import contiguous_strides, is_dtensor
 from geomopt.optim import stages as post_stages
 from geomopt.optim.migrate import VIEW_KEYS
-from geomopt.optim.tensors import flat_like, op_view, stack
+from geomopt.optim.tensors import as_real, flat_like, like_param, op_view, stack
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -60,11 +60,12 @@ class StackedState:
                 out[key] = first[key]
         return out
 
-    def live(self, items: list, values: dict) -> list:
+    def live(self, items: list, values: dict, skip: tuple = ()) -> list:
         """The tensors of :meth:`gather`'s ``values`` that are the state itself (the entries view
-        them), not a fresh stack: what a bucket's in-place update changes at once."""
+        them), not a fresh stack: what a bucket's in-place update changes at once (but ``skip``)."""
         ids = tuple(id(p) for p, _ in items)
-        return [v for key, v in values.items() if key in STACKED and self.buffers.get((ids, key)) is v]
+        return [v for key, v in values.items()
+                if key in STACKED and key not in skip and self.buffers.get((ids, key)) is v]
 
     def scatter(self, state, items: list, values: dict) -> None:
         """Bind the per-parameter state entries to rows of the stacked ``values`` (DTensors over the
@@ -91,17 +92,17 @@ class StackedState:
         buf = self.buffers.get(ids)
         entries = [state[p].get(key) for p, _ in items]
         if buf is not None and all(e is not None for e in entries):
-            rows = [state_row(e, pp, key) for e, (_, pp) in zip(entries, items)]
+            rows = [as_real(state_row(e, pp, key)) for e, (_, pp) in zip(entries, items)]
             if all(r._base is buf for r in rows):
                 return buf, rows
         buf, views = flat_like(xs)
         if all(e is not None for e in entries):
-            torch._foreach_copy_(views, [state_row(e, pp, key) for e, (_, pp) in zip(entries, items)])
+            torch._foreach_copy_(views, [as_real(state_row(e, pp, key)) for e, (_, pp) in zip(entries, items)])
         else:
             buf.zero_()
         self.buffers[ids] = buf
-        for v, (p, pp) in zip(views, items):
-            state[p][key] = state_entry(v, p, pp, key)
+        for v, (p, pp) in zip(views, items):  # a complex parameter's entry is complex, as torch's
+            state[p][key] = state_entry(like_param(v, p), p, pp, key)
         return buf, views
 
     def kept(self, items: list, name: str, shape, like: torch.Tensor, dtype=None) -> torch.Tensor:

@@ -47,6 +47,22 @@ def op_layout(layout: "Layout", pp: ParamPlan) -> "Layout":
     return layout.transposed() if pp.transpose else layout
 
 
+#: parameter dtypes the flat path steps in their own precision (complex ones through real views)
+FLAT_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+
+def as_real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as a real view with a trailing dim of 2 (re, im: ``torch.view_as_real``,
+    no copy); a real tensor as it is. The flat path steps complex parameters, their gradients and
+    state through these views, as torch.optim's optimizers do."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def like_param(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`as_real` for a state entry of parameter ``p``: complex where ``p`` is."""
+    return torch.view_as_complex(v) if p.is_complex() and not v.is_complex() else v
+
+
 def flat_like(xs: list) -> tuple:
     """An empty flat buffer holding every tensor of ``xs``, and its views shaped like them."""
     buf = torch.empty(sum(x.numel() for x in xs), dtype=xs[0].dtype, device=xs[0].device)
