@@ -27,6 +27,7 @@ from geomopt.compile.compiler import model_params
 from geomopt.distributed.executors import LocalExecutor
 from geomopt.optim.host import Host
 from geomopt.optim.stacked import StackedState
+from geomopt.optim.tensors import FLAT_DTYPES
 from geomopt.optim.workspace import Workspace
 from geomopt.spec.model import Spec
 
@@ -246,8 +247,6 @@ def check_complex(groups: list, plans: list, flat_rule) -> None:
     whose complex form is another map (a spectral lmo of a complex matrix needs its complex SVD,
     not one of the real view), so those are refused here, before anything is built, naming the
     tensor, its rule and what to do."""
-    from geomopt.optim.tensors import FLAT_DTYPES
-
     for group, gplans in zip(groups, plans):
         for p, pp in zip(group["params"], gplans):
             if not p.is_complex():
