@@ -3,7 +3,7 @@
     python benchmarks/backward.py [--device cpu|cuda] [--threads N] [--repeats N] [--record NOTE]
 
 For each (constraint, Y) a bucket of B matrices is stepped (1) by geomopt's batched backward op
-(Gram–eigh where it is as accurate as the SVD, see ``_spectral_map``) and (2) matrix by matrix:
+(Gram–eigh where it is as accurate as the SVD, see ``spectral_apply``) and (2) matrix by matrix:
 torch.linalg.svd, the same scalar step on σ, U·Diag(x)·Vᵀ. Reports both times, the speed-up, and
 both max-entry errors against the same step done by a float64 SVD of the same (float32) Y. Y is
 either a Gaussian matrix (σ near the sets, as in training) or one whose σ spread over four
@@ -54,8 +54,8 @@ def _sigma_step(c, t, dtype):
 
     ref = make_reference(GEOMETRY["reference"])
     if c["kind"] == "frobenius_ball":
-        return lambda s: scalar._ball_magnitudes(s, t, c["radius"], ref, dtype)[0]
-    return lambda s: vector._sigma_proj(c["kind"], s, c)
+        return lambda s: scalar.ball_magnitudes(s, t, c["radius"], ref, dtype)[0]
+    return lambda s: vector.sigma_proj(c["kind"], s, c)
 
 
 def _per_matrix_svd(y, c, t):

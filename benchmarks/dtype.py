@@ -23,7 +23,7 @@ from _results import emit  # noqa: E402
 
 import geomopt  # noqa: E402
 from geomopt.cli.bench import Timer, device_name, hidden_workload  # noqa: E402
-from geomopt.geometry.spectral import BF16Warning, native_bf16_cpu  # noqa: E402
+from geomopt.geometry.dtypes import BF16Warning, native_bf16_cpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

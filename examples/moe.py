@@ -51,7 +51,7 @@ import _common  # noqa: E402
 import geomopt  # noqa: E402
 from geomopt.cli.demo import corpus_bytes, plot, span, train  # noqa: E402
 from geomopt.compile.plan import view_text  # noqa: E402
-from geomopt.geometry.spectral import compute_dtype  # noqa: E402
+from geomopt.geometry.dtypes import compute_dtype  # noqa: E402
 
 SPEC = "muon"
 OPTIMIZERS = ("muon.yaml", "AdamW")

@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 from geomopt.geometry import realized_reference  # noqa: E402
-from geomopt.geometry.spectral import compose_polynomials, polar_express_coefficients  # noqa: E402
+from geomopt.geometry.polynomial import compose_polynomials
+from geomopt.support import polar_express_coefficients  # noqa: E402
 
 F64 = torch.float64
 PANEL_EPS = (1e-3, 5e-4, 3e-4)

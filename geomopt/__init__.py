@@ -5,15 +5,19 @@ The public API (docs/guide/python.md, docs/guide/api.md) is re-exported here; ev
 
 from typing import TYPE_CHECKING
 
-from geomopt.spec import Diagnostic, Spec, SpecError, dump_spec, load_spec, parse_spec, shipped_specs
+from geomopt.spec.diagnostics import Diagnostic, SpecError
+from geomopt.spec.extends import shipped_specs
+from geomopt.spec.model import Spec
+from geomopt.spec.printers import dump_spec
+from geomopt.spec.validate import load_spec, parse_spec
 
 if TYPE_CHECKING:
     # seen by type checkers only; at runtime these load lazily through __getattr__ below
-    from geomopt.compile import compile_spec
+    from geomopt.compile.compiler import compile_spec
     from geomopt.compile.lock import RoutingChangedError
     from geomopt.functional import backward_step, forward_step
     from geomopt.lint.coverage import UnusedRuleWarning
-    from geomopt.optim import GeomOptimizer
+    from geomopt.optim.optimizer import GeomOptimizer
 
 __all__ = ["Diagnostic", "Spec", "SpecError", "dump_spec", "load_spec", "parse_spec", "shipped_specs", "compile_spec",
            "forward_step", "backward_step", "GeomOptimizer", "RoutingChangedError", "UnusedRuleWarning"]
@@ -23,7 +27,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     # torch-dependent parts load on first use, so `geomopt lint` starts fast
     if name == "compile_spec":
-        from geomopt.compile import compile_spec
+        from geomopt.compile.compiler import compile_spec
         return compile_spec
     if name in ("forward_step", "backward_step"):
         from geomopt import functional
@@ -32,7 +36,7 @@ def __getattr__(name: str) -> object:
         from geomopt.compile.lock import RoutingChangedError
         return RoutingChangedError
     if name == "GeomOptimizer":
-        from geomopt.optim import GeomOptimizer
+        from geomopt.optim.optimizer import GeomOptimizer
         return GeomOptimizer
     if name == "UnusedRuleWarning":
         from geomopt.lint.coverage import UnusedRuleWarning

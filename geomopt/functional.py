@@ -11,9 +11,12 @@ from typing import Mapping, Optional, Union
 import torch
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from geomopt.spec.diagnostics import SpecError, language_diagnostic
 from geomopt.compile.resolve import geometry_fragment, resolve
-from geomopt.spec.model import Constraint, Geometry
+from geomopt.geometry.forward import forward
+from geomopt.geometry.prox import backward
+from geomopt.spec.constraints import Constraint
+from geomopt.spec.diagnostics import SpecError, language_diagnostic
+from geomopt.spec.geometries import Geometry
 
 _GEOMETRY: TypeAdapter[Geometry] = TypeAdapter(Geometry)
 _CONSTRAINT: TypeAdapter[Constraint] = TypeAdapter(Constraint)
@@ -58,8 +61,6 @@ def forward_step(d: torch.Tensor, geometry: Union[Mapping, BaseModel], *, batch_
 
     ``batch_dims`` leading dims index independent tensors; ``state`` is needed by ``adam`` only.
     """
-    from geomopt.geometry.forward import forward
-
     ops = _ops(geometry, None, d, batch_dims)
     out = forward(_transposed(d, ops, batch_dims), ops.geometry, radius=ops.radius, batch_dims=batch_dims, state=state)
     return _transposed(out, ops, batch_dims)
@@ -74,8 +75,6 @@ def backward_step(y: torch.Tensor, gamma: float, geometry: Union[Mapping, BaseMo
     With ``return_fallback`` also returns the flags of tensors where C did not meet
     Y + t·int dom φ₁ and the Euclidean projection was used instead.
     """
-    from geomopt.geometry import backward
-
     ops = _ops(geometry, constraint, y, batch_dims)
     x, fallback = backward(_transposed(y, ops, batch_dims), gamma, ops.geometry, ops.constraint, radius=ops.radius,
                            batch_dims=batch_dims)

@@ -301,7 +301,7 @@ def clip_spectrum(y: torch.Tensor, r: float, t: float = 0.0) -> torch.Tensor:
 
 def _h_pow4(u, eps: float):
     """The κ = 4 power barrier h(u) = ε(u²/2)·₂F₁(1/2, 1/4; 3/2; u⁴) and h'(u) = εu/(1 − u⁴)^{1/4},
-    written from its definition (geomopt.spec.model.PowerBarrier)."""
+    written from its definition (geomopt.spec.geometries.PowerBarrier)."""
     import numpy as np
     import scipy.special as sp
 
@@ -620,7 +620,7 @@ def load(case: Case):
 
 def run(case: Case, mode: str = "same", setattr_fn=None) -> dict:
     """Both optimizers for ``case.steps`` steps, in ``mode`` (:data:`MODES`); the comparison's figures."""
-    from geomopt.geometry.spectral import BF16Warning
+    from geomopt.geometry.dtypes import BF16Warning
 
     model = MODELS[case.model]()
     ref_model = copy.deepcopy(model)

@@ -237,7 +237,7 @@ def test_flat_adam_with_channels_last_weights_is_torch_adamw():
             assert torch.equal(p, q), (step, n)
 
 
-@pytest.mark.filterwarnings("ignore::geomopt.geometry.spectral.BF16Warning")  # bf16 on purpose
+@pytest.mark.filterwarnings("ignore::geomopt.geometry.dtypes.BF16Warning")  # bf16 on purpose
 def test_direction_written_in_the_forward_dtype_gives_the_same_bits(monkeypatch):
     """Nesterov's u is written straight in the dtype Newton–Schulz casts it to (bf16 here, as on
     CUDA): the same bits as writing it in fp32 and casting, over steps and a missed gradient."""

@@ -20,7 +20,7 @@ import pytest
 
 import geomopt
 from catalog_cases import CASES, CATALOG, MODELS, MODES, SHIPPED, run
-from geomopt.compile import lint_spec
+from geomopt.lint import lint_spec
 from geomopt.compile.compiler import model_params
 from geomopt.spec import dump_spec, parse_spec
 

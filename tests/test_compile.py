@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 import geomopt
-from geomopt.compile import as_spec, compile_spec, lint_spec
+from geomopt.compile import as_spec, compile_spec
+from geomopt.lint import lint_spec
 from geomopt.compile.params import params_from_model
-from geomopt.geometry.registry import supported_constraints
+from geomopt.support import supported_constraints
 from geomopt.models import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]

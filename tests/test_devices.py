@@ -114,7 +114,7 @@ def test_cuda_graph_replay_gives_the_eager_bits(device):
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_cuda_forms_on_cpu_match_the_float64_reference(path, monkeypatch):
-    """The forms CUDA runs (:func:`geomopt.geometry.spectral.muon_order` false: Newton–Schulz
+    """The forms CUDA runs (:func:`geomopt.geometry.polynomial.muon_order` false: Newton–Schulz
     with pre-normalization and the radius folded into its small factors, and the one-pass
     update X.lerp_(S, γ·wd)) run here on CPU and match the float64 reference (which keeps the
     CPU forms), so CI checks them without a GPU."""

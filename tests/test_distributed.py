@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from geomopt import GeomOptimizer
-from geomopt.geometry.registry import BACKWARD_OPS, FORWARD_OPS, backward_locality, forward_locality
+from geomopt.geometry.operators import BACKWARD_OPS, FORWARD_OPS, backward_locality, forward_locality
 from geomopt.distributed import (
     LOCAL, OWNER, REDUCE, LocalExecutor, Request, assign,
     make_executor,

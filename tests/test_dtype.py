@@ -11,7 +11,7 @@ import torch
 
 import geomopt
 from geomopt.geometry import dtypes as spectral
-from geomopt.geometry.spectral import BF16Warning, compute_dtype
+from geomopt.geometry.dtypes import BF16Warning, compute_dtype
 from optim_helpers import SHIPPED, SPECS, tiny_mlp
 
 

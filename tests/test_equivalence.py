@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import geomopt
-from geomopt.geometry.spectral import BF16Warning
+from geomopt.geometry.dtypes import BF16Warning
 from optim_helpers import SPECS, gpt_batch, loss_of, mlp_batch, tiny_gpt, tiny_mlp
 
 LR, WD, MOMENTUM = 0.02, 0.1, 0.95

@@ -150,7 +150,7 @@ def test_moe_quick_in_record_mode(tmp_path):
 
 
 def test_example_specs_lint_clean_except_the_intended_heuristic():
-    from geomopt.compile import lint_spec
+    from geomopt.lint import lint_spec
 
     paths = sorted((SPECS / "examples").glob("*.yaml"))
     assert len(paths) == 8

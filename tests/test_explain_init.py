@@ -11,7 +11,7 @@ import pytest
 
 import geomopt
 from geomopt.cli.main import main
-from geomopt.compile import lint_spec
+from geomopt.lint import lint_spec
 from geomopt.compile.compiler import model_params
 from geomopt.compile.explain import RECIPES
 from geomopt.models import MODELS

@@ -14,7 +14,8 @@ import torch
 
 import geomopt
 from geomopt.cli.main import main
-from geomopt.compile import compile_spec, lint_spec
+from geomopt.compile import compile_spec
+from geomopt.lint import lint_spec
 from geomopt.compile.compiler import model_params
 from geomopt.models import MODELS
 from geomopt.spec.diagnostics import LANGUAGE_CODES

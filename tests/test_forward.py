@@ -13,7 +13,7 @@ from torch.optim._muon import _adjust_lr
 
 from geomopt.geometry import check_applicable, forward, make_reference, radius_scale
 from geomopt.geometry.adam import adam_moments
-from geomopt.geometry.registry import FORWARD_OPS
+from geomopt.geometry.operators import FORWARD_OPS
 from geomopt.geometry.spectral import newton_schulz, polar_express
 
 F64 = torch.float64

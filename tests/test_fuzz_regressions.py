@@ -84,8 +84,8 @@ def test_diverging_polynomial_iteration_is_a_plan_error():
 def test_iteration_bound_covers_the_composed_polynomial():
     """The bound is at least every value the composed odd quintics reach on a fine grid of [0, 1]
     (computed independently in float64), and not far above it for Muon's triple."""
-    from geomopt.catalog import approx_coefficients
-    from geomopt.lint.ranges import iteration_bound
+    from geomopt.support import approx_coefficients
+    from geomopt.compile.ranges import iteration_bound
 
     sigma = torch.linspace(0, 1, 100_001, dtype=torch.float64)
     for approx in ({"kind": "newton_schulz"}, {"kind": "polar_express"},

@@ -27,7 +27,8 @@ import geomopt
 from geomopt.geometry.prox import backward
 from geomopt.geometry.gap import dual_norm, gap_reference, gap_unavailable, stationarity_gap
 from geomopt.geometry.reference import make_reference
-from geomopt.geometry.spectral import approx_coefficients, compose_polynomials, realized_reference
+from geomopt.geometry.polynomial import compose_polynomials
+from geomopt.support import approx_coefficients, realized_reference
 from geomopt.compile.compiler import as_spec
 from optim_helpers import SPECS, gpt_batch, loss_of, mlp_batch, tiny_gpt, tiny_mlp
 

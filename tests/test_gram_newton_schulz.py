@@ -14,21 +14,16 @@ import torch
 from torch import nn
 
 import geomopt
-from geomopt.catalog import realized_reference
-from geomopt.compile import lint_spec
+from geomopt.support import realized_reference
+from geomopt.lint import lint_spec
 from geomopt.geometry.forward import forward, input_dtype
 from geomopt.geometry.gap import gap_reference
-from geomopt.geometry.spectral import (
-    APPROX_OPS,
-    POLYNOMIAL_APPROXES,
-    compute_dtype,
-    default_prenormalize,
-    gram_newton_schulz,
-    newton_schulz,
-    slow_bf16,
-)
+from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES, compute_dtype, slow_bf16
+from geomopt.geometry.prenorm import default_prenormalize
+from geomopt.geometry.spectral import APPROX_OPS, gram_newton_schulz, newton_schulz
 from geomopt.spec import SpecError, dump_spec, parse_spec
-from geomopt.spec.model import GramNewtonSchulz, Spectral, effective_prenormalize
+from geomopt.spec.geometries import GramNewtonSchulz, Spectral
+from geomopt.spec.model import effective_prenormalize
 
 F64 = torch.float64
 MUON = (3.4445, -4.7750, 2.0315)

@@ -1,6 +1,6 @@
 """`geomopt lint` as a fast linter: no torch without a model, large specs through libyaml's events
-with the same data and positions as the pure-Python loader, and the torch-free operator catalog
-(geomopt.catalog) in step with the registered operators. Nothing here is timed
+with the same data and positions as the pure-Python loader, and the torch-free operator support table
+(geomopt.support) in step with the registered operators. Nothing here is timed
 (benchmarks/lint.py measures)."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from geomopt import catalog
-from geomopt.compile import lint_spec
+from geomopt import support
+from geomopt.lint import lint_spec
 from geomopt.spec import yaml_front
 from geomopt.spec.diagnostics import SpecError
 from geomopt.spec.validate import parse_spec
@@ -219,22 +219,22 @@ def test_fast_path_agrees_with_the_reference_on_any_text(text):
         assert fast == ref
 
 
-# ---------------------------------------------------------------- the operator catalog
+# ---------------------------------------------------------------- the operator support table
 
 
-def test_catalog_is_what_the_operators_register():
-    from geomopt.geometry.registry import BACKWARD_OPS, get_backward
+def test_support_table_is_what_the_operators_register():
+    from geomopt.geometry.operators import BACKWARD_OPS, get_backward
 
-    assert list(BACKWARD_OPS) == list(catalog.BACKWARD_PAIRS)  # same pairs, same order
-    assert {fn.__name__ for fn in BACKWARD_OPS.values()} == set(catalog.BACKWARD_TABLE)
-    for (g, c), op in catalog.BACKWARD_PAIRS.items():
-        assert get_backward(g, c).__name__ == op and catalog.has_backward(g, c)
-    assert not catalog.has_backward("spectral", "l0") and get_backward("spectral", "l0") is None
-    assert catalog.supported_constraints("adam") == []
+    assert list(BACKWARD_OPS) == list(support.BACKWARD_PAIRS)  # same pairs, same order
+    assert {fn.__name__ for fn in BACKWARD_OPS.values()} == set(support.BACKWARD_TABLE)
+    for (g, c), op in support.BACKWARD_PAIRS.items():
+        assert get_backward(g, c).__name__ == op and support.has_backward(g, c)
+    assert not support.has_backward("spectral", "l0") and get_backward("spectral", "l0") is None
+    assert support.supported_constraints("adam") == []
 
 
-def test_a_backward_op_needs_a_row_in_the_catalog():
-    from geomopt.geometry.registry import backward_op
+def test_a_backward_op_needs_a_row_in_the_support_table():
+    from geomopt.geometry.operators import backward_op
 
     def unlisted(y, t, ref, constraint, *, gamma, geometry, batch_dims):
         return y, None
@@ -245,11 +245,11 @@ def test_a_backward_op_needs_a_row_in_the_catalog():
         backward_op("spectral", "l0")
 
 
-def test_realized_reference_is_the_spectral_modules():
+def test_the_spectral_module_runs_the_support_tables_lists():
     from geomopt.geometry import spectral
 
-    assert spectral.realized_reference is catalog.realized_reference
-    assert spectral.POLAR_EXPRESS_COEFFICIENTS is catalog.POLAR_EXPRESS_COEFFICIENTS
-    assert catalog.realized_reference({"kind": "svd"}) is None
-    eps = catalog.realized_reference({"kind": "polar_express", "steps": 5})["eps"]
+    assert spectral.polar_express_coefficients is support.polar_express_coefficients
+    assert spectral.newton_schulz_coefficients is support.newton_schulz_coefficients
+    assert support.realized_reference({"kind": "svd"}) is None
+    eps = support.realized_reference({"kind": "polar_express", "steps": 5})["eps"]
     assert abs(eps - 1.02e-3) < 1e-5  # the table in geomopt.geometry.spectral's docstring

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import geomopt
-from geomopt.compile import ParamInfo, lint_spec
+from geomopt.compile import ParamInfo
+from geomopt.lint import lint_spec
 from geomopt.compile.compiler import model_params
 from geomopt.lint import RULES
 from geomopt.models import MODELS

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 import geomopt
-from geomopt.compile import lint_spec
-from geomopt.compile.compiler import BLOCKING
-from geomopt.lint import RULES
+from geomopt.compile.blocking import BLOCKING
+from geomopt.lint import RULES, lint_spec
 from test_lint_fixtures import HEADER, HERE, read_fixture, target_params
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import geomopt
-from geomopt.compile import ParamInfo, compile_spec, glob_regex, lint_spec
+from geomopt.compile import ParamInfo, compile_spec, glob_regex
+from geomopt.lint import lint_spec
 from geomopt.compile.match import Matcher, matches
 from geomopt.compile.params import params_from_model
 from geomopt.spec.model import Match

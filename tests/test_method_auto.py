@@ -15,14 +15,15 @@ import torch
 from torch import nn
 
 import geomopt
-from geomopt.compile import compile_spec, lint_spec
+from geomopt.compile import compile_spec
+from geomopt.lint import lint_spec
 from geomopt.compile.compiler import model_params
 from geomopt.compile.explain import explain
 from geomopt.compile.plan import constraint_text, resolved_methods
 from geomopt.geometry import method
 from geomopt.geometry.gap import gap_reference, gap_unavailable
 from geomopt.geometry.method import CUDA_BATCHED_EIGH_MAX, METHOD_KINDS, resolve_method
-from geomopt.spec import model as m
+from geomopt.spec.constraints import Rank, SpectralBall, SpectralSphere, Stiefel
 from geomopt.spec.schema import schema
 
 # the package (its ``backward`` attribute is the function), and the module of the polar steps
@@ -47,7 +48,7 @@ def _model() -> nn.Module:
 # ---------------------------------------------------------------- schema
 
 
-@pytest.mark.parametrize("cls", [m.Stiefel, m.SpectralBall])
+@pytest.mark.parametrize("cls", [Stiefel, SpectralBall])
 def test_the_schema_default_is_auto(cls):
     assert cls().method == "auto"
     assert cls(method="exact").method == "exact" and cls(method="polar").method == "polar"
@@ -114,9 +115,9 @@ def test_kinds_without_a_polar_step_are_exact(kind):
 
 
 def test_the_method_kinds_are_the_polar_steps():
-    assert set(METHOD_KINDS) == set(prox_polar._POLAR)
-    assert set(METHOD_KINDS) == {name for name, cls in (("stiefel", m.Stiefel), ("spectral_ball", m.SpectralBall),
-                                                         ("spectral_sphere", m.SpectralSphere), ("rank", m.Rank))
+    assert set(METHOD_KINDS) == set(prox_polar.POLAR)
+    assert set(METHOD_KINDS) == {name for name, cls in (("stiefel", Stiefel), ("spectral_ball", SpectralBall),
+                                                         ("spectral_sphere", SpectralSphere), ("rank", Rank))
                                  if "method" in cls.model_fields}
 
 

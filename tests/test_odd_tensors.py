@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import geomopt
-from geomopt.catalog import BACKWARD_PAIRS, supported_constraints
+from geomopt.support import BACKWARD_PAIRS, supported_constraints
 from geomopt.compile import as_spec
 from geomopt.geometry import backward
 from geomopt.geometry.forward import forward

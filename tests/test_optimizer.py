@@ -356,7 +356,7 @@ def _two_rule_spec(on_nonfinite_hidden=None, default="skip"):
 
 
 def _forms(form, monkeypatch):
-    """``cuda``: run CUDA's forms here (:func:`geomopt.geometry.spectral.muon_order` false), where
+    """``cuda``: run CUDA's forms here (:func:`geomopt.geometry.polynomial.muon_order` false), where
     the finiteness test is awaited after the forward ops are launched (deferred)."""
     if form == "cuda":
         import geomopt.geometry.polynomial as spectral_module

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from geomopt.geometry.spectral import compose_polynomials, polar_express_coefficients
+from geomopt.geometry.polynomial import compose_polynomials
+from geomopt.support import polar_express_coefficients
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plot_preconditioners.py"
 

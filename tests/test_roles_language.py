@@ -10,7 +10,8 @@ import pathlib
 import pytest
 
 import geomopt
-from geomopt.spec import model as m
+from geomopt.spec.geometries import VIEW_KINDS, AutoView, Euclidean, Indicator, MatrixView, Spectral
+from geomopt.spec.model import ROLE_NAMES, Match, Rule, Spec
 from geomopt.spec.dsl_front import parse_dsl
 from geomopt.spec.schema import schema
 from geomopt.spec.yaml_front import parse_yaml
@@ -60,12 +61,12 @@ def test_yaml_and_dsl_read_the_same_models():
     assert geomopt.parse_spec(DSL, "dsl") == spec
     assert spec.roles == {"head": ["re:.*\\.proj_out\\.weight", "fc.weight"], "router": ["**.gate.weight"]}
     hidden, fused, heads, rest = spec.rules
-    assert hidden.match == m.Match(role=["hidden", "expert"], ndim=[2, 3])
-    assert hidden.geometry.view == m.AutoView()
+    assert hidden.match == Match(role=["hidden", "expert"], ndim=[2, 3])
+    assert hidden.geometry.view == AutoView()
     assert fused.match.role == "hidden" and fused.match.name == "**.qkv.weight"
-    assert fused.geometry.view == m.MatrixView(batch=1, trailing="batch", blocks=[64, 32, 32])
-    assert heads.geometry.view == m.MatrixView(blocks=4)
-    assert rest.geometry.view == m.MatrixView()  # `view: matrix`: the shorthand names any view kind
+    assert fused.geometry.view == MatrixView(batch=1, trailing="batch", blocks=[64, 32, 32])
+    assert heads.geometry.view == MatrixView(blocks=4)
+    assert rest.geometry.view == MatrixView()  # `view: matrix`: the shorthand names any view kind
 
 
 def test_printed_forms():
@@ -96,9 +97,9 @@ def test_round_trips(text, fmt):
 
 
 def test_python_built_spec_round_trips():
-    spec = m.Spec(geomopt=1, name="p", roles={"norm": ["**.ln_*.weight"], "expert": ["re:.*experts.*"]}, rules=[
-        m.Rule(name="a", match=m.Match(role="expert"), geometry=m.Spectral(reference=m.Indicator(), view=m.MatrixView(batch=1))),
-        m.Rule(name="b", match=m.Match(role=["norm", "bias"], module="LayerNorm"), geometry=m.Euclidean()),
+    spec = Spec(geomopt=1, name="p", roles={"norm": ["**.ln_*.weight"], "expert": ["re:.*experts.*"]}, rules=[
+        Rule(name="a", match=Match(role="expert"), geometry=Spectral(reference=Indicator(), view=MatrixView(batch=1))),
+        Rule(name="b", match=Match(role=["norm", "bias"], module="LayerNorm"), geometry=Euclidean()),
     ])
     for fmt in ("yaml", "dsl"):
         assert geomopt.parse_spec(geomopt.dump_spec(spec, fmt), fmt) == spec
@@ -117,10 +118,10 @@ def test_schema_accepts_view_shorthand_and_role_lists():
     if jsonschema is None:
         defs = sch["$defs"]
         view = defs["Spectral"]["properties"]["view"]["anyOf"]
-        assert {"type": "string", "enum": list(m.VIEW_KINDS)}.items() <= view[0].items()
+        assert {"type": "string", "enum": list(VIEW_KINDS)}.items() <= view[0].items()
         role = defs["Match"]["properties"]["role"]["anyOf"]
-        assert any(s.get("type") == "array" and set(s["items"]["enum"]) == set(m.ROLE_NAMES) for s in role)
-        assert set(sch["properties"]["roles"]["propertyNames"]["enum"]) == set(m.ROLE_NAMES)
+        assert any(s.get("type") == "array" and set(s["items"]["enum"]) == set(ROLE_NAMES) for s in role)
+        assert set(sch["properties"]["roles"]["propertyNames"]["enum"]) == set(ROLE_NAMES)
         return
     validator = jsonschema.Draft202012Validator(sch)
     assert not [e.message for e in validator.iter_errors(data)]
@@ -205,4 +206,4 @@ def test_shipped_geom_twins_route_by_role(stem):
     geom = geomopt.load_spec(ROOT / "specs" / f"{stem}.geom")
     assert geom == geomopt.load_spec(ROOT / "specs" / f"{stem}.yaml")
     hidden = next(r for r in geom.rules if r.name == "hidden")
-    assert hidden.match.role == ["hidden", "expert"] and hidden.geometry.view == m.AutoView()
+    assert hidden.match.role == ["hidden", "expert"] and hidden.geometry.view == AutoView()

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 import geomopt
-from geomopt.compile import compile_spec, lint_spec
+from geomopt.compile import compile_spec
+from geomopt.lint import lint_spec
 from geomopt.compile.compiler import model_params
 from geomopt.geometry.view import describe
 from geomopt.models import get_model
@@ -675,7 +676,7 @@ def test_checkpoint_guesses_split_spectral_from_non_spectral_like_the_model(arch
     themselves agree except where only the module tree can tell (a tied head, a BatchNorm bias
     named like any bias). Structures (experts, gate/up halves) are guessed too."""
     from geomopt.compile.match import ParamInfo
-    from geomopt.compile.roles import guess_roles
+    from geomopt.compile.role_guess import guess_roles
 
     model = build(arch)
     infos = [ParamInfo(n, tuple(t.shape)) for n, t in model.state_dict().items() if t.is_floating_point()]

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import geomopt
-from geomopt.compile import compile_spec, lint_spec
+from geomopt.compile import compile_spec
+from geomopt.lint import lint_spec
 from geomopt.compile.compiler import model_params
 from geomopt.geometry.view import describe
 

@@ -16,7 +16,56 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import geomopt
-from geomopt.spec import model as m
+from geomopt.spec.geometries import (
+    FrobeniusPrenorm,
+    NoPrenorm,
+    Spectral,
+    Adam,
+    Anisotropic,
+    AutoView,
+    Columnwise,
+    Euclidean,
+    GEOMETRY_KINDS,
+    GramEigh,
+    Indicator,
+    Isotropic,
+    LogBarrier,
+    MatrixView,
+    MaxPrenorm,
+    NewtonSchulz,
+    PolarExpress,
+    PowerBarrier,
+    Quadratic,
+    Rowwise,
+    Svd,
+    VIEW_KINDS,
+)
+from geomopt.spec.constraints import (
+    CONSTRAINT_KINDS,
+    FrobeniusBall,
+    FrobeniusSphere,
+    L0,
+    L2Ball,
+    LinfBall,
+    LinfSphere,
+    ProximalDecay,
+    Rank,
+    SignSet,
+    SpectralBall,
+    SpectralSphere,
+    Stiefel,
+)
+from geomopt.spec.model import ROLE_NAMES, Defaults, Match, Rule, Spec
+from geomopt.spec.updates import (
+    DIRECTION_KINDS,
+    Polyak,
+    Storm,
+    StormSchedule,
+    TheorySchedule,
+    ConstantSchedule,
+    NoDirection,
+    STAGE_ORDER,
+)
 from geomopt.spec.patterns import pattern_error
 from geomopt.spec.schema import SCHEMA_PATH, schema_text
 from geomopt.spec.yaml_front import parse_yaml
@@ -124,10 +173,10 @@ def model(cls, **fields):
 
 
 reference = st.one_of(
-    model(m.LogBarrier, eps=pos),
-    model(m.PowerBarrier, kappa=st.floats(min_value=1, allow_nan=False, allow_infinity=False), eps=pos),
-    st.just(m.Indicator()),
-    st.just(m.Quadratic()),
+    model(LogBarrier, eps=pos),
+    model(PowerBarrier, kappa=st.floats(min_value=1, allow_nan=False, allow_infinity=False), eps=pos),
+    st.just(Indicator()),
+    st.just(Quadratic()),
 )
 triple = st.lists(finite, min_size=3, max_size=3)
 
@@ -136,71 +185,71 @@ triple = st.lists(finite, min_size=3, max_size=3)
 def newton_schulz(draw):
     steps = draw(st.integers(1, 100))
     coefficients = draw(st.one_of(st.none(), st.lists(triple, min_size=1, max_size=1), st.lists(triple, min_size=steps, max_size=steps) if steps <= 6 else st.none()))
-    return m.NewtonSchulz(steps=steps, coefficients=coefficients, dtype=draw(dtype))
+    return NewtonSchulz(steps=steps, coefficients=coefficients, dtype=draw(dtype))
 
 
 approx = st.one_of(
-    model(m.Svd, dtype=dtype),
-    model(m.GramEigh, dtype=dtype),
+    model(Svd, dtype=dtype),
+    model(GramEigh, dtype=dtype),
     newton_schulz(),
-    model(m.PolarExpress, steps=st.integers(1, 100), dtype=dtype,
+    model(PolarExpress, steps=st.integers(1, 100), dtype=dtype,
           coefficients=st.one_of(st.sampled_from(["polar_express", "speedrun"]), st.lists(triple, min_size=1, max_size=4))),
 )
-prenormalize = st.one_of(model(m.FrobeniusPrenorm, eps=pos), model(m.MaxPrenorm, eps=pos), st.just(m.NoPrenorm()))
+prenormalize = st.one_of(model(FrobeniusPrenorm, eps=pos), model(MaxPrenorm, eps=pos), st.just(NoPrenorm()))
 # none, auto (printed as the shorthand), or a matrix view with blocks a count or a list of sizes
 view = st.one_of(
     st.none(),
-    st.just(m.AutoView()),
-    model(m.MatrixView, batch=st.integers(0, 4), trailing=st.sampled_from(["cols", "batch"]),
+    st.just(AutoView()),
+    model(MatrixView, batch=st.integers(0, 4), trailing=st.sampled_from(["cols", "batch"]),
           blocks=st.one_of(st.none(), st.integers(1, 64), st.lists(st.integers(1, 4096), min_size=1, max_size=4))),
 )
 geometry = st.one_of(
-    model(m.Euclidean, radius=pos),
-    model(m.Isotropic, radius=pos, reference=reference, scale=scale),
-    model(m.Anisotropic, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
-    model(m.Spectral, radius=pos, reference=reference, approx=approx, prenormalize=prenormalize, scale=scale,
+    model(Euclidean, radius=pos),
+    model(Isotropic, radius=pos, reference=reference, scale=scale),
+    model(Anisotropic, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
+    model(Spectral, radius=pos, reference=reference, approx=approx, prenormalize=prenormalize, scale=scale,
           layout=layout, view=view),
-    model(m.Rowwise, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
-    model(m.Columnwise, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
-    model(m.Adam, radius=pos, eps=pos,
+    model(Rowwise, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
+    model(Columnwise, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
+    model(Adam, radius=pos, eps=pos,
           betas=st.lists(st.floats(min_value=0, max_value=1, exclude_max=True, allow_nan=False), min_size=2, max_size=2)),
 )
 method = st.sampled_from(["auto", "exact", "polar"])
 radius_fields = dict(radius=pos, relative=st.booleans())
 constraint = st.one_of(
-    *[model(cls, **radius_fields) for cls in (m.L2Ball, m.LinfBall, m.LinfSphere, m.SignSet, m.FrobeniusBall, m.FrobeniusSphere, m.SpectralSphere)],
-    model(m.SpectralBall, method=method, **radius_fields),
-    model(m.Stiefel, method=method, **radius_fields),
-    model(m.L0, k=st.integers(1, 10**12)),
-    model(m.Rank, k=st.integers(1, 10**6)),
-    model(m.ProximalDecay, lam=pos),
+    *[model(cls, **radius_fields) for cls in (L2Ball, LinfBall, LinfSphere, SignSet, FrobeniusBall, FrobeniusSphere, SpectralSphere)],
+    model(SpectralBall, method=method, **radius_fields),
+    model(Stiefel, method=method, **radius_fields),
+    model(L0, k=st.integers(1, 10**12)),
+    model(Rank, k=st.integers(1, 10**6)),
+    model(ProximalDecay, lam=pos),
 )
 direction = st.one_of(
-    st.just(m.NoDirection()),
-    model(m.Polyak, alpha=prob, nesterov=st.booleans(), init=st.sampled_from(["zero", "gradient"])),
-    model(m.Storm, alpha=prob),
+    st.just(NoDirection()),
+    model(Polyak, alpha=prob, nesterov=st.booleans(), init=st.sampled_from(["zero", "gradient"])),
+    model(Storm, alpha=prob),
 )
 schedule = st.one_of(
-    st.just(m.ConstantSchedule()), st.just(m.StormSchedule()),
-    model(m.TheorySchedule, horizon=st.integers(1, 10**9), gamma_bar=pos),
+    st.just(ConstantSchedule()), st.just(StormSchedule()),
+    model(TheorySchedule, horizon=st.integers(1, 10**9), gamma_bar=pos),
 )
 ndim = st.one_of(st.integers(0, 8), st.lists(st.integers(0, 8), min_size=1, max_size=4))
 shape = st.lists(st.one_of(st.integers(0, 4096), st.just("*")), max_size=4)
-role_name = st.sampled_from(m.ROLE_NAMES)
+role_name = st.sampled_from(ROLE_NAMES)
 role = st.one_of(role_name, st.lists(role_name, min_size=1, max_size=4))
 match = st.fixed_dictionaries({}, optional=dict(name=pattern, module=nonempty, role=role, ndim=ndim, shape=shape)).flatmap(
-    lambda d: st.just(m.Match(**d)) if d else pattern.map(lambda p: m.Match(name=p)))  # at least one predicate
+    lambda d: st.just(Match(**d)) if d else pattern.map(lambda p: Match(name=p)))  # at least one predicate
 roles = st.dictionaries(role_name, st.lists(pattern, min_size=1, max_size=3), max_size=3)
 hyper = dict(lr=nonneg, weight_decay=nonneg, direction=direction, schedule=schedule,
              on_nonfinite=st.sampled_from(["skip", "raise"]), project_on_init=st.booleans())
-rule = model(m.Rule, name=rule_name, match=match, geometry=geometry, constraint=constraint, **hyper)
+rule = model(Rule, name=rule_name, match=match, geometry=geometry, constraint=constraint, **hyper)
 
 
 @st.composite
 def specs(draw):
     rules = draw(st.lists(rule, min_size=1, max_size=4, unique_by=lambda r: r.name))
-    fields = draw(st.fixed_dictionaries({}, optional={"description": text, "defaults": model(m.Defaults, **hyper), "roles": roles}))
-    return m.Spec(geomopt=1, name=draw(nonempty), rules=rules, **fields)
+    fields = draw(st.fixed_dictionaries({}, optional={"description": text, "defaults": model(Defaults, **hyper), "roles": roles}))
+    return Spec(geomopt=1, name=draw(nonempty), rules=rules, **fields)
 
 
 # ---------------------------------------------------------------- generated round trips
@@ -236,14 +285,14 @@ def test_roundtrip_across_formats(spec):
 @given(specs())
 def test_plain_data_roundtrip(spec):
     """model_dump() → Spec.model_validate gives the spec back (the dict form GeomOptimizer accepts)."""
-    assert m.Spec.model_validate(spec.model_dump()) == spec
+    assert Spec.model_validate(spec.model_dump()) == spec
 
 
 def test_tricky_strings_are_quoted():
     """Strings that YAML 1.1/1.2 or the DSL would read as something else print quoted."""
-    spec = m.Spec(geomopt=1, name="yes", description="1e-3", rules=[
-        m.Rule(name="true", match=m.Match(name="10:30", module="null"), geometry=m.Euclidean()),
-        m.Rule(name="lr", match=m.Match(module="geometry"), geometry=m.Euclidean()),
+    spec = Spec(geomopt=1, name="yes", description="1e-3", rules=[
+        Rule(name="true", match=Match(name="10:30", module="null"), geometry=Euclidean()),
+        Rule(name="lr", match=Match(module="geometry"), geometry=Euclidean()),
     ])
     y = geomopt.dump_spec(spec, "yaml")
     assert 'name: "yes"' in y and 'description: "1e-3"' in y and '"10:30"' in y and 'module: "null"' in y
@@ -272,15 +321,15 @@ def test_schema_has_the_discriminated_kinds():
     schema = json.loads(schema_text())
     defs = schema["$defs"]
     expected = {
-        ("Rule", "geometry"): set(m.GEOMETRY_KINDS),
-        ("Rule", "constraint"): set(m.CONSTRAINT_KINDS),
+        ("Rule", "geometry"): set(GEOMETRY_KINDS),
+        ("Rule", "constraint"): set(CONSTRAINT_KINDS),
         ("Spectral", "reference"): {"log_barrier", "power_barrier", "indicator", "quadratic"},
         ("Spectral", "approx"): {"svd", "gram_eigh", "newton_schulz", "gram_newton_schulz", "polar_express"},
         ("Spectral", "prenormalize"): {"frobenius", "max", "none"},
-        ("Rule", "direction"): set(m.DIRECTION_KINDS),
+        ("Rule", "direction"): set(DIRECTION_KINDS),
         ("Rule", "decay"): {"decoupled", "cautious"},
         ("Defaults", "schedule"): {"constant", "theory", "storm"},
-        **{(owner, "view"): set(m.VIEW_KINDS) for owner in ("Anisotropic", "Spectral", "Rowwise", "Columnwise")},
+        **{(owner, "view"): set(VIEW_KINDS) for owner in ("Anisotropic", "Spectral", "Rowwise", "Columnwise")},
     }
     for (owner, field), kinds in expected.items():
         prop = defs[owner]["properties"][field]
@@ -293,7 +342,7 @@ def test_schema_has_the_discriminated_kinds():
             assert target["properties"]["kind"]["const"] == kind
             assert target.get("additionalProperties") is False
     post = next(s for s in defs["Rule"]["properties"]["post"]["anyOf"] if s.get("type") == "array")
-    assert set(post["items"]["discriminator"]["mapping"]) == set(m.STAGE_ORDER)
+    assert set(post["items"]["discriminator"]["mapping"]) == set(STAGE_ORDER)
     assert schema["properties"]["geomopt"]["const"] == 1
     assert set(schema["required"]) == {"geomopt", "name"}  # and rules, unless it extends (geomopt.spec.extends)
     assert schema["if"]["required"] == ["extends"] and schema["else"]["required"] == ["rules"]
@@ -304,7 +353,7 @@ def test_schema_has_the_discriminated_kinds():
     assert with_view == {"Anisotropic", "Spectral", "Rowwise", "Columnwise"}
     for name in with_view:
         shorthand = [s for s in defs[name]["properties"]["view"]["anyOf"] if s.get("type") == "string"]
-        assert shorthand and set(shorthand[0]["enum"]) == set(m.VIEW_KINDS), name
+        assert shorthand and set(shorthand[0]["enum"]) == set(VIEW_KINDS), name
     # the structure the shipped specs use is allowed by it
     for path, data in _shipped_data():
         for rule in data["rules"]:

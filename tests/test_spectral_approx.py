@@ -13,20 +13,15 @@ from hypothesis import strategies as st
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from geomopt.geometry import make_reference, realized_reference
-from geomopt.geometry.spectral import (
-    APPROX_OPS,
+from geomopt.geometry.polynomial import compose_polynomials
+from geomopt.geometry.prenorm import prenormalize
+from geomopt.geometry.spectral import APPROX_OPS, apply_approx, gram_eigh, newton_schulz, polar_express, svd
+from geomopt.support import (
     MUON_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
     SPEEDRUN_COEFFICIENTS,
-    apply_approx,
-    compose_polynomials,
-    gram_eigh,
-    newton_schulz,
     newton_schulz_coefficients,
-    polar_express,
     polar_express_coefficients,
-    prenormalize,
-    svd,
 )
 
 F64 = torch.float64
@@ -406,4 +401,4 @@ def test_module_docstring_table_of_realized_eps_is_current():
                 approx = {"kind": "newton_schulz", "steps": steps, "coefficients": None}
             else:
                 approx = {"kind": "polar_express", "steps": steps, "coefficients": name}
-            assert spectral_module.realized_reference(approx)["eps"] == pytest.approx(shown, rel=5e-3)
+            assert realized_reference(approx)["eps"] == pytest.approx(shown, rel=5e-3)

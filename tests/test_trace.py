@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import geomopt
-from geomopt.compile import lint_spec
+from geomopt.lint import lint_spec
 from geomopt.compile.compiler import model_params
 from geomopt.compile.op_families import FAMILIES
 from geomopt.compile.trace import TraceError, trace_model

@@ -83,7 +83,7 @@ def test_wheel_ships_specs_and_grammar(tmp_path):
     assert got["folders"] == [os.path.join("geomopt", "specs"), os.path.join("geomopt", "grammars")]
     assert got["names"] == sorted(shipped_specs()) and "muon" in got["names"]
     assert got["outside"] == [] and got["lion"] == "lion"
-    assert got["dsl_is_yaml"] is True and got["rules"] == ["embeddings", "head", "hidden", "rest"]
+    assert got["dsl_is_yaml"] is True and got["rules"] == ["hidden", "embeddings", "head", "rest"]
 
 
 def test_checkout_reads_the_top_level_folders():

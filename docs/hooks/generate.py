@@ -1,7 +1,7 @@
 """MkDocs hook: the pages that are generated from the code, never written by hand.
 
 * ``reference/*.md``, the language reference: every kind of every field of a spec, read from the
-  pydantic models (:mod:`geomopt.spec.model`: docstring, fields, defaults, bounds) and the
+  pydantic models (:mod:`geomopt.spec.model` and the kinds' modules: docstring, fields, defaults, bounds) and the
   registries of the units that run them (forward and backward operators, approximations,
   references, directions, schedules, post-stages: each unit's docstring is its formula and its
   place in the paper). Each kind has an example: a tiny spec that uses it, printed by
@@ -161,7 +161,7 @@ def _find(*candidates: tuple[str, str]):
 def registries() -> dict:
     """Every registry the reference reads, filled (the op modules register on import)."""
     import geomopt.geometry  # noqa: F401  (registers the forward and backward operators)
-    from geomopt.geometry import registry as greg
+    from geomopt.geometry import operators as greg
 
     if not greg.FORWARD_OPS and hasattr(greg, "_load"):
         greg._load()
@@ -251,54 +251,58 @@ class Category:
 
 
 def categories():
-    from geomopt.spec import model as m
+    from geomopt.spec.constraints import Constraint
+    from geomopt.spec.geometries import Approx, Geometry, Prenormalize, Reference, View
+    from geomopt.spec.model import effective_prenormalize
+    from geomopt.spec.updates import Decay, Direction, PostStage, STAGE_ORDER, Schedule
 
     return [
-        Category("geometries", "Geometries", "geometry", m.Geometry,
+        Category("geometries", "Geometries", "geometry", Geometry,
                  "A rule's `geometry` is φ = ρ⋆φ₁: how its steps are measured. The forward (preconditioner) step is "
                  "Y = X − γ·ρ·∇φ₁\\*(D); each kind's operator below computes ρ·∇φ₁\\*(D).",
                  lambda k: _rule(geometry=_geometry(k)), "forward", _geometry_extra),
-        Category("references", "References", "reference", m.Reference,
+        Category("references", "References", "reference", Reference,
                  "A geometry's `reference` is the scalar function h that φ is built from (separable over entries, "
                  "of the norm, of the singular values, of row or column norms). The forward map needs (h\\*)'; the "
                  "backward step needs h itself.",
                  lambda k: _rule(geometry={"kind": "spectral", "reference": _filled(k)}), "reference"),
-        Category("approximations", "Approximations", "approx", m.Approx,
+        Category("approximations", "Approximations", "approx", Approx,
                  "A spectral geometry's `approx`: how U·Diag((h\\*)'(σ))·Vᵀ is computed. The polynomial iterations "
                  "realize their own map (the κ = 4 power barrier, whatever the declared reference), pre-normalize by "
                  "default and run in bf16 on CUDA under `dtype: auto`.",
                  lambda k: _rule(geometry={"kind": "spectral", "reference": {"kind": "indicator"}, "approx": _filled(k)}),
                  "approx"),
-        Category("prenormalize", "Pre-normalization", "prenormalize", m.Prenormalize,
-                 md(m.effective_prenormalize.__doc__),
+        Category("prenormalize", "Pre-normalization", "prenormalize", Prenormalize,
+                 md(effective_prenormalize.__doc__),
                  lambda k: _rule(geometry={"kind": "spectral", "reference": {"kind": "indicator"},
-                                           "approx": {"kind": "newton_schulz"}, "prenormalize": _filled(k)})),
-        Category("views", "Views", "view", m.View,
+                                           "approx": {"kind": "newton_schulz" if k != "none" else "svd"},
+                                           "prenormalize": _filled(k)})),
+        Category("views", "Views", "view", View,
                  "A matrix geometry's `view` (spectral, rowwise, columnwise, anisotropic): how a tensor is read as "
                  "matrices; scale presets and constraints act per matrix of the view. `view: auto` is shorthand for "
                  "`view: {kind: auto}`. `geomopt rule views` prints the same.",
                  lambda k: _rule(geometry={"kind": "spectral", "reference": {"kind": "indicator"}, "view": _filled(k)})),
-        Category("constraints", "Constraints", "constraint", m.Constraint,
+        Category("constraints", "Constraints", "constraint", Constraint,
                  "A rule's `constraint` is g, the set the tensor stays in (or a proximal decay). The backward "
                  "(proximal) step is X⁺ ∈ argmin_Z g(Z) + (γ⋆φ)(Z − Y); which operator computes it depends on the "
                  "(geometry, constraint) pair: each kind lists the geometries it has an operator for.",
                  lambda k: _rule(geometry=_geometry(_constraint_geometry(k)), constraint=_filled(k)), None,
                  _constraint_extra),
-        Category("directions", "Directions", "direction", m.Direction,
+        Category("directions", "Directions", "direction", Direction,
                  "A rule's (or the defaults') `direction`: the estimate d of the gradient the forward step maps.",
                  lambda k: _rule(direction=_filled(k)), "direction"),
-        Category("decay", "Weight decay", "decay", m.Decay,
+        Category("decay", "Weight decay", "decay", Decay,
                  "A rule's (or the defaults') `decay`: how `weight_decay` λ is applied, after the post-stages and "
                  "before the constraint. `decay: cautious` is shorthand for `decay: {kind: cautious}`.",
                  lambda k: _rule(weight_decay=0.1, decay=_filled(k))),
-        Category("post-stages", "Post-stages", "post", m.PostStage,
+        Category("post-stages", "Post-stages", "post", PostStage,
                  "A rule's `post`: stages applied to the geometry's update U = ∇φ₁\\*(D), in this order, each at "
-                 "most once: " + ", ".join(f"`{s}`" for s in m.STAGE_ORDER) + ". They act with ρ = 1; the rule's "
+                 "most once: " + ", ".join(f"`{s}`" for s in STAGE_ORDER) + ". They act with ρ = 1; the rule's "
                  "radius ρ multiplies what they give.",
                  lambda k: _rule(geometry={"kind": "spectral", "reference": {"kind": "indicator"},
                                            "approx": {"kind": "newton_schulz"}}, post=[_filled(k)]), "stage",
                  _stage_extra),
-        Category("schedules", "Schedules", "schedule", m.Schedule,
+        Category("schedules", "Schedules", "schedule", Schedule,
                  "A rule's (or the defaults') `schedule`: the step size γ (and the direction's α) per step, as "
                  "multipliers of the group's `lr` (so any torch LR scheduler composes on top).",
                  lambda k: _rule(schedule=_filled(k)), "schedule"),
@@ -324,11 +328,13 @@ def _model_of(kind: str, union):
 
 def _filled(kind: str, union=None) -> dict:
     """``{kind: …}`` with every required field given an example value."""
-    from geomopt.spec import model as m
+    from geomopt.spec.constraints import Constraint
+    from geomopt.spec.geometries import Approx, Geometry, Prenormalize, Reference, View
+    from geomopt.spec.updates import Decay, Direction, PostStage, Schedule
 
     model = None
-    for u in ([union] if union is not None else [m.Geometry, m.Reference, m.Approx, m.Prenormalize, m.View,
-                                                  m.Constraint, m.Direction, m.Decay, m.PostStage, m.Schedule]):
+    for u in ([union] if union is not None else [Geometry, Reference, Approx, Prenormalize, View,
+                                                  Constraint, Direction, Decay, PostStage, Schedule]):
         try:
             model = _model_of(kind, u)
             break
@@ -349,13 +355,13 @@ def _filled(kind: str, union=None) -> dict:
 
 
 def _geometry(kind: str) -> dict:
-    from geomopt.spec import model as m
+    from geomopt.spec.geometries import Geometry
 
-    return _filled(kind, m.Geometry)
+    return _filled(kind, Geometry)
 
 
 def _constraint_geometry(kind: str) -> str:
-    from geomopt.catalog import BACKWARD_PAIRS
+    from geomopt.support import BACKWARD_PAIRS
 
     for g in ("spectral", "anisotropic", "euclidean", "isotropic", "rowwise", "columnwise"):
         if (g, kind) in BACKWARD_PAIRS:
@@ -480,7 +486,7 @@ def fields_table(model, here: str, skip=("kind",)) -> list[str]:
 
 
 def _geometry_extra(kind: str, regs: dict) -> list[str]:
-    from geomopt.catalog import supported_constraints
+    from geomopt.support import supported_constraints
 
     constraints = supported_constraints(kind)
     out = ["**Constraints with a backward operator**: "
@@ -492,7 +498,7 @@ def _geometry_extra(kind: str, regs: dict) -> list[str]:
 
 
 def _constraint_extra(kind: str, regs: dict) -> list[str]:
-    from geomopt.catalog import BACKWARD_PAIRS
+    from geomopt.support import BACKWARD_PAIRS
 
     rows = []
     for (g, c), op in BACKWARD_PAIRS.items():
@@ -516,9 +522,9 @@ def _stage_extra(kind: str, regs: dict) -> list[str]:
                + (", ".join(f"`{r}`" for r in reads) if reads else "nothing") + ".")
     locality = getattr(stage, "locality", None) or _meta(regs["stage"], kind).get("locality")
     if callable(locality):
-        from geomopt.spec import model as m
+        from geomopt.spec.updates import PostStage
 
-        model = _model_of(kind, m.PostStage)
+        model = _model_of(kind, PostStage)
         cfgs = [model().model_dump()]
         if "axis" in model.model_fields:
             cfgs = [model(axis=a).model_dump() for a in typing.get_args(model.model_fields["axis"].annotation)]
@@ -531,7 +537,7 @@ def _stage_extra(kind: str, regs: dict) -> list[str]:
 
 
 def category_page(cat: Category, regs: dict) -> str:
-    lines = [f"# {cat.title}", "", "*Generated from `geomopt.spec.model` and the registries; do not edit.*", "",
+    lines = [f"# {cat.title}", "", "*Generated from the spec models (`geomopt.spec`) and the registries; do not edit.*", "",
              cat.intro, ""]
     kinds = [_kind(mdl) for mdl in cat.models]
     inherited = cat.slug != "constraints"  # a constraint's base class documents `relative`, not the set
@@ -545,9 +551,9 @@ def category_page(cat: Category, regs: dict) -> str:
 
     lines += [*table(["kind", "summary"], [[f"[`{k}`](#{k})", summary(k, mdl)] for k, mdl in zip(kinds, cat.models)]), ""]
     if cat.slug == "constraints":
-        from geomopt.spec import model as m
+        from geomopt.spec.constraints import _Radius
 
-        lines += ["Sets with a `radius` also take `relative`: " + md(model_doc(m._Radius)), ""]
+        lines += ["Sets with a `radius` also take `relative`: " + md(model_doc(_Radius)), ""]
     for kind, model in zip(kinds, cat.models):
         lines += [f"## `{kind}` {{#{kind}}}", ""]
         if cat.slug == "constraints" and kind in SETS:
@@ -573,7 +579,7 @@ def category_page(cat: Category, regs: dict) -> str:
 
 
 def backward_ops_section(regs: dict) -> list[str]:
-    from geomopt.catalog import BACKWARD_TABLE
+    from geomopt.support import BACKWARD_TABLE
 
     lines = ["## Backward operators", "",
              "One operator per row of the paper's Table 1; each serves the (geometry, constraint) pairs listed.", ""]
@@ -592,13 +598,13 @@ def backward_ops_section(regs: dict) -> list[str]:
 
 def match_page() -> str:
     from geomopt.compile.roles import role_docs
-    from geomopt.spec import model as m
+    from geomopt.spec.model import Match, ROLE_NAMES
 
     lines = ["# Match and roles", "", "*Generated from `geomopt.spec.model` and `geomopt.compile.roles`; do not edit.*", "",
-             md(model_doc(m.Match)), "",
+             md(model_doc(Match)), "",
              "`match: \"pattern\"` is shorthand for `match: {name: \"pattern\"}`. Rules are ordered: the first rule "
              "that matches a parameter owns it. Tied parameters are planned once; frozen ones are skipped.", "",
-             *fields_table(m.Match, "match", skip=())]
+             *fields_table(Match, "match", skip=())]
     examples = [
         ("a glob on dotted names", {"name": "transformer.h.*.attn.*.weight"}),
         ("a regular expression (full match)", {"name": "re:layers\\.\\d+\\.mlp\\..*"}),
@@ -613,24 +619,24 @@ def match_page() -> str:
     roles = {"geomopt": 1, "name": "example", "roles": {"head": ["proj_out.weight"]},
              "rules": [{"name": "head", "match": {"role": "head"}, "geometry": {"kind": "adam"}},
                        {"name": "rest", "match": "**", "geometry": {"kind": "euclidean"}}]}
-    lines += ["## Roles", "", "Roles: " + ", ".join(f"`{r}`" for r in m.ROLE_NAMES) + ". A spec's `roles:` gives "
+    lines += ["## Roles", "", "Roles: " + ", ".join(f"`{r}`" for r in ROLE_NAMES) + ". A spec's `roles:` gives "
               "tensors a role by name pattern, over what is inferred:", "", *tabs(*example(roles)),
               "How roles are inferred (`geomopt rule roles` prints the same):", "", md(role_docs()), ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
 def hyper_page() -> str:
-    from geomopt.spec import model as m
+    from geomopt.spec.model import Defaults, Hyper, RESOLVED_DEFAULTS, Rule, Spec
 
     lines = ["# Spec, rules and hyper-parameters", "",
              "*Generated from `geomopt.spec.model`; do not edit.*", "",
-             "## Spec {#spec}", "", md(model_doc(m.Spec)), "", *fields_table(m.Spec, "hyper-parameters", skip=()),
-             "## Rule {#rule}", "", md(model_doc(m.Rule)), "", *fields_table(m.Rule, "hyper-parameters", skip=()),
-             "## Defaults {#defaults}", "", md(model_doc(m.Defaults)), "",
+             "## Spec {#spec}", "", md(model_doc(Spec)), "", *fields_table(Spec, "hyper-parameters", skip=()),
+             "## Rule {#rule}", "", md(model_doc(Rule)), "", *fields_table(Rule, "hyper-parameters", skip=()),
+             "## Defaults {#defaults}", "", md(model_doc(Defaults)), "",
              "Each of these is a setting of `defaults` and of every rule (a rule's value overrides the default):", "",
-             *fields_table(m.Hyper, "hyper-parameters", skip=()),
+             *fields_table(Hyper, "hyper-parameters", skip=()),
              "Unset everywhere, a setting takes its built-in value:", "",
-             *table(["setting", "built-in"], [[f"`{k}`", flow(v)] for k, v in m.RESOLVED_DEFAULTS.items()]), ""]
+             *table(["setting", "built-in"], [[f"`{k}`", flow(v)] for k, v in RESOLVED_DEFAULTS.items()]), ""]
     data = {"geomopt": 1, "name": "example", "description": "every hyper-parameter once",
             "defaults": {"lr": 0.02, "weight_decay": 0.1, "direction": {"kind": "polyak", "alpha": 0.05, "nesterov": True},
                          "decay": {"kind": "decoupled"}, "schedule": {"kind": "constant"}, "on_nonfinite": "skip",
@@ -645,7 +651,7 @@ def hyper_page() -> str:
 
 def reference_index(cats) -> str:
     lines = ["# Language reference", "",
-             "*Generated from `geomopt.spec.model` and the registries; do not edit.*", "",
+             "*Generated from the spec models (`geomopt.spec`) and the registries; do not edit.*", "",
              "A spec is ordered rules; each rule matches parameters and says how they step. One step of a rule runs, "
              "in this fixed order: **direction** → **geometry** (the forward map ∇φ₁\\*) → **post-stages** → "
              "**weight decay** → **constraint** (the prox). Every `{kind: …}` value below is one of the kinds its "
@@ -743,7 +749,7 @@ def fixture_models() -> dict:
 
 def lint_example(text: str, suffix: str, target: str) -> list:
     """``geomopt lint``'s findings for a spec ``text`` shown as ``example.yaml`` (or ``.geom``)."""
-    from geomopt.compile import lint_spec
+    from geomopt.lint import lint_spec
     from geomopt.spec import parse_spec
 
     params, from_checkpoint = fixture_params(target)
@@ -811,7 +817,7 @@ def example_lines(ex: Example, lead: str = "") -> list[str]:
 
 def suppress_text(rule) -> str:
     code = rule.code
-    blocking = _find(("geomopt.compile.compiler", "BLOCKING"), ("geomopt.compile", "BLOCKING"))
+    blocking = _find(("geomopt.compile.blocking", "BLOCKING"))
     if code in blocking:
         return (f"It cannot be: {code} is a blocking error (compile refuses the spec), so a "
                 f"`# geomopt: disable={code}` comment does not silence it and is itself reported (GO123). "

@@ -17,9 +17,15 @@ import os
 import platform
 import statistics
 import subprocess
+import sysconfig
 import time
 from pathlib import Path
 
+import geomopt
+from geomopt.cli.main import EXIT_CLEAN, EXIT_FINDINGS, UsageError
+from geomopt.compile.compiler import model_params
+from geomopt.lint.reporters import report
+from geomopt.lint.runner import lint_spec
 from geomopt.spec.shipped import shipped_folder
 
 SPECS_DIR = shipped_folder("specs")
@@ -54,7 +60,7 @@ def output_dir(out: str | None, record: bool, name: str, results: Path = RESULTS
 def machine(device: str = "cpu") -> dict:
     """What timings were measured on: CPU model, logical cores, torch threads, torch version,
     platform (and the GPU on a CUDA device)."""
-    import torch
+    import torch  # torch: off the lint path (a spec alone never loads it)
 
     cpu = None
     try:
@@ -101,11 +107,10 @@ def span(values, fmt: str = "{:.0f}") -> str:
 def corpus_bytes(limit: int = 2_000_000) -> bytes:
     """English prose bundled with CPython: pydoc's topic help texts (else stdlib sources)."""
     try:
-        from pydoc_data.topics import topics
+        from pydoc_data.topics import topics  # a large data module: only for the demo's corpus
 
         text = "\n\n".join(topics[k] for k in sorted(topics))
     except ImportError:  # pragma: no cover - distributions that strip pydoc_data
-        import sysconfig
 
         root = Path(sysconfig.get_paths()["stdlib"])
         text = "\n".join(p.read_text(errors="ignore") for p in sorted(root.glob("*.py"))[:200])
@@ -113,7 +118,7 @@ def corpus_bytes(limit: int = 2_000_000) -> bytes:
 
 
 def batches(data, block: int, batch: int, generator):
-    import torch
+    import torch  # torch: off the lint path (a spec alone never loads it)
 
     while True:
         ix = torch.randint(len(data) - block - 1, (batch,), generator=generator)
@@ -130,9 +135,9 @@ def train(make_opt, *, steps: int, seed: int, block: int = 64, batch: int = 32, 
     where the model and batches live (the data is sampled on the CPU with the same generator).
     ``build()``: another model (context ``block``), with ``loss(model, x, y)`` → (the loss to
     minimize, the cross-entropy to report); default: the GPT of ``config`` and its loss."""
-    import torch
+    import torch  # torch: off the lint path (a spec alone never loads it)
 
-    from geomopt.models import GPT, GPTConfig
+    from geomopt.models.gpt import GPT, GPTConfig  # the models need torch: off the lint path
 
     torch.manual_seed(seed)
     raw = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
@@ -160,7 +165,7 @@ def train(make_opt, *, steps: int, seed: int, block: int = 64, batch: int = 32, 
     bar = None
     if progress:
         try:
-            from tqdm import tqdm
+            from tqdm import tqdm  # optional: a progress bar
 
             bar = tqdm(total=steps, desc=label, unit="step", leave=True, dynamic_ncols=True)
         except ImportError:  # tqdm is an optional extra
@@ -196,10 +201,10 @@ def train(make_opt, *, steps: int, seed: int, block: int = 64, batch: int = 32, 
 
 def plot(results: list[dict], path: Path, title: str = "byte-level GPT on Python's bundled docs") -> bool:
     try:
-        import matplotlib
+        import matplotlib  # optional and heavy: only to plot
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional and heavy: only to plot
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -216,7 +221,7 @@ def plot(results: list[dict], path: Path, title: str = "byte-level GPT on Python
 
 def save_figure(fig, path: Path, dpi: int = 120) -> bool:
     """Lay out, write (creating the folder) and close a matplotlib figure."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional and heavy: only to plot
 
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -226,14 +231,9 @@ def save_figure(fig, path: Path, dpi: int = 120) -> bool:
 
 
 def run(args) -> int:
-    import torch
+    import torch  # torch: off the lint path (a spec alone never loads it)
 
-    import geomopt
-    from geomopt.cli.main import EXIT_CLEAN, EXIT_FINDINGS, UsageError
-    from geomopt.compile import lint_spec
-    from geomopt.compile.compiler import model_params
-    from geomopt.lint.reporters import report
-    from geomopt.models import GPT, GPTConfig
+    from geomopt.models.gpt import GPT, GPTConfig  # the models need torch: off the lint path
 
     try:
         out = output_dir(args.out, args.record, "demo")

@@ -18,8 +18,21 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from geomopt.compile.compiler import model_params, plan_from_infos
+from geomopt.compile.explain import explain, recipe, role_summary, starter
+from geomopt.compile.lock import model_label
+from geomopt.compile.params import params_from_checkpoint
+from geomopt.compile.roles import ensure_roles, role_docs
+from geomopt.lint.context import RULES, rule_doc
 from geomopt.lint.reporters import REPORTERS, report
-from geomopt.spec.diagnostics import Diagnostic, SpecError
+from geomopt.lint.runner import lint_spec, selected_codes
+from geomopt.spec.comments import collect
+from geomopt.spec.diagnostics import LANGUAGE_CODES, Diagnostic, SpecError
+from geomopt.spec.extends import find_spec, layer_of
+from geomopt.spec.printers import dump_spec
+from geomopt.spec.schema import schema_text
+from geomopt.spec.source import MAX_BYTES, NotRegularFile
+from geomopt.spec.validate import format_of, gc_paused, load_spec, parse_spec, read_spec_text, source_of
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 UNREADABLE = "GO010"
@@ -46,7 +59,7 @@ def load_model(ref: str):
     """(model, example inputs or None) from ``NAME`` (a built-in model) or ``pkg.module:factory``
     (a callable returning an nn.Module, or ``(model, inputs)``: the inputs of one forward that roles
     are traced on)."""
-    from geomopt.models import MODELS
+    from geomopt.models import MODELS  # the models need torch: off the lint path
 
     if ":" not in ref:
         if ref in MODELS:
@@ -73,9 +86,9 @@ def load_model(ref: str):
         model = factory() if callable(factory) else factory
     except Exception as exc:  # the user's factory failed: say so, no traceback
         raise UsageError(f"--model {ref}: the factory raised {type(exc).__name__}: {exc}") from None
-    import torch
+    import torch  # torch: off the lint path (a spec alone never loads it)
 
-    from geomopt.compile.trace_inputs import as_inputs
+    from geomopt.compile.trace_inputs import as_inputs  # the tracer needs torch: off the lint path
 
     model, inputs = model if isinstance(model, tuple) and len(model) == 2 else (model, None)
     if not isinstance(model, torch.nn.Module):
@@ -89,11 +102,6 @@ def load_model(ref: str):
 
 def _params(args):
     """ParamInfos from --model / --checkpoint, or None (lint the spec alone)."""
-    from geomopt.compile.compiler import model_params
-    from geomopt.compile.lock import model_label
-    from geomopt.compile.params import params_from_checkpoint
-    from geomopt.spec.source import NotRegularFile
-
     if getattr(args, "model", None):
         model, inputs = load_model(args.model)
         args.model_label = model_label(model)  # a routing lock's header (plan --lock / --check)
@@ -138,9 +146,6 @@ def _spec_files(paths) -> list[str]:
 
 def _lint_file(path: str, params, from_ckpt: bool, select=None, ignore=None) -> list[Diagnostic]:
     """The findings of one spec file (its suppression comments applied); its spec is freed on return."""
-    from geomopt.lint import lint_spec
-    from geomopt.spec.validate import load_spec
-
     try:
         spec = load_spec(path)
     except SpecError as exc:
@@ -149,9 +154,6 @@ def _lint_file(path: str, params, from_ckpt: bool, select=None, ignore=None) -> 
 
 
 def cmd_lint(args) -> int:
-    from geomopt.lint import selected_codes
-    from geomopt.spec.validate import gc_paused
-
     try:
         selected_codes(args.select, args.ignore)
     except ValueError as exc:
@@ -175,9 +177,6 @@ def cmd_lint(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from geomopt.compile import lint_spec, plan_from_infos
-    from geomopt.spec.validate import load_spec
-
     if (args.lock or args.check) and args.format != "text":
         raise UsageError("--lock and --check write and compare a lock file; --format applies to the plan's table")
     params, from_ckpt = _required_params(args, "plan")
@@ -188,7 +187,7 @@ def cmd_plan(args) -> int:
         report(exc.diagnostics, args.format)
         return _status(exc.diagnostics, False)
     if args.lock or args.check:
-        from geomopt.cli.lock import lock_or_check
+        from geomopt.cli.lock import lock_or_check  # loads the optimizer (torch): off the lint path
 
         return lock_or_check(args, spec, plan)
     if args.format == "json":
@@ -206,10 +205,6 @@ def cmd_plan(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from geomopt.compile import plan_from_infos
-    from geomopt.compile.explain import explain
-    from geomopt.spec.validate import load_spec
-
     params, _ = _required_params(args, "explain")
     spec = load_spec(args.spec)
     try:
@@ -217,7 +212,6 @@ def cmd_explain(args) -> int:
     except SpecError as exc:  # still explain the routing; the plan's findings go to stderr
         report(exc.diagnostics, "text", sys.stderr)
         plan = []
-    from geomopt.compile.roles import ensure_roles
 
     ensure_roles(params, spec.roles)
     try:
@@ -228,10 +222,6 @@ def cmd_explain(args) -> int:
 
 
 def cmd_init(args) -> int:
-    from geomopt.compile.explain import recipe, role_summary, starter
-    from geomopt.spec.printers import dump_spec
-    from geomopt.spec.validate import parse_spec
-
     params, _ = _params(args)  # --model is required by the parser
     try:
         text = recipe(args.recipe)
@@ -256,12 +246,6 @@ def cmd_fmt(args) -> int:
     """Canonical form, comments kept: each stays on the element it was written at (see
     :mod:`geomopt.spec.comments`), across formats too. A spec that extends another prints as
     written (``extends`` kept); ``--resolved`` prints the merged spec (without comments)."""
-    from geomopt.spec.comments import collect
-    from geomopt.spec.extends import find_spec, layer_of
-    from geomopt.spec.printers import dump_spec
-    from geomopt.spec.source import MAX_BYTES
-    from geomopt.spec.validate import format_of, load_spec, read_spec_text, source_of
-
     if args.resolved and args.check:
         raise UsageError("--check compares a file with its canonical form; "
                          "--resolved prints another spec (the merged one)")
@@ -303,8 +287,6 @@ def cmd_fmt(args) -> int:
 
 
 def cmd_schema(args) -> int:
-    from geomopt.spec.schema import schema_text
-
     text = schema_text()
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
@@ -314,16 +296,11 @@ def cmd_schema(args) -> int:
 
 
 def cmd_rule(args) -> int:
-    from geomopt.lint import RULES, rule_doc
-    from geomopt.spec.diagnostics import LANGUAGE_CODES
-
     if args.code in ("roles", "views"):
         if args.code == "roles":
-            from geomopt.compile.roles import role_docs
-
             sys.stdout.write(role_docs())
         else:
-            from geomopt.geometry import view
+            from geomopt.geometry import view  # geomopt.geometry loads torch: off the lint path
 
             sys.stdout.write(view.__doc__.strip() + "\n")
         return EXIT_CLEAN

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import pickle
+import re
+from pathlib import Path
 from typing import Optional, Union
 
-from geomopt.lint import LintContext, run_rules
+from geomopt.compile.blocking import blocking_errors
 from geomopt.compile.match import ParamInfo
+from geomopt.compile.ownership import Ownership
 from geomopt.compile.params import params_from_model
-from geomopt.compile.wrappers import named_modules, unwrap
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.compile.resolve import geometry_fragment, resolve
-from geomopt.compile.roles import assign, ensure_roles, infer_roles
-from geomopt.spec.diagnostics import Diagnostic, SpecError
+from geomopt.compile.role_infer import infer_roles
+from geomopt.compile.roles import assign, ensure_roles
+from geomopt.compile.wrappers import named_modules, unwrap
+from geomopt.spec.diagnostics import SpecError
 from geomopt.spec.model import Spec, resolve_hyper
-from geomopt.spec.validate import gc_paused, source_of
-
-# Findings that make a plan impossible: compile raises on these (lint reports them all).
-BLOCKING = ("GO101", "GO104", "GO105", "GO120", "GO126")
+from geomopt.spec.source import Parsed, SourceMap
+from geomopt.spec.validate import gc_paused, load_spec, parse_spec, source_of, validate
 
 
 def compile_spec(spec: Union[Spec, str, dict], model, *, roles: Optional[dict] = None,
@@ -44,9 +46,9 @@ def model_params(model, roles: bool = True, example_inputs=None) -> tuple[list[P
     Hugging Face models), over the module tree's inference; with no inputs, or a forward that
     fails, from the module tree alone, each role saying why (lint GO124). Unusable
     ``example_inputs`` raise TypeError."""
-    import torch
+    import torch  # torch: off the lint path (a spec alone never loads it)
 
-    from geomopt.compile.trace_inputs import as_inputs
+    from geomopt.compile.trace_inputs import as_inputs  # the tracer needs torch: off the lint path
 
     given = None if example_inputs is None else as_inputs(example_inputs)
     if not (roles and isinstance(model, torch.nn.Module)):
@@ -61,6 +63,7 @@ def model_params(model, roles: bool = True, example_inputs=None) -> tuple[list[P
 
 def _traced_roles(model, infos: list[ParamInfo], inferred: dict, inputs) -> dict:
     """The trace's roles over ``inferred``, or ``inferred`` marked with why there is no trace."""
+    # the tracer needs torch: off the lint path
     from geomopt.compile.role_trace import apply_trace, untraced
     from geomopt.compile.trace import TraceError, trace_model
     from geomopt.compile.trace_inputs import default_inputs
@@ -100,9 +103,8 @@ def plan_from_infos(spec: Spec, infos: list[ParamInfo], *, roles: Optional[dict]
 
 
 def _plan_from_infos(spec: Spec, infos: list[ParamInfo]) -> Plan:
-    ctx = LintContext.build(spec, infos)
-    errors = run_rules(ctx, source_of(spec), BLOCKING)
-    errors += _undecided_only(ctx, source_of(spec))
+    ctx = Ownership.match(spec, infos)
+    errors = blocking_errors(ctx, source_of(spec))
     if errors:
         raise SpecError(errors)
     planners: dict[int, _RulePlanner] = {}
@@ -115,32 +117,11 @@ def _plan_from_infos(spec: Spec, infos: list[ParamInfo]) -> Plan:
     return Plan(params, frozen=[p.name for p in ctx.frozen], spec_name=spec.name)
 
 
-def _undecided_only(ctx: LintContext, source) -> list[Diagnostic]:
-    """Tensors (from a checkpoint) that only ``module:`` predicates could match: lint notes them
-    (GO112), but a plan cannot guess their rule."""
-    undecided = {n for names in ctx.undecided for n in names}
-    names = [p.name for p in ctx.params if ctx.owner.get(p.name) is None and p.name in undecided]
-    if not names:
-        return []
-    line, col = source.pos(("rules",)) if source else (1, 1)
-    shown = ", ".join(repr(n) for n in names[:5]) + (" …" if len(names) > 5 else "")
-    return [Diagnostic("GO101", "unmatched-parameter", "error",
-                       f"{len(names)} parameter(s) matched only by module predicates, which names and shapes "
-                       f"cannot decide: {shown}; plan against the model (--model) or match them by name",
-                       source.file if source else "<spec>", line, col)]
-
-
 def as_spec(spec: Union[Spec, str, dict, "object"]) -> Spec:
     """A Spec from a Spec, a path (.yaml/.yml/.geom), a shipped spec's name (``"muon"``: a string
     with no path separator, line break or extension; :func:`geomopt.shipped_specs`), spec text (a
     string with a line break: YAML, or the DSL when it opens with ``geomopt 1``) or a plain dict.
     A spec that ``extends`` another comes back merged (:mod:`geomopt.spec.extends`)."""
-    import re
-    from pathlib import Path
-
-    from geomopt.spec.source import Parsed, SourceMap
-    from geomopt.spec.validate import load_spec, parse_spec, validate
-
     if isinstance(spec, Spec):
         return spec
     if isinstance(spec, str) and "\n" in spec:  # no path has a line break: the text itself

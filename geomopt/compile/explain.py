@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 from geomopt.compile.match import Matcher, ParamInfo, any_name, describe
-from geomopt.compile.plan import ParamPlan, _call_text, _geometry_text, constraint_text, view_text
+from geomopt.compile.ownership import Ownership
+from geomopt.compile.plan import ParamPlan, call_text, geometry_text, constraint_text, view_text
 from geomopt.spec.diagnostics import did_you_mean
 from geomopt.spec.model import Spec
 from geomopt.spec.shipped import shipped_folder
@@ -81,20 +82,20 @@ def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], na
         lines.append(f"           block radius factors {[round(f, 4) for f in g['view']['factors']]}")
     extra = []
     if g.get("prenormalize"):
-        extra.append(f"prenormalize {_call_text(g['prenormalize'])}")
+        extra.append(f"prenormalize {call_text(g['prenormalize'])}")
     if g.get("scale", "none") != "none":
         extra.append(f"scale {g['scale']}")
     if pp.transpose:
         extra.append("acts on the transpose (layout in_out)")
-    lines.append(f"forward    {_geometry_text(pp)}" + (f"; {', '.join(extra)}" if extra else ""))
+    lines.append(f"forward    {geometry_text(pp)}" + (f"; {', '.join(extra)}" if extra else ""))
     if pp.post:
-        lines.append(f"post       {' → '.join(_call_text(s) for s in pp.post)} (on the forward's update, before ρ)")
+        lines.append(f"post       {' → '.join(call_text(s) for s in pp.post)} (on the forward's update, before ρ)")
     lines.append(f"backward   {constraint_text(pp)}")
     if pp.constraint and pp.constraint.get("method") == "auto" and g["kind"] == "spectral":
-        from geomopt.geometry.method import AUTO_RULE
+        from geomopt.geometry.method import AUTO_RULE  # geomopt.geometry loads torch: off the lint path
 
         lines.append(f"           method auto on {pp.device}: {AUTO_RULE}; exact or polar forces one")
-    lines.append(f"direction  {_call_text(pp.direction)}; schedule {_call_text(pp.schedule)}")
+    lines.append(f"direction  {call_text(pp.direction)}; schedule {call_text(pp.schedule)}")
     lines.append(f"lr         {pp.lr:g}; weight decay {pp.weight_decay:g}"
                  + (f" ({pp.decay})" if pp.weight_decay else ""))
     scale = pp.radius / g["radius"] if g["radius"] else math.nan
@@ -113,9 +114,7 @@ def recipe(name: str) -> str:
 def starter(spec: Spec, infos: list[ParamInfo], model_name: str) -> Spec:
     """``spec`` (a recipe) without the rules this model leaves idle (roles it does not have), named
     for the model: a spec that lints clean against it."""
-    from geomopt.lint import LintContext
-
-    ctx = LintContext.build(spec, infos)
+    ctx = Ownership.match(spec, infos)
     keep = [r for i, r in enumerate(spec.rules) if ctx.matched[i]]
     return spec.model_copy(update={"rules": keep,
                                    "name": f"{spec.name}-{model_name}".replace(":", "-").replace(".", "-"),

@@ -40,6 +40,7 @@ import re
 from pathlib import Path
 from typing import Optional, Union
 
+from geomopt import __version__
 from geomopt.compile.plan import Plan, view_text
 
 LOCK_FORMAT = 1
@@ -97,7 +98,7 @@ def name_key(name: str) -> list:
 def model_label(model) -> Optional[str]:
     """The model's name for the header: its class, and the Hugging Face checkpoint it came from
     when it has one; None for an iterable of (name, tensor)."""
-    import torch
+    import torch  # torch: off the lint path (a spec alone never loads it)
 
     if not isinstance(model, torch.nn.Module):
         return None
@@ -109,8 +110,6 @@ def model_label(model) -> Optional[str]:
 def lock_of(plan: Plan, spec_hash: str = "", model: Optional[str] = None) -> Lock:
     """The routing table of a compiled plan. ``spec_hash``: :func:`geomopt.optim.checkpoint.spec_hash`
     of the plan's spec; ``model``: :func:`model_label` of the model (or a checkpoint's file name)."""
-    from geomopt import __version__
-
     routes = {p.name: Route(tuple(int(d) for d in p.shape), p.role, p.rule, view_text(p)) for p in plan.params}
     return Lock(plan.spec_name, spec_hash, model, __version__, routes, tuple(plan.frozen))
 

@@ -133,3 +133,8 @@ def describe(match: Match) -> str:
     if match.shape is not None:
         parts.append(f"shape={list(match.shape)}")
     return " ".join(parts)
+
+
+def shape_text(p: ParamInfo) -> str:
+    """``4×3``, or ``scalar``."""
+    return "×".join(map(str, p.shape)) or "scalar"

@@ -64,7 +64,7 @@ class ParamPlan:
         """Σ m·n·min(m, n) over the matrices of the tensor's view (None without a view): the
         distributed executors' work estimate. Computed once."""
         if "_cost" not in self.__dict__:
-            from geomopt.geometry.view import cost
+            from geomopt.geometry.view import cost  # geomopt.geometry loads torch: off the lint path
 
             object.__setattr__(self, "_cost", cost(self.geometry.get("view"), self.op_shape))
         return self.__dict__["_cost"]
@@ -116,7 +116,7 @@ class Plan:
         """One row per rule: tensors, elements, geometry, approx, constraint."""
         rows: dict[str, dict] = {}
         for p in self.params:
-            r = rows.setdefault(p.rule, dict(rule=p.rule, tensors=0, elements=0, geometry=_geometry_text(p),
+            r = rows.setdefault(p.rule, dict(rule=p.rule, tensors=0, elements=0, geometry=geometry_text(p),
                                              constraint=p.constraint, lr=p.lr, _methods=set()))
             r["tensors"] += 1
             n = 1
@@ -135,7 +135,7 @@ class Plan:
         rows = [head]
         for p in self.params:
             name = p.name + (f" (= {', '.join(p.aliases)})" if p.aliases else "")
-            rows.append((name, "×".join(map(str, p.shape)) or "scalar", p.role or "-", p.rule, _geometry_text(p),
+            rows.append((name, "×".join(map(str, p.shape)) or "scalar", p.role or "-", p.rule, geometry_text(p),
                          view_text(p), constraint_text(p), f"{p.lr:g}",
                          f"{p.radius:.4g}" + (" ᵀ" if p.transpose else ""), str(bucket_ids[p.bucket])))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -153,12 +153,12 @@ def view_text(p: ParamPlan) -> str:
     "64×576" (a conv kernel as one matrix); "-" for geometries that read no matrix."""
     if p.geometry["kind"] not in ("spectral", "rowwise", "columnwise", "anisotropic") or len(p.shape) < 2:
         return "-"
-    from geomopt.geometry.view import describe
+    from geomopt.geometry.view import describe  # geomopt.geometry loads torch: off the lint path
 
     return describe(p.geometry.get("view"), p.op_shape)
 
 
-def _call_text(d: Optional[dict]) -> str:
+def call_text(d: Optional[dict]) -> str:
     if not d:
         return "-"
     quiet = {("relative", False), ("dtype", "auto")}  # defaults say nothing
@@ -167,13 +167,13 @@ def _call_text(d: Optional[dict]) -> str:
     return f"{d['kind']}({', '.join(args)})" if args else d["kind"]
 
 
-def _geometry_text(p: ParamPlan) -> str:
+def geometry_text(p: ParamPlan) -> str:
     g = p.geometry
     text = g["kind"]
     if "reference" in g:
-        text += f"[{_call_text(g['reference'])}]"
+        text += f"[{call_text(g['reference'])}]"
     if g.get("approx") is not None:
-        text += f" via {_call_text({k: v for k, v in g['approx'].items() if k != 'coefficients'})}"
+        text += f" via {call_text({k: v for k, v in g['approx'].items() if k != 'coefficients'})}"
     if p.post:
         text += " + " + " + ".join(s["kind"] for s in p.post)
     return text
@@ -189,6 +189,7 @@ def resolved_methods(p: ParamPlan) -> list[str]:
         return []
     if p.geometry["kind"] != "spectral":
         return ["exact"]
+    # geomopt.geometry loads torch: off the lint path
     from geomopt.geometry.method import resolve_method
     from geomopt.geometry.view import matrix_shapes
 
@@ -203,5 +204,5 @@ def constraint_text(p: ParamPlan) -> str:
 
 def _constraint_text(c: Optional[dict], methods=()) -> str:
     if c and c.get("method") == "auto":
-        return _call_text({**c, "method": "auto" + ("→" + "/".join(sorted(methods)) if methods else "")})
-    return _call_text(c)
+        return call_text({**c, "method": "auto" + ("→" + "/".join(sorted(methods)) if methods else "")})
+    return call_text(c)

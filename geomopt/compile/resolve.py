@@ -11,7 +11,8 @@ import dataclasses
 from typing import Optional, Union
 
 from geomopt.compile.plan import ops_digest
-from geomopt.spec.model import Spectral, effective_prenormalize
+from geomopt.spec.geometries import Spectral
+from geomopt.spec.model import effective_prenormalize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,7 @@ def resolve_view(geometry: dict, op_shape: tuple[int, ...], structure: Optional[
     spec_view = geometry.get("view")
     if spec_view is None or "kind" not in spec_view:
         return geometry
+    # geomopt.geometry loads torch: off the lint path
     from geomopt.geometry.scale import block_factors
     from geomopt.geometry.view import resolve as resolve_spec_view
 
@@ -81,7 +83,7 @@ def resolve(geometry: Union[dict, object], constraint: Optional[dict], shape: tu
     """The operators of a tensor of ``shape`` under ``geometry`` (a fragment from
     :func:`geometry_fragment`, or a spec model) and ``constraint`` (a fragment or None). Raises
     ValueError when a view does not fit."""
-    from geomopt.geometry.scale import radius_scale
+    from geomopt.geometry.scale import radius_scale  # geomopt.geometry loads torch: off the lint path
 
     if not isinstance(geometry, dict):
         geometry = geometry_fragment(geometry)

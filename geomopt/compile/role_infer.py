@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 # ---------------------------------------------------------------- module rules
 
-ModuleRule = Callable[["_Model"], Iterable[tuple[str, Claim]]]
+ModuleRule = Callable[["ModuleTree"], Iterable[tuple[str, Claim]]]
 MODULE_RULES: list[tuple[str, ModuleRule]] = []
 
 
@@ -39,7 +39,7 @@ def module_rule(name: str):
 _NORM = re.compile(r"Norm(\dd)?$")
 
 
-class _Model:
+class ModuleTree:
     """The module tree of a model, read once."""
 
     def __init__(self, model, modules: Optional[dict] = None):
@@ -73,7 +73,7 @@ class _Model:
     def weight(self, module):
         """A leaf layer's 2-D+ ``weight`` (Linear, Conv, Conv1D, a router's own weight), else None."""
         w = getattr(module, "weight", None)
-        import torch
+        import torch  # torch: off the lint path (a spec alone never loads it)
 
         return w if isinstance(w, torch.Tensor) and w.ndim >= 2 else None
 
@@ -85,7 +85,7 @@ class _Model:
 
 
 @module_rule("norm")
-def _norm_layers(m: _Model):
+def _norm_layers(m: ModuleTree):
     """``norm``: a module whose class (or a base class) is named ``…Norm`` or ``…Norm{1,2,3}d``
     (LayerNorm, RMSNorm, BatchNorm2d, GroupNorm, LlamaRMSNorm, T5LayerNorm …): all its
     parameters."""
@@ -95,7 +95,7 @@ def _norm_layers(m: _Model):
 
 
 @module_rule("embedding")
-def _embeddings(m: _Model):
+def _embeddings(m: ModuleTree):
     """``embedding``: an ``nn.Embedding`` (or subclass); the module Hugging Face's
     ``get_input_embeddings()`` returns (token embeddings; a ViT's patch embedding); any module whose
     class is named ``…Embedding`` or ``…Embeddings`` (BertEmbeddings, ViTEmbeddings: position
@@ -124,7 +124,7 @@ def _embeddings(m: _Model):
                               + ("" if cls == type(mod).__name__ else f" ({cls})"))
 
 
-def _experts(m: _Model) -> list[tuple[str, str, int]]:
+def _experts(m: ModuleTree) -> list[tuple[str, str, int]]:
     """(parent, experts container, expert count E) for every MoE block: a child named ``experts``
     (or whose class is named ``…Experts``) that is a ModuleList (E = its length) or holds
     parameters of ≥ 3 dims with a common leading size (E)."""
@@ -135,7 +135,7 @@ def _experts(m: _Model) -> list[tuple[str, str, int]]:
         attr = name.rpartition(".")[2]
         if not name or not (attr == "experts" or any(c.endswith("Experts") for c in m.mro(mod))):
             continue
-        import torch
+        import torch  # torch: off the lint path (a spec alone never loads it)
 
         if isinstance(mod, torch.nn.ModuleList):
             count = len(mod)
@@ -149,7 +149,7 @@ def _experts(m: _Model) -> list[tuple[str, str, int]]:
 
 
 @module_rule("router")
-def _routers(m: _Model):
+def _routers(m: ModuleTree):
     """``router``: beside an experts container with E experts (see ``expert``), a sibling layer
     whose weight has E outputs (the MoE gate: Mixtral's and Qwen2-MoE's ``gate``) or one output (a
     shared expert's scalar gate, Qwen2-MoE's ``shared_expert_gate``)."""
@@ -166,7 +166,7 @@ def _routers(m: _Model):
 
 
 @module_rule("expert")
-def _expert_weights(m: _Model):
+def _expert_weights(m: ModuleTree):
     """``expert``: everything inside an experts container — a child named ``experts`` (or whose
     class is named ``…Experts``) that is a ModuleList, or holds parameters of ≥ 3 dims with a
     common leading size E. Batched expert weights (E, out, in) have the structure ``batch: 1`` (E
@@ -176,7 +176,7 @@ def _expert_weights(m: _Model):
 
 
 @module_rule("head")
-def _heads(m: _Model):
+def _heads(m: ModuleTree):
     """``head``: the layer(s) producing the model's outputs. The module Hugging Face's
     ``get_output_embeddings()`` returns (LM heads), and the last layer with a matrix weight in
     registration order that is not a norm, embedding, router or expert (a classifier, ``score``,
@@ -230,7 +230,7 @@ def infer_roles(model, infos: list[ParamInfo], modules: Optional[dict] = None) -
     """Roles of ``infos`` (from :func:`~geomopt.compile.params.params_from_model`) inferred from
     ``model``'s structure (an ambiguous inference says so in its evidence; lint GO119 reports it).
     ``modules``: ``dict(model.named_modules(remove_duplicate=False))`` when the caller has it."""
-    m = _Model(model, modules)
+    m = ModuleTree(model, modules)
     claims: dict[str, Claim] = {}
     for rule_name, rule in MODULE_RULES:
         if rule_name == "head":

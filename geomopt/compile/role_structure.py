@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from geomopt.compile.role_infer import _Model
+    from geomopt.compile.role_infer import ModuleTree
 
 
 def _head_counts(mod) -> Optional[tuple[int, int, Optional[int]]]:
@@ -33,7 +33,7 @@ def _head_counts(mod) -> Optional[tuple[int, int, Optional[int]]]:
     return heads, kv, first("head_dim")
 
 
-def _fused_blocks(m: _Model, name: str, mod, pname: str, shape: tuple[int, ...]) -> Optional[list[int]]:
+def _fused_blocks(m: ModuleTree, name: str, mod, pname: str, shape: tuple[int, ...]) -> Optional[list[int]]:
     """Output-axis block sizes of a fused projection, or None. ``nn.MultiheadAttention``'s
     ``in_proj_weight``: q, k, v of equal size; a layer of an attention module (a class named
     ``…Attention…``/``…Attn…`` that states its head counts — ``num_heads``/``n_head``,
@@ -64,7 +64,7 @@ def _fused_blocks(m: _Model, name: str, mod, pname: str, shape: tuple[int, ...])
     return [heads * head_dim, kv * head_dim, kv * head_dim]
 
 
-def tensor_structure(m: _Model, name: str, mod, pname: str, shape: tuple[int, ...], role: str) -> Optional[dict]:
+def tensor_structure(m: ModuleTree, name: str, mod, pname: str, shape: tuple[int, ...], role: str) -> Optional[dict]:
     """What an ``auto`` view reads: ``batch: 1`` for batched expert weights; ``layout: in_out`` where
     the experts module says its weights are stored (E, in, out) (``is_transposed``, GPT-OSS); the
     output-axis blocks of a fused projection. A fused [gate, up] weight is cut in two only where it

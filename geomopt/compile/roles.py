@@ -31,7 +31,7 @@ everything inferred.
 # The docstring above is also the text of `geomopt rule roles` (role_docs). The parts live by concept:
 # the records (Role, Claim) in role_types, inference from the module tree (the module rules) in
 # role_infer, a tensor's structure for the auto view in role_structure, guessing from names and
-# shapes in role_guess; this module overrides and assigns roles and re-exports the public names.
+# shapes in role_guess; this module overrides and assigns roles.
 
 from __future__ import annotations
 
@@ -39,11 +39,10 @@ from typing import Optional
 
 from geomopt.compile.match import ParamInfo, any_name, glob_regex
 from geomopt.compile.role_guess import guess_roles
-from geomopt.compile.role_infer import MODULE_RULES, ModuleRule, infer_roles, module_rule
-from geomopt.compile.role_types import ROLES, Claim, Role
+from geomopt.compile.role_infer import MODULE_RULES
+from geomopt.compile.role_types import ROLES, Role
 
-__all__ = ["MODULE_RULES", "ROLES", "Claim", "ModuleRule", "Role", "assign", "ensure_roles", "guess_roles",
-           "infer_roles", "module_rule", "override", "role_docs"]
+__all__ = ["assign", "ensure_roles", "override", "role_docs"]
 
 
 # ---------------------------------------------------------------- overrides and assignment
@@ -88,6 +87,7 @@ def ensure_roles(infos: list[ParamInfo], spec_roles: Optional[dict] = None, extr
 
 def role_docs() -> str:
     """The inference rules, for ``geomopt rule roles``."""
+    # the tracer needs torch: off the lint path
     from geomopt.compile import role_trace
     from geomopt.compile.op_families import family_docs
 

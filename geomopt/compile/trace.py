@@ -31,7 +31,6 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
-from geomopt.compile.op_families import FAMILIES
 from geomopt.compile.trace_blocks import blocks
 from geomopt.compile.trace_dispatch import Act, Tracer, Use
 from geomopt.compile.trace_replay import Replayer
@@ -233,4 +232,4 @@ def _trace(model: torch.nn.Module, named: list, inputs) -> Trace:
     return Trace(result, device, tuple(n for n, _ in outputs), tuple(notes), tracer.replayed)
 
 
-__all__ = ["FAMILIES", "Trace", "TensorTrace", "TraceError", "Use", "trace_model"]
+__all__ = ["Trace", "TensorTrace", "TraceError", "trace_model"]

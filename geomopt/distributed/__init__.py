@@ -3,7 +3,7 @@
 
 ``LOCAL``, ``REDUCE``, ``OWNER`` live in :mod:`geomopt.registry` (torch-free) and are re-exported
 here; each operator declares its locality when it registers
-(:func:`geomopt.geometry.registry.forward_locality`, :func:`~geomopt.geometry.registry.backward_locality`).
+(:func:`geomopt.geometry.operators.forward_locality`, :func:`~geomopt.geometry.operators.backward_locality`).
 """
 
 from geomopt.distributed.executors import (

@@ -19,7 +19,7 @@ requests in the same order, so collectives line up without any handshake:
   every rank its block back with a second ``all_to_all`` (the layout microsoft/dion uses).
 
 The locality of every operator (``LOCAL``, ``REDUCE``, ``OWNER``: :mod:`geomopt.registry`) is
-declared where it registers (:mod:`geomopt.geometry.registry`: ``forward_locality``,
+declared where it registers (:mod:`geomopt.geometry.operators`: ``forward_locality``,
 ``backward_locality``); the caller puts it on each request.
 """
 
@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, cast
 
 import torch
+import torch.distributed as dist
 
+from geomopt.distributed.layout import layouts
 from geomopt.registry import LOCAL, OWNER, REDUCE
 
 if TYPE_CHECKING:
@@ -143,8 +145,6 @@ class LocalExecutor:
 
 class _DistExecutor:
     def __init__(self, group=None):
-        import torch.distributed as dist
-
         self.dist = dist
         self.group = group
         self.world = dist.get_world_size(group)
@@ -234,8 +234,6 @@ class ShardedExecutor(_DistExecutor):
     back (a second all_to_all)."""
 
     def __init__(self, group, params: list, names: list):
-        from geomopt.distributed.layout import layouts
-
         super().__init__(group)
         self.layouts = dict(zip(map(id, params), layouts(params, names, group, self.dist)))
 
@@ -262,7 +260,7 @@ class ShardedExecutor(_DistExecutor):
         return results
 
     def _on_dtensor(self, req: Request):
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor  # DTensor's package loads only where tensors are sharded
 
         layout = cast("Layout", req.layout)  # requests on DTensors carry their layout
         shape = (req.rows, *req.full_shape)
@@ -357,8 +355,6 @@ def make_executor(params: list, distributed, process_group, names: Optional[list
     sharded if any parameter is a DTensor, replicated if torch.distributed is initialized with
     more than one rank, else local; "ddp" / "fsdp" force the mode (and fail clearly when the
     parameters do not fit it)."""
-    import torch.distributed as dist
-
     dtensor = [is_dtensor(p) for p in params]
     if distributed is False or distributed == "none":
         if any(dtensor):
@@ -391,7 +387,7 @@ def is_dtensor(t) -> bool:
 
 def _dtensor_class():
     try:
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor  # DTensor's package loads only where tensors are sharded
     except ImportError:  # torch built without distributed
         return None
     return DTensor
@@ -405,8 +401,6 @@ def _mesh_group(params: list, process_group):
     mesh's ranks when every parameter lives on one mesh (its group on a 1-D mesh, the whole
     world or a group of its ranks on a 2-D one); else (parameters on sub-meshes of a larger mesh,
     as FSDP2 × TP leaves norms and embeddings) the whole world."""
-    import torch.distributed as dist
-
     if process_group is not None:
         group = process_group
     else:

@@ -45,6 +45,7 @@ def _chunk(start: int, size: int, parts: int, k: int) -> tuple:
 def block(shape, mesh_shape, coord, placements, name: str = "tensor") -> Block:
     """The (start, size) per dim of the block that mesh coordinate ``coord`` holds of a tensor of
     ``shape`` laid out by ``placements`` (:func:`check` lists what is served)."""
+    # DTensor's package loads only where tensors are sharded
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -140,7 +141,7 @@ class Layout:
         def swap(t: tuple) -> tuple:
             return (t[1], t[0], *t[2:]) if len(t) > 1 else t
 
-        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import Replicate  # DTensor's package loads only where tensors are sharded
 
         nd = len(self.blocks[0])
         placements = tuple(pl if isinstance(pl, Replicate) else _with_dim(pl, _swapped(pl.dim % nd))
@@ -149,7 +150,7 @@ class Layout:
 
     def stacked_placements(self) -> tuple:
         """The placements of a stack of such tensors along a new leading dim."""
-        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import Replicate  # DTensor's package loads only where tensors are sharded
 
         nd = len(self.blocks[0])
         return tuple(pl if isinstance(pl, Replicate) else _with_dim(pl, pl.dim % nd + 1) for pl in self.placements)
@@ -158,7 +159,7 @@ class Layout:
         """The placements of a statistic of the tensor (same dims, ``reduced`` dims summed out):
         cut like the tensor along the dims it keeps, replicated over the mesh dims that cut a
         summed-out dim (after the all-reduce every rank there holds the same values)."""
-        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import Replicate  # DTensor's package loads only where tensors are sharded
 
         nd = len(self.blocks[0])
         return tuple(Replicate() if isinstance(pl, Replicate) or pl.dim % nd in reduced else pl
@@ -170,6 +171,7 @@ def _swapped(d: int) -> int:
 
 
 def _with_dim(pl, dim: int):
+    # DTensor's package loads only where tensors are sharded
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 

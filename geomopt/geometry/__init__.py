@@ -3,7 +3,7 @@ backward ops (the prox table, :mod:`geomopt.geometry.prox`), radius presets, and
 of kinds. How every operator reads a tensor (working dtype, plain matrix, row/column groups) is
 :mod:`geomopt.geometry.matrix`; matrix views (experts, blocks) are :mod:`geomopt.geometry.view`.
 
-Importing the package registers every unit: the registries (:mod:`geomopt.geometry.registry`,
+Importing the package registers every unit: the registries (:mod:`geomopt.geometry.operators`,
 ``APPROX_OPS`` in :mod:`~geomopt.geometry.spectral`, ``REFERENCES`` in
 :mod:`~geomopt.geometry.reference`) import no op module, and the op modules, imported here, fill
 them.
@@ -11,12 +11,12 @@ them.
 
 # the op modules: importing them registers their units
 from geomopt.geometry.reference import make_reference
-from geomopt.geometry.spectral import realized_reference
+from geomopt.geometry import spectral  # noqa: F401  (its approximations)
 from geomopt.geometry.forward import forward
 from geomopt.geometry.prox import backward
 
-from geomopt.geometry.registry import supported_constraints
 from geomopt.geometry.scale import check_applicable, radius_scale
+from geomopt.support import realized_reference, supported_constraints
 
 __all__ = [
     "forward",

@@ -12,7 +12,7 @@ import functools
 import torch
 
 from geomopt.geometry.matrix import working_dtype
-from geomopt.spec.model import POLYNOMIAL_APPROX_KINDS
+from geomopt.spec.geometries import POLYNOMIAL_APPROX_KINDS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

@@ -7,7 +7,7 @@ tensors (the optimizer stacks same-shape tensors into one bucket), so every norm
 is per batch element. Ops compute in at least float32 (bf16 inputs are upcast:
 :func:`geomopt.geometry.matrix.upcast`) and return ``out_dtype`` (default: the input dtype).
 
-Each op declares its locality when it registers (:mod:`geomopt.geometry.registry`): elementwise
+Each op declares its locality when it registers (:mod:`geomopt.geometry.operators`): elementwise
 maps are ``LOCAL``, whole-tensor or row/column norms ``REDUCE``, the spectral map (a matrix
 function) ``OWNER``.
 """
@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from geomopt.geometry.adam import adam_moments  # noqa: F401  (re-exported: the optimizer's exact AdamW path)
+from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.matrix import by_rows, matrix_view, upcast
 from geomopt.geometry.reference import Reference, make_reference
-from geomopt.geometry.registry import FORWARD_OPS, LOCAL, OWNER, REDUCE
-from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, apply_approx, compute_dtype
+from geomopt.geometry.operators import FORWARD_OPS
+from geomopt.registry import LOCAL, OWNER, REDUCE
+from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES, compute_dtype
+from geomopt.geometry.spectral import apply_approx
 from geomopt.geometry.view import apply as apply_view
 from geomopt.geometry.view import split_view
 

@@ -14,7 +14,7 @@ prox for:
 
 * the declared reference, always: every backward step uses it (:mod:`geomopt.geometry.prox`),
   whatever approximation the forward step runs. The realized κ = 4 barrier of a Newton–Schulz /
-  Polar Express forward (:func:`geomopt.geometry.spectral.realized_reference`) reaches the
+  Polar Express forward (:func:`geomopt.support.realized_reference`) reaches the
   backward step only through the declaration: measured against it while the backward step used
   another h, a zero (Ĝ = ∇φ_realized(W)) would not make −Ĝ a subgradient of g;
 * any reference, where the backward step does not depend on h (spectral set projections:
@@ -59,10 +59,11 @@ import math
 
 import torch
 
-from geomopt.catalog import SPECTRAL_SETS
+from geomopt.support import SPECTRAL_SETS, realized_reference
 from geomopt.geometry.matrix import groups, matrices, vectors, working_dtype
 from geomopt.geometry.reference import Reference, make_reference
-from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, default_prenormalize, prenormalize, realized_reference
+from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
+from geomopt.geometry.prenorm import default_prenormalize, prenormalize
 from geomopt.geometry.view import reduce, split_view
 
 #: values of the ``reference`` argument (module docstring)

@@ -15,7 +15,7 @@ from typing import Callable, Sequence, cast
 
 import torch
 
-from geomopt.catalog import Triple
+from geomopt.support import Triple
 from geomopt.geometry.matrix import working_dtype
 from geomopt.geometry.prenorm import prenorm_factor, prenormalize
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from geomopt.geometry.reference import working_eps
-from geomopt.spec.model import POLYNOMIAL_APPROX_KINDS, FrobeniusPrenorm, NoPrenorm
+from geomopt.spec.geometries import POLYNOMIAL_APPROX_KINDS, FrobeniusPrenorm, NoPrenorm
 
 #: ε of a pre-normalization fragment that leaves it out: the spec model's default (1e-7)
 _EPS: float = FrobeniusPrenorm.model_fields["eps"].default

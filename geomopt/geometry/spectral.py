@@ -18,9 +18,9 @@ gram_eigh.
 
 Newton–Schulz and Polar Express are *not* the ε → 0 limit (the matrix sign): the paper models them
 (Remark 3.4, Appendix F, Theorem 4.7) as the spectral κ = 4 power barrier with ε ≈ 1/∏aᵢ, the
-inverse slope at 0 of the composed polynomial; :func:`realized_reference` gives it.
+inverse slope at 0 of the composed polynomial; :func:`~geomopt.support.realized_reference` gives it.
 
-Realized ε (κ = 4) per list and step count, as :func:`realized_reference` computes them:
+Realized ε (κ = 4) per list and step count, as :func:`~geomopt.support.realized_reference` computes them:
 
     list                      5 steps   6 steps   7 steps   8 steps
     polar_express (1.01)      0.00102   0.000547  0.000295  0.000157
@@ -29,7 +29,7 @@ Realized ε (κ = 4) per list and step count, as :func:`realized_reference` comp
 
 (gram_newton_schulz realizes newton_schulz's: it is the same map.)
 
-The parts the approximations share have their own modules (re-exported here): the working dtype
+The parts the approximations share have their own modules: the working dtype
 in :mod:`geomopt.geometry.dtypes`, pre-normalization in :mod:`geomopt.geometry.prenorm`, the
 polynomial iterations (and the device forms of :func:`muon_order`) in
 :mod:`geomopt.geometry.polynomial`.
@@ -42,38 +42,13 @@ from typing import Sequence
 
 import torch
 
+from geomopt.geometry.dtypes import compute_dtype
+from geomopt.geometry.polynomial import gram_quintic_iteration, odd_quintic_iteration
+from geomopt.geometry.prenorm import default_prenormalize, prenormalize
 from geomopt.geometry.reference import Reference
 from geomopt.registry import Registry
-
-# The coefficient lists and what they realize are plain data (lint reads them without torch).
-from geomopt.catalog import (  # noqa: F401  (re-exported)
-    COEFFICIENT_LISTS,
-    MUON_COEFFICIENTS,
-    POLAR_EXPRESS_COEFFICIENTS,
-    SPEEDRUN_COEFFICIENTS,
-    Triple,
-    approx_coefficients,
-    newton_schulz_coefficients,
-    polar_express_coefficients,
-    realized_reference,
-)
-
-# The working dtype, pre-normalization and the polynomial iterations live in their own modules;
-# these are re-exported for the callers that import them from here.
-from geomopt.geometry.dtypes import (  # noqa: F401  (re-exported)
-    POLYNOMIAL_APPROXES,
-    BF16Warning,
-    compute_dtype,
-    native_bf16_cpu,
-    slow_bf16,
-)
-from geomopt.geometry.polynomial import (  # noqa: F401  (re-exported)
-    compose_polynomials,
-    gram_quintic_iteration,
-    muon_order,
-    odd_quintic_iteration,
-)
-from geomopt.geometry.prenorm import default_prenormalize, prenormalize  # noqa: F401  (re-exported)
+# the coefficient lists and what they realize are plain data (lint reads them without torch)
+from geomopt.support import newton_schulz_coefficients, polar_express_coefficients
 
 # ---------------------------------------------------------------- the working copy
 
@@ -177,7 +152,7 @@ def newton_schulz(
 ) -> torch.Tensor:
     """Quintic Newton–Schulz on the pre-normalized D (Muon; default triple
     (3.4445, −4.7750, 2.0315), one triple reused or one per step). Realizes its own map,
-    ≈ the κ = 4 power barrier of :func:`realized_reference`; ``ref`` is ignored."""
+    ≈ the κ = 4 power barrier of :func:`~geomopt.support.realized_reference`; ``ref`` is ignored."""
     coeffs = newton_schulz_coefficients(steps, coefficients)
     return _polynomial(x, "newton_schulz", coeffs, dtype, prenormalize, scale, out_dtype)
 

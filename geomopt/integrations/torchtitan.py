@@ -47,8 +47,11 @@ import torch
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.tools.logging import logger
 
-from geomopt.optim import GeomOptimizer
-from geomopt.spec import Spec, SpecError, load_spec, shipped_specs
+from geomopt.optim.optimizer import GeomOptimizer
+from geomopt.spec.diagnostics import SpecError
+from geomopt.spec.extends import shipped_specs
+from geomopt.spec.model import Spec
+from geomopt.spec.validate import load_spec
 
 __all__ = ["PREFIX", "GeomOptimizersContainer", "geomopt_optimizer", "spec_of"]
 

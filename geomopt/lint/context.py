@@ -3,25 +3,19 @@
 
 A rule is ``fn(ctx) -> iterable of (message, path)``; ``path`` locates the finding in the spec
 source (``("rules", 2, "constraint")``). Rules never raise for a bad spec: they report.
-
-This module imports nothing from :mod:`geomopt.compile` at import time (the matcher loads when a
-context is built): the compiler imports :class:`LintContext` and :func:`run_rules` from here, and
-either package may be imported first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
+from geomopt.compile.match import ParamInfo
+from geomopt.compile.ownership import Ownership
 from geomopt.registry import Registry
 from geomopt.spec.diagnostics import LANGUAGE_CODES, Diagnostic
 from geomopt.spec.model import Spec
 from geomopt.spec.source import SourceMap
-
-if TYPE_CHECKING:  # pragma: no cover
-    from geomopt.compile.match import ParamInfo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,58 +58,17 @@ def rule_by_name(name: str) -> str | None:
 
 
 @dataclasses.dataclass
-class LintContext:
-    spec: Spec
-    params: list[ParamInfo]  # trainable tensors, ties collapsed
-    frozen: list[ParamInfo]
-    owner: dict[str, int | None]  # parameter name → index of the rule that owns it
-    matched: list[list[str]]  # per rule: every parameter it matches (owned or not)
-    undecided: list[list[str]]  # per rule: parameters a module predicate could not decide
+class LintContext(Ownership):
+    """What a rule reads: the spec's :class:`~geomopt.compile.ownership.Ownership` of the tensors,
+    and how they came (``has_model`` False: the spec alone)."""
+
     from_checkpoint: bool = False
     has_model: bool = True
-    owned_by: list[list[ParamInfo]] | None = None  # per rule: the parameters it owns
 
     @classmethod
     def build(cls, spec: Spec, params: list[ParamInfo] | None, from_checkpoint: bool = False) -> LintContext:
-        """``params`` None: lint the spec alone (rules that need a model are skipped).
-
-        Matching runs rule by rule over all tensors (:meth:`Matcher.select`), so its cost is one
-        regex call per (rule, name), not a Python call per pair."""
-        from geomopt.compile.match import Matcher
-
-        has_model = params is not None
-        params = params or []
-        if any(p.role is None for p in params) and (spec.roles or any(r.match.role is not None for r in spec.rules)):
-            from geomopt.compile.roles import ensure_roles
-
-            ensure_roles(params, spec.roles)
-        trainable = [p for p in params if p.requires_grad]
-        frozen = [p for p in params if not p.requires_grad]
-        owner_index: list[int | None] = [None] * len(trainable)
-        matched: list[list[str]] = []
-        undecided: list[list[str]] = []
-        for i, rule in enumerate(spec.rules):
-            if not trainable:  # the spec alone: nothing to match (and no pattern to compile)
-                matched.append([])
-                undecided.append([])
-                continue
-            hits, unknown = Matcher(rule.match).select(trainable)
-            for j in hits:
-                if owner_index[j] is None:
-                    owner_index[j] = i
-            matched.append([trainable[j].name for j in hits])
-            undecided.append([trainable[j].name for j in unknown])
-        owned_by: list[list[ParamInfo]] = [[] for _ in spec.rules]
-        for p, owner_i in zip(trainable, owner_index):
-            if owner_i is not None:
-                owned_by[owner_i].append(p)
-        owner = {p.name: owner_i for p, owner_i in zip(trainable, owner_index)}
-        return cls(spec, trainable, frozen, owner, matched, undecided, from_checkpoint, has_model, owned_by)
-
-    def owned(self, i: int) -> list[ParamInfo]:
-        if self.owned_by is not None:
-            return self.owned_by[i]
-        return [p for p in self.params if self.owner.get(p.name) == i]
+        """``params`` None: lint the spec alone (rules that need a model are skipped)."""
+        return cls.match(spec, params or [], from_checkpoint=from_checkpoint, has_model=params is not None)
 
 
 def runs(rule: LintRule, ctx: LintContext, codes: Iterable[str] | None = None) -> bool:
@@ -152,16 +105,10 @@ def rule_doc(code: str) -> str | None:
 # ---------------------------------------------------------------- helpers of several families
 
 
-def shape_text(p: ParamInfo) -> str:
-    """``4×3``, or ``scalar``."""
-    return "×".join(map(str, p.shape)) or "scalar"
-
-
 def field(model, name: str, default=None):
     """A spec model's field, or ``default`` where its kind has none (a plain lookup: ``getattr``
     on a field a model lacks goes through pydantic's slow ``__getattr__``)."""
     return model.__dict__.get(name, default)
 
 
-__all__ = ["RULES", "LintContext", "LintRule", "field", "lint_rule", "rule_by_name", "rule_doc", "run_rules", "runs",
-           "shape_text"]
+__all__ = ["RULES", "LintContext", "LintRule", "field", "lint_rule", "rule_by_name", "rule_doc", "run_rules", "runs"]

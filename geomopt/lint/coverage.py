@@ -5,37 +5,14 @@ tied parameters, GO112 undecidable module predicates. All need a model or a chec
 
 from __future__ import annotations
 
-import difflib
-
+from geomopt.compile.blocking import BLOCKING
 from geomopt.compile.match import describe
-from geomopt.lint.context import LintContext, lint_rule, shape_text
+from geomopt.lint.context import LintContext, lint_rule
 from geomopt.lint.roles import role_is_absent
 
 
-@lint_rule("GO101", "unmatched-parameter", "error", needs_model=True)
-def unmatched_parameter(ctx: LintContext):
-    """A trainable parameter that no rule matches.
-
-    The optimizer would not know how to step it, so compile refuses the spec (a blocking error) rather than leave
-    the tensor silently untrained.
-
-    Bad::
-
-        rules:
-          - {name: hidden, match: "h.*.weight", geometry: …}     # h.0.bias is left over
-
-    Fixed: add a catch-all last rule::
-
-          - {name: rest, match: "**", geometry: {kind: adam}}
-    """
-    patterns = [r.match.name for r in ctx.spec.rules if r.match.name]
-    undecided = {n for names in ctx.undecided for n in names}
-    for p in ctx.params:
-        if ctx.owner.get(p.name) is None and p.name not in undecided:
-            near = difflib.get_close_matches(p.name, patterns, n=2, cutoff=0.3)
-            hint = f"; nearest patterns: {', '.join(repr(n) for n in near)}" if near else ""
-            yield (f"parameter '{p.name}' ({shape_text(p)}) is matched by no rule{hint}; add a rule for it or a "
-                   f"catch-all last rule (match: \"**\")", ("rules",))
+# GO101 is blocking: its check lives with the compiler's (geomopt.compile.blocking)
+lint_rule("GO101", severity="error", **BLOCKING.meta["GO101"])(BLOCKING["GO101"])
 
 
 class UnusedRuleWarning(UserWarning):

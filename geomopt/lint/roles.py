@@ -9,8 +9,9 @@ a checkpoint.
 
 from __future__ import annotations
 
-from geomopt.compile.match import any_name, describe, glob_regex
-from geomopt.lint.context import LintContext, lint_rule, shape_text
+from geomopt.compile.match import any_name, describe, glob_regex, shape_text
+from geomopt.compile.resolve import op_layout, resolve_view
+from geomopt.lint.context import LintContext, lint_rule
 
 
 def _roles_of(rule) -> set:
@@ -127,8 +128,6 @@ def merged_matrices(ctx: LintContext):
     Bad: ``geometry: {kind: spectral, …}`` (no view) on Mixtral's ``experts.gate_up_proj``.
     Fixed: ``view: auto`` (or ``view: {kind: matrix, batch: 1}``).
     """
-    from geomopt.compile.resolve import op_layout, resolve_view
-
     for i, rule in enumerate(ctx.spec.rules):
         if rule.geometry.kind not in ("spectral", "rowwise", "columnwise"):
             continue

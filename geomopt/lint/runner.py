@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
+from geomopt.compile.match import ParamInfo
 from geomopt.lint.context import RULES, LintContext, rule_by_name, run_rules, runs
 from geomopt.lint.suppress import apply, directives, source_text
 from geomopt.spec.diagnostics import LANGUAGE_CODES, Diagnostic, did_you_mean
 from geomopt.spec.model import Spec
-
-if TYPE_CHECKING:  # pragma: no cover
-    from geomopt.compile.match import ParamInfo
+from geomopt.spec.validate import source_of
 
 Selectors = Union[str, Iterable[str], None]
 
@@ -38,8 +37,6 @@ def lint_spec(spec: Spec, params: list[ParamInfo] | None = None, *, from_checkpo
     ``select``, ``ignore``: which rules run (module docstring). ``text``: the spec's source text,
     whose ``# geomopt: disable=…`` comments silence findings; None reads the file the spec was
     loaded from, where there is one (a spec parsed from a string has none: pass its text)."""
-    from geomopt.spec.validate import source_of
-
     codes = selected_codes(select, ignore)
     ctx = LintContext.build(spec, params, from_checkpoint)
     source = source_of(spec)

@@ -13,7 +13,7 @@ Several codes are comma-separated (``disable=GO107,GO109``); a rule's name works
 ``# geomopt: disable=GO107 -- the heuristic is this mismatch``. A finding's line is where
 ``geomopt lint`` points (``file:LINE:col``).
 
-Blocking errors (:data:`geomopt.compile.compiler.BLOCKING`: compile refuses the spec) cannot be
+Blocking errors (:data:`geomopt.compile.blocking.BLOCKING`: compile refuses the spec) cannot be
 silenced: they are still reported, their message says the suppression does not apply, and the
 suppression itself is reported. GO123 (a note at the comment) reports a suppression that silences
 nothing: a code that did not fire there, an unknown code, a blocking or a language (GO0xx) code.
@@ -28,9 +28,13 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+import yaml
+
+from geomopt.compile.blocking import BLOCKING
 from geomopt.lint.context import RULES, lint_rule, rule_by_name
 from geomopt.spec.diagnostics import LANGUAGE_CODES, Diagnostic, did_you_mean
 from geomopt.spec.source import MAX_BYTES, SourceMap
+from geomopt.spec.comments import scan_dsl, scan_yaml
 
 UNUSED = "GO123"
 #: the cheap test that spares scanning the comments of a file without suppressions
@@ -73,9 +77,6 @@ def directives(text: str, format: str = "yaml") -> list[Directive]:
     """The suppression comments of spec ``text`` (``format`` "yaml" or "dsl")."""
     if not QUICK.search(text):
         return []
-    import yaml
-
-    from geomopt.spec.comments import scan_dsl, scan_yaml
 
     try:
         found = scan_dsl(text) if format == "dsl" else scan_yaml(text)
@@ -109,8 +110,6 @@ def code_of(token: str) -> str | None:
 def apply(findings: Iterable[Diagnostic], found: list[Directive], *, ran: set, file: str) -> list[Diagnostic]:
     """``findings`` less those the directives ``found`` silence, plus GO123 for each directive
     code that silences nothing (when GO123 is in ``ran``: the codes whose rules ran)."""
-    from geomopt.compile.compiler import BLOCKING
-
     by_line: dict[int, list] = {}
     for k, d in enumerate(found):
         for t, token in enumerate(d.codes):

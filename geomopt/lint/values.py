@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 
-from geomopt.catalog import realized_reference
-from geomopt.lint.context import LintContext, field, lint_rule, shape_text
+from geomopt.support import realized_reference
+from geomopt.compile.match import shape_text
+from geomopt.compile.resolve import op_layout
+from geomopt.lint.context import LintContext, field, lint_rule
 
 
 def _eps_paths(rule, i):
@@ -43,7 +45,6 @@ def dubious_value(ctx: LintContext):
         owned = ctx.owned(i)
         scale = field(rule.geometry, "scale", "none")  # euclidean and adam have no scale
         if owned and scale != "none":
-            from geomopt.compile.resolve import op_layout
             from geomopt.geometry.scale import radius_scale  # torch: only with a model
 
             geometry = rule.geometry.model_dump()

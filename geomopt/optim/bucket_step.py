@@ -10,13 +10,15 @@ from typing import Optional
 import torch
 
 from geomopt.compile.plan import ParamPlan
-from geomopt.distributed import LOCAL, OWNER, LocalExecutor, Request, is_dtensor
+from geomopt.distributed.executors import LocalExecutor, Request, is_dtensor
+from geomopt.registry import LOCAL, OWNER
 from geomopt.distributed.layout import whole_matrices
 from geomopt.geometry.adam import adam_moments
-from geomopt.geometry import backward
+from geomopt.geometry.prox import backward
 from geomopt.geometry.forward import forward, input_dtype
-from geomopt.geometry.registry import backward_locality, forward_locality
-from geomopt.geometry.spectral import POLYNOMIAL_APPROXES, muon_order
+from geomopt.geometry.operators import backward_locality, forward_locality
+from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
+from geomopt.geometry.polynomial import muon_order
 from geomopt.optim import stages as post_stages
 from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows
 from geomopt.optim.atomic import guarded, journal

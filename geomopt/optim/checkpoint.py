@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from geomopt.compile.wrappers import strip, unwrap
-from geomopt.distributed import is_dtensor
+from geomopt.distributed.executors import is_dtensor
 from geomopt.optim.atomic import PendingStep
 from geomopt.optim.load_check import (CheckpointError, check_entry, check_group_values, check_layout,
                                        check_meta, check_same_spec)

@@ -15,12 +15,21 @@ translation. :class:`~geomopt.optim.GeomOptimizer`'s constructor and step call t
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from numbers import Real
 from typing import Optional
 
-from geomopt.spec.model import Spec
+import torch
+
+from geomopt.compile.compiler import model_params
+from geomopt.distributed.executors import LocalExecutor
 from geomopt.optim.host import Host
+from geomopt.optim.stacked import StackedState
+from geomopt.optim.tensors import FLAT_DTYPES
+from geomopt.optim.workspace import Workspace
+from geomopt.spec.model import Spec
 
 
 def _checked(name: str, value, *, positive: bool) -> float:
@@ -80,10 +89,6 @@ def collect_params(params, model, roles: bool, example_inputs) -> tuple[list, di
     it, with roles guessed from shapes and one :class:`GeneratedNamesWarning`. Per-group options
     are refused: the optimizer's param groups are the spec's rules, whose tensors a group need not
     share, so a group's lr could not live in one of them."""
-    import torch
-
-    from geomopt.compile.compiler import model_params
-
     if isinstance(params, torch.nn.Module) or isinstance(params, (str, bytes, dict)):
         if model is not None:
             raise TypeError("model= names the tensors of a parameter iterable (GeomOptimizer(model.parameters(), "
@@ -113,8 +118,6 @@ def collect_params(params, model, roles: bool, example_inputs) -> tuple[list, di
 
 def _warn_generated(generated: int) -> None:
     """One warning per optimizer (not per tensor), pointing at the caller's line."""
-    import warnings
-
     warnings.warn(
         f"GeomOptimizer was given {generated} tensor(s) without names: they are named param.0, param.1, … in "
         f"the order given and their roles are guessed from shapes alone (an embedding looks like any other "
@@ -124,15 +127,11 @@ def _warn_generated(generated: int) -> None:
 
 
 def _named(x) -> bool:
-    import torch
-
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)
 
 
 def _entries(items: list) -> list[tuple[Optional[str], object]]:
     """(name or None, tensor) per tensor of a plain list or of param-group dicts, in order."""
-    import torch
-
     if all(isinstance(x, torch.Tensor) for x in items):
         return [(None, t) for t in items]
     if not all(isinstance(x, dict) for x in items):
@@ -168,10 +167,6 @@ def _entries(items: list) -> list[tuple[Optional[str], object]]:
 
 def _in_model(entries: list, model, roles: bool, example_inputs) -> tuple[list, dict]:
     """The model's infos and tensors, kept to the ``entries``' tensors in their order."""
-    import torch
-
-    from geomopt.compile.compiler import model_params
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model= must be the nn.Module the parameters belong to, not {type(model).__name__}")
     if any(name is not None for name, _ in entries):
@@ -209,8 +204,6 @@ class Copyable(Host):
     A distributed optimizer (a process group inside) is refused: save its ``state_dict()``."""
 
     def _copy_state(self) -> dict:
-        from geomopt.distributed import LocalExecutor
-
         if not isinstance(self._executor, LocalExecutor):
             raise TypeError("a distributed GeomOptimizer holds its process group and cannot be copied or pickled: "
                             "save opt.state_dict() and build a new optimizer on each rank")
@@ -225,8 +218,6 @@ class Copyable(Host):
 
     def __deepcopy__(self, memo: dict):
         """A deep copy keeps views as views (deepcopy copies each storage once)."""
-        import copy
-
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self._copy_state(), memo))
@@ -236,9 +227,6 @@ class Copyable(Host):
         """Also how torch's ``load_state_dict`` installs ``state`` and ``param_groups`` into this
         optimizer: what :data:`_REBUILT` lists is made only where it is missing (a copy), never
         replaced (a sharded optimizer's layouts live in ``_stacked``)."""
-        from geomopt.optim.stacked import StackedState
-        from geomopt.optim.workspace import Workspace
-
         super().__setstate__(state)  # torch's: hooks (empty where missing), the profiled step
         if "_stacked" not in self.__dict__:
             self._graphs, self._flag_host, self._workspace = {}, None, Workspace()
@@ -247,8 +235,6 @@ class Copyable(Host):
 
 
 def _own(value):
-    import torch
-
     return value.clone() if isinstance(value, torch.Tensor) and value._base is not None else value
 
 
@@ -261,8 +247,6 @@ def check_complex(groups: list, plans: list, flat_rule) -> None:
     whose complex form is another map (a spectral lmo of a complex matrix needs its complex SVD,
     not one of the real view), so those are refused here, before anything is built, naming the
     tensor, its rule and what to do."""
-    from geomopt.optim.tensors import FLAT_DTYPES
-
     for group, gplans in zip(groups, plans):
         for p, pp in zip(group["params"], gplans):
             if not p.is_complex():

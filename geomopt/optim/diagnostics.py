@@ -9,10 +9,11 @@ import math
 import torch
 
 from geomopt.compile.plan import ParamPlan
-from geomopt.distributed import is_dtensor
-from geomopt.geometry import backward
-from geomopt.optim.tensors import full, op_view, upcast
+from geomopt.distributed.executors import is_dtensor
+from geomopt.geometry.gap import dual_norm, gap_unavailable, stationarity_gap
+from geomopt.geometry.prox import backward
 from geomopt.optim.host import Host
+from geomopt.optim.tensors import full, op_view, upcast
 
 
 def euclidean_geometry(pp: ParamPlan) -> dict:
@@ -39,8 +40,6 @@ class Diagnostics(Host):
         goes wrong. Zero-size tensors enter nothing. ``gap_reference``: ``"auto"`` (default), ``"declared"`` or
         ``"realized"``, the reference Newton–Schulz / Polar Express rules are measured against
         (:mod:`geomopt.geometry.gap`). Syncs with the device: call it every N steps."""
-        from geomopt.geometry.gap import dual_norm, gap_unavailable
-
         def note(rule, pp, why, gap, measured, outside, unpaired, bad_w, unmeasurable):
             """A rule's ``gap_note``: None where its gap is a finite sum over all its tensors."""
             head = f"rule {rule!r} ({pp.geometry['kind']} geometry): "
@@ -150,8 +149,6 @@ def _measured(fn, x: torch.Tensor, *args) -> float:
 def _gap_of(g: torch.Tensor, w: torch.Tensor, pp: ParamPlan, reference: str, rho: float) -> float | None:
     """A tensor's stationarity gap (``g`` and ``w`` finite), NaN where its SVD fails, None where it
     is undefined."""
-    from geomopt.geometry.gap import stationarity_gap
-
     try:
         val = stationarity_gap(g, w, pp.geometry, constraint=pp.constraint, reference=reference, radius=rho)
     except torch.linalg.LinAlgError:

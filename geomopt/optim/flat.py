@@ -14,7 +14,8 @@ from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.forward import elementwise_into, isotropic_factors
 from geomopt.optim.directions import polyak_foreach
-from geomopt.optim.tensors import as_real, local, op_view, split_like
+from geomopt.geometry.matrix import split_like
+from geomopt.optim.tensors import as_real, local, op_view
 from geomopt.optim.host import Host
 
 #: device types with a fused AdamW kernel (torch._fused_adamw_)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from geomopt.compile.wrappers import strip_names
-from geomopt.distributed import is_dtensor
+from geomopt.distributed.executors import is_dtensor
 from geomopt.optim import stages as post_stages
 from geomopt.optim.migrate import KINDS, VIEW_KEYS
 from geomopt.optim.tensors import as_real, local

@@ -39,7 +39,7 @@ import torch
 
 from geomopt.compile.plan import ParamPlan
 from geomopt.compile.wrappers import strip_names
-from geomopt.distributed import is_dtensor
+from geomopt.distributed.executors import is_dtensor
 
 # kind → the geomopt state keys it is made of (moved together or not at all)
 KINDS = {

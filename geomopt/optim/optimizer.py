@@ -22,29 +22,32 @@ from typing import Callable, Optional, Union
 import torch
 from torch.optim import Optimizer
 
-from geomopt.compile import as_spec, plan_from_infos
-from geomopt.compile.compiler import needs_roles
+from geomopt.compile.compiler import as_spec, needs_roles, plan_from_infos
 from geomopt.compile.lock import check_routing, model_label
 from geomopt.compile.plan import ParamPlan, Plan
-from geomopt.distributed import LocalExecutor, ShardedExecutor, is_dtensor, make_executor
+from geomopt.distributed.executors import LocalExecutor, ShardedExecutor, is_dtensor, make_executor
 from geomopt.distributed.layout import layout_key
-from geomopt.geometry import backward
-from geomopt.geometry.spectral import BF16Warning, muon_order, slow_bf16
+from geomopt.geometry.prox import backward
+from geomopt.geometry.dtypes import BF16Warning, slow_bf16
+from geomopt.geometry.polynomial import muon_order
 from geomopt.optim.atomic import PendingStep, drive, interrupted
 from geomopt.optim.bucket_step import BucketStep
 from geomopt.optim.checkpoint import Checkpoints, copy_value, new_counters, spec_hash
 from geomopt.optim.contract import Copyable, check_complex, collect_params, sparse_gradient, with_overrides
 from geomopt.optim.diagnostics import Diagnostics, euclidean_geometry
 from geomopt.optim.flat import IMPLEMENTATIONS, FlatPath
-from geomopt.optim.nonfinite import NonFiniteCheck, NonFiniteGradientError
+from geomopt.optim.nonfinite import NonFiniteCheck
 from geomopt.optim.schedules import SCHEDULES, warmup_alpha
 from geomopt.optim.stacked import STACKED, StackedState
 from geomopt.optim import stages as post_stages
 from geomopt.optim.tensors import FLAT_DTYPES, as_real, full, in_set, local, op_layout, op_view, stack, upcast
 from geomopt.optim.workspace import Workspace
 from geomopt.spec.model import RESOLVED_DEFAULTS, Spec
+from geomopt.lint.runner import lint_spec
+from geomopt.lint.coverage import UnusedRuleWarning
+from geomopt.spec.validate import source_of
 
-__all__ = ["GeomOptimizer", "NonFiniteGradientError", "spec_hash"]
+__all__ = ["GeomOptimizer"]
 
 
 class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketStep, Optimizer):
@@ -215,10 +218,6 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
         """One :class:`~geomopt.lint.coverage.UnusedRuleWarning` per rule that matches no tensor:
         lint's GO102 finding, so what lint calls idle (GO113, a role the model lacks) stays quiet
         and a ``# geomopt: disable=GO102`` comment on the rule silences it here too."""
-        from geomopt.lint import lint_spec
-        from geomopt.lint.coverage import UnusedRuleWarning
-        from geomopt.spec.validate import source_of
-
         source = source_of(self.spec)
         for d in lint_spec(self.spec, infos, select="GO102"):
             if d.code != "GO102":

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Optional, cast
 import torch
 
 from geomopt.compile.plan import ParamPlan
-from geomopt.distributed import is_dtensor
-from geomopt.distributed.executors import contiguous_strides
+from geomopt.distributed.executors import contiguous_strides, is_dtensor
 from geomopt.optim import stages as post_stages
 from geomopt.optim.migrate import VIEW_KEYS
 from geomopt.optim.tensors import as_real, flat_like, like_param, op_view, stack
@@ -134,7 +133,7 @@ def state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, lay
     (every rank there holds the all-reduced values)."""
     if not is_dtensor(p):
         return row
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # DTensor's package loads only where tensors are sharded
 
     p = cast(DTensor, p)
     if key in post_stages.STAGE_STATE:

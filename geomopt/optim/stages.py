@@ -8,7 +8,7 @@ distributed executors (:mod:`geomopt.distributed`): ``local`` stages act entry b
 as one request where its data is (DDP: every rank holds whole tensors; FSDP2: each rank its
 shards), and a ``reduce`` stage's sums over a dim cut across ranks are all-reduced by
 :meth:`Context.sum`, the same collectives in the same order on every rank. Stages run in
-:data:`geomopt.spec.model.STAGE_ORDER`, at most once each, after the forward op and with ρ = 1:
+:data:`geomopt.spec.updates.STAGE_ORDER`, at most once each, after the forward op and with ρ = 1:
 the rule's radius ρ multiplies their result, so a stage shapes the unit update and ρ still sets
 the step. Every stage computes in float32 at least (the forward op's output dtype).
 """
@@ -20,11 +20,11 @@ import math
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
-from geomopt.distributed import LOCAL, REDUCE
 from geomopt.geometry.reference import working_eps
-from geomopt.geometry.view import matrix_shapes
-from geomopt.registry import Registry
+from geomopt.geometry.view import count, matrix_shapes
+from geomopt.registry import LOCAL, REDUCE, Registry
 
 #: the per-parameter step count of the stages (an int, like ``adam_step``)
 STAGE_STEP = "post_step"
@@ -97,8 +97,6 @@ class Context:
         never over a replicating one); as it is otherwise."""
         mesh_dims = self._mesh_dims(dims)
         if mesh_dims:
-            import torch.distributed as dist
-
             mesh = self.shard.mesh  # type: ignore[union-attr]  # mesh dims exist only with a shard
             for m in mesh_dims:
                 dist.all_reduce(partial, group=mesh.get_group(m))
@@ -199,8 +197,6 @@ def dual_scale(u, cfg, ctx):
 
 def _polar_norm(ctx: Context) -> float:
     """‖Q‖_F of a semi-orthogonal Q with the tensor's matrices: √Σ min(m_i, n_i)."""
-    from geomopt.geometry.view import count
-
     shapes = matrix_shapes(ctx.view, ctx.op_shape)
     per = count(ctx.view, ctx.op_shape) // len(shapes) if ctx.view is not None else 1
     return math.sqrt(per * sum(min(m, n) for m, n in shapes))

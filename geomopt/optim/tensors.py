@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from geomopt.compile.plan import ParamPlan
-from geomopt.distributed import is_dtensor
+from geomopt.distributed.executors import is_dtensor
 from geomopt.geometry.matrix import split_like
 
 if TYPE_CHECKING:

@@ -1,8 +1,7 @@
 """The spec language's common ground: the strict base model, shared field types, ``{kind: …}`` shorthand.
 
 The kinds themselves are in :mod:`geomopt.spec.geometries`, :mod:`geomopt.spec.constraints` and
-:mod:`geomopt.spec.updates`; rules and the spec in :mod:`geomopt.spec.model`, which re-exports
-every name of the language.
+:mod:`geomopt.spec.updates`; rules and the spec in :mod:`geomopt.spec.model`.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 Probability = Annotated[float, Field(gt=0, le=1)]
 
 
-class _Model(BaseModel):
+class SpecModel(BaseModel):
     # allow_inf_nan=False: no field means anything at ±inf/nan, and the DSL has no spelling for them
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -37,6 +36,6 @@ def kinds_of_literal(literal: Any) -> tuple[str, ...]:
     return tuple(get_args(literal))
 
 
-def _view_shorthand(v):
+def view_shorthand(v):
     """``view: auto`` is shorthand for ``view: {kind: auto}`` (likewise ``decay`` and each post-stage)."""
     return {"kind": v} if isinstance(v, str) else v

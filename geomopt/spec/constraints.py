@@ -1,7 +1,6 @@
 """Constraints g: the sets a rule's step is projected onto, and the proximal decay.
 
-Pydantic models of the spec language (:mod:`geomopt.spec.model` re-exports them), each kind
-discriminated on ``kind``.
+Pydantic models of the spec language, each kind discriminated on ``kind``.
 """
 
 from __future__ import annotations
@@ -10,12 +9,12 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field
 
-from geomopt.spec.base import PositiveFloat, _Model, kinds_of
+from geomopt.spec.base import PositiveFloat, SpecModel, kinds_of
 
 # ---------------------------------------------------------------- constraints g
 
 
-class _Radius(_Model):
+class _Radius(SpecModel):
     """``relative: true`` measures ``radius`` in units of the geometry's resolved radius ρ (its
     lmo radius, scale preset included), e.g. the paper's Frobenius ball at half the lmo radius."""
 
@@ -80,17 +79,17 @@ class Stiefel(_Radius):
     method: Method = "auto"
 
 
-class L0(_Model):
+class L0(SpecModel):
     kind: Literal["l0"] = "l0"
     k: Annotated[int, Field(ge=1)]
 
 
-class Rank(_Model):
+class Rank(SpecModel):
     kind: Literal["rank"] = "rank"
     k: Annotated[int, Field(ge=1)]
 
 
-class ProximalDecay(_Model):
+class ProximalDecay(SpecModel):
     """g = (1/λ)⋆φ: X⁺ = Y/(1+γλ) (Remark 2.5)."""
 
     kind: Literal["proximal_decay"] = "proximal_decay"

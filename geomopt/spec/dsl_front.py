@@ -33,7 +33,7 @@ from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from geomopt.spec.diagnostics import SpecError, did_you_mean, language_diagnostic
-from geomopt.spec.model import KIND_FIELDS
+from geomopt.spec.base import KIND_FIELDS
 from geomopt.spec.shipped import shipped_folder
 from geomopt.spec.source import MAX_DEPTH, Parsed, SourceMap, int_literal_error
 

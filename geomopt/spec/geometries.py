@@ -1,8 +1,7 @@
 """Geometries φ and their parts: references h, spectral approximations, pre-normalization, views.
 
-Pydantic models of the spec language (:mod:`geomopt.spec.model` re-exports them), each kind
-discriminated on ``kind``; the operators in :mod:`geomopt.geometry` receive their
-``model_dump()`` dicts.
+Pydantic models of the spec language, each kind discriminated on ``kind``; the operators in
+:mod:`geomopt.geometry` receive their ``model_dump()`` dicts.
 """
 
 from __future__ import annotations
@@ -11,19 +10,19 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
-from geomopt.spec.base import PositiveFloat, _Model, _view_shorthand, kinds_of
+from geomopt.spec.base import PositiveFloat, SpecModel, view_shorthand, kinds_of
 
 # ---------------------------------------------------------------- reference functions h
 
 
-class LogBarrier(_Model):
+class LogBarrier(SpecModel):
     """h(x) = −ε(ln(1−|x|)+|x|); (h*)'(y) = y/(ε+|y|)."""
 
     kind: Literal["log_barrier"] = "log_barrier"
     eps: PositiveFloat = 1e-8
 
 
-class PowerBarrier(_Model):
+class PowerBarrier(SpecModel):
     """h'(x) = εx/(1−|x|^κ)^{1/κ}; (h*)'(y) = y/(ε^κ+|y|^κ)^{1/κ}."""
 
     kind: Literal["power_barrier"] = "power_barrier"
@@ -31,13 +30,13 @@ class PowerBarrier(_Model):
     eps: PositiveFloat = 1e-3
 
 
-class Indicator(_Model):
+class Indicator(SpecModel):
     """h = δ_[−1,1], the ε→0 limit: (h*)' = sign (the lmo)."""
 
     kind: Literal["indicator"] = "indicator"
 
 
-class Quadratic(_Model):
+class Quadratic(SpecModel):
     """h(x) = x²/2: the Euclidean reference."""
 
     kind: Literal["quadratic"] = "quadratic"
@@ -51,14 +50,14 @@ ApproxDtype = Literal["auto", "float32", "bfloat16", "float64"]
 Triple = Annotated[list[float], Field(min_length=3, max_length=3)]
 
 
-class Svd(_Model):
+class Svd(SpecModel):
     """Exact: U·Diag((h*)'(σ))·Vᵀ from torch.linalg.svd."""
 
     kind: Literal["svd"] = "svd"
     dtype: ApproxDtype = "auto"
 
 
-class GramEigh(_Model):
+class GramEigh(SpecModel):
     """Exact in float64: eigh of the Gram matrix DᵀD (or DDᵀ)."""
 
     kind: Literal["gram_eigh"] = "gram_eigh"
@@ -73,7 +72,7 @@ def _fit_steps(v, info):
     return v
 
 
-class NewtonSchulz(_Model):
+class NewtonSchulz(SpecModel):
     """Quintic Newton–Schulz, X ← aX + b(XXᵀ)X + c(XXᵀ)²X; default Muon's (3.4445, −4.7750, 2.0315)."""
 
     kind: Literal["newton_schulz"] = "newton_schulz"
@@ -85,7 +84,7 @@ class NewtonSchulz(_Model):
     _coefficients_fit_steps = field_validator("coefficients")(_fit_steps)
 
 
-class PolarExpress(_Model):
+class PolarExpress(SpecModel):
     """Polar Express: per-step quintic coefficients ("polar_express": the authors' list with its
     1.01 safety factor; "speedrun": the 5-step speedrun list; or a user list of triples)."""
 
@@ -102,7 +101,7 @@ class PolarExpress(_Model):
         return v
 
 
-class GramNewtonSchulz(_Model):
+class GramNewtonSchulz(SpecModel):
     """Newton–Schulz's quintic run on the small Gram side (restarted Gram Newton–Schulz, Dao AI Lab
     2026, as in microsoft/dion): for X (m×n, m ≤ n) a step is X ← Q·X, Q = aI + bA + cA², A = XXᵀ,
     so only the m×m matrices R (X = R·X₀) and A ← QAQ are iterated; X = R·X₀ is formed at the end
@@ -142,21 +141,21 @@ POLYNOMIAL_APPROX_KINDS = ("newton_schulz", "gram_newton_schulz", "polar_express
 # ---------------------------------------------------------------- pre-normalization
 
 
-class FrobeniusPrenorm(_Model):
+class FrobeniusPrenorm(SpecModel):
     """D ← D/(‖D‖_F + ε) (Muon reference code, Scion)."""
 
     kind: Literal["frobenius"] = "frobenius"
     eps: PositiveFloat = 1e-7
 
 
-class MaxPrenorm(_Model):
+class MaxPrenorm(SpecModel):
     """D ← D/max(‖D‖_F, ε) (torch.optim.Muon)."""
 
     kind: Literal["max"] = "max"
     eps: PositiveFloat = 1e-7
 
 
-class NoPrenorm(_Model):
+class NoPrenorm(SpecModel):
     """No pre-normalization (the default for svd and gram_eigh)."""
 
     kind: Literal["none"] = "none"
@@ -170,7 +169,7 @@ Scale = Literal["none", "scion", "muon_original", "match_rms_adamw"]
 Layout = Literal["auto", "out_in", "in_out"]  # auto: in_out for Hugging Face Conv1D, else out_in
 
 
-class AutoView(_Model):
+class AutoView(SpecModel):
     """The matrices the tensor's structure says it holds (:mod:`geomopt.compile.roles`): each
     expert of a batched (E, out, in) expert weight, each block of a fused projection (q, k, v;
     gate, up), a conv kernel as out × in·kh·kw; a plain (out, in) matrix otherwise."""
@@ -178,7 +177,7 @@ class AutoView(_Model):
     kind: Literal["auto"] = "auto"
 
 
-class MatrixView(_Model):
+class MatrixView(SpecModel):
     """How a tensor is read as a batch of matrices. ``batch``: leading axes that index separate
     matrices (MoE experts: 1). The next axis is the rows; the axes after it are the columns
     (``trailing: cols``, conv: out × in·kh·kw), or the first of them is and the rest index
@@ -197,7 +196,7 @@ View = Annotated[Union[AutoView, MatrixView], Field(discriminator="kind")]
 VIEW_KINDS = kinds_of(View)
 
 
-class _Geometry(_Model):
+class _Geometry(SpecModel):
     radius: PositiveFloat = 1.0
 
 
@@ -206,8 +205,8 @@ class _MatrixGeometry(_Geometry):
 
     @field_validator("view", mode="before")
     @classmethod
-    def _view_shorthand(cls, v):
-        return _view_shorthand(v)
+    def view_shorthand(cls, v):
+        return view_shorthand(v)
 
 
 class Euclidean(_Geometry):

@@ -4,12 +4,11 @@ Every kind is a discriminated union on ``kind``; field names here are the contra
 DSL, the JSON Schema and the operators in :mod:`geomopt.geometry` (which receive
 ``model_dump()`` dicts of these models) all share.
 
-This module is the language's public face: it defines matching, the hyper-parameters, rules and
-the spec (and the helpers that resolve a rule's effective settings), and re-exports every kind,
-whose models live by concept in :mod:`geomopt.spec.geometries` (reference functions, spectral
-approximations, pre-normalization, views, geometries), :mod:`geomopt.spec.constraints` and
-:mod:`geomopt.spec.updates` (directions, schedules, post-stages, weight decay), on the common
-ground of :mod:`geomopt.spec.base`.
+This module defines matching, the hyper-parameters, rules and the spec (and the helpers that
+resolve a rule's effective settings). The kinds live by concept in :mod:`geomopt.spec.geometries`
+(reference functions, spectral approximations, pre-normalization, views, geometries),
+:mod:`geomopt.spec.constraints` and :mod:`geomopt.spec.updates` (directions, schedules,
+post-stages, weight decay), on the common ground of :mod:`geomopt.spec.base`.
 """
 
 from __future__ import annotations
@@ -19,101 +18,23 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from geomopt.spec.base import KIND_FIELDS, PositiveFloat, Probability, _Model, _view_shorthand, kinds_of_literal
-from geomopt.spec.constraints import (
-    CONSTRAINT_KINDS,
-    L0,
-    Constraint,
-    FrobeniusBall,
-    FrobeniusSphere,
-    L2Ball,
-    LinfBall,
-    LinfSphere,
-    Method,
-    ProximalDecay,
-    Rank,
-    SignSet,
-    SpectralBall,
-    SpectralSphere,
-    Stiefel,
-)
-from geomopt.spec.geometries import (
-    GEOMETRY_KINDS,
-    POLYNOMIAL_APPROX_KINDS,
-    VIEW_KINDS,
-    Adam,
-    Anisotropic,
-    Approx,
-    ApproxDtype,
-    AutoView,
-    Columnwise,
-    Euclidean,
-    FrobeniusPrenorm,
-    Geometry,
-    GramEigh,
-    GramNewtonSchulz,
-    Indicator,
-    Isotropic,
-    Layout,
-    LogBarrier,
-    MatrixView,
-    MaxPrenorm,
-    NewtonSchulz,
-    NoPrenorm,
-    PolarExpress,
-    PowerBarrier,
-    Prenormalize,
-    Quadratic,
-    Reference,
-    Rowwise,
-    Scale,
-    Spectral,
-    Svd,
-    Triple,
-    View,
-)
+from geomopt.spec.base import SpecModel, view_shorthand, kinds_of_literal
+from geomopt.spec.constraints import Constraint
+from geomopt.spec.geometries import POLYNOMIAL_APPROX_KINDS, FrobeniusPrenorm, Geometry, NoPrenorm, Spectral
 from geomopt.spec.patterns import pattern_error
 from geomopt.spec.updates import (
-    DIRECTION_KINDS,
     STAGE_ORDER,
-    Cautious,
-    CautiousDecay,
     ConstantSchedule,
     Decay,
     DecoupledDecay,
     Direction,
-    DualScale,
-    HeavyBall,
-    Lion,
     NoDirection,
-    Polyak,
     PostStage,
-    RmsMatch,
     Schedule,
-    SecondMoment,
-    Storm,
-    StormSchedule,
-    TheorySchedule,
 )
 
-# the private bases and helpers this module has always held (the docs read _Radius's docstring)
-from geomopt.spec.constraints import _METHOD_DESCRIPTION, _Radius  # noqa: F401
-from geomopt.spec.geometries import _fit_steps, _Geometry, _MatrixGeometry  # noqa: F401
-
-__all__ = [
-    "Adam", "Anisotropic", "Approx", "ApproxDtype", "AutoView", "CONSTRAINT_KINDS", "Cautious",
-    "CautiousDecay", "Columnwise", "ConstantSchedule", "Constraint", "DIRECTION_KINDS", "Decay",
-    "DecoupledDecay", "Defaults", "Direction", "DualScale", "Euclidean", "FrobeniusBall", "FrobeniusPrenorm",
-    "FrobeniusSphere", "GEOMETRY_KINDS", "Geometry", "GramEigh", "GramNewtonSchulz", "HeavyBall", "Hyper",
-    "Indicator", "Isotropic", "KIND_FIELDS", "L0", "L2Ball", "Layout", "LinfBall", "LinfSphere", "Lion",
-    "LogBarrier", "Match", "MatrixView", "MaxPrenorm", "Method", "NewtonSchulz", "NoDirection", "NoPrenorm",
-    "POLYNOMIAL_APPROX_KINDS", "PolarExpress", "Polyak", "PositiveFloat", "PostStage", "PowerBarrier",
-    "Prenormalize", "Probability", "ProximalDecay", "Quadratic", "RESOLVED_DEFAULTS", "ROLE_NAMES", "Rank",
-    "Reference", "RmsMatch", "RoleName", "Rowwise", "Rule", "STAGE_ORDER", "Scale", "Schedule", "SecondMoment",
-    "ShapeDim", "SignSet", "Spec", "Spectral", "SpectralBall", "SpectralSphere", "Stiefel", "Storm",
-    "StormSchedule", "Svd", "TheorySchedule", "Triple", "VIEW_KINDS", "View", "effective_prenormalize",
-    "resolve_hyper",
-]
+__all__ = ["Defaults", "Hyper", "Match", "RESOLVED_DEFAULTS", "ROLE_NAMES", "RoleName", "Rule", "ShapeDim", "Spec",
+           "effective_prenormalize", "resolve_hyper"]
 
 
 # ---------------------------------------------------------------- matching, rules, spec
@@ -132,7 +53,7 @@ def _check_regex(pattern: str) -> None:
         raise ValueError(error)
 
 
-class Match(_Model):
+class Match(SpecModel):
     """Which parameters a rule owns: every given predicate must hold.
 
     ``name``: glob on the dotted name (``*`` within a segment, ``**`` across) or ``re:`` full-match
@@ -168,7 +89,7 @@ class Match(_Model):
 _RULE_NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 
 
-class Hyper(_Model):
+class Hyper(SpecModel):
     """Hyper-parameters shared by ``defaults`` and each rule (a rule's value overrides the default)."""
 
     lr: Optional[Annotated[float, Field(ge=0)]] = None
@@ -182,7 +103,7 @@ class Hyper(_Model):
     @field_validator("decay", mode="before")
     @classmethod
     def _decay_shorthand(cls, v):
-        return _view_shorthand(v)
+        return view_shorthand(v)
 
 
 class Defaults(Hyper):
@@ -208,7 +129,7 @@ class Rule(Hyper):
     @field_validator("post", mode="before")
     @classmethod
     def _post_shorthand(cls, v):
-        return [_view_shorthand(s) for s in v] if isinstance(v, list) else v
+        return [view_shorthand(s) for s in v] if isinstance(v, list) else v
 
     @field_validator("post")
     @classmethod
@@ -224,7 +145,7 @@ class Rule(Hyper):
         return v
 
 
-class Spec(_Model):
+class Spec(SpecModel):
     """A whole spec: ordered rules, the first match owns a parameter. ``roles`` gives tensors a
     role by name pattern (glob or ``re:``), over what is inferred from the model."""
 
@@ -290,8 +211,8 @@ def resolve_hyper(spec: Spec, rule: Rule) -> dict:
 
 def effective_prenormalize(geometry: Spectral):
     """Newton–Schulz (plain or Gram) and Polar Express diverge without pre-normalization, so it
-    defaults on (ε = 1e-7) for them (:data:`POLYNOMIAL_APPROX_KINDS`); off for svd and gram_eigh
-    (geomopt.geometry.spectral: pre-normalization)."""
+    defaults on (ε = 1e-7) for them (:data:`POLYNOMIAL_APPROX_KINDS`), and ``none`` is refused
+    with them; off for svd and gram_eigh (geomopt.geometry.spectral: pre-normalization)."""
     if geometry.prenormalize is not None:
         return geometry.prenormalize
     if geometry.approx.kind in POLYNOMIAL_APPROX_KINDS:

@@ -272,7 +272,7 @@ class _Re2Refused(Exception):
 
 
 def _re2_fullmatch(rx: str) -> Callable[[str], Any]:
-    import re2
+    import re2  # optional dependency
 
     options = re2.Options()
     options.log_errors = False  # RE2 would print its refusal on stderr too

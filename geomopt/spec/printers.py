@@ -1,9 +1,8 @@
 """Printers: a :class:`Spec` back to YAML or the DSL, losslessly (``parse(dump(s)) == s``), in
 one canonical layout — what ``geomopt fmt`` writes and ``geomopt fmt --check`` expects.
 
-Only what differs from a default is written (``kind`` always), so printed specs stay short —
-except the numbers that define the math (a reference's ε and κ, a direction's α), which are
-always written out. ``view: {kind: auto}`` prints as its shorthand ``view: auto`` (DSL ``view=auto``).
+Only what differs from a default is written (``kind`` and the numbers that define the math, a
+reference's ε and κ, a direction's α, always are); ``view: {kind: auto}`` prints as ``view: auto``.
 
 Canonical layout, the same elements in the same order in both spellings: ``geomopt``, ``name``,
 ``description``, ``defaults``, ``roles``, then the rules; in a rule ``match``, ``geometry``,
@@ -22,14 +21,12 @@ then the fields in the model's order, a ``view`` last.
   (a call's arguments with a trailing comma), so that each comment has its element's line.
   Exponents as ``1e-8``.
 
-A spec that extends another (:mod:`geomopt.spec.extends`) prints as written: its own layer, every
-value it gives kept even where it equals a default (it overrides the base's), ``extends`` after
-``geomopt``, a rule's ``before``, ``after``, ``remove`` after its ``match``; ``resolved=True``
-prints the merged spec instead.
+A spec that extends another (:mod:`geomopt.spec.extends`) prints as written: its own layer, each
+value it gives kept even where it equals a default, ``extends`` after ``geomopt``, a rule's
+``before``, ``after``, ``remove`` after its ``match``; ``resolved=True`` prints the merged spec.
 
-Comments (:mod:`geomopt.spec.comments`) are printed when given: the header (its ``$schema``
-modeline first), each element's own-line comments above it, its trailing comment after its
-first line (two spaces before the ``#``), the footer last.
+Comments (:mod:`geomopt.spec.comments`), when given: the header (``$schema`` modeline first), each
+own-line comment above its element, a trailing one after its first line, the footer last.
 """
 
 from __future__ import annotations
@@ -44,11 +41,14 @@ from pydantic import BaseModel
 
 from geomopt.spec.comments import Comments
 from geomopt.spec.extends import layer_of
-from geomopt.spec.model import KIND_FIELDS, LogBarrier, Polyak, PowerBarrier, Spec, Storm
+from geomopt.spec.base import KIND_FIELDS
+from geomopt.spec.geometries import LogBarrier, PowerBarrier
+from geomopt.spec.model import Spec
+from geomopt.spec.updates import Polyak, Storm
 from geomopt.spec.validate import source_of
 from geomopt.spec.yaml_front import YamlDumper
 
-_EXPLICIT = (LogBarrier, PowerBarrier, Polyak, Storm)
+_EXPLICIT = (LogBarrier, PowerBarrier, Polyak, Storm)  # their numbers define the math: always written
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 _RESERVED = {"true", "false", "geomopt", "name", "description", "defaults", "roles", "rule", "match", "geometry",

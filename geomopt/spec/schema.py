@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from geomopt.spec.model import VIEW_KINDS, Spec
+from geomopt.spec.geometries import VIEW_KINDS
+from geomopt.spec.model import Spec
 
 SCHEMA_PATH = "schema/geomopt-1.schema.json"  # committed copy, kept equal to schema_text() by a test
 

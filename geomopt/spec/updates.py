@@ -1,7 +1,6 @@
 """Directions, schedules, post-stages and weight decay: the parts of a step around its geometry.
 
-Pydantic models of the spec language (:mod:`geomopt.spec.model` re-exports them), each kind
-discriminated on ``kind``.
+Pydantic models of the spec language, each kind discriminated on ``kind``.
 """
 
 from __future__ import annotations
@@ -10,18 +9,18 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
-from geomopt.spec.base import PositiveFloat, Probability, _Model, kinds_of
+from geomopt.spec.base import PositiveFloat, Probability, SpecModel, kinds_of
 
 # ---------------------------------------------------------------- directions and schedules
 
 
-class NoDirection(_Model):
+class NoDirection(SpecModel):
     """d = g."""
 
     kind: Literal["none"] = "none"
 
 
-class Polyak(_Model):
+class Polyak(SpecModel):
     """d ← αg + (1−α)d (β = 1 − α in Muon's terms); d⁰ = 0, or g⁰ with ``init: gradient``.
     Momentum warmup: α moves linearly from ``warmup_alpha`` at step 0 to ``alpha`` at step
     ``warmup_steps`` (Muon's β from 0.85 to 0.95 over 300 steps: ``alpha: 0.05, warmup_steps:
@@ -41,7 +40,7 @@ class Polyak(_Model):
         return self
 
 
-class HeavyBall(_Model):
+class HeavyBall(SpecModel):
     """torch.optim.SGD's momentum: b⁰ = g⁰, then b ← μb + (1−τ)g; d = b, or g + μb with
     ``nesterov`` (τ = ``dampening``)."""
 
@@ -51,7 +50,7 @@ class HeavyBall(_Model):
     nesterov: bool = False
 
 
-class Lion(_Model):
+class Lion(SpecModel):
     """Lion's direction (Chen et al. 2023): d = β₁m + (1−β₁)g, then m ← β₂m + (1−β₂)g; m⁰ = 0.
     The sign is the geometry's (anisotropic with the indicator reference)."""
 
@@ -60,7 +59,7 @@ class Lion(_Model):
     beta2: Annotated[float, Field(ge=0, lt=1)] = 0.99
 
 
-class Storm(_Model):
+class Storm(SpecModel):
     """d ← g(x_k) + (1−α)(d − g(x_{k−1})) on the same batch; needs ``step(closure)``."""
 
     kind: Literal["storm"] = "storm"
@@ -71,11 +70,11 @@ Direction = Annotated[Union[NoDirection, Polyak, HeavyBall, Lion, Storm], Field(
 DIRECTION_KINDS = kinds_of(Direction)
 
 
-class ConstantSchedule(_Model):
+class ConstantSchedule(SpecModel):
     kind: Literal["constant"] = "constant"
 
 
-class TheorySchedule(_Model):
+class TheorySchedule(SpecModel):
     """γ = γ̄(K+1)^(−3/4), α = (K+1)^(−1/2) (Theorem 4.3)."""
 
     kind: Literal["theory"] = "theory"
@@ -83,7 +82,7 @@ class TheorySchedule(_Model):
     gamma_bar: PositiveFloat
 
 
-class StormSchedule(_Model):
+class StormSchedule(SpecModel):
     """α_k = γ_k = (k+1)^(−2/3) (Theorem 4.5)."""
 
     kind: Literal["storm"] = "storm"
@@ -94,7 +93,7 @@ Schedule = Annotated[Union[ConstantSchedule, TheorySchedule, StormSchedule], Fie
 # ---------------------------------------------------------------- post-stages and weight decay
 
 
-class SecondMoment(_Model):
+class SecondMoment(SpecModel):
     """Normalize the preconditioned update U by a running second moment of it: v ← β₂v +
     (1−β₂)·mean(U²) over each row (``axis: row``, NorMuon), each column (``column``) or per
     entry (``element``, AdaMuon); U ← U/(√(v/c) + ε), c = 1 − β₂ᵗ with ``bias_correction`` else 1."""
@@ -106,14 +105,14 @@ class SecondMoment(_Model):
     bias_correction: bool = False
 
 
-class DualScale(_Model):
+class DualScale(SpecModel):
     """U ← ⟨U, D⟩·U per tensor: for the exact lmo U of a norm, ⟨U, D⟩ = ‖D‖_* and the step is
     steepest descent in that norm (PolarGrad's nuclear-norm-scaled polar step for spectral)."""
 
     kind: Literal["dual_scale"] = "dual_scale"
 
 
-class RmsMatch(_Model):
+class RmsMatch(SpecModel):
     """U ← U·t·√n/(‖U‖_F + ε) per tensor of n entries: RMS t (0.2: Moonlight's AdamW-matched
     scale), ``input`` (the RMS U had when the geometry gave it: NorMuon's preserved norm) or
     ``polar`` (the RMS of a semi-orthogonal matrix of the tensor's view: AdaMuon)."""
@@ -123,7 +122,7 @@ class RmsMatch(_Model):
     eps: PositiveFloat = 1e-8
 
 
-class Cautious(_Model):
+class Cautious(SpecModel):
     """Cautious masking (Liang et al. 2024): U ← U⊙m·n/(Σm + 1), m = [U⊙G > 0], G the
     gradient: components whose sign disagrees with the gradient are dropped, the rest rescaled."""
 
@@ -135,13 +134,13 @@ PostStage = Annotated[Union[SecondMoment, DualScale, RmsMatch, Cautious], Field(
 STAGE_ORDER = kinds_of(PostStage)
 
 
-class DecoupledDecay(_Model):
+class DecoupledDecay(SpecModel):
     """X ← X − γλX (AdamW's decoupled weight decay, torch's form X(1 − γλ))."""
 
     kind: Literal["decoupled"] = "decoupled"
 
 
-class CautiousDecay(_Model):
+class CautiousDecay(SpecModel):
     """X ← X − γλ·[S⊙X ≥ 0]⊙X, S the step: decay only where the update and the weight agree in
     sign (Chen et al. 2025, cautious weight decay)."""
 

@@ -19,6 +19,7 @@ from geomopt.spec.extends import find_spec, resolve, shipped_menu
 from geomopt.spec.model import ROLE_NAMES, Spec
 from geomopt.spec.patterns import pattern_error
 from geomopt.spec.source import MAX_BYTES, NotRegularFile, Parsed, SourceMap, open_regular
+from geomopt.spec.yaml_front import parse_yaml
 
 def source_of(spec: Spec) -> SourceMap | None:
     """The positions a spec was parsed with (None for specs built in Python)."""
@@ -337,10 +338,10 @@ def parse_text(text: str, format: str = "yaml", *, file: str = "<spec>") -> Pars
         raise SpecError([language_diagnostic("GO010", "binary input (NUL byte): a spec is plain UTF-8 text", file,
                                              (line, at - (text.rfind("\n", 0, at) + 1) + 1))])
     if format == "yaml":
-        from geomopt.spec.yaml_front import parse_yaml as parse
-    else:  # lark (the DSL's parser) loads only for DSL text
-        from geomopt.spec.dsl_front import parse_dsl as parse
-    return parse(text, file)
+        return parse_yaml(text, file)
+    from geomopt.spec.dsl_front import parse_dsl  # lark (the DSL's parser) loads only for DSL text
+
+    return parse_dsl(text, file)
 
 
 def parse_spec(text: str, format: str = "yaml", *, file: str = "<spec>") -> Spec:

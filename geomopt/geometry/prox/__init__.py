@@ -2,7 +2,7 @@
 
 With φ = ρ⋆φ₁ the step sees only t = γρ: (γ⋆φ)(Z − Y) = t·φ₁((Z − Y)/t). One small function per
 row of the backward table (paper Table 1), registered under the ``(geometry, constraint)`` pairs its
-row of :data:`geomopt.catalog.BACKWARD_TABLE` names; the contract is in :mod:`geomopt.geometry.registry`::
+row of :data:`geomopt.support.BACKWARD_TABLE` names; the contract is in :mod:`geomopt.geometry.operators`::
 
     fn(y, t, ref, constraint: dict, *, gamma, geometry: dict, batch_dims) -> (x, fallback)
 
@@ -51,10 +51,10 @@ from __future__ import annotations
 
 import torch
 
-# the op modules, in the order of geomopt.catalog.BACKWARD_TABLE (registration order)
+# the op modules, in the order of geomopt.support.BACKWARD_TABLE (registration order)
 from geomopt.geometry.prox import euclidean, anisotropic, spectral, groupwise, decay  # noqa: F401  isort: skip
 from geomopt.geometry.reference import Quadratic, make_reference
-from geomopt.geometry.registry import BACKWARD_OPS, unsupported_message
+from geomopt.geometry.operators import BACKWARD_OPS, unsupported_message
 from geomopt.geometry.view import apply as apply_view
 from geomopt.geometry.view import split_view
 

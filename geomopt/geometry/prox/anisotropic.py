@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from geomopt.geometry.prox.common import _flat, _per_element, _sign, _too_far, _unflat
-from geomopt.geometry.prox.scalar import _ball_magnitudes, _sphere_magnitudes
-from geomopt.geometry.prox.vector import _VECTOR_PROJ
-from geomopt.geometry.registry import LOCAL, OWNER, REDUCE, backward_op
+from geomopt.geometry.prox.common import flat_rows, per_element, sign_plus, too_far, unflat_rows
+from geomopt.geometry.prox.scalar import ball_magnitudes, sphere_magnitudes
+from geomopt.geometry.prox.vector import VECTOR_PROJ
+from geomopt.geometry.operators import backward_op
+from geomopt.registry import LOCAL, OWNER, REDUCE
 
 
 def _separable_locality(geometry: str, constraint: str) -> str:
@@ -25,12 +26,12 @@ def anisotropic_separable(y, t, ref, constraint, *, gamma, geometry, batch_dims)
     if ‖Y‖∞ ≥ r, else the first max-magnitude entry moves to sign(y_j)·r (Appendix A.2);
     l0(k) → keep the k largest |y_i| (H_k; earliest index among ties). Each coordinate moves as
     little as the set allows, which also minimizes ‖X − Y‖∞: infeasible where that exceeds t."""
-    v = _flat(y, batch_dims)
-    x = _VECTOR_PROJ[constraint["kind"]](v, constraint)
+    v = flat_rows(y, batch_dims)
+    x = VECTOR_PROJ[constraint["kind"]](v, constraint)
     if not ref.bounded:
-        return _unflat(x, y), None
-    bad = _too_far((x - v).abs().amax(-1), t, v.abs().amax(-1), y)
-    return _unflat(x, y), _per_element(bad, y, batch_dims)
+        return unflat_rows(x, y), None
+    bad = too_far((x - v).abs().amax(-1), t, v.abs().amax(-1), y)
+    return unflat_rows(x, y), per_element(bad, y, batch_dims)
 
 
 @backward_op(locality=REDUCE)
@@ -39,10 +40,10 @@ def anisotropic_l2_ball(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     x_i = sign(y_i)·s_i with s_i + t(h*)'(ν s_i) = |y_i| and ν ≥ 0 found by bisection so that
     ‖x‖ = r. Log barrier: closed-form root; power barrier: safeguarded Newton; indicator: the κ → ∞
     limit s_i = max(|y_i|/(1+τ), |y_i| − t); quadratic: the Euclidean projection."""
-    v = _flat(y, batch_dims)
-    s, bad = _ball_magnitudes(v.abs(), t, constraint["radius"], ref, y.dtype)
-    x = _unflat(torch.sign(v) * s, y)
-    return x, None if bad is None else _per_element(bad, y, batch_dims)
+    v = flat_rows(y, batch_dims)
+    s, bad = ball_magnitudes(v.abs(), t, constraint["radius"], ref, y.dtype)
+    x = unflat_rows(torch.sign(v) * s, y)
+    return x, None if bad is None else per_element(bad, y, batch_dims)
 
 
 @backward_op(locality=REDUCE)
@@ -51,7 +52,7 @@ def anisotropic_sphere(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     the outward step sign(x_i) = sign(y_i), |x_i| = s_i ≥ |y_i| with s_i − t(h*)'(ν s_i) = |y_i|
     (log barrier: νs² + (1 − νt − νa)s − a = 0; a = 0: s = max(0, t − 1/ν)), ν by bisection.
     Feasible iff Σ(|y_i| + t)² ≥ r²; at Y = 0 the result is (r/√n)·1."""
-    v = _flat(y, batch_dims)
-    s, bad = _sphere_magnitudes(v.abs(), t, constraint["radius"], ref, y.dtype)
-    x = _unflat(_sign(v) * s, y)
-    return x, None if bad is None else _per_element(bad, y, batch_dims)
+    v = flat_rows(y, batch_dims)
+    s, bad = sphere_magnitudes(v.abs(), t, constraint["radius"], ref, y.dtype)
+    x = unflat_rows(sign_plus(v) * s, y)
+    return x, None if bad is None else per_element(bad, y, batch_dims)

@@ -4,7 +4,8 @@ rescaling X⁺ = Y/(1 + γλ), elementwise (locality ``LOCAL``)."""
 from __future__ import annotations
 
 from geomopt.geometry.matrix import upcast
-from geomopt.geometry.registry import LOCAL, backward_op
+from geomopt.geometry.operators import backward_op
+from geomopt.registry import LOCAL
 
 
 @backward_op(locality=LOCAL)

@@ -3,12 +3,13 @@ Euclidean projection onto every set."""
 
 from __future__ import annotations
 
-from geomopt.catalog import SPECTRAL_SETS
+from geomopt.support import SPECTRAL_SETS
 from geomopt.geometry.matrix import matrices, upcast
-from geomopt.geometry.prox.common import _flat, _norm, _per_element, _too_far, _unflat
-from geomopt.geometry.prox.spectral_map import _spectral_map
-from geomopt.geometry.prox.vector import _VECTOR_PROJ, _sigma_proj
-from geomopt.geometry.registry import LOCAL, OWNER, REDUCE, backward_op
+from geomopt.geometry.prox.common import flat_rows, row_norm, per_element, too_far, unflat_rows
+from geomopt.geometry.prox.spectral_map import spectral_apply
+from geomopt.geometry.prox.vector import VECTOR_PROJ, sigma_proj
+from geomopt.geometry.operators import backward_op
+from geomopt.registry import LOCAL, OWNER, REDUCE
 
 
 def _projection_locality(geometry: str, constraint: str) -> str:
@@ -32,12 +33,12 @@ def euclidean_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     kind = constraint["kind"]
     if kind in SPECTRAL_SETS:
         mats = matrices(upcast(y), batch_dims)
-        x, _ = _spectral_map(mats, lambda s: (_sigma_proj(kind, s, constraint), None))
-        x = _unflat(x, y)
+        x, _ = spectral_apply(mats, lambda s: (sigma_proj(kind, s, constraint), None))
+        x = unflat_rows(x, y)
     else:
-        x = _unflat(_VECTOR_PROJ[kind](_flat(y, batch_dims), constraint), y)
+        x = unflat_rows(VECTOR_PROJ[kind](flat_rows(y, batch_dims), constraint), y)
     if geometry["kind"] == "euclidean" or not ref.bounded:
         return x, None
-    diff = _flat(x, batch_dims) - _flat(y, batch_dims)
-    scale = _norm(_flat(y, batch_dims))
-    return x, _per_element(_too_far(_norm(diff), t, scale, y), y, batch_dims)
+    diff = flat_rows(x, batch_dims) - flat_rows(y, batch_dims)
+    scale = row_norm(flat_rows(y, batch_dims))
+    return x, per_element(too_far(row_norm(diff), t, scale, y), y, batch_dims)

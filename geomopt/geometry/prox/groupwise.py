@@ -8,14 +8,15 @@ from __future__ import annotations
 import torch
 
 from geomopt.geometry.matrix import by_rows, groups, upcast
-from geomopt.geometry.prox.common import _norm, _per_element, _unflat
-from geomopt.geometry.prox.scalar import _ball_magnitudes, _sphere_magnitudes
-from geomopt.geometry.registry import REDUCE, backward_op
+from geomopt.geometry.prox.common import row_norm, per_element, unflat_rows
+from geomopt.geometry.prox.scalar import ball_magnitudes, sphere_magnitudes
+from geomopt.geometry.operators import backward_op
+from geomopt.registry import REDUCE
 
 
 def _from_rows(rows: torch.Tensor, geometry: dict, y: torch.Tensor) -> torch.Tensor:
     """The groups (B, groups, len) back in ``y``'s shape and dtype."""
-    return _unflat(rows if by_rows(geometry) else rows.transpose(-2, -1), y)
+    return unflat_rows(rows if by_rows(geometry) else rows.transpose(-2, -1), y)
 
 
 @backward_op(locality=REDUCE)
@@ -25,11 +26,11 @@ def groupwise_frobenius_ball(y, t, ref, constraint, *, gamma, geometry, batch_di
     the prox is x_j = (s_j/‖y_j‖)·y_j with s the anisotropic ℓ2-ball step (Appendix A.1) on the
     vector of row norms a_j = ‖y_j‖. Zero rows stay zero."""
     rows = groups(upcast(y), batch_dims, geometry)
-    a = _norm(rows)
-    s, bad = _ball_magnitudes(a, t, constraint["radius"], ref, y.dtype)
+    a = row_norm(rows)
+    s, bad = ball_magnitudes(a, t, constraint["radius"], ref, y.dtype)
     scale = torch.where(a > 0, s / a.clamp(min=torch.finfo(a.dtype).tiny), torch.zeros_like(a))
     x = _from_rows(rows * scale.unsqueeze(-1), geometry, y)
-    return x, None if bad is None else _per_element(bad, y, batch_dims)
+    return x, None if bad is None else per_element(bad, y, batch_dims)
 
 
 @backward_op(locality=REDUCE)
@@ -39,10 +40,10 @@ def groupwise_frobenius_sphere(y, t, ref, constraint, *, gamma, geometry, batch_
     the row norms. A zero row that must grow takes the direction of its first entry
     (deterministic; every direction is optimal)."""
     rows = groups(upcast(y), batch_dims, geometry)
-    a = _norm(rows)
-    s, bad = _sphere_magnitudes(a, t, constraint["radius"], ref, y.dtype)
+    a = row_norm(rows)
+    s, bad = sphere_magnitudes(a, t, constraint["radius"], ref, y.dtype)
     e0 = torch.zeros_like(rows)
     e0[..., 0] = 1
     unit = torch.where((a > 0).unsqueeze(-1), rows / a.clamp(min=torch.finfo(a.dtype).tiny).unsqueeze(-1), e0)
     x = _from_rows(unit * s.unsqueeze(-1), geometry, y)
-    return x, None if bad is None else _per_element(bad, y, batch_dims)
+    return x, None if bad is None else per_element(bad, y, batch_dims)

@@ -4,7 +4,7 @@
   (:func:`polar_steps`, :func:`scaled_polar_schedule`: step counts simulated on the host);
 * :func:`_inverse_sqrt`: H^{−1/2} by the coupled Newton–Schulz iteration;
 * :func:`_stiefel_polar` and :func:`_spectral_ball_polar`: the ``method: polar`` steps of
-  :func:`geomopt.geometry.prox.spectral.spectral_projection` (:data:`_POLAR`, by constraint kind;
+  :func:`geomopt.geometry.prox.spectral.spectral_projection` (:data:`POLAR`, by constraint kind;
   ``method: auto`` picks them by device and size, :func:`geomopt.geometry.method.resolve_method`),
   with their feasibility flag from a power-iteration estimate of the spectral distance
   (:func:`_spectral_norm_estimate`).
@@ -17,7 +17,7 @@ import math
 import torch
 
 from geomopt.geometry.matrix import matrices, upcast, working_dtype
-from geomopt.geometry.prox.common import _per_element, _too_far, _unflat
+from geomopt.geometry.prox.common import per_element, too_far, unflat_rows
 
 # ---------------------------------------------------------------- polar factor (SVD-free)
 
@@ -166,11 +166,11 @@ def _stiefel_polar(y, t, ref, constraint, *, geometry, batch_dims):
     zero = (fro == 0)[:, None, None]
     eye = torch.eye(mats.shape[-2], mats.shape[-1], dtype=mats.dtype, device=mats.device)
     xm = torch.where(zero, eye, qf).mul_(r)
-    x = _unflat(xm, y)
+    x = unflat_rows(xm, y)
     if not ref.bounded:
         return x, None
     dist = _spectral_norm_estimate(mats - xm)
-    return x, _per_element(_too_far(dist, t, fro, y), y, batch_dims)
+    return x, per_element(too_far(dist, t, fro, y), y, batch_dims)
 
 
 def _polar_by_cost(mats: torch.Tensor, gram: torch.Tensor, c: torch.Tensor, floor: float, top: float) -> torch.Tensor:
@@ -227,11 +227,11 @@ def _spectral_ball_polar(y, t, ref, constraint, *, geometry, batch_dims):
     z = _inverse_sqrt((excess + (r * r) * eye) / c_h[:, None, None], floor=floor)
     xa = a @ (z * (r / c_h.sqrt())[:, None, None])
     xm = xa if tall else xa.transpose(-2, -1)
-    x = _unflat(xm, y)
+    x = unflat_rows(xm, y)
     if not ref.bounded:
         return x, None
     dist = _spectral_norm_estimate(mats - xm)
-    return x, _per_element(_too_far(dist, t, torch.linalg.matrix_norm(mats), y), y, batch_dims)
+    return x, per_element(too_far(dist, t, torch.linalg.matrix_norm(mats), y), y, batch_dims)
 
 
 def _inverse_sqrt(h: torch.Tensor, floor: float, top: float = 1.0) -> torch.Tensor:
@@ -261,4 +261,4 @@ def _inverse_sqrt_steps(floor: float, dtype: torch.dtype, top: float = 1.0) -> i
     return worst + 1
 
 
-_POLAR = {"stiefel": _stiefel_polar, "spectral_ball": _spectral_ball_polar}
+POLAR = {"stiefel": _stiefel_polar, "spectral_ball": _spectral_ball_polar}

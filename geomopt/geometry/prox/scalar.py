@@ -5,9 +5,9 @@ and groupwise rows, reduce to a vector of magnitudes a ≥ 0 (|y_i|, σ_i(Y) or 
 multiplier τ: s_i = t·σ_i(τ) with σ + c·(h₁*)'(τσ) = a_i/t (c = +1 for the ball, −1 for the
 outward sphere step) and τ such that Σs² = r².
 
-* :func:`_ball_magnitudes`: the ball step; τ by a safeguarded Newton method with a fixed step
+* :func:`ball_magnitudes`: the ball step; τ by a safeguarded Newton method with a fixed step
   count (:func:`_solve_ball`), started at the indicator's exact root (:func:`_box_tau`);
-* :func:`_sphere_magnitudes`: the sphere step (the ball step inward, the outward step otherwise);
+* :func:`sphere_magnitudes`: the sphere step (the ball step inward, the outward step otherwise);
   τ by bisection on log τ and a final interpolation (:func:`_solve_tau`);
 * σ(τ) per reference: closed forms for the log barrier and the indicator, Newton for the power
   barrier (:func:`_power_sigma`, :func:`_ball_newton`, :func:`_unit_dual`).
@@ -23,8 +23,8 @@ from typing import Callable, cast
 
 import torch
 
-from geomopt.geometry.prox.common import _norm, _ref_profile, _slack
-from geomopt.geometry.prox.vector import _proj_l2_ball, _sphere_euclid
+from geomopt.geometry.prox.common import row_norm, ref_profile, rounding_slack
+from geomopt.geometry.prox.vector import proj_l2_ball, sphere_euclid
 from geomopt.geometry.reference import Reference
 
 # ---------------------------------------------------------------- the τ solves
@@ -266,14 +266,14 @@ def _solve_tau(sigma: Callable, a: torch.Tensor, t: float, r: float, ref: Refere
 # ---------------------------------------------------------------- the steps on magnitudes
 
 
-def _ball_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference,
+def ball_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference,
                      dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Anisotropic ℓ2-ball step on magnitudes a (B, n) ≥ 0 (paper Appendix A.1):
     s = a if ‖a‖ ≤ r, else s_i = t·σ_i(τ) from σ + (h₁*)'(τσ) = a/t with τ such that Σs² = r²
     (:func:`_solve_ball`). Returns (s, infeasible) — infeasible where Σ(a_i − t)₊² > r², i.e. the
     ball misses Y + t·dom φ₁; there s is the Euclidean projection a·r/‖a‖."""
-    if _ref_profile(ref) == "quadratic":
-        return _proj_l2_ball(a, r), None
+    if ref_profile(ref) == "quadratic":
+        return proj_l2_ball(a, r), None
     return _ball_finish(a, _solve_ball(a / t, (r / t) * (r / t), ref) * t, t, r, dtype)
 
 
@@ -281,28 +281,28 @@ def _ball_finish(a: torch.Tensor, s: torch.Tensor, t: float, r: float, dtype) ->
     """The ball step's magnitudes from the solve's s: a where ‖a‖ ≤ r, s landed on the ball
     exactly (a safeguard for the boundary cases inside the slack), and the Euclidean projection
     where infeasible; with the infeasibility flags."""
-    slack = _slack(a.amax(-1), t, dtype).unsqueeze(-1)
+    slack = rounding_slack(a.amax(-1), t, dtype).unsqueeze(-1)
     bad = ((a - t - slack).clamp(min=0).square().sum(-1) > r * r)
-    s = torch.where((_norm(a) <= r).unsqueeze(-1), a, _proj_l2_ball(s, r))
+    s = torch.where((row_norm(a) <= r).unsqueeze(-1), a, proj_l2_ball(s, r))
     bad |= ~torch.isfinite(s).all(-1)  # t so small that a/t or (r/t)² overflow: t → 0's limit, the projection
-    return torch.where(bad.unsqueeze(-1), _proj_l2_ball(a, r), s), bad
+    return torch.where(bad.unsqueeze(-1), proj_l2_ball(a, r), s), bad
 
 
-def _sphere_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference,
+def sphere_magnitudes(a: torch.Tensor, t: float, r: float, ref: Reference,
                        dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Anisotropic sphere step on magnitudes (paper Appendix A.1, outward): the ball step if
     ‖a‖ ≥ r, else the outward bisection with |x_i| ≥ |y_i| (:func:`_sphere_sigma`, Σs² increasing
     in τ); infeasible where Σ(a_i + t)² < r² (outward) or the ball step is infeasible (inward)."""
-    euclid = _sphere_euclid(a, r)
-    if _ref_profile(ref) == "quadratic":
+    euclid = sphere_euclid(a, r)
+    if ref_profile(ref) == "quadratic":
         return euclid, None
-    inward = (_norm(a) >= r).unsqueeze(-1)
+    inward = (row_norm(a) >= r).unsqueeze(-1)
     # one solve for both kinds of rows (:func:`_signed_sigma`)
     s = _solve_tau(functools.partial(_signed_sigma, inward=inward), a, t, r, ref, decreasing=inward)
     s_in, bad_in = _ball_finish(a, s, t, r, dtype)
-    slack = _slack(a.amax(-1), t, dtype).unsqueeze(-1)
+    slack = rounding_slack(a.amax(-1), t, dtype).unsqueeze(-1)
     bad_out = (a + t + slack).square().sum(-1) < r * r
-    s_out = s * (r / _norm(s).clamp(min=torch.finfo(a.dtype).tiny)).unsqueeze(-1)
+    s_out = s * (r / row_norm(s).clamp(min=torch.finfo(a.dtype).tiny)).unsqueeze(-1)
     s = torch.where(inward, s_in, s_out)
     bad = torch.where(inward.squeeze(-1), bad_in, bad_out) | ~torch.isfinite(s).all(-1)  # as in _ball_finish
     return torch.where(bad.unsqueeze(-1), euclid, s), bad

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from geomopt.geometry import method as method_choice
 from geomopt.geometry.matrix import matrices, upcast
-from geomopt.geometry.prox.common import _per_element, _too_far, _unflat
-from geomopt.geometry.prox.polar import _POLAR
-from geomopt.geometry.prox.scalar import _ball_magnitudes, _sphere_magnitudes
-from geomopt.geometry.prox.spectral_map import _spectral_map
-from geomopt.geometry.prox.vector import _sigma_proj
-from geomopt.geometry.registry import OWNER, backward_op
+from geomopt.geometry.prox.common import per_element, too_far, unflat_rows
+from geomopt.geometry.prox.polar import POLAR
+from geomopt.geometry.prox.scalar import ball_magnitudes, sphere_magnitudes
+from geomopt.geometry.prox.spectral_map import spectral_apply
+from geomopt.geometry.prox.vector import sigma_proj
+from geomopt.geometry.operators import backward_op
+from geomopt.registry import OWNER
 
 
 @backward_op(locality=OWNER)
@@ -28,23 +29,23 @@ def spectral_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     Infeasible where max_i |x_i − σ_i| > t (the spectral distance from Y to C)."""
     kind = constraint["kind"]
     if method_choice.resolve_method(constraint, y.device, y.shape[batch_dims:]) == "polar":
-        return _POLAR[kind](y, t, ref, constraint, geometry=geometry, batch_dims=batch_dims)
+        return POLAR[kind](y, t, ref, constraint, geometry=geometry, batch_dims=batch_dims)
 
     def step(s):
-        sx = _sigma_proj(kind, s, constraint)
-        return sx, _too_far((sx - s).abs().amax(-1), t, s.amax(-1), y) if ref.bounded else None
+        sx = sigma_proj(kind, s, constraint)
+        return sx, too_far((sx - s).abs().amax(-1), t, s.amax(-1), y) if ref.bounded else None
 
-    x, bad = _spectral_map(matrices(upcast(y), batch_dims), step)
-    return _unflat(x, y), None if bad is None else _per_element(bad, y, batch_dims)
+    x, bad = spectral_apply(matrices(upcast(y), batch_dims), step)
+    return unflat_rows(x, y), None if bad is None else per_element(bad, y, batch_dims)
 
 
 @backward_op(locality=OWNER)
 def spectral_frobenius_ball(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     """Frobenius ball under φ₁ = Σh(σ_i) (Theorem 3.5 with Appendix A.1): the anisotropic ℓ2-ball
     step on σ(Y), then X⁺ = U·Diag(x)·Vᵀ."""
-    x, bad = _spectral_map(matrices(upcast(y), batch_dims),
-                           lambda s: _ball_magnitudes(s, t, constraint["radius"], ref, y.dtype))
-    return _unflat(x, y), None if bad is None else _per_element(bad, y, batch_dims)
+    x, bad = spectral_apply(matrices(upcast(y), batch_dims),
+                           lambda s: ball_magnitudes(s, t, constraint["radius"], ref, y.dtype))
+    return unflat_rows(x, y), None if bad is None else per_element(bad, y, batch_dims)
 
 
 @backward_op(locality=OWNER)
@@ -52,6 +53,6 @@ def spectral_frobenius_sphere(y, t, ref, constraint, *, gamma, geometry, batch_d
     """Frobenius sphere under φ₁ = Σh(σ_i) (Theorem 3.5): the anisotropic sphere step on σ(Y)
     (outward steps may lift zero singular values: LAPACK's completions give their vectors), then
     U·Diag(x)·Vᵀ. Y = 0 → (r/√q)·I_{m×n}."""
-    x, bad = _spectral_map(matrices(upcast(y), batch_dims),
-                           lambda s: _sphere_magnitudes(s, t, constraint["radius"], ref, y.dtype))
-    return _unflat(x, y), None if bad is None else _per_element(bad, y, batch_dims)
+    x, bad = spectral_apply(matrices(upcast(y), batch_dims),
+                           lambda s: sphere_magnitudes(s, t, constraint["radius"], ref, y.dtype))
+    return unflat_rows(x, y), None if bad is None else per_element(bad, y, batch_dims)

@@ -1,5 +1,5 @@
 """The spectral map of the exact backward steps: X = U·Diag(x)·Vᵀ for x = step(σ(M)), per matrix
-of a batch (:func:`_spectral_map`).
+of a batch (:func:`spectral_apply`).
 
 It runs a batched eigh of the small Gram matrix where that is as accurate as an SVD (float32, or
 float64 for the matrices that need it), and the SVD (:func:`_svd`, with LAPACK's completions and
@@ -34,7 +34,7 @@ def _compose(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor) -> torch.Tensor
 _GRAM_TOLERANCE = 8.0
 
 
-def _spectral_map(mats: torch.Tensor, step: Callable):
+def spectral_apply(mats: torch.Tensor, step: Callable):
     """X = U·Diag(x)·Vᵀ for (x, extra) = step(σ), σ = σ(M) sorted descending per matrix of a batch
     (B, m, n); returns (X, extra). ``step`` must be pure and act per matrix (it may run again on
     some of the matrices, in another dtype): extra is None or one value per matrix.
@@ -75,7 +75,7 @@ def _spectral_map(mats: torch.Tensor, step: Callable):
 
 
 def _float64_redo(mats: torch.Tensor, redo: list, step: Callable, unit: float, out: torch.Tensor, extra):
-    """The float64 Gram–eigh attempt of :func:`_spectral_map` on the matrices ``redo``: composed into
+    """The float64 Gram–eigh attempt of :func:`spectral_apply` on the matrices ``redo``: composed into
     ``out`` (and ``extra``) where u₆₄·R ≤ 8·u (u: the input's rounding); returns (out, extra, the
     others, for the SVD)."""
     rows = torch.tensor(redo, device=mats.device)
@@ -103,7 +103,7 @@ def _put(t: torch.Tensor | None, rows: torch.Tensor, values: torch.Tensor | None
 
 
 def _gram_eigh(work: torch.Tensor, step: Callable, unit: float):
-    """One Gram–eigh attempt of :func:`_spectral_map` in ``work``'s dtype (``unit``: the input's
+    """One Gram–eigh attempt of :func:`spectral_apply` in ``work``'s dtype (``unit``: the input's
     rounding): (x, extra, R per matrix, frame) with frame = (V (eigh's ascending order),
     w (descending, as σ), c, width, zero): w is x/σ set to c = w at the smallest σ wherever x = c·σ
     to the rounding of x (where rounding alone separates them), width the number of leading σ where

@@ -1,6 +1,6 @@
 """Euclidean projections of vectors onto the constraint sets, by constraint kind: of a flat
-(B, n) batch (:data:`_VECTOR_PROJ`, the euclidean and separable rows of the backward table) and of
-singular values (:func:`_sigma_proj`, the spectral rows: Table 1, second half). Ties and zeros
+(B, n) batch (:data:`VECTOR_PROJ`, the euclidean and separable rows of the backward table) and of
+singular values (:func:`sigma_proj`, the spectral rows: Table 1, second half). Ties and zeros
 follow :mod:`geomopt.geometry.prox`'s conventions (sign(0) := +1, the earliest index among equal
 magnitudes, (r/√n)·1 for the sphere at 0)."""
 
@@ -11,22 +11,22 @@ from typing import Callable
 
 import torch
 
-from geomopt.geometry.prox.common import _norm, _sign
+from geomopt.geometry.prox.common import row_norm, sign_plus
 
-def _sphere_euclid(a: torch.Tensor, r: float) -> torch.Tensor:
+def sphere_euclid(a: torch.Tensor, r: float) -> torch.Tensor:
     """Euclidean projection of magnitudes onto the sphere; a = 0 → (r/√n)·1."""
-    norm = _norm(a).unsqueeze(-1)
+    norm = row_norm(a).unsqueeze(-1)
     n = a.shape[-1]
     return torch.where(norm > 0, a * r / norm.clamp(min=torch.finfo(a.dtype).tiny),
                        torch.full_like(a, r / math.sqrt(n)))
 
 
-def _proj_l2_ball(v: torch.Tensor, r: float) -> torch.Tensor:
-    return v * (r / _norm(v).clamp(min=torch.finfo(v.dtype).tiny)).clamp(max=1).unsqueeze(-1)
+def proj_l2_ball(v: torch.Tensor, r: float) -> torch.Tensor:
+    return v * (r / row_norm(v).clamp(min=torch.finfo(v.dtype).tiny)).clamp(max=1).unsqueeze(-1)
 
 
 def _proj_sphere(v: torch.Tensor, r: float) -> torch.Tensor:
-    return _sign(v) * _sphere_euclid(v.abs(), r)
+    return sign_plus(v) * sphere_euclid(v.abs(), r)
 
 
 def _proj_linf_ball(v: torch.Tensor, r: float) -> torch.Tensor:
@@ -37,12 +37,12 @@ def _proj_linf_sphere(v: torch.Tensor, r: float) -> torch.Tensor:
     """Clip if ‖v‖∞ ≥ r, else move the first max-magnitude entry to sign(v_j)·r (Appendix A.2)."""
     mag = v.abs()
     j = torch.argmax(mag, dim=-1, keepdim=True)  # first index among ties
-    lifted = v.scatter(-1, j, _sign(v.gather(-1, j)) * r)
+    lifted = v.scatter(-1, j, sign_plus(v.gather(-1, j)) * r)
     return torch.where(mag.amax(-1, keepdim=True) >= r, v.clamp(-r, r), lifted)
 
 
 def _proj_sign_set(v: torch.Tensor, r: float) -> torch.Tensor:
-    return r * _sign(v)
+    return r * sign_plus(v)
 
 
 def _keep_top(v: torch.Tensor, k: int) -> torch.Tensor:
@@ -54,9 +54,9 @@ def _keep_top(v: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(keep, v, torch.zeros_like(v))
 
 
-_VECTOR_PROJ: dict[str, Callable] = {
-    "l2_ball": lambda v, c: _proj_l2_ball(v, c["radius"]),
-    "frobenius_ball": lambda v, c: _proj_l2_ball(v, c["radius"]),
+VECTOR_PROJ: dict[str, Callable] = {
+    "l2_ball": lambda v, c: proj_l2_ball(v, c["radius"]),
+    "frobenius_ball": lambda v, c: proj_l2_ball(v, c["radius"]),
     "frobenius_sphere": lambda v, c: _proj_sphere(v, c["radius"]),
     "linf_ball": lambda v, c: _proj_linf_ball(v, c["radius"]),
     "linf_sphere": lambda v, c: _proj_linf_sphere(v, c["radius"]),
@@ -65,7 +65,7 @@ _VECTOR_PROJ: dict[str, Callable] = {
 }
 
 
-def _sigma_proj(kind: str, s: torch.Tensor, c: dict) -> torch.Tensor:
+def sigma_proj(kind: str, s: torch.Tensor, c: dict) -> torch.Tensor:
     """Euclidean projections of the singular values (Table 1, second half)."""
     if kind == "stiefel":
         return torch.full_like(s, c["radius"])
@@ -76,7 +76,7 @@ def _sigma_proj(kind: str, s: torch.Tensor, c: dict) -> torch.Tensor:
     if kind == "rank":
         return _keep_top(s, c["k"])  # σ is sorted: keeps σ_1 … σ_k
     if kind in ("frobenius_ball", "l2_ball"):
-        return _proj_l2_ball(s, c["radius"])
+        return proj_l2_ball(s, c["radius"])
     if kind == "frobenius_sphere":
         return _proj_sphere(s, c["radius"])
     raise KeyError(kind)

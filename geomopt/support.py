@@ -1,9 +1,10 @@
-"""What the operators support, as plain data: no torch, so ``geomopt lint`` (and anything else
-that only reasons about a spec) reads it without loading the math.
+"""The operator support table: what the operators support, as plain data. No torch, so
+``geomopt lint`` (and anything else that only reasons about a spec) reads it without loading the
+math.
 
 * The backward table (paper Table 1): every backward op of :mod:`geomopt.geometry.prox` by
   function name, with the geometries and constraints it serves. The op modules register each
-  function under its row (:func:`geomopt.geometry.registry.backward_op`), so this table is the one
+  function under its row (:func:`geomopt.geometry.operators.backward_op`), so this table is the one
   place a (geometry, constraint) pair is declared; :func:`supported_constraints` and
   :func:`has_backward` answer from it.
 * The spectral approximations' coefficient lists (Newton–Schulz, plain or Gram, and Polar
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from geomopt.spec.model import CONSTRAINT_KINDS
+from geomopt.spec.constraints import CONSTRAINT_KINDS
 
 # ---------------------------------------------------------------- the backward table
 

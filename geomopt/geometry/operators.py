@@ -1,9 +1,9 @@
-"""Registries of the forward and backward operators, and where each runs (its locality).
+"""The forward and backward operators' registries, and where each operator runs (its locality).
 
 The op modules (:mod:`geomopt.geometry.forward`, the rows of :mod:`geomopt.geometry.prox`) import
 this module and register into it; ``geomopt.geometry``'s ``__init__`` imports the op modules, so
 every operator is registered once the package is imported (this module imports none of them).
-Which pairs a backward op serves is plain data in :mod:`geomopt.catalog`, readable without torch.
+Which pairs a backward op serves is plain data in :mod:`geomopt.support`, readable without torch.
 
 Operators are pure functions of tensors and plain config: spec fragments as plain dicts (the
 ``model_dump()`` of :mod:`geomopt.spec.model`), never spec objects.
@@ -17,7 +17,7 @@ Backward op:  ``fn(y, t, ref, constraint: dict, *, gamma: float, geometry: dict,
               projection was used) or None when the op cannot fail. Registered with
               ``@backward_op(locality=...)`` under the pairs of its row of the backward table.
 
-Localities (:data:`geomopt.registry.LOCAL`, ``REDUCE``, ``OWNER``; re-exported here) are read by
+Localities (:data:`geomopt.registry.LOCAL`, ``REDUCE``, ``OWNER``) are read by
 the distributed executors through :func:`forward_locality` and :func:`backward_locality`.
 """
 
@@ -26,14 +26,12 @@ from __future__ import annotations
 import difflib
 from typing import Callable, Union
 
-from geomopt.catalog import BACKWARD_TABLE, CONSTRAINT_KINDS, backward_pairs
-from geomopt.catalog import supported_constraints as supported_constraints  # re-exported: torch-free
-from geomopt.registry import LOCAL, LOCALITIES, OWNER, REDUCE, Registry
+from geomopt.spec.constraints import CONSTRAINT_KINDS
+from geomopt.support import BACKWARD_TABLE, backward_pairs, supported_constraints
+from geomopt.registry import LOCALITIES, Registry
 
-__all__ = [
-    "FORWARD_OPS", "BACKWARD_OPS", "LOCAL", "REDUCE", "OWNER", "backward_op", "get_forward", "get_backward",
-    "forward_locality", "backward_locality", "supported_constraints", "unsupported_message",
-]
+__all__ = ["FORWARD_OPS", "BACKWARD_OPS", "backward_op", "get_forward", "get_backward", "forward_locality",
+           "backward_locality", "unsupported_message"]
 
 #: A backward op's locality: one of LOCAL / REDUCE / OWNER, or a function of the (geometry,
 #: constraint) kinds where it depends on the pair.
@@ -47,18 +45,18 @@ BACKWARD_OPS = Registry("backward op")
 
 def backward_op(fn: Callable | None = None, *pairs, locality: Locality | None = None):
     """Register a backward op under the (geometry, constraint) pairs of its row of the backward
-    table, :data:`geomopt.catalog.BACKWARD_TABLE` (keyed by the function's name: the table is the
+    table, :data:`geomopt.support.BACKWARD_TABLE` (keyed by the function's name: the table is the
     one place a pair is declared, so lint knows the pairs without importing the ops), with its
     ``locality``. Used as ``@backward_op(locality=REDUCE)``, or ``locality=fn(geometry,
     constraint)`` where the pair decides."""
     if fn is None:
         if pairs or locality is None:
             raise TypeError("decorate a backward op with @backward_op(locality=...) and declare the (geometries, "
-                            "constraints) it serves in geomopt.catalog.BACKWARD_TABLE")
+                            "constraints) it serves in geomopt.support.BACKWARD_TABLE")
         return lambda f: backward_op(f, locality=locality)
     name = getattr(fn, "__name__", repr(fn))
     if pairs or not callable(fn) or name not in BACKWARD_TABLE:
-        raise TypeError(f"backward op {name!r} has no row in geomopt.catalog.BACKWARD_TABLE: declare the "
+        raise TypeError(f"backward op {name!r} has no row in geomopt.support.BACKWARD_TABLE: declare the "
                         f"(geometries, constraints) it serves there, then decorate it with @backward_op(locality=...)")
     if not callable(locality) and locality not in LOCALITIES:
         raise TypeError(f"backward op {name!r}: locality must be one of {', '.join(LOCALITIES)} or a function of "

@@ -1,4 +1,5 @@
-"""Ranges: GO126, a step scalar the tensor's floating-point format cannot hold (a blocking error).
+"""Ranges: GO126, a step scalar the tensor's floating-point format cannot hold (a blocking error,
+registered with :data:`geomopt.compile.blocking.BLOCKING`).
 
 Every step multiplies a tensor by scalars of the spec: γ·ρ (lr times the resolved radius), γ·λ
 (lr times weight decay), the square of a constraint's radius (the backward steps compare squared
@@ -13,8 +14,11 @@ from __future__ import annotations
 
 import math
 
-from geomopt.lint.context import LintContext, field, lint_rule, shape_text
-from geomopt.spec.model import Spectral, effective_prenormalize, resolve_hyper
+from geomopt.compile.match import shape_text
+from geomopt.compile.ownership import Ownership
+from geomopt.spec.geometries import Spectral
+from geomopt.spec.model import effective_prenormalize, resolve_hyper
+from geomopt.support import approx_coefficients
 
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT64_MAX = 1.7976931348623157e308
@@ -48,7 +52,12 @@ def iteration_bound(triples: list) -> float:
     return worst
 
 
-def _scalars(ctx: LintContext, i: int, rho: float):
+def field(model, name: str, default=None):
+    """A spec model's field, or ``default`` where its kind has none."""
+    return model.__dict__.get(name, default)
+
+
+def _scalars(ctx: Ownership, i: int, rho: float):
     """(what, value, spec path) of rule ``i``'s step scalars, with ρ its resolved radius."""
     rule = ctx.spec.rules[i]
     hyper = resolve_hyper(ctx.spec, rule)
@@ -69,8 +78,6 @@ def _scalars(ctx: LintContext, i: int, rho: float):
         big = max(abs(v) for triple in coefficients for v in triple)
         yield f"a coefficient {big:g}", big, ("rules", i, "geometry", "approx", "coefficients")
     if isinstance(rule.geometry, Spectral) and effective_prenormalize(rule.geometry).kind != "none":
-        from geomopt.catalog import approx_coefficients
-
         triples = approx_coefficients(approx.model_dump())
         if triples:
             yield (f"the {approx.kind} iteration on singular values in [0, 1], which reaches "
@@ -78,8 +85,7 @@ def _scalars(ctx: LintContext, i: int, rho: float):
                 ("rules", i, "geometry", "approx", "coefficients" if field(approx, "coefficients") else "kind")
 
 
-@lint_rule("GO126", "step-overflow", "error", needs_model=True)
-def step_overflow(ctx: LintContext):
+def step_overflow(ctx: Ownership):
     """A step scalar beyond the tensor's floating-point range: lr·radius, lr·weight_decay, the
     square of a constraint's radius, a polynomial coefficient, or the largest number a polynomial
     iteration forms from pre-normalized singular values, above float32's largest number (3.4e38;
