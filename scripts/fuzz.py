@@ -59,7 +59,7 @@ def recheck(path: pathlib.Path) -> dict:
     return data["recheck"]
 
 
-def summarize(records: list[dict], seed: int, seconds: float, workers: int) -> dict:
+def summarize(records: list[dict], seed: int, seconds: float, workers: int, at: str) -> dict:
     from fuzz_pipeline import FINDINGS
 
     outcomes = collections.Counter(r["outcome"] for r in records)
@@ -72,7 +72,7 @@ def summarize(records: list[dict], seed: int, seconds: float, workers: int) -> d
     valid = sum(r.get("stage") != "parse" for r in records)
     slow = sorted(records, key=lambda r: -r["seconds"])[:10]
     return {
-        "seed": seed, "n": len(records), "commit": commit(), "workers": workers, "seconds": round(seconds, 1),
+        "seed": seed, "n": len(records), "commit": at, "workers": workers, "seconds": round(seconds, 1),
         "mutants_per_s": round(len(records) / seconds, 1), "python": platform.python_version(),
         "outcomes": dict(sorted(outcomes.items())),
         "valid_share": round(valid / max(1, len(records)), 4),
@@ -108,6 +108,7 @@ def main(argv=None) -> int:
         return 0
     end = args.start + args.n
     jobs = [(args.seed, lo, min(lo + CHUNK, end)) for lo in range(args.start, end, CHUNK)]
+    at = commit()  # the code the workers load (a checkout changed during the run does not count)
     t0, records = time.perf_counter(), []
     with concurrent.futures.ProcessPoolExecutor(args.workers) as pool:
         for k, chunk in enumerate(pool.map(_chunk, jobs)):
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
             if k % 20 == 0:
                 done = len(records)
                 print(f"{done}/{args.n} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    summary = summarize(records, args.seed, time.perf_counter() - t0, args.workers)
+    summary = summarize(records, args.seed, time.perf_counter() - t0, args.workers, at)
     text = json.dumps(summary, indent=1, sort_keys=False) + "\n"
     if args.out:
         pathlib.Path(args.out).write_text(text, encoding="utf-8")
