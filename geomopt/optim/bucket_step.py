@@ -79,7 +79,7 @@ class BucketStep(Host):
                                      fresh=atomic)
         elif isinstance(g, list):
             d = polyak_rows(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, shared),
-                            fresh=atomic)
+                            fresh=fresh)
         else:
             gu = upcast(g)
             # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it

@@ -15,7 +15,7 @@ betas); ``inplace`` says ``g`` is the caller's scratch copy, which the function 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -113,11 +113,16 @@ def storm(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     return buf
 
 
-def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: bool = False) -> torch.Tensor:
+def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: Optional[list] = None) -> torch.Tensor:
     """Polyak momentum (:func:`geomopt.optim.directions.polyak`, same arithmetic) read from
-    the unstacked gradients: d ← d.lerp(g, α) row by row into the stacked state (``fresh``: into
-    a new one that replaces it in ``state``), and with Nesterov u = g.lerp(d, 1 − α) written into
-    ``lookahead(shape, like)`` (a scratch; no copy of G)."""
+    the unstacked gradients: d ← d.lerp(g, α) row by row into the stacked state, and with
+    Nesterov u = g.lerp(d, 1 − α) written into ``lookahead(shape, like)`` (a scratch; no copy of G).
+
+    ``fresh`` (a list): the state is left as it is until the bucket commits. Where the scratch
+    holds d's dtype, d⁺ = d.lerp(g, α) is formed in it (and u over it, in place), and the write of
+    d, the same lerp again, is appended to ``fresh``: one more pass over d and G, and no new
+    memory (a new d each step costs more on a CPU, whose fresh pages fault in). Else d⁺ is a new
+    tensor that replaces d in ``state``."""
     alpha = group["alpha"]
     d = state.get("d")
     if d is None:
@@ -125,7 +130,17 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: 
             d = state["d"] = torch.stack(gs)
             return d  # d⁰ = g⁰ (Nesterov: g.lerp(g, ·) = g)
         d = state["d"] = torch.zeros((len(gs), *gs[0].shape), dtype=gs[0].dtype, device=gs[0].device)
-    if fresh:
+        fresh = None  # a new d already: written in place, bound at the commit
+    if fresh is not None:
+        u = lookahead(d.shape, d)
+        if u.dtype == d.dtype:
+            for i, g in enumerate(gs):
+                torch.lerp(d[i], g, alpha, out=u[i])  # d⁺
+                if group["nesterov"]:
+                    torch.lerp(g, u[i], 1 - alpha, out=u[i])
+            old = d
+            fresh.append(lambda: torch._foreach_lerp_(list(old.unbind(0)), gs, alpha))
+            return u
         new = state["d"] = torch.empty_like(d)
         for i, g in enumerate(gs):
             torch.lerp(d[i], g, alpha, out=new[i])
