@@ -71,8 +71,8 @@ class BucketStep(Host):
         saved = [] if saved is None else saved
         atomic = isinstance(self._executor, LocalExecutor) and (geometry["kind"] != "adam" or bool(post) or projects)
         fresh: Optional[list] = [] if atomic else None  # updates the direction puts off until the commit
-        if atomic and (geometry["kind"] == "adam" or post):  # (d: the direction's, fresh)
-            saved.extend(journal(self._stacked.live(items, state, skip=("d",))))
+        if atomic and geometry["kind"] == "adam":  # its moments (d and the stages' state: fresh)
+            saved.extend(journal(self._stacked.live(items, state, skip=("d", *post_stages.STAGE_STATE))))
         commit = None
         if isinstance(g, list) and deferred:
             d, commit = polyak_ahead(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, False),
@@ -165,7 +165,8 @@ class BucketStep(Host):
             layout = self._stacked.layouts[id(p)]
             shard = post_stages.Shard(layout.mine(), layout.cuts, layout.mesh)
         ctx = post_stages.Context(state, pp.op_shape, view=pp.geometry.get("view"), gradient=g_raw,
-                                  direction=None if d is None else upcast(d), step=step, shard=shard)
+                                  direction=None if d is None else upcast(d), step=step, shard=shard,
+                                  fresh=isinstance(self._executor, LocalExecutor))
         # local on every executor: the stages sum across shards where they need to (Context.sum),
         # the same collectives in the same order on every rank
         out, _ = yield Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)

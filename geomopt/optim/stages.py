@@ -71,7 +71,9 @@ class Context:
     and, for sharded tensors (:class:`Shard`), where the stack is cut: sums over a cut dim are
     all-reduced (:meth:`sum`), so every rank normalizes its shard by the whole tensor's
     statistics. ``reduced``: per state key, the dims of the stack its statistic sums out (its
-    entries are then replicated over the mesh dims that cut those dims)."""
+    entries are then replicated over the mesh dims that cut those dims). ``fresh``: a stage puts
+    its updated state in ``state`` as a new tensor rather than writing the old one in place, so the
+    optimizer's state changes only when the bucket commits (:mod:`geomopt.optim.atomic`)."""
 
     state: dict
     op_shape: tuple[int, ...]
@@ -82,6 +84,7 @@ class Context:
     step: int = 1
     shard: Optional[Shard] = None
     reduced: dict = dataclasses.field(default_factory=dict)
+    fresh: bool = False
 
     def _mesh_dims(self, dims) -> list:
         if self.shard is None:
@@ -177,7 +180,10 @@ def second_moment(u, cfg, ctx):
     v = ctx.state.get("post_v")
     if v is None:
         v = ctx.state["post_v"] = torch.zeros_like(m2)
-    v.lerp_(m2, 1 - cfg["beta2"])
+    if ctx.fresh:  # the same lerp into m2 (a temporary of v's shape): no new memory
+        v = ctx.state["post_v"] = torch.lerp(v, m2, 1 - cfg["beta2"], out=m2)
+    else:
+        v.lerp_(m2, 1 - cfg["beta2"])
     c = 1 - cfg["beta2"] ** ctx.step if cfg["bias_correction"] else 1.0
     eps = working_eps(cfg["eps"], v.dtype, norm=True)  # a square root of squares: floored at √tiny, as Adam's
     denom = (v / c).sqrt_().add_(eps) if c != 1.0 else v.sqrt().add_(eps)
