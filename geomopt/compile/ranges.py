@@ -104,11 +104,11 @@ def step_overflow(ctx: Ownership):
         for p in ctx.owned(i):
             if found:
                 break
-            op_geometry, _, op_shape = op_layout(geometry, p)
-            key = (op_shape, p.dtype)
+            key = (p.shape, p.dtype, bool(p.modules and "Conv1D" in p.modules))  # what op_layout reads
             if key in seen:
                 continue
             seen.add(key)
+            op_geometry, _, op_shape = op_layout(geometry, p)
             try:
                 rho = field(rule.geometry, "radius", 1.0) * radius_scale(op_geometry, op_shape)
             except (ValueError, ZeroDivisionError):
