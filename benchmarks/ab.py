@@ -54,6 +54,8 @@ def import_base(commit: str, into: Path):
         text = text.replace('files("geomopt")', 'files("geomopt_base")')
         path.write_text(text.replace('"geomopt.', '"geomopt_base.'))
     sys.path.insert(0, str(into))
+    for name in [m for m in sys.modules if m.split(".")[0] == "geomopt_base"]:
+        del sys.modules[name]  # an earlier call's, from a folder since deleted
     return importlib.import_module("geomopt_base")
 
 

@@ -8,6 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+
+import geomopt
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -136,3 +139,24 @@ def test_gram_ns_script_compares_the_two_iterations(capsys):
     assert _script("gram_ns").main(["--shapes", "16x64", "--batch", "2", "--iters", "1"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^\| 2 × 16×64 \|", out, flags=re.M), out
+
+
+def test_ab_script_reads_a_base_commit_whose_specs_extend_shipped_ones(capsys):
+    # the base's specs and grammar go inside its package, as a wheel installs them
+    spec = str(Path(__file__).resolve().parents[1] / "specs" / "catalog" / "normuon.yaml")
+    assert _script("ab").main(["--base", "HEAD", "--model", "gpt", "--iters", "1", "--no-torch", "--spec", spec]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"^\| ([^|]+?) \| [\d.]+ \| – \| [\d.]+ \|$", out, flags=re.M) == ["base HEAD", "this tree"], out
+
+
+def test_syncs_script_counts_what_reads_a_device_value_back(capsys):
+    syncs = _script("syncs")
+    with syncs.SyncCounter() as counter:
+        t = torch.ones(3)
+        _ = t.sum().item(), bool(t.all()), float(t[0])
+        t.mul_(2)  # no read-back
+    assert sum(counter.counts.values()) == 3, counter.counts
+    assert syncs.main([]) == 0
+    rows = re.findall(r"^\| ([\w-]+) \| (\d+) \|", capsys.readouterr().out, flags=re.M)
+    assert sorted(name for name, _ in rows) == sorted(geomopt.shipped_specs())
+    assert all(int(n) >= 1 for _, n in rows)  # the finiteness test, at least
