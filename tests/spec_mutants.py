@@ -328,35 +328,46 @@ def token_mutation(rng: random.Random) -> tuple[str, str, list[str]]:
     return fmt, "".join(tokens), ops
 
 
+TEXT_OPS = ("del_char", "dup_char", "swap_chars", "put_char", "del_line", "dup_line", "swap_lines", "cut")
+#: characters a put_char edit draws from (hypothesis adds any character)
+PUT_CHARS = ":-{}[]()=,\"'#\t\n &*!|>%@\\"
+
+
+def apply_text_op(text: str, op: str, pick, char) -> str:
+    """One edit of ``text`` (:data:`TEXT_OPS`): ``pick(n)`` chooses an index below n (two per
+    edit, then ``char()`` for put_char), so a seeded generator and hypothesis share the edits."""
+    if op.endswith(("line", "lines")):
+        lines = text.split("\n")
+        i, j = pick(len(lines)), pick(len(lines))
+        if op == "del_line":
+            del lines[i]
+        elif op == "dup_line":
+            lines.insert(i, lines[i])
+        else:
+            lines[i], lines[j] = lines[j], lines[i]
+        return "\n".join(lines)
+    if not text:
+        return text
+    i, j = pick(len(text)), pick(len(text))
+    if op == "del_char":
+        return text[:i] + text[i + 1:]
+    if op == "dup_char":
+        return text[:i] + text[i] + text[i:]
+    if op == "swap_chars":
+        chars = list(text)
+        chars[i], chars[j] = chars[j], chars[i]
+        return "".join(chars)
+    if op == "put_char":
+        return text[:i] + char() + text[i:]
+    return text[:i]  # cut: the file ends early
+
+
 def text_mutation(rng: random.Random, text: str, n: int) -> tuple[str, list[str]]:
     ops = []
     for _ in range(n):
-        op = rng.choice(["del_char", "dup_char", "swap_chars", "put_char", "del_line", "dup_line", "swap_lines", "cut"])
+        op = rng.choice(list(TEXT_OPS))
         ops.append(op)
-        if op.endswith(("line", "lines")):
-            lines = text.split("\n")
-            i, j = rng.randrange(len(lines)), rng.randrange(len(lines))
-            if op == "del_line":
-                del lines[i]
-            elif op == "dup_line":
-                lines.insert(i, lines[i])
-            else:
-                lines[i], lines[j] = lines[j], lines[i]
-            text = "\n".join(lines)
-        elif text:
-            i, j = rng.randrange(len(text)), rng.randrange(len(text))
-            if op == "del_char":
-                text = text[:i] + text[i + 1:]
-            elif op == "dup_char":
-                text = text[:i] + text[i] + text[i:]
-            elif op == "swap_chars":
-                chars = list(text)
-                chars[i], chars[j] = chars[j], chars[i]
-                text = "".join(chars)
-            elif op == "put_char":
-                text = text[:i] + rng.choice(":-{}[]()=,\"'#\t\n &*!|>%@\\é\x00\u2028") + text[i:]
-            else:
-                text = text[:i]
+        text = apply_text_op(text, op, rng.randrange, lambda: rng.choice(PUT_CHARS + "é\x00\u2028"))
     return text, ops
 
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import geomopt
 from geomopt.spec.diagnostics import LANGUAGE_CODES, SEVERITY_ORDER
 from geomopt.spec.yaml_front import YamlDumper, parse_yaml
+from spec_mutants import PUT_CHARS, TEXT_OPS, apply_text_op
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "specs").glob("*.yaml"))
@@ -124,34 +125,9 @@ def test_dsl_token_soup_unspaced(text):
 def mutated(draw, texts):
     text = draw(st.sampled_from(texts))
     for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["del_char", "dup_char", "swap_chars", "put_char", "del_line", "dup_line", "swap_lines", "cut"]))
-        if op.endswith("line") or op.endswith("lines"):
-            lines = text.split("\n")
-            i = draw(st.integers(0, len(lines) - 1))
-            j = draw(st.integers(0, len(lines) - 1))
-            if op == "del_line":
-                del lines[i]
-            elif op == "dup_line":
-                lines.insert(i, lines[i])
-            else:
-                lines[i], lines[j] = lines[j], lines[i]
-            text = "\n".join(lines)
-        elif text:
-            i = draw(st.integers(0, len(text) - 1))
-            j = draw(st.integers(0, len(text) - 1))
-            if op == "del_char":
-                text = text[:i] + text[i + 1:]
-            elif op == "dup_char":
-                text = text[:i] + text[i] + text[i:]
-            elif op == "swap_chars":
-                chars = list(text)
-                chars[i], chars[j] = chars[j], chars[i]
-                text = "".join(chars)
-            elif op == "put_char":
-                ch = draw(st.one_of(st.sampled_from(list(":-{}[]()=,\"'#\t\n &*!|>%@\\")), st.characters()))
-                text = text[:i] + ch + text[i:]
-            else:  # cut: the file ends early
-                text = text[:i]
+        op = draw(st.sampled_from(TEXT_OPS))
+        text = apply_text_op(text, op, lambda n: draw(st.integers(0, n - 1)),
+                             lambda: draw(st.one_of(st.sampled_from(list(PUT_CHARS)), st.characters())))
     return text
 
 
