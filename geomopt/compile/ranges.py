@@ -16,6 +16,8 @@ import math
 
 from geomopt.compile.match import shape_text
 from geomopt.compile.ownership import Ownership
+from geomopt.compile.resolve import op_layout
+from geomopt.spec.base import field
 from geomopt.spec.geometries import Spectral
 from geomopt.spec.model import effective_prenormalize, resolve_hyper
 from geomopt.support import approx_coefficients
@@ -50,11 +52,6 @@ def iteration_bound(triples: list) -> float:
         if not math.isfinite(worst):
             return math.inf
     return worst
-
-
-def field(model, name: str, default=None):
-    """A spec model's field, or ``default`` where its kind has none."""
-    return model.__dict__.get(name, default)
 
 
 def _scalars(ctx: Ownership, i: int, rho: float):
@@ -94,8 +91,7 @@ def step_overflow(ctx: Ownership):
     Bad: ``geometry: {kind: isotropic, reference: {kind: indicator}, radius: 1.0e+308}``.
     Fixed: a radius (and lr) whose product is a number the tensor can hold, e.g. ``radius: 10.0``.
     """
-    from geomopt.compile.resolve import op_layout
-    from geomopt.geometry.scale import radius_scale
+    from geomopt.geometry.scale import radius_scale  # torch, and only with a model: not on the lint path
 
     for i, rule in enumerate(ctx.spec.rules):
         geometry = rule.geometry.model_dump()

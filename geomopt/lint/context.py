@@ -105,10 +105,4 @@ def rule_doc(code: str) -> str | None:
 # ---------------------------------------------------------------- helpers of several families
 
 
-def field(model, name: str, default=None):
-    """A spec model's field, or ``default`` where its kind has none (a plain lookup: ``getattr``
-    on a field a model lacks goes through pydantic's slow ``__getattr__``)."""
-    return model.__dict__.get(name, default)
-
-
-__all__ = ["RULES", "LintContext", "LintRule", "field", "lint_rule", "rule_by_name", "rule_doc", "run_rules", "runs"]
+__all__ = ["RULES", "LintContext", "LintRule", "lint_rule", "rule_by_name", "rule_doc", "run_rules", "runs"]

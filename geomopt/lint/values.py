@@ -13,7 +13,8 @@ import math
 from geomopt.support import realized_reference
 from geomopt.compile.match import shape_text
 from geomopt.compile.resolve import op_layout
-from geomopt.lint.context import LintContext, field, lint_rule
+from geomopt.lint.context import LintContext, lint_rule
+from geomopt.spec.base import field
 
 
 def _eps_paths(rule, i):

@@ -43,8 +43,8 @@ def journal(tensors: Iterable[torch.Tensor]) -> list:
     return [(t, t.clone()) for t in tensors]
 
 
-def restore(saved: Optional[list]) -> None:
-    for live, copy in saved or ():
+def restore(saved: list) -> None:
+    for live, copy in saved:
         live.copy_(copy)
 
 
@@ -71,55 +71,56 @@ def abort(steps: Iterable) -> None:
 def drive(run: Callable, steps: list, committed: Callable[[int], None], barrier: Optional[Callable] = None,
           lockstep: bool = False) -> bool:
     """Drive the jobs' steps (``(index, generator)``; each yields operator requests, ``run``
-    answers a list of them). ``lockstep``: each round's requests go to ``run`` together (a
-    distributed executor exchanges once per round, the same requests in the same order on every
-    rank). ``barrier`` runs after the first round (every job's forward op launched); False from it
-    abandons the step (False returned). Otherwise, and after the barrier in one process, each job
-    runs to its end before the next starts, so at most one job is in flight when something fails.
-    ``committed(index)`` is called as each job finishes; an exception unwinds the jobs in flight
-    (:func:`abort`) and propagates."""
-    if barrier is None and not lockstep:
-        for index, s in steps:
-            _finish(run, index, s, None, committed)
-        return True
+    answers a list of them). ``lockstep`` (a distributed executor): each round's requests go to
+    ``run`` together, so it exchanges once per round, the same requests in the same order on every
+    rank. Otherwise each job runs to its end before the next starts, so at most one job is in
+    flight when something fails; with a ``barrier``, only after a first round in which every job
+    makes its first request (the forward ops launched) and the barrier ran: False from it abandons
+    the step (False returned). ``committed(index)`` is called as each job finishes; an exception
+    unwinds the jobs in flight (:func:`abort`) and propagates."""
     pending = [(index, s, None) for index, s in steps]
-    first = True
-    while pending or first:
-        nxt = []
-        for k, (index, s, answer) in enumerate(pending):
-            try:
-                nxt.append((index, s, s.send(answer)))
-            except StopIteration:
-                committed(index)
-            except BaseException:
-                abort(s for _, s, _ in nxt + pending[k + 1:])
-                raise
+    if lockstep:
+        while pending:
+            pending = _round(run, pending, committed)
+        return True
+    if barrier is not None:
+        pending = _round(run, pending, committed)
         try:
-            answers = run([req for _, _, req in nxt]) if nxt else []
+            go = barrier()
         except BaseException:
-            abort(s for _, s, _ in nxt)
+            abort(s for _, s, _ in pending)
             raise
-        pending = [(index, s, a) for (index, s, _), a in zip(nxt, answers)]
-        if first and barrier is not None:
-            try:
-                go = barrier()
-            except BaseException:
-                abort(s for _, s, _ in pending)
-                raise
-            if not go:
-                for _, s, _ in pending:
-                    s.close()
-                return False
-            if not lockstep:
-                for k, (index, s, answer) in enumerate(pending):
-                    try:
-                        _finish(run, index, s, answer, committed)
-                    except BaseException:
-                        abort(s for _, s, _ in pending[k + 1:])
-                        raise
-                return True
-        first = False
+        if not go:
+            for _, s, _ in pending:
+                s.close()
+            return False
+    for k, (index, s, answer) in enumerate(pending):
+        try:
+            _finish(run, index, s, answer, committed)
+        except BaseException:
+            abort(s for _, s, _ in pending[k + 1:])
+            raise
     return True
+
+
+def _round(run: Callable, pending: list, committed: Callable[[int], None]) -> list:
+    """One round: each job in ``pending`` (index, generator, its answer) takes its answer and
+    makes its next request (or finishes), and ``run`` answers them together."""
+    nxt = []
+    for k, (index, s, answer) in enumerate(pending):
+        try:
+            nxt.append((index, s, s.send(answer)))
+        except StopIteration:
+            committed(index)
+        except BaseException:
+            abort(s for _, s, _ in nxt + pending[k + 1:])
+            raise
+    try:
+        answers = run([req for _, _, req in nxt]) if nxt else []
+    except BaseException:
+        abort(s for _, s, _ in nxt)
+        raise
+    return [(index, s, a) for (index, s, _), a in zip(nxt, answers)]
 
 
 def _finish(run: Callable, index: int, s, answer, committed: Callable[[int], None]) -> None:

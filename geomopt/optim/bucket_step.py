@@ -37,7 +37,7 @@ class BucketStep(Host):
         return guarded(self._bucket_step(*args, saved=saved, **kwargs), saved)
 
     def _bucket_step(self, gi: int, group: dict, items: list, g: torch.Tensor, g_prev, gamma: float, alpha,
-                     deferred: bool = False, shared: bool = False, saved: Optional[list] = None):
+                     deferred: bool = False, shared: bool = False, *, saved: list):
         """One batched step of same-shape tensors: leading dim = tensor index (batch_dims=1).
 
         A generator: it yields a :class:`Request` for the forward and for the backward operator
@@ -68,11 +68,10 @@ class BucketStep(Host):
         # in one process the state changes only when the bucket commits (its last request has
         # answered): directions update it out of place (``fresh``), and state updated in place
         # before a request (Adam's moments, post-stages' statistics) is journaled
-        saved = [] if saved is None else saved
         atomic = isinstance(self._executor, LocalExecutor) and (geometry["kind"] != "adam" or bool(post) or projects)
         fresh: Optional[list] = [] if atomic else None  # updates the direction puts off until the commit
         if atomic and geometry["kind"] == "adam":  # its moments (d and the stages' state: fresh)
-            saved.extend(journal(self._stacked.live(items, state, skip=("d", *post_stages.STAGE_STATE))))
+            saved.extend(journal(self._stacked.live(items, state, ("exp_avg", "exp_avg_sq"))))
         commit = None
         if isinstance(g, list) and deferred:
             d, commit = polyak_ahead(g, state, hyper, lambda shape, like: self._lookahead(items, shape, like, False),

@@ -298,7 +298,6 @@ def spec_name(yaml_text: str) -> str:
     return "?"
 
 
-
 def restored_pending(saved: Optional[dict], groups: list) -> Optional[PendingStep]:
     """The interrupted step a checkpoint recorded (:mod:`geomopt.optim.atomic`), on this
     optimizer's tensors; refused when it names a tensor or group this optimizer lacks."""

@@ -34,8 +34,6 @@ from geomopt.spec.model import Spec
 
 def _checked(name: str, value, *, positive: bool) -> float:
     """``value`` as a float, or a clear error naming the keyword."""
-    import torch
-
     if isinstance(value, torch.Tensor):  # torch's own wording, which its generic tests accept
         raise ValueError(f"{name} as a Tensor is not supported by GeomOptimizer's constructor ({name}= becomes the "
                          f"spec's defaults: value, a number): pass a float; a tensor set later in "

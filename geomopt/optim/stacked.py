@@ -60,12 +60,11 @@ class StackedState:
                 out[key] = first[key]
         return out
 
-    def live(self, items: list, values: dict, skip: tuple = ()) -> list:
-        """The tensors of :meth:`gather`'s ``values`` that are the state itself (the entries view
-        them), not a fresh stack: what a bucket's in-place update changes at once (but ``skip``)."""
+    def live(self, items: list, values: dict, keys: tuple) -> list:
+        """The tensors of :meth:`gather`'s ``values`` under ``keys`` that are the state itself (the
+        entries view them), not a fresh stack: what a bucket's in-place update changes at once."""
         ids = tuple(id(p) for p, _ in items)
-        return [v for key, v in values.items()
-                if key in STACKED and key not in skip and self.buffers.get((ids, key)) is v]
+        return [values[key] for key in keys if key in values and self.buffers.get((ids, key)) is values[key]]
 
     def scatter(self, state, items: list, values: dict) -> None:
         """Bind the per-parameter state entries to rows of the stacked ``values`` (DTensors over the

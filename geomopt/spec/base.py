@@ -24,6 +24,12 @@ KIND_FIELDS = frozenset({"geometry", "constraint", "reference", "approx", "preno
                          "view", "decay", "post"})
 
 
+def field(model, name: str, default=None):
+    """A spec model's field, or ``default`` where its kind has none (a plain lookup: ``getattr``
+    on a field a model lacks goes through pydantic's slow ``__getattr__``)."""
+    return model.__dict__.get(name, default)
+
+
 def kinds_of(union: Any) -> tuple[str, ...]:
     """The ``kind`` values of a discriminated union of models (``Annotated[Union[…], Field(…)]``),
     in the union's order: the one place each list of kinds is written."""
