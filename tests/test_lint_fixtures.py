@@ -13,11 +13,8 @@ from pathlib import Path
 import pytest
 
 import geomopt
-from geomopt.compile import ParamInfo
 from geomopt.lint import lint_spec
-from geomopt.compile.compiler import model_params
 from geomopt.lint import RULES
-from geomopt.models import MODELS
 
 HERE = Path(__file__).resolve().parent / "lint_fixtures"
 FILES = sorted([*HERE.glob("*.yaml"), *HERE.glob("*.geom")])
@@ -64,25 +61,15 @@ def read_fixture(path: Path) -> Fixture:
 FIXTURES = [read_fixture(p) for p in FILES]
 
 
-def _factories() -> dict:
+def _fixture_models():
     spec = importlib.util.spec_from_file_location("lint_fixture_models", HERE / "models.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.FACTORIES
+    return module
 
 
-def target_params(target: str):
-    """(ParamInfos or None, from a checkpoint) for a ``# target:`` value."""
-    words = target.split()
-    if words == ["none"]:
-        return None, False
-    if words[0] == "checkpoint":
-        rows = [w.split("=", 1) for w in words[1:]]
-        return [ParamInfo(name=n, shape=tuple(int(d) for d in s.split("x") if d), modules=None) for n, s in rows], True
-    (name,) = words
-    factory = MODELS.get(name) or _factories().get(name)
-    assert factory is not None, f"unknown target {name!r}: a built-in model or a name in lint_fixtures/models.py"
-    return model_params(factory())[0], False
+#: (ParamInfos or None, from a checkpoint) for a ``# target:`` value (lint_fixtures/models.py)
+target_params = _fixture_models().target_params
 
 
 def lint_fixture(fx: Fixture):

@@ -723,28 +723,18 @@ class Example:
         self.codes = {d.code for d in self.findings}
 
 
-def fixture_params(target: str):
-    """(ParamInfos or None, from a checkpoint) for a fixture's ``# target:`` (tests/lint_fixtures/README.md)."""
-    from geomopt.compile import ParamInfo
-    from geomopt.compile.compiler import model_params
-    from geomopt.models import MODELS
-
-    words = target.split()
-    if words == ["none"]:
-        return None, False
-    if words[0] == "checkpoint":
-        rows = [w.split("=", 1) for w in words[1:]]
-        return [ParamInfo(name=n, shape=tuple(int(d) for d in s.split("x")), modules=None) for n, s in rows], True
-    factory = MODELS.get(target) or fixture_models()[target]
-    return model_params(factory())[0], False
+def fixture_module():
+    """tests/lint_fixtures/models.py: the fixtures' own small models (``FACTORIES``) and
+    ``target_params``, what a fixture's ``# target:`` lints against."""
+    spec = importlib.util.spec_from_file_location("lint_fixture_models", FIXTURES / "models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def fixture_models() -> dict:
     """The fixtures' own small models (tests/lint_fixtures/models.py: ``FACTORIES``)."""
-    spec = importlib.util.spec_from_file_location("lint_fixture_models", FIXTURES / "models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.FACTORIES
+    return fixture_module().FACTORIES
 
 
 def lint_example(text: str, suffix: str, target: str) -> list:
@@ -752,7 +742,7 @@ def lint_example(text: str, suffix: str, target: str) -> list:
     from geomopt.lint import lint_spec
     from geomopt.spec import parse_spec
 
-    params, from_checkpoint = fixture_params(target)
+    params, from_checkpoint = fixture_module().target_params(target)
     spec = parse_spec(text, "dsl" if suffix == ".geom" else "yaml", file=f"example{suffix}")
     return lint_spec(spec, params, from_checkpoint=from_checkpoint, text=text)
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from geomopt.models import GPT, GPTConfig
+from geomopt.compile.compiler import model_params
+from geomopt.compile.match import ParamInfo
+from geomopt.models import GPT, GPTConfig, MODELS
 
 
 def frozen_gpt():
@@ -122,3 +124,19 @@ FACTORIES = {
     "linear-4x3": lambda: nn.Linear(4, 3),  # a weight and a 1-D bias (GO104)
     "qkv-64x192": lambda: nn.Linear(64, 192, bias=False),  # a fused q, k, v projection (GO104's view)
 }
+
+
+def target_params(target: str):
+    """(ParamInfos or None, from a checkpoint) for a fixture's ``# target:`` value: ``none``,
+    ``checkpoint name=AxB …`` (a scalar: ``name=``), or a model's name (built-in or :data:`FACTORIES`)."""
+    words = target.split()
+    if words == ["none"]:
+        return None, False
+    if words[0] == "checkpoint":
+        rows = [w.split("=", 1) for w in words[1:]]
+        return [ParamInfo(name=n, shape=tuple(int(d) for d in s.split("x") if d), modules=None) for n, s in rows], True
+    (name,) = words
+    factory = MODELS.get(name) or FACTORIES.get(name)
+    assert factory is not None, f"unknown target {name!r}: a built-in model or a name in lint_fixtures/models.py"
+    return model_params(factory())[0], False
+
