@@ -58,10 +58,13 @@ def held_storages(root, exclude: set[int]) -> dict[int, tuple[int, str]]:
         head = path[0]
         if head == "state":  # state[param][key]
             return f"state.{path[2]}" if len(path) > 2 else "state"
-        if head == "_workspace":  # _workspace._buffers[(slot, device, dtype)]
+        if head == "_rt" and len(path) > 1:  # the step's runtime (geomopt.optim.runtime)
+            path = path[1:]
+            head = path[0]
+        if head == "workspace":  # workspace._buffers[(slot, device, dtype)]
             return f"workspace.{path[2][0]}" if len(path) > 2 and isinstance(path[2], tuple) else "workspace"
-        if head == "_buffers" and len(path) > 1 and isinstance(path[1], tuple):
-            tags = [t for t in path[1] if isinstance(t, str)]
+        if head == "stacked" and len(path) > 2 and isinstance(path[2], tuple):  # stacked.buffers[(ids…, key)]
+            tags = [t for t in path[2] if isinstance(t, str)]
             return "_buffers." + "/".join(tags) if tags else "_buffers"
         return ".".join(str(p) for p in path if isinstance(p, str))
 

@@ -174,7 +174,7 @@ def test_a_fault_at_any_request_leaves_each_tensor_before_or_after_and_a_retry_c
     first = check_every_fault(opt, grads[:1], after)  # the first step: state created
     steady = check_every_fault(opt, grads, after)  # a later step: state updated in place
     assert first + steady > 0 or all(  # a spec whose every rule runs on the flat path makes no request
-        opt._flat_rule(g, plans[0]) for g, plans in zip(opt.param_groups, opt._plans))
+        prog.variant == "flat" for progs in opt._programs for prog in progs)
 
 
 def test_the_exception_keeps_its_type_and_names_the_committed_and_the_interrupted_tensors():
@@ -197,8 +197,8 @@ def test_a_fault_before_anything_is_written_leaves_no_pending_step(monkeypatch):
     monkeypatch.setattr(polynomial, "_MUON_ORDER_DEVICES", ())
     model, opt = build("muon")
     opt = copy_with_grads(opt, [grads_of(model, 0)])
-    jobs = opt._jobs()
-    assert opt._can_defer(jobs, [opt._job_grads(gi, items, flat, {}) for gi, items, flat in jobs])
+    opt._dispatch()  # the programs follow the device's op order patched above
+    assert opt._deferred and "deferred behind the forward ops" in opt.describe()
     was = snapshot(opt)
     inject(opt, 0)
     with pytest.raises(InjectedFault) as info:

@@ -137,8 +137,8 @@ def test_flat_elementwise_path_equals_batched_path_bit_for_bit(name, monkeypatch
             loss_of(model, gpt_batch(step)).backward()
             if step == 2:  # the head misses a step: its direction buffer is kept aside
                 model.lm_head.weight.grad = None
-        assert any(f for _, _, f in flat._jobs())
-        assert not any(f for _, _, f in ref._jobs())
+        assert any(prog.variant == "flat" for prog, _ in flat._jobs())
+        assert not any(prog.variant == "flat" for prog, _ in ref._jobs())
         flat.step()
         ref.step()
         if step == 3:  # resume the flat one from its checkpoint (views rebuilt from loaded state)
@@ -208,9 +208,9 @@ def test_flat_path_keeps_no_allocation_per_step():
     model.weight.grad = torch.randn(64, 64)
     model.bias.grad = torch.randn(64)
     opt.step()
-    buffers = {k: v.data_ptr() for k, v in opt._buffers.items()}
+    buffers = {k: v.data_ptr() for k, v in opt._rt.buffers.items()}
     opt.step()
-    assert buffers and {k: v.data_ptr() for k, v in opt._buffers.items()} == buffers
+    assert buffers and {k: v.data_ptr() for k, v in opt._rt.buffers.items()} == buffers
 
 
 def test_flat_adam_with_channels_last_weights_is_torch_adamw():
@@ -256,5 +256,5 @@ def test_direction_written_in_the_forward_dtype_gives_the_same_bits(monkeypatch)
     low = optimizer_module.input_dtype
     step_in_lockstep(models, opts, setup=lambda i: monkeypatch.setattr(
         optimizer_module, "input_dtype", low if i == 0 else lambda g, like: like.dtype))
-    u = [v for k, v in opts[0]._workspace._buffers.items() if k[0] == "u"]
+    u = [v for k, v in opts[0]._rt.workspace._buffers.items() if k[0] == "u"]
     assert u and all(t.dtype == torch.bfloat16 for t in u)

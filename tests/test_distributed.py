@@ -193,6 +193,8 @@ def test_request_cost_sums_the_matrices_of_a_view():
         "kind": "spectral", "reference": {"kind": "indicator"}, "view": {"kind": "matrix", "batch": 1}}}]}
     opt = geomopt.GeomOptimizer([("experts.w", w)], spec)
     pp = opt.plan["experts.w"]
-    req = opt._request([(w, pp)], torch.zeros(1, 4, 16, 8), "owner", None)
+    from geomopt.optim.bucket_step import request
+
+    req = request(opt._rt, [(w, pp)], torch.zeros(1, 4, 16, 8), "owner", None)
     assert req.row_cost() == 4 * 16 * 8 * 8
     assert Request(None, torch.zeros(1, 4, 16, 8), "owner").row_cost() == 4 * 128 * 4  # the plain reading

@@ -108,7 +108,7 @@ def held_after_steps(model, loss, spec, steps=3, **kw):
     opt = geomopt.GeomOptimizer(model, spec, **kw)
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        if opt._needs_closure:
+        if any(g["direction"] == "storm" for g in opt.param_groups):
             def closure(step=step):
                 opt.zero_grad(set_to_none=True)
                 value = loss(step)
@@ -196,10 +196,10 @@ def test_flat_blocks_give_the_same_bits_as_one_pass(name, monkeypatch):
 
     def setup(i):
         monkeypatch.setattr(optimizer_module, "BLOCK", 3000 if i == 0 else whole)
-        opts[i]._largest_bucket = 3000 if i == 0 else whole
+        opts[i]._rt.largest_bucket = 3000 if i == 0 else whole
 
     step_in_lockstep(models, opts, setup=setup)
-    assert opts[0]._workspace.nbytes <= 2 * 3000 * 4
+    assert opts[0]._rt.workspace.nbytes <= 2 * 3000 * 4
 
 
 @pytest.mark.parametrize("axis", ["row", "column", "element"])

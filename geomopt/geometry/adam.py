@@ -40,7 +40,7 @@ def adam_multi_tensor(xs, us, m, v, step, pieces, off, geometry, gamma, weight_d
     """AdamW's update of ``xs`` (a block's ``pieces`` of the flat call, from ``off`` in the
     flat moments ``m``, ``v``, each a (buffer, views) pair; all of it when ``pieces`` is None):
     torch's fused AdamW kernel where ``fused`` (the caller checked the device has it:
-    :func:`geomopt.optim.flat.can_fuse_adam`) (torch.optim.AdamW(fused=True) bit for bit: one pass
+    :mod:`geomopt.optim.program`) (torch.optim.AdamW(fused=True) bit for bit: one pass
     instead of eight), else :func:`adam_moments`'s op order (AdamW's
     single-tensor path, bit for bit) with the denominator in ``take("denom", shape)`` (a scratch)."""
     beta1, beta2 = (float(b) for b in geometry["betas"])  # a plan's fragment holds every default

@@ -141,22 +141,22 @@ def _finish(run: Callable, index: int, s, answer, committed: Callable[[int], Non
 def interrupted(pending: Optional[PendingStep], err: BaseException, jobs: list, done: list, groups: list,
                 plans: list, local: bool) -> Optional[PendingStep]:
     """The pending step after ``err`` interrupted a step whose jobs ``done`` (indices into
-    ``jobs``: (group index, [(param, plan)], flat)) committed, said in a note on the exception
+    ``jobs``: (program, [(param, plan)])) committed, said in a note on the exception
     (its type unchanged, so ``except torch.OutOfMemoryError`` still works); None when nothing is
     written (the step can simply be called again)."""
     if not done and pending is None:
         return None
     pending = pending or PendingStep()
-    for _, items, _ in (jobs[j] for j in done):
+    for _, items in (jobs[j] for j in done):
         pending.done.update(id(p) for p, _ in items)
         pending.names.extend(pp.name for _, pp in items)
-    pending.groups |= {gi for gi, _, _ in jobs}
+    pending.groups |= {prog.group for prog, _ in jobs}
     committed = [(g["rule"], [pp.name for p, pp in zip(g["params"], ps) if id(p) in pending.done])
                  for g, ps in zip(groups, plans)]
     rest: dict = {}
-    for j, (gi, items, _) in enumerate(jobs):
+    for j, (prog, items) in enumerate(jobs):
         if j not in done:
-            rest.setdefault(groups[gi]["rule"], []).extend(pp.name for _, pp in items)
+            rest.setdefault(groups[prog.group]["rule"], []).extend(pp.name for _, pp in items)
     note = interrupted_note([c for c in committed if c[1]], list(rest.items()))
     if not local:
         note += ("\n  Under torch.distributed the ranks' collectives are out of step after this: restart from "

@@ -11,9 +11,10 @@ import json
 import logging
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+from torch.optim import Optimizer
 
 from geomopt.compile.wrappers import strip, unwrap
 from geomopt.distributed.executors import is_dtensor
@@ -23,7 +24,9 @@ from geomopt.optim.load_check import (CheckpointError, check_entry, check_group_
 from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
-from geomopt.optim.host import Host
+
+if TYPE_CHECKING:
+    from geomopt.optim.optimizer import GeomOptimizer
 
 log = logging.getLogger("geomopt")
 
@@ -33,209 +36,219 @@ def spec_hash(spec: Spec) -> str:
     return hashlib.sha256(json.dumps(spec.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-class Checkpoints(Host):
-    """Saving and loading (a mixin of :class:`~geomopt.optim.GeomOptimizer`)."""
+#: the group values a spec sets (besides a direction's own coefficients, :data:`DIRECTION_KEYS`)
+SPEC_KEYS = ("rule", "lr", "weight_decay", "radius", "direction", "alpha", "nesterov", "init", "schedule",
+             "on_nonfinite")
+#: a direction's coefficients that live in the group where the direction has them (heavy ball's,
+#: Lion's, Polyak's warmup)
+DIRECTION_KEYS = ("momentum", "dampening", "beta1", "beta2", "warmup_steps", "warmup_alpha")
 
-    _SPEC_KEYS = ("rule", "lr", "weight_decay", "radius", "direction", "alpha", "nesterov", "init", "schedule",
-                  "on_nonfinite")
 
-    def state_dict(self) -> dict:
-        """torch's state dict and what the spec set (``"geomopt"``); the post-hooks see the
-        finished dict. Adam's step count is saved as it is kept, the int ``adam_step``
-        (:data:`ADAM_STEP`)."""
-        hooks = self._optimizer_state_dict_post_hooks
-        self._optimizer_state_dict_post_hooks = type(hooks)()  # run below, on the finished dict
-        try:
-            sd = super().state_dict()
-        finally:
-            self._optimizer_state_dict_post_hooks = hooks
-        sd["geomopt"] = dict(
-            spec_hash=self.spec_hash, spec=dump_spec(self.spec, "yaml"),
-            world_size=self._executor.world, sharded=self._sharded, mesh=self._mesh_signature(),
-            counters=[copy_counters(c) for c in self._counters],
-            spec_groups=[dict(g) for g in self._spec_groups],
-            transposed=[pp.name for plans in self._plans for pp in plans if pp.transpose],
-            pending=None if self._pending is None else self._pending.to_dict(),
-        )
-        for hook in hooks.values():
-            out = hook(self, sd)
-            sd = sd if out is None else out
-        return sd
+def spec_values(group: dict) -> dict:
+    """What the spec set in a group (saved with the state: after a spec change, values the new
+    spec changed win over the checkpoint's)."""
+    return {k: copy_value(group[k]) for k in SPEC_KEYS + DIRECTION_KEYS if k in group}
 
-    def _mesh_signature(self) -> list:
-        """The meshes and placements of the sharded parameters ("2x2 (Replicate(), Shard(dim=0))" …)."""
-        return sorted({"x".join(map(str, p.device_mesh.shape)) + f" {tuple(p.placements)}"
-                       for g in self.param_groups for p in g["params"] if is_dtensor(p)})
 
-    # override: torch's returns None; this one also takes allow_spec_change / model and returns the
-    # MigrationReport of a state carried over from another spec or optimizer
-    def load_state_dict(self, state_dict: dict, *, allow_spec_change: bool = False,  # type: ignore[override]
-                        model=None) -> Optional[MigrationReport]:
-        """Load a checkpoint; refuses one saved under a different spec (saying what differs)
-        unless ``allow_spec_change=True``.
+def state_dict(opt: "GeomOptimizer") -> dict:
+    """torch's state dict and what the spec set (``"geomopt"``); the post-hooks see the
+    finished dict. Adam's step count is saved as it is kept, the int ``adam_step``
+    (:data:`ADAM_STEP`)."""
+    hooks = opt._optimizer_state_dict_post_hooks
+    opt._optimizer_state_dict_post_hooks = type(hooks)()  # run below, on the finished dict
+    try:
+        sd = Optimizer.state_dict(opt)
+    finally:
+        opt._optimizer_state_dict_post_hooks = hooks
+    sd["geomopt"] = dict(
+        spec_hash=opt.spec_hash, spec=dump_spec(opt.spec, "yaml"),
+        world_size=opt._executor.world, sharded=opt._options.sharded, mesh=mesh_signature(opt),
+        counters=[copy_counters(c) for c in opt._counters],
+        spec_groups=[dict(g) for g in opt._spec_groups],
+        transposed=[pp.name for plans in opt._plans for pp in plans if pp.transpose],
+        pending=None if opt._pending is None else opt._pending.to_dict(),
+    )
+    for hook in hooks.values():
+        out = hook(opt, sd)
+        sd = sd if out is None else out
+    return sd
 
-        Under the same spec the state resumes as torch does, bit for bit. Under another spec it
-        is carried over by parameter name (:mod:`geomopt.optim.migrate`): each tensor keeps the
-        kinds of state (Adam moments, momentum) its new rule uses where the shapes still fit, the
-        rest is reset, and the returned :class:`MigrationReport` (also logged) says which. Groups
-        are matched by rule name: a value the new spec sets differently (lr, weight_decay, radius,
-        direction, …) follows the new spec; a value it leaves alone resumes as saved (e.g. an lr
-        a scheduler changed). The ``state_dict()`` of ``torch.optim.AdamW``, ``Adam`` and ``Muon``
-        loads the same way (``allow_spec_change=True``); ``model``: the model that optimizer was
-        built on, when it was given ``model.parameters()`` (no names) and is not this optimizer's
-        model. A torch optimizer's state fills the tensors it names and leaves the others' state as
-        it is, so a Muon + AdamW pair loads with two calls, one per optimizer.
 
-        The whole dict is checked before anything is written (:mod:`geomopt.optim.load_check`):
-        a refused load raises :class:`CheckpointError` (a ValueError) naming the tensor or key,
-        and leaves parameters, state, param_groups and counters bit for bit as they were."""
-        if not isinstance(state_dict, Mapping):
-            check_layout(state_dict)  # raises, saying what a state dict is
-        state_dict = dict(state_dict)  # shallow copy, as torch does; each pre-hook runs once (here)
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            out = pre_hook(self, state_dict)
-            state_dict = state_dict if out is None else out
-        check_layout(state_dict)  # after the hooks: one may turn another format into this one
-        try:
-            source = source_of(state_dict)
-        except ValueError as err:  # another optimizer's state (torch.optim.SGD, …)
-            raise CheckpointError(str(err)) from None
-        meta = state_dict.get("geomopt")
-        if source == "geomopt":  # torch's step tensors (state_dict()) or ints (older checkpoints)
-            state_dict = dict(state_dict, state={i: import_steps(st) if isinstance(st, Mapping) else st
-                                                 for i, st in state_dict["state"].items()})
-        if source != "geomopt":
-            if not allow_spec_change:
-                raise CheckpointError(
-                    f"this is the state of {'torch.optim.Muon' if source == 'muon' else 'torch.optim.Adam(W)'}, "
-                    f"not of a geomopt spec: pass allow_spec_change=True to carry its state over by parameter name "
-                    f"(load_state_dict returns what was kept and reset)")
-            return self._migrate(state_dict, source, None, model)
-        if meta is None:
-            # torch.distributed.checkpoint keeps only "state" and "param_groups": the groups carry the hash
-            meta = dict(spec_hash=state_dict["param_groups"][0].get("spec_hash"))
-        check_meta(meta)
-        check_group_values(state_dict["param_groups"])
-        if meta["spec_hash"] != self.spec_hash and not allow_spec_change:
-            if isinstance(meta.get("spec"), str):
-                diff = difflib.unified_diff(meta["spec"].splitlines(), dump_spec(self.spec, "yaml").splitlines(),
-                                            "saved spec", "current spec", lineterm="", n=1)
-                saved = f"'{spec_name(meta['spec'])}' (hash {meta['spec_hash']})"
-                what = "; what differs:\n" + "\n".join(list(diff)[:40])
-            else:
-                saved, what = f"hash {meta['spec_hash']}", ""
+def mesh_signature(opt: "GeomOptimizer") -> list:
+    """The meshes and placements of the sharded parameters ("2x2 (Replicate(), Shard(dim=0))" …)."""
+    return sorted({"x".join(map(str, p.device_mesh.shape)) + f" {tuple(p.placements)}"
+                   for g in opt.param_groups for p in g["params"] if is_dtensor(p)})
+
+def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change: bool = False,
+                    model=None) -> Optional[MigrationReport]:
+    """Load a checkpoint; refuses one saved under a different spec (saying what differs)
+    unless ``allow_spec_change=True``.
+
+    Under the same spec the state resumes as torch does, bit for bit. Under another spec it
+    is carried over by parameter name (:mod:`geomopt.optim.migrate`): each tensor keeps the
+    kinds of state (Adam moments, momentum) its new rule uses where the shapes still fit, the
+    rest is reset, and the returned :class:`MigrationReport` (also logged) says which. Groups
+    are matched by rule name: a value the new spec sets differently (lr, weight_decay, radius,
+    direction, …) follows the new spec; a value it leaves alone resumes as saved (e.g. an lr
+    a scheduler changed). The ``state_dict()`` of ``torch.optim.AdamW``, ``Adam`` and ``Muon``
+    loads the same way (``allow_spec_change=True``); ``model``: the model that optimizer was
+    built on, when it was given ``model.parameters()`` (no names) and is not this optimizer's
+    model. A torch optimizer's state fills the tensors it names and leaves the others' state as
+    it is, so a Muon + AdamW pair loads with two calls, one per optimizer.
+
+    The whole dict is checked before anything is written (:mod:`geomopt.optim.load_check`):
+    a refused load raises :class:`CheckpointError` (a ValueError) naming the tensor or key,
+    and leaves parameters, state, param_groups and counters bit for bit as they were."""
+    if not isinstance(state_dict, Mapping):
+        check_layout(state_dict)  # raises, saying what a state dict is
+    state_dict = dict(state_dict)  # shallow copy, as torch does; each pre-hook runs once (here)
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        out = pre_hook(opt, state_dict)
+        state_dict = state_dict if out is None else out
+    check_layout(state_dict)  # after the hooks: one may turn another format into this one
+    try:
+        source = source_of(state_dict)
+    except ValueError as err:  # another optimizer's state (torch.optim.SGD, …)
+        raise CheckpointError(str(err)) from None
+    meta = state_dict.get("geomopt")
+    if source == "geomopt":  # torch's step tensors (state_dict()) or ints (older checkpoints)
+        state_dict = dict(state_dict, state={i: import_steps(st) if isinstance(st, Mapping) else st
+                                             for i, st in state_dict["state"].items()})
+    if source != "geomopt":
+        if not allow_spec_change:
             raise CheckpointError(
-                f"optimizer state was saved under spec {saved}, this optimizer runs '{self.spec.name}' "
-                f"(hash {self.spec_hash}){what}\npass allow_spec_change=True to carry the state over by "
-                f"parameter name")
-        saved_mesh = meta.get("mesh", self._mesh_signature())
-        if (meta.get("sharded") or self._sharded) and (meta.get("world_size", self._executor.world)
-                                                       != self._executor.world or saved_mesh != self._mesh_signature()):
-            where = f"{meta.get('world_size', '?')} rank(s)" + (f" (mesh {', '.join(saved_mesh)})"
-                                                                if saved_mesh else "")
-            here = f"{self._executor.world}" + (f" (mesh {', '.join(self._mesh_signature())})"
-                                                 if self._mesh_signature() else "")
-            raise CheckpointError(
-                f"this optimizer state was saved {'sharded over' if meta.get('sharded') else 'on'} {where} and this "
-                f"run has {here}: sharded state (FSDP2, HSDP, TP) loads only on the mesh it was saved on. Save and "
-                f"load with torch.distributed.checkpoint (get_state_dict / set_state_dict), which reshards")
-        if meta["spec_hash"] != self.spec_hash and all("param_names" in g for g in state_dict["param_groups"]):
-            return self._migrate(state_dict, source, meta, model)
-        check_same_spec(self, state_dict, same_rules=meta["spec_hash"] == self.spec_hash)
-        # everything is checked: build, then install at once (torch's loader is not called: it would
-        # run the pre-hooks a second time, and it casts floating state to the parameter's dtype,
-        # where geomopt keeps float32 state for bf16 parameters)
-        groups = copy.deepcopy(state_dict["param_groups"])  # a tensor lr stays a tensor, as in torch
-        saved_ids = [i for g in groups for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        state: defaultdict = defaultdict(dict)
-        for pid, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(pid)
-            if saved is not None:
-                state[p] = {k: to_device(v, p.device) for k, v in saved.items()}
-        for group, new in zip(self.param_groups, groups):
-            new["params"] = group["params"]
-            new.setdefault("param_names", group.get("param_names"))
-            new["spec_hash"] = self.spec_hash
-        if self.spec_hash != meta["spec_hash"]:
-            old = meta.get("spec_groups") or [{}] * len(groups)
-            for group, was, now in zip(groups, old, self._spec_groups):
-                self._follow_spec(group, was, now)
-        counters = meta.get("counters", [])
-        pending = restored_pending(meta.get("pending"), self.param_groups)
-        # install (nothing above wrote to the optimizer)
-        self.__setstate__({"state": state, "param_groups": groups})
-        if len(counters) == len(self._counters):
-            self._counters = [copy_counters(c) for c in counters]
-        self._pending = pending
-        self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-        return None
-
-    def _follow_spec(self, group: dict, was: dict, now: dict) -> None:
-        """After a spec change: the group values the new spec sets differently follow it."""
-        for key in self._SPEC_KEYS:
-            if key not in was or was[key] != now[key]:
-                group[key] = copy_value(now[key])
-
-    def _migrate(self, state_dict: dict, source: str, meta: Optional[dict], model) -> MigrationReport:
-        """Carry a state over by parameter name (:mod:`geomopt.optim.migrate`); everything is
-        built first and installed at the end, so a failure leaves the optimizer as it was."""
-        if model is not None:
-            named = [(strip(n), q) for n, q in unwrap(model).named_parameters()]
-            order = ([n for n, _ in named], [n for n, q in named if q.requires_grad])
+                f"this is the state of {'torch.optim.Muon' if source == 'muon' else 'torch.optim.Adam(W)'}, "
+                f"not of a geomopt spec: pass allow_spec_change=True to carry its state over by parameter name "
+                f"(load_state_dict returns what was kept and reset)")
+        return _migrate(opt, state_dict, source, None, model)
+    if meta is None:
+        # torch.distributed.checkpoint keeps only "state" and "param_groups": the groups carry the hash
+        meta = dict(spec_hash=state_dict["param_groups"][0].get("spec_hash"))
+    check_meta(meta)
+    check_group_values(state_dict["param_groups"])
+    if meta["spec_hash"] != opt.spec_hash and not allow_spec_change:
+        if isinstance(meta.get("spec"), str):
+            diff = difflib.unified_diff(meta["spec"].splitlines(), dump_spec(opt.spec, "yaml").splitlines(),
+                                        "saved spec", "current spec", lineterm="", n=1)
+            saved = f"'{spec_name(meta['spec'])}' (hash {meta['spec_hash']})"
+            what = "; what differs:\n" + "\n".join(list(diff)[:40])
         else:
-            order = self._order
-        try:
-            names = saved_names(state_dict, *order)
-        except ValueError as err:  # entries that cannot be told apart by name
-            raise CheckpointError(str(err)) from None
-        renamed = dict(zip((n for g in state_dict["param_groups"] for n in g.get("param_names", ())), names))
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        for name, i in zip(names, ids):
-            if i in state_dict["state"]:
-                check_entry(name, state_dict["state"][i], source == "geomopt")
-        saved = {name: translate(state_dict["state"][i], source) for name, i in zip(names, ids)
-                 if i in state_dict["state"]}
-        groups = [dict(g) for g in self.param_groups]
-        counters = list(self._counters)
-        if meta is not None:  # a geomopt checkpoint: groups and counters follow their rule's name
-            by_rule = {g.get("rule"): i for i, g in enumerate(state_dict["param_groups"])}
-            spec_groups = meta.get("spec_groups") or [{}] * len(state_dict["param_groups"])
-            for k, (group, now) in enumerate(zip(groups, self._spec_groups)):
-                i = by_rule.get(group["rule"])
-                if i is None:
-                    continue
-                kept = {key: copy_value(v) for key, v in state_dict["param_groups"][i].items()
-                        if key not in ("params", "param_names", "spec_hash")}
-                groups[k] = dict(group, **kept)
-                self._follow_spec(groups[k], spec_groups[i], now)
-                if len(meta.get("counters", [])) == len(state_dict["param_groups"]):
-                    counters[k] = copy_counters(meta["counters"][i])
-        targets = [(pp.name, p, pp, group["direction"])
-                   for group, plans in zip(groups, self._plans) for p, pp in zip(group["params"], plans)]
-        transposed = ({renamed.get(n, strip(n)) for n in meta["transposed"]}
-                      if meta is not None and "transposed" in meta else None)
-        state, report = migrate_state(saved, targets, source, transposed)
-        if meta is None:
-            # a torch optimizer's state covers the tensors it optimized: the others keep what they
-            # hold, so torch.optim.Muon's state and then AdamW's (the usual pair) load one after the other
-            state = {**{p: st for name, p, _, _ in targets if name not in saved and (st := self.state.get(p))},
-                     **state}
-        # install (nothing above wrote to the optimizer)
-        self.state = defaultdict(dict, state)
-        for group, new in zip(self.param_groups, groups):
-            group.clear()
-            group.update(new)
-        self._counters = counters
-        self._pending = None  # a carried-over state starts afresh
-        self._buffers.clear()
-        self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-        log.info("%s", report)
-        return report
+            saved, what = f"hash {meta['spec_hash']}", ""
+        raise CheckpointError(
+            f"optimizer state was saved under spec {saved}, this optimizer runs '{opt.spec.name}' "
+            f"(hash {opt.spec_hash}){what}\npass allow_spec_change=True to carry the state over by "
+            f"parameter name")
+    saved_mesh = meta.get("mesh", mesh_signature(opt))
+    if (meta.get("sharded") or opt._options.sharded) and (meta.get("world_size", opt._executor.world)
+                                                   != opt._executor.world or saved_mesh != mesh_signature(opt)):
+        where = f"{meta.get('world_size', '?')} rank(s)" + (f" (mesh {', '.join(saved_mesh)})"
+                                                            if saved_mesh else "")
+        here = f"{opt._executor.world}" + (f" (mesh {', '.join(mesh_signature(opt))})"
+                                             if mesh_signature(opt) else "")
+        raise CheckpointError(
+            f"this optimizer state was saved {'sharded over' if meta.get('sharded') else 'on'} {where} and this "
+            f"run has {here}: sharded state (FSDP2, HSDP, TP) loads only on the mesh it was saved on. Save and "
+            f"load with torch.distributed.checkpoint (get_state_dict / set_state_dict), which reshards")
+    if meta["spec_hash"] != opt.spec_hash and all("param_names" in g for g in state_dict["param_groups"]):
+        return _migrate(opt, state_dict, source, meta, model)
+    check_same_spec(opt, state_dict, same_rules=meta["spec_hash"] == opt.spec_hash)
+    # everything is checked: build, then install at once (torch's loader is not called: it would
+    # run the pre-hooks a second time, and it casts floating state to the parameter's dtype,
+    # where geomopt keeps float32 state for bf16 parameters)
+    groups = copy.deepcopy(state_dict["param_groups"])  # a tensor lr stays a tensor, as in torch
+    saved_ids = [i for g in groups for i in g["params"]]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state: defaultdict = defaultdict(dict)
+    for pid, p in zip(saved_ids, params):
+        saved = state_dict["state"].get(pid)
+        if saved is not None:
+            state[p] = {k: to_device(v, p.device) for k, v in saved.items()}
+    for group, new in zip(opt.param_groups, groups):
+        new["params"] = group["params"]
+        new.setdefault("param_names", group.get("param_names"))
+        new["spec_hash"] = opt.spec_hash
+        for key in DIRECTION_KEYS:  # a checkpoint from before groups held them: the spec's values
+            if key in group:
+                new.setdefault(key, copy_value(group[key]))
+    if opt.spec_hash != meta["spec_hash"]:
+        old = meta.get("spec_groups") or [{}] * len(groups)
+        for group, was, now in zip(groups, old, opt._spec_groups):
+            follow_spec(group, was, now)
+    counters = meta.get("counters", [])
+    pending = restored_pending(meta.get("pending"), opt.param_groups)
+    # install (nothing above wrote to the optimizer)
+    opt.__setstate__({"state": state, "param_groups": groups})
+    if len(counters) == len(opt._counters):
+        opt._counters = [copy_counters(c) for c in counters]
+    opt._pending = pending
+    opt._dispatch()
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
+    return None
+
+def follow_spec(group: dict, was: dict, now: dict) -> None:
+    """After a spec change: the group values the new spec sets differently follow it."""
+    for key in now:
+        if key not in was or was[key] != now[key]:
+            group[key] = copy_value(now[key])
+
+def _migrate(opt: "GeomOptimizer", state_dict: dict, source: str, meta: Optional[dict], model) -> MigrationReport:
+    """Carry a state over by parameter name (:mod:`geomopt.optim.migrate`); everything is
+    built first and installed at the end, so a failure leaves the optimizer as it was."""
+    if model is not None:
+        named = [(strip(n), q) for n, q in unwrap(model).named_parameters()]
+        order = ([n for n, _ in named], [n for n, q in named if q.requires_grad])
+    else:
+        order = opt._order
+    try:
+        names = saved_names(state_dict, *order)
+    except ValueError as err:  # entries that cannot be told apart by name
+        raise CheckpointError(str(err)) from None
+    renamed = dict(zip((n for g in state_dict["param_groups"] for n in g.get("param_names", ())), names))
+    ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    for name, i in zip(names, ids):
+        if i in state_dict["state"]:
+            check_entry(name, state_dict["state"][i], source == "geomopt")
+    saved = {name: translate(state_dict["state"][i], source) for name, i in zip(names, ids)
+             if i in state_dict["state"]}
+    groups = [dict(g) for g in opt.param_groups]
+    counters = list(opt._counters)
+    if meta is not None:  # a geomopt checkpoint: groups and counters follow their rule's name
+        by_rule = {g.get("rule"): i for i, g in enumerate(state_dict["param_groups"])}
+        spec_groups = meta.get("spec_groups") or [{}] * len(state_dict["param_groups"])
+        for k, (group, now) in enumerate(zip(groups, opt._spec_groups)):
+            i = by_rule.get(group["rule"])
+            if i is None:
+                continue
+            kept = {key: copy_value(v) for key, v in state_dict["param_groups"][i].items()
+                    if key not in ("params", "param_names", "spec_hash")}
+            groups[k] = dict(group, **kept)
+            follow_spec(groups[k], spec_groups[i], now)
+            if len(meta.get("counters", [])) == len(state_dict["param_groups"]):
+                counters[k] = copy_counters(meta["counters"][i])
+    targets = [(pp.name, p, pp, group["direction"])
+               for group, plans in zip(groups, opt._plans) for p, pp in zip(group["params"], plans)]
+    transposed = ({renamed.get(n, strip(n)) for n in meta["transposed"]}
+                  if meta is not None and "transposed" in meta else None)
+    state, report = migrate_state(saved, targets, source, transposed)
+    if meta is None:
+        # a torch optimizer's state covers the tensors it optimized: the others keep what they
+        # hold, so torch.optim.Muon's state and then AdamW's (the usual pair) load one after the other
+        state = {**{p: st for name, p, _, _ in targets if name not in saved and (st := opt.state.get(p))},
+                 **state}
+    # install (nothing above wrote to the optimizer)
+    opt.state = defaultdict(dict, state)
+    for group, new in zip(opt.param_groups, groups):
+        group.clear()
+        group.update(new)
+    opt._counters = counters
+    opt._pending = None  # a carried-over state starts afresh
+    opt._rt.buffers.clear()
+    opt._dispatch()
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
+    log.info("%s", report)
+    return report
 
 
 #: Adam's step count, kept and saved as a Python int (the bias corrections 1 − βᵗ are host

@@ -6,7 +6,7 @@ translation. :class:`~geomopt.optim.GeomOptimizer`'s constructor and step call t
   ``defaults:`` value, so every rule that does not set its own follows them; a rule that sets one
   keeps it (it was written for that rule: Adam's lr beside Muon's is not the same number).
 * ``model.parameters()`` and param-group dicts (:func:`collect_params`), named for the spec's rules.
-* ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the optimizer (:class:`Copyable`).
+* ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the optimizer (:func:`copy_state`).
 * sparse gradients refused at ``step()`` with the tensor's name (:func:`sparse_gradient`), as
   torch's AdamW does, before anything is written.
 * complex parameters (:func:`check_complex`): stepped where the rule is elementwise, refused at
@@ -15,20 +15,17 @@ translation. :class:`~geomopt.optim.GeomOptimizer`'s constructor and step call t
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from numbers import Real
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from geomopt.compile.compiler import model_params
+from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import LocalExecutor
-from geomopt.optim.host import Host
-from geomopt.optim.stacked import StackedState
 from geomopt.optim.tensors import FLAT_DTYPES
-from geomopt.optim.workspace import Workspace
 from geomopt.spec.model import Spec
 
 
@@ -187,56 +184,40 @@ def _in_model(entries: list, model, roles: bool, example_inputs) -> tuple[list, 
 #: (torch drops it too), CUDA graphs and their pinned flag (tied to the original's memory), the
 #: step's scratch, and the stacked-state caches, keyed by the original tensors' ids (the copy
 #: restacks its state on its first step, as after load_state_dict: same values, same bits)
-_REBUILT = ("step", "_graphs", "_flag_host", "_workspace", "_stacked", "_buffers")
+#: what a copy of the optimizer makes anew: torch's profiled step and the step's runtime (caches,
+#: scratch, CUDA graphs: :mod:`geomopt.optim.runtime`)
+REBUILT = ("step", "_rt")
 
 
-class Copyable(Host):
-    """``copy.deepcopy`` and pickling (``pickle``, ``torch.save``) of the whole optimizer.
+def copy_state(opt) -> dict:
+    """What ``copy.deepcopy`` and pickling (``pickle``, ``torch.save``) of the whole optimizer keep.
 
     torch.optim.Optimizer's own ``__getstate__`` keeps only ``defaults``, ``state`` and
     ``param_groups``: a copy of this optimizer would lose its plan and fail on its first step. Here
-    everything is kept except what :data:`_REBUILT` lists and the hooks, which torch's
+    everything is kept except what :data:`REBUILT` lists and the hooks, which torch's
     ``__setstate__`` starts empty (as for its own optimizers: hooks are often closures, which do
     not pickle). Copy or pickle the model in the same call (``copy.deepcopy((model, opt))``,
     ``torch.save({"model": model, "opt": opt})``) so the copy's parameters are the copied model's.
     A distributed optimizer (a process group inside) is refused: save its ``state_dict()``."""
+    if not isinstance(opt._executor, LocalExecutor):
+        raise TypeError("a distributed GeomOptimizer holds its process group and cannot be copied or pickled: "
+                        "save opt.state_dict() and build a new optimizer on each rank")
+    return {k: v for k, v in opt.__dict__.items() if k not in REBUILT and not k.startswith("_optimizer_")}
 
-    def _copy_state(self) -> dict:
-        if not isinstance(self._executor, LocalExecutor):
-            raise TypeError("a distributed GeomOptimizer holds its process group and cannot be copied or pickled: "
-                            "save opt.state_dict() and build a new optimizer on each rank")
-        return {k: v for k, v in self.__dict__.items() if k not in _REBUILT and not k.startswith("_optimizer_")}
 
-    def __getstate__(self) -> dict:
-        """What pickle writes: state entries that view rows of a stacked buffer become tensors of
-        their own (pickle writes a view's whole storage, once per view)."""
-        out = self._copy_state()
-        out["state"] = type(self.state)(dict, {p: {k: _own(v) for k, v in st.items()} for p, st in self.state.items()})
-        return out
-
-    def __deepcopy__(self, memo: dict):
-        """A deep copy keeps views as views (deepcopy copies each storage once)."""
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self._copy_state(), memo))
-        return new
-
-    def __setstate__(self, state: dict) -> None:
-        """Also how torch's ``load_state_dict`` installs ``state`` and ``param_groups`` into this
-        optimizer: what :data:`_REBUILT` lists is made only where it is missing (a copy), never
-        replaced (a sharded optimizer's layouts live in ``_stacked``)."""
-        super().__setstate__(state)  # torch's: hooks (empty where missing), the profiled step
-        if "_stacked" not in self.__dict__:
-            self._graphs, self._flag_host, self._workspace = {}, None, Workspace()
-            self._stacked = StackedState()
-            self._buffers = self._stacked.buffers
+def pickled_state(opt) -> dict:
+    """What pickle writes (:func:`copy_state`): state entries that view rows of a stacked buffer
+    become tensors of their own (pickle writes a view's whole storage, once per view)."""
+    out = copy_state(opt)
+    out["state"] = type(opt.state)(dict, {p: {k: _own(v) for k, v in st.items()} for p, st in opt.state.items()})
+    return out
 
 
 def _own(value):
     return value.clone() if isinstance(value, torch.Tensor) and value._base is not None else value
 
 
-def check_complex(groups: list, plans: list, flat_rule) -> None:
+def check_complex(groups: list, plans: list, flat_rule: Callable[[dict, ParamPlan], bool]) -> None:
     """Complex parameters are stepped where the rule is elementwise (``flat_rule``: the flat path's
     rules, φ euclidean, anisotropic, isotropic or adam with no constraint, post-stage or tracking),
     as torch.optim does: parameter, gradient and state viewed as real (``torch.view_as_real``), so

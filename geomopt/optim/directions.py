@@ -8,9 +8,10 @@ bucket commits (:mod:`geomopt.optim.atomic`: an exception before then leaves the
 was): new tensors replace the old in ``state`` (a bucket's gathered dict, bound to the state when
 the bucket commits), or, where d does not read the update (Lion), the in-place update is appended
 to ``fresh`` and runs at the commit, which costs no memory. The same arithmetic, so the same bits.
-``group`` holds the scalars (``alpha``, ``nesterov``) so torch-style schedulers can change them,
-and ``group["spec_direction"]`` the direction's own spec fragment (heavy ball's μ and τ, Lion's
-betas); ``inplace`` says ``g`` is the caller's scratch copy, which the function may overwrite.
+``group`` is the param group: every coefficient (``alpha``, ``nesterov``, ``init``, heavy ball's
+``momentum`` and ``dampening``, Lion's ``beta1`` and ``beta2``) is read from it, so what torch-style
+schedulers and users edit is what the step uses; ``inplace`` says ``g`` is the caller's scratch
+copy, which the function may overwrite.
 """
 
 from __future__ import annotations
@@ -66,15 +67,14 @@ def heavy_ball(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     """Heavy-ball momentum as torch.optim.SGD runs it (Polyak 1964; Sutskever et al. 2013 for
     Nesterov): b⁰ = g⁰, then b ← μb + (1−τ)g; d = b, or d = g + μb with ``nesterov`` (τ =
     ``dampening``). Same op order as torch's single-tensor SGD, so the same bits."""
-    cfg = group["spec_direction"]
-    mu = cfg["momentum"]
+    mu = group["momentum"]
     buf = state.get("d")
     if buf is None:
         buf = state["d"] = g.clone()
     else:
         kept = torch.mul(buf, mu) if fresh is not None else buf.mul_(mu)
-        buf = state["d"] = kept.add_(g, alpha=1 - cfg["dampening"])
-    if not cfg["nesterov"]:
+        buf = state["d"] = kept.add_(g, alpha=1 - group["dampening"])
+    if not group["nesterov"]:
         return buf
     return g.add_(buf, alpha=mu) if inplace else g.add(buf, alpha=mu)
 
@@ -84,12 +84,12 @@ def lion(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     """Lion's interpolation (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms",
     Algorithm 2): d = β₁m + (1−β₁)g, then m ← β₂m + (1−β₂)g, m⁰ = 0; the sign is the geometry's
     (anisotropic, indicator reference). lion-pytorch's op order (mul, add), so the same bits."""
-    cfg = group["spec_direction"]
+    beta1, beta2 = group["beta1"], group["beta2"]
     m = state.get("d")
     if m is None:
         m = state["d"] = torch.zeros_like(g)
-    d = torch.mul(m, cfg["beta1"]).add_(g, alpha=1 - cfg["beta1"])
-    update = lambda: m.mul_(cfg["beta2"]).add_(g, alpha=1 - cfg["beta2"])  # noqa: E731
+    d = torch.mul(m, beta1).add_(g, alpha=1 - beta1)
+    update = lambda: m.mul_(beta2).add_(g, alpha=1 - beta2)  # noqa: E731
     if fresh is None:
         update()
     else:  # d has read m: its update can wait for the commit

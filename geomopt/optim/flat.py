@@ -1,7 +1,7 @@
-"""The flat path: an elementwise rule (φ euclidean, anisotropic, isotropic or adam; no constraint,
-no post-stage) steps all its tensors, whatever their shapes, with foreach kernels over flat state
-buffers, in blocks that stay in cache; Adam through torch's fused AdamW kernel where the device has
-one and ``implementation`` allows it."""
+"""The flat variant of a step program (:mod:`geomopt.optim.program`): an elementwise rule (φ
+euclidean, anisotropic, isotropic or adam; no constraint, no post-stage) steps all its tensors,
+whatever their shapes, with foreach kernels over flat state buffers, in blocks that stay in cache;
+Adam through torch's fused AdamW kernel where the program is ``fused``."""
 
 from __future__ import annotations
 
@@ -10,130 +10,112 @@ from typing import Any
 
 import torch
 
-from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.forward import elementwise_into, isotropic_factors
 from geomopt.optim.directions import polyak_foreach
 from geomopt.geometry.matrix import split_like
 from geomopt.optim.tensors import as_real, local, op_view
-from geomopt.optim.host import Host
+from geomopt.optim.program import Program
+from geomopt.optim.runtime import Runtime
 
-#: device types with a fused AdamW kernel (torch._fused_adamw_)
-FUSED_ADAM_DEVICES = ("cpu", "cuda")
-#: ``implementation`` values: auto (fused where the device has the kernel), fused, foreach
-IMPLEMENTATIONS = ("auto", "fused", "foreach")
+def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads: list, gamma: float,
+              alpha) -> None:
+    """One step of an elementwise rule with foreach kernels (the ``flat`` variant of a step
+    program, :mod:`geomopt.optim.program`): the state lives in flat buffers (per-parameter state
+    entries are views of them), the forward map runs on flat memory, and the parameters are
+    updated in place. Same arithmetic as :func:`~geomopt.optim.bucket_step.step_bucket`, so the
+    same bits, except adam where the program is ``fused`` (torch.optim.AdamW(fused=True)'s bits).
 
-
-class FlatPath(Host):
-    """The flat path's orchestration (a mixin of :class:`~geomopt.optim.GeomOptimizer`)."""
-
-    def _flat_rule(self, group: dict, pp: ParamPlan) -> bool:
-        """A rule whose whole step is elementwise (φ euclidean, anisotropic or adam; isotropic
-        needs one norm per tensor), with no constraint, no STORM or Nesterov heavy ball and nothing
-        tracked: its tensors need no stacking."""
-        # isotropic: a whole-tensor norm, which shards would reduce
-        kinds = ("euclidean", "anisotropic", "adam") + (() if self._sharded else ("isotropic",))
-        return (pp.geometry["kind"] in kinds and pp.constraint is None and not pp.post and pp.decay == "decoupled"
-                and (group["direction"] in ("none", "polyak")
-                     or (group["direction"] == "heavy_ball" and not pp.direction["nesterov"]))
-                and not self.track_gap and not self.track_update)
-
-    def _step_flat(self, group: dict, items: list, grads: list, gamma: float, alpha) -> None:
-        """One step of an elementwise rule with foreach kernels: the state lives in flat buffers
-        (per-parameter state entries are views of them), the forward map runs on flat memory, and
-        the parameters are updated in place. Same arithmetic as :meth:`_step_bucket`, so the same
-        bits, except adam on devices with a fused AdamW kernel (:meth:`_adam_update`:
-        torch.optim.AdamW(fused=True)'s bits there).
-
-        u (the direction the map reads) is the gradients or the momentum themselves where the map
-        only reads it, and then the step is one pass of each op over all tensors. Where something
-        is written besides the state and the parameters (Nesterov's look-ahead, the sign map's
-        output, unfused Adam's denominator) the whole step runs block by block
-        (:func:`flat_blocks`: row ranges of at most :data:`BLOCK` entries, and of the largest
-        bucket at most): each block's momentum, map and update follow each other while the block
-        is in cache, and the scratch is one block of the workspace. Every op is elementwise, so
-        blocks change no bit."""
-        pp = items[0][1]
-        geometry, kind = pp.geometry, pp.geometry["kind"]
-        alpha = group["alpha"] if alpha is None else alpha
-        wd = group["weight_decay"]
-        scale = -gamma * group["radius"] * self._scale(pp)
-        xs = [as_real(op_view(local(p), q)) for p, q in items]  # complex: re, im as reals
-        gs = grads  # operators' layout and real views already (_job_grads)
-        # the momentum's flat buffer and views, where the rule has a direction (Any: the control
-        # flow below, not the types, says where they are set)
-        d: Any = None
-        ds: Any = None
-        lerp = nesterov = False
-        if group["direction"] != "none":
-            first = "d" not in self.state[items[0][0]]
-            d, ds = self._stacked.flat(self.state, items, xs, "d")
-            heavy = group["direction"] == "heavy_ball"
-            if first and (heavy or group["init"] == "gradient"):
-                torch._foreach_copy_(ds, gs)  # d⁰ = g⁰ (and with Nesterov u = g.lerp(g, ·) = g)
-            elif heavy:  # b ← μb + (1 − τ)g, torch.optim.SGD's ops (directions.heavy_ball)
-                torch._foreach_mul_(ds, pp.direction["momentum"])
-                torch._foreach_add_(ds, gs, alpha=1 - pp.direction["dampening"])
-            else:
-                lerp, nesterov = True, group["nesterov"]
-        adam = self._adam_state(items, xs) if kind == "adam" else None
-        fused = adam is not None and can_fuse_adam(xs, gs if ds is None else ds, self.implementation)
-        writes = nesterov or kind == "anisotropic" or (adam is not None and not fused)
-        blocks: list[Any]
-        if not writes:
-            blocks = [(None, 0, d.numel() if d is not None else None)]
-        else:  # isotropic reads whole tensors (a norm each): blocks of whole tensors
-            blocks = flat_blocks(xs, min(self._largest_bucket, BLOCK) if kind != "isotropic" else self._largest_bucket,
+    u (the direction the map reads) is the gradients or the momentum themselves where the map
+    only reads it, and then the step is one pass of each op over all tensors. Where something
+    is written besides the state and the parameters (Nesterov's look-ahead, the sign map's
+    output, unfused Adam's denominator) the whole step runs block by block
+    (:func:`flat_blocks`: row ranges of at most :data:`BLOCK` entries, and of the largest
+    bucket at most): each block's momentum, map and update follow each other while the block
+    is in cache, and the scratch is one block of the workspace. Every op is elementwise, so
+    blocks change no bit."""
+    pp = items[0][1]
+    geometry, kind = pp.geometry, pp.geometry["kind"]
+    alpha = group["alpha"] if alpha is None else alpha
+    wd = group["weight_decay"]
+    scale = -gamma * group["radius"] * pp.radius / geometry["radius"]
+    xs = [as_real(op_view(local(p), q)) for p, q in items]  # complex: re, im as reals
+    gs = grads  # operators' layout and real views already (the optimizer's job grads)
+    # the momentum's flat buffer and views, where the rule has a direction (Any: the control
+    # flow below, not the types, says where they are set)
+    d: Any = None
+    ds: Any = None
+    lerp = nesterov = False
+    if group["direction"] != "none":
+        first = "d" not in state[items[0][0]]
+        d, ds = rt.stacked.flat(state, items, xs, "d")
+        heavy = group["direction"] == "heavy_ball"
+        if first and (heavy or group["init"] == "gradient"):
+            torch._foreach_copy_(ds, gs)  # d⁰ = g⁰ (and with Nesterov u = g.lerp(g, ·) = g)
+        elif heavy:  # b ← μb + (1 − τ)g, torch.optim.SGD's ops (directions.heavy_ball)
+            torch._foreach_mul_(ds, group["momentum"])
+            torch._foreach_add_(ds, gs, alpha=1 - group["dampening"])
+        else:
+            lerp, nesterov = True, group["nesterov"]
+    adam = _adam_state(rt, state, items, xs) if kind == "adam" else None
+    fused = adam is not None and prog.fused and all(t.is_contiguous() for t in (*xs, *(gs if ds is None else ds)))
+    writes = nesterov or kind == "anisotropic" or (adam is not None and not fused)
+    blocks: list[Any]
+    if not writes:
+        blocks = [(None, 0, d.numel() if d is not None else None)]
+    else:  # isotropic reads whole tensors (a norm each): blocks of whole tensors
+        blocks = flat_blocks(xs, min(rt.largest_bucket, BLOCK) if kind != "isotropic" else rt.largest_bucket,
                              rows=kind != "isotropic")
-        take = functools.partial(self._workspace.take, dtype=xs[0].dtype, device=xs[0].device)
-        for pieces, off, n in blocks:
-            cut = (lambda ts: ts) if pieces is None else functools.partial(cut_pieces, pieces=pieces)
-            x_b, g_b = cut(xs), cut(gs)
-            d_b: Any = None if d is None else cut(ds)
-            if lerp:
-                polyak_foreach(d_b, g_b, alpha)
-            u: Any
-            u_views: Any
-            if nesterov or (kind == "anisotropic" and d is None):
-                u = take("u", (n,))
-                u_views = split_like(u, x_b)
-                torch._foreach_copy_(u_views, g_b)
-                if nesterov:
-                    u.lerp_(d[off:off + n], 1 - alpha)  # g.lerp(d, 1 − α), as the batched path
-            elif d is not None:
-                u, u_views = d[off:off + n], d_b
-            else:
-                u, u_views = None, g_b
-            if adam is not None:
-                (m, v, count) = adam
-                adam_multi_tensor(x_b, u_views, m, v, count, pieces, off, geometry, gamma, wd, fused, take)
-                continue
-            if kind == "isotropic":
-                # ρ·(h*)'(‖D‖)/‖D‖·D per tensor (forward.isotropic), the factor applied in the axpy
-                factors = isotropic_factors(torch.stack(torch._foreach_norm(u_views)), geometry)
-                if wd:
-                    torch._foreach_mul_(x_b, 1 - gamma * wd)
-                torch._foreach_addcmul_(x_b, u_views, list(factors.unbind(0)), value=scale)
-                continue
-            steps = u_views
-            if kind == "anisotropic":
-                out = u if nesterov or d is None else take("u", (u.numel(),))  # in place over a scratch u
-                elementwise_into(u, geometry, out)
-                steps = split_like(out, x_b)
+    take = functools.partial(rt.workspace.take, dtype=xs[0].dtype, device=xs[0].device)
+    for pieces, off, n in blocks:
+        cut = (lambda ts: ts) if pieces is None else functools.partial(cut_pieces, pieces=pieces)
+        x_b, g_b = cut(xs), cut(gs)
+        d_b: Any = None if d is None else cut(ds)
+        if lerp:
+            polyak_foreach(d_b, g_b, alpha)
+        u: Any
+        u_views: Any
+        if nesterov or (kind == "anisotropic" and d is None):
+            u = take("u", (n,))
+            u_views = split_like(u, x_b)
+            torch._foreach_copy_(u_views, g_b)
+            if nesterov:
+                u.lerp_(d[off:off + n], 1 - alpha)  # g.lerp(d, 1 − α), as the batched path
+        elif d is not None:
+            u, u_views = d[off:off + n], d_b
+        else:
+            u, u_views = None, g_b
+        if adam is not None:
+            (m, v, count) = adam
+            adam_multi_tensor(x_b, u_views, m, v, count, pieces, off, geometry, gamma, wd, fused, take)
+            continue
+        if kind == "isotropic":
+            # ρ·(h*)'(‖D‖)/‖D‖·D per tensor (forward.isotropic), the factor applied in the axpy
+            factors = isotropic_factors(torch.stack(torch._foreach_norm(u_views)), geometry)
             if wd:
                 torch._foreach_mul_(x_b, 1 - gamma * wd)
-            torch._foreach_add_(x_b, steps, alpha=scale)
+            torch._foreach_addcmul_(x_b, u_views, list(factors.unbind(0)), value=scale)
+            continue
+        steps = u_views
+        if kind == "anisotropic":
+            out = u if nesterov or d is None else take("u", (u.numel(),))  # in place over a scratch u
+            elementwise_into(u, geometry, out)
+            steps = split_like(out, x_b)
+        if wd:
+            torch._foreach_mul_(x_b, 1 - gamma * wd)
+        torch._foreach_add_(x_b, steps, alpha=scale)
 
-    def _adam_state(self, items: list, xs: list) -> tuple:
-        """The flat Adam moments of a flat call (buffers and their per-tensor views) and the step
-        number this step takes (the count is per parameter; a flat call's tensors share it,
-        :meth:`_jobs`)."""
-        step = self.state[items[0][0]].get("adam_step", 0) + 1
-        m = self._stacked.flat(self.state, items, xs, "exp_avg")
-        v = self._stacked.flat(self.state, items, xs, "exp_avg_sq")
-        for p, _ in items:
-            self.state[p]["adam_step"] = step
-        return m, v, step
+
+def _adam_state(rt: Runtime, state, items: list, xs: list) -> tuple:
+    """The flat Adam moments of a flat call (buffers and their per-tensor views) and the step
+    number this step takes (the count is per parameter; a flat call's tensors share it: the
+    optimizer splits its jobs by state history)."""
+    step = state[items[0][0]].get("adam_step", 0) + 1
+    m = rt.stacked.flat(state, items, xs, "exp_avg")
+    v = rt.stacked.flat(state, items, xs, "exp_avg_sq")
+    for p, _ in items:
+        state[p]["adam_step"] = step
+    return m, v, step
 
 
 #: entries of a block of the flat path (:func:`_blocks`): 4 MiB per float32 array, so a block's
@@ -186,14 +168,3 @@ def flat_blocks(xs: list, cap: int, rows: bool = True) -> list:
 def cut_pieces(ts: list, pieces: list) -> list:
     """The ``pieces`` (:func:`flat_blocks`) of the tensors ``ts``."""
     return [ts[i] if a is None else ts[i][a:b] for i, a, b in pieces]
-
-
-def can_fuse_adam(xs: list, us: list, implementation: str = "auto") -> bool:
-    """Whether torch's fused AdamW kernel can step ``xs`` with directions ``us``: a device that
-    has one, and every tensor contiguous (the kernel walks all of them in memory order, so a
-    channels_last or transposed parameter or gradient takes the unfused ops), unless
-    ``implementation`` is ``foreach``."""
-    if implementation == "foreach":
-        return False
-    return xs[0].device.type in FUSED_ADAM_DEVICES and all(t.is_contiguous() for t in (*xs, *us))
-

@@ -5,64 +5,64 @@ or raises, per rule (``on_nonfinite``), on every rank alike."""
 from __future__ import annotations
 
 import torch
-from geomopt.optim.host import Host
+from geomopt.optim.runtime import Runtime
 
 
 class NonFiniteGradientError(FloatingPointError):
     """A non-finite gradient under ``on_nonfinite: raise``; parameters and state are untouched."""
 
 
-class NonFiniteCheck(Host):
-    """The optimizer's finiteness test (a mixin of :class:`~geomopt.optim.GeomOptimizer`: reads
-    ``param_groups``, ``_counters``, ``_executor``, ``_flag_host``)."""
+def launch_check(rt: Runtime, grads: list, prevs: list):
+    """Launch the fast test of :func:`skip_nonfinite` (a sum is finite iff every entry is, unless
+    it overflows); on CUDA its flag is copied to pinned host memory behind an event, so the host
+    can launch more work before it waits."""
+    ok = finite_flags(rt, grads, prevs, sum_finite).all()
+    if not ok.is_cuda:
+        return ok, None
+    if rt.flag_host is None:
+        rt.flag_host = torch.empty((), dtype=torch.bool, pin_memory=True)
+    rt.flag_host.copy_(ok, non_blocking=True)  # on ok's device's current stream
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(ok.device))  # which need not be the current device
+    return rt.flag_host, event
 
-    def _finite_check(self, grads: list, prevs: list):
-        """Launch the fast test of :meth:`_skip_nonfinite` (a sum is finite iff every entry is,
-        unless it overflows); on CUDA its flag is copied to pinned host memory behind an event,
-        so the host can launch more work before it waits."""
-        ok = self._finite_flags(grads, prevs, sum_finite).all()
-        if not ok.is_cuda:
-            return ok, None
-        if self._flag_host is None:
-            self._flag_host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        self._flag_host.copy_(ok, non_blocking=True)  # on ok's device's current stream
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(ok.device))  # which need not be the current device
-        return self._flag_host, event
 
-    def _skip_nonfinite(self, jobs: list, grads: list, prevs: list, check) -> bool:
-        """True (and counted) when some gradient is non-finite; raises first where a rule says so.
+def skip_nonfinite(rt: Runtime, groups: list, counters: list, jobs: list, grads: list, prevs: list, check) -> bool:
+    """True (and counted in ``counters``) when some gradient is non-finite; raises first where a
+    rule says so. ``jobs``: (program, [(param, plan)]) per job, ``groups``: the param groups.
 
-        Waits for :meth:`_finite_check` (one host sync per step); only when some sum is not finite
-        are those tensors checked entry by entry (so huge finite gradients still step)."""
-        if check is None:
-            return False
-        flag, event = check
-        if event is not None:
-            event.synchronize()
-        if bool(flag):
-            return False
-        ok = self._finite_flags(grads, prevs, finite)
-        if bool(ok.all()):
-            return False
-        bad: dict = {}
-        for (gi, items, _), flag in zip(jobs, ok.tolist()):
-            if not flag:
-                bad.setdefault(gi, []).extend(pp.name for _, pp in items)
-        for gi, names in bad.items():
-            group = self.param_groups[gi]
-            if group["on_nonfinite"] == "raise":
-                raise NonFiniteGradientError(
-                    f"non-finite gradient in rule '{group['rule']}' for {', '.join(names[:5])}"
-                    + (" …" if len(names) > 5 else "")
-                    + "; parameters and optimizer state are unchanged (set on_nonfinite: skip to skip such steps)")
-        for gi in bad:
-            self._counters[gi]["skipped"] += 1
-        return True
+    Waits for :func:`launch_check` (one host sync per step); only when some sum is not finite
+    are those tensors checked entry by entry (so huge finite gradients still step)."""
+    if check is None:
+        return False
+    flag, event = check
+    if event is not None:
+        event.synchronize()
+    if bool(flag):
+        return False
+    ok = finite_flags(rt, grads, prevs, finite)
+    if bool(ok.all()):
+        return False
+    bad: dict = {}
+    for (prog, items), flag in zip(jobs, ok.tolist()):
+        if not flag:
+            bad.setdefault(prog.group, []).extend(pp.name for _, pp in items)
+    for gi, names in bad.items():
+        group = groups[gi]
+        if group["on_nonfinite"] == "raise":
+            raise NonFiniteGradientError(
+                f"non-finite gradient in rule '{group['rule']}' for {', '.join(names[:5])}"
+                + (" …" if len(names) > 5 else "")
+                + "; parameters and optimizer state are unchanged (set on_nonfinite: skip to skip such steps)")
+    for gi in bad:
+        counters[gi]["skipped"] += 1
+    return True
 
-    def _finite_flags(self, grads: list, prevs: list, test) -> torch.Tensor:
-        flags = [test(g) if gp is None else test(g) & test(gp) for g, gp in zip(grads, prevs)]
-        return self._executor.all_finite(torch.stack([f.to(flags[0].device) for f in flags]))
+
+def finite_flags(rt: Runtime, grads: list, prevs: list, test) -> torch.Tensor:
+    """Per job, ``test`` of its gradients (and STORM's previous ones), agreed across ranks."""
+    flags = [test(g) if gp is None else test(g) & test(gp) for g, gp in zip(grads, prevs)]
+    return rt.executor.all_finite(torch.stack([f.to(flags[0].device) for f in flags]))
 
 
 def sum_finite(t) -> torch.Tensor:

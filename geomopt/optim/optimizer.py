@@ -16,41 +16,40 @@ least. γ is the group's ``lr`` shaped by the rule's schedule.
 
 from __future__ import annotations
 
-import warnings
-from typing import Callable, Optional, Union
+import copy
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.optim import Optimizer
 
 from geomopt.compile.compiler import as_spec, needs_roles, plan_from_infos
 from geomopt.compile.lock import check_routing, model_label
-from geomopt.compile.plan import ParamPlan, Plan
-from geomopt.distributed.executors import LocalExecutor, ShardedExecutor, is_dtensor, make_executor
+from geomopt.compile.plan import Plan
+from geomopt.distributed.executors import LocalExecutor, ShardedExecutor, make_executor
 from geomopt.distributed.layout import layout_key
-from geomopt.geometry.prox import backward
-from geomopt.geometry.dtypes import BF16Warning, slow_bf16
-from geomopt.geometry.polynomial import muon_order
-from geomopt.optim.atomic import PendingStep, drive, interrupted
-from geomopt.optim.bucket_step import BucketStep
-from geomopt.optim.checkpoint import Checkpoints, copy_value, new_counters, spec_hash
-from geomopt.optim.contract import Copyable, check_complex, collect_params, sparse_gradient, with_overrides
-from geomopt.optim.diagnostics import Diagnostics, euclidean_geometry
-from geomopt.optim.flat import IMPLEMENTATIONS, FlatPath
-from geomopt.optim.nonfinite import NonFiniteCheck
-from geomopt.optim.schedules import SCHEDULES, warmup_alpha
-from geomopt.optim.stacked import STACKED, StackedState
+from geomopt.optim import checkpoint
 from geomopt.optim import stages as post_stages
-from geomopt.optim.tensors import FLAT_DTYPES, as_real, full, in_set, local, op_layout, op_view, stack, upcast
-from geomopt.optim.workspace import Workspace
+from geomopt.optim.atomic import PendingStep, drive, interrupted
+from geomopt.optim.bucket_step import radius_factor, step_bucket
+from geomopt.optim.checkpoint import new_counters, spec_hash, spec_values
+from geomopt.optim.migrate import MigrationReport
+from geomopt.optim.contract import (check_complex, collect_params, copy_state, pickled_state,
+                                    sparse_gradient, with_overrides)
+from geomopt.optim.construction import project_on_init, warn_slow_bf16, warn_unused_rules
+from geomopt.optim.diagnostics import diagnostics
+from geomopt.optim.flat import step_flat
+from geomopt.optim.nonfinite import launch_check, skip_nonfinite
+from geomopt.optim.program import IMPLEMENTATIONS, Options, Program, dispatch, flat_rule, signature
+from geomopt.optim.runtime import Runtime
+from geomopt.optim.schedules import SCHEDULES, warmup_alpha
+from geomopt.optim.stacked import STACKED
+from geomopt.optim.tensors import as_real, local, op_layout, op_view, stack
 from geomopt.spec.model import RESOLVED_DEFAULTS, Spec
-from geomopt.lint.runner import lint_spec
-from geomopt.lint.coverage import UnusedRuleWarning
-from geomopt.spec.validate import source_of
 
 __all__ = ["GeomOptimizer"]
 
 
-class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath, BucketStep, Optimizer):
+class GeomOptimizer(Optimizer):
     """``GeomOptimizer(model_or_named_parameters, spec)``: spec is a Spec, a path or a dict.
 
     ``model_or_named_parameters`` may also be ``model.parameters()`` or param-group dicts (no
@@ -139,8 +138,6 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
         self.track_gap = track_gap
         self.track_update = track_update
         self.cuda_graphs = cuda_graphs
-        self._graphs: dict = {}  # bucket → GraphedOp
-        self._flag_host = None  # pinned host copy of the finiteness flag (CUDA)
         groups, self._plans = [], []
         for index, rule in enumerate(self.spec.rules):
             plans = [p for p in self.plan if p.rule_index == index]
@@ -148,12 +145,15 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
                 continue
             first = plans[0]
             d = first.direction
+            # every hyper-parameter a step reads lives here (one source of truth): the plan keeps
+            # the operators and each tensor's radius factor
+            coefficients = {k: v for k, v in d.items() if k in checkpoint.DIRECTION_KEYS}
             groups.append(dict(
                 params=[tensors[p.name] for p in plans], param_names=[p.name for p in plans], rule=rule.name,
                 spec_hash=self.spec_hash, lr=first.lr,
                 weight_decay=first.weight_decay, radius=first.geometry["radius"], direction=d["kind"],
                 alpha=d.get("alpha", 1.0), nesterov=d.get("nesterov", False), init=d.get("init", "zero"),
-                schedule=first.schedule, on_nonfinite=first.on_nonfinite, step=0,
+                **coefficients, schedule=first.schedule, on_nonfinite=first.on_nonfinite, step=0,
             ))
             self._plans.append(plans)
         self._building = True
@@ -161,37 +161,62 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
         self._building = False
         # what the spec set per group, saved with the state: after a spec change, values the new
         # spec changed win over the checkpoint's (load_state_dict)
-        self._spec_groups = [{k: copy_value(g[k]) for k in self._SPEC_KEYS} for g in self.param_groups]
+        self._spec_groups = [spec_values(g) for g in self.param_groups]
         self._counters = [new_counters() for _ in self.param_groups]
-        # same-(ops, shape, dtype, device) tensors of a group run as one batched call (Plan buckets)
-        # (zero-size tensors are in none: they never step, :meth:`_jobs`)
+        # same-(ops, shape, dtype, device) tensors of a group, and sharded ones of one mesh and
+        # placements, are a bucket (zero-size tensors are in none: they never step)
         self._buckets = []
-        self._stepping = []  # per group, the indices of its tensors with entries (the flat path's order)
         for group, plans in zip(self.param_groups, self._plans):
             by_key: dict = {}
-            stepping = [i for i, p in enumerate(group["params"]) if p.numel()]
-            for i in stepping:  # sharded tensors stack their shards: same mesh and placements too
-                by_key.setdefault((plans[i].bucket, layout_key(group["params"][i])), []).append(i)
+            for i, p in enumerate(group["params"]):
+                if p.numel():
+                    by_key.setdefault((plans[i].bucket, layout_key(p)), []).append(i)
             self._buckets.append(list(by_key.values()))
-            self._stepping.append(stepping)
-        self._stacked = StackedState()  # the buckets' stacked state; per-param state entries view its rows
-        self._buffers = self._stacked.buffers
-        self._workspace = Workspace()  # a step's scratch, shared by its buckets
+        # geomopt.distributed: LocalExecutor, ReplicatedExecutor or ShardedExecutor
+        self._executor: Any = make_executor([p for g in self.param_groups for p in g["params"]], distributed,
+                                            process_group, names=[pp.name for plans in self._plans for pp in plans])
+        self._options = Options(
+            local=isinstance(self._executor, LocalExecutor), sharded=isinstance(self._executor, ShardedExecutor),
+            keeps_prev=any(g["direction"] == "storm" for g in self.param_groups), track_gap=track_gap,
+            track_update=track_update, cuda_graphs=cuda_graphs, implementation=implementation)
+        self._rt = self._runtime()
+        check_complex(self.param_groups, self._plans, lambda g, pp: flat_rule(g, pp, self._options) is None)
+        self._programs: list[list[Program]] = []
+        self._dispatch()
+        warn_slow_bf16(self.spec, self.plan, tensors)
+        warn_unused_rules(self.spec, infos)
+        project_on_init(self.param_groups, self._plans, self._executor)
+
+    def _runtime(self) -> Runtime:
+        """The step's runtime (:mod:`geomopt.optim.runtime`), with the sharded parameters' layouts
+        as the operators see them (transposed for layout: in_out)."""
+        rt = Runtime(self._executor, graph_cap=2 * sum(map(len, self._buckets)))
         # entries of the largest bucket (what a batched step stacks at once): bounds the flat path's blocks
-        self._largest_bucket = max((sum(g["params"][i].numel() for i in b)
-                                    for g, bs in zip(self.param_groups, self._buckets) for b in bs), default=1)
-        self._executor = make_executor([p for g in self.param_groups for p in g["params"]], distributed, process_group,
-                                       names=[pp.name for plans in self._plans for pp in plans])
-        self._sharded = isinstance(self._executor, ShardedExecutor)
-        # sharded parameters' layouts as the operators see them (transposed for layout: in_out), once
+        rt.largest_bucket = max((sum(g["params"][i].numel() for i in b)
+                                 for g, bs in zip(self.param_groups, self._buckets) for b in bs), default=1)
         blocks = getattr(self._executor, "layouts", {})
-        self._stacked.layouts = {id(p): op_layout(blocks[id(p)], pp) for g, plans in zip(self.param_groups, self._plans)
-                                 for p, pp in zip(g["params"], plans) if id(p) in blocks}
-        self._needs_closure = any(g["direction"] == "storm" for g in self.param_groups)
-        check_complex(self.param_groups, self._plans, self._flat_rule)
-        self._warn_slow_bf16(tensors)
-        self._warn_unused_rules(infos)
-        self._project_on_init()
+        rt.stacked.layouts = {id(p): op_layout(blocks[id(p)], pp) for g, plans in zip(self.param_groups, self._plans)
+                              for p, pp in zip(g["params"], plans) if id(p) in blocks}
+        return rt
+
+    def _dispatch(self) -> None:
+        """Build every bucket's step program (:func:`geomopt.optim.program.dispatch`), and note the
+        group values they were built from: a step builds them again when those change."""
+        self._programs = dispatch(self.param_groups, self._plans, self._buckets, self._options)
+        self._built_from = [signature(g) for g in self.param_groups]
+        batched = [p for progs in self._programs for p in progs if p.variant == "batched"]
+        self._deferred = (self._options.local and not self._options.keeps_prev
+                          and all(p.check == "deferred" for p in batched))
+
+    def describe(self) -> str:
+        """Every bucket's step program (:mod:`geomopt.optim.program`): its tensors, stages,
+        variant and why each choice was made, as text (``geomopt plan … --program`` prints it)."""
+        if [signature(g) for g in self.param_groups] != self._built_from:
+            self._dispatch()
+        head = (f"spec '{self.spec.name}': {sum(map(len, self._programs))} step program(s); finiteness test "
+                f"{'deferred behind the forward ops' if self._deferred else 'before any write'}; executor "
+                f"{type(self._executor).__name__}")
+        return "\n".join([head] + [p.describe() for progs in self._programs for p in progs])
 
     # ------------------------------------------------------------ set-up
 
@@ -203,62 +228,49 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
                                "build a new optimizer) instead of calling add_param_group")
         super().add_param_group(param_group)
 
-    def _warn_slow_bf16(self, tensors: dict) -> None:
-        """One warning when rules ask for bf16 matrix iterations on a CPU that emulates bf16."""
-        slow = sorted({pp.rule for pp in self.plan if slow_bf16(pp.geometry.get("approx"), tensors[pp.name].device)})
-        if slow:
-            warnings.warn(
-                f"rule(s) {', '.join(map(repr, slow))} of spec '{self.spec.name}' run their matrix iteration in "
-                f"bfloat16 on a CPU without native bf16 matmuls, which emulates them: about 100x slower than float32 "
-                f"(a 512³ matmul ran at 1.2 against 119 GFLOP/s on an AVX2 CPU), so a step can take seconds. "
-                f"Set the approx's "
-                f"dtype to auto (bf16 on CUDA, float32 on CPU) or float32", BF16Warning, stacklevel=3)
-
-    def _warn_unused_rules(self, infos: list) -> None:
-        """One :class:`~geomopt.lint.coverage.UnusedRuleWarning` per rule that matches no tensor:
-        lint's GO102 finding, so what lint calls idle (GO113, a role the model lacks) stays quiet
-        and a ``# geomopt: disable=GO102`` comment on the rule silences it here too."""
-        source = source_of(self.spec)
-        for d in lint_spec(self.spec, infos, select="GO102"):
-            if d.code != "GO102":
-                continue  # GO123: a suppression comment of GO102 that silenced nothing
-            where = f"{d.file}:{d.line}:{d.col}" if source is not None and source.values else f"spec '{self.spec.name}'"
-            warnings.warn(
-                f"{where}: GO102 {d.message} of this model, so it optimizes nothing (a misspelled pattern, or tensors "
-                f"that are named otherwise): fix its match (`geomopt lint SPEC --model …` and `geomopt explain` show "
-                f"the model's names) or delete the rule; to keep it, put `# geomopt: disable=GO102` on its line",
-                UnusedRuleWarning, stacklevel=3)
-
-    @torch.no_grad()
-    def _project_on_init(self) -> None:
-        """Project constrained tensors onto their set (geomopt.geometry.backward: feasibility), as Scion's init does,
-        so every backward step is defined. A tensor already in the set (within rounding:
-        :func:`in_set`) is left bit for bit as it is, so weights loaded before the optimizer is
-        built resume exactly. A sharded tensor is projected whole (on every rank, once) and each
-        rank keeps its shard."""
-        for group, plans in zip(self.param_groups, self._plans):
-            for p, pp in zip(group["params"], plans):
-                c = pp.constraint
-                if c is None or not pp.project_on_init or c["kind"] == "proximal_decay" or not p.numel():
-                    continue
-                x = op_view(full(p), pp)
-                xu = upcast(x)
-                xp, _ = backward(xu, 1.0, euclidean_geometry(pp), c)
-                if in_set(xu, xp, x.dtype):
-                    continue  # already feasible (a resumed run's weights): keep every bit
-                x.copy_(xp)
-                if is_dtensor(p):
-                    block = self._executor.layouts[id(p)].slices(self._executor.rank)
-                    p.to_local().copy_(op_view(x, pp)[block])  # _view is its own inverse
-
     @property
     def work(self):
         """This rank's matrix-function work so far (:class:`~geomopt.distributed.WorkCounter`:
         matrices, FLOPs up to a constant, seconds): under DDP / FSDP2 about 1/world of the total."""
         return self._executor.work
 
-    def _scale(self, pp: ParamPlan) -> float:
-        return pp.radius / pp.geometry["radius"]
+    # ------------------------------------------------------------ checkpoints, copies, diagnostics
+
+    def state_dict(self) -> dict:
+        """torch's state dict and what the spec set (``"geomopt"``): :func:`geomopt.optim.checkpoint.state_dict`."""
+        return checkpoint.state_dict(self)
+
+    # override: torch's returns None; this one also takes allow_spec_change / model and returns the
+    # MigrationReport of a state carried over from another spec or optimizer
+    def load_state_dict(self, state_dict: dict, *, allow_spec_change: bool = False,  # type: ignore[override]
+                        model=None) -> Optional[MigrationReport]:
+        """Load a checkpoint, refusing one saved under a different spec unless
+        ``allow_spec_change=True``: :func:`geomopt.optim.checkpoint.load_state_dict`."""
+        return checkpoint.load_state_dict(self, state_dict, allow_spec_change=allow_spec_change, model=model)
+
+    def diagnostics(self, *, gap_reference: str = "auto") -> dict[str, dict]:
+        """Per rule: gap, dual norm, violation, update norm, skipped steps and fallbacks
+        (:func:`geomopt.optim.diagnostics.diagnostics`)."""
+        return diagnostics(self, gap_reference=gap_reference)
+
+    def __getstate__(self) -> dict:
+        """What pickle writes (:func:`geomopt.optim.contract.pickled_state`)."""
+        return pickled_state(self)
+
+    def __deepcopy__(self, memo: dict):
+        """A deep copy keeps views as views (deepcopy copies each storage once)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(copy_state(self), memo))
+        return new
+
+    def __setstate__(self, state: dict) -> None:
+        """Also how ``load_state_dict`` installs ``state`` and ``param_groups`` into this
+        optimizer: what :data:`~geomopt.optim.contract.REBUILT` lists is made only where it is
+        missing (a copy), never replaced (a sharded optimizer's layouts live in the runtime)."""
+        super().__setstate__(state)  # torch's: hooks (empty where missing), the profiled step
+        if "_rt" not in self.__dict__:
+            self._rt = self._runtime()
 
     # ------------------------------------------------------------ the step
 
@@ -267,14 +279,15 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
     def step(self, closure: Optional[Callable[[], torch.Tensor]] = None):  # type: ignore[override]
         """One step for every parameter that has a gradient; returns the closure's loss.
 
-        Non-finite gradients are checked in every group before anything is written: under
-        ``on_nonfinite: raise`` (of a rule that has one) the step raises, otherwise the whole step
-        is skipped and counted in the rules that had them; either way parameters and all
-        optimizer state are left exactly as they were. A sparse gradient raises (RuntimeError,
-        naming the tensor), also before anything is written."""
+        Each job (a bucket's tensors with gradients, or an elementwise rule's pooled tensors) runs
+        its step program (:meth:`describe`). Non-finite gradients are checked in every group
+        before anything is written: under ``on_nonfinite: raise`` (of a rule that has one) the
+        step raises, otherwise the whole step is skipped and counted in the rules that had them;
+        either way parameters and all optimizer state are left exactly as they were. A sparse
+        gradient raises (RuntimeError, naming the tensor), also before anything is written."""
         loss = None
         g_prev: dict = {}
-        if self._needs_closure:
+        if self._options.keeps_prev:
             if closure is None:
                 raise RuntimeError(
                     "this spec uses a storm direction, which evaluates the gradient at the previous and the "
@@ -286,22 +299,25 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
+            if [signature(g) for g in self.param_groups] != self._built_from:
+                self._dispatch()  # a group's direction changed: its programs follow
+            rt, groups = self._rt, self.param_groups
             jobs = self._jobs()
-            grads = [self._job_grads(gi, items, flat, g_prev) for gi, items, flat in jobs]
+            grads = [self._job_grads(prog, items) for prog, items in jobs]
             prevs = [stack([op_view(local(g_prev[p]), pp) for p, pp in items])
-                     if all(g_prev.get(p) is not None for p, _ in items) else None for _, items, _ in jobs]
-            check = self._finite_check(grads, prevs) if jobs else None
+                     if all(g_prev.get(p) is not None for p, _ in items) else None for _, items in jobs]
+            check = launch_check(rt, grads, prevs) if jobs else None
             # deferred: the buckets launch their forward ops (reads into scratch) before the host
             # waits for the test, so the device stays busy; nothing is written before the wait
-            defer = self._can_defer(jobs, grads)
-            if not defer and self._skip_nonfinite(jobs, grads, prevs, check):
+            defer = self._deferred
+            if not defer and skip_nonfinite(rt, groups, self._counters, jobs, grads, prevs, check):
                 return loss
             schedules, devices = {}, {}
-            for gi, items, _ in jobs:
+            for prog, items in jobs:
+                gi = prog.group
                 if gi not in schedules:
-                    group = self.param_groups[gi]
-                    gamma, alpha = SCHEDULES[group["schedule"]["kind"]](group, group["step"])
-                    schedules[gi] = (gamma, warmup_alpha(alpha, group, items[0][1].direction))
+                    gamma, alpha = SCHEDULES[groups[gi]["schedule"]["kind"]](groups[gi], groups[gi]["step"])
+                    schedules[gi] = (gamma, warmup_alpha(alpha, groups[gi]))
                     devices[gi] = items[0][0].device
 
             pending = self._pending
@@ -309,34 +325,32 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
 
             def writes() -> bool:
                 """Everything that writes at once; False when the step is skipped."""
-                if defer and self._skip_nonfinite(jobs, grads, prevs, check):
+                if defer and skip_nonfinite(rt, groups, self._counters, jobs, grads, prevs, check):
                     return False
                 if pending is None:  # a completed retry counts the whole step's update
                     for gi, device in devices.items():
                         self._counters[gi]["update_sq"] = torch.zeros((), device=device)
-                for j, ((gi, items, flat), g) in enumerate(zip(jobs, grads)):
-                    if flat:
-                        self._step_flat(self.param_groups[gi], items, g, *schedules[gi])
+                for j, ((prog, items), g) in enumerate(zip(jobs, grads)):
+                    if prog.variant == "flat":
+                        step_flat(prog, rt, self.state, groups[prog.group], items, g, *schedules[prog.group])
                         done.append(j)
                 return True
 
-            local_run = isinstance(self._executor, LocalExecutor)
             try:
                 if not defer:
                     writes()
-                shared = not defer and local_run  # buckets one after another
-                steps = [(j, self._step_bucket(gi, self.param_groups[gi], items, g, gp, *schedules[gi],
-                                               deferred=defer, shared=shared))
-                         for j, ((gi, items, flat), g, gp) in enumerate(zip(jobs, grads, prevs)) if not flat]
+                shared = not defer and self._options.local  # buckets one after another
+                steps = [(j, step_bucket(prog, rt, self.state, self._counters[prog.group], groups[prog.group], items,
+                                         g, gp, *schedules[prog.group], shared=shared))
+                         for j, ((prog, items), g, gp) in enumerate(zip(jobs, grads, prevs)) if prog.variant != "flat"]
                 if not drive(self._executor.run, steps, done.append, writes if defer else None,
-                             lockstep=not local_run):
+                             lockstep=not self._options.local):
                     return loss
             except BaseException as err:
-                self._pending = interrupted(self._pending, err, jobs, done, self.param_groups, self._plans,
-                                            isinstance(self._executor, LocalExecutor))
+                self._pending = interrupted(self._pending, err, jobs, done, groups, self._plans, self._options.local)
                 raise
             for gi in set(schedules) | (pending.groups if pending is not None else set()):
-                self.param_groups[gi]["step"] += 1
+                groups[gi]["step"] += 1
             self._pending = None
         return loss
 
@@ -347,37 +361,19 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
         otherwise."""
         return None if self._pending is None else self._pending.to_dict()
 
-    def _can_defer(self, jobs: list, grads: list) -> bool:
-        """Whether this step may await the finiteness test after launching the forward ops: in
-        one process, off torch Muon's op order (CUDA: :func:`muon_order`), and every bucket
-        writes nothing before its forward op (direction none, or Polyak read from the gradients
-        as :meth:`_polyak_ahead` does; no Adam geometry, no STORM)."""
-        if not isinstance(self._executor, LocalExecutor) or self._needs_closure:
-            return False
-        for (gi, items, flat), g in zip(jobs, grads):
-            if flat:
-                continue
-            group = self.param_groups[gi]
-            pp = items[0][1]
-            if (muon_order(items[0][0].device) or pp.geometry["kind"] == "adam" or pp.post or pp.decay != "decoupled"
-                    or group["direction"] not in ("none", "polyak")
-                    or (group["direction"] == "polyak" and not isinstance(g, list))):
-                return False
-        return True
-
     def _jobs(self) -> list:
-        """(group index, [(param, plan), …], flat) per call: a bucket's tensors that have a
-        gradient and entries (a zero-size tensor is left out, as one without a gradient: it never
-        steps nor gets state), split by state history (a tensor that missed steps has its own step counts).
-        ``flat``: an elementwise rule's tensors of one dtype and radius, whatever their shapes,
-        run as one flat call (:meth:`_step_flat`)."""
-        jobs = []
-        for gi, (group, plans) in enumerate(zip(self.param_groups, self._plans)):
-            flat = self._flat_rule(group, plans[0])
-            buckets = [self._stepping[gi]] if flat else self._buckets[gi]  # zero-size tensors in neither
-            for bucket in buckets:
-                by_key: dict = {}
-                for i in bucket:
+        """(program, [(param, plan), …]) per call: a bucket's tensors that have a gradient (a
+        zero-size tensor is in no bucket: it never steps nor gets state), split by state history
+        (a tensor that missed steps has its own step counts). An elementwise rule's ``flat``
+        buckets pool their tensors of one dtype, device and radius, whatever their shapes, into
+        one flat call (:func:`geomopt.optim.flat.step_flat`)."""
+        jobs: list = []
+        for group, plans, progs in zip(self.param_groups, self._plans, self._programs):
+            pooled: dict = {}
+            for prog in progs:
+                flat = prog.variant == "flat"
+                by_key: dict = pooled if flat else {}
+                for i in prog.indices:
                     p = group["params"][i]
                     if p.grad is None or (self._pending is not None and id(p) in self._pending.done):
                         continue  # no gradient, or committed by an interrupted step this one completes
@@ -385,24 +381,21 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
                         raise sparse_gradient(plans[i].name, p.grad.layout)
                     st = self.state[p]
                     key: tuple = (tuple(sorted(k for k in st if k in STACKED)),
-                           (st.get("adam_step"), st.get(post_stages.STAGE_STEP)))
+                                  (st.get("adam_step"), st.get(post_stages.STAGE_STEP)))
                     if flat:
-                        key += (p.dtype, p.grad.dtype, p.device, self._scale(plans[i]))
-                        if not (p.dtype == p.grad.dtype and p.dtype in (torch.float32, torch.float64)):
-                            key += (plans[i].bucket,)  # low precision: batched, per bucket
-                    by_key.setdefault(key, []).append((p, plans[i]))
-                for key, items in by_key.items():
-                    ok = flat and key[2] == key[3] and key[2] in FLAT_DTYPES
-                    jobs.append((gi, items, ok))
+                        key += (p.dtype, p.device, radius_factor(plans[i]))
+                    by_key.setdefault(key, (prog, []))[1].append((p, plans[i]))
+                if not flat:
+                    jobs.extend(by_key.values())
+            jobs.extend(pooled.values())
         return jobs
 
-    def _job_grads(self, gi: int, items: list, flat: bool, g_prev: dict):
+    @staticmethod
+    def _job_grads(prog: Program, items: list):
         """A job's gradients: stacked (batched ops), or a list (views, no copy) where the flat
-        path or a Polyak direction reads them tensor by tensor (:meth:`_polyak_rows`)."""
+        variant or a Polyak direction reads them tensor by tensor (the program's direction form)."""
         grads = [as_real(op_view(local(p.grad), pp)) for p, pp in items]
-        group = self.param_groups[gi]
-        if flat or (group["direction"] == "polyak" and not g_prev and grads[0].dtype in (torch.float32, torch.float64)
-                    and all(g.dtype == grads[0].dtype for g in grads)):
+        if prog.variant == "flat" or prog.direction_form in ("rows", "ahead"):
             return grads
         return stack(grads)
 

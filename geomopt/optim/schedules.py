@@ -36,12 +36,12 @@ def storm(group, k):
     return group["lr"] * a, a
 
 
-def warmup_alpha(alpha, group: dict, direction: dict):
-    """α of this step under a Polyak momentum warmup: from ``warmup_alpha`` at step 0 linearly to
-    the group's α at ``warmup_steps``, then the group's (a schedule's own α wins)."""
-    steps = direction.get("warmup_steps", 0)
+def warmup_alpha(alpha, group: dict):
+    """α of this step under a Polyak momentum warmup: from the group's ``warmup_alpha`` at step 0
+    linearly to its ``alpha`` at ``warmup_steps``, then its α (a schedule's own α wins)."""
+    steps = group.get("warmup_steps", 0)
     if alpha is not None or not steps:
         return alpha
     frac = min(group["step"] / steps, 1.0)
-    start = direction["warmup_alpha"]
+    start = group["warmup_alpha"]
     return start + (group["alpha"] - start) * frac

@@ -1,0 +1,71 @@
+"""What building the optimizer does besides its groups and programs: the warnings a spec earns on
+this model (bf16 matrix iterations on a CPU that emulates them, rules that match nothing) and the
+projection of constrained tensors onto their sets, so every backward step is defined."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from geomopt.compile.plan import Plan
+from geomopt.distributed.executors import is_dtensor
+from geomopt.geometry.dtypes import BF16Warning, slow_bf16
+from geomopt.geometry.prox import backward
+from geomopt.lint.coverage import UnusedRuleWarning
+from geomopt.lint.runner import lint_spec
+from geomopt.optim.diagnostics import euclidean_geometry
+from geomopt.optim.tensors import full, in_set, op_view, upcast
+from geomopt.spec.model import Spec
+from geomopt.spec.validate import source_of
+
+
+def warn_slow_bf16(spec: Spec, plan: Plan, tensors: dict) -> None:
+    """One warning when rules ask for bf16 matrix iterations on a CPU that emulates bf16."""
+    slow = sorted({pp.rule for pp in plan if slow_bf16(pp.geometry.get("approx"), tensors[pp.name].device)})
+    if slow:
+        warnings.warn(
+            f"rule(s) {', '.join(map(repr, slow))} of spec '{spec.name}' run their matrix iteration in "
+            f"bfloat16 on a CPU without native bf16 matmuls, which emulates them: about 100x slower than float32 "
+            f"(a 512³ matmul ran at 1.2 against 119 GFLOP/s on an AVX2 CPU), so a step can take seconds. "
+            f"Set the approx's "
+            f"dtype to auto (bf16 on CUDA, float32 on CPU) or float32", BF16Warning, stacklevel=3)
+
+
+def warn_unused_rules(spec: Spec, infos: list) -> None:
+    """One :class:`~geomopt.lint.coverage.UnusedRuleWarning` per rule that matches no tensor:
+    lint's GO102 finding, so what lint calls idle (GO113, a role the model lacks) stays quiet
+    and a ``# geomopt: disable=GO102`` comment on the rule silences it here too."""
+    source = source_of(spec)
+    for d in lint_spec(spec, infos, select="GO102"):
+        if d.code != "GO102":
+            continue  # GO123: a suppression comment of GO102 that silenced nothing
+        where = f"{d.file}:{d.line}:{d.col}" if source is not None and source.values else f"spec '{spec.name}'"
+        warnings.warn(
+            f"{where}: GO102 {d.message} of this model, so it optimizes nothing (a misspelled pattern, or tensors "
+            f"that are named otherwise): fix its match (`geomopt lint SPEC --model …` and `geomopt explain` show "
+            f"the model's names) or delete the rule; to keep it, put `# geomopt: disable=GO102` on its line",
+            UnusedRuleWarning, stacklevel=3)
+
+
+@torch.no_grad()
+def project_on_init(groups: list, plans: list, executor) -> None:
+    """Project constrained tensors onto their set (geomopt.geometry.backward: feasibility), as Scion's init does,
+    so every backward step is defined. A tensor already in the set (within rounding:
+    :func:`in_set`) is left bit for bit as it is, so weights loaded before the optimizer is
+    built resume exactly. A sharded tensor is projected whole (on every rank, once) and each
+    rank keeps its shard."""
+    for group, gplans in zip(groups, plans):
+        for p, pp in zip(group["params"], gplans):
+            c = pp.constraint
+            if c is None or not pp.project_on_init or c["kind"] == "proximal_decay" or not p.numel():
+                continue
+            x = op_view(full(p), pp)
+            xu = upcast(x)
+            xp, _ = backward(xu, 1.0, euclidean_geometry(pp), c)
+            if in_set(xu, xp, x.dtype):
+                continue  # already feasible (a resumed run's weights): keep every bit
+            x.copy_(xp)
+            if is_dtensor(p):
+                block = executor.layouts[id(p)].slices(executor.rank)
+                p.to_local().copy_(op_view(x, pp)[block])  # _view is its own inverse

@@ -1,0 +1,232 @@
+"""Step programs: how each bucket of tensors steps, chosen once by one dispatcher.
+
+A :class:`Program` names a bucket's stages (direction, forward op, post-stages, decay,
+constraint, write-back) and its *variant*: the module function that runs it and the choices that
+function reads. :func:`dispatch` is the only place those choices are made, each with the reason it
+was made, from what is fixed when the optimizer is built (the plan, the options, the executor, the
+tensors' device and dtype) and from the group values the choice reads (the direction and its
+form), so a program is built again only when one of those changes (:func:`signature`).
+
+Variants::
+
+    flat      an elementwise rule (φ euclidean, anisotropic, isotropic or adam; no constraint,
+              no post-stage): the rule's tensors of one dtype, device and radius run as one call
+              of foreach kernels over flat state buffers (optim.flat.step_flat); Adam through
+              torch's fused AdamW kernel where the device has one (``fused``)
+    batched   every other rule: a bucket's same-shape tensors stacked along a leading dim, one
+              call per operator (optim.bucket_step.step_bucket), writing back
+              ``one-pass``   X ← lerp(X, S, γλ) with S = −(ρ/λ)∇φ₁*(d) from the forward op
+                             (or X += γS, S = −ρ∇φ₁*(d), without decay): one pass over X
+              ``in-place``   X ← X(1 − γλ) − γρU with foreach ops on the parameters
+              ``stacked``    Y from a stacked float32 copy of X, the prox on Y, then copied back
+
+and, batched, the direction's form (``stacked``: on the stacked gradients; ``rows``: Polyak read
+tensor by tensor from the unstacked gradients, no stacked copy of G; ``ahead``: Polyak read ahead
+of a deferred finiteness test, its state written after it), the finiteness test (``before`` the
+step, or ``deferred`` behind the forward ops' launches, one process), and ``graphed`` (the
+polynomial forward op replayed from a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from geomopt.compile.plan import ParamPlan
+from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
+from geomopt.geometry.polynomial import muon_order
+from geomopt.optim import stages as post_stages
+from geomopt.optim.tensors import FLAT_DTYPES, upcast
+
+#: the elementwise geometries: a flat call steps them (isotropic needs one norm per tensor, which
+#: a sharded tensor would reduce across ranks, so not when sharded)
+FLAT_GEOMETRIES = ("euclidean", "anisotropic", "adam")
+#: device types with a fused AdamW kernel (torch._fused_adamw_)
+FUSED_ADAM_DEVICES = ("cpu", "cuda")
+#: ``implementation`` values: auto (fused where the device has the kernel), fused, foreach
+IMPLEMENTATIONS = ("auto", "fused", "foreach")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What the optimizer was built with that programs read."""
+
+    local: bool  # one process (LocalExecutor)
+    sharded: bool  # DTensor parameters (FSDP2, HSDP, TP)
+    keeps_prev: bool  # some rule is STORM: the step keeps the previous iterate
+    track_gap: bool = False
+    track_update: bool = False
+    cuda_graphs: bool = False
+    implementation: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A bucket's step. ``group``/``indices``: its param group and the indices of its tensors
+    there; ``variant``: ``flat`` or ``batched``; ``write``, ``direction_form``, ``check``,
+    ``graphed``, ``fused``: the choices :func:`dispatch` made (see the module), ``why`` the
+    reason for each; ``stages`` the step, in order, as text."""
+
+    rule: str
+    group: int
+    indices: tuple[int, ...]
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    variant: str
+    stages: tuple[str, ...]
+    write: str = ""
+    direction_form: str = "stacked"
+    check: str = "before"
+    graphed: bool = False
+    fused: bool = False
+    journal: bool = False  # one process: state updated before a request is journaled / put off
+    keeps_prev: bool = False
+    track_gap: bool = False
+    track_update: bool = False
+    why: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        head = f"rule {self.rule!r}: {len(self.indices)} × {list(self.shape)} {self.dtype} on {self.device}"
+        choices = [self.variant] + [c for c in (self.write, self.direction_form if self.variant == "batched"
+                                                 else "", self.check if self.variant == "batched" else "",
+                                                 "graphed" if self.graphed else "", "fused" if self.fused else "") if c]
+        lines = [head, f"  variant: {' · '.join(choices)}", "  stages: " + " → ".join(self.stages)]
+        lines += [f"  why: {w}" for w in self.why]
+        names = ", ".join(self.names[:4]) + (f", … ({len(self.names)} tensors)" if len(self.names) > 4 else "")
+        lines.append(f"  tensors: {names}")
+        return "\n".join(lines)
+
+
+def signature(group: dict) -> tuple:
+    """The group values a program's choices read: a program is built again when they change."""
+    return group["direction"], bool(group.get("nesterov")), group.get("init")
+
+
+def flat_rule(group: dict, pp: ParamPlan, opts: Options) -> Optional[str]:
+    """None when a rule's whole step is elementwise with nothing that needs its tensors stacked;
+    else why not."""
+    kinds = FLAT_GEOMETRIES + (() if opts.sharded else ("isotropic",))
+    if pp.geometry["kind"] not in kinds:
+        return f"{pp.geometry['kind']} geometry is not elementwise" + (
+            " on sharded tensors (a norm per tensor)" if pp.geometry["kind"] == "isotropic" else "")
+    if pp.constraint is not None:
+        return f"constraint {pp.constraint['kind']}: its prox runs on the stacked update"
+    if pp.post:
+        return "post-stages run on the stacked update"
+    if pp.decay != "decoupled":
+        return f"{pp.decay} weight decay reads the update's sign per entry"
+    if not (group["direction"] in ("none", "polyak") or (group["direction"] == "heavy_ball" and not group["nesterov"])):
+        return f"direction {group['direction']}" + (" with Nesterov" if group["direction"] == "heavy_ball" else "")
+    if opts.track_gap or opts.track_update:
+        return "track_gap / track_update measure the stacked step"
+    return None
+
+
+def stage_text(group: dict, pp: ParamPlan) -> tuple[str, ...]:
+    """The step as text: direction → forward → post-stages → decay → constraint."""
+    d = group["direction"]
+    if group.get("nesterov"):
+        d += " (nesterov)"
+    g = pp.geometry
+    fwd = g["kind"] + (f"/{g['approx']['kind']}" if g.get("approx") else "")
+    out = [f"direction {d}", f"forward {fwd}"]
+    out += [f"post {s['kind']}" for s in pp.post]
+    out.append(f"decay {pp.decay}")
+    if pp.constraint is not None:
+        out.append(f"prox {pp.constraint['kind']}")
+    return tuple(out)
+
+
+def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[list[Program]]:
+    """Per group, the program of each bucket (``buckets[gi]``: lists of indices into the group's
+    params, each one plan bucket and one sharding layout). The one place where a step's variant is
+    chosen; each choice says why in ``Program.why``."""
+    batched: list[tuple[int, int, bool]] = []  # (group, program, deferrable)
+    out: list[list[Program]] = []
+    for gi, (group, ps, bs) in enumerate(zip(groups, plans, buckets)):
+        progs: list[Program] = []
+        for indices in bs:
+            p, pp = group["params"][indices[0]], ps[indices[0]]
+            common = dict(rule=group["rule"], group=gi, indices=tuple(indices),
+                          names=tuple(ps[i].name for i in indices), shape=tuple(pp.op_shape), dtype=str(p.dtype),
+                          device=str(p.device), stages=stage_text(group, pp))
+            not_flat = flat_rule(group, pp, opts)
+            if not_flat is None and p.dtype in FLAT_DTYPES:
+                fused = (pp.geometry["kind"] == "adam" and opts.implementation != "foreach"
+                         and p.device.type in FUSED_ADAM_DEVICES)
+                why = ["elementwise rule: one foreach call over the rule's tensors of this dtype, device and radius"]
+                if pp.geometry["kind"] == "adam":
+                    why.append("torch's fused AdamW kernel (foreach ops for a non-contiguous tensor)" if fused else
+                               "Adam with foreach ops (" + ("implementation='foreach'" if opts.implementation
+                                                            == "foreach" else f"no fused kernel on {p.device.type}")
+                               + ")")
+                progs.append(Program(**common, variant="flat", write="foreach", fused=fused, why=tuple(why)))
+                continue
+            if not_flat is None:
+                not_flat = f"{p.dtype} parameters step in float32 stacked copies"
+            prog = _batched(common, group, pp, p, opts, not_flat)
+            progs.append(prog)
+            batched.append((gi, len(progs) - 1, _deferrable(prog, group, pp, p)))
+        out.append(progs)
+    # the finiteness test waits behind the forward ops' launches only where no bucket of the step
+    # writes before its forward op: decided for the optimizer as a whole
+    deferred = opts.local and not opts.keeps_prev and all(ok for _, _, ok in batched)
+    if deferred:
+        for gi, k, _ in batched:
+            prog = out[gi][k]
+            form = "ahead" if prog.direction_form == "rows" else prog.direction_form
+            out[gi][k] = dataclasses.replace(
+                prog, check="deferred", direction_form=form,
+                why=prog.why + ("finiteness test deferred: the host waits for it after launching every forward op "
+                                "(no bucket writes before its forward op)",))
+    return out
+
+
+def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Options, not_flat: str) -> Program:
+    why = [f"batched: {not_flat}"]
+    kind = pp.geometry["kind"]
+    working = p.dtype == upcast(torch.empty((), dtype=p.dtype)).dtype
+    reasons = {"a constraint's prox needs Y": pp.constraint is not None, "adam geometry": kind == "adam",
+               "track_update measures X⁺ − X": opts.track_update, "cautious decay": pp.decay == "cautious",
+               f"{p.dtype} parameters (float32 working copy)": not working}
+    stacked = [r for r, on in reasons.items() if on]
+    if stacked:
+        write = "stacked"
+        why.append("write-back from a stacked copy: " + ", ".join(stacked))
+    elif pp.post or muon_order(p.device) or not opts.local:
+        write = "in-place"
+        why.append("in-place foreach update: " + ("post-stages follow the forward op" if pp.post else
+                   "torch.optim.Muon's op order on this device" if muon_order(p.device) else
+                   "executors exchange results in the input's dtype"))
+    else:
+        write = "one-pass"
+        why.append("one pass: the forward op folds −ρ/λ (or −ρ) into its output, then one lerp (or axpy) on X")
+    form = "stacked"
+    if group["direction"] == "polyak" and not opts.keeps_prev and p.dtype in (torch.float32, torch.float64):
+        form = "rows"
+        why.append("Polyak read row by row from the unstacked gradients (no stacked copy of G)")
+    approx = (pp.geometry.get("approx") or {}).get("kind")
+    graphed = opts.cuda_graphs and approx in POLYNOMIAL_APPROXES and opts.local and p.device.type == "cuda"
+    if graphed:
+        why.append(f"cuda_graphs: the {approx} iteration replays from a CUDA graph")
+    journal = opts.local and (kind != "adam" or bool(pp.post) or pp.constraint is not None)
+    return Program(**common, variant="batched", write=write, direction_form=form, graphed=graphed, journal=journal,
+                   keeps_prev=opts.keeps_prev, track_gap=opts.track_gap, track_update=opts.track_update,
+                   why=tuple(why))
+
+
+def _deferrable(prog: Program, group: dict, pp: ParamPlan, p: torch.Tensor) -> bool:
+    """A batched bucket that writes nothing before its forward op: direction none, or Polyak read
+    from the unstacked gradients; no Adam geometry, post-stage or cautious decay; off torch Muon's
+    op order (on CPU the step keeps its order)."""
+    return ((group["direction"] == "none" or prog.direction_form == "rows") and pp.geometry["kind"] != "adam"
+            and not pp.post and pp.decay == "decoupled" and not muon_order(p.device))
+
+
+def reads_gradient(pp: ParamPlan) -> bool:
+    """Whether the rule's post-stages read the raw gradient (kept before the direction)."""
+    return bool(pp.post) and "gradient" in post_stages.reads(list(pp.post))
