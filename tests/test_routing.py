@@ -630,7 +630,7 @@ def test_muon_step_orthogonalizes_each_expert_and_each_gate_up_half():
         return grad.lerp(buf, 1 - alpha)
 
     def muon_update(x, d):
-        """_step_bucket on a (N, rows, cols) stack of matrices, each its own: X(1 − lr·wd) −
+        """The batched step on a (N, rows, cols) stack of matrices, each its own: X(1 − lr·wd) −
         lr·ρ·NS(d), ρ = √max(1, dout/din) of the matrix NS acts on."""
         rho = math.sqrt(max(1.0, x.shape[-2] / x.shape[-1]))
         return -lr * wd * x - lr * rho * _muon_newton_schulz(d)

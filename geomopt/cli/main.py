@@ -190,6 +190,12 @@ def cmd_plan(args) -> int:
         from geomopt.cli.lock import lock_or_check  # loads the optimizer (torch): off the lint path
 
         return lock_or_check(args, spec, plan)
+    if args.program:
+        if from_ckpt:
+            raise UsageError("--program needs --model: a step program depends on the tensors' devices and dtypes, "
+                             "which a checkpoint's shapes do not give")
+        print(step_programs(args.model, spec))
+        return EXIT_CLEAN
     if args.format == "json":
         rows = [{**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)}, "bucket": p.bucket}
                 for p in plan.params]
@@ -202,6 +208,20 @@ def cmd_plan(args) -> int:
         report(findings, "text", sys.stderr)
         print(plan.table())
     return EXIT_CLEAN
+
+
+def step_programs(model_ref: str, spec) -> str:
+    """What ``geomopt plan … --program`` prints: the optimizer built on the model, described
+    (:meth:`geomopt.GeomOptimizer.describe`); its construction warnings are lint's findings,
+    which ``geomopt lint`` reports."""
+    import warnings
+
+    from geomopt.optim.optimizer import GeomOptimizer  # torch: off the lint path
+
+    model, inputs = load_model(model_ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return GeomOptimizer(model, spec, example_inputs=inputs).describe()
 
 
 def cmd_explain(args) -> int:
@@ -355,6 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     target(sp)
     sp.add_argument("--format", choices=("text", "json"), default="text")
     g = sp.add_mutually_exclusive_group()
+    g.add_argument("--program", action="store_true", help="print each bucket's step program: its stages, the "
+                   "variant the optimizer chose and why (builds the optimizer on the model)")
     g.add_argument("--lock", metavar="FILE", help="write the routing (tensor → role, rule, view) to FILE for CI")
     g.add_argument("--check", metavar="FILE", help="compare the routing with the lock FILE: exit 1 with the diff "
                    "when it changed")

@@ -48,37 +48,24 @@ def restore(saved: list) -> None:
         live.copy_(copy)
 
 
-def guarded(gen, saved: list):
-    """``gen`` (a job's step, yielding operator requests) with its journal restored when it
-    raises or an exception is thrown into it; ``saved`` is filled by the job before its first
-    in-place write."""
-    try:
-        return (yield from gen)
-    except BaseException:
-        restore(saved)
-        raise
-
-
-def abort(steps: Iterable) -> None:
+def abort(jobs: Iterable) -> None:
     """Unwind in-flight jobs after a failure: each restores its journal."""
-    for s in steps:
-        try:
-            s.throw(RuntimeError("geomopt: step interrupted"))
-        except BaseException:  # the job re-raises after restoring: expected
-            pass
+    for job in jobs:
+        job.abort()
 
 
-def drive(run: Callable, steps: list, committed: Callable[[int], None], barrier: Optional[Callable] = None,
+def drive(run: Callable, jobs: list, committed: Callable[[int], None], barrier: Optional[Callable] = None,
           lockstep: bool = False) -> bool:
-    """Drive the jobs' steps (``(index, generator)``; each yields operator requests, ``run``
-    answers a list of them). ``lockstep`` (a distributed executor): each round's requests go to
-    ``run`` together, so it exchanges once per round, the same requests in the same order on every
-    rank. Otherwise each job runs to its end before the next starts, so at most one job is in
-    flight when something fails; with a ``barrier``, only after a first round in which every job
-    makes its first request (the forward ops launched) and the barrier ran: False from it abandons
-    the step (False returned). ``committed(index)`` is called as each job finishes; an exception
-    unwinds the jobs in flight (:func:`abort`) and propagates."""
-    pending = [(index, s, None) for index, s in steps]
+    """Drive the jobs (``(index, job)``; ``job.advance(answer)`` returns its next operator request,
+    or None when it is done; ``run`` answers a list of requests). ``lockstep`` (a distributed
+    executor): each round's requests go to ``run`` together, so it exchanges once per round, the
+    same requests in the same order on every rank. Otherwise each job runs to its end before the
+    next starts, so at most one job is in flight when something fails; with a ``barrier``, only
+    after a first round in which every job makes its first request (the forward ops launched) and
+    the barrier ran: False from it abandons the step (False returned; no job has written).
+    ``committed(index)`` is called as each job finishes; an exception unwinds the jobs in flight
+    (:func:`abort`) and propagates."""
+    pending = [(index, job, None) for index, job in jobs]
     if lockstep:
         while pending:
             pending = _round(run, pending, committed)
@@ -88,53 +75,53 @@ def drive(run: Callable, steps: list, committed: Callable[[int], None], barrier:
         try:
             go = barrier()
         except BaseException:
-            abort(s for _, s, _ in pending)
+            abort(job for _, job, _ in pending)
             raise
         if not go:
-            for _, s, _ in pending:
-                s.close()
+            abort(job for _, job, _ in pending)  # (nothing was written before the barrier)
             return False
-    for k, (index, s, answer) in enumerate(pending):
+    for k, (index, job, answer) in enumerate(pending):
         try:
-            _finish(run, index, s, answer, committed)
+            _finish(run, index, job, answer, committed)
         except BaseException:
-            abort(s for _, s, _ in pending[k + 1:])
+            abort(job for _, job, _ in pending[k + 1:])
             raise
     return True
 
 
 def _round(run: Callable, pending: list, committed: Callable[[int], None]) -> list:
-    """One round: each job in ``pending`` (index, generator, its answer) takes its answer and
-    makes its next request (or finishes), and ``run`` answers them together."""
-    nxt = []
-    for k, (index, s, answer) in enumerate(pending):
+    """One round: each job in ``pending`` (index, job, its answer) takes its answer and makes its
+    next request (or finishes), and ``run`` answers them together."""
+    nxt: list = []
+    for k, (index, job, answer) in enumerate(pending):
         try:
-            nxt.append((index, s, s.send(answer)))
-        except StopIteration:
-            committed(index)
-        except BaseException:
-            abort(s for _, s, _ in nxt + pending[k + 1:])
+            request = job.advance(answer)
+        except BaseException:  # the job restored its own journal
+            abort(j for _, j, _ in nxt + pending[k + 1:])
             raise
+        if request is None:
+            committed(index)
+        else:
+            nxt.append((index, job, request))
     try:
         answers = run([req for _, _, req in nxt]) if nxt else []
     except BaseException:
-        abort(s for _, s, _ in nxt)
+        abort(job for _, job, _ in nxt)
         raise
-    return [(index, s, a) for (index, s, _), a in zip(nxt, answers)]
+    return [(index, job, a) for (index, job, _), a in zip(nxt, answers)]
 
 
-def _finish(run: Callable, index: int, s, answer, committed: Callable[[int], None]) -> None:
-    """Run one job's step to its end, answering its requests one at a time."""
+def _finish(run: Callable, index: int, job, answer, committed: Callable[[int], None]) -> None:
+    """Run one job to its end, answering its requests one at a time."""
     while True:
-        try:
-            request = s.send(answer)
-        except StopIteration:
+        request = job.advance(answer)  # an exception: the job restored its own journal
+        if request is None:
             committed(index)
             return
         try:
             answer = run([request])[0]
         except BaseException:
-            abort([s])
+            job.abort()
             raise
 
 

@@ -6,7 +6,7 @@ matrix work across ranks."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -20,7 +20,7 @@ from geomopt.geometry.forward import forward, input_dtype
 from geomopt.geometry.operators import backward_locality, forward_locality
 from geomopt.optim import stages as post_stages
 from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows
-from geomopt.optim.atomic import guarded, journal
+from geomopt.optim.atomic import journal, restore
 from geomopt.optim.graphs import GraphedOp
 from geomopt.optim.tensors import local, op_view, stack, upcast
 from geomopt.optim.program import Program
@@ -33,143 +33,189 @@ def radius_factor(pp: ParamPlan) -> float:
     return pp.radius / pp.geometry["radius"]
 
 
-def step_bucket(prog: Program, rt: Runtime, state, counters: dict, group: dict, items: list, g, g_prev,
-                gamma: float, alpha, shared: bool = False):
-    """:func:`_bucket_step` guarded: an exception in it, or thrown into it at one of its operator
-    requests, restores the state it had updated in place (:mod:`geomopt.optim.atomic`)."""
-    saved: list = []
-    return guarded(_bucket_step(prog, rt, state, counters, group, items, g, g_prev, gamma, alpha, shared,
-                                saved=saved), saved)
+class BucketJob:
+    """One batched step of same-shape tensors (a job of ``prog``'s bucket, leading dim = tensor
+    index, batch_dims=1), as phases between its operator requests:
 
+        begin         state gathered, direction d (state put off or journaled), → forward op
+        on_forward    Polyak's put-off write; Adam's moments; → post-stages
+        on_post       the in-place writes (done), or Y = X(1 − γ·wd) − γρU, → backward op
+        on_backward   X⁺ written back, state bound: the job commits
 
-def _bucket_step(prog: Program, rt: Runtime, state_of, counters: dict, group: dict, items: list, g, g_prev,
-                 gamma: float, alpha, shared: bool, *, saved: list):
-    """One batched step of same-shape tensors (a job of ``prog``'s bucket): leading dim = tensor
-    index (batch_dims=1).
+    :meth:`advance` runs the next phase with the previous request's answer ``(out, flags)`` and
+    returns the next :class:`Request`, or None when the job is done, so
+    :func:`~geomopt.optim.atomic.drive` can hand a round's requests to the executor together
+    (locally, or shared out across ranks). No generator: the phases are plain calls, so a
+    compiler traces the step whole. :meth:`abort` restores the state the job journaled (one
+    process, :mod:`geomopt.optim.atomic`).
 
-    A generator: it yields a :class:`Request` for the forward and for the backward operator and
-    receives ``(out, flags)``, so :func:`~geomopt.optim.atomic.drive` can hand a round's operators
-    to the executor together (locally, or shared out across ranks). ``g``: the stacked gradients,
-    or a list of them (``prog.direction_form`` rows / ahead); ``alpha``: the direction's α as
-    scheduled (None: the group's); ``shared``: the buckets run one after another, so this one may
-    use the workspace; ``saved``: where the bucket journals the state it updates in place before
-    an operator request that may still fail (:mod:`geomopt.optim.atomic`). Every hyper-parameter
-    is the group's; the plan gives the operators and the tensor's radius factor."""
-    pp = items[0][1]
-    views = [op_view(local(p), q) for p, q in items]
-    hyper = group if alpha is None else dict(group, alpha=alpha)
-    state = rt.stacked.gather(state_of, items)
-    if prog.keeps_prev:
-        state["prev"] = torch.stack([local(p).detach() for p, _ in items]).clone()
-    post = pp.post
-    reads = post_stages.reads(post) if post else set()
-    g_raw = None
-    if "gradient" in reads:  # the raw gradient, before a direction may overwrite its copy
-        g_raw = upcast(stack(g)) if isinstance(g, list) else upcast(g).clone()
-    wd = group["weight_decay"]
-    rho = group["radius"] * radius_factor(pp)
-    geometry = pp.geometry
-    constraint = pp.constraint
-    projects = constraint is not None and gamma * rho != 0
-    # in one process the state changes only when the bucket commits (its last request has
-    # answered): directions update it out of place (``fresh``), and state updated in place
-    # before a request (Adam's moments, post-stages' statistics) is journaled
-    fresh: Optional[list] = [] if prog.journal else None  # updates the direction puts off until the commit
-    if prog.journal and geometry["kind"] == "adam":  # its moments (d and the stages' state: fresh)
-        saved.extend(journal(rt.stacked.live(items, state, ("exp_avg", "exp_avg_sq"))))
-    commit = None
-    if prog.direction_form == "ahead":
-        d, commit = polyak_ahead(g, state, hyper, lambda shape, like: _lookahead(prog, rt, items, shape, like, False),
-                                 fresh=prog.journal)
-    elif prog.direction_form == "rows":
-        d = polyak_rows(g, state, hyper, lambda shape, like: _lookahead(prog, rt, items, shape, like, shared),
-                        fresh=fresh)
-    else:
-        gu = upcast(g)
-        # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
-        d = DIRECTIONS[group["direction"]](gu, state, hyper, g_prev=None if g_prev is None else upcast(g_prev),
-                                           inplace=len(items) > 1 or gu is not g, fresh=fresh)
-    decay = 1 - gamma * wd
-    cautious_decay = wd != 0 and pp.decay == "cautious"
-    # one pass: the forward op folds a constant radius r into its result S = r·∇φ₁*(d), written
-    # in X's dtype, and X.lerp_(S, γ·wd) with r = −ρ/wd is X(1 − γ·wd) − γρ·∇φ₁*(d); without
-    # decay X += γ·S with r = −ρ
-    one_pass = prog.write == "one-pass"
-    lerp = one_pass and wd != 0 and abs(rho / wd) < 1e30
-    radius = (-rho / wd if lerp else -rho) if one_pass else 1.0
-    if geometry["kind"] != "adam":
-        step, _ = yield request(rt, items, d, forward_locality(geometry["kind"]),
-                                 _forward_fn(prog, rt, items, geometry, radius, views[0].dtype if one_pass else None))
-    if commit is not None:
-        commit()
-    if post and geometry["kind"] != "adam":
-        step = yield from _post(rt, items, pp, state, step, g_raw, d, prog.journal)
-    if prog.write != "stacked":  # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) on the parameters themselves
-        steps = list(step.unbind(0))
-        if lerp:
-            torch._foreach_lerp_(views, steps, gamma * wd)
+    ``g``: the stacked gradients, or a list of them (``prog.direction_form`` rows / ahead);
+    ``alpha``: the direction's α as scheduled (None: the group's); ``shared``: the buckets run
+    one after another, so this one may use the workspace. Every hyper-parameter is the group's;
+    the plan gives the operators and the tensor's radius factor."""
+
+    def __init__(self, prog: Program, rt: Runtime, state_of, counters: dict, group: dict, items: list, g, g_prev,
+                 gamma: float, alpha, shared: bool = False):
+        self.prog, self.rt, self.state_of, self.counters, self.group = prog, rt, state_of, counters, group
+        self.items, self.g, self.g_prev, self.gamma, self.alpha, self.shared = items, g, g_prev, gamma, alpha, shared
+        self.saved: list = []  # (live, copy) pairs restored on abort
+        self.next: Optional[Callable[[Any], Optional[Request]]] = self.begin
+
+    def advance(self, answer=None) -> Optional[Request]:
+        phase = self.next
+        self.next = None
+        try:
+            return phase(answer) if phase is not None else None
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        restore(self.saved)
+        self.saved = []
+
+    # ------------------------------------------------------------ phases
+
+    def begin(self, _=None) -> Optional[Request]:
+        prog, rt, items, group = self.prog, self.rt, self.items, self.group
+        pp = self.pp = items[0][1]
+        self.views = [op_view(local(p), q) for p, q in items]
+        hyper = group if self.alpha is None else dict(group, alpha=self.alpha)
+        state = self.state = rt.stacked.gather(self.state_of, items)
+        if prog.keeps_prev:
+            state["prev"] = torch.stack([local(p).detach() for p, _ in items]).clone()
+        g = self.g
+        self.g_raw = None
+        if pp.post and "gradient" in post_stages.reads(pp.post):  # before a direction overwrites its copy
+            self.g_raw = upcast(stack(g)) if isinstance(g, list) else upcast(g).clone()
+        wd = group["weight_decay"]
+        rho = self.rho = group["radius"] * radius_factor(pp)
+        self.projects = pp.constraint is not None and self.gamma * rho != 0
+        # in one process the state changes only when the bucket commits (its last request has
+        # answered): directions update it out of place (``fresh``), and state updated in place
+        # before a request (Adam's moments, post-stages' statistics) is journaled
+        self.fresh: Optional[list] = [] if prog.journal else None  # updates put off until the commit
+        if prog.journal and pp.geometry["kind"] == "adam":  # its moments (d and the stages' state: fresh)
+            self.saved.extend(journal(rt.stacked.live(items, state, ("exp_avg", "exp_avg_sq"))))
+        self.commit = None
+        lookahead = lambda shared: lambda shape, like: _lookahead(prog, rt, items, shape, like, shared)  # noqa: E731
+        if prog.direction_form == "ahead":
+            self.d, self.commit = polyak_ahead(g, state, hyper, lookahead(False), fresh=prog.journal)
+        elif prog.direction_form == "rows":
+            self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=self.fresh)
         else:
-            # torch Muon's op order (same bits on CPU): decay, then the axpy of the step (ρ
-            # already in it where the forward op folded it)
-            if wd:
-                torch._foreach_mul_(views, decay)
-            torch._foreach_add_(views, steps, alpha=gamma if one_pass else -gamma * rho)
-        for update in fresh or ():
-            update()
-        rt.stacked.scatter(state_of, items, state)
-        return
-    x = upcast(stack(views))
-    if geometry["kind"] == "adam" and not post:
-        exp_avg, denom, bc1 = adam_moments(d, state, geometry)
-        xw = decayed(x, exp_avg, decay, cautious_decay) if wd else x
-        y = xw.addcdiv(exp_avg, denom, value=-gamma / bc1)  # AdamW's op order, bit for bit
-    else:
-        if geometry["kind"] == "adam":  # the adam geometry's update, then the post-stages
-            exp_avg, denom, bc1 = adam_moments(d, state, geometry)
-            step = yield from _post(rt, items, pp, state, exp_avg / denom / bc1, g_raw, d, prog.journal)
+            gu = upcast(g)
+            # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
+            self.d = DIRECTIONS[group["direction"]](gu, state, hyper, inplace=len(items) > 1 or gu is not g,
+                                                    g_prev=None if self.g_prev is None else upcast(self.g_prev),
+                                                    fresh=self.fresh)
+        # one pass: the forward op folds a constant radius r into its result S = r·∇φ₁*(d), written
+        # in X's dtype, and X.lerp_(S, γ·wd) with r = −ρ/wd is X(1 − γ·wd) − γρ·∇φ₁*(d); without
+        # decay X += γ·S with r = −ρ
+        one_pass = prog.write == "one-pass"
+        self.lerp = one_pass and wd != 0 and abs(rho / wd) < 1e30
+        radius = (-rho / wd if self.lerp else -rho) if one_pass else 1.0
+        self.next = self.on_forward
+        if pp.geometry["kind"] == "adam":
+            return self.on_forward(None)
+        return request(rt, items, self.d, forward_locality(pp.geometry["kind"]),
+                       _forward_fn(prog, rt, items, pp.geometry, radius, self.views[0].dtype if one_pass else None))
+
+    def on_forward(self, answer) -> Optional[Request]:
+        pp = self.pp
+        if self.commit is not None:
+            self.commit()
+        self.x = None
+        if pp.geometry["kind"] == "adam":
+            exp_avg, denom, bc1 = adam_moments(self.d, self.state, pp.geometry)
+            if not pp.post:
+                x = self.x = upcast(stack(self.views))
+                wd = self.group["weight_decay"]
+                xw = decayed(x, exp_avg, 1 - self.gamma * wd, wd != 0 and pp.decay == "cautious") if wd else x
+                return self.backward(xw.addcdiv(exp_avg, denom, value=-self.gamma / bc1))  # AdamW's op order
+            u = exp_avg / denom / bc1  # the adam geometry's update, then the post-stages
+        else:
+            u = answer[0]
+        self.next = self.on_post
+        if not pp.post:
+            return self.on_post((u, None))
+        return self.post_request(u)
+
+    def on_post(self, answer) -> Optional[Request]:
+        step, _ = answer
+        if self.pp.post and is_dtensor(self.items[0][0]):
+            self.rt.stacked.reduced[tuple(id(q) for q, _ in self.items)] = dict(self.post_ctx.reduced)
+        gamma, rho, wd = self.gamma, self.rho, self.group["weight_decay"]
+        if self.prog.write != "stacked":  # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) on the parameters themselves
+            steps = list(step.unbind(0))
+            if self.lerp:
+                torch._foreach_lerp_(self.views, steps, gamma * wd)
+            else:
+                # torch Muon's op order (same bits on CPU): decay, then the axpy of the step (ρ
+                # already in it where the forward op folded it)
+                if wd:
+                    torch._foreach_mul_(self.views, 1 - gamma * wd)
+                torch._foreach_add_(self.views, steps, alpha=gamma if self.prog.write == "one-pass" else -gamma * rho)
+            self.finish()
+            return None
         # Y = X(1 − γ·wd) − γρ·∇φ₁*(d): ρ folds into the axpy (one pass fewer than scaling the
         # forward output), and the decayed copy of X is updated in place
+        x = self.x = upcast(stack(self.views))
         if wd:
-            y = decayed(x, step, decay, cautious_decay).add_(step, alpha=-gamma * rho)
+            y = decayed(x, step, 1 - gamma * wd, self.pp.decay == "cautious").add_(step, alpha=-gamma * rho)
         else:
             y = torch.add(x, step, alpha=-gamma * rho)
-    if projects:  # (a step of length 0 leaves X, feasible, as it is)
-        x_new, fallback = yield request(
-            rt, items, y, backward_locality(geometry["kind"], constraint["kind"]),
-            lambda m: backward(m, gamma, geometry, constraint, radius=rho, batch_dims=1))
-    else:
-        x_new, fallback = y, None
-    if fallback is not None:
-        counters["fallbacks"] = counters["fallbacks"] + fallback.sum().to(counters["fallbacks"].device)
-    if prog.track_gap and constraint is not None and gamma * rho > 0:
-        state["w"] = (x_new - y) / (gamma * rho)
-    if prog.track_update and _first_holder(rt, items[0][0]):  # replicas count their block once
-        delta = (x_new - x).reshape(-1)
-        counters["update_sq"] = counters["update_sq"] + torch.dot(delta, delta).to(counters["update_sq"].device)
-    for update in fresh or ():
-        update()
-    rt.stacked.scatter(state_of, items, state)
-    torch._foreach_copy_(views, list(x_new.unbind(0)))
+        return self.backward(y)
 
+    def backward(self, y: torch.Tensor) -> Optional[Request]:
+        """The backward op's request on Y (the prox of the constraint, t = γρ), or its answer at
+        once where nothing projects (a step of length 0 leaves X, feasible, as it is)."""
+        self.y = y
+        self.next = self.on_backward
+        if not self.projects:
+            return self.on_backward((y, None))
+        geometry, constraint, gamma, rho = self.pp.geometry, self.pp.constraint, self.gamma, self.rho
+        return request(self.rt, self.items, y, backward_locality(geometry["kind"], constraint["kind"]),
+                       lambda m: backward(m, gamma, geometry, constraint, radius=rho, batch_dims=1))
 
-def _post(rt: Runtime, items: list, pp: ParamPlan, state: dict, u: torch.Tensor, g_raw, d, fresh: bool):
-    """The rule's post-stages on the bucket's update ``u`` (:mod:`geomopt.optim.stages`), as one
-    request (a sub-generator of :func:`_bucket_step`); their step count is per tensor."""
-    step = state.get(post_stages.STAGE_STEP, 0) + 1
-    state[post_stages.STAGE_STEP] = step
-    shard = None
-    p = items[0][0]
-    if is_dtensor(p):  # sums over a cut dim are all-reduced by the stages themselves
-        layout = rt.stacked.layouts[id(p)]
-        shard = post_stages.Shard(layout.mine(), layout.cuts, layout.mesh)
-    ctx = post_stages.Context(state, pp.op_shape, view=pp.geometry.get("view"), gradient=g_raw,
-                              direction=None if d is None else upcast(d), step=step, shard=shard, fresh=fresh)
-    # local on every executor: the stages sum across shards where they need to (Context.sum),
-    # the same collectives in the same order on every rank
-    out, _ = yield Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)
-    if shard is not None:
-        rt.stacked.reduced[tuple(id(q) for q, _ in items)] = dict(ctx.reduced)
-    return out
+    def on_backward(self, answer) -> Optional[Request]:
+        x_new, fallback = answer
+        counters, prog = self.counters, self.prog
+        if fallback is not None:
+            counters["fallbacks"] = counters["fallbacks"] + fallback.sum().to(counters["fallbacks"].device)
+        if prog.track_gap and self.pp.constraint is not None and self.gamma * self.rho > 0:
+            self.state["w"] = (x_new - self.y) / (self.gamma * self.rho)
+        if prog.track_update and _first_holder(self.rt, self.items[0][0]):  # replicas count their block once
+            delta = (x_new - self.x).reshape(-1)
+            counters["update_sq"] = counters["update_sq"] + torch.dot(delta, delta).to(counters["update_sq"].device)
+        self.finish()
+        torch._foreach_copy_(self.views, list(x_new.unbind(0)))
+        return None
+
+    def finish(self) -> None:
+        """The commit: the direction's put-off updates run and the state binds to the new rows."""
+        for update in self.fresh or ():
+            update()
+        self.rt.stacked.scatter(self.state_of, self.items, self.state)
+        self.saved, self.next = [], None
+
+    def post_request(self, u: torch.Tensor) -> Request:
+        """The rule's post-stages on the bucket's update ``u`` (:mod:`geomopt.optim.stages`), as one
+        request, local on every executor: the stages sum across shards where they need to
+        (Context.sum), the same collectives in the same order on every rank; their step count is
+        per tensor."""
+        pp, state, rt = self.pp, self.state, self.rt
+        step = state.get(post_stages.STAGE_STEP, 0) + 1
+        state[post_stages.STAGE_STEP] = step
+        shard = None
+        p = self.items[0][0]
+        if is_dtensor(p):  # sums over a cut dim are all-reduced by the stages themselves
+            layout = rt.stacked.layouts[id(p)]
+            shard = post_stages.Shard(layout.mine(), layout.cuts, layout.mesh)
+        ctx = self.post_ctx = post_stages.Context(
+            state, pp.op_shape, view=pp.geometry.get("view"), gradient=self.g_raw,
+            direction=None if self.d is None else upcast(self.d), step=step, shard=shard, fresh=self.prog.journal)
+        return Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)
 
 
 def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: dict, radius: float = 1.0, out_dtype=None):

@@ -23,7 +23,7 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     """One step of an elementwise rule with foreach kernels (the ``flat`` variant of a step
     program, :mod:`geomopt.optim.program`): the state lives in flat buffers (per-parameter state
     entries are views of them), the forward map runs on flat memory, and the parameters are
-    updated in place. Same arithmetic as :func:`~geomopt.optim.bucket_step.step_bucket`, so the
+    updated in place. Same arithmetic as :class:`~geomopt.optim.bucket_step.BucketJob`, so the
     same bits, except adam where the program is ``fused`` (torch.optim.AdamW(fused=True)'s bits).
 
     u (the direction the map reads) is the gradients or the momentum themselves where the map

@@ -30,7 +30,7 @@ from geomopt.distributed.layout import layout_key
 from geomopt.optim import checkpoint
 from geomopt.optim import stages as post_stages
 from geomopt.optim.atomic import PendingStep, drive, interrupted
-from geomopt.optim.bucket_step import radius_factor, step_bucket
+from geomopt.optim.bucket_step import BucketJob, radius_factor
 from geomopt.optim.checkpoint import new_counters, spec_hash, spec_values
 from geomopt.optim.migrate import MigrationReport
 from geomopt.optim.contract import (check_complex, collect_params, copy_state, pickled_state,
@@ -340,8 +340,8 @@ class GeomOptimizer(Optimizer):
                 if not defer:
                     writes()
                 shared = not defer and self._options.local  # buckets one after another
-                steps = [(j, step_bucket(prog, rt, self.state, self._counters[prog.group], groups[prog.group], items,
-                                         g, gp, *schedules[prog.group], shared=shared))
+                steps = [(j, BucketJob(prog, rt, self.state, self._counters[prog.group], groups[prog.group], items,
+                                       g, gp, *schedules[prog.group], shared=shared))
                          for j, ((prog, items), g, gp) in enumerate(zip(jobs, grads, prevs)) if prog.variant != "flat"]
                 if not drive(self._executor.run, steps, done.append, writes if defer else None,
                              lockstep=not self._options.local):
@@ -369,10 +369,9 @@ class GeomOptimizer(Optimizer):
         one flat call (:func:`geomopt.optim.flat.step_flat`)."""
         jobs: list = []
         for group, plans, progs in zip(self.param_groups, self._plans, self._programs):
-            pooled: dict = {}
             for prog in progs:
                 flat = prog.variant == "flat"
-                by_key: dict = pooled if flat else {}
+                by_key: dict = {}
                 for i in prog.indices:
                     p = group["params"][i]
                     if p.grad is None or (self._pending is not None and id(p) in self._pending.done):
@@ -383,11 +382,9 @@ class GeomOptimizer(Optimizer):
                     key: tuple = (tuple(sorted(k for k in st if k in STACKED)),
                                   (st.get("adam_step"), st.get(post_stages.STAGE_STEP)))
                     if flat:
-                        key += (p.dtype, p.device, radius_factor(plans[i]))
+                        key += (radius_factor(plans[i]),)
                     by_key.setdefault(key, (prog, []))[1].append((p, plans[i]))
-                if not flat:
-                    jobs.extend(by_key.values())
-            jobs.extend(pooled.values())
+                jobs.extend(by_key.values())
         return jobs
 
     @staticmethod

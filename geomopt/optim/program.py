@@ -14,7 +14,7 @@ Variants::
               of foreach kernels over flat state buffers (optim.flat.step_flat); Adam through
               torch's fused AdamW kernel where the device has one (``fused``)
     batched   every other rule: a bucket's same-shape tensors stacked along a leading dim, one
-              call per operator (optim.bucket_step.step_bucket), writing back
+              call per operator (optim.bucket_step.BucketJob), writing back
               ``one-pass``   X ← lerp(X, S, γλ) with S = −(ρ/λ)∇φ₁*(d) from the forward op
                              (or X += γS, S = −ρ∇φ₁*(d), without decay): one pass over X
               ``in-place``   X ← X(1 − γλ) − γρU with foreach ops on the parameters
@@ -90,10 +90,11 @@ class Program:
     why: tuple[str, ...] = ()
 
     def describe(self) -> str:
-        head = f"rule {self.rule!r}: {len(self.indices)} × {list(self.shape)} {self.dtype} on {self.device}"
-        choices = [self.variant] + [c for c in (self.write, self.direction_form if self.variant == "batched"
-                                                 else "", self.check if self.variant == "batched" else "",
-                                                 "graphed" if self.graphed else "", "fused" if self.fused else "") if c]
+        shape = f"× {list(self.shape)}" if self.shape or self.variant == "batched" else "tensors of several shapes,"
+        head = f"rule {self.rule!r}: {len(self.indices)} {shape} {self.dtype} on {self.device}"
+        choices = [self.variant, self.write]
+        if self.variant == "batched":
+            choices += [f"direction {self.direction_form}", f"check {self.check}"] + ["graphed"] * self.graphed
         lines = [head, f"  variant: {' · '.join(choices)}", "  stages: " + " → ".join(self.stages)]
         lines += [f"  why: {w}" for w in self.why]
         names = ", ".join(self.names[:4]) + (f", … ({len(self.names)} tensors)" if len(self.names) > 4 else "")
@@ -149,6 +150,7 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
     out: list[list[Program]] = []
     for gi, (group, ps, bs) in enumerate(zip(groups, plans, buckets)):
         progs: list[Program] = []
+        flat: dict = {}  # (dtype, device) → (common fields, fused, why, indices): one flat call each
         for indices in bs:
             p, pp = group["params"][indices[0]], ps[indices[0]]
             common = dict(rule=group["rule"], group=gi, indices=tuple(indices),
@@ -158,19 +160,27 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
             if not_flat is None and p.dtype in FLAT_DTYPES:
                 fused = (pp.geometry["kind"] == "adam" and opts.implementation != "foreach"
                          and p.device.type in FUSED_ADAM_DEVICES)
-                why = ["elementwise rule: one foreach call over the rule's tensors of this dtype, device and radius"]
+                why = ["elementwise rule: the rule's tensors of this dtype and device, whatever their shapes, in one "
+                       "foreach call (one per radius and state history)"]
                 if pp.geometry["kind"] == "adam":
                     why.append("torch's fused AdamW kernel (foreach ops for a non-contiguous tensor)" if fused else
                                "Adam with foreach ops (" + ("implementation='foreach'" if opts.implementation
                                                             == "foreach" else f"no fused kernel on {p.device.type}")
                                + ")")
-                progs.append(Program(**common, variant="flat", write="foreach", fused=fused, why=tuple(why)))
+                pooled = flat.setdefault((p.dtype, p.device), (common, fused, why, []))
+                pooled[3].extend(indices)
                 continue
             if not_flat is None:
                 not_flat = f"{p.dtype} parameters step in float32 stacked copies"
             prog = _batched(common, group, pp, p, opts, not_flat)
             progs.append(prog)
             batched.append((gi, len(progs) - 1, _deferrable(prog, group, pp, p)))
+        for common, fused, why, indices in flat.values():
+            fields = dict(common, indices=tuple(sorted(indices)), names=tuple(ps[i].name for i in sorted(indices)))
+            if len({ps[i].op_shape for i in indices}) > 1:
+                fields["shape"] = ()  # tensors of several shapes
+            progs.append(Program(**fields, variant="flat", write="fused" if fused else "foreach", fused=fused,
+                                 why=tuple(why)))
         out.append(progs)
     # the finiteness test waits behind the forward ops' launches only where no bucket of the step
     # writes before its forward op: decided for the optimizer as a whole
