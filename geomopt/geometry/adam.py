@@ -26,8 +26,11 @@ def adam_moments(g: torch.Tensor, state: dict, geometry: dict) -> tuple[torch.Te
         state["exp_avg"] = torch.zeros_like(g, dtype=dtype, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(g, dtype=dtype, memory_format=torch.preserve_format)
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    state["adam_step"] += 1  # a Python int: no host sync for the bias corrections
-    step = state["adam_step"]
+    # a Python int (no host sync for the bias corrections), or a 0-dim tensor in a capturable step;
+    # a new value, not an increment in place: a bucket's tensors share it
+    step = state["adam_step"] = state["adam_step"] + 1
+    if isinstance(step, torch.Tensor):  # 1 − βᵗ in float64, as the host computes it (float32 loses ~1e-4)
+        step = step.to(torch.float64)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     bias_correction1 = 1 - beta1**step

@@ -22,6 +22,7 @@ from geomopt.optim import stages as post_stages
 from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows
 from geomopt.optim.atomic import journal, restore
 from geomopt.optim.graphs import GraphedOp
+from geomopt.optim.stacked import COUNTS
 from geomopt.optim.tensors import local, op_view, stack, upcast
 from geomopt.optim.program import Program
 from geomopt.optim.runtime import Runtime
@@ -52,12 +53,18 @@ class BucketJob:
     ``g``: the stacked gradients, or a list of them (``prog.direction_form`` rows / ahead);
     ``alpha``: the direction's α as scheduled (None: the group's); ``shared``: the buckets run
     one after another, so this one may use the workspace. Every hyper-parameter is the group's;
-    the plan gives the operators and the tensor's radius factor."""
+    the plan gives the operators and the tensor's radius factor. ``ok`` (a capturable step): the
+    device's finiteness flag; every write (parameters, state, step counts) selects the new value
+    where it is true and the old one elsewhere, so a skipped step leaves every bit as it was and
+    the host never waits."""
 
     def __init__(self, prog: Program, rt: Runtime, state_of, counters: dict, group: dict, items: list, g, g_prev,
-                 gamma: float, alpha, shared: bool = False):
+                 gamma: float, alpha, shared: bool = False, ok: Optional[torch.Tensor] = None):
         self.prog, self.rt, self.state_of, self.counters, self.group = prog, rt, state_of, counters, group
         self.items, self.g, self.g_prev, self.gamma, self.alpha, self.shared = items, g, g_prev, gamma, alpha, shared
+        self.ok = ok
+        self.live: dict = {}
+        self.before: dict = {}  # a capturable step: the state as it was, selected where ok is false
         self.saved: list = []  # (live, copy) pairs restored on abort
         self.next: Optional[Callable[[Any], Optional[Request]]] = self.begin
 
@@ -82,6 +89,12 @@ class BucketJob:
         self.views = [op_view(local(p), q) for p, q in items]
         hyper = group if self.alpha is None else dict(group, alpha=self.alpha)
         state = self.state = rt.stacked.gather(self.state_of, items)
+        if self.ok is not None:  # step counts on the device, and the state as it was
+            for key in COUNTS:
+                if key in state and not isinstance(state[key], torch.Tensor):
+                    state[key] = torch.tensor(state[key], dtype=torch.int64, device=self.ok.device)
+            self.live = dict(state)  # the tensors the entries are bound to (written in place at the end)
+            self.before = {k: v.clone() for k, v in state.items()}
         if prog.keeps_prev:
             state["prev"] = torch.stack([local(p).detach() for p, _ in items]).clone()
         g = self.g
@@ -132,6 +145,8 @@ class BucketJob:
                 x = self.x = upcast(stack(self.views))
                 wd = self.group["weight_decay"]
                 xw = decayed(x, exp_avg, 1 - self.gamma * wd, wd != 0 and pp.decay == "cautious") if wd else x
+                if isinstance(bc1, torch.Tensor):  # a capturable step's count: bc₁ on the device
+                    return self.backward(xw.addcdiv(exp_avg, denom * bc1, value=-self.gamma))
                 return self.backward(xw.addcdiv(exp_avg, denom, value=-self.gamma / bc1))  # AdamW's op order
             u = exp_avg / denom / bc1  # the adam geometry's update, then the post-stages
         else:
@@ -182,7 +197,10 @@ class BucketJob:
         x_new, fallback = answer
         counters, prog = self.counters, self.prog
         if fallback is not None:
-            counters["fallbacks"] = counters["fallbacks"] + fallback.sum().to(counters["fallbacks"].device)
+            n = fallback.sum() if self.ok is None else fallback.sum() * self.ok
+            counters["fallbacks"] = counters["fallbacks"] + n.to(counters["fallbacks"].device)
+        if self.ok is not None:
+            x_new = torch.where(self.ok, x_new, self.x)  # type: ignore[arg-type]
         if prog.track_gap and self.pp.constraint is not None and self.gamma * self.rho > 0:
             self.state["w"] = (x_new - self.y) / (self.gamma * self.rho)
         if prog.track_update and _first_holder(self.rt, self.items[0][0]):  # replicas count their block once
@@ -196,6 +214,11 @@ class BucketJob:
         """The commit: the direction's put-off updates run and the state binds to the new rows."""
         for update in self.fresh or ():
             update()
+        if self.ok is not None:  # selected into the same tensors: the entries stay bound (a compiled step
+            for key, old in self.before.items():  # reads the same objects each step)
+                live = self.live[key]
+                live.copy_(torch.where(self.ok, self.state[key], old))  # type: ignore[arg-type]
+                self.state[key] = live
         self.rt.stacked.scatter(self.state_of, self.items, self.state)
         self.saved, self.next = [], None
 

@@ -277,7 +277,8 @@ def import_steps(entry: Mapping) -> Mapping:
 
 
 def copy_counters(c: dict) -> dict:
-    return dict(c, fallbacks=c["fallbacks"].clone(), update_sq=c["update_sq"].clone())
+    # skipped: an int (a capturable step counts on the device: read here, off the step)
+    return dict(c, skipped=int(c["skipped"]), fallbacks=c["fallbacks"].clone(), update_sq=c["update_sq"].clone())
 
 
 def to_device(value, device):

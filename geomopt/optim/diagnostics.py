@@ -122,7 +122,7 @@ def diagnostics(opt: "GeomOptimizer", *, gap_reference: str = "auto") -> dict[st
             gap=gap,
             gap_note=note(group["rule"], first, why, gap, measured, outside, unpaired, bad_w, unmeasurable),
             dual_norm=dual, violation=violation,
-            update_norm=float(update_sq) ** 0.5 if opt.track_update else None, skipped=counters["skipped"],
+            update_norm=float(update_sq) ** 0.5 if opt.track_update else None, skipped=int(counters["skipped"]),
             fallbacks=int(counters["fallbacks"]),
         )
     return out

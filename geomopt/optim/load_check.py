@@ -141,7 +141,8 @@ def check_group_values(groups: list) -> None:
                 raise CheckpointError(f"{where}: '{key}' is {value}; it must be finite{' and ≥ 0' * (key == 'lr')} "
                                       f"(a diverged run or a scheduler's bad value): set it in the dict, or load an "
                                       f"earlier checkpoint")
-        if "step" in g and not (_is_int(g["step"]) and g["step"] >= 0):
+        step = _number(g["step"]) if "step" in g else 0  # an int, or a capturable step's device count
+        if step is None or isinstance(g["step"], bool) or not math.isfinite(step) or step < 0 or step != int(step):
             raise CheckpointError(f"{where}: 'step' is {_short(g['step'])}, not an int ≥ 0: {_FIX}")
 
 

@@ -31,11 +31,12 @@ from geomopt.optim import checkpoint
 from geomopt.optim import stages as post_stages
 from geomopt.optim.atomic import PendingStep, drive, interrupted
 from geomopt.optim.bucket_step import BucketJob, radius_factor
+from geomopt.optim.capturable import captured_step, counts_on_device
 from geomopt.optim.checkpoint import new_counters, spec_hash, spec_values
 from geomopt.optim.migrate import MigrationReport
 from geomopt.optim.contract import (check_complex, collect_params, copy_state, pickled_state,
                                     sparse_gradient, with_overrides)
-from geomopt.optim.construction import project_on_init, warn_slow_bf16, warn_unused_rules
+from geomopt.optim.construction import check_capturable, project_on_init, warn_slow_bf16, warn_unused_rules
 from geomopt.optim.diagnostics import diagnostics
 from geomopt.optim.flat import step_flat
 from geomopt.optim.nonfinite import launch_check, skip_nonfinite
@@ -111,6 +112,14 @@ class GeomOptimizer(Optimizer):
     fp32 (+450 MiB there, for 340 MB of matrices). No effect on CPU, under torch.distributed, or
     while the caller is itself capturing a graph.
 
+    ``capturable`` (off by default): after a first step (which creates the state, as torch's
+    optimizers warm up before a capture), a step makes no host synchronization, so it can be
+    captured whole (a CUDA graph, ``torch.compile``): the finiteness test's flag stays on the
+    device and every write selects the new value where it is true and the old one elsewhere, so
+    a skipped step leaves every bit as it was (as fused AdamW's ``found_inf``); step counts are
+    device tensors, and every rule runs batched from stacked copies. One process; not with STORM,
+    ``on_nonfinite: raise`` or a momentum warmup, which read the host (refused, saying so).
+
     ``expect``: a routing lock (a file ``geomopt plan … --lock`` wrote, or a
     :class:`geomopt.compile.lock.Lock`): raises :class:`geomopt.RoutingChangedError`, with the diff,
     when the plan routes a tensor to another rule, role or view than the lock, or the tensors
@@ -121,7 +130,7 @@ class GeomOptimizer(Optimizer):
                  weight_decay: Optional[float] = None, model=None, track_gap: bool = False,
                  track_update: bool = False, distributed: Union[str, bool] = "auto", process_group=None,
                  cuda_graphs: bool = False, roles: Optional[dict] = None, implementation: str = "auto",
-                 example_inputs=None, expect=None):
+                 example_inputs=None, expect=None, capturable: bool = False):
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, not {implementation!r}")
         self.implementation = implementation
@@ -138,6 +147,7 @@ class GeomOptimizer(Optimizer):
         self.track_gap = track_gap
         self.track_update = track_update
         self.cuda_graphs = cuda_graphs
+        self.capturable = capturable
         groups, self._plans = [], []
         for index, rule in enumerate(self.spec.rules):
             plans = [p for p in self.plan if p.rule_index == index]
@@ -178,7 +188,9 @@ class GeomOptimizer(Optimizer):
         self._options = Options(
             local=isinstance(self._executor, LocalExecutor), sharded=isinstance(self._executor, ShardedExecutor),
             keeps_prev=any(g["direction"] == "storm" for g in self.param_groups), track_gap=track_gap,
-            track_update=track_update, cuda_graphs=cuda_graphs, implementation=implementation)
+            track_update=track_update, cuda_graphs=cuda_graphs, implementation=implementation, capturable=capturable)
+        if capturable:
+            check_capturable(self.param_groups, self._options)
         self._rt = self._runtime()
         check_complex(self.param_groups, self._plans, lambda g, pp: flat_rule(g, pp, self._options) is None)
         self._programs: list[list[Program]] = []
@@ -306,6 +318,16 @@ class GeomOptimizer(Optimizer):
             grads = [self._job_grads(prog, items) for prog, items in jobs]
             prevs = [stack([op_view(local(g_prev[p]), pp) for p, pp in items])
                      if all(g_prev.get(p) is not None for p, _ in items) else None for _, items in jobs]
+            if self._options.capturable and jobs and all(
+                    all(self.state[p] for p, _ in items) for prog, items in jobs if prog.stateful):
+                done: list = []  # no host sync (the first step, creating state, syncs)
+                try:
+                    captured_step(rt, groups, self.state, self._counters, jobs, grads, done)
+                except BaseException as err:
+                    self._pending = interrupted(self._pending, err, jobs, done, groups, self._plans, True)
+                    raise
+                self._pending = None
+                return loss
             check = launch_check(rt, grads, prevs) if jobs else None
             # deferred: the buckets launch their forward ops (reads into scratch) before the host
             # waits for the test, so the device stays busy; nothing is written before the wait
@@ -321,7 +343,7 @@ class GeomOptimizer(Optimizer):
                     devices[gi] = items[0][0].device
 
             pending = self._pending
-            done: list = []  # indices of the jobs whose writes are complete (committed)
+            done = []  # indices of the jobs whose writes are complete (committed)
 
             def writes() -> bool:
                 """Everything that writes at once; False when the step is skipped."""
@@ -352,6 +374,8 @@ class GeomOptimizer(Optimizer):
             for gi in set(schedules) | (pending.groups if pending is not None else set()):
                 groups[gi]["step"] += 1
             self._pending = None
+            if self._options.capturable:  # the counts a captured step advances on the device
+                counts_on_device(groups, self.state, self._counters, jobs)
         return loss
 
     @property

@@ -60,6 +60,7 @@ class Options:
     track_update: bool = False
     cuda_graphs: bool = False
     implementation: str = "auto"
+    capturable: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,8 @@ class Program:
     graphed: bool = False
     fused: bool = False
     journal: bool = False  # one process: state updated before a request is journaled / put off
+    capturable: bool = False  # writes select on the device's finiteness flag (no host sync)
+    stateful: bool = False  # keeps state (a first step creates it)
     keeps_prev: bool = False
     track_gap: bool = False
     track_update: bool = False
@@ -124,6 +127,8 @@ def flat_rule(group: dict, pp: ParamPlan, opts: Options) -> Optional[str]:
         return f"direction {group['direction']}" + (" with Nesterov" if group["direction"] == "heavy_ball" else "")
     if opts.track_gap or opts.track_update:
         return "track_gap / track_update measure the stacked step"
+    if opts.capturable:
+        return "capturable: every write selects on the device's finiteness flag, from a stacked copy"
     return None
 
 
@@ -184,7 +189,7 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
         out.append(progs)
     # the finiteness test waits behind the forward ops' launches only where no bucket of the step
     # writes before its forward op: decided for the optimizer as a whole
-    deferred = opts.local and not opts.keeps_prev and all(ok for _, _, ok in batched)
+    deferred = opts.local and not opts.keeps_prev and not opts.capturable and all(ok for _, _, ok in batched)
     if deferred:
         for gi, k, _ in batched:
             prog = out[gi][k]
@@ -200,7 +205,8 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Op
     why = [f"batched: {not_flat}"]
     kind = pp.geometry["kind"]
     working = p.dtype == upcast(torch.empty((), dtype=p.dtype)).dtype
-    reasons = {"a constraint's prox needs Y": pp.constraint is not None, "adam geometry": kind == "adam",
+    reasons = {"capturable: the write selects on the device's finiteness flag": opts.capturable,
+               "a constraint's prox needs Y": pp.constraint is not None, "adam geometry": kind == "adam",
                "track_update measures X⁺ − X": opts.track_update, "cautious decay": pp.decay == "cautious",
                f"{p.dtype} parameters (float32 working copy)": not working}
     stacked = [r for r, on in reasons.items() if on]
@@ -224,9 +230,14 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Op
     if graphed:
         why.append(f"cuda_graphs: the {approx} iteration replays from a CUDA graph")
     journal = opts.local and (kind != "adam" or bool(pp.post) or pp.constraint is not None)
-    return Program(**common, variant="batched", write=write, direction_form=form, graphed=graphed, journal=journal,
-                   keeps_prev=opts.keeps_prev, track_gap=opts.track_gap, track_update=opts.track_update,
-                   why=tuple(why))
+    check = "before"
+    if opts.capturable:
+        check = "device"
+        why.append("capturable: the finiteness flag stays on the device; a skipped step selects the old values")
+    stateful = group["direction"] != "none" or kind == "adam" or bool(pp.post) or opts.track_gap
+    return Program(**common, variant="batched", write=write, direction_form=form, check=check, graphed=graphed,
+                   journal=journal, capturable=opts.capturable, stateful=stateful, keeps_prev=opts.keeps_prev,
+                   track_gap=opts.track_gap, track_update=opts.track_update, why=tuple(why))
 
 
 def _deferrable(prog: Program, group: dict, pp: ParamPlan, p: torch.Tensor) -> bool:

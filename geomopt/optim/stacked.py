@@ -37,6 +37,10 @@ class StackedState:
         self.buffers: dict = {}
         self.reduced: dict = {}
         self.layouts: dict = {}
+        # (parameter ids, key) → the state entries bound to the buffer's rows: an entry that is not
+        # one of them (load_state_dict, a user's assignment) makes the next gather restack; by
+        # identity, which a compiler traces (a pointer comparison it does not)
+        self.bound: dict = {}
 
     def gather(self, state, items: list) -> dict:
         """The state of a batched call: stacked tensors (the per-parameter state entries are views
@@ -48,17 +52,21 @@ class StackedState:
             if key not in first:
                 continue
             buf: Optional[torch.Tensor] = self.buffers.get((ids, key))
-            rows = [state_row(state[p][key], pp, key) for p, pp in items]
-            if buf is None or any(e._base is not buf or e.data_ptr() != buf[i].data_ptr() for i, e in enumerate(rows)):
+            if buf is None or not self._bound(state, items, ids, key):
                 # first use, or state replaced (load_state_dict): restack, in the memory layout a
                 # step gives it (a lone tensor keeps its own, e.g. transposed), so that reductions
                 # sum in the same order and a resumed run matches bit for bit
-                buf = stack(rows).clone()
+                buf = stack([state_row(state[p][key], pp, key) for p, pp in items]).clone()
             out[key] = buf
         for key in COUNTS:
             if key in first:
                 out[key] = first[key]
         return out
+
+    def _bound(self, state, items: list, ids: tuple, key: str) -> bool:
+        """Whether the items' state entries under ``key`` are those bound to the buffer's rows."""
+        bound = self.bound.get((ids, key))
+        return bound is not None and all(state[p].get(key) is e for (p, _), e in zip(items, bound))
 
     def live(self, items: list, values: dict, keys: tuple) -> list:
         """The tensors of :meth:`gather`'s ``values`` under ``keys`` that are the state itself (the
@@ -73,13 +81,13 @@ class StackedState:
         reduced = self.reduced.get(ids, {})
         for key, value in values.items():
             if key in STACKED:
-                if self.buffers.get((ids, key)) is value and all(
-                        state_row(state[p][key], pp, key)._base is value for p, pp in items):
+                if self.buffers.get((ids, key)) is value and self._bound(state, items, ids, key):
                     continue
                 self.buffers[(ids, key)] = value
                 for i, (p, pp) in enumerate(items):
                     state[p][key] = state_entry(value[i], p, pp, key, self.layouts.get(id(p)),
                                                 reduced.get(key, ()))
+                self.bound[(ids, key)] = tuple(state[p][key] for p, _ in items)
             else:
                 for p, _ in items:
                     state[p][key] = value

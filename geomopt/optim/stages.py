@@ -184,9 +184,10 @@ def second_moment(u, cfg, ctx):
         v = ctx.state["post_v"] = torch.lerp(v, m2, 1 - cfg["beta2"], out=m2)
     else:
         v.lerp_(m2, 1 - cfg["beta2"])
-    c = 1 - cfg["beta2"] ** ctx.step if cfg["bias_correction"] else 1.0
     eps = working_eps(cfg["eps"], v.dtype, norm=True)  # a square root of squares: floored at √tiny, as Adam's
-    denom = (v / c).sqrt_().add_(eps) if c != 1.0 else v.sqrt().add_(eps)
+    # (c = 1 when β₂ = 0, where v/c is v: the same bits either way; the step may be a device tensor)
+    t = ctx.step.to(torch.float64) if isinstance(ctx.step, torch.Tensor) else ctx.step  # (a device count: float64)
+    denom = (v / (1 - cfg["beta2"] ** t)).sqrt_().add_(eps) if cfg["bias_correction"] else v.sqrt().add_(eps)
     if expand is not None:
         denom = denom.index_select(*expand)
     return u / denom

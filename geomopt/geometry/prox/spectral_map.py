@@ -34,6 +34,22 @@ def _compose(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor) -> torch.Tensor
 _GRAM_TOLERANCE = 8.0
 
 
+class DeviceRoutes:
+    """``with DeviceRoutes():`` :func:`spectral_apply` chooses each matrix's route on the device
+    (a capturable step: no host synchronization): the float32 Gram–eigh where it is accurate, else
+    the SVD, both computed for every matrix and selected per matrix (no float64 redo, no low-rank
+    grouping). Same accuracy contract, about one SVD more per call."""
+
+    active = False
+
+    def __enter__(self):
+        self.was, DeviceRoutes.active = DeviceRoutes.active, True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        DeviceRoutes.active = self.was
+
+
 def spectral_apply(mats: torch.Tensor, step: Callable):
     """X = U·Diag(x)·Vᵀ for (x, extra) = step(σ), σ = σ(M) sorted descending per matrix of a batch
     (B, m, n); returns (X, extra). ``step`` must be pure and act per matrix (it may run again on
@@ -56,6 +72,13 @@ def spectral_apply(mats: torch.Tensor, step: Callable):
     (:func:`_gram_compose`); one host sync per call (the choice), one more per redo."""
     unit = torch.finfo(mats.dtype).eps  # the input's rounding (mats: the working dtype)
     x, extra, ratio, frame = _gram_eigh(mats, step, unit)
+    if DeviceRoutes.active:
+        gram = _gram_product(mats, x, frame, min(mats.shape[-2:]), frame[4])
+        u, s, vh = _svd(mats)
+        xs, extra_s = step(s)
+        accurate = ratio <= _GRAM_TOLERANCE
+        out = torch.where(accurate[:, None, None], gram, _compose(u, xs, vh))
+        return out, None if extra is None else torch.where(accurate, extra, extra_s.to(extra.dtype))
     # per matrix: 0 done, 1 float64 Gram–eigh, 2 SVD (R infinite: no Gram matrix resolves it)
     higher = 1 if mats.dtype != torch.float64 else 2
     route = torch.where(ratio <= _GRAM_TOLERANCE, 0, torch.where(ratio.isfinite(), higher, 2))
@@ -168,9 +191,9 @@ def _gram_compose(mats: torch.Tensor, x: torch.Tensor, frame: tuple, rows: list,
     return out
 
 
-def _gram_product(mats: torch.Tensor, x: torch.Tensor, frame: tuple, k: int, zero: list) -> torch.Tensor:
+def _gram_product(mats: torch.Tensor, x: torch.Tensor, frame: tuple, k: int, zero) -> torch.Tensor:
     """:func:`_gram_compose` for one group: the low-rank form over the k leading directions (k < q),
-    else the frame V·Diag(w)·Vᵀ."""
+    else the frame V·Diag(w)·Vᵀ; ``zero``: the flags of M = 0 (a list, or a device tensor)."""
     v, w, c = frame[:3]
     m, n = mats.shape[-2:]
     q = min(m, n)
@@ -183,10 +206,11 @@ def _gram_product(mats: torch.Tensor, x: torch.Tensor, frame: tuple, k: int, zer
     else:
         f = (v * w.flip(-1)[:, None, :]) @ v.mT
         out = mats @ f if m >= n else f @ mats
-    if any(zero):
+    if isinstance(zero, torch.Tensor) or any(zero):
         diagonal = (torch.eye(m, n, dtype=mats.dtype, device=mats.device)
                     * torch.nn.functional.pad(x, (0, n - q))[:, None, :])
-        out = torch.where(torch.tensor(zero, dtype=torch.bool, device=mats.device)[:, None, None], diagonal, out)
+        flags = zero if isinstance(zero, torch.Tensor) else torch.tensor(zero, dtype=torch.bool, device=mats.device)
+        out = torch.where(flags[:, None, None], diagonal, out)
     return out
 
 

@@ -1,0 +1,75 @@
+"""The capturable step: no host synchronization, so a step can be captured whole (a CUDA graph,
+``torch.compile(opt.step, fullgraph=True)``).
+
+Once every stepping tensor has its state (after a first step, which syncs: torch's optimizers
+warm up before a capture too), :func:`captured_step` runs each job with the finiteness flag on the
+device: the gradients enter the operators as they are where every one is finite and as zeros
+elsewhere (an SVD of NaNs raises), and every write (parameters, state, step counts) selects the
+new value where the flag is true and the old one elsewhere (as fused AdamW's ``found_inf``), so a
+skipped step leaves every bit as it was. Step counts, the groups' ``step`` and the skipped counts
+are device tensors (:func:`counts_on_device`), advanced by the flag; the spectral backward ops
+choose each matrix's route on the device (:class:`~geomopt.geometry.prox.spectral_map.DeviceRoutes`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from geomopt.geometry.prox.spectral_map import DeviceRoutes
+from geomopt.optim.atomic import drive
+from geomopt.optim.bucket_step import BucketJob
+from geomopt.optim.nonfinite import finite, finite_flags
+from geomopt.optim.runtime import Runtime
+from geomopt.optim.schedules import SCHEDULES, warmup_alpha
+from geomopt.optim.stacked import COUNTS
+
+
+def captured_step(rt: Runtime, groups: list, state, counters: list, jobs: list, grads: list, done: list) -> None:
+    """One step of ``jobs`` ((program, [(param, plan)]) each, every program batched) with no host
+    synchronization; ``done`` collects the indices of the jobs that committed."""
+    flags = finite_flags(rt, grads, [None] * len(grads), finite)
+    ok = flags.all()
+    # the operators run either way (the host does not know): on zeros where a gradient is
+    # non-finite, and the writes select the old values
+    first = grads[0][0] if isinstance(grads[0], list) else grads[0]
+    zero = torch.zeros((), dtype=first.dtype, device=ok.device)
+    grads = [[torch.where(ok, t, zero) for t in g] if isinstance(g, list) else torch.where(ok, g, zero)
+             for g in grads]
+    schedules: dict = {}
+    for prog, items in jobs:
+        gi = prog.group
+        if gi not in schedules:
+            gamma, alpha = SCHEDULES[groups[gi]["schedule"]["kind"]](groups[gi], groups[gi]["step"])
+            schedules[gi] = (gamma, warmup_alpha(alpha, groups[gi]))
+            counters[gi]["update_sq"] = torch.zeros((), device=items[0][0].device)
+    steps = [(j, BucketJob(prog, rt, state, counters[prog.group], groups[prog.group], items, g, None,
+                           schedules[prog.group][0], schedules[prog.group][1], shared=True, ok=ok))
+             for j, ((prog, items), g) in enumerate(zip(jobs, grads))]
+    # the requests answered where they are (one process), not counted in opt.work (host numbers)
+    with DeviceRoutes():
+        drive(lambda requests: [r.fn(r.x) for r in requests], steps, done.append)
+    for gi in schedules:  # counts on the device, advanced in place
+        bad = ~torch.stack([flags[j] for j, (prog, _) in enumerate(jobs) if prog.group == gi]).all()
+        for holder, key, by in ((counters[gi], "skipped", bad), (groups[gi], "step", ok)):
+            if isinstance(holder[key], torch.Tensor):
+                holder[key].add_(by.to(torch.int64))
+            else:
+                holder[key] = by.to(torch.int64) + holder[key]
+
+
+def counts_on_device(groups: list, state, counters: list, jobs: list) -> None:
+    """After a step that synced (the first one, creating state): the step counts (the groups',
+    Adam's, the post-stages') and the skipped counts become device tensors, so the captured steps
+    that follow read and advance the same objects."""
+    for prog, items in jobs:
+        device = items[0][0].device
+        for holder in (groups[prog.group], counters[prog.group]):
+            for key in ("step", "skipped"):
+                if key in holder and not isinstance(holder[key], torch.Tensor):
+                    holder[key] = torch.tensor(holder[key], dtype=torch.int64, device=device)
+        for key in COUNTS:  # a bucket's tensors share one count: one tensor for them
+            made: dict = {}
+            for p, _ in items:
+                value = state[p].get(key)
+                if value is not None and not isinstance(value, torch.Tensor):
+                    state[p][key] = made.setdefault(value, torch.tensor(value, dtype=torch.int64, device=device))

@@ -1,0 +1,173 @@
+"""``capturable=True``: after a first step, a step makes no host synchronization (counted at the
+dispatcher and at the Python boundary), a non-finite gradient is skipped on the device leaving
+every bit as it was, ``torch.compile(opt.step, fullgraph=True)`` captures the whole step as one
+graph for every shipped spec and matches the eager step, and the results stay within rounding of
+the default (host-checked) step."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from optim_helpers import SHIPPED, gpt_batch, loss_of, tiny_gpt
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import geomopt
+
+pytestmark = pytest.mark.filterwarnings("ignore::geomopt.UnusedRuleWarning")
+
+#: aten ops that read a device value on the host (a sync on CUDA), and Python conversions that do
+SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "nonzero", "equal")
+SYNC_METHODS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the host reads of device values made inside it (aten ops and Python conversions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list = []
+        self.functions = _Functions(self.reads)
+
+    def __enter__(self):
+        self.functions.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.functions.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in SYNC_OPS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class _Functions(TorchFunctionMode):
+    def __init__(self, reads: list):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in SYNC_METHODS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _pair(spec, **kw):
+    models = [tiny_gpt(0), tiny_gpt(0)]
+    return models, [geomopt.GeomOptimizer(models[0], spec, **kw), geomopt.GeomOptimizer(models[1], spec,
+                                                                                       capturable=True, **kw)]
+
+
+def _grads(models, step, poison=False):
+    for m in models:
+        for p in m.parameters():
+            p.grad = None
+        loss_of(m, gpt_batch(step)).backward()
+        if poison:
+            for p in m.parameters():
+                p.grad.view(-1)[-1] = math.nan
+
+
+def _snapshot(opt) -> list:
+    out = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    out += [v.clone() if torch.is_tensor(v) else v for st in opt.state.values() for v in st.values()]
+    out += [g["step"].clone() if torch.is_tensor(g["step"]) else g["step"] for g in opt.param_groups]
+    return out
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("spec", SHIPPED, ids=lambda p: p.stem)
+def test_a_capturable_step_reads_nothing_on_the_host_skips_on_the_device_and_tracks_the_default(spec):
+    models, (plain, captured) = _pair(str(spec))
+    for step in range(5):
+        _grads(models, step, poison=step == 3)
+        plain.step()
+        before = _snapshot(captured)
+        with HostReads() as reads:
+            captured.step()
+        if step == 0:
+            continue  # the first step creates the state (and may read the host, as torch's warm-up)
+        assert reads.reads == [], (step, reads.reads)
+        if step == 3:  # a NaN in every gradient: every bit of parameters, state and counts as it was
+            assert _same(before[:-len(captured.param_groups)], _snapshot(captured)[:-len(captured.param_groups)])
+            assert all(int(g["step"]) == 3 for g in captured.param_groups)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-5), (spec.stem, (p - q).abs().max())
+    assert [int(c["skipped"]) for c in captured._counters] == [c["skipped"] for c in plain._counters]
+    assert all(int(g["step"]) == 4 for g in captured.param_groups)
+    assert "check device" in captured.describe()
+
+
+@pytest.mark.parametrize("spec", SHIPPED, ids=lambda p: p.stem)
+def test_torch_compile_captures_the_whole_step_as_one_graph(spec):
+    """fullgraph=True fails on any graph break (a host read, an untraceable call); the eager
+    backend runs the captured graph's own ops, so it equals the eager capturable step within the
+    rounding of scalars passed as tensors (Dynamo does not specialize floats)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    models, (eager, compiled) = _pair(str(spec))
+    eager = geomopt.GeomOptimizer(models[0], str(spec), capturable=True)
+    step = torch.compile(compiled.step, fullgraph=True, backend="eager")
+    for k in range(4):
+        _grads(models, k, poison=k == 2)
+        eager.step()
+        compiled.step() if k == 0 else step()
+    assert counters["stats"]["unique_graphs"] == 1  # one capture, no recompilation
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-6), (spec.stem, (p - q).abs().max())
+
+
+@pytest.mark.parametrize("spec", ["muon", "adamw-hybrid"])
+def test_inductor_compiles_the_step_and_matches_eager(spec):
+    torch._dynamo.reset()
+    models, (eager, compiled) = _pair(spec)
+    eager = geomopt.GeomOptimizer(models[0], spec, capturable=True)
+    step = torch.compile(compiled.step, fullgraph=True)
+    for k in range(3):
+        _grads(models, k)
+        eager.step()
+        compiled.step() if k == 0 else step()
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-5), (spec, (p - q).abs().max())
+
+
+def test_a_capturable_checkpoint_resumes_in_either_mode():
+    models, (plain, captured) = _pair("muon")
+    for k in range(3):
+        _grads(models, k)
+        plain.step()
+        captured.step()
+    sd = copy.deepcopy(captured.state_dict())
+    twins = [copy.deepcopy(models[1]) for _ in range(2)]
+    resumed = [geomopt.GeomOptimizer(m, "muon", capturable=flag) for m, flag in zip(twins, (True, False))]
+    for opt in resumed:
+        opt.load_state_dict(copy.deepcopy(sd))
+    _grads([models[1], *twins], 3)
+    captured.step()
+    for opt in resumed:
+        opt.step()
+    for twin in twins:
+        for p, q in zip(models[1].parameters(), twin.parameters()):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"direction": {"kind": "storm"}}, "storm direction"),
+    ({"on_nonfinite": "raise"}, "on_nonfinite: raise"),
+    ({"direction": {"kind": "polyak", "alpha": 0.05, "warmup_steps": 10, "warmup_alpha": 0.15}}, "momentum warmup"),
+])
+def test_what_a_capturable_step_cannot_do_is_refused_at_construction(edit, message):
+    spec = {"geomopt": 1, "name": "s", "rules": [{"name": "all", "match": "**", "geometry": {"kind": "euclidean"},
+                                                  **edit}]}
+    with pytest.raises(ValueError, match=message):
+        geomopt.GeomOptimizer(tiny_gpt(0), spec, capturable=True)
