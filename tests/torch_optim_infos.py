@@ -60,7 +60,7 @@ def _inputs(*kwargs: dict):
 
 
 #: what each accepts: lr, weight_decay (decoupled, as torch's AdamW) and the implementation of the
-#: elementwise path; no per-group options, maximize, amsgrad, capturable, differentiable, foreach=/fused=
+#: elementwise path; no per-group options, maximize, amsgrad, differentiable, foreach=/fused=
 GEOM_OPTIM_DB = [
     OptimizerInfo(GeomAdamW, optim_inputs_func=_inputs({}, {"lr": 0.01}, {"weight_decay": 0.1},
                                                        {"lr": 0.02, "weight_decay": 0.0}),
@@ -133,7 +133,6 @@ CUDA_ONLY = (
 KWARGS_NOT_APPLICABLE = {
     "maximize": "negate the loss",
     "amsgrad": "no spec geometry keeps the running maximum of the second moment",
-    "capturable": "the step keeps its counts on the host; CUDA graphs of the matrix iterations: cuda_graphs=True",
     "differentiable": "the step runs under torch.no_grad (no higher-order gradients through it)",
     "foreach, fused": "implementation='auto' | 'fused' | 'foreach' chooses how the elementwise path runs",
 }
