@@ -37,6 +37,7 @@ from geomopt.optim.contract import Copyable, check_complex, collect_params, spar
 from geomopt.optim.diagnostics import Diagnostics, euclidean_geometry
 from geomopt.optim.flat import IMPLEMENTATIONS, FlatPath
 from geomopt.optim.nonfinite import NonFiniteCheck
+from geomopt.optim.qkclip import QKClip
 from geomopt.optim.schedules import SCHEDULES, warmup_alpha
 from geomopt.optim.stacked import STACKED, StackedState
 from geomopt.optim import stages as post_stages
@@ -191,6 +192,7 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
         check_complex(self.param_groups, self._plans, self._flat_rule)
         self._warn_slow_bf16(tensors)
         self._warn_unused_rules(infos)
+        self._qk_clip = QKClip(self.param_groups, self._plans, source)  # QK-clip (geomopt.optim.qkclip): checks
         self._project_on_init()
 
     # ------------------------------------------------------------ set-up
@@ -272,6 +274,7 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
         is skipped and counted in the rules that had them; either way parameters and all
         optimizer state are left exactly as they were. A sparse gradient raises (RuntimeError,
         naming the tensor), also before anything is written."""
+        self._qk_clip.check()  # QK-clip: a monitor is attached, before anything is written
         loss = None
         g_prev: dict = {}
         if self._needs_closure:
@@ -338,6 +341,7 @@ class GeomOptimizer(Copyable, Checkpoints, Diagnostics, NonFiniteCheck, FlatPath
             for gi in set(schedules) | (pending.groups if pending is not None else set()):
                 self.param_groups[gi]["step"] += 1
             self._pending = None
+            self._qk_clip.apply()  # QK-clip after the step (geomopt.optim.qkclip)
         return loss
 
     @property
