@@ -104,6 +104,7 @@ def _site(name: str, mod: nn.Module, prefix: str) -> tuple[Optional[Site], Optio
         return None, None
     kv = _count(mod, "num_key_value_heads", "num_kv_heads", "n_kv_heads") or heads
     tensors: dict = {}
+    weights: tuple[str, ...]
     if q is not None and k is not None:
         if not (isinstance(q, nn.Linear) and isinstance(k, nn.Linear)):
             return None, "q_proj/k_proj are not nn.Linear layers"
@@ -115,6 +116,7 @@ def _site(name: str, mod: nn.Module, prefix: str) -> tuple[Optional[Site], Optio
                 tensors[f"{prefix}{lname}.{pname}"] = (p, [part])
         weights = (f"{prefix}q_proj.weight", f"{prefix}k_proj.weight")
     else:
+        assert fused is not None
         w = getattr(fused, "weight", None)
         if not isinstance(w, torch.Tensor) or w.ndim != 2:
             return None, None
