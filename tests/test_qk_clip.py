@@ -393,6 +393,39 @@ def test_clipped_weights_bring_the_same_batch_to_tau(make):
     handle.remove()
 
 
+# ---------------------------------------------------------------- the guide and the benchmark
+
+
+def test_the_guide_runs_and_its_spec_parses(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "qk-clip.md").read_text(encoding="utf-8")
+    yaml = re.search(r"```yaml\n(.*?)```", page, re.S).group(1)
+    yaml = "\n".join(line[4:] for line in yaml.splitlines())  # the tab's indentation
+    spec = geomopt.parse_spec(yaml, "yaml")
+    assert spec.rules[0].qk_clip.tau == 100.0
+    geomopt.GeomOptimizer(llama(kv=4), spec)  # the rule's tensors are Llama's q/k projections
+    monkeypatch.chdir(tmp_path)
+    for block in re.findall(r"^```python\n(.*?)^```", page, re.S | re.M):
+        exec(compile(block, "docs/guide/qk-clip.md", "exec"), {"__name__": "qk_clip_guide"})
+
+
+def test_benchmark_script_writes_its_json(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "qk_monitor.py"
+    spec = importlib.util.spec_from_file_location("bench_qk_monitor", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "qk.json"
+    assert module.main(["--small", "--iters", "1", "--device", "cpu", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["workload"] for r in data["results"]] == ["gpt", "llama-sdpa", "llama-eager"]
+    assert all(r["sites"] == 2 and r["ms"]["step + qk_clip"] > 0 for r in data["results"])
+
+
 # ---------------------------------------------------------------- bad input
 
 
