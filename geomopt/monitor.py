@@ -193,6 +193,47 @@ class _Observer(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _inert(*args) -> None:
+    """What a copied or unpickled model's monitor hook becomes: nothing (a copy is watched only by
+    a monitor attached to it)."""
+
+
+class _HookMethod:
+    """A bound hook that copies and pickles as :func:`_inert`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __reduce__(self):
+        return (_inert_hook, ())
+
+
+def _inert_hook():
+    return _inert
+
+
+class _Hook:
+    """One site's forward pre-hook (enters an :class:`_Observer`) and forward hook (leaves it)."""
+
+    def __init__(self, site: Site):
+        self.site = site
+        self.modes: list = []
+        self.enter = _HookMethod(self._enter)
+        self.leave = _HookMethod(self._leave)
+
+    def _enter(self, _mod, _args) -> None:
+        mode = _Observer(self.site)
+        mode.__enter__()
+        self.modes.append(mode)
+
+    def _leave(self, _mod, _args, _out) -> None:
+        if self.modes:
+            self.modes.pop().__exit__(None, None, None)
+
+
 class AttentionMonitor:
     """What :func:`monitor_attention` returns: the watched sites; :meth:`remove` detaches it."""
 
@@ -205,19 +246,9 @@ class AttentionMonitor:
         self._by_param = {id(p): (site, parts) for site in self.sites for p, parts in site.tensors.values()}
         self._handles: list = []
         for site in self.sites:
-            modes: list = []
-
-            def enter(_mod, _args, site=site, modes=modes):
-                mode = _Observer(site)
-                mode.__enter__()
-                modes.append(mode)
-
-            def leave(_mod, _args, _out, modes=modes):
-                if modes:
-                    modes.pop().__exit__(None, None, None)
-
-            self._handles.append(site.module.register_forward_pre_hook(enter))
-            self._handles.append(site.module.register_forward_hook(leave, always_call=True))
+            hook = _Hook(site)
+            self._handles.append(site.module.register_forward_pre_hook(hook.enter))
+            self._handles.append(site.module.register_forward_hook(hook.leave, always_call=True))
         _ACTIVE.append(self)
 
     def find(self, param: torch.Tensor) -> Optional[tuple[Site, list]]:

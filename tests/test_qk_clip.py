@@ -447,6 +447,33 @@ def test_no_monitor_raises_at_the_first_step_before_any_write():
         opt.step()
 
 
+def test_a_copied_or_pickled_model_is_not_watched_until_a_monitor_is_attached():
+    import io
+
+    model = gpt(scale=4.0)
+    opt = geomopt.GeomOptimizer(model, GPT_SPEC.format(tau=1.0))
+    handle = geomopt.monitor_attention(model)
+    twin, twin_opt = copy.deepcopy((model, opt))
+    buf = io.BytesIO()
+    torch.save({"model": model, "opt": opt}, buf)  # the monitor's hooks pickle (as no-ops)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)["model"]
+    for m in (twin, loaded):
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if "c_attn" in n:
+                    p.mul_(10.0)
+        loss(m).backward()
+    assert handle.maxima() == {}  # the copies' forwards are not the original's
+    with pytest.raises(RuntimeError, match="monitor_attention"):
+        twin_opt.step()
+    own = geomopt.monitor_attention(twin)
+    loss(twin).backward()
+    twin_opt.step()
+    own.remove()
+    handle.remove()
+
+
 def test_a_removed_monitor_no_longer_counts():
     model = gpt()
     geomopt.monitor_attention(model).remove()
