@@ -9,9 +9,11 @@ has. Workloads (random init, no download):
 * ``llama-sdpa`` / ``llama-eager``: Hugging Face Llama from a config, 4 layers, width 256, 8 heads
   (4 key/value heads), 256 tokens × batch 4, ``attn_implementation`` sdpa / eager.
 
-Per workload: the median over ``--iters`` rounds (round robin, after warm-up) of forward +
-backward without and with the monitor, and of ``GeomOptimizer.step()`` (Muon-like spectral rule on
-q/k, Adam elsewhere) without and with ``qk_clip`` (τ below the logits, so every head is clipped).
+Per workload: the median (of the process's CPU time on a CPU, robust to other load on a shared
+machine; of wall time on CUDA) over ``--iters`` rounds (round robin, after warm-up) of forward +
+backward without and with the monitor, of ``GeomOptimizer.step()`` (Muon-like spectral rule on
+q/k, Adam elsewhere) without and with ``qk_clip`` (τ below the logits, so every head is clipped),
+and of the clip alone (:func:`geomopt.optim.qkclip.clip_site` on every site).
 Writes benchmarks/results/qk_monitor.json (or ``--out``); ``--record`` appends the rows under
 "## QK-clip" in benchmarks/RESULTS.md.
 
@@ -38,6 +40,7 @@ if str(ROOT) not in sys.path:
 
 import geomopt  # noqa: E402
 from geomopt.models import GPT, GPTConfig  # noqa: E402
+from geomopt.optim.qkclip import clip_site  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "qk_monitor.json"
 SPEC = """geomopt 1
@@ -107,11 +110,26 @@ def bench(workload: str, iters: int, small: bool, device: str) -> dict:
             _sync(device)
         opts[name] = step
     times.update(_round_robin(opts, iters))
+
+    def clip_alone():
+        for s in handle.sites:
+            clip_site(s, torch.full((s.heads,), 4 * tau, device=device), tau, 0.5)
+        _sync(device)
+    times.update(_round_robin({"clip alone": clip_alone}, iters))
     handle.remove()
     fb, fbm = times["forward+backward"], times["forward+backward, monitored"]
     st, stc = times["step"], times["step + qk_clip"]
     return dict(workload=workload, device=device, ms=times, monitor_overhead=fbm / fb - 1,
                 clip_overhead_ms=stc - st, sites=len(handle.sites))
+
+
+def _clock() -> float:
+    """CPU: the process's CPU time (all threads; robust to other load on a shared machine); CUDA:
+    wall time (each row synchronizes)."""
+    return time.perf_counter() if torch.cuda.is_available() and _DEVICE[0].startswith("cuda") else time.process_time()
+
+
+_DEVICE = ["cpu"]
 
 
 def _round_robin(rows: dict, iters: int, warmup: int = 3) -> dict:
@@ -121,9 +139,9 @@ def _round_robin(rows: dict, iters: int, warmup: int = 3) -> dict:
     times: dict = {k: [] for k in rows}
     for _ in range(iters):
         for k, fn in rows.items():
-            t0 = time.perf_counter()
+            t0 = _clock()
             fn()
-            times[k].append((time.perf_counter() - t0) * 1e3)
+            times[k].append((_clock() - t0) * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -137,15 +155,18 @@ def row(r: dict, note: str) -> str:
     ms = r["ms"]
     return (f"| {datetime.date.today().isoformat()} | {machine(r['device'])} | torch {torch.__version__} "
             f"| {r['workload']} | {ms['forward+backward']:.1f} | {ms['forward+backward, monitored']:.1f} "
-            f"| {100 * r['monitor_overhead']:+.1f}% | {ms['step']:.2f} | {ms['step + qk_clip']:.2f} | {note} |")
+            f"| {100 * r['monitor_overhead']:+.1f}% | {ms['step']:.2f} | {ms['step + qk_clip']:.2f} "
+            f"| {ms['clip alone']:.3f} | {note} |")
 
 
 HEAD = "## QK-clip (`benchmarks/qk_monitor.py`)"
-TABLE = ("\nThe attention monitor's cost on a training forward + backward (median ms; the monitor recomputes "
+TABLE = ("\nThe attention monitor's cost on a training forward + backward (median ms: the process's CPU time "
+         "on a CPU, wall time on CUDA; the monitor recomputes "
          "each SDPA call's scores once, or takes an amax of an eager softmax's input) and the optimizer step "
-         "without / with `qk_clip` (every head clipped).\n\n"
-         "| date | machine | torch | workload | fwd+bwd | fwd+bwd monitored | overhead | step | step + qk_clip | note |\n"
-         "|---|---|---|---|---|---|---|---|---|---|\n")
+         "without / with `qk_clip` (every head clipped), and the clip alone (every site's q/k rows rescaled).\n\n"
+         "| date | machine | torch | workload | fwd+bwd | fwd+bwd monitored | overhead | step | step + qk_clip "
+         "| clip alone | note |\n"
+         "|---|---|---|---|---|---|---|---|---|---|---|\n")
 
 
 def record(rows: list[str]) -> None:
@@ -172,6 +193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--record", action="store_true", help="append the rows to benchmarks/RESULTS.md")
     ap.add_argument("--note", default="")
     args = ap.parse_args(argv)
+    _DEVICE[0] = args.device
     results = [bench(w, args.iters, args.small, args.device) for w in args.workloads]
     load = f"load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") and args.device == "cpu" else ""
     note = "; ".join(x for x in (args.note, load) if x)

@@ -33,6 +33,7 @@ and ``nn.MultiheadAttention`` are refused with the reason (:func:`attention_site
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Optional
 
 import torch
@@ -40,9 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["AttentionMonitor", "Part", "Site", "attention_sites", "monitor_attention", "sdpa_head_max"]
+__all__ = ["AttentionMonitor", "Part", "Site", "attention_sites", "find_monitored", "monitor_attention",
+           "sdpa_head_max", "watching_any"]
 
 _CHUNK = 1 << 26  # scores computed at once by the SDPA observer
+_SDPA = F.scaled_dot_product_attention  # as torch defines it (a later patch of F does not hide it)
 _SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax)
 _MLA = ("q_b_proj", "kv_b_proj", "kv_a_proj_with_mqa", "q_a_proj")
 
@@ -73,10 +76,13 @@ class Site:
     tensors: dict  # parameter name → (parameter, [Part, …])
     weights: tuple  # names of the projection weights (the tensors a QK-clip rule must cover)
     maxima: Optional[torch.Tensor] = None  # (heads,) float32: max logit per query head
+    observed: int = 0  # attention ops seen
+    blind: int = 0  # training forwards of the module in which no attention op was seen
 
     def observe(self, head_max: torch.Tensor) -> None:
         m = head_max.detach().float()
         self.maxima = m if self.maxima is None else torch.maximum(self.maxima, m)
+        self.observed += 1
 
 
 def _count(mod: nn.Module, *names: str) -> Optional[int]:
@@ -147,7 +153,11 @@ def attention_sites(model: nn.Module) -> tuple[list[Site], dict[str, str]]:
 def sdpa_head_max(query, key, value=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False) -> torch.Tensor:
     """max over batch and positions of S = q·kᵀ·scale, per query head (float32, shape (heads,)), for
-    the arguments of ``F.scaled_dot_product_attention``; masked entries do not count."""
+    the arguments of ``F.scaled_dot_product_attention``; masked entries do not count. The scores
+    and masks are torch's own definition of SDPA (its documented math reference: scale 1/√d by
+    default, ``is_causal`` the top-left lower triangle, a boolean mask keeps True, a float mask
+    is added, ``enable_gqa`` repeats each key head over its group); the max is S_max^h of the
+    Kimi K2 report (arXiv 2507.20534 §2.1)."""
     with torch.no_grad():
         q, k = query.detach(), key.detach()
         heads, length, d = q.shape[-3], q.shape[-2], q.shape[-1]
@@ -185,7 +195,7 @@ class _Observer(TorchFunctionMode):
         kwargs = kwargs or {}
         first = args[0] if args else None
         if torch.is_grad_enabled() and isinstance(first, torch.Tensor) and not first.is_meta:
-            if func is F.scaled_dot_product_attention:
+            if func is _SDPA:
                 self.site.observe(sdpa_head_max(*args, **kwargs))
             elif func in _SOFTMAX and first.ndim == 4 and first.shape[1] == self.site.heads:
                 with torch.no_grad():
@@ -218,8 +228,9 @@ def _inert_hook():
 class _Hook:
     """One site's forward pre-hook (enters an :class:`_Observer`) and forward hook (leaves it)."""
 
-    def __init__(self, site: Site):
+    def __init__(self, site: Site, monitor: "AttentionMonitor"):
         self.site = site
+        self.monitor = monitor  # the model's hooks keep its monitor alive (the registry holds it weakly)
         self.modes: list = []
         self.enter = _HookMethod(self._enter)
         self.leave = _HookMethod(self._leave)
@@ -227,11 +238,14 @@ class _Hook:
     def _enter(self, _mod, _args) -> None:
         mode = _Observer(self.site)
         mode.__enter__()
-        self.modes.append(mode)
+        self.modes.append((mode, self.site.observed))
 
     def _leave(self, _mod, _args, _out) -> None:
         if self.modes:
-            self.modes.pop().__exit__(None, None, None)
+            mode, before = self.modes.pop()
+            mode.__exit__(None, None, None)
+            if self.site.observed == before and torch.is_grad_enabled():
+                self.site.blind += 1  # a kernel the monitor cannot see (flash / flex attention)
 
 
 class AttentionMonitor:
@@ -246,10 +260,10 @@ class AttentionMonitor:
         self._by_param = {id(p): (site, parts) for site in self.sites for p, parts in site.tensors.values()}
         self._handles: list = []
         for site in self.sites:
-            hook = _Hook(site)
+            hook = _Hook(site, self)
             self._handles.append(site.module.register_forward_pre_hook(hook.enter))
             self._handles.append(site.module.register_forward_hook(hook.leave, always_call=True))
-        _ACTIVE.append(self)
+        _ACTIVE.append(weakref.ref(self))
 
     def find(self, param: torch.Tensor) -> Optional[tuple[Site, list]]:
         """(site, parts) of a query/key tensor this monitor watches, else None."""
@@ -261,26 +275,38 @@ class AttentionMonitor:
 
     def reset(self) -> None:
         for s in self.sites:
-            s.maxima = None
+            s.maxima, s.blind = None, 0
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
+        _ACTIVE[:] = [r for r in _ACTIVE if r() is not None and r() is not self]
 
 
-_ACTIVE: list[AttentionMonitor] = []
+#: the attached monitors, oldest first, held weakly (a model's hooks hold its monitor)
+_ACTIVE: list[weakref.ref] = []
+
+
+def _attached() -> list[AttentionMonitor]:
+    live = [m for m in (r() for r in _ACTIVE) if m is not None]
+    if len(live) != len(_ACTIVE):
+        _ACTIVE[:] = [weakref.ref(m) for m in live]
+    return live
 
 
 def find_monitored(param: torch.Tensor) -> Optional[tuple[Site, list]]:
     """(site, parts) of ``param`` in the most recently attached monitor that watches it, else None."""
-    for monitor in reversed(_ACTIVE):
+    for monitor in reversed(_attached()):
         found = monitor.find(param)
         if found is not None:
             return found
     return None
+
+
+def watching_any() -> bool:
+    """Whether any monitor is attached."""
+    return bool(_attached())
 
 
 def monitor_attention(model: nn.Module) -> AttentionMonitor:

@@ -407,8 +407,10 @@ def test_the_guide_runs_and_its_spec_parses(tmp_path, monkeypatch):
     assert spec.rules[0].qk_clip.tau == 100.0
     geomopt.GeomOptimizer(llama(kv=4), spec)  # the rule's tensors are Llama's q/k projections
     monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "qk_clip_guide"}
     for block in re.findall(r"^```python\n(.*?)^```", page, re.S | re.M):
-        exec(compile(block, "docs/guide/qk-clip.md", "exec"), {"__name__": "qk_clip_guide"})
+        exec(compile(block, "docs/guide/qk-clip.md", "exec"), namespace)
+    namespace["monitor"].remove()
 
 
 def test_benchmark_script_writes_its_json(tmp_path):
@@ -471,6 +473,39 @@ def test_a_copied_or_pickled_model_is_not_watched_until_a_monitor_is_attached():
     loss(twin).backward()
     twin_opt.step()
     own.remove()
+    handle.remove()
+
+
+def test_a_flash_kernel_the_monitor_cannot_see_is_refused_before_any_write(monkeypatch):
+    """An attention module whose forward calls neither SDPA nor a softmax (a flash / flex kernel)."""
+    model = gpt(scale=4.0)
+    opt = geomopt.GeomOptimizer(model, GPT_SPEC.format(tau=1.0))
+    handle = geomopt.monitor_attention(model)
+    real = F.scaled_dot_product_attention
+
+    def hidden_kernel(*args, **kwargs):  # as a C++ kernel: torch functions below the mode
+        with torch.overrides._disable_user_modes() if hasattr(torch.overrides, "_disable_user_modes") else \
+                torch._C.DisableTorchFunction():
+            return real(*args, **kwargs)
+
+    import geomopt.models.gpt as gpt_module
+
+    monkeypatch.setattr(gpt_module.F, "scaled_dot_product_attention", hidden_kernel)
+    loss(model).backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"'transformer\.h\.0\.attn' ran 1 training forward.*attn_implementation"):
+        opt.step()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    handle.remove()
+
+
+def test_a_monitor_on_another_model_is_named_as_such():
+    model, other = gpt(), gpt()
+    opt = geomopt.GeomOptimizer(model, GPT_SPEC.format(tau=1.0))
+    handle = geomopt.monitor_attention(other)
+    loss(model).backward()
+    with pytest.raises(RuntimeError, match="attach geomopt.monitor_attention to the model this optimizer steps"):
+        opt.step()
     handle.remove()
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from geomopt.distributed.executors import is_dtensor
-from geomopt.monitor import Site, attention_sites, find_monitored
+from geomopt.monitor import Site, attention_sites, find_monitored, watching_any
 
 __all__ = ["QKClip", "clip_site"]
 
@@ -38,7 +38,10 @@ _ATTACH = ("attach the attention monitor once after building the model, before t
 
 
 def clip_site(site: Site, maxima: torch.Tensor, tau: float, alpha: float) -> None:
-    """Scale ``site``'s query/key tensors in place for per-head maxima ``maxima`` (heads,)."""
+    """Scale ``site``'s query/key tensors in place for per-head maxima ``maxima`` (heads,): with
+    η_h = τ / max(S_h, τ), query head h's rows (and bias entries) × η_h^α, key head j's ×
+    (min over its query heads η_h)^(1−α) (Kimi K2, arXiv 2507.20534 §2.1, grouped keys as above),
+    computed in float32 and written in the tensor's dtype."""
     eta = tau / maxima.float().clamp_min(tau)
     group = site.heads // site.kv_heads
     scales = {"q": eta.pow(alpha), "k": eta.view(site.kv_heads, group).amin(dim=1).pow(1.0 - alpha)}
@@ -109,10 +112,22 @@ class QKClip:
                 sites.append(found[0])
         if unwatched:
             name, rule = unwatched[0]
-            raise RuntimeError(f"rule '{rule}' has qk_clip, but no attention monitor watches '{name}'"
-                               f"{f' (and {len(unwatched) - 1} more)' if len(unwatched) > 1 else ''}: {_ATTACH}. "
-                               f"Nothing was written by this step")
+            more = f" (and {len(unwatched) - 1} more)" if len(unwatched) > 1 else ""
+            if watching_any():  # a monitor is attached, to another model or not to this tensor's module
+                raise RuntimeError(f"rule '{rule}' has qk_clip, but '{name}'{more} is not a query/key projection of "
+                                   f"an attention module an attached monitor watches: attach "
+                                   f"geomopt.monitor_attention to the model this optimizer steps, and keep the rule "
+                                   f"to q/k projections. Nothing was written by this step")
+            raise RuntimeError(f"rule '{rule}' has qk_clip, but no attention monitor watches '{name}'{more}: "
+                               f"{_ATTACH}. Nothing was written by this step")
         self._sites = _checked_sites(self.entries, list({id(s): s for s in sites}.values()), {})
+        blind = [s for s, _ in self._sites if s.blind]
+        if blind:
+            raise RuntimeError(
+                f"attention module '{blind[0].name}' ran {blind[0].blind} training forward(s) in which the monitor saw "
+                f"no attention op (neither F.scaled_dot_product_attention nor a softmax of the scores: a flash or "
+                f"flex attention kernel, or a custom one), so QK-clip has no logits for it: use "
+                f"attn_implementation='sdpa' or 'eager'. Nothing was written by this step")
 
     def apply(self) -> None:
         """After the step: clip each watched module whose heads exceeded τ, then forget its maxima."""
@@ -130,4 +145,4 @@ class QKClip:
         for site, clip in seen:
             clip_site(site, site.maxima, clip["tau"], clip["alpha"])
         for site, _ in self._sites:
-            site.maxima = None
+            site.maxima, site.blind = None, 0
