@@ -274,6 +274,7 @@ class AttentionMonitor:
         return {s.name: s.maxima for s in self.sites if s.maxima is not None}
 
     def reset(self) -> None:
+        """Forget the maxima (and the forwards not seen) recorded so far."""
         for s in self.sites:
             s.maxima, s.blind = None, 0
 
