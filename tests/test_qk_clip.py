@@ -101,19 +101,22 @@ def _causal_max(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return s.amax(dim=(0, 2, 3))
 
 
+def _capture(out: dict, name: str, heads: int):
+    """A forward hook on a fused c_attn: out[name] = the float64 causal max logits of its q and k."""
+    def hook(m, args, y):
+        b, t, e3 = y.shape
+        q, k, _ = y.detach().double().split(e3 // 3, dim=2)
+        q, k = (z.view(b, t, heads, -1).transpose(1, 2) for z in (q, k))
+        out[name] = _causal_max(q, k, q.shape[-1] ** -0.5)
+    return hook
+
+
 def gpt_reference_maxima(model: GPT, step: int = 0) -> dict:
     """Per attention module, the float64 max logits from its c_attn output (captured by a hook)."""
     out, handles = {}, []
     for name, mod in model.named_modules():
         if name.endswith("attn.c_attn"):
-            def hook(m, args, y, name=name.rpartition(".")[0]):
-                b, t, e3 = y.shape
-                e = e3 // 3
-                h = 2
-                q, k, _ = y.detach().double().split(e, dim=2)
-                q, k = (z.view(b, t, h, e // h).transpose(1, 2) for z in (q, k))
-                out[name] = _causal_max(q, k, (e // h) ** -0.5)
-            handles.append(mod.register_forward_hook(hook))
+            handles.append(mod.register_forward_hook(_capture(out, name.rpartition(".")[0], heads=2)))
     loss(model, step)
     for hd in handles:
         hd.remove()
@@ -259,12 +262,7 @@ def test_monitor_matches_a_float64_capture_on_hf_gpt2():
     ref, handles = {}, []
     for name, mod in model.named_modules():
         if name.endswith("attn.c_attn"):
-            def hook(m, args, y, name=name.rpartition(".")[0]):
-                b, t, e3 = y.shape
-                q, k, _ = y.detach().double().split(e3 // 3, dim=2)
-                q, k = (z.view(b, t, 4, -1).transpose(1, 2) for z in (q, k))
-                ref[name] = _causal_max(q, k, q.shape[-1] ** -0.5)
-            handles.append(mod.register_forward_hook(hook))
+            handles.append(mod.register_forward_hook(_capture(ref, name.rpartition(".")[0], heads=4)))
     handle = geomopt.monitor_attention(model)
     loss(model)
     got = handle.maxima()
@@ -326,20 +324,18 @@ def test_step_is_the_plain_step_then_the_report_clip(make, spec):
     model = make()
     plain = copy.deepcopy(model)
     handle = geomopt.monitor_attention(model)
-    probe = geomopt.monitor_attention(plain)
-    S0 = None
+    tau, opt, ref = 0.0, None, None
     for step in range(2):
         for m in (model, plain):
             m.zero_grad(set_to_none=True)
             loss(m, step).backward()
         S0 = {n: m.clone() for n, m in handle.maxima().items()}
-        tau = float(min(m.max() for m in S0.values())) * 0.8 if step == 0 else tau
-        if step == 0:
+        if opt is None:  # τ under every module's largest logit: each clips some heads
+            tau = float(min(m.max() for m in S0.values())) * 0.8
             opt = geomopt.GeomOptimizer(model, spec.format(tau=tau))
             ref = geomopt.GeomOptimizer(plain, spec.format(tau=tau).replace(f"    qk_clip=max_logit(tau={tau})\n", ""))
         opt.step()
         ref.step()
-        probe.reset()
         assert handle.maxima() == {}  # consumed by the clip
         for site in attention_sites(plain)[0]:
             fused = site.weights[0].endswith("c_attn.weight")
@@ -365,7 +361,6 @@ def test_step_is_the_plain_step_then_the_report_clip(make, spec):
                 for pname, (p, _) in site.tensors.items():
                     p.copy_(own[pname])
     handle.remove()
-    probe.remove()
 
 
 @pytest.mark.parametrize("make", [lambda: gpt(scale=6.0), lambda: llama("eager", kv=4, scale=4.0),
@@ -544,8 +539,8 @@ def test_mla_is_refused_with_the_reason():
     cfg = transformers.DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
                                         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
-                                        v_head_dim=8, n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1,
-                                        max_position_embeddings=32)
+                                        v_head_dim=8, n_routed_experts=2, num_experts_per_tok=1,
+                                        first_k_dense_replace=1, max_position_embeddings=32)
     model = transformers.DeepseekV3ForCausalLM(cfg)
     spec = LLAMA_SPEC.format(tau=1.0).replace("(q_proj|k_proj)", "(q_b_proj|kv_b_proj)")
     with pytest.raises(ValueError, match=r"q_b_proj\.weight' is not a query or key projection.*multi-head latent"):

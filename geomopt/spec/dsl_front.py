@@ -41,8 +41,8 @@ _KEYWORDS = {
     "GEOMOPT": "geomopt", "NAME": "name", "DESCRIPTION": "description", "DEFAULTS": "defaults", "ROLES": "roles",
     "RULE": "rule", "MATCH": "match", "GEOMETRY": "geometry", "CONSTRAINT": "constraint", "LR": "lr",
     "WEIGHT_DECAY": "weight_decay", "DECAY": "decay", "POST": "post", "DIRECTION": "direction", "SCHEDULE": "schedule",
-    "ON_NONFINITE": "on_nonfinite", "PROJECT_ON_INIT": "project_on_init", "QK_CLIP": "qk_clip", "TRUE": "true", "FALSE": "false",
-    "EXTENDS": "extends", "BEFORE": "before", "AFTER": "after", "REMOVE": "remove",
+    "ON_NONFINITE": "on_nonfinite", "PROJECT_ON_INIT": "project_on_init", "QK_CLIP": "qk_clip", "TRUE": "true",
+    "FALSE": "false", "EXTENDS": "extends", "BEFORE": "before", "AFTER": "after", "REMOVE": "remove",
 }
 _SHOWN = {
     "IDENT": "a name", "STRING": "a string", "SIGNED_NUMBER": "a number", "INT": "an integer",
