@@ -42,7 +42,7 @@ def clip_site(site: Site, maxima: torch.Tensor, tau: float, alpha: float) -> Non
     η_h = τ / max(S_h, τ), query head h's rows (and bias entries) × η_h^α, key head j's ×
     (min over its query heads η_h)^(1−α) (Kimi K2, arXiv 2507.20534 §2.1, grouped keys as above),
     computed in float32 and written in the tensor's dtype."""
-    eta = tau / maxima.float().clamp_min(tau)
+    eta = torch.nan_to_num(tau / maxima.float().clamp_min(tau), nan=1.0)  # a NaN logit clips nothing
     group = site.heads // site.kv_heads
     scales = {"q": eta.pow(alpha), "k": eta.view(site.kv_heads, group).amin(dim=1).pow(1.0 - alpha)}
     with torch.no_grad():
