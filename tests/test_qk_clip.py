@@ -561,3 +561,36 @@ def test_sdpa_outside_a_monitored_module_is_not_counted():
     F.scaled_dot_product_attention(q, q, q)
     assert handle.maxima() == {}
     handle.remove()
+
+
+# ---------------------------------------------------------------- two ranks
+
+
+def test_two_ranks_clip_with_the_max_over_ranks(tmp_path):
+    """Under torch.distributed the maxima are all-reduced (max) before the clip: both ranks end
+    with the same weights, the plain step's followed by the report's clip on the larger logits."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("qk_clip_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=str(worker.parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for n, p in ranks[0]["clipped"].items():
+        assert torch.equal(p, ranks[1]["clipped"][n]), n
+    tau = ranks[0]["tau"]
+    assert any(not torch.equal(ranks[0]["local"][n], ranks[1]["local"][n]) for n in ranks[0]["local"])
+    for site_name in ranks[0]["local"]:
+        s = torch.maximum(ranks[0]["local"][site_name], ranks[1]["local"][site_name]).double()
+        for suffix in ("weight", "bias"):
+            name = f"{site_name}.c_attn.{suffix}"
+            x = ranks[0]["plain"][name].double()
+            want = report_clip({"q": x[:16], "k": x[16:32]}, s, tau, 0.5, 2, 2, 8)
+            want = torch.cat([want["q"], want["k"], x[32:]])
+            got = ranks[0]["clipped"][name].double()
+            assert (got - want).abs().max() <= 1e-6 * want.abs().max(), name
