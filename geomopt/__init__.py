@@ -17,10 +17,12 @@ if TYPE_CHECKING:
     from geomopt.compile.lock import RoutingChangedError
     from geomopt.functional import backward_step, forward_step
     from geomopt.lint.coverage import UnusedRuleWarning
+    from geomopt.monitor import monitor_attention
     from geomopt.optim.optimizer import GeomOptimizer
 
 __all__ = ["Diagnostic", "Spec", "SpecError", "dump_spec", "load_spec", "parse_spec", "shipped_specs", "compile_spec",
-           "forward_step", "backward_step", "GeomOptimizer", "RoutingChangedError", "UnusedRuleWarning"]
+           "forward_step", "backward_step", "GeomOptimizer", "RoutingChangedError", "UnusedRuleWarning",
+           "monitor_attention"]
 __version__ = "0.1.0"
 
 
@@ -41,4 +43,7 @@ def __getattr__(name: str) -> object:
     if name == "UnusedRuleWarning":
         from geomopt.lint.coverage import UnusedRuleWarning
         return UnusedRuleWarning
+    if name == "monitor_attention":
+        from geomopt.monitor import monitor_attention
+        return monitor_attention
     raise AttributeError(f"module 'geomopt' has no attribute {name!r}")

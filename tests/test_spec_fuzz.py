@@ -96,7 +96,7 @@ DSL_TOKENS = [
     "approx", "newton_schulz", "radius", "module", "ndim", "true", "false", "none", "1", "-0.5", "1e-3", "2.",
     ".5", "+3", "(", ")", "[", "]", ",", "=", ":", '"', '"x"', '"\\u00e9"', '"\\ud800"', '"\\q"', "#", "\n",
     " ", "\t", "@", ";", "'", "x", "a-b", "_", "\x00", "é", "{", "}", "roles", "role", "hidden", "head", "view",
-    "auto", "matrix", "blocks", "batch",
+    "auto", "matrix", "blocks", "batch", "qk_clip", "max_logit", "tau",
 ]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -58,6 +59,7 @@ from geomopt.spec.constraints import (
 from geomopt.spec.model import ROLE_NAMES, Defaults, Match, Rule, Spec
 from geomopt.spec.updates import (
     DIRECTION_KINDS,
+    MaxLogitClip,
     Polyak,
     Storm,
     StormSchedule,
@@ -169,7 +171,17 @@ def model(cls, **fields):
     """``cls`` built from a random subset of ``fields`` (the rest keep their defaults)."""
     required = {k: v for k, v in fields.items() if cls.model_fields[k].is_required()}
     optional = {k: v for k, v in fields.items() if k not in required}
-    return st.fixed_dictionaries(required, optional=optional).map(lambda d: cls(**d))
+    return st.fixed_dictionaries(required, optional=optional).map(lambda d: _build(cls, d)).filter(
+        lambda m: m is not None)
+
+
+def _build(cls, d: dict):
+    """``cls(**d)``, or None for a combination the model refuses (a polynomial approx without
+    pre-normalization, geomopt.spec.geometries)."""
+    try:
+        return cls(**d)
+    except pydantic.ValidationError:
+        return None
 
 
 reference = st.one_of(
@@ -242,7 +254,8 @@ match = st.fixed_dictionaries({}, optional=dict(name=pattern, module=nonempty, r
 roles = st.dictionaries(role_name, st.lists(pattern, min_size=1, max_size=3), max_size=3)
 hyper = dict(lr=nonneg, weight_decay=nonneg, direction=direction, schedule=schedule,
              on_nonfinite=st.sampled_from(["skip", "raise"]), project_on_init=st.booleans())
-rule = model(Rule, name=rule_name, match=match, geometry=geometry, constraint=constraint, **hyper)
+qk_clip = model(MaxLogitClip, tau=pos, alpha=st.floats(min_value=0, max_value=1, allow_nan=False))
+rule = model(Rule, name=rule_name, match=match, geometry=geometry, constraint=constraint, qk_clip=qk_clip, **hyper)
 
 
 @st.composite

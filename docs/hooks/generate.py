@@ -408,7 +408,7 @@ def _type_pages() -> dict:
         for model in cat.models:
             pages[model.__name__] = (cat.slug, cat.field)
     pages.update(Match=("match", "match"), Defaults=("hyper-parameters", "defaults"),
-                 Rule=("hyper-parameters", "rule"))
+                 Rule=("hyper-parameters", "rule"), MaxLogitClip=("hyper-parameters", "qk_clip"))
     return pages
 
 
@@ -627,11 +627,14 @@ def match_page() -> str:
 
 def hyper_page() -> str:
     from geomopt.spec.model import Defaults, Hyper, RESOLVED_DEFAULTS, Rule, Spec
+    from geomopt.spec.updates import MaxLogitClip
 
     lines = ["# Spec, rules and hyper-parameters", "",
              "*Generated from `geomopt.spec.model`; do not edit.*", "",
              "## Spec {#spec}", "", md(model_doc(Spec)), "", *fields_table(Spec, "hyper-parameters", skip=()),
              "## Rule {#rule}", "", md(model_doc(Rule)), "", *fields_table(Rule, "hyper-parameters", skip=()),
+             "### `qk_clip` {#qk_clip}", "", md(model_doc(MaxLogitClip)), "",
+             "The guide: [QK-clip](../guide/qk-clip.md).", "", *fields_table(MaxLogitClip, "hyper-parameters"),
              "## Defaults {#defaults}", "", md(model_doc(Defaults)), "",
              "Each of these is a setting of `defaults` and of every rule (a rule's value overrides the default):", "",
              *fields_table(Hyper, "hyper-parameters", skip=()),

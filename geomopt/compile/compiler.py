@@ -151,6 +151,7 @@ class _RulePlanner:
         self.schedule = hyper["schedule"].model_dump()
         self.geometry = geometry_fragment(rule.geometry)
         self.constraint = rule.constraint.model_dump() if rule.constraint else None
+        self.qk_clip = rule.qk_clip.model_dump() if rule.qk_clip else None
         self.auto_view = (self.geometry.get("view") or {}).get("kind") == "auto"
         self._resolved: dict = {}  # (shape, Conv1D, structure) → (pickled fragments, Ops)
 
@@ -174,4 +175,5 @@ class _RulePlanner:
             weight_decay=self.weight_decay, radius=ops.radius, transpose=ops.transpose, on_nonfinite=self.on_nonfinite,
             project_on_init=self.project_on_init, aliases=p.aliases,
             role="" if p.role is None else p.role.name, post=post, decay=self.decay, ops=ops.digest,
+            qk_clip=self.qk_clip,
         )

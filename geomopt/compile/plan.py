@@ -47,6 +47,8 @@ class ParamPlan:
     role: str = ""  # the tensor's role(s) ("" when the plan did not read roles)
     post: tuple = ()  # the rule's post-stages (spec fragments, in run order)
     decay: str = "decoupled"  # weight decay: decoupled or cautious
+    #: the rule's QK-clip after the step (``{kind: max_logit, tau, alpha}``; geomopt.optim.qkclip), or None
+    qk_clip: Optional[dict] = None
     #: tensors with equal keys run as one batched call: same rule, operators, op shape, dtype and
     #: device (computed at construction, from ``ops`` where the planner passes it)
     bucket: str = dataclasses.field(init=False, compare=False)

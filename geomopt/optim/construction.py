@@ -71,19 +71,21 @@ def project_on_init(groups: list, plans: list, executor) -> None:
                 p.to_local().copy_(op_view(x, pp)[block])  # _view is its own inverse
 
 
-def check_capturable(groups: list, opts) -> None:
+def check_capturable(groups: list, plans: list, opts) -> None:
     """What ``capturable=True`` cannot do, refused at construction with what to do instead: a
     step decided on the host (several processes, STORM's second evaluation, ``on_nonfinite:
-    raise``, a momentum warmup read from the step count)."""
+    raise``, a momentum warmup read from the step count, QK-clip's maxima)."""
     why = []
     if not opts.local:
         why.append("it runs in one process (under torch.distributed the executors exchange on the host)")
-    for g in groups:
+    for g, gplans in zip(groups, plans):
         if g["direction"] == "storm":
             why.append(f"rule '{g['rule']}' has a storm direction (the closure is evaluated on the host)")
         if g["on_nonfinite"] == "raise":
             why.append(f"rule '{g['rule']}' has on_nonfinite: raise (raising needs the host to read the flag); "
                        f"use skip")
+        if any(pp.qk_clip for pp in gplans):
+            why.append(f"rule '{g['rule']}' has qk_clip (its monitor's maxima are read after the step)")
         if g.get("warmup_steps"):
             why.append(f"rule '{g['rule']}' has a momentum warmup (α read from the step count on the host)")
     if why:

@@ -40,6 +40,7 @@ from geomopt.optim.construction import check_capturable, project_on_init, warn_s
 from geomopt.optim.diagnostics import diagnostics
 from geomopt.optim.flat import step_flat
 from geomopt.optim.nonfinite import launch_check, skip_nonfinite
+from geomopt.optim.qkclip import QKClip
 from geomopt.optim.program import IMPLEMENTATIONS, Options, Program, dispatch, flat_rule, signature
 from geomopt.optim.runtime import Runtime
 from geomopt.optim.schedules import SCHEDULES, warmup_alpha
@@ -190,13 +191,14 @@ class GeomOptimizer(Optimizer):
             keeps_prev=any(g["direction"] == "storm" for g in self.param_groups), track_gap=track_gap,
             track_update=track_update, cuda_graphs=cuda_graphs, implementation=implementation, capturable=capturable)
         if capturable:
-            check_capturable(self.param_groups, self._options)
+            check_capturable(self.param_groups, self._plans, self._options)
         self._rt = self._runtime()
         check_complex(self.param_groups, self._plans, lambda g, pp: flat_rule(g, pp, self._options) is None)
         self._programs: list[list[Program]] = []
         self._dispatch()
         warn_slow_bf16(self.spec, self.plan, tensors)
         warn_unused_rules(self.spec, infos)
+        self._qk_clip = QKClip(self.param_groups, self._plans, source)  # QK-clip (geomopt.optim.qkclip): checks
         project_on_init(self.param_groups, self._plans, self._executor)
 
     def _runtime(self) -> Runtime:
@@ -297,6 +299,7 @@ class GeomOptimizer(Optimizer):
         step raises, otherwise the whole step is skipped and counted in the rules that had them;
         either way parameters and all optimizer state are left exactly as they were. A sparse
         gradient raises (RuntimeError, naming the tensor), also before anything is written."""
+        self._qk_clip.check()  # QK-clip: a monitor is attached, before anything is written
         loss = None
         g_prev: dict = {}
         if self._options.keeps_prev:
@@ -376,6 +379,7 @@ class GeomOptimizer(Optimizer):
             self._pending = None
             if self._options.capturable:  # the counts a captured step advances on the device
                 counts_on_device(groups, self.state, self._counters, jobs)
+            self._qk_clip.apply()  # QK-clip after the step (geomopt.optim.qkclip)
         return loss
 
     @property

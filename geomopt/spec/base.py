@@ -21,7 +21,7 @@ class SpecModel(BaseModel):
 
 # Fields whose value is a {kind: …} mapping: a bare word there (DSL) names the kind.
 KIND_FIELDS = frozenset({"geometry", "constraint", "reference", "approx", "prenormalize", "direction", "schedule",
-                         "view", "decay", "post"})
+                         "view", "decay", "post", "qk_clip"})
 
 
 def field(model, name: str, default=None):

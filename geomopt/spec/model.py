@@ -29,6 +29,7 @@ from geomopt.spec.updates import (
     DecoupledDecay,
     Direction,
     NoDirection,
+    MaxLogitClip,
     PostStage,
     Schedule,
 )
@@ -113,13 +114,15 @@ class Defaults(Hyper):
 
 class Rule(Hyper):
     """``post``: stages applied to the geometry's update, in :data:`STAGE_ORDER`; one step is
-    direction → geometry → post-stages → weight decay → constraint."""
+    direction → geometry → post-stages → weight decay → constraint. ``qk_clip``: after the step,
+    rescale the rule's query/key projections per attention head (:class:`MaxLogitClip`)."""
 
     name: Annotated[str, Field(pattern=_RULE_NAME)]
     match: Match
     geometry: Geometry
     post: Optional[Annotated[list[PostStage], Field(min_length=1)]] = None
     constraint: Optional[Constraint] = None
+    qk_clip: Optional[MaxLogitClip] = None
 
     @field_validator("match", mode="before")
     @classmethod

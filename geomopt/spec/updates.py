@@ -148,3 +148,17 @@ class CautiousDecay(SpecModel):
 
 
 Decay = Annotated[Union[DecoupledDecay, CautiousDecay], Field(discriminator="kind")]
+
+
+class MaxLogitClip(SpecModel):
+    """QK-clip (Kimi K2's MuonClip, arXiv 2507.20534 §2.1): after each step, every attention head h
+    whose largest pre-softmax logit S_h = max_{i,j} q_i·k_j·scale over the forwards since the
+    previous step exceeded ``tau`` has its query rows scaled by η_h^α and its key rows by
+    η_h^(1−α), η_h = τ / S_h (α = ``alpha``, 0.5 in the report), so S_h becomes τ (a key head
+    shared by several query heads, grouped-query attention, takes its group's smallest η). The
+    logits come from ``geomopt.monitor_attention(model)`` (:mod:`geomopt.monitor`); the step is
+    :mod:`geomopt.optim.qkclip`. The rule's tensors must be query/key projections."""
+
+    kind: Literal["max_logit"] = "max_logit"
+    tau: PositiveFloat
+    alpha: Annotated[float, Field(ge=0, le=1)] = 0.5
