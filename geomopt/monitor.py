@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from geomopt.compile.role_structure import stated_count
+
 __all__ = ["AttentionMonitor", "Part", "Site", "attention_sites", "find_monitored", "monitor_attention",
            "sdpa_head_max", "watching_any"]
 
@@ -85,16 +87,6 @@ class Site:
         self.observed += 1
 
 
-def _count(mod: nn.Module, *names: str) -> Optional[int]:
-    cfg = getattr(mod, "config", None)
-    for owner in (mod, cfg):
-        for n in names:
-            v = getattr(owner, n, None) if owner is not None else None
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-    return None
-
-
 def _site(name: str, mod: nn.Module, prefix: str) -> tuple[Optional[Site], Optional[str]]:
     """(a site, None), (None, why it is refused) or (None, None): not an attention module."""
     children = dict(mod.named_children())
@@ -104,17 +96,17 @@ def _site(name: str, mod: nn.Module, prefix: str) -> tuple[Optional[Site], Optio
                       "head-specific q/k parts only)")
     if isinstance(mod, nn.MultiheadAttention):
         return None, "nn.MultiheadAttention: its fused kernel computes the logits where no monitor sees them"
-    heads = _count(mod, "num_heads", "num_attention_heads", "n_head", "n_heads")
+    heads = stated_count(mod, "num_heads", "num_attention_heads", "n_head", "n_heads")
     q, k, fused = children.get("q_proj"), children.get("k_proj"), children.get("c_attn")
     if heads is None or (fused is None and (q is None or k is None)) or getattr(mod, "is_cross_attention", False):
         return None, None
-    kv = _count(mod, "num_key_value_heads", "num_kv_heads", "n_kv_heads") or heads
+    kv = stated_count(mod, "num_key_value_heads", "num_kv_heads", "n_kv_heads") or heads
     tensors: dict = {}
     weights: tuple[str, ...]
     if q is not None and k is not None:
         if not (isinstance(q, nn.Linear) and isinstance(k, nn.Linear)):
             return None, "q_proj/k_proj are not nn.Linear layers"
-        hd = _count(mod, "head_dim") or q.weight.shape[0] // heads
+        hd = stated_count(mod, "head_dim") or q.weight.shape[0] // heads
         if q.weight.shape[0] != heads * hd or k.weight.shape[0] != kv * hd or heads % kv:
             return None, f"q_proj/k_proj rows ({q.weight.shape[0]}, {k.weight.shape[0]}) are not {heads}/{kv} heads"
         for lname, layer, part in (("q_proj", q, Part("q", 0, 0, heads, hd)), ("k_proj", k, Part("k", 0, 0, kv, hd))):
@@ -128,7 +120,7 @@ def _site(name: str, mod: nn.Module, prefix: str) -> tuple[Optional[Site], Optio
             return None, None
         axis = 1 if type(fused).__name__ == "Conv1D" else 0
         out, d_in = w.shape[axis], w.shape[1 - axis]
-        hd = _count(mod, "head_dim") or d_in // heads
+        hd = stated_count(mod, "head_dim") or d_in // heads
         if out != (heads + 2 * kv) * hd or heads % kv:
             return None, f"c_attn's {out} outputs are not q, k, v of {heads}/{kv} heads of {hd}"
         for pname, p in fused.named_parameters(recurse=False):

@@ -8,24 +8,28 @@ reads it.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from geomopt.compile.role_infer import ModuleTree
 
 
+def stated_count(mod, *names: str) -> Optional[int]:
+    """The first positive int among the attributes ``names`` of a module, then of its ``config``
+    (how attention modules state their head counts: ``num_heads``, ``n_head``, …)."""
+    cfg = getattr(mod, "config", None)
+    for owner in (mod, cfg):
+        for n in names:
+            v = getattr(owner, n, None) if owner is not None else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
 def _head_counts(mod) -> Optional[tuple[int, int, Optional[int]]]:
     """(heads, key/value heads, head dim or None) from an attention module's attributes or config."""
-    cfg = getattr(mod, "config", None)
-
-    def first(*names):
-        for owner in (mod, cfg):
-            for n in names:
-                v = getattr(owner, n, None) if owner is not None else None
-                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                    return v
-        return None
-
+    first = functools.partial(stated_count, mod)
     heads = first("num_heads", "num_attention_heads", "n_head", "n_heads")
     if heads is None:
         return None
