@@ -171,3 +171,27 @@ def test_what_a_capturable_step_cannot_do_is_refused_at_construction(edit, messa
                                                   **edit}]}
     with pytest.raises(ValueError, match=message):
         geomopt.GeomOptimizer(tiny_gpt(0), spec, capturable=True)
+
+
+def test_a_schedule_under_the_compiled_step_recompiles_once_then_reads_lr_as_an_input():
+    """A torch LR scheduler changes ``lr`` (a float) every step: Dynamo recompiles at the first
+    change and then passes it as an input (automatic dynamic floats), so the compiled step follows
+    the schedule as eager does."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    models, (eager, compiled) = _pair("muon")
+    eager = geomopt.GeomOptimizer(models[0], "muon", capturable=True)
+    step = torch.compile(compiled.step, fullgraph=True, backend="eager")  # before the scheduler wraps it
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda k: 1 / (1 + k)) for o in (eager, compiled)]
+    for k in range(6):
+        _grads(models, k)
+        eager.step()
+        compiled.step() if k == 0 else step()
+        for s in schedules:
+            s.step()
+    assert counters["stats"]["unique_graphs"] == 2
+    assert compiled.param_groups[0]["lr"] == eager.param_groups[0]["lr"] < 0.005
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-6)
