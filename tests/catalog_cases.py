@@ -437,6 +437,32 @@ def _gram_muon(m):
     return Muon(use_muon_groups(by_rule(m), muon), ns_method="gram_newton_schulz", ns_reset_steps=(2,))
 
 
+def _moonlight(m):
+    g = by_rule(m)
+    muon = torch.optim.Muon(g["hidden"], lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                            adjust_lr_fn="match_rms_adamw")
+    return Composite(muon, adamw_rest(g))
+
+
+#: Polar Express, Algorithm 1 of arXiv:2505.16932 (Amsel et al. 2025): the degree-5 coefficients as
+#: printed (minimax for σ ∈ [1e-3, 1]), and the safety factor applied as the algorithm does,
+#: p(x/1.01): (a/1.01, b/1.01³, c/1.01⁵). pytorch-optimizer's own "polar_express" preset is another
+#: run of the recipe (safety 1e-2 in its construction), so the case passes this list.
+_PE_PRINTED = ((8.28721201814563, -23.595886519098837, 17.300387312530933),
+               (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+               (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+               (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+               (2.300652019954817, -1.6689039845747493, 0.4188073119525673))
+PE_ALG1 = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _PE_PRINTED]
+
+
+def _polar_express_muon(m):
+    from pytorch_optimizer import Muon
+
+    muon = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, use_adjusted_lr=False)
+    return Muon(use_muon_groups(by_rule(m), muon), ns_coeffs=PE_ALG1)
+
+
 def _normuon(update_scale: str):
     def build(m):
         from pytorch_optimizer import NorMuon
@@ -555,6 +581,14 @@ CASES: list[Case] = [
          "https://dao-lab.ai/blog/2026/gram-newton-schulz/",
          '`pytorch_optimizer.Muon(ns_method="gram_newton_schulz")`', "package", "llama", _gram_muon, 3e-5, _GRAM,
          1e-4, _LOSS, rule=llama_rule, patches=(_fp32(f"{_PO}.muon.base", "zero_power_via_gram_newton_schulz"),)),
+    Case("muon-moonlight", "Muon, Moonlight's AdamW-matched scale", "Liu et al. 2025",
+         "https://arxiv.org/abs/2502.16982", '`torch.optim.Muon(adjust_lr_fn="match_rms_adamw")` + `torch.optim.AdamW(fused=True)`',
+         "package", "llama", _moonlight, 0.0,
+         _BIT + ": both run Newton–Schulz in bf16 (the test pins the spec's dtype: torch's Muon is bf16 always)",
+         0.0, rule=llama_rule, spec_edit=_pin_ns_dtype("bfloat16")),
+    Case("muon-polar-express", "Muon with Polar Express", "Amsel et al. 2025", "https://arxiv.org/abs/2505.16932",
+         "`pytorch_optimizer.Muon(ns_coeffs=<Algorithm 1's list>)`", "package", "llama", _polar_express_muon, 3e-6,
+         _NS32, 3e-5, _LOSS, rule=llama_rule, patches=NS_FP32),
     Case("scion", "Scion", "Pethick et al. 2025", "https://arxiv.org/abs/2502.07529",
          "Scion's update rules (`tests/test_equivalence.py`)", "transcription", "gpt", _scion(True),
          2e-6, _SCION, 1e-5, _SCION, rule=gpt_scion_rule, same_as="scion"),
