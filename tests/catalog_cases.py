@@ -41,6 +41,7 @@ SHIPPED = ROOT / "specs"
 if str(Path(__file__).parent) not in sys.path:  # test_equivalence's Scion transcription, from the script too
     sys.path.insert(0, str(Path(__file__).parent))
 
+import catalog_eo  # noqa: E402
 import geomopt  # noqa: E402
 from geomopt.models import GPT, GPTConfig  # noqa: E402
 
@@ -463,6 +464,20 @@ def _polar_express_muon(m):
     return Muon(use_muon_groups(by_rule(m), muon), ns_coeffs=PE_ALG1)
 
 
+def _namo(m):
+    g = by_rule(m)
+    namo = catalog_eo.Namo(g["hidden"], lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=True,
+                           coefficients=catalog_eo.SIMPLE, scale=catalog_eo.shape_scaling, beta2=0.95, eps=1e-8)
+    return Composite(namo, adamw_rest(g))
+
+
+def _muon_hyperball(m):
+    g = by_rule(m)
+    hb = catalog_eo.MuonHyperball(g["hidden"], radius=1.0, lr=0.02, momentum=0.95, weight_decay=0.0, nesterov=True,
+                                  coefficients=catalog_eo.SIMPLE, scale=lambda a, b: max(a, b) ** 0.5)
+    return Composite(hb, adamw_rest(g))
+
+
 def _normuon(update_scale: str):
     def build(m):
         from pytorch_optimizer import NorMuon
@@ -517,6 +532,8 @@ _GRAM = ("the Gram iteration works with XXᵀ, which squares the condition numbe
 _SCION = ("Newton–Schulz in float32 in different op orders; Scion's ColNorm/BiasRMS ε read per unit, as the "
           "specs write it (ε = 1e-8 fixed; Scion's own 1e-8/c differs by up to 3e-4 on tiny gradients, "
           "tests/test_equivalence.py)")
+_EO32 = ("both run Newton–Schulz in float32 in different op orders (the transcription: Emerging-Optimizers' addmm "
+         "steps; geomopt: its batched form), and decoupled decay as p + (−λγ)p there, X(1 − γλ) here: fp32 rounding")
 _LOSS = ("on the loss, the float32 differences of one step change the next step's gradients; Adam's "
          "normalization of the small gradients of norm gains amplifies them most")
 
@@ -589,6 +606,16 @@ CASES: list[Case] = [
     Case("muon-polar-express", "Muon with Polar Express", "Amsel et al. 2025", "https://arxiv.org/abs/2505.16932",
          "`pytorch_optimizer.Muon(ns_coeffs=<Algorithm 1's list>)`", "package", "llama", _polar_express_muon, 3e-6,
          _NS32, 3e-5, _LOSS, rule=llama_rule, patches=NS_FP32),
+    Case("namo", "NAMO (norm-adaptive Muon)", "arXiv:2602.17080 (2026)", "https://arxiv.org/abs/2602.17080",
+         'NVIDIA Emerging-Optimizers\' `AdaptiveMuon(moment2_method="namo")`, transcribed (`tests/catalog_eo.py`); '
+         '`torch.optim.AdamW(fused=True)`', "transcription", "llama", _namo, 3e-6, _EO32, 3e-5, _LOSS,
+         rule=llama_rule),
+    Case("muon-hyperball", "Hyperball Muon (MuonH)", "NVIDIA Emerging-Optimizers 2025",
+         "https://github.com/NVIDIA-NeMo/Emerging-Optimizers",
+         'NVIDIA Emerging-Optimizers\' `MuonHyperball(hyperball_radius=1.0)`, transcribed (`tests/catalog_eo.py`); '
+         '`torch.optim.AdamW(fused=True)`', "transcription", "llama", _muon_hyperball, 3e-6,
+         _EO32 + "; both normalize by ‖·‖_F (+ ε here, max(·, ε) there)", 3e-5, _LOSS,
+         rule=llama_rule),
     Case("scion", "Scion", "Pethick et al. 2025", "https://arxiv.org/abs/2502.07529",
          "Scion's update rules (`tests/test_equivalence.py`)", "transcription", "gpt", _scion(True),
          2e-6, _SCION, 1e-5, _SCION, rule=gpt_scion_rule, same_as="scion"),

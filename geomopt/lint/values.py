@@ -77,7 +77,8 @@ def reference_approx_mismatch(ctx: LintContext):
     """
     for i, rule in enumerate(ctx.spec.rules):
         g = rule.geometry
-        if g.kind != "spectral" or rule.constraint is None or rule.constraint.kind not in _H_DEPENDENT:
+        if (g.kind != "spectral" or rule.constraint is None or rule.constraint.kind not in _H_DEPENDENT
+                or field(rule.constraint, "method") == "project"):  # the Euclidean projection: h plays no part
             continue
         realized = realized_reference(g.approx.model_dump())
         if realized is None:
