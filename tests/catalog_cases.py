@@ -419,6 +419,12 @@ def _lion(m):
     return Lion(m.parameters(), lr=1e-4, betas=(0.9, 0.99), weight_decay=1.0)
 
 
+def _cautious_lion(m):
+    from pytorch_optimizer import Lion
+
+    return Lion(m.parameters(), lr=1e-4, betas=(0.9, 0.99), weight_decay=1.0, cautious=True)
+
+
 def _torch_muon(m):
     g = by_rule(m)
     muon = torch.optim.Muon(g["hidden"], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -476,6 +482,27 @@ def _muon_hyperball(m):
     hb = catalog_eo.MuonHyperball(g["hidden"], radius=1.0, lr=0.02, momentum=0.95, weight_decay=0.0, nesterov=True,
                                   coefficients=catalog_eo.SIMPLE, scale=lambda a, b: max(a, b) ** 0.5)
     return Composite(hb, adamw_rest(g))
+
+
+def _spel(m):
+    g = by_rule(m)
+    spel = catalog_eo.Spel(g["hidden"], lr=0.02, momentum=0.95, weight_decay=0.0, nesterov=False,
+                           coefficients=catalog_eo.QUINTIC)
+    return Composite(spel, adamw_rest(g))
+
+
+def _polargrad_ns(m):
+    g = by_rule(m)
+    pg = catalog_eo.PolarGrad(g["hidden"], lr=1e-3, momentum=0.9, weight_decay=0.0, nesterov=False,
+                              coefficients=catalog_eo.QUINTIC)
+    return Composite(pg, adamw_rest(g, wd=0.0))
+
+
+def _muon_cans(m):
+    g = by_rule(m)
+    muon = catalog_eo.OrthogonalizedOptimizer(g["hidden"], lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=True,
+                                              coefficients=catalog_eo.CANS, scale=catalog_eo.shape_scaling)
+    return Composite(muon, adamw_rest(g))
 
 
 def _normuon(update_scale: str):
@@ -560,6 +587,8 @@ CASES: list[Case] = [
          _BIT + " (its momentum is buf.lerp_(g, 1 − β), Polyak's)", 0.0),
     Case("lion", "Lion", "Chen et al. 2023", "https://arxiv.org/abs/2302.06675",
          "`lion_pytorch.Lion(weight_decay=1.0)`", "package", "gpt", _lion, 0.0, _BIT, 0.0),
+    Case("lion-cautious", "Cautious Lion (C-Lion)", "Liang et al. 2024", "https://arxiv.org/abs/2411.16085",
+         "`pytorch_optimizer.Lion(weight_decay=1.0, cautious=True)`", "package", "gpt", _cautious_lion, 0.0, _BIT, 0.0),
     Case("normalized-sgd-momentum", "Normalized SGD with momentum", "Cutkosky & Mehta 2020",
          "https://arxiv.org/abs/2002.03305", "Algorithm 1 in float64, per tensor", "transcription",
          "gpt", lambda m: NormalizedSGDM(m, lr=0.01, beta=0.9), 2e-5, _F64, 3e-5, _F64),
@@ -615,6 +644,23 @@ CASES: list[Case] = [
          'NVIDIA Emerging-Optimizers\' `MuonHyperball(hyperball_radius=1.0)`, transcribed (`tests/catalog_eo.py`); '
          '`torch.optim.AdamW(fused=True)`', "transcription", "llama", _muon_hyperball, 3e-6,
          _EO32 + "; both normalize by ‖·‖_F (+ ε here, max(·, ε) there)", 3e-5, _LOSS,
+         rule=llama_rule),
+    Case("spel", "SPEL (spectral descent on the Stiefel manifold)", "arXiv:2601.21487 (2026)",
+         "https://arxiv.org/abs/2601.21487",
+         "NVIDIA Emerging-Optimizers' `Spel`, transcribed (`tests/catalog_eo.py`); `torch.optim.AdamW(fused=True)`",
+         "transcription", "llama", _spel, 5e-6, _EO32 + "; the retraction's Newton–Schulz too", 3e-5, _LOSS,
+         rule=llama_rule),
+    Case("polargrad-ns", "PolarGrad (Newton–Schulz polar factor)", "Lau, Long & Su 2025",
+         "https://arxiv.org/abs/2505.21799",
+         "NVIDIA Emerging-Optimizers' `PolarGrad`, transcribed (`tests/catalog_eo.py`); `torch.optim.AdamW(fused=True)`",
+         "transcription", "llama", _polargrad_ns, 3e-6, _EO32, 1e-4,
+         _LOSS + "; here too the ill-conditioned first gradients of q_proj and o_proj (see polargrad) amplify it",
+         rule=llama_rule),
+    Case("muon-cans", "Muon with CANS orthogonalization", "Grishina et al. 2025", "https://arxiv.org/abs/2506.10935",
+         "NVIDIA Emerging-Optimizers' `Muon(coefficient_type=\"cans\")`, transcribed (`tests/catalog_eo.py`); "
+         "`torch.optim.AdamW(fused=True)`", "transcription", "llama", _muon_cans, 1e-5,
+         _EO32 + "; CANS's first quintic (coefficients up to 25) amplifies that rounding about 5× more than Muon's",
+         3e-5, _LOSS,
          rule=llama_rule),
     Case("scion", "Scion", "Pethick et al. 2025", "https://arxiv.org/abs/2502.07529",
          "Scion's update rules (`tests/test_equivalence.py`)", "transcription", "gpt", _scion(True),

@@ -10,7 +10,8 @@ written out here from its source, operation for operation and in the same order:
 * ``muon_utils.newton_schulz``: transpose to the wide side, ``F.normalize`` (X/max(‖X‖_F, 1e-7)),
   per step A = XXᵀ, B = bA + cA², X = aX + BX (``torch.addmm``), coefficient sets cycled; run in
   float32 here (the package's ``fp32_matmul_prec="highest"``; its default "medium" rounds to bf16);
-* ``muon_hyperball.MuonHyperball`` (fixed ``hyperball_radius``), ``spel.Spel`` and
+* ``muon.Muon`` (``OrthogonalizedOptimizer`` with Muon's scale factor), ``polargrad.PolarGrad``,
+  ``muon_hyperball.MuonHyperball`` (fixed ``hyperball_radius``), ``spel.Spel`` and
   ``adaptive_muon.AdaptiveMuon(moment2_method="namo")``.
 
 Each class was checked against the package itself (run under Python 3.11 with ``typing.override``
@@ -28,6 +29,9 @@ import torch.nn.functional as F
 SIMPLE = [(3.4445, -4.7750, 2.0315)]
 QUINTIC = [(4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
            (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)]
+#: "cans" (CANS, arXiv:2506.10935: Remez + adaptive-interval Chebyshev-type quintics), repeat_last
+CANS = [(8.4703, -25.1081, 18.6293), (4.1828, -3.1087, 0.5806), (3.9619, -2.9541, 0.5630),
+        (3.2866, -2.4647, 0.5074), (2.2737, -1.6447, 0.4162)]
 
 
 def newton_schulz(x: torch.Tensor, coefficients, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
@@ -84,6 +88,14 @@ class OrthogonalizedOptimizer:
             self.post(p)
 
 
+class PolarGrad(OrthogonalizedOptimizer):
+    """polargrad.PolarGrad: NS(M) scaled by ⟨NS(M), M⟩ (≈ ‖M‖_*, the nuclear norm)."""
+
+    def orthogonalize(self, g):
+        orth = newton_schulz(g, self.coefficients)
+        return orth * (orth * g).sum()
+
+
 class MuonHyperball(OrthogonalizedOptimizer):
     """muon_hyperball.MuonHyperball with a fixed ``hyperball_radius`` R: parameters rescaled to
     ‖W‖_F = R when built; W ← R·normalize(W − lr·R·normalize(U))."""
@@ -136,5 +148,5 @@ def max_sigma_spread(params) -> float:
     return max(float((torch.linalg.svdvals(p.detach().double()) - 1).abs().max()) for p in params)
 
 
-__all__ = ["MuonHyperball", "Namo", "QUINTIC", "SIMPLE", "Spel", "frobenius_norms", "max_sigma_spread",
+__all__ = ["CANS", "MuonHyperball", "Namo", "OrthogonalizedOptimizer", "PolarGrad", "QUINTIC", "SIMPLE", "Spel", "frobenius_norms", "max_sigma_spread",
            "newton_schulz", "shape_scaling"]
