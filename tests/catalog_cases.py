@@ -425,6 +425,12 @@ def _cautious_lion(m):
     return Lion(m.parameters(), lr=1e-4, betas=(0.9, 0.99), weight_decay=1.0, cautious=True)
 
 
+def _tiger(m):
+    from pytorch_optimizer import Tiger
+
+    return Tiger(m.parameters(), lr=1e-3, beta=0.965, weight_decay=0.01)
+
+
 def _torch_muon(m):
     g = by_rule(m)
     muon = torch.optim.Muon(g["hidden"], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -589,6 +595,8 @@ CASES: list[Case] = [
          "`lion_pytorch.Lion(weight_decay=1.0)`", "package", "gpt", _lion, 0.0, _BIT, 0.0),
     Case("lion-cautious", "Cautious Lion (C-Lion)", "Liang et al. 2024", "https://arxiv.org/abs/2411.16085",
          "`pytorch_optimizer.Lion(weight_decay=1.0, cautious=True)`", "package", "gpt", _cautious_lion, 0.0, _BIT, 0.0),
+    Case("tiger", "Tiger", "Su 2023", "https://github.com/bojone/tiger", "`pytorch_optimizer.Tiger(beta=0.965)`",
+         "package", "gpt", _tiger, 0.0, _BIT + " (its momentum is exp_avg.lerp_(g, 1 − β), Polyak's)", 0.0),
     Case("normalized-sgd-momentum", "Normalized SGD with momentum", "Cutkosky & Mehta 2020",
          "https://arxiv.org/abs/2002.03305", "Algorithm 1 in float64, per tensor", "transcription",
          "gpt", lambda m: NormalizedSGDM(m, lr=0.01, beta=0.9), 2e-5, _F64, 3e-5, _F64),
