@@ -82,7 +82,7 @@ _STIEFEL_METHOD_DESCRIPTION = (
     _METHOD_DESCRIPTION + " msign (stiefel only, under a spectral geometry): X = r·msign(Y) by the rule's own "
     "spectral approximation (its Newton-Schulz or Polar Express iteration, as the forward step runs it), a "
     "retraction rather than the projection: with Muon's quintic the singular values land near r, not on it "
-    "(SPEL's outer msign).")
+    "(SPEL's outer msign); project_on_init still projects exactly.")
 
 
 class Stiefel(_Radius):
