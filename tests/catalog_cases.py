@@ -644,28 +644,28 @@ CASES: list[Case] = [
          "`pytorch_optimizer.Muon(ns_coeffs=<Algorithm 1's list>)`", "package", "llama", _polar_express_muon, 3e-6,
          _NS32, 3e-5, _LOSS, rule=llama_rule, patches=NS_FP32),
     Case("namo", "NAMO (norm-adaptive Muon)", "arXiv:2602.17080 (2026)", "https://arxiv.org/abs/2602.17080",
-         'NVIDIA Emerging-Optimizers\' `AdaptiveMuon(moment2_method="namo")`, transcribed (`tests/catalog_eo.py`); '
+         'NVIDIA Emerging-Optimizers\' `AdaptiveMuon(moment2_method="namo")`, written out in `tests/catalog_eo.py`; '
          '`torch.optim.AdamW(fused=True)`', "transcription", "llama", _namo, 3e-6, _EO32, 3e-5, _LOSS,
          rule=llama_rule),
     Case("muon-hyperball", "Hyperball Muon (MuonH)", "NVIDIA Emerging-Optimizers 2025",
          "https://github.com/NVIDIA-NeMo/Emerging-Optimizers",
-         'NVIDIA Emerging-Optimizers\' `MuonHyperball(hyperball_radius=1.0)`, transcribed (`tests/catalog_eo.py`); '
+         'NVIDIA Emerging-Optimizers\' `MuonHyperball(hyperball_radius=1.0)`, written out in `tests/catalog_eo.py`; '
          '`torch.optim.AdamW(fused=True)`', "transcription", "llama", _muon_hyperball, 3e-6,
          _EO32 + "; both normalize by ‖·‖_F (+ ε here, max(·, ε) there)", 3e-5, _LOSS,
          rule=llama_rule),
     Case("spel", "SPEL (spectral descent on the Stiefel manifold)", "arXiv:2601.21487 (2026)",
          "https://arxiv.org/abs/2601.21487",
-         "NVIDIA Emerging-Optimizers' `Spel`, transcribed (`tests/catalog_eo.py`); `torch.optim.AdamW(fused=True)`",
+         "NVIDIA Emerging-Optimizers' `Spel`, written out in `tests/catalog_eo.py`; `torch.optim.AdamW(fused=True)`",
          "transcription", "llama", _spel, 5e-6, _EO32 + "; the retraction's Newton–Schulz too", 3e-5, _LOSS,
          rule=llama_rule),
     Case("polargrad-ns", "PolarGrad (Newton–Schulz polar factor)", "Lau, Long & Su 2025",
          "https://arxiv.org/abs/2505.21799",
-         "NVIDIA Emerging-Optimizers' `PolarGrad`, transcribed (`tests/catalog_eo.py`); `torch.optim.AdamW(fused=True)`",
+         "NVIDIA Emerging-Optimizers' `PolarGrad`, written out in `tests/catalog_eo.py`; `torch.optim.AdamW(fused=True)`",
          "transcription", "llama", _polargrad_ns, 3e-6, _EO32, 1e-4,
          _LOSS + "; here too the ill-conditioned first gradients of q_proj and o_proj (see polargrad) amplify it",
          rule=llama_rule),
     Case("muon-cans", "Muon with CANS orthogonalization", "Grishina et al. 2025", "https://arxiv.org/abs/2506.10935",
-         "NVIDIA Emerging-Optimizers' `Muon(coefficient_type=\"cans\")`, transcribed (`tests/catalog_eo.py`); "
+         "NVIDIA Emerging-Optimizers' `Muon(coefficient_type=\"cans\")`, written out in `tests/catalog_eo.py`; "
          "`torch.optim.AdamW(fused=True)`", "transcription", "llama", _muon_cans, 1e-5,
          _EO32 + "; CANS's first quintic (coefficients up to 25) amplifies that rounding about 5× more than Muon's",
          3e-5, _LOSS,
