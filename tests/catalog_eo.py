@@ -139,14 +139,5 @@ class Namo(OrthogonalizedOptimizer):
         return orth * alpha * self.scale(orth.size(-2), orth.size(-1))
 
 
-def frobenius_norms(params) -> list[float]:
-    return [float(p.detach().double().norm()) for p in params]
-
-
-def max_sigma_spread(params) -> float:
-    """max over matrices of max |σ_i − 1| (how far SPEL's retraction leaves them from the manifold)."""
-    return max(float((torch.linalg.svdvals(p.detach().double()) - 1).abs().max()) for p in params)
-
-
-__all__ = ["CANS", "MuonHyperball", "Namo", "OrthogonalizedOptimizer", "PolarGrad", "QUINTIC", "SIMPLE", "Spel", "frobenius_norms", "max_sigma_spread",
+__all__ = ["CANS", "MuonHyperball", "Namo", "OrthogonalizedOptimizer", "PolarGrad", "QUINTIC", "SIMPLE", "Spel",
            "newton_schulz", "shape_scaling"]

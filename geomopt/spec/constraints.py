@@ -91,7 +91,8 @@ class Stiefel(_Radius):
     rule's spectral approximation, X⁺ = r·msign(Y) (SPEL, arXiv:2601.21487)."""
 
     kind: Literal["stiefel"] = "stiefel"
-    method: Annotated[Literal["auto", "exact", "polar", "msign"], Field(description=_STIEFEL_METHOD_DESCRIPTION)] = "auto"
+    method: Annotated[Literal["auto", "exact", "polar", "msign"],
+                      Field(description=_STIEFEL_METHOD_DESCRIPTION)] = "auto"
 
 
 class L0(SpecModel):
