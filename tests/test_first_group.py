@@ -14,7 +14,8 @@ from geomopt.models import get_model
 
 #: the order of muon's rules before the main rule came first
 EARLIER = ["embeddings", "head", "hidden", "rest"]
-MUON_FAMILY = ["muon", "adamuon", "muon-cautious-wd", "muon-gram-ns", "normuon", "normuon-rms"]
+MUON_FAMILY = ["muon", "adamuon", "muon-cautious-wd", "muon-gram-ns", "normuon", "normuon-rms", "muon-moonlight",
+               "muon-polar-express", "namo", "muon-hyperball", "spel", "muon-cans"]
 
 
 def in_earlier_order(spec):

@@ -150,3 +150,18 @@ def test_methods_round_trip_through_the_dsl(constraint):
     dsl = dump_spec(spec, "dsl")
     assert f"method={constraint['method']}" in dsl
     assert parse_spec(dsl, "dsl") == spec and parse_spec(dump_spec(parse_spec(dsl, "dsl"), "yaml")) == spec
+
+
+@pytest.mark.parametrize("constraint", [{"kind": "stiefel", "method": "msign"},
+                                        {"kind": "frobenius_sphere", "method": "project"}])
+def test_diagnostics_measure_no_gap_for_a_retraction(constraint):
+    """The stationarity gap pairs G with the prox's W; a retraction has none, and diagnostics say so."""
+    geometry = {"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 0.01},
+                "approx": {"kind": "newton_schulz"}, "scale": "none"}
+    p = torch.nn.Parameter(torch.randn(6, 4, generator=torch.Generator().manual_seed(3)))
+    opt = geomopt.GeomOptimizer([("w", p)], _spec(constraint, geometry), track_gap=True)
+    for k in range(2):
+        p.grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 + k))
+        opt.step()
+    d = opt.diagnostics()["all"]
+    assert d["gap"] is None and "retraction" in d["gap_note"] and constraint["method"] in d["gap_note"]
