@@ -69,7 +69,8 @@ def reference_approx_mismatch(ctx: LintContext):
     """Newton–Schulz and Polar Express realize the spectral power barrier κ = 4 with ε ≈ 1/∏aᵢ
     (paper Appendix F, Theorem 4.7), not the declared reference. Under a constraint whose backward
     step depends on h (ℓ2 / Frobenius ball and sphere) the declared reference is what the step uses,
-    so a mismatch makes forward and backward disagree.
+    so a mismatch makes forward and backward disagree. A ``frobenius_sphere`` with ``method: project`` is
+    the Euclidean projection, which no reference enters: not flagged.
 
     Bad: ``reference: {kind: log_barrier}`` with ``approx: {kind: polar_express, steps: 5}`` and
     ``constraint: {kind: frobenius_ball}``. Fixed:
