@@ -95,7 +95,7 @@ def gap_reference(geometry: dict, constraint: dict | None = None, reference: str
 def gap_unavailable(geometry: dict, constraint: dict | None = None, reference: str = "auto") -> str | None:
     """Why :func:`stationarity_gap` is None for this (geometry, constraint) pair, and what to look
     at instead; None where it is defined."""
-    if _retraction(constraint):
+    if constraint is not None and _retraction(constraint):
         return (f"the {constraint['kind']} step is a retraction (method {constraint['method']}), not the geometry's "
                 "prox: there is no Fenchel–Young pair (G, W) to measure; watch the loss and update_norm")
     ref = gap_reference(geometry, constraint, reference)
