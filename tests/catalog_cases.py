@@ -41,6 +41,7 @@ SHIPPED = ROOT / "specs"
 if str(Path(__file__).parent) not in sys.path:  # test_equivalence's Scion transcription, from the script too
     sys.path.insert(0, str(Path(__file__).parent))
 
+import catalog_eo  # noqa: E402
 import geomopt  # noqa: E402
 from geomopt.models import GPT, GPTConfig  # noqa: E402
 
@@ -418,6 +419,18 @@ def _lion(m):
     return Lion(m.parameters(), lr=1e-4, betas=(0.9, 0.99), weight_decay=1.0)
 
 
+def _cautious_lion(m):
+    from pytorch_optimizer import Lion
+
+    return Lion(m.parameters(), lr=1e-4, betas=(0.9, 0.99), weight_decay=1.0, cautious=True)
+
+
+def _tiger(m):
+    from pytorch_optimizer import Tiger
+
+    return Tiger(m.parameters(), lr=1e-3, beta=0.965, weight_decay=0.01)
+
+
 def _torch_muon(m):
     g = by_rule(m)
     muon = torch.optim.Muon(g["hidden"], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -435,6 +448,67 @@ def _gram_muon(m):
 
     muon = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, use_adjusted_lr=False)
     return Muon(use_muon_groups(by_rule(m), muon), ns_method="gram_newton_schulz", ns_reset_steps=(2,))
+
+
+def _moonlight(m):
+    g = by_rule(m)
+    muon = torch.optim.Muon(g["hidden"], lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                            adjust_lr_fn="match_rms_adamw")
+    return Composite(muon, adamw_rest(g))
+
+
+#: Polar Express, Algorithm 1 of arXiv:2505.16932 (Amsel et al. 2025): the degree-5 coefficients as
+#: printed (minimax for σ ∈ [1e-3, 1]), and the safety factor applied as the algorithm does,
+#: p(x/1.01): (a/1.01, b/1.01³, c/1.01⁵). pytorch-optimizer's own "polar_express" preset is another
+#: run of the recipe (safety 1e-2 in its construction), so the case passes this list.
+_PE_PRINTED = ((8.28721201814563, -23.595886519098837, 17.300387312530933),
+               (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+               (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+               (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+               (2.300652019954817, -1.6689039845747493, 0.4188073119525673))
+PE_ALG1 = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _PE_PRINTED]
+
+
+def _polar_express_muon(m):
+    from pytorch_optimizer import Muon
+
+    muon = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, use_adjusted_lr=False)
+    return Muon(use_muon_groups(by_rule(m), muon), ns_coeffs=PE_ALG1)
+
+
+def _namo(m):
+    g = by_rule(m)
+    namo = catalog_eo.Namo(g["hidden"], lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=True,
+                           coefficients=catalog_eo.SIMPLE, scale=catalog_eo.shape_scaling, beta2=0.95, eps=1e-8)
+    return Composite(namo, adamw_rest(g))
+
+
+def _muon_hyperball(m):
+    g = by_rule(m)
+    hb = catalog_eo.MuonHyperball(g["hidden"], radius=1.0, lr=0.02, momentum=0.95, weight_decay=0.0, nesterov=True,
+                                  coefficients=catalog_eo.SIMPLE, scale=lambda a, b: max(a, b) ** 0.5)
+    return Composite(hb, adamw_rest(g))
+
+
+def _spel(m):
+    g = by_rule(m)
+    spel = catalog_eo.Spel(g["hidden"], lr=0.02, momentum=0.95, weight_decay=0.0, nesterov=False,
+                           coefficients=catalog_eo.QUINTIC)
+    return Composite(spel, adamw_rest(g))
+
+
+def _polargrad_ns(m):
+    g = by_rule(m)
+    pg = catalog_eo.PolarGrad(g["hidden"], lr=1e-3, momentum=0.9, weight_decay=0.0, nesterov=False,
+                              coefficients=catalog_eo.QUINTIC)
+    return Composite(pg, adamw_rest(g, wd=0.0))
+
+
+def _muon_cans(m):
+    g = by_rule(m)
+    muon = catalog_eo.OrthogonalizedOptimizer(g["hidden"], lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=True,
+                                              coefficients=catalog_eo.CANS, scale=catalog_eo.shape_scaling)
+    return Composite(muon, adamw_rest(g))
 
 
 def _normuon(update_scale: str):
@@ -491,6 +565,8 @@ _GRAM = ("the Gram iteration works with XXᵀ, which squares the condition numbe
 _SCION = ("Newton–Schulz in float32 in different op orders; Scion's ColNorm/BiasRMS ε read per unit, as the "
           "specs write it (ε = 1e-8 fixed; Scion's own 1e-8/c differs by up to 3e-4 on tiny gradients, "
           "tests/test_equivalence.py)")
+_EO32 = ("both run Newton–Schulz in float32 in different op orders (the transcription: Emerging-Optimizers' addmm "
+         "steps; geomopt: its batched form), and decoupled decay as p + (−λγ)p there, X(1 − γλ) here: fp32 rounding")
 _LOSS = ("on the loss, the float32 differences of one step change the next step's gradients; Adam's "
          "normalization of the small gradients of norm gains amplifies them most")
 
@@ -517,6 +593,10 @@ CASES: list[Case] = [
          _BIT + " (its momentum is buf.lerp_(g, 1 − β), Polyak's)", 0.0),
     Case("lion", "Lion", "Chen et al. 2023", "https://arxiv.org/abs/2302.06675",
          "`lion_pytorch.Lion(weight_decay=1.0)`", "package", "gpt", _lion, 0.0, _BIT, 0.0),
+    Case("lion-cautious", "Cautious Lion (C-Lion)", "Liang et al. 2024", "https://arxiv.org/abs/2411.16085",
+         "`pytorch_optimizer.Lion(weight_decay=1.0, cautious=True)`", "package", "gpt", _cautious_lion, 0.0, _BIT, 0.0),
+    Case("tiger", "Tiger", "Su 2023", "https://github.com/bojone/tiger", "`pytorch_optimizer.Tiger(beta=0.965)`",
+         "package", "gpt", _tiger, 0.0, _BIT + " (its momentum is exp_avg.lerp_(g, 1 − β), Polyak's)", 0.0),
     Case("normalized-sgd-momentum", "Normalized SGD with momentum", "Cutkosky & Mehta 2020",
          "https://arxiv.org/abs/2002.03305", "Algorithm 1 in float64, per tensor", "transcription",
          "gpt", lambda m: NormalizedSGDM(m, lr=0.01, beta=0.9), 2e-5, _F64, 3e-5, _F64),
@@ -555,6 +635,43 @@ CASES: list[Case] = [
          "https://dao-lab.ai/blog/2026/gram-newton-schulz/",
          '`pytorch_optimizer.Muon(ns_method="gram_newton_schulz")`', "package", "llama", _gram_muon, 3e-5, _GRAM,
          1e-4, _LOSS, rule=llama_rule, patches=(_fp32(f"{_PO}.muon.base", "zero_power_via_gram_newton_schulz"),)),
+    Case("muon-moonlight", "Muon, Moonlight's AdamW-matched scale", "Liu et al. 2025",
+         "https://arxiv.org/abs/2502.16982",
+         '`torch.optim.Muon(adjust_lr_fn="match_rms_adamw")` + `torch.optim.AdamW(fused=True)`',
+         "package", "llama", _moonlight, 0.0,
+         _BIT + ": both run Newton–Schulz in bf16 (the test pins the spec's dtype: torch's Muon is bf16 always)",
+         0.0, rule=llama_rule, spec_edit=_pin_ns_dtype("bfloat16")),
+    Case("muon-polar-express", "Muon with Polar Express", "Amsel et al. 2025", "https://arxiv.org/abs/2505.16932",
+         "`pytorch_optimizer.Muon(ns_coeffs=<Algorithm 1's list>)`", "package", "llama", _polar_express_muon, 3e-6,
+         _NS32, 3e-5, _LOSS, rule=llama_rule, patches=NS_FP32),
+    Case("namo", "NAMO (norm-adaptive Muon)", "arXiv:2602.17080 (2026)", "https://arxiv.org/abs/2602.17080",
+         'NVIDIA Emerging-Optimizers\' `AdaptiveMuon(moment2_method="namo")`, written out in `tests/catalog_eo.py`; '
+         '`torch.optim.AdamW(fused=True)`', "transcription", "llama", _namo, 3e-6, _EO32, 3e-5, _LOSS,
+         rule=llama_rule),
+    Case("muon-hyperball", "Hyperball Muon (MuonH)", "NVIDIA Emerging-Optimizers 2025",
+         "https://github.com/NVIDIA-NeMo/Emerging-Optimizers",
+         'NVIDIA Emerging-Optimizers\' `MuonHyperball(hyperball_radius=1.0)`, written out in `tests/catalog_eo.py`; '
+         '`torch.optim.AdamW(fused=True)`', "transcription", "llama", _muon_hyperball, 3e-6,
+         _EO32 + "; both normalize by ‖·‖_F (+ ε here, max(·, ε) there)", 3e-5, _LOSS,
+         rule=llama_rule),
+    Case("spel", "SPEL (spectral descent on the Stiefel manifold)", "arXiv:2601.21487 (2026)",
+         "https://arxiv.org/abs/2601.21487",
+         "NVIDIA Emerging-Optimizers' `Spel`, written out in `tests/catalog_eo.py`; `torch.optim.AdamW(fused=True)`",
+         "transcription", "llama", _spel, 5e-6, _EO32 + "; the retraction's Newton–Schulz too", 3e-5, _LOSS,
+         rule=llama_rule),
+    Case("polargrad-ns", "PolarGrad (Newton–Schulz polar factor)", "Lau, Long & Su 2025",
+         "https://arxiv.org/abs/2505.21799",
+         "NVIDIA Emerging-Optimizers' `PolarGrad`, written out in `tests/catalog_eo.py`; "
+         "`torch.optim.AdamW(fused=True)`",
+         "transcription", "llama", _polargrad_ns, 3e-6, _EO32, 1e-4,
+         _LOSS + "; here too the ill-conditioned first gradients of q_proj and o_proj (see polargrad) amplify it",
+         rule=llama_rule),
+    Case("muon-cans", "Muon with CANS orthogonalization", "Grishina et al. 2025", "https://arxiv.org/abs/2506.10935",
+         "NVIDIA Emerging-Optimizers' `Muon(coefficient_type=\"cans\")`, written out in `tests/catalog_eo.py`; "
+         "`torch.optim.AdamW(fused=True)`", "transcription", "llama", _muon_cans, 1e-5,
+         _EO32 + "; CANS's first quintic (coefficients up to 25) amplifies that rounding about 5× more than Muon's",
+         3e-5, _LOSS,
+         rule=llama_rule),
     Case("scion", "Scion", "Pethick et al. 2025", "https://arxiv.org/abs/2502.07529",
          "Scion's update rules (`tests/test_equivalence.py`)", "transcription", "gpt", _scion(True),
          2e-6, _SCION, 1e-5, _SCION, rule=gpt_scion_rule, same_as="scion"),

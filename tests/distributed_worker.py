@@ -65,7 +65,7 @@ MIXED = {
 }
 
 
-# every post-stage (each second-moment axis; rows and columns cut across ranks by FSDP2's Shard(0),
+# every post-stage (each second-moment axis, norm_ratio's per-tensor sums over the shards; rows and columns cut across ranks by FSDP2's Shard(0),
 # the in_out projection with its columns cut), cautious decay and the heavy-ball and Lion directions
 STAGED = {
     "geomopt": 1, "name": "staged",
@@ -93,7 +93,7 @@ STAGED = {
         # the gradient's sign) would turn into full steps
         {"name": "rest", "match": "**",
          "geometry": {"kind": "anisotropic", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-2}},
-         "direction": {"kind": "lion"}, "lr": 1e-3},
+         "direction": {"kind": "lion"}, "lr": 1e-3, "post": [{"kind": "norm_ratio", "beta2": 0.9}]},
     ],
 }
 

@@ -88,7 +88,7 @@ def test_every_stage_under_ddp_and_fsdp2_matches_single_process(ranks):
     for r in ranks:
         s = r["staged"]
         assert s["kind"] == "ReplicatedExecutor" and s["fsdp_kind"] == "ShardedExecutor"
-        assert {"d", "post_v", "post_step", "exp_avg", "exp_avg_sq"} <= set(s["state"])
+        assert {"d", "post_v", "post_g2", "post_step", "exp_avg", "exp_avg_sq"} <= set(s["state"])
         assert all(torch.equal(s["ddp"][k], s["ref"][k]) for k in s["ref"])
         assert any(not torch.equal(s["ref"][k], worker.make_model().state_dict()[k]) for k in s["ref"])
         assert _max_rel(s["fsdp"], s["ref"]) < 1e-5

@@ -68,6 +68,8 @@ def expected_state_bytes(opt, model) -> int:
         for stage in pp.post:
             if stage["kind"] == "second_moment":
                 total += _second_moment_numel(stage["axis"], pp) * size  # post_v
+            elif stage["kind"] == "norm_ratio":
+                total += size  # post_g2: one number per tensor
     return total
 
 

@@ -53,7 +53,8 @@ def test_the_schema_default_is_auto(cls):
     assert cls().method == "auto"
     assert cls(method="exact").method == "exact" and cls(method="polar").method == "polar"
     prop = schema()["$defs"][cls.__name__]["properties"]["method"]
-    assert prop["default"] == "auto" and prop["enum"] == ["auto", "exact", "polar"]
+    retraction = ["msign"] if cls is Stiefel else []  # stiefel's retraction by the rule's approx (SPEL)
+    assert prop["default"] == "auto" and prop["enum"] == ["auto", "exact", "polar", *retraction]
     assert "auto" in prop["description"] and "CUDA" in prop["description"] and "> 32" in prop["description"]
 
 
@@ -67,7 +68,7 @@ def test_an_unknown_method_is_refused_with_the_choices():
     text = json.dumps(_spec({"kind": "stiefel", "method": "autox"}))
     with pytest.raises(geomopt.SpecError) as exc:
         geomopt.parse_spec(text)
-    assert "'auto', 'exact' or 'polar'" in str(exc.value)
+    assert "'auto', 'exact', 'polar' or 'msign'" in str(exc.value)
 
 
 # ---------------------------------------------------------------- the rule

@@ -20,6 +20,7 @@ import geomopt
 from geomopt.spec.geometries import (
     FrobeniusPrenorm,
     NoPrenorm,
+    POLYNOMIAL_APPROX_KINDS,
     Spectral,
     Adam,
     Anisotropic,
@@ -219,8 +220,10 @@ geometry = st.one_of(
     model(Euclidean, radius=pos),
     model(Isotropic, radius=pos, reference=reference, scale=scale),
     model(Anisotropic, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
-    model(Spectral, radius=pos, reference=reference, approx=approx, prenormalize=prenormalize, scale=scale,
-          layout=layout, view=view),
+    approx.flatmap(lambda a: model(  # a polynomial iteration needs pre-normalization (Spectral refuses none)
+        Spectral, radius=pos, reference=reference, approx=st.just(a), scale=scale, layout=layout, view=view,
+        prenormalize=prenormalize.filter(lambda p: not isinstance(p, NoPrenorm))
+        if a.kind in POLYNOMIAL_APPROX_KINDS else prenormalize)),
     model(Rowwise, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
     model(Columnwise, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
     model(Adam, radius=pos, eps=pos,
@@ -229,7 +232,8 @@ geometry = st.one_of(
 method = st.sampled_from(["auto", "exact", "polar"])
 radius_fields = dict(radius=pos, relative=st.booleans())
 constraint = st.one_of(
-    *[model(cls, **radius_fields) for cls in (L2Ball, LinfBall, LinfSphere, SignSet, FrobeniusBall, FrobeniusSphere, SpectralSphere)],
+    *[model(cls, **radius_fields) for cls in (L2Ball, LinfBall, LinfSphere, SignSet, FrobeniusBall, SpectralSphere)],
+    model(FrobeniusSphere, method=st.sampled_from(["prox", "project"]), **radius_fields),
     model(SpectralBall, method=method, **radius_fields),
     model(Stiefel, method=method, **radius_fields),
     model(L0, k=st.integers(1, 10**12)),

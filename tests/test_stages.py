@@ -152,7 +152,7 @@ def test_dual_scale_on_sign_descent_is_the_l1_norm():
     torch.testing.assert_close(got["w"], w["w"] - 0.1 * g.abs().sum() * g.sign())
 
 
-@pytest.mark.parametrize("target", [0.2, 3.0, "input", "polar"])
+@pytest.mark.parametrize("target", [0.2, 3.0, "input", "polar", "unit"])
 def test_rms_match_sets_the_norm(target):
     w = {"a": torch.randn(4, 9), "b": torch.randn(9, 4)}
     grads = _grads(w, 1)
@@ -166,9 +166,36 @@ def test_rms_match_sets_the_norm(target):
             want = math.sqrt(min(m, k))  # ‖U Vᵀ‖_F of the geometry's exact polar factor
         elif target == "polar":
             want = math.sqrt(min(m, k))
+        elif target == "unit":
+            want = 1.0
         else:
             want = target * math.sqrt(m * k)
         assert float(step.norm()) == pytest.approx(want, rel=1e-10)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_norm_ratio_is_namo_scale(nesterov):
+    """NAMO (arXiv:2602.17080): U = polar(D)·‖D‖_F/(√v + ε), v ← β₂v + (1−β₂)‖G‖²_F per tensor, with D
+    the direction the geometry is given (Polyak momentum, Nesterov or not), written out here with an
+    SVD per step; the stage keeps one number per tensor."""
+    w = {"a": torch.randn(5, 3), "b": torch.randn(4, 6)}
+    grads = _grads(w, 4, seed=3)
+    geometry = {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}}
+    direction = {"kind": "polyak", "alpha": 0.2, "nesterov": nesterov}
+    post = [{"kind": "norm_ratio", "beta2": 0.9, "eps": 1e-3}]
+    got, opt = _run(_spec(geometry, post, direction=direction), w, grads)
+    for n in w:
+        x, buf, v = w[n].clone(), torch.zeros_like(w[n]), 0.0
+        for g in grads:
+            g = g[n]
+            buf = 0.8 * buf + 0.2 * g
+            d = 0.8 * buf + 0.2 * g if nesterov else buf  # lerp(g, buf, 1 − α)
+            v = 0.9 * v + 0.1 * float(g.pow(2).sum())
+            uu, _, vh = torch.linalg.svd(d, full_matrices=False)
+            x = x - 0.1 * (uu @ vh) * float(d.norm()) / (math.sqrt(v) + 1e-3)
+        torch.testing.assert_close(got[n], x, rtol=1e-9, atol=1e-12)
+    for p in opt.state:
+        assert opt.state[p]["post_g2"].numel() == 1
 
 
 def test_cautious_masks_disagreeing_components_and_rescales():
@@ -357,7 +384,9 @@ def test_row_stage_on_a_vector_is_refused_with_the_parameter_and_rule():
 
 
 @pytest.mark.parametrize("post,code,where,hint", [
-    ("[{kind: bogus}]", "GO004", "7:19", "second_moment, dual_scale, rms_match, cautious"),
+    ("[{kind: bogus}]", "GO004", "7:19", "second_moment, dual_scale, norm_ratio, rms_match, cautious"),
+    ("[{kind: norm_ratio, beta2: 1.0}]", "GO005", "7:38", "less than 1"),
+    ("[{kind: rms_match, target: units}]", "GO005", "7:38", "target"),
     ("[cautious, rms_match]", "GO005", "7:22", "must come before 'cautious'"),
     ("[rms_match, rms_match]", "GO005", "7:23", "appears twice"),
     ("[{kind: second_moment, axis: diagonal}]", "GO005", "7:40", "'row', 'column' or 'element'"),
@@ -385,10 +414,11 @@ def test_every_stage_round_trips_through_the_dsl():
     text = ('geomopt: 1\nname: t\ndefaults: {decay: cautious}\nrules:\n  - name: a\n    match: "**"\n'
             '    geometry: {kind: spectral, reference: {kind: indicator}}\n'
             '    post: [{kind: second_moment, axis: column, beta2: 0.9, eps: 1.0e-6, bias_correction: true}, dual_scale, '
-            '{kind: rms_match, target: polar}, cautious]\n'
+            '{kind: norm_ratio, beta2: 0.9, eps: 1.0e-6}, {kind: rms_match, target: polar}, cautious]\n'
             '    direction: {kind: polyak, alpha: 0.05, warmup_steps: 10, warmup_alpha: 0.2}\n'
             '  - {name: b, match: "**", geometry: {kind: euclidean}, direction: {kind: heavy_ball, nesterov: true}}\n'
-            '  - {name: c, match: "**", geometry: {kind: euclidean}, direction: {kind: lion}, post: [{kind: rms_match, target: input}]}\n')
+            '  - {name: c, match: "**", geometry: {kind: euclidean}, direction: {kind: lion}, post: [{kind: rms_match, target: input}]}\n'
+            '  - {name: d, match: "**", geometry: {kind: euclidean}, post: [{kind: rms_match, target: unit}]}\n')
     spec = geomopt.parse_spec(text, "yaml")
     dsl = dump_spec(spec, "dsl")
     assert geomopt.parse_spec(dsl, "dsl") == spec

@@ -48,8 +48,9 @@ arithmetic, each clamped at 0: per-coordinate Fenchel–Young terms h(w) + h*(g)
 Cauchy–Schwarz (isotropic, per row) or von Neumann (spectral) slack ‖G‖‖W‖ − ⟨G, W⟩ resp.
 Σσ_i(G)σ_i(W) − tr(GᵀW).
 
-Not available (None; :func:`gap_unavailable` says why): adam (no reference function), and the
-indicator reference (φ₁* = ‖·‖_* is not strictly convex: the Fenchel–Young term vanishes for every
+Not available (None; :func:`gap_unavailable` says why): adam (no reference function), a
+constraint whose step is a retraction (``method: msign`` or ``project``: no prox, no pair to
+measure), and the indicator reference (φ₁* = ‖·‖_* is not strictly convex: the Fenchel–Young term vanishes for every
 Ĝ in the normal cone at W, so a zero certifies nothing; use :func:`dual_norm` where g ≡ 0).
 """
 
@@ -94,6 +95,9 @@ def gap_reference(geometry: dict, constraint: dict | None = None, reference: str
 def gap_unavailable(geometry: dict, constraint: dict | None = None, reference: str = "auto") -> str | None:
     """Why :func:`stationarity_gap` is None for this (geometry, constraint) pair, and what to look
     at instead; None where it is defined."""
+    if constraint is not None and _retraction(constraint):
+        return (f"the {constraint['kind']} step is a retraction (method {constraint['method']}), not the geometry's "
+                "prox: there is no Fenchel–Young pair (G, W) to measure; watch the loss and update_norm")
     ref = gap_reference(geometry, constraint, reference)
     if ref is None:
         return ("adam is outside the theory: its step is not ∇φ₁* of a reference function, so there is no "
@@ -127,10 +131,15 @@ def stationarity_gap(
     rule's (None: g ≡ 0); ``radius`` overrides ``geometry["radius"]``. Entries of W outside dom φ₁
     (beyond rounding) give +∞."""
     cfg = gap_reference(geometry, constraint, reference)
-    if cfg is None or cfg["kind"] == "indicator":
+    if cfg is None or cfg["kind"] == "indicator" or _retraction(constraint):
         return None
     rho = float(radius if radius is not None else geometry.get("radius", 1.0))
     return _gap(g, w, geometry, make_reference(cfg), _gap_prenormalize(geometry, constraint), rho, batch_dims)
+
+
+def _retraction(constraint: dict | None) -> bool:
+    """Whether the constraint's step is a retraction, not a prox (stiefel msign, frobenius_sphere project)."""
+    return constraint is not None and constraint.get("method") in ("msign", "project")
 
 
 def _any_reference(geometry: dict, constraint: dict | None) -> bool:

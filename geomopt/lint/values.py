@@ -69,7 +69,8 @@ def reference_approx_mismatch(ctx: LintContext):
     """Newton–Schulz and Polar Express realize the spectral power barrier κ = 4 with ε ≈ 1/∏aᵢ
     (paper Appendix F, Theorem 4.7), not the declared reference. Under a constraint whose backward
     step depends on h (ℓ2 / Frobenius ball and sphere) the declared reference is what the step uses,
-    so a mismatch makes forward and backward disagree.
+    so a mismatch makes forward and backward disagree. A ``frobenius_sphere`` with ``method: project`` is
+    the Euclidean projection, which no reference enters: not flagged.
 
     Bad: ``reference: {kind: log_barrier}`` with ``approx: {kind: polar_express, steps: 5}`` and
     ``constraint: {kind: frobenius_ball}``. Fixed:
@@ -77,7 +78,8 @@ def reference_approx_mismatch(ctx: LintContext):
     """
     for i, rule in enumerate(ctx.spec.rules):
         g = rule.geometry
-        if g.kind != "spectral" or rule.constraint is None or rule.constraint.kind not in _H_DEPENDENT:
+        if (g.kind != "spectral" or rule.constraint is None or rule.constraint.kind not in _H_DEPENDENT
+                or field(rule.constraint, "method") == "project"):  # the Euclidean projection: h plays no part
             continue
         realized = realized_reference(g.approx.model_dump())
         if realized is None:

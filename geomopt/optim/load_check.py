@@ -37,7 +37,7 @@ from geomopt.optim.migrate import KINDS, VIEW_KEYS
 from geomopt.optim.tensors import as_real, local
 
 #: state keys that hold second moments (a mean of squares: never negative)
-SECOND_MOMENTS = ("exp_avg_sq", "post_v", "max_exp_avg_sq")
+SECOND_MOMENTS = ("exp_avg_sq", "post_v", "post_g2", "max_exp_avg_sq")
 #: state keys that count steps (geomopt's are ints; torch.optim's ``step`` may be a tensor)
 STEP_KEYS = ("adam_step", post_stages.STAGE_STEP, "step")
 #: the keys of a geomopt param group (a same-spec load installs the saved groups as they are)

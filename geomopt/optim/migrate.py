@@ -13,6 +13,7 @@ momentum            d (a Polyak average of gradients,  momentum_buffer (Muon: bu
 STORM estimate      d and prev                         —
 gap memory W        w                                  —
 second moment       post_v, post_step                  —
+gradient-norm EMA   post_g2, post_step                 —
 ==================  =================================  =================================
 
 A kind moves as a unit (moments without their step count would be bias-corrected wrongly; a
@@ -48,6 +49,7 @@ KINDS = {
     "momentum": ("d",),
     "gap": ("w",),
     "second_moment": ("post_v", "post_step"),
+    "norm_ratio": ("post_g2", "post_step"),
 }
 # torch.optim state keys → geomopt's, per source optimizer
 _TORCH = {
@@ -184,8 +186,9 @@ def migrate_state(saved: dict[str, dict], targets: list[tuple], source: str,
             if kind == "gap":
                 reset.append("w (the gap's W: measured again after the next step)")
                 continue
-            if kind == "second_moment":
-                reset.append("second moment (a post-stage's v restarts after a spec change)")
+            if kind in ("second_moment", "norm_ratio"):
+                reset.append(f"{'second moment' if kind == 'second_moment' else 'gradient-norm EMA'} "
+                             "(a post-stage's v restarts after a spec change)")
                 continue
             into = kind if kind in used else "momentum" if kind == "storm" and "momentum" in used else None
             if into is None:

@@ -202,6 +202,27 @@ def dual_scale(u, cfg, ctx):
     return u * ctx.sum(u * ctx.direction, _dims(u))
 
 
+@stage("norm_ratio", state=("post_g2",), reads=("gradient", "direction"))
+def norm_ratio(u, cfg, ctx):
+    """U ← U·‖D‖_F/(√v + ε), v ← β₂v + (1−β₂)·‖G‖²_F per tensor (v⁰ = 0, no bias correction; D the
+    direction the geometry was given, G the raw gradient): NAMO, norm-adaptive Muon (arXiv:2602.17080,
+    2026), as NVIDIA Emerging-Optimizers' ``AdaptiveMuon(moment2_method="namo")`` computes it: the
+    orthogonalized momentum scaled by how large the momentum is against the gradients' running RMS
+    (``post_g2``, one number per tensor)."""
+    dims = _dims(u)
+    g2 = ctx.sum(ctx.gradient * ctx.gradient, dims)
+    ctx.reduced["post_g2"] = dims
+    v = ctx.state.get("post_g2")
+    if v is None:
+        v = ctx.state["post_g2"] = torch.zeros_like(g2)
+    if ctx.fresh:
+        v = ctx.state["post_g2"] = torch.lerp(v, g2, 1 - cfg["beta2"])
+    else:
+        v.lerp_(g2, 1 - cfg["beta2"])
+    eps = working_eps(cfg["eps"], v.dtype, norm=True)
+    return u * (ctx.norm(ctx.direction) / (v.sqrt() + eps))
+
+
 def _polar_norm(ctx: Context) -> float:
     """‖Q‖_F of a semi-orthogonal Q with the tensor's matrices: √Σ min(m_i, n_i)."""
     shapes = matrix_shapes(ctx.view, ctx.op_shape)
@@ -214,10 +235,14 @@ def rms_match(u, cfg, ctx):
     """U ← U·T/(‖U‖_F + ε) per tensor of n entries: T = t·√n for a number t (RMS t; 0.2 is
     Moonlight's AdamW-matched scale, Liu et al. 2025, and NorMuon's ``match_rms``), the norm U had
     when the geometry gave it for ``input`` (NorMuon's official ``preserve_norm``), or √Σmin(m, n)
-    over the tensor's matrices for ``polar``, the norm of a semi-orthogonal matrix (AdaMuon)."""
+    over the tensor's matrices for ``polar``, the norm of a semi-orthogonal matrix (AdaMuon), or 1
+    for ``unit``: the rule's radius ρ then sets ‖step‖_F (hyperball Muon, NVIDIA Emerging-Optimizers'
+    ``MuonHyperball``, 2025: W ← R·normalize(W − lr·R·normalize(U)))."""
     target = cfg["target"]
     if target == "input":
         scale = ctx.input_norm
+    elif target == "unit":
+        scale = 1.0
     elif target == "polar":
         scale = _polar_norm(ctx)
     else:

@@ -43,7 +43,14 @@ class FrobeniusBall(_Radius):
 
 
 class FrobeniusSphere(_Radius):
+    """``method: project`` replaces the backward step in the rule's geometry by the Euclidean
+    projection X⁺ = r·Y/‖Y‖_F, whatever the geometry (a retraction: hyperball Muon's
+    W ← R·normalize(W − lr·R·normalize(U)), NVIDIA Emerging-Optimizers' MuonHyperball)."""
+
     kind: Literal["frobenius_sphere"] = "frobenius_sphere"
+    method: Annotated[Literal["prox", "project"], Field(description=(
+        "prox (the default): the backward step in the rule's geometry. project: the Euclidean projection "
+        "r*Y/||Y||_F whatever the geometry, a retraction (hyperball Muon)."))] = "prox"
 
 
 #: the ``method`` of spectral_ball and stiefel (geomopt.geometry.method resolves ``auto`` where the
@@ -71,12 +78,21 @@ class SpectralSphere(_Radius):
     kind: Literal["spectral_sphere"] = "spectral_sphere"
 
 
+_STIEFEL_METHOD_DESCRIPTION = (
+    _METHOD_DESCRIPTION + " msign (stiefel only, under a spectral geometry): X = r·msign(Y) by the rule's own "
+    "spectral approximation (its Newton-Schulz or Polar Express iteration, as the forward step runs it), a "
+    "retraction rather than the projection: with Muon's quintic the singular values land near r, not on it "
+    "(SPEL's outer msign); project_on_init still projects exactly.")
+
+
 class Stiefel(_Radius):
     """``method: polar`` normalizes by r + t and runs a convergent polar iteration (approximate);
-    ``auto`` (the default) picks exact or polar by device and matrix size."""
+    ``auto`` (the default) picks exact or polar by device and matrix size; ``msign`` retracts by the
+    rule's spectral approximation, X⁺ = r·msign(Y) (SPEL, arXiv:2601.21487)."""
 
     kind: Literal["stiefel"] = "stiefel"
-    method: Method = "auto"
+    method: Annotated[Literal["auto", "exact", "polar", "msign"],
+                      Field(description=_STIEFEL_METHOD_DESCRIPTION)] = "auto"
 
 
 class L0(SpecModel):

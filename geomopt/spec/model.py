@@ -147,6 +147,17 @@ class Rule(Hyper):
                     {"stage": b.kind, "what": what, "index": i + 1, "order": ", ".join(STAGE_ORDER)})
         return v
 
+    @field_validator("constraint")
+    @classmethod
+    def _msign_needs_a_spectral_approx(cls, v, info):
+        geometry = info.data.get("geometry")
+        if getattr(v, "method", None) == "msign" and geometry is not None and geometry.kind != "spectral":
+            raise PydanticCustomError(
+                "msign_geometry", "stiefel method 'msign' retracts by the rule's spectral approximation; "
+                "the {geometry} geometry has none (use a spectral geometry, or method exact or polar)",
+                {"geometry": geometry.kind})
+        return v
+
 
 class Spec(SpecModel):
     """A whole spec: ordered rules, the first match owns a parameter. ``roles`` gives tensors a

@@ -112,13 +112,23 @@ class DualScale(SpecModel):
     kind: Literal["dual_scale"] = "dual_scale"
 
 
+class NormRatio(SpecModel):
+    """U ← U·‖D‖_F/(√v + ε) per tensor, v ← β₂v + (1−β₂)‖G‖²_F (v⁰ = 0; D the direction, G the
+    gradient): NAMO's norm-adaptive scale of the orthogonalized momentum (arXiv:2602.17080)."""
+
+    kind: Literal["norm_ratio"] = "norm_ratio"
+    beta2: Annotated[float, Field(ge=0, lt=1)] = 0.95
+    eps: PositiveFloat = 1e-8
+
+
 class RmsMatch(SpecModel):
     """U ← U·t·√n/(‖U‖_F + ε) per tensor of n entries: RMS t (0.2: Moonlight's AdamW-matched
-    scale), ``input`` (the RMS U had when the geometry gave it: NorMuon's preserved norm) or
-    ``polar`` (the RMS of a semi-orthogonal matrix of the tensor's view: AdaMuon)."""
+    scale), ``input`` (the RMS U had when the geometry gave it: NorMuon's preserved norm),
+    ``polar`` (the RMS of a semi-orthogonal matrix of the tensor's view: AdaMuon) or ``unit``
+    (Frobenius norm 1, so the rule's radius ρ sets the step's norm: hyperball Muon)."""
 
     kind: Literal["rms_match"] = "rms_match"
-    target: Union[PositiveFloat, Literal["input", "polar"]] = 0.2
+    target: Union[PositiveFloat, Literal["input", "polar", "unit"]] = 0.2
     eps: PositiveFloat = 1e-8
 
 
@@ -129,7 +139,7 @@ class Cautious(SpecModel):
     kind: Literal["cautious"] = "cautious"
 
 
-PostStage = Annotated[Union[SecondMoment, DualScale, RmsMatch, Cautious], Field(discriminator="kind")]
+PostStage = Annotated[Union[SecondMoment, DualScale, NormRatio, RmsMatch, Cautious], Field(discriminator="kind")]
 #: the order post-stages run in (and must be listed in; the union's order), each at most once
 STAGE_ORDER = kinds_of(PostStage)
 

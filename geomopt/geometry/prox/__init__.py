@@ -73,6 +73,9 @@ def backward(
     """The backward step X⁺ ∈ argmin_Z g(Z) + (γ⋆φ)(Z − Y) for one geometry and constraint
     (spec fragments as plain dicts). ``radius`` overrides ``geometry["radius"]`` (ρ); t = γρ.
 
+    A frobenius_sphere with ``method: project`` takes the Euclidean projection r·Y/‖Y‖_F in every
+    geometry (hyperball Muon's retraction) instead of the geometry's prox.
+
     Returns ``(x, fallback)``; ``(y, None)`` without a constraint, and for a zero-size ``y``.
     Raises ValueError for a (geometry, constraint) pair with no operator, naming the constraints
     that geometry supports.
@@ -83,6 +86,8 @@ def backward(
     op = BACKWARD_OPS.get((gkind, ckind))
     if op is None:
         raise ValueError(unsupported_message(gkind, ckind))
+    if constraint.get("method") == "project":  # P_C(Y) whatever the geometry: a retraction, no prox
+        op, geometry = BACKWARD_OPS[("euclidean", ckind)], {**geometry, "kind": "euclidean"}
     if y.numel() == 0:  # no entries (a dim of size 0): nothing to move, whatever the set
         return y, None
     rho = float(radius if radius is not None else geometry.get("radius", 1.0))

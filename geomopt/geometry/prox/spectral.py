@@ -12,6 +12,7 @@ from geomopt.geometry.prox.polar import POLAR
 from geomopt.geometry.prox.scalar import ball_magnitudes, sphere_magnitudes
 from geomopt.geometry.prox.spectral_map import spectral_apply
 from geomopt.geometry.prox.vector import sigma_proj
+from geomopt.geometry.spectral import apply_approx
 from geomopt.geometry.operators import backward_op
 from geomopt.registry import OWNER
 
@@ -26,9 +27,13 @@ def spectral_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     spectral_ball) is SVD-free and approximate: :func:`~geomopt.geometry.prox.polar._stiefel_polar`,
     :func:`~geomopt.geometry.prox.polar._spectral_ball_polar`;
     ``auto`` picks one by device and size (:func:`geomopt.geometry.method.resolve_method`).
-    Infeasible where max_i |x_i − σ_i| > t (the spectral distance from Y to C)."""
+    Infeasible where max_i |x_i − σ_i| > t (the spectral distance from Y to C). ``method: msign``
+    (stiefel) is :func:`_msign_retraction`, no projection."""
     kind = constraint["kind"]
-    if method_choice.resolve_method(constraint, y.device, y.shape[batch_dims:]) == "polar":
+    method = method_choice.resolve_method(constraint, y.device, y.shape[batch_dims:])
+    if method == "msign":
+        return _msign_retraction(y, ref, constraint, geometry, batch_dims), None
+    if method == "polar":
         return POLAR[kind](y, t, ref, constraint, geometry=geometry, batch_dims=batch_dims)
 
     def step(s):
@@ -37,6 +42,18 @@ def spectral_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
 
     x, bad = spectral_apply(matrices(upcast(y), batch_dims), step)
     return unflat_rows(x, y), None if bad is None else per_element(bad, y, batch_dims)
+
+
+def _msign_retraction(y, ref, constraint, geometry, batch_dims):
+    """X⁺ = r·msign(Y) with msign the rule's own spectral approximation (``approx`` and
+    ``prenormalize`` of the geometry, as the forward step runs them): SPEL's retraction onto the
+    Stiefel manifold, x_{t+1} = msign(x_t − α·msign(∇f)) (Manifold Constrained Steepest Descent,
+    arXiv:2601.21487; NVIDIA Emerging-Optimizers' ``Spel``). With Muon's quintic the singular values
+    end near r (in about [0.7r, 1.2r]), not on it: a retraction, not the projection, and no
+    feasibility test."""
+    x = apply_approx(matrices(upcast(y), batch_dims), ref, geometry.get("approx"), geometry.get("prenormalize"),
+                     scale=float(constraint["radius"]), out_dtype=upcast(y).dtype)
+    return unflat_rows(x, y)
 
 
 @backward_op(locality=OWNER)
