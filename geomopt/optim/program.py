@@ -83,14 +83,17 @@ class Program:
     direction_form: str = "stacked"
     check: str = "before"
     graphed: bool = False
-    fused: bool = False
     journal: bool = False  # one process: state updated before a request is journaled / put off
-    capturable: bool = False  # writes select on the device's finiteness flag (no host sync)
     stateful: bool = False  # keeps state (a first step creates it)
     keeps_prev: bool = False
     track_gap: bool = False
     track_update: bool = False
     why: tuple[str, ...] = ()
+
+    @property
+    def fused(self) -> bool:
+        """A flat program through torch's fused AdamW kernel."""
+        return self.write == "fused"
 
     def describe(self) -> str:
         shape = f"× {list(self.shape)}" if self.shape or self.variant == "batched" else "tensors of several shapes,"
@@ -184,8 +187,7 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
             fields = dict(common, indices=tuple(sorted(indices)), names=tuple(ps[i].name for i in sorted(indices)))
             if len({ps[i].op_shape for i in indices}) > 1:
                 fields["shape"] = ()  # tensors of several shapes
-            progs.append(Program(**fields, variant="flat", write="fused" if fused else "foreach", fused=fused,
-                                 why=tuple(why)))
+            progs.append(Program(**fields, variant="flat", write="fused" if fused else "foreach", why=tuple(why)))
         out.append(progs)
     # the finiteness test waits behind the forward ops' launches only where no bucket of the step
     # writes before its forward op: decided for the optimizer as a whole
@@ -236,7 +238,7 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Op
         why.append("capturable: the finiteness flag stays on the device; a skipped step selects the old values")
     stateful = group["direction"] != "none" or kind == "adam" or bool(pp.post) or opts.track_gap
     return Program(**common, variant="batched", write=write, direction_form=form, check=check, graphed=graphed,
-                   journal=journal, capturable=opts.capturable, stateful=stateful, keeps_prev=opts.keeps_prev,
+                   journal=journal, stateful=stateful, keeps_prev=opts.keeps_prev,
                    track_gap=opts.track_gap, track_update=opts.track_update, why=tuple(why))
 
 
