@@ -21,3 +21,16 @@ import torch  # noqa: E402  (after the environment, so that this process starts 
 
 if _threads.isdigit() and int(_threads) > 0:
     torch.set_num_threads(int(_threads))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def float64_default():
+    """float64 as torch's default dtype for a test (modules whose references are float64 use it
+    with ``pytestmark = pytest.mark.usefixtures("float64_default")``)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)

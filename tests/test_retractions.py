@@ -20,12 +20,7 @@ QUINTIC = [[4.0848, -6.8946, 2.9270], [3.9505, -6.3029, 2.6377], [3.7418, -5.591
            [2.8769, -3.1427, 1.2046], [2.8366, -3.0525, 1.2012]]
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _ns(x: torch.Tensor, coefficients, eps: float = 1e-7) -> torch.Tensor:

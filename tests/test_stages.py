@@ -14,13 +14,8 @@ import geomopt
 from geomopt.spec.diagnostics import SpecError
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    """This module's references are float64 (tests that compare bits with torch use float32)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+# this module's references are float64 (tests that compare bits with torch use float32)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _spec(geometry: dict, post=None, **rule) -> dict:
