@@ -195,3 +195,78 @@ def test_a_schedule_under_the_compiled_step_recompiles_once_then_reads_lr_as_an_
     assert compiled.param_groups[0]["lr"] == eager.param_groups[0]["lr"] < 0.005
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.allclose(p, q, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", SHIPPED, ids=lambda p: p.stem)
+def test_a_tensor_lr_under_a_scheduler_is_read_on_the_device(spec):
+    """``lr`` a 0-d tensor (torch's form for capturable schedules: a scheduler ``fill_``s it), so a
+    captured step (a CUDA graph replays fixed kernels with fixed scalars) follows the schedule: no
+    host read after the first step, and the iterates track float lr under the same schedule (lr
+    values a float32 holds exactly, so sign descent's signs of near-zero entries cannot flip on lr's
+    own rounding)."""
+    models, (plain, captured) = _pair(str(spec))
+    for g, h in zip(plain.param_groups, captured.param_groups):
+        h["lr"] = torch.tensor(g["lr"])
+        g["lr"] = float(h["lr"])
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda k: 0.5 ** k) for o in (plain, captured)]
+    for step in range(4):
+        _grads(models, step)
+        plain.step()
+        with HostReads() as reads:
+            captured.step()
+        assert step == 0 or reads.reads == [], (step, reads.reads)
+        for s in schedules:
+            s.step()
+    assert all(torch.is_tensor(g["lr"]) for g in captured.param_groups)
+    assert float(captured.param_groups[0]["lr"]) == pytest.approx(plain.param_groups[0]["lr"])
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-5), (spec.stem, (p - q).abs().max())
+
+
+@pytest.mark.parametrize("spec", ["hyperball", "spectral-clip", "stiefel", "prox-muon-frobenius"])
+def test_a_cuda_graph_capture_that_reaches_a_decomposition_is_refused_before_it_runs(spec, monkeypatch):
+    """torch.linalg.eigh/svd read their error codes on the host, which a CUDA-graph capture forbids
+    (a failed capture leaves the CUDA context unusable): the step raises with the reason before any
+    decomposition is called, and records no pending step (in a capture nothing ran: the buckets
+    before it were only recorded). On CPU the capture is simulated (``is_current_stream_capturing``),
+    so the recorded buckets do run here; the GPU check (benchmarks/capture.py) shows the rest."""
+    models, (_, captured) = _pair(spec)
+    _grads(models, 0)
+    captured.step()
+    _grads(models, 1)
+
+    def called(*args, **kwargs):
+        raise AssertionError("a decomposition ran inside the capture")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for name in ("eigh", "svd", "svdvals", "eigvalsh"):
+        monkeypatch.setattr(torch.linalg, name, called)
+    with pytest.raises(RuntimeError, match="cannot run inside a CUDA-graph capture"):
+        captured.step()
+    assert captured.pending_step is None
+
+
+def test_a_tensor_lr_under_the_compiled_step_never_recompiles():
+    """With ``lr`` a 0-d tensor the schedule is an input from the first call: one graph."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    models, (eager, compiled) = _pair("muon")
+    eager = geomopt.GeomOptimizer(models[0], "muon", capturable=True)
+    for opt in (eager, compiled):
+        for g in opt.param_groups:
+            g["lr"] = torch.tensor(g["lr"])
+    step = torch.compile(compiled.step, fullgraph=True, backend="eager")
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda k: 0.5 ** k) for o in (eager, compiled)]
+    for k in range(5):
+        _grads(models, k)
+        eager.step()
+        compiled.step() if k == 0 else step()
+        for s in schedules:
+            s.step()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert float(compiled.param_groups[0]["lr"]) == float(eager.param_groups[0]["lr"]) == pytest.approx(0.02 * 0.5 ** 5)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-6)

@@ -42,6 +42,7 @@ from typing import Sequence
 
 import torch
 
+from geomopt.geometry.capture import refuse_in_capture
 from geomopt.geometry.dtypes import compute_dtype
 from geomopt.geometry.polynomial import gram_quintic_iteration, odd_quintic_iteration
 from geomopt.geometry.prenorm import default_prenormalize, prenormalize
@@ -86,6 +87,7 @@ def svd(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dt
     suffices because (h*)'(0) = 0, Example 3.3). σ below the numerical-rank tolerance
     max(m, n)·u·σ_max count as 0. ``scale`` multiplies the mapped σ (free), the result is in
     ``out_dtype`` (default: x's), as for every approximation."""
+    refuse_in_capture("torch.linalg.svd")
     work = _prepare(x, "svd", dtype, prenormalize)
     u, s, vh = torch.linalg.svd(work, full_matrices=False)
     m, n = work.shape[-2:]
@@ -102,6 +104,7 @@ def gram_eigh(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = No
     divided by σ); tall matrices use DᵀD. Exact in float64 (the default): the Gram matrix resolves
     σ only down to √(max(m,n)·u)·σ_max ≈ 1.5e-8·√max(m,n)·σ_max, and smaller σ are treated as 0
     (mapped to (h*)'(0) = 0; the component of D along them is below rounding anyway)."""
+    refuse_in_capture("torch.linalg.eigh")
     work = _prepare(x, "gram_eigh", dtype, prenormalize)
     m, n = work.shape[-2:]
     # each matrix scaled by a power of two c near its largest entry (exact): the Gram matrix of

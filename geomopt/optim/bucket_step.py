@@ -103,7 +103,8 @@ class BucketJob:
             self.g_raw = upcast(stack(g)) if isinstance(g, list) else upcast(g).clone()
         wd = group["weight_decay"]
         rho = self.rho = group["radius"] * radius_factor(pp)
-        self.projects = pp.constraint is not None and self.gamma * rho != 0
+        # a tensor γ (lr read on the device) may be 0: the prox of a step of length 0 is X itself
+        self.projects = pp.constraint is not None and rho != 0 and (torch.is_tensor(self.gamma) or self.gamma != 0)
         # in one process the state changes only when the bucket commits (its last request has
         # answered): directions update it out of place (``fresh``), and state updated in place
         # before a request (Adam's moments, post-stages' statistics) is journaled
@@ -145,6 +146,8 @@ class BucketJob:
                 x = self.x = upcast(stack(self.views))
                 wd = self.group["weight_decay"]
                 xw = decayed(x, exp_avg, 1 - self.gamma * wd, wd != 0 and pp.decay == "cautious") if wd else x
+                if torch.is_tensor(self.gamma):  # lr on the device: γ scales the moment
+                    return self.backward(xw.addcdiv(exp_avg * -self.gamma, denom * bc1))
                 if isinstance(bc1, torch.Tensor):  # a capturable step's count: bc₁ on the device
                     return self.backward(xw.addcdiv(exp_avg, denom * bc1, value=-self.gamma))
                 return self.backward(xw.addcdiv(exp_avg, denom, value=-self.gamma / bc1))  # AdamW's op order
@@ -163,7 +166,9 @@ class BucketJob:
         gamma, rho, wd = self.gamma, self.rho, self.group["weight_decay"]
         if self.prog.write != "stacked":  # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) on the parameters themselves
             steps = list(step.unbind(0))
-            if self.lerp:
+            if self.ok is not None:  # γ·ok: a skipped step writes X·1 + 0·S, X itself
+                self.write_scaled(steps, self.ok * gamma)
+            elif self.lerp:
                 torch._foreach_lerp_(self.views, steps, gamma * wd)
             else:
                 # torch Muon's op order (same bits on CPU): decay, then the axpy of the step (ρ
@@ -177,10 +182,25 @@ class BucketJob:
         # forward output), and the decayed copy of X is updated in place
         x = self.x = upcast(stack(self.views))
         if wd:
-            y = decayed(x, step, 1 - gamma * wd, self.pp.decay == "cautious").add_(step, alpha=-gamma * rho)
-        else:
-            y = torch.add(x, step, alpha=-gamma * rho)
-        return self.backward(y)
+            return self.backward(axpy_(decayed(x, step, 1 - gamma * wd, self.pp.decay == "cautious"), step,
+                                       -gamma * rho))
+        if torch.is_tensor(gamma):
+            return self.backward(x + step * (-gamma * rho))
+        return self.backward(torch.add(x, step, alpha=-gamma * rho))
+
+    def write_scaled(self, steps: list, gamma) -> None:
+        """The in-place writes with γ a 0-d device tensor (a capturable step: γ·ok, or lr on the
+        device): per tensor, as ``foreach`` ops would read a tensor's scalar on the host."""
+        rho, wd = self.rho, self.group["weight_decay"]
+        if self.lerp:
+            for v, s in zip(self.views, steps):
+                v.lerp_(s, gamma * wd)
+            return
+        if wd:
+            torch._foreach_mul_(self.views, 1 - gamma * wd)
+        coef = gamma if self.prog.write == "one-pass" else -gamma * rho
+        for v, s in zip(self.views, steps):
+            v.addcmul_(s, coef)
 
     def backward(self, y: torch.Tensor) -> Optional[Request]:
         """The backward op's request on Y (the prox of the constraint, t = γρ), or its answer at
@@ -201,7 +221,8 @@ class BucketJob:
             counters["fallbacks"] = counters["fallbacks"] + n.to(counters["fallbacks"].device)
         if self.ok is not None:
             x_new = torch.where(self.ok, x_new, self.x)  # type: ignore[arg-type]
-        if prog.track_gap and self.pp.constraint is not None and self.gamma * self.rho > 0:
+        if prog.track_gap and self.pp.constraint is not None and self.rho > 0 and (
+                torch.is_tensor(self.gamma) or self.gamma > 0):
             self.state["w"] = (x_new - self.y) / (self.gamma * self.rho)
         if prog.track_update and _first_holder(self.rt, self.items[0][0]):  # replicas count their block once
             delta = (x_new - self.x).reshape(-1)
@@ -290,6 +311,12 @@ def _lookahead(prog: Program, rt: Runtime, items: list, shape, like: torch.Tenso
     if shared:
         return rt.workspace.take("u", shape, dtype, like.device)
     return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def axpy_(y: torch.Tensor, step: torch.Tensor, coef) -> torch.Tensor:
+    """Y += c·S in place: ``add_``'s alpha for a number, a product for a 0-d tensor c (lr on the
+    device, where ``alpha`` takes no tensor)."""
+    return y.add_(step * coef) if torch.is_tensor(coef) else y.add_(step, alpha=coef)
 
 
 def decayed(x: torch.Tensor, step: torch.Tensor, decay: float, cautious: bool) -> torch.Tensor:

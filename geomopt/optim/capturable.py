@@ -67,6 +67,8 @@ def counts_on_device(groups: list, state, counters: list, jobs: list) -> None:
             for key in ("step", "skipped"):
                 if key in holder and not isinstance(holder[key], torch.Tensor):
                     holder[key] = torch.tensor(holder[key], dtype=torch.int64, device=device)
+        # the fallback count, advanced on the device (a capture cannot copy to the host)
+        counters[prog.group]["fallbacks"] = counters[prog.group]["fallbacks"].to(device)
         for key in COUNTS:  # a bucket's tensors share one count: one tensor for them
             made: dict = {}
             for p, _ in items:

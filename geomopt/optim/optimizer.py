@@ -31,6 +31,7 @@ from geomopt.optim import checkpoint
 from geomopt.optim import stages as post_stages
 from geomopt.optim.atomic import PendingStep, drive, interrupted
 from geomopt.optim.bucket_step import BucketJob, radius_factor
+from geomopt.geometry.capture import capturing
 from geomopt.optim.capturable import captured_step, counts_on_device
 from geomopt.optim.checkpoint import new_counters, spec_hash, spec_values
 from geomopt.optim.migrate import MigrationReport
@@ -326,8 +327,9 @@ class GeomOptimizer(Optimizer):
                 done: list = []  # no host sync (the first step, creating state, syncs)
                 try:
                     captured_step(rt, groups, self.state, self._counters, jobs, grads, done)
-                except BaseException as err:
-                    self._pending = interrupted(self._pending, err, jobs, done, groups, self._plans, True)
+                except BaseException as err:  # inside a CUDA-graph capture nothing ran: nothing is pending
+                    if not capturing():
+                        self._pending = interrupted(self._pending, err, jobs, done, groups, self._plans, True)
                     raise
                 self._pending = None
                 return loss
@@ -342,7 +344,8 @@ class GeomOptimizer(Optimizer):
                 gi = prog.group
                 if gi not in schedules:
                     gamma, alpha = SCHEDULES[groups[gi]["schedule"]["kind"]](groups[gi], groups[gi]["step"])
-                    schedules[gi] = (gamma, warmup_alpha(alpha, groups[gi]))
+                    # a tensor lr is read once here (this step syncs anyway); a capturable step keeps it
+                    schedules[gi] = (float(gamma), warmup_alpha(alpha, groups[gi]))
                     devices[gi] = items[0][0].device
 
             pending = self._pending

@@ -207,8 +207,7 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Op
     why = [f"batched: {not_flat}"]
     kind = pp.geometry["kind"]
     working = p.dtype == upcast(torch.empty((), dtype=p.dtype)).dtype
-    reasons = {"capturable: the write selects on the device's finiteness flag": opts.capturable,
-               "a constraint's prox needs Y": pp.constraint is not None, "adam geometry": kind == "adam",
+    reasons = {"a constraint's prox needs Y": pp.constraint is not None, "adam geometry": kind == "adam",
                "track_update measures X⁺ − X": opts.track_update, "cautious decay": pp.decay == "cautious",
                f"{p.dtype} parameters (float32 working copy)": not working}
     stacked = [r for r, on in reasons.items() if on]
@@ -235,7 +234,8 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Op
     check = "before"
     if opts.capturable:
         check = "device"
-        why.append("capturable: the finiteness flag stays on the device; a skipped step selects the old values")
+        why.append("capturable: the finiteness flag stays on the device; a skipped step selects the old values"
+                   + ("" if write == "stacked" else " (the parameters: γ·flag, so X is written as X·1 + 0·S)"))
     stateful = group["direction"] != "none" or kind == "adam" or bool(pp.post) or opts.track_gap
     return Program(**common, variant="batched", write=write, direction_form=form, check=check, graphed=graphed,
                    journal=journal, stateful=stateful, keeps_prev=opts.keeps_prev,

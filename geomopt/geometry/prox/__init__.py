@@ -91,14 +91,15 @@ def backward(
     if y.numel() == 0:  # no entries (a dim of size 0): nothing to move, whatever the set
         return y, None
     rho = float(radius if radius is not None else geometry.get("radius", 1.0))
+    gamma = gamma if isinstance(gamma, torch.Tensor) else float(gamma)  # a tensor: lr on the device
     ref = make_reference(geometry["reference"]) if geometry.get("reference") else Quadratic()
     view, plain = split_view(geometry, y.shape[batch_dims:])
     if view is None:
-        return op(y, float(gamma) * rho, ref, constraint, gamma=float(gamma), geometry=geometry, batch_dims=batch_dims)
+        return op(y, gamma * rho, ref, constraint, gamma=gamma, geometry=geometry, batch_dims=batch_dims)
     scaled = view.get("scale_constraint") and "radius" in constraint
 
     def per_stack(mats, f):
         c = {**constraint, "radius": constraint["radius"] * f} if scaled and f != 1.0 else constraint
-        return op(mats, float(gamma) * rho * f, ref, c, gamma=float(gamma), geometry=plain, batch_dims=1)
+        return op(mats, gamma * rho * f, ref, c, gamma=gamma, geometry=plain, batch_dims=1)
 
     return apply_view(y, batch_dims, view, per_stack)

@@ -18,6 +18,7 @@ import torch
 
 from geomopt.geometry.matrix import matrices, upcast, working_dtype
 from geomopt.geometry.prox.common import per_element, too_far, unflat_rows
+from geomopt.geometry.capture import refuse_in_capture
 
 # ---------------------------------------------------------------- polar factor (SVD-free)
 
@@ -208,6 +209,7 @@ def _spectral_ball_polar(y, t, ref, constraint, *, geometry, batch_dims):
     Gaussian 40×24, 24×40 and rank-5 40×24 matrices, max-entry error ≤ 2e-6·r (fp32), ≤ 1e-13·r
     (fp64); σ spread from 100r to 0.01r: ≤ 1e-4·r (fp32), ≤ 1e-12·r (fp64). The flag uses a
     power-iteration estimate of ‖Y − X⁺‖₂."""
+    refuse_in_capture("iteration counts read from the matrices' scales on the host")
     r = constraint["radius"]
     mats = matrices(upcast(y), batch_dims)
     tall = mats.shape[-2] >= mats.shape[-1]

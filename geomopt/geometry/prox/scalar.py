@@ -260,7 +260,7 @@ def _solve_tau(sigma: Callable, a: torch.Tensor, t: float, r: float, ref: Refere
             sig_hi = torch.where(up, sig_hi, sig)
     s_hi = sigma(alpha, hi.exp(), ref, sig_hi)
     s_lo = sigma(alpha, lo.exp(), ref, s_hi)
-    return _interpolate(s_lo, s_hi, torch.full_like(lo, rho2)) * t
+    return _interpolate(s_lo, s_hi, torch.zeros_like(lo) + rho2) * t  # rho2 may be a 0-d tensor
 
 
 # ---------------------------------------------------------------- the steps on magnitudes

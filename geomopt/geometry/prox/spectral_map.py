@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from geomopt.geometry.capture import refuse_in_capture
+
 
 def _svd(m: torch.Tensor):
     """Reduced SVD with true singular-vector completions (LAPACK) and the identity frame at
@@ -70,6 +72,7 @@ def spectral_apply(mats: torch.Tensor, step: Callable):
     underflow (‖M‖²_F below max(m, n)·tiny/u) or overflow (entries past √max). M = 0 keeps the identity frame of
     :func:`_svd`. Only the matrices that need it are redone, and only the accepted ones are composed
     (:func:`_gram_compose`); one host sync per call (the choice), one more per redo."""
+    refuse_in_capture("torch.linalg.eigh and torch.linalg.svd")
     unit = torch.finfo(mats.dtype).eps  # the input's rounding (mats: the working dtype)
     x, extra, ratio, frame = _gram_eigh(mats, step, unit)
     if DeviceRoutes.active:
