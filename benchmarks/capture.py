@@ -64,12 +64,14 @@ def one_spec(spec: str, model: str, iters: int) -> dict:
     _, fresh = hidden_workload(model, "cuda", torch.float32)
     out: dict = {"spec": Path(spec).stem}
     timer = Timer("cuda")
-    ref_params, cap_params = fresh(), fresh()
+    ref_params, twin_params, cap_params = fresh(), fresh(), fresh()
     ref = geomopt.GeomOptimizer(ref_params, spec)
+    twin = geomopt.GeomOptimizer(twin_params, spec, capturable=True)  # the same step, eager
     cap = geomopt.GeomOptimizer(cap_params, spec, capturable=True)
     cap.step()
     for _ in range(3):
         ref.step()
+        twin.step()
     with torch.no_grad():
         try:
             graph = captured(cap)  # 2 warm-up steps + the captured one
@@ -87,10 +89,13 @@ def one_spec(spec: str, model: str, iters: int) -> dict:
         for _ in range(3):
             graph.replay()
             ref.step()
+            twin.step()
         torch.cuda.synchronize()
         out["deviation"] = deviation(cap_params, ref_params)
+        out["vs_twin"] = deviation(cap_params, twin_params)
     muon = torch.optim.Muon([q for _, q in fresh()], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
-    rows = [("torch.optim.Muon", muon.step), ("eager", ref.step), ("whole step, one graph", graph.replay)]
+    rows = [("torch.optim.Muon", muon.step), ("eager", ref.step), ("capturable, eager", twin.step),
+            ("whole step, one graph", graph.replay)]
     try:
         rows.insert(2, ("per-bucket graphs", geomopt.GeomOptimizer(fresh(), spec, cuda_graphs=True).step))
     except (ValueError, RuntimeError):
@@ -107,11 +112,11 @@ def one_spec(spec: str, model: str, iters: int) -> dict:
 
 def lr_check(spec: str, model: str) -> dict:
     """Largest deviation over replays whose lr was changed between them (a 0-d device tensor,
-    ``fill_``ed) from eager steps at the same lr values."""
+    ``fill_``ed) from eager capturable steps at the same lr values (floats)."""
     _, fresh = hidden_workload(model, "cuda", torch.float32)
     cap_params, ref_params = fresh(), fresh()
     cap = geomopt.GeomOptimizer(cap_params, spec, capturable=True)
-    ref = geomopt.GeomOptimizer(ref_params, spec)
+    ref = geomopt.GeomOptimizer(ref_params, spec, capturable=True)  # eager, lr a float
     lr = torch.tensor(0.02, device=cap_params[0][1].device)
     for g in cap.param_groups:
         g["lr"] = lr
@@ -164,15 +169,15 @@ def main(argv=None) -> int:
              f"torch {torch.__version__} — {datetime.date.today().isoformat()}", "",
              "ms per step, median of each row timed round-robin in the spec's own process (× that process's "
              "torch.optim.Muon).", "",
-             "| spec | torch.optim.Muon | eager | per-bucket graphs | whole step, one graph "
-             "| graph vs eager, 3 replays |",
-             "|---|---|---|---|---|---|"]
+             "| spec | torch.optim.Muon | eager | per-bucket graphs | capturable, eager | whole step, one graph "
+             "| graph vs eager / vs capturable eager, 3 replays |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['spec']} | – | – | – | failed: {r['error']} | – |")
+            lines.append(f"| {r['spec']} | – | – | – | – | failed: {r['error']} | – |")
         elif "refused" in r:
-            lines.append(f"| {r['spec']} | – | – | – | refused before it ran: needs {r['refused']} (next eager step "
-                         f"vs default: {r['after_refusal']:.1e}) | – |")
+            lines.append(f"| {r['spec']} | – | – | – | – | refused before it ran: needs {r['refused']} "
+                         f"(next eager step vs default: {r['after_refusal']:.1e}) | – |")
         else:
             ms = r["ms"]
             base = ms["torch.optim.Muon"]
@@ -181,12 +186,14 @@ def main(argv=None) -> int:
                 return "–" if name not in ms else f"{ms[name]:.2f} ({ms[name] / base:.3f}×)"
 
             lines.append(f"| {r['spec']} | {base:.2f} | {cell('eager')} | {cell('per-bucket graphs')} | "
-                         f"{cell('whole step, one graph')} | {r['deviation']:.1e} |")
+                         f"{cell('capturable, eager')} | {cell('whole step, one graph')} | "
+                         f"{r['deviation']:.1e} / {r['vs_twin']:.1e} |")
     if args.lr_check:
         r = child(["--one-lr", str(ROOT / "specs" / "muon.yaml"), "--model", args.model], args.timeout)
-        lines += ["", f"muon.yaml, lr a 0-d device tensor changed between replays (`lr.fill_`): largest deviation "
-                      f"from eager steps at the same lr {r['lr_deviation']:.1e}." if "lr_deviation" in r
-                  else f"muon.yaml, tensor lr: failed ({r['error']})."]
+        text = (f"muon.yaml, lr a 0-d device tensor changed between replays (`lr.fill_`): largest deviation from "
+                f"eager capturable steps at the same lr (floats) {r['lr_deviation']:.1e}." if "lr_deviation" in r
+                else f"muon.yaml, tensor lr: failed ({r['error']}).")
+        lines += ["", text]
     emit("\n".join(lines), args.record)
     return 0
 

@@ -238,7 +238,7 @@ class BucketJob:
         if self.ok is not None:  # selected into the same tensors: the entries stay bound (a compiled step
             for key, old in self.before.items():  # reads the same objects each step)
                 live = self.live[key]
-                live.copy_(torch.where(self.ok, self.state[key], old))  # type: ignore[arg-type]
+                torch.where(self.ok, self.state[key], old, out=live)  # type: ignore[arg-type]
                 self.state[key] = live
         self.rt.stacked.scatter(self.state_of, self.items, self.state)
         self.saved, self.next = [], None
