@@ -58,6 +58,11 @@ def deviation(a, b) -> float:
     return max(float((x - y).norm() / y.norm().clamp_min(1e-30)) for (_, x), (_, y) in zip(a, b))
 
 
+def stage(name: str) -> None:
+    """Where a child process is (stderr): the parent reports the last stage of one that dies."""
+    print(f"stage: {name}", file=sys.stderr, flush=True)
+
+
 def one_spec(spec: str, model: str, iters: int) -> dict:
     """This spec's row, in a process of its own (a capture that fails inside CUDA can leave the
     context unusable): deviation of the replays from eager steps, then the timings."""
@@ -72,6 +77,8 @@ def one_spec(spec: str, model: str, iters: int) -> dict:
     for _ in range(3):
         ref.step()
         twin.step()
+    torch.cuda.synchronize()
+    stage("capture")
     with torch.no_grad():
         try:
             graph = captured(cap)  # 2 warm-up steps + the captured one
@@ -86,6 +93,7 @@ def one_spec(spec: str, model: str, iters: int) -> dict:
             out["after_refusal"] = deviation(cap_params, ref_params)
             return out
         torch.cuda.synchronize()  # the captured step was recorded, not run: both have taken 3 steps
+        stage("replay")
         for _ in range(3):
             graph.replay()
             ref.step()
@@ -93,15 +101,20 @@ def one_spec(spec: str, model: str, iters: int) -> dict:
         torch.cuda.synchronize()
         out["deviation"] = deviation(cap_params, ref_params)
         out["vs_twin"] = deviation(cap_params, twin_params)
+    stage("timing")
     muon = torch.optim.Muon([q for _, q in fresh()], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
     rows = [("torch.optim.Muon", muon.step), ("eager", ref.step), ("capturable, eager", twin.step),
             ("whole step, one graph", graph.replay)]
+    stage("per-bucket graphs")
     try:
         rows.insert(2, ("per-bucket graphs", geomopt.GeomOptimizer(fresh(), spec, cuda_graphs=True).step))
     except (ValueError, RuntimeError):
         pass
-    for _, fn in rows:  # warm
+    for name, fn in rows:  # warm
+        stage(f"warm-up: {name}")
         fn()
+        torch.cuda.synchronize()
+    stage("timed rounds")
     times: dict = {name: [] for name, _ in rows}
     for _ in range(iters):
         for name, fn in rows:
@@ -137,12 +150,17 @@ def lr_check(spec: str, model: str) -> dict:
     return {"spec": Path(spec).stem, "lr_deviation": worst}
 
 
-def child(args: list, timeout: float) -> dict:
+def child(args: list, timeout: float, logs: str | None) -> dict:
     run = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout)
+    name = Path(args[1]).stem
+    if logs:
+        Path(logs).mkdir(parents=True, exist_ok=True)
+        (Path(logs) / f"{name}{'-lr' if args[0] == '--one-lr' else ''}.log").write_text(run.stderr)
     if run.returncode != 0 or not run.stdout.strip():
-        sys.stderr.write(run.stderr[-4000:])
-        last = [line for line in run.stderr.splitlines() if line.strip()][-1:] or [f"exit {run.returncode}"]
-        return {"spec": Path(args[1]).stem, "error": last[0][:200]}
+        lines = [line for line in run.stderr.splitlines() if line.strip()]
+        stages = [line for line in lines if line.startswith("stage: ")][-1:] or ["stage: setup"]
+        errors = [line for line in lines if "Error" in line.split(":")[0]][:1] or [f"exit {run.returncode}"]
+        return {"spec": name, "error": f"in {stages[0][7:]}: {errors[0][:200]}"}
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
@@ -153,6 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--lr-check", action="store_true")
     p.add_argument("--timeout", type=float, default=240, help="seconds per spec (each runs in its own process)")
+    p.add_argument("--logs", help="folder for each child process's stderr")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--one-lr", help=argparse.SUPPRESS)
     p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
@@ -164,7 +183,7 @@ def main(argv=None) -> int:
         return 0
     specs = args.spec or sorted(str(s) for s in (ROOT / "specs").glob("*.yaml"))
     common = ["--model", args.model, "--iters", str(args.iters)]
-    results = [child(["--one", spec, *common], args.timeout) for spec in specs]
+    results = [child(["--one", spec, *common], args.timeout, args.logs) for spec in specs]
     lines = [f"### Whole-step CUDA graph: {args.model} hidden matrices, {device_name('cuda')}, "
              f"torch {torch.__version__} — {datetime.date.today().isoformat()}", "",
              "ms per step, median of each row timed round-robin in the spec's own process (× that process's "
@@ -189,7 +208,7 @@ def main(argv=None) -> int:
                          f"{cell('capturable, eager')} | {cell('whole step, one graph')} | "
                          f"{r['deviation']:.1e} / {r['vs_twin']:.1e} |")
     if args.lr_check:
-        r = child(["--one-lr", str(ROOT / "specs" / "muon.yaml"), "--model", args.model], args.timeout)
+        r = child(["--one-lr", str(ROOT / "specs" / "muon.yaml"), "--model", args.model], args.timeout, args.logs)
         text = (f"muon.yaml, lr a 0-d device tensor changed between replays (`lr.fill_`): largest deviation from "
                 f"eager capturable steps at the same lr (floats) {r['lr_deviation']:.1e}." if "lr_deviation" in r
                 else f"muon.yaml, tensor lr: failed ({r['error']}).")

@@ -218,7 +218,7 @@ class BucketJob:
         counters, prog = self.counters, self.prog
         if fallback is not None:
             n = fallback.sum() if self.ok is None else fallback.sum() * self.ok
-            counters["fallbacks"] = counters["fallbacks"] + n.to(counters["fallbacks"].device)
+            counters["fallbacks"] = _accumulate(counters["fallbacks"], n, self.ok is not None)
         if self.ok is not None:
             x_new = torch.where(self.ok, x_new, self.x)  # type: ignore[arg-type]
         if prog.track_gap and self.pp.constraint is not None and self.rho > 0 and (
@@ -226,7 +226,7 @@ class BucketJob:
             self.state["w"] = (x_new - self.y) / (self.gamma * self.rho)
         if prog.track_update and _first_holder(self.rt, self.items[0][0]):  # replicas count their block once
             delta = (x_new - self.x).reshape(-1)
-            counters["update_sq"] = counters["update_sq"] + torch.dot(delta, delta).to(counters["update_sq"].device)
+            counters["update_sq"] = _accumulate(counters["update_sq"], torch.dot(delta, delta), self.ok is not None)
         self.finish()
         torch._foreach_copy_(self.views, list(x_new.unbind(0)))
         return None
@@ -311,6 +311,13 @@ def _lookahead(prog: Program, rt: Runtime, items: list, shape, like: torch.Tenso
     if shared:
         return rt.workspace.take("u", shape, dtype, like.device)
     return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def _accumulate(total: torch.Tensor, value: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """total + value; in place for a capturable step (a CUDA graph replays its writes into the
+    tensors it captured, so a counter must stay the same tensor)."""
+    value = value.to(total.device)
+    return total.add_(value) if in_place else total + value
 
 
 def axpy_(y: torch.Tensor, step: torch.Tensor, coef) -> torch.Tensor:

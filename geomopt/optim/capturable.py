@@ -41,7 +41,7 @@ def captured_step(rt: Runtime, groups: list, state, counters: list, jobs: list, 
         if gi not in schedules:
             gamma, alpha = SCHEDULES[groups[gi]["schedule"]["kind"]](groups[gi], groups[gi]["step"])
             schedules[gi] = (gamma, warmup_alpha(alpha, groups[gi]))
-            counters[gi]["update_sq"] = torch.zeros((), device=items[0][0].device)
+            counters[gi]["update_sq"].zero_()  # this step's sum, in place (a graph replays into it)
     steps = [(j, BucketJob(prog, rt, state, counters[prog.group], groups[prog.group], items, g, None,
                            schedules[prog.group][0], schedules[prog.group][1], shared=True, ok=ok))
              for j, ((prog, items), g) in enumerate(zip(jobs, grads))]
@@ -67,8 +67,10 @@ def counts_on_device(groups: list, state, counters: list, jobs: list) -> None:
             for key in ("step", "skipped"):
                 if key in holder and not isinstance(holder[key], torch.Tensor):
                     holder[key] = torch.tensor(holder[key], dtype=torch.int64, device=device)
-        # the fallback count, advanced on the device (a capture cannot copy to the host)
-        counters[prog.group]["fallbacks"] = counters[prog.group]["fallbacks"].to(device)
+        # the fallback count and the update's squared norm, on the device (a capture cannot copy
+        # to the host), each advanced in place
+        for key in ("fallbacks", "update_sq"):
+            counters[prog.group][key] = counters[prog.group][key].to(device)
         for key in COUNTS:  # a bucket's tensors share one count: one tensor for them
             made: dict = {}
             for p, _ in items:
