@@ -153,7 +153,7 @@ def lr_check(spec: str, model: str) -> dict:
 def child(args: list, timeout: float, logs: str | None) -> dict:
     run = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout)
     name = Path(args[1]).stem
-    if logs:
+    if logs and run.returncode != 0:
         Path(logs).mkdir(parents=True, exist_ok=True)
         (Path(logs) / f"{name}{'-lr' if args[0] == '--one-lr' else ''}.log").write_text(run.stderr)
     if run.returncode != 0 or not run.stdout.strip():
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--lr-check", action="store_true")
     p.add_argument("--timeout", type=float, default=240, help="seconds per spec (each runs in its own process)")
-    p.add_argument("--logs", help="folder for each child process's stderr")
+    p.add_argument("--logs", help="folder for the stderr of each child process that fails")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--one-lr", help=argparse.SUPPRESS)
     p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
