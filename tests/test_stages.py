@@ -379,12 +379,12 @@ def test_row_stage_on_a_vector_is_refused_with_the_parameter_and_rule():
 
 
 @pytest.mark.parametrize("post,code,where,hint", [
-    ("[{kind: bogus}]", "GO004", "7:19", "second_moment, dual_scale, norm_ratio, rms_match, cautious"),
+    ("[{kind: bogus}]", "GO004", "7:19", "contra, second_moment, axis_norm, dual_scale, norm_ratio, rms_match, cautious"),
     ("[{kind: norm_ratio, beta2: 1.0}]", "GO005", "7:38", "less than 1"),
     ("[{kind: rms_match, target: units}]", "GO005", "7:38", "target"),
     ("[cautious, rms_match]", "GO005", "7:22", "must come before 'cautious'"),
     ("[rms_match, rms_match]", "GO005", "7:23", "appears twice"),
-    ("[{kind: second_moment, axis: diagonal}]", "GO005", "7:40", "'row', 'column' or 'element'"),
+    ("[{kind: second_moment, axis: diagonal}]", "GO005", "7:40", "'row', 'column', 'longer' or 'element'"),
 ])
 def test_bad_stages_point_at_the_stage(post, code, where, hint):
     text = f'geomopt: 1\nname: t\nrules:\n  - name: a\n    match: "**"\n    geometry: {{kind: euclidean}}\n    post: {post}\n'
@@ -421,7 +421,7 @@ def test_every_stage_round_trips_through_the_dsl():
 
 
 def test_every_stage_kind_is_registered_with_its_state_locality_and_source():
-    from geomopt.distributed import LOCAL, REDUCE
+    from geomopt.distributed import LOCAL, OWNER, REDUCE
     from geomopt.optim.stages import STAGES
     from geomopt.spec.updates import STAGE_ORDER
 
@@ -430,6 +430,7 @@ def test_every_stage_kind_is_registered_with_its_state_locality_and_source():
         doc = stage.fn.__doc__ or ""
         assert "←" in doc and any(ch.isdigit() for ch in doc), kind  # a formula and a year
         cfg = {"axis": "row"} if kind == "second_moment" else {}
-        assert stage.locality(cfg) in (LOCAL, REDUCE)
+        # contra's power iteration needs whole matrices (a sharded one is refused where it runs)
+        assert stage.locality(cfg) in ((OWNER,) if kind == "contra" else (LOCAL, REDUCE))
     assert STAGES["second_moment"].locality({"axis": "element"}) == LOCAL
     assert STAGES["second_moment"].state == ("post_v",)
