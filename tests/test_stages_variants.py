@@ -97,8 +97,8 @@ def test_axis_norm_lists_each_axis_once():
 def test_axis_norm_on_a_vector_is_refused_with_the_parameter_and_rule():
     spec = _spec({"kind": "euclidean"}, [{"kind": "axis_norm", "order": ["column"]}])
     with pytest.raises(SpecError) as info:
-        geomopt.GeomOptimizer([("w", torch.nn.Parameter(torch.zeros(3, 2))), ("bias", torch.nn.Parameter(torch.zeros(3)))],
-                              spec)
+        geomopt.GeomOptimizer([("w", torch.nn.Parameter(torch.zeros(3, 2))),
+                               ("bias", torch.nn.Parameter(torch.zeros(3)))], spec)
     d = info.value.diagnostics[0]
     assert d.code == "GO120" and "'bias'" in d.message and "axis_norm" in d.message
 

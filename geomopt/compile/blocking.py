@@ -125,8 +125,8 @@ def inapplicable_stage(ctx: Ownership):
             small = [p for p in ctx.owned(i) if len(p.shape) < 2]
             if small:
                 names = ", ".join(f"'{p.name}' ({shape_text(p)})" for p in small[:3]) + (" …" if len(small) > 3 else "")
-                what, field = ((f"second_moment(axis={getattr(stage, 'axis', None)})", "axis") if stage.kind == "second_moment"
-                               else ("axis_norm", "order"))
+                axis = getattr(stage, "axis", None)
+                what, field = (f"second_moment(axis={axis})", "axis") if axis else ("axis_norm", "order")
                 yield (f"rule '{rule.name}': {what} normalizes rows or columns of a matrix, "
                        f"and {len(small)} tensor(s) it owns have fewer than 2 dims: {names}; "
                        f"{'use axis: element or ' if field == 'axis' else ''}match only matrices (ndim: 2)"), \

@@ -171,7 +171,8 @@ class Cautious(SpecModel):
     kind: Literal["cautious"] = "cautious"
 
 
-PostStage = Annotated[Union[Contra, SecondMoment, AxisNorm, DualScale, NormRatio, RmsMatch, Cautious], Field(discriminator="kind")]
+PostStage = Annotated[Union[Contra, SecondMoment, AxisNorm, DualScale, NormRatio, RmsMatch, Cautious],
+                      Field(discriminator="kind")]
 #: the order post-stages run in (and must be listed in; the union's order), each at most once
 STAGE_ORDER = kinds_of(PostStage)
 
