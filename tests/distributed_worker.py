@@ -85,7 +85,7 @@ STAGED = {
          "direction": {"kind": "heavy_ball", "momentum": 0.9, "nesterov": True}},
         {"name": "proj", "match": "**.c_proj.weight",
          "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}},
-         "post": [{"kind": "second_moment", "axis": "element", "bias_correction": True},
+         "post": [{"kind": "contra", "coeff": 0.5}, {"kind": "second_moment", "axis": "element", "bias_correction": True},
                   {"kind": "rms_match", "target": "polar"}]},
         {"name": "head", "match": "lm_head.weight", "geometry": {"kind": "adam"}, "post": [{"kind": "cautious"}],
          "weight_decay": 0.1, "decay": "cautious"},

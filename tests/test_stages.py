@@ -421,7 +421,7 @@ def test_every_stage_round_trips_through_the_dsl():
 
 
 def test_every_stage_kind_is_registered_with_its_state_locality_and_source():
-    from geomopt.distributed import LOCAL, OWNER, REDUCE
+    from geomopt.distributed import LOCAL, REDUCE
     from geomopt.optim.stages import STAGES
     from geomopt.spec.updates import STAGE_ORDER
 
@@ -430,7 +430,6 @@ def test_every_stage_kind_is_registered_with_its_state_locality_and_source():
         doc = stage.fn.__doc__ or ""
         assert "←" in doc and any(ch.isdigit() for ch in doc), kind  # a formula and a year
         cfg = {"axis": "row"} if kind == "second_moment" else {}
-        # contra's power iteration needs whole matrices (a sharded one is refused where it runs)
-        assert stage.locality(cfg) in ((OWNER,) if kind == "contra" else (LOCAL, REDUCE))
+        assert stage.locality(cfg) in (LOCAL, REDUCE)
     assert STAGES["second_moment"].locality({"axis": "element"}) == LOCAL
     assert STAGES["second_moment"].state == ("post_v",)

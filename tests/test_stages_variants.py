@@ -165,3 +165,19 @@ def test_contra_reads_each_expert_as_its_own_matrix():
     u = torch.stack([2 * p - m / torch.linalg.svdvals(m)[0] for p, m in zip(polar.unbind(0), d.unbind(0))])
     u = u * polar.norm() / (u.norm() + 1e-8)
     torch.testing.assert_close(got["experts.w"], experts["experts.w"] - 0.1 * u, rtol=1e-9, atol=1e-10)
+
+
+def test_contra_reads_each_block_as_its_own_matrix_and_a_vector_as_one_column():
+    sizes = [6, 2, 2]
+    fused = {"qkv.w": torch.randn(10, 4), "b": torch.randn(5)}
+    spec = {"geomopt": 1, "name": "t", "rules": [
+        {"name": "m", "match": "qkv.w", "geometry": {**SVD, "view": {"kind": "matrix", "blocks": sizes}}, "lr": 0.1,
+         "post": [{"kind": "contra", "coeff": 0.5, "power_steps": 100}]},
+        {"name": "v", "match": "b", "geometry": {"kind": "euclidean"}, "lr": 0.1,
+         "post": [{"kind": "contra", "coeff": 0.5, "power_steps": 3}]}]}
+    grads = _grads(fused, 1, seed=4)
+    got = _run(spec, fused, grads)
+    blocks = [1.5 * _polar(b) - 0.5 * b / torch.linalg.svdvals(b)[0] for b in grads[0]["qkv.w"].split(sizes, 0)]
+    torch.testing.assert_close(got["qkv.w"], fused["qkv.w"] - 0.1 * torch.cat(blocks, 0), rtol=1e-9, atol=1e-10)
+    g = grads[0]["b"]
+    torch.testing.assert_close(got["b"], fused["b"] - 0.1 * (1.5 * g - 0.5 * g / g.norm()), rtol=1e-12, atol=1e-12)

@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 
 from geomopt.geometry.reference import working_eps
-from geomopt.geometry.view import apply as view_apply
 from geomopt.geometry.view import count, matrix_shapes
-from geomopt.registry import LOCAL, OWNER, REDUCE, Registry
+from geomopt.registry import LOCAL, REDUCE, Registry
 
 #: the per-parameter step count of the stages (an int, like ``adam_step``)
 STAGE_STEP = "post_step"
@@ -148,38 +147,46 @@ def _matrix_axes(ctx: Context) -> tuple[int, tuple[int, ...], Optional[list[int]
     return row, cols, view["blocks"]
 
 
-def _power_normalized(mats: torch.Tensor, steps: int, eps: float = 1e-10) -> torch.Tensor:
-    """Each matrix of ``mats`` (N, m, n) divided by its σ₁ estimated by ``steps`` power iterations
-    from the all-ones vector: v ← Xᵀu/‖·‖ after u ← Xv/‖·‖, σ₁ ≈ ‖Xv‖ (norms floored at ``eps``)."""
-    v = mats.new_ones(mats.shape[0], mats.shape[2], 1)
-    v = v / v.norm(dim=1, keepdim=True).clamp(min=eps)
+def _power_normalized(d: torch.Tensor, ctx: Context, steps: int, eps: float = 1e-10) -> torch.Tensor:
+    """Each matrix of ``d`` (each row block of a view on its own) divided by its σ₁ estimated by
+    ``steps`` power iterations from the all-ones vector: w ← Dv/‖·‖, v ← Dᵀw/‖·‖, σ₁ ≈ ‖Dv‖ (norms
+    floored at ``eps``). Products as sums over rows or columns (:meth:`Context.sum`), so a matrix cut
+    across ranks is estimated whole."""
+    _, cols, _ = _matrix_axes(ctx)
+    if not cols:  # a vector, one n × 1 matrix: σ₁ is its norm
+        return d / ctx.norm(d).clamp_(min=eps)
+
+    def per_row(t):  # Σ over each row's columns
+        return _per_axis(t, ctx, "row", mean=False)[0]
+
+    def per_column(t):  # Σ over each column's rows, per row block
+        return _per_axis(t, ctx, "column", mean=False)[0]
+
+    stat, _, expand = _per_axis(d, ctx, "column", mean=False)
+
+    def to_rows(t):  # a per-block statistic back on the block's rows
+        return t.index_select(*expand) if expand is not None else t
+
+    v = torch.full_like(stat, 1 / math.sqrt(math.prod(ctx.op_shape[c - 1] for c in cols)))
     for _ in range(steps):
-        w = mats @ v
-        w = w / w.norm(dim=1, keepdim=True).clamp(min=eps)
-        v = mats.mT @ w
-        v = v / v.norm(dim=1, keepdim=True).clamp(min=eps)
-    return mats / (mats @ v).norm(dim=1, keepdim=True).clamp(min=eps)
+        w = per_row(d * to_rows(v))
+        w = w / to_rows(per_column(w * w).sqrt_().clamp_(min=eps))
+        v = per_column(d * w)
+        v = v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps)
+    w = per_row(d * to_rows(v))
+    return d / to_rows(per_column(w * w).sqrt_().clamp_(min=eps))
 
 
-@stage("contra", reads=("direction",), locality=lambda cfg: OWNER)
+@stage("contra", reads=("direction",))
 def contra(u, cfg, ctx):
     """U ← (1 + c)·U − c·D/σ₁(D) per matrix of the tensor's view, D the direction the geometry was
     given (the momentum), σ₁ by ``power_steps`` power iterations from the all-ones vector: Contra-Muon
     (Nilin 2026, github.com/nilin/contra-muon; first used in modded-nanogpt PR #275, whose code
     subtracts CONTRA_MUON/2 of the operator-normalized momentum and restores ‖U‖_F: c/(1 + c) =
     CONTRA_MUON/2, then ``rms_match`` target input), which damps the top singular directions
-    relative to Muon. Needs whole matrices (a matrix cut across ranks is refused); no state."""
-    if ctx.shard is not None and ctx.cut(_dims(u)):
-        raise NotImplementedError("post-stage contra needs each matrix whole on one rank (a power iteration); "
-                                  "this tensor is sharded")
-    c, d = cfg["coeff"], ctx.direction.to(u.dtype)
-    if ctx.view is not None:
-        normalized, _ = view_apply(d, 1, ctx.view, lambda mats, factor: (_power_normalized(mats, cfg["power_steps"]),
-                                                                         None))
-    else:
-        mats = d.reshape(len(d), ctx.op_shape[0] if ctx.op_shape else 1, -1)
-        normalized = _power_normalized(mats, cfg["power_steps"]).reshape(d.shape)
-    return (1 + c) * u - c * normalized
+    relative to Muon; no state."""
+    c = cfg["coeff"]
+    return (1 + c) * u - c * _power_normalized(ctx.direction.to(u.dtype), ctx, cfg["power_steps"])
 
 
 def _longer(ctx: Context) -> str:
