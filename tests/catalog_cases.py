@@ -42,6 +42,7 @@ if str(Path(__file__).parent) not in sys.path:  # test_equivalence's Scion trans
     sys.path.insert(0, str(Path(__file__).parent))
 
 import catalog_eo  # noqa: E402
+import catalog_muon_variants  # noqa: E402
 import geomopt  # noqa: E402
 from geomopt.models import GPT, GPTConfig  # noqa: E402
 
@@ -511,6 +512,22 @@ def _muon_cans(m):
     return Composite(muon, adamw_rest(g))
 
 
+def _muon_plus(m):
+    g = by_rule(m)
+    return Composite(catalog_muon_variants.MuonPlus(g["hidden"], lr=0.02, weight_decay=0.1, norm_mode="row_col"),
+                     adamw_rest(g))
+
+
+def _normuon_hyperball(m):
+    g = by_rule(m)
+    return Composite(catalog_muon_variants.NorMuonH(g["hidden"], lr=0.02, radius=1.0), adamw_rest(g))
+
+
+def _contra_muon(m):
+    g = by_rule(m)
+    return Composite(catalog_muon_variants.ContraMuon(g["hidden"], lr=0.02, contra=0.4), adamw_rest(g))
+
+
 def _normuon(update_scale: str):
     def build(m):
         from pytorch_optimizer import NorMuon
@@ -567,6 +584,8 @@ _SCION = ("Newton–Schulz in float32 in different op orders; Scion's ColNorm/Bi
           "tests/test_equivalence.py)")
 _EO32 = ("both run Newton–Schulz in float32 in different op orders (the transcription: Emerging-Optimizers' addmm "
          "steps; geomopt: its batched form), and decoupled decay as p + (−λγ)p there, X(1 − γλ) here: fp32 rounding")
+_VAR32 = ("both run Newton–Schulz in float32 in different op orders (the transcription: the authors' "
+          "X ← aX + (bA + cA²)X; geomopt: its batched form): fp32 rounding")
 _LOSS = ("on the loss, the float32 differences of one step change the next step's gradients; Adam's "
          "normalization of the small gradients of norm gains amplifies them most")
 
@@ -671,6 +690,23 @@ CASES: list[Case] = [
          "`torch.optim.AdamW(fused=True)`", "transcription", "llama", _muon_cans, 1e-5,
          _EO32 + "; CANS's first quintic (coefficients up to 25) amplifies that rounding about 5× more than Muon's",
          3e-5, _LOSS,
+         rule=llama_rule),
+    Case("muon-plus", "Muon+ (row, then column normalization)", "arXiv:2602.21545 (2026)",
+         "https://arxiv.org/abs/2602.21545",
+         "the authors' `MuonPlus(norm_mode=\"row_col\")` (github.com/K1seki221/MuonPlus), written out in "
+         "`tests/catalog_muon_variants.py`; `torch.optim.AdamW(fused=True)`", "transcription", "llama", _muon_plus,
+         3e-6, _VAR32, 3e-5, _LOSS, rule=llama_rule),
+    Case("normuon-hyperball", "NorMuonH (NorMuon on the hyperball)", "modded-nanogpt track 3, 2026",
+         "https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization",
+         "the record's `NorMuonH` (20260430_normuonh), written out in `tests/catalog_muon_variants.py`; "
+         "`torch.optim.AdamW(fused=True)`", "transcription", "llama", _normuon_hyperball, 5e-6,
+         _VAR32 + " (12 steps here); v clamped at 1e-10 there, + 1e-10 under the root here; the sphere rounds X at "
+         "u·‖X‖ each step, and the steps move X by only ~0.1‖X‖", 3e-5, _LOSS, rule=llama_rule),
+    Case("contra-muon", "Contra-Muon", "Nilin 2026", "https://github.com/nilin/contra-muon",
+         "the author's first code (modded-nanogpt PR #275, `muon_update`, CONTRA_MUON = 0.4) without the record's "
+         "NorMuon-lite and u/w floor, written out in `tests/catalog_muon_variants.py`; `torch.optim.AdamW(fused=True)`",
+         "transcription", "llama", _contra_muon, 1e-6, _VAR32 + "; the power iteration too", 5e-5,
+         _LOSS + "; o_proj's ill-conditioned first gradients (see polargrad) amplify it",
          rule=llama_rule),
     Case("scion", "Scion", "Pethick et al. 2025", "https://arxiv.org/abs/2502.07529",
          "Scion's update rules (`tests/test_equivalence.py`)", "transcription", "gpt", _scion(True),

@@ -65,7 +65,8 @@ MIXED = {
 }
 
 
-# every post-stage (each second-moment axis, norm_ratio's per-tensor sums over the shards; rows and columns cut across ranks by FSDP2's Shard(0),
+# every post-stage (each second-moment axis, norm_ratio's per-tensor sums over the shards, axis_norm's row and
+# column sums, contra's power iteration; rows and columns cut across ranks by FSDP2's Shard(0),
 # the in_out projection with its columns cut), cautious decay and the heavy-ball and Lion directions
 STAGED = {
     "geomopt": 1, "name": "staged",
@@ -80,11 +81,13 @@ STAGED = {
          "weight_decay": 0.1, "decay": "cautious"},
         {"name": "fc", "match": "**.c_fc.weight",
          "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}},
-         "post": [{"kind": "second_moment", "axis": "column"}, {"kind": "rms_match", "target": 0.2}],
+         "post": [{"kind": "second_moment", "axis": "column"}, {"kind": "axis_norm", "order": ["row", "column"]},
+                  {"kind": "rms_match", "target": 0.2}],
          "direction": {"kind": "heavy_ball", "momentum": 0.9, "nesterov": True}},
         {"name": "proj", "match": "**.c_proj.weight",
          "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}},
-         "post": [{"kind": "second_moment", "axis": "element", "bias_correction": True},
+         "post": [{"kind": "contra", "coeff": 0.5},
+                  {"kind": "second_moment", "axis": "element", "bias_correction": True},
                   {"kind": "rms_match", "target": "polar"}]},
         {"name": "head", "match": "lm_head.weight", "geometry": {"kind": "adam"}, "post": [{"kind": "cautious"}],
          "weight_decay": 0.1, "decay": "cautious"},

@@ -73,7 +73,8 @@ MIXED = {
     ],
 }
 
-# every post-stage (each second-moment axis, over rows and columns cut by FSDP2 and by TP),
+# every post-stage (each second-moment axis, axis_norm and contra's power iteration, over rows and columns cut
+# by FSDP2 and by TP),
 # cautious decay, the heavy-ball and Lion directions
 STAGED = {
     "geomopt": 1, "name": "staged",
@@ -88,11 +89,13 @@ STAGED = {
          "weight_decay": 0.1, "decay": "cautious"},
         {"name": "mlp_in", "match": r"re:.*\.(gate|up)_proj\.weight",
          "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}},
-         "post": [{"kind": "second_moment", "axis": "column"}, {"kind": "rms_match", "target": 0.2}],
+         "post": [{"kind": "second_moment", "axis": "column"}, {"kind": "axis_norm", "order": ["column", "row"]},
+                  {"kind": "rms_match", "target": 0.2}],
          "direction": {"kind": "heavy_ball", "momentum": 0.9, "nesterov": True}},
         {"name": "proj", "match": r"re:.*\.(o|down)_proj\.weight",
          "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}},
-         "post": [{"kind": "second_moment", "axis": "element", "bias_correction": True},
+         "post": [{"kind": "contra", "coeff": 0.5},
+                  {"kind": "second_moment", "axis": "element", "bias_correction": True},
                   {"kind": "rms_match", "target": "polar"}]},
         {"name": "head", "match": "lm_head.weight", "geometry": {"kind": "adam"}, "post": [{"kind": "cautious"}],
          "weight_decay": 0.1, "decay": "cautious"},

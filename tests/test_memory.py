@@ -83,6 +83,10 @@ def _second_moment_numel(axis: str, pp) -> int:
     if axis == "element":
         return n
     b = view["batch"] if view else 0
+    if axis == "longer":  # rows where the (first) matrix has at least as many rows as columns
+        rows = ((view or {}).get("blocks") or [shape[b]])[0]
+        cols = shape[b + 1] if view and view["trailing"] == "batch" else n // (shape[b] * max(1, _prod(shape[:b])))
+        axis = "row" if rows >= cols else "column"
     if axis == "row":
         cols = shape[b + 1] if view and view["trailing"] == "batch" else n // (shape[b] * max(1, _prod(shape[:b])))
         return n // cols

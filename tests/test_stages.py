@@ -379,12 +379,13 @@ def test_row_stage_on_a_vector_is_refused_with_the_parameter_and_rule():
 
 
 @pytest.mark.parametrize("post,code,where,hint", [
-    ("[{kind: bogus}]", "GO004", "7:19", "second_moment, dual_scale, norm_ratio, rms_match, cautious"),
+    ("[{kind: bogus}]", "GO004", "7:19",
+     "contra, second_moment, axis_norm, dual_scale, norm_ratio, rms_match, cautious"),
     ("[{kind: norm_ratio, beta2: 1.0}]", "GO005", "7:38", "less than 1"),
     ("[{kind: rms_match, target: units}]", "GO005", "7:38", "target"),
     ("[cautious, rms_match]", "GO005", "7:22", "must come before 'cautious'"),
     ("[rms_match, rms_match]", "GO005", "7:23", "appears twice"),
-    ("[{kind: second_moment, axis: diagonal}]", "GO005", "7:40", "'row', 'column' or 'element'"),
+    ("[{kind: second_moment, axis: diagonal}]", "GO005", "7:40", "'row', 'column', 'longer' or 'element'"),
 ])
 def test_bad_stages_point_at_the_stage(post, code, where, hint):
     text = f'geomopt: 1\nname: t\nrules:\n  - name: a\n    match: "**"\n    geometry: {{kind: euclidean}}\n    post: {post}\n'

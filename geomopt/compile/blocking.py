@@ -111,22 +111,26 @@ def no_operator(ctx: Ownership):
 def inapplicable_stage(ctx: Ownership):
     """A post-stage that cannot act on a tensor its rule owns.
 
-    Row or column second moments (``second_moment`` with ``axis: row`` or ``column``) need a matrix, and a 1-D
-    tensor has none: compile refuses the spec (a blocking error).
+    Row or column second moments (``second_moment`` with ``axis: row``, ``column`` or ``longer``) and row or
+    column normalization (``axis_norm``) need a matrix, and a 1-D tensor has none: compile refuses the spec (a
+    blocking error).
 
     Bad: ``match: "**"`` with ``post: [{kind: second_moment, axis: row}]`` (biases are 1-D).
     Fixed: ``axis: element``, or a rule that owns only matrices (``match: {ndim: 2}``).
     """
     for i, rule in enumerate(ctx.spec.rules):
         for j, stage in enumerate(rule.post or ()):
-            if stage.kind != "second_moment" or stage.axis == "element":
+            if stage.kind not in ("second_moment", "axis_norm") or getattr(stage, "axis", None) == "element":
                 continue
             small = [p for p in ctx.owned(i) if len(p.shape) < 2]
             if small:
                 names = ", ".join(f"'{p.name}' ({shape_text(p)})" for p in small[:3]) + (" …" if len(small) > 3 else "")
-                yield (f"rule '{rule.name}': second_moment(axis={stage.axis}) normalizes rows or columns of a matrix, "
-                       f"and {len(small)} tensor(s) it owns have fewer than 2 dims: {names}; use axis: element or "
-                       f"match only matrices (ndim: 2)"), ("rules", i, "post", j, "axis")
+                axis = getattr(stage, "axis", None)
+                what, field = (f"second_moment(axis={axis})", "axis") if axis else ("axis_norm", "order")
+                yield (f"rule '{rule.name}': {what} normalizes rows or columns of a matrix, "
+                       f"and {len(small)} tensor(s) it owns have fewer than 2 dims: {names}; "
+                       f"{'use axis: element or ' if field == 'axis' else ''}match only matrices (ndim: 2)"), \
+                    ("rules", i, "post", j, field)
 
 
 def blocking_errors(ctx: Ownership, source: SourceMap | None) -> list[Diagnostic]:

@@ -147,35 +147,92 @@ def _matrix_axes(ctx: Context) -> tuple[int, tuple[int, ...], Optional[list[int]
     return row, cols, view["blocks"]
 
 
+def _power_normalized(d: torch.Tensor, ctx: Context, steps: int, eps: float = 1e-10) -> torch.Tensor:
+    """Each matrix of ``d`` (each row block of a view on its own) divided by its σ₁ estimated by
+    ``steps`` power iterations from the all-ones vector: w ← Dv/‖·‖, v ← Dᵀw/‖·‖, σ₁ ≈ ‖Dv‖ (norms
+    floored at ``eps``). Products as sums over rows or columns (:meth:`Context.sum`), so a matrix cut
+    across ranks is estimated whole."""
+    _, cols, _ = _matrix_axes(ctx)
+    if not cols:  # a vector, one n × 1 matrix: σ₁ is its norm
+        return d / ctx.norm(d).clamp_(min=eps)
+
+    def per_row(t):  # Σ over each row's columns
+        return _per_axis(t, ctx, "row", mean=False)[0]
+
+    def per_column(t):  # Σ over each column's rows, per row block
+        return _per_axis(t, ctx, "column", mean=False)[0]
+
+    stat, _, expand = _per_axis(d, ctx, "column", mean=False)
+
+    def to_rows(t):  # a per-block statistic back on the block's rows
+        return t.index_select(*expand) if expand is not None else t
+
+    v = torch.full_like(stat, 1 / math.sqrt(math.prod(ctx.op_shape[c - 1] for c in cols)))
+    for _ in range(steps):
+        w = per_row(d * to_rows(v))
+        w = w / to_rows(per_column(w * w).sqrt_().clamp_(min=eps))
+        v = per_column(d * w)
+        v = v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps)
+    w = per_row(d * to_rows(v))
+    return d / to_rows(per_column(w * w).sqrt_().clamp_(min=eps))
+
+
+@stage("contra", reads=("direction",))
+def contra(u, cfg, ctx):
+    """U ← (1 + c)·U − c·D/σ₁(D) per matrix of the tensor's view, D the direction the geometry was
+    given (the momentum), σ₁ by ``power_steps`` power iterations from the all-ones vector: Contra-Muon
+    (Nilin 2026, github.com/nilin/contra-muon; first used in modded-nanogpt PR #275, whose code
+    subtracts CONTRA_MUON/2 of the operator-normalized momentum and restores ‖U‖_F: c/(1 + c) =
+    CONTRA_MUON/2, then ``rms_match`` target input), which damps the top singular directions
+    relative to Muon; no state."""
+    c = cfg["coeff"]
+    return (1 + c) * u - c * _power_normalized(ctx.direction.to(u.dtype), ctx, cfg["power_steps"])
+
+
+def _longer(ctx: Context) -> str:
+    """``row`` where the tensor's (first) matrix has at least as many rows as columns, else ``column``."""
+    m, n = matrix_shapes(ctx.view, ctx.op_shape)[0]
+    return "row" if m >= n else "column"
+
+
+def _per_axis(sq: torch.Tensor, ctx: Context, axis: str, mean: bool):
+    """The mean (``mean``) or sum of ``sq`` over each row (``axis: row``) or column (``column``) of
+    the tensor's matrices, each row block of a view on its own: (statistic, the dims it sums over,
+    the (dim, index) that expands a per-block statistic back to the rows, or None)."""
+    reduce = ctx.mean if mean else ctx.sum
+    if axis == "row":
+        _, reduced, _ = _matrix_axes(ctx)
+        return (reduce(sq, reduced) if reduced else sq), reduced, None
+    row, _, blocks = _matrix_axes(ctx)
+    sizes = blocks or [ctx.op_shape[row - 1]]
+    if len(sizes) == 1:
+        return reduce(sq, (row,)), (row,), None
+    # per row block: each block's rows summed into its own entry (then / its size for a mean)
+    block = torch.bucketize(ctx.rows(row, sq.device), torch.tensor(sizes, device=sq.device).cumsum(0), right=True)
+    shape = list(sq.shape)
+    shape[row] = len(sizes)
+    stat = ctx.across(sq.new_zeros(shape).index_add_(row, block, sq), (row,))
+    if mean:
+        count = [1] * sq.ndim
+        count[row] = len(sizes)
+        stat = stat / torch.tensor(sizes, dtype=sq.dtype, device=sq.device).reshape(count)
+    return stat, (row,), (row, block)
+
+
 @stage("second_moment", state=("post_v",), locality=lambda cfg: LOCAL if cfg["axis"] == "element" else REDUCE)
 def second_moment(u, cfg, ctx):
     """v ← β₂v + (1−β₂)·mean(U²) over each row (``axis: row``: NorMuon, Li et al. 2025, Alg. 1),
-    each column (``column``; each row block of a view on its own) or per entry (``element``:
-    AdaMuon, Si et al. 2025, Alg. 1); U ← U/(√(v/c) + ε), c = 1 − β₂ᵗ with ``bias_correction``
-    (AdaMuon) else 1 (NorMuon). v starts at 0 and is kept per tensor (``post_v``)."""
+    each column (``column``; each row block of a view on its own), each row or column of the longer
+    side (``longer``: rows where m ≥ n, else columns; modded-nanogpt's NorMuonH, track 3 record
+    20260430_normuonh) or per entry (``element``: AdaMuon, Si et al. 2025, Alg. 1);
+    U ← U/(√(v/c) + ε), c = 1 − β₂ᵗ with ``bias_correction`` (AdaMuon) else 1 (NorMuon). v starts
+    at 0 and is kept per tensor (``post_v``)."""
     sq = u * u
-    expand = None
-    reduced: tuple[int, ...] = ()  # the dims the statistic sums over
-    if cfg["axis"] == "element":
-        m2 = sq
-    elif cfg["axis"] == "row":
-        _, reduced, _ = _matrix_axes(ctx)
-        m2 = ctx.mean(sq, reduced) if reduced else sq
+    axis = _longer(ctx) if cfg["axis"] == "longer" else cfg["axis"]
+    if axis == "element":
+        m2, reduced, expand = sq, (), None
     else:
-        row, _, blocks = _matrix_axes(ctx)
-        reduced = (row,)
-        sizes = blocks or [ctx.op_shape[row - 1]]
-        if len(sizes) == 1:
-            m2 = ctx.mean(sq, reduced)
-        else:  # per row block: each block's rows summed into its own entry, then / its size
-            block = torch.bucketize(ctx.rows(row, u.device), torch.tensor(sizes, device=u.device).cumsum(0), right=True)
-            shape = list(sq.shape)
-            shape[row] = len(sizes)
-            m2 = ctx.across(sq.new_zeros(shape).index_add_(row, block, sq), reduced)
-            count = [1] * sq.ndim
-            count[row] = len(sizes)
-            m2 = m2 / torch.tensor(sizes, dtype=sq.dtype, device=u.device).reshape(count)
-            expand = (row, block)
+        m2, reduced, expand = _per_axis(sq, ctx, axis, mean=True)
     ctx.reduced["post_v"] = reduced  # replicated over the mesh dims that cut these
     v = ctx.state.get("post_v")
     if v is None:
@@ -191,6 +248,19 @@ def second_moment(u, cfg, ctx):
     if expand is not None:
         denom = denom.index_select(*expand)
     return u / denom
+
+
+@stage("axis_norm")
+def axis_norm(u, cfg, ctx):
+    """U ← U/√(Σ U² + ε) over each row or column of the tensor's matrices (each row block of a view
+    on its own), in ``order``: Muon+ (Zhang et al. 2026, arXiv:2602.21545; the authors' code,
+    github.com/K1seki221/MuonPlus, ``apply_post_polar_norm``: ε = 1e-7 inside the square root),
+    which normalizes the orthogonalized update's rows, columns, or both in turn; no state."""
+    for axis in cfg["order"]:
+        ss, _, expand = _per_axis(u * u, ctx, axis, mean=False)
+        denom = ss.add_(cfg["eps"]).sqrt_()
+        u = u / (denom.index_select(*expand) if expand is not None else denom)
+    return u
 
 
 @stage("dual_scale", reads=("direction",))

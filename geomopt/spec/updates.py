@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from geomopt.spec.base import PositiveFloat, Probability, SpecModel, kinds_of
 
@@ -93,16 +93,48 @@ Schedule = Annotated[Union[ConstantSchedule, TheorySchedule, StormSchedule], Fie
 # ---------------------------------------------------------------- post-stages and weight decay
 
 
+class Contra(SpecModel):
+    """U ← (1 + c)·U − c·D/σ₁(D) per matrix, D the direction, σ₁ by ``power_steps`` power
+    iterations from the all-ones vector: Contra-Muon (Nilin 2026, github.com/nilin/contra-muon),
+    Muon's update pushed past the polar factor, damping the top singular directions. Its first
+    code (modded-nanogpt PR #275) subtracts a fraction f of D/σ₁ and restores ‖U‖_F: ``coeff``
+    f/(1 − f), then ``rms_match`` target input."""
+
+    kind: Literal["contra"] = "contra"
+    coeff: Annotated[float, Field(gt=0, le=1)] = 0.25
+    power_steps: Annotated[int, Field(ge=1, le=100)] = 5
+
+
 class SecondMoment(SpecModel):
     """Normalize the preconditioned update U by a running second moment of it: v ← β₂v +
-    (1−β₂)·mean(U²) over each row (``axis: row``, NorMuon), each column (``column``) or per
-    entry (``element``, AdaMuon); U ← U/(√(v/c) + ε), c = 1 − β₂ᵗ with ``bias_correction`` else 1."""
+    (1−β₂)·mean(U²) over each row (``axis: row``, NorMuon), each column (``column``), each row or
+    column of the matrix's longer side (``longer``: rows where there are at least as many rows as
+    columns, else columns; modded-nanogpt's NorMuonH) or per entry (``element``, AdaMuon);
+    U ← U/(√(v/c) + ε), c = 1 − β₂ᵗ with ``bias_correction`` else 1."""
 
     kind: Literal["second_moment"] = "second_moment"
-    axis: Literal["row", "column", "element"] = "row"
+    axis: Literal["row", "column", "longer", "element"] = "row"
     beta2: Annotated[float, Field(ge=0, lt=1)] = 0.95
     eps: PositiveFloat = 1e-8
     bias_correction: bool = False
+
+
+class AxisNorm(SpecModel):
+    """U ← U/√(Σ U² + ε) over each row (``row``) or column (``column``) of the view's matrices, in the
+    listed order (one or both): unit rows or columns, no state. Muon+ (Zhang et al. 2026,
+    arXiv:2602.21545): one normalization after the orthogonalization (``[row, column]``: its
+    ``row_col``)."""
+
+    kind: Literal["axis_norm"] = "axis_norm"
+    order: Annotated[list[Literal["row", "column"]], Field(min_length=1, max_length=2)] = ["row"]
+    eps: PositiveFloat = 1e-7
+
+    @field_validator("order")
+    @classmethod
+    def _distinct(cls, v):
+        if len(set(v)) != len(v):
+            raise ValueError(f"order lists each axis at most once, got {v}")
+        return v
 
 
 class DualScale(SpecModel):
@@ -139,7 +171,8 @@ class Cautious(SpecModel):
     kind: Literal["cautious"] = "cautious"
 
 
-PostStage = Annotated[Union[SecondMoment, DualScale, NormRatio, RmsMatch, Cautious], Field(discriminator="kind")]
+PostStage = Annotated[Union[Contra, SecondMoment, AxisNorm, DualScale, NormRatio, RmsMatch, Cautious],
+                      Field(discriminator="kind")]
 #: the order post-stages run in (and must be listed in; the union's order), each at most once
 STAGE_ORDER = kinds_of(PostStage)
 
