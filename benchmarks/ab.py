@@ -14,6 +14,7 @@ import argparse
 import datetime
 import importlib
 import io
+import os
 import re
 import statistics
 import subprocess
@@ -33,33 +34,45 @@ from geomopt.cli.bench import Timer, device_name, hidden_workload  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def import_base(commit: str, into: Path):
-    """The ``geomopt`` package of ``commit``, importable as ``geomopt_base`` (with its shipped
-    specs and grammar inside it, as a wheel installs them, wherever the commit keeps them)."""
+def import_base(commit: str, into: Path, name: str = "geomopt_base"):
+    """The ``geomopt`` package of ``commit``, importable as ``name`` (with its shipped specs and
+    grammar inside it, as a wheel installs them, wherever the commit keeps them)."""
     listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", commit], check=True,
                             capture_output=True, text=True).stdout.split()
     folders = ["geomopt"] + [f for f in ("specs", "grammars") if f in listed]
     data = subprocess.run(["git", "-C", str(ROOT), "archive", commit, *folders], check=True,
                           capture_output=True).stdout
+    into = into / name  # a folder per copy: two copies of one commit are two packages
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(into, filter="data")
-    pkg = into / "geomopt_base"
+    pkg = into / name
     (into / "geomopt").rename(pkg)
     for folder in folders[1:]:
         (into / folder).rename(pkg / folder)
     for path in pkg.rglob("*.py"):
         text = path.read_text()
-        text = re.sub(r"\bfrom geomopt([ .])", r"from geomopt_base\1", text)
-        text = re.sub(r"\bimport geomopt\b", "import geomopt_base", text)
-        text = text.replace('files("geomopt")', 'files("geomopt_base")')
-        path.write_text(text.replace('"geomopt.', '"geomopt_base.'))
+        text = re.sub(r"\bfrom geomopt([ .])", rf"from {name}\1", text)
+        text = re.sub(r"\bimport geomopt\b", f"import {name}", text)
+        text = text.replace('files("geomopt")', f'files("{name}")')
+        path.write_text(text.replace('"geomopt.', f'"{name}.'))
     sys.path.insert(0, str(into))
-    for name in [m for m in sys.modules if m.split(".")[0] == "geomopt_base"]:
-        del sys.modules[name]  # an earlier call's, from a folder since deleted
-    return importlib.import_module("geomopt_base")
+    for mod in [m for m in sys.modules if m.split(".")[0] == name]:
+        del sys.modules[mod]  # an earlier call's, from a folder since deleted
+    return importlib.import_module(name)
+
+
+#: glibc's allocator with a fixed mmap threshold and no trimming: with its default (a threshold
+#: that moves with the process's history of frees) a step's large temporaries are sometimes fresh
+#: mmaps, page-faulted in every step, and which version gets them changed from run to run: the same
+#: comparison measured 0.95x and 1.05x; fixed, every row stepped 15-20% faster and the spread fell
+#: to about 1.5% (2-core x86_64, 2026-11-26)
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "100000000000",
+                 "MALLOC_TOP_PAD_": "1000000000"}
 
 
 def main(argv=None) -> int:
+    if argv is None and any(os.environ.get(k) != v for k, v in STEADY_MALLOC.items()):  # glibc reads them at start
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **STEADY_MALLOC})
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="git commit (or ref) to compare against")
     p.add_argument("--model", default="gpt-bench")
@@ -73,12 +86,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         base = import_base(args.base, Path(tmp))
+        again = import_base(args.base, Path(tmp), "geomopt_again")  # its own module-level caches
         _, fresh = hidden_workload(args.model, args.device, torch.float32)
         rows = [] if args.no_torch else [
             ("torch.optim.Muon", lambda ps: torch.optim.Muon([q for _, q in ps], lr=0.02, weight_decay=0.1,
                                                              momentum=0.95, nesterov=True))]
         rows += [(f"base {args.base}", lambda ps: base.GeomOptimizer(ps, args.spec)),
-                ("this tree", lambda ps: geomopt.GeomOptimizer(ps, args.spec))]
+                ("this tree", lambda ps: geomopt.GeomOptimizer(ps, args.spec)),
+                (f"base {args.base}, again", lambda ps: again.GeomOptimizer(ps, args.spec))]
         if torch.device(args.device).type == "cuda":
             rows += [(f"base {args.base}, graphs", lambda ps: base.GeomOptimizer(ps, args.spec, cuda_graphs=True)),
                      ("this tree, graphs", lambda ps: geomopt.GeomOptimizer(ps, args.spec, cuda_graphs=True))]
@@ -88,8 +103,10 @@ def main(argv=None) -> int:
             for _, opt in opts:
                 opt.step()
         times: dict = {name: [] for name, _ in opts}
-        for _ in range(args.iters):
-            for name, opt in opts:
+        for k in range(args.iters):
+            # the order reverses every round (a fixed order favoured one position by up to 6% on a
+            # 2-core CPU: the same code measured 1.06x against itself)
+            for name, opt in (opts if k % 2 == 0 else opts[::-1]):
                 times[name] += timer(opt.step, 0, 1)
     muon = statistics.median(times["torch.optim.Muon"]) if "torch.optim.Muon" in times else None
     ref = statistics.median(times[f"base {args.base}"])
