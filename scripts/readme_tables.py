@@ -491,6 +491,7 @@ BENCH_QUOTES = {
     "step-gpu-first": (r"All shipped specs$", 1),
     "step-gpu": (r"GPU: NVIDIA H100 80GB HBM3, second session", 1),
     "cuda-graphs": (r"CUDA graphs", 1),
+    "capture": (r"Whole-step CUDA graph", 1),
     "backward-gpu": (r"Exact backward steps and SVD-free constraints$", 1),
     "backward-cpu": (r"backward steps, 16 × 256×128 fp32", 1),
     "svd-free-cpu": (r"SVD-free steps, gpt-bench on x86_64 CPU", 1),
