@@ -147,6 +147,7 @@ class _RulePlanner:
         self.on_nonfinite, self.project_on_init = hyper["on_nonfinite"], hyper["project_on_init"]
         self.direction = hyper["direction"].model_dump()
         self.decay = hyper["decay"].kind
+        self.state_dtype = hyper["state"].dtype
         self.post = tuple(s.model_dump() for s in rule.post or ())
         self.schedule = hyper["schedule"].model_dump()
         self.geometry = geometry_fragment(rule.geometry)
@@ -175,5 +176,5 @@ class _RulePlanner:
             weight_decay=self.weight_decay, radius=ops.radius, transpose=ops.transpose, on_nonfinite=self.on_nonfinite,
             project_on_init=self.project_on_init, aliases=p.aliases,
             role="" if p.role is None else p.role.name, post=post, decay=self.decay, ops=ops.digest,
-            qk_clip=self.qk_clip,
+            qk_clip=self.qk_clip, state_dtype=self.state_dtype,
         )

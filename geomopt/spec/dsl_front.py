@@ -41,7 +41,8 @@ _KEYWORDS = {
     "GEOMOPT": "geomopt", "NAME": "name", "DESCRIPTION": "description", "DEFAULTS": "defaults", "ROLES": "roles",
     "RULE": "rule", "MATCH": "match", "GEOMETRY": "geometry", "CONSTRAINT": "constraint", "LR": "lr",
     "WEIGHT_DECAY": "weight_decay", "DECAY": "decay", "POST": "post", "DIRECTION": "direction", "SCHEDULE": "schedule",
-    "ON_NONFINITE": "on_nonfinite", "PROJECT_ON_INIT": "project_on_init", "QK_CLIP": "qk_clip", "TRUE": "true",
+    "ON_NONFINITE": "on_nonfinite", "PROJECT_ON_INIT": "project_on_init", "QK_CLIP": "qk_clip", "STATE": "state",
+    "TRUE": "true",
     "FALSE": "false", "EXTENDS": "extends", "BEFORE": "before", "AFTER": "after", "REMOVE": "remove",
 }
 _SHOWN = {
@@ -152,7 +153,7 @@ def parse_dsl(text: str, file: str = "<spec>") -> Parsed:
 
 
 _BODY_WORD = re.compile(r"(?<![\w\-])(geometry|constraint|lr|weight_decay|decay|direction|post|schedule|on_nonfinite"
-                        r"|project_on_init|qk_clip|before|after|remove)\s*$")
+                        r"|project_on_init|qk_clip|state|before|after|remove)\s*$")
 
 
 def _end(text: str) -> tuple[int, int]:

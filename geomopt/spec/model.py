@@ -90,6 +90,17 @@ class Match(SpecModel):
 _RULE_NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 
 
+class StatePrecision(SpecModel):
+    """The precision the rule's optimizer state is kept in between steps (``state: bfloat16`` is
+    short for ``state: {dtype: bfloat16}``): ``float32`` as torch keeps it; ``bfloat16`` written
+    with stochastic rounding (torchao's low-bit optimizers, Zamirai et al. 2020: unbiased, so
+    updates smaller than bf16's spacing are kept on average); ``int8`` for moments only, as
+    block-wise dynamic quantization (Dettmers et al. 2022, arXiv:2110.02861: 256-entry blocks, each
+    scaled by its largest magnitude, signed for first moments and unsigned for second)."""
+
+    dtype: Literal["float32", "bfloat16", "int8"] = "float32"
+
+
 class Hyper(SpecModel):
     """Hyper-parameters shared by ``defaults`` and each rule (a rule's value overrides the default)."""
 
@@ -100,16 +111,22 @@ class Hyper(SpecModel):
     schedule: Optional[Schedule] = None
     on_nonfinite: Optional[Literal["skip", "raise"]] = None
     project_on_init: Optional[bool] = None
+    state: Optional[StatePrecision] = None
 
     @field_validator("decay", mode="before")
     @classmethod
     def _decay_shorthand(cls, v):
         return view_shorthand(v)
 
+    @field_validator("state", mode="before")
+    @classmethod
+    def _state_shorthand(cls, v):
+        return {"dtype": v} if isinstance(v, str) else v
+
 
 class Defaults(Hyper):
     """Spec-wide defaults; unset fields fall back to lr 0.02, weight_decay 0, direction none,
-    decay decoupled, schedule constant, on_nonfinite skip, project_on_init true."""
+    decay decoupled, schedule constant, on_nonfinite skip, project_on_init true, state float32."""
 
 
 class Rule(Hyper):
@@ -208,7 +225,7 @@ class Spec(SpecModel):
 
 RESOLVED_DEFAULTS = dict(
     lr=0.02, weight_decay=0.0, direction=NoDirection(), decay=DecoupledDecay(), schedule=ConstantSchedule(),
-    on_nonfinite="skip", project_on_init=True,
+    on_nonfinite="skip", project_on_init=True, state=StatePrecision(),
 )
 
 

@@ -53,7 +53,7 @@ _EXPLICIT = (LogBarrier, PowerBarrier, Polyak, Storm)  # their numbers define th
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 _RESERVED = {"true", "false", "geomopt", "name", "description", "defaults", "roles", "rule", "match", "geometry",
              "constraint", "lr", "weight_decay", "decay", "direction", "post", "schedule", "on_nonfinite",
-             "project_on_init", "qk_clip", "extends", "before", "after", "remove"}
+             "project_on_init", "qk_clip", "state", "extends", "before", "after", "remove"}
 
 WIDTH = 100  # YAML: a mapping value fits in flow style on one line this long, or is written in block style
 _RULE_HEAD = ("name", "match", "geometry", "post", "constraint")  # what the rule is before how it is tuned
