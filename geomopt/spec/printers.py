@@ -358,6 +358,8 @@ def _string(value: str) -> str:
 
 
 def _value(value, field: str | None = None) -> str:
+    if field == "state" and isinstance(value, dict) and set(value) <= {"dtype"}:  # its shorthand: state int8
+        return value.get("dtype", "float32")
     if isinstance(value, dict):
         return _call(value, field)
     if isinstance(value, list):
