@@ -1,7 +1,8 @@
 """Findings that make a plan impossible: a tensor no rule owns (GO101), a geometry or view that
 cannot act on a tensor it owns (GO104), a (geometry, constraint) pair with no backward operator
 (GO105), a post-stage that cannot act on a tensor its rule owns (GO120), a step scalar beyond the
-tensor's floating-point range (GO126, :mod:`geomopt.compile.ranges`). The compiler refuses a
+tensor's floating-point range (GO126, :mod:`geomopt.compile.ranges`), a state precision the rule's
+state cannot be kept in (GO127). The compiler refuses a
 spec with any of them; lint reports them as rules (their docstrings are the rules' docs), and a
 suppression comment cannot silence them.
 
@@ -131,6 +132,34 @@ def inapplicable_stage(ctx: Ownership):
                        f"and {len(small)} tensor(s) it owns have fewer than 2 dims: {names}; "
                        f"{'use axis: element or ' if field == 'axis' else ''}match only matrices (ndim: 2)"), \
                     ("rules", i, "post", j, field)
+
+
+@BLOCKING.register("GO127", name="state-precision", needs_model=False)
+def state_precision(ctx: Ownership):
+    """A state precision the rule's state cannot be kept in: ``state: int8`` quantizes moments (momentum, Adam's
+    moments, a stage's second moment) block by block, and a STORM direction also keeps the previous gradient,
+    which is not a moment.
+
+    The gradient difference STORM adds to its estimate is as small as the step, far below an 8-bit block's
+    resolution, so compile refuses the spec (a blocking error).
+
+    Bad::
+
+        - {name: hidden, …, direction: {kind: storm}, state: int8}
+
+    Fixed: a precision the rule's state accepts (float32 or bfloat16)::
+
+        - {name: hidden, …, direction: {kind: storm}, state: bfloat16}
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        state = rule.state if rule.state is not None else ctx.spec.defaults.state
+        if state is None or state.dtype != "int8":
+            continue
+        direction = rule.direction if rule.direction is not None else ctx.spec.defaults.direction
+        if direction is not None and direction.kind == "storm":
+            path = ("rules", i, "state") if rule.state is not None else ("defaults", "state")
+            yield (f"rule '{rule.name}': state int8 quantizes moments, and its storm direction also keeps the "
+                   f"previous gradient; this rule's state accepts: float32, bfloat16"), path
 
 
 def blocking_errors(ctx: Ownership, source: SourceMap | None) -> list[Diagnostic]:

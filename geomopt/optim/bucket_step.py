@@ -23,6 +23,7 @@ from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows
 from geomopt.optim.atomic import journal, restore
 from geomopt.optim.graphs import GraphedOp
 from geomopt.optim.stacked import COUNTS
+from geomopt.optim.state_codec import Codec
 from geomopt.optim.tensors import local, op_view, stack, upcast
 from geomopt.optim.program import Program
 from geomopt.optim.runtime import Runtime
@@ -89,6 +90,9 @@ class BucketJob:
         self.views = [op_view(local(p), q) for p, q in items]
         hyper = group if self.alpha is None else dict(group, alpha=self.alpha)
         state = self.state = rt.stacked.gather(self.state_of, items)
+        self.codec = None if pp.state_dtype == "float32" else Codec(pp.state_dtype, rt.generator(items[0][0].device))
+        if self.codec is not None:  # float32 working copies; the stored state changes at the commit
+            state = self.state = self.codec.decode(state)
         if self.ok is not None:  # step counts on the device, and the state as it was
             for key in COUNTS:
                 if key in state and not isinstance(state[key], torch.Tensor):
@@ -240,6 +244,8 @@ class BucketJob:
                 live = self.live[key]
                 torch.where(self.ok, self.state[key], old, out=live)  # type: ignore[arg-type]
                 self.state[key] = live
+        if self.codec is not None:
+            self.state = self.codec.encode(self.state)
         self.rt.stacked.scatter(self.state_of, self.items, self.state)
         self.saved, self.next = [], None
 

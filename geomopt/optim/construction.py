@@ -88,5 +88,7 @@ def check_capturable(groups: list, plans: list, opts) -> None:
             why.append(f"rule '{g['rule']}' has qk_clip (its monitor's maxima are read after the step)")
         if g.get("warmup_steps"):
             why.append(f"rule '{g['rule']}' has a momentum warmup (α read from the step count on the host)")
+        if any(pp.state_dtype != "float32" for pp in gplans):
+            why.append(f"rule '{g['rule']}' keeps its state in {gplans[0].state_dtype} (encoded anew each step)")
     if why:
         raise ValueError("capturable=True cannot run this spec: " + "; ".join(why))

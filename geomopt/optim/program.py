@@ -120,6 +120,8 @@ def flat_rule(group: dict, pp: ParamPlan, opts: Options) -> Optional[str]:
     if pp.geometry["kind"] not in kinds:
         return f"{pp.geometry['kind']} geometry is not elementwise" + (
             " on sharded tensors (a norm per tensor)" if pp.geometry["kind"] == "isotropic" else "")
+    if pp.state_dtype != "float32":
+        return f"state {pp.state_dtype}: decoded to float32 and encoded again per bucket"
     if pp.constraint is not None:
         return f"constraint {pp.constraint['kind']}: its prox runs on the stacked update"
     if pp.post:
@@ -161,6 +163,10 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
         flat: dict = {}  # (dtype, device) → (common fields, fused, why, indices): one flat call each
         for indices in bs:
             p, pp = group["params"][indices[0]], ps[indices[0]]
+            if pp.state_dtype != "float32" and not opts.local:
+                raise ValueError(f"rule '{group['rule']}' keeps its state in {pp.state_dtype}, which runs in one "
+                                 f"process for now (sharded blocks are not aligned to shards yet); use state: float32 "
+                                 f"under torch.distributed")
             common = dict(rule=group["rule"], group=gi, indices=tuple(indices),
                           names=tuple(ps[i].name for i in indices), shape=tuple(pp.op_shape), dtype=str(p.dtype),
                           device=str(p.device), stages=stage_text(group, pp))

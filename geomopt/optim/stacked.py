@@ -14,13 +14,14 @@ from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import contiguous_strides, is_dtensor
 from geomopt.optim import stages as post_stages
 from geomopt.optim.migrate import VIEW_KEYS
+from geomopt.optim.state_codec import MOMENTS, SCALE
 from geomopt.optim.tensors import as_real, flat_like, like_param, op_view, stack
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 #: per-parameter state tensors that batched calls keep stacked (entries are views of a bucket buffer)
-STACKED = ("d", "exp_avg", "exp_avg_sq", "prev", "w", *post_stages.STAGE_STATE)
+STACKED = ("d", "exp_avg", "exp_avg_sq", "prev", "w", *post_stages.STAGE_STATE, *(k + SCALE for k in MOMENTS))
 #: per-parameter step counts (ints), shared by a bucket's tensors
 COUNTS = ("adam_step", post_stages.STAGE_STEP)
 

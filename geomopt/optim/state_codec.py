@@ -1,0 +1,120 @@
+"""Optimizer state in a lower precision between steps (a rule's ``state: {dtype: …}``): each batched
+step decodes its bucket's state to float32, runs in float32 as always, and encodes the result back.
+
+* ``bfloat16``: stochastic rounding, bf16(x) rounded away from zero with probability equal to the
+  discarded fraction of x's float32 mantissa (the 16 low bits read as a fraction of 2¹⁶), so
+  E[bf16(x)] = x and a momentum's small per-step changes are kept on average instead of lost to
+  bf16's spacing (the rounding torchao's low-bit optimizers use for bf16 state).
+* ``int8`` (moments only): block-wise dynamic quantization (Dettmers et al., 8-bit Optimizers via
+  Block-wise Quantization, arXiv:2110.02861, §2.1–2.2): each tensor's entries in blocks of 256,
+  each block divided by its largest magnitude, and each value stored as the nearest of 256 codes
+  of the dynamic map (an exponent of 10 from 10⁻⁶ to 1 and a linear fraction, finer near zero:
+  :func:`dynamic_map`): signed for first moments, unsigned (all codes ≥ 0) for second moments.
+  The codes are the state entry (uint8, the tensor's shape) and the block scales a second entry
+  (``<key>_absmax``). A tensor whose size is not a multiple of 256 keeps float32 state.
+
+The random bits of stochastic rounding come from the optimizer's own generator (one per device,
+seeded at construction), so a run is reproducible and the user's random streams are untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+BLOCK = 256
+#: the state keys that are moments: ``int8`` quantizes them (signed or not); other keys keep float32
+MOMENTS = {"d": True, "exp_avg": True, "exp_avg_sq": False, "post_v": False, "post_g2": False}
+SCALE = "_absmax"
+_MAPS: dict = {}
+
+
+def dynamic_map(signed: bool) -> torch.Tensor:
+    """The 256 sorted values of the dynamic quantization map (arXiv:2110.02861 §2.2, from Dettmers
+    2016, arXiv:1511.04561): for exponent e = 0 … 6, 2^(e+f) + 1 fraction points spaced evenly in
+    [0.1, 1] (f = 0 signed, 1 unsigned), whose midpoints, times 10^(e−6), are codes (negated too
+    when signed); then zero and 1 (signed: one more run of midpoints at the top exponent fills the
+    256)."""
+    key = bool(signed)
+    if key not in _MAPS:
+        values: list[float] = []
+        extra = 0 if signed else 1  # an unsigned map spends the sign bit on the fraction
+        for e in range(7):
+            edges = torch.linspace(0.1, 1, 2 ** (e + extra) + 1, dtype=torch.float32)
+            mids = ((edges[:-1] + edges[1:]) / 2 * 10.0 ** (e - 6)).tolist()
+            values += mids + ([-v for v in mids] if signed else [])
+        values += [0.0, 1.0]
+        _MAPS[key] = torch.tensor(sorted(values), dtype=torch.float32)
+    return _MAPS[key]
+
+
+def quantizable(t: torch.Tensor, key: str) -> bool:
+    """Whether ``key``'s state of one tensor shaped like ``t`` (a bucket's row) is kept in int8."""
+    return key in MOMENTS and t.numel() % BLOCK == 0 and t.numel() > 0
+
+
+def encode_int8(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 shaped as ``x``, per-block largest magnitudes (…, numel/256)) of a stacked
+    tensor ``x`` (rows: tensors; blocks never straddle two tensors)."""
+    rows = x.reshape(x.shape[0], -1, BLOCK).float()
+    absmax = rows.abs().amax(-1)
+    qmap = dynamic_map(signed).to(x.device)
+    scaled = rows / absmax.clamp(min=1e-12).unsqueeze(-1)
+    # the nearest code; a value halfway between two codes takes the upper one
+    codes = torch.bucketize(scaled, (qmap[1:] + qmap[:-1]) / 2, right=True)
+    return codes.to(torch.uint8).reshape(x.shape), absmax
+
+
+def decode_int8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    qmap = dynamic_map(signed).to(codes.device)
+    rows = qmap[codes.reshape(codes.shape[0], -1, BLOCK).long()] * absmax.unsqueeze(-1)
+    return rows.reshape(codes.shape)
+
+
+def encode_bf16(x: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """bf16 of float32 ``x`` by stochastic rounding: the 16 low bits plus a uniform 16-bit draw,
+    carried into the kept bits, then truncated (exact: the low bits are zero)."""
+    x = x.float().contiguous()
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits = (x.view(torch.int32) + noise) & -65536  # 0xFFFF0000 as an int32
+    out = bits.view(torch.float32).to(torch.bfloat16)
+    return torch.where(torch.isfinite(x), out, x.to(torch.bfloat16))  # ±∞ and NaN as they are
+
+
+class Codec:
+    """The encode/decode of one bucket's state for a rule's ``state_dtype`` (``float32``: nothing)."""
+
+    def __init__(self, dtype: str, generator: Optional[torch.Generator] = None):
+        self.dtype, self.generator = dtype, generator
+
+    def stored(self, key: str, row: torch.Tensor) -> bool:
+        """Whether ``key`` is kept encoded for a tensor shaped like ``row``."""
+        if self.dtype == "bfloat16":
+            return key in MOMENTS or key.startswith("post_")
+        return self.dtype == "int8" and quantizable(row, key)
+
+    def decode(self, state: dict) -> dict:
+        """float32 working copies of the encoded entries of a gathered state (others as they are)."""
+        out = dict(state)
+        for key, value in state.items():
+            if key.endswith(SCALE) or not isinstance(value, torch.Tensor):
+                continue
+            if value.dtype == torch.bfloat16 and self.dtype == "bfloat16":
+                out[key] = value.float()
+            elif value.dtype == torch.uint8 and key + SCALE in state:
+                out[key] = decode_int8(value, state[key + SCALE], MOMENTS[key])
+                del out[key + SCALE]
+        return out
+
+    def encode(self, values: dict) -> dict:
+        """The stored form of float32 ``values`` (a bucket's stacked state after its step)."""
+        out = dict(values)
+        for key, value in values.items():
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point() or not self.stored(key, value[0]):
+                continue
+            if self.dtype == "bfloat16":
+                out[key] = encode_bf16(value, self.generator)
+            else:
+                out[key], out[key + SCALE] = encode_int8(value, MOMENTS[key])
+        return out
