@@ -90,9 +90,10 @@ class BucketJob:
         self.views = [op_view(local(p), q) for p, q in items]
         hyper = group if self.alpha is None else dict(group, alpha=self.alpha)
         state = self.state = rt.stacked.gather(self.state_of, items)
-        self.codec = None if pp.state_dtype == "float32" else Codec(pp.state_dtype, rt.generator(items[0][0].device))
-        if self.codec is not None:  # float32 working copies; the stored state changes at the commit
-            state = self.state = self.codec.decode(state)
+        # float32 working copies of state kept in another precision (the rule's, or a checkpoint's);
+        # the stored state changes at the commit
+        self.codec = Codec(pp.state_dtype, (pp.name, group["step"]))
+        state = self.state = Codec.decode(state)
         if self.ok is not None:  # step counts on the device, and the state as it was
             for key in COUNTS:
                 if key in state and not isinstance(state[key], torch.Tensor):
@@ -244,8 +245,7 @@ class BucketJob:
                 live = self.live[key]
                 torch.where(self.ok, self.state[key], old, out=live)  # type: ignore[arg-type]
                 self.state[key] = live
-        if self.codec is not None:
-            self.state = self.codec.encode(self.state)
+        self.state = self.codec.encode(self.state)
         self.rt.stacked.scatter(self.state_of, self.items, self.state)
         self.saved, self.next = [], None
 

@@ -33,6 +33,7 @@ import torch
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
 from geomopt.optim import stages as post_stages
+from geomopt.optim.state_codec import BLOCK, MOMENTS, SCALE
 from geomopt.optim.migrate import KINDS, VIEW_KEYS
 from geomopt.optim.tensors import as_real, local
 
@@ -161,6 +162,8 @@ def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
             if key in VIEW_KEYS or key in SECOND_MOMENTS or key == "prev" or key == "momentum_buffer":
                 raise CheckpointError(f"tensor '{name}': state '{key}' is {_short(value)}, not a tensor: {_FIX}")
             continue
+        if value.dtype == torch.uint8 and key in MOMENTS and key + SCALE in entry:  # int8 state: codes
+            continue
         if not (value.is_floating_point() or value.is_complex()):  # complex: a complex parameter's state
             raise CheckpointError(f"tensor '{name}': state '{key}' has dtype {value.dtype}, not a floating dtype: "
                                   f"{_FIX}")
@@ -221,8 +224,14 @@ def check_same_spec(opt, sd: Mapping, same_rules: bool = True) -> None:
 def _check_tensor(pp, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
     """A state tensor's shape and dtype as this optimizer's step keeps them."""
     shape = tuple(value.shape)
+    if key.endswith(SCALE) and key[:-len(SCALE)] in MOMENTS:  # an int8 entry's block scales
+        want: Any = (math.prod(pp.op_shape) // BLOCK,)
+        if shape != want or value.dtype != torch.float32:
+            raise CheckpointError(f"tensor '{pp.name}': state '{key}' is {value.dtype} {shape}, the block scales of "
+                                  f"int8 state are float32 {want}: the state was edited or saved on another model")
+        return
     if key == "prev":
-        want: Any = tuple(p.shape)
+        want = tuple(p.shape)
     elif key in VIEW_KEYS:
         want = tuple(p.shape) if is_dtensor(p) else tuple(pp.op_shape)
     elif key in post_stages.STAGE_STATE:  # a statistic: each dim whole, or summed out (1), or per block
@@ -235,6 +244,9 @@ def _check_tensor(pp, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
                               f"optimizer keeps {want}: the state was saved on another model (or edited); build "
                               f"the optimizer on the model it was saved from")
     dtype = p.dtype if key == "prev" else torch.promote_types(p.dtype, torch.float32)
+    kept = {"bfloat16": torch.bfloat16, "int8": torch.uint8}.get(pp.state_dtype)  # the rule's state precision
+    if key in MOMENTS and value.dtype == kept:
+        return
     if (key == "prev" or key in VIEW_KEYS or key in post_stages.STAGE_STATE) and value.dtype != dtype:
         raise CheckpointError(f"tensor '{pp.name}' ({p.dtype}): state '{key}' is {value.dtype}, this optimizer "
                               f"keeps {dtype}: cast it (e.g. sd['state'][i]['{key}'].to({dtype})) or load into a "

@@ -41,6 +41,7 @@ import torch
 from geomopt.compile.plan import ParamPlan
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
+from geomopt.optim.state_codec import decode_entry
 
 # kind → the geomopt state keys it is made of (moved together or not at all)
 KINDS = {
@@ -152,7 +153,7 @@ def translate(entry: dict, source: str) -> dict:
     """A saved per-tensor state in geomopt's keys (torch.optim's ``step`` tensor becomes an int);
     keys with no geomopt counterpart (e.g. AMSGrad's ``max_exp_avg_sq``) are left out."""
     if source == "geomopt":
-        return dict(entry)
+        return decode_entry(entry)  # state kept in bf16 or int8 moves as float32
     out = {}
     for key, value in entry.items():
         ours = _TORCH[source].get(key)

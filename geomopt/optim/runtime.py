@@ -22,7 +22,7 @@ class Runtime:
     ``workspace``: scratch shared by buckets that run one after another; ``graphs``: bucket →
     :class:`~geomopt.optim.graphs.GraphedOp`, at most ``graph_cap`` of them; ``flag_host``: the
     pinned host copy of the finiteness flag (CUDA); ``largest_bucket``: entries of the largest
-    bucket, which bounds the flat path's blocks; ``generators``: stochastic rounding's random bits."""
+    bucket, which bounds the flat path's blocks."""
 
     executor: Any
     stacked: StackedState = dataclasses.field(default_factory=StackedState)
@@ -31,14 +31,6 @@ class Runtime:
     graph_cap: int = 0
     flag_host: Optional[torch.Tensor] = None
     largest_bucket: int = 1
-    #: device → the generator of stochastic rounding (bf16 state), seeded 0 at first use
-    generators: dict = dataclasses.field(default_factory=dict)
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        gen = self.generators.get(device)
-        if gen is None:
-            gen = self.generators[device] = torch.Generator(device=device).manual_seed(0)
-        return gen
 
     @property
     def buffers(self) -> dict:

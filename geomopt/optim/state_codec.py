@@ -13,12 +13,18 @@ step decodes its bucket's state to float32, runs in float32 as always, and encod
   The codes are the state entry (uint8, the tensor's shape) and the block scales a second entry
   (``<key>_absmax``). A tensor whose size is not a multiple of 256 keeps float32 state.
 
-The random bits of stochastic rounding come from the optimizer's own generator (one per device,
-seeded at construction), so a run is reproducible and the user's random streams are untouched.
+The random bits of stochastic rounding come from a generator seeded by the bucket's first tensor
+name, the state key and the step count, so a run is reproducible, a checkpoint resumes bit for
+bit with no generator state saved, and the user's random streams are untouched.
+
+A state entry records its own precision: float32, bfloat16, or uint8 codes beside a ``<key>_absmax``
+entry. Whatever the rule's precision, a step decodes what it finds (a checkpoint saved under another
+precision, a migration) and writes the rule's.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Optional
 
 import torch
@@ -72,6 +78,11 @@ def decode_int8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torc
     return rows.reshape(codes.shape)
 
 
+def seeded(device: torch.device, *parts) -> torch.Generator:
+    """A generator seeded by ``parts`` (CRC-32 of their text): the same draws for the same step."""
+    return torch.Generator(device=device).manual_seed(zlib.crc32("|".join(map(str, parts)).encode()))
+
+
 def encode_bf16(x: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     """bf16 of float32 ``x`` by stochastic rounding: the 16 low bits plus a uniform 16-bit draw,
     carried into the kept bits, then truncated (exact: the low bits are zero)."""
@@ -82,39 +93,60 @@ def encode_bf16(x: torch.Tensor, generator: Optional[torch.Generator]) -> torch.
     return torch.where(torch.isfinite(x), out, x.to(torch.bfloat16))  # ±∞ and NaN as they are
 
 
-class Codec:
-    """The encode/decode of one bucket's state for a rule's ``state_dtype`` (``float32``: nothing)."""
+def decode_entry(state: dict) -> dict:
+    """One tensor's saved state with its encoded entries as float32 (a checkpoint's, for a migration)."""
+    out = dict(state)
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor) or key.endswith(SCALE):
+            continue
+        if value.dtype == torch.bfloat16:
+            out[key] = value.float()
+        elif value.dtype == torch.uint8 and key + SCALE in state:
+            out[key] = decode_int8(value.unsqueeze(0), state[key + SCALE].unsqueeze(0), MOMENTS[key])[0]
+            del out[key + SCALE]
+    return out
 
-    def __init__(self, dtype: str, generator: Optional[torch.Generator] = None):
-        self.dtype, self.generator = dtype, generator
+
+class Codec:
+    """A bucket's state in the rule's precision ``dtype``: :meth:`decode` whatever is stored,
+    :meth:`encode` into ``dtype`` (nothing to do for float32). ``seed``: the parts that seed
+    stochastic rounding (the bucket's first tensor name and step count)."""
+
+    def __init__(self, dtype: str, seed: tuple = ()):
+        self.dtype, self.seed = dtype, seed
 
     def stored(self, key: str, row: torch.Tensor) -> bool:
         """Whether ``key`` is kept encoded for a tensor shaped like ``row``."""
         if self.dtype == "bfloat16":
-            return key in MOMENTS or key.startswith("post_")
+            return key in MOMENTS
         return self.dtype == "int8" and quantizable(row, key)
 
-    def decode(self, state: dict) -> dict:
-        """float32 working copies of the encoded entries of a gathered state (others as they are)."""
-        out = dict(state)
+    @staticmethod
+    def decode(state: dict) -> dict:
+        """float32 working copies of the encoded entries of a gathered (stacked) state; the same
+        dict when nothing is encoded."""
+        out = None
         for key, value in state.items():
-            if key.endswith(SCALE) or not isinstance(value, torch.Tensor):
+            if not isinstance(value, torch.Tensor) or value.dtype not in (torch.bfloat16, torch.uint8):
                 continue
-            if value.dtype == torch.bfloat16 and self.dtype == "bfloat16":
+            out = dict(state) if out is None else out
+            if value.dtype == torch.bfloat16:
                 out[key] = value.float()
-            elif value.dtype == torch.uint8 and key + SCALE in state:
+            elif key + SCALE in state:
                 out[key] = decode_int8(value, state[key + SCALE], MOMENTS[key])
                 del out[key + SCALE]
-        return out
+        return state if out is None else out
 
     def encode(self, values: dict) -> dict:
         """The stored form of float32 ``values`` (a bucket's stacked state after its step)."""
+        if self.dtype == "float32":
+            return values
         out = dict(values)
         for key, value in values.items():
             if not isinstance(value, torch.Tensor) or not value.is_floating_point() or not self.stored(key, value[0]):
                 continue
             if self.dtype == "bfloat16":
-                out[key] = encode_bf16(value, self.generator)
+                out[key] = encode_bf16(value, seeded(value.device, *self.seed, key))
             else:
                 out[key], out[key + SCALE] = encode_int8(value, MOMENTS[key])
         return out
