@@ -48,7 +48,7 @@ DIRECTIVE = re.compile(r"#\s*geomopt\s*:\s*disable(?P<file>-file)?(?![\w-])"
 def unused_suppression(ctx):
     """A suppression comment (``# geomopt: disable=CODE``) that silences nothing: the code does
     not fire on that line (or, for ``disable-file``, in the file), the code is unknown, or it names
-    a blocking error (GO101, GO104, GO105, GO120, GO126: compile refuses the spec, so they cannot be
+    a blocking error (GO101, GO104, GO105, GO120, GO126, GO127: compile refuses the spec, so they cannot be
     silenced) or a parse error (GO0xx). Reported at the comment, so stale suppressions do not pile up.
 
     Bad: ``geometry: {kind: euclidean}  # geomopt: disable=GO109`` (the euclidean geometry is
