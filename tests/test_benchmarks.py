@@ -63,10 +63,11 @@ def test_ab_script_compares_this_tree_with_a_commit(capsys):
     assert _script("ab").main(["--base", "HEAD", "--model", "gpt", "--iters", "1"]) == 0
     out = capsys.readouterr().out
     names = re.findall(r"^\| ([^|]+?) \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, flags=re.M)
-    assert names == ["torch.optim.Muon", "base HEAD", "this tree"], out
+    assert names == ["torch.optim.Muon", "base HEAD", "this tree", "base HEAD, again"], out
     assert _script("ab").main(["--base", "HEAD", "--model", "gpt", "--iters", "1", "--no-torch"]) == 0
     out = capsys.readouterr().out
-    assert re.findall(r"^\| ([^|]+?) \| [\d.]+ \| – \| [\d.]+ \|$", out, flags=re.M) == ["base HEAD", "this tree"], out
+    assert re.findall(r"^\| ([^|]+?) \| [\d.]+ \| – \| [\d.]+ \|$", out, flags=re.M) == [
+        "base HEAD", "this tree", "base HEAD, again"], out
 
 
 def test_experts_script_compares_the_batched_view_with_separate_tensors(capsys):
@@ -146,7 +147,8 @@ def test_ab_script_reads_a_base_commit_whose_specs_extend_shipped_ones(capsys):
     spec = str(Path(__file__).resolve().parents[1] / "specs" / "catalog" / "normuon.yaml")
     assert _script("ab").main(["--base", "HEAD", "--model", "gpt", "--iters", "1", "--no-torch", "--spec", spec]) == 0
     out = capsys.readouterr().out
-    assert re.findall(r"^\| ([^|]+?) \| [\d.]+ \| – \| [\d.]+ \|$", out, flags=re.M) == ["base HEAD", "this tree"], out
+    assert re.findall(r"^\| ([^|]+?) \| [\d.]+ \| – \| [\d.]+ \|$", out, flags=re.M) == [
+        "base HEAD", "this tree", "base HEAD, again"], out
 
 
 def test_syncs_script_counts_what_reads_a_device_value_back(capsys):

@@ -199,7 +199,7 @@ class GeomOptimizer(Optimizer):
         self._dispatch()
         warn_slow_bf16(self.spec, self.plan, tensors)
         warn_unused_rules(self.spec, infos)
-        self._qk_clip = QKClip(self.param_groups, self._plans, source)  # QK-clip (geomopt.optim.qkclip): checks
+        self._qk_clip = QKClip(self.param_groups, self._plans, source, self.spec)  # geomopt.optim.qkclip: checks
         project_on_init(self.param_groups, self._plans, self._executor)
 
     def _runtime(self) -> Runtime:

@@ -30,6 +30,8 @@ from torch import nn
 
 from geomopt.distributed.executors import is_dtensor
 from geomopt.monitor import Site, attention_sites, find_monitored, watching_any
+from geomopt.spec.diagnostics import Diagnostic, SpecError
+from geomopt.spec.validate import source_of
 
 __all__ = ["QKClip", "clip_site"]
 
@@ -83,13 +85,22 @@ def _checked_sites(entries: list, sites: list, refused: dict) -> list:
     return [(site, clip) for site, clip, _ in chosen.values()]
 
 
+def _refusal(spec, index: int, message: str) -> SpecError:
+    """GO104 (a rule that cannot act on a tensor it owns) at the rule's ``qk_clip`` key."""
+    source = source_of(spec) if spec is not None else None
+    line, col = source.pos(("rules", index, "qk_clip")) if source else (1, 1)
+    return SpecError([Diagnostic("GO104", "inapplicable-geometry", "error", message,
+                                 source.file if source else "<spec>", line, col)])
+
+
 class QKClip:
     """The optimizer's QK-clip: built at construction (checks), :meth:`check` at the start of a step,
     :meth:`apply` after it."""
 
-    def __init__(self, param_groups: list, plans: list, source) -> None:
+    def __init__(self, param_groups: list, plans: list, source, spec=None) -> None:
         self.entries = [(p, pp.name, pp.rule, pp.qk_clip) for g, pps in zip(param_groups, plans)
                         for p, pp in zip(g["params"], pps) if pp.qk_clip is not None]
+        where = {pp.rule: pp.rule_index for pps in plans for pp in pps if pp.qk_clip is not None}
         self._sites: Optional[list] = None  # [(monitor's site, clip)] once a step found them
         if not self.entries:
             return
@@ -97,7 +108,11 @@ class QKClip:
             raise NotImplementedError("qk_clip: sharded (DTensor) parameters are not supported; "
                                       "use it with local or DDP-replicated parameters")
         if isinstance(source, nn.Module):
-            _checked_sites(self.entries, *attention_sites(source))
+            try:
+                _checked_sites(self.entries, *attention_sites(source))
+            except ValueError as exc:  # a spec that does not fit the model: where in the spec, and why
+                rule = next((r for r in where if f"'{r}'" in str(exc)), next(iter(where)))
+                raise _refusal(spec, where[rule], str(exc)) from None
 
     def check(self) -> None:
         """Before a step writes anything: every clipped tensor is watched by an attached monitor."""

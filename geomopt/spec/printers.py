@@ -1,8 +1,8 @@
 """Printers: a :class:`Spec` back to YAML or the DSL, losslessly (``parse(dump(s)) == s``), in
 one canonical layout — what ``geomopt fmt`` writes and ``geomopt fmt --check`` expects.
 
-Only what differs from a default is written (``kind`` and the numbers that define the math, a
-reference's ε and κ, a direction's α, always are); ``view: {kind: auto}`` prints as ``view: auto``.
+Only what differs from a default is written (``kind`` and the numbers that define the math, a reference's ε and κ, a
+direction's α, always are); ``view: {kind: auto}`` prints as ``view: auto``, ``state: {dtype: int8}`` as ``state int8``.
 
 Canonical layout, the same elements in the same order in both spellings: ``geomopt``, ``name``,
 ``description``, ``defaults``, ``roles``, then the rules; in a rule ``match``, ``geometry``,
@@ -21,9 +21,9 @@ then the fields in the model's order, a ``view`` last.
   (a call's arguments with a trailing comma), so that each comment has its element's line.
   Exponents as ``1e-8``.
 
-A spec that extends another (:mod:`geomopt.spec.extends`) prints as written: its own layer, each
-value it gives kept even where it equals a default, ``extends`` after ``geomopt``, a rule's
-``before``, ``after``, ``remove`` after its ``match``; ``resolved=True`` prints the merged spec.
+A spec that extends another (:mod:`geomopt.spec.extends`) prints as written: its own layer, each value it gives kept
+even where it equals a default, ``extends`` after ``geomopt``, a rule's ``before``, ``after``, ``remove`` after its
+``match``; ``resolved=True`` prints the merged spec.
 
 Comments (:mod:`geomopt.spec.comments`), when given: the header (``$schema`` modeline first), each
 own-line comment above its element, a trailing one after its first line, the footer last.
@@ -65,8 +65,7 @@ def to_plain(model: BaseModel) -> dict:
     """Fields that differ from their defaults (``kind`` always), recursively, as plain data; the
     kind first, then a ``reference`` (a geometry's), then the other fields in order, a view last."""
     fields = type(model).model_fields
-    # kind: a pydantic field of the models that have one (tested first), which BaseModel does not declare
-    out = {"kind": model.kind} if "kind" in fields else {}  # type: ignore[attr-defined]
+    out = {"kind": model.kind} if "kind" in fields else {}  # type: ignore[attr-defined]  # (BaseModel declares none)
     explicit = isinstance(model, _EXPLICIT)
     for name, field in fields.items():
         if field.exclude:  # not content (a spec's `extends`): model_dump() leaves it out too
@@ -358,10 +357,8 @@ def _string(value: str) -> str:
 
 
 def _value(value, field: str | None = None) -> str:
-    if field == "state" and isinstance(value, dict) and set(value) <= {"dtype"}:  # its shorthand: state int8
-        return value.get("dtype", "float32")
     if isinstance(value, dict):
-        return _call(value, field)
+        return value.get("dtype", "float32") if field == "state" and set(value) <= {"dtype"} else _call(value, field)
     if isinstance(value, list):
         return "[" + ", ".join(_value(v, field if field == "post" else None) for v in value) + "]"
     return _scalar(value)
