@@ -56,7 +56,9 @@ def main(argv=None) -> int:
     rows = bench(args.model, specs, device=args.device, iters=args.iters)
     base = hidden_matrices(args.model, "meta", torch.float32)
     n = sum(math.prod(t.shape) for _, t in base)
-    header = (f"### {args.model} on {device_name(args.device)} — {datetime.date.today().isoformat()}, torch "
+    where = (f"Dion vs Muon, {args.model} ({device_name(args.device)})" if args.dion else
+             f"{args.model} on {device_name(args.device)}")  # a heading of its own: docs quote each kind
+    header = (f"### {where} — {datetime.date.today().isoformat()}, torch "
               f"{torch.__version__}, {len(base)} hidden matrices ({n / 1e6:.1f}M parameters)")
     emit(table(rows, header), args.record)
     return 0
