@@ -88,11 +88,12 @@ def inapplicable_geometry(ctx: Ownership):
                 yield f"rule '{rule.name}': {problem} for '{p.name}' ({shape_text(p)})", at
         direction = rule.direction or ctx.spec.defaults.direction
         if direction is not None and direction.kind == "dion":
-            at = ("rules", i, "direction", "rank") if rule.direction is not None else ("defaults", "direction", "rank")
+            rank_at: tuple = (("rules", i, "direction", "rank") if rule.direction is not None
+                              else ("defaults", "direction", "rank"))
             for p in ctx.owned(i):
                 problem = dion_problem(direction.rank, p.shape)
                 if problem:
-                    yield f"rule '{rule.name}': {problem} for '{p.name}' ({shape_text(p)})", at
+                    yield f"rule '{rule.name}': {problem} for '{p.name}' ({shape_text(p)})", rank_at
 
 
 def dion_problem(rank, shape) -> str | None:
