@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from geomopt.spec.base import PositiveFloat, Probability, SpecModel, kinds_of
 
@@ -78,6 +78,15 @@ class Dion(SpecModel):
     rank: Union[Annotated[int, Field(ge=1)], Annotated[float, Field(gt=0, le=1)]] = 0.25
     mu: Annotated[float, Field(ge=0, lt=1)] = 0.95
     eps: PositiveFloat = 1e-8
+
+    @field_validator("rank", mode="wrap")
+    @classmethod
+    def _rank_is_int_or_fraction(cls, v, handler):
+        """One message for the two forms (the union's would name only the int's)."""
+        try:
+            return handler(v)
+        except ValidationError:
+            raise ValueError("rank must be an int ≥ 1 or a fraction of min(m, n) in (0, 1]") from None
 
 
 Direction = Annotated[Union[NoDirection, Polyak, HeavyBall, Lion, Storm, Dion], Field(discriminator="kind")]
