@@ -500,6 +500,7 @@ BENCH_QUOTES = {
     "memory": (r"Optimizer-held memory", 4),
     "elementwise": (r"Elementwise steps", 2),
     "gram-ns": (r"newton_schulz vs gram_newton_schulz", 1),
+    "dion": (r"Dion vs Muon", 1),
     "stages": (r"Post-stages", 2),
     "lint": (r"geomopt lint \(no model\)", 1),
     "suite": (r"Test suite", 1),

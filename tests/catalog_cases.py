@@ -189,6 +189,46 @@ class NormalizedSGDM:
             p.copy_(x)
 
 
+class DionF64:
+    """Dion (Ahn, Xu, Abreu & Langford 2025, "Dion: Distributed Orthonormalized Updates",
+    arXiv:2504.05295), Algorithm 1 in its single-device form as microsoft/dion's
+    dion/dion_simple.py states it, written here in float64 on each matrix X (m×n) with momentum M
+    (M⁰ = 0) and right factor Q (n×r, Q⁰ a standard Gaussian):
+
+        M ← M + G;  P = QR(M·Q).Q;  R = Mᵀ·P
+        M ← M − (1 − μ)·P·Rᵀ                       (error feedback)
+        Q ← R / (‖R_{:,j}‖ + ε)                    (column normalization)
+        X ← X(1 − η·λ) − η·√(m/n)·P·Qᵀ
+
+    r = ⌈rank·min(m, n)⌉ for a fractional rank. Q⁰ is drawn from a CPU generator seeded 0 (the
+    seed geomopt's ``dion`` direction uses, so the two start from the same Q⁰; the algorithm
+    leaves Q⁰ to the caller)."""
+
+    def __init__(self, params, *, lr: float, mu: float, weight_decay: float, rank: float, eps: float = 1e-8):
+        self.lr, self.mu, self.wd, self.eps = lr, mu, weight_decay, eps
+        self.params = list(params)
+        self.x = [p.detach().double().clone() for p in self.params]
+        self.state = {}
+        for p in self.params:
+            m, n = p.shape
+            r = rank if isinstance(rank, int) else math.ceil(rank * min(m, n))
+            q = torch.randn(n, r, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+            self.state[p] = {"momentum": torch.zeros(m, n, dtype=torch.float64), "Q": q}
+
+    @torch.no_grad()
+    def step(self):
+        for p, x in zip(self.params, self.x):
+            st = self.state[p]
+            mom = st["momentum"] + p.grad.double()
+            pf, _ = torch.linalg.qr(mom @ st["Q"])
+            r = mom.T @ pf
+            st["momentum"] = mom - (1 - self.mu) * (pf @ r.T)
+            st["Q"] = r / (r.norm(dim=0, keepdim=True) + self.eps)
+            m, n = x.shape
+            x.mul_(1 - self.lr * self.wd).sub_(math.sqrt(m / n) * self.lr * (pf @ st["Q"].T))
+            p.copy_(x)
+
+
 def zeropower_torch(g: torch.Tensor) -> torch.Tensor:
     """torch.optim.Muon's Newton–Schulz (bf16, X/max(‖X‖_F, 1e-7), five quintic steps):
     torch.optim._muon's helper where it exists, else the same steps written out."""
@@ -551,6 +591,11 @@ def _polargrad(m):
     return Composite(PolarGradM(g["hidden"], lr=1e-3, beta=0.9), adamw_rest(g, wd=0.0))
 
 
+def _dion(m):
+    g = by_rule(m)
+    return Composite(DionF64(g["hidden"], lr=0.02, mu=0.95, weight_decay=0.1, rank=0.25), adamw_rest(g))
+
+
 def _scion(constrained: bool):
     def build(m):
         from test_equivalence import ScionReference
@@ -586,6 +631,8 @@ _EO32 = ("both run Newton–Schulz in float32 in different op orders (the transc
          "steps; geomopt: its batched form), and decoupled decay as p + (−λγ)p there, X(1 − γλ) here: fp32 rounding")
 _VAR32 = ("both run Newton–Schulz in float32 in different op orders (the transcription: the authors' "
           "X ← aX + (bA + cA²)X; geomopt: its batched form): fp32 rounding")
+_F64_DION = ("geomopt runs the power iteration, its QR and the error feedback in float32, the transcription in "
+             "float64: float32 rounding")
 _LOSS = ("on the loss, the float32 differences of one step change the next step's gradients; Adam's "
          "normalization of the small gradients of norm gains amplifies them most")
 
@@ -650,6 +697,9 @@ CASES: list[Case] = [
                "by about σ₁/σ_min there, so float32 and float64 runs drift apart (measured up to 4e-2 after 6 steps, "
                "1.5e-3 with geomopt's SVD in float64; tests/test_catalog.py checks only that they stay within 0.2)",
          rule=llama_rule),
+    Case("dion", "Dion (rank 1/4)", "Ahn et al. 2025", "https://arxiv.org/abs/2504.05295",
+         "Algorithm 1 (microsoft/dion's `dion_simple.py`) in float64; `torch.optim.AdamW(fused=True)`",
+         "transcription", "llama", _dion, 2e-6, _F64_DION, 1e-5, _LOSS, rule=llama_rule),
     Case("muon-gram-ns", "Muon with Gram Newton–Schulz", "Dao AI Lab 2026",
          "https://dao-lab.ai/blog/2026/gram-newton-schulz/",
          '`pytorch_optimizer.Muon(ns_method="gram_newton_schulz")`', "package", "llama", _gram_muon, 3e-5, _GRAM,

@@ -66,6 +66,7 @@ from geomopt.spec.updates import (
     StormSchedule,
     TheorySchedule,
     ConstantSchedule,
+    Dion,
     NoDirection,
     STAGE_ORDER,
 )
@@ -244,6 +245,7 @@ direction = st.one_of(
     st.just(NoDirection()),
     model(Polyak, alpha=prob, nesterov=st.booleans(), init=st.sampled_from(["zero", "gradient"])),
     model(Storm, alpha=prob),
+    model(Dion, rank=st.one_of(st.integers(1, 10**6), prob), mu=st.floats(0, 1, exclude_max=True), eps=pos),
 )
 schedule = st.one_of(
     st.just(ConstantSchedule()), st.just(StormSchedule()),

@@ -94,9 +94,10 @@ class Timer:
         return times
 
 
-def bench(model_name: str, specs: list[str], device: str = "cpu", warmup: int = 3, iters: int = 10,
+def bench(model_name: str, specs: list, device: str = "cpu", warmup: int = 3, iters: int = 10,
           dtype: str = "float32") -> list[dict]:
-    """Rows of dict(name, ms, vs_muon, vs_adamw, tflops) for each optimizer, same tensors."""
+    """Rows of dict(name, ms, vs_muon, vs_adamw, tflops) for each optimizer, same tensors
+    (``specs``: paths or names, or :class:`~geomopt.Spec` objects)."""
     import torch  # torch: off the lint path (a spec alone never loads it)
 
     base, fresh = hidden_workload(model_name, device, getattr(torch, dtype))
@@ -108,7 +109,7 @@ def bench(model_name: str, specs: list[str], device: str = "cpu", warmup: int = 
         ("AdamW (fused)", lambda ps: torch.optim.AdamW([p for _, p in ps], lr=1e-3, weight_decay=0.1, fused=True)),
     ]
     for spec in specs:
-        loaded = geomopt.load_spec(spec)
+        loaded = spec if isinstance(spec, geomopt.Spec) else geomopt.load_spec(spec)
         candidates.append((f"geomopt {loaded.name}", functools.partial(geomopt.GeomOptimizer, spec=loaded)))
     flops = ns_flops([p.shape for _, p in base])
     opts = [(name, make(fresh())) for name, make in candidates]

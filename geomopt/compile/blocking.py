@@ -55,7 +55,8 @@ def unmatched_parameter(ctx: Ownership):
 @BLOCKING.register("GO104", name="inapplicable-geometry", needs_model=True)
 def inapplicable_geometry(ctx: Ownership):
     """A geometry that cannot act on a tensor it owns: spectral (or rowwise/columnwise) on a 1-D tensor, or a ``view``
-    that does not fit the tensor (blocks that do not divide or sum to its rows, batch axes it lacks).
+    that does not fit the tensor (blocks that do not divide or sum to its rows, batch axes it lacks); or a ``dion``
+    direction on a 1-D tensor or with a rank larger than the tensor's matrix (shape[0] × the rest) has room for.
 
     The step is undefined there (a 1-D tensor has no rows or singular values; a view that does not fit has no
     matrices to act on), so compile refuses the spec (a blocking error).
@@ -86,6 +87,27 @@ def inapplicable_geometry(ctx: Ownership):
             if problem:
                 at = view_path if in_view else ("rules", i, "geometry", "kind")
                 yield f"rule '{rule.name}': {problem} for '{p.name}' ({shape_text(p)})", at
+        direction = rule.direction or ctx.spec.defaults.direction
+        if direction is not None and direction.kind == "dion":
+            rank_at: tuple = (("rules", i, "direction", "rank") if rule.direction is not None
+                              else ("defaults", "direction", "rank"))
+            for p in ctx.owned(i):
+                problem = dion_problem(direction.rank, p.shape)
+                if problem:
+                    yield f"rule '{rule.name}': {problem} for '{p.name}' ({shape_text(p)})", rank_at
+
+
+def dion_problem(rank, shape) -> str | None:
+    """Why a dion direction of ``rank`` cannot run on a tensor of ``shape`` (None: it can)."""
+    if len(shape) < 2:
+        return "dion direction needs a matrix (a tensor of 2 or more dims)"
+    m, n = shape[0], 1
+    for s in shape[1:]:
+        n *= s
+    if isinstance(rank, int) and rank > min(m, n):
+        return (f"dion rank {rank} is larger than its {m}×{n} matrix allows (at most min(m, n) = {min(m, n)}; a "
+                f"fraction such as 0.25 of min(m, n) fits every shape)")
+    return None
 
 
 @BLOCKING.register("GO105", name="no-operator", needs_model=False)

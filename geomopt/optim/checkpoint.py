@@ -40,8 +40,8 @@ def spec_hash(spec: Spec) -> str:
 SPEC_KEYS = ("rule", "lr", "weight_decay", "radius", "direction", "alpha", "nesterov", "init", "schedule",
              "on_nonfinite")
 #: a direction's coefficients that live in the group where the direction has them (heavy ball's,
-#: Lion's, Polyak's warmup)
-DIRECTION_KEYS = ("momentum", "dampening", "beta1", "beta2", "warmup_steps", "warmup_alpha")
+#: Lion's, Polyak's warmup, Dion's)
+DIRECTION_KEYS = ("momentum", "dampening", "beta1", "beta2", "warmup_steps", "warmup_alpha", "rank", "mu", "eps")
 
 
 def spec_values(group: dict) -> dict:

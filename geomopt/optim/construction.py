@@ -71,10 +71,22 @@ def project_on_init(groups: list, plans: list, executor) -> None:
                 p.to_local().copy_(op_view(x, pp)[block])  # _view is its own inverse
 
 
+def check_dion(groups: list, opts) -> None:
+    """A ``dion`` direction on sharded (DTensor) tensors is refused: its power iteration and QR
+    need each matrix whole, and the direction runs on each rank's shard (microsoft/dion's
+    distributed QR is not reproduced). Replicated tensors (DDP) step whole on every rank."""
+    bad = [g["rule"] for g in groups if g["direction"] == "dion"]
+    if opts.sharded and bad:
+        raise ValueError(f"rule(s) {', '.join(map(repr, bad))} have a dion direction, which needs whole matrices: "
+                         f"it cannot run on sharded (DTensor) parameters; use it with replicated ones (DDP)")
+
+
 def check_capturable(groups: list, plans: list, opts) -> None:
     """What ``capturable=True`` cannot do, refused at construction with what to do instead: a
     step decided on the host (several processes, STORM's second evaluation, ``on_nonfinite:
     raise``, a momentum warmup read from the step count, QK-clip's maxima)."""
+    if not opts.capturable:
+        return
     why = []
     if not opts.local:
         why.append("it runs in one process (under torch.distributed the executors exchange on the host)")

@@ -16,6 +16,7 @@ copy, which the function may overwrite.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -188,3 +189,53 @@ def polyak_ahead(gs: list, state: dict, group: dict, lookahead: Callable, fresh:
             state["d"].lerp_(g, alpha)
 
     return u, commit
+
+
+#: the seed of Dion's initial right factor Q⁰ (a standard Gaussian n×r, the same for every matrix
+#: of a shape, so a run is reproducible and a transcription can start from the same Q⁰)
+DION_SEED = 0
+
+
+def dion_rank(rank, shape) -> int:
+    """Dion's rank r for a tensor of ``shape`` read as (shape[0], rest): an int as it is, a
+    fraction of min(m, n) rounded up."""
+    m, n = shape[0], math.prod(shape[1:])
+    return rank if isinstance(rank, int) else max(1, math.ceil(rank * min(m, n)))
+
+
+def dion_q0(n: int, r: int, like: torch.Tensor) -> torch.Tensor:
+    """Q⁰ of an n×r right factor: N(0, 1) entries drawn on the CPU from :data:`DION_SEED`."""
+    q = torch.randn(n, r, generator=torch.Generator().manual_seed(DION_SEED), dtype=torch.float64)
+    return q.to(dtype=like.dtype, device=like.device)
+
+
+@direction("dion")
+def dion(g, state, group, *, g_prev=None, inplace=False, fresh=None):
+    """Dion (Ahn, Xu, Abreu & Langford 2025, "Dion: Distributed Orthonormalized Updates",
+    arXiv:2504.05295, Algorithm 1, single-device form as microsoft/dion's dion/dion_simple.py
+    runs it), on each matrix of the stack (a tensor read as m = shape[0] rows by n = the rest):
+
+        B = M + G;  P = orth(B·Q) (reduced QR);  R = Bᵀ·P
+        M ← B − (1 − μ)·P·Rᵀ          (error feedback: what the rank-r step left out stays)
+        Q ← R / (‖R_{:,j}‖ + ε)       (column by column)
+        d = √(m/n)·P·Qᵀ
+
+    M⁰ = 0 (state ``d``), Q⁰ a Gaussian n×r (:func:`dion_q0`, state ``dion_q``); r from the
+    group's ``rank`` (:func:`dion_rank`, checked against the shape when the optimizer is built).
+    d is Dion's whole update, √(m/n) its shape scale included: the rule's geometry is
+    ``euclidean`` (∇φ*(d) = d), so X ← X(1 − γλ) − γ·d as in the reference. New tensors replace
+    the state (nothing is written in place), so a step that is skipped or aborted leaves it."""
+    shape = g.shape  # (tensors, m, …): the bucket's stacked gradients
+    b_dim, m = shape[0], shape[1]
+    g = g.reshape(b_dim, m, -1)
+    n = g.shape[2]
+    m_buf = state.get("d")
+    b = g.clone() if m_buf is None else m_buf.reshape(b_dim, m, n) + g
+    q = state.get("dion_q")
+    if q is None:
+        q = dion_q0(n, dion_rank(group["rank"], (m, n)), g).expand(b_dim, -1, -1)
+    p, _ = torch.linalg.qr(torch.bmm(b, q))
+    r_fac = torch.bmm(b.transpose(1, 2), p)
+    state["d"] = torch.baddbmm(b, p, r_fac.transpose(1, 2), alpha=-(1 - group["mu"])).reshape(shape)
+    q = state["dion_q"] = r_fac / (r_fac.norm(dim=1, keepdim=True) + group["eps"])
+    return torch.bmm(p, q.transpose(1, 2)).mul_(math.sqrt(m / n)).reshape(shape)

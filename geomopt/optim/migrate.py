@@ -47,6 +47,7 @@ from geomopt.optim.state_codec import decode_entry
 KINDS = {
     "adam": ("exp_avg", "exp_avg_sq", "adam_step"),
     "storm": ("d", "prev"),
+    "dion": ("d", "dion_q"),
     "momentum": ("d",),
     "gap": ("w",),
     "second_moment": ("post_v", "post_step"),
@@ -67,8 +68,8 @@ def kinds_used(pp: ParamPlan, direction: str) -> tuple[str, ...]:
     out = []
     if pp.geometry["kind"] == "adam":
         out.append("adam")
-    if direction == "storm":
-        out.append("storm")
+    if direction in ("storm", "dion"):
+        out.append(direction)
     elif direction in ("polyak", "lion"):
         out.append("momentum")
     return tuple(out)
@@ -77,7 +78,7 @@ def kinds_used(pp: ParamPlan, direction: str) -> tuple[str, ...]:
 def kinds_held(state: dict) -> tuple[str, ...]:
     """The kinds of state a saved entry holds (a STORM estimate also counts as momentum)."""
     out = [k for k, keys in KINDS.items() if all(key in state for key in keys)]
-    if "storm" in out:
+    if "storm" in out or "dion" in out:
         out.remove("momentum")  # d with prev is a STORM estimate; alone it is momentum
     return tuple(out)
 

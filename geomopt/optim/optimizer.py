@@ -37,7 +37,7 @@ from geomopt.optim.checkpoint import new_counters, spec_hash, spec_values
 from geomopt.optim.migrate import MigrationReport
 from geomopt.optim.contract import (check_complex, collect_params, copy_state, pickled_state,
                                     sparse_gradient, with_overrides)
-from geomopt.optim.construction import check_capturable, project_on_init, warn_slow_bf16, warn_unused_rules
+from geomopt.optim.construction import check_capturable, check_dion, project_on_init, warn_slow_bf16, warn_unused_rules
 from geomopt.optim.diagnostics import diagnostics
 from geomopt.optim.flat import step_flat
 from geomopt.optim.nonfinite import launch_check, skip_nonfinite
@@ -191,8 +191,8 @@ class GeomOptimizer(Optimizer):
             local=isinstance(self._executor, LocalExecutor), sharded=isinstance(self._executor, ShardedExecutor),
             keeps_prev=any(g["direction"] == "storm" for g in self.param_groups), track_gap=track_gap,
             track_update=track_update, cuda_graphs=cuda_graphs, implementation=implementation, capturable=capturable)
-        if capturable:
-            check_capturable(self.param_groups, self._plans, self._options)
+        check_capturable(self.param_groups, self._plans, self._options)
+        check_dion(self.param_groups, self._options)
         self._rt = self._runtime()
         check_complex(self.param_groups, self._plans, lambda g, pp: flat_rule(g, pp, self._options) is None)
         self._programs: list[list[Program]] = []

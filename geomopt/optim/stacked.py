@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 #: per-parameter state tensors that batched calls keep stacked (entries are views of a bucket buffer)
-STACKED = ("d", "exp_avg", "exp_avg_sq", "prev", "w", *post_stages.STAGE_STATE, *(k + SCALE for k in MOMENTS))
+STACKED = ("d", "dion_q", "exp_avg", "exp_avg_sq", "prev", "w", *post_stages.STAGE_STATE, *(k + SCALE for k in MOMENTS))
 #: per-parameter step counts (ints), shared by a bucket's tensors
 COUNTS = ("adam_step", post_stages.STAGE_STEP)
 

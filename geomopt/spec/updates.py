@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from geomopt.spec.base import PositiveFloat, Probability, SpecModel, kinds_of
 
@@ -66,7 +66,30 @@ class Storm(SpecModel):
     alpha: Probability = 0.1
 
 
-Direction = Annotated[Union[NoDirection, Polyak, HeavyBall, Lion, Storm], Field(discriminator="kind")]
+class Dion(SpecModel):
+    """Dion (Ahn et al. 2025, "Dion: Distributed Orthonormalized Updates", arXiv:2504.05295,
+    Algorithm 1; microsoft/dion, dion/dion_simple.py): a rank-r power iteration on the momentum
+    with error feedback. Per matrix (m×n, the tensor as (shape[0], rest)), state M (m×n, M⁰ = 0)
+    and Q (n×r): B = M + G, P = orth(BQ) (QR), R = BᵀP, M ← B − (1−μ)PRᵀ, Q ← R/(‖R_{:,j}‖ + ε)
+    column by column, d = √(m/n)·PQᵀ (Dion's shape scale, so the geometry is ``euclidean``).
+    ``rank``: an int r ≥ 1, or a fraction in (0, 1] of min(m, n), rounded up (1.0: full rank)."""
+
+    kind: Literal["dion"] = "dion"
+    rank: Union[Annotated[int, Field(ge=1)], Annotated[float, Field(gt=0, le=1)]] = 0.25
+    mu: Annotated[float, Field(ge=0, lt=1)] = 0.95
+    eps: PositiveFloat = 1e-8
+
+    @field_validator("rank", mode="wrap")
+    @classmethod
+    def _rank_is_int_or_fraction(cls, v, handler):
+        """One message for the two forms (the union's would name only the int's)."""
+        try:
+            return handler(v)
+        except ValidationError:
+            raise ValueError("rank must be an int ≥ 1 or a fraction of min(m, n) in (0, 1]") from None
+
+
+Direction = Annotated[Union[NoDirection, Polyak, HeavyBall, Lion, Storm, Dion], Field(discriminator="kind")]
 DIRECTION_KINDS = kinds_of(Direction)
 
 
