@@ -39,6 +39,7 @@ from geomopt.optim.contract import (check_complex, collect_params, copy_state, p
                                     sparse_gradient, with_overrides)
 from geomopt.optim.construction import check_capturable, project_on_init, warn_slow_bf16, warn_unused_rules
 from geomopt.optim.diagnostics import diagnostics
+from geomopt.optim.directions import previous_gradients
 from geomopt.optim.flat import step_flat
 from geomopt.optim.nonfinite import launch_check, skip_nonfinite
 from geomopt.optim.qkclip import QKClip
@@ -309,7 +310,7 @@ class GeomOptimizer(Optimizer):
                     "this spec uses a storm direction, which evaluates the gradient at the previous and the "
                     "current iterate on the same batch: call opt.step(closure) with a closure that zeroes the "
                     "gradients, computes the loss and calls backward()")
-            g_prev = self._previous_gradients(closure)
+            g_prev = previous_gradients(self, closure)
             self.zero_grad(set_to_none=True)  # a closure that forgets zero_grad must not add g(x_{k-1})
         if closure is not None:
             with torch.enable_grad():
@@ -380,6 +381,7 @@ class GeomOptimizer(Optimizer):
             for gi in set(schedules) | (pending.groups if pending is not None else set()):
                 groups[gi]["step"] += 1
             self._pending = None
+            rt.workspace.release()  # nothing of the step's scratch is held between steps
             if self._options.capturable:  # the counts a captured step advances on the device
                 counts_on_device(groups, self.state, self._counters, jobs)
             self._qk_clip.apply()  # QK-clip after the step (geomopt.optim.qkclip)
@@ -426,25 +428,3 @@ class GeomOptimizer(Optimizer):
         if prog.variant == "flat" or prog.direction_form in ("rows", "ahead"):
             return grads
         return stack(grads)
-
-    def _previous_gradients(self, closure) -> dict:
-        """g(x_{k−1}, ξ_k) for STORM: swap in the previous iterate, evaluate, swap back. Tensors
-        without a previous iterate (first step, or never had a gradient) stay at the current one
-        and get d = g on their first step (no second evaluation when no tensor has one)."""
-        params = [p for g in self.param_groups for p in g["params"] if "prev" in self.state[p]]
-        if not params:
-            return {}  # first step: d⁰ = g(x₀, ξ₀), no second evaluation
-        with torch.no_grad():
-            current = [p.detach().clone() for p in params]
-            for p in params:
-                p.copy_(self.state[p]["prev"])
-        try:
-            self.zero_grad(set_to_none=True)
-            with torch.enable_grad():
-                closure()
-            out = {p: (p.grad.detach().clone() if p.grad is not None else None) for p in params}
-        finally:
-            with torch.no_grad():
-                for p, x in zip(params, current):
-                    p.copy_(x)
-        return out

@@ -34,6 +34,11 @@ class Workspace:
             buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
         return buf[:n].view(shape)
 
+    def release(self) -> None:
+        """Drop every buffer (the end of a step): between steps the optimizer holds its state and
+        nothing of the step's scratch, as torch's optimizers, which make their temporaries per step."""
+        self._buffers.clear()
+
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
