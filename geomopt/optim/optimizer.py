@@ -87,7 +87,8 @@ class GeomOptimizer(Optimizer):
     one (same batch), except on the first step.
 
     Non-finite gradients (any group) skip the whole step or raise, per rule (``on_nonfinite``),
-    before anything is written.
+    before anything is written; rules with ``on_nonfinite: off`` are not tested (a NaN propagates,
+    as in torch) and step even when the others skip (:mod:`geomopt.optim.nonfinite`).
 
     Zero-size tensors (a dim of size 0) are accepted under every rule and never step: no state,
     no projection, nothing in :meth:`diagnostics`, as a tensor without a gradient.
@@ -220,9 +221,9 @@ class GeomOptimizer(Optimizer):
         group values they were built from: a step builds them again when those change."""
         self._programs = dispatch(self.param_groups, self._plans, self._buckets, self._options)
         self._built_from = [signature(g) for g in self.param_groups]
-        batched = [p for progs in self._programs for p in progs if p.variant == "batched"]
-        self._deferred = (self._options.local and not self._options.keeps_prev
-                          and all(p.check == "deferred" for p in batched))
+        progs = [p for ps in self._programs for p in ps]  # not deferred where a rule is off
+        self._deferred = (self._options.local and not self._options.keeps_prev and all(p.check != "off" for p in progs)
+                          and all(p.check == "deferred" for p in progs if p.variant == "batched"))
 
     def describe(self) -> str:
         """Every bucket's step program (:mod:`geomopt.optim.program`): its tensors, stages,
@@ -334,12 +335,16 @@ class GeomOptimizer(Optimizer):
                     raise
                 self._pending = None
                 return loss
-            check = launch_check(rt, grads, prevs) if jobs else None
+            check = launch_check(rt, jobs, grads, prevs)  # None: no job is tested (on_nonfinite: off)
             # deferred: the buckets launch their forward ops (reads into scratch) before the host
             # waits for the test, so the device stays busy; nothing is written before the wait
             defer = self._deferred
-            if not defer and skip_nonfinite(rt, groups, self._counters, jobs, grads, prevs, check):
-                return loss
+            if not defer:  # a skipped step still steps the jobs of on_nonfinite: off rules
+                keep = skip_nonfinite(rt, groups, self._counters, jobs, check)
+                if len(keep) < len(jobs):
+                    if not keep or self._pending is not None:  # an interrupted step's retry: all or nothing
+                        return loss
+                    jobs, grads, prevs = ([xs[k] for k in keep] for xs in (jobs, grads, prevs))
             schedules, devices = {}, {}
             for prog, items in jobs:
                 gi = prog.group
@@ -354,8 +359,8 @@ class GeomOptimizer(Optimizer):
 
             def writes() -> bool:
                 """Everything that writes at once; False when the step is skipped."""
-                if defer and skip_nonfinite(rt, groups, self._counters, jobs, grads, prevs, check):
-                    return False
+                if defer and len(skip_nonfinite(rt, groups, self._counters, jobs, check)) < len(jobs):
+                    return False  # deferred: every rule tested alike (dispatch), so the whole step
                 if pending is None:  # a completed retry counts the whole step's update
                     for gi, device in devices.items():
                         self._counters[gi]["update_sq"] = torch.zeros((), device=device)

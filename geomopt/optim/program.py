@@ -114,7 +114,7 @@ class Program:
 
 def signature(group: dict) -> tuple:
     """The group values a program's choices read: a program is built again when they change."""
-    return group["direction"], bool(group.get("nesterov")), group.get("init")
+    return group["direction"], bool(group.get("nesterov")), group.get("init"), group.get("on_nonfinite")
 
 
 def flat_rule(group: dict, pp: ParamPlan, opts: Options) -> Optional[str]:
