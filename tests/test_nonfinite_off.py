@@ -24,7 +24,8 @@ def adam_off() -> dict:
 def mixed(tested: str = "skip") -> dict:
     """Matrices under a spectral rule that tests; the rest adam, off."""
     return {"geomopt": 1, "name": "mixed", "defaults": {"lr": 1e-3, "weight_decay": 0.1},
-            "rules": [{"name": "w", "match": {"ndim": 2}, "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}},
+            "rules": [{"name": "w", "match": {"ndim": 2},
+                       "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}},
                        "direction": {"kind": "polyak", "alpha": 0.05}, "on_nonfinite": tested},
                       {"name": "rest", "match": "**", "geometry": {"kind": "adam"}, "on_nonfinite": "off"}]}
 

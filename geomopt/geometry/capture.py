@@ -22,5 +22,5 @@ def refuse_in_capture(what: str) -> None:
         raise RuntimeError(
             f"geomopt: this step needs {what}, which cannot run inside a CUDA-graph "
             "capture (torch reads its result or error code on the host). Capture the step of a spec whose "
-            "rules need none (no spectral constraint, a polynomial approx), or run capturable=True without a CUDA graph (eagerly, or "
-            "under torch.compile)")
+            "rules need none (no spectral constraint, a polynomial approx), or run capturable=True without a "
+            "CUDA graph (eagerly, or under torch.compile)")

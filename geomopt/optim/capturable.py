@@ -45,7 +45,7 @@ def captured_step(rt: Runtime, groups: list, state, counters: list, jobs: list, 
     grads = [g if prog.check == "off" else [torch.where(ok, t, zero) for t in g] if isinstance(g, list)
              else torch.where(ok, g, zero) for (prog, _), g in zip(jobs, grads)]
     schedules: dict = {}
-    for prog, items in jobs:
+    for prog, _ in jobs:
         gi = prog.group
         if gi not in schedules:
             gamma, alpha = SCHEDULES[groups[gi]["schedule"]["kind"]](groups[gi], groups[gi]["step"])
