@@ -51,6 +51,7 @@ def test_off_propagates_a_nonfinite_gradient_as_torch_adamw_bit_for_bit(implemen
     opt = geomopt.GeomOptimizer(model, adam_off(), implementation=implementation)
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, **torch_kw)
     assert "check off" in opt.describe() and "on_nonfinite: off" in opt.describe()
+    assert "finiteness test off" in opt.describe()
     for k in range(4):
         bad = ("layers.0.weight", value) if k == 2 else None
         for m, o in ((model, opt), (ref, torch_opt)):
@@ -74,7 +75,7 @@ def test_the_off_rule_steps_when_a_tested_rule_skips():
         set_grads(model, k)
         opt.step()
     text = opt.describe()
-    assert "check off" in text and "check before" in text
+    assert "check off" in text and "check before" in text and "finiteness test before any write" in text
     weights = [model.layers[0].weight, model.head.weight]
     biases = [model.layers[0].bias, model.head.bias]
     w_before = [(p.detach().clone(), {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()})

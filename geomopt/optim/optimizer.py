@@ -230,9 +230,10 @@ class GeomOptimizer(Optimizer):
         variant and why each choice was made, as text (``geomopt plan … --program`` prints it)."""
         if [signature(g) for g in self.param_groups] != self._built_from:
             self._dispatch()
+        off = all(p.check == "off" for progs in self._programs for p in progs)
+        test = "off" if off else "deferred behind the forward ops" if self._deferred else "before any write"
         head = (f"spec '{self.spec.name}': {sum(map(len, self._programs))} step program(s); finiteness test "
-                f"{'deferred behind the forward ops' if self._deferred else 'before any write'}; executor "
-                f"{type(self._executor).__name__}")
+                f"{test}; executor {type(self._executor).__name__}")
         return "\n".join([head] + [p.describe() for progs in self._programs for p in progs])
 
     # ------------------------------------------------------------ set-up
