@@ -10,6 +10,7 @@ hits every row alike), medians after 3 warm-up steps. Rows: ``AdamW(fused=True)`
 ``SGD(momentum, foreach)`` (the same memory traffic as a momentum sign or normalized step: what
 torch would spend), geomopt's specs, and ``check`` (geomopt's finiteness test of the gradients
 alone: the pass geomopt adds to every step so a non-finite gradient never reaches the state).
+``… (on_nonfinite: off)``: the adam spec without that test (torch's behaviour).
 ``--base COMMIT`` adds the same specs run by that commit's package (:mod:`ab`'s import).
 """
 
@@ -30,6 +31,18 @@ from _results import emit, ratio_table, round_robin  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ["examples/adam-all", "sign-descent", "normalized-sgd"]
 VOCAB = {64: 512, 384: 8192, 768: 50257}
+#: specs also run with ``on_nonfinite: off`` (the adam geometry: compared with fused AdamW, which does not test)
+OFF = ["examples/adam-all"]
+
+
+def off(path: str) -> dict:
+    """The spec at ``path`` with ``defaults.on_nonfinite: off``."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        spec = yaml.safe_load(f)
+    spec.setdefault("defaults", {})["on_nonfinite"] = "off"
+    return spec
 
 
 def gpt2_tensors(width: int):
@@ -69,6 +82,8 @@ def measure(width: int, iters: int, base_pkg=None) -> tuple[list[tuple[str, floa
     for spec in SPECS:
         path = str(ROOT / "specs" / f"{spec}.yaml")
         rows.append((f"geomopt {spec}", geomopt.GeomOptimizer(fresh(), path).step))
+        if spec in OFF:  # the same spec under on_nonfinite: off (no finiteness test: torch's behaviour)
+            rows.append((f"geomopt {spec} (on_nonfinite: off)", geomopt.GeomOptimizer(fresh(), off(path)).step))
         if base_pkg is not None:
             rows.append((f"base {spec}", base_pkg.GeomOptimizer(fresh(), path).step))
     return round_robin(rows, iters), sum(p.numel() for _, p in base)

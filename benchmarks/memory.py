@@ -3,13 +3,16 @@ HF GPT-2 (2 layers, built from a config: random init, nothing downloaded) at two
 
     python benchmarks/memory.py [--specs muon examples/adam-all ...] [--quick] [--record NOTE]
 
-Every shipped spec by default (specs/*.yaml and specs/examples/*.yaml). "Held" is every tensor
+Every shipped spec by default (specs/**/*.yaml; a spec whose algorithm no torch optimizer runs,
+e.g. Lion, gets a row without the torch side). "Held" is every tensor
 storage reachable from the optimizer object (its ``state``, stacked ``_buffers``, workspace,
 graphs, … found by walking its attributes), each storage counted once, parameters and gradients
 excluded, after 3 steps (forward, backward, step on a random token batch) so that lazily created
 state exists. It is split into the state (what the algorithm keeps between steps; the ratio to
 torch's is the figure to hold at 1) and geomopt's workspace (a step's scratch, shared by the
-buckets, which run one after another: bounded by the largest bucket, reported beside it). The torch reference follows the geomopt plan tensor by tensor:
+buckets, which run one after another: bounded by the largest bucket; released at the end of each
+step since issue 30, so 0 between steps). The torch reference follows the geomopt plan tensor by
+tensor:
 adam rules → ``AdamW(fused=True)``, spectral rules with momentum → ``torch.optim.Muon`` (its
 Newton–Schulz swapped for a float32 copy: bf16 is emulated on this CPU), other rules
 with momentum → ``SGD(momentum=1−α)``, rules without → ``SGD()``, each with the rule's lr, weight
@@ -198,7 +201,10 @@ def worker(job: dict) -> dict:
     if job["side"] == "geomopt":
         opts = [geo]
     else:
-        opts = torch_reference(model, geo.plan)
+        try:
+            opts = torch_reference(model, geo.plan)
+        except SystemExit as err:  # no torch optimizer runs this algorithm: the row says so
+            return {"no_reference": str(err)}
     del geo
     params = list({id(p): p for p in model.parameters()}.values())
     param_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -278,13 +284,20 @@ def main(argv=None) -> int:
         for spec, g, t in zip(args.specs, results[::2], results[1::2]):
             pb = g["param_bytes"]
             state = g["held"] - g["workspace"]
+            if "no_reference" in t:
+                lines.append(f"| {spec}.yaml | {state / MiB:.2f} | — | — | {g['workspace'] / MiB:.2f} | "
+                             f"{g['largest_bucket'] / MiB:.2f} | {g['held'] / pb:.3f} | — | "
+                             f"{g['rss_delta'] / MiB:.1f} | — |")
+                notes.append(f"- {spec}.yaml — geomopt: {breakdown(g['by_label'])}; torch: {t['no_reference']}")
+                continue
             ratio = f"{state / t['held']:.3f}" if t["held"] else ("1.000" if not state else "∞")
             lines.append(f"| {spec}.yaml | {state / MiB:.2f} | {t['held'] / MiB:.2f} | {ratio} | "
                          f"{g['workspace'] / MiB:.2f} | {g['largest_bucket'] / MiB:.2f} | {g['held'] / pb:.3f} | "
                          f"{t['held'] / pb:.3f} | {g['rss_delta'] / MiB:.1f} | {t['rss_delta'] / MiB:.1f} |")
             notes.append(f"- {spec}.yaml — geomopt: {breakdown(g['by_label'])}; torch "
                          f"({' + '.join(t['optimizers'])}): {breakdown(t['by_label'])}")
-        exact = "" if g["rss_exact"] and t["rss_exact"] else " (peak RSS: ru_maxrss, no per-step reset here)"
+        exact = ("" if all(r.get("rss_exact", True) for r in results)
+                 else " (peak RSS: ru_maxrss, no per-step reset here)")
         lines += ["", f"Parameter bytes: {pb / MiB:.2f} MiB. Held MiB by holder{exact}:", *notes]
         emit("\n".join(lines), args.record)  # each width as soon as it is measured
     return 0

@@ -40,6 +40,7 @@ SPELLINGS = [
     ("geometry euclidean schedule=theory(horizon=100, gamma_bar=0.5) on_nonfinite=raise project_on_init=false",
      {"geometry": {"kind": "euclidean"}, "schedule": {"kind": "theory", "horizon": 100, "gamma_bar": 0.5},
       "on_nonfinite": "raise", "project_on_init": False}),
+    ("geometry adam on_nonfinite off", {"geometry": {"kind": "adam"}, "on_nonfinite": "off"}),
     # comments, free layout, trailing commas
     ("geometry spectral(  # the reference comes first\n    indicator,   # comment\n    approx = svd ,\n)  # done",
      {"geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}}}),

@@ -1,7 +1,8 @@
 """What the optimizer holds between steps: the algorithm's own state, counted independently from
 the plan (a momentum per tensor that has a direction, two moments per Adam tensor, the previous
-iterate for STORM), plus one workspace bounded by the largest bucket; nothing per tensor beyond.
-And the flat path's chunking (the workspace's bound) changes no bit of the step."""
+iterate for STORM), and nothing else: the step's scratch (one workspace bounded by the largest
+bucket) is released at the end of each step, as torch's optimizers free their temporaries. And the
+flat path's chunking (the workspace's bound during a step) changes no bit of the step."""
 
 from __future__ import annotations
 
@@ -112,6 +113,10 @@ def largest_bucket_bytes(opt, model) -> int:
 
 def held_after_steps(model, loss, spec, steps=3, **kw):
     opt = geomopt.GeomOptimizer(model, spec, **kw)
+    workspace, during = opt._rt.workspace, []  # its size at the end of each step, before its release
+    release = workspace.release
+    workspace.release = lambda: during.append(workspace.nbytes) or release()
+    workspace.during = during
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         if any(g["direction"] == "storm" for g in opt.param_groups):
@@ -134,7 +139,7 @@ def held_after_steps(model, loss, spec, steps=3, **kw):
 @pytest.mark.filterwarnings("ignore::geomopt.UnusedRuleWarning")
 @pytest.mark.parametrize("model_fn", [_gpt, _llama], ids=["gpt", "hf-llama"])
 @pytest.mark.parametrize("spec", SHIPPED)
-def test_held_memory_is_the_state_plus_a_workspace_bounded_by_the_largest_bucket(spec, model_fn):
+def test_held_memory_is_the_state_and_nothing_of_the_steps_scratch(spec, model_fn):
     model, loss = model_fn()
     opt, held = held_after_steps(model, loss, str(ROOT / spec))
     state = sum(b for b, name in held.values() if name.startswith("state"))
@@ -142,13 +147,15 @@ def test_held_memory_is_the_state_plus_a_workspace_bounded_by_the_largest_bucket
     other = {name: b for b, name in held.values() if not name.startswith(("state", "workspace", "_counters"))}
     assert state == expected_state_bytes(opt, model), {name: b for b, name in held.values()}
     assert not other, other  # no kept buffer outside the state and the workspace
-    assert workspace <= largest_bucket_bytes(opt, model), (workspace, largest_bucket_bytes(opt, model))
+    assert workspace == 0, workspace  # released at the end of the step
+    during = max(opt._rt.workspace.during)  # and bounded by the largest bucket while a step runs
+    assert during <= largest_bucket_bytes(opt, model), (during, largest_bucket_bytes(opt, model))
     assert sum(b for b, name in held.values() if name.startswith("_counters")) < 64  # a few scalars
 
 
 def test_storm_and_nesterov_keep_only_their_state():
     """STORM keeps d and the previous iterate; a Nesterov look-ahead and a sign map's output live
-    in the workspace, not per tensor."""
+    in the step's workspace, not per tensor, and not between steps."""
     model, loss = _gpt()
     spec = {"geomopt": 1, "name": "t", "defaults": {"lr": 0.01}, "rules": [
         {"name": "hidden", "match": {"name": "**.weight", "ndim": 2}, "direction": {"kind": "storm", "alpha": 0.2},
@@ -158,7 +165,7 @@ def test_storm_and_nesterov_keep_only_their_state():
     opt, held = held_after_steps(model, loss, spec)
     state = sum(b for b, name in held.values() if name.startswith("state"))
     assert state == expected_state_bytes(opt, model)
-    assert {name for _, name in held.values()} <= {"state.d", "state.prev", "workspace.u", "_counters.fallbacks",
+    assert {name for _, name in held.values()} <= {"state.d", "state.prev", "_counters.fallbacks",
                                                     "_counters.update_sq"}
 
 
@@ -204,8 +211,11 @@ def test_flat_blocks_give_the_same_bits_as_one_pass(name, monkeypatch):
         monkeypatch.setattr(optimizer_module, "BLOCK", 3000 if i == 0 else whole)
         opts[i]._rt.largest_bucket = 3000 if i == 0 else whole
 
+    workspace, during = opts[0]._rt.workspace, []  # its size at the end of each step, before it is released
+    release = workspace.release
+    monkeypatch.setattr(workspace, "release", lambda: during.append(workspace.nbytes) or release())
     step_in_lockstep(models, opts, setup=setup)
-    assert opts[0]._rt.workspace.nbytes <= 2 * 3000 * 4
+    assert during and max(during) <= 2 * 3000 * 4 and workspace.nbytes == 0
 
 
 @pytest.mark.parametrize("axis", ["row", "column", "element"])

@@ -259,7 +259,7 @@ match = st.fixed_dictionaries({}, optional=dict(name=pattern, module=nonempty, r
     lambda d: st.just(Match(**d)) if d else pattern.map(lambda p: Match(name=p)))  # at least one predicate
 roles = st.dictionaries(role_name, st.lists(pattern, min_size=1, max_size=3), max_size=3)
 hyper = dict(lr=nonneg, weight_decay=nonneg, direction=direction, schedule=schedule,
-             on_nonfinite=st.sampled_from(["skip", "raise"]), project_on_init=st.booleans())
+             on_nonfinite=st.sampled_from(["skip", "raise", "off"]), project_on_init=st.booleans())
 qk_clip = model(MaxLogitClip, tau=pos, alpha=st.floats(min_value=0, max_value=1, allow_nan=False))
 rule = model(Rule, name=rule_name, match=match, geometry=geometry, constraint=constraint, qk_clip=qk_clip, **hyper)
 

@@ -6,7 +6,8 @@ warm up before a capture too), :func:`captured_step` runs each job with the fini
 device: the gradients enter the operators as they are where every one is finite and as zeros
 elsewhere (an SVD of NaNs raises), and every write (parameters, state, step counts) selects the
 new value where the flag is true and the old one elsewhere (as fused AdamW's ``found_inf``), so a
-skipped step leaves every bit as it was. Step counts, the groups' ``step`` and the skipped counts
+skipped step leaves every bit as it was (rules with ``on_nonfinite: off``: not tested, they always
+step, a NaN propagating as in torch). Step counts, the groups' ``step`` and the skipped counts
 are device tensors (:func:`counts_on_device`), advanced by the flag; the spectral backward ops
 choose each matrix's route on the device (:class:`~geomopt.geometry.prox.spectral_map.DeviceRoutes`).
 """
@@ -27,14 +28,22 @@ from geomopt.optim.stacked import COUNTS
 def captured_step(rt: Runtime, groups: list, state, counters: list, jobs: list, grads: list, done: list) -> None:
     """One step of ``jobs`` ((program, [(param, plan)]) each, every program batched) with no host
     synchronization; ``done`` collects the indices of the jobs that committed."""
-    flags = finite_flags(rt, grads, [None] * len(grads), finite)
-    ok = flags.all()
+    # jobs of on_nonfinite: off rules are not tested: their flag is a constant true (the gradient
+    # enters as it is, a NaN propagates as in torch) and they step whatever the others' flag says
+    tested = [j for j, (prog, _) in enumerate(jobs) if prog.check != "off"]
+    first = grads[0][0] if isinstance(grads[0], list) else grads[0]
+    true = torch.ones((), dtype=torch.bool, device=first.device)
+    flags = [true] * len(jobs)
+    if tested:
+        for j, flag in zip(tested, finite_flags(rt, [grads[j] for j in tested], [None] * len(tested), finite)):
+            flags[j] = flag
+    ok = torch.stack([flags[j] for j in tested]).all() if tested else true
+    oks = [ok if prog.check != "off" else true for prog, _ in jobs]
     # the operators run either way (the host does not know): on zeros where a gradient is
     # non-finite, and the writes select the old values
-    first = grads[0][0] if isinstance(grads[0], list) else grads[0]
     zero = torch.zeros((), dtype=first.dtype, device=ok.device)
-    grads = [[torch.where(ok, t, zero) for t in g] if isinstance(g, list) else torch.where(ok, g, zero)
-             for g in grads]
+    grads = [g if prog.check == "off" else [torch.where(ok, t, zero) for t in g] if isinstance(g, list)
+             else torch.where(ok, g, zero) for (prog, _), g in zip(jobs, grads)]
     schedules: dict = {}
     for prog, _ in jobs:
         gi = prog.group
@@ -43,14 +52,15 @@ def captured_step(rt: Runtime, groups: list, state, counters: list, jobs: list, 
             schedules[gi] = (gamma, warmup_alpha(alpha, groups[gi]))
             counters[gi]["update_sq"].zero_()  # this step's sum, in place (a graph replays into it)
     steps = [(j, BucketJob(prog, rt, state, counters[prog.group], groups[prog.group], items, g, None,
-                           schedules[prog.group][0], schedules[prog.group][1], shared=True, ok=ok))
+                           schedules[prog.group][0], schedules[prog.group][1], shared=True, ok=oks[j]))
              for j, ((prog, items), g) in enumerate(zip(jobs, grads))]
     # the requests answered where they are (one process), not counted in opt.work (host numbers)
     with DeviceRoutes():
         drive(lambda requests: [r.fn(r.x) for r in requests], steps, done.append)
     for gi in schedules:  # counts on the device, advanced in place
-        bad = ~torch.stack([flags[j] for j, (prog, _) in enumerate(jobs) if prog.group == gi]).all()
-        for holder, key, by in ((counters[gi], "skipped", bad), (groups[gi], "step", ok)):
+        mine = [j for j, (prog, _) in enumerate(jobs) if prog.group == gi]
+        bad = ~torch.stack([flags[j] for j in mine]).all()
+        for holder, key, by in ((counters[gi], "skipped", bad), (groups[gi], "step", oks[mine[0]])):
             if isinstance(holder[key], torch.Tensor):
                 holder[key].add_(by.to(torch.int64))
             else:

@@ -239,3 +239,27 @@ def dion(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     state["d"] = torch.baddbmm(b, p, r_fac.transpose(1, 2), alpha=-(1 - group["mu"])).reshape(shape)
     q = state["dion_q"] = r_fac / (r_fac.norm(dim=1, keepdim=True) + group["eps"])
     return torch.bmm(p, q.transpose(1, 2)).mul_(math.sqrt(m / n)).reshape(shape)
+
+
+def previous_gradients(opt, closure) -> dict:
+    """g(x_{k−1}, ξ_k) for STORM (``opt``: the GeomOptimizer): swap in the previous iterate,
+    evaluate, swap back. Tensors without a previous iterate (first step, or never had a gradient)
+    stay at the current one and get d = g on their first step (no second evaluation when no
+    tensor has one)."""
+    params = [p for g in opt.param_groups for p in g["params"] if "prev" in opt.state[p]]
+    if not params:
+        return {}  # first step: d⁰ = g(x₀, ξ₀), no second evaluation
+    with torch.no_grad():
+        current = [p.detach().clone() for p in params]
+        for p in params:
+            p.copy_(opt.state[p]["prev"])
+    try:
+        opt.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            closure()
+        out = {p: (p.grad.detach().clone() if p.grad is not None else None) for p in params}
+    finally:
+        with torch.no_grad():
+            for p, x in zip(params, current):
+                p.copy_(x)
+    return out

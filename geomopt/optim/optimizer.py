@@ -39,6 +39,7 @@ from geomopt.optim.contract import (check_complex, collect_params, copy_state, p
                                     sparse_gradient, with_overrides)
 from geomopt.optim.construction import check_capturable, check_dion, project_on_init, warn_slow_bf16, warn_unused_rules
 from geomopt.optim.diagnostics import diagnostics
+from geomopt.optim.directions import previous_gradients
 from geomopt.optim.flat import step_flat
 from geomopt.optim.nonfinite import launch_check, skip_nonfinite
 from geomopt.optim.qkclip import QKClip
@@ -86,7 +87,8 @@ class GeomOptimizer(Optimizer):
     one (same batch), except on the first step.
 
     Non-finite gradients (any group) skip the whole step or raise, per rule (``on_nonfinite``),
-    before anything is written.
+    before anything is written; rules with ``on_nonfinite: off`` are not tested (a NaN propagates,
+    as in torch) and step even when the others skip (:mod:`geomopt.optim.nonfinite`).
 
     Zero-size tensors (a dim of size 0) are accepted under every rule and never step: no state,
     no projection, nothing in :meth:`diagnostics`, as a tensor without a gradient.
@@ -219,18 +221,19 @@ class GeomOptimizer(Optimizer):
         group values they were built from: a step builds them again when those change."""
         self._programs = dispatch(self.param_groups, self._plans, self._buckets, self._options)
         self._built_from = [signature(g) for g in self.param_groups]
-        batched = [p for progs in self._programs for p in progs if p.variant == "batched"]
-        self._deferred = (self._options.local and not self._options.keeps_prev
-                          and all(p.check == "deferred" for p in batched))
+        progs = [p for ps in self._programs for p in ps]  # not deferred where a rule is off
+        self._deferred = (self._options.local and not self._options.keeps_prev and all(p.check != "off" for p in progs)
+                          and all(p.check == "deferred" for p in progs if p.variant == "batched"))
 
     def describe(self) -> str:
         """Every bucket's step program (:mod:`geomopt.optim.program`): its tensors, stages,
         variant and why each choice was made, as text (``geomopt plan … --program`` prints it)."""
         if [signature(g) for g in self.param_groups] != self._built_from:
             self._dispatch()
+        off = all(p.check == "off" for progs in self._programs for p in progs)
+        test = "off" if off else "deferred behind the forward ops" if self._deferred else "before any write"
         head = (f"spec '{self.spec.name}': {sum(map(len, self._programs))} step program(s); finiteness test "
-                f"{'deferred behind the forward ops' if self._deferred else 'before any write'}; executor "
-                f"{type(self._executor).__name__}")
+                f"{test}; executor {type(self._executor).__name__}")
         return "\n".join([head] + [p.describe() for progs in self._programs for p in progs])
 
     # ------------------------------------------------------------ set-up
@@ -309,7 +312,7 @@ class GeomOptimizer(Optimizer):
                     "this spec uses a storm direction, which evaluates the gradient at the previous and the "
                     "current iterate on the same batch: call opt.step(closure) with a closure that zeroes the "
                     "gradients, computes the loss and calls backward()")
-            g_prev = self._previous_gradients(closure)
+            g_prev = previous_gradients(self, closure)
             self.zero_grad(set_to_none=True)  # a closure that forgets zero_grad must not add g(x_{k-1})
         if closure is not None:
             with torch.enable_grad():
@@ -333,12 +336,16 @@ class GeomOptimizer(Optimizer):
                     raise
                 self._pending = None
                 return loss
-            check = launch_check(rt, grads, prevs) if jobs else None
+            check = launch_check(rt, jobs, grads, prevs)  # None: no job is tested (on_nonfinite: off)
             # deferred: the buckets launch their forward ops (reads into scratch) before the host
             # waits for the test, so the device stays busy; nothing is written before the wait
             defer = self._deferred
-            if not defer and skip_nonfinite(rt, groups, self._counters, jobs, grads, prevs, check):
-                return loss
+            if not defer:  # a skipped step still steps the jobs of on_nonfinite: off rules
+                keep = skip_nonfinite(rt, groups, self._counters, jobs, check)
+                if len(keep) < len(jobs):
+                    if not keep or self._pending is not None:  # an interrupted step's retry: all or nothing
+                        return loss
+                    jobs, grads, prevs = ([xs[k] for k in keep] for xs in (jobs, grads, prevs))
             schedules, devices = {}, {}
             for prog, items in jobs:
                 gi = prog.group
@@ -353,8 +360,8 @@ class GeomOptimizer(Optimizer):
 
             def writes() -> bool:
                 """Everything that writes at once; False when the step is skipped."""
-                if defer and skip_nonfinite(rt, groups, self._counters, jobs, grads, prevs, check):
-                    return False
+                if defer and len(skip_nonfinite(rt, groups, self._counters, jobs, check)) < len(jobs):
+                    return False  # deferred: every rule tested alike (dispatch), so the whole step
                 if pending is None:  # a completed retry counts the whole step's update
                     for gi, device in devices.items():
                         self._counters[gi]["update_sq"] = torch.zeros((), device=device)
@@ -380,6 +387,7 @@ class GeomOptimizer(Optimizer):
             for gi in set(schedules) | (pending.groups if pending is not None else set()):
                 groups[gi]["step"] += 1
             self._pending = None
+            rt.workspace.release()  # nothing of the step's scratch is held between steps
             if self._options.capturable:  # the counts a captured step advances on the device
                 counts_on_device(groups, self.state, self._counters, jobs)
             self._qk_clip.apply()  # QK-clip after the step (geomopt.optim.qkclip)
@@ -426,25 +434,3 @@ class GeomOptimizer(Optimizer):
         if prog.variant == "flat" or prog.direction_form in ("rows", "ahead"):
             return grads
         return stack(grads)
-
-    def _previous_gradients(self, closure) -> dict:
-        """g(x_{k−1}, ξ_k) for STORM: swap in the previous iterate, evaluate, swap back. Tensors
-        without a previous iterate (first step, or never had a gradient) stay at the current one
-        and get d = g on their first step (no second evaluation when no tensor has one)."""
-        params = [p for g in self.param_groups for p in g["params"] if "prev" in self.state[p]]
-        if not params:
-            return {}  # first step: d⁰ = g(x₀, ξ₀), no second evaluation
-        with torch.no_grad():
-            current = [p.detach().clone() for p in params]
-            for p in params:
-                p.copy_(self.state[p]["prev"])
-        try:
-            self.zero_grad(set_to_none=True)
-            with torch.enable_grad():
-                closure()
-            out = {p: (p.grad.detach().clone() if p.grad is not None else None) for p in params}
-        finally:
-            with torch.no_grad():
-                for p, x in zip(params, current):
-                    p.copy_(x)
-        return out

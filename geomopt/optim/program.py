@@ -23,8 +23,10 @@ Variants::
 and, batched, the direction's form (``stacked``: on the stacked gradients; ``rows``: Polyak read
 tensor by tensor from the unstacked gradients, no stacked copy of G; ``ahead``: Polyak read ahead
 of a deferred finiteness test, its state written after it), the finiteness test (``before`` the
-step, or ``deferred`` behind the forward ops' launches, one process), and ``graphed`` (the
-polynomial forward op replayed from a CUDA graph).
+step, or ``deferred`` behind the forward ops' launches, one process; ``device`` when capturable;
+``off``, any variant, under ``on_nonfinite: off``: the test never reads the bucket's gradients, so
+a NaN reaches parameters and state as in torch), and ``graphed`` (the polynomial forward op
+replayed from a CUDA graph).
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ class Program:
         choices = [self.variant, self.write]
         if self.variant == "batched":
             choices += [f"direction {self.direction_form}", f"check {self.check}"] + ["graphed"] * self.graphed
+        elif self.check == "off":
+            choices.append("check off")
         lines = [head, f"  variant: {' · '.join(choices)}", "  stages: " + " → ".join(self.stages)]
         lines += [f"  why: {w}" for w in self.why]
         names = ", ".join(self.names[:4]) + (f", … ({len(self.names)} tensors)" if len(self.names) > 4 else "")
@@ -110,7 +114,7 @@ class Program:
 
 def signature(group: dict) -> tuple:
     """The group values a program's choices read: a program is built again when they change."""
-    return group["direction"], bool(group.get("nesterov")), group.get("init")
+    return group["direction"], bool(group.get("nesterov")), group.get("init"), group.get("on_nonfinite")
 
 
 def flat_rule(group: dict, pp: ParamPlan, opts: Options) -> Optional[str]:
@@ -194,19 +198,32 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
             if len({ps[i].op_shape for i in indices}) > 1:
                 fields["shape"] = ()  # tensors of several shapes
             progs.append(Program(**fields, variant="flat", write="fused" if fused else "foreach", why=tuple(why)))
-        out.append(progs)
+        out.append([_unchecked(p) for p in progs] if group["on_nonfinite"] == "off" else progs)
     # the finiteness test waits behind the forward ops' launches only where no bucket of the step
-    # writes before its forward op: decided for the optimizer as a whole
-    deferred = opts.local and not opts.keeps_prev and not opts.capturable and all(ok for _, _, ok in batched)
+    # writes before its forward op: decided for the optimizer as a whole; not where some rule is
+    # off and another tested (a skipped step still steps the off rules' buckets: the host must know
+    # before any bucket runs)
+    offs = {g["on_nonfinite"] == "off" for g in groups}
+    deferred = (opts.local and not opts.keeps_prev and not opts.capturable and all(ok for _, _, ok in batched)
+                and offs != {True, False})
     if deferred:
         for gi, k, _ in batched:
             prog = out[gi][k]
+            if prog.check == "off":
+                continue
             form = "ahead" if prog.direction_form == "rows" else prog.direction_form
             out[gi][k] = dataclasses.replace(
                 prog, check="deferred", direction_form=form,
                 why=prog.why + ("finiteness test deferred: the host waits for it after launching every forward op "
                                 "(no bucket writes before its forward op)",))
     return out
+
+
+def _unchecked(prog: Program) -> Program:
+    """``on_nonfinite: off``: the finiteness test skips the program's gradients (torch's behaviour:
+    a non-finite gradient propagates into parameters and state)."""
+    return dataclasses.replace(prog, check="off", why=prog.why + (
+        "on_nonfinite: off: no finiteness test of these gradients (a NaN or ±∞ propagates, as in torch)",))
 
 
 def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Options, not_flat: str) -> Program:

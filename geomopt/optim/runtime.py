@@ -19,7 +19,8 @@ from geomopt.optim.workspace import Workspace
 class Runtime:
     """``executor``: :mod:`geomopt.distributed`'s LocalExecutor, ReplicatedExecutor or
     ShardedExecutor; ``stacked``: the buckets' stacked state (and the sharded tensors' layouts);
-    ``workspace``: scratch shared by buckets that run one after another; ``graphs``: bucket →
+    ``workspace``: scratch shared by buckets that run one after another (empty between steps:
+    released at the end of each, except under ``capturable``); ``graphs``: bucket →
     :class:`~geomopt.optim.graphs.GraphedOp`, at most ``graph_cap`` of them; ``flag_host``: the
     pinned host copy of the finiteness flag (CUDA); ``largest_bucket``: entries of the largest
     bucket, which bounds the flat path's blocks."""

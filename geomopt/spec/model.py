@@ -109,7 +109,7 @@ class Hyper(SpecModel):
     direction: Optional[Direction] = None
     decay: Optional[Decay] = None
     schedule: Optional[Schedule] = None
-    on_nonfinite: Optional[Literal["skip", "raise"]] = None
+    on_nonfinite: Optional[Literal["skip", "raise", "off"]] = None
     project_on_init: Optional[bool] = None
     state: Optional[StatePrecision] = None
 
