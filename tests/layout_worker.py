@@ -236,7 +236,13 @@ def run_layouts(world: World, result: dict) -> None:
             with torch.no_grad():
                 for pname, p in model.named_parameters():
                     _local(p).copy_(start[pname])
-            opt = GeomOptimizer(model, spec, **kwargs)
+            try:
+                opt = GeomOptimizer(model, spec, **kwargs)
+            except ValueError as exc:  # a spec that refuses sharded tensors (dion): the refusal is the result
+                if layout == "ddp":
+                    raise
+                result.setdefault("refused", {}).setdefault(layout, {})[name] = str(exc)
+                continue
             t0 = time.perf_counter()
             train(model, opt, forward=forward)
             result["seconds"][layout][name] = time.perf_counter() - t0

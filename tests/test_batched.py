@@ -254,7 +254,12 @@ def test_direction_written_in_the_forward_dtype_gives_the_same_bits(monkeypatch)
     models = [tiny_gpt(0), tiny_gpt(0)]
     opts = [geomopt.GeomOptimizer(m, copy.deepcopy(spec)) for m in models]
     low = optimizer_module.input_dtype
+    taken: list = []  # the scratch u the first optimizer takes (released at the end of each step)
+    ws = opts[0]._rt.workspace
+    take = ws.take
+    monkeypatch.setattr(ws, "take", lambda slot, shape, dtype, device: taken.append((slot, dtype)) or
+                        take(slot, shape, dtype, device))
     step_in_lockstep(models, opts, setup=lambda i: monkeypatch.setattr(
         optimizer_module, "input_dtype", low if i == 0 else lambda g, like: like.dtype))
-    u = [v for k, v in opts[0]._rt.workspace._buffers.items() if k[0] == "u"]
-    assert u and all(t.dtype == torch.bfloat16 for t in u)
+    u = [dtype for slot, dtype in taken if slot == "u"]
+    assert u and all(dtype == torch.bfloat16 for dtype in u)

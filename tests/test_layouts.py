@@ -67,6 +67,11 @@ def test_ddp_is_bit_identical_to_one_process(ranks, reference, name):
 @pytest.mark.parametrize("layout", ["fsdp", "hsdp", "fsdp_tp"])
 @pytest.mark.parametrize("name", sorted(worker.SPECS))
 def test_sharded_layouts_match_one_process(ranks, reference, layout, name):
+    refused = ranks[0].get("refused", {}).get(layout, {})
+    if "dion" in name:  # its power iteration needs whole matrices: refused on sharded tensors, saying so
+        assert "needs whole matrices" in refused.get(name, ""), (layout, refused)
+        return
+    assert name not in refused, refused[name]
     ref = reference[name]["params"]
     got = ranks[0][layout][name]
     assert deviation(got, ref) <= BOUND, (layout, name, deviation(got, ref))

@@ -64,6 +64,11 @@ def expected_state_bytes(opt, model) -> int:
             total += n * size  # d
         if pp.direction["kind"] == "storm":
             total += n * t.element_size()  # the previous iterate
+        if pp.direction["kind"] == "dion":  # the right factor Q: n × r of the tensor as (shape[0], rest)
+            from geomopt.optim.directions import dion_rank
+
+            cols = n // t.shape[0]
+            total += cols * dion_rank(pp.direction["rank"], (t.shape[0], cols)) * size
         if pp.geometry["kind"] == "adam":
             total += 2 * n * size  # exp_avg, exp_avg_sq
         for stage in pp.post:

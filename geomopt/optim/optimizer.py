@@ -387,7 +387,8 @@ class GeomOptimizer(Optimizer):
             for gi in set(schedules) | (pending.groups if pending is not None else set()):
                 groups[gi]["step"] += 1
             self._pending = None
-            rt.workspace.release()  # nothing of the step's scratch is held between steps
+            if not self._options.capturable:  # a captured (or compiled) step reuses the scratch it took
+                rt.workspace.release()  # nothing of the step's scratch is held between steps
             if self._options.capturable:  # the counts a captured step advances on the device
                 counts_on_device(groups, self.state, self._counters, jobs)
             self._qk_clip.apply()  # QK-clip after the step (geomopt.optim.qkclip)
