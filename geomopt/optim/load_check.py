@@ -33,7 +33,7 @@ import torch
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
 from geomopt.optim import stages as post_stages
-from geomopt.optim.state_codec import BLOCK, MOMENTS, SCALE
+from geomopt.optim.state_codec import BLOCK, MOMENTS, SCALE, STORED
 from geomopt.optim.migrate import KINDS, VIEW_KEYS
 from geomopt.optim.tensors import as_real, local
 
@@ -244,8 +244,7 @@ def _check_tensor(pp, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
                               f"optimizer keeps {want}: the state was saved on another model (or edited); build "
                               f"the optimizer on the model it was saved from")
     dtype = p.dtype if key == "prev" else torch.promote_types(p.dtype, torch.float32)
-    kept = {"bfloat16": torch.bfloat16, "int8": torch.uint8}.get(pp.state_dtype)  # the rule's state precision
-    if key in MOMENTS and value.dtype == kept:
+    if key in MOMENTS and value.dtype == STORED.get(pp.state_dtype):  # kept in the rule's state precision
         return
     if (key == "prev" or key in VIEW_KEYS or key in post_stages.STAGE_STATE) and value.dtype != dtype:
         raise CheckpointError(f"tensor '{pp.name}' ({p.dtype}): state '{key}' is {value.dtype}, this optimizer "

@@ -33,6 +33,8 @@ BLOCK = 256
 #: the state keys that are moments: ``int8`` quantizes them (signed or not); other keys keep float32
 MOMENTS = {"d": True, "exp_avg": True, "exp_avg_sq": False, "post_v": False, "post_g2": False}
 SCALE = "_absmax"
+#: a rule's ``state`` precision → the dtype its encoded entries are stored in
+STORED = {"bfloat16": torch.bfloat16, "int8": torch.uint8}
 _MAPS: dict = {}
 
 
@@ -94,17 +96,11 @@ def encode_bf16(x: torch.Tensor, generator: Optional[torch.Generator]) -> torch.
 
 
 def decode_entry(state: dict) -> dict:
-    """One tensor's saved state with its encoded entries as float32 (a checkpoint's, for a migration)."""
-    out = dict(state)
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor) or key.endswith(SCALE):
-            continue
-        if value.dtype == torch.bfloat16:
-            out[key] = value.float()
-        elif value.dtype == torch.uint8 and key + SCALE in state:
-            out[key] = decode_int8(value.unsqueeze(0), state[key + SCALE].unsqueeze(0), MOMENTS[key])[0]
-            del out[key + SCALE]
-    return out
+    """One tensor's saved state with its encoded entries as float32 (a checkpoint's, for a migration):
+    :meth:`Codec.decode` on the entry as a stack of one."""
+    one = {k: v.unsqueeze(0) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    out = Codec.decode(one)
+    return dict(state) if out is one else {k: v[0] if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
 
 class Codec:
@@ -127,7 +123,7 @@ class Codec:
         dict when nothing is encoded."""
         out = None
         for key, value in state.items():
-            if not isinstance(value, torch.Tensor) or value.dtype not in (torch.bfloat16, torch.uint8):
+            if not isinstance(value, torch.Tensor) or value.dtype not in STORED.values():
                 continue
             out = dict(state) if out is None else out
             if value.dtype == torch.bfloat16:
