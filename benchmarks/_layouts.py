@@ -1,8 +1,8 @@
-"""``benchmarks/distributed.py --layouts``: every layout of a 4-process world (gloo, CPU) side by side.
+"""``benchmarks/distributed.py --layouts``: every layout of the layout matrix (gloo, CPU) side by side.
 
-Per layout (one process, DDP ×2, FSDP2 ×2, HSDP 2×2, FSDP2 × TP 2×2: tests/layout_worker.py builds
-them) and spec, an HF Llama (random init from a config) takes one forward / backward and then
-``--iters`` optimizer steps on those gradients. Reported per rank, medians:
+Per layout (one process, DDP ×2, FSDP2 ×2, HSDP 2×2, FSDP2 × TP 2×2 on 4 processes, HSDP × TP
+2×2×2 on 8: tests/layout_worker.py builds them) and spec, an HF Llama (random init from a config)
+takes one forward / backward and then ``--iters`` optimizer steps on those gradients. Reported per rank, medians:
 
 * ``sent / param bytes``: what the rank hands to collectives during one ``opt.step()`` (counted
   at torch's dispatcher, c10d and functional collectives alike, so DTensor's own reductions
@@ -40,6 +40,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 RESULTS = ROOT / "benchmarks" / "results" / "layouts.json"
 DEFAULT_SPECS = ["muon", "adamw-hybrid", "spectral-clip", "normuon"]
+#: the layout matrix's workers (tests/): script, processes
+MATRIX = (("layout_worker.py", 4), ("layout_worker.py", 8))
 
 
 def sent_bytes(func, args, kwargs) -> float:
@@ -134,7 +136,7 @@ def worker(args) -> None:
 
         base = import_base(args.base, Path(tempfile.mkdtemp(prefix="geomopt-base-")))
     out: dict = {}
-    for layout in ("single", *lw.LAYOUTS):
+    for layout in ("single", *world.layouts) if world.size == 4 else world.layouts:
         for spec in args.spec:
             model = lw.make_model(cfg=cfg)
             if layout == "single":
@@ -171,27 +173,35 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def _torchrun(script: Path, *argv: str, threads: int) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", str(script), *argv]
+def _torchrun(script: Path, *argv: str, threads: int, nproc: int = 4) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(script),
+           *argv]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TRANSFORMERS_VERBOSITY="error")
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
 
 
 def deviations(threads: int) -> dict:
-    """tests/layout_worker.py's layout matrix: per layout, the largest deviation from one process
-    over every spec, and the spec it occurs at."""
-    with tempfile.TemporaryDirectory() as tmp:
-        _torchrun(ROOT / "tests" / "layout_worker.py", tmp, threads=threads)
-        ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    ref = {}
-    for r in ranks:
-        ref.update({name: v["params"] for name, v in r["ref"].items()})
+    """The layout matrix (:data:`MATRIX`): per layout, the largest deviation from one process over
+    every spec it ran (the ranks' gathered parameters merged: a pipeline stage holds its part),
+    the spec it occurs at, the processes, and per spec the bytes sent in a step, largest over ranks."""
     out = {}
-    for layout in ("ddp", "fsdp", "hsdp", "fsdp_tp"):
-        worst = max((max(float((got[k] - ref[name][k]).norm() / ref[name][k].norm().clamp_min(1e-30))
-                         for k in got), name) for name, got in ranks[0][layout].items())
-        out[layout] = dict(max_rel=worst[0], spec=worst[1], specs=len(ranks[0][layout]),
-                           placements=ranks[0]["placements"][layout])
+    for script, nproc in MATRIX:
+        with tempfile.TemporaryDirectory() as tmp:
+            _torchrun(ROOT / "tests" / script, tmp, threads=threads, nproc=nproc)
+            ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+        ref: dict = {}
+        for r in ranks:
+            ref.update({name: v["params"] for name, v in r["ref"].items()})
+        for layout in ranks[0]["sent"]:
+            got: dict = {}
+            for r in ranks:
+                for name, params in r.get(layout, {}).items():
+                    got.setdefault(name, {}).update(params)
+            worst = max((max(float((g[k] - ref[name][k]).norm() / ref[name][k].norm().clamp_min(1e-30)) for k in g),
+                         name) for name, g in got.items())
+            sent = {name: max(r["sent"][layout][name] for r in ranks) for name in ranks[0]["sent"][layout]}
+            out[layout] = dict(max_rel=worst[0], spec=worst[1], specs=len(got), processes=nproc, sent=sent,
+                               placements=ranks[0]["placements"][layout])
     return out
 
 
@@ -204,14 +214,20 @@ def main(args) -> int:
     from geomopt.cli.bench import device_name
 
     args.spec = args.spec or DEFAULT_SPECS
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "out.json"
-        argv = ["--layouts", "--worker", "--out", str(out), "--width", str(args.width), "--threads",
-                str(args.threads), "--iters", str(args.iters), "--warmup", str(args.warmup)]
-        argv += ["--base", args.base] if args.base else []
-        _torchrun(ROOT / "benchmarks" / "distributed.py", *argv, *(a for s in args.spec for a in ("--spec", s)),
-                  threads=args.threads)
-        cost = json.loads(out.read_text())
+    cost: dict = {"cost": {}}
+    for nproc in (4, 8):  # the 1-D and 2-D layouts, then HSDP × TP
+        if nproc == 8 and args.base:  # --base: the layouts the base commit serves
+            break
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out.json"
+            argv = ["--layouts", "--worker", "--out", str(out), "--width", str(args.width), "--threads",
+                    str(args.threads), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+            argv += ["--base", args.base] if args.base else []
+            _torchrun(ROOT / "benchmarks" / "distributed.py", *argv, *(a for s in args.spec for a in ("--spec", s)),
+                      threads=args.threads, nproc=nproc)
+            part = json.loads(out.read_text())
+        cost["cost"].update(part["cost"])
+        cost["param_mb"] = part["param_mb"]
     dev = {} if args.base else deviations(args.threads)  # --base: the step-time comparison only
     from geomopt.cli.demo import machine, source_version
 
@@ -219,7 +235,7 @@ def main(args) -> int:
     record = dict(command="python benchmarks/distributed.py --layouts", date=datetime.date.today().isoformat(),
                   torch=torch.__version__, threads=args.threads, machine=m, source=source_version(ROOT),
                   width=args.width, param_mb=cost["param_mb"], cost=cost["cost"], deviation=dev)
-    lines = [f"### Layouts on 4 gloo processes ({device_name('cpu')}, 2 cores shared) — {record['date']}, torch "
+    lines = [f"### Layouts on 4 and 8 gloo processes ({device_name('cpu')}, 2 cores shared) — {record['date']}, torch "
              f"{record['torch']}, {args.threads} thread(s) per rank",
              "", f"HF Llama width {args.width}, {cost['param_mb']:.1f} MiB of float32 parameters; per rank: bytes "
              f"sent in one optimizer step / parameter bytes, step time (median ms, min–max over ranks).", "",
@@ -233,9 +249,12 @@ def main(args) -> int:
             cells.append(f"{sent:.2f}× · {min(ms):.0f}–{max(ms):.0f} ms")
         lines.append(f"| {spec} | " + " | ".join(cells) + " |")
     if dev:
-        lines += ["", "| layout | largest deviation from one process | at spec | specs |", "|---|---|---|---|"]
+        head = "| layout | processes | largest deviation from one process | at spec | specs | "
+        lines += ["", head + " | ".join(f"{s} sent" for s in args.spec) + " |",
+                  "|---|---|---|---|---|" + "---|" * len(args.spec)]
         for layout, d in dev.items():
-            lines.append(f"| {layout} | {d['max_rel']:.1e} | {d['spec']} | {d['specs']} |")
+            sent = " | ".join(f"{d['sent'][s]:.2f}×" if s in d["sent"] else "—" for s in args.spec)
+            lines.append(f"| {layout} | {d['processes']} | {d['max_rel']:.1e} | {d['spec']} | {d['specs']} | {sent} |")
     emit("\n".join(lines), args.record)
     if args.record and not args.base:
         RESULTS.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")

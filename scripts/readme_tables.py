@@ -441,30 +441,38 @@ def catalog(records) -> str:
 
 LAYOUT_RESULTS = ROOT / "benchmarks" / "results" / "layouts.json"
 LAYOUT_NAMES = {"single": "one process", "ddp": "DDP ×2", "fsdp": "FSDP2 ×2", "hsdp": "HSDP 2×2 (Replicate, Shard)",
-                "fsdp_tp": "FSDP2 × TP 2×2"}
+                "fsdp_tp": "FSDP2 × TP 2×2", "hsdp_tp": "HSDP × TP 2×2×2", "fsdp_ep": "FSDP2 + EP",
+                "pp_fsdp": "PP × FSDP2"}
 
 
 def layouts(records) -> str:
     """Per layout: the deviation from one process over every spec of the layout matrix, and each
-    benchmarked spec's bytes sent per rank in a step (÷ parameter bytes) and step time."""
+    benchmarked spec's bytes sent per rank in a step (÷ parameter bytes) and step time; a layout
+    the width benchmark does not step (its own model) shows the matrix run's bytes, marked ᵐ."""
     rec = records("layouts", LAYOUT_RESULTS)
     specs = list(next(iter(rec["cost"].values())))
     rows = []
-    for layout, by_spec in rec["cost"].items():
+    for layout in [*rec["cost"], *(k for k in rec["deviation"] if k not in rec["cost"])]:
         d = rec["deviation"].get(layout)
         dev = "—" if d is None else sci(d["max_rel"]) + (" (bit for bit)" if d["max_rel"] == 0 else "")
-        cells = [f"{max(r['sent'] for r in by_spec[s]):.2f}×, {span([r['step_ms'] for r in by_spec[s]])} ms"
-                 for s in specs]
-        rows.append([LAYOUT_NAMES.get(layout, layout), dev, *cells])
+        by_spec = rec["cost"].get(layout)
+        if by_spec is not None:
+            cells = [f"{max(r['sent'] for r in by_spec[s]):.2f}×, {span([r['step_ms'] for r in by_spec[s]])} ms"
+                     for s in specs]
+        else:
+            cells = [f"{d['sent'][s]:.2f}×ᵐ" if s in d["sent"] else "refused" for s in specs]
+        processes = 1 if layout == "single" else (d or {}).get("processes", 4)
+        rows.append([LAYOUT_NAMES.get(layout, layout), str(processes), dev, *cells])
     n = max(d["specs"] for d in rec["deviation"].values())
-    head = ["layout", f"deviation from one process ({n} specs)", *(f"`{s}`: sent, step" for s in specs)]
-    caption = (f"`{rec['command']}`{made_text(rec)}, 4 gloo processes on {machine_text(rec)}. Deviation: the "
+    head = ["layout", "processes", f"deviation from one process (≤ {n} specs)", *(f"`{s}`: sent, step" for s in specs)]
+    caption = (f"`{rec['command']}`{made_text(rec)}, gloo processes on {machine_text(rec)}. Deviation: the "
                f"largest, over every shipped spec and two that use every operator locality and post-stage, of "
-               f"max over tensors ‖X − X₁‖_F / ‖X₁‖_F after 2 steps of an HF Llama (tests/test_layouts.py asserts "
-               f"it). Sent: the bytes a rank hands to collectives in one optimizer step (ring all-reduce "
-               f"2(w−1)/w·n, all-gather (w−1)·n, all-to-all what leaves the rank), largest over ranks, ÷ the "
-               f"parameter bytes of an HF Llama of width {rec['width']} ({rec['param_mb']:.1f} MiB); step: the "
-               f"step's median time, min–max over ranks (4 processes share 2 cores).")
+               f"max over tensors ‖X − X₁‖_F / ‖X₁‖_F after 2 steps (tests/test_layouts*.py, "
+               f"tests/test_expert_parallel.py and tests/test_pipeline_parallel.py assert it). Sent: the bytes a "
+               f"rank hands to collectives in one optimizer step (ring all-reduce 2(w−1)/w·n, all-gather (w−1)·n, "
+               f"all-to-all what leaves the rank), largest over ranks, ÷ the parameter bytes of an HF Llama of "
+               f"width {rec['width']} ({rec['param_mb']:.1f} MiB); ᵐ: on the layout matrix's own model, not "
+               f"timed; step: the step's median time, min–max over ranks (the processes share 2 cores).")
     return "\n".join(table(head, rows)) + "\n\n" + caption
 
 

@@ -1,16 +1,21 @@
-"""Run by tests/test_layouts.py under ``torchrun --nproc_per_node 4`` (gloo, CPU).
+"""Run by tests/test_layouts.py under ``torchrun --nproc_per_node 4`` and ``--nproc_per_node 8`` (gloo, CPU).
 
-An HF Llama (random init from a config) trains for a few steps under every layout a 4-process
-world can hold, for every shipped spec and two specs that use every operator locality and every
+An HF Llama (random init from a config) trains for a few steps under every layout the world can
+hold, for every shipped spec and two specs that use every operator locality and every
 post-stage, and each run's parameters are gathered whole; each rank also computes the
-single-process reference of a quarter of the specs. Every rank sees the same batch, so the
+single-process reference of its share of the specs. Every rank sees the same batch, so the
 data-parallel gradients equal the one-process ones bit for bit and the differences are the
 optimizer's (and, under tensor parallelism, the forward's split matmuls).
 
-Layouts (4 processes): ``ddp`` (two DDP pairs, ranks {0,1} and {2,3}), ``fsdp`` (FSDP2 on two
+Layouts of 4 processes: ``ddp`` (two DDP pairs, ranks {0,1} and {2,3}), ``fsdp`` (FSDP2 on two
 1-D meshes of 2), ``hsdp`` (a 2 × 2 mesh: Replicate × Shard), ``fsdp_tp`` (FSDP2 × TP on a 2 × 2
 mesh: q, k, v, gate, up column-wise, o, down row-wise; embeddings, norms and the head FSDP2 only,
-on the dp sub-mesh).
+on the dp sub-mesh). Of 8 processes: ``hsdp_tp`` (HSDP × TP on a 2 × 2 × 2 (replicate, shard, tp)
+mesh, the same TP plan; embeddings, norms and the head HSDP only, on the (replicate, shard)
+sub-mesh).
+
+Each layout's last step of each spec also counts the bytes the rank hands to collectives
+(``sent``: benchmarks/_layouts.py's counter, ÷ the model's parameter bytes).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from distributed_worker import _clone  # noqa: E402  (the 2-process worker's dee
 from geomopt import GeomOptimizer, shipped_specs  # noqa: E402
 
 STEPS = 2
-LAYOUTS = ("ddp", "fsdp", "hsdp", "fsdp_tp")
+LAYOUTS = {4: ("ddp", "fsdp", "hsdp", "fsdp_tp"), 8: ("hsdp_tp",)}  # by world size
 CFG = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
 
@@ -173,12 +178,17 @@ def batch(step: int) -> torch.Tensor:
     return torch.randint(0, CFG["vocab_size"], (4, 9), generator=torch.Generator().manual_seed(step))
 
 
-def train(model, opt, steps=range(STEPS), forward=None) -> None:
+def train(model, opt, steps=range(STEPS), forward=None, counter=None) -> None:
+    """``counter`` (a dispatch mode) watches the last step's ``opt.step()`` only."""
     for step in steps:
         opt.zero_grad(set_to_none=True)
         ids = batch(step)
         (forward or model)(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
+        if counter is not None and step == steps[-1]:
+            with counter:
+                opt.step()
+        else:
+            opt.step()
 
 
 def params_of(model) -> dict:
@@ -187,12 +197,17 @@ def params_of(model) -> dict:
 
 
 class World:
-    """The 4-process world's meshes and groups (built once: every rank creates them in order)."""
+    """The world's meshes and groups (built once: every rank creates them in order): of 4 processes
+    for the 1-D and 2-D layouts, of 8 for the 3-D one."""
 
     def __init__(self):
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.rank = dist.get_rank()
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.layouts = LAYOUTS[self.size]
+        if self.size == 8:
+            self.mesh3 = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "shard", "tp"))
+            return
         self.pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         self.pair = self.pairs[self.rank // 2]
         self.hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
@@ -207,7 +222,7 @@ class World:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             return model, DDP(model, process_group=self.pair), dict(process_group=self.pair)
-        if layout == "fsdp_tp":
+        if layout in ("fsdp_tp", "hsdp_tp"):
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
             plan = {}
@@ -217,8 +232,9 @@ class World:
                     plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
                 for name in ("self_attn.o_proj", "mlp.down_proj"):
                     plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
-            parallelize_module(model, self.tp["tp"], plan)
-            mesh = self.tp["dp"]
+            tp_mesh = self.tp if layout == "fsdp_tp" else self.mesh3
+            parallelize_module(model, tp_mesh["tp"], plan)
+            mesh = self.tp["dp"] if layout == "fsdp_tp" else self.mesh3["rep", "shard"]
         else:
             mesh = self.hsdp["shard"] if layout == "fsdp" else self.hsdp
         for block in model.model.layers:
@@ -228,7 +244,7 @@ class World:
 
 
 def run_layouts(world: World, result: dict) -> None:
-    for layout in LAYOUTS:
+    for layout in world.layouts:
         model, forward, kwargs = world.wrap(layout, make_model())
         start = {name: _local(p).clone() for name, p in model.named_parameters()}
         result[layout], result["work"][layout], result["seconds"][layout] = {}, {}, {}
@@ -244,14 +260,30 @@ def run_layouts(world: World, result: dict) -> None:
                 result.setdefault("refused", {}).setdefault(layout, {})[name] = str(exc)
                 continue
             t0 = time.perf_counter()
-            train(model, opt, forward=forward)
+            counter = _counter()
+            train(model, opt, forward=forward, counter=counter)
             result["seconds"][layout][name] = time.perf_counter() - t0
+            result.setdefault("sent", {}).setdefault(layout, {})[name] = counter.sent / param_bytes(model)
             result[layout][name] = params_of(model)
             result["work"][layout][name] = opt.work.flops
             if name == "muon":
                 result.setdefault("executor", {})[layout] = type(opt._executor).__name__
         result.setdefault("placements", {})[layout] = {n: str(getattr(p, "placements", "")) for n, p in
                                                        model.named_parameters()}
+
+
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # a DTensor's: the whole tensor's
+
+
+def _counter():
+    """benchmarks/_layouts.py's dispatch mode counting the bytes this rank sends to collectives."""
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from _layouts import _counter as make
+
+    return make()
 
 
 def _local(p):
@@ -270,7 +302,7 @@ def references(rank: int, world: int) -> dict:
     return out
 
 
-def round_trips(world: World) -> dict:
+def round_trips(world: World, layouts=("hsdp", "fsdp_tp")) -> dict:
     """HSDP and FSDP2 × TP: opt.state_dict() into a fresh optimizer, and a DCP save / load of
     model and optimizer, resume bit for bit; the state is sharded like the parameters."""
     import torch.distributed.checkpoint as dcp
@@ -278,7 +310,7 @@ def round_trips(world: World) -> dict:
     from torch.distributed.tensor import DTensor
 
     out = {}
-    for layout in ("hsdp", "fsdp_tp"):
+    for layout in layouts:
         for spec_name in ("staged", "mixed"):
             spec = SPECS[spec_name]
             model, forward, kw = world.wrap(layout, make_model())
@@ -322,24 +354,47 @@ def round_trips(world: World) -> dict:
 
 
 def bad_input(world: World) -> dict:
-    """Refusals: a Partial placement, a 3-D mesh, a state_dict from another mesh shape."""
+    """Refusals: a Partial placement, a _StridedShard nesting FSDP2 does not make (its split factor
+    is not the size of the mesh dim that shards the same dim after it), a state_dict from another
+    mesh shape."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     out = {}
     w = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 8), world.hsdp, (Replicate(), Partial()),
                                               run_check=False))
     out["partial"] = _error(lambda: GeomOptimizer([("blocks.0.w", w)], "muon"))
     mesh3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "b", "c"))
-    w3 = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 8), mesh3, (Replicate(), Shard(0), Shard(1)),
-                                               run_check=False))
-    out["mesh3"] = _error(lambda: GeomOptimizer([("blocks.0.w3", w3)], "muon"))
+    w3 = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 8), mesh3, (Replicate(), _StridedShard(0, split_factor=3),
+                                                                          Shard(0)), run_check=False))
+    out["strided"] = _error(lambda: GeomOptimizer([("blocks.0.w3", w3)], "muon"))
     model, forward, kw = world.wrap("hsdp", make_model())
     opt = GeomOptimizer(model, "muon", **kw)
     train(model, opt, range(1), forward)
     sd = opt.state_dict()
     other, forward, kw = world.wrap("fsdp_tp", make_model())
     out["mesh_change"] = _error(lambda: GeomOptimizer(other, "muon", **kw).load_state_dict(sd))
+    return out
+
+
+def bad_input3(world: World) -> dict:
+    """Refusals on the 3-D mesh: a Partial placement on its tp dim, and an optimizer state from
+    HSDP × TP loaded where the same model is laid out with TP over the replicate dim instead."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    w = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 8), world.mesh3, (Replicate(), Shard(0), Partial()),
+                                              run_check=False))
+    out = {"partial": _error(lambda: GeomOptimizer([("blocks.0.w", w)], "muon"))}
+    model, forward, kw = world.wrap("hsdp_tp", make_model())
+    opt = GeomOptimizer(model, "muon", **kw)
+    train(model, opt, range(1), forward)
+    sd = opt.state_dict()
+    other = make_model()
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(other, mesh=world.mesh3["rep", "shard"])
+    out["mesh_change"] = _error(lambda: GeomOptimizer(other, "muon").load_state_dict(sd))
     return out
 
 
@@ -351,7 +406,7 @@ def _error(fn):
     return None
 
 
-def diagnostics(world: World) -> dict:
+def diagnostics(world: World, layouts=("hsdp", "fsdp_tp")) -> dict:
     """``track_update`` norms under HSDP and FSDP2 × TP against one process: replicas count their
     block once."""
     spec = SPECS["mixed"]
@@ -359,7 +414,7 @@ def diagnostics(world: World) -> dict:
     opt = GeomOptimizer(ref, spec, distributed=False, track_update=True)
     train(ref, opt)
     out = {"ref": {rule: d["update_norm"] for rule, d in opt.diagnostics().items()}}
-    for layout in ("hsdp", "fsdp_tp"):
+    for layout in layouts:
         model, forward, kw = world.wrap(layout, make_model())
         opt = GeomOptimizer(model, spec, track_update=True, **kw)
         train(model, opt, forward=forward)
@@ -367,21 +422,34 @@ def diagnostics(world: World) -> dict:
     return out
 
 
-def nonfinite(world: World) -> dict:
-    """A NaN in one rank's TP block only: every rank skips the step, nothing is written."""
-    model, forward, kw = world.wrap("fsdp_tp", make_model())
+def nonfinite(world: World, layout: str = "fsdp_tp") -> dict:
+    """A NaN in one rank's TP block only (the last rank's): every rank skips the step, nothing is written."""
+    model, forward, kw = world.wrap(layout, make_model())
     opt = GeomOptimizer(model, "muon", **kw)
     train(model, opt, range(1), forward)
     before = params_of(model)
     opt.zero_grad(set_to_none=True)
     ids = batch(5)
     forward(input_ids=ids, labels=ids).loss.backward()
-    if dist.get_rank() == 3:
+    if dist.get_rank() == world.size - 1:
         model.model.layers[0].mlp.down_proj.weight.grad.to_local()[0, 0] = float("nan")
     opt.step()
     after = params_of(model)
     return dict(unchanged=all(torch.equal(before[k], after[k]) for k in before),
                 skipped={rule: d["skipped"] for rule, d in opt.diagnostics().items()})
+
+
+def launch(nproc: int, out: Path) -> list:
+    """Run this worker under ``torchrun --nproc_per_node nproc`` into ``out``; each rank's results."""
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error",
+               PYTHONPATH=str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), __file__,
+           str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 
 def main(out: Path) -> None:
@@ -394,14 +462,20 @@ def main(out: Path) -> None:
     result["ref"] = references(rank, size)
     result["seconds"]["ref"] = time.perf_counter() - t0
     run_layouts(world, result)
-    result["round_trips"] = round_trips(world)
-    result["experts"] = experts(world)
-    result["diagnostics"] = diagnostics(world)
-    result["errors"] = bad_input(world)
-    result["nonfinite"] = nonfinite(world)
+    if size == 8:
+        result["round_trips"] = round_trips(world, ("hsdp_tp",))
+        result["diagnostics"] = diagnostics(world, ("hsdp_tp",))
+        result["nonfinite"] = nonfinite(world, "hsdp_tp")
+        result["errors"] = bad_input3(world)
+    else:
+        result["round_trips"] = round_trips(world)
+        result["experts"] = experts(world)
+        result["diagnostics"] = diagnostics(world)
+        result["errors"] = bad_input(world)
+        result["nonfinite"] = nonfinite(world)
     result["seconds"]["total"] = time.perf_counter() - t0
     if rank != 0:  # the gathered parameters are the same on every rank: rank 0 keeps them
-        for layout in LAYOUTS:
+        for layout in world.layouts:
             result.pop(layout)
     torch.save(result, out / f"rank{rank}.pt")
     dist.barrier()

@@ -10,8 +10,9 @@ requests in the same order, so collectives line up without any handshake:
   a balanced split of their FLOPs (longest job first onto the least loaded rank); each rank
   computes its matrices (still batched per bucket) and one ``all_gather`` per round and dtype
   shares the results, as distributed Muon does. Elementwise and norm-based operators stay local.
-* :class:`ShardedExecutor` (DTensor parameters: FSDP2 on a 1-D mesh, HSDP and FSDP2 × TP on a
-  2-D one; :mod:`.layout` says which block of each tensor every rank holds): ``local`` operators
+* :class:`ShardedExecutor` (DTensor parameters: FSDP2, HSDP, FSDP2 or HSDP × TP, experts under
+  expert parallelism, on meshes of any dims; :mod:`.layout` says which block of each tensor every
+  rank holds): ``local`` operators
   act on the local blocks; ``reduce`` operators (Frobenius / ℓ2 norms of isotropic steps and
   balls, row and column norms) run on DTensors, so torch reduces over the mesh; ``owner``
   operators gather each matrix on its owning rank (any rank of the mesh, balanced by FLOPs) with

@@ -6,12 +6,16 @@ A DTensor's placements say how its mesh cuts it: ``Shard(d)`` splits dim d acros
 mesh dim, of size k) has already split. Every placement geomopt serves leaves each rank one
 contiguous block of the tensor, a range per dim (:func:`block`):
 
-* 1-D meshes (FSDP2: ``Shard``), 2-D meshes with ``Replicate`` and ``Shard`` in any combination
-  (HSDP: ``(Replicate(), Shard(0))``; FSDP2 × TP row-wise: ``(Shard(0), Shard(1))``), and
-  FSDP2 × TP column-wise, ``(_StridedShard(0, k), Shard(0))``: TP's chunks first, then FSDP2's
-  chunk of each.
-* ``Partial`` (a pending sum), meshes of more than 2 dims and other nestings are refused at
-  construction with the parameter's name and placements (:func:`check`).
+* Meshes of any number of dims with ``Replicate`` and ``Shard`` in any combination: FSDP2
+  (``Shard(0)``), HSDP (``(Replicate(), Shard(0))``), FSDP2 × TP row-wise (``(Shard(0), Shard(1))``),
+  HSDP × TP on a 3-D (replicate, shard, tp) mesh (``(Replicate(), Shard(0), Shard(1))``), experts
+  under expert parallelism (``Shard(0)`` of the expert dim on the ep mesh dim), and FSDP2's
+  ``(_StridedShard(d, k), Shard(d))`` over a TP (or EP) ``Shard(d)`` of the same dim, on any
+  mesh dims, with ``Replicate`` around them (HSDP × TP column-wise:
+  ``(Replicate(), _StridedShard(0, k), Shard(0))``): TP's chunks first, then FSDP2's chunk of each.
+* ``Partial`` (a pending sum) and other nestings of ``_StridedShard`` are refused at construction
+  with the parameter's name and placements (:func:`check`); so is any layout whose shards do not
+  tile the tensor exactly once.
 
 :class:`Layout` holds the blocks of every rank of the optimizer's process group (exchanged once,
 at construction) so the owner of a matrix knows which piece to ask each rank for, and which
@@ -31,8 +35,9 @@ class LayoutError(ValueError):
     """A DTensor placement or mesh geomopt cannot serve."""
 
 
-SUPPORTED = ("supported: a 1-D mesh (FSDP2: Shard), or a 2-D mesh with Replicate / Shard on each mesh dim (HSDP, "
-             "FSDP2 × tensor parallel), including FSDP2's _StridedShard over a tensor-parallel Shard of the same dim")
+SUPPORTED = ("supported: Replicate or Shard on each mesh dim of a mesh of any number of dims (FSDP2, HSDP, FSDP2 or "
+             "HSDP × tensor parallel, expert parallel), including FSDP2's _StridedShard(d, split_factor=k) over a "
+             "later Shard(d) of the same dim on a mesh dim of size k")
 
 
 def _chunk(start: int, size: int, parts: int, k: int) -> tuple:
@@ -79,9 +84,6 @@ def check(name: str, p) -> None:
     """Refuse a DTensor parameter whose mesh or placements geomopt cannot serve, saying which
     parameter, its placements and what is supported."""
     mesh = p.device_mesh
-    if mesh.ndim > 2:
-        raise LayoutError(f"'{name}' lives on a {mesh.ndim}-D device mesh {tuple(mesh.shape)} with placements "
-                          f"{tuple(p.placements)} ({SUPPORTED}); flatten mesh dims that shard the same way")
     coord = mesh.get_coordinate()
     mine = block(tuple(p.shape), tuple(mesh.shape), coord, p.placements, name)
     local = tuple(p.to_local().shape)

@@ -93,8 +93,8 @@ class GeomOptimizer(Optimizer):
     Zero-size tensors (a dim of size 0) are accepted under every rule and never step: no state,
     no projection, nothing in :meth:`diagnostics`, as a tensor without a gradient.
 
-    ``distributed``: ``"auto"`` (default) runs sharded when the parameters are DTensors (FSDP2 on
-    a 1-D mesh; HSDP or FSDP2 × tensor parallel on a 2-D one), replicated (DDP) when
+    ``distributed``: ``"auto"`` (default) runs sharded when the parameters are DTensors (FSDP2,
+    HSDP, tensor and expert parallelism, on meshes of any dims), replicated (DDP) when
     ``torch.distributed`` is initialized with more than one rank, and local otherwise; ``"ddp"`` /
     ``"fsdp"`` insist on one mode, ``False`` opts out. Under DDP each rank computes a balanced
     share of the matrix functions (Newton–Schulz, SVD, polar) and the results are all-gathered;
