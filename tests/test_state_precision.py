@@ -14,7 +14,7 @@ import torch
 from optim_helpers import gpt_batch, loss_of, tiny_gpt
 
 import geomopt
-from geomopt.optim.state_codec import SCALE, decode_int8, dynamic_map, encode_bf16, encode_int8, seeded
+from geomopt.optim.state_codec import SCALE, decode_int8, dynamic_map, encode_bf16, encode_int8, noise
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -79,10 +79,27 @@ def test_int8_adam_matches_torchaos_adamw8bit_far_closer_than_either_matches_flo
     assert (theirs - full).norm() / moved > 1e-2  # what 8 bits cost: 1.6e-2
 
 
+def bits(x: torch.Tensor, seed: int) -> torch.Tensor:
+    return noise(torch.tensor([seed]), (1, *x.shape))[0]
+
+
+def test_the_rounding_noise_is_uniform_and_follows_the_entry_not_the_shard():
+    """16-bit draws: mean and spread of a uniform on [0, 2¹⁶), low lag-1 correlation; and a block
+    of a (6, 10) tensor draws what the whole tensor draws at those entries."""
+    r = noise(torch.tensor([7, 8]), (2, 400, 500)).double()
+    assert r.min() >= 0 and r.max() < 2 ** 16
+    assert abs(float(r.mean()) / 2 ** 16 - 0.5) < 0.005 and abs(float(r.std()) / 2 ** 16 - 12 ** -0.5) < 0.005
+    flat = r[0].reshape(-1) - r[0].mean()
+    assert abs(float((flat[1:] * flat[:-1]).mean() / flat.var())) < 0.01
+    assert not torch.equal(r[0], r[1])
+    whole = noise(torch.tensor([3]), (1, 6, 10))
+    assert torch.equal(noise(torch.tensor([3]), (1, 2, 5), start=(4, 5), full=(6, 10)), whole[:, 4:6, 5:10])
+
+
 def test_bf16_stochastic_rounding_is_unbiased_between_the_two_neighbours_and_seeded():
     x = torch.full((200_000,), 1.0 + 2 ** -10)  # a quarter of the way from 1 to the next bf16 (1 + 2⁻⁷·…)
     x = torch.tensor([1.0, 1.0 + 2 ** -9, 3.3e-3, -7.77]).repeat_interleave(50_000)
-    out = encode_bf16(x, seeded(x.device, "t", 0)).float()
+    out = encode_bf16(x, bits(x, 0)).float()
     down = x.to(torch.bfloat16).float()  # round to nearest: one of the two neighbours
     lo = torch.minimum(down, torch.nextafter(down, -x.sign() * float("inf")))
     for v in x.unique():
@@ -92,8 +109,8 @@ def test_bf16_stochastic_rounding_is_unbiased_between_the_two_neighbours_and_see
         spacing = (got.max() - got.min()).clamp(min=1e-30)
         # mean of 50k Bernoulli draws: within 4.5 standard errors of the exact value
         assert abs(got.double().mean() - float(v)) <= 4.5 * float(spacing) * 0.5 / 50_000 ** 0.5 + 1e-12
-    assert torch.equal(out, encode_bf16(x, seeded(x.device, "t", 0)).float())
-    assert not torch.equal(out, encode_bf16(x, seeded(x.device, "t", 1)).float())
+    assert torch.equal(out, encode_bf16(x, bits(x, 0)).float())
+    assert not torch.equal(out, encode_bf16(x, bits(x, 1)).float())
     special = torch.tensor([float("inf"), -float("inf"), float("nan")])
     assert torch.equal(encode_bf16(special, None).float()[:2], special[:2]) and encode_bf16(special, None)[2].isnan()
     assert lo.numel() == x.numel()

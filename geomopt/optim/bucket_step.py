@@ -23,7 +23,7 @@ from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows
 from geomopt.optim.atomic import journal, restore
 from geomopt.optim.graphs import GraphedOp
 from geomopt.optim.stacked import COUNTS
-from geomopt.optim.state_codec import Codec
+from geomopt.optim.state_codec import Codec, aligned
 from geomopt.optim.tensors import local, op_view, stack, upcast
 from geomopt.optim.program import Program
 from geomopt.optim.runtime import Runtime
@@ -92,7 +92,7 @@ class BucketJob:
         state = self.state = rt.stacked.gather(self.state_of, items)
         # float32 working copies of state kept in another precision (the rule's, or a checkpoint's);
         # the stored state changes at the commit
-        self.codec = Codec(pp.state_dtype, (pp.name, group["step"]))
+        self.codec = codec(rt, items, pp, group["step"])
         state = self.state = Codec.decode(state)
         if self.ok is not None:  # step counts on the device, and the state as it was
             for key in COUNTS:
@@ -266,6 +266,17 @@ class BucketJob:
             state, pp.op_shape, view=pp.geometry.get("view"), gradient=self.g_raw,
             direction=None if self.d is None else upcast(self.d), step=step, shard=shard, fresh=self.prog.journal)
         return Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)
+
+
+def codec(rt: Runtime, items: list, pp, step: int) -> Codec:
+    """The bucket's :class:`~geomopt.optim.state_codec.Codec`: sharded, where its block lies in the
+    whole tensor and whether int8 blocks fit in every rank's shard (the same on every rank)."""
+    names = tuple(q.name for _, q in items)
+    if pp.state_dtype == "float32" or not is_dtensor(items[0][0]):
+        return Codec(pp.state_dtype, names, step)
+    layout = rt.stacked.layouts[id(items[0][0])]
+    return Codec(pp.state_dtype, names, step, start=tuple(s for s, _ in layout.mine()), full=tuple(pp.op_shape),
+                 aligned=aligned(tuple(pp.op_shape), layout.blocks))
 
 
 def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: dict, radius: float = 1.0, out_dtype=None):

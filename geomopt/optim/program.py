@@ -167,10 +167,6 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
         flat: dict = {}  # (dtype, device) → (common fields, fused, why, indices): one flat call each
         for indices in bs:
             p, pp = group["params"][indices[0]], ps[indices[0]]
-            if pp.state_dtype != "float32" and not opts.local:
-                raise ValueError(f"rule '{group['rule']}' keeps its state in {pp.state_dtype}, which runs in one "
-                                 f"process for now (sharded blocks are not aligned to shards yet); use state: float32 "
-                                 f"under torch.distributed")
             common = dict(rule=group["rule"], group=gi, indices=tuple(indices),
                           names=tuple(ps[i].name for i in indices), shape=tuple(pp.op_shape), dtype=str(p.dtype),
                           device=str(p.device), stages=stage_text(group, pp))

@@ -14,7 +14,7 @@ from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import contiguous_strides, is_dtensor
 from geomopt.optim import stages as post_stages
 from geomopt.optim.migrate import VIEW_KEYS
-from geomopt.optim.state_codec import MOMENTS, SCALE
+from geomopt.optim.state_codec import BLOCK, MOMENTS, SCALE
 from geomopt.optim.tensors import as_real, flat_like, like_param, op_view, stack
 
 if TYPE_CHECKING:
@@ -144,6 +144,10 @@ def state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, lay
     from torch.distributed.tensor import DTensor  # DTensor's package loads only where tensors are sharded
 
     p = cast(DTensor, p)
+    if key.endswith(SCALE):  # int8 block scales: the tensor's shape (operators' layout), last dim in blocks
+        shape = (*pp.op_shape[:-1], pp.op_shape[-1] // BLOCK)
+        return DTensor.from_local(row, p.device_mesh, layout.placements, run_check=False, shape=torch.Size(shape),
+                                  stride=contiguous_strides(shape))
     if key in post_stages.STAGE_STATE:
         kept = [d for d in range(row.ndim) if d + 1 not in reduced]
         shape = list(row.shape)

@@ -11,11 +11,19 @@ step decodes its bucket's state to float32, runs in float32 as always, and encod
   of the dynamic map (an exponent of 10 from 10⁻⁶ to 1 and a linear fraction, finer near zero:
   :func:`dynamic_map`): signed for first moments, unsigned (all codes ≥ 0) for second moments.
   The codes are the state entry (uint8, the tensor's shape) and the block scales a second entry
-  (``<key>_absmax``). A tensor whose size is not a multiple of 256 keeps float32 state.
+  (``<key>_absmax``), shaped like the tensor with its last dim in blocks (``(…, n/256)``) where n
+  is a multiple of 256, else one per block of the flattened tensor. A tensor whose size is not a
+  multiple of 256 keeps float32 state.
 
-The random bits of stochastic rounding come from a generator seeded by the bucket's first tensor
-name, the state key and the step count, so a run is reproducible, a checkpoint resumes bit for
-bit with no generator state saved, and the user's random streams are untouched.
+The random bits of stochastic rounding are a hash (:func:`noise`) of each entry's index in the whole
+tensor (in the operators' layout), the tensor's name, the state key and the step count: a run is
+reproducible, a checkpoint resumes bit for bit with no generator state saved, the user's random
+streams are untouched, and a sharded tensor rounds each entry exactly as one process does.
+
+Sharded tensors (:class:`Codec`'s ``block``): every rank encodes its own block, so a quantization
+block must lie within one shard: int8 needs the last dim cut at multiples of 256 (FSDP2's row
+cuts always are; a tensor cut elsewhere keeps float32 state, on every rank alike), and its block
+scales are a DTensor cut like the tensor. Then every layout stores the same codes as one process.
 
 A state entry records its own precision: float32, bfloat16, or uint8 codes beside a ``<key>_absmax``
 entry. Whatever the rule's precision, a step decodes what it finds (a checkpoint saved under another
@@ -24,6 +32,7 @@ precision, a migration) and writes the rule's.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Optional
 
@@ -62,6 +71,22 @@ def quantizable(t: torch.Tensor, key: str) -> bool:
     return key in MOMENTS and t.numel() % BLOCK == 0 and t.numel() > 0
 
 
+def aligned(shape: tuple, blocks: tuple) -> bool:
+    """Whether a tensor of ``shape`` (the operators' layout) sharded into ``blocks`` (every rank's
+    ((start, size) per dim)) has every int8 block within one shard: its last dim a multiple of 256,
+    cut only at multiples of 256."""
+    n = shape[-1] if shape else 0
+    return n > 0 and n % BLOCK == 0 and all(b[-1][0] % BLOCK == 0 for b in blocks if all(m for _, m in b))
+
+
+def scale_shape(row_shape: tuple) -> tuple:
+    """The shape of one tensor's int8 block scales: its shape with the last dim in blocks of 256, or
+    one per block of the flattened tensor where the last dim is not a multiple of 256."""
+    if row_shape and row_shape[-1] % BLOCK == 0:
+        return (*row_shape[:-1], row_shape[-1] // BLOCK)
+    return (math.prod(row_shape) // BLOCK,)
+
+
 def encode_int8(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8 shaped as ``x``, per-block largest magnitudes (…, numel/256)) of a stacked
     tensor ``x`` (rows: tensors; blocks never straddle two tensors)."""
@@ -75,22 +100,48 @@ def encode_int8(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tens
 
 
 def decode_int8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    """float32 values of a stack of codes (rows: tensors) and their block scales (any shape holding
+    a row's blocks in order)."""
     qmap = dynamic_map(signed).to(codes.device)
-    rows = qmap[codes.reshape(codes.shape[0], -1, BLOCK).long()] * absmax.unsqueeze(-1)
+    rows = qmap[codes.reshape(codes.shape[0], -1, BLOCK).long()] * absmax.reshape(codes.shape[0], -1, 1)
     return rows.reshape(codes.shape)
 
 
-def seeded(device: torch.device, *parts) -> torch.Generator:
-    """A generator seeded by ``parts`` (CRC-32 of their text): the same draws for the same step."""
-    return torch.Generator(device=device).manual_seed(zlib.crc32("|".join(map(str, parts)).encode()))
+def seed_of(*parts) -> int:
+    """A 32-bit seed from ``parts`` (CRC-32 of their text)."""
+    return zlib.crc32("|".join(map(str, parts)).encode())
 
 
-def encode_bf16(x: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """bf16 of float32 ``x`` by stochastic rounding: the 16 low bits plus a uniform 16-bit draw,
-    carried into the kept bits, then truncated (exact: the low bits are zero)."""
+def noise(seeds: torch.Tensor, shape: tuple, start: tuple = (), full: tuple = ()) -> torch.Tensor:
+    """16 uniform random bits (int32) per entry of a stack of tensors: row r's entries are those at
+    offset ``start`` (per dim; none: 0) of a whole tensor of shape ``full`` (none: ``shape[1:]``),
+    and each draw is a hash of the entry's flat index there and ``seeds[r]`` (a 32-bit integer mixer,
+    x ← (x ⊕ x≫16)·0x45d9f3b twice, mod 2³²). The same entry of the same tensor draws the same bits
+    whichever shard holds it."""
+    rows = shape[1:]
+    full = full or rows
+    start = start or (0,) * len(rows)
+    idx = torch.zeros((), dtype=torch.int64, device=seeds.device)
+    stride = 1
+    for d in reversed(range(len(rows))):
+        at = torch.arange(start[d], start[d] + rows[d], dtype=torch.int64, device=seeds.device) * stride
+        idx = idx + at.reshape((-1,) + (1,) * (len(rows) - 1 - d))
+        stride *= full[d]
+    mask = 0xFFFFFFFF
+    x = (idx.unsqueeze(0) ^ seeds.reshape((-1,) + (1,) * len(rows))) & mask
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & mask
+    x = (x >> 16) ^ x
+    return (x & 0xFFFF).to(torch.int32)
+
+
+def encode_bf16(x: torch.Tensor, bits16: Optional[torch.Tensor]) -> torch.Tensor:
+    """bf16 of float32 ``x`` by stochastic rounding: the 16 low bits plus ``bits16`` (a uniform 16-bit
+    draw per entry, :func:`noise`; None: round toward zero), carried into the kept bits, then
+    truncated (exact: the low bits are zero)."""
     x = x.float().contiguous()
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    bits = (x.view(torch.int32) + noise) & -65536  # 0xFFFF0000 as an int32
+    raw = x.view(torch.int32) if bits16 is None else x.view(torch.int32) + bits16
+    bits = raw & -65536  # 0xFFFF0000 as an int32
     out = bits.view(torch.float32).to(torch.bfloat16)
     return torch.where(torch.isfinite(x), out, x.to(torch.bfloat16))  # ±∞ and NaN as they are
 
@@ -105,16 +156,22 @@ def decode_entry(state: dict) -> dict:
 
 class Codec:
     """A bucket's state in the rule's precision ``dtype``: :meth:`decode` whatever is stored,
-    :meth:`encode` into ``dtype`` (nothing to do for float32). ``seed``: the parts that seed
-    stochastic rounding (the bucket's first tensor name and step count)."""
+    :meth:`encode` into ``dtype`` (nothing to do for float32). ``names``: its tensors', ``step``: the
+    step count (with the state key they seed stochastic rounding). Sharded: ``start`` and ``full``,
+    where this rank's block of each tensor lies in the whole (operators' layout), and ``aligned``:
+    whether int8 blocks lie within shards on every rank (:func:`aligned`)."""
 
-    def __init__(self, dtype: str, seed: tuple = ()):
-        self.dtype, self.seed = dtype, seed
+    def __init__(self, dtype: str, names: tuple = (), step: int = 0, start: tuple = (), full: tuple = (),
+                 aligned: bool = True):
+        self.dtype, self.names, self.step = dtype, names, step
+        self.start, self.full, self.aligned = start, full, aligned
 
     def stored(self, key: str, row: torch.Tensor) -> bool:
         """Whether ``key`` is kept encoded for a tensor shaped like ``row``."""
         if self.dtype == "bfloat16":
             return key in MOMENTS
+        if self.full:  # sharded: decided for the whole tensor, so every rank (even one holding none) alike
+            return self.dtype == "int8" and self.aligned and key in MOMENTS
         return self.dtype == "int8" and quantizable(row, key)
 
     @staticmethod
@@ -142,7 +199,10 @@ class Codec:
             if not isinstance(value, torch.Tensor) or not value.is_floating_point() or not self.stored(key, value[0]):
                 continue
             if self.dtype == "bfloat16":
-                out[key] = encode_bf16(value, seeded(value.device, *self.seed, key))
+                seeds = torch.tensor([seed_of(name, self.step, key) for name in self.names], dtype=torch.int64,
+                                     device=value.device)
+                out[key] = encode_bf16(value, noise(seeds, tuple(value.shape), self.start, self.full))
             else:
-                out[key], out[key + SCALE] = encode_int8(value, MOMENTS[key])
+                out[key], absmax = encode_int8(value, MOMENTS[key])
+                out[key + SCALE] = absmax.reshape(value.shape[0], *scale_shape(tuple(value.shape[1:])))
         return out
