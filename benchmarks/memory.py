@@ -1,7 +1,8 @@
 """Optimizer-held memory: geomopt against torch's own optimizers running the same algorithm on an
 HF GPT-2 (2 layers, built from a config: random init, nothing downloaded) at two widths.
 
-    python benchmarks/memory.py [--specs muon examples/adam-all ...] [--quick] [--record NOTE]
+    python benchmarks/memory.py [--specs muon examples/adam-all ...] [--state float32 bfloat16 int8] [--quick]
+                                [--record NOTE]
 
 Every shipped spec by default (specs/**/*.yaml; a spec whose algorithm no torch optimizer runs,
 e.g. Lion, gets a row without the torch side). "Held" is every tensor
@@ -16,9 +17,10 @@ tensor:
 adam rules → ``AdamW(fused=True)``, spectral rules with momentum → ``torch.optim.Muon`` (its
 Newton–Schulz swapped for a float32 copy: bf16 is emulated on this CPU), other rules
 with momentum → ``SGD(momentum=1−α)``, rules without → ``SGD()``, each with the rule's lr, weight
-decay, betas. Every (spec, width, optimizer) runs in its own subprocess; "peak RSS Δ" is the largest
-rise of the process's resident set during one ``step()`` over its RSS just before (peak reset per
-step through /proc/self/clear_refs).
+decay, betas. ``--state``: geomopt's rows again with the spec's state kept in bfloat16 or int8
+(``defaults: {state: …}``; torch's side is float32 as ever). Every (spec, width, optimizer) runs
+in its own subprocess; "peak RSS Δ" is the largest rise of the process's resident set during one
+``step()`` over its RSS just before (peak reset per step through /proc/self/clear_refs).
 """
 
 from __future__ import annotations
@@ -191,8 +193,11 @@ def worker(job: dict) -> dict:
     config = transformers.GPT2Config(n_layer=2, n_embd=width, n_head=max(1, width // 64), vocab_size=vocab,
                                      n_positions=seq)
     model = transformers.GPT2LMHeadModel(config).float()
-    spec = ROOT / "specs" / f"{job['spec']}.yaml"
-    geo = geomopt.GeomOptimizer(model, str(spec))
+    spec = str(ROOT / "specs" / f"{job['spec']}.yaml")
+    if job.get("state", "float32") != "float32":  # the shipped spec with its state in another precision
+        spec = {"geomopt": 1, "name": f"{job['spec']}-{job['state']}", "extends": spec,
+                "defaults": {"state": job["state"]}}
+    geo = geomopt.GeomOptimizer(model, spec)
     named = dict(model.named_parameters())
     buckets: dict[str, int] = {}
     for pp in geo.plan:
@@ -257,6 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--record", metavar="NOTE", help="append the tables to benchmarks/RESULTS.md with this note")
     p.add_argument("--jobs", type=int, default=2, help="subprocesses at a time (each measures only itself)")
     p.add_argument("--widths", type=int, nargs="+", help="model widths (384, 768; default both)")
+    p.add_argument("--state", nargs="+", default=["float32"], choices=["float32", "bfloat16", "int8"],
+                   help="geomopt's state precision(s), a row each (default float32)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -272,29 +279,34 @@ def main(argv=None) -> int:
         lines = [f"### Optimizer-held memory: HF GPT-2 (2 layers, width {width}, vocab {vocab}, "
                  f"batch {batch}×{seq}), {args.steps} steps, {device_name('cpu')}, float32, torch "
                  f"{torch.__version__} — {datetime.date.today().isoformat()}", "",
-                 "| spec | geomopt state (MiB) | torch state (MiB) | state ratio | geomopt workspace (MiB) "
+                 "| spec | state | geomopt state (MiB) | torch state (MiB) | state ratio | geomopt workspace (MiB) "
                  "| largest bucket (MiB) | held / param bytes (geomopt) | held / param bytes (torch) "
                  "| peak RSS Δ in step (geomopt, MiB) | peak RSS Δ in step (torch, MiB) |",
-                 "|---|---|---|---|---|---|---|---|---|---|"]
+                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         notes = []
-        jobs = [{"spec": spec, "width": width, "vocab": vocab, "seq": seq, "batch": batch, "steps": args.steps,
-                 "side": side} for spec in args.specs for side in ("geomopt", "torch")]
+        base = {"width": width, "vocab": vocab, "seq": seq, "batch": batch, "steps": args.steps}
+        jobs = [dict(base, spec=spec, side=side, state=state) for spec in args.specs
+                for side, state in [("torch", "float32"), *(("geomopt", s) for s in args.state)]]
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
             results = list(pool.map(run_job, jobs))
-        for spec, g, t in zip(args.specs, results[::2], results[1::2]):
+        per = 1 + len(args.state)
+        rows = [(job["spec"], job["state"], g, results[i - i % per]) for i, (job, g) in enumerate(zip(jobs, results))
+                if job["side"] == "geomopt"]
+        for spec, precision, g, t in rows:
             pb = g["param_bytes"]
             state = g["held"] - g["workspace"]
             if "no_reference" in t:
-                lines.append(f"| {spec}.yaml | {state / MiB:.2f} | — | — | {g['workspace'] / MiB:.2f} | "
+                lines.append(f"| {spec}.yaml | {precision} | {state / MiB:.2f} | — | — | {g['workspace'] / MiB:.2f} | "
                              f"{g['largest_bucket'] / MiB:.2f} | {g['held'] / pb:.3f} | — | "
                              f"{g['rss_delta'] / MiB:.1f} | — |")
-                notes.append(f"- {spec}.yaml — geomopt: {breakdown(g['by_label'])}; torch: {t['no_reference']}")
+                notes.append(f"- {spec}.yaml ({precision}) — geomopt: {breakdown(g['by_label'])}; torch: "
+                             f"{t['no_reference']}")
                 continue
             ratio = f"{state / t['held']:.3f}" if t["held"] else ("1.000" if not state else "∞")
-            lines.append(f"| {spec}.yaml | {state / MiB:.2f} | {t['held'] / MiB:.2f} | {ratio} | "
+            lines.append(f"| {spec}.yaml | {precision} | {state / MiB:.2f} | {t['held'] / MiB:.2f} | {ratio} | "
                          f"{g['workspace'] / MiB:.2f} | {g['largest_bucket'] / MiB:.2f} | {g['held'] / pb:.3f} | "
                          f"{t['held'] / pb:.3f} | {g['rss_delta'] / MiB:.1f} | {t['rss_delta'] / MiB:.1f} |")
-            notes.append(f"- {spec}.yaml — geomopt: {breakdown(g['by_label'])}; torch "
+            notes.append(f"- {spec}.yaml ({precision}) — geomopt: {breakdown(g['by_label'])}; torch "
                          f"({' + '.join(t['optimizers'])}): {breakdown(t['by_label'])}")
         exact = ("" if all(r.get("rss_exact", True) for r in results)
                  else " (peak RSS: ru_maxrss, no per-step reset here)")

@@ -302,18 +302,19 @@ def references(rank: int, world: int) -> dict:
     return out
 
 
-def round_trips(world: World, layouts=("hsdp", "fsdp_tp")) -> dict:
+def round_trips(world: World, layouts=("hsdp", "fsdp_tp"), specs=("staged", "mixed"), cfg: dict = CFG) -> dict:
     """HSDP and FSDP2 × TP: opt.state_dict() into a fresh optimizer, and a DCP save / load of
-    model and optimizer, resume bit for bit; the state is sharded like the parameters."""
+    model and optimizer, resume bit for bit; the state is sharded like the parameters. ``specs``:
+    names of :data:`SPECS`, or (name, spec) pairs."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.tensor import DTensor
 
     out = {}
     for layout in layouts:
-        for spec_name in ("staged", "mixed"):
-            spec = SPECS[spec_name]
-            model, forward, kw = world.wrap(layout, make_model())
+        for entry in specs:
+            spec_name, spec = (entry, SPECS[entry]) if isinstance(entry, str) else entry
+            model, forward, kw = world.wrap(layout, make_model(cfg=cfg))
             opt = GeomOptimizer(model, spec, **kw)
             train(model, opt, range(2), forward)
             like = all(isinstance(v, DTensor) and v.device_mesh == p.device_mesh
@@ -331,14 +332,14 @@ def round_trips(world: World, layouts=("hsdp", "fsdp_tp")) -> dict:
             train(model, opt, range(2, 4), forward)
             expected = params_of(model)
 
-            fresh, fwd, kw = world.wrap(layout, make_model(seed=7))
+            fresh, fwd, kw = world.wrap(layout, make_model(seed=7, cfg=cfg))
             fresh.load_state_dict(saved_model)
             fresh_opt = GeomOptimizer(fresh, spec, **kw)
             fresh_opt.load_state_dict(saved_opt)
             train(fresh, fresh_opt, range(2, 4), fwd)
             got = params_of(fresh)
 
-            via_dcp, fwd, kw = world.wrap(layout, make_model(seed=7))
+            via_dcp, fwd, kw = world.wrap(layout, make_model(seed=7, cfg=cfg))
             dcp_opt = GeomOptimizer(via_dcp, spec, **kw)
             msd, osd = get_state_dict(via_dcp, dcp_opt)
             state = {"model": msd, "optim": osd}
@@ -439,13 +440,14 @@ def nonfinite(world: World, layout: str = "fsdp_tp") -> dict:
                 skipped={rule: d["skipped"] for rule, d in opt.diagnostics().items()})
 
 
-def launch(nproc: int, out: Path) -> list:
-    """Run this worker under ``torchrun --nproc_per_node nproc`` into ``out``; each rank's results."""
+def launch(nproc: int, out: Path, script: str = __file__) -> list:
+    """Run ``script`` (this worker) under ``torchrun --nproc_per_node nproc`` into ``out``; each rank's
+    results."""
     import subprocess
 
     env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error",
                PYTHONPATH=str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), __file__,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script,
            str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
