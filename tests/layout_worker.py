@@ -440,6 +440,14 @@ def nonfinite(world: World, layout: str = "fsdp_tp") -> dict:
                 skipped={rule: d["skipped"] for rule, d in opt.diagnostics().items()})
 
 
+def merged(ranks: list, key: str) -> dict:
+    """The ranks' dicts under ``key`` as one (each rank saved its share)."""
+    out: dict = {}
+    for r in ranks:
+        out.update(r[key])
+    return out
+
+
 def launch(nproc: int, out: Path, script: str = __file__) -> list:
     """Run ``script`` (this worker) under ``torchrun --nproc_per_node nproc`` into ``out``; each rank's
     results."""

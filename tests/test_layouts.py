@@ -33,10 +33,7 @@ def ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(ranks):
-    out = {}
-    for r in ranks:
-        out.update(r["ref"])
-    return out
+    return worker.merged(ranks, "ref")
 
 
 def deviation(got: dict, ref: dict) -> float:

@@ -29,10 +29,7 @@ def ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(ranks):
-    out = {}
-    for r in ranks:
-        out.update(r["ref"])
-    return out
+    return worker.merged(ranks, "ref")
 
 
 def test_the_eight_ranks_split_the_references(ranks, reference):
