@@ -39,6 +39,9 @@ from typing import Optional
 import torch
 
 BLOCK = 256
+#: entries encoded or decoded at a time (a multiple of BLOCK): bounds a step's temporaries (int64
+#: indices and codes) to a few MiB whatever the bucket's size
+CHUNK = 1 << 18
 #: the state keys that are moments: ``int8`` quantizes them (signed or not); other keys keep float32
 MOMENTS = {"d": True, "exp_avg": True, "exp_avg_sq": False, "post_v": False, "post_g2": False}
 SCALE = "_absmax"
@@ -112,27 +115,35 @@ def seed_of(*parts) -> int:
     return zlib.crc32("|".join(map(str, parts)).encode())
 
 
-def noise(seeds: torch.Tensor, shape: tuple, start: tuple = (), full: tuple = ()) -> torch.Tensor:
-    """16 uniform random bits (int32) per entry of a stack of tensors: row r's entries are those at
-    offset ``start`` (per dim; none: 0) of a whole tensor of shape ``full`` (none: ``shape[1:]``),
-    and each draw is a hash of the entry's flat index there and ``seeds[r]`` (a 32-bit integer mixer,
-    x ← (x ⊕ x≫16)·0x45d9f3b twice, mod 2³²). The same entry of the same tensor draws the same bits
-    whichever shard holds it."""
-    rows = shape[1:]
-    full = full or rows
-    start = start or (0,) * len(rows)
-    idx = torch.zeros((), dtype=torch.int64, device=seeds.device)
+def noise(seeds: torch.Tensor, shape: tuple, start: tuple = (), full: tuple = (), lo: int = 0,
+          hi: Optional[int] = None) -> torch.Tensor:
+    """16 uniform random bits (int32) per entry of a stack of tensors of ``shape`` (rows: tensors):
+    row r's entries are those at offset ``start`` (per dim; none: 0) of a whole tensor of shape
+    ``full`` (none: ``shape[1:]``), and each draw is a hash of the entry's flat index there and
+    ``seeds[r]`` (a 32-bit integer mixer, x ← (x ⊕ x≫16)·0x45d9f3b twice, mod 2³²). The same entry
+    of the same tensor draws the same bits whichever shard holds it. ``lo``, ``hi``: only the
+    entries [lo, hi) of the stack in row-major order, flat (what :class:`Codec` encodes at a time);
+    by default all of them, shaped as the stack."""
+    rows = tuple(shape[1:])
+    full = tuple(full) or rows
+    start = tuple(start) or (0,) * len(rows)
+    n = math.prod(rows)
+    end = len(seeds) * n if hi is None else hi
+    pos = torch.arange(lo, end, dtype=torch.int64, device=seeds.device)
+    row, j = pos // max(n, 1), pos % max(n, 1)
+    idx = torch.zeros_like(pos)
     stride = 1
     for d in reversed(range(len(rows))):
-        at = torch.arange(start[d], start[d] + rows[d], dtype=torch.int64, device=seeds.device) * stride
-        idx = idx + at.reshape((-1,) + (1,) * (len(rows) - 1 - d))
+        idx += (j % rows[d] + start[d]) * stride
+        j //= rows[d]
         stride *= full[d]
     mask = 0xFFFFFFFF
-    x = (idx.unsqueeze(0) ^ seeds.reshape((-1,) + (1,) * len(rows))) & mask
+    x = (idx ^ seeds[row]) & mask
     for _ in range(2):
         x = (((x >> 16) ^ x) * 0x45D9F3B) & mask
-    x = (x >> 16) ^ x
-    return (x & 0xFFFF).to(torch.int32)
+    x = ((x >> 16) ^ x) & 0xFFFF
+    out = x.to(torch.int32)
+    return out.reshape(shape) if hi is None and lo == 0 else out
 
 
 def encode_bf16(x: torch.Tensor, bits16: Optional[torch.Tensor]) -> torch.Tensor:
@@ -186,7 +197,11 @@ class Codec:
             if value.dtype == torch.bfloat16:
                 out[key] = value.float()
             elif key + SCALE in state:
-                out[key] = decode_int8(value, state[key + SCALE], MOMENTS[key])
+                codes, scales = value.reshape(-1), state[key + SCALE].reshape(-1)
+                flat = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+                for a, b in _pieces(codes.numel()):
+                    flat[a:b] = decode_int8(codes[a:b].unsqueeze(0), scales[a // BLOCK: b // BLOCK], MOMENTS[key])[0]
+                out[key] = flat.reshape(value.shape)
                 del out[key + SCALE]
         return state if out is None else out
 
@@ -198,11 +213,26 @@ class Codec:
         for key, value in values.items():
             if not isinstance(value, torch.Tensor) or not value.is_floating_point() or not self.stored(key, value[0]):
                 continue
+            flat = value.reshape(-1)
             if self.dtype == "bfloat16":
                 seeds = torch.tensor([seed_of(name, self.step, key) for name in self.names], dtype=torch.int64,
                                      device=value.device)
-                out[key] = encode_bf16(value, noise(seeds, tuple(value.shape), self.start, self.full))
-            else:
-                out[key], absmax = encode_int8(value, MOMENTS[key])
-                out[key + SCALE] = absmax.reshape(value.shape[0], *scale_shape(tuple(value.shape[1:])))
+                enc = torch.empty(flat.shape, dtype=torch.bfloat16, device=flat.device)
+                for a, b in _pieces(flat.numel()):
+                    enc[a:b] = encode_bf16(flat[a:b], noise(seeds, tuple(value.shape), self.start, self.full, a, b))
+                out[key] = enc.reshape(value.shape)
+            else:  # a row's size is a multiple of BLOCK: a piece's blocks lie within rows
+                codes = torch.empty(flat.shape, dtype=torch.uint8, device=flat.device)
+                scales = torch.empty(flat.numel() // BLOCK, dtype=torch.float32, device=flat.device)
+                for a, b in _pieces(flat.numel()):
+                    c, m = encode_int8(flat[a:b].unsqueeze(0), MOMENTS[key])
+                    codes[a:b], scales[a // BLOCK: b // BLOCK] = c[0], m[0]
+                out[key] = codes.reshape(value.shape)
+                out[key + SCALE] = scales.reshape(value.shape[0], *scale_shape(tuple(value.shape[1:])))
         return out
+
+
+def _pieces(total: int):
+    """[a, b) ranges of at most CHUNK entries covering ``total``."""
+    for a in range(0, total, CHUNK):
+        yield a, min(total, a + CHUNK)
