@@ -188,6 +188,38 @@ def test_a_checkpoint_resumes_bit_for_bit_and_records_its_precision(dtype):
         assert torch.equal(p, q)
 
 
+def test_int8_scales_take_the_tensors_shape_and_flat_ones_still_load():
+    """A (6, 512) tensor's scales are (6, 2): a block of 256 per row half (a shard cut at a
+    multiple of 256 holds whole blocks); a checkpoint with them flat, one per block of the flattened
+    tensor, loads and resumes the same."""
+    def make():
+        torch.manual_seed(0)
+        ps = [("w", torch.nn.Parameter(torch.randn(6, 512))), ("v", torch.nn.Parameter(torch.randn(3, 256)))]
+        return ps, geomopt.GeomOptimizer(ps, _spec("int8", {"kind": "adam"}))
+
+    grads = [torch.randn(6, 512, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    (ps, opt), (ps2, opt2) = make(), make()
+    for g in grads[:2]:
+        for _, p in ps:
+            p.grad = g[: p.shape[0], : p.shape[1]].clone()
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    assert sd["state"][0]["exp_avg" + SCALE].shape == (6, 2) and sd["state"][1]["exp_avg" + SCALE].shape == (3, 1)
+    for st in sd["state"].values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            st[key + SCALE] = st[key + SCALE].reshape(-1)
+    with torch.no_grad():
+        for (_, p), (_, q) in zip(ps, ps2):
+            q.copy_(p)
+    opt2.load_state_dict(sd)
+    for (_, p), (_, q) in zip(ps, ps2):
+        p.grad = grads[2][: p.shape[0], : p.shape[1]].clone()
+        q.grad = p.grad.clone()
+    opt.step()
+    opt2.step()
+    assert all(torch.equal(p, q) for (_, p), (_, q) in zip(ps, ps2))
+
+
 def test_a_checkpoint_moves_between_precisions_with_the_migration():
     """int8 state into a float32 spec: decoded (within the map's spacing), reported as kept."""
     model = tiny_gpt(0)

@@ -33,7 +33,7 @@ import torch
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
 from geomopt.optim import stages as post_stages
-from geomopt.optim.state_codec import MOMENTS, SCALE, STORED, scale_shape
+from geomopt.optim.state_codec import BLOCK, MOMENTS, SCALE, STORED, scale_shape
 from geomopt.optim.migrate import KINDS, VIEW_KEYS
 from geomopt.optim.tensors import as_real, local
 
@@ -225,8 +225,9 @@ def _check_tensor(pp, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
     """A state tensor's shape and dtype as this optimizer's step keeps them."""
     shape = tuple(value.shape)
     if key.endswith(SCALE) and key[:-len(SCALE)] in MOMENTS:  # an int8 entry's block scales
+        # shaped by the last dim, or one per block of the flattened tensor (as saved before scales had a shape)
         want: Any = scale_shape(tuple(pp.op_shape))
-        if shape != want or value.dtype != torch.float32:
+        if shape not in (want, (math.prod(pp.op_shape) // BLOCK,)) or value.dtype != torch.float32:
             raise CheckpointError(f"tensor '{pp.name}': state '{key}' is {value.dtype} {shape}, the block scales of "
                                   f"int8 state are float32 {want}: the state was edited or saved on another model")
         return
