@@ -20,7 +20,8 @@ the whole batch). Each rank also computes the one-process reference of a quarter
 Saved per rank (``rank{r}.pt``): ``ref`` {spec: {"params"}}, ``pp_fsdp`` {spec: {name: full
 tensor}} (dp rank 0 of each stage, its part's tensors), ``sent`` {"pp_fsdp": {spec: bytes this rank
 sends in one optimizer step / the part's parameter bytes}}, ``refused``, ``placements``, ``groups``
-(the ranks of every collective a step issued), ``round_trips`` and ``stage``.
+(the ranks of every collective a step issued), ``gradients``, ``round_trips``, ``whole_model``
+and ``stage``.
 """
 
 from __future__ import annotations
@@ -382,6 +383,36 @@ def round_trips(mesh, folder: Path) -> dict:
     return out
 
 
+def whole_model(mesh, folder: Path) -> dict:
+    """What depends on the whole model. QK-clip (no shipped spec has it) reduces logit maxima over
+    attention modules: on sharded parameters it is refused at construction. The non-finite test
+    is the step's, per optimizer, AND-ed over its executor's group: under pipeline parallelism a
+    part's optimizer skips its step for a non-finite gradient of its own part, on every rank of its
+    stage, while the other stage's steps (one process skips the whole model's step)."""
+    spec = {"geomopt": 1, "name": "qk", "rules": [
+        {"name": "qkv", "match": "**.wqkv.weight", "geometry": {"kind": "spectral", "reference": {"kind": "indicator"},
+         "approx": {"kind": "newton_schulz"}}, "qk_clip": {"kind": "max_logit", "tau": 10.0, "alpha": 0.5}},
+        {"name": "rest", "match": "**", "geometry": {"kind": "adam"}, "lr": 1e-3}]}
+    me = Stage(mesh)
+    out: dict = {}
+    try:
+        geomopt_optimizer(spec_ref("qk", spec, folder)).build(model_parts=[me.part])
+    except (NotImplementedError, ValueError) as exc:
+        out["qk_clip"] = f"{type(exc).__name__}: {exc}"
+    container = geomopt_optimizer("muon").build(model_parts=[me.part])
+    me.train(container, [0])
+    before = {n: _local(p).clone() for n, p in me.part.named_parameters()}
+    container.zero_grad(set_to_none=True)
+    me.backward(batch(1))
+    if dist.get_rank() == 2:  # one rank of stage 1: a NaN in its block of one gradient
+        _local(me.part.layers["1"].feed_forward.w2.weight.grad).view(-1)[0] = float("nan")
+    container.step()
+    out["nonfinite"] = dict(
+        unchanged=all(torch.equal(_local(p), before[n]) for n, p in me.part.named_parameters()),
+        skipped={rule: d["skipped"] for rule, d in container.optimizers[0].diagnostics().items()})
+    return out
+
+
 def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -394,6 +425,7 @@ def main() -> None:
     result: dict = {"rank": rank}
     run_pp(mesh, folder, result)
     result["round_trips"] = round_trips(mesh, folder)
+    result["whole_model"] = whole_model(mesh, folder)
     result["ref"] = references(rank, world)
     result["ref_microbatched"] = references(rank, world, microbatched=True)
     torch.save(result, out / f"rank{rank}.pt")

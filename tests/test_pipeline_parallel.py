@@ -143,3 +143,21 @@ def test_state_dict_and_dcp_round_trips_are_exact(ranks, name):
         got = r["round_trips"][name]
         assert (got["state_dict"], got["dcp"], got["moved"]) == (True, True, True), (r["rank"], name, got)
         assert all(k.startswith("state.") for k in got["keys"]) and got["keys"]
+
+
+def test_qk_clip_is_refused_on_the_stages_sharded_parts(ranks):
+    """QK-clip (no shipped spec has it) needs whole attention modules' logit maxima: refused on sharded parameters."""
+    for r in ranks:
+        assert r["whole_model"]["qk_clip"].startswith("NotImplementedError: qk_clip: sharded (DTensor) parameters")
+
+
+def test_a_nonfinite_gradient_skips_its_own_stages_step_only(ranks):
+    """The non-finite test is per optimizer, over its stage's ranks: a NaN in one rank's block of a
+    stage-1 gradient skips stage 1's step on both its ranks (its rule counts it); stage 0, whose
+    gradients are finite, steps (one process would skip the whole model's step)."""
+    for r in ranks:
+        got = r["whole_model"]["nonfinite"]
+        if r["rank"] // 2 == 1:
+            assert got["unchanged"] and got["skipped"]["hidden"] == 1, got
+        else:
+            assert not got["unchanged"] and set(got["skipped"].values()) == {0}, got
