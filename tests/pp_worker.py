@@ -240,8 +240,8 @@ class Recorder:
 
         class Mode(type(_counter())):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.namespace in ("c10d", "_c10d_functional"):
-                    outer.groups.add(_group_ranks(args))
+                if func.namespace in ("c10d", "_c10d_functional") and func.__name__.split(".")[0] != "wait_tensor":
+                    outer.groups.add(_group_ranks(args))  # (a wait names no group)
                 return super().__torch_dispatch__(func, types, args, kwargs)
 
         self.mode = Mode()

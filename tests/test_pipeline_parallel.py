@@ -109,8 +109,9 @@ def test_pp_fsdp_matches_one_process(ranks, pp, name):
     assert any(not torch.equal(got[k], start[k]) for k in got)  # the run moved the weights
 
 
-def test_the_muon_family_is_bit_identical_to_one_process_on_the_same_gradients(ranks, pp):
-    """Newton–Schulz runs on each matrix gathered whole on its owner: the same arithmetic as one process."""
+def test_owner_and_elementwise_steps_are_bit_identical_to_one_process_on_the_same_gradients(ranks, pp):
+    """Given the pipeline's gradients, Newton–Schulz / polar iterations on each matrix gathered whole
+    on its owner, and elementwise (Adam, sign) steps on the local blocks, do one process's arithmetic."""
     microbatched = merged(ranks, "ref_microbatched")
     for name in ("muon", "adamw-hybrid", "muon-polar-express", "adamw", "sign-descent"):
         assert all(torch.equal(pp[name][k], microbatched[name]["params"][k]) for k in pp[name]), name
