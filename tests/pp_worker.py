@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -378,6 +379,9 @@ def round_trips(mesh, folder: Path) -> dict:
         loaded.train(loaded_container, [1])
         dcp_ok = all(torch.equal(_local(p), expected[n]) for n, p in loaded.part.named_parameters())
         moved = any(not torch.equal(expected[n], before[n]) for n in before)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
         out[name] = dict(state_dict=flat, dcp=dcp_ok, moved=moved,
                          keys=sorted(k for k in saved_opt if k.startswith("state."))[:3])
     return out
@@ -429,6 +433,7 @@ def main() -> None:
     result["ref"] = references(rank, world)
     result["ref_microbatched"] = references(rank, world, microbatched=True)
     torch.save(result, out / f"rank{rank}.pt")
+    shutil.rmtree(folder, ignore_errors=True)
     dist.barrier()
     dist.destroy_process_group()
 
