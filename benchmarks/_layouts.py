@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 RESULTS = ROOT / "benchmarks" / "results" / "layouts.json"
 DEFAULT_SPECS = ["muon", "adamw-hybrid", "spectral-clip", "normuon"]
 #: the layout matrix's workers (tests/): script, processes
-MATRIX = (("layout_worker.py", 4), ("layout_worker.py", 8))
+MATRIX = (("layout_worker.py", 4), ("layout_worker.py", 8), ("pp_worker.py", 4))
 
 
 def sent_bytes(func, args, kwargs) -> float:
