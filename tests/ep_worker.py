@@ -323,8 +323,6 @@ def run_layout(world: World, layout: str, result: dict) -> None:
 
 def references(rank: int, size: int) -> dict:
     """One process (``distributed=False``) for this rank's share of (layout's experts, spec)."""
-    if os.environ.get("EP_NO_REF"):
-        return {}
     jobs = [(experts, name, spec) for experts in sorted(set(LAYOUTS.values()))
             for name, spec in {**SPECS, "experts_only": EXPERTS_ONLY}.items()]
     out: dict = {}
