@@ -23,6 +23,13 @@ parameter's ``.grad`` is that model's local shard with the parameter's mesh and 
 Layouts: ``fsdp_ep`` (E = 8: each rank holds 2 whole experts of each weight: (_StridedShard(0),
 Shard(0)) on the sparse mesh) and ``fsdp_ep_rows`` (E = 2 < efsdp × ep: FSDP2 cuts the experts'
 rows, ``Shard(1)``, so owner operators gather them).
+
+Each rank saves ``rank{r}.pt``: ``ref`` {spec: {"params", "flops"}} (the one-process reference of
+the fsdp_ep model, this rank's share of the specs; ``ref_rows`` the same for fsdp_ep_rows' model),
+``fsdp_ep`` / ``fsdp_ep_rows`` {spec: {name: full tensor}} (rank 0), ``sent`` {layout: {spec: bytes
+this rank sends in one step / parameter bytes}}, ``work`` {layout: {spec: matrix FLOPs}},
+``refused`` {layout: {spec: message}}, ``placements`` {layout: {name: str(placements)}},
+``meshes`` {layout: {name: mesh dim names}}, ``round_trips`` {spec: {state_dict, dcp, moved}}.
 """
 
 from __future__ import annotations
@@ -395,7 +402,8 @@ def main(out: Path) -> None:
     result: dict = {"rank": rank, "work": {}, "sent": {}, "refused": {}, "placements": {}, "meshes": {},
                     "seconds": {}}
     t0 = time.perf_counter()
-    result["ref"] = references(rank, size)
+    refs = references(rank, size)  # "ref": the fsdp_ep model's (E = 8), "ref_rows": fsdp_ep_rows' (E = 2)
+    result["ref"], result["ref_rows"] = refs.get(LAYOUTS["fsdp_ep"], {}), refs.get(LAYOUTS["fsdp_ep_rows"], {})
     for layout in LAYOUTS:
         run_layout(world, layout, result)
     result["round_trips"] = round_trips(world)

@@ -47,10 +47,10 @@ def ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(ranks):
-    out: dict = {}
+    out: dict = {worker.LAYOUTS["fsdp_ep"]: {}, worker.LAYOUTS["fsdp_ep_rows"]: {}}
     for r in ranks:
-        for experts, specs in r["ref"].items():
-            out.setdefault(experts, {}).update(specs)
+        out[worker.LAYOUTS["fsdp_ep"]].update(r["ref"])
+        out[worker.LAYOUTS["fsdp_ep_rows"]].update(r["ref_rows"])
     return out
 
 
