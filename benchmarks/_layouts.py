@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 RESULTS = ROOT / "benchmarks" / "results" / "layouts.json"
 DEFAULT_SPECS = ["muon", "adamw-hybrid", "spectral-clip", "normuon"]
 #: the layout matrix's workers (tests/): script, processes
-MATRIX = (("layout_worker.py", 4), ("layout_worker.py", 8), ("pp_worker.py", 4))
+MATRIX = (("layout_worker.py", 4), ("layout_worker.py", 8), ("ep_worker.py", 4), ("pp_worker.py", 4))
 
 
 def sent_bytes(func, args, kwargs) -> float:
@@ -189,10 +189,9 @@ def deviations(threads: int) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             _torchrun(ROOT / "tests" / script, tmp, threads=threads, nproc=nproc)
             ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
-        ref: dict = {}
-        for r in ranks:
-            ref.update({name: v["params"] for name, v in r["ref"].items()})
         for layout in ranks[0]["sent"]:
+            key = ranks[0].get("ref_key", {}).get(layout, "ref")  # a layout on another model has its own
+            ref = {name: v["params"] for r in ranks for name, v in r[key].items()}
             got: dict = {}
             for r in ranks:
                 for name, params in r.get(layout, {}).items():

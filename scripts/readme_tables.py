@@ -441,8 +441,8 @@ def catalog(records) -> str:
 
 LAYOUT_RESULTS = ROOT / "benchmarks" / "results" / "layouts.json"
 LAYOUT_NAMES = {"single": "one process", "ddp": "DDP ×2", "fsdp": "FSDP2 ×2", "hsdp": "HSDP 2×2 (Replicate, Shard)",
-                "fsdp_tp": "FSDP2 × TP 2×2", "hsdp_tp": "HSDP × TP 2×2×2", "fsdp_ep": "FSDP2 + EP",
-                "pp_fsdp": "PP × FSDP2"}
+                "fsdp_tp": "FSDP2 × TP 2×2", "hsdp_tp": "HSDP × TP 2×2×2", "fsdp_ep": "FSDP2 + EP 2×2 (experts whole)",
+                "fsdp_ep_rows": "FSDP2 + EP 2×2 (experts' rows cut)", "pp_fsdp": "PP 2 × FSDP2 2"}
 
 
 def layouts(records) -> str:

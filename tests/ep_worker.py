@@ -140,7 +140,7 @@ EXPERTS_ONLY = {
 SPECS = {**{name: str(path) for name, path in shipped_specs().items()}, "mixed": MIXED, "staged": STAGED}
 SENT_SPECS = ("muon", "adamw-hybrid", "spectral-clip", "normuon", "experts_only")
 LAYOUTS = {"fsdp_ep": 8, "fsdp_ep_rows": 2}  # layout: number of experts
-ROWS_SPECS = ("muon", "staged", "experts_only")
+ROWS_SPECS = ("muon", "staged", "mixed", "experts_only")  # mixed: its router gate (2, 16) cut over 4 ranks
 
 
 class Experts(torch.nn.Module):
@@ -404,6 +404,7 @@ def main(out: Path) -> None:
     t0 = time.perf_counter()
     refs = references(rank, size)  # "ref": the fsdp_ep model's (E = 8), "ref_rows": fsdp_ep_rows' (E = 2)
     result["ref"], result["ref_rows"] = refs.get(LAYOUTS["fsdp_ep"], {}), refs.get(LAYOUTS["fsdp_ep_rows"], {})
+    result["ref_key"] = {"fsdp_ep_rows": "ref_rows"}  # the layouts whose reference is not "ref"
     for layout in LAYOUTS:
         run_layout(world, layout, result)
     result["round_trips"] = round_trips(world)

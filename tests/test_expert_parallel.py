@@ -66,11 +66,11 @@ def test_the_worker_covers_every_shipped_spec(ranks, reference):
     assert set(reference[8]) | {"dion"} == want | {"experts_only"}
 
 
-@pytest.mark.parametrize("layout", sorted(worker.LAYOUTS))
-@pytest.mark.parametrize("name", sorted(worker.SPECS))
+@pytest.mark.parametrize("layout,name", [("fsdp_ep", n) for n in sorted(worker.SPECS)]
+                         + [("fsdp_ep_rows", n) for n in worker.ROWS_SPECS if n in worker.SPECS])
 def test_expert_parallel_matches_one_process(ranks, reference, layout, name):
-    if layout == "fsdp_ep_rows" and name not in worker.ROWS_SPECS:
-        return
+    """Under fsdp_ep_rows, mixed's Frobenius sphere on the router gate (2 rows over 4 ranks: a cut
+    DTensor cannot flatten) runs as a matrix function gathered on one rank."""
     refused = ranks[0]["refused"][layout]
     if "dion" in name:  # its power iteration needs whole matrices: refused on sharded tensors, saying so
         assert "needs whole matrices" in refused.get(name, ""), (layout, refused)

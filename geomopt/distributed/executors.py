@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Optional, cast
 
 import torch
@@ -240,18 +240,27 @@ class ShardedExecutor(_DistExecutor):
 
     def run(self, requests: list[Request]) -> list:
         results: list = [None] * len(requests)
-        owners = self._owners(requests)
         for i, req in enumerate(requests):
             if req.locality == LOCAL:
                 results[i] = req.fn(req.x)
             elif req.locality == REDUCE:
-                results[i] = self._on_dtensor(req)
+                try:
+                    results[i] = self._on_dtensor(req)
+                except RuntimeError as err:
+                    # DTensor cannot flatten a dim cut unevenly (a vocabulary over 8 ranks, fewer rows
+                    # than ranks) into the (B, n) reading some operators take: every rank fails alike
+                    # (sharding propagation is metadata), so every rank computes it as a matrix
+                    # function instead, gathered whole on one owner
+                    if "unevenly sharded" not in str(err):
+                        raise
+                    requests[i] = replace(req, locality=OWNER)
             elif req.whole:  # each rank's matrices are whole: computed where they are (if it holds any)
                 if req.x.numel() == 0:
                     results[i] = (req.x.clone(), torch.zeros(req.rows, dtype=torch.bool, device=req.x.device))
                     continue
                 self.work.add(req, req.rows)
                 results[i] = self.work.timed(_apply, req, req.x)
+        owners = self._owners(requests)
         by_dtype: dict = {}
         for i, req in enumerate(requests):
             if req.locality == OWNER and not req.whole:
