@@ -145,9 +145,9 @@ def state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, lay
 
     p = cast(DTensor, p)
     if key.endswith(SCALE):  # int8 block scales: the tensor's shape (operators' layout), last dim in blocks
-        shape = (*pp.op_shape[:-1], pp.op_shape[-1] // BLOCK)
-        return DTensor.from_local(row, p.device_mesh, layout.placements, run_check=False, shape=torch.Size(shape),
-                                  stride=contiguous_strides(shape))
+        scales = (*pp.op_shape[:-1], pp.op_shape[-1] // BLOCK)
+        return DTensor.from_local(row, p.device_mesh, layout.placements, run_check=False, shape=torch.Size(scales),
+                                  stride=contiguous_strides(scales))
     if key in post_stages.STAGE_STATE:
         kept = [d for d in range(row.ndim) if d + 1 not in reduced]
         shape = list(row.shape)
