@@ -442,7 +442,7 @@ def catalog(records) -> str:
 LAYOUT_RESULTS = ROOT / "benchmarks" / "results" / "layouts.json"
 LAYOUT_NAMES = {"single": "one process", "ddp": "DDP ×2", "fsdp": "FSDP2 ×2", "hsdp": "HSDP 2×2 (Replicate, Shard)",
                 "fsdp_tp": "FSDP2 × TP 2×2", "hsdp_tp": "HSDP × TP 2×2×2", "fsdp_ep": "FSDP2 + EP 2×2 (experts whole)",
-                "fsdp_ep_rows": "FSDP2 + EP 2×2 (experts' rows cut)", "pp_fsdp": "PP 2 × FSDP2 2"}
+                "fsdp_ep_rows": "FSDP2 + EP 2×2 (experts' rows cut; muon, mixed, staged)", "pp_fsdp": "PP 2 × FSDP2 2"}
 
 
 def layouts(records) -> str:
@@ -460,7 +460,7 @@ def layouts(records) -> str:
             cells = [f"{max(r['sent'] for r in by_spec[s]):.2f}×, {span([r['step_ms'] for r in by_spec[s]])} ms"
                      for s in specs]
         else:
-            cells = [f"{d['sent'][s]:.2f}×ᵐ" if s in d["sent"] else "refused" for s in specs]
+            cells = [f"{d['sent'][s]:.2f}×ᵐ" if s in d["sent"] else "—" for s in specs]
         processes = 1 if layout == "single" else (d or {}).get("processes", 4)
         rows.append([LAYOUT_NAMES.get(layout, layout), str(processes), dev, *cells])
     n = max(d["specs"] for d in rec["deviation"].values())
@@ -472,7 +472,9 @@ def layouts(records) -> str:
                f"rank hands to collectives in one optimizer step (ring all-reduce 2(w−1)/w·n, all-gather (w−1)·n, "
                f"all-to-all what leaves the rank), largest over ranks, ÷ the parameter bytes of an HF Llama of "
                f"width {rec['width']} ({rec['param_mb']:.1f} MiB); ᵐ: on the layout matrix's own model, not "
-               f"timed; step: the step's median time, min–max over ranks (the processes share 2 cores).")
+               f"timed; —: not run there; step: the step's median time, min–max over ranks (the processes share 2 "
+               f"cores). PP's gradients are sums over 2 microbatches, which alone account for most of its deviation "
+               f"from one process's whole-batch backward (tests/test_pipeline_parallel.py tells the two apart).")
     return "\n".join(table(head, rows)) + "\n\n" + caption
 
 
