@@ -92,8 +92,17 @@ def test_the_rounding_noise_is_uniform_and_follows_the_entry_not_the_shard():
     flat = r[0].reshape(-1) - r[0].mean()
     assert abs(float((flat[1:] * flat[:-1]).mean() / flat.var())) < 0.01
     assert not torch.equal(r[0], r[1])
+    # the hash in int32 (products wrapping mod 2³²) is the same integer function computed in int64
+    seeds = torch.tensor([7, 2 ** 32 - 5])
+    n = 64 * 32
+    pos = torch.arange(2 * n)
+    x = ((pos % n) ^ seeds[pos // n]) & 0xFFFFFFFF
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    assert torch.equal(noise(seeds, (2, 64, 32)).long().reshape(-1), ((x >> 16) ^ x) & 0xFFFF)
     whole = noise(torch.tensor([3]), (1, 6, 10))
     assert torch.equal(noise(torch.tensor([3]), (1, 2, 5), start=(4, 5), full=(6, 10)), whole[:, 4:6, 5:10])
+    assert torch.equal(noise(torch.tensor([3]), (1, 2, 10), start=(4, 0), full=(6, 10)), whole[:, 4:6])
 
 
 def test_bf16_stochastic_rounding_is_unbiased_between_the_two_neighbours_and_seeded():

@@ -120,30 +120,48 @@ def noise(seeds: torch.Tensor, shape: tuple, start: tuple = (), full: tuple = ()
     """16 uniform random bits (int32) per entry of a stack of tensors of ``shape`` (rows: tensors):
     row r's entries are those at offset ``start`` (per dim; none: 0) of a whole tensor of shape
     ``full`` (none: ``shape[1:]``), and each draw is a hash of the entry's flat index there and
-    ``seeds[r]`` (a 32-bit integer mixer, x ← (x ⊕ x≫16)·0x45d9f3b twice, mod 2³²). The same entry
-    of the same tensor draws the same bits whichever shard holds it. ``lo``, ``hi``: only the
-    entries [lo, hi) of the stack in row-major order, flat (what :class:`Codec` encodes at a time);
-    by default all of them, shaped as the stack."""
+    ``seeds[r]`` (:func:`mix`). The same entry of the same tensor draws the same bits whichever
+    shard holds it. ``lo``, ``hi``: only the entries [lo, hi) of the stack in row-major order, flat
+    (what :class:`Codec` encodes at a time); by default all of them, shaped as the stack."""
     rows = tuple(shape[1:])
+    n = max(math.prod(rows), 1)
+    end = len(seeds) * n if hi is None else hi
+    parts = []
+    for r in range(lo // n, -(-end // n)):  # the rows the range meets, each in one piece
+        a, b = max(lo, r * n) - r * n, min(end, (r + 1) * n) - r * n
+        parts.append(mix(_index(a, b, rows, start, full, seeds.device), int(seeds[r])))
+    out = torch.cat(parts) if len(parts) != 1 else parts[0]
+    return out.reshape(shape) if hi is None and lo == 0 else out
+
+
+def _index(a: int, b: int, rows: tuple, start: tuple, full: tuple, device) -> torch.Tensor:
+    """int32 flat indices, in the whole tensor of shape ``full``, of the entries [a, b) (row-major)
+    of its block of shape ``rows`` at offset ``start``: a range where only the first dim is cut
+    (one process, FSDP2's rows), else unravelled dim by dim."""
     full = tuple(full) or rows
     start = tuple(start) or (0,) * len(rows)
-    n = math.prod(rows)
-    end = len(seeds) * n if hi is None else hi
-    pos = torch.arange(lo, end, dtype=torch.int64, device=seeds.device)
-    row, j = pos // max(n, 1), pos % max(n, 1)
-    idx = torch.zeros_like(pos)
+    if tuple(full[1:]) == tuple(rows[1:]):
+        offset = start[0] * math.prod(full[1:]) if rows else 0
+        return torch.arange(a + offset, b + offset, dtype=torch.int64, device=device).to(torch.int32)
+    j = torch.arange(a, b, dtype=torch.int64, device=device)
+    idx = torch.zeros_like(j)
     stride = 1
     for d in reversed(range(len(rows))):
         idx += (j % rows[d] + start[d]) * stride
         j //= rows[d]
         stride *= full[d]
-    mask = 0xFFFFFFFF
-    x = (idx ^ seeds[row]) & mask
+    return idx.to(torch.int32)
+
+
+def mix(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """The 16 low bits of a 32-bit integer hash of int32 ``x`` ⊕ ``seed``, in place: x ← (x ⊕ x≫16)·
+    0x45d9f3b twice, then x ⊕ x≫16 (a well-mixing multiply-xorshift; ≫ logical, products mod 2³²,
+    which int32 arithmetic wraps to)."""
+    x.bitwise_xor_(seed - (1 << 32) if seed >= 1 << 31 else seed)
     for _ in range(2):
-        x = (((x >> 16) ^ x) * 0x45D9F3B) & mask
-    x = ((x >> 16) ^ x) & 0xFFFF
-    out = x.to(torch.int32)
-    return out.reshape(shape) if hi is None and lo == 0 else out
+        x.bitwise_xor_(x.bitwise_right_shift(16).bitwise_and_(0xFFFF)).mul_(0x45D9F3B)
+    x.bitwise_xor_(x.bitwise_right_shift(16).bitwise_and_(0xFFFF))
+    return x.bitwise_and_(0xFFFF)
 
 
 def encode_bf16(x: torch.Tensor, bits16: Optional[torch.Tensor]) -> torch.Tensor:
