@@ -14,7 +14,7 @@ from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import contiguous_strides, is_dtensor
 from geomopt.optim import stages as post_stages
 from geomopt.optim.migrate import VIEW_KEYS
-from geomopt.optim.state_codec import BLOCK, MOMENTS, SCALE
+from geomopt.optim.state_codec import MOMENTS, SCALE, scale_shape
 from geomopt.optim.tensors import as_real, flat_like, like_param, op_view, stack
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ def state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, lay
 
     p = cast(DTensor, p)
     if key.endswith(SCALE):  # int8 block scales: the tensor's shape (operators' layout), last dim in blocks
-        scales = (*pp.op_shape[:-1], pp.op_shape[-1] // BLOCK)
+        scales = scale_shape(tuple(pp.op_shape))  # shaped: a sharded tensor's int8 blocks are aligned
         return DTensor.from_local(row, p.device_mesh, layout.placements, run_check=False, shape=torch.Size(scales),
                                   stride=contiguous_strides(scales))
     if key in post_stages.STAGE_STATE:

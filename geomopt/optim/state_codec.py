@@ -20,10 +20,10 @@ tensor (in the operators' layout), the tensor's name, the state key and the step
 reproducible, a checkpoint resumes bit for bit with no generator state saved, the user's random
 streams are untouched, and a sharded tensor rounds each entry exactly as one process does.
 
-Sharded tensors (:class:`Codec`'s ``block``): every rank encodes its own block, so a quantization
-block must lie within one shard: int8 needs the last dim cut at multiples of 256 (FSDP2's row
-cuts always are; a tensor cut elsewhere keeps float32 state, on every rank alike), and its block
-scales are a DTensor cut like the tensor. Then every layout stores the same codes as one process.
+Sharded tensors (:class:`Codec`'s ``start``, ``full`` and ``aligned``): every rank encodes its own
+block, so a quantization block must lie within one shard: int8 needs the last dim cut at multiples
+of 256 (FSDP2's row cuts always are; a tensor cut elsewhere keeps float32 state, on every rank
+alike), and its block scales are a DTensor cut like the tensor. Then every layout stores the same codes as one process.
 
 A state entry records its own precision: float32, bfloat16, or uint8 codes beside a ``<key>_absmax``
 entry. Whatever the rule's precision, a step decodes what it finds (a checkpoint saved under another
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -115,21 +115,22 @@ def seed_of(*parts) -> int:
     return zlib.crc32("|".join(map(str, parts)).encode())
 
 
-def noise(seeds: torch.Tensor, shape: tuple, start: tuple = (), full: tuple = (), lo: int = 0,
-          hi: Optional[int] = None) -> torch.Tensor:
+def noise(seeds: Sequence[int], shape: tuple, start: tuple = (), full: tuple = (), lo: int = 0,
+          hi: Optional[int] = None, device="cpu") -> torch.Tensor:
     """16 uniform random bits (int32) per entry of a stack of tensors of ``shape`` (rows: tensors):
     row r's entries are those at offset ``start`` (per dim; none: 0) of a whole tensor of shape
     ``full`` (none: ``shape[1:]``), and each draw is a hash of the entry's flat index there and
     ``seeds[r]`` (:func:`mix`). The same entry of the same tensor draws the same bits whichever
     shard holds it. ``lo``, ``hi``: only the entries [lo, hi) of the stack in row-major order, flat
-    (what :class:`Codec` encodes at a time); by default all of them, shaped as the stack."""
+    (what :class:`Codec` encodes at a time); by default all of them, shaped as the stack. The seeds
+    are host integers: the bits are made on ``device`` with no read back."""
     rows = tuple(shape[1:])
     n = max(math.prod(rows), 1)
     end = len(seeds) * n if hi is None else hi
     parts = []
     for r in range(lo // n, -(-end // n)):  # the rows the range meets, each in one piece
         a, b = max(lo, r * n) - r * n, min(end, (r + 1) * n) - r * n
-        parts.append(mix(_index(a, b, rows, start, full, seeds.device), int(seeds[r])))
+        parts.append(mix(_index(a, b, rows, start, full, device), int(seeds[r])))
     out = torch.cat(parts) if len(parts) != 1 else parts[0]
     return out.reshape(shape) if hi is None and lo == 0 else out
 
@@ -233,11 +234,11 @@ class Codec:
                 continue
             flat = value.reshape(-1)
             if self.dtype == "bfloat16":
-                seeds = torch.tensor([seed_of(name, self.step, key) for name in self.names], dtype=torch.int64,
-                                     device=value.device)
+                seeds = [seed_of(name, self.step, key) for name in self.names]
                 enc = torch.empty(flat.shape, dtype=torch.bfloat16, device=flat.device)
                 for a, b in _pieces(flat.numel()):
-                    enc[a:b] = encode_bf16(flat[a:b], noise(seeds, tuple(value.shape), self.start, self.full, a, b))
+                    bits = noise(seeds, tuple(value.shape), self.start, self.full, a, b, device=flat.device)
+                    enc[a:b] = encode_bf16(flat[a:b], bits)
                 out[key] = enc.reshape(value.shape)
             else:  # a row's size is a multiple of BLOCK: a piece's blocks lie within rows
                 codes = torch.empty(flat.shape, dtype=torch.uint8, device=flat.device)
