@@ -40,75 +40,86 @@ CFG = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layer
            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
 
 # every operator locality class: owner (SVD, polar, rank, spectral sphere, Stiefel, top-k), reduce
-# (isotropic, rowwise, Frobenius / ℓ2 balls and spheres) and local (anisotropic, adam, ℓ∞, prox)
-MIXED = {
-    "geomopt": 1, "name": "mixed",
-    "defaults": {"lr": 0.01, "direction": {"kind": "polyak", "alpha": 0.2}},
-    "rules": [
-        {"name": "embed", "match": "model.embed_tokens.weight",
-         "geometry": {"kind": "rowwise", "reference": {"kind": "log_barrier", "eps": 1e-8}},
-         "constraint": {"kind": "frobenius_ball", "radius": 2.0}},
-        {"name": "q", "match": "**.q_proj.weight",
-         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"},
-                      "layout": "in_out"},
-         "constraint": {"kind": "rank", "k": 4}},
-        {"name": "k", "match": "**.k_proj.weight", "geometry": {"kind": "euclidean"},
-         "constraint": {"kind": "l0", "k": 100}},
-        {"name": "v", "match": "**.v_proj.weight",
-         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}},
-         "constraint": {"kind": "stiefel"}},
-        {"name": "o", "match": "**.o_proj.weight",
-         "geometry": {"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 2e-3},
-                      "approx": {"kind": "polar_express", "steps": 6}, "layout": "in_out"},
-         "constraint": {"kind": "spectral_sphere", "radius": 1.0}},
-        {"name": "gate", "match": "**.gate_proj.weight",
-         "geometry": {"kind": "anisotropic", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-2}},
-         "constraint": {"kind": "frobenius_sphere", "radius": 3.0}},
-        {"name": "up", "match": "**.up_proj.weight",
-         "geometry": {"kind": "isotropic", "reference": {"kind": "log_barrier", "eps": 1e-8}},
-         "constraint": {"kind": "l2_ball", "radius": 1.5}},
-        {"name": "down", "match": "**.down_proj.weight",
-         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}},
-         "constraint": {"kind": "spectral_ball", "radius": 1.0}},
-        {"name": "head", "match": "lm_head.weight", "geometry": {"kind": "adam"}, "weight_decay": 0.1},
-        {"name": "norm", "match": "model.norm.weight", "geometry": {"kind": "euclidean"},
-         "constraint": {"kind": "proximal_decay", "lam": 0.1}},
-        {"name": "ln", "match": "**.*_layernorm.weight", "geometry": {"kind": "euclidean"},
-         "constraint": {"kind": "linf_sphere", "radius": 1.0}},
-    ],
-}
+# (isotropic, rowwise, Frobenius / ℓ2 balls and spheres) and local (anisotropic, adam, ℓ∞, prox); ``m``
+# names each rule's parameters in a model's own names (tests/pp_worker.py passes torchtitan's)
+def mixed_spec(m: dict) -> dict:
+    return {
+        "geomopt": 1, "name": "mixed",
+        "defaults": {"lr": 0.01, "direction": {"kind": "polyak", "alpha": 0.2}},
+        "rules": [
+            {"name": "embed", "match": m["embed"],
+             "geometry": {"kind": "rowwise", "reference": {"kind": "log_barrier", "eps": 1e-8}},
+             "constraint": {"kind": "frobenius_ball", "radius": 2.0}},
+            {"name": "q", "match": m["q"],
+             "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"},
+                          "layout": "in_out"},
+             "constraint": {"kind": "rank", "k": 4}},
+            {"name": "k", "match": m["k"], "geometry": {"kind": "euclidean"}, "constraint": {"kind": "l0", "k": 100}},
+            {"name": "v", "match": m["v"],
+             "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}},
+             "constraint": {"kind": "stiefel"}},
+            {"name": "o", "match": m["o"],
+             "geometry": {"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 2e-3},
+                          "approx": {"kind": "polar_express", "steps": 6}, "layout": "in_out"},
+             "constraint": {"kind": "spectral_sphere", "radius": 1.0}},
+            {"name": "gate", "match": m["gate"],
+             "geometry": {"kind": "anisotropic", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-2}},
+             "constraint": {"kind": "frobenius_sphere", "radius": 3.0}},
+            {"name": "up", "match": m["up"],
+             "geometry": {"kind": "isotropic", "reference": {"kind": "log_barrier", "eps": 1e-8}},
+             "constraint": {"kind": "l2_ball", "radius": 1.5}},
+            {"name": "down", "match": m["down"],
+             "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}},
+             "constraint": {"kind": "spectral_ball", "radius": 1.0}},
+            {"name": "head", "match": m["head"], "geometry": {"kind": "adam"}, "weight_decay": 0.1},
+            {"name": "norm", "match": m["norm"], "geometry": {"kind": "euclidean"},
+             "constraint": {"kind": "proximal_decay", "lam": 0.1}},
+            {"name": "ln", "match": m["ln"], "geometry": {"kind": "euclidean"},
+             "constraint": {"kind": "linf_sphere", "radius": 1.0}},
+        ],
+    }
+
 
 # every post-stage (each second-moment axis, axis_norm and contra's power iteration, over rows and columns cut
-# by FSDP2 and by TP),
-# cautious decay, the heavy-ball and Lion directions
-STAGED = {
-    "geomopt": 1, "name": "staged",
-    "defaults": {"lr": 0.01, "direction": {"kind": "polyak", "alpha": 0.1, "nesterov": True, "warmup_steps": 2,
-                                           "warmup_alpha": 0.3}},
-    "rules": [
-        {"name": "q", "match": "**.q_proj.weight",
-         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"},
-                      "layout": "in_out"},
-         "post": [{"kind": "second_moment", "axis": "row"}, {"kind": "dual_scale"},
-                  {"kind": "rms_match", "target": "input"}, {"kind": "cautious"}],
-         "weight_decay": 0.1, "decay": "cautious"},
-        {"name": "mlp_in", "match": r"re:.*\.(gate|up)_proj\.weight",
-         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}},
-         "post": [{"kind": "second_moment", "axis": "column"}, {"kind": "axis_norm", "order": ["column", "row"]},
-                  {"kind": "rms_match", "target": 0.2}],
-         "direction": {"kind": "heavy_ball", "momentum": 0.9, "nesterov": True}},
-        {"name": "proj", "match": r"re:.*\.(o|down)_proj\.weight",
-         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}},
-         "post": [{"kind": "contra", "coeff": 0.5},
-                  {"kind": "second_moment", "axis": "element", "bias_correction": True},
-                  {"kind": "rms_match", "target": "polar"}]},
-        {"name": "head", "match": "lm_head.weight", "geometry": {"kind": "adam"}, "post": [{"kind": "cautious"}],
-         "weight_decay": 0.1, "decay": "cautious"},
-        {"name": "rest", "match": "**",
-         "geometry": {"kind": "anisotropic", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-2}},
-         "direction": {"kind": "lion"}, "lr": 1e-3},
-    ],
-}
+# by FSDP2 and by TP), cautious decay, the heavy-ball and Lion directions; ``m``: the q, mlp_in (gate and up),
+# proj (o and down) and head rules' matches
+def staged_spec(m: dict) -> dict:
+    return {
+        "geomopt": 1, "name": "staged",
+        "defaults": {"lr": 0.01, "direction": {"kind": "polyak", "alpha": 0.1, "nesterov": True, "warmup_steps": 2,
+                                               "warmup_alpha": 0.3}},
+        "rules": [
+            {"name": "q", "match": m["q"],
+             "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"},
+                          "layout": "in_out"},
+             "post": [{"kind": "second_moment", "axis": "row"}, {"kind": "dual_scale"},
+                      {"kind": "rms_match", "target": "input"}, {"kind": "cautious"}],
+             "weight_decay": 0.1, "decay": "cautious"},
+            {"name": "mlp_in", "match": m["mlp_in"],
+             "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}},
+             "post": [{"kind": "second_moment", "axis": "column"}, {"kind": "axis_norm", "order": ["column", "row"]},
+                      {"kind": "rms_match", "target": 0.2}],
+             "direction": {"kind": "heavy_ball", "momentum": 0.9, "nesterov": True}},
+            {"name": "proj", "match": m["proj"],
+             "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}},
+             "post": [{"kind": "contra", "coeff": 0.5},
+                      {"kind": "second_moment", "axis": "element", "bias_correction": True},
+                      {"kind": "rms_match", "target": "polar"}]},
+            {"name": "head", "match": m["head"], "geometry": {"kind": "adam"}, "post": [{"kind": "cautious"}],
+             "weight_decay": 0.1, "decay": "cautious"},
+            {"name": "rest", "match": "**",
+             "geometry": {"kind": "anisotropic", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-2}},
+             "direction": {"kind": "lion"}, "lr": 1e-3},
+        ],
+    }
+
+
+MIXED = mixed_spec(dict(embed="model.embed_tokens.weight", q="**.q_proj.weight", k="**.k_proj.weight",
+                        v="**.v_proj.weight", o="**.o_proj.weight", gate="**.gate_proj.weight",
+                        up="**.up_proj.weight", down="**.down_proj.weight", head="lm_head.weight",
+                        norm="model.norm.weight", ln="**.*_layernorm.weight"))
+STAGED = staged_spec(dict(q="**.q_proj.weight", mlp_in=r"re:.*\.(gate|up)_proj\.weight",
+                          proj=r"re:.*\.(o|down)_proj\.weight", head="lm_head.weight"))
 
 SPECS = {**{name: str(path) for name, path in shipped_specs().items()}, "mixed": MIXED, "staged": STAGED}
 

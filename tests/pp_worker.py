@@ -37,10 +37,12 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from geomopt import GeomOptimizer, shipped_specs  # noqa: E402
 from geomopt.integrations.torchtitan import geomopt_optimizer  # noqa: E402
+from layout_worker import mixed_spec, staged_spec  # noqa: E402
 
 STEPS = 2
 STAGES, DP = 2, 2
@@ -49,77 +51,15 @@ DIM, HEADS, HIDDEN, LAYERS, VOCAB = 64, 4, 128, 2, 256
 COUNTED = ("muon", "adamw-hybrid", "spectral-clip", "normuon")  # specs whose bytes sent are measured
 ROUND_TRIPS = ("muon", "staged")
 
-# tests/layout_worker.py's MIXED under the debug model's names (a fused wqkv; w1, w3, w2 are gate, up,
-# down): every operator locality: owner (SVD, polar, rank, spectral sphere, Stiefel, top-k), reduce
-# (isotropic, rowwise, Frobenius / ℓ2 balls and spheres) and local (anisotropic, adam, ℓ∞, prox)
-MIXED = {
-    "geomopt": 1, "name": "mixed",
-    "defaults": {"lr": 0.01, "direction": {"kind": "polyak", "alpha": 0.2}},
-    "rules": [
-        {"name": "embed", "match": "tok_embeddings.weight",
-         "geometry": {"kind": "rowwise", "reference": {"kind": "log_barrier", "eps": 1e-8}},
-         "constraint": {"kind": "frobenius_ball", "radius": 2.0}},
-        {"name": "q", "match": "layers.0.attention.qkv_linear.wqkv.weight",
-         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"},
-                      "layout": "in_out"},
-         "constraint": {"kind": "rank", "k": 4}},
-        {"name": "k", "match": "layers.1.attention.qkv_linear.wqkv.weight", "geometry": {"kind": "euclidean"},
-         "constraint": {"kind": "l0", "k": 100}},
-        {"name": "v", "match": "layers.0.attention.wo.weight",
-         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}},
-         "constraint": {"kind": "stiefel"}},
-        {"name": "o", "match": "layers.1.attention.wo.weight",
-         "geometry": {"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 2e-3},
-                      "approx": {"kind": "polar_express", "steps": 6}, "layout": "in_out"},
-         "constraint": {"kind": "spectral_sphere", "radius": 1.0}},
-        {"name": "gate", "match": "**.feed_forward.w1.weight",
-         "geometry": {"kind": "anisotropic", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-2}},
-         "constraint": {"kind": "frobenius_sphere", "radius": 3.0}},
-        {"name": "up", "match": "**.feed_forward.w3.weight",
-         "geometry": {"kind": "isotropic", "reference": {"kind": "log_barrier", "eps": 1e-8}},
-         "constraint": {"kind": "l2_ball", "radius": 1.5}},
-        {"name": "down", "match": "**.feed_forward.w2.weight",
-         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}},
-         "constraint": {"kind": "spectral_ball", "radius": 1.0}},
-        {"name": "head", "match": "lm_head.weight", "geometry": {"kind": "adam"}, "weight_decay": 0.1},
-        {"name": "norm", "match": "norm.weight", "geometry": {"kind": "euclidean"},
-         "constraint": {"kind": "proximal_decay", "lam": 0.1}},
-        {"name": "ln", "match": "**.*_norm.weight", "geometry": {"kind": "euclidean"},
-         "constraint": {"kind": "linf_sphere", "radius": 1.0}},
-    ],
-}
-
-# tests/layout_worker.py's STAGED under the debug model's names: every post-stage (each second-moment
-# axis, axis_norm and contra's power iteration, over rows and columns FSDP2 cuts), cautious decay, the
-# heavy-ball and Lion directions
-STAGED = {
-    "geomopt": 1, "name": "staged",
-    "defaults": {"lr": 0.01, "direction": {"kind": "polyak", "alpha": 0.1, "nesterov": True, "warmup_steps": 2,
-                                           "warmup_alpha": 0.3}},
-    "rules": [
-        {"name": "q", "match": "**.qkv_linear.wqkv.weight",
-         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"},
-                      "layout": "in_out"},
-         "post": [{"kind": "second_moment", "axis": "row"}, {"kind": "dual_scale"},
-                  {"kind": "rms_match", "target": "input"}, {"kind": "cautious"}],
-         "weight_decay": 0.1, "decay": "cautious"},
-        {"name": "mlp_in", "match": r"re:.*\.(w1|w3)\.weight",
-         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"}},
-         "post": [{"kind": "second_moment", "axis": "column"}, {"kind": "axis_norm", "order": ["column", "row"]},
-                  {"kind": "rms_match", "target": 0.2}],
-         "direction": {"kind": "heavy_ball", "momentum": 0.9, "nesterov": True}},
-        {"name": "proj", "match": r"re:.*\.(wo|w2)\.weight",
-         "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}},
-         "post": [{"kind": "contra", "coeff": 0.5},
-                  {"kind": "second_moment", "axis": "element", "bias_correction": True},
-                  {"kind": "rms_match", "target": "polar"}]},
-        {"name": "head", "match": "lm_head.weight", "geometry": {"kind": "adam"}, "post": [{"kind": "cautious"}],
-         "weight_decay": 0.1, "decay": "cautious"},
-        {"name": "rest", "match": "**",
-         "geometry": {"kind": "anisotropic", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-2}},
-         "direction": {"kind": "lion"}, "lr": 1e-3},
-    ],
-}
+# tests/layout_worker.py's MIXED and STAGED under the debug model's names (a fused wqkv; w1, w3, w2 are
+# gate, up, down)
+MIXED = mixed_spec(dict(embed="tok_embeddings.weight", q="layers.0.attention.qkv_linear.wqkv.weight",
+                        k="layers.1.attention.qkv_linear.wqkv.weight", v="layers.0.attention.wo.weight",
+                        o="layers.1.attention.wo.weight", gate="**.feed_forward.w1.weight",
+                        up="**.feed_forward.w3.weight", down="**.feed_forward.w2.weight", head="lm_head.weight",
+                        norm="norm.weight", ln="**.*_norm.weight"))
+STAGED = staged_spec(dict(q="**.qkv_linear.wqkv.weight", mlp_in=r"re:.*\.(w1|w3)\.weight",
+                          proj=r"re:.*\.(wo|w2)\.weight", head="lm_head.weight"))
 
 SPECS = {**{name: str(path) for name, path in shipped_specs().items()}, "mixed": MIXED, "staged": STAGED}
 
