@@ -16,7 +16,8 @@ step since issue 30, so 0 between steps). The torch reference follows the geomop
 tensor:
 adam rules → ``AdamW(fused=True)``, spectral rules with momentum → ``torch.optim.Muon`` (its
 Newton–Schulz swapped for a float32 copy: bf16 is emulated on this CPU), other rules
-with momentum → ``SGD(momentum=1−α)``, rules without → ``SGD()``, each with the rule's lr, weight
+with momentum → ``SGD(momentum=1−α)`` (heavy_ball: its own momentum, dampening and Nesterov), rules
+without → ``SGD()``, each with the rule's lr, weight
 decay, betas. ``--state``: geomopt's rows again with the spec's state kept in bfloat16 or int8
 (``defaults: {state: …}``; torch's side is float32 as ever). Every (spec, width, optimizer) runs
 in its own subprocess; "peak RSS Δ" is the largest rise of the process's resident set during one
@@ -135,9 +136,12 @@ def torch_reference(model, plan):
         pp = pps[0]
         geometry, direction = pp.geometry, pp.direction
         group = {"params": [params[q.name] for q in pps], "lr": pp.lr, "weight_decay": pp.weight_decay}
-        momentum = 1 - direction["alpha"] if direction["kind"] == "polyak" else 0.0
-        if direction["kind"] not in ("polyak", "none"):
+        # one momentum buffer: polyak's EMA, or heavy_ball's (torch.optim.SGD's own momentum)
+        momentum = {"polyak": lambda: 1 - direction["alpha"], "heavy_ball": lambda: direction["momentum"],
+                    "none": lambda: 0.0}.get(direction["kind"])
+        if momentum is None:
             raise SystemExit(f"rule {name}: no torch reference for direction {direction['kind']}")
+        momentum = momentum()
         if geometry["kind"] == "adam":
             if direction["kind"] != "none":
                 raise SystemExit(f"rule {name}: adam with a direction has no torch reference")
@@ -145,7 +149,8 @@ def torch_reference(model, plan):
         elif geometry["kind"] == "spectral" and momentum:
             muon.append(group | {"momentum": momentum, "nesterov": direction.get("nesterov", False)})
         else:
-            sgd.append(group | {"momentum": momentum, "nesterov": bool(momentum and direction.get("nesterov"))})
+            sgd.append(group | {"momentum": momentum, "nesterov": bool(momentum and direction.get("nesterov")),
+                                "dampening": direction.get("dampening", 0.0)})
     opts = []
     if muon:
         import torch.optim._muon
@@ -302,7 +307,8 @@ def main(argv=None) -> int:
                 notes.append(f"- {spec}.yaml ({precision}) — geomopt: {breakdown(g['by_label'])}; torch: "
                              f"{t['no_reference']}")
                 continue
-            ratio = f"{state / t['held']:.3f}" if t["held"] else ("1.000" if not state else "∞")
+            # torch holding nothing (SGD without momentum): what geomopt holds, in bytes
+            ratio = f"{state / t['held']:.3f}" if t["held"] else ("1.000" if not state else f"+{state} B")
             lines.append(f"| {spec}.yaml | {precision} | {state / MiB:.2f} | {t['held'] / MiB:.2f} | {ratio} | "
                          f"{g['workspace'] / MiB:.2f} | {g['largest_bucket'] / MiB:.2f} | {g['held'] / pb:.3f} | "
                          f"{t['held'] / pb:.3f} | {g['rss_delta'] / MiB:.1f} | {t['rss_delta'] / MiB:.1f} |")
