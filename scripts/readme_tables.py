@@ -509,6 +509,7 @@ BENCH_QUOTES = {
     "dtype": (r"Newton–Schulz dtype", 1),
     "memory": (r"Optimizer-held memory", 4),
     "state-quality": (r"State precision and quality: \w+'s training", 2),
+    "state-update-error": (r"State round trip and the next update", 2),
     "elementwise": (r"Elementwise steps", 2),
     "gram-ns": (r"newton_schulz vs gram_newton_schulz", 1),
     "dion": (r"Dion vs Muon", 1),
