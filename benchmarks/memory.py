@@ -137,11 +137,9 @@ def torch_reference(model, plan):
         geometry, direction = pp.geometry, pp.direction
         group = {"params": [params[q.name] for q in pps], "lr": pp.lr, "weight_decay": pp.weight_decay}
         # one momentum buffer: polyak's EMA, or heavy_ball's (torch.optim.SGD's own momentum)
-        momentum = {"polyak": lambda: 1 - direction["alpha"], "heavy_ball": lambda: direction["momentum"],
-                    "none": lambda: 0.0}.get(direction["kind"])
-        if momentum is None:
+        if direction["kind"] not in ("polyak", "heavy_ball", "none"):
             raise SystemExit(f"rule {name}: no torch reference for direction {direction['kind']}")
-        momentum = momentum()
+        momentum = 1 - direction["alpha"] if direction["kind"] == "polyak" else direction.get("momentum", 0.0)
         if geometry["kind"] == "adam":
             if direction["kind"] != "none":
                 raise SystemExit(f"rule {name}: adam with a direction has no torch reference")

@@ -96,10 +96,10 @@ def main(argv=None) -> int:
     for state in [*PRECISIONS, CONTROL] + ([mixed_row] if mixed else []):
         diffs = [r["val"] - base[r["seed"]] for r in runs if r["state"] == state]
         vals = [r["val"] for r in runs if r["state"] == state]
-        held = next(r["state_bytes"] for r in runs if r["state"] == state)
+        nbytes = next(r["state_bytes"] for r in runs if r["state"] == state)
         rows.append(dict(state=state, val_mean=statistics.fmean(vals), diff_mean=statistics.fmean(diffs),
                          diff_std=statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
-                         diff_max=max(diffs, key=abs), bytes_ratio=held / base_bytes))
+                         diff_max=max(diffs, key=abs), bytes_ratio=nbytes / base_bytes))
     out = Path(args.out) if args.out else RESULTS / f"state_quality-{args.run}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(run=args.run, spec=Path(spec_path).name, steps=steps, seeds=args.seeds,

@@ -35,6 +35,7 @@ from state_quality import PRECISIONS, RUNS, with_state  # noqa: E402
 
 import geomopt  # noqa: E402
 from geomopt.cli.demo import batches, corpus_bytes, train  # noqa: E402
+from geomopt.optim.state_codec import decode_entry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -44,19 +45,19 @@ NULL = 1e-3  # a singular value below NULL · ‖d‖_F counts as the momentum's
 def two_steps(model, opt, pair) -> tuple[dict, dict, dict]:
     """The state each tensor's second step read (decoded to float32), the second step's change and the
     parameters it started from."""
-    for k, (x, y) in enumerate(pair):
-        if k == 1:
-            before = {n: p.detach().clone() for n, p in model.named_parameters()}
-            read = {n: _decoded(opt, p) for n, p in model.named_parameters()}
+    def step(x, y):
         opt.zero_grad(set_to_none=True)
         model(x, y)[1].backward()
         opt.step()
+
+    step(*pair[0])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    read = {n: _decoded(opt, p) for n, p in model.named_parameters()}
+    step(*pair[1])
     return read, {n: p.detach() - before[n] for n, p in model.named_parameters()}, before
 
 
 def _decoded(opt, p) -> dict:
-    from geomopt.optim.state_codec import decode_entry
-
     return {k: v.float().clone() for k, v in decode_entry(dict(opt.state.get(p, {}))).items()
             if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0}
 
