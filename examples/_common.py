@@ -84,9 +84,10 @@ def settings_of(args, **more) -> dict:
 
 
 def write_results(path: Path, *, settings: dict, results: dict, seconds: float, extra: dict | None = None,
-                  device: str = "cpu") -> dict:
+                  device: str = "cpu", threads=None) -> dict:
     """Write the results record ``path`` (JSON): command, date, versions, the machine (CPU model,
-    cores, threads; the GPU on CUDA), the source commit, total seconds, settings and results."""
+    cores, threads; the GPU on CUDA), how the thread count was chosen (``threads``, a
+    :class:`geomopt.cli.threads.ThreadChoice`), the source commit, total seconds, settings and results."""
     import torch
 
     record = {
@@ -96,6 +97,7 @@ def write_results(path: Path, *, settings: dict, results: dict, seconds: float, 
         "python": platform.python_version(),
         "platform": platform.platform(),
         "threads": torch.get_num_threads(),
+        "thread_choice": threads.record() if threads is not None else None,
         "machine": machine(device),
         "source": source_version(ROOT),
         "seconds_total": round(seconds, 2),

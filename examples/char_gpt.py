@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 import geomopt  # noqa: E402
-from geomopt.cli.demo import corpus_bytes, plot, span, train  # noqa: E402
+from geomopt.cli.demo import corpus_bytes, plot, probe_step, span, train  # noqa: E402
+from geomopt.cli.threads import add_threads_arg, choose_threads  # noqa: E402
 from geomopt.models import GPTConfig  # noqa: E402
 
 OPTIMIZERS = {
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of: " + ", ".join(OPTIMIZERS))
     ap.add_argument("--quick", action="store_true", help="20 steps, width 32 (for tests)")
     ap.add_argument("--no-progress", action="store_true")
+    add_threads_arg(ap)
     _common.add_output_args(ap, "char_gpt", repeats=True)
     return ap
 
@@ -92,9 +94,11 @@ def main(argv=None) -> int:
     if args.quick:
         args.steps, args.n_embd, args.block = 20, 32, 32
     names = _common.chosen_optimizers(ap, args.optimizers, OPTIMIZERS)
-    if args.device == "cpu":
-        torch.set_num_threads(min(2, torch.get_num_threads()))
     config = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    first = _common.spec_path(OPTIMIZERS[names[0]])
+    threads = choose_threads(args.threads, lambda: probe_step(lambda m: geomopt.GeomOptimizer(m, first), config=config,
+                                                              batch=args.batch, device=args.device), args.device)
+    print(threads.header(), flush=True)
     eval_every = max(1, args.steps // 20)
     t0 = time.perf_counter()
     runs = []
@@ -152,6 +156,7 @@ def main(argv=None) -> int:
         print("note: the repeated runs' losses differ (nondeterministic kernels); the table shows the first runs'")
     settings = _common.settings_of(args, optimizers=names, corpus_bytes=len(corpus_bytes()), eval_every=eval_every)
     _common.write_results(out / "char_gpt.json", settings=settings, results=dict(summary=summary, runs=runs), seconds=total,
+                          threads=threads,
                           device=args.device, extra=dict(repeats_identical=all(r["identical"] for r in runs)))
     first = [r for r in runs if r["seed"] == args.seed0]
     if plot(first, out / "char_gpt.png"):

@@ -35,6 +35,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from geomopt.cli.demo import save_figure  # noqa: E402
+from geomopt.cli.threads import add_threads_arg, choose_threads, training_step  # noqa: E402
 
 import geomopt  # noqa: E402
 from geomopt.models import SmallCNN  # noqa: E402
@@ -65,6 +66,17 @@ def accuracy(model, x, y) -> float:
         acc = (model(x).argmax(-1) == y).float().mean().item()
     model.train()
     return acc
+
+
+def probe_step(name: str, args):
+    """One training step of a throwaway model with ``name``'s optimizer on a first batch: what the
+    thread probe times (torch's global random state left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        (xtr, ytr), _ = digits(0, args.test_fraction)
+        model = SmallCNN(in_channels=1, width=args.width, n_classes=10)
+        opt = geomopt.GeomOptimizer(model, _common.spec_path(OPTIMIZERS[name]))
+    x, y = xtr[: args.batch], ytr[: args.batch]
+    return training_step(model, opt, lambda m: F.cross_entropy(m(x), y))
 
 
 def run_one(name: str, seed: int, args) -> dict:
@@ -138,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=0.0, help="override the specs' lr (default: the spec's)")
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of: " + ", ".join(OPTIMIZERS))
     ap.add_argument("--quick", action="store_true", help="1 seed, 1 epoch, width 8 (for tests)")
+    add_threads_arg(ap)
     _common.add_output_args(ap, "digits_cnn")
     return ap
 
@@ -150,7 +163,8 @@ def main(argv=None) -> int:
         args.seeds, args.epochs, args.width = 1, 1, 8
     args.seed_list = list(range(args.seed0, args.seed0 + args.seeds))
     names = _common.chosen_optimizers(ap, args.optimizers, OPTIMIZERS)
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    threads = choose_threads(args.threads, lambda: probe_step(names[0], args))
+    print(threads.header(), flush=True)
     t0 = time.perf_counter()
     runs = []
     for seed in args.seed_list:
@@ -172,7 +186,8 @@ def main(argv=None) -> int:
               f"{100 * max(s['test_acc']):.2f} | {s['seconds']} |")
     print(f"total {total:.1f} s")
     settings = _common.settings_of(args, optimizers=names)
-    _common.write_results(out / "digits_cnn.json", settings=settings, results=dict(summary=summary, runs=runs), seconds=total)
+    _common.write_results(out / "digits_cnn.json", settings=settings, results=dict(summary=summary, runs=runs), seconds=total,
+                          threads=threads)
     if plot(runs, summary, out / "digits_cnn.png", args):
         print(f"wrote {out / 'digits_cnn.json'} and {out / 'digits_cnn.png'}")
     return 0

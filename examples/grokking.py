@@ -45,6 +45,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from geomopt.cli.demo import save_figure  # noqa: E402
+from geomopt.cli.threads import add_threads_arg, choose_threads, training_step  # noqa: E402
 
 import geomopt  # noqa: E402
 
@@ -148,6 +149,17 @@ def make_optimizer(name: str, model, args):
 OPTIMIZERS = {"AdamW": None, "uScion": "grokking-uscion", "uScion + spectral clip": "grokking-spectral-clip"}
 
 
+def probe_step(name: str, args):
+    """One training step of a throwaway model with ``name``'s optimizer on a first batch: what the
+    thread probe times (torch's global random state left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        (xtr, ytr), _ = divmod_data(P, args.train_fraction, 0)
+        model = GrokNet(P, args.width, args.depth, args.heads, args.dropout)
+        opt = make_optimizer(name, model, args)
+    x, y = xtr[: args.batch], ytr[: args.batch]
+    return training_step(model, opt, lambda m: F.cross_entropy(m(x), y))
+
+
 def run_one(name: str, seed: int, args) -> dict:
     torch.manual_seed(seed)
     (xtr, ytr), (xva, yva) = divmod_data(P, args.train_fraction, seed)
@@ -249,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of: " + ", ".join(OPTIMIZERS))
     ap.add_argument("--full-curves", action="store_true", help="keep training to --max-epochs after hitting the target")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 seed, 3-epoch cap, width 32, 1 warmup epoch unless given")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    add_threads_arg(ap)
     _common.add_output_args(ap, "grokking")
     return ap
 
@@ -263,7 +275,8 @@ def main(argv=None) -> int:
     out = _common.resolve_output(ap, args, "grokking")
     args.seed_list = list(range(args.seed0, args.seed0 + args.seeds))
     names = _common.chosen_optimizers(ap, args.optimizers, OPTIMIZERS)
-    torch.set_num_threads(args.threads)
+    threads = choose_threads(args.threads, lambda: probe_step(names[0], args))
+    print(threads.header(), flush=True)
     t0 = time.perf_counter()
     settings = _common.settings_of(args, p=P, examples=P * (P - 1), optimizers=names)
     runs = []
@@ -276,7 +289,7 @@ def main(argv=None) -> int:
                   f"at epoch {r['epochs_to_target']} (val {r['final_val_acc']:.3f}, train {r['final_train_acc']:.3f}, "
                   f"{r['seconds']:.1f} s; {time.perf_counter() - t0:.0f} s so far)", flush=True)
             summary = summarize(runs, names)
-            _common.write_results(out / "grokking.json", settings=settings, seconds=time.perf_counter() - t0,
+            _common.write_results(out / "grokking.json", settings=settings, seconds=time.perf_counter() - t0, threads=threads,
                                   results=dict(summary=summary, runs=runs, complete=len(runs) == len(names) * len(args.seed_list)))
     total = time.perf_counter() - t0
     print(f"\n| optimizer | spec | median epochs to {args.target:.0%} (cap {args.max_epochs}) | per seed | reached | time (s) |")
@@ -285,7 +298,7 @@ def main(argv=None) -> int:
         print(f"| {n} | {s['spec'] or 'torch.optim.AdamW'} | {s['median_epochs']:g} | {s['epochs']} | {s['reached']}/{s['runs']} | {s['seconds']} |")
     print(f"total {total:.1f} s")
     _common.write_results(out / "grokking.json", settings=settings, results=dict(summary=summary, runs=runs, complete=True),
-                          seconds=total)
+                          seconds=total, threads=threads)
     if plot(runs, summary, out / "grokking.png", args):
         print(f"wrote {out / 'grokking.json'} and {out / 'grokking.png'}")
     return 0

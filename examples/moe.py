@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 import geomopt  # noqa: E402
-from geomopt.cli.demo import corpus_bytes, plot, span, train  # noqa: E402
+from geomopt.cli.demo import corpus_bytes, plot, probe_step, span, train  # noqa: E402
+from geomopt.cli.threads import add_threads_arg, choose_threads  # noqa: E402
 from geomopt.compile.plan import view_text  # noqa: E402
 from geomopt.geometry.dtypes import compute_dtype  # noqa: E402
 
@@ -110,8 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--expert-width", type=int, default=128)
     ap.add_argument("--adamw-lr", type=float, default=3e-3)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: on this project's shared "
-                                                           "2-core CPU, 2 threads ran several times slower)")
+    add_threads_arg(ap)
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of: " + ", ".join(OPTIMIZERS))
     ap.add_argument("--quick", action="store_true", help="8 steps (for tests)")
     ap.add_argument("--no-progress", action="store_true")
@@ -126,9 +126,11 @@ def main(argv=None) -> int:
     if args.quick:
         args.steps = 8
     names = _common.chosen_optimizers(ap, args.optimizers, OPTIMIZERS)
-    if args.device == "cpu":
-        torch.set_num_threads(args.threads)
     spec = _common.spec_path(SPEC)
+    threads = choose_threads(args.threads, lambda: probe_step(lambda m: geomopt.GeomOptimizer(m, spec), block=args.block,
+                                                              batch=args.batch, build=lambda: build_model(args),
+                                                              loss=moe_loss, device=args.device), args.device)
+    print(threads.header(), flush=True)
     dtype = str(compute_dtype(torch.empty(0, device=args.device), "newton_schulz")).removeprefix("torch.")  # auto here
     note = f"Newton–Schulz in {dtype} (muon.yaml's dtype auto on {args.device})"
     print(note)
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
         corpus_bytes=len(corpus_bytes()), eval_every=max(1, args.steps // 20), model="MixtralForCausalLM",
         transformers=__import__("transformers").__version__)
     _common.write_results(out / "moe.json", settings=settings, results=dict(summary=summary, runs=runs),
-                          seconds=total, device=args.device,
+                          seconds=total, device=args.device, threads=threads,
                           extra=dict(note=note, routing=routing, repeats_identical=all(r["identical"] for r in runs)))
     print("\n| optimizer | final val. loss (nats/byte) | best val. loss | bits/byte | time per run (s) |")
     print("|---|---|---|---|---|")

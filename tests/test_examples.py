@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import math
 import subprocess
 import sys
@@ -21,12 +22,19 @@ SPECS = ROOT / "specs"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _run(script: str, tmp_path: Path, *extra: str) -> dict:
+def _run(script: str, tmp_path: Path, *extra: str, probe: bool = False) -> dict:
+    """Run an example with --quick; ``probe``: without OMP_NUM_THREADS, so that it probes its thread count."""
+    env = {k: v for k, v in os.environ.items() if not (probe and k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"))}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--quick", "--out", str(tmp_path), *extra],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
     stem = script.removesuffix(".py")
     record = json.loads((tmp_path / f"{stem}.json").read_text())
+    choice = record["thread_choice"]  # how the thread count was chosen, and the run header saying it
+    assert choice["threads"] == record["threads"] and choice["how"] == ("probe" if probe else "OMP_NUM_THREADS")
+    assert f"torch threads: {record['threads']} of" in proc.stdout and "load average" in proc.stdout
+    assert ("the fastest on a probe" in proc.stdout) is probe and bool(choice["probe_ms"]) is probe
     assert (tmp_path / f"{stem}.png").read_bytes()[:8] == PNG
     assert record["command"].startswith(f"python examples/{script} --quick")
     assert record["torch"] == torch.__version__ and record["date"] and record["seconds_total"] > 0
@@ -84,7 +92,7 @@ def test_grokking_stops_at_the_target(tmp_path):
 
 
 def test_digits_cnn_quick(tmp_path):
-    rec = _run("digits_cnn.py", tmp_path)
+    rec = _run("digits_cnn.py", tmp_path, probe=True)
     summary = rec["results"]["summary"]
     assert len(summary) == 4
     for name, s in summary.items():

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import geomopt
 from geomopt.cli.main import EXIT_CLEAN, EXIT_FINDINGS, UsageError
+from geomopt.cli.threads import add_threads_arg, choose_threads, training_step
 from geomopt.compile.compiler import model_params
 from geomopt.lint.reporters import report
 from geomopt.lint.runner import lint_spec
@@ -199,6 +200,34 @@ def train(make_opt, *, steps: int, seed: int, block: int = 64, batch: int = 32, 
     return dict(label=label, steps=curve_steps, train=curve_train, val=curve_val, seconds=time.perf_counter() - start)
 
 
+def probe_step(make_opt, *, block: int = 64, batch: int = 32, config=None, build=None, loss=None,
+               device: str = "cpu"):
+    """One training step (forward, backward, ``step``) of a throwaway copy of :func:`train`'s model
+    and optimizer on a fixed random batch, as a function: what the thread probe
+    (:func:`geomopt.cli.threads.choose_threads`) times. Building it leaves torch's global random
+    state as it was."""
+    import torch  # torch: off the lint path (a spec alone never loads it)
+
+    from geomopt.models.gpt import GPT, GPTConfig  # the models need torch: off the lint path
+
+    with torch.random.fork_rng(devices=[]):
+        if build is None:
+            config = config or GPTConfig(vocab_size=256, block_size=block, n_layer=2, n_head=4, n_embd=64)
+            block = config.block_size
+            model = GPT(config).to(device)
+        else:
+            model = build().to(device)
+        opt = make_opt(model)
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randint(256, (batch, block), generator=gen).to(device)
+        y = torch.randint(256, (batch, block), generator=gen).to(device)
+    if loss is None:
+        def loss(m, x, y):
+            value = m(x, y)[1]
+            return value, value
+    return training_step(model, opt, lambda m: loss(m, x, y)[0])
+
+
 def plot(results: list[dict], path: Path, title: str = "byte-level GPT on Python's bundled docs") -> bool:
     try:
         import matplotlib  # optional and heavy: only to plot
@@ -241,7 +270,8 @@ def run(args) -> int:
         raise UsageError(str(exc)) from None
     if args.repeats is not None and args.repeats < 1:
         raise UsageError("--repeats must be at least 1")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.threads is not None and args.threads < 1:
+        raise UsageError("--threads must be at least 1")
     spec_path = Path(args.spec)
     spec = geomopt.load_spec(spec_path)
     probe = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64))
@@ -266,6 +296,8 @@ def run(args) -> int:
     ]
     print(f"\n== training {steps} steps per optimizer (seed {args.seed})"
           + (f", {repeats} timed runs each" if repeats > 1 else ""))
+    threads = choose_threads(args.threads, lambda: probe_step(makers[0][1]))
+    print(threads.header(), flush=True)
     runs: dict[str, list[dict]] = {label: [] for label, _ in makers}
     for k in range(repeats):  # interleaved, so that a change in the machine's load reaches every optimizer
         for label, make in makers:
@@ -289,7 +321,8 @@ def run(args) -> int:
         command=_command(args), spec=spec.name, steps=steps, seed=args.seed, adamw_lr=args.adamw_lr,
         quick=bool(args.quick), record=bool(args.record), repeats=repeats,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        torch=torch.__version__, threads=torch.get_num_threads(), machine=machine(), source=source_version(),
+        torch=torch.__version__, threads=torch.get_num_threads(), thread_choice=threads.record(), machine=machine(),
+        source=source_version(),
         repeats_identical=all(r["identical"] for r in results),
         results=[dict(label=r["label"], final_val=round(r["val"][-1], 4), best_val=round(min(r["val"]), 4),
                       bits_per_byte=round(r["val"][-1] / math.log(2), 3),
@@ -322,6 +355,8 @@ def _command(args) -> str:
         parts.append("--record")
     if args.repeats:
         parts.append(f"--repeats {args.repeats}")
+    if args.threads:
+        parts.append(f"--threads {args.threads}")
     return " ".join(parts)
 
 
@@ -339,4 +374,5 @@ def add_parser(sub) -> None:
     sp.add_argument("--repeats", type=int, help="timed runs of each training (default 1; "
                     f"{RECORD_REPEATS} with --record); the table shows min–max")
     sp.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_threads_arg(sp)
     sp.set_defaults(fn=run)
