@@ -95,12 +95,25 @@ def duration(seconds: float) -> str:
     return f"{m} min {s} s" if m < 60 else f"{m // 60} h {m % 60} min"
 
 
+def threads_text(rec: dict, threads: int) -> str:
+    """``2 torch threads`` and, where the record says how they were chosen, how and under what load."""
+    text = plural(threads, "torch thread")
+    choice = rec.get("thread_choice")
+    if not choice:
+        return text
+    how = {"probe": "the fastest on a probe of the run's step", "--threads": "set by --threads"}.get(
+        choice["how"], f"set by {choice['how']}")
+    load = f", load average {choice['load'][0]:.2f} then" if choice.get("load") else ""
+    return f"{text}: {how}{load}"
+
+
 def machine_text(rec: dict) -> str:
     """The machine a record's times were measured on, as far as the record knows it."""
     m = rec.get("machine")
     if not m:
-        return f"a machine the record does not name ({plural(rec['threads'], 'torch thread')}, torch {rec['torch']})"
-    text = f"{m['cpu']} ({plural(m['cores'], 'core')}, {plural(m['threads'], 'torch thread')}), torch {m['torch']}"
+        return (f"a machine the record does not name ({threads_text(rec, rec['threads'])}, "
+                f"torch {rec['torch']})")
+    text = f"{m['cpu']} ({plural(m['cores'], 'core')}, {threads_text(rec, m['threads'])}), torch {m['torch']}"
     return f"{m['gpu']}, host {text}" if m.get("gpu") else text
 
 
@@ -157,6 +170,35 @@ def demo(records) -> str:
                   f"Time: {repeat_text(n)}, on {machine_text(rec)}; it varies with the machine's load."
                   + differ_text(rec)]
     return "\n".join(lines)
+
+
+BUSY_RESULTS = ROOT / "benchmarks" / "results" / "busy_machine.json"
+
+
+def busy(records) -> str:
+    """The README's two commands quiet and beside one busy core (benchmarks/busy_machine.py)."""
+    rec = records("busy_machine", BUSY_RESULTS)
+    lines = table(["command", "quiet (s)", "one busy core beside it (s)", "busy / quiet"],
+                  [[f"`{r['command']}`", f"{r['quiet_s']:.1f}", f"{r['busy_s']:.1f}", f"{r['ratio']:.2f}×"]
+                   for r in rec["rows"]])
+    m = rec["machine"]
+    loads = [ld[0] for r in rec["rows"] for ld in r["load_before_quiet"] if ld]
+    quiet = f"; load average {span(loads, '{:.1f}')} before the quiet runs" if loads else ""
+    lines += ["", f"`{rec['command']}`{made_text(rec)}: median of {plural(rec['repeats'], 'run')} of each "
+                  f"command, quiet and with another process spinning on one core, interleaved, on {m['cpu']} "
+                  f"({plural(m['cores'], 'core')}), torch {m['torch']}{quiet}. Goal: at most {rec['goal']}×."]
+    return "\n".join(lines)
+
+
+def busy_line(records) -> str:
+    """The demo's and the tests' busy / quiet ratios in a sentence, with the machine and date."""
+    rec = records("busy_machine", BUSY_RESULTS)
+    rows = [r for r in rec["rows"] if not r["control"]]
+    demo = next(r for r in rows if "demo" in r["command"])
+    tests = next(r for r in rows if "pytest" in r["command"])
+    return (f"`geomopt demo --quick` took {demo['quiet_s']:.0f} s quiet and {demo['busy_s']:.0f} s beside one busy "
+            f"core ({demo['ratio']:.2f}×), a fixed subset of the tests {tests['ratio']:.2f}× "
+            f"({rec['machine']['cpu']}, {plural(rec['machine']['cores'], 'core')}{made_text(rec)})")
 
 
 # ---------------------------------------------------------------- grokking
@@ -556,6 +598,8 @@ def bench_quote(key: str):
 
 RENDERERS = {
     "demo": demo,
+    "busy": busy,
+    "busy:line": busy_line,
     "moe-routing": moe_routing,
     "moe": moe,
     "grokking": grokking,
