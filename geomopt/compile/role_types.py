@@ -11,6 +11,10 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+# what to do about roles decided without a trace (the optimizer's warning, plan, explain, init)
+TRACE_FIX = ("pass example_inputs= (one forward's inputs; a --model factory returns (model, inputs)) or pin the "
+             "roles with the spec's roles: (roles= in Python)")
+
 ROLES = ("embedding", "head", "router", "expert", "norm", "bias", "hidden", "other")
 
 

@@ -195,10 +195,6 @@ class RolesGuessedWarning(UserWarning):
     (``roles=`` in Python)."""
 
 
-FIX = ("pass example_inputs= (one forward's inputs; a --model factory returns (model, inputs)) or pin the roles "
-       "with the spec's roles: (roles= in Python)")
-
-
 def untraced(params, guessed: bool = False) -> dict[str, list[str]]:
     """Why each role no trace decided was decided otherwise → ["'name' → role", …]: the module
     tree's roles with the reason there was no trace, and (``guessed``) roles guessed from names and

@@ -14,7 +14,8 @@ from geomopt.distributed.executors import is_dtensor
 from geomopt.geometry.dtypes import BF16Warning, slow_bf16
 from geomopt.geometry.prox import backward
 from geomopt.lint.coverage import UnusedRuleWarning
-from geomopt.lint.roles import FIX, RolesGuessedWarning, untraced, untraced_text
+from geomopt.compile.role_types import TRACE_FIX
+from geomopt.lint.roles import RolesGuessedWarning, untraced, untraced_text
 from geomopt.lint.runner import lint_spec
 from geomopt.optim.diagnostics import euclidean_geometry
 from geomopt.optim.tensors import full, in_set, op_view, upcast
@@ -58,7 +59,7 @@ def warn_guessed_roles(infos: list) -> None:
     by_reason = untraced(infos, guessed=True)
     if by_reason:
         warnings.warn(f"GeomOptimizer: {untraced_text(by_reason)}. A spec routing by role may misroute them (a "
-                      f"lookup table or an output layer orthogonalized as a hidden matrix): {FIX}",
+                      f"lookup table or an output layer orthogonalized as a hidden matrix): {TRACE_FIX}",
                       RolesGuessedWarning, stacklevel=3)
 
 
