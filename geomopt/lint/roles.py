@@ -195,15 +195,20 @@ class RolesGuessedWarning(UserWarning):
     (``roles=`` in Python)."""
 
 
+_GUESSED = "guessed from names and shapes (no model to trace: pass the model, or model= beside its parameters)"
+
+
 def untraced(params, guessed: bool = False) -> dict[str, list[str]]:
     """Why each role no trace decided was decided otherwise → ["'name' → role", …]: the module
     tree's roles with the reason there was no trace, and (``guessed``) roles guessed from names and
-    shapes. Roles the spec's ``roles:`` or ``roles=`` pinned are not among them."""
+    shapes. Roles the spec's ``roles:`` or ``roles=`` pinned are not among them, nor zero-size
+    tensors (they never step; a forward never reads them)."""
     out: dict[str, list[str]] = {}
     for p in params:
         role = p.role
-        reason = None if role is None else role.untraced or (
-            "guessed from names and shapes (no model to trace)" if guessed and role.guessed else None)
+        if role is None or 0 in p.shape:
+            continue
+        reason = role.untraced or (_GUESSED if guessed and role.guessed else None)
         if reason:
             out.setdefault(reason, []).append(f"'{p.name}' → {role.name}")
     return out
