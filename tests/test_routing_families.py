@@ -1,6 +1,7 @@
 """Routing tables for Hugging Face model families whose forward the trace must first get to run: a
 dual tower (SigLIP: text and image inputs together), a vision-language model that splices image
-features into its text (LLaVA: as many placeholder tokens as the vision tower has patches), an
+features into its text (LLaVA: as many placeholder tokens as the vision tower has patches; Gemma 3:
+as many as its projector pools them to), an
 audio encoder (Wav2Vec2: raw samples, a weight-normed grouped positional convolution), a detection
 transformer (YOLOS: learned detection tokens, two prediction heads) and two CNNs with depthwise
 convolutions (EfficientNet with squeeze-excitation, MobileNetV2), whose BatchNorm refuses a
@@ -45,6 +46,10 @@ BUILDERS = {
     "llava": lambda t: t.LlavaForConditionalGeneration(t.LlavaConfig(
         text_config=t.LlamaConfig(**_TEXT), vision_config=t.CLIPVisionConfig(**_VISION), image_token_id=60,
         projector_hidden_act="gelu", vision_feature_layer=-1)),
+    # the projector pools the vision tower's 2 × 2 patches to mm_tokens_per_image = 4 placeholders
+    "gemma3": lambda t: t.Gemma3ForConditionalGeneration(t.Gemma3Config(
+        text_config=t.Gemma3TextConfig(**_TEXT), vision_config=t.SiglipVisionConfig(**_VISION), image_token_id=60,
+        boi_token_index=61, eoi_token_index=62, mm_tokens_per_image=4)),
     "wav2vec2": lambda t: t.Wav2Vec2ForCTC(t.Wav2Vec2Config(
         vocab_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
         conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
@@ -86,6 +91,17 @@ ROLES = {
         "lm_head.weight": "head",
         # the projector maps image features into the text's width: a body matrix, traced through bmm
         "model.multi_modal_projector.linear_*.weight": "hidden",
+        **_NORMS_AND_BIASES,
+        "**.weight": "hidden",
+    },
+    "gemma3": {
+        "model.vision_tower.embeddings.*.weight": "embedding",  # the patch stem; positions
+        "model.language_model.embed_tokens.weight": "embedding+head",  # tied: looked up and the logits' layer
+        "model.multi_modal_projector.mm_input_projection_weight": "hidden",  # a bare parameter, traced via bmm
+        # SigLIP's pooling head runs, its output unused (the text reads the patches): a body like any
+        "model.vision_tower.head.probe": "other",  # its learned query (1, 1, 32): one row
+        "model.vision_tower.head.attention.in_proj_weight": "hidden",
+        "model.vision_tower.head.attention.in_proj_bias": "bias",
         **_NORMS_AND_BIASES,
         "**.weight": "hidden",
     },
