@@ -164,14 +164,13 @@ def _eval_mode(model: torch.nn.Module):
             m.training = mode
 
 
-def _distinct(notes: list[str]) -> list[str]:
-    """The failures, one line per distinct error: the places where the same error recurred are
-    named together ("the forward failed on the meta device, on cpu (…)")."""
+def _distinct(failures: list[tuple[str, str]]) -> list[str]:
+    """(where, error) of each failed try, one line per distinct error: the places where the same
+    error recurred are named together ("the forward failed on the meta device, on cpu (…)")."""
     by_error: dict[str, list[str]] = {}
-    for note in notes:
-        where, _, error = note.partition(" (")
-        by_error.setdefault(error, []).append(where.removeprefix("the forward failed "))
-    return [f"the forward failed {', '.join(wheres)} ({error}" for error, wheres in by_error.items()]
+    for where, error in failures:
+        by_error.setdefault(error, []).append(where)
+    return [f"the forward failed {', '.join(wheres)} ({error})" for error, wheres in by_error.items()]
 
 
 def _error(exc: BaseException) -> str:
@@ -227,7 +226,7 @@ def _trace(model: torch.nn.Module, named: list, inputs) -> Trace:
         raise TraceError("the parameters are distributed (DTensor): roles come from the module tree; trace the "
                          "model before sharding it to check them (geomopt plan --model)")
     buffers = dict(model.named_buffers(remove_duplicate=False))
-    notes = []
+    failures: list[tuple[str, str]] = []
     places = [True] if all(p.device.type == "meta" for p in params) else [True, False]
     training = any(m.training for m in model.modules())
     tracer = out = None
@@ -238,9 +237,10 @@ def _trace(model: torch.nn.Module, named: list, inputs) -> Trace:
             break
         except Exception as exc:  # noqa: BLE001 (any failure of user code means: no trace this way)
             where = "on the meta device" if meta else f"on {params[0].device if params else 'cpu'}"
-            notes.append(f"the forward failed {where}{' in eval mode' if evaluate else ''} ({_error(exc)})")
+            failures.append((where + (" in eval mode" if evaluate else ""), _error(exc)))
+    notes = _distinct(failures)
     if tracer is None:
-        raise TraceError("; ".join(_distinct(notes)))
+        raise TraceError("; ".join(notes))
     device = "meta" if meta else str(params[0].device if params else "cpu")
     outputs = _outputs(out)
     heads: dict[int, str] = {}  # weight → the output its layer produces

@@ -1,7 +1,7 @@
 """What building the optimizer does besides its groups and programs: the warnings a spec earns on
 this model (bf16 matrix iterations on a CPU that emulates them, rules that match nothing, roles
-decided without a trace) and the
-projection of constrained tensors onto their sets, so every backward step is defined."""
+decided without a trace) and the projection of constrained tensors onto their sets, so every
+backward step is defined."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import warnings
 import torch
 
 from geomopt.compile.plan import Plan
+from geomopt.compile.role_types import TRACE_FIX
 from geomopt.distributed.executors import is_dtensor
 from geomopt.geometry.dtypes import BF16Warning, slow_bf16
 from geomopt.geometry.prox import backward
 from geomopt.lint.coverage import UnusedRuleWarning
-from geomopt.compile.role_types import TRACE_FIX
 from geomopt.lint.roles import RolesGuessedWarning, untraced, untraced_text
 from geomopt.lint.runner import lint_spec
 from geomopt.optim.diagnostics import euclidean_geometry
