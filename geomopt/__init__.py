@@ -17,12 +17,13 @@ if TYPE_CHECKING:
     from geomopt.compile.lock import RoutingChangedError
     from geomopt.functional import backward_step, forward_step
     from geomopt.lint.coverage import UnusedRuleWarning
+    from geomopt.lint.roles import RolesGuessedWarning
     from geomopt.monitor import monitor_attention
     from geomopt.optim.optimizer import GeomOptimizer
 
 __all__ = ["Diagnostic", "Spec", "SpecError", "dump_spec", "load_spec", "parse_spec", "shipped_specs", "compile_spec",
            "forward_step", "backward_step", "GeomOptimizer", "RoutingChangedError", "UnusedRuleWarning",
-           "monitor_attention"]
+           "RolesGuessedWarning", "monitor_attention"]
 __version__ = "0.1.0"
 
 
@@ -43,6 +44,9 @@ def __getattr__(name: str) -> object:
     if name == "UnusedRuleWarning":
         from geomopt.lint.coverage import UnusedRuleWarning
         return UnusedRuleWarning
+    if name == "RolesGuessedWarning":
+        from geomopt.lint.roles import RolesGuessedWarning
+        return RolesGuessedWarning
     if name == "monitor_attention":
         from geomopt.monitor import monitor_attention
         return monitor_attention

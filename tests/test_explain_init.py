@@ -168,6 +168,26 @@ def test_init_and_lint_follow_the_traced_roles(tmp_path, capsys, scan_module):
     assert rc == 0 and "GO124" in out and "no example inputs" in out
 
 
+def test_plan_explain_init_and_lint_say_when_roles_had_no_trace(capsys, scan_module):
+    bare, traced = f"{scan_module}:bare", f"{scan_module}:with_inputs"
+    rc, out, err = _run(capsys, "plan", "muon", "--model", bare)
+    assert rc == 0 and "GO124" in err and "no example inputs (Scan has no example_inputs() method" in err
+    assert "A_log" in out  # the table still prints, on stdout
+    rc, out, err = _run(capsys, "plan", "muon", "--model", traced)
+    assert rc == 0 and "GO124" not in err
+    rc, out, _ = _run(capsys, "init", "--model", bare, "--recipe", "muon")
+    roles_line = next(line for line in out.splitlines() if line.startswith("# Roles in this model:"))
+    assert "decided without a trace: no example inputs" in roles_line and "example_inputs=" in roles_line
+    rc, out, _ = _run(capsys, "init", "--model", traced, "--recipe", "muon")
+    assert "without a trace" not in out
+    rc, out, _ = _run(capsys, "explain", "muon", "A_log", "--model", bare)
+    assert "no trace: no example inputs" in out and "pin the roles with the spec's roles:" in out
+    # GO124 stays a note (exit 0) unless the trace is required
+    assert _run(capsys, "lint", "muon", "--model", bare)[0] == 0
+    assert _run(capsys, "lint", "muon", "--model", bare, "--require-trace")[0] == 1
+    assert _run(capsys, "lint", "muon", "--model", traced, "--require-trace")[0] == 0
+
+
 def test_a_factory_returning_unusable_inputs_is_a_usage_error(tmp_path, capsys, monkeypatch):
     (tmp_path / "bad_factory.py").write_text("import torch\n\ndef build():\n    return torch.nn.Linear(2, 2), 3\n")
     monkeypatch.chdir(tmp_path)

@@ -11,6 +11,7 @@ import torch
 import yaml
 import torch.distributed as dist
 from torch import nn
+import torch.nn.functional as F
 
 import geomopt
 from geomopt.cli.main import main
@@ -258,6 +259,57 @@ def test_a_rule_idle_for_a_role_the_model_lacks_does_not_warn():
 def test_shipped_specs_on_builtin_models_do_not_warn(model_name):
     for name in geomopt.shipped_specs():
         assert _unused_warnings(get_model(model_name), name) == [], name
+
+
+# ---------------------------------------------------------------- roles decided without a trace
+
+
+class Lookup(nn.Module):
+    """A lookup table and an output projection held as bare parameters: only a trace tells them
+    from hidden matrices."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 8))
+        self.body = nn.Linear(8, 8)
+        self.out = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, ids):
+        return self.body(F.embedding(ids, self.table)) @ self.out.T
+
+
+def _role_warnings(model, spec, **kwargs) -> list:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = geomopt.GeomOptimizer(model, spec, **kwargs)
+    return [w for w in caught if issubclass(w.category, geomopt.RolesGuessedWarning)], opt
+
+
+def test_roles_decided_without_a_trace_warn_once_with_the_reason_and_the_fix():
+    assert issubclass(geomopt.RolesGuessedWarning, UserWarning)
+    (w,), opt = _role_warnings(Lookup(), "muon")
+    text = str(w.message)
+    assert "roles of 4 tensor(s) decided without a trace: no example inputs (Lookup has no example_inputs()" in text
+    assert "'table' → hidden" in text and "example_inputs=" in text and "roles:" in text
+    assert w.filename == __file__  # points at the caller's line
+    assert {pp.name: pp.role for pp in opt.plan}["table"] == "hidden"  # what the warning is about
+    # traced: the table is an embedding, the projection the head, and nothing warns
+    ws, opt = _role_warnings(Lookup(), "muon", example_inputs=torch.zeros(2, 3, dtype=torch.long))
+    assert ws == [] and {pp.name: pp.role for pp in opt.plan}["table"] == "embedding"
+    assert {pp.name: pp.role for pp in opt.plan}["out"] == "head"
+
+
+def test_pinned_roles_and_name_only_specs_do_not_warn():
+    pinned = {"embedding": ["table"], "head": ["out"], "hidden": ["body.weight"], "bias": ["body.bias"]}
+    assert _role_warnings(Lookup(), "muon", roles=pinned)[0] == []
+    (w,), _ = _role_warnings(Lookup(), "muon", roles={"embedding": ["table"]})
+    assert "roles of 3 tensor(s)" in str(w.message)  # only those left unpinned
+    assert _role_warnings(Lookup(), "normalized-sgd")[0] == []  # matches by name: reads no role
+
+
+def test_roles_guessed_from_names_warn_too():
+    (w,), _ = _role_warnings(list(Lookup().named_parameters()), "muon")
+    assert "guessed from names and shapes (no model to trace" in str(w.message)
 
 
 # ---------------------------------------------------------------- GO103 and a catch-all with nothing left

@@ -412,7 +412,7 @@ def test_shipped_specs_lint_clean(spec_name, arch):
 
 def test_the_module_tree_alone_would_have_misrouted_them():
     """What the trace fixed: without it (no inputs) these tensors would be hidden matrices."""
-    wrong = {"mamba": "backbone.layers.0.mixer.A_log", "rwkv": "rwkv.blocks.0.attention.time_mix_key",
+    wrong = {"mamba": "backbone.layers.0.mixer.A_log",
              "swin": "swin.encoder.layers.0.blocks.0.attention.relative_position_bias.relative_position_bias_table",
              "qwen2-vl": "model.visual.patch_embed.proj.weight", "detr": "class_labels_classifier.weight"}
     for arch, name in wrong.items():
@@ -420,3 +420,6 @@ def test_the_module_tree_alone_would_have_misrouted_them():
         traced = {p.name: p.role for p in model_params(model)[0]}[name]
         assert traced.name == ROLES[arch][name] != "hidden"
         assert traced.inferred.startswith("hidden: ")  # the module tree's verdict, kept beside the trace's
+    # RWKV's (1, 1, d) time-mix gates are single rows: the module tree calls them other too
+    gate = {p.name: p.role for p in model_params(build("rwkv"))[0]}["rwkv.blocks.0.attention.time_mix_key"]
+    assert gate.name == "other" and gate.inferred is None and "a single row (1×1×32)" in gate.evidence

@@ -121,6 +121,9 @@ def test_plain_parameters_are_named_in_order_with_one_warning_that_says_what_to_
     text = str(caught[0].message)
     assert "model=" in text and "named_parameters()" in text and "guessed" in text
     assert caught[0].filename == __file__  # points at the caller's line
+    # the roles guessed from shapes are warned about once too, saying how to give the model
+    roles = [str(w.message) for w in caught if issubclass(w.category, geomopt.RolesGuessedWarning)]
+    assert len(roles) == 1 and "guessed from names and shapes" in roles[0] and "model=" in roles[0]
     params = list(model.parameters())
     names = {n: p for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
     assert names == {f"param.{i}": p for i, p in enumerate(params)}

@@ -17,6 +17,7 @@ import geomopt
 from geomopt.lint import lint_spec
 from geomopt.compile.compiler import model_params
 from geomopt.compile.op_families import FAMILIES
+from geomopt.compile.role_guess import guess_roles
 from geomopt.compile.trace import TraceError, trace_model
 from geomopt.compile.trace_inputs import Inputs, as_inputs
 
@@ -94,8 +95,8 @@ def test_each_family_is_recognised():
 
 def test_family_roles_over_the_module_tree():
     """The roles the families give: matrices hidden, the lookup embedding, the last layer head,
-    and everything else never a matrix role (the module tree called table, A_log and the
-    depthwise kernel hidden matrices)."""
+    and everything else never a matrix role (the module tree called table and A_log hidden
+    matrices)."""
     got = roles(Families(), torch.zeros(1, 4, dtype=torch.long))
     assert got == {
         "embed.weight": "embedding",
@@ -109,7 +110,8 @@ def test_family_roles_over_the_module_tree():
     by = {p.name: p.role for p in infos}
     assert by["A_log"].basis == "trace" and by["A_log"].inferred.startswith("hidden")
     assert by["A_log"].evidence == "used only elementwise (mul)"  # exp(A_log) multiplies the activations
-    assert by["depthwise.weight"].inferred.startswith("hidden") and "groups=8" in by["depthwise.weight"].evidence
+    # the module tree knows a grouped convolution's kernel too: both say other
+    assert by["depthwise.weight"].inferred is None and "groups=8" in by["depthwise.weight"].evidence
     assert by["table"].inferred.startswith("hidden") and "indexed" in by["table"].evidence
     assert by["lin.weight"].inferred is None  # trace and module tree agree
 
@@ -364,6 +366,79 @@ def test_fallbacks_name_their_reason():
     # the roles are the module tree's: the last layer is the head
     infos, _ = model_params(Broken(), example_inputs=torch.zeros(1, 8))
     assert {p.name: p.role.name for p in infos}["head.weight"] == "head"
+
+
+def test_a_forward_failing_everywhere_says_its_own_error_once():
+    """Meta and real, in training and in eval mode: four tries, one error, said once with where."""
+    with pytest.raises(TraceError) as caught:
+        traced(Broken(), torch.zeros(1, 8))
+    text = str(caught.value)
+    assert text.count("ValueError: this forward always fails") == 1
+    assert "on the meta device, on the meta device in eval mode, on cpu, on cpu in eval mode" in text
+
+
+class PooledBatchNorm(nn.Module):
+    """BatchNorm on a pooled 1×1 map (a squeeze-excitation block's): training refuses a batch of one."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.bn(self.conv(x).mean((2, 3), keepdim=True)).flatten(1))
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_batchnorm_on_one_row_is_traced_in_eval_mode(device, monkeypatch):
+    model = PooledBatchNorm()
+    before = copy.deepcopy(model.state_dict())
+    if device == "cpu":  # the meta forward unavailable: the real one is retried in eval mode too
+        monkeypatch.setattr("geomopt.compile.trace._run", _only_real(trace_model.__globals__["_run"]))
+    t = traced(model, torch.zeros(1, 3, 5, 5))
+    assert t.device == device and "Expected more than 1 value per channel" in " ".join(t.notes)
+    assert t.tensors["conv.weight"].uses and t.tensors["head.weight"].head == "output"
+    assert model.training and all(m.training for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # running stats untouched
+
+
+def _only_real(run):
+    def real_only(model, names, params, buffers, args, kwargs, meta):
+        if meta:
+            raise RuntimeError("no meta kernel")
+        return run(model, names, params, buffers, args, kwargs, meta)
+
+    return real_only
+
+
+class NotMatrices(nn.Module):
+    """Tensors of ≥ 2 dims that are no matrix: a depthwise kernel, a single row, a single column."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(1, 1, 8))
+        self.pool = nn.Linear(8, 1)  # an attention-pooling score
+        self.depthwise = nn.Conv2d(8, 8, 3, groups=8)
+        self.full = nn.Conv2d(8, 8, 3)
+        self.head = nn.Linear(8, 2)
+
+
+def test_the_module_tree_knows_what_is_no_matrix():
+    """Without a trace: a grouped convolution's kernel and a single row or column are other, with
+    the reason; a full convolution stays hidden, a one-output last layer stays the head."""
+    infos, _ = model_params(NotMatrices())
+    by = {p.name: p.role for p in infos}
+    assert {n: r.name for n, r in by.items() if n.endswith(("weight", "query"))} == {
+        "depthwise.weight": "other", "full.weight": "hidden", "query": "other", "pool.weight": "other",
+        "head.weight": "head"}
+    assert by["depthwise.weight"].evidence == "a grouped convolution's kernel (Conv2d, groups=8)"
+    assert by["query"].evidence == "a single row (1×1×8): a vector"
+    assert by["pool.weight"].evidence == "a single row (1×8): a vector"
+    # from names and shapes alone (a checkpoint): the single row and column too
+    guessed = guess_roles(model_params(list(NotMatrices().named_parameters()))[0])
+    assert {n: guessed[n].name for n in ("query", "pool.weight", "full.weight")} == {
+        "query": "other", "pool.weight": "other", "full.weight": "hidden"}
 
 
 def test_a_failing_forward_never_breaks_the_optimizer_and_lint_says_why():

@@ -3,8 +3,9 @@
 Every SPEC argument is a spec file or a shipped spec's name (``geomopt lint muon``:
 :func:`geomopt.spec.extends.shipped_specs`).
 
-Exit status, as linters do: 0 clean, 1 findings at error level (or warnings with ``--strict``),
-2 usage error or unreadable input. A user mistake never prints a traceback.
+Exit status, as linters do: 0 clean, 1 findings at error level (or warnings with ``--strict``,
+roles decided without a trace with ``lint --require-trace``), 2 usage error or unreadable input.
+A user mistake never prints a traceback.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from geomopt.compile.compiler import model_params, plan_from_infos
 from geomopt.compile.explain import explain, recipe, role_summary, starter
 from geomopt.compile.lock import model_label
 from geomopt.compile.params import params_from_checkpoint
+from geomopt.compile.role_types import TRACE_FIX
 from geomopt.compile.roles import ensure_roles, role_docs
 from geomopt.lint.context import RULES, rule_doc
 from geomopt.lint.reporters import REPORTERS, report
+from geomopt.lint.roles import untraced, untraced_text
 from geomopt.lint.runner import lint_spec, selected_codes
 from geomopt.spec.comments import collect
 from geomopt.spec.diagnostics import LANGUAGE_CODES, Diagnostic, SpecError
@@ -173,6 +176,8 @@ def cmd_lint(args) -> int:
         n = {s: sum(d.severity == s for d in diags) for s in ("error", "warning", "note")}
         print(f"{len(files)} spec(s): {n['error']} error(s), {n['warning']} warning(s), {n['note']} note(s)",
               file=sys.stderr)
+    if args.require_trace and any(d.code == "GO124" for d in diags):
+        return EXIT_FINDINGS
     return _status(diags, args.strict)
 
 
@@ -202,9 +207,10 @@ def cmd_plan(args) -> int:
         json.dump(rows, sys.stdout, indent=2, default=str)
         print()
     else:
-        # notes are for lint, except that a checkpoint cannot decide module predicates (GO112)
+        # notes are for lint, except that a checkpoint cannot decide module predicates (GO112) and
+        # roles decided without a trace (GO124) or guessed from names (GO118) route this plan
         findings = [d for d in lint_spec(spec, params, from_checkpoint=from_ckpt)
-                    if d.severity != "note" or d.code == "GO112"]
+                    if d.severity != "note" or d.code in ("GO112", "GO118", "GO124")]
         report(findings, "text", sys.stderr)
         print(plan.table())
     return EXIT_CLEAN
@@ -248,15 +254,17 @@ def cmd_init(args) -> int:
     except KeyError as exc:
         raise UsageError(exc.args[0]) from None
     spec = starter(parse_spec(text, "yaml", file=f"{args.recipe}.yaml"), params, args.model)
+    guessed = untraced(params)
+    roles = role_summary(params) + (f" ({untraced_text(guessed)}; {TRACE_FIX})" if guessed else "")
     head = (f"# Starter spec: the {args.recipe} recipe for {args.model}, rules by role.\n"
-            f"# Roles in this model: {role_summary(params)}.\n"
+            f"# Roles in this model: {roles}.\n"
             f"# `geomopt explain THIS_FILE PARAM --model {args.model}` shows why a tensor gets its update.\n")
     out = head + dump_spec(spec, "yaml")
     if args.output:
         if Path(args.output).exists() and not args.force:
             raise UsageError(f"{args.output} exists; pass --force to overwrite it")
         Path(args.output).write_text(out, encoding="utf-8")
-        print(f"wrote {args.output}: {len(spec.rules)} rules ({role_summary(params)})", file=sys.stderr)
+        print(f"wrote {args.output}: {len(spec.rules)} rules (roles: {roles})", file=sys.stderr)
     else:
         sys.stdout.write(out)
     return EXIT_CLEAN
@@ -364,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     target(sp)
     sp.add_argument("--format", choices=tuple(REPORTERS), default="text")
     sp.add_argument("--strict", action="store_true", help="warnings fail too (exit 1)")
+    sp.add_argument("--require-trace", action="store_true", help="roles decided without a trace of the "
+                    "model's forward (GO124) fail (exit 1)")
     sp.add_argument("--select", action="append", metavar="CODES", help="only these rules: comma-separated codes, "
                     "prefixes (GO1: every GO1xx) or rule names (as ruff's --select)")
     sp.add_argument("--ignore", action="append", metavar="CODES", help="not these rules (the more specific of "

@@ -77,8 +77,8 @@ def _traced_roles(model, infos: list[ParamInfo], inferred: dict, inputs) -> dict
             return untraced(inferred, f"building {type(model).__name__}'s example inputs raised "
                                       f"{type(exc).__name__}: {exc}")
     if inputs is None:
-        return untraced(inferred, "no example inputs (pass example_inputs=, give the model an example_inputs() "
-                                  "method, or let the CLI's --model factory return (model, inputs))")
+        return untraced(inferred, f"no example inputs ({type(model).__name__} has no example_inputs() method and no "
+                                  f"Hugging Face config)")
     try:
         trace = trace_model(model, inputs)
     except TraceError as exc:

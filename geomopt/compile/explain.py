@@ -6,6 +6,7 @@ import math
 
 from geomopt.compile.match import Matcher, ParamInfo, any_name, describe
 from geomopt.compile.ownership import Ownership
+from geomopt.compile.role_types import TRACE_FIX
 from geomopt.compile.plan import ParamPlan, call_text, geometry_text, constraint_text, view_text
 from geomopt.spec.diagnostics import did_you_mean
 from geomopt.spec.model import Spec
@@ -53,7 +54,7 @@ def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], na
         if role.inferred:
             lines.append(f"           the module tree said {role.inferred}; the trace wins")
         if role.untraced:
-            lines.append(f"           no trace: {role.untraced}")
+            lines.append(f"           no trace: {role.untraced}; {TRACE_FIX}")
         if role.structure:
             lines.append(f"structure  {role.structure}")
     if not p.requires_grad:

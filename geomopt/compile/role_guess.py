@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from geomopt.compile.match import ParamInfo
-from geomopt.compile.role_types import Role, own_role
+from geomopt.compile.role_types import Role, not_a_matrix, own_role
 
 _EMBED = re.compile(r"embed|(^|_)emb(_|$)|^wte$|^wpe$|^shared$|^relative_attention_bias$|^cls_token$|^pos_embed"
                     r"|^mask_token$|^position_embeddings$")
@@ -30,6 +30,7 @@ def guess_roles(infos: list[ParamInfo]) -> dict[str, Role]:
     * ``head``: outside the numbered blocks, a top-level ``lm_head``, ``head``, ``classifier``,
       ``score``, ``output``, ``fc`` or ``logits`` weight, any ``lm_head``/``classifier`` weight, or
       a non-embedding 2-D weight with an embedding's shape (vocabulary × width);
+    * ``other``: a single row or column (``1×n``, ``n×1``: a vector);
     * else ``hidden`` (≥ 2 dims) or ``other``.
     """
     expert_counts: dict[str, int] = {}  # block prefix → expert count
@@ -84,6 +85,8 @@ def _guess(p: ParamInfo, experts: dict[str, int], embed_shapes: set) -> Role:
         role, why = "head", "an embedding's shape (vocabulary × width)"
     elif ndim < 2:
         role, why = ("norm", "a vector weight") if last == "weight" else ("other", "a vector")
+    elif (flat := not_a_matrix(p.shape)) is not None:
+        role, why = "other", flat
     else:
         role, why = "hidden", "a matrix"
         if ndim == 2 and "gate_up" in last + (mods[-1] if mods else "") and p.shape[0] % 2 == 0:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from geomopt.compile.match import ParamInfo
 from geomopt.compile.role_structure import tensor_structure
-from geomopt.compile.role_types import Claim, Role, own_role
+from geomopt.compile.role_types import Claim, Role, not_a_matrix, own_role
 
 if TYPE_CHECKING:
     import torch
@@ -264,8 +264,8 @@ def infer_roles(model, infos: list[ParamInfo], modules: Optional[dict] = None) -
             elif claim is not None:
                 role, why = claim.role, claim.evidence
             else:
-                role, why = (("hidden", "a matrix of the body") if len(p.shape) >= 2
-                             else ("other", "a vector of the body"))
+                flat = not_a_matrix(p.shape, mod) if len(p.shape) >= 2 else "a vector of the body"
+                role, why = ("other", flat) if flat else ("hidden", "a matrix of the body")
             if role == "router" and len(p.shape) < 2:
                 role = "bias"
             if role in roles:

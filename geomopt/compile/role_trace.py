@@ -12,7 +12,10 @@ Per tensor, what the trace saw decides (:func:`traced_role`):
   matrix role: the module tree's ``norm``, ``bias``, ``embedding`` or ``other`` where it says so
   (an elementwise use agrees with those), else ``other``.
 
-A tied tensor takes every role its uses give it (``embedding+head``). Where the trace and the
+A tensor of fewer than 2 dims, and a ``hidden`` one of a single row or column (a learned query
+(1, 1, d) multiplied into a layer), is never a matrix: the module tree's role where it agrees
+with an elementwise use, else ``other``. A tied tensor takes every role its uses give it
+(``embedding+head``). Where the trace and the
 module tree disagree the trace wins and the role keeps the module tree's verdict beside it
 (``explain`` shows both, with the op that decided). A tensor the forward never reached keeps the
 module tree's role, marked so. A layer's output cut into blocks (:mod:`geomopt.compile.trace`)
@@ -24,7 +27,7 @@ from __future__ import annotations
 from typing import Optional
 
 from geomopt.compile.match import ParamInfo
-from geomopt.compile.role_types import ROLES, Role
+from geomopt.compile.role_types import ROLES, Role, not_a_matrix
 from geomopt.compile.trace import TensorTrace, Trace
 
 MATRIX_ROLES = frozenset({"hidden", "expert", "router", "head"})
@@ -51,7 +54,7 @@ def traced_role(t: TensorTrace, inferred: Role) -> tuple[tuple[str, ...], str]:
             why.append(f"its layer ({_op(matrix)}) produces the output '{t.head}' with no parameterized layer after it")
         elif t.stem in ("patch", "audio") or (t.reads_input and "embedding" in inferred.roles):
             roles.append("embedding")
-            kind = f"a {t.stem} stem" if t.stem in ("patch", "audio") else "an input layer"
+            kind = {"patch": "a patch stem", "audio": "an audio stem"}.get(t.stem or "", "an input layer")
             why.append(f"{kind}: {_op(matrix)} reads the model's raw input")
         else:
             body = next((r for r in _BODY if r in inferred.roles), "hidden")
@@ -113,9 +116,10 @@ def apply_trace(infos: list[ParamInfo], inferred: dict[str, Role], trace: Trace)
                                untraced=f"the traced forward ({trace.device}) never reached it")
             continue
         roles, evidence = traced_role(t, inf)
-        if len(p.shape) < 2 and set(roles) & MATRIX_ROLES:  # a vector scaling a matrix (weight norm's g)
+        flat = "a vector" if len(p.shape) < 2 else not_a_matrix(p.shape) if roles == ("hidden",) else None
+        if flat and set(roles) & MATRIX_ROLES:  # a vector scaling a matrix (weight norm's g), a learned query
             roles, evidence = (inf.roles, f"{inf.evidence}; traced: {evidence}") if (
-                set(inf.roles) <= _AGREES_ELEMENTWISE) else (("other",), f"a vector; traced: {evidence}")
+                set(inf.roles) <= _AGREES_ELEMENTWISE) else (("other",), f"{flat}; traced: {evidence}")
         structure = traced_structure(p, t, roles, inf.structure if set(roles) & MATRIX_ROLES else None)
         differs = set(roles) != set(inf.roles)
         out[p.name] = Role(roles, evidence, False, structure, basis="trace",

@@ -12,14 +12,16 @@ From a model, roles are decided by what each tensor does in one traced forward (
 first, else one tiny forward that leaves the model as it was; inputs from ``example_inputs=``, the
 model's ``example_inputs()`` or a Hugging Face config): the rules below the op families. Where no
 trace runs (no inputs, a failing forward, sharded parameters) or the forward never reaches a
-tensor, the module tree decides, and lint (GO124) and ``explain`` say so.
+tensor, the module tree decides, and none of it is silent: ``GeomOptimizer`` warns once
+(``RolesGuessedWarning``), ``plan``, ``explain`` and ``init`` say so, lint notes it (GO124).
 
 Inference from the module tree: every registered *module rule* below, in order, claims modules of the
 model; a parameter takes the role of the first claim on its owning module or an ancestor (the
 module rules' docstrings are the documentation). Then, per parameter: a norm module's parameters
 are ``norm``; otherwise a parameter named ``bias`` (or ``*_bias``) is ``bias``; otherwise the
-claim; otherwise ``hidden`` (≥ 2 dims) or ``other``. A tensor tied under several names has the
-roles of each.
+claim; otherwise ``hidden`` (≥ 2 dims), except a grouped convolution's kernel (a ``Conv*d``
+with ``groups > 1``) and a single row or column, which are ``other`` like vectors. A tensor tied
+under several names has the roles of each.
 
 From names and shapes alone (a checkpoint, or a list of (name, tensor)): :func:`guess_roles`,
 every role marked as a guess.

@@ -18,7 +18,9 @@ elementwise only. Along the activations it follows three things:
 
 The model is left as it was: parameters and buffers are stand-ins (meta copies, or for the real
 forward the parameters' data under fresh tensors and clones of the buffers), the RNG state is
-restored, and no gradient reaches the parameters.
+restored, and no gradient reaches the parameters. A forward that fails in training mode is tried
+again in eval mode (BatchNorm on a pooled 1×1 map refuses one value per channel in training;
+eval reads the running statistics instead), the modules' modes restored after.
 """
 
 from __future__ import annotations
@@ -150,6 +152,27 @@ def _run(model, names: list[list[str]], params: list[torch.Tensor], buffers: dic
     return tracer, out
 
 
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    """The model in eval mode for one forward, each module's own mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _distinct(failures: list[tuple[str, str]]) -> list[str]:
+    """(where, error) of each failed try, one line per distinct error: the places where the same
+    error recurred are named together ("the forward failed on the meta device, on cpu (…)")."""
+    by_error: dict[str, list[str]] = {}
+    for where, error in failures:
+        by_error.setdefault(error, []).append(where)
+    return [f"the forward failed {', '.join(wheres)} ({error})" for error, wheres in by_error.items()]
+
+
 def _error(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:160]}{'…' if len(text) > 160 else ''}"
@@ -203,16 +226,19 @@ def _trace(model: torch.nn.Module, named: list, inputs) -> Trace:
         raise TraceError("the parameters are distributed (DTensor): roles come from the module tree; trace the "
                          "model before sharding it to check them (geomopt plan --model)")
     buffers = dict(model.named_buffers(remove_duplicate=False))
-    notes = []
-    attempts = [True] if all(p.device.type == "meta" for p in params) else [True, False]
+    failures: list[tuple[str, str]] = []
+    places = [True] if all(p.device.type == "meta" for p in params) else [True, False]
+    training = any(m.training for m in model.modules())
     tracer = out = None
-    for meta in attempts:
+    for meta, evaluate in [(m, e) for m in places for e in ((False, True) if training else (False,))]:
         try:
-            tracer, out = _run(model, names, params, buffers, inputs.args, inputs.kwargs, meta)
+            with _eval_mode(model) if evaluate else contextlib.nullcontext():
+                tracer, out = _run(model, names, params, buffers, inputs.args, inputs.kwargs, meta)
             break
         except Exception as exc:  # noqa: BLE001 (any failure of user code means: no trace this way)
             where = "on the meta device" if meta else f"on {params[0].device if params else 'cpu'}"
-            notes.append(f"the forward failed {where} ({_error(exc)})")
+            failures.append((where + (" in eval mode" if evaluate else ""), _error(exc)))
+    notes = _distinct(failures)
     if tracer is None:
         raise TraceError("; ".join(notes))
     device = "meta" if meta else str(params[0].device if params else "cpu")

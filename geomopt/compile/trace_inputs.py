@@ -4,8 +4,11 @@ From the caller (``example_inputs=`` in Python; a ``--model`` factory returning 
 in the CLI), from a model's own ``example_inputs()`` method (geomopt's built-in models have one),
 or built for a Hugging Face model from its config: a few tokens (``input_ids``), a small image
 (``pixel_values``), audio features (``input_features``, ``input_values``), decoder tokens for an
-encoder-decoder, and for a vision-language model with a ``vision_config`` (Qwen2-VL) one image of
-a single merged patch with its placeholder token. Batch 1 throughout.
+encoder-decoder; beside a text model's tokens, when it has a ``vision_config``, images: for a
+dual tower (CLIP, SigLIP) pixels alone, for a model splicing image features into its text
+(LLaVA, PaliGemma, Gemma 3) pixels and their placeholder tokens, for Qwen2-VL one image of a
+single merged patch with its placeholder token. Two rows throughout (:data:`BATCH`): BatchNorm
+in training refuses a batch of one on a pooled 1×1 map (a squeeze-excitation block).
 """
 
 from __future__ import annotations
@@ -63,9 +66,13 @@ def default_inputs(model: torch.nn.Module) -> Optional[Inputs]:
     return _hf_inputs(model, config, main)  # an unusual config raises: the caller says why there is no trace
 
 
-def _get(config, *names, default=None):
-    """The first of ``names`` set on ``config`` or its text / vision / encoder sub-configs."""
-    for owner in (config, getattr(config, "text_config", None), getattr(config, "encoder", None)):
+BATCH = 2  # rows of every built input: BatchNorm in training refuses one value per channel (a pooled 1×1 map)
+TOKENS = 4  # text tokens per row
+
+
+def _get(config, *names, default=None, owners=("text_config", "encoder")):
+    """The first of ``names`` set on ``config`` or its sub-configs ``owners`` (text, encoder)."""
+    for owner in (config, *(getattr(config, o, None) for o in owners)):
         for n in names:
             v = getattr(owner, n, None) if owner is not None else None
             if v is not None:
@@ -76,55 +83,98 @@ def _get(config, *names, default=None):
 def _hf_inputs(model, config, main: str) -> Optional[Inputs]:
     params = inspect.signature(model.forward).parameters
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    tokens = 4
     vocab = int(_get(config, "vocab_size", default=16))
-    ids = (torch.arange(tokens, device=device) % max(vocab - 1, 1) + (1 if vocab > 1 else 0)).unsqueeze(0)
     kwargs: dict[str, Any] = {}
     if main == "input_ids":
-        kwargs["input_ids"] = ids
-        if "attention_mask" in params:
-            kwargs["attention_mask"] = torch.ones_like(ids)
+        kwargs["input_ids"] = _tokens(vocab, device)
         vision = getattr(config, "vision_config", None)
-        if vision is not None and "pixel_values" in params and "image_grid_thw" in params:
-            kwargs.update(_vl_image(config, vision, vocab, device))
-            if "pixel_values" in kwargs and "mm_token_type_ids" in params:  # 1 marks the image's tokens
-                kwargs["mm_token_type_ids"] = (kwargs["input_ids"] == config.image_token_id).int()
+        if vision is not None and "pixel_values" in params:
+            kwargs.update(_vl_image(config, vision, vocab, device) if "image_grid_thw" in params
+                          else _image(config, vision, vocab, device))
+        if "attention_mask" in params:
+            kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
+        if "pixel_values" in kwargs and "mm_token_type_ids" in params:  # 1 marks the image's tokens
+            kwargs["mm_token_type_ids"] = (kwargs["input_ids"] == _image_token(config)).int()
     elif main == "pixel_values":
-        size = _get(config, "image_size", default=64)
-        h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
-        channels = int(_get(config, "num_channels", default=3))
-        kwargs["pixel_values"] = torch.zeros(1, channels, int(h), int(w), device=device)
+        kwargs["pixel_values"] = _pixels(config, device)
     elif main == "input_features":
         mels = int(_get(config, "num_mel_bins", "feature_size", default=80))
-        frames = 2 * int(_get(config, "max_source_positions", default=tokens))
-        kwargs["input_features"] = torch.zeros(1, mels, frames, device=device)
+        frames = 2 * int(_get(config, "max_source_positions", default=TOKENS))
+        kwargs["input_features"] = torch.zeros(BATCH, mels, frames, device=device)
     elif main == "input_values":
-        kwargs["input_values"] = torch.zeros(1, 1600, device=device)
+        kwargs["input_values"] = torch.zeros(BATCH, 1600, device=device)
     else:
         return None
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         dec_vocab = int(_get(config, "decoder_vocab_size", default=vocab) or vocab)
-        kwargs["decoder_input_ids"] = torch.arange(tokens, device=device).unsqueeze(0) % max(dec_vocab, 1)
+        kwargs["decoder_input_ids"] = torch.arange(TOKENS, device=device).repeat(BATCH, 1) % max(dec_vocab, 1)
     if "use_cache" in params:
         kwargs["use_cache"] = False
     return Inputs((), kwargs, f"{type(model).__name__}'s config")
 
 
+def _tokens(vocab: int, device, first: Optional[list] = None) -> torch.Tensor:
+    """(BATCH, …) token ids: ``first`` (placeholders), then TOKENS ordinary ones (1, 2, …: not 0,
+    often padding) inside the vocabulary."""
+    row = list(first or []) + [i % max(vocab - 1, 1) + (1 if vocab > 1 else 0) for i in range(TOKENS)]
+    return torch.tensor([row] * BATCH, device=device)
+
+
+def _pixels(config, device) -> torch.Tensor:
+    """(BATCH, channels, h, w) zeros at the config's image size (64 × 64 when it names none)."""
+    size = _get(config, "image_size", default=64)
+    h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+    channels = int(_get(config, "num_channels", default=3))
+    return torch.zeros(BATCH, channels, int(h), int(w), device=device)
+
+
+def _image_token(config) -> Optional[int]:
+    return _get(config, "image_token_id", "image_token_index", owners=())
+
+
+def _image(config, vision, vocab: int, device) -> dict:
+    """Pixels beside the text: for a dual tower (CLIP, SigLIP: no image placeholder) one image per
+    row; for a model that splices image features into the text (LLaVA, PaliGemma, Gemma 3) also
+    its placeholder tokens, as many as :func:`_image_tokens` counts, before the text. Nothing when
+    the placeholder lies outside the vocabulary (the text alone is traced)."""
+    token = _image_token(config)
+    if token is None:
+        return {"pixel_values": _pixels(vision, device)}
+    count = _image_tokens(config, vision)
+    if token >= vocab or count is None:
+        return {}
+    return {"input_ids": _tokens(vocab, device, [token] * count), "pixel_values": _pixels(vision, device)}
+
+
+def _image_tokens(config, vision) -> Optional[int]:
+    """Placeholder tokens one image takes in the text: a count the model itself pools to
+    (``mm_tokens_per_image``, Gemma 3), else one per patch of the vision tower plus its class token
+    when ``vision_feature_select_strategy`` is ``full`` (LLaVA, PaliGemma), else the count the
+    config gives its processor (``image_seq_length``, ``image_seq_len``, ``num_image_tokens``)."""
+    pooled = _get(config, "mm_tokens_per_image", owners=())
+    if pooled is not None:
+        return int(pooled)
+    size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    if isinstance(size, int) and isinstance(patch, int):
+        return (size // patch) ** 2 + (getattr(config, "vision_feature_select_strategy", None) == "full")
+    own = _get(config, "image_seq_length", "image_seq_len", "num_image_tokens")
+    return None if own is None else int(own)
+
+
 def _vl_image(config, vision, vocab: int, device) -> dict:
-    """One image of one merged patch for a Qwen2-VL-style model: flattened patches, their grid, and
-    the placeholder token in the text (skipped when the placeholder lies outside the vocabulary)."""
-    token = getattr(config, "image_token_id", None)
+    """One image of one merged patch per row for a Qwen2-VL-style model: flattened patches, their
+    grids, and the placeholder token in the text (skipped when the placeholder lies outside the
+    vocabulary)."""
+    token = _image_token(config)
     if token is None or token >= vocab:
         return {}
     merge = int(getattr(vision, "spatial_merge_size", 1))
     patch = int(getattr(vision, "patch_size", 14))
     temporal = int(getattr(vision, "temporal_patch_size", 1))
     channels = int(getattr(vision, "in_chans", getattr(vision, "in_channels", 3)))
-    grid = torch.tensor([[1, merge, merge]], device=device)
-    pixels = torch.zeros(merge * merge, channels * temporal * patch * patch, device=device)
-    ids = torch.tensor([[1, token, 2, 3]], device=device) % vocab
-    ids[0, 1] = token
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels, "image_grid_thw": grid}
+    grid = torch.tensor([[1, merge, merge]] * BATCH, device=device)
+    pixels = torch.zeros(BATCH * merge * merge, channels * temporal * patch * patch, device=device)
+    return {"input_ids": _tokens(vocab, device, [token]), "pixel_values": pixels, "image_grid_thw": grid}
 
 
 __all__ = ["Inputs", "as_inputs", "default_inputs"]

@@ -186,6 +186,42 @@ def _examples(items: list[str], n: int = 3) -> str:
     return ", ".join(items[:n]) + (" …" if len(items) > n else "")
 
 
+class RolesGuessedWarning(UserWarning):
+    """Warned once by :class:`~geomopt.optim.GeomOptimizer` when it is built on roles that no
+    trace decided (GO124's finding, and roles guessed from names and shapes): the module tree
+    cannot tell a lookup table held as a bare ``nn.Parameter`` from a hidden matrix, so a spec
+    routing by role may orthogonalize it. The message gives the reason and the fix: pass
+    ``example_inputs=`` (one forward's inputs), or pin the roles with the spec's ``roles:``
+    (``roles=`` in Python)."""
+
+
+_GUESSED = "guessed from names and shapes (no model to trace: pass the model, or model= beside its parameters)"
+
+
+def untraced(params, guessed: bool = False) -> dict[str, list[str]]:
+    """Why each role no trace decided was decided otherwise → ["'name' → role", …]: the module
+    tree's roles with the reason there was no trace, and (``guessed``) roles guessed from names and
+    shapes. Roles the spec's ``roles:`` or ``roles=`` pinned are not among them, nor zero-size
+    tensors (they never step; a forward never reads them)."""
+    out: dict[str, list[str]] = {}
+    for p in params:
+        role = p.role
+        if role is None or 0 in p.shape:
+            continue
+        reason = role.untraced or (_GUESSED if guessed and role.guessed else None)
+        if reason:
+            out.setdefault(reason, []).append(f"'{p.name}' → {role.name}")
+    return out
+
+
+def untraced_text(by_reason: dict[str, list[str]]) -> str:
+    """One sentence for :func:`untraced`'s result: how many roles, why, examples."""
+    count = sum(map(len, by_reason.values()))
+    why = "; ".join(f"{reason} ({'' if len(by_reason) == 1 else f'{len(names)}: '}e.g. {_examples(names, 2)})"
+                    for reason, names in by_reason.items())
+    return f"roles of {count} tensor(s) decided without a trace: {why}"
+
+
 @lint_rule("GO124", "untraced-roles", "note", needs_model=True)
 def untraced_roles(ctx: LintContext):
     """Roles decided without a trace of the forward pass: no example inputs, a forward that failed
@@ -195,15 +231,12 @@ def untraced_roles(ctx: LintContext):
 
     Example: ``geomopt lint muon --model mypkg.models:make`` where ``make`` returns a bare module
     notes "roles of 62 tensors decided without a trace: no example inputs …"; returning
-    ``(model, torch.zeros(2, 3, 64, 64))`` from the factory traces it.
+    ``(model, torch.zeros(2, 3, 64, 64))`` from the factory traces it. ``GeomOptimizer`` warns of
+    it too (:class:`RolesGuessedWarning`); ``geomopt lint --require-trace`` makes it fail (exit 1).
     """
     if not any(r.match.role is not None for r in ctx.spec.rules) and not ctx.spec.roles:
         return
-    by_reason: dict[str, list[str]] = {}
-    for p in ctx.params:
-        if p.role is not None and p.role.untraced:
-            by_reason.setdefault(p.role.untraced, []).append(f"'{p.name}' → {p.role.name}")
-    for reason, names in by_reason.items():
+    for reason, names in untraced(ctx.params).items():
         yield (f"roles of {len(names)} tensor(s) decided from the module tree, without a trace: {reason}; "
                f"e.g. {_examples(names)}"), ("rules",)
 

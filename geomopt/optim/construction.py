@@ -1,6 +1,7 @@
 """What building the optimizer does besides its groups and programs: the warnings a spec earns on
-this model (bf16 matrix iterations on a CPU that emulates them, rules that match nothing) and the
-projection of constrained tensors onto their sets, so every backward step is defined."""
+this model (bf16 matrix iterations on a CPU that emulates them, rules that match nothing, roles
+decided without a trace) and the projection of constrained tensors onto their sets, so every
+backward step is defined."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import warnings
 import torch
 
 from geomopt.compile.plan import Plan
+from geomopt.compile.role_types import TRACE_FIX
 from geomopt.distributed.executors import is_dtensor
 from geomopt.geometry.dtypes import BF16Warning, slow_bf16
 from geomopt.geometry.prox import backward
 from geomopt.lint.coverage import UnusedRuleWarning
+from geomopt.lint.roles import RolesGuessedWarning, untraced, untraced_text
 from geomopt.lint.runner import lint_spec
 from geomopt.optim.diagnostics import euclidean_geometry
 from geomopt.optim.tensors import full, in_set, op_view, upcast
@@ -46,6 +49,18 @@ def warn_unused_rules(spec: Spec, infos: list) -> None:
             f"that are named otherwise): fix its match (`geomopt lint SPEC --model …` and `geomopt explain` show "
             f"the model's names) or delete the rule; to keep it, put `# geomopt: disable=GO102` on its line",
             UnusedRuleWarning, stacklevel=3)
+
+
+def warn_guessed_roles(infos: list) -> None:
+    """One :class:`~geomopt.lint.roles.RolesGuessedWarning` when any tensor's role was decided
+    without a trace (lint's GO124, and roles guessed from names and shapes), with the reason and
+    the fix. Roles are read only where the spec routes by them, so a spec matching by name alone
+    never warns."""
+    by_reason = untraced(infos, guessed=True)
+    if by_reason:
+        warnings.warn(f"GeomOptimizer: {untraced_text(by_reason)}. A spec routing by role may misroute them (a "
+                      f"lookup table or an output layer orthogonalized as a hidden matrix): {TRACE_FIX}",
+                      RolesGuessedWarning, stacklevel=3)
 
 
 @torch.no_grad()

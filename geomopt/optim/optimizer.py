@@ -37,7 +37,8 @@ from geomopt.optim.checkpoint import new_counters, spec_hash, spec_values
 from geomopt.optim.migrate import MigrationReport
 from geomopt.optim.contract import (check_complex, collect_params, copy_state, pickled_state,
                                     sparse_gradient, with_overrides)
-from geomopt.optim.construction import check_capturable, check_dion, project_on_init, warn_slow_bf16, warn_unused_rules
+from geomopt.optim.construction import (check_capturable, check_dion, project_on_init, warn_guessed_roles,
+                                        warn_slow_bf16, warn_unused_rules)
 from geomopt.optim.diagnostics import diagnostics
 from geomopt.optim.directions import previous_gradients
 from geomopt.optim.flat import step_flat
@@ -73,7 +74,8 @@ class GeomOptimizer(Optimizer):
     ``example_inputs``: the traced forward's inputs (a tensor, a tuple of positional arguments, a
     dict of keyword arguments, or a callable returning one); Hugging Face models and models with
     an ``example_inputs()`` method supply their own. Without inputs, or when the forward fails,
-    roles come from the module tree and ``geomopt lint`` says why (GO124).
+    roles come from the module tree, and the optimizer warns once saying why and how to fix it
+    (:class:`~geomopt.lint.roles.RolesGuessedWarning`; ``geomopt lint`` notes it, GO124).
 
     ``track_update``: measure ‖X⁺ − X‖ each step for :meth:`diagnostics` (two passes over
     every tensor: off by default, like the gap).
@@ -201,6 +203,7 @@ class GeomOptimizer(Optimizer):
         self._dispatch()
         warn_slow_bf16(self.spec, self.plan, tensors)
         warn_unused_rules(self.spec, infos)
+        warn_guessed_roles(infos)
         self._qk_clip = QKClip(self.param_groups, self._plans, source, self.spec)  # geomopt.optim.qkclip: checks
         project_on_init(self.param_groups, self._plans, self._executor)
 
