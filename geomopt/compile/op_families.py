@@ -76,6 +76,13 @@ def _matmul_feature_dim(func, args, pos: int) -> Optional[int]:
     return -1 if pos != first else (-2 if packet not in (aten.mv, aten.addmv) else -1)
 
 
+def contracted_dim(func, pos: int) -> int:
+    """The dim a matmul contracts of its operand at ``pos``: a right factor's rows (x·W: -2), a left
+    factor's columns (W·x: -1)."""
+    first = _MATMUL_OPERANDS.get(func.overloadpacket, (0, 1))[0]
+    return -2 if pos != first else -1
+
+
 GROUPED_MM = frozenset(op for op in (getattr(aten, "_grouped_mm", None), getattr(aten, "_scaled_grouped_mm", None))
                        if op is not None)
 
@@ -143,6 +150,14 @@ def _lookup(func, args) -> tuple[int, ...]:
 
 INDEX_OPS = frozenset({aten.index, aten.index_select, aten.gather, aten.take, aten.take_along_dim,
                        aten._unsafe_index, aten.embedding_dense_backward})
+
+
+# normalizations: a parameter they read first is normalized data (a position table), not a weight
+NORMALIZATIONS = frozenset(op for op in (
+    aten.native_layer_norm, aten.layer_norm, aten.native_group_norm, aten.group_norm, aten.native_batch_norm,
+    aten.batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
+    aten._native_batch_norm_legit_functional, getattr(aten, "rms_norm", None), getattr(aten, "_fused_rms_norm", None))
+    if op is not None)
 
 
 @op_family("indexed", "other", ())

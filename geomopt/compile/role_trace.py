@@ -66,7 +66,8 @@ def traced_role(t: TensorTrace, inferred: Role) -> tuple[tuple[str, ...], str]:
     use = uses.get("grouped_conv") or uses.get("indexed") or uses.get("elementwise")
     assert use is not None  # a reached tensor has a use
     what = {"grouped_conv": f"a grouped convolution's kernel ({_op(use)})",
-            "indexed": f"an indexed table ({_op(use)} after gathering rows)",
+            "indexed": f"an indexed table: rows gathered by index, then only elementwise ({_op(use)}); "
+                       f"looked up, not a matrix",
             "elementwise": f"used only elementwise ({_op(use)})"}[use.family]
     if set(inferred.roles) <= _AGREES_ELEMENTWISE:
         return inferred.roles, f"{inferred.evidence}; traced: {what}"
@@ -94,7 +95,9 @@ def traced_structure(p: ParamInfo, t: TensorTrace, roles: tuple[str, ...], infer
     if not set(roles) & {"hidden", "expert"} or len(p.shape) < 2:
         return inferred
     base = dict(inferred or {"batch": 0})
-    rows = _rows(p, inferred)
+    if t.batch and not base.get("batch") and len(p.shape) >= t.batch + 2:
+        base["batch"] = t.batch  # the matrices a matmul's contraction shows (einsum over a stack)
+    rows = _rows(p, base)
     blocks = t.blocks if t.blocks is not None and sum(t.blocks) == rows else None
     if blocks is None:
         base.pop("blocks", None)
@@ -121,6 +124,9 @@ def apply_trace(infos: list[ParamInfo], inferred: dict[str, Role], trace: Trace)
             roles, evidence = (inf.roles, f"{inf.evidence}; traced: {evidence}") if (
                 set(inf.roles) <= _AGREES_ELEMENTWISE) else (("other",), f"{flat}; traced: {evidence}")
         structure = traced_structure(p, t, roles, inf.structure if set(roles) & MATRIX_ROLES else None)
+        if structure and t.view_ops and ((t.blocks and structure.get("blocks") == t.blocks)
+                                         or (t.batch and structure.get("batch") == t.batch)):
+            evidence += f"; view from use: {', '.join(t.view_ops)}"
         differs = set(roles) != set(inf.roles)
         out[p.name] = Role(roles, evidence, False, structure, basis="trace",
                            inferred=f"{inf.name}: {inf.evidence}" if differs else None)

@@ -51,6 +51,8 @@ class TensorTrace:
     stem: Optional[str] = None  # "token", "patch", "audio": a stem reading the raw input
     reads_input: bool = False  # a layer reading the model's raw input (a stem or not)
     blocks: Optional[list[int]] = None  # output blocks its layer output is cut into
+    batch: int = 0  # leading dims a matmul treats as separate matrices (einsum over a (3, 64, 64) tensor)
+    view_ops: tuple[str, ...] = ()  # the ops whose cuts or contraction gave its blocks and batch
 
     @property
     def reached(self) -> bool:
@@ -254,7 +256,7 @@ def _trace(model: torch.nn.Module, named: list, inputs) -> Trace:
     for i, group in enumerate(names):
         cuts = blocks(tracer.pieces.get(i))
         result[strip(group[0])] = TensorTrace(tracer.uses[i], tracer.batched[i], heads.get(i), tracer.stems[i],
-                                       tracer.reads_input[i], cuts)
+                                              tracer.reads_input[i], cuts, tracer.lead[i], tuple(tracer.view_ops[i]))
     return Trace(result, device, tuple(n for n, _ in outputs), tuple(notes), tracer.replayed)
 
 

@@ -158,13 +158,102 @@ def _reshape(feat: Feat, before: tuple, after: tuple) -> Optional[Feat]:
 
 
 def blocks(pieces: Optional[set]) -> Optional[list[int]]:
-    """Block sizes when the cuts of a layer's output partition its features into ≥ 2 pieces."""
-    if not pieces or len(pieces) < 2:
+    """Block sizes when the cuts of a layer's output cover its features from 0 with no gap: the
+    finest partition their ends make (a fused ``[q | kv]`` split whose ``kv`` part is cut again gives
+    q, k, v), when it has ≥ 2 blocks."""
+    if not pieces:
         return None
     ordered = sorted(pieces)
-    if ordered[0][0] != 0 or any(a[1] != b[0] for a, b in zip(ordered, ordered[1:])):
+    reach = 0
+    for start, stop in ordered:
+        if start > reach:
+            return None  # a gap: the cuts do not cover the features
+        reach = max(reach, stop)
+    ends = sorted({e for piece in ordered for e in piece})
+    if ends[0] != 0 or len(ends) < 3:
         return None
-    return [b - a for a, b in ordered]
+    return [b - a for a, b in zip(ends, ends[1:])]
 
 
-__all__ = ["Feat", "blocks", "follow"]
+# ---------------------------------------------------------------- a parameter's own dims through its views
+
+
+def view_dims(func, args, kwargs, dims: Optional[tuple], outs) -> Optional[tuple]:
+    """Where a parameter's dims go through a view-like op: ``dims[j]`` is the set of the
+    parameter's dims that dim ``j`` of the view holds (merged by a reshape, none for a new size-1
+    dim); the same for the op's first output (a split's outputs keep the dims, ``unbind`` and
+    ``select`` drop one), or None where the op loses track."""
+    if dims is None or not outs:
+        return None
+    packet = func.overloadpacket
+    x, out = args[0], outs[0]
+    nd = x.ndim
+    if packet in _UNBINDS or packet in (aten.select, aten.select_copy):
+        d = dim_index(int(args[1]) if len(args) > 1 else int(kwargs.get("dim", 0)), nd)
+        return dims[:d] + dims[d + 1:]
+    if out.ndim == nd and (packet in _SPLITS or packet in _SAME_DIMS or packet in (
+            aten.slice, aten.slice_copy, aten.narrow, aten.repeat)):
+        return dims
+    if packet is aten.expand:
+        return (frozenset(),) * (out.ndim - nd) + dims
+    if packet in (aten.t, aten.transpose, aten.transpose_copy, aten.t_copy, aten.permute, aten.permute_copy):
+        if packet in (aten.permute, aten.permute_copy):
+            order = [dim_index(int(d), nd) for d in args[1]]
+        else:
+            a, b = (0, 1) if packet in (aten.t, aten.t_copy) or nd < 2 else (
+                dim_index(int(args[1]), nd), dim_index(int(args[2]), nd))
+            order = list(range(nd))
+            if nd >= 2:
+                order[a], order[b] = order[b], order[a]
+        return tuple(dims[j] for j in order)
+    if packet in _RESHAPES or packet in (aten.unsqueeze, aten.squeeze, aten.unsqueeze_copy, aten.squeeze_copy):
+        return _regroup(dims, tuple(x.shape), tuple(out.shape))
+    return None
+
+
+def _regroup(dims: tuple, before: tuple, after: tuple) -> Optional[tuple]:
+    """``dims`` through a reshape from ``before`` to ``after``: each run of dims whose sizes
+    multiply to the same product maps onto the other (size-1 dims hold no parameter dim)."""
+    bi = [k for k, n in enumerate(before) if n != 1]
+    ai = [k for k, n in enumerate(after) if n != 1]
+    out = [frozenset()] * len(after)
+    p = q = 0
+    while p < len(bi) and q < len(ai):
+        gb, ga = [bi[p]], [ai[q]]
+        sb, sa = before[bi[p]], after[ai[q]]
+        p, q = p + 1, q + 1
+        while sb != sa:
+            if sb < sa and p < len(bi):
+                gb.append(bi[p])
+                sb, p = sb * before[bi[p]], p + 1
+            elif sa < sb and q < len(ai):
+                ga.append(ai[q])
+                sa, q = sa * after[ai[q]], q + 1
+            else:
+                return None
+        merged = frozenset().union(*(dims[k] for k in gb))
+        for k in ga:
+            out[k] = merged
+    return tuple(out) if p == len(bi) and q == len(ai) else None
+
+
+def leading_batch(dims: Optional[tuple], op_ndim: int, contracted: int, ndim: int) -> int:
+    """How many leading dims of a parameter (``ndim`` ≥ 3) index separate matrices in a matmul
+    whose operand holds its dims as ``dims`` and contracts operand dim ``contracted`` (-1 or -2):
+    a leading dim in the operand's batch dims (``bmm``), or merged into its output features ahead
+    of another output dim (``einsum('bnd,hde->bhne')`` multiplies by ``(d, h·e)``: one d × e matrix
+    per h), and not contracted."""
+    if dims is None or ndim < 3 or len(dims) != op_ndim or op_ndim < 2:
+        return 0
+    c = dims[contracted]
+    f = dims[-1 if contracted == -2 else -2]
+    batch = frozenset().union(*dims[:op_ndim - 2])
+    lead = 0
+    for j in range(ndim - 2):
+        if j in c or not (j in batch or (j in f and any(k > j and k not in c for k in f))):
+            break
+        lead += 1
+    return lead
+
+
+__all__ = ["Feat", "blocks", "follow", "leading_batch", "view_dims"]

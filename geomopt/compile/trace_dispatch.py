@@ -7,6 +7,19 @@ A parameter is followed through views, casts, selects and index gathers, and thr
 only parameters (weight norm, ``-exp(A_log)``: a *derived* tensor); an op that reads a parameter
 together with an activation is a use; an op of the matmul, convolution or lookup family with a
 parameter operand is a *layer call*, whose output starts a new activation.
+
+Views from use: along a parameter's views the tracer keeps which of its dims each view dim holds
+and which of its rows a split or slice kept, so a matmul tells the matrices of a batched
+parameter (``einsum`` over a (3, 64, 64) tensor: 3 of 64 × 64) and a weight split before use gives
+its row blocks (``nn.MultiheadAttention`` with separate query and key/value inputs); two layers'
+outputs summed feature by feature (an LSTM cell's input and hidden gates) share their cuts.
+
+Lookups are lookups: rows of a table (a 2-D tensor, or one computed from a parameter: an
+interpolated position table) gathered by ``index`` are looked up, and stay so when they are then
+multiplied (a decomposed relative-position bias); only whole matrices of a ≥ 3-D tensor selected
+along its leading dim (experts) are a stack of matrices. A tensor normalized before it meets an
+activation (``layer_norm`` of a position table) and a parameter with fewer than two dims above
+size 1 (a (1, 1, d) learned query token) are a layer's *input*, never its weight.
 """
 
 from __future__ import annotations
@@ -17,8 +30,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from geomopt.compile.op_families import GROUPED_MM, INDEX_OPS, Family, conv_family, family_of
-from geomopt.compile.trace_blocks import Feat, dim_index, follow
+from geomopt.compile.op_families import (FAMILIES, GROUPED_MM, INDEX_OPS, NORMALIZATIONS, Family, contracted_dim,
+                                          conv_family, family_of)
+from geomopt.compile.trace_blocks import Feat, dim_index, follow, leading_batch, view_dims
 from geomopt.compile.trace_meta import run_memoized, value_free
 
 aten = torch.ops.aten
@@ -37,6 +51,9 @@ _VIEWS = frozenset({
 }) | INDEX_OPS
 _SELECTS = frozenset({aten.select, aten.select_copy})
 _PLAIN_VIEWS = _VIEWS - _SELECTS - INDEX_OPS
+_LOOKUP_INDEX = frozenset({aten.index, aten._unsafe_index, aten.index_select})  # rows (or matrices) by index
+_ROW_CUTS = frozenset({aten.split, aten.split_with_sizes, aten.unsafe_split, aten.chunk, aten.slice, aten.narrow,
+                       aten.split_copy, aten.split_with_sizes_copy, aten.slice_copy})
 
 # ops that read a tensor for its shape, dtype and device only: their outputs are constants
 _LIKE = frozenset({aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like,
@@ -61,9 +78,12 @@ class Ref(NamedTuple):
     """A tensor derived from parameters only: which, and how."""
 
     params: frozenset  # parameter indices
-    batched: bool = False  # a select / index on a leading dim was taken
-    indexed: bool = False  # rows gathered by an index op
+    batched: bool = False  # whole matrices of a ≥ 3-D tensor selected along its leading dim
+    indexed: bool = False  # rows of a table gathered by an index op (a lookup)
     computed: bool = False  # through an op that is not a view (a sum with a constant, a norm)
+    dims: Optional[tuple] = None  # per dim: the parameter's dims it holds (one parameter, views only)
+    rows: Optional[tuple] = None  # (start, stop): the parameter's rows a split or slice kept
+    normed: str = ""  # the normalization op it went through (``native_layer_norm``)
 
 
 class Act(NamedTuple):
@@ -127,7 +147,12 @@ class Tracer(TorchDispatchMode):
         self.refs = IdMap()
         self.acts = IdMap()
         for i, p in enumerate(params):
-            self.refs[p] = Ref(frozenset((i,)))
+            self.refs[p] = Ref(frozenset((i,)), dims=tuple(frozenset((d,)) for d in range(p.ndim)))
+        self.shapes = [tuple(p.shape) for p in params]
+        self.lead = [0] * len(params)  # leading dims indexing separate matrices, from a matmul's contraction
+        self.view_ops: list[dict[str, None]] = [{} for _ in params]  # ops whose cuts made the blocks
+        self.offsets: dict[tuple[int, int], int] = {}  # (layer call, weight) → first row of the weight it used
+        self.joints: list[frozenset] = []  # weights of layers whose outputs were summed feature by feature
         self.uses: list[dict[str, Use]] = [{} for _ in params]
         self.batched = [False] * len(params)
         self.stems: list[Optional[str]] = [None] * len(params)
@@ -200,9 +225,13 @@ class Tracer(TorchDispatchMode):
         outs = _tensors(out)
         if fam is not None and fam.name == "conv":
             fam = conv_family(args)
-        operands = fam.operands(func, args) if fam is not None and params_in else ()
+        if packet in _LOOKUP_INDEX and acts_in and id(args[0]) in refs and not self._whole_matrices(packet, args):
+            fam = FAMILIES["lookup"]  # table[ids] with ids from the input: a lookup, as embedding is
+            operands: tuple = (0,)
+        else:
+            operands = fam.operands(func, args) if fam is not None and params_in else ()
         weight_pos = [p for p in operands if p < len(args) and isinstance(args[p], torch.Tensor)
-                      and id(args[p]) in refs]
+                      and id(args[p]) in refs and self._weight_like(refs[id(args[p])][1])]
         if len(weight_pos) > 1 and not all(refs[id(args[p])][1].computed for p in weight_pos):
             # a weight (a view of a parameter) times a learned input computed from parameters (DETR's
             # object queries): the computed one is the layer's input
@@ -214,39 +243,87 @@ class Tracer(TorchDispatchMode):
                 if not any(a is o for o in weights):
                     for j in r.params:
                         if "elementwise" not in self.uses[j]:
-                            detail = "a layer's input computed from parameters" if r.computed else ""
-                            self.uses[j]["elementwise"] = Use("elementwise", str(func.overloadpacket), detail)
+                            self.uses[j]["elementwise"] = Use("elementwise", str(func.overloadpacket),
+                                                              self._input_detail(r, j))
             return
         if params_in and not acts_in:
-            self._derived(packet, args, params_in, outs)
+            self._derived(func, args, kwargs, params_in, outs)
+            return
+        if packet in _LOOKUP_INDEX and id(args[0]) in refs and self._whole_matrices(packet, args):
+            # experts picked by routed ids: the selected matrices are still the parameter's
+            r = refs[id(args[0])][1]
+            for o in outs:
+                self.refs[o] = Ref(r.params, True, False, r.computed)
             return
         for _, r in params_in:  # a parameter meeting an activation in any other op
             family = "indexed" if r.indexed else "elementwise"
+            detail = (self._input_detail(r, next(iter(r.params))) if operands else
+                      f"normalized by {r.normed} first" if r.normed else "")
             for i in r.params:
                 if family not in self.uses[i]:
-                    self.uses[i][family] = Use(family, str(packet))
+                    self.uses[i][family] = Use(family, str(packet), detail)
         self._activation(func, args, kwargs, acts_in, outs)
+
+    def _weight_like(self, r: Ref) -> bool:
+        """Whether a parameter view can be a layer's weight: not normalized first, and not a
+        parameter with fewer than two dims above size 1 (a learned (1, 1, d) token is an input)."""
+        if r.normed:
+            return False
+        return not (len(r.params) == 1 and sum(n > 1 for n in self.shapes[next(iter(r.params))]) < 2
+                    and len(self.shapes[next(iter(r.params))]) >= 3)
+
+    def _input_detail(self, r: Ref, i: int) -> str:
+        """Why a parameter operand of a layer was its input rather than its weight."""
+        if r.normed:
+            return f"a layer's input, normalized by {r.normed} first"
+        if r.computed:
+            return "a layer's input computed from parameters"
+        shape = self.shapes[i]
+        if len(shape) >= 3 and sum(n > 1 for n in shape) < 2:
+            return f"a layer's input: a learned {'×'.join(map(str, shape))} token, not a matrix"
+        return ""
+
+    def _whole_matrices(self, packet, args) -> bool:
+        """Whether an index op on a parameter view selects whole matrices (along the leading dim
+        of a ≥ 3-D tensor: experts) rather than rows of a table."""
+        x = args[0]
+        if packet in (aten.index_select,):
+            dim = dim_index(int(args[1]), x.ndim)
+        else:
+            indices = list(args[1]) if len(args) > 1 else []
+            dim = next((k for k, t in enumerate(indices) if t is not None), 0)
+        return x.ndim >= 3 and dim == 0
 
     def _layer(self, func, fam: Family, args, weight_pos, acts_in, outs) -> None:
         """A parameterized layer: record the use, mark the layers feeding it, start its output."""
         grouped = func.overloadpacket in GROUPED_MM
+        layer = len(self.calls)
         for pos in weight_pos:
             r = self.refs[args[pos]]
             if grouped and args[pos].ndim == 3:
                 r = r._replace(batched=True)
-            detail = ""
+            detail, family = "", fam.name
             if fam.name == "grouped_conv":
                 detail = f"groups={int(args[8])}"
+            elif r.indexed and fam.kind == "matrix":
+                family, detail = "lookup", "rows gathered by index, then multiplied"
             elif r.batched:
                 detail = "through select/index (a stack of matrices)"
+            elif fam.name == "lookup" and func.overloadpacket in _LOOKUP_INDEX:
+                detail = "rows picked by the input"
             for i in r.params:
-                if fam.name not in self.uses[i]:
-                    self.uses[i][fam.name] = Use(fam.name, str(func.overloadpacket), detail)
+                if family not in self.uses[i]:
+                    self.uses[i][family] = Use(family, str(func.overloadpacket), detail)
                 self.batched[i] |= r.batched and fam.kind == "matrix"
+                if family == "matmul" and len(r.params) == 1:
+                    self._matrices(i, r, func, pos, args[pos].ndim)
+                if r.rows is not None and len(r.params) == 1:
+                    self.pieces.setdefault(i, set()).add(r.rows[:2])
+                    self.offsets[(layer, i)] = r.rows[0]
+                    self.view_ops[i].setdefault(f"{r.rows[2].removeprefix('aten.')} of the weight", None)
         raw = bool(acts_in) and all(a.raw for _, a in acts_in)
         for _, a in acts_in:
             self.mark_fed(a.src)
-        layer = len(self.calls)
         self.calls.append(frozenset(i for pos in weight_pos for i in self.refs[args[pos]].params))
         if raw:
             stem = fam.stem(func, args, weight_pos[0])
@@ -264,24 +341,63 @@ class Tracer(TorchDispatchMode):
         for o in outs:
             self.acts[o] = act
 
-    def _derived(self, packet, args, params_in, outs) -> None:
+    def _matrices(self, i: int, r: Ref, func, pos: int, op_ndim: int) -> None:
+        """A ≥ 3-D parameter's leading dims that a matmul treats as separate matrices."""
+        shape = self.shapes[i]
+        lead = 1 if r.batched and len(shape) >= 3 else leading_batch(
+            r.dims, op_ndim, contracted_dim(func, pos), len(shape))
+        if lead and not self.lead[i]:
+            self.lead[i] = lead
+            self.view_ops[i].setdefault(f"{str(func.overloadpacket).removeprefix('aten.')} over {'×'.join(map(str, shape[:lead]))} "
+                                        f"matrices", None)
+
+    def _derived(self, func, args, kwargs, params_in, outs) -> None:
         """An op on parameters (and constants) only: its outputs are derived from those parameters."""
+        packet = func.overloadpacket
         first = params_in[0][1]
         if len(params_in) == 1 and packet in _PLAIN_VIEWS:
-            ref = first  # t, view, transpose … of one parameter: the same reference
-        else:
-            params = frozenset().union(*(r.params for _, r in params_in))
-            batched = any(r.batched for _, r in params_in)
-            indexed = any(r.indexed for _, r in params_in)
-            if packet in _SELECTS and args[0] in self.refs and len(args) > 1:
-                batched = batched or dim_index(int(args[1]), args[0].ndim) == 0
-            elif packet in INDEX_OPS:
-                batched = indexed = True
-            computed = packet not in _VIEWS or any(r.computed for _, r in params_in)
-            ref = Ref(params, batched, indexed, computed)
+            # t, view, transpose, split … of one parameter: the same reference, its dims followed
+            i = next(iter(first.params))
+            dims = view_dims(func, args, kwargs, first.dims, outs) if len(first.params) == 1 else None
+            pieces = self._row_pieces(func, args, kwargs, first, i, outs)
+            for k, o in enumerate(outs):
+                if o not in self.refs:
+                    rows = (*pieces[k], str(packet)) if pieces else first.rows
+                    self.refs[o] = first._replace(dims=dims, rows=rows)
+            return
+        params = frozenset().union(*(r.params for _, r in params_in))
+        batched = any(r.batched for _, r in params_in)
+        indexed = any(r.indexed for _, r in params_in)
+        if packet in _SELECTS and args[0] in self.refs and len(args) > 1:
+            batched = batched or (dim_index(int(args[1]), args[0].ndim) == 0 and args[0].ndim >= 3)
+        elif packet in INDEX_OPS:
+            whole = packet in _LOOKUP_INDEX and self._whole_matrices(packet, args)
+            batched, indexed = batched or whole, indexed or not whole
+        computed = packet not in _VIEWS or any(r.computed for _, r in params_in)
+        normed = next((r.normed for _, r in params_in if r.normed), "")
+        if packet in NORMALIZATIONS and args[0] in self.refs:
+            normed = str(packet).removeprefix("aten.")
+        ref = Ref(params, batched, indexed, computed, normed=normed)
         for o in outs:
             if o not in self.refs:
                 self.refs[o] = ref
+
+    def _row_pieces(self, func, args, kwargs, r: Ref, i: int, outs) -> Optional[list]:
+        """(start, stop) of the parameter's rows in each output of a split, chunk, slice or narrow
+        of a view holding all its rows in one dim (``in_proj_weight.split([E, 2E])``), else None."""
+        if r.rows is not None or r.dims is None or len(r.params) != 1 or not self.shapes[i]:
+            return None
+        packet = func.overloadpacket
+        if packet not in _ROW_CUTS:
+            return None
+        x = args[0]
+        rows = self.shapes[i][0]
+        at = [d for d, held in enumerate(r.dims) if held == frozenset((0,)) and x.shape[d] == rows]
+        if len(at) != 1:
+            return None
+        pieces: list = []
+        follow(func, args, kwargs, Feat(-1, at[0], rows), outs, lambda f, a, b: pieces.append((a, b)))
+        return pieces if len(pieces) == len(outs) else None
 
     def _activation(self, func, args, kwargs, acts_in, outs) -> None:
         """An op on activations: union of the sources, raw when every activation input is raw, and
@@ -298,7 +414,10 @@ class Tracer(TorchDispatchMode):
         head = self.acts.get(first) if first is not None else None
         if head is not None and head.feat is not None and outs and len(acts_in) == 1:
             # one activation in (a sum of two, e.g. a residual stream, mixes features: not followed)
-            feat = follow(func, args, kwargs, head.feat, outs, self._cut)
+            op = str(func.overloadpacket).removeprefix("aten.")
+            feat = follow(func, args, kwargs, head.feat, outs, lambda f, a, b: self._cut(f, a, b, op))
+        elif len(acts_in) == 2 and func.overloadpacket in (aten.add, aten.add_) and outs:
+            feat = self._joint(acts_in, outs[0])
         if feat is None or isinstance(feat, Feat):
             act = Act(src, raw, feat)
             for o in outs:
@@ -309,11 +428,27 @@ class Tracer(TorchDispatchMode):
 
     # ------------------------------------------------------------ following a layer's features
 
-    def _cut(self, feat: Feat, start: int, stop: int) -> None:
+    def _joint(self, acts_in, out) -> Optional[Feat]:
+        """Two layers' outputs summed feature by feature (an LSTM cell's ``W_ih·x + W_hh·h``, both
+        4 gates wide): their features share one layout, and a later cut cuts both. Only layers'
+        own outputs (a sum already joint, e.g. a residual stream, is not followed further)."""
+        (a, fa), (b, fb) = ((t, act.feat) for t, act in acts_in)
+        if fa is None or fb is None or fa.layer < 0 or fb.layer < 0 or fa.layer == fb.layer:
+            return None
+        if fa._replace(layer=0) != fb._replace(layer=0) or not (a.shape == b.shape == out.shape):
+            return None
+        self.joints.append(self.calls[fa.layer] | self.calls[fb.layer])
+        return fa._replace(layer=-len(self.joints))
+
+    def _cut(self, feat: Feat, start: int, stop: int, op: str = "") -> None:
         """Record that features [start, stop) of ``feat``'s layer (in units of its dim) were cut out."""
         unit = feat.size // feat.k if feat.k else 1
-        for i in self.calls[feat.layer]:
-            self.pieces.setdefault(i, set()).add((start * unit, stop * unit))
+        weights = self.calls[feat.layer] if feat.layer >= 0 else self.joints[-1 - feat.layer]
+        for i in weights:
+            off = self.offsets.get((feat.layer, i), 0)
+            self.pieces.setdefault(i, set()).add((off + start * unit, off + stop * unit))
+            if op:
+                self.view_ops[i].setdefault(op if feat.layer >= 0 else f"{op} of two layers' summed outputs", None)
 
 
 __all__ = ["Act", "IdMap", "Ref", "Tracer", "Use"]

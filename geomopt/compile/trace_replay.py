@@ -151,8 +151,8 @@ class Replayer:
             feat_rel = None if feat is None else (feat.layer - c0, feat.dim, feat.size, feat.k)
             out_specs.append((meta, (own, passing, act.raw, feat_rel)))
         uses = tuple(tuple(sorted(tr.uses[i].items())) for i in index)
-        per_param = tuple((tr.batched[i], tr.stems[i], tr.reads_input[i], frozenset(tr.pieces.get(i, ())))
-                          for i in index)
+        per_param = tuple((tr.batched[i], tr.stems[i], tr.reads_input[i], frozenset(tr.pieces.get(i, ())),
+                           tr.lead[i], tuple(tr.view_ops[i])) for i in index)
         kind = "tensor" if isinstance(out, torch.Tensor) else "tuple"
         return (tuple(calls), internal_fed, inputs_fed, kind, tuple(out_specs), uses, per_param)
 
@@ -167,7 +167,7 @@ class Replayer:
         for s, fed in zip(srcs, inputs_fed):
             if fed:
                 tr.mark_fed(s)
-        for i, items, (batched, stem, reads, pieces) in zip(index, uses, per_param):
+        for i, items, (batched, stem, reads, pieces, lead, view_ops) in zip(index, uses, per_param):
             for family, use in items:
                 tr.uses[i].setdefault(family, use)
             tr.batched[i] |= batched
@@ -175,6 +175,8 @@ class Replayer:
             tr.reads_input[i] |= reads
             if pieces:
                 tr.pieces.setdefault(i, set()).update(pieces)
+            tr.lead[i] = tr.lead[i] or lead
+            tr.view_ops[i].update(dict.fromkeys(view_ops))
         outs: list[Any] = []
         for spec in out_specs:
             if spec is None:
