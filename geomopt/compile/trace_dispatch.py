@@ -153,6 +153,7 @@ class Tracer(TorchDispatchMode):
         self.view_ops: list[dict[str, None]] = [{} for _ in params]  # ops whose cuts made the blocks
         self.offsets: dict[tuple[int, int], int] = {}  # (layer call, weight) → first row of the weight it used
         self.joints: list[frozenset] = []  # weights of layers whose outputs were summed feature by feature
+        self.first: dict[int, str] = {}  # parameter → its first consumer, when a normalization or elementwise op
         self.uses: list[dict[str, Use]] = [{} for _ in params]
         self.batched = [False] * len(params)
         self.stems: list[Optional[str]] = [None] * len(params)
@@ -236,6 +237,8 @@ class Tracer(TorchDispatchMode):
             # a weight (a view of a parameter) times a learned input computed from parameters (DETR's
             # object queries): the computed one is the layer's input
             weight_pos = [p for p in weight_pos if not refs[id(args[p])][1].computed]
+        if packet not in _PLAIN_VIEWS and packet not in _LOOKUP_INDEX:
+            self._first_consumer(packet, params_in, bool(weight_pos), bool(acts_in))
         if weight_pos and fam is not None:
             self._layer(func, fam, args, weight_pos, acts_in, outs)
             weights = [args[p] for p in weight_pos]
@@ -264,10 +267,20 @@ class Tracer(TorchDispatchMode):
                     self.uses[i][family] = Use(family, str(packet), detail)
         self._activation(func, args, kwargs, acts_in, outs)
 
+    def _first_consumer(self, packet, params_in, layer: bool, with_act: bool) -> None:
+        """Remember each parameter's first consumer when it is a normalization, or an elementwise
+        op with an activation (a position table added to the tokens): such a tensor is data."""
+        for _, r in params_in:
+            for i in r.params:
+                if i not in self.first:
+                    self.first[i] = (str(packet).removeprefix("aten.") if packet in NORMALIZATIONS
+                                     or (with_act and not layer) else "")
+
     def _weight_like(self, r: Ref) -> bool:
-        """Whether a parameter view can be a layer's weight: not normalized first, and not a
-        parameter with fewer than two dims above size 1 (a learned (1, 1, d) token is an input)."""
-        if r.normed:
+        """Whether a parameter view can be a layer's weight: not normalized first, its first
+        consumer not a normalization or an elementwise op, and not a parameter with fewer than two
+        dims above size 1 (a learned (1, 1, d) token is an input)."""
+        if r.normed or any(self.first.get(i) for i in r.params):
             return False
         return not (len(r.params) == 1 and sum(n > 1 for n in self.shapes[next(iter(r.params))]) < 2
                     and len(self.shapes[next(iter(r.params))]) >= 3)
@@ -276,6 +289,8 @@ class Tracer(TorchDispatchMode):
         """Why a parameter operand of a layer was its input rather than its weight."""
         if r.normed:
             return f"a layer's input, normalized by {r.normed} first"
+        if self.first.get(i):
+            return f"a layer's input: its first consumer was {self.first[i]}, not a matrix product"
         if r.computed:
             return "a layer's input computed from parameters"
         shape = self.shapes[i]
