@@ -36,12 +36,25 @@ def _predicates(match, p: ParamInfo) -> list[str]:
     return why
 
 
+def _nearest(name: str, names: list[str]) -> str:
+    """What ``name`` may have meant: the parameters it begins (``rnn.weight`` → all of
+    ``rnn.weight_ih_l0``, ``rnn.weight_hh_l0`` …, not one picked by spelling), else the closest
+    spelling."""
+    under = [n for n in names if n.startswith(name)]
+    if len(under) == 1:
+        return f"; did you mean {under[0]!r}?"
+    if under:
+        shown = ", ".join(repr(n) for n in under[:6]) + (f" … ({len(under)} in all)" if len(under) > 6 else "")
+        return f"; {len(under)} parameter names begin with it: {shown}"
+    return did_you_mean(name, names)
+
+
 def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], name: str) -> str:
     """The text ``geomopt explain`` prints for tensor ``name`` (any of its tied names)."""
     p = next((q for q in infos if q.name == name or name in q.aliases), None)
     if p is None:
         names = [q.name for q in infos] + [a for q in infos for a in q.aliases]
-        raise KeyError(f"the model has no parameter {name!r}{did_you_mean(name, names)}")
+        raise KeyError(f"the model has no parameter {name!r}{_nearest(name, names)}")
     pp = next((q for q in plan_params if q.name == p.name), None)
     shape = "×".join(map(str, p.shape)) or "scalar"
     lines = [f"parameter  {p.name}" + (f" (= {', '.join(p.aliases)})" if p.aliases else "") + f"  {shape} {p.dtype}"]

@@ -21,7 +21,7 @@ def guess_roles(infos: list[ParamInfo]) -> dict[str, Role]:
     """Roles from names and shapes only (a checkpoint), each marked as a guess:
 
     * ``norm``: < 2 dims and a name part like ``norm``, ``ln_1``, ``layernorm``, ``bn1``;
-    * ``bias``: the last name part is ``bias`` or ends in ``_bias``;
+    * ``bias``: the last name part is ``bias``, ends in ``_bias`` or is an RNN's ``bias_ih_l0``;
     * ``embedding``: a name part containing ``embed`` or ``emb``, or ``wte``, ``wpe``, ``shared``,
       ``relative_attention_bias``, ``cls_token``, ``pos_embed…``, ``position_embeddings``;
     * ``expert``: a name part ``experts`` (≥ 3 dims: ``batch: 1``; ``gate_up``: two blocks);

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Optional
 
 # what to do about roles decided without a trace (the optimizer's warning, plan, explain, init)
@@ -44,9 +45,14 @@ class Claim:
     structure: Optional[dict] = None
 
 
+_RNN_BIAS = re.compile(r"bias_(ih|hh)_l\d+(_reverse)?")
+
+
 def own_role(pname: str, ndim: int) -> Optional[str]:
-    """The role a parameter's own name gives it: ``bias`` (named ``bias`` or ``*_bias``, ≤ 2 dims)."""
-    return "bias" if (pname == "bias" or pname.endswith("_bias")) and ndim <= 2 else None
+    """The role a parameter's own name gives it: ``bias`` (named ``bias``, ``*_bias``, or an RNN's
+    ``bias_ih_l0`` / ``bias_hh_l1_reverse``; ≤ 2 dims)."""
+    named = pname == "bias" or pname.endswith("_bias") or _RNN_BIAS.fullmatch(pname) is not None
+    return "bias" if named and ndim <= 2 else None
 
 
 def not_a_matrix(shape: tuple, module: Any = None) -> Optional[str]:
