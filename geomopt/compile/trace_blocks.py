@@ -216,7 +216,7 @@ def _regroup(dims: tuple, before: tuple, after: tuple) -> Optional[tuple]:
     multiply to the same product maps onto the other (size-1 dims hold no parameter dim)."""
     bi = [k for k, n in enumerate(before) if n != 1]
     ai = [k for k, n in enumerate(after) if n != 1]
-    out = [frozenset()] * len(after)
+    out: list[frozenset] = [frozenset()] * len(after)
     p = q = 0
     while p < len(bi) and q < len(ai):
         gb, ga = [bi[p]], [ai[q]]

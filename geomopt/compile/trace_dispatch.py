@@ -363,8 +363,8 @@ class Tracer(TorchDispatchMode):
             r.dims, op_ndim, contracted_dim(func, pos), len(shape))
         if lead and not self.lead[i]:
             self.lead[i] = lead
-            self.view_ops[i].setdefault(f"{str(func.overloadpacket).removeprefix('aten.')} over {'×'.join(map(str, shape[:lead]))} "
-                                        f"matrices", None)
+            op = str(func.overloadpacket).removeprefix("aten.")
+            self.view_ops[i].setdefault(f"{op} over {'×'.join(map(str, shape[:lead]))} matrices", None)
 
     def _derived(self, func, args, kwargs, params_in, outs) -> None:
         """An op on parameters (and constants) only: its outputs are derived from those parameters."""
