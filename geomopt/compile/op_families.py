@@ -96,7 +96,8 @@ def _matmul(func, args) -> tuple[int, ...]:
     experts' matrices, one per group of tokens); the additive term of ``addmm`` is
     not an operand (a bias). A matrix of the body is ``hidden`` (``expert`` inside an experts
     container, ``router`` beside one); a layer whose output reaches the model's outputs with no
-    parameterized layer after it is a ``head``."""
+    parameterized layer after it is a ``head``. A tensor normalized first, or first met elementwise
+    with the activations, and a (1, 1, d) token are the layer's input, not its weight."""
     return _MATMUL_OPERANDS.get(func.overloadpacket, (0, 1))
 
 
@@ -144,7 +145,9 @@ def conv_family(args) -> Family:
            feature_dim=lambda f, a, p: -1, stem=lambda f, a, p: "token")
 def _lookup(func, args) -> tuple[int, ...]:
     """``lookup``: the table of ``embedding`` / ``embedding_bag`` (``nn.Embedding``, T5's relative
-    attention buckets): ``embedding``."""
+    attention buckets), a 2-D table whose rows ``index`` picks by the input (``table[ids]``), and
+    rows gathered by ``index`` that a matmul then multiplies (ViTDet's and SAM's decomposed
+    relative-position tables, also when interpolated first): ``embedding``."""
     return (0,)
 
 
@@ -164,8 +167,8 @@ NORMALIZATIONS = frozenset(op for op in (
 def _indexed(func, args) -> tuple[int, ...]:
     """``indexed``: a table read by ``index``, ``index_select``, ``gather`` (Swin's
     ``relative_position_bias_table[index]``) whose rows then only enter elementwise ops: ``other``.
-    (Rows gathered and then multiplied as matrices — an expert stack indexed by expert — are
-    ``matmul`` operands.)"""
+    (Whole matrices of a ≥ 3-D tensor selected along its leading dim — an expert stack indexed by
+    expert — are ``matmul`` operands; rows of a table then multiplied are a ``lookup``.)"""
     return ()
 
 

@@ -6,7 +6,9 @@ elementwise, as a grouped convolution's kernel or as an indexed table). Rules ma
 it with ``match: {role: …}``. Each tensor also gets the **evidence** for its role, a **guessed**
 flag (roles read from names and shapes only, as for a checkpoint) and a **structure** — what an
 ``auto`` matrix view reads (:mod:`geomopt.geometry.view`): ``{"batch": 1}`` for batched expert
-weights (E, out, in), ``{"blocks": [...]}`` for fused projections (sizes along the output axis).
+weights (E, out, in) and for a stack a matmul multiplies matrix by matrix (``einsum`` over a
+(3, 64, 64) tensor), ``{"blocks": [...]}`` for fused projections (sizes along the output axis: the
+cuts of a layer's output, a weight split before its matmuls, two summed layers' gates).
 
 From a model, roles are decided by what each tensor does in one traced forward (meta device
 first, else one tiny forward that leaves the model as it was; inputs from ``example_inputs=``, the
@@ -18,10 +20,10 @@ tensor, the module tree decides, and none of it is silent: ``GeomOptimizer`` war
 Inference from the module tree: every registered *module rule* below, in order, claims modules of the
 model; a parameter takes the role of the first claim on its owning module or an ancestor (the
 module rules' docstrings are the documentation). Then, per parameter: a norm module's parameters
-are ``norm``; otherwise a parameter named ``bias`` (or ``*_bias``) is ``bias``; otherwise the
-claim; otherwise ``hidden`` (≥ 2 dims), except a grouped convolution's kernel (a ``Conv*d``
-with ``groups > 1``) and a single row or column, which are ``other`` like vectors. A tensor tied
-under several names has the roles of each.
+are ``norm``; otherwise a parameter named ``bias`` (``*_bias``, an RNN's ``bias_ih_l0``) is
+``bias``; otherwise the claim; otherwise ``hidden`` (≥ 2 dims), except a grouped convolution's
+kernel (a ``Conv*d`` with ``groups > 1``) and a single row or column, which are ``other`` like
+vectors. A tensor tied under several names has the roles of each.
 
 From names and shapes alone (a checkpoint, or a list of (name, tensor)): :func:`guess_roles`,
 every role marked as a guess.
