@@ -88,6 +88,25 @@ class AttentionPool(nn.Module):
         return torch.randn(2, 6, 8)
 
 
+class SeparateKeyValue(nn.Module):
+    """``nn.MultiheadAttention`` given three different tensors: its weight is chunked into q, k, v
+    before the three projections."""
+
+    def __init__(self):
+        super().__init__()
+        self.k = nn.Linear(8, 32)
+        self.v = nn.Linear(8, 32)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.fc = nn.Linear(32, 2)
+
+    def forward(self, x):
+        k = self.k(x)
+        return self.fc(self.attn(k.flip(1), k, self.v(x))[0])
+
+    def example_inputs(self):
+        return torch.randn(2, 5, 8)
+
+
 class EinsumHeads(nn.Module):
     """A raw (3, 64, 64) parameter: one 64 × 64 map per head, applied by ``einsum``."""
 
@@ -165,6 +184,7 @@ def _t5():
 BUILDERS = {
     "lstm": lambda: RecurrentLM("LSTM"), "gru": lambda: RecurrentLM("GRU"), "rnn": lambda: RecurrentLM("RNN"),
     "bilstm": lambda: RecurrentLM("LSTM", bidirectional=True), "transformer": Seq2Seq, "pool": AttentionPool,
+    "mha-qkv": SeparateKeyValue,
     "einsum": EinsumHeads, "relpos": RelPosAttention, "relpos-interpolated": lambda: RelPosAttention(True),
     "tables": Tables, "t5": _t5,
 }
@@ -247,6 +267,13 @@ ROLES["pool"] = {
     "fc.weight": "head", "fc.bias": "bias",  # makes the class scores
 }
 VIEWS["pool"] = {"proj.weight": "32×8", "attn.in_proj_weight": "3 × 32×32", "attn.out_proj.weight": "32×32"}
+ROLES["mha-qkv"] = {
+    "k.weight": "hidden", "k.bias": "bias", "v.weight": "hidden", "v.bias": "bias",  # the inputs' projections
+    **_under("attn", _MHA),  # chunked into q, k, v before three separate projections
+    "fc.weight": "head", "fc.bias": "bias",
+}
+VIEWS["mha-qkv"] = {"k.weight": "32×8", "v.weight": "32×8", "attn.in_proj_weight": "3 × 32×32",
+                    "attn.out_proj.weight": "32×32"}
 ROLES["einsum"] = {
     "inp.weight": "hidden", "inp.bias": "bias",  # the input projection
     "w": "hidden",  # three 64 × 64 maps, one per head (einsum contracts its middle dim)
@@ -388,3 +415,59 @@ def test_explain_lists_the_names_a_prefix_begins():
             "'rnn.weight_hh_l1'") in str(err.value)
     with pytest.raises(KeyError, match="did you mean 'rnn.weight_ih_l0'"):
         explain(spec, infos, [], "rnn.wieght_ih_l0")
+
+
+@pytest.mark.parametrize("kind, mode, gates", [("LSTM", 2, 4), ("GRU", 3, 3), ("RNN", 1, 1)])
+def test_a_fused_cudnn_kernel_gives_the_gates_of_its_mode(kind, mode, gates):
+    """On CUDA ``nn.LSTM`` reaches the dispatcher as one ``_cudnn_rnn`` over its weight list
+    (run here on meta tensors through its meta kernel): every weight is a matrix operand, and
+    W_ih, W_hh of each layer hold the mode's gates as row blocks."""
+    from geomopt.compile.trace_blocks import blocks
+    from geomopt.compile.trace_dispatch import Act, Tracer
+
+    rnn = getattr(nn, kind)(16, 24, num_layers=2, batch_first=True)
+    params = [torch.empty(p.shape, device="meta") for p in rnn._flat_weights]
+    tracer = Tracer(params, value_free=False)
+    x = torch.empty(2, 5, 16, device="meta")
+    tracer.acts[x] = Act(frozenset(), True, None)
+    hx = torch.zeros(2, 2, 24, device="meta")
+    cx = torch.zeros(2, 2, 24, device="meta") if kind == "LSTM" else None
+    with tracer:
+        out = torch.ops.aten._cudnn_rnn.default(x, params, 4, None, hx, cx, mode, 24, 0, 2, True, 0.0, False, False,
+                                                [], None)
+    for i, name in enumerate(rnn._flat_weights_names):
+        if name.startswith("weight"):
+            assert list(tracer.uses[i]) == ["matmul"], name
+            assert blocks(tracer.pieces.get(i)) == ([24] * gates if gates > 1 else None), name
+        else:
+            assert list(tracer.uses[i]) == ["elementwise"], name
+    assert tracer.acts.get(out[0]).src == frozenset({0})  # one layer call, whose output flows on
+
+
+def test_a_fused_cuda_cell_cuts_both_gate_products():
+    """``_thnn_fused_lstm_cell`` (CUDA's LSTM cell) takes W_ih·x and W_hh·h whole: each is cut into
+    its 4 gates, as the decomposed cell's ``unsafe_chunk`` would."""
+    from geomopt.compile.trace_blocks import blocks
+    from geomopt.compile.trace_dispatch import Act, Tracer
+
+    w_ih, w_hh = torch.randn(96, 16), torch.randn(96, 24)
+    tracer = Tracer([w_ih, w_hh], value_free=False)
+    x, h = torch.randn(2, 16), torch.randn(2, 24)
+    for t in (x, h):
+        tracer.acts[t] = Act(frozenset(), True, None)
+    with tracer:
+        gi, gh = x @ w_ih.t(), h @ w_hh.t()
+    cell = torch.ops.aten._thnn_fused_lstm_cell.default
+    tracer._record(cell, (gi, gh, torch.zeros(2, 24)), {}, (torch.zeros(2, 24), torch.zeros(2, 24), gi))
+    assert blocks(tracer.pieces.get(0)) == blocks(tracer.pieces.get(1)) == [24, 24, 24, 24]
+    assert list(tracer.view_ops[0]) == ["_thnn_fused_lstm_cell (4 gates)"]
+
+
+def test_blocks_are_the_finest_partition_of_cuts_that_cover_the_rows():
+    from geomopt.compile.trace_blocks import blocks
+
+    assert blocks({(0, 64), (64, 192), (64, 128), (128, 192)}) == [64, 64, 64]  # [q | kv], kv cut again
+    assert blocks({(0, 32), (0, 64), (64, 96)}) == [32, 32, 32]
+    assert blocks({(0, 64), (128, 192)}) is None  # a gap: rows 64–128 never cut out
+    assert blocks({(32, 64), (64, 96)}) is None  # not from row 0
+    assert blocks({(0, 64)}) is None  # one block

@@ -52,6 +52,13 @@ _VIEWS = frozenset({
 _SELECTS = frozenset({aten.select, aten.select_copy})
 _PLAIN_VIEWS = _VIEWS - _SELECTS - INDEX_OPS
 _LOOKUP_INDEX = frozenset({aten.index, aten._unsafe_index, aten.index_select})  # rows (or matrices) by index
+# fused recurrent kernels (what ``nn.LSTM``/``GRU``/``RNN`` reach on CUDA): a cuDNN or MIOpen mode's gates
+# per layer, and the CUDA cells that take the two gate products of one step whole
+_FUSED_RNN = frozenset(op for op in (getattr(aten, "_cudnn_rnn", None), getattr(aten, "_miopen_rnn", None))
+                       if op is not None)
+_RNN_MODES = {0: ("RNN_RELU", 1), 1: ("RNN_TANH", 1), 2: ("LSTM", 4), 3: ("GRU", 3)}
+_FUSED_CELLS = {op: gates for op, gates in ((getattr(aten, "_thnn_fused_lstm_cell", None), 4),
+                                            (getattr(aten, "_thnn_fused_gru_cell", None), 3)) if op is not None}
 _ROW_CUTS = frozenset({aten.split, aten.split_with_sizes, aten.unsafe_split, aten.chunk, aten.slice, aten.narrow,
                        aten.split_copy, aten.split_with_sizes_copy, aten.slice_copy})
 
@@ -252,6 +259,9 @@ class Tracer(TorchDispatchMode):
         if params_in and not acts_in:
             self._derived(func, args, kwargs, params_in, outs)
             return
+        if packet in _FUSED_RNN and params_in:
+            self._fused_rnn(func, args, acts_in, outs)
+            return
         if packet in _LOOKUP_INDEX and id(args[0]) in refs and self._whole_matrices(packet, args):
             # experts picked by routed ids: the selected matrices are still the parameter's
             r = refs[id(args[0])][1]
@@ -275,6 +285,39 @@ class Tracer(TorchDispatchMode):
                 if i not in self.first:
                     self.first[i] = (str(packet).removeprefix("aten.") if packet in NORMALIZATIONS
                                      or (with_act and not layer) else "")
+
+    def _fused_rnn(self, func, args, acts_in, outs) -> None:
+        """A fused recurrent kernel (``_cudnn_rnn``): one layer call over its weight list, laid out
+        per layer and direction as ``w_ih, w_hh[, b_ih, b_hh][, w_hr]`` (``weight_stride0`` tensors
+        each); ``w_ih`` and ``w_hh`` stack the mode's gates (LSTM 4, GRU 3) as row blocks."""
+        names = [a.name for a in func._schema.arguments]
+        weights, stride = args[1], int(args[2])
+        mode, gates = _RNN_MODES.get(int(args[names.index("mode")]), ("RNN", 1))
+        op = str(func.overloadpacket)
+        layer = len(self.calls)
+        used = []
+        for k, w in enumerate(weights):
+            r = self.refs.get(w)
+            if r is None:
+                continue
+            if w.ndim < 2:
+                for i in r.params:
+                    self.uses[i].setdefault("elementwise", Use("elementwise", op, f"a fused {mode} kernel's bias"))
+                continue
+            for i in r.params:
+                used.append(i)
+                self.uses[i].setdefault("matmul", Use("matmul", op, f"a fused {mode} kernel's weight"))
+                rows = int(w.shape[0])
+                if k % stride < 2 and gates > 1 and rows % gates == 0 and len(r.params) == 1:
+                    step = rows // gates
+                    self.pieces.setdefault(i, set()).update((g * step, (g + 1) * step) for g in range(gates))
+                    self.view_ops[i].setdefault(f"{op.removeprefix('aten.')} ({mode}: {gates} gates)", None)
+        for _, a in acts_in:
+            self.mark_fed(a.src)
+        self.calls.append(frozenset(used))
+        act = Act(frozenset((layer,)), False, None)
+        for o in outs:
+            self.acts[o] = act
 
     def _weight_like(self, r: Ref) -> bool:
         """Whether a parameter view can be a layer's weight: not normalized first, its first
@@ -433,6 +476,8 @@ class Tracer(TorchDispatchMode):
             feat = follow(func, args, kwargs, head.feat, outs, lambda f, a, b: self._cut(f, a, b, op))
         elif len(acts_in) == 2 and func.overloadpacket in (aten.add, aten.add_) and outs:
             feat = self._joint(acts_in, outs[0])
+        if func.overloadpacket in _FUSED_CELLS:
+            self._gate_cuts(func, args)
         if feat is None or isinstance(feat, Feat):
             act = Act(src, raw, feat)
             for o in outs:
@@ -454,6 +499,19 @@ class Tracer(TorchDispatchMode):
             return None
         self.joints.append(self.calls[fa.layer] | self.calls[fb.layer])
         return fa._replace(layer=-len(self.joints))
+
+    def _gate_cuts(self, func, args) -> None:
+        """A fused CUDA cell (``_thnn_fused_lstm_cell``) takes the input and hidden gate products
+        whole and splits each into its gates inside: the cut the decomposed cell would show."""
+        gates = _FUSED_CELLS[func.overloadpacket]
+        op = f"{str(func.overloadpacket).removeprefix('aten.')} ({gates} gates)"
+        for t in args[:2]:
+            act = self.acts.get(t)
+            feat = act.feat if act is not None else None
+            if feat is not None and not feat.k and feat.dim == t.ndim - 1 and feat.size % gates == 0:
+                step = feat.size // gates
+                for g in range(gates):
+                    self._cut(feat, g * step, (g + 1) * step, op)
 
     def _cut(self, feat: Feat, start: int, stop: int, op: str = "") -> None:
         """Record that features [start, stop) of ``feat``'s layer (in units of its dim) were cut out."""
