@@ -12,14 +12,16 @@ Views from use: along a parameter's views the tracer keeps which of its dims eac
 and which of its rows a split or slice kept, so a matmul tells the matrices of a batched
 parameter (``einsum`` over a (3, 64, 64) tensor: 3 of 64 × 64) and a weight split before use gives
 its row blocks (``nn.MultiheadAttention`` with separate query and key/value inputs); two layers'
-outputs summed feature by feature (an LSTM cell's input and hidden gates) share their cuts.
+outputs summed feature by feature (an LSTM cell's input and hidden gates) share their cuts; a fused
+recurrent kernel (``_cudnn_rnn``, CUDA's fused LSTM and GRU cells) gives its mode's gates.
 
 Lookups are lookups: rows of a table (a 2-D tensor, or one computed from a parameter: an
 interpolated position table) gathered by ``index`` are looked up, and stay so when they are then
 multiplied (a decomposed relative-position bias); only whole matrices of a ≥ 3-D tensor selected
-along its leading dim (experts) are a stack of matrices. A tensor normalized before it meets an
-activation (``layer_norm`` of a position table) and a parameter with fewer than two dims above
-size 1 (a (1, 1, d) learned query token) are a layer's *input*, never its weight.
+along its leading dim (experts) are a stack of matrices. A tensor whose first consumer is a
+normalization (``layer_norm`` of learned latents) or an elementwise op with the activations (a
+position table added to the tokens), and a parameter with fewer than two dims above size 1 (a
+(1, 1, d) learned query token) are a layer's *input*, never its weight.
 """
 
 from __future__ import annotations
