@@ -19,7 +19,8 @@ with an elementwise use, else ``other``. A tied tensor takes every role its uses
 module tree disagree the trace wins and the role keeps the module tree's verdict beside it
 (``explain`` shows both, with the op that decided). A tensor the forward never reached keeps the
 module tree's role, marked so. A layer's output cut into blocks (:mod:`geomopt.compile.trace`)
-gives the weight's ``blocks``, over the attention-module heuristics.
+gives the weight's ``blocks``, over the attention-module heuristics, and a matmul that multiplies
+a ≥ 3-D tensor matrix by matrix gives its ``batch``; the evidence names the ops the view came from.
 """
 
 from __future__ import annotations
