@@ -4,9 +4,9 @@ looks up: torch's ``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` (fused gates per layer), `
 ``nn.MultiheadAttention`` as a pooling head (a learned (1, 1, d) query token), a raw (3, 64, 64)
 parameter used through ``einsum``, a decomposed relative-position table (ViTDet's and SAM's
 ``rel_pos[index]`` multiplied by the queries, directly and interpolated first), a normalized
-latent table, a table indexed by the input and experts picked by routed ids, and T5 (its
-``relative_attention_bias`` is an ``nn.Embedding``) from a tiny transformers config; random init,
-no download.
+latent table, a table indexed by the input and experts picked by routed ids, and from tiny
+transformers configs T5 (its ``relative_attention_bias`` is an ``nn.Embedding``) and SAM's vision
+encoder (decomposed ``rel_pos_h``/``rel_pos_w`` tables); random init, no download.
 
 Each role and each matrix view is written by hand with its reason; every shipped spectral spec
 must give the spectral geometry exactly to the hidden matrices, each cut into the matrices the
@@ -181,12 +181,19 @@ def _t5():
         relative_attention_num_buckets=8, decoder_start_token_id=0))
 
 
+def _sam():
+    t = _transformers()
+    return t.SamVisionModel(t.SamVisionConfig(
+        hidden_size=32, output_channels=16, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=16,
+        mlp_dim=64, global_attn_indexes=[0], window_size=0, use_rel_pos=True))
+
+
 BUILDERS = {
     "lstm": lambda: RecurrentLM("LSTM"), "gru": lambda: RecurrentLM("GRU"), "rnn": lambda: RecurrentLM("RNN"),
     "bilstm": lambda: RecurrentLM("LSTM", bidirectional=True), "transformer": Seq2Seq, "pool": AttentionPool,
     "mha-qkv": SeparateKeyValue,
     "einsum": EinsumHeads, "relpos": RelPosAttention, "relpos-interpolated": lambda: RelPosAttention(True),
-    "tables": Tables, "t5": _t5,
+    "tables": Tables, "t5": _t5, "sam": _sam,
 }
 ARCHS = list(BUILDERS)
 
@@ -198,7 +205,7 @@ def _built(arch: str):
 
 
 def build(arch: str):
-    if arch == "t5":
+    if arch in ("t5", "sam"):
         _transformers()  # skips before the cache would remember a failure
     return _built(arch)
 
@@ -321,6 +328,26 @@ ROLES["t5"] = {
 }
 VIEWS["t5"] = {n: ("64×32" if n.endswith("wi.weight") else "32×64" if n.endswith("wo.weight") else "32×32")
                for n, r in ROLES["t5"].items() if r == "hidden"}
+
+_SAM = "vision_encoder.layers.0."
+ROLES["sam"] = {
+    "vision_encoder.pos_embed": "other",  # a (1, 4, 4, 32) position table added to the patches
+    "vision_encoder.patch_embed.projection.weight": "embedding",  # patchifies the pixels (stride = kernel)
+    "vision_encoder.patch_embed.projection.bias": "bias",
+    **_under(_SAM + "layer_norm1", _LN), **_under(_SAM + "layer_norm2", _LN),
+    # decomposed relative positions: rows gathered by offset, then multiplied by the queries
+    _SAM + "attn.rel_pos_h": "embedding", _SAM + "attn.rel_pos_w": "embedding",
+    _SAM + "attn.qkv.weight": "hidden", _SAM + "attn.qkv.bias": "bias",  # fused q, k, v, unbound
+    _SAM + "attn.proj.weight": "hidden", _SAM + "attn.proj.bias": "bias",
+    _SAM + "mlp.lin1.weight": "hidden", _SAM + "mlp.lin1.bias": "bias",
+    _SAM + "mlp.lin2.weight": "hidden", _SAM + "mlp.lin2.bias": "bias",
+    "vision_encoder.neck.conv1.weight": "hidden",  # a 1×1 convolution of the body
+    **_under("vision_encoder.neck.layer_norm1", _LN), **_under("vision_encoder.neck.layer_norm2", _LN),
+    "vision_encoder.neck.conv2.weight": "head",  # makes the image embeddings, nothing parameterized after it
+}
+VIEWS["sam"] = {_SAM + "attn.qkv.weight": "3 × 32×32", _SAM + "attn.proj.weight": "32×32",
+                _SAM + "mlp.lin1.weight": "64×32", _SAM + "mlp.lin2.weight": "32×64",
+                "vision_encoder.neck.conv1.weight": "16×32"}
 
 
 def misrouted(plan, roles: dict, views: dict) -> tuple[list[str], list[str]]:
