@@ -658,6 +658,12 @@ def test_muon_step_orthogonalizes_each_expert_and_each_gate_up_half():
 ALL_SPECS = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
 
 
+def spec_findings(spec_name: str, model) -> list[str]:
+    """The errors and warnings (notes left out) of shipped spec ``spec_name`` linted against ``model``."""
+    spec = geomopt.load_spec(ROOT / "specs" / f"{spec_name}.yaml")
+    return [d.format() for d in lint_spec(spec, model_params(model)[0]) if d.severity != "note"]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("spec_name", ALL_SPECS)
 def test_shipped_specs_lint_clean(spec_name, arch):
