@@ -87,6 +87,23 @@ class AttentionPool(nn.Module):
         return torch.randn(2, 6, 8)
 
 
+class TokenQuery(nn.Module):
+    """A learned (1, 16) token projected by a layer, gating features by a one-output layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.token = nn.Parameter(torch.randn(1, 16))
+        self.q = nn.Linear(16, 16)
+        self.gate = nn.Linear(16, 1)
+        self.fc = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc(self.q(self.token.expand(x.shape[0], -1)) * torch.sigmoid(self.gate(x)))
+
+    def example_inputs(self):
+        return torch.randn(2, 16)
+
+
 class SeparateKeyValue(nn.Module):
     """``nn.MultiheadAttention`` given three different tensors: its weight is chunked into q, k, v
     before the three projections."""
@@ -190,7 +207,7 @@ def _sam():
 BUILDERS = {
     "lstm": lambda: RecurrentLM("LSTM"), "gru": lambda: RecurrentLM("GRU"), "rnn": lambda: RecurrentLM("RNN"),
     "bilstm": lambda: RecurrentLM("LSTM", bidirectional=True), "transformer": Seq2Seq, "pool": AttentionPool,
-    "mha-qkv": SeparateKeyValue,
+    "mha-qkv": SeparateKeyValue, "token": TokenQuery,
     "einsum": EinsumHeads, "relpos": RelPosAttention, "relpos-interpolated": lambda: RelPosAttention(True),
     "tables": Tables, "t5": _t5, "sam": _sam,
 }
@@ -280,6 +297,13 @@ ROLES["mha-qkv"] = {
 }
 VIEWS["mha-qkv"] = {"k.weight": "32×8", "v.weight": "32×8", "attn.in_proj_weight": "3 × 32×32",
                     "attn.out_proj.weight": "32×32"}
+ROLES["token"] = {
+    "token": "other",  # a learned (1, 16) token: the input of q's matmul, not a 1 × 16 matrix
+    "q.weight": "hidden", "q.bias": "bias",
+    "gate.weight": "hidden", "gate.bias": "bias",  # a one-output layer on the features: a 1 × 16 matrix
+    "fc.weight": "head", "fc.bias": "bias",
+}
+VIEWS["token"] = {"q.weight": "16×16", "gate.weight": "1×16"}
 ROLES["einsum"] = {
     "inp.weight": "hidden", "inp.bias": "bias",  # the input projection
     "w": "hidden",  # three 64 × 64 maps, one per head (einsum contracts its middle dim)

@@ -246,6 +246,8 @@ class Tracer(TorchDispatchMode):
             # a weight (a view of a parameter) times a learned input computed from parameters (DETR's
             # object queries): the computed one is the layer's input
             weight_pos = [p for p in weight_pos if not refs[id(args[p])][1].computed]
+        if len(weight_pos) > 1:  # a learned (1, d) token times a weight: the token is the input
+            weight_pos = [p for p in weight_pos if not self._token(refs[id(args[p])][1])] or weight_pos
         if packet not in _PLAIN_VIEWS and packet not in _LOOKUP_INDEX:
             self._first_consumer(packet, params_in, bool(weight_pos), bool(acts_in))
         if weight_pos and fam is not None:
@@ -327,8 +329,11 @@ class Tracer(TorchDispatchMode):
         dims above size 1 (a learned (1, 1, d) token is an input)."""
         if r.normed or any(self.first.get(i) for i in r.params):
             return False
-        return not (len(r.params) == 1 and sum(n > 1 for n in self.shapes[next(iter(r.params))]) < 2
-                    and len(self.shapes[next(iter(r.params))]) >= 3)
+        return not (self._token(r) and len(self.shapes[next(iter(r.params))]) >= 3)
+
+    def _token(self, r: Ref) -> bool:
+        """A view of one parameter with fewer than two dims above size 1 (a learned token)."""
+        return len(r.params) == 1 and sum(n > 1 for n in self.shapes[next(iter(r.params))]) < 2
 
     def _input_detail(self, r: Ref, i: int) -> str:
         """Why a parameter operand of a layer was its input rather than its weight."""
@@ -338,9 +343,8 @@ class Tracer(TorchDispatchMode):
             return f"a layer's input: its first consumer was {self.first[i]}, not a matrix product"
         if r.computed:
             return "a layer's input computed from parameters"
-        shape = self.shapes[i]
-        if len(shape) >= 3 and sum(n > 1 for n in shape) < 2:
-            return f"a layer's input: a learned {'×'.join(map(str, shape))} token, not a matrix"
+        if self._token(r) and len(self.shapes[i]) >= 2:
+            return f"a layer's input: a learned {'×'.join(map(str, self.shapes[i]))} token, not a matrix"
         return ""
 
     def _whole_matrices(self, packet, args) -> bool:
