@@ -88,7 +88,8 @@ class AttentionPool(nn.Module):
 
 
 class TokenQuery(nn.Module):
-    """A learned (1, 16) token projected by a layer, gating features by a one-output layer."""
+    """A learned (1, 16) token projected by a layer (the token is the matmul's input, the layer's
+    weight its weight), gating features by a one-output layer."""
 
     def __init__(self):
         super().__init__()
@@ -300,10 +301,10 @@ VIEWS["mha-qkv"] = {"k.weight": "32×8", "v.weight": "32×8", "attn.in_proj_weig
 ROLES["token"] = {
     "token": "other",  # a learned (1, 16) token: the input of q's matmul, not a 1 × 16 matrix
     "q.weight": "hidden", "q.bias": "bias",
-    "gate.weight": "hidden", "gate.bias": "bias",  # a one-output layer on the features: a 1 × 16 matrix
+    "gate.weight": "other", "gate.bias": "bias",  # a one-output layer: a single row (1 × 16), a vector
     "fc.weight": "head", "fc.bias": "bias",
 }
-VIEWS["token"] = {"q.weight": "16×16", "gate.weight": "1×16"}
+VIEWS["token"] = {"q.weight": "16×16"}
 ROLES["einsum"] = {
     "inp.weight": "hidden", "inp.bias": "bias",  # the input projection
     "w": "hidden",  # three 64 × 64 maps, one per head (einsum contracts its middle dim)
