@@ -46,6 +46,21 @@ def _transformers():
     return transformers
 
 
+def transformers_builds(builders: dict):
+    """``build(arch)``: the model ``builders[arch](transformers)``, seeded and built once."""
+
+    @functools.cache
+    def built(arch: str):
+        torch.manual_seed(0)
+        return builders[arch](_transformers())
+
+    def build(arch: str):
+        _transformers()  # skips before the cache would remember a failure
+        return built(arch)
+
+    return build
+
+
 def _layers(prefix: str, n: int, per_layer: dict) -> dict:
     """``per_layer`` (a literal per-layer table) for layers 0 … n−1 under ``prefix`` (with ``{i}``)."""
     return {prefix.format(i=i) + name: value for i in range(n) for name, value in per_layer.items()}

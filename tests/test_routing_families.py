@@ -13,7 +13,6 @@ must lint clean, and the optimizer must build without a ``RolesGuessedWarning``.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from geomopt.compile.trace import trace_model
 from geomopt.compile.trace_inputs import as_inputs, default_inputs
 from geomopt.lint import lint_spec
 
-from test_routing import ALL_SPECS, NOT_SPECTRAL, SPECTRAL, SPECTRAL_SPECS, _transformers
+from test_routing import ALL_SPECS, NOT_SPECTRAL, SPECTRAL, SPECTRAL_SPECS, transformers_builds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,15 +143,7 @@ ROLES = {
 }
 
 
-@functools.cache
-def _built(arch: str):
-    torch.manual_seed(0)
-    return BUILDERS[arch](_transformers())
-
-
-def build(arch: str):
-    _transformers()  # skips before the cache would remember a failure
-    return _built(arch)
+build = transformers_builds(BUILDERS)
 
 
 def expected_role(arch: str, name: str) -> str:

@@ -14,19 +14,16 @@ and the optimizer builds without a ``RolesGuessedWarning``.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 import geomopt
 from geomopt.compile import compile_spec
-from geomopt.compile.compiler import model_params
 
-from test_routing import ALL_SPECS, SPECTRAL, SPECTRAL_SPECS, _layers, _transformers, spec_findings
-from test_routing_views import _LN, _under, misrouted
+from test_routing import ALL_SPECS, SPECTRAL, SPECTRAL_SPECS, _layers, spec_findings, transformers_builds
+from test_routing_views import _LN, _under, assert_traced_roles, misrouted
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,15 +48,7 @@ BUILDERS = {
 ARCHS = list(BUILDERS)
 
 
-@functools.cache
-def _built(arch: str):
-    torch.manual_seed(0)
-    return BUILDERS[arch](_transformers())
-
-
-def build(arch: str):
-    _transformers()  # skips before the cache would remember a failure
-    return _built(arch)
+build = transformers_builds(BUILDERS)
 
 
 def _linear(name: str) -> dict:
@@ -196,13 +185,7 @@ def test_tables_name_every_hidden_matrix_with_its_view():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_traced_roles_match_the_table(arch):
-    """Every tensor traced (none decided from the module tree alone), each with the hand-written role."""
-    infos, _ = model_params(build(arch))
-    got = {p.name: p.role.name for p in infos}
-    expected = ROLES[arch]
-    assert sorted(set(got) ^ set(expected)) == []
-    assert {n: (expected[n], got[n]) for n in expected if got[n] != expected[n]} == {}
-    assert {p.name: p.role.untraced for p in infos if p.role.basis != "trace"} == {}
+    assert_traced_roles(build(arch), ROLES[arch])
 
 
 @pytest.mark.parametrize("arch", ARCHS)

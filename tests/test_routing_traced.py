@@ -10,17 +10,16 @@ spectral geometry exactly to the hidden matrices, one matrix per traced block.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
-import torch
 
 from geomopt.compile import compile_spec
 from geomopt.compile.compiler import model_params
 from geomopt.geometry.view import describe
 
-from test_routing import ALL_SPECS, NOT_SPECTRAL, SPECTRAL, SPECTRAL_SPECS, _transformers, spec_findings
+from test_routing import ALL_SPECS, NOT_SPECTRAL, SPECTRAL, SPECTRAL_SPECS, spec_findings, transformers_builds
+from test_routing_views import assert_traced_roles
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,15 +60,7 @@ BUILDERS = {
 ARCHS = list(BUILDERS)
 
 
-@functools.cache
-def _built(arch: str):
-    torch.manual_seed(0)
-    return BUILDERS[arch](_transformers())
-
-
-def build(arch: str):
-    _transformers()  # skips before the cache would remember a failure
-    return _built(arch)
+build = transformers_builds(BUILDERS)
 
 
 ROLES = {
@@ -375,13 +366,7 @@ def test_tables_name_every_tensor_and_are_traced():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_traced_roles_match_the_table(arch):
-    model = build(arch)
-    infos, _ = model_params(model)
-    got = {p.name: p.role.name for p in infos}
-    expected = ROLES[arch]
-    assert sorted(set(got) ^ set(expected)) == []
-    assert {n: (expected[n], got[n]) for n in expected if got[n] != expected[n]} == {}
-    assert {p.role.basis for p in infos} == {"trace"}, {p.role.untraced for p in infos}
+    infos = assert_traced_roles(build(arch), ROLES[arch])
     assert {p.name: p.role.structure for p in infos if p.role.structure} == STRUCTURES.get(arch, {})
 
 

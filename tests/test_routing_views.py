@@ -396,14 +396,20 @@ def test_tables_name_every_hidden_matrix_with_its_view():
         assert set(VIEWS[arch]) == hidden, arch
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_traced_roles_match_the_table(arch):
-    infos, _ = model_params(build(arch))
+def assert_traced_roles(model, expected: dict) -> list:
+    """The model's tensors are exactly ``expected``'s names, each with its role, every one traced
+    (none decided from the module tree alone); returns the tensors' ParamInfos."""
+    infos, _ = model_params(model)
     got = {p.name: p.role.name for p in infos}
-    expected = ROLES[arch]
     assert sorted(set(got) ^ set(expected)) == []
     assert {n: (expected[n], got[n]) for n in expected if got[n] != expected[n]} == {}
     assert {p.role.basis for p in infos} == {"trace"}, {p.role.untraced for p in infos}
+    return infos
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_traced_roles_match_the_table(arch):
+    assert_traced_roles(build(arch), ROLES[arch])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
