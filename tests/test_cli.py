@@ -494,3 +494,45 @@ def test_spec_text_is_accepted_where_a_path_is_expected():
         assert {g["rule"] for g in opt.param_groups} == {"all"}
     with pytest.raises(geomopt.SpecError, match="<string>:4:"):
         geomopt.GeomOptimizer(model, yaml_text.replace("euclidean", "euclidian"))
+
+
+# ---------------------------------------------------------------- output files
+
+
+UNWRITABLE = {  # what -o was given: (path, the reason the message gives)
+    "full device": ("/dev/full", "No space left on device"),
+    "missing folder": ("{tmp}/nonexistent/x/y.yaml", "No such file or directory"),
+    "read-only proc file": ("/proc/version", ""),
+    "a directory": ("{tmp}", "Is a directory"),
+}
+
+
+@pytest.mark.parametrize("where", sorted(UNWRITABLE))
+@pytest.mark.parametrize("argv", [["schema"], ["fmt", USCION], ["init", "--model", "mlp"]],
+                         ids=["schema", "fmt", "init"])
+def test_unwritable_output_is_one_line_and_exit_2(capsys, tmp_path, argv, where):
+    """Each wrote with Path.write_text and let OSError through: a traceback."""
+    path, reason = UNWRITABLE[where]
+    path = path.format(tmp=tmp_path)
+    if path.startswith("/dev/") or path.startswith("/proc/"):
+        if not Path(path).exists():
+            pytest.skip(f"no {path} on this platform")
+    extra = ["--force"] if argv[0] == "init" else []
+    code, out, err = run(capsys, *argv, "-o", path, *extra)
+    assert code == 2 and out == "", (code, out, err)
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"geomopt {argv[0]}: error: cannot write {path}: {reason}"), err
+    assert "give -o a writable file" in err
+
+
+def test_the_commands_beside_main_do_not_import_it():
+    """main imports cli.lock (and demo, bench): their importing main back, even inside a function,
+    was an import cycle. What they share is cli.status."""
+    import ast
+
+    for module in ("lock", "demo", "bench", "status"):
+        tree = ast.parse((ROOT / "geomopt" / "cli" / f"{module}.py").read_text(encoding="utf-8"))
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert "geomopt.cli.main" not in imported, module
+        assert module == "status" or "geomopt.cli.status" in imported, module

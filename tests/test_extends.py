@@ -512,3 +512,44 @@ def test_presets_through_the_cli(capsys, tmp_path):
     assert main(["lint", str(bad)]) == 1
     out, _ = capsys.readouterr()
     assert out.startswith(f"{bad}:2:1: error GO011 ")
+
+
+# ---------------------------------------------------------------- hostile chains
+
+
+def test_extends_a_file_name_too_long_is_a_positioned_error(tmp_path):
+    """Path.is_file() raised OSError (File name too long): a traceback."""
+    text = "geomopt: 1\nname: a\nextends: " + "b" * 300 + ".yaml\n"
+    d = first_error(write(tmp_path, "a.yaml", text))
+    assert (d.code, d.file, d.line, d.col) == ("GO011", str(tmp_path / "a.yaml"), 3, 1), d.format()
+    assert d.message.startswith(f"extends: cannot read {'b' * 300 + '.yaml'!r}: File name too long")
+
+
+def _chain(tmp_path: Path, n: int) -> Path:
+    """s0.yaml extends s1.yaml … extends s{n}.yaml, which extends nothing: n bases."""
+    for i in range(n):
+        write(tmp_path, f"s{i}.yaml", f"geomopt: 1\nname: s{i}\nextends: s{i + 1}.yaml\n")
+    write(tmp_path, f"s{n}.yaml", "geomopt: 1\nname: base\nrules:\n  - name: all\n    match: '**'\n"
+                                  "    geometry: {kind: euclidean}\n")
+    return tmp_path / "s0.yaml"
+
+
+def test_a_chain_of_200_bases_resolves(tmp_path):
+    spec = geomopt.load_spec(_chain(tmp_path, 200))
+    assert spec.name == "s0" and [r.name for r in spec.rules] == ["all"]
+
+
+def test_extends_chain_over_the_limit_is_a_positioned_error(tmp_path, capsys):
+    """A 1,200-file chain raised RecursionError (a traceback)."""
+    from geomopt.spec.extends import MAX_EXTENDS_DEPTH
+
+    first = _chain(tmp_path, 1200)
+    d = first_error(first)
+    last = tmp_path / f"s{MAX_EXTENDS_DEPTH}.yaml"  # its extends would be one base too many
+    assert (d.code, d.file, d.line, d.col) == ("GO012", str(last), 3, 1), d.format()
+    assert d.message.startswith(f"more than {MAX_EXTENDS_DEPTH} bases in a chain of 'extends'")
+    assert main(["lint", str(first)]) == 2
+    out, err = capsys.readouterr()
+    assert f"{last}:3:1: error GO012" in out and "Traceback" not in out + err
+    # at the limit exactly, the chain resolves
+    assert geomopt.load_spec(_chain(tmp_path / "exact", MAX_EXTENDS_DEPTH)).name == "s0"

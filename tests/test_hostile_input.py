@@ -413,3 +413,88 @@ def test_fmt_refuses_output_that_lint_would_refuse(tmp_path, capsys):
     assert code == 2 and out == ""
     code, out, _ = run(capsys, "fmt", path, "--to", "yaml")  # as YAML (\\x01, four bytes) it fits
     assert code == 0 and len(out.encode()) <= MAX_BYTES and load_spec(path) == parse_spec(out)
+
+
+# ---------------------------------------------------------------- C. lock files
+
+
+LOCK_READ = """
+    import sys
+    from geomopt.cli.main import main
+    sys.exit(main(["plan", "muon", "--model", "mlp", "--check", {path!r}]))
+"""
+LOCK_EXPECT = """
+    import geomopt
+    from geomopt.compile.lock import LockError
+    from geomopt.models import get_model
+    try:
+        geomopt.GeomOptimizer(get_model("mlp"), "muon", expect={path!r})
+    except LockError as exc:
+        print(exc)
+"""
+
+
+def _not_a_file(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """A lock path that names no regular file, and what the error calls it."""
+    path = tmp_path / "routing.lock.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+        return path, "a FIFO (named pipe), not a regular file"
+    if kind == "link to /dev/zero":
+        os.symlink("/dev/zero", path)
+        return path, "a character device, not a regular file"
+    return Path(kind), "a character device, not a regular file"
+
+
+@pytest.mark.skipif(not HAS_FIFO or not os.path.exists("/dev/zero"), reason="no FIFOs or devices on this platform")
+@pytest.mark.parametrize("kind, how", [(kind, "plan --check") for kind in ("fifo", "/dev/zero", "/dev/urandom",
+                                                                        "link to /dev/zero")]
+                         + [("fifo", "expect="), ("/dev/zero", "expect=")])
+def test_lock_that_is_no_regular_file_is_refused_before_reading(tmp_path, kind, how):
+    """A FIFO blocked `plan --check` and `expect=` forever; a device was read until memory ran out."""
+    path, what = _not_a_file(tmp_path, kind)
+    code = (LOCK_READ if how == "plan --check" else LOCK_EXPECT).format(path=str(path))
+    proc = subprocess_python(code, timeout=30, memory=3 << 30)
+    assert "Traceback" not in proc.stdout + proc.stderr and "MemoryError" not in proc.stderr
+    message = f"{path}: cannot read the lock: {what}; give the file `geomopt plan SPEC --model … --lock FILE` wrote"
+    if how == "plan --check":
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr == f"geomopt plan: error: {message}\n"
+    else:
+        assert proc.returncode == 0 and proc.stdout == message + "\n", proc.stderr
+
+
+def test_lock_over_the_size_bound_is_refused_by_its_size(tmp_path):
+    """A lock was read whole whatever its size: a 4 GiB file, 4 GiB of memory (and more to parse)."""
+    from geomopt.compile.lock import MAX_LOCK_BYTES
+
+    path = tmp_path / "big.lock.json"
+    with path.open("wb") as f:  # sparse: refused by its size, never read
+        f.truncate(4 << 30)
+    proc = subprocess_python(LOCK_READ.format(path=str(path)), timeout=60, memory=2 << 30)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr == (f"geomopt plan: error: {path}: lock too large ({4 << 30} bytes; the limit is "
+                           f"{MAX_LOCK_BYTES}): give the file `geomopt plan SPEC --model … --lock FILE` wrote\n")
+
+
+@pytest.mark.parametrize("text, where, message", [
+    ("[" * 100_000 + "]" * 100_000, "1:17", "JSON nested too deeply (more than 16 levels; a lock nests 4)"),
+    ('{\n  "geomopt-lock": ' + "[" * 50 + "]" * 50 + "\n}\n", "2:34", "JSON nested too deeply (more than 16 levels"),
+    ('{\n  "geomopt-lock": ' + "7" * 5000 + "\n}\n", "2:19",
+     "a number of 5,000 digits (at most 4,300; a lock's numbers are tensor sizes)"),
+    ('{"a": "' + "1" * 5000 + '", "b": -' + "2" * 5000 + "}", "1:5016",
+     "a number of 5,000 digits (at most 4,300; a lock's numbers are tensor sizes)"),
+], ids=["deep array", "deep value", "long integer", "long negative after a long string"])
+def test_lock_json_is_bounded_and_the_refusal_positioned(tmp_path, capsys, text, where, message):
+    """json.loads recursed once per level (RecursionError at 100,000) and int() refused 5,000 digits
+    (ValueError): both tracebacks."""
+    from geomopt.compile.lock import LockError, read_lock
+
+    path = tmp_path / "routing.lock.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(LockError) as info:
+        read_lock(path)
+    assert str(info.value).startswith(f"{path}:{where}: {message}"), str(info.value)
+    code, out, err = run(capsys, "plan", "muon", "--model", "mlp", "--check", path)
+    assert code == 2 and out == "" and err.startswith(f"geomopt plan: error: {path}:{where}: ")
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -364,3 +364,48 @@ def test_expect_with_an_unreadable_lock_says_which_file(tmp_path):
 def test_routing_changed_error_is_exported():
     assert geomopt.RoutingChangedError is RoutingChangedError and "RoutingChangedError" in geomopt.__all__
     assert issubclass(RoutingChangedError, ValueError) and issubclass(LockError, ValueError)
+
+
+# ---------------------------------------------------------------- hostile locks
+
+
+def test_names_with_long_digit_runs_sort_as_numbers():
+    """int() of a digit run over 4,300 digits raised ValueError while sorting a diff."""
+    big, bigger = "9" * 5000, "1" + "0" * 5000
+    names = [f"h.{bigger}.w", f"h.{big}.w", "h.10.w", "h.2.w", "h.02.w", "h.b", "h.a"]
+    assert sorted(names, key=name_key) == ["h.2.w", "h.02.w", "h.10.w", f"h.{big}.w", f"h.{bigger}.w", "h.a", "h.b"]
+    route = Route((4, 4), "hidden", "hidden", "4×4")
+    lock = Lock("muon", "x", "MLP", geomopt.__version__, {n: route for n in names})
+    d = diff(loads(dumps(lock)), Lock("muon", "x", "MLP", geomopt.__version__, {}))
+    assert d.removed == sorted(names, key=name_key) and f"h.{big}.w" in d.format()
+
+
+def _big_locks(n: int) -> tuple[str, Lock]:
+    """A lock of ``n`` tensors, and a plan's lock that differs in every way a diff counts: a third
+    of the tensors changed, a third removed, as many added; the lock's frozen list as long."""
+    route, other = Route((64, 64), "hidden", "hidden", "64×64"), Route((64, 64), "hidden", "rest", "-")
+    names = [f"model.layers.{i // 100}.mlp.experts.{i % 100}.w{i % 3}" for i in range(n)]
+    before = Lock("muon", "a", "M", "0", {m: route for m in names}, tuple(f"frozen.{i}" for i in range(n)))
+    after = {m: other for m in names[: n // 3]} | {m: route for m in names[n // 3: 2 * n // 3]}
+    after |= {f"new.{i}": route for i in range(n // 3)}
+    return dumps(before), Lock("muon", "b", "M", "1", after, ("frozen.0",))
+
+
+def test_comparison_is_linear_in_the_lock(tmp_path):
+    """Reading, comparing and printing the diff of a lock take time proportional to its size."""
+    import time
+
+    def seconds(n: int) -> float:
+        text, plan = _big_locks(n)
+        path = _write(tmp_path / f"l{n}.json", text)
+        best = float("inf")
+        for _ in range(2):
+            t = time.perf_counter()
+            d = diff(read_lock(path), plan)
+            d.format()
+            best = min(best, time.perf_counter() - t)
+        assert len(d.changed) == len(d.removed) == len(d.added) == n // 3
+        return best
+
+    small, large = seconds(9_000), seconds(72_000)
+    assert large < 8 * 2.5 * small, (small, large)  # 8x the tensors: linear is 8x, quadratic 64x

@@ -15,7 +15,7 @@ import statistics
 import time
 
 import geomopt
-from geomopt.cli.main import UsageError
+from geomopt.cli.status import UsageError
 from geomopt.spec.shipped import shipped_folder
 
 SPECS_DIR = shipped_folder("specs")

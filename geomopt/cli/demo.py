@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import geomopt
-from geomopt.cli.main import EXIT_CLEAN, EXIT_FINDINGS, UsageError
+from geomopt.cli.status import EXIT_CLEAN, EXIT_FINDINGS, UsageError
 from geomopt.cli.threads import add_threads_arg, choose_threads, training_step
 from geomopt.compile.compiler import model_params
 from geomopt.lint.reporters import report

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from geomopt.cli.main import EXIT_CLEAN, EXIT_FINDINGS, UsageError
+from geomopt.cli.status import EXIT_CLEAN, EXIT_FINDINGS, UsageError
 from geomopt.compile.lock import LockError, diff, lock_of, read_lock, write_lock
 from geomopt.optim.checkpoint import spec_hash
 
@@ -25,7 +25,8 @@ def lock_or_check(args, spec, plan) -> int:
         try:
             write_lock(current, args.lock)
         except OSError as exc:
-            raise UsageError(f"cannot write lock {args.lock}: {exc.strerror or exc}") from None
+            raise UsageError(f"cannot write lock {args.lock}: {exc.strerror or exc}; give --lock a writable file in an "
+                             f"existing folder") from None
         print(f"wrote {args.lock}: {len(current.routes)} tensors, spec {current.spec_name!r}"
               + (f", model {model}" if model else ""), file=sys.stderr)
         return EXIT_CLEAN

@@ -3,9 +3,9 @@
 Every SPEC argument is a spec file or a shipped spec's name (``geomopt lint muon``:
 :func:`geomopt.spec.extends.shipped_specs`).
 
-Exit status, as linters do: 0 clean, 1 findings at error level (or warnings with ``--strict``,
-roles decided without a trace with ``lint --require-trace``), 2 usage error or unreadable input.
-A user mistake never prints a traceback.
+Exit status (:mod:`geomopt.cli.status`), as linters do: 0 clean, 1 findings at error level (or
+warnings with ``--strict``, roles decided without a trace with ``lint --require-trace``), 2 usage
+error or unreadable input. A user mistake never prints a traceback.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from geomopt.cli.status import EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, UsageError, write_output
 from geomopt.compile.compiler import model_params, plan_from_infos
 from geomopt.compile.explain import explain, recipe, role_summary, starter
 from geomopt.compile.lock import model_label
@@ -37,12 +38,7 @@ from geomopt.spec.schema import schema_text
 from geomopt.spec.source import MAX_BYTES, NotRegularFile
 from geomopt.spec.validate import format_of, gc_paused, load_spec, parse_spec, read_spec_text, source_of
 
-EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 UNREADABLE = "GO010"
-
-
-class UsageError(Exception):
-    """A mistake in how the command was called (bad --model, missing file …): exit 2."""
 
 
 # ---------------------------------------------------------------- exit status
@@ -261,13 +257,22 @@ def cmd_init(args) -> int:
             f"# `geomopt explain THIS_FILE PARAM --model {args.model}` shows why a tensor gets its update.\n")
     out = head + dump_spec(spec, "yaml")
     if args.output:
-        if Path(args.output).exists() and not args.force:
+        if not args.force and _exists(args.output):
             raise UsageError(f"{args.output} exists; pass --force to overwrite it")
-        Path(args.output).write_text(out, encoding="utf-8")
+        write_output(args.output, out)
         print(f"wrote {args.output}: {len(spec.rules)} rules (roles: {roles})", file=sys.stderr)
     else:
         sys.stdout.write(out)
     return EXIT_CLEAN
+
+
+def _exists(path: str) -> bool:
+    """Whether ``path`` names something; a name the system cannot look up (too long) is left for
+    the write to refuse, with its reason."""
+    try:
+        return Path(path).exists()
+    except OSError:
+        return False
 
 
 def cmd_fmt(args) -> int:
@@ -308,7 +313,7 @@ def cmd_fmt(args) -> int:
             return EXIT_FINDINGS
         return EXIT_CLEAN
     if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+        write_output(args.output, text)
     else:
         sys.stdout.write(text)
     return EXIT_CLEAN
@@ -317,7 +322,7 @@ def cmd_fmt(args) -> int:
 def cmd_schema(args) -> int:
     text = schema_text()
     if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+        write_output(args.output, text)
     else:
         sys.stdout.write(text)
     return EXIT_CLEAN

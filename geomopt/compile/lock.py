@@ -34,6 +34,7 @@ model) are said once above the diff, not counted as changes. ``view`` is the tex
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -42,10 +43,15 @@ from typing import Optional, Union
 
 from geomopt import __version__
 from geomopt.compile.plan import Plan, view_text
+from geomopt.spec.source import MAX_INT_DIGITS, FileTooLarge, read_regular
+from geomopt.spec.validate import gc_paused
 
 LOCK_FORMAT = 1
 FORMAT_KEY = "geomopt-lock"
 WRITE_HINT = "write one with `geomopt plan SPEC --model … --lock FILE`"
+READ_HINT = "give the file `geomopt plan SPEC --model … --lock FILE` wrote"
+MAX_LOCK_BYTES = 32 << 20  # a lock line is about 110 bytes: some 300,000 tensors, six times a 60-layer MoE's
+MAX_LOCK_DEPTH = 16  # JSON levels; a lock nests 4 (the object, "tensors", an entry, its shape)
 _HEADER_KEYS = (FORMAT_KEY, "spec", "model", "geomopt", "tensors")
 _ENTRY_KEYS = ("name", "shape", "role", "rule", "view")
 
@@ -89,10 +95,15 @@ class Lock:
     file: Optional[str] = None
 
 
+_DIGITS = re.compile(r"(\d+)")
+
+
 def name_key(name: str) -> list:
     """Sort key of a tensor name: digit runs compare as numbers (``layers.2`` before ``layers.10``).
-    re.split with a group alternates text and digits, so the types at each position agree."""
-    return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]
+    re.split with a group alternates text and digits, so the types at each position agree. A run
+    compares as (its length without leading zeros, those digits): the order of the numbers, in
+    time linear in the run (``int`` of a run is quadratic, and refuses 4,300 digits)."""
+    return [(len(t.lstrip("0")), t.lstrip("0")) if i % 2 else t for i, t in enumerate(_DIGITS.split(name))]
 
 
 def model_label(model) -> Optional[str]:
@@ -151,17 +162,21 @@ def write_lock(lock: Lock, path: Union[str, os.PathLike]) -> None:
 
 def read_lock(path: Union[str, os.PathLike]) -> Lock:
     """Read and validate a lock file; raises :class:`LockError` naming the file for anything
-    that is not a lock this geomopt reads."""
+    that is not a lock this geomopt reads. Read as a spec file is
+    (:func:`geomopt.spec.source.read_regular`): a regular file only (a FIFO would block, a device
+    never end), of at most :data:`MAX_LOCK_BYTES`, refused by its size before it is read."""
     file = os.fspath(path)
-    p = Path(file)
-    if p.is_dir():
+    if Path(file).is_dir():
         raise LockError(f"{file}: is a directory, not a lock file; {WRITE_HINT}")
     try:
-        data = p.read_bytes()
+        data = read_regular(file, MAX_LOCK_BYTES)
     except FileNotFoundError:
         raise LockError(f"{file}: no such lock file; {WRITE_HINT}") from None
+    except FileTooLarge as exc:
+        raise LockError(f"{file}: lock too large ({exc.strerror}; the limit is {MAX_LOCK_BYTES}): "
+                        f"{READ_HINT}") from None
     except OSError as exc:
-        raise LockError(f"{file}: cannot read the lock: {exc.strerror or exc}") from None
+        raise LockError(f"{file}: cannot read the lock: {exc.strerror or exc}; {READ_HINT}") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -170,11 +185,18 @@ def read_lock(path: Union[str, os.PathLike]) -> Lock:
 
 
 def loads(text: str, file: str = "<string>") -> Lock:
-    """Parse and validate a lock's text (:func:`read_lock` without the file)."""
+    """Parse and validate a lock's text (:func:`read_lock` without the file): bounded first
+    (:func:`json_bound_error`), so that json.loads neither recurses past the stack nor converts a
+    number of thousands of digits."""
     if not text.strip():
         raise LockError(f"{file}: empty file, not a lock; {WRITE_HINT}")
+    bound = json_bound_error(text)
+    if bound is not None:
+        at, what = bound
+        raise LockError(f"{file}:{_line_col(text, at)}: {what}: not a lock; {READ_HINT}")
     try:
-        data = json.loads(text)
+        with gc_paused():
+            data = json.loads(text)
     except json.JSONDecodeError as exc:
         conflict = re.search(r"^(<<<<<<<|>>>>>>>|=======$)", text, re.M)
         if conflict:  # two branches changed the routing: the plan, not a hand merge, says which is right
@@ -183,7 +205,44 @@ def loads(text: str, file: str = "<string>") -> Lock:
                             f"spec and model with `geomopt plan SPEC --model … --lock FILE`") from None
         raise LockError(f"{file}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}); fix that line, or "
                         f"rewrite the lock with `geomopt plan SPEC --model … --lock FILE`") from None
-    return _Reader(text, file).lock(data)
+    with gc_paused():
+        return _Reader(text, file).lock(data)
+
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string (unrolled: linear, no backtracking)
+_TOKEN = re.compile(_STRING.pattern + r"|[][{}]|-?\d+")
+_LONG_NUMBER = re.compile(r"\d{%d}" % (MAX_INT_DIGITS + 1))
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def json_bound_error(text: str) -> Optional[tuple[int, str]]:
+    """(offset, what) of the first bracket nested deeper than :data:`MAX_LOCK_DEPTH` or number of
+    more than :data:`~geomopt.spec.source.MAX_INT_DIGITS` digits outside the strings of ``text``,
+    or None. json.loads recurses once per level (a RecursionError at a thousand) and converts
+    digits with ``int`` (a ValueError past 4,300). The check runs at C speed (strings blanked, then
+    the brackets' running depth); the position is looked for only when there is something to find."""
+    bare = _STRING.sub('""', text)
+    brackets = re.sub(r"[^][{}]", "", bare)
+    deep = max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0) > MAX_LOCK_DEPTH
+    if not deep and _LONG_NUMBER.search(bare) is None:
+        return None
+    depth = 0
+    for m in _TOKEN.finditer(text):
+        token = m.group()
+        if token[0] in "[{":
+            depth += 1
+            if depth > MAX_LOCK_DEPTH:
+                return m.start(), f"JSON nested too deeply (more than {MAX_LOCK_DEPTH} levels; a lock nests 4)"
+        elif token[0] in "]}":
+            depth -= 1
+        elif token[0] != '"' and len(token.lstrip("-")) > MAX_INT_DIGITS:
+            return m.start(), (f"a number of {len(token.lstrip('-')):,} digits (at most {MAX_INT_DIGITS:,}; a "
+                               f"lock's numbers are tensor sizes)")
+    return None
+
+
+def _line_col(text: str, at: int) -> str:
+    return f"{text.count(chr(10), 0, at) + 1}:{at - (text.rfind(chr(10), 0, at) + 1) + 1}"
 
 
 class _Reader:
@@ -241,28 +300,30 @@ class _Reader:
         return Lock(spec["name"], spec["hash"], data["model"], data["geomopt"], routes, tuple(frozen), self.file)
 
     def entry(self, k: int, entry) -> tuple[str, Route]:
-        name = entry.get("name") if isinstance(entry, dict) else None
-        if isinstance(name, str):
-            what, needle = f"tensor {name!r}", _name_needle(name)
-        else:
-            what, needle = f"tensor entry #{k + 1}", None
         if not isinstance(entry, dict):
-            raise self.fail(f"{what} must be an object with keys {', '.join(_ENTRY_KEYS)}", needle)
-        problems = []
-        if missing := [key for key in _ENTRY_KEYS if key not in entry]:
-            problems.append(f"missing {', '.join(map(repr, missing))}")
-        if unknown := sorted(set(entry) - set(_ENTRY_KEYS)):
-            problems.append(f"unknown {', '.join(map(repr, unknown))}")
-        if problems:
-            raise self.fail(f"{what}: {'; '.join(problems)} (an entry has {', '.join(_ENTRY_KEYS)})", needle)
+            raise self.bad_entry(k, entry, f"must be an object with keys {', '.join(_ENTRY_KEYS)}")
+        if len(entry) != len(_ENTRY_KEYS) or any(key not in entry for key in _ENTRY_KEYS):
+            missing = [key for key in _ENTRY_KEYS if key not in entry]
+            unknown = sorted(set(entry) - set(_ENTRY_KEYS))
+            problems = [f"{what} {', '.join(map(repr, keys))}" for what, keys in (("missing", missing),
+                                                                                 ("unknown", unknown)) if keys]
+            raise self.bad_entry(k, entry, f"{'; '.join(problems)} (an entry has {', '.join(_ENTRY_KEYS)})", ":")
         shape = entry["shape"]
         if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                  for d in shape)):
-            raise self.fail(f"{what}: shape must be a list of sizes ([192, 64]), got {json.dumps(shape)}", needle)
+            raise self.bad_entry(k, entry, f"shape must be a list of sizes ([192, 64]), got {json.dumps(shape)}", ":")
         for key in ("name", "role", "rule", "view"):
             if not isinstance(entry[key], str):
-                raise self.fail(f"{what}: {key} must be text, got {json.dumps(entry[key])}", needle)
+                raise self.bad_entry(k, entry, f"{key} must be text, got {json.dumps(entry[key])}", ":")
         return entry["name"], Route(tuple(shape), entry["role"], entry["rule"], entry["view"])
+
+    def bad_entry(self, k: int, entry, message: str, sep: str = "") -> LockError:
+        """The error for entry ``k``, at its line where it has a name (looked up only now: a
+        valid lock's entries cost no search)."""
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if isinstance(name, str):
+            return self.fail(f"tensor {name!r}{sep} {message}", _name_needle(name))
+        return self.fail(f"tensor entry #{k + 1}{sep} {message}")
 
 
 def _name_needle(name: str) -> str:
@@ -301,12 +362,13 @@ class RoutingDiff:
         removed; at most ``limit`` lines a group, the rest counted."""
         lines = [self.summary()] + [f"note: {n}" for n in self.notes]
         b, a = self.before.routes, self.after.routes
+        frozen_before, frozen_after = set(self.before.frozen), set(self.after.frozen)
         groups = (
             ("changed", "", self.changed, lambda n: [_changes(b[n], a[n])]),
             ("added", ", in the plan, not in the lock", self.added,
-             lambda n: _cells(a[n]) + ["(frozen in the lock)"] * (n in self.before.frozen)),
+             lambda n: _cells(a[n]) + ["(frozen in the lock)"] * (n in frozen_before)),
             ("removed", ", in the lock, not in the plan", self.removed,
-             lambda n: _cells(b[n]) + ["(now frozen)"] * (n in self.after.frozen)),
+             lambda n: _cells(b[n]) + ["(now frozen)"] * (n in frozen_after)),
         )
         for title, meaning, names, cells in groups:
             if not names:
@@ -343,7 +405,16 @@ def _changes(before: Route, after: Route) -> str:
 
 
 def diff(before: Lock, after: Lock) -> RoutingDiff:
-    """The routing difference from ``before`` (the lock) to ``after`` (the current plan's lock)."""
+    """The routing difference from ``before`` (the lock) to ``after`` (the current plan's lock).
+
+    Linear in the lock's size: each group keeps the order of the lock it comes from (a lock file
+    is sorted, a plan nearly so) before it is sorted, and sorting a sorted list is one pass; the
+    cyclic collector is paused while the lists are built (its passes scan every live tensor)."""
+    with gc_paused():
+        return _diff(before, after)
+
+
+def _diff(before: Lock, after: Lock) -> RoutingDiff:
     b, a = before.routes, after.routes
     order = lambda names: sorted(names, key=name_key)  # noqa: E731
     notes = []
@@ -354,8 +425,9 @@ def diff(before: Lock, after: Lock) -> RoutingDiff:
         notes.append(f"the lock was written for model {before.model}, this plan is for {after.model}")
     if before.version != after.version:
         notes.append(f"the lock was written by geomopt {before.version}, this is {after.version}")
-    return RoutingDiff(before, after, added=order(a.keys() - b.keys()), removed=order(b.keys() - a.keys()),
-                       changed=order(n for n in a.keys() & b.keys() if a[n] != b[n]), notes=notes)
+    return RoutingDiff(before, after, added=order(n for n in a if n not in b),
+                       removed=order(n for n in b if n not in a),
+                       changed=order(n for n, r in b.items() if n in a and a[n] != r), notes=notes)
 
 
 def check_routing(plan: Plan, expect: Union[Lock, str, os.PathLike], *, spec_hash: str = "",

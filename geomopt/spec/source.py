@@ -72,6 +72,30 @@ def open_regular(path) -> IO[bytes]:
         raise
 
 
+class FileTooLarge(OSError):
+    """A regular file over the bound its reader sets; ``size``: its size in bytes, or None where
+    the file said less than it held (a file in /proc, a file still being written)."""
+
+    def __init__(self, size: int | None, limit: int, path):
+        super().__init__(0, f"{size} bytes" if size is not None else f"over {limit} bytes", str(path))
+        self.size, self.limit = size, limit
+
+
+def read_regular(path, limit: int) -> bytes:
+    """The bytes of ``path``, a regular file (:func:`open_regular`) of at most ``limit`` bytes:
+    refused by its size before it is read, and never more than ``limit`` + 1 bytes read (a size
+    of 0 is what /proc reports for files of any length). Raises OSError, :class:`NotRegularFile` or
+    :class:`FileTooLarge`."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise FileTooLarge(size, limit, path)
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise FileTooLarge(None, limit, path)
+    return raw
+
+
 @dataclasses.dataclass
 class SourceMap:
     """Where each value (and each mapping key) of a parsed spec came from."""

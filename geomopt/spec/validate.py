@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import re
 import types
 import typing
@@ -18,7 +17,7 @@ from geomopt.spec.diagnostics import Diagnostic, SpecError, did_you_mean, langua
 from geomopt.spec.extends import find_spec, resolve, shipped_menu
 from geomopt.spec.model import ROLE_NAMES, Spec
 from geomopt.spec.patterns import pattern_error
-from geomopt.spec.source import MAX_BYTES, NotRegularFile, Parsed, SourceMap, open_regular
+from geomopt.spec.source import MAX_BYTES, FileTooLarge, NotRegularFile, Parsed, SourceMap, read_regular
 from geomopt.spec.yaml_front import parse_yaml
 
 def source_of(spec: Spec) -> SourceMap | None:
@@ -389,18 +388,16 @@ def read_spec_text(path: str | FsPath) -> str:
     :data:`MAX_BYTES` + 1 bytes read; raises :class:`SpecError` (GO010)."""
     format_of(path)
     try:
-        with open_regular(path) as f:
-            size = os.fstat(f.fileno()).st_size
-            raw = f.read(MAX_BYTES + 1) if size <= MAX_BYTES else b""
+        raw = read_regular(path, MAX_BYTES)
+    except FileTooLarge as exc:
+        message = f"spec too large ({exc.strerror}; the limit is {MAX_BYTES}): split it, or build on a base spec with "
+        message += "'extends'"
+        raise SpecError([language_diagnostic("GO010", message, str(path))]) from None
     except OSError as exc:
         menu = f" ({shipped_menu()})" if isinstance(exc, FileNotFoundError) else ""
         what = "; give a .yaml, .yml or .geom file" if isinstance(exc, NotRegularFile) else ""
         raise SpecError([language_diagnostic("GO010", f"cannot read spec: {exc.strerror or exc}{what}{menu}",
                                              str(path))]) from None
-    if size > MAX_BYTES or len(raw) > MAX_BYTES:
-        shown = f"{size} bytes" if size > MAX_BYTES else f"over {MAX_BYTES} bytes"
-        raise SpecError([language_diagnostic("GO010", f"spec too large ({shown}; the limit is {MAX_BYTES}): split "
-                                                      f"it, or build on a base spec with 'extends'", str(path))])
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
