@@ -70,7 +70,7 @@ LANGUAGE_CODES: dict[str, tuple[str, str]] = {
               "shipped names): write a shipped name (muon, scion, …) or a path to a .yaml, .yml or .geom file, "
               "relative to the extending file"),
     "GO012": ("inheritance-cycle", "a spec extends itself, directly or through its bases: remove one `extends` of "
-              "the chain the message names"),
+              "the chain the message names (a chain of more than 256 bases is refused too)"),
     "GO013": ("bad-override", "`before`, `after` or `remove` on a rule that does not fit the base: naming a rule the "
               "base lacks, both `before` and `after`, placing an override (it keeps its base rule's place), a removed "
               "rule with other fields, or any of them in a spec without `extends`"),

@@ -48,6 +48,7 @@ from geomopt.spec.shipped import shipped_folder
 from geomopt.spec.source import Parsed, SourceMap
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".geom")
+MAX_EXTENDS_DEPTH = 256  # bases in one chain; a real one has two or three: more is a generated loop
 PLACEMENT = ("before", "after", "remove")  # keys of a child's rule that the merge consumes
 _OWN = ("geomopt", "name", "description", "extends")  # each file's own: never inherited
 
@@ -142,26 +143,43 @@ def _error(code: str, message: str, source: SourceMap, path: tuple, key: bool = 
     return SpecError([language_diagnostic(code, message, getattr(pos, "file", source.file), pos)])
 
 
-def resolve(parsed: Parsed, read: Callable[[Path], Parsed], _chain: tuple = ()) -> Parsed:
-    """``parsed`` merged onto its bases, recursively (``parsed`` itself, checked, where it extends
-    nothing). ``read(path)`` parses a base file (its root checked). Raises :class:`SpecError`."""
-    data, source = parsed.data, parsed.source
-    if not isinstance(data, dict) or "extends" not in data:
-        _check_plain(parsed)
-        return parsed
-    target = _base_path(parsed)
-    chain = _chain or _own_chain(source)
-    if target.resolve() in [key for key, _ in chain]:
-        labels = [label for _, label in chain] + [str(target)]
-        raise _error("GO012", f"inheritance cycle: {' → '.join(labels)}: a spec cannot extend itself, directly or "
-                     "through its bases; remove one of these 'extends'", source, ("extends",))
-    base = resolve(read(target), read, chain + ((target.resolve(), str(target)),))
-    return _Merger(base, parsed).merge()
+def resolve(parsed: Parsed, read: Callable[[Path], Parsed]) -> Parsed:
+    """``parsed`` merged onto its bases (``parsed`` itself, checked, where it extends nothing).
+    ``read(path)`` parses a base file (its root checked). Raises :class:`SpecError`.
+
+    The chain is read first, child to base, then merged base first: a loop, not a recursion, so
+    its length is bounded by :data:`MAX_EXTENDS_DEPTH` (an error at the ``extends`` that would
+    pass it), not by Python's stack."""
+    layers = [parsed]
+    labels, seen = _own_chain(parsed.source)
+    while isinstance(layers[-1].data, dict) and "extends" in layers[-1].data:
+        child = layers[-1]
+        if len(layers) > MAX_EXTENDS_DEPTH:
+            raise _error("GO012", f"more than {MAX_EXTENDS_DEPTH} bases in a chain of 'extends' (from "
+                         f"{parsed.source.file}): no spec needs so many; build on fewer bases", child.source,
+                         ("extends",))
+        target = _base_path(child)
+        key = target.resolve()
+        labels.append(str(target))
+        if key in seen:
+            raise _error("GO012", f"inheritance cycle: {' → '.join(labels)}: a spec cannot extend itself, directly or "
+                         "through its bases; remove one of these 'extends'", child.source, ("extends",))
+        seen.add(key)
+        layers.append(read(target))
+    _check_plain(layers[-1])
+    merged = layers.pop()
+    while layers:
+        merged = _Merger(merged, layers.pop()).merge()
+    return merged
 
 
-def _own_chain(source: SourceMap) -> tuple:
+def _own_chain(source: SourceMap) -> tuple[list, set]:
+    """The chain's labels and resolved paths so far: the extending file's own, where it is a file."""
     own = Path(source.file)
-    return ((own.resolve(), source.file),) if own.is_file() else ()
+    try:
+        return ([source.file], {own.resolve()}) if own.is_file() else ([], set())
+    except OSError:  # a name the system cannot look up (too long) is no file that a base could name
+        return [], set()
 
 
 def _base_path(parsed: Parsed) -> Path:
@@ -186,7 +204,12 @@ def _base_path(parsed: Parsed) -> Path:
     if path.suffix.lower() not in SPEC_SUFFIXES:
         raise _error("GO011", f"extends: {value!r} is not a spec file (.yaml, .yml or .geom); a name without an "
                      f"extension is a shipped spec ({shipped_menu()})", source, ("extends",))
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except OSError as exc:  # a name too long for the system, a loop of links
+        raise _error("GO011", f"extends: cannot read {value!r}: {exc.strerror or exc}; give the path of a .yaml, "
+                     f".yml or .geom file", source, ("extends",)) from None
+    if not found:
         raise _error("GO011", f"extends: no spec file {value!r} (looked for {path}; a relative path is read from the "
                      f"extending file's directory); {shipped_menu()}", source, ("extends",))
     return path
