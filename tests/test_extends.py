@@ -549,6 +549,8 @@ def test_extends_chain_over_the_limit_is_a_positioned_error(tmp_path, capsys):
     assert (d.code, d.file, d.line, d.col) == ("GO012", str(last), 3, 1), d.format()
     assert d.message.startswith(f"more than {MAX_EXTENDS_DEPTH} bases in a chain of 'extends'")
     assert f"more than {MAX_EXTENDS_DEPTH} bases" in LANGUAGE_CODES["GO012"][1]  # `geomopt rule GO012` says the limit
+    guide = " ".join((SPECS.parent / "docs" / "guide" / "specs.md").read_text(encoding="utf-8").split())
+    assert f"a chain of more than {MAX_EXTENDS_DEPTH} bases" in guide
     assert main(["lint", str(first)]) == 1  # a spec error, as a cycle is
     out, err = capsys.readouterr()
     assert f"{last}:3:1: error GO012" in out and "Traceback" not in out + err

@@ -409,3 +409,13 @@ def test_comparison_is_linear_in_the_lock(tmp_path):
 
     small, large = seconds(9_000), seconds(72_000)
     assert large < 8 * 2.5 * small, (small, large)  # 8x the tensors: linear is 8x, quadratic 64x
+
+
+def test_the_cli_guide_states_the_lock_limits():
+    from geomopt.compile.lock import MAX_LOCK_BYTES, MAX_LOCK_DEPTH
+    from geomopt.spec.source import MAX_INT_DIGITS
+
+    text = " ".join((ROOT / "docs" / "guide" / "cli.md").read_text(encoding="utf-8").split())
+    assert MAX_LOCK_BYTES % (1 << 20) == 0
+    assert (f"at most {MAX_LOCK_BYTES >> 20} MiB" in text and f"nested at most {MAX_LOCK_DEPTH} levels" in text
+            and f"at most {MAX_INT_DIGITS:,} digits" in text)
