@@ -536,3 +536,19 @@ def test_the_commands_beside_main_do_not_import_it():
         imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         assert "geomopt.cli.main" not in imported, module
         assert module == "status" or "geomopt.cli.status" in imported, module
+
+
+LONG = "a" * 300  # over NAME_MAX: the system refuses to look the name up (OSError, File name too long)
+
+
+@pytest.mark.parametrize("argv", [
+    ["lint", f"{LONG}.yaml"], ["fmt", f"{LONG}.yaml"], ["explain", f"{LONG}.yaml", "x", "--model", "mlp"],
+    ["plan", "muon", "--model", "mlp", "--check", f"{LONG}.json"],
+    ["plan", "muon", "--model", "mlp", "--lock", f"{LONG}.json"],
+    ["lint", "muon", "--checkpoint", f"{LONG}.pt"], ["init", "--model", "mlp", "-o", f"{LONG}.yaml"],
+], ids=["lint", "fmt", "explain", "check", "lock", "checkpoint", "init"])
+def test_a_file_name_too_long_is_exit_2_with_the_reason(capsys, tmp_path, monkeypatch, argv):
+    """lint (Path.is_dir) and plan --check (the lock's is_dir) raised OSError: a traceback."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and "File name too long" in out + err, (code, out, err)

@@ -131,12 +131,21 @@ SPEC_SUFFIXES = (".yaml", ".yml", ".geom")
 SPEC_HELP = "a spec file (.yaml, .yml, .geom) or a shipped spec's name (muon, scion, …)"
 
 
+def _is(path, test: str) -> bool:
+    """``Path(path).exists()`` or ``.is_dir()`` (``test``), False for a name the system cannot look
+    up (too long): the read or write that follows refuses it, with its reason."""
+    try:
+        return getattr(Path(path), test)()
+    except OSError:
+        return False
+
+
 def _spec_files(paths) -> list[str]:
     """Files as given; a directory stands for the spec files below it (as linters do)."""
     out = []
     for path in paths:
         p = Path(path)
-        if p.is_dir():
+        if _is(p, "is_dir"):
             out += sorted(str(f) for f in p.rglob("*") if f.suffix in SPEC_SUFFIXES and f.is_file())
         else:
             out.append(path)
@@ -257,22 +266,13 @@ def cmd_init(args) -> int:
             f"# `geomopt explain THIS_FILE PARAM --model {args.model}` shows why a tensor gets its update.\n")
     out = head + dump_spec(spec, "yaml")
     if args.output:
-        if not args.force and _exists(args.output):
+        if not args.force and _is(args.output, "exists"):
             raise UsageError(f"{args.output} exists; pass --force to overwrite it")
         write_output(args.output, out)
         print(f"wrote {args.output}: {len(spec.rules)} rules (roles: {roles})", file=sys.stderr)
     else:
         sys.stdout.write(out)
     return EXIT_CLEAN
-
-
-def _exists(path: str) -> bool:
-    """Whether ``path`` names something; a name the system cannot look up (too long) is left for
-    the write to refuse, with its reason."""
-    try:
-        return Path(path).exists()
-    except OSError:
-        return False
 
 
 def cmd_fmt(args) -> int:

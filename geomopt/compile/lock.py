@@ -166,8 +166,6 @@ def read_lock(path: Union[str, os.PathLike]) -> Lock:
     (:func:`geomopt.spec.source.read_regular`): a regular file only (a FIFO would block, a device
     never end), of at most :data:`MAX_LOCK_BYTES`, refused by its size before it is read."""
     file = os.fspath(path)
-    if Path(file).is_dir():
-        raise LockError(f"{file}: is a directory, not a lock file; {WRITE_HINT}")
     try:
         data = read_regular(file, MAX_LOCK_BYTES)
     except FileNotFoundError:
