@@ -291,7 +291,8 @@ def test_unreadable_lock_paths_exit_2(capsys, tmp_path, kind):
         path.mkdir()
     elif kind == "binary":
         path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
-    needle = {"directory": "a directory, not a regular file", "missing": "no such lock file", "binary": "not UTF-8"}[kind]
+    needle = {"directory": "a directory, not a regular file", "missing": "no such lock file",
+              "binary": "not UTF-8"}[kind]
     with pytest.raises(LockError, match=needle):
         read_lock(path)
     code, out, err = run(capsys, "plan", "muon", "--model", "mlp", "--check", path)
