@@ -420,3 +420,22 @@ def test_the_cli_guide_states_the_lock_limits():
     assert MAX_LOCK_BYTES % (1 << 20) == 0
     assert (f"at most {MAX_LOCK_BYTES >> 20} MiB" in text and f"nested at most {MAX_LOCK_DEPTH} levels" in text
             and f"at most {MAX_INT_DIGITS:,} digits" in text)
+
+
+@pytest.mark.parametrize("escape, refused", [
+    ("\\ud800", True), ("\\uDFFF", True), ("\\ud83d x", True), ("\\\\\\ud800", True),
+    ("\\ud83d\\ude00", False), ("\\\\ud800", False),  # a pair (🙂); a backslash, then the text ud800
+])
+def test_a_lone_surrogate_escape_is_refused_where_written(capsys, tmp_path, escape, refused):
+    """json.loads keeps "\\ud800" as a string that no output can encode: the diff's print raised
+    UnicodeEncodeError (a traceback)."""
+    text = _valid_text().replace('"name": "head.bias"', f'"name": "head.bias{escape}"')
+    path = _write(tmp_path / "routing.lock.json", text)
+    line = _line_of(text, "head.bias")
+    if refused:
+        with pytest.raises(LockError, match=rf"^{path}:{line}:\d+: a \\u escape that is half of a surrogate pair"):
+            read_lock(path)
+    else:
+        assert any(n.startswith("head.bias") and n != "head.bias" for n in read_lock(path).routes)
+    code, out, err = run(capsys, "plan", "muon", "--model", "mlp", "--check", path)
+    assert code == (2 if refused else 1) and (out + err).encode("utf-8")

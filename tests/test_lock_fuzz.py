@@ -160,6 +160,7 @@ def check(data: bytes, test: str) -> None:
         expected = {"same routing": 0, "refused: routing changed": 1, "refused: LockError": 2}[outcome]
         assert code == expected, (code, out.getvalue(), err.getvalue())
         assert "Traceback" not in out.getvalue() + err.getvalue()
+        (out.getvalue() + err.getvalue()).encode("utf-8")  # printable: no lone surrogate from the file
         if code == 2:
             assert err.getvalue() == f"geomopt plan: error: {error}\n" and out.getvalue() == ""
 

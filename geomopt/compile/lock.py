@@ -203,14 +203,36 @@ def loads(text: str, file: str = "<string>") -> Lock:
                             f"spec and model with `geomopt plan SPEC --model … --lock FILE`") from None
         raise LockError(f"{file}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}); fix that line, or "
                         f"rewrite the lock with `geomopt plan SPEC --model … --lock FILE`") from None
+    if _SURROGATE.search(text) and _lone_surrogate(data):  # json.loads keeps "\ud800" as a str no output can print
+        lone = _LONE_SURROGATE.search(text)
+        where = f"{file}:{_line_col(text, lone.end() - 6)}" if lone else file
+        raise LockError(f"{where}: a \\u escape that is half of a surrogate pair, no character: a lock's names and "
+                        f"fields are text; {READ_HINT}")
     with gc_paused():
         return _Reader(text, file).lock(data)
+
+
+def _lone_surrogate(value) -> bool:
+    """Whether a parsed JSON value holds a string (or key) with a lone surrogate (depth bounded)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
+    return isinstance(value, list) and any(map(_lone_surrogate, value))
 
 
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string (unrolled: linear, no backtracking)
 _TOKEN = re.compile(_STRING.pattern + r"|[][{}]|-?\d+")
 _LONG_NUMBER = re.compile(r"\d{%d}" % (MAX_INT_DIGITS + 1))
 _STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # an escape of half a pair (or of a backslash and text: looked at)
+_HIGH, _LOW = r"\\u[dD][89abAB][0-9a-fA-F]{2}", r"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+# where: a \uD800-\uDFFF escape not in a high-low pair, after an even number of backslashes (an escape)
+_LONE_SURROGATE = re.compile(rf"(?<!\\)(?:\\\\)*(?:{_HIGH}(?!{_LOW})|(?<!{_HIGH}){_LOW})")
 
 
 def json_bound_error(text: str) -> Optional[tuple[int, str]]:
