@@ -484,7 +484,9 @@ def test_lock_over_the_size_bound_is_refused_by_its_size(tmp_path):
      "a number of 5,000 digits (at most 4,300; a lock's numbers are tensor sizes)"),
     ('{"a": "' + "1" * 5000 + '", "b": -' + "2" * 5000 + "}", "1:5016",
      "a number of 5,000 digits (at most 4,300; a lock's numbers are tensor sizes)"),
-], ids=["deep array", "deep value", "long integer", "long negative after a long string"])
+    ('{"a": "' + "]" * 100_000 + '", "b": ' + "[" * 100_000 + "]" * 100_000 + "}", "1:100031",
+     "JSON nested too deeply (more than 16 levels"),
+], ids=["deep array", "deep value", "long integer", "long negative after a long string", "depth behind a string"])
 def test_lock_json_is_bounded_and_the_refusal_positioned(tmp_path, capsys, text, where, message):
     """json.loads recursed once per level (RecursionError at 100,000) and int() refused 5,000 digits
     (ValueError): both tracebacks."""

@@ -194,7 +194,10 @@ def raw_json(draw) -> str:
         opener = draw(st.sampled_from(["[", '{"a": ', '[{"name": ']))
         closer = {"[": "]", '{"a": ': "}", '[{"name": ': "}]"}[opener]
         inner = draw(st.sampled_from(["1", '""', "[]", "{}", ""]))
-        return opener * n + inner + closer * draw(st.sampled_from([n, 0, n // 2]))
+        deep = opener * n + inner + closer * draw(st.sampled_from([n, 0, n // 2]))
+        if draw(st.booleans()):  # behind a string of closing brackets, which a count of brackets would see
+            return '["' + draw(st.sampled_from(["]", "}", "["])) * draw(st.integers(0, 200_000)) + '", ' + deep + "]"
+        return deep
     if kind == "number":
         digits = draw(st.one_of(st.integers(1, 30), st.integers(4_290, 4_310), st.integers(1, 20_000)))
         sign = draw(st.sampled_from(["", "-"]))

@@ -54,6 +54,7 @@ MAX_LOCK_BYTES = 32 << 20  # a lock line is about 110 bytes: some 300,000 tensor
 MAX_LOCK_DEPTH = 16  # JSON levels; a lock nests 4 (the object, "tensors", an entry, its shape)
 _HEADER_KEYS = (FORMAT_KEY, "spec", "model", "geomopt", "tensors")
 _ENTRY_KEYS = ("name", "shape", "role", "rule", "view")
+_ENTRY_SET = frozenset(_ENTRY_KEYS)
 
 
 class LockError(ValueError):
@@ -188,13 +189,14 @@ def loads(text: str, file: str = "<string>") -> Lock:
     number of thousands of digits."""
     if not text.strip():
         raise LockError(f"{file}: empty file, not a lock; {WRITE_HINT}")
-    bound = json_bound_error(text)
-    if bound is not None:
-        at, what = bound
-        raise LockError(f"{file}:{_line_col(text, at)}: {what}: not a lock; {READ_HINT}")
+    if _may_be_unbounded(text):
+        _check_bounds(text, file)
     try:
         with gc_paused():
             data = json.loads(text)
+    except RecursionError:  # brackets in strings hid the depth from the quick look; the scan finds it
+        _check_bounds(text, file)
+        raise LockError(f"{file}: JSON nested too deeply: not a lock; {READ_HINT}") from None
     except json.JSONDecodeError as exc:
         conflict = re.search(r"^(<<<<<<<|>>>>>>>|=======$)", text, re.M)
         if conflict:  # two branches changed the routing: the plan, not a hand merge, says which is right
@@ -203,7 +205,8 @@ def loads(text: str, file: str = "<string>") -> Lock:
                             f"spec and model with `geomopt plan SPEC --model … --lock FILE`") from None
         raise LockError(f"{file}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}); fix that line, or "
                         f"rewrite the lock with `geomopt plan SPEC --model … --lock FILE`") from None
-    if _SURROGATE.search(text) and _lone_surrogate(data):  # json.loads keeps "\ud800" as a str no output can print
+    # json.loads keeps "\ud800" as a string that no output can print
+    if "\\u" in text and _SURROGATE.search(text) and _lone_surrogate(data):
         lone = _LONE_SURROGATE.search(text)
         where = f"{file}:{_line_col(text, lone.end() - 6)}" if lone else file
         raise LockError(f"{where}: a \\u escape that is half of a surrogate pair, no character: a lock's names and "
@@ -225,27 +228,44 @@ def _lone_surrogate(value) -> bool:
     return isinstance(value, list) and any(map(_lone_surrogate, value))
 
 
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string (unrolled: linear, no backtracking)
-_TOKEN = re.compile(_STRING.pattern + r"|[][{}]|-?\d+")
-_LONG_NUMBER = re.compile(r"\d{%d}" % (MAX_INT_DIGITS + 1))
-_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+_STRING = r'"[^"\\]*(?:\\.[^"\\]*)*"'  # a JSON string (unrolled: linear, no backtracking)
+_TOKEN = re.compile(_STRING + r"|[][{}]|-?\d+")
+_DIGITS_AS_0 = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))  # every digit 0, all else a space
+_LONG_RUN = b"0" * (MAX_INT_DIGITS + 1)
+_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in _STEP)
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # an escape of half a pair (or of a backslash and text: looked at)
 _HIGH, _LOW = r"\\u[dD][89abAB][0-9a-fA-F]{2}", r"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
 # where: a \uD800-\uDFFF escape not in a high-low pair, after an even number of backslashes (an escape)
 _LONE_SURROGATE = re.compile(rf"(?<!\\)(?:\\\\)*(?:{_HIGH}(?!{_LOW})|(?<!{_HIGH}){_LOW})")
 
 
+def _may_be_unbounded(text: str) -> bool:
+    """A quick look, in one pass at C speed but for the brackets: whether ``text`` has a digit run
+    over :data:`~geomopt.spec.source.MAX_INT_DIGITS` or brackets nested deeper than
+    :data:`MAX_LOCK_DEPTH`, strings included (a name's brackets or digits only send the text to
+    :func:`json_bound_error`; closing brackets in a string that hide a depth leave json.loads to
+    raise RecursionError, which :func:`loads` also sends there)."""
+    raw = text.encode("utf-8", "surrogatepass")
+    if _LONG_RUN in raw.translate(_DIGITS_AS_0):
+        return True
+    brackets = raw.translate(None, _NOT_BRACKETS)
+    return max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0) > MAX_LOCK_DEPTH
+
+
+def _check_bounds(text: str, file: str) -> None:
+    bound = json_bound_error(text)
+    if bound is not None:
+        at, what = bound
+        raise LockError(f"{file}:{_line_col(text, at)}: {what}: not a lock; {READ_HINT}")
+
+
 def json_bound_error(text: str) -> Optional[tuple[int, str]]:
     """(offset, what) of the first bracket nested deeper than :data:`MAX_LOCK_DEPTH` or number of
     more than :data:`~geomopt.spec.source.MAX_INT_DIGITS` digits outside the strings of ``text``,
-    or None. json.loads recurses once per level (a RecursionError at a thousand) and converts
-    digits with ``int`` (a ValueError past 4,300). The check runs at C speed (strings blanked, then
-    the brackets' running depth); the position is looked for only when there is something to find."""
-    bare = _STRING.sub('""', text)
-    brackets = re.sub(r"[^][{}]", "", bare)
-    deep = max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0) > MAX_LOCK_DEPTH
-    if not deep and _LONG_NUMBER.search(bare) is None:
-        return None
+    or None: json.loads recurses once per level (a RecursionError at a thousand) and converts
+    digits with ``int`` (a ValueError past 4,300). One scan of the tokens, in Python: run where
+    :func:`_may_be_unbounded` says there may be something to find."""
     depth = 0
     for m in _TOKEN.finditer(text):
         token = m.group()
@@ -322,15 +342,14 @@ class _Reader:
     def entry(self, k: int, entry) -> tuple[str, Route]:
         if not isinstance(entry, dict):
             raise self.bad_entry(k, entry, f"must be an object with keys {', '.join(_ENTRY_KEYS)}")
-        if len(entry) != len(_ENTRY_KEYS) or any(key not in entry for key in _ENTRY_KEYS):
+        if entry.keys() != _ENTRY_SET:
             missing = [key for key in _ENTRY_KEYS if key not in entry]
             unknown = sorted(set(entry) - set(_ENTRY_KEYS))
             problems = [f"{what} {', '.join(map(repr, keys))}" for what, keys in (("missing", missing),
                                                                                  ("unknown", unknown)) if keys]
             raise self.bad_entry(k, entry, f"{'; '.join(problems)} (an entry has {', '.join(_ENTRY_KEYS)})", ":")
-        shape = entry["shape"]
-        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                 for d in shape)):
+        shape = entry["shape"]  # json.loads makes exact ints and lists: type() is isinstance without bool
+        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
             raise self.bad_entry(k, entry, f"shape must be a list of sizes ([192, 64]), got {json.dumps(shape)}", ":")
         for key in ("name", "role", "rule", "view"):
             if not isinstance(entry[key], str):
