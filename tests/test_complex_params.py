@@ -140,3 +140,33 @@ def test_a_complex_checkpoint_resumes_bit_for_bit():
         opt.step()
         resumed.step()
     assert all(torch.equal(a, b) for a, b in zip(cs, fresh))
+
+
+# ------------------------------------------------------------ the functional API
+
+@pytest.mark.parametrize("geometry", [{"kind": "euclidean"}, {"kind": "anisotropic", "reference": {"kind": "indicator"}},
+                                      {"kind": "isotropic", "reference": {"kind": "quadratic"}}],
+                         ids=lambda g: g["kind"])
+def test_functional_steps_a_complex_tensor_as_its_real_view(geometry):
+    from geomopt.functional import backward_step, forward_step
+    d = torch.randn(6, 4, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    u = forward_step(d, geometry)
+    assert u.dtype == torch.complex64
+    assert torch.equal(torch.view_as_real(u), forward_step(torch.view_as_real(d), geometry))
+    x = backward_step(d, 0.1, geometry, None)
+    assert torch.equal(torch.view_as_real(x), backward_step(torch.view_as_real(d), 0.1, geometry, None))
+
+
+@pytest.mark.parametrize("approx", [None, {"kind": "newton_schulz"}])
+def test_functional_refuses_a_complex_matrix_under_a_spectral_geometry(approx):
+    """A map of the real view is not the complex polar factor U Vᴴ (cosine about 0.5 with it), and
+    a cast to real drops the imaginary part: refused, as GeomOptimizer refuses the rule."""
+    from geomopt.functional import backward_step, forward_step
+    geometry = {"kind": "spectral", "reference": {"kind": "indicator"}, **({"approx": approx} if approx else {})}
+    d = torch.randn(6, 4, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="complex.*spectral geometry.*view_as_real"):
+        forward_step(d, geometry)
+    with pytest.raises(ValueError, match="complex.*spectral geometry.*view_as_real"):
+        backward_step(d, 0.1, geometry, None)
+    with pytest.raises(ValueError, match="with a constraint"):
+        backward_step(d, 0.1, {"kind": "euclidean"}, {"kind": "frobenius_ball", "radius": 1.0})

@@ -92,10 +92,41 @@ def test_errors(info):
                                 "weight_decay="), (dict(implementation="loop"), ValueError, "implementation")]:
         with pytest.raises(kind, match=words):
             info.optim_cls([w, b], **kwargs)
-    opt = info.optim_cls([w, b])
-    w.grad = torch.zeros_like(w).to_sparse()
-    with pytest.raises(RuntimeError, match="sparse gradient"):
-        opt.step()
+    if not info.supports_sparse:
+        opt = info.optim_cls([w, b])
+        w.grad = torch.zeros_like(w).to_sparse()
+        with pytest.raises(RuntimeError, match="sparse gradient"):
+            opt.step()
+
+
+def drosenbrock(t):
+    x, y = t
+    return torch.stack((-400 * x * (y - x ** 2) - 2 * (1 - x), 200 * (y - x ** 2)))
+
+
+@pytest.mark.parametrize("info", [i for i in GEOM_OPTIM_DB if i.supports_sparse], ids=lambda i: i.name)
+@pytest.mark.parametrize("with_lrsched", [False, True])
+def test_rosenbrock_sparse(info, with_lrsched):
+    """torch's check: cyclic coordinate descent on Rosenbrock's function, each step's gradient an
+    uncoalesced sparse tensor (one coordinate, split in two entries) against its dense form; the
+    parameters agree after every step and end nearer the minimum (float64, torch's lr)."""
+    kwargs, scheds = info.metadata_for_sparse
+    p, q = (Parameter(torch.tensor([1.5, 1.5], dtype=torch.float64)) for _ in range(2))
+    sparse, dense = info.optim_cls([p], **kwargs), info.optim_cls([q], **kwargs)
+    schedulers = [s(o) for s in scheds for o in (sparse, dense)] if with_lrsched else []
+    start = p.detach().dist(torch.ones(2, dtype=torch.float64))
+    for i in range(2000):
+        k = i % 2
+        g = drosenbrock(p.detach())[k]
+        vals = torch.stack((g / 4, g - g / 4)) if k == 0 else torch.stack((g - g / 4, g / 4))
+        p.grad = torch.sparse_coo_tensor(torch.tensor([[k, k]]), vals, (2,), check_invariants=True)
+        q.grad = p.grad.to_dense()
+        sparse.step()
+        dense.step()
+        for s in schedulers:
+            s.step()
+        same(p, q)
+    assert p.detach().dist(torch.ones(2, dtype=torch.float64)) <= start
 
 
 # ------------------------------------------------------------ progress

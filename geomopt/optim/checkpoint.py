@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from geomopt.compile.wrappers import strip, unwrap
 from geomopt.distributed.executors import is_dtensor
 from geomopt.optim.atomic import PendingStep
+from geomopt.optim.contract import check_not_meta
 from geomopt.optim.load_check import (CheckpointError, check_entry, check_group_values, check_layout,
                                        check_meta, check_same_spec)
 from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
@@ -106,6 +107,7 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
         out = pre_hook(opt, state_dict)
         state_dict = state_dict if out is None else out
     check_layout(state_dict)  # after the hooks: one may turn another format into this one
+    check_not_meta([p for g in opt.param_groups for p in g["params"]], state_dict["state"])
     try:
         source = source_of(state_dict)
     except ValueError as err:  # another optimizer's state (torch.optim.SGD, …)

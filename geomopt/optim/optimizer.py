@@ -36,7 +36,7 @@ from geomopt.optim.capturable import captured_step, counts_on_device
 from geomopt.optim.checkpoint import new_counters, spec_hash, spec_values
 from geomopt.optim.migrate import MigrationReport
 from geomopt.optim.contract import (check_complex, collect_params, copy_state, pickled_state,
-                                    sparse_gradient, with_overrides)
+                                    check_gradient, dense, with_overrides)
 from geomopt.optim.construction import check_capturable, check_dion, project_on_init, warn_slow_bf16, warn_unused_rules
 from geomopt.optim.diagnostics import diagnostics
 from geomopt.optim.directions import previous_gradients
@@ -416,8 +416,7 @@ class GeomOptimizer(Optimizer):
                     p = group["params"][i]
                     if p.grad is None or (self._pending is not None and id(p) in self._pending.done):
                         continue  # no gradient, or committed by an interrupted step this one completes
-                    if p.grad.layout != torch.strided:
-                        raise sparse_gradient(plans[i].name, p.grad.layout)
+                    check_gradient(group, plans[i], p)
                     st = self.state[p]
                     key: tuple = (tuple(sorted(k for k in st if k in STACKED)),
                                   (st.get("adam_step"), st.get(post_stages.STAGE_STEP)))
@@ -431,7 +430,7 @@ class GeomOptimizer(Optimizer):
     def _job_grads(prog: Program, items: list):
         """A job's gradients: stacked (batched ops), or a list (views, no copy) where the flat
         variant or a Polyak direction reads them tensor by tensor (the program's direction form)."""
-        grads = [as_real(op_view(local(p.grad), pp)) for p, pp in items]
+        grads = [as_real(op_view(local(dense(p.grad)), pp)) for p, pp in items]
         if prog.variant == "flat" or prog.direction_form in ("rows", "ahead"):
             return grads
         return stack(grads)
