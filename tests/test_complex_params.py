@@ -170,3 +170,28 @@ def test_functional_refuses_a_complex_matrix_under_a_spectral_geometry(approx):
         backward_step(d, 0.1, geometry, None)
     with pytest.raises(ValueError, match="with a constraint"):
         backward_step(d, 0.1, {"kind": "euclidean"}, {"kind": "frobenius_ball", "radius": 1.0})
+
+
+def test_nesterov_sgd_steps_complex_parameters_as_torch_sgd_does():
+    """Heavy ball with Nesterov (elementwise, so the flat path, and complex parameters step):
+    torch.optim.SGD(nesterov=True)'s parameters, bit for bit on real tensors and on the real views
+    of complex ones."""
+    spec = {"geomopt": 1, "name": "sgd-nesterov", "defaults": {"lr": 0.05, "weight_decay": 0.0},
+            "rules": [{"name": "all", "match": "**", "geometry": {"kind": "euclidean"},
+                       "direction": {"kind": "heavy_ball", "momentum": 0.9, "nesterov": True}}]}
+    g = torch.Generator().manual_seed(0)
+    c = torch.randn(5, 3, dtype=torch.complex64, generator=g)
+    r = torch.randn(7, generator=g)
+    ours = [torch.nn.Parameter(c.clone()), torch.nn.Parameter(r.clone())]
+    real_view = [torch.nn.Parameter(torch.view_as_real(c).clone()), torch.nn.Parameter(r.clone())]
+    opt = geomopt.GeomOptimizer([("c", ours[0]), ("r", ours[1])], spec)
+    ref = torch.optim.SGD(real_view, lr=0.05, momentum=0.9, nesterov=True, foreach=False)
+    assert "flat" in opt.describe()
+    for _ in range(4):
+        gc, gr = torch.randn(5, 3, 2, generator=g), torch.randn(7, generator=g)
+        ours[0].grad, ours[1].grad = torch.view_as_complex(gc.clone()), gr.clone()
+        real_view[0].grad, real_view[1].grad = gc.clone(), gr.clone()
+        opt.step()
+        ref.step()
+    assert torch.equal(torch.view_as_real(ours[0].detach()), real_view[0].detach())
+    assert torch.equal(ours[1], real_view[1])
