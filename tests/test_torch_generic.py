@@ -459,24 +459,43 @@ def test_can_load_older_state_dict(info):
 
 
 @INFOS
-def test_load_named_state_dict(info):
-    """Named parameters: the names travel in param_groups' param_names and load back; a state
-    saved under other names is refused (the names route tensors to rules), naming the tensor."""
+@pytest.mark.parametrize("named0", [True, False], ids=["named", "unnamed"])
+@pytest.mark.parametrize("named1", [True, False], ids=["to_named", "to_unnamed"])
+def test_load_named_state_dict(info, named0, named1):
+    """torch's check: a state saved by a named or an unnamed optimizer loads into a named or an
+    unnamed one (names are optional: tensors match by position), which then steps as the
+    original; each keeps its own names. Real names that differ (another model) are refused,
+    naming the tensor."""
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Conv2d(4, 2, 1, stride=2), torch.nn.BatchNorm2d(2))
     x = torch.rand(1, 4, 16, 16)
-    opt = info.optim_cls(model.named_parameters())
-    for _ in range(3):
+
+    def make(m, named):
+        return info.optim_cls(m.named_parameters() if named else m.parameters())
+
+    def run(opt, m):
         opt.zero_grad()
-        model(x).sum().backward()
+        m(x).sum().backward()
         opt.step()
-    sd = copy.deepcopy(opt.state_dict())
-    again = info.optim_cls(model.named_parameters())
-    again.load_state_dict(sd)
-    names = sorted(n for g in again.state_dict()["param_groups"] for n in g["param_names"])
-    assert names == ["0.bias", "0.weight", "1.bias", "1.weight"]
-    with pytest.raises(ValueError, match="param"):
-        info.optim_cls(model.parameters()).load_state_dict(copy.deepcopy(sd))
+
+    opt = make(model, named0)
+    for _ in range(3):
+        run(opt, model)
+    twin = copy.deepcopy(model)
+    again = make(twin, named1)
+    mine = [n for g in again.state_dict()["param_groups"] for n in g["param_names"]]
+    again.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert [n for g in again.state_dict()["param_groups"] for n in g["param_names"]] == mine
+    for _ in range(3):
+        run(opt, model)
+        run(again, twin)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        same(p, q)
+    if named0 and named1:
+        sd = copy.deepcopy(opt.state_dict())
+        sd["param_groups"][0]["param_names"][0] = "other.weight"
+        with pytest.raises(ValueError, match="'other.weight'"):
+            make(copy.deepcopy(model), True).load_state_dict(sd)
 
 
 @INFOS

@@ -68,6 +68,7 @@ def state_dict(opt: "GeomOptimizer") -> dict:
         spec_groups=[dict(g) for g in opt._spec_groups],
         transposed=[pp.name for plans in opt._plans for pp in plans if pp.transpose],
         pending=None if opt._pending is None else opt._pending.to_dict(),
+        generated_names=sorted(getattr(opt, "_generated_names", ())),
     )
     for hook in hooks.values():
         out = hook(opt, sd)
@@ -153,7 +154,9 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
             f"load with torch.distributed.checkpoint (get_state_dict / set_state_dict), which reshards")
     if meta["spec_hash"] != opt.spec_hash and all("param_names" in g for g in state_dict["param_groups"]):
         return _migrate(opt, state_dict, source, meta, model)
-    check_same_spec(opt, state_dict, same_rules=meta["spec_hash"] == opt.spec_hash)
+    # names are optional, as in torch: generated ones (param.<i>, either side) match by position
+    check_same_spec(opt, state_dict, same_rules=meta["spec_hash"] == opt.spec_hash,
+                    unnamed=set(getattr(opt, "_generated_names", ())) | set(meta.get("generated_names", ())))
     # everything is checked: build, then install at once (torch's loader is not called: it would
     # run the pre-hooks a second time, and it casts floating state to the parameter's dtype,
     # where geomopt keeps float32 state for bf16 parameters)
@@ -167,7 +170,7 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
             state[p] = {k: to_device(v, p.device) for k, v in saved.items()}
     for group, new in zip(opt.param_groups, groups):
         new["params"] = group["params"]
-        new.setdefault("param_names", group.get("param_names"))
+        new["param_names"] = group.get("param_names")  # this optimizer's names: its plans' (they route)
         new["spec_hash"] = opt.spec_hash
         for key in DIRECTION_KEYS:  # a checkpoint from before groups held them: the spec's values
             if key in group:

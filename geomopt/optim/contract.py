@@ -74,8 +74,9 @@ class GeneratedNamesWarning(UserWarning):
     their roles from shapes alone (pass ``model=`` or ``model.named_parameters()`` instead)."""
 
 
-def collect_params(params, model, roles: bool, example_inputs) -> tuple[list, dict, object]:
-    """(infos, tensors by name, what to label a routing lock with) for whatever torch users pass.
+def collect_params(params, model, roles: bool, example_inputs) -> tuple[list, dict, object, frozenset]:
+    """(infos, tensors by name, what to label a routing lock with, the names generated here) for
+    whatever torch users pass.
 
     An ``nn.Module`` or (name, tensor) pairs go to :func:`~geomopt.compile.compiler.model_params`
     as they are. Plain tensors (``model.parameters()``) and param-group dicts
@@ -90,7 +91,7 @@ def collect_params(params, model, roles: bool, example_inputs) -> tuple[list, di
         if model is not None:
             raise TypeError("model= names the tensors of a parameter iterable (GeomOptimizer(model.parameters(), "
                             "spec, model=model)); with a model as the first argument, leave it out")
-        return (*model_params(params, roles, example_inputs), params)
+        return (*model_params(params, roles, example_inputs), params, frozenset())
     if isinstance(params, torch.Tensor):
         raise TypeError("GeomOptimizer takes a model, model.named_parameters(), model.parameters() or param-group "
                         "dicts, not a single tensor: wrap it in a list")
@@ -102,15 +103,15 @@ def collect_params(params, model, roles: bool, example_inputs) -> tuple[list, di
     if not any(isinstance(x, (torch.Tensor, dict)) for x in items):  # (name, tensor) pairs: named already
         if model is not None:
             raise TypeError("model= names plain tensors; these (name, tensor) pairs are named already: leave it out")
-        return (*model_params(items, roles, example_inputs), items)
+        return (*model_params(items, roles, example_inputs), items, frozenset())
     entries = _entries(items)
     if model is None:
         pairs = [(name or f"param.{i}", t) for i, (name, t) in enumerate(entries)]
-        generated = sum(name is None for name, _ in entries)
+        generated = frozenset(f"param.{i}" for i, (name, _) in enumerate(entries) if name is None)
         if generated:
-            _warn_generated(generated)
-        return (*model_params(pairs, roles, example_inputs), items)
-    return (*_in_model(entries, model, roles, example_inputs), model)
+            _warn_generated(len(generated))
+        return (*model_params(pairs, roles, example_inputs), items, generated)
+    return (*_in_model(entries, model, roles, example_inputs), model, frozenset())
 
 
 def _warn_generated(generated: int) -> None:

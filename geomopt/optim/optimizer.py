@@ -139,8 +139,10 @@ class GeomOptimizer(Optimizer):
             raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, not {implementation!r}")
         self.implementation = implementation
         self.spec = with_overrides(as_spec(spec), lr, weight_decay)
-        infos, tensors, source = collect_params(model_or_named_parameters, model, needs_roles(self.spec, roles),
-                                                example_inputs)
+        infos, tensors, source, generated = collect_params(model_or_named_parameters, model,
+                                                           needs_roles(self.spec, roles), example_inputs)
+        # names given as param.<i> (tensors passed without names): a load matches them by position
+        self._generated_names = generated
         self.plan: Plan = plan_from_infos(self.spec, infos, roles=roles)
         self.spec_hash = spec_hash(self.spec)
         if expect is not None:  # before anything is built or projected: a changed routing stops here
