@@ -10,6 +10,7 @@ import inspect
 import io
 import pickle
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -319,6 +320,26 @@ def test_step_is_noop_for_zero_grads(info):
         p.grad = torch.zeros_like(p)
         opt.step(lambda: torch.tensor([1.0]))
         assert torch.equal(p.detach(), old), i.desc
+
+
+@INFOS
+def test_duplicate_params_in_one_param_group(info):
+    """torch's check: one warning, in torch's words, for a tensor given twice; geomopt steps it
+    once (torch's loop steps it twice), as the same tensor given once."""
+    for i in inputs(info):
+        p, q = (Parameter(torch.randn(4, generator=torch.Generator().manual_seed(0))) for _ in range(2))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            twice = info.optim_cls([p, p], **i.kwargs)
+        assert len(w) == 1 and "a parameter group with duplicate parameters" in str(w[0].message), i.desc
+        once = info.optim_cls([q], **i.kwargs)
+        for k in range(3):
+            p.grad = q.grad = torch.randn(4, generator=torch.Generator().manual_seed(k))
+            twice.step()
+            once.step()
+        same(p, q)
+    with pytest.raises(ValueError, match="earlier group"):
+        info.optim_cls([{"params": [p]}, {"params": [p]}])
 
 
 @INFOS

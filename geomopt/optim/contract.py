@@ -128,10 +128,28 @@ def _named(x) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)
 
 
+class DuplicateParameterWarning(UserWarning):
+    """A tensor was given twice in one parameter list or group (torch's optimizers warn so too):
+    it is optimized once, under its first position."""
+
+
+def _unique(ts: list, where: str) -> list:
+    """``ts`` without repeats (by identity), the first of each kept; one warning when any repeat,
+    in torch's words (torch keeps both and steps the tensor twice; here it steps once)."""
+    seen: set = set()
+    out = [t for t in ts if id(t) not in seen and not seen.add(id(t))]
+    if len(out) < len(ts):
+        warnings.warn(f"optimizer contains a parameter group with duplicate parameters ({where}: "
+                      f"{len(ts) - len(out)} repeat(s)): GeomOptimizer optimizes each tensor once, at its first "
+                      f"position; give each tensor once", DuplicateParameterWarning, stacklevel=5)
+    return out
+
+
 def _entries(items: list) -> list[tuple[Optional[str], object]]:
-    """(name or None, tensor) per tensor of a plain list or of param-group dicts, in order."""
+    """(name or None, tensor) per tensor of a plain list or of param-group dicts, in order; a
+    tensor repeated in a list or group is kept once (:func:`_unique`), one in two groups refused."""
     if all(isinstance(x, torch.Tensor) for x in items):
-        return [(None, t) for t in items]
+        return [(None, t) for t in _unique(items, "the parameter list")]
     if not all(isinstance(x, dict) for x in items):
         kinds = sorted({type(x).__name__ for x in items})
         raise TypeError(f"GeomOptimizer's parameters must be all tensors, all (name, tensor) pairs or all "
@@ -150,6 +168,8 @@ def _entries(items: list) -> list[tuple[Optional[str], object]]:
                 f"to GeomOptimizer for every rule without its own")
         ps = group["params"]
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        if all(isinstance(x, torch.Tensor) for x in ps):
+            ps = _unique(ps, f"param group {k}")
         for j, x in enumerate(ps):
             name, t = x if _named(x) else (None, x)
             if not isinstance(t, torch.Tensor):
