@@ -268,7 +268,8 @@ def test_foreach_matches_fused_and_auto(info, dtype):
     """torch's foreach/fused-against-forloop check mapped to implementation=: 'foreach' (the
     unfused ops) against 'fused' and 'auto', over 7 steps with grads None at step 2, a layer frozen
     at steps 3–4, and a one-entry 0-dim parameter last; parameters and state agree (within
-    torch's tolerances for the dtype: the fused kernel rounds differently)."""
+    torch's tolerances for the dtype: the fused kernel rounds differently), and every state value
+    is a tensor, as torch's comparisons need (Adam's count too)."""
     for i in inputs(info):
         runs = []
         for impl in ("foreach", "fused", "auto"):
@@ -290,11 +291,9 @@ def test_foreach_matches_fused_and_auto(info, dtype):
             for p, r in zip(ps, qs):
                 same(p, r, exact=False)
                 assert o.state[p].keys() == q.state[r].keys()
-                for key, v in o.state[p].items():
-                    if isinstance(v, torch.Tensor):
-                        same(v, q.state[r][key], exact=False)
-                    else:
-                        assert v == q.state[r][key]
+                for key, v in o.state[p].items():  # every value a tensor (torch's TensorTracker reads them so)
+                    assert isinstance(v, torch.Tensor), key
+                    same(v, q.state[r][key], exact=False)
 
 
 # ------------------------------------------------------------ no-op steps
@@ -425,6 +424,11 @@ def primed(info, kwargs=None, steps=10, named=False):
     return (w, b, x), opt
 
 
+def count_tensor(v) -> bool:
+    """A step count as torch's optimizers keep one: a tensor (geomopt's: 0-dim int64, on the CPU)."""
+    return isinstance(v, torch.Tensor) and v.dtype == torch.int64 and v.dim() == 0 and v.device.type == "cpu"
+
+
 def assert_same_state_dicts(a, b):
     assert a.keys() == b.keys()
     assert a["param_groups"] == b["param_groups"] or all(
@@ -473,7 +477,7 @@ def test_can_load_older_state_dict(info):
             if "adam_step" in st:
                 st["step"] = torch.tensor(float(st.pop("adam_step")))
         opt.load_state_dict(old)
-        assert all("step" not in st and type(st.get("adam_step", 0)) is int for st in opt.state.values())
+        assert all("step" not in st and count_tensor(st.get("adam_step", torch.tensor(0))) for st in opt.state.values())
         opt.zero_grad()
         model(x).sum().backward()
         opt.step()
@@ -536,11 +540,13 @@ def test_load_nontensor_step(info):
     for i in inputs(info):
         (w, b, x), opt = primed(info, i.kwargs, steps=3)
         sd = copy.deepcopy(opt.state_dict())
-        for st in sd["state"].values():  # geomopt saves the count as an int; torch's name as a float too
-            assert not isinstance(st.get("adam_step"), torch.Tensor)
+        for k, st in enumerate(sd["state"].values()):  # saved as a tensor (as torch's step): made a number,
+            assert count_tensor(st.get("adam_step", torch.tensor(0)))  # under geomopt's name or torch's
             if "adam_step" in st:
-                st["step"] = float(st.pop("adam_step"))
+                n = st.pop("adam_step").item()
+                st.update({"adam_step": n} if k % 2 else {"step": float(n)})
         opt.load_state_dict(sd)
+        assert all(count_tensor(st.get("adam_step", torch.tensor(0))) for st in opt.state.values())
         opt.step(loss_closure(opt, w, b, x))
 
 

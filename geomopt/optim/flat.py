@@ -14,7 +14,7 @@ from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.forward import elementwise_into, isotropic_factors
 from geomopt.optim.directions import polyak_foreach
 from geomopt.geometry.matrix import split_like
-from geomopt.optim.tensors import as_real, local, op_view
+from geomopt.optim.tensors import as_real, count_tensor, local, op_view
 from geomopt.optim.program import Program
 from geomopt.optim.runtime import Runtime
 
@@ -113,11 +113,11 @@ def _adam_state(rt: Runtime, state, items: list, xs: list) -> tuple:
     """The flat Adam moments of a flat call (buffers and their per-tensor views) and the step
     number this step takes (the count is per parameter; a flat call's tensors share it: the
     optimizer splits its jobs by state history)."""
-    step = state[items[0][0]].get("adam_step", 0) + 1
+    step = int(state[items[0][0]].get("adam_step", 0)) + 1
     m = rt.stacked.flat(state, items, xs, "exp_avg")
     v = rt.stacked.flat(state, items, xs, "exp_avg_sq")
     for p, _ in items:
-        state[p]["adam_step"] = step
+        state[p]["adam_step"] = count_tensor(step)
     return m, v, step
 
 

@@ -46,7 +46,7 @@ from geomopt.optim.qkclip import QKClip
 from geomopt.optim.program import IMPLEMENTATIONS, Options, Program, dispatch, flat_rule, signature
 from geomopt.optim.runtime import Runtime
 from geomopt.optim.schedules import SCHEDULES, warmup_alpha
-from geomopt.optim.stacked import STACKED
+from geomopt.optim.stacked import COUNTS, STACKED
 from geomopt.optim.tensors import as_real, local, op_layout, op_view, stack
 from geomopt.spec.model import RESOLVED_DEFAULTS, Spec
 
@@ -420,8 +420,11 @@ class GeomOptimizer(Optimizer):
                         continue  # no gradient, or committed by an interrupted step this one completes
                     check_gradient(group, plans[i], p)
                     st = self.state[p]
-                    key: tuple = (tuple(sorted(k for k in st if k in STACKED)),
-                                  (st.get("adam_step"), st.get(post_stages.STAGE_STEP)))
+                    # the step counts by value (the host's, read off the CPU); a capturable step's
+                    # device counts by identity (a bucket's tensors share one), with no host read
+                    counts = tuple(st.get(k) if self._options.capturable or k not in st else int(st[k])
+                                   for k in COUNTS)
+                    key: tuple = (tuple(sorted(k for k in st if k in STACKED)), counts)
                     if flat:
                         key += (radius_factor(plans[i]),)
                     by_key.setdefault(key, (prog, []))[1].append((p, plans[i]))
