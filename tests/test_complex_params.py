@@ -144,7 +144,8 @@ def test_a_complex_checkpoint_resumes_bit_for_bit():
 
 # ------------------------------------------------------------ the functional API
 
-@pytest.mark.parametrize("geometry", [{"kind": "euclidean"}, {"kind": "anisotropic", "reference": {"kind": "indicator"}},
+@pytest.mark.parametrize("geometry", [{"kind": "euclidean"},
+                                      {"kind": "anisotropic", "reference": {"kind": "indicator"}},
                                       {"kind": "isotropic", "reference": {"kind": "quadratic"}}],
                          ids=lambda g: g["kind"])
 def test_functional_steps_a_complex_tensor_as_its_real_view(geometry):

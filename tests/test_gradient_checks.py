@@ -68,7 +68,8 @@ def test_a_mismatched_gradient_is_refused_before_anything_is_written(spec, make)
     p.grad.data = make(p)  # through .data: autograd's assignment check does not see it
     before = snapshot(model, opt)
     for _ in range(2):  # every retry refused alike
-        with pytest.raises(RuntimeError, match=re.escape(f"'{name}'") + ".*" + re.escape(f"gradient of shape {tuple(p.grad.shape)}")):
+        words = re.escape(f"'{name}'") + ".*" + re.escape(f"gradient of shape {tuple(p.grad.shape)}")
+        with pytest.raises(RuntimeError, match=words):
             opt.step()
         assert_same(before, snapshot(model, opt))
         assert opt.pending_step is None

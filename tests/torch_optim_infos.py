@@ -81,7 +81,8 @@ GEOM_OPTIM_DB = [
                                                      {"dampening": 0.5}, {"nesterov": True}),
                   supported_impls=(), not_og_supported_flags=(), supports_param_groups=False,
                   supports_complex=True, supports_sparse=True,
-                  metadata_for_sparse=({"lr": 4.8e-3, "momentum": 0.0}, [lambda opt: StepLR(opt, gamma=0.99999, step_size=300)])),
+                  metadata_for_sparse=({"lr": 4.8e-3, "momentum": 0.0},
+                                       [lambda opt: StepLR(opt, gamma=0.99999, step_size=300)])),
     # like torch.optim.Muon: complex parameters refused (its hidden matrices' lmo needs a real SVD)
     OptimizerInfo(GeomMuon, optim_inputs_func=_inputs({}, {"lr": 0.05}, {"weight_decay": 0.0}),
                   supported_impls=(), not_og_supported_flags=(), supports_param_groups=False,

@@ -137,7 +137,11 @@ def _unique(ts: list, where: str) -> list:
     """``ts`` without repeats (by identity), the first of each kept; one warning when any repeat,
     in torch's words (torch keeps both and steps the tensor twice; here it steps once)."""
     seen: set = set()
-    out = [t for t in ts if id(t) not in seen and not seen.add(id(t))]
+    out = []
+    for t in ts:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
     if len(out) < len(ts):
         warnings.warn(f"optimizer contains a parameter group with duplicate parameters ({where}: "
                       f"{len(ts) - len(out)} repeat(s)): GeomOptimizer optimizes each tensor once, at its first "
@@ -286,14 +290,13 @@ def dense(grad: torch.Tensor) -> torch.Tensor:
     return grad if grad.layout == torch.strided else grad.to_dense()
 
 
-def check_gradient(group: dict, pp: ParamPlan, p: torch.Tensor) -> None:
+def check_gradient(group: dict, pp: ParamPlan, p: torch.Tensor, g: torch.Tensor) -> None:
     """Refuse a gradient the step cannot take, with the tensor's name and rule, while ``step()``
     gathers the gradients, before anything is written (every retry is refused alike, the state
     as it was): a parameter on the meta device (no data: materialize the model first), a sparse
     gradient where the rule is not elementwise SGD (:func:`takes_sparse`), and a gradient whose
     shape, dtype or device is not the parameter's (a complex gradient on a real parameter among
-    them; autograd never makes one, an assignment through ``.data`` can)."""
-    g = p.grad
+    them; autograd never makes one, an assignment through ``.data`` can). ``g``: ``p.grad``."""
     where = f"parameter {pp.name!r} (rule {group['rule']!r})"
     if p.is_meta or g.is_meta:
         raise RuntimeError(
@@ -320,7 +323,8 @@ def check_not_meta(params: list, state: Mapping) -> None:
     bad = [f"state[{i!r}][{k!r}]" for i, st in state.items() if isinstance(st, Mapping)
            for k, v in st.items() if isinstance(v, torch.Tensor) and v.is_meta]
     if bad:
-        raise CheckpointError(f"optimizer state {', '.join(bad[:3])}{' …' if len(bad) > 3 else ''} is on the meta device "
+        more = " …" if len(bad) > 3 else ""
+        raise CheckpointError(f"optimizer state {', '.join(bad[:3])}{more} is on the meta device "
                          f"(a shape without data): save the state of a materialized model's optimizer")
     if state and any(p.is_meta for p in params):
         raise CheckpointError("this optimizer's parameters are on the meta device (no data): materialize the model "

@@ -28,7 +28,6 @@ from geomopt.compile.plan import Plan
 from geomopt.distributed.executors import LocalExecutor, ShardedExecutor, make_executor
 from geomopt.distributed.layout import layout_key
 from geomopt.optim import checkpoint
-from geomopt.optim import stages as post_stages
 from geomopt.optim.atomic import PendingStep, drive, interrupted
 from geomopt.optim.bucket_step import BucketJob, radius_factor
 from geomopt.geometry.capture import capturing
@@ -418,7 +417,7 @@ class GeomOptimizer(Optimizer):
                     p = group["params"][i]
                     if p.grad is None or (self._pending is not None and id(p) in self._pending.done):
                         continue  # no gradient, or committed by an interrupted step this one completes
-                    check_gradient(group, plans[i], p)
+                    check_gradient(group, plans[i], p, p.grad)
                     st = self.state[p]
                     # the step counts by value (the host's, read off the CPU); a capturable step's
                     # device counts by identity (a bucket's tensors share one), with no host read
