@@ -116,8 +116,9 @@ def _adam_state(rt: Runtime, state, items: list, xs: list) -> tuple:
     step = int(state[items[0][0]].get("adam_step", 0)) + 1
     m = rt.stacked.flat(state, items, xs, "exp_avg")
     v = rt.stacked.flat(state, items, xs, "exp_avg_sq")
+    count = count_tensor(step)  # one tensor for the call's tensors (a step replaces it, never writes into it)
     for p, _ in items:
-        state[p]["adam_step"] = count_tensor(step)
+        state[p]["adam_step"] = count
     return m, v, step
 
 

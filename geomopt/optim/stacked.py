@@ -91,8 +91,9 @@ class StackedState:
                                                 reduced.get(key, ()))
                 self.bound[(ids, key)] = tuple(state[p][key] for p, _ in items)
             elif key in COUNTS and not isinstance(value, torch.Tensor):
-                for p, _ in items:  # a count the host computed: each tensor's own count tensor
-                    state[p][key] = count_tensor(value)
+                count = count_tensor(value)  # the count the host computed, one tensor for the call's
+                for p, _ in items:  # tensors (a step replaces it, never writes into it)
+                    state[p][key] = count
             else:
                 for p, _ in items:
                     state[p][key] = value
