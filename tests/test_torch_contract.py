@@ -1,7 +1,7 @@
 """What any torch.optim.Optimizer does (PyTorch's generic optimizer tests, common_optimizers /
 TestOptimRenewed, are the reference), GeomOptimizer does too: ``lr=`` / ``weight_decay=``
 keywords, plain parameter iterables and param-group dicts, deepcopy / pickle, and a clear refusal of
-sparse gradients."""
+sparse gradients where the rule is not elementwise SGD (tests/test_gradient_checks.py: the SGD ones)."""
 
 from __future__ import annotations
 

@@ -120,8 +120,8 @@ COVERED = {
     "test_deepcopy_copies_all_public_attrs": "test_deepcopy_copies_all_public_attrs",
     "test_non_empty_state": "test_non_empty_state",
     "test_rosenbrock_sparse": "test_rosenbrock_sparse",
-    "test_duplicate_params_in_one_param_group": "test_duplicate_params_in_one_param_group",
     "test_rosenbrock_sparse_with_lrsched": "test_rosenbrock_sparse",
+    "test_duplicate_params_in_one_param_group": "test_duplicate_params_in_one_param_group",
 }
 
 #: PyTorch's generic checks that do not apply on CPU to geomopt, and why (shown in the docs)
