@@ -53,6 +53,28 @@ def _transposed(t: torch.Tensor, ops, batch_dims: int) -> torch.Tensor:
     return t.transpose(batch_dims, batch_dims + 1) if ops.transpose else t
 
 
+#: geometries whose maps act entry by entry (or through a norm of all entries), so a complex
+#: tensor steps as its real view, re and im two real coordinates (as GeomOptimizer steps it)
+ELEMENTWISE = ("euclidean", "anisotropic", "isotropic", "adam")
+
+
+def _real_view(t: torch.Tensor, ops, constraint) -> torch.Tensor:
+    """``t`` as the operators may read it: a complex tensor's real view (``torch.view_as_real``)
+    under an elementwise geometry without constraint; refused elsewhere, as GeomOptimizer
+    refuses such a rule (a spectral map of a complex matrix is its complex polar factor U Vᴴ,
+    which a map of the real view is not, and casting to real would drop the imaginary part)."""
+    if not t.is_complex():
+        return t
+    kind = ops.geometry["kind"]
+    if kind not in ELEMENTWISE or constraint is not None:
+        raise ValueError(f"a complex tensor ({t.dtype}) steps only under an elementwise geometry "
+                         f"({', '.join(ELEMENTWISE)}) with no constraint, as GeomOptimizer's complex parameters: "
+                         f"{kind} geometry{' with a constraint' if constraint is not None else ''} acts on it as a "
+                         f"matrix or through a set whose complex form is another map. Pass its real view "
+                         f"(torch.view_as_real) to step it as a real tensor")
+    return torch.view_as_real(t)
+
+
 def forward_step(d: torch.Tensor, geometry: Union[Mapping, BaseModel], *, batch_dims: int = 0,
                  state: Optional[dict] = None) -> torch.Tensor:
     """∇φ*(D) = ρ·∇φ₁*(D) for ``geometry`` (the forward / preconditioner step); ρ is ``radius``
@@ -60,9 +82,13 @@ def forward_step(d: torch.Tensor, geometry: Union[Mapping, BaseModel], *, batch_
     in_out``: of its transpose, which the operators act on).
 
     ``batch_dims`` leading dims index independent tensors; ``state`` is needed by ``adam`` only.
+    A complex ``d`` steps as its real view under an elementwise geometry and is refused under
+    the others (:func:`_real_view`).
     """
     ops = _ops(geometry, None, d, batch_dims)
-    out = forward(_transposed(d, ops, batch_dims), ops.geometry, radius=ops.radius, batch_dims=batch_dims, state=state)
+    x = _real_view(_transposed(d, ops, batch_dims), ops, None)
+    out = forward(x, ops.geometry, radius=ops.radius, batch_dims=batch_dims, state=state)
+    out = torch.view_as_complex(out) if d.is_complex() else out
     return _transposed(out, ops, batch_dims)
 
 
@@ -73,10 +99,12 @@ def backward_step(y: torch.Tensor, gamma: float, geometry: Union[Mapping, BaseMo
     in :func:`forward_step` (a ``relative`` constraint radius is in units of it).
 
     With ``return_fallback`` also returns the flags of tensors where C did not meet
-    Y + t·int dom φ₁ and the Euclidean projection was used instead.
+    Y + t·int dom φ₁ and the Euclidean projection was used instead. A complex ``y``: as in
+    :func:`forward_step`.
     """
     ops = _ops(geometry, constraint, y, batch_dims)
-    x, fallback = backward(_transposed(y, ops, batch_dims), gamma, ops.geometry, ops.constraint, radius=ops.radius,
+    y_ops = _real_view(_transposed(y, ops, batch_dims), ops, ops.constraint)
+    x, fallback = backward(y_ops, gamma, ops.geometry, ops.constraint, radius=ops.radius,
                            batch_dims=batch_dims)
-    x = _transposed(x, ops, batch_dims)
+    x = _transposed(torch.view_as_complex(x) if y.is_complex() else x, ops, batch_dims)
     return (x, fallback) if return_fallback else x

@@ -57,7 +57,9 @@ def test_a_complex_parameter_steps_as_its_real_view_bit_for_bit(spec, implementa
         assert torch.equal(torch.view_as_real(c.detach()), r.detach())
         assert oc.state[c].keys() == orr.state[r].keys() and oc.state[c]
         for key, v in oc.state[c].items():
-            if isinstance(v, torch.Tensor):
+            if key == "adam_step":  # the count: a 0-dim int64 tensor, as for a real parameter
+                assert v.dtype == torch.int64 and v.shape == () and torch.equal(v, orr.state[r][key])
+            elif isinstance(v, torch.Tensor):
                 assert v.dtype == c.dtype and v.shape == c.shape, key  # complex like the parameter (torch's form)
                 assert torch.equal(torch.view_as_real(v), orr.state[r][key]), key
     assert not torch.equal(cs[0].detach(), complex_pair()[0].detach())  # it moved
@@ -140,3 +142,59 @@ def test_a_complex_checkpoint_resumes_bit_for_bit():
         opt.step()
         resumed.step()
     assert all(torch.equal(a, b) for a, b in zip(cs, fresh))
+
+
+# ------------------------------------------------------------ the functional API
+
+@pytest.mark.parametrize("geometry", [{"kind": "euclidean"},
+                                      {"kind": "anisotropic", "reference": {"kind": "indicator"}},
+                                      {"kind": "isotropic", "reference": {"kind": "quadratic"}}],
+                         ids=lambda g: g["kind"])
+def test_functional_steps_a_complex_tensor_as_its_real_view(geometry):
+    from geomopt.functional import backward_step, forward_step
+    d = torch.randn(6, 4, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    u = forward_step(d, geometry)
+    assert u.dtype == torch.complex64
+    assert torch.equal(torch.view_as_real(u), forward_step(torch.view_as_real(d), geometry))
+    x = backward_step(d, 0.1, geometry, None)
+    assert torch.equal(torch.view_as_real(x), backward_step(torch.view_as_real(d), 0.1, geometry, None))
+
+
+@pytest.mark.parametrize("approx", [None, {"kind": "newton_schulz"}])
+def test_functional_refuses_a_complex_matrix_under_a_spectral_geometry(approx):
+    """A map of the real view is not the complex polar factor U Vᴴ (cosine about 0.5 with it), and
+    a cast to real drops the imaginary part: refused, as GeomOptimizer refuses the rule."""
+    from geomopt.functional import backward_step, forward_step
+    geometry = {"kind": "spectral", "reference": {"kind": "indicator"}, **({"approx": approx} if approx else {})}
+    d = torch.randn(6, 4, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="complex.*spectral geometry.*view_as_real"):
+        forward_step(d, geometry)
+    with pytest.raises(ValueError, match="complex.*spectral geometry.*view_as_real"):
+        backward_step(d, 0.1, geometry, None)
+    with pytest.raises(ValueError, match="with a constraint"):
+        backward_step(d, 0.1, {"kind": "euclidean"}, {"kind": "frobenius_ball", "radius": 1.0})
+
+
+def test_nesterov_sgd_steps_complex_parameters_as_torch_sgd_does():
+    """Heavy ball with Nesterov (elementwise, so the flat path, and complex parameters step):
+    torch.optim.SGD(nesterov=True)'s parameters, bit for bit on real tensors and on the real views
+    of complex ones."""
+    spec = {"geomopt": 1, "name": "sgd-nesterov", "defaults": {"lr": 0.05, "weight_decay": 0.0},
+            "rules": [{"name": "all", "match": "**", "geometry": {"kind": "euclidean"},
+                       "direction": {"kind": "heavy_ball", "momentum": 0.9, "nesterov": True}}]}
+    g = torch.Generator().manual_seed(0)
+    c = torch.randn(5, 3, dtype=torch.complex64, generator=g)
+    r = torch.randn(7, generator=g)
+    ours = [torch.nn.Parameter(c.clone()), torch.nn.Parameter(r.clone())]
+    real_view = [torch.nn.Parameter(torch.view_as_real(c).clone()), torch.nn.Parameter(r.clone())]
+    opt = geomopt.GeomOptimizer([("c", ours[0]), ("r", ours[1])], spec)
+    ref = torch.optim.SGD(real_view, lr=0.05, momentum=0.9, nesterov=True, foreach=False)
+    assert "flat" in opt.describe()
+    for _ in range(4):
+        gc, gr = torch.randn(5, 3, 2, generator=g), torch.randn(7, generator=g)
+        ours[0].grad, ours[1].grad = torch.view_as_complex(gc.clone()), gr.clone()
+        real_view[0].grad, real_view[1].grad = gc.clone(), gr.clone()
+        opt.step()
+        ref.step()
+    assert torch.equal(torch.view_as_real(ours[0].detach()), real_view[0].detach())
+    assert torch.equal(ours[1], real_view[1])

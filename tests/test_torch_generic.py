@@ -10,6 +10,7 @@ import inspect
 import io
 import pickle
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -92,10 +93,41 @@ def test_errors(info):
                                 "weight_decay="), (dict(implementation="loop"), ValueError, "implementation")]:
         with pytest.raises(kind, match=words):
             info.optim_cls([w, b], **kwargs)
-    opt = info.optim_cls([w, b])
-    w.grad = torch.zeros_like(w).to_sparse()
-    with pytest.raises(RuntimeError, match="sparse gradient"):
-        opt.step()
+    if not info.supports_sparse:
+        opt = info.optim_cls([w, b])
+        w.grad = torch.zeros_like(w).to_sparse()
+        with pytest.raises(RuntimeError, match="sparse gradient"):
+            opt.step()
+
+
+def drosenbrock(t):
+    x, y = t
+    return torch.stack((-400 * x * (y - x ** 2) - 2 * (1 - x), 200 * (y - x ** 2)))
+
+
+@pytest.mark.parametrize("info", [i for i in GEOM_OPTIM_DB if i.supports_sparse], ids=lambda i: i.name)
+@pytest.mark.parametrize("with_lrsched", [False, True])
+def test_rosenbrock_sparse(info, with_lrsched):
+    """torch's check: cyclic coordinate descent on Rosenbrock's function, each step's gradient an
+    uncoalesced sparse tensor (one coordinate, split in two entries) against its dense form; the
+    parameters agree after every step and end nearer the minimum (float64, torch's lr)."""
+    kwargs, scheds = info.metadata_for_sparse
+    p, q = (Parameter(torch.tensor([1.5, 1.5], dtype=torch.float64)) for _ in range(2))
+    sparse, dense = info.optim_cls([p], **kwargs), info.optim_cls([q], **kwargs)
+    schedulers = [s(o) for s in scheds for o in (sparse, dense)] if with_lrsched else []
+    start = p.detach().dist(torch.ones(2, dtype=torch.float64))
+    for i in range(2000):
+        k = i % 2
+        g = drosenbrock(p.detach())[k]
+        vals = torch.stack((g / 4, g - g / 4)) if k == 0 else torch.stack((g - g / 4, g / 4))
+        p.grad = torch.sparse_coo_tensor(torch.tensor([[k, k]]), vals, (2,), check_invariants=True)
+        q.grad = p.grad.to_dense()
+        sparse.step()
+        dense.step()
+        for s in schedulers:
+            s.step()
+        same(p, q)
+    assert p.detach().dist(torch.ones(2, dtype=torch.float64)) <= start
 
 
 # ------------------------------------------------------------ progress
@@ -236,7 +268,8 @@ def test_foreach_matches_fused_and_auto(info, dtype):
     """torch's foreach/fused-against-forloop check mapped to implementation=: 'foreach' (the
     unfused ops) against 'fused' and 'auto', over 7 steps with grads None at step 2, a layer frozen
     at steps 3–4, and a one-entry 0-dim parameter last; parameters and state agree (within
-    torch's tolerances for the dtype: the fused kernel rounds differently)."""
+    torch's tolerances for the dtype: the fused kernel rounds differently), and every state value
+    is a tensor, as torch's comparisons need (Adam's count too)."""
     for i in inputs(info):
         runs = []
         for impl in ("foreach", "fused", "auto"):
@@ -258,11 +291,9 @@ def test_foreach_matches_fused_and_auto(info, dtype):
             for p, r in zip(ps, qs):
                 same(p, r, exact=False)
                 assert o.state[p].keys() == q.state[r].keys()
-                for key, v in o.state[p].items():
-                    if isinstance(v, torch.Tensor):
-                        same(v, q.state[r][key], exact=False)
-                    else:
-                        assert v == q.state[r][key]
+                for key, v in o.state[p].items():  # every value a tensor (torch's TensorTracker reads them so)
+                    assert isinstance(v, torch.Tensor), key
+                    same(v, q.state[r][key], exact=False)
 
 
 # ------------------------------------------------------------ no-op steps
@@ -291,6 +322,26 @@ def test_step_is_noop_for_zero_grads(info):
 
 
 @INFOS
+def test_duplicate_params_in_one_param_group(info):
+    """torch's check: one warning, in torch's words, for a tensor given twice; geomopt steps it
+    once (torch's loop steps it twice), as the same tensor given once."""
+    for i in inputs(info):
+        p, q = (Parameter(torch.randn(4, generator=torch.Generator().manual_seed(0))) for _ in range(2))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            twice = info.optim_cls([p, p], **i.kwargs)
+        assert len(w) == 1 and "a parameter group with duplicate parameters" in str(w[0].message), i.desc
+        once = info.optim_cls([q], **i.kwargs)
+        for k in range(3):
+            p.grad = q.grad = torch.randn(4, generator=torch.Generator().manual_seed(k))
+            twice.step()
+            once.step()
+        same(p, q)
+    with pytest.raises(ValueError, match="earlier group"):
+        info.optim_cls([{"params": [p]}, {"params": [p]}])
+
+
+@INFOS
 def test_zero_grad_sets_to_none_or_zeroes(info):
     w, b = weight_bias()
     opt = info.optim_cls([w, b])
@@ -310,13 +361,19 @@ def test_can_be_printed(info):
 
 @INFOS
 def test_non_empty_state(info):
+    """Every stepped tensor holds state, except under a rule that keeps none (SGD without
+    momentum): torch's SGD keeps ``momentum_buffer: None`` there, geomopt no entry (nothing to
+    resume: docs/guide/torch-contract.md), which this checks stays so."""
     model = torch.nn.Linear(5, 5)
     for i in inputs(info):
         opt = info.optim_cls(model.parameters(), **i.kwargs)
         opt.zero_grad()
         model(torch.rand(2, 5)).sum().backward()
         opt.step()
-        assert opt.state and all(len(st) > 0 for st in opt.state.values())
+        if i.kwargs.get("momentum") == 0:  # euclidean geometry, direction none: a stateless rule
+            assert not any(opt.state.values()) and not any(opt.state_dict()["state"].values()), i.desc
+        else:
+            assert opt.state and all(len(st) > 0 for st in opt.state.values()), i.desc
 
 
 # ------------------------------------------------------------ dtypes and layouts
@@ -367,6 +424,11 @@ def primed(info, kwargs=None, steps=10, named=False):
     return (w, b, x), opt
 
 
+def count_tensor(v) -> bool:
+    """A step count as torch's optimizers keep one: a tensor (geomopt's: 0-dim int64, on the CPU)."""
+    return isinstance(v, torch.Tensor) and v.dtype == torch.int64 and v.dim() == 0 and v.device.type == "cpu"
+
+
 def assert_same_state_dicts(a, b):
     assert a.keys() == b.keys()
     assert a["param_groups"] == b["param_groups"] or all(
@@ -415,31 +477,50 @@ def test_can_load_older_state_dict(info):
             if "adam_step" in st:
                 st["step"] = torch.tensor(float(st.pop("adam_step")))
         opt.load_state_dict(old)
-        assert all("step" not in st and type(st.get("adam_step", 0)) is int for st in opt.state.values())
+        assert all("step" not in st and count_tensor(st.get("adam_step", torch.tensor(0))) for st in opt.state.values())
         opt.zero_grad()
         model(x).sum().backward()
         opt.step()
 
 
 @INFOS
-def test_load_named_state_dict(info):
-    """Named parameters: the names travel in param_groups' param_names and load back; a state
-    saved under other names is refused (the names route tensors to rules), naming the tensor."""
+@pytest.mark.parametrize("named0", [True, False], ids=["named", "unnamed"])
+@pytest.mark.parametrize("named1", [True, False], ids=["to_named", "to_unnamed"])
+def test_load_named_state_dict(info, named0, named1):
+    """torch's check: a state saved by a named or an unnamed optimizer loads into a named or an
+    unnamed one (names are optional: tensors match by position), which then steps as the
+    original; each keeps its own names. Real names that differ (another model) are refused,
+    naming the tensor."""
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Conv2d(4, 2, 1, stride=2), torch.nn.BatchNorm2d(2))
     x = torch.rand(1, 4, 16, 16)
-    opt = info.optim_cls(model.named_parameters())
-    for _ in range(3):
+
+    def make(m, named):
+        return info.optim_cls(m.named_parameters() if named else m.parameters())
+
+    def run(opt, m):
         opt.zero_grad()
-        model(x).sum().backward()
+        m(x).sum().backward()
         opt.step()
-    sd = copy.deepcopy(opt.state_dict())
-    again = info.optim_cls(model.named_parameters())
-    again.load_state_dict(sd)
-    names = sorted(n for g in again.state_dict()["param_groups"] for n in g["param_names"])
-    assert names == ["0.bias", "0.weight", "1.bias", "1.weight"]
-    with pytest.raises(ValueError, match="param"):
-        info.optim_cls(model.parameters()).load_state_dict(copy.deepcopy(sd))
+
+    opt = make(model, named0)
+    for _ in range(3):
+        run(opt, model)
+    twin = copy.deepcopy(model)
+    again = make(twin, named1)
+    mine = [n for g in again.state_dict()["param_groups"] for n in g["param_names"]]
+    again.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert [n for g in again.state_dict()["param_groups"] for n in g["param_names"]] == mine
+    for _ in range(3):
+        run(opt, model)
+        run(again, twin)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        same(p, q)
+    if named0 and named1:
+        sd = copy.deepcopy(opt.state_dict())
+        sd["param_groups"][0]["param_names"][0] = "other.weight"
+        with pytest.raises(ValueError, match="'other.weight'"):
+            make(copy.deepcopy(model), True).load_state_dict(sd)
 
 
 @INFOS
@@ -459,11 +540,13 @@ def test_load_nontensor_step(info):
     for i in inputs(info):
         (w, b, x), opt = primed(info, i.kwargs, steps=3)
         sd = copy.deepcopy(opt.state_dict())
-        for st in sd["state"].values():  # geomopt saves the count as an int; torch's name as a float too
-            assert not isinstance(st.get("adam_step"), torch.Tensor)
+        for k, st in enumerate(sd["state"].values()):  # saved as a tensor (as torch's step): made a number,
+            assert count_tensor(st.get("adam_step", torch.tensor(0)))  # under geomopt's name or torch's
             if "adam_step" in st:
-                st["step"] = float(st.pop("adam_step"))
+                n = st.pop("adam_step").item()
+                st.update({"adam_step": n} if k % 2 else {"step": float(n)})
         opt.load_state_dict(sd)
+        assert all(count_tensor(st.get("adam_step", torch.tensor(0))) for st in opt.state.values())
         opt.step(loss_closure(opt, w, b, x))
 
 

@@ -15,6 +15,8 @@ import warnings
 
 
 import geomopt
+from torch.optim.lr_scheduler import StepLR
+
 from geomopt.lint.coverage import UnusedRuleWarning
 from geomopt.optim.contract import GeneratedNamesWarning
 
@@ -31,7 +33,7 @@ class _Shipped(geomopt.GeomOptimizer):
     roles guessed from shapes (a matrix is a hidden matrix, a vector goes to the rest): the
     warnings that say so, and that rules without tensors optimize nothing, are expected here."""
 
-    SPEC = ""
+    SPEC: object = ""
 
     def __init__(self, params, lr=None, weight_decay=None, implementation: str = "auto"):
         with warnings.catch_warnings():
@@ -45,7 +47,16 @@ class GeomAdamW(_Shipped):
 
 
 class GeomSGD(_Shipped):
-    SPEC = "sgd-momentum"
+    """sgd-momentum's rule with torch.optim.SGD's keywords for its direction (momentum 0: none)."""
+
+    def __init__(self, params, lr=None, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=None,
+                 implementation: str = "auto"):
+        direction = ({"kind": "heavy_ball", "momentum": momentum, "dampening": dampening, "nesterov": nesterov}
+                     if momentum else {"kind": "none"})
+        self.SPEC = {"geomopt": 1, "name": "sgd-momentum", "defaults": {"lr": 0.01},
+                     "rules": [{"name": "all", "match": "**", "geometry": {"kind": "euclidean"},
+                                "direction": direction}]}
+        super().__init__(params, lr=lr, weight_decay=weight_decay, implementation=implementation)
 
 
 class GeomMuon(_Shipped):
@@ -66,9 +77,12 @@ GEOM_OPTIM_DB = [
                                                        {"lr": 0.02, "weight_decay": 0.0}),
                   supported_impls=(), not_og_supported_flags=(), supports_param_groups=False,
                   supports_complex=True, supports_fused_on=("cpu", "cuda")),
-    OptimizerInfo(GeomSGD, optim_inputs_func=_inputs({}, {"lr": 0.05}, {"weight_decay": 0.01}),
+    OptimizerInfo(GeomSGD, optim_inputs_func=_inputs({}, {"lr": 0.05}, {"weight_decay": 0.01}, {"momentum": 0.0},
+                                                     {"dampening": 0.5}, {"nesterov": True}),
                   supported_impls=(), not_og_supported_flags=(), supports_param_groups=False,
-                  supports_complex=True),
+                  supports_complex=True, supports_sparse=True,
+                  metadata_for_sparse=({"lr": 4.8e-3, "momentum": 0.0},
+                                       [lambda opt: StepLR(opt, gamma=0.99999, step_size=300)])),
     # like torch.optim.Muon: complex parameters refused (its hidden matrices' lmo needs a real SVD)
     OptimizerInfo(GeomMuon, optim_inputs_func=_inputs({}, {"lr": 0.05}, {"weight_decay": 0.0}),
                   supported_impls=(), not_og_supported_flags=(), supports_param_groups=False,
@@ -105,6 +119,9 @@ COVERED = {
     "test_step_all_hooks": "test_step_all_hooks",
     "test_deepcopy_copies_all_public_attrs": "test_deepcopy_copies_all_public_attrs",
     "test_non_empty_state": "test_non_empty_state",
+    "test_rosenbrock_sparse": "test_rosenbrock_sparse",
+    "test_rosenbrock_sparse_with_lrsched": "test_rosenbrock_sparse",
+    "test_duplicate_params_in_one_param_group": "test_duplicate_params_in_one_param_group",
 }
 
 #: PyTorch's generic checks that do not apply on CPU to geomopt, and why (shown in the docs)
@@ -112,7 +129,6 @@ NOT_APPLICABLE = {
     "test_param_groups_lr": "per-group options are refused: a param group is a spec rule, so a group's lr is "
                             "set on its rule (param-group dicts without options are accepted)",
     "test_param_groups_weight_decay": "per-group options are refused: weight_decay is set on the spec rule",
-    "test_rosenbrock_sparse": "sparse gradients are refused with the tensor's name (as torch's AdamW does)",
     "test_second_order_optims_return_consistent_types": "for optimizers that require a closure (LBFGS); "
                                                         "geomopt's closure is optional",
     "test_fused_error_on_params_on_meta": "there is no fused= flag: implementation='fused' uses torch's fused "

@@ -26,7 +26,8 @@ def adam_moments(g: torch.Tensor, state: dict, geometry: dict) -> tuple[torch.Te
         state["exp_avg"] = torch.zeros_like(g, dtype=dtype, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(g, dtype=dtype, memory_format=torch.preserve_format)
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    # a Python int (no host sync for the bias corrections), or a 0-dim tensor in a capturable step;
+    # a Python int (the optimizer reads its CPU count tensor: no device sync for the bias
+    # corrections), or a 0-dim device tensor in a capturable step;
     # a new value, not an increment in place: a bucket's tensors share it
     step = state["adam_step"] = state["adam_step"] + 1
     if isinstance(step, torch.Tensor):  # 1 − βᵗ in float64, as the host computes it (float32 loses ~1e-4)

@@ -96,10 +96,14 @@ class BucketJob:
         state = self.state = Codec.decode(state)
         if self.ok is not None:  # step counts on the device, and the state as it was
             for key in COUNTS:
-                if key in state and not isinstance(state[key], torch.Tensor):
-                    state[key] = torch.tensor(state[key], dtype=torch.int64, device=self.ok.device)
+                if key in state and (not isinstance(state[key], torch.Tensor) or state[key].device != self.ok.device):
+                    state[key] = torch.tensor(int(state[key]), dtype=torch.int64, device=self.ok.device)
             self.live = dict(state)  # the tensors the entries are bound to (written in place at the end)
             self.before = {k: v.clone() for k, v in state.items()}
+        else:  # counts as ints while the step computes (host arithmetic); stored as tensors again
+            for key in COUNTS:
+                if key in state:
+                    state[key] = int(state[key])
         if prog.keeps_prev:
             state["prev"] = torch.stack([local(p).detach() for p, _ in items]).clone()
         g = self.g

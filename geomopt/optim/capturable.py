@@ -81,9 +81,12 @@ def counts_on_device(groups: list, state, counters: list, jobs: list) -> None:
         # to the host), each advanced in place
         for key in ("fallbacks", "update_sq"):
             counters[prog.group][key] = counters[prog.group][key].to(device)
-        for key in COUNTS:  # a bucket's tensors share one count: one tensor for them
-            made: dict = {}
+        for key in COUNTS:  # a job's tensors share one count: one device tensor for them
+            values = [state[p][key] for p, _ in items if key in state[p]]
+            if not values or (all(v is values[0] for v in values) and isinstance(values[0], torch.Tensor)
+                              and values[0].device == device):
+                continue  # already the job's shared device count (advanced in place by captured steps)
+            shared = torch.tensor(int(values[0]), dtype=torch.int64, device=device)  # the host's count
             for p, _ in items:
-                value = state[p].get(key)
-                if value is not None and not isinstance(value, torch.Tensor):
-                    state[p][key] = made.setdefault(value, torch.tensor(value, dtype=torch.int64, device=device))
+                if key in state[p]:
+                    state[p][key] = shared

@@ -19,9 +19,12 @@ from torch.optim import Optimizer
 from geomopt.compile.wrappers import strip, unwrap
 from geomopt.distributed.executors import is_dtensor
 from geomopt.optim.atomic import PendingStep
+from geomopt.optim.contract import check_not_meta
 from geomopt.optim.load_check import (CheckpointError, check_entry, check_group_values, check_layout,
                                        check_meta, check_same_spec)
 from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
+from geomopt.optim.stacked import COUNTS
+from geomopt.optim.tensors import count_tensor
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
 
@@ -52,7 +55,7 @@ def spec_values(group: dict) -> dict:
 
 def state_dict(opt: "GeomOptimizer") -> dict:
     """torch's state dict and what the spec set (``"geomopt"``); the post-hooks see the
-    finished dict. Adam's step count is saved as it is kept, the int ``adam_step``
+    finished dict. Adam's step count is saved as it is kept, the int64 tensor ``adam_step``
     (:data:`ADAM_STEP`)."""
     hooks = opt._optimizer_state_dict_post_hooks
     opt._optimizer_state_dict_post_hooks = type(hooks)()  # run below, on the finished dict
@@ -67,6 +70,7 @@ def state_dict(opt: "GeomOptimizer") -> dict:
         spec_groups=[dict(g) for g in opt._spec_groups],
         transposed=[pp.name for plans in opt._plans for pp in plans if pp.transpose],
         pending=None if opt._pending is None else opt._pending.to_dict(),
+        generated_names=sorted(getattr(opt, "_generated_names", ())),
     )
     for hook in hooks.values():
         out = hook(opt, sd)
@@ -106,6 +110,7 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
         out = pre_hook(opt, state_dict)
         state_dict = state_dict if out is None else out
     check_layout(state_dict)  # after the hooks: one may turn another format into this one
+    check_not_meta([p for g in opt.param_groups for p in g["params"]], state_dict["state"])
     try:
         source = source_of(state_dict)
     except ValueError as err:  # another optimizer's state (torch.optim.SGD, …)
@@ -151,7 +156,9 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
             f"load with torch.distributed.checkpoint (get_state_dict / set_state_dict), which reshards")
     if meta["spec_hash"] != opt.spec_hash and all("param_names" in g for g in state_dict["param_groups"]):
         return _migrate(opt, state_dict, source, meta, model)
-    check_same_spec(opt, state_dict, same_rules=meta["spec_hash"] == opt.spec_hash)
+    # names are optional, as in torch: generated ones (param.<i>, either side) match by position
+    check_same_spec(opt, state_dict, same_rules=meta["spec_hash"] == opt.spec_hash,
+                    unnamed=set(getattr(opt, "_generated_names", ())) | set(meta.get("generated_names", ())))
     # everything is checked: build, then install at once (torch's loader is not called: it would
     # run the pre-hooks a second time, and it casts floating state to the parameter's dtype,
     # where geomopt keeps float32 state for bf16 parameters)
@@ -161,11 +168,12 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
     state: defaultdict = defaultdict(dict)
     for pid, p in zip(saved_ids, params):
         saved = state_dict["state"].get(pid)
-        if saved is not None:
-            state[p] = {k: to_device(v, p.device) for k, v in saved.items()}
+        if saved is not None:  # counts stay on the CPU, as torch keeps step (a capturable step's: the device)
+            state[p] = {k: to_device(v, "cpu" if k in COUNTS and not opt._options.capturable else p.device)
+                        for k, v in saved.items()}
     for group, new in zip(opt.param_groups, groups):
         new["params"] = group["params"]
-        new.setdefault("param_names", group.get("param_names"))
+        new["param_names"] = group.get("param_names")  # this optimizer's names: its plans' (they route)
         new["spec_hash"] = opt.spec_hash
         for key in DIRECTION_KEYS:  # a checkpoint from before groups held them: the spec's values
             if key in group:
@@ -251,29 +259,41 @@ def _migrate(opt: "GeomOptimizer", state_dict: dict, source: str, meta: Optional
     return report
 
 
-#: Adam's step count, kept and saved as a Python int (the bias corrections 1 − βᵗ are host
-#: arithmetic, so a step never waits on the device; an int is exact at any count). Not torch's
-#: float32 ``step`` tensor: torch.distributed.checkpoint's flattened optimizer state (what
-#: torchtitan saves) maps each saved key to the optimizer's in-memory key, so the saved key must be
-#: the one the step reads. A ``step`` (torch's name, a tensor or a number) loads as ``adam_step``.
+#: Adam's step count, kept and saved as a 0-dim int64 CPU tensor (:func:`~geomopt.optim.tensors.count_tensor`:
+#: exact at any count; the host reads it for the bias corrections 1 − βᵗ without waiting on a
+#: device). Not under torch's name ``step`` (a float32 tensor there): torch.distributed.checkpoint's
+#: flattened optimizer state (what torchtitan saves) maps each saved key to the optimizer's
+#: in-memory key, so the saved key must be the one the step reads. A ``step`` (torch's name, a
+#: tensor or a number) loads as ``adam_step``, and an int count (as older checkpoints saved it) as
+#: the tensor.
 ADAM_STEP, TORCH_STEP = "adam_step", "step"
 
 
-def import_steps(entry: Mapping) -> Mapping:
-    """A saved ``step`` (torch's name for the count: a tensor or a number that is a count, e.g. a
-    state dict converted by torch-side tools) becomes the int ``adam_step``; an entry with
-    ``adam_step`` is kept as it is. A ``step`` that is not a count stays as it is, for the load's
-    checks to name."""
-    if TORCH_STEP not in entry or ADAM_STEP in entry:
-        return entry
-    value = entry[TORCH_STEP]
+def _count(value):
+    """``value`` as a count (an int), or None when it is not one (the load's checks name it)."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
-            return entry
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool or value.is_meta:
+            return None
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer() or value < 0:
-        return entry
-    return {(ADAM_STEP if k == TORCH_STEP else k): (int(value) if k == TORCH_STEP else v) for k, v in entry.items()}
+        return None
+    return int(value)
+
+
+def import_steps(entry: Mapping) -> Mapping:
+    """A saved entry's step counts as the state keeps them (count tensors): a ``step`` (torch's
+    name for the count: a tensor or a number that is a count, e.g. a state dict converted by
+    torch-side tools) becomes ``adam_step`` (where the entry has none); an ``adam_step`` or
+    ``post_step`` saved as an int (older checkpoints) or another number becomes the tensor. A value that is not a
+    count stays as it is, for the load's checks to name."""
+    if TORCH_STEP in entry and ADAM_STEP not in entry and _count(entry[TORCH_STEP]) is not None:
+        entry = {(ADAM_STEP if k == TORCH_STEP else k): v for k, v in entry.items()}
+    return {k: count_tensor(_count(v)) if k in COUNTS and not _is_count_tensor(v) and _count(v) is not None
+            else v for k, v in entry.items()}
+
+
+def _is_count_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.int64 and value.dim() == 0
 
 
 def copy_counters(c: dict) -> dict:

@@ -7,8 +7,9 @@ translation. :class:`~geomopt.optim.GeomOptimizer`'s constructor and step call t
   keeps it (it was written for that rule: Adam's lr beside Muon's is not the same number).
 * ``model.parameters()`` and param-group dicts (:func:`collect_params`), named for the spec's rules.
 * ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the optimizer (:func:`copy_state`).
-* sparse gradients refused at ``step()`` with the tensor's name (:func:`sparse_gradient`), as
-  torch's AdamW does, before anything is written.
+* gradients checked at ``step()`` before anything is written (:func:`check_gradient`): sparse
+  ones stepped by elementwise SGD rules (as torch's SGD does) and refused elsewhere (as torch's
+  AdamW does), wrong shapes, dtypes and devices and meta tensors refused with the tensor's name.
 * complex parameters (:func:`check_complex`): stepped where the rule is elementwise, refused at
   construction elsewhere.
 """
@@ -18,13 +19,14 @@ from __future__ import annotations
 import math
 import warnings
 from numbers import Real
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
 from geomopt.compile.compiler import model_params
 from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import LocalExecutor
+from geomopt.optim.load_check import CheckpointError
 from geomopt.optim.tensors import FLAT_DTYPES
 from geomopt.spec.model import Spec
 
@@ -72,8 +74,9 @@ class GeneratedNamesWarning(UserWarning):
     their roles from shapes alone (pass ``model=`` or ``model.named_parameters()`` instead)."""
 
 
-def collect_params(params, model, roles: bool, example_inputs) -> tuple[list, dict, object]:
-    """(infos, tensors by name, what to label a routing lock with) for whatever torch users pass.
+def collect_params(params, model, roles: bool, example_inputs) -> tuple[list, dict, object, frozenset]:
+    """(infos, tensors by name, what to label a routing lock with, the names generated here) for
+    whatever torch users pass.
 
     An ``nn.Module`` or (name, tensor) pairs go to :func:`~geomopt.compile.compiler.model_params`
     as they are. Plain tensors (``model.parameters()``) and param-group dicts
@@ -88,7 +91,7 @@ def collect_params(params, model, roles: bool, example_inputs) -> tuple[list, di
         if model is not None:
             raise TypeError("model= names the tensors of a parameter iterable (GeomOptimizer(model.parameters(), "
                             "spec, model=model)); with a model as the first argument, leave it out")
-        return (*model_params(params, roles, example_inputs), params)
+        return (*model_params(params, roles, example_inputs), params, frozenset())
     if isinstance(params, torch.Tensor):
         raise TypeError("GeomOptimizer takes a model, model.named_parameters(), model.parameters() or param-group "
                         "dicts, not a single tensor: wrap it in a list")
@@ -100,15 +103,15 @@ def collect_params(params, model, roles: bool, example_inputs) -> tuple[list, di
     if not any(isinstance(x, (torch.Tensor, dict)) for x in items):  # (name, tensor) pairs: named already
         if model is not None:
             raise TypeError("model= names plain tensors; these (name, tensor) pairs are named already: leave it out")
-        return (*model_params(items, roles, example_inputs), items)
+        return (*model_params(items, roles, example_inputs), items, frozenset())
     entries = _entries(items)
     if model is None:
         pairs = [(name or f"param.{i}", t) for i, (name, t) in enumerate(entries)]
-        generated = sum(name is None for name, _ in entries)
+        generated = frozenset(f"param.{i}" for i, (name, _) in enumerate(entries) if name is None)
         if generated:
-            _warn_generated(generated)
-        return (*model_params(pairs, roles, example_inputs), items)
-    return (*_in_model(entries, model, roles, example_inputs), model)
+            _warn_generated(len(generated))
+        return (*model_params(pairs, roles, example_inputs), items, generated)
+    return (*_in_model(entries, model, roles, example_inputs), model, frozenset())
 
 
 def _warn_generated(generated: int) -> None:
@@ -125,10 +128,32 @@ def _named(x) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)
 
 
+class DuplicateParameterWarning(UserWarning):
+    """A tensor was given twice in one parameter list or group (torch's optimizers warn so too):
+    it is optimized once, under its first position."""
+
+
+def _unique(ts: list, where: str) -> list:
+    """``ts`` without repeats (by identity), the first of each kept; one warning when any repeat,
+    in torch's words (torch keeps both and steps the tensor twice; here it steps once)."""
+    seen: set = set()
+    out = []
+    for t in ts:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    if len(out) < len(ts):
+        warnings.warn(f"optimizer contains a parameter group with duplicate parameters ({where}: "
+                      f"{len(ts) - len(out)} repeat(s)): GeomOptimizer optimizes each tensor once, at its first "
+                      f"position; give each tensor once", DuplicateParameterWarning, stacklevel=5)
+    return out
+
+
 def _entries(items: list) -> list[tuple[Optional[str], object]]:
-    """(name or None, tensor) per tensor of a plain list or of param-group dicts, in order."""
+    """(name or None, tensor) per tensor of a plain list or of param-group dicts, in order; a
+    tensor repeated in a list or group is kept once (:func:`_unique`), one in two groups refused."""
     if all(isinstance(x, torch.Tensor) for x in items):
-        return [(None, t) for t in items]
+        return [(None, t) for t in _unique(items, "the parameter list")]
     if not all(isinstance(x, dict) for x in items):
         kinds = sorted({type(x).__name__ for x in items})
         raise TypeError(f"GeomOptimizer's parameters must be all tensors, all (name, tensor) pairs or all "
@@ -147,6 +172,8 @@ def _entries(items: list) -> list[tuple[Optional[str], object]]:
                 f"to GeomOptimizer for every rule without its own")
         ps = group["params"]
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        if all(isinstance(x, torch.Tensor) for x in ps):
+            ps = _unique(ps, f"param group {k}")
         for j, x in enumerate(ps):
             name, t = x if _named(x) else (None, x)
             if not isinstance(t, torch.Tensor):
@@ -245,13 +272,60 @@ def check_complex(groups: list, plans: list, flat_rule: Callable[[dict, ParamPla
                     f"parameter")
 
 
-def sparse_gradient(name: str, layout) -> RuntimeError:
-    """The error for a gradient that is not a dense (strided) tensor, raised by ``step()`` while it
-    gathers the gradients, before anything is written. Refused rather than densified: every
-    geometry acts on the whole tensor (a spectral map mixes all rows, momentum and Adam's moments
-    would fill every row), so a sparse gradient buys nothing here, and letting one through once
-    stored a sparse direction that the next step could not read."""
-    return RuntimeError(
-        f"parameter {name!r} has a sparse gradient ({layout}): geomopt does not support sparse gradients (as "
-        f"torch.optim.AdamW does not); build its module with dense gradients (nn.Embedding(..., sparse=False)) "
-        f"or leave the parameter to torch.optim.SparseAdam")
+def takes_sparse(group: dict, pp: ParamPlan) -> bool:
+    """Whether a rule steps a sparse gradient: elementwise SGD (euclidean geometry, direction none
+    or heavy ball, no constraint, post-stage or cautious decay), as torch.optim.SGD does. Its
+    update is linear in the gradient entry by entry, so the densified gradient (duplicates summed,
+    :func:`dense`) steps the parameter exactly as torch's SGD steps it from the sparse one: rows
+    without a gradient move only by the momentum and the decay they would have under a zero
+    gradient. Every other geometry acts on the whole tensor (a spectral map mixes all rows, Adam's
+    moments would fill every row), so a sparse gradient buys nothing there and is refused."""
+    return (pp.geometry["kind"] == "euclidean" and pp.constraint is None and not pp.post
+            and pp.decay == "decoupled" and group["direction"] in ("none", "heavy_ball"))
+
+
+def dense(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as a strided tensor: a sparse one (which :func:`takes_sparse` rules accept)
+    densified, its duplicate entries summed; a strided one as it is."""
+    return grad if grad.layout == torch.strided else grad.to_dense()
+
+
+def check_gradient(group: dict, pp: ParamPlan, p: torch.Tensor, g: torch.Tensor) -> None:
+    """Refuse a gradient the step cannot take, with the tensor's name and rule, while ``step()``
+    gathers the gradients, before anything is written (every retry is refused alike, the state
+    as it was): a parameter on the meta device (no data: materialize the model first), a sparse
+    gradient where the rule is not elementwise SGD (:func:`takes_sparse`), and a gradient whose
+    shape, dtype or device is not the parameter's (a complex gradient on a real parameter among
+    them; autograd never makes one, an assignment through ``.data`` can). ``g``: ``p.grad``."""
+    where = f"parameter {pp.name!r} (rule {group['rule']!r})"
+    if p.is_meta or g.is_meta:
+        raise RuntimeError(
+            f"{where} is on the meta device, which holds no data to step: materialize the model first "
+            f"(model.to_empty(device=...) and initialize its weights), then build the optimizer or load its state")
+    if g.layout != torch.strided and not takes_sparse(group, pp):
+        raise RuntimeError(
+            f"{where} has a sparse gradient ({g.layout}): geomopt steps sparse gradients only under elementwise "
+            f"SGD (euclidean geometry, direction none or heavy_ball, no constraint or post-stage), as torch.optim.SGD; "
+            f"this rule's {pp.geometry['kind']} geometry does not support sparse gradients (as torch.optim.AdamW "
+            f"does not). Build its module with dense gradients (nn.Embedding(..., sparse=False)), route it to an "
+            f"SGD rule, or leave the parameter to torch.optim.SparseAdam")
+    if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+        raise RuntimeError(
+            f"{where} has a gradient of shape {tuple(g.shape)}, {g.dtype} on {g.device}, but the parameter is "
+            f"{tuple(p.shape)}, {p.dtype} on {p.device}: a gradient must match its parameter (set p.grad to a "
+            f"tensor like p, or let backward() compute it)")
+
+
+def check_not_meta(params: list, state: Mapping) -> None:
+    """Refuse, before anything is loaded, a state whose tensors are on the meta device (shapes
+    without data: a checkpoint written from a model that was never materialized) or a state
+    loaded into an optimizer whose parameters are: either way there is nothing to resume."""
+    bad = [f"state[{i!r}][{k!r}]" for i, st in state.items() if isinstance(st, Mapping)
+           for k, v in st.items() if isinstance(v, torch.Tensor) and v.is_meta]
+    if bad:
+        more = " …" if len(bad) > 3 else ""
+        raise CheckpointError(f"optimizer state {', '.join(bad[:3])}{more} is on the meta device "
+                         f"(a shape without data): save the state of a materialized model's optimizer")
+    if state and any(p.is_meta for p in params):
+        raise CheckpointError("this optimizer's parameters are on the meta device (no data): materialize the model "
+                         "(model.to_empty(device=...) and initialize it) and build the optimizer, then load its state")

@@ -14,6 +14,7 @@ from geomopt.distributed.executors import is_dtensor
 from geomopt.geometry.gap import dual_norm, gap_unavailable, stationarity_gap
 from geomopt.geometry.prox import backward
 from geomopt.optim.tensors import full, op_view, upcast
+from geomopt.optim.contract import dense
 
 if TYPE_CHECKING:
     from geomopt.optim.optimizer import GeomOptimizer
@@ -84,7 +85,7 @@ def diagnostics(opt: "GeomOptimizer", *, gap_reference: str = "auto") -> dict[st
             if not p.numel():
                 continue  # zero-size: never steps, nothing to measure
             rho = group["radius"] * pp.radius / pp.geometry["radius"]
-            g = None if p.grad is None else upcast(op_view(full(p.grad), pp))
+            g = None if p.grad is None else upcast(op_view(full(dense(p.grad)), pp))
             if pp.constraint is not None and pp.constraint["kind"] != "proximal_decay":
                 x = upcast(op_view(full(p), pp))
                 violation = _worst(violation, _measured(_distance, x, pp))

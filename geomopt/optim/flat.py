@@ -14,7 +14,7 @@ from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.forward import elementwise_into, isotropic_factors
 from geomopt.optim.directions import polyak_foreach
 from geomopt.geometry.matrix import split_like
-from geomopt.optim.tensors import as_real, local, op_view
+from geomopt.optim.tensors import as_real, count_tensor, local, op_view
 from geomopt.optim.program import Program
 from geomopt.optim.runtime import Runtime
 
@@ -45,18 +45,19 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     # flow below, not the types, says where they are set)
     d: Any = None
     ds: Any = None
-    lerp = nesterov = False
+    lerp = nesterov = heavy = False
     if group["direction"] != "none":
         first = "d" not in state[items[0][0]]
         d, ds = rt.stacked.flat(state, items, xs, "d")
         heavy = group["direction"] == "heavy_ball"
+        nesterov = group["nesterov"]
         if first and (heavy or group["init"] == "gradient"):
-            torch._foreach_copy_(ds, gs)  # d⁰ = g⁰ (and with Nesterov u = g.lerp(g, ·) = g)
+            torch._foreach_copy_(ds, gs)  # d⁰ = g⁰ (and with Polyak's Nesterov u = g.lerp(g, ·) = g)
         elif heavy:  # b ← μb + (1 − τ)g, torch.optim.SGD's ops (directions.heavy_ball)
             torch._foreach_mul_(ds, group["momentum"])
             torch._foreach_add_(ds, gs, alpha=1 - group["dampening"])
         else:
-            lerp, nesterov = True, group["nesterov"]
+            lerp = True
     adam = _adam_state(rt, state, items, xs) if kind == "adam" else None
     fused = adam is not None and prog.fused and all(t.is_contiguous() for t in (*xs, *(gs if ds is None else ds)))
     writes = nesterov or kind == "anisotropic" or (adam is not None and not fused)
@@ -79,7 +80,9 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
             u = take("u", (n,))
             u_views = split_like(u, x_b)
             torch._foreach_copy_(u_views, g_b)
-            if nesterov:
+            if nesterov and heavy:  # g + μb, torch.optim.SGD's Nesterov (directions.heavy_ball)
+                u.add_(d[off:off + n], alpha=group["momentum"])
+            elif nesterov:
                 u.lerp_(d[off:off + n], 1 - alpha)  # g.lerp(d, 1 − α), as the batched path
         elif d is not None:
             u, u_views = d[off:off + n], d_b
@@ -110,11 +113,12 @@ def _adam_state(rt: Runtime, state, items: list, xs: list) -> tuple:
     """The flat Adam moments of a flat call (buffers and their per-tensor views) and the step
     number this step takes (the count is per parameter; a flat call's tensors share it: the
     optimizer splits its jobs by state history)."""
-    step = state[items[0][0]].get("adam_step", 0) + 1
+    step = int(state[items[0][0]].get("adam_step", 0)) + 1
     m = rt.stacked.flat(state, items, xs, "exp_avg")
     v = rt.stacked.flat(state, items, xs, "exp_avg_sq")
+    count = count_tensor(step)  # one tensor for the call's tensors (a step replaces it, never writes into it)
     for p, _ in items:
-        state[p]["adam_step"] = step
+        state[p]["adam_step"] = count
     return m, v, step
 
 

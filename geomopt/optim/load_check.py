@@ -183,11 +183,12 @@ def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
                                   f"{[k for k in keys if k not in entry]} (they are kept together): {_FIX}")
 
 
-def check_same_spec(opt, sd: Mapping, same_rules: bool = True) -> None:
+def check_same_spec(opt, sd: Mapping, same_rules: bool = True, unnamed=frozenset()) -> None:
     """Under the same spec the saved groups and state are installed as they are: they must be
     this optimizer's groups, tensors (by name, in order) and state shapes and dtypes.
     ``same_rules=False``: a state without names loaded by position across a spec change, whose
-    rules may have been renamed."""
+    rules may have been renamed. ``unnamed``: names generated for tensors given without one
+    (``param.<i>``, on either side), which match any name at their position."""
     groups, saved = opt.param_groups, sd["param_groups"]
     if len(saved) != len(groups):
         raise CheckpointError(f"the state has {len(saved)} parameter group(s), this optimizer has {len(groups)} "
@@ -205,7 +206,7 @@ def check_same_spec(opt, sd: Mapping, same_rules: bool = True) -> None:
                 f"the optimizer on the model it was saved from")
         if "param_names" in s:
             for got, pp in zip(strip_names(s["param_names"]), gplans):
-                if got != pp.name:
+                if got != pp.name and got not in unnamed and pp.name not in unnamed:
                     raise CheckpointError(
                         f"rule '{g['rule']}': the state's tensor '{got}' stands where this optimizer has "
                         f"'{pp.name}': it was saved on another model (the spec hash does not cover names); build "

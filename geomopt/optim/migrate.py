@@ -42,6 +42,7 @@ from geomopt.compile.plan import ParamPlan
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
 from geomopt.optim.state_codec import decode_entry
+from geomopt.optim.tensors import count_tensor
 
 # kind → the geomopt state keys it is made of (moved together or not at all)
 KINDS = {
@@ -151,7 +152,8 @@ def saved_names(state_dict: dict, model_names: list[str] | None, trainable: list
 
 
 def translate(entry: dict, source: str) -> dict:
-    """A saved per-tensor state in geomopt's keys (torch.optim's ``step`` tensor becomes an int);
+    """A saved per-tensor state in geomopt's keys (torch.optim's ``step`` tensor becomes the
+    int64 count tensor);
     keys with no geomopt counterpart (e.g. AMSGrad's ``max_exp_avg_sq``) are left out."""
     if source == "geomopt":
         return decode_entry(entry)  # state kept in bf16 or int8 moves as float32
@@ -159,7 +161,7 @@ def translate(entry: dict, source: str) -> dict:
     for key, value in entry.items():
         ours = _TORCH[source].get(key)
         if ours == "adam_step":
-            out[ours] = int(value.item() if isinstance(value, torch.Tensor) else value)
+            out[ours] = count_tensor(value.item() if isinstance(value, torch.Tensor) else value)
         elif ours is not None:
             out[ours] = value
     return out

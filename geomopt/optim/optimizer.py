@@ -28,7 +28,6 @@ from geomopt.compile.plan import Plan
 from geomopt.distributed.executors import LocalExecutor, ShardedExecutor, make_executor
 from geomopt.distributed.layout import layout_key
 from geomopt.optim import checkpoint
-from geomopt.optim import stages as post_stages
 from geomopt.optim.atomic import PendingStep, drive, interrupted
 from geomopt.optim.bucket_step import BucketJob, radius_factor
 from geomopt.geometry.capture import capturing
@@ -36,7 +35,7 @@ from geomopt.optim.capturable import captured_step, counts_on_device
 from geomopt.optim.checkpoint import new_counters, spec_hash, spec_values
 from geomopt.optim.migrate import MigrationReport
 from geomopt.optim.contract import (check_complex, collect_params, copy_state, pickled_state,
-                                    sparse_gradient, with_overrides)
+                                    check_gradient, dense, with_overrides)
 from geomopt.optim.construction import (check_capturable, check_dion, project_on_init, warn_guessed_roles,
                                         warn_slow_bf16, warn_unused_rules)
 from geomopt.optim.diagnostics import diagnostics
@@ -47,7 +46,7 @@ from geomopt.optim.qkclip import QKClip
 from geomopt.optim.program import IMPLEMENTATIONS, Options, Program, dispatch, flat_rule, signature
 from geomopt.optim.runtime import Runtime
 from geomopt.optim.schedules import SCHEDULES, warmup_alpha
-from geomopt.optim.stacked import STACKED
+from geomopt.optim.stacked import COUNTS, STACKED
 from geomopt.optim.tensors import as_real, local, op_layout, op_view, stack
 from geomopt.spec.model import RESOLVED_DEFAULTS, Spec
 
@@ -141,8 +140,10 @@ class GeomOptimizer(Optimizer):
             raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, not {implementation!r}")
         self.implementation = implementation
         self.spec = with_overrides(as_spec(spec), lr, weight_decay)
-        infos, tensors, source = collect_params(model_or_named_parameters, model, needs_roles(self.spec, roles),
-                                                example_inputs)
+        infos, tensors, source, generated = collect_params(model_or_named_parameters, model,
+                                                           needs_roles(self.spec, roles), example_inputs)
+        # names given as param.<i> (tensors passed without names): a load matches them by position
+        self._generated_names = generated
         self.plan: Plan = plan_from_infos(self.spec, infos, roles=roles)
         self.spec_hash = spec_hash(self.spec)
         if expect is not None:  # before anything is built or projected: a changed routing stops here
@@ -419,11 +420,13 @@ class GeomOptimizer(Optimizer):
                     p = group["params"][i]
                     if p.grad is None or (self._pending is not None and id(p) in self._pending.done):
                         continue  # no gradient, or committed by an interrupted step this one completes
-                    if p.grad.layout != torch.strided:
-                        raise sparse_gradient(plans[i].name, p.grad.layout)
+                    check_gradient(group, plans[i], p, p.grad)
                     st = self.state[p]
-                    key: tuple = (tuple(sorted(k for k in st if k in STACKED)),
-                                  (st.get("adam_step"), st.get(post_stages.STAGE_STEP)))
+                    # the step counts by value (the host's, read off the CPU); a capturable step's
+                    # device counts by identity (a bucket's tensors share one), with no host read
+                    counts = tuple(st.get(k) if self._options.capturable or k not in st else int(st[k])
+                                   for k in COUNTS)
+                    key: tuple = (tuple(sorted(k for k in st if k in STACKED)), counts)
                     if flat:
                         key += (radius_factor(plans[i]),)
                     by_key.setdefault(key, (prog, []))[1].append((p, plans[i]))
@@ -434,7 +437,7 @@ class GeomOptimizer(Optimizer):
     def _job_grads(prog: Program, items: list):
         """A job's gradients: stacked (batched ops), or a list (views, no copy) where the flat
         variant or a Polyak direction reads them tensor by tensor (the program's direction form)."""
-        grads = [as_real(op_view(local(p.grad), pp)) for p, pp in items]
+        grads = [as_real(op_view(local(dense(p.grad)), pp)) for p, pp in items]
         if prog.variant == "flat" or prog.direction_form in ("rows", "ahead"):
             return grads
         return stack(grads)

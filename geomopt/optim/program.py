@@ -132,8 +132,8 @@ def flat_rule(group: dict, pp: ParamPlan, opts: Options) -> Optional[str]:
         return "post-stages run on the stacked update"
     if pp.decay != "decoupled":
         return f"{pp.decay} weight decay reads the update's sign per entry"
-    if not (group["direction"] in ("none", "polyak") or (group["direction"] == "heavy_ball" and not group["nesterov"])):
-        return f"direction {group['direction']}" + (" with Nesterov" if group["direction"] == "heavy_ball" else "")
+    if group["direction"] not in ("none", "polyak", "heavy_ball"):
+        return f"direction {group['direction']}"
     if opts.track_gap or opts.track_update:
         return "track_gap / track_update measure the stacked step"
     if opts.capturable:

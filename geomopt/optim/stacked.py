@@ -15,14 +15,15 @@ from geomopt.distributed.executors import contiguous_strides, is_dtensor
 from geomopt.optim import stages as post_stages
 from geomopt.optim.migrate import VIEW_KEYS
 from geomopt.optim.state_codec import MOMENTS, SCALE, scale_shape
-from geomopt.optim.tensors import as_real, flat_like, like_param, op_view, stack
+from geomopt.optim.tensors import as_real, count_tensor, flat_like, like_param, op_view, stack
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 #: per-parameter state tensors that batched calls keep stacked (entries are views of a bucket buffer)
 STACKED = ("d", "dion_q", "exp_avg", "exp_avg_sq", "prev", "w", *post_stages.STAGE_STATE, *(k + SCALE for k in MOMENTS))
-#: per-parameter step counts (ints), shared by a bucket's tensors
+#: per-parameter step counts (:func:`~geomopt.optim.tensors.count_tensor` in the state, ints while a
+#: step computes with them), equal across a bucket's tensors
 COUNTS = ("adam_step", post_stages.STAGE_STEP)
 
 
@@ -89,6 +90,10 @@ class StackedState:
                     state[p][key] = state_entry(value[i], p, pp, key, self.layouts.get(id(p)),
                                                 reduced.get(key, ()))
                 self.bound[(ids, key)] = tuple(state[p][key] for p, _ in items)
+            elif key in COUNTS and not isinstance(value, torch.Tensor):
+                count = count_tensor(value)  # the count the host computed, one tensor for the call's
+                for p, _ in items:  # tensors (a step replaces it, never writes into it)
+                    state[p][key] = count
             else:
                 for p, _ in items:
                     state[p][key] = value

@@ -26,7 +26,7 @@ from geomopt.geometry.reference import working_eps
 from geomopt.geometry.view import count, matrix_shapes
 from geomopt.registry import LOCAL, REDUCE, Registry
 
-#: the per-parameter step count of the stages (an int, like ``adam_step``)
+#: the per-parameter step count of the stages (a count tensor, like ``adam_step``)
 STAGE_STEP = "post_step"
 
 

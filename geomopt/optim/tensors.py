@@ -17,6 +17,16 @@ if TYPE_CHECKING:
     from geomopt.distributed.layout import Layout
 
 
+def count_tensor(n) -> torch.Tensor:
+    """A per-parameter step count (Adam's ``adam_step``, the post-stages' ``post_step``) as the
+    state keeps it: a 0-dim int64 tensor on the CPU. A tensor, as torch's optimizers keep
+    ``step`` (tools that compare or move optimizer state expect tensors); int64, so it is exact
+    at any count (float32 rounds counts past 2²⁴); on the CPU, so reading it for the host's bias
+    corrections never waits on a device. A capturable step keeps it on the device instead
+    (:func:`geomopt.optim.capturable.counts_on_device`)."""
+    return torch.tensor(int(n), dtype=torch.int64)
+
+
 def stack(tensors: list) -> torch.Tensor:
     """Stack along a new leading dim; one tensor becomes a view (no copy)."""
     return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
