@@ -330,7 +330,9 @@ def test_duplicate_params_in_one_param_group(info):
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             twice = info.optim_cls([p, p], **i.kwargs)
-        assert len(w) == 1 and "a parameter group with duplicate parameters" in str(w[0].message), i.desc
+        # torch's assertWarnsOnceRegex: this warning exactly once (a role-routed spec on bare tensors also warns
+        # that their roles were guessed)
+        assert sum("a parameter group with duplicate parameters" in str(x.message) for x in w) == 1, i.desc
         once = info.optim_cls([q], **i.kwargs)
         for k in range(3):
             p.grad = q.grad = torch.randn(4, generator=torch.Generator().manual_seed(k))
