@@ -33,7 +33,12 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     (:func:`flat_blocks`: row ranges of at most :data:`BLOCK` entries, and of the largest
     bucket at most): each block's momentum, map and update follow each other while the block
     is in cache, and the scratch is one block of the workspace. Every op is elementwise, so
-    blocks change no bit."""
+    blocks change no bit.
+
+    A step never half-applies (:mod:`geomopt.optim.atomic`): what it allocates (new state buffers,
+    the scratch at its largest block, the fused kernel's count, the isotropic norms) is made
+    before the first write, new state binds to its entries and the count advances after the
+    last, so an exception (out of memory) leaves parameters and state as they were."""
     pp = items[0][1]
     geometry, kind = pp.geometry, pp.geometry["kind"]
     alpha = group["alpha"] if alpha is None else alpha
@@ -45,19 +50,15 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     # flow below, not the types, says where they are set)
     d: Any = None
     ds: Any = None
-    lerp = nesterov = False
+    binds: list = []  # new state buffers' bindings, and the count: after the last write
+    lerp = nesterov = first = False
     if group["direction"] != "none":
-        first = "d" not in state[items[0][0]]
-        d, ds = rt.stacked.flat(state, items, xs, "d")
         heavy = group["direction"] == "heavy_ball"
-        if first and (heavy or group["init"] == "gradient"):
-            torch._foreach_copy_(ds, gs)  # d⁰ = g⁰ (and with Nesterov u = g.lerp(g, ·) = g)
-        elif heavy:  # b ← μb + (1 − τ)g, torch.optim.SGD's ops (directions.heavy_ball)
-            torch._foreach_mul_(ds, group["momentum"])
-            torch._foreach_add_(ds, gs, alpha=1 - group["dampening"])
-        else:
+        first = "d" not in state[items[0][0]] and (heavy or group["init"] == "gradient")  # d⁰ = g⁰
+        d, ds = rt.stacked.flat(state, items, xs, "d", binds)
+        if not (heavy or first):
             lerp, nesterov = True, group["nesterov"]
-    adam = _adam_state(rt, state, items, xs) if kind == "adam" else None
+    adam = _adam_state(rt, state, items, xs, binds) if kind == "adam" else None
     fused = adam is not None and prog.fused and all(t.is_contiguous() for t in (*xs, *(gs if ds is None else ds)))
     writes = nesterov or kind == "anisotropic" or (adam is not None and not fused)
     blocks: list[Any]
@@ -67,6 +68,15 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
         blocks = flat_blocks(xs, min(rt.largest_bucket, BLOCK) if kind != "isotropic" else rt.largest_bucket,
                              rows=kind != "isotropic")
     take = functools.partial(rt.workspace.take, dtype=xs[0].dtype, device=xs[0].device)
+    largest = max((n if n is not None else sum(x.numel() for x in xs)) for _, _, n in blocks)
+    for slot in scratch(kind, d is not None, nesterov, adam is not None and not fused):
+        take(slot, (largest,))  # the workspace at its largest now: the blocks' takes reuse it
+    steps_t = None if not fused else torch.full((), adam[2], dtype=torch.float32, device=xs[0].device)
+    factors = None
+    if kind == "isotropic" and d is None:  # nothing is written before the norms: taken here
+        factors = isotropic_factors(torch.stack(torch._foreach_norm(gs)), geometry)
+    if d is not None and not lerp:
+        _heavy_or_first(ds, gs, group, first)
     for pieces, off, n in blocks:
         cut = (lambda ts: ts) if pieces is None else functools.partial(cut_pieces, pieces=pieces)
         x_b, g_b = cut(xs), cut(gs)
@@ -87,14 +97,16 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
             u, u_views = None, g_b
         if adam is not None:
             (m, v, count) = adam
-            adam_multi_tensor(x_b, u_views, m, v, count, pieces, off, geometry, gamma, wd, fused, take)
+            adam_multi_tensor(x_b, u_views, m, v, count, pieces, off, geometry, gamma, wd, fused, take, steps_t)
             continue
         if kind == "isotropic":
             # ρ·(h*)'(‖D‖)/‖D‖·D per tensor (forward.isotropic), the factor applied in the axpy
-            factors = isotropic_factors(torch.stack(torch._foreach_norm(u_views)), geometry)
+            if factors is None:  # (the norms of the new momentum: allocated after its write)
+                factors = isotropic_factors(torch.stack(torch._foreach_norm(u_views)), geometry)
             if wd:
                 torch._foreach_mul_(x_b, 1 - gamma * wd)
             torch._foreach_addcmul_(x_b, u_views, list(factors.unbind(0)), value=scale)
+            factors = None
             continue
         steps = u_views
         if kind == "anisotropic":
@@ -104,18 +116,41 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
         if wd:
             torch._foreach_mul_(x_b, 1 - gamma * wd)
         torch._foreach_add_(x_b, steps, alpha=scale)
+    for bind in binds:
+        bind()
 
 
-def _adam_state(rt: Runtime, state, items: list, xs: list) -> tuple:
+def _adam_state(rt: Runtime, state, items: list, xs: list, binds: list) -> tuple:
     """The flat Adam moments of a flat call (buffers and their per-tensor views) and the step
     number this step takes (the count is per parameter; a flat call's tensors share it: the
-    optimizer splits its jobs by state history)."""
+    optimizer splits its jobs by state history); new buffers and the count are written by
+    ``binds``, after the step's writes."""
     step = state[items[0][0]].get("adam_step", 0) + 1
-    m = rt.stacked.flat(state, items, xs, "exp_avg")
-    v = rt.stacked.flat(state, items, xs, "exp_avg_sq")
-    for p, _ in items:
-        state[p]["adam_step"] = step
+    m = rt.stacked.flat(state, items, xs, "exp_avg", binds)
+    v = rt.stacked.flat(state, items, xs, "exp_avg_sq", binds)
+
+    def count():
+        for p, _ in items:
+            state[p]["adam_step"] = step
+
+    binds.append(count)
     return m, v, step
+
+
+def _heavy_or_first(ds: list, gs: list, group: dict, first: bool) -> None:
+    """d⁰ = g⁰ (heavy ball, or ``init: gradient``; with Nesterov u = g.lerp(g, ·) = g), or heavy
+    ball's b ← μb + (1 − τ)g, torch.optim.SGD's ops (directions.heavy_ball)."""
+    if first:
+        torch._foreach_copy_(ds, gs)
+        return
+    torch._foreach_mul_(ds, group["momentum"])
+    torch._foreach_add_(ds, gs, alpha=1 - group["dampening"])
+
+
+def scratch(kind: str, direction: bool, nesterov: bool, unfused_adam: bool) -> tuple:
+    """The workspace slots a flat step's blocks take (:func:`step_flat`)."""
+    slots = ("u",) if nesterov or (kind == "anisotropic") else ()
+    return slots + (("denom",) if unfused_adam else ())
 
 
 #: entries of a block of the flat path (:func:`_blocks`): 4 MiB per float32 array, so a block's
