@@ -480,3 +480,22 @@ def test_int8_state_is_checked_by_its_declared_types_and_ranges(int8_stepped, co
     corrupt(st)
     refused(opt, sd, f"'{name}'", key, needle)
     opt.load_state_dict(copy.deepcopy(saved))  # the intact one loads
+
+
+def test_a_direction_changed_in_the_checkpoint_needs_its_coefficients_and_an_optimizer_built_for_it(stepped):
+    """A group's direction may differ from the spec's (a user may switch it between steps), with
+    the coefficients it reads; a STORM direction needs an optimizer built for it."""
+    opt, saved = stepped
+    for kind, needle in (("lion", "['beta1', 'beta2']"), ("heavy_ball", "['momentum', 'dampening']"),
+                         ("storm", "not built for")):
+        sd = copy.deepcopy(saved)
+        group_of(sd, "hidden")["direction"] = kind
+        refused(opt, sd, "rule 'hidden'", "'direction'", needle)
+    sd = copy.deepcopy(saved)
+    group_of(sd, "hidden").update(direction="lion", beta1=0.9, beta2=0.99)
+    opt.load_state_dict(sd)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.param_groups[0]["direction"] == "lion" and all(bool(torch.isfinite(p).all()) for p in params)

@@ -69,7 +69,9 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
                              rows=kind != "isotropic")
     take = functools.partial(rt.workspace.take, dtype=xs[0].dtype, device=xs[0].device)
     largest = max((n if n is not None else sum(x.numel() for x in xs)) for _, _, n in blocks)
-    for slot in scratch(kind, d is not None, nesterov, adam is not None and not fused):
+    # isotropic: its norms allocate after the new momentum is formed, so that is formed in a scratch
+    staged = kind == "isotropic" and lerp
+    for slot in scratch(kind, staged, nesterov, adam is not None and not fused):
         take(slot, (largest,))  # the workspace at its largest now: the blocks' takes reuse it
     steps_t = None if not fused else torch.full((), adam[2], dtype=torch.float32, device=xs[0].device)
     factors = None
@@ -81,7 +83,13 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
         cut = (lambda ts: ts) if pieces is None else functools.partial(cut_pieces, pieces=pieces)
         x_b, g_b = cut(xs), cut(gs)
         d_b: Any = None if d is None else cut(ds)
-        if lerp:
+        d_new, d_views = (None, d_b) if d is None else (d[off:off + n], d_b)
+        if lerp and staged:  # d⁺ formed in a scratch (the same lerp, the same bits), written after the norms
+            d_new = take("d", (n,))
+            d_views = split_like(d_new, x_b)
+            torch._foreach_copy_(d_views, d_b)
+            polyak_foreach(d_views, g_b, alpha)
+        elif lerp:
             polyak_foreach(d_b, g_b, alpha)
         u: Any
         u_views: Any
@@ -90,9 +98,9 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
             u_views = split_like(u, x_b)
             torch._foreach_copy_(u_views, g_b)
             if nesterov:
-                u.lerp_(d[off:off + n], 1 - alpha)  # g.lerp(d, 1 − α), as the batched path
+                u.lerp_(d_new, 1 - alpha)  # g.lerp(d, 1 − α), as the batched path
         elif d is not None:
-            u, u_views = d[off:off + n], d_b
+            u, u_views = d_new, d_views
         else:
             u, u_views = None, g_b
         if adam is not None:
@@ -101,8 +109,10 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
             continue
         if kind == "isotropic":
             # ρ·(h*)'(‖D‖)/‖D‖·D per tensor (forward.isotropic), the factor applied in the axpy
-            if factors is None:  # (the norms of the new momentum: allocated after its write)
+            if factors is None:  # the norms of the new momentum, before it is written
                 factors = isotropic_factors(torch.stack(torch._foreach_norm(u_views)), geometry)
+            if staged and lerp:
+                torch._foreach_copy_(d_b, d_views)
             if wd:
                 torch._foreach_mul_(x_b, 1 - gamma * wd)
             torch._foreach_addcmul_(x_b, u_views, list(factors.unbind(0)), value=scale)
@@ -147,10 +157,11 @@ def _heavy_or_first(ds: list, gs: list, group: dict, first: bool) -> None:
     torch._foreach_add_(ds, gs, alpha=1 - group["dampening"])
 
 
-def scratch(kind: str, direction: bool, nesterov: bool, unfused_adam: bool) -> tuple:
-    """The workspace slots a flat step's blocks take (:func:`step_flat`)."""
+def scratch(kind: str, staged: bool, nesterov: bool, unfused_adam: bool) -> tuple:
+    """The workspace slots a flat step's blocks take (:func:`step_flat`): the look-ahead or the
+    map's output ``u``, a staged momentum ``d``, unfused Adam's ``denom``."""
     slots = ("u",) if nesterov or (kind == "anisotropic") else ()
-    return slots + (("denom",) if unfused_adam else ())
+    return slots + (("d",) if staged else ()) + (("denom",) if unfused_adam else ())
 
 
 #: entries of a block of the flat path (:func:`_blocks`): 4 MiB per float32 array, so a block's

@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
 from geomopt.optim import stages as post_stages
+from geomopt.optim.construction import check_capturable, check_dion
 from geomopt.optim.stacked import COUNTS, STACKED
 from geomopt.optim.state_codec import BLOCK, MOMENTS, SCALE, STORED, scale_shape
 from geomopt.optim.migrate import KINDS, VIEW_KEYS
@@ -192,6 +193,8 @@ def group_value_error(group: Mapping, key: str, value: Any):
     if key == "direction":
         if model is None:
             return key, f"not a direction (one of {', '.join(DIRECTION_MODELS)})"
+        # (a coefficient missing, as in a checkpoint from before groups held them, is the spec's:
+        # :func:`check_built_for`)
         fields = {k: group[k] for k in model.model_fields if k != "kind" and k in group}
         return _validation_error(model, dict(fields, kind=kind), key)
     if model is not None and key in model.model_fields:
@@ -202,6 +205,30 @@ def group_value_error(group: Mapping, key: str, value: Any):
     if value is None:  # (a rule's field is optional, the default filling it: a group holds the value)
         return key, "no value (a group holds each value resolved)"
     return _validation_error(spec_model, {field: value}, key)
+
+
+def check_built_for(opt, groups: list) -> None:
+    """The loaded groups on the optimizer as it was built: the checks its constructor makes of
+    the spec's values (:mod:`geomopt.optim.construction`: dion on sharded tensors, what a
+    capturable step cannot run) hold for them, and a storm direction needs an optimizer built
+    with one (it evaluates the closure at the previous iterate, decided at construction)."""
+    for i, (g, mine) in enumerate(zip(groups, opt.param_groups)):
+        model = DIRECTION_MODELS[g["direction"]]
+        # what the group lacks the loader takes from this optimizer's group (the spec's values)
+        missing = [k for k in model.model_fields if k != "kind" and k not in g and k not in mine]
+        if missing:
+            raise CheckpointError(f"param_groups[{i}] (rule '{g.get('rule', '?')}'): 'direction' is "
+                                  f"{g['direction']!r} without its coefficients {missing} (a group holds every "
+                                  f"value its direction reads): add them, or set the direction the spec sets")
+        if g.get("direction") == "storm" and not opt._options.keeps_prev:
+            raise CheckpointError(f"param_groups[{i}] (rule '{g.get('rule', '?')}'): 'direction' is 'storm', which "
+                                  f"this optimizer was not built for (its spec has no storm direction): set the "
+                                  f"spec's direction to storm, or the group's to what the spec sets")
+    try:
+        check_dion(groups, opt._options)
+        check_capturable(groups, opt._plans, opt._options)
+    except ValueError as err:
+        raise CheckpointError(f"the state's param_groups: {err}") from None
 
 
 def _validation_error(model, data: dict, key: str):
