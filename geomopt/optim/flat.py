@@ -73,7 +73,7 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     staged = kind == "isotropic" and lerp
     for slot in scratch(kind, staged, nesterov, adam is not None and not fused):
         take(slot, (largest,))  # the workspace at its largest now: the blocks' takes reuse it
-    steps_t = None if not fused else torch.full((), adam[2], dtype=torch.float32, device=xs[0].device)
+    steps_t = None if adam is None or not fused else torch.full((), adam[2], dtype=torch.float32, device=xs[0].device)
     factors = None
     if kind == "isotropic" and d is None:  # nothing is written before the norms: taken here
         factors = isotropic_factors(torch.stack(torch._foreach_norm(gs)), geometry)

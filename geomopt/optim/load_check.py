@@ -106,7 +106,8 @@ def check_meta(meta: Any) -> None:
                            "a list of dicts (one per group)"),
                           ("transposed", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
                            "a list of tensor names"),
-                          ("world_size", lambda v: _is_int(v) and v >= 1, "an int ≥ 1"), ("sharded", lambda v: isinstance(v, bool), "a bool"),
+                          ("world_size", lambda v: _is_int(v) and v >= 1, "an int ≥ 1"),
+                          ("sharded", lambda v: isinstance(v, bool), "a bool"),
                           ("mesh", lambda v: isinstance(v, list), "a list"),
                           ("pending", lambda v: v is None or (
                               isinstance(v, Mapping) and isinstance(v.get("done"), list)
@@ -264,7 +265,7 @@ def count_error(value: Any, floats: bool = False):
     if not math.isfinite(number) or number != int(number):
         return "not an integer"
     if not 0 <= int(number) <= COUNT_MAX:
-        return f"outside [0, 2⁶³ − 1], the range of a step count"
+        return "outside [0, 2⁶³ − 1], the range of a step count"
     return None
 
 
