@@ -112,6 +112,8 @@ def mutate(draw, sd: dict) -> list:
     group's rule, the tensor)."""
     where = draw(st.sampled_from(["group", "group", "state", "state", "state", "counters", "meta", "drop"]))
     groups, state, meta = sd["param_groups"], sd["state"], sd["geomopt"]
+    if not state:  # (an earlier mutation emptied it)
+        where = "meta"
     if where == "group":
         g = draw(st.sampled_from(groups))
         key = draw(st.sampled_from(sorted(k for k in g if k not in ("params", "param_names")) + ["extra"]))
@@ -138,7 +140,8 @@ def mutate(draw, sd: dict) -> list:
         else:
             entry[key] = draw(VALUES)
         return [key, names[pid]]
-    if where == "counters":
+    if where == "counters" and isinstance(meta.get("counters"), list) and meta["counters"] and all(
+            isinstance(c, dict) for c in meta["counters"]):
         i = draw(st.integers(0, len(meta["counters"]) - 1))
         key = draw(st.sampled_from(["skipped", "fallbacks", "update_sq"]))
         meta["counters"][i][key] = draw(VALUES)
