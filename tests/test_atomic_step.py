@@ -262,7 +262,11 @@ rules:
     geometry: {{kind: spectral, reference: {{kind: indicator}}, approx: {{kind: newton_schulz}}}}
     direction: {{kind: polyak, alpha: 0.1, nesterov: true}}
     state: {dtype}
-  - {{name: rest, match: "**", geometry: {{kind: adam}}, state: {dtype}}}
+  - name: rest  # a momentum as well, kept float32 where int8 does not quantize (a size not a multiple of 256)
+    match: "**"
+    geometry: {{kind: adam}}
+    direction: {{kind: polyak, alpha: 0.5, nesterov: true}}
+    state: {dtype}
 """
 #: how many allocation points each case tries: a spread over the step (every one: GEOMOPT_FAULTS=all)
 FAULTS = os.environ.get("GEOMOPT_FAULTS", "24")
