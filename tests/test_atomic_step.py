@@ -268,6 +268,16 @@ rules:
     direction: {{kind: polyak, alpha: 0.5, nesterov: true}}
     state: {dtype}
 """
+#: an elementwise rule whose map allocates after its momentum is formed (the norms): heavy ball,
+#: whose first step copies the gradient
+HEAVY_ISOTROPIC = """geomopt: 1
+name: heavy-isotropic
+rules:
+  - name: all
+    match: "**"
+    geometry: {kind: isotropic, reference: {kind: log_barrier, eps: 1.0e-8}}
+    direction: {kind: heavy_ball, momentum: 0.9}
+"""
 #: how many allocation points each case tries: a spread over the step (every one: GEOMOPT_FAULTS=all)
 FAULTS = os.environ.get("GEOMOPT_FAULTS", "24")
 
@@ -389,17 +399,23 @@ def allocations(opt, grads: list) -> int:
     "int8", "bfloat16",  # batched, the state encoded at each commit
     "muon",  # batched in-place writes, and the flat path with torch's fused AdamW kernel
     "sign-descent", "prox-muon-frobenius", "adamw-hybrid",  # flat blocks and scratch; a journaled prox
+    "heavy-isotropic",
 ])
 def test_out_of_memory_at_any_allocation_leaves_each_tensor_before_or_after(spec, order):
     """Out of memory wherever a step allocates (every ATen op that makes a new tensor, counted by
     a dispatch mode): the step raises it, every tensor is as before the step or as one clean
     step leaves it, counters included (the update norm tracked), and a retry completes the step
     bit for bit."""
-    text = PRECISION.format(dtype=spec) if spec in ("int8", "bfloat16") else spec
-    model, opt = build(geomopt.parse_spec(text) if spec in ("int8", "bfloat16") else text, track_update=True)
-    grads = [grads_of(model, 0), grads_of(model, 1)]
-    for steps in (grads[:1], grads):
-        n = allocations(opt, steps)
-        points = spread(n)
-        # (a point past the end: a cache filled by the counting run, e.g. the int8 code table)
-        assert check_faults(opt, steps, allocation_fails, points) >= len(points) // 2
+    texts = {"int8": PRECISION.format(dtype="int8"), "bfloat16": PRECISION.format(dtype="bfloat16"),
+             "heavy-isotropic": HEAVY_ISOTROPIC}
+    parsed = geomopt.parse_spec(texts[spec]) if spec in texts else spec
+    for track in (False, True):  # tracking the update runs every rule batched (no flat path)
+        model, opt = build(parsed, track_update=track)
+        assert track or spec in ("int8", "bfloat16") or any(
+            p.variant == "flat" for progs in opt._programs for p in progs)
+        grads = [grads_of(model, 0), grads_of(model, 1)]
+        for steps in (grads[:1], grads):
+            n = allocations(opt, steps)
+            points = spread(n)
+            # (a point past the end: a cache filled by the counting run, e.g. the int8 code table)
+            assert check_faults(opt, steps, allocation_fails, points) >= len(points) // 2

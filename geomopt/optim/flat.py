@@ -70,27 +70,26 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     take = functools.partial(rt.workspace.take, dtype=xs[0].dtype, device=xs[0].device)
     largest = max((n if n is not None else sum(x.numel() for x in xs)) for _, _, n in blocks)
     # isotropic: its norms allocate after the new momentum is formed, so that is formed in a scratch
-    staged = kind == "isotropic" and lerp
+    staged = kind == "isotropic" and d is not None
     for slot in scratch(kind, staged, nesterov, adam is not None and not fused):
         take(slot, (largest,))  # the workspace at its largest now: the blocks' takes reuse it
     steps_t = None if adam is None or not fused else torch.full((), adam[2], dtype=torch.float32, device=xs[0].device)
     factors = None
     if kind == "isotropic" and d is None:  # nothing is written before the norms: taken here
         factors = isotropic_factors(torch.stack(torch._foreach_norm(gs)), geometry)
-    if d is not None and not lerp:
-        _heavy_or_first(ds, gs, group, first)
     for pieces, off, n in blocks:
         cut = (lambda ts: ts) if pieces is None else functools.partial(cut_pieces, pieces=pieces)
         x_b, g_b = cut(xs), cut(gs)
         d_b: Any = None if d is None else cut(ds)
         d_new, d_views = (None, d_b) if d is None else (d[off:off + n], d_b)
-        if lerp and staged:  # d⁺ formed in a scratch (the same lerp, the same bits), written after the norms
+        if staged:  # d⁺ formed in a scratch (the same ops, the same bits), written after the norms
             d_new = take("d", (n,))
             d_views = split_like(d_new, x_b)
             torch._foreach_copy_(d_views, d_b)
+        if lerp:
             polyak_foreach(d_views, g_b, alpha)
-        elif lerp:
-            polyak_foreach(d_b, g_b, alpha)
+        elif d is not None:
+            _heavy_or_first(d_views, g_b, group, first)
         u: Any
         u_views: Any
         if nesterov or (kind == "anisotropic" and d is None):
@@ -111,7 +110,7 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
             # ρ·(h*)'(‖D‖)/‖D‖·D per tensor (forward.isotropic), the factor applied in the axpy
             if factors is None:  # the norms of the new momentum, before it is written
                 factors = isotropic_factors(torch.stack(torch._foreach_norm(u_views)), geometry)
-            if staged and lerp:
+            if staged:
                 torch._foreach_copy_(d_b, d_views)
             if wd:
                 torch._foreach_mul_(x_b, 1 - gamma * wd)
