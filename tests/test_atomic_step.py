@@ -5,15 +5,19 @@ as one clean step leaves it, the committed ones are the ones the optimizer names
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import geomopt
 from geomopt import GeomOptimizer
 from geomopt.geometry import polynomial
+from geomopt.optim import state_codec
 from geomopt.optim.load_check import CheckpointError
 from optim_helpers import gpt_batch, loss_of, tiny_gpt
 
@@ -45,11 +49,11 @@ class InjectedFault(RuntimeError):
     """The fault the tests inject at an operator request."""
 
 
-def build(spec):
+def build(spec, **options):
     model = tiny_gpt(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        opt = GeomOptimizer(model, spec)
+        opt = GeomOptimizer(model, spec, **options)
     return model, opt
 
 
@@ -245,3 +249,173 @@ def test_a_checkpoint_naming_tensors_this_optimizer_lacks_is_refused_before_anyt
     with pytest.raises(CheckpointError, match="pending"):
         opt.load_state_dict(saved)
     assert opt.pending_step is None
+
+
+# ---------------------------------------------------------------- faults outside operator requests
+
+#: state in another precision: each bucket's state is encoded (which allocates) at its commit
+PRECISION = """geomopt: 1
+name: precision
+rules:
+  - name: hidden
+    match: {{role: hidden}}
+    geometry: {{kind: spectral, reference: {{kind: indicator}}, approx: {{kind: newton_schulz}}}}
+    direction: {{kind: polyak, alpha: 0.1, nesterov: true}}
+    state: {dtype}
+  - name: rest  # a momentum as well, kept float32 where int8 does not quantize (a size not a multiple of 256)
+    match: "**"
+    geometry: {{kind: adam}}
+    direction: {{kind: polyak, alpha: 0.5, nesterov: true}}
+    state: {dtype}
+"""
+#: an elementwise rule whose map allocates after its momentum is formed (the norms): heavy ball,
+#: whose first step copies the gradient
+HEAVY_ISOTROPIC = """geomopt: 1
+name: heavy-isotropic
+rules:
+  - name: all
+    match: "**"
+    geometry: {kind: isotropic, reference: {kind: log_barrier, eps: 1.0e-8}}
+    direction: {kind: heavy_ball, momentum: 0.9}
+"""
+#: how many allocation points each case tries: a spread over the step (every one: GEOMOPT_FAULTS=all)
+FAULTS = os.environ.get("GEOMOPT_FAULTS", "24")
+
+
+class InjectedOutOfMemory(torch.OutOfMemoryError):
+    """The out-of-memory error the tests raise where the step allocates."""
+
+
+def allocates(func) -> bool:
+    """Whether an ATen op makes a new tensor: one of its results aliases no input (not a view,
+    an in-place or an ``out=`` op)."""
+    return any(r.alias_info is None and "Tensor" in str(r.type) for r in func._schema.returns)
+
+
+class FaultAtAllocation(TorchDispatchMode):
+    """Counts the ops that allocate and raises :class:`InjectedOutOfMemory` at the ``at``-th (−1:
+    never): what a device out of memory does, wherever the step allocates."""
+
+    def __init__(self, at: int = -1):
+        super().__init__()
+        self.at, self.count, self.hit = at, 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if allocates(func):
+            self.count += 1
+            if self.count - 1 == self.at:
+                self.hit = str(func)
+                raise InjectedOutOfMemory(f"injected at {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def check_faults(opt, grads: list, arm, points) -> int:
+    """For each fault point in ``points``: a copy of ``opt`` over ``grads`` steps with the fault
+    ``arm(trial, at)`` installed (a context manager); the step must raise it, leave each tensor
+    as before the step or as one clean step leaves it (the committed ones), and a retry must give
+    the bits and counts of one clean step. Returns how many points raised."""
+    clean = copy_with_grads(opt, grads)
+    was = snapshot(clean)
+    clean.step()
+    want = snapshot(clean)
+    raised = 0
+    for at in points:
+        trial = copy_with_grads(opt, grads)
+        try:
+            with arm(trial, at):
+                trial.step()
+            continue  # past the step's last point
+        except (InjectedFault, InjectedOutOfMemory):
+            raised += 1
+        pending = trial.pending_step
+        done = set(pending["done"]) if pending else set()
+        for name, (p, state) in tensors(trial).items():
+            ref = want[name] if name in done else was[name]
+            assert torch.equal(p, ref[0]), (name, at, name in done)
+            assert same_state(state, ref[1]), (name, at, name in done)
+        trial.step()
+        assert trial.pending_step is None
+        for name, (p, state) in tensors(trial).items():
+            assert torch.equal(p, want[name][0]), (name, at)
+            assert same_state(state, want[name][1]), (name, at)
+        assert [g["step"] for g in trial.param_groups] == [g["step"] for g in clean.param_groups]
+        for mine, theirs in zip(trial._counters, clean._counters):
+            assert mine["skipped"] == theirs["skipped"] and torch.equal(mine["fallbacks"], theirs["fallbacks"])
+            assert torch.equal(mine["update_sq"], theirs["update_sq"]), at
+    return raised
+
+
+@contextlib.contextmanager
+def encode_fails(trial, at: int):
+    """The ``at``-th encoding of a bucket's state (:meth:`Codec.encode`) raises out of memory."""
+    encode, calls = state_codec.Codec.encode, [0]
+
+    def failing(self, values):
+        if self.dtype != "float32":
+            calls[0] += 1
+            if calls[0] - 1 == at:
+                raise InjectedOutOfMemory("out of memory while encoding the state")
+        return encode(self, values)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(state_codec.Codec, "encode", failing)
+        yield
+
+
+@contextlib.contextmanager
+def allocation_fails(trial, at: int):
+    with FaultAtAllocation(at):
+        yield
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_a_fault_while_the_state_is_encoded_leaves_each_tensor_before_or_after(dtype, order):
+    """Out of memory in the codec, at each bucket's encoding: the bucket's parameters, state and
+    counters are as before the step (none half-written), and the retry gives one clean step's bits."""
+    model, opt = build(geomopt.parse_spec(PRECISION.format(dtype=dtype)))
+    grads = [grads_of(model, 0), grads_of(model, 1)]
+    buckets = sum(1 for progs in opt._programs for p in progs if p.variant == "batched")
+    for steps in (grads[:1], grads):
+        assert check_faults(opt, steps, encode_fails, range(buckets + 1)) == buckets
+
+
+def spread(n: int) -> list:
+    """The allocation points tried of a step making ``n``: all of them with GEOMOPT_FAULTS=all,
+    else that many spread evenly (the last one always)."""
+    if FAULTS == "all" or int(FAULTS) >= n:
+        return list(range(n))
+    k = int(FAULTS)
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def allocations(opt, grads: list) -> int:
+    twin = copy_with_grads(opt, grads)
+    with FaultAtAllocation() as mode:
+        twin.step()
+    return mode.count
+
+
+@pytest.mark.parametrize("spec", [
+    "int8", "bfloat16",  # batched, the state encoded at each commit
+    "muon",  # batched in-place writes, and the flat path with torch's fused AdamW kernel
+    "sign-descent", "prox-muon-frobenius", "adamw-hybrid",  # flat blocks and scratch; a journaled prox
+    "heavy-isotropic",
+])
+def test_out_of_memory_at_any_allocation_leaves_each_tensor_before_or_after(spec, order):
+    """Out of memory wherever a step allocates (every ATen op that makes a new tensor, counted by
+    a dispatch mode): the step raises it, every tensor is as before the step or as one clean
+    step leaves it, counters included (the update norm tracked), and a retry completes the step
+    bit for bit."""
+    texts = {"int8": PRECISION.format(dtype="int8"), "bfloat16": PRECISION.format(dtype="bfloat16"),
+             "heavy-isotropic": HEAVY_ISOTROPIC}
+    parsed = geomopt.parse_spec(texts[spec]) if spec in texts else spec
+    for track in (False, True):  # tracking the update runs every rule batched (no flat path)
+        model, opt = build(parsed, track_update=track)
+        assert track or spec in ("int8", "bfloat16") or any(
+            p.variant == "flat" for progs in opt._programs for p in progs)
+        grads = [grads_of(model, 0), grads_of(model, 1)]
+        for steps in (grads[:1], grads):
+            n = allocations(opt, steps)
+            points = spread(n)
+            # (a point past the end: a cache filled by the counting run, e.g. the int8 code table)
+            assert check_faults(opt, steps, allocation_fails, points) >= len(points) // 2

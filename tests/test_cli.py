@@ -554,3 +554,28 @@ def test_a_file_name_too_long_is_exit_2_with_the_reason(capsys, tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     code, out, err = run(capsys, *argv)
     assert code == 2 and "File name too long" in out + err, (code, out, err)
+
+
+@pytest.mark.parametrize("header, data, needle", [
+    ({"w": {"dtype": "F32", "shape": [1000000, 1000000], "data_offsets": [0, 16]}}, 16, "needs 4000000000000 bytes"),
+    ({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}, 8, "holds 8 data bytes"),
+    ({"w": {"dtype": "F32", "shape": [2, 2]}}, 16, "data_offsets None"),
+    ({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 4]}}, 16, "data_offsets [8, 4]"),
+])
+def test_a_safetensors_header_whose_tensors_exceed_the_file_is_refused(capsys, tmp_path, header, data, needle):
+    """The header is all lint reads of a safetensors file: a tensor's shape must fit the bytes
+    the file holds for it, or the plan describes a model that is not there."""
+    path = tmp_path / "lying.safetensors"
+    path.write_bytes(_safetensors_bytes(header) + b"\0" * data)
+    code, out, err = run(capsys, "lint", USCION, "--checkpoint", str(path))
+    assert code == 2 and out == "" and needle in err and "Traceback" not in err
+
+
+def test_a_safetensors_file_saved_by_the_library_still_lints(capsys, tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(3, 5), "b": torch.zeros(3, dtype=torch.bfloat16)}, str(tmp_path / "ok.safetensors"))
+    from geomopt.compile.params import params_from_checkpoint
+
+    infos = {i.name: i for i in params_from_checkpoint(tmp_path / "ok.safetensors")}
+    assert (infos["w"].shape, infos["b"].shape) == ((3, 5), (3,))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import geomopt
+from geomopt.compile.compiler import as_spec
 from geomopt.models import GPT, GPTConfig, get_model
 from geomopt.optim import CheckpointError
 
@@ -336,3 +337,165 @@ def test_a_tensor_lr_survives_a_spec_change_unshared():
     assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(0.0005)
     lr.add_(1.0)
     assert group_of(sd, "rest")["lr"].item() == pytest.approx(0.0005)
+
+
+def spec_message(field: tuple, value) -> str:
+    """What validating a spec whose field at ``field`` (a path under the rule ``hidden``) holds
+    ``value`` says: the message a checkpoint's group value must repeat."""
+    rule: dict = {"name": "hidden", "match": "**", "geometry": {"kind": "euclidean"}}
+    node = rule
+    for part in field[:-1]:
+        node = node.setdefault(part, {"kind": "polyak"} if part == "direction" else {})
+    node[field[-1]] = value
+    with pytest.raises(geomopt.SpecError) as err:
+        as_spec({"geomopt": 1, "name": "x", "rules": [rule]})
+    text = str(err.value)
+    return text.split(": ", 2)[2].split(", got")[0]  # the message after the position and the field
+
+
+@pytest.mark.parametrize("key, bad, field", [
+    ("radius", -1.0, ("geometry", "radius")),  # the rule would step uphill
+    ("radius", 0.0, ("geometry", "radius")),
+    ("weight_decay", -5.0, ("weight_decay",)),
+    ("alpha", 2.0, ("direction", "alpha")),
+    ("alpha", 0.0, ("direction", "alpha")),
+    ("nesterov", "yes", ("direction", "nesterov")),
+    ("init", "ones", ("direction", "init")),
+    ("on_nonfinite", "explode", ("on_nonfinite",)),
+    ("lr", -1.0, ("lr",)),
+])
+def test_a_group_value_is_validated_as_the_spec_field_it_came_from(stepped, key, bad, field):
+    """A checkpoint's group values pass the spec's own validators (the same message a spec with
+    that value gets), and a refusal names the rule and key and changes nothing."""
+    opt, saved = stepped
+    sd = copy.deepcopy(saved)
+    group_of(sd, "hidden")[key] = bad
+    refused(opt, sd, "rule 'hidden'", f"'{key}'", spec_message(field, bad))
+
+
+@pytest.mark.parametrize("key, bad, needle", [
+    ("direction", "magic", "not a direction"),
+    ("direction", 3, "not a direction"),
+    ("schedule", {"kind": "cosine"}, "'schedule'"),
+    ("schedule", None, "no value"),
+    ("step", 10 ** 30, "2⁶³"),
+    ("step", -1, "outside"),
+    ("step", 2.0, "not an int"),
+    ("warmup_steps", -3, "greater than or equal to 0"),
+    ("warmup_alpha", 0.5, "needs both warmup_steps"),  # without its steps: Polyak's cross-field rule, on 'direction'
+    ("rule", 7, "'rule'"),
+])
+def test_a_groups_kind_schedule_and_count_are_checked(stepped, key, bad, needle):
+    opt, saved = stepped
+    sd = copy.deepcopy(saved)
+    group_of(sd, "hidden")[key] = bad
+    named = "direction" if key == "warmup_alpha" else key
+    refused(opt, sd, "param_groups[0]" if key == "rule" else "rule 'hidden'", f"'{named}'", needle)
+
+
+def test_a_direction_coefficient_is_validated_by_its_kinds_model():
+    spec = {"geomopt": 1, "name": "hb", "rules": [
+        {"name": "all", "match": "**", "geometry": {"kind": "euclidean"},
+         "direction": {"kind": "heavy_ball", "momentum": 0.9}}]}
+    _, opt = build(spec)
+    saved = opt.state_dict()
+    for key, bad in (("momentum", 1.5), ("momentum", -0.1), ("dampening", 2.0), ("nesterov", 1)):
+        sd = copy.deepcopy(saved)
+        sd["param_groups"][0][key] = bad
+        refused(opt, sd, "rule 'all'", f"'{key}'")
+    sd = copy.deepcopy(saved)
+    sd["param_groups"][0]["momentum"] = 0.5  # in range: loads, and the step reads it
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["momentum"] == 0.5
+
+
+@pytest.mark.parametrize("where, bad, needle", [
+    ("update_sq", torch.tensor(math.nan), "finite"),
+    ("update_sq", torch.tensor(-1.0), "≥ 0"),
+    ("fallbacks", torch.tensor(-2), "≥ 0"),
+    ("fallbacks", torch.tensor(True), "integer"),
+    ("skipped", 2 ** 63, "2⁶³"),
+])
+def test_counters_are_checked_by_type_and_range(stepped, where, bad, needle):
+    opt, saved = stepped
+    sd = copy.deepcopy(saved)
+    sd["geomopt"]["counters"][0][where] = bad
+    refused(opt, sd, f"geomopt['counters'][0]['{where}']", needle)
+
+
+def test_world_size_is_a_count_of_ranks(stepped):
+    """A world size is an int ≥ 1 (replicated state, saved unsharded, loads at any world size)."""
+    opt, saved = stepped
+    for bad in (0, -2, 1.0, "2"):
+        sd = copy.deepcopy(saved)
+        sd["geomopt"]["world_size"] = bad
+        refused(opt, sd, "geomopt['world_size']")
+
+
+def test_an_unknown_state_key_is_refused(stepped):
+    opt, saved = stepped
+    sd = copy.deepcopy(saved)
+    name, st = entry(sd, "d")
+    st["momentum_bufer"] = torch.zeros(3)
+    refused(opt, sd, f"'{name}'", "'momentum_bufer'", "not a key this optimizer keeps")
+    sd = copy.deepcopy(saved)
+    name, st = entry(sd, "adam_step")
+    st["adam_step"] = 10 ** 30
+    refused(opt, sd, f"'{name}'", "'adam_step'", "2⁶³")
+
+
+def test_a_step_count_may_be_an_int_or_an_integer_tensor(stepped):
+    """Adam's count loads as a Python int or a one-element integer tensor (torch keeps its
+    ``step`` as a tensor), and the run goes on from it."""
+    opt, saved = stepped
+    sd = copy.deepcopy(saved)
+    name, st = entry(sd, "adam_step")
+    st["adam_step"] = torch.tensor(st["adam_step"], dtype=torch.int64)
+    opt.load_state_dict(sd)
+
+
+INT8 = {"geomopt": 1, "name": "int8", "rules": [
+    {"name": "hidden", "match": {"role": "hidden"}, "state": "int8", "direction": {"kind": "polyak", "alpha": 0.1},
+     "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}}},
+    {"name": "rest", "match": "**", "geometry": {"kind": "adam"}, "state": "int8"}]}
+
+
+@pytest.fixture(scope="module")
+def int8_stepped():
+    model, opt = build(INT8, steps=2)
+    return opt, copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.parametrize("corrupt, key, needle", [
+    (lambda st: st["d_absmax"].view(-1).__setitem__(0, -1.0), "d_absmax", "negative"),
+    (lambda st: st.__setitem__("d", st["d"].float()), "'d'", "uint8 codes"),
+    (lambda st: st.pop("d"), "d_absmax", "no codes"),
+    (lambda st: st.pop("d_absmax"), "'d'", "torch.uint8"),
+    (lambda st: st.__setitem__("d_absmax", st["d_absmax"].reshape(-1)[:1].clone()), "d_absmax", "block scales"),
+])
+def test_int8_state_is_checked_by_its_declared_types_and_ranges(int8_stepped, corrupt, key, needle):
+    opt, saved = int8_stepped
+    sd = copy.deepcopy(saved)
+    name, st = entry(sd, "d_absmax")
+    corrupt(st)
+    refused(opt, sd, f"'{name}'", key, needle)
+    opt.load_state_dict(copy.deepcopy(saved))  # the intact one loads
+
+
+def test_a_direction_changed_in_the_checkpoint_needs_its_coefficients_and_an_optimizer_built_for_it(stepped):
+    """A group's direction may differ from the spec's (a user may switch it between steps), with
+    the coefficients it reads; a STORM direction needs an optimizer built for it."""
+    opt, saved = stepped
+    for kind, needle in (("lion", "['beta1', 'beta2']"), ("heavy_ball", "['momentum', 'dampening']"),
+                         ("storm", "not built for")):
+        sd = copy.deepcopy(saved)
+        group_of(sd, "hidden")["direction"] = kind
+        refused(opt, sd, "rule 'hidden'", "'direction'", needle)
+    sd = copy.deepcopy(saved)
+    group_of(sd, "hidden").update(direction="lion", beta1=0.9, beta2=0.99)
+    opt.load_state_dict(sd)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.param_groups[0]["direction"] == "lion" and all(bool(torch.isfinite(p).all()) for p in params)

@@ -7,6 +7,7 @@ JSON header, ``.pt``/``.pth``/``.bin`` through ``torch.load(weights_only=True)``
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 import pickle
@@ -106,7 +107,17 @@ def params_from_checkpoint(path: str | Path) -> list[ParamInfo]:
     return [ParamInfo(name=name, shape=s, dtype=d, modules=None) for name, (_, s, d) in zip(names, entries)]
 
 
+#: bytes per entry of each safetensors dtype (the format's list); another dtype's size is not checked
+SAFETENSORS_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+                     "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "C64": 8}
+
+
 def _safetensors_header(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of each tensor a safetensors header lists, refusing a header whose
+    tensors the file cannot hold: each tensor's ``data_offsets`` [begin, end] lie within the bytes
+    after the header, and where its dtype's size is known, end − begin = size·∏shape (a header
+    claiming a 10⁶ × 10⁶ matrix in a file of a few bytes plans, and reports, a model that is not
+    there)."""
     with open_regular(path) as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -120,6 +131,7 @@ def _safetensors_header(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
             raise ValueError(f"{path}: not a safetensors file (bad header)") from None
         except RecursionError:  # json.loads recurses per level: `{"a": [[[[…` 100,000 deep
             raise ValueError(f"{path}: not a safetensors file (header nested too deeply)") from None
+        held = max(f.seek(0, 2) - 8 - n, 0)  # the bytes after the header
     if not isinstance(header, dict):
         raise ValueError(f"{path}: not a safetensors file (header is not a JSON object)")
     # keyed by whatever the header holds: an unknown dtype (or none) is shown as written
@@ -131,8 +143,25 @@ def _safetensors_header(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
         shape = meta.get("shape", [])
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise ValueError(f"{path}: not a safetensors file (tensor {name!r} has shape {shape!r})")
+        _check_extent(path, name, meta, shape, held)
         out.append((name, tuple(shape), dtypes.get(meta.get("dtype"), str(meta.get("dtype")))))
     return out
+
+
+def _check_extent(path: Path, name: str, meta: dict, shape: list, held: int) -> None:
+    """A tensor's ``data_offsets`` within the ``held`` data bytes and, for a dtype of known size,
+    exactly its shape's bytes."""
+    offsets = meta.get("data_offsets")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) and not isinstance(o, bool)
+                                                                       for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= held):
+        raise ValueError(f"{path}: not a safetensors file (tensor {name!r} has data_offsets {offsets!r}; the file "
+                         f"holds {held} data bytes)")
+    size = SAFETENSORS_SIZES.get(meta.get("dtype"))  # type: ignore[arg-type]
+    if size is not None and math.prod(shape) * size != offsets[1] - offsets[0]:
+        raise ValueError(f"{path}: not a safetensors file (tensor {name!r} of shape {shape} and dtype "
+                         f"{meta.get('dtype')} needs {math.prod(shape) * size} bytes, its data_offsets give "
+                         f"{offsets[1] - offsets[0]})")
 
 
 def _torch_checkpoint(path: Path) -> list[tuple[str, tuple[int, ...], str]]:

@@ -40,13 +40,16 @@ def adam_moments(g: torch.Tensor, state: dict, geometry: dict) -> tuple[torch.Te
     return exp_avg, denom, bias_correction1
 
 
-def adam_multi_tensor(xs, us, m, v, step, pieces, off, geometry, gamma, weight_decay, fused, take) -> None:
+def adam_multi_tensor(xs, us, m, v, step, pieces, off, geometry, gamma, weight_decay, fused, take,
+                      steps=None) -> None:
     """AdamW's update of ``xs`` (a block's ``pieces`` of the flat call, from ``off`` in the
     flat moments ``m``, ``v``, each a (buffer, views) pair; all of it when ``pieces`` is None):
     torch's fused AdamW kernel where ``fused`` (the caller checked the device has it:
     :mod:`geomopt.optim.program`) (torch.optim.AdamW(fused=True) bit for bit: one pass
     instead of eight), else :func:`adam_moments`'s op order (AdamW's
-    single-tensor path, bit for bit) with the denominator in ``take("denom", shape)`` (a scratch)."""
+    single-tensor path, bit for bit) with the denominator in ``take("denom", shape)`` (a scratch).
+    ``steps``: the fused kernel's count as a float32 0-d tensor, made by the caller before it writes
+    anything (None: made here)."""
     beta1, beta2 = (float(b) for b in geometry["betas"])  # a plan's fragment holds every default
     (m, m_views), (v, v_views) = m, v
     eps = working_eps(float(geometry["eps"]), v.dtype, norm=True)
@@ -55,8 +58,10 @@ def adam_multi_tensor(xs, us, m, v, step, pieces, off, geometry, gamma, weight_d
         m, v = m[off:off + n], v[off:off + n]
         m_views, v_views = split_like(m, xs), split_like(v, xs)
     if fused:
-        steps = [torch.full((), step, dtype=torch.float32, device=xs[0].device)] * len(xs)  # read, not written
-        torch._fused_adamw_(xs, us, m_views, v_views, [], steps, lr=gamma, beta1=beta1, beta2=beta2,
+        if steps is None:
+            steps = torch.full((), step, dtype=torch.float32, device=xs[0].device)
+        # the count is read, not written
+        torch._fused_adamw_(xs, us, m_views, v_views, [], [steps] * len(xs), lr=gamma, beta1=beta1, beta2=beta2,
                             weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
         return
     torch._foreach_lerp_(m_views, us, 1 - beta1)

@@ -1,11 +1,13 @@
 """A step never half-applies.
 
 A step is a sequence of jobs (a bucket of same-shape tensors of a rule, or a flat call of an
-elementwise rule), each of which writes its tensors and their state at once, after every operator
-request it makes (forward op, post-stages, backward op) has answered. An exception from an
-operator (an operator error, out of memory, a fault) therefore reaches a job before it wrote its
-parameters; state it updated in place before that request (momentum, moments) is restored from a
-journal copy (:func:`journal`), so the job leaves every bit as it found it. Jobs that finished
+elementwise rule), each of which writes its tensors, their state and its counters at once, after
+every operator request it makes (forward op, post-stages, backward op) has answered and after
+everything it allocates (its state's encoding into bfloat16 or int8, its counters' sums, an
+elementwise rule's scratch and new state buffers): the writes themselves allocate nothing. An
+exception (an operator error, out of memory, a fault) therefore reaches a job before it wrote its
+parameters; state it updated in place before that (momentum, moments) is restored from a journal
+copy (:func:`journal`), so the job leaves every bit as it found it. Jobs that finished
 before are *committed*. :class:`PendingStep` records them: the exception carries a note naming
 the committed and the interrupted tensors, and the next ``step()`` (with the same gradients)
 applies only the tensors not yet committed, then advances the step counts once, so the two calls

@@ -94,6 +94,12 @@ class BucketJob:
         # the stored state changes at the commit
         self.codec = codec(rt, items, pp, group["step"])
         state = self.state = Codec.decode(state)
+        if prog.journal and self.codec.dtype != "float32":
+            # a momentum kept float32 (a tensor int8 does not quantize) is what the put-off updates
+            # write in place: on a copy here, so that nothing live is written before the encoding
+            # of the rest (which allocates, and may fail) has run (:meth:`prepare`)
+            for buf in rt.stacked.live(items, state, ("d",)):
+                state["d"] = buf.clone()
         if self.ok is not None:  # step counts on the device, and the state as it was
             for key in COUNTS:
                 if key in state and (not isinstance(state[key], torch.Tensor) or state[key].device != self.ok.device):
@@ -175,6 +181,7 @@ class BucketJob:
         gamma, rho, wd = self.gamma, self.rho, self.group["weight_decay"]
         if self.prog.write != "stacked":  # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) on the parameters themselves
             steps = list(step.unbind(0))
+            self.prepare()  # the state's stored form first: a failure there leaves X as it was
             if self.ok is not None:  # γ·ok: a skipped step writes X·1 + 0·S, X itself
                 self.write_scaled(steps, self.ok * gamma)
             elif self.lerp:
@@ -185,7 +192,7 @@ class BucketJob:
                 if wd:
                     torch._foreach_mul_(self.views, 1 - gamma * wd)
                 torch._foreach_add_(self.views, steps, alpha=gamma if self.prog.write == "one-pass" else -gamma * rho)
-            self.finish()
+            self.bind()
             return None
         # Y = X(1 − γ·wd) − γρ·∇φ₁*(d): ρ folds into the axpy (one pass fewer than scaling the
         # forward output), and the decayed copy of X is updated in place
@@ -223,11 +230,15 @@ class BucketJob:
                        lambda m: backward(m, gamma, geometry, constraint, radius=rho, batch_dims=1))
 
     def on_backward(self, answer) -> Optional[Request]:
+        """X⁺ written back with the state and the counters: everything that allocates (the
+        selections, the counters' sums, the state's encoding) runs first, then the writes, none of
+        which allocates, so an exception (out of memory) leaves the bucket as it found it."""
         x_new, fallback = answer
-        counters, prog = self.counters, self.prog
+        counters, prog, in_place = self.counters, self.prog, self.ok is not None
+        counts = {}
         if fallback is not None:
             n = fallback.sum() if self.ok is None else fallback.sum() * self.ok
-            counters["fallbacks"] = _accumulate(counters["fallbacks"], n, self.ok is not None)
+            counts["fallbacks"] = _accumulate(counters["fallbacks"], n, in_place)
         if self.ok is not None:
             x_new = torch.where(self.ok, x_new, self.x)  # type: ignore[arg-type]
         if prog.track_gap and self.pp.constraint is not None and self.rho > 0 and (
@@ -235,13 +246,17 @@ class BucketJob:
             self.state["w"] = (x_new - self.y) / (self.gamma * self.rho)
         if prog.track_update and _first_holder(self.rt, self.items[0][0]):  # replicas count their block once
             delta = (x_new - self.x).reshape(-1)
-            counters["update_sq"] = _accumulate(counters["update_sq"], torch.dot(delta, delta), self.ok is not None)
-        self.finish()
+            counts["update_sq"] = _accumulate(counters["update_sq"], torch.dot(delta, delta), in_place)
+        self.prepare()
+        counters.update(counts)
+        self.bind()
         torch._foreach_copy_(self.views, list(x_new.unbind(0)))
         return None
 
-    def finish(self) -> None:
-        """The commit: the direction's put-off updates run and the state binds to the new rows."""
+    def prepare(self) -> None:
+        """The commit's first half: the direction's put-off updates run and the state takes its
+        stored form (:meth:`Codec.encode`, which allocates). Nothing live is written here but the
+        put-off updates' in-place writes of float32 state, after which nothing allocates."""
         for update in self.fresh or ():
             update()
         if self.ok is not None:  # selected into the same tensors: the entries stay bound (a compiled step
@@ -250,6 +265,9 @@ class BucketJob:
                 torch.where(self.ok, self.state[key], old, out=live)  # type: ignore[arg-type]
                 self.state[key] = live
         self.state = self.codec.encode(self.state)
+
+    def bind(self) -> None:
+        """The commit's second half: the state entries bind to the new rows (no allocation)."""
         self.rt.stacked.scatter(self.state_of, self.items, self.state)
         self.saved, self.next = [], None
 

@@ -20,8 +20,8 @@ from geomopt.compile.wrappers import strip, unwrap
 from geomopt.distributed.executors import is_dtensor
 from geomopt.optim.atomic import PendingStep
 from geomopt.optim.contract import check_not_meta
-from geomopt.optim.load_check import (CheckpointError, check_entry, check_group_values, check_layout,
-                                       check_meta, check_same_spec)
+from geomopt.optim.load_check import (CheckpointError, check_built_for, check_entry, check_group_values,
+                                       check_layout, check_meta, check_same_spec)
 from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
 from geomopt.optim.stacked import COUNTS
 from geomopt.optim.tensors import count_tensor
@@ -159,6 +159,7 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
     # names are optional, as in torch: generated ones (param.<i>, either side) match by position
     check_same_spec(opt, state_dict, same_rules=meta["spec_hash"] == opt.spec_hash,
                     unnamed=set(getattr(opt, "_generated_names", ())) | set(meta.get("generated_names", ())))
+    check_built_for(opt, state_dict["param_groups"])
     # everything is checked: build, then install at once (torch's loader is not called: it would
     # run the pre-hooks a second time, and it casts floating state to the parameter's dtype,
     # where geomopt keeps float32 state for bf16 parameters)

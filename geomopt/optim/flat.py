@@ -33,7 +33,12 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     (:func:`flat_blocks`: row ranges of at most :data:`BLOCK` entries, and of the largest
     bucket at most): each block's momentum, map and update follow each other while the block
     is in cache, and the scratch is one block of the workspace. Every op is elementwise, so
-    blocks change no bit."""
+    blocks change no bit.
+
+    A step never half-applies (:mod:`geomopt.optim.atomic`): what it allocates (new state buffers,
+    the scratch at its largest block, the fused kernel's count, the isotropic norms) is made
+    before the first write, new state binds to its entries and the count advances after the
+    last, so an exception (out of memory) leaves parameters and state as they were."""
     pp = items[0][1]
     geometry, kind = pp.geometry, pp.geometry["kind"]
     alpha = group["alpha"] if alpha is None else alpha
@@ -45,20 +50,16 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     # flow below, not the types, says where they are set)
     d: Any = None
     ds: Any = None
-    lerp = nesterov = heavy = False
+    binds: list = []  # new state buffers' bindings, and the count: after the last write
+    lerp = nesterov = first = heavy = False
     if group["direction"] != "none":
-        first = "d" not in state[items[0][0]]
-        d, ds = rt.stacked.flat(state, items, xs, "d")
         heavy = group["direction"] == "heavy_ball"
-        nesterov = group["nesterov"]
-        if first and (heavy or group["init"] == "gradient"):
-            torch._foreach_copy_(ds, gs)  # d⁰ = g⁰ (and with Polyak's Nesterov u = g.lerp(g, ·) = g)
-        elif heavy:  # b ← μb + (1 − τ)g, torch.optim.SGD's ops (directions.heavy_ball)
-            torch._foreach_mul_(ds, group["momentum"])
-            torch._foreach_add_(ds, gs, alpha=1 - group["dampening"])
-        else:
-            lerp = True
-    adam = _adam_state(rt, state, items, xs) if kind == "adam" else None
+        first = "d" not in state[items[0][0]] and (heavy or group["init"] == "gradient")  # d⁰ = g⁰
+        d, ds = rt.stacked.flat(state, items, xs, "d", binds)
+        lerp = not (heavy or first)
+        # heavy ball's Nesterov from the first step (torch.optim.SGD); Polyak's first u = g.lerp(g, ·) = g
+        nesterov = group["nesterov"] and (heavy or not first)
+    adam = _adam_state(rt, state, items, xs, binds) if kind == "adam" else None
     fused = adam is not None and prog.fused and all(t.is_contiguous() for t in (*xs, *(gs if ds is None else ds)))
     writes = nesterov or kind == "anisotropic" or (adam is not None and not fused)
     blocks: list[Any]
@@ -68,12 +69,28 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
         blocks = flat_blocks(xs, min(rt.largest_bucket, BLOCK) if kind != "isotropic" else rt.largest_bucket,
                              rows=kind != "isotropic")
     take = functools.partial(rt.workspace.take, dtype=xs[0].dtype, device=xs[0].device)
+    largest = max((n if n is not None else sum(x.numel() for x in xs)) for _, _, n in blocks)
+    # isotropic: its norms allocate after the new momentum is formed, so that is formed in a scratch
+    staged = kind == "isotropic" and d is not None
+    for slot in scratch(kind, staged, nesterov, adam is not None and not fused):
+        take(slot, (largest,))  # the workspace at its largest now: the blocks' takes reuse it
+    steps_t = None if adam is None or not fused else torch.full((), adam[2], dtype=torch.float32, device=xs[0].device)
+    factors = None
+    if kind == "isotropic" and d is None:  # nothing is written before the norms: taken here
+        factors = isotropic_factors(torch.stack(torch._foreach_norm(gs)), geometry)
     for pieces, off, n in blocks:
         cut = (lambda ts: ts) if pieces is None else functools.partial(cut_pieces, pieces=pieces)
         x_b, g_b = cut(xs), cut(gs)
         d_b: Any = None if d is None else cut(ds)
+        d_new, d_views = (None, d_b) if d is None else (d[off:off + n], d_b)
+        if staged:  # d⁺ formed in a scratch (the same ops, the same bits), written after the norms
+            d_new = take("d", (n,))
+            d_views = split_like(d_new, x_b)
+            torch._foreach_copy_(d_views, d_b)
         if lerp:
-            polyak_foreach(d_b, g_b, alpha)
+            polyak_foreach(d_views, g_b, alpha)
+        elif d is not None:
+            _heavy_or_first(d_views, g_b, group, first)
         u: Any
         u_views: Any
         if nesterov or (kind == "anisotropic" and d is None):
@@ -81,23 +98,27 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
             u_views = split_like(u, x_b)
             torch._foreach_copy_(u_views, g_b)
             if nesterov and heavy:  # g + μb, torch.optim.SGD's Nesterov (directions.heavy_ball)
-                u.add_(d[off:off + n], alpha=group["momentum"])
+                u.add_(d_new, alpha=group["momentum"])
             elif nesterov:
-                u.lerp_(d[off:off + n], 1 - alpha)  # g.lerp(d, 1 − α), as the batched path
+                u.lerp_(d_new, 1 - alpha)  # g.lerp(d, 1 − α), as the batched path
         elif d is not None:
-            u, u_views = d[off:off + n], d_b
+            u, u_views = d_new, d_views
         else:
             u, u_views = None, g_b
         if adam is not None:
             (m, v, count) = adam
-            adam_multi_tensor(x_b, u_views, m, v, count, pieces, off, geometry, gamma, wd, fused, take)
+            adam_multi_tensor(x_b, u_views, m, v, count, pieces, off, geometry, gamma, wd, fused, take, steps_t)
             continue
         if kind == "isotropic":
             # ρ·(h*)'(‖D‖)/‖D‖·D per tensor (forward.isotropic), the factor applied in the axpy
-            factors = isotropic_factors(torch.stack(torch._foreach_norm(u_views)), geometry)
+            if factors is None:  # the norms of the new momentum, before it is written
+                factors = isotropic_factors(torch.stack(torch._foreach_norm(u_views)), geometry)
+            if staged:
+                torch._foreach_copy_(d_b, d_views)
             if wd:
                 torch._foreach_mul_(x_b, 1 - gamma * wd)
             torch._foreach_addcmul_(x_b, u_views, list(factors.unbind(0)), value=scale)
+            factors = None
             continue
         steps = u_views
         if kind == "anisotropic":
@@ -107,19 +128,43 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
         if wd:
             torch._foreach_mul_(x_b, 1 - gamma * wd)
         torch._foreach_add_(x_b, steps, alpha=scale)
+    for bind in binds:
+        bind()
 
 
-def _adam_state(rt: Runtime, state, items: list, xs: list) -> tuple:
+def _adam_state(rt: Runtime, state, items: list, xs: list, binds: list) -> tuple:
     """The flat Adam moments of a flat call (buffers and their per-tensor views) and the step
     number this step takes (the count is per parameter; a flat call's tensors share it: the
-    optimizer splits its jobs by state history)."""
+    optimizer splits its jobs by state history); new buffers and the count are written by
+    ``binds``, after the step's writes."""
     step = int(state[items[0][0]].get("adam_step", 0)) + 1
-    m = rt.stacked.flat(state, items, xs, "exp_avg")
-    v = rt.stacked.flat(state, items, xs, "exp_avg_sq")
-    count = count_tensor(step)  # one tensor for the call's tensors (a step replaces it, never writes into it)
-    for p, _ in items:
-        state[p]["adam_step"] = count
+    m = rt.stacked.flat(state, items, xs, "exp_avg", binds)
+    v = rt.stacked.flat(state, items, xs, "exp_avg_sq", binds)
+    tensor = count_tensor(step)  # one tensor for the call's tensors (a step replaces it, never writes into it)
+
+    def count():
+        for p, _ in items:
+            state[p]["adam_step"] = tensor
+
+    binds.append(count)
     return m, v, step
+
+
+def _heavy_or_first(ds: list, gs: list, group: dict, first: bool) -> None:
+    """d⁰ = g⁰ (heavy ball, or ``init: gradient``; with Nesterov u = g.lerp(g, ·) = g), or heavy
+    ball's b ← μb + (1 − τ)g, torch.optim.SGD's ops (directions.heavy_ball)."""
+    if first:
+        torch._foreach_copy_(ds, gs)
+        return
+    torch._foreach_mul_(ds, group["momentum"])
+    torch._foreach_add_(ds, gs, alpha=1 - group["dampening"])
+
+
+def scratch(kind: str, staged: bool, nesterov: bool, unfused_adam: bool) -> tuple:
+    """The workspace slots a flat step's blocks take (:func:`step_flat`): the look-ahead or the
+    map's output ``u``, a staged momentum ``d``, unfused Adam's ``denom``."""
+    slots = ("u",) if nesterov or (kind == "anisotropic") else ()
+    return slots + (("d",) if staged else ()) + (("denom",) if unfused_adam else ())
 
 
 #: entries of a block of the flat path (:func:`_blocks`): 4 MiB per float32 array, so a block's

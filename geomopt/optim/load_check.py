@@ -26,21 +26,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, get_args
 
 import torch
+from pydantic import ValidationError
 
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
 from geomopt.optim import stages as post_stages
+from geomopt.optim.construction import check_capturable, check_dion
+from geomopt.optim.stacked import COUNTS, STACKED
 from geomopt.optim.state_codec import BLOCK, MOMENTS, SCALE, STORED, scale_shape
 from geomopt.optim.migrate import KINDS, VIEW_KEYS
 from geomopt.optim.tensors import as_real, local
+from geomopt.spec.geometries import Euclidean
+from geomopt.spec.model import Hyper
+from geomopt.spec.validate import friendly
+from geomopt.spec.updates import Direction, Polyak
 
 #: state keys that hold second moments (a mean of squares: never negative)
 SECOND_MOMENTS = ("exp_avg_sq", "post_v", "post_g2", "max_exp_avg_sq")
 #: state keys that count steps (geomopt's are ints; torch.optim's ``step`` may be a tensor)
 STEP_KEYS = ("adam_step", post_stages.STAGE_STEP, "step")
+#: every key of a tensor's state this optimizer keeps: its stacked state and step counts
+KEPT = (*STACKED, *COUNTS)
 #: the keys of a geomopt param group (a same-spec load installs the saved groups as they are)
 GROUP_KEYS = ("rule", "lr", "weight_decay", "radius", "direction", "alpha", "nesterov", "init", "schedule",
               "on_nonfinite", "step")
@@ -97,7 +106,8 @@ def check_meta(meta: Any) -> None:
                            "a list of dicts (one per group)"),
                           ("transposed", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
                            "a list of tensor names"),
-                          ("world_size", _is_int, "an int"), ("sharded", lambda v: isinstance(v, bool), "a bool"),
+                          ("world_size", lambda v: _is_int(v) and v >= 1, "an int ≥ 1"),
+                          ("sharded", lambda v: isinstance(v, bool), "a bool"),
                           ("mesh", lambda v: isinstance(v, list), "a list"),
                           ("pending", lambda v: v is None or (
                               isinstance(v, Mapping) and isinstance(v.get("done"), list)
@@ -114,11 +124,13 @@ def check_meta(meta: Any) -> None:
         where = f"geomopt['counters'][{i}]"
         if not isinstance(c, Mapping):
             raise CheckpointError(f"{where} is a {type(c).__name__}, not a dict: {_FIX}")
-        for key, ok, what in (("skipped", lambda v: _is_int(v) and v >= 0, "an int ≥ 0"),
+        for key, ok, what in (("skipped", lambda v: _is_int(v) and count_error(v) is None, "an int in [0, 2⁶³)"),
                               ("fallbacks", lambda v: isinstance(v, torch.Tensor) and v.numel() == 1
-                               and not v.is_floating_point(), "a one-element integer tensor"),
+                               and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool
+                               and count_error(v) is None, "a one-element integer tensor ≥ 0"),
                               ("update_sq", lambda v: isinstance(v, torch.Tensor) and v.numel() == 1
-                               and v.is_floating_point(), "a one-element float tensor")):
+                               and v.is_floating_point() and math.isfinite(v.item()) and v.item() >= 0,
+                               "a one-element float tensor, finite and ≥ 0 (a sum of squares)")):
             if key not in c:
                 raise CheckpointError(f"{where} has no '{key}' (it has {sorted(c)}): a checkpoint of an older or "
                                       f"edited optimizer; {_FIX}, or drop geomopt['counters'] to restart them")
@@ -127,24 +139,134 @@ def check_meta(meta: Any) -> None:
 
 
 def check_group_values(groups: list) -> None:
-    """A geomopt group's numbers: a NaN lr would turn every parameter into NaN on the next step."""
+    """A geomopt group's values, each by the validator of the spec field it came from
+    (:data:`GROUP_FIELDS`: ``lr`` ≥ 0 and finite, ``radius`` > 0, ``alpha`` in (0, 1], a
+    direction's kind and coefficients by its model, ``on_nonfinite`` one of its words, …), and its
+    step count by :func:`count_error`: a checkpoint holds only what a spec could have set, so a
+    NaN lr or a negative radius (a rule that steps uphill) is refused here, not run."""
     for i, g in enumerate(groups):
         where = f"param_groups[{i}] (rule '{g.get('rule', '?')}')"
         if "lr" not in g:
             raise CheckpointError(f"{where} has no 'lr': {_FIX}")
-        for key in ("lr", "weight_decay", "radius", "alpha"):
-            if key not in g:
-                continue
-            value = _number(g[key])
-            if value is None:
-                raise CheckpointError(f"{where}: '{key}' is {_short(g[key])}, not a number: {_FIX}")
-            if not math.isfinite(value) or (key == "lr" and value < 0):
-                raise CheckpointError(f"{where}: '{key}' is {value}; it must be finite{' and ≥ 0' * (key == 'lr')} "
-                                      f"(a diverged run or a scheduler's bad value): set it in the dict, or load an "
-                                      f"earlier checkpoint")
-        step = _number(g["step"]) if "step" in g else 0  # an int, or a capturable step's device count
-        if step is None or isinstance(g["step"], bool) or not math.isfinite(step) or step < 0 or step != int(step):
-            raise CheckpointError(f"{where}: 'step' is {_short(g['step'])}, not an int ≥ 0: {_FIX}")
+        if "rule" in g and not isinstance(g["rule"], str):
+            raise CheckpointError(f"{where}: 'rule' is {_short(g['rule'])}, not a rule's name: {_FIX}")
+        for key, value in g.items():
+            if key in GROUP_FIELDS or key in DIRECTION_FIELDS:
+                error = group_value_error(g, key, value)
+                if error is not None:
+                    named, why = error
+                    raise CheckpointError(f"{where}: '{named}' is {_short(g[named])}: {why} (as in a spec); set it "
+                                          f"in the dict, or load an earlier checkpoint")
+        if "step" in g:  # an int, or a capturable step's device count
+            error = count_error(g["step"])
+            if error is not None:
+                raise CheckpointError(f"{where}: 'step' is {_short(g['step'])}, {error}: {_FIX}")
+
+
+#: a group value → (the spec model whose field validates it, the field's name); a direction's own
+#: coefficients are validated by its kind's model (:data:`DIRECTION_FIELDS`)
+GROUP_FIELDS: dict = {
+    "lr": (Hyper, "lr"), "weight_decay": (Hyper, "weight_decay"), "schedule": (Hyper, "schedule"),
+    "on_nonfinite": (Hyper, "on_nonfinite"), "radius": (Euclidean, "radius"),
+    "direction": (Hyper, "direction"),  # (its kind and coefficients: by its kind's model)
+    # every group holds these three (the defaults where its direction has none): Polyak's fields
+    "alpha": (Polyak, "alpha"), "nesterov": (Polyak, "nesterov"), "init": (Polyak, "init"),
+}
+#: a direction's kind → its spec model
+DIRECTION_MODELS = {m.model_fields["kind"].default: m for m in get_args(get_args(Direction)[0])}
+#: every direction model's fields but ``kind`` (the group keys they validate)
+DIRECTION_FIELDS = {f for m in DIRECTION_MODELS.values() for f in m.model_fields if f != "kind"}
+
+
+def group_value_error(group: Mapping, key: str, value: Any):
+    """(the key it is about, what the spec's validator says) of ``value`` as ``group[key]``; None when
+    it accepts it. A
+    direction's coefficients are validated together by the model of the group's direction kind
+    (its cross-field rules too, e.g. a warmup's steps and α set together); a one-element tensor (an
+    lr a scheduler keeps as a tensor) is validated as its number."""
+    if isinstance(value, torch.Tensor):
+        number = _number(value)
+        if number is None or key != "lr":
+            return key, "not a number" if key == "lr" else "not a plain value"
+        value = number
+    kind = group.get("direction")
+    model = DIRECTION_MODELS.get(kind) if isinstance(kind, str) else None
+    if key == "direction":
+        if model is None:
+            return key, f"not a direction (one of {', '.join(DIRECTION_MODELS)})"
+        # (a coefficient missing, as in a checkpoint from before groups held them, is the spec's:
+        # :func:`check_built_for`)
+        fields = {k: group[k] for k in model.model_fields if k != "kind" and k in group}
+        return _validation_error(model, dict(fields, kind=kind), key)
+    if model is not None and key in model.model_fields:
+        return None  # validated with its direction
+    if key not in GROUP_FIELDS:
+        return None  # another direction's coefficient (a group keeps the spec's values of its own only)
+    spec_model, field = GROUP_FIELDS[key]
+    if value is None:  # (a rule's field is optional, the default filling it: a group holds the value)
+        return key, "no value (a group holds each value resolved)"
+    return _validation_error(spec_model, {field: value}, key)
+
+
+def check_built_for(opt, groups: list) -> None:
+    """The loaded groups on the optimizer as it was built: the checks its constructor makes of
+    the spec's values (:mod:`geomopt.optim.construction`: dion on sharded tensors, what a
+    capturable step cannot run) hold for them, and a storm direction needs an optimizer built
+    with one (it evaluates the closure at the previous iterate, decided at construction)."""
+    for i, (g, mine) in enumerate(zip(groups, opt.param_groups)):
+        model = DIRECTION_MODELS[g["direction"]]
+        # what the group lacks the loader takes from this optimizer's group (the spec's values)
+        missing = [k for k in model.model_fields if k != "kind" and k not in g and k not in mine]
+        if missing:
+            raise CheckpointError(f"param_groups[{i}] (rule '{g.get('rule', '?')}'): 'direction' is "
+                                  f"{g['direction']!r} without its coefficients {missing} (a group holds every "
+                                  f"value its direction reads): add them, or set the direction the spec sets")
+        if g.get("direction") == "storm" and not opt._options.keeps_prev:
+            raise CheckpointError(f"param_groups[{i}] (rule '{g.get('rule', '?')}'): 'direction' is 'storm', which "
+                                  f"this optimizer was not built for (its spec has no storm direction): set the "
+                                  f"spec's direction to storm, or the group's to what the spec sets")
+    try:
+        check_dion(groups, opt._options)
+        check_capturable(groups, opt._plans, opt._options)
+    except ValueError as err:
+        raise CheckpointError(f"the state's param_groups: {err}") from None
+
+
+def _validation_error(model, data: dict, key: str):
+    """(the group key, the first message) of ``model``'s validation of ``data``: the key is the
+    field the error points at where the group holds it, else ``key``; None when it validates."""
+    try:
+        model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = [str(x) for x in first["loc"]]
+        named = loc[0] if loc and loc[0] in data and loc[0] != "kind" else key
+        rest = ".".join(loc[1:])
+        return named, friendly(first["type"], first["msg"]) + (f" (at {rest})" if rest else "")
+    return None
+
+
+#: the largest count a step counter holds: torch keeps counts as int64 tensors
+COUNT_MAX = 2 ** 63 - 1
+
+
+def count_error(value: Any, floats: bool = False):
+    """What is wrong with ``value`` as a step count (a Python int, or a one-element integer or
+    integral float tensor, as torch's ``step``, in [0, 2⁶³); ``floats``: an integral Python float
+    too, as torch's own ``step`` once was); None when it is one."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            return "not a one-element real tensor"
+        number = value.item()
+    elif (isinstance(value, int) or (floats and isinstance(value, float))) and not isinstance(value, bool):
+        number = value
+    else:
+        return "not an int"
+    if not math.isfinite(number) or number != int(number):
+        return "not an integer"
+    if not 0 <= int(number) <= COUNT_MAX:
+        return "outside [0, 2⁶³ − 1], the range of a step count"
+    return None
 
 
 def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
@@ -153,17 +275,23 @@ def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
     together (a partial kind fails on the next step, after the load)."""
     for key, value in entry.items():
         if key in STEP_KEYS:
-            step = _number(value)
-            if step is None or not math.isfinite(step) or step < 0 or step != int(step):
+            error = count_error(value, floats=key == "step")
+            if error is not None:
                 raise CheckpointError(f"tensor '{name}': state '{key}' is {_short(value)}, not a step count "
-                                      f"(an integer ≥ 0): {_FIX}")
+                                      f"(an integer ≥ 0): {error}: {_FIX}")
             continue
         if not isinstance(value, torch.Tensor):
             if key in VIEW_KEYS or key in SECOND_MOMENTS or key == "prev" or key == "momentum_buffer":
                 raise CheckpointError(f"tensor '{name}': state '{key}' is {_short(value)}, not a tensor: {_FIX}")
             continue
-        if value.dtype == torch.uint8 and key in MOMENTS and key + SCALE in entry:  # int8 state: codes
+        if key in MOMENTS and key + SCALE in entry:  # int8 state: codes (any byte is a code)
+            if value.dtype != torch.uint8:
+                raise CheckpointError(f"tensor '{name}': state '{key}' is {value.dtype} beside its block scales "
+                                      f"'{key + SCALE}': int8 state keeps uint8 codes there: {_FIX}")
             continue
+        if key.endswith(SCALE) and key[:-len(SCALE)] in MOMENTS and key[:-len(SCALE)] not in entry:
+            raise CheckpointError(f"tensor '{name}': state '{key}' (int8 block scales) has no codes "
+                                  f"'{key[:-len(SCALE)]}' beside it: {_FIX}")
         if not (value.is_floating_point() or value.is_complex()):  # complex: a complex parameter's state
             raise CheckpointError(f"tensor '{name}': state '{key}' has dtype {value.dtype}, not a floating dtype: "
                                   f"{_FIX}")
@@ -172,9 +300,11 @@ def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
             raise CheckpointError(f"tensor '{name}': state '{key}' holds {int((~torch.isfinite(data)).sum())} "
                                   f"non-finite value(s) (the run had diverged when it was saved): load an earlier "
                                   f"checkpoint")
-        if key in SECOND_MOMENTS and bool((data < 0).any()):
-            raise CheckpointError(f"tensor '{name}': second moment '{key}' holds {int((data < 0).sum())} negative "
-                                  f"value(s) (a mean of squares is ≥ 0; its square root would be NaN): {_FIX}")
+        if (key in SECOND_MOMENTS or key.endswith(SCALE)) and bool((data < 0).any()):
+            what = "block scales" if key.endswith(SCALE) else "second moment"
+            why = "a block's largest magnitude" if key.endswith(SCALE) else "a mean of squares"
+            raise CheckpointError(f"tensor '{name}': {what} '{key}' holds {int((data < 0).sum())} negative "
+                                  f"value(s) ({why} is ≥ 0): {_FIX}")
     # Adam's moments and step count move together (a stage's post_step also counts stages without
     # state, so it may stand alone)
     for keys in [KINDS["adam"]] if geomopt_keys else []:
@@ -217,6 +347,11 @@ def check_same_spec(opt, sd: Mapping, same_rules: bool = True, unnamed=frozenset
     for pid, entry in sd["state"].items():
         p, pp = params[index[pid]], plans[index[pid]]
         check_entry(pp.name, entry)
+        unknown = [k for k in entry if k not in KEPT]
+        if unknown:
+            raise CheckpointError(f"tensor '{pp.name}': state '{unknown[0]}' is not a key this optimizer keeps "
+                                  f"({', '.join(KEPT)}): the state was edited or saved by another optimizer; drop "
+                                  f"the key, or load it with allow_spec_change=True to carry over what fits")
         for key, value in entry.items():
             if isinstance(value, torch.Tensor) and key not in STEP_KEYS:
                 _check_tensor(pp, p, key, value)
@@ -239,8 +374,8 @@ def _check_tensor(pp, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
     elif key in post_stages.STAGE_STATE:  # a statistic: each dim whole, or summed out (1), or per block
         op = tuple(pp.op_shape)
         want = None if len(shape) == len(op) and all(1 <= s <= n for s, n in zip(shape, op)) else f"≤ {op}"
-    else:
-        want = None  # a key this version does not keep: left as it is
+    else:  # a step count (checked above)
+        want = None
     if want is not None and shape != want:
         raise CheckpointError(f"tensor '{pp.name}' {tuple(p.shape)}: state '{key}' has shape {shape}, this "
                               f"optimizer keeps {want}: the state was saved on another model (or edited); build "

@@ -249,7 +249,7 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Op
     graphed = opts.cuda_graphs and approx in POLYNOMIAL_APPROXES and opts.local and p.device.type == "cuda"
     if graphed:
         why.append(f"cuda_graphs: the {approx} iteration replays from a CUDA graph")
-    journal = opts.local and (kind != "adam" or bool(pp.post) or pp.constraint is not None)
+    journal = opts.local
     check = "before"
     if opts.capturable:
         check = "device"

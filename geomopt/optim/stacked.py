@@ -98,9 +98,11 @@ class StackedState:
                 for p, _ in items:
                     state[p][key] = value
 
-    def flat(self, state, items: list, xs: list, key: str) -> tuple:
+    def flat(self, state, items: list, xs: list, key: str, binds: Optional[list] = None) -> tuple:
         """The flat buffer of state ``key`` for a flat call and its per-parameter views (rebuilt
-        when the entries are not its views: first step, or after load_state_dict)."""
+        when the entries are not its views: first step, or after load_state_dict). ``binds`` (a
+        list): a rebuilt buffer's binding to the state entries is appended to it, for the caller
+        to run once nothing it does can fail any more (the entries stay as they were until then)."""
         ids = tuple(id(p) for p, _ in items) + ("flat", key)
         buf = self.buffers.get(ids)
         entries = [state[p].get(key) for p, _ in items]
@@ -113,9 +115,18 @@ class StackedState:
             torch._foreach_copy_(views, [as_real(state_row(e, pp, key)) for e, (_, pp) in zip(entries, items)])
         else:
             buf.zero_()
-        self.buffers[ids] = buf
-        for v, (p, pp) in zip(views, items):  # a complex parameter's entry is complex, as torch's
-            state[p][key] = state_entry(like_param(v, p), p, pp, key)
+        # a complex parameter's entry is complex, as torch's
+        bound = [state_entry(like_param(v, p), p, pp, key) for v, (p, pp) in zip(views, items)]
+
+        def bind():
+            self.buffers[ids] = buf
+            for entry, (p, _) in zip(bound, items):
+                state[p][key] = entry
+
+        if binds is None:
+            bind()
+        else:
+            binds.append(bind)
         return buf, views
 
     def kept(self, items: list, name: str, shape, like: torch.Tensor, dtype=None) -> torch.Tensor:

@@ -121,7 +121,7 @@ def _one(err: ErrorDetails, path: tuple, model, data, source: SourceMap) -> Diag
         if path[:1] == ("roles",):
             return _diag("GO005", f"roles: unknown role {_show(role)}{_roles_hint(role)}", source,
                          _at(source, path, key=True))
-        return _diag("GO005", f"{_where(path[:-1]) or 'spec'}: key {_show(role)}: {_friendly(etype, msg)}", source,
+        return _diag("GO005", f"{_where(path[:-1]) or 'spec'}: key {_show(role)}: {friendly(etype, msg)}", source,
                      _at(source, path, key=True))
     if etype == "duplicate_rule_name":
         ctx = err["ctx"]
@@ -167,7 +167,7 @@ def _one(err: ErrorDetails, path: tuple, model, data, source: SourceMap) -> Diag
     if etype == "literal_error" and isinstance(value, str):  # `scale: scoin`
         choices = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
         got += did_you_mean(value, choices)
-    return _diag("GO005", f"{where or 'spec'}: {_friendly(etype, msg)}{got}", source, _at(source, path))
+    return _diag("GO005", f"{where or 'spec'}: {friendly(etype, msg)}{got}", source, _at(source, path))
 
 
 def _bad_role_pattern(data) -> tuple | None:
@@ -183,7 +183,8 @@ def _roles_hint(word: str) -> str:
     return f"{did_you_mean(word, ROLE_NAMES)} (roles: {', '.join(ROLE_NAMES)})"
 
 
-def _friendly(etype: str, msg: str) -> str:
+def friendly(etype: str, msg: str) -> str:
+    """A validation error's message as a spec's diagnostic (and a checkpoint's refusal) says it."""
     if etype == "bool_type":
         return "expected true or false"
     if etype in ("float_type", "int_type") and "bool" not in msg:
