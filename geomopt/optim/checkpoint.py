@@ -19,9 +19,8 @@ from torch.optim import Optimizer
 from geomopt.compile.wrappers import strip, unwrap
 from geomopt.distributed.executors import is_dtensor
 from geomopt.optim.atomic import PendingStep
-from geomopt.optim.contract import check_not_meta
 from geomopt.optim.load_check import (CheckpointError, check_built_for, check_entry, check_group_values,
-                                       check_layout, check_meta, check_same_spec)
+                                       check_layout, check_meta, check_not_meta, check_same_spec)
 from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
 from geomopt.optim.stacked import COUNTS
 from geomopt.optim.tensors import count_tensor

@@ -19,14 +19,13 @@ from __future__ import annotations
 import math
 import warnings
 from numbers import Real
-from typing import Callable, Mapping, Optional
+from typing import Callable, Optional
 
 import torch
 
 from geomopt.compile.compiler import model_params
 from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import LocalExecutor
-from geomopt.optim.load_check import CheckpointError
 from geomopt.optim.tensors import FLAT_DTYPES
 from geomopt.spec.model import Spec
 
@@ -314,18 +313,3 @@ def check_gradient(group: dict, pp: ParamPlan, p: torch.Tensor, g: torch.Tensor)
             f"{where} has a gradient of shape {tuple(g.shape)}, {g.dtype} on {g.device}, but the parameter is "
             f"{tuple(p.shape)}, {p.dtype} on {p.device}: a gradient must match its parameter (set p.grad to a "
             f"tensor like p, or let backward() compute it)")
-
-
-def check_not_meta(params: list, state: Mapping) -> None:
-    """Refuse, before anything is loaded, a state whose tensors are on the meta device (shapes
-    without data: a checkpoint written from a model that was never materialized) or a state
-    loaded into an optimizer whose parameters are: either way there is nothing to resume."""
-    bad = [f"state[{i!r}][{k!r}]" for i, st in state.items() if isinstance(st, Mapping)
-           for k, v in st.items() if isinstance(v, torch.Tensor) and v.is_meta]
-    if bad:
-        more = " …" if len(bad) > 3 else ""
-        raise CheckpointError(f"optimizer state {', '.join(bad[:3])}{more} is on the meta device "
-                         f"(a shape without data): save the state of a materialized model's optimizer")
-    if state and any(p.is_meta for p in params):
-        raise CheckpointError("this optimizer's parameters are on the meta device (no data): materialize the model "
-                         "(model.to_empty(device=...) and initialize it) and build the optimizer, then load its state")

@@ -61,6 +61,22 @@ class CheckpointError(ValueError):
     written, so parameters, optimizer state and param_groups are as they were."""
 
 
+def check_not_meta(params: list, state: Mapping) -> None:
+    """Refuse, before anything is loaded, a state whose tensors are on the meta device (shapes
+    without data: a checkpoint written from a model that was never materialized) or a state
+    loaded into an optimizer whose parameters are: either way there is nothing to resume."""
+    bad = [f"state[{i!r}][{k!r}]" for i, st in state.items() if isinstance(st, Mapping)
+           for k, v in st.items() if isinstance(v, torch.Tensor) and v.is_meta]
+    if bad:
+        more = " …" if len(bad) > 3 else ""
+        raise CheckpointError(f"optimizer state {', '.join(bad[:3])}{more} is on the meta device "
+                              f"(a shape without data): save the state of a materialized model's optimizer")
+    if state and any(p.is_meta for p in params):
+        raise CheckpointError("this optimizer's parameters are on the meta device (no data): materialize the "
+                              "model (model.to_empty(device=...) and initialize it) and build the optimizer, then "
+                              "load its state")
+
+
 def check_layout(sd: Any) -> None:
     """The dict's shape (any source): what torch's loader and the migration index into."""
     if not isinstance(sd, Mapping):
