@@ -277,7 +277,7 @@ def _count(value):
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer() or value < 0:
         return None
-    return int(value)
+    return int(value) if value < 2**63 else None  # past int64: not a count the state can keep
 
 
 def import_steps(entry: Mapping) -> Mapping:
