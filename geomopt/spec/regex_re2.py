@@ -241,6 +241,11 @@ def _re2_class(ranges: Ranges) -> str:
                 parts.append(f"\\x{{{a:x}}}" if a == b else f"\\x{{{a:x}}}-\\x{{{b:x}}}")
     if not parts:
         return _NEVER
+    if len(parts) == 2 and ranges[0][0] == ranges[0][1] and ranges[1][0] == ranges[1][1] == ranges[0][0] + 32 \
+            and 65 <= ranges[0][0] <= 90:
+        # RE2 reads the class [Kk] as the letter k under its case folding, which an alternation
+        # around it then widens to all of k's (KELVIN SIGN too); two literals stay themselves
+        return f"(?:{parts[0]}|{parts[1]})"
     return parts[0] if len(parts) == 1 and "-" not in parts[0] else "[" + "".join(parts) + "]"
 
 
