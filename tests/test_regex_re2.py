@@ -176,6 +176,10 @@ def test_globs_mean_the_same_on_both_engines(glob, names):
     (r"\s", "\x1c"),
     (r"(?a)\w", "\xe9"),
     (r"a\Z\n?", "a\n"),
+    (r"a\Z\n", "a\n"),  # \Z is the end only
+    (r"\s\b", "\n"),  # after a final line break: no word boundary, a non-boundary
+    (r"\s\B", "\n"),
+    (r"(?:a$|b)+\n?", "ab\n"),
     (r"(?m)a$\n^b", "a\nb"),
     (r"(?x) a b  # a comment", "ab"),
     (r"a(?#a comment)b", "ab"),
