@@ -39,7 +39,7 @@ class ParamInfo:
 
 def glob_regex(pattern: str) -> NamePattern:
     """Glob on dotted names: ``*`` within a segment, ``**`` across segments, ``?`` one character;
-    ``re:…`` is a full-match regular expression (RE2 syntax). The result's ``fullmatch(name)`` runs
+    ``re:…`` is a full-match regular expression (Python's syntax and meaning). The result's ``fullmatch(name)`` runs
     in time linear in the name (:mod:`geomopt.spec.patterns`); raises ValueError for a refused pattern."""
     return compile_pattern(pattern)
 

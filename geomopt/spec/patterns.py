@@ -1,11 +1,12 @@
 """Name patterns, matched in time linear in the name: globs on dotted names and ``re:`` regexes.
 
-A glob reads ``*`` (a run within one segment), ``**`` (across segments; ``**.`` also stands for no
-segment at all, and so does a final ``.**``), ``?`` (one character, not a dot); other characters
-are literal. ``re:…`` is a regular expression matched against the whole name: Python's syntax and
-meaning (``\\d``, ``\\w``, ``\\s`` are Unicode classes), less what a linear-time engine cannot do
-(backreferences, lookaround, atomic groups, possessive repeats, conditionals, ``(?#…)``, ``(?x)``),
-with counted repeats up to 1000; ``\\b``, ``\\B``, and ``\\D``, ``\\W``, ``\\S`` inside a class, are ASCII.
+A glob reads ``*`` (a run within one segment), ``**`` (across segments, line breaks included;
+``**.`` also stands for no segment at all, and so does a final ``.**``), ``?`` (one character, not
+a dot); other characters are literal. ``re:…`` is a regular expression matched against the whole
+name (``re.fullmatch``) with Python's syntax and meaning, or refused: RE2 runs it as
+:mod:`geomopt.spec.regex_re2` writes it, which refuses what a linear-time engine cannot do
+(backreferences, lookaround, atomic groups, possessive repeats, conditionals) and counted repeats
+over 1000.
 
 Why two engines: Python's :mod:`re` backtracks, so a hostile pattern (``re:(a+)+$``, or a glob with
 many ``**``, each a ``.*``) takes time exponential, or polynomial of high degree, in the name's
@@ -23,17 +24,15 @@ from __future__ import annotations
 
 import functools
 import re
-import unicodedata
 import warnings
 from typing import Any, Callable, Optional
 
 from geomopt.spec.regex_cost import backtracks_little
-
-MAX_REPEAT = 1000  # RE2's bound on a counted repeat ({n}, {m,n})
+from geomopt.spec.regex_re2 import MAX_REPEAT, Untranslatable, translate
 
 # glob tokens
 _LIT, _ONE, _STAR, _DSTAR, _LEAD, _TRAIL = range(6)
-_PY = {_ONE: r"[^.]", _STAR: r"[^.]*", _DSTAR: r".*", _LEAD: r"(?:.*\.)?", _TRAIL: r"(?:\..*)?"}
+_PY = {_ONE: r"[^.]", _STAR: r"[^.]*", _DSTAR: r"(?s:.*)", _LEAD: r"(?:(?s:.*)\.)?", _TRAIL: r"(?:\.(?s:.*))?"}
 
 
 class NamePattern:
@@ -63,25 +62,17 @@ def compile_pattern(pattern: str) -> NamePattern:
     if pattern.startswith("re:"):
         return _compile_regex(pattern)
     tokens = _glob_tokens(pattern)
-    plan = _glob_plan(tokens)
-    if plan is None:
-        return NamePattern(pattern, _glob_re2(pattern, tokens), "re2")
-    python = re.compile("".join(re.escape(c) if k == _LIT else _PY[k] for k, c in tokens)).fullmatch
-    if not plan:
-        return NamePattern(pattern, python, "re")
-    slow = _glob_re2(pattern, tokens)
-
-    def fullmatch(name: str):  # see _glob_plan: a line break may make Python's engine rescan
-        return python(name) if "\n" not in name else slow(name)
-
-    return NamePattern(pattern, fullmatch, "re")
+    python = _glob_regex(tokens)
+    if _glob_fast(tokens):
+        return NamePattern(pattern, re.compile(python).fullmatch, "re")
+    return NamePattern(pattern, _re2_matcher(pattern, python), "re2")
 
 
 @functools.lru_cache(maxsize=4096)
 def pattern_error(pattern: str) -> Optional[str]:
     """Why ``pattern`` is refused (one line: what is wrong and what to write), or None. A glob
     that Python's engine runs is not compiled here (lint without a model compiles nothing)."""
-    if not pattern.startswith("re:") and not _has_surrogate(pattern) and _glob_plan(_glob_tokens(pattern)) is not None:
+    if not pattern.startswith("re:") and not _has_surrogate(pattern) and _glob_fast(_glob_tokens(pattern)):
         return None
     try:
         compile_pattern(pattern)
@@ -124,17 +115,20 @@ def _glob_tokens(pattern: str) -> list[tuple[int, str]]:
     return out
 
 
-def _glob_plan(tokens: list[tuple[int, str]]) -> Optional[bool]:
-    """None where Python's engine could take more than O(len(name) · len(pattern)) on the glob
-    (RE2 runs it); else whether names with a line break must go to RE2.
+def _glob_regex(tokens: list[tuple[int, str]]) -> str:
+    """The glob as a Python regex (``**`` crosses line breaks: a ModuleDict key may hold one)."""
+    return "".join(re.escape(c) if k == _LIT else _PY[k] for k, c in tokens)
+
+
+def _glob_fast(tokens: list[tuple[int, str]]) -> bool:
+    """Whether Python's engine runs the glob in O(len(name) · len(pattern)) (else RE2 runs it).
 
     A ``*`` followed by a literal dot, a final ``.**`` or nothing has one way to go on (to its
-    segment's end). Any other ``*``, a ``**.`` or an inner ``**`` may end anywhere: one of them is
-    allowed. After an inner ``**`` or such a ``*``, every place it may end restarts what follows,
-    so no ``*`` may come before the next literal dot (it would rescan one segment from each);
-    after ``**.`` (ending at dots only) each restart scans other segments. A final ``**`` or
-    ``.**`` ends the match at once, unless a line break stops it (``.`` does not match one): then,
-    after a wildcard that restarts it, it would rescan up to the line break from each restart."""
+    segment's end); so has a final ``**`` (to the name's end: ``**`` crosses line breaks too). Any
+    other ``*``, a ``**.`` or an inner ``**`` may end anywhere: one of them is allowed. After an
+    inner ``**`` or such a ``*``, every place it may end restarts what follows, so no ``*`` may
+    come before the next literal dot (it would rescan one segment from each); after ``**.``
+    (ending at dots only) each restart scans other segments."""
     n = len(tokens)
     loose = []
     for i, (kind, _) in enumerate(tokens):
@@ -143,27 +137,14 @@ def _glob_plan(tokens: list[tuple[int, str]]) -> Optional[bool]:
         elif kind == _STAR and i + 1 < n and tokens[i + 1] != (_LIT, ".") and tokens[i + 1][0] != _TRAIL:
             loose.append(i)
     if len(loose) > 1:
-        return None
+        return False
     if loose and tokens[loose[0]][0] != _LEAD:
         for kind, c in tokens[loose[0] + 1:]:
             if (kind, c) == (_LIT, "."):
                 break
             if kind == _STAR:
-                return None
-    return bool(loose) and tokens[-1][0] in (_DSTAR, _TRAIL)
-
-
-def _glob_re2(pattern: str, tokens: list[tuple[int, str]]) -> Callable[[str], Any]:
-    rx = "".join(_re2_escape(c) if k == _LIT else _PY[k] for k, c in tokens)
-    try:
-        return _re2_fullmatch(rx)
-    except _Re2Refused as exc:  # only size: a glob is literals and wildcards
-        raise PatternError(f"name pattern {_show(pattern)} is too large for the matcher ({exc}): shorten it, "
-                           f"or split it over several rules") from None
-
-
-def _re2_escape(c: str) -> str:
-    return c if c.isalnum() or c == "_" or not c.isascii() else f"\\x{{{ord(c):x}}}"
+                return False
+    return True
 
 
 # ---------------------------------------------------------------- regexes
@@ -173,7 +154,7 @@ def _compile_regex(pattern: str) -> NamePattern:
     body = pattern[3:]
     show = f"bad regular expression {_show(body)}"
     with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)  # "possible nested set": RE2 reads [[:alpha:]] otherwise
+        warnings.simplefilter("error", FutureWarning)  # "possible nested set": a later Python reads it otherwise
         try:
             re.compile(body)
         except re.error as exc:
@@ -182,114 +163,59 @@ def _compile_regex(pattern: str) -> NamePattern:
             raise PatternError(f"{show}: a repeat count is too large (at most {MAX_REPEAT})") from None
         except RecursionError:
             raise PatternError(f"{show}: nested too deeply") from None
-        except FutureWarning as exc:  # Python reads it one way now, RE2 (and a later Python) another
+        except FutureWarning as exc:  # Python reads it one way now, a later Python another
             raise PatternError(f"{show}: {exc}: escape the '[' or the doubled character (\\[, \\-) to mean it "
                                f"literally") from None
-    try:
-        fullmatch = _re2_fullmatch(_for_re2(body))
-    except _Re2Refused as exc:
-        if "too large" in str(exc) or "repetition size" in str(exc):
-            hint = (f"name patterns run on RE2, which allows repeat counts up to {MAX_REPEAT} and patterns of "
-                    f"bounded size: shorten it, or use + or *")
-        else:
-            hint = ("name patterns run on RE2, in time linear in the name, which has no backreferences, "
-                    "lookaround, atomic groups, possessive repeats, conditionals, (?#…) comments or the flags "
-                    "a, u, L, x: rewrite the pattern without them, or use a glob or several patterns")
-        raise PatternError(f"{show}: RE2 refuses it ({exc}); {hint}") from None
+    fullmatch = _re2_matcher(pattern, body)
     if backtracks_little(body):
         return NamePattern(pattern, re.compile(body).fullmatch, "re")
     return NamePattern(pattern, fullmatch, "re2")
 
 
-def _for_re2(body: str) -> str:
-    """Python's spelling of what RE2 spells otherwise: ``\\Z`` is ``\\z``; ``\\uXXXX``, ``\\N{NAME}``, a
-    backslash before any character but a letter or digit, ``\\b`` in a class, are ``\\x{…}``;
-    ``{,n}`` is ``{0,n}`` (RE2 reads ``{,n}`` as text), ``\\d``, ``\\w``, ``\\s`` are Unicode classes."""
-    out, i, n, in_class = [], 0, len(body), False
-    while i < n:
-        c = body[i]
-        if c == "\\":
-            esc = body[i:i + 2]
-            m = _UNICODE_ESCAPE.match(body, i)
-            if m:  # \uXXXX, \UXXXXXXXX: RE2 spells them \x{…}
-                out.append(f"\\x{{{m.group(1) or m.group(2)}}}")
-                i = m.end()
-                continue
-            m = _NAMED_ESCAPE.match(body, i)
-            if m:  # \N{NAME}
-                out.append(f"\\x{{{ord(unicodedata.lookup(m.group(1))):x}}}")
-                i = m.end()
-                continue
-            e = body[i + 1:i + 2]
-            if e and not (e.isascii() and e.isalnum()):  # Python: any other character stands for itself
-                esc = f"\\x{{{ord(e):x}}}"
-            elif esc == "\\Z" and not in_class:
-                esc = "\\z"
-            elif esc == "\\b" and in_class:  # a backspace, in a class
-                esc = "\\x{8}"
-            out.append((_CLASS_IN_CLASS if in_class else _CLASS).get(esc, esc))
-            i += 2
-            continue
-        if in_class:
-            if c == "]":
-                in_class = False
-        elif c == "[":
-            in_class = True
-            out.append(c)
-            i += 1
-            if body.startswith("^", i):
-                out.append("^")
-                i += 1
-            if body.startswith("]", i):  # a ']' first in a class is literal
-                out.append("\\]")
-                i += 1
-            continue
-        elif c == "{":
-            m = re.compile(r"\{,(\d*)\}").match(body, i)
-            if m:
-                out.append("{0," + m.group(1) + "}")
-                i = m.end()
-                continue
-        out.append(c)
-        i += 1
-    return "".join(out)
+def _re2_matcher(pattern: str, body: str) -> Callable[[str], Any]:
+    """RE2's full match of the Python regex ``body`` (:mod:`geomopt.spec.regex_re2`), with Python's
+    meaning, in time linear in the name; raises :class:`PatternError`."""
+    show = f"bad regular expression {_show(body)}" if pattern.startswith("re:") else f"name pattern {_show(pattern)}"
+    try:
+        form = translate(body)
+        plain = _re2_compile(form.plain)
+        before_newline = None if form.before_newline is None else _re2_compile(form.before_newline)
+    except Untranslatable as exc:
+        raise PatternError(f"{show}: {exc}") from None
+    except RecursionError:
+        raise PatternError(f"{show}: nested too deeply") from None
+    except _Re2Refused as exc:  # only size: every construct RE2 lacks is refused by translate
+        raise PatternError(f"{show}: too large for RE2 ({exc}), which allows repeat counts up to {MAX_REPEAT} "
+                           f"and patterns of bounded size: shorten it, use + or *, or split it over several "
+                           f"rules") from None
+    recode, empty = form.recode, form.empty
 
+    def fullmatch(name: str):
+        if recode is not None:
+            name = recode(name)  # keeps line breaks where they are
+        if name.endswith("\n"):  # Python's `$` holds before a final line break too
+            return None if before_newline is None else before_newline(name[:-1].encode("utf-8"))
+        if empty is not None and not name:
+            return name if empty else None  # "" is falsy: compare with None
+        return plain(name.encode("utf-8"))
 
-# Python's \d, \w, \s are Unicode classes (str.isdecimal, isalnum and '_', isspace); RE2's are
-# ASCII: spelled out, they read as Python reads them (Unicode versions apart). \D, \W, \S inside
-# a class, and \b, \B, stay RE2's (ASCII): a class cannot hold a negated class in RE2.
-_SPACE = (r"\t\n\x{b}\f\r\x{1c}-\x{1f} \x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}"
-          r"\x{205f}\x{3000}")
-_CLASS = {"\\d": "\\p{Nd}", "\\D": "\\P{Nd}", "\\w": "[\\p{L}\\p{N}_]", "\\W": "[^\\p{L}\\p{N}_]",
-          "\\s": f"[{_SPACE}]", "\\S": f"[^{_SPACE}]"}
-_CLASS_IN_CLASS = {"\\d": "\\p{Nd}", "\\w": "\\p{L}\\p{N}_", "\\s": _SPACE}
-_UNICODE_ESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})")
-_NAMED_ESCAPE = re.compile(r"\\N\{([^}]*)\}")
+    return fullmatch
 
 
 class _Re2Refused(Exception):
     pass
 
 
-def _re2_fullmatch(rx: str) -> Callable[[str], Any]:
+def _re2_compile(rx: str) -> Callable[[bytes], Any]:
     import re2  # optional dependency
 
     options = re2.Options()
     options.log_errors = False  # RE2 would print its refusal on stderr too
     try:
-        compiled = re2.compile(rx, options)
+        return re2.compile(rx, options).fullmatch
     except re2.error as exc:
         why = exc.args[0] if exc.args else exc
         raise _Re2Refused(why.decode("utf-8", "replace") if isinstance(why, bytes) else str(why)) from None
-    match = compiled.fullmatch
-
-    def fullmatch(name: str):
-        try:
-            return match(name.encode("utf-8"))
-        except UnicodeEncodeError:  # a lone surrogate: one character still (the pattern holds none)
-            return match("".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in name).encode("utf-8"))
-
-    return fullmatch
 
 
 def _has_surrogate(text: str) -> bool:

@@ -1,10 +1,10 @@
 """Which regexes Python's backtracking engine runs in time linear in the name, so that
 :mod:`geomopt.spec.patterns` may run them there (a tenth of RE2's cost per call) instead of on RE2.
 
-Two parts: a parser for a subset of the syntax on which Python's engine and RE2 (as
-:func:`geomopt.spec.patterns._for_re2` spells a pattern for it) agree: literals, escaped
-punctuation, ``.``, ``\\d``, ``\\w``, ``\\D``, ``\\W``, simple classes, groups, ``|``, repeats, ``^``
-first and ``$`` last; and a bound on how many ways the engine tries through the parsed pattern.
+Two parts: a parser for a subset of the syntax (RE2 runs every pattern with Python's meaning,
+:mod:`geomopt.spec.regex_re2`, so the subset is about speed only): literals, escaped punctuation,
+``.``, ``\\d``, ``\\w``, ``\\D``, ``\\W``, simple classes, groups, ``|``, repeats, ``^`` first and
+``$`` last; and a bound on how many ways the engine tries through the parsed pattern.
 Anything outside the subset, or over the bound, goes to RE2.
 """
 
@@ -28,7 +28,7 @@ class _NotSubset(Exception):
     pass
 
 
-_CLASS_ESCAPES = "dwDW"  # as _for_re2 spells them; not \D, \W inside a class (_class)
+_CLASS_ESCAPES = "dwDW"  # not \D, \W inside a class (_class)
 
 
 def _subset(body: str):
