@@ -123,6 +123,18 @@ def inject(opt, at: int, after: bool = False) -> None:
     opt._executor.run = faulty
 
 
+def assert_before_or_after(trial, was: dict, want: dict, at: int) -> set:
+    """Each tensor of ``trial`` and its state bit for bit as before the step (``was``) or after one
+    clean step (``want``), after by the pending step's record; returns the names done."""
+    pending = trial.pending_step
+    done = set(pending["done"]) if pending else set()
+    for name, (p, state) in tensors(trial).items():
+        ref = want[name] if name in done else was[name]
+        assert torch.equal(p, ref[0]), (name, at, name in done)
+        assert same_state(state, ref[1]), (name, at, name in done)
+    return done
+
+
 def check_every_fault(opt, grads: list, after: bool = False) -> int:
     """Inject a fault at each request of the last step of ``opt`` over ``grads`` (before or
     ``after`` it runs); returns how many were injected."""
@@ -137,12 +149,7 @@ def check_every_fault(opt, grads: list, after: bool = False) -> int:
         inject(trial, at, after)
         with pytest.raises(InjectedFault) as info:
             trial.step()
-        pending = trial.pending_step
-        done = set(pending["done"]) if pending else set()
-        for name, (p, state) in tensors(trial).items():
-            ref = want[name] if name in done else was[name]
-            assert torch.equal(p, ref[0]), (name, at, name in done)
-            assert same_state(state, ref[1]), (name, at, name in done)
+        done = assert_before_or_after(trial, was, want, at)
         notes = "\n".join(getattr(info.value, "__notes__", []))
         if done:  # each rule with committed tensors is named, with its tensors or their count
             rules = {g["rule"]: [n for n in g["param_names"] if n in done] for g in trial.param_groups}
@@ -327,12 +334,7 @@ def check_faults(opt, grads: list, arm, points) -> int:
             continue  # past the step's last point
         except (InjectedFault, InjectedOutOfMemory):
             raised += 1
-        pending = trial.pending_step
-        done = set(pending["done"]) if pending else set()
-        for name, (p, state) in tensors(trial).items():
-            ref = want[name] if name in done else was[name]
-            assert torch.equal(p, ref[0]), (name, at, name in done)
-            assert same_state(state, ref[1]), (name, at, name in done)
+        assert_before_or_after(trial, was, want, at)
         trial.step()
         assert trial.pending_step is None
         for name, (p, state) in tensors(trial).items():

@@ -41,24 +41,14 @@ from geomopt.models import get_model
 from geomopt.optim.checkpoint import spec_hash
 from geomopt.spec.validate import load_spec
 from spec_mutants import PUT_CHARS, TEXT_OPS, apply_text_op
+# the spec the optimizer is built with: building it projects the hidden matrices onto a spectral
+# ball, so a build that went through with a refused lock would show in the parameters
+from test_lock import CONSTRAINED
 
 N = int(os.environ.get("GEOMOPT_LOCK_FUZZ", "25"))
 FUZZ = settings(max_examples=N, deadline=None, database=None, suppress_health_check=[
     HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
 HANG_S = 20  # one example past this is a hang (ordinary ones take milliseconds)
-# The spec the optimizer is built with: building it projects the hidden matrices onto a spectral
-# ball, so a build that went through with a refused lock would show in the parameters.
-CONSTRAINED = """geomopt: 1
-name: constrained
-rules:
-  - name: hidden
-    match: {role: [hidden]}
-    geometry: {kind: spectral, reference: {kind: indicator}}
-    constraint: {kind: spectral_ball, radius: 0.01}
-  - name: rest
-    match: "**"
-    geometry: {kind: adam}
-"""
 WORK = Path(tempfile.mkdtemp(prefix="geomopt-lock-fuzz-"))
 SPEC_FILE = WORK / "constrained.yaml"
 SPEC_FILE.write_text(CONSTRAINED, encoding="utf-8")
