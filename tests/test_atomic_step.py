@@ -123,6 +123,19 @@ def inject(opt, at: int, after: bool = False) -> None:
     opt._executor.run = faulty
 
 
+def assert_one_clean_step(trial, clean, want: dict, at: int) -> None:
+    """After a retry: no pending step, every tensor and its state as one clean step left them
+    (``want``), and the step counts and counters of the clean optimizer ``clean``."""
+    assert trial.pending_step is None
+    for name, (p, state) in tensors(trial).items():
+        assert torch.equal(p, want[name][0]), (name, at)
+        assert same_state(state, want[name][1]), (name, at)
+    assert [g["step"] for g in trial.param_groups] == [g["step"] for g in clean.param_groups]
+    for mine, theirs in zip(trial._counters, clean._counters):
+        assert mine["skipped"] == theirs["skipped"] and torch.equal(mine["fallbacks"], theirs["fallbacks"])
+        assert torch.equal(mine["update_sq"], theirs["update_sq"]), at
+
+
 def assert_before_or_after(trial, was: dict, want: dict, at: int) -> set:
     """Each tensor of ``trial`` and its state bit for bit as before the step (``was``) or after one
     clean step (``want``), after by the pending step's record; returns the names done."""
@@ -158,12 +171,7 @@ def check_every_fault(opt, grads: list, after: bool = False) -> int:
         # the retry applies only the rest: one clean step's bits and step counts
         trial._executor.run = run
         trial.step()
-        assert trial.pending_step is None
-        for name, (p, state) in tensors(trial).items():
-            assert torch.equal(p, want[name][0]), (name, at)
-            assert same_state(state, want[name][1]), (name, at)
-        assert [g["step"] for g in trial.param_groups] == [g["step"] for g in clean.param_groups]
-        assert [c["skipped"] for c in trial._counters] == [c["skipped"] for c in clean._counters]
+        assert_one_clean_step(trial, clean, want, at)
     return n
 
 
@@ -336,14 +344,7 @@ def check_faults(opt, grads: list, arm, points) -> int:
             raised += 1
         assert_before_or_after(trial, was, want, at)
         trial.step()
-        assert trial.pending_step is None
-        for name, (p, state) in tensors(trial).items():
-            assert torch.equal(p, want[name][0]), (name, at)
-            assert same_state(state, want[name][1]), (name, at)
-        assert [g["step"] for g in trial.param_groups] == [g["step"] for g in clean.param_groups]
-        for mine, theirs in zip(trial._counters, clean._counters):
-            assert mine["skipped"] == theirs["skipped"] and torch.equal(mine["fallbacks"], theirs["fallbacks"])
-            assert torch.equal(mine["update_sq"], theirs["update_sq"]), at
+        assert_one_clean_step(trial, clean, want, at)
     return raised
 
 
