@@ -34,7 +34,6 @@ model) are said once above the diff, not counted as changes. ``view`` is the tex
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import os
 import re
@@ -43,7 +42,10 @@ from typing import Optional, Union
 
 from geomopt import __version__
 from geomopt.compile.plan import Plan, view_text
-from geomopt.spec.source import MAX_INT_DIGITS, FileTooLarge, read_regular
+from geomopt.compile.lock_bounds import MAX_LOCK_DEPTH  # noqa: F401  (the limits a lock is read within)
+from geomopt.compile.lock_bounds import (LONE_SURROGATE, SURROGATE, json_bound_error, lone_surrogate,
+                                         may_be_unbounded)
+from geomopt.spec.source import FileTooLarge, read_regular
 from geomopt.spec.validate import gc_paused
 
 LOCK_FORMAT = 1
@@ -51,7 +53,6 @@ FORMAT_KEY = "geomopt-lock"
 WRITE_HINT = "write one with `geomopt plan SPEC --model … --lock FILE`"
 READ_HINT = "give the file `geomopt plan SPEC --model … --lock FILE` wrote"
 MAX_LOCK_BYTES = 32 << 20  # a lock line is about 110 bytes: some 300,000 tensors, six times a 60-layer MoE's
-MAX_LOCK_DEPTH = 16  # JSON levels; a lock nests 4 (the object, "tensors", an entry, its shape)
 _HEADER_KEYS = (FORMAT_KEY, "spec", "model", "geomopt", "tensors")
 _ENTRY_KEYS = ("name", "shape", "role", "rule", "view")
 _ENTRY_SET = frozenset(_ENTRY_KEYS)
@@ -189,7 +190,7 @@ def loads(text: str, file: str = "<string>") -> Lock:
     number of thousands of digits."""
     if not text.strip():
         raise LockError(f"{file}: empty file, not a lock; {WRITE_HINT}")
-    if _may_be_unbounded(text):
+    if may_be_unbounded(text):
         _check_bounds(text, file)
     try:
         with gc_paused():
@@ -206,8 +207,8 @@ def loads(text: str, file: str = "<string>") -> Lock:
         raise LockError(f"{file}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}); fix that line, or "
                         f"rewrite the lock with `geomopt plan SPEC --model … --lock FILE`") from None
     # json.loads keeps "\ud800" as a string that no output can print
-    if "\\u" in text and _SURROGATE.search(text) and _lone_surrogate(data):
-        lone = _LONE_SURROGATE.search(text)
+    if "\\u" in text and SURROGATE.search(text) and lone_surrogate(data):
+        lone = LONE_SURROGATE.search(text)
         where = f"{file}:{_line_col(text, lone.end() - 6)}" if lone else file
         raise LockError(f"{where}: a \\u escape that is half of a surrogate pair, no character: a lock's names and "
                         f"fields are text; {READ_HINT}")
@@ -215,70 +216,11 @@ def loads(text: str, file: str = "<string>") -> Lock:
         return _Reader(text, file).lock(data)
 
 
-def _lone_surrogate(value) -> bool:
-    """Whether a parsed JSON value holds a string (or key) with a lone surrogate (depth bounded)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
-    return isinstance(value, list) and any(map(_lone_surrogate, value))
-
-
-_STRING = r'"[^"\\]*(?:\\.[^"\\]*)*"'  # a JSON string (unrolled: linear, no backtracking)
-_TOKEN = re.compile(_STRING + r"|[][{}]|-?\d+")
-_DIGITS_AS_0 = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))  # every digit 0, all else a space
-_LONG_RUN = b"0" * (MAX_INT_DIGITS + 1)
-_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in _STEP)
-_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # an escape of half a pair (or of a backslash and text: looked at)
-_HIGH, _LOW = r"\\u[dD][89abAB][0-9a-fA-F]{2}", r"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
-# where: a \uD800-\uDFFF escape not in a high-low pair, after an even number of backslashes (an escape)
-_LONE_SURROGATE = re.compile(rf"(?<!\\)(?:\\\\)*(?:{_HIGH}(?!{_LOW})|(?<!{_HIGH}){_LOW})")
-
-
-def _may_be_unbounded(text: str) -> bool:
-    """A quick look, in one pass at C speed but for the brackets: whether ``text`` has a digit run
-    over :data:`~geomopt.spec.source.MAX_INT_DIGITS` or brackets nested deeper than
-    :data:`MAX_LOCK_DEPTH`, strings included (a name's brackets or digits only send the text to
-    :func:`json_bound_error`; closing brackets in a string that hide a depth leave json.loads to
-    raise RecursionError, which :func:`loads` also sends there)."""
-    raw = text.encode("utf-8", "surrogatepass")
-    if _LONG_RUN in raw.translate(_DIGITS_AS_0):
-        return True
-    brackets = raw.translate(None, _NOT_BRACKETS)
-    return max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0) > MAX_LOCK_DEPTH
-
-
 def _check_bounds(text: str, file: str) -> None:
     bound = json_bound_error(text)
     if bound is not None:
         at, what = bound
         raise LockError(f"{file}:{_line_col(text, at)}: {what}: not a lock; {READ_HINT}")
-
-
-def json_bound_error(text: str) -> Optional[tuple[int, str]]:
-    """(offset, what) of the first bracket nested deeper than :data:`MAX_LOCK_DEPTH` or number of
-    more than :data:`~geomopt.spec.source.MAX_INT_DIGITS` digits outside the strings of ``text``,
-    or None: json.loads recurses once per level (a RecursionError at a thousand) and converts
-    digits with ``int`` (a ValueError past 4,300). One scan of the tokens, in Python: run where
-    :func:`_may_be_unbounded` says there may be something to find."""
-    depth = 0
-    for m in _TOKEN.finditer(text):
-        token = m.group()
-        if token[0] in "[{":
-            depth += 1
-            if depth > MAX_LOCK_DEPTH:
-                return m.start(), f"JSON nested too deeply (more than {MAX_LOCK_DEPTH} levels; a lock nests 4)"
-        elif token[0] in "]}":
-            depth -= 1
-        elif token[0] != '"' and len(token.lstrip("-")) > MAX_INT_DIGITS:
-            return m.start(), (f"a number of {len(token.lstrip('-')):,} digits (at most {MAX_INT_DIGITS:,}; a "
-                               f"lock's numbers are tensor sizes)")
-    return None
 
 
 def _line_col(text: str, at: int) -> str:

@@ -34,7 +34,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from geomopt.compile.trace_blocks import blocks
-from geomopt.compile.trace_dispatch import Act, Tracer, Use
+from geomopt.compile.trace_dispatch import Tracer
+from geomopt.compile.trace_ops import Act, Use
 from geomopt.compile.trace_replay import Replayer
 from geomopt.compile.wrappers import strip
 

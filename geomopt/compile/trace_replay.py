@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from geomopt.compile.trace_blocks import Feat
-from geomopt.compile.trace_dispatch import Act
+from geomopt.compile.trace_ops import Act
 
 MIN_REPEATS = 3
 
