@@ -414,7 +414,8 @@ def test_comparison_is_linear_in_the_lock(tmp_path):
 
 
 def test_the_cli_guide_states_the_lock_limits():
-    from geomopt.compile.lock import MAX_LOCK_BYTES, MAX_LOCK_DEPTH
+    from geomopt.compile.lock import MAX_LOCK_BYTES
+    from geomopt.compile.lock_bounds import MAX_LOCK_DEPTH
     from geomopt.spec.source import MAX_INT_DIGITS
 
     text = " ".join((ROOT / "docs" / "guide" / "cli.md").read_text(encoding="utf-8").split())

@@ -35,7 +35,8 @@ from hypothesis import strategies as st
 import geomopt
 from geomopt.cli.main import main
 from geomopt.compile import compile_spec
-from geomopt.compile.lock import (MAX_LOCK_DEPTH, LockError, RoutingChangedError, check_routing, diff, dumps,
+from geomopt.compile.lock_bounds import MAX_LOCK_DEPTH
+from geomopt.compile.lock import (LockError, RoutingChangedError, check_routing, diff, dumps,
                                   lock_of, model_label, read_lock)
 from geomopt.models import get_model
 from geomopt.optim.checkpoint import spec_hash

@@ -42,7 +42,6 @@ from typing import Optional, Union
 
 from geomopt import __version__
 from geomopt.compile.plan import Plan, view_text
-from geomopt.compile.lock_bounds import MAX_LOCK_DEPTH  # noqa: F401  (the limits a lock is read within)
 from geomopt.compile.lock_bounds import (LONE_SURROGATE, SURROGATE, json_bound_error, lone_surrogate,
                                          may_be_unbounded)
 from geomopt.spec.source import FileTooLarge, read_regular

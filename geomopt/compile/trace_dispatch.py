@@ -36,8 +36,8 @@ from geomopt.compile.op_families import (FAMILIES, GROUPED_MM, INDEX_OPS, NORMAL
 from geomopt.compile.trace_blocks import Feat, dim_index, follow, leading_batch, view_dims
 from geomopt.compile.trace_meta import run_memoized, value_free
 
-from geomopt.compile.trace_ops import (_FUSED_CELLS, _FUSED_RNN, _LIKE, _LOOKUP_INDEX, _PLAIN_VIEWS, _RNN_MODES,
-                                       _ROW_CUTS, _SELECTS, _VIEWS, Act, IdMap, Ref, Use, _tensors)
+from geomopt.compile.trace_ops import (FUSED_CELLS, FUSED_RNN, LIKE, LOOKUP_INDEX, PLAIN_VIEWS, RNN_MODES,
+                                       ROW_CUTS, SELECTS, VIEWS, Act, IdMap, Ref, Use, tensors_in)
 
 aten = torch.ops.aten
 _OPS: dict = {}  # op → (overload packet, family, whether its outputs are constants)
@@ -99,7 +99,7 @@ class Tracer(TorchDispatchMode):
         r = self.refs.get(t)
         return next(iter(r.params)) if r is not None and len(r.params) == 1 and not r.computed else None
 
-    tensors_of = staticmethod(_tensors)
+    tensors_of = staticmethod(tensors_in)
 
     def src(self, t) -> frozenset:
         """The layer calls whose outputs reach activation ``t`` (none for any other tensor)."""
@@ -109,11 +109,11 @@ class Tracer(TorchDispatchMode):
     def _record(self, func, args, kwargs, out) -> None:
         info = _OPS.get(func)
         if info is None:
-            info = _OPS[func] = (func.overloadpacket, family_of(func), func.overloadpacket in _LIKE)
+            info = _OPS[func] = (func.overloadpacket, family_of(func), func.overloadpacket in LIKE)
         packet, fam, like = info
         if like:
             return  # zeros_like and kin: constants
-        leaves = _tensors(args) + (_tensors(kwargs) if kwargs else [])
+        leaves = tensors_in(args) + (tensors_in(kwargs) if kwargs else [])
         refs, acts = self.refs._items, self.acts._items
         params_in: list[tuple[torch.Tensor, Ref]] = []
         acts_in: list[tuple[torch.Tensor, Act]] = []
@@ -127,10 +127,10 @@ class Tracer(TorchDispatchMode):
                 acts_in.append((a, hit[1]))
         if not params_in and not acts_in:
             return  # constants only (factories, buffers): nothing to follow
-        outs = _tensors(out)
+        outs = tensors_in(out)
         if fam is not None and fam.name == "conv":
             fam = conv_family(args)
-        if packet in _LOOKUP_INDEX and acts_in and id(args[0]) in refs and not self._whole_matrices(packet, args):
+        if packet in LOOKUP_INDEX and acts_in and id(args[0]) in refs and not self._whole_matrices(packet, args):
             fam = FAMILIES["lookup"]  # table[ids] with ids from the input: a lookup, as embedding is
             operands: tuple = (0,)
         else:
@@ -143,7 +143,7 @@ class Tracer(TorchDispatchMode):
             weight_pos = [p for p in weight_pos if not refs[id(args[p])][1].computed]
         if len(weight_pos) > 1:  # a learned (1, d) token times a weight: the token is the input
             weight_pos = [p for p in weight_pos if not self._token(refs[id(args[p])][1])] or weight_pos
-        if packet not in _PLAIN_VIEWS and packet not in _LOOKUP_INDEX:
+        if packet not in PLAIN_VIEWS and packet not in LOOKUP_INDEX:
             self._first_consumer(packet, params_in, bool(weight_pos), bool(acts_in))
         if weight_pos and fam is not None:
             self._layer(func, fam, args, weight_pos, acts_in, outs)
@@ -158,10 +158,10 @@ class Tracer(TorchDispatchMode):
         if params_in and not acts_in:
             self._derived(func, args, kwargs, params_in, outs)
             return
-        if packet in _FUSED_RNN and params_in:
+        if packet in FUSED_RNN and params_in:
             self._fused_rnn(func, args, acts_in, outs)
             return
-        if packet in _LOOKUP_INDEX and id(args[0]) in refs and self._whole_matrices(packet, args):
+        if packet in LOOKUP_INDEX and id(args[0]) in refs and self._whole_matrices(packet, args):
             # experts picked by routed ids: the selected matrices are still the parameter's
             r = refs[id(args[0])][1]
             for o in outs:
@@ -191,7 +191,7 @@ class Tracer(TorchDispatchMode):
         each); ``w_ih`` and ``w_hh`` stack the mode's gates (LSTM 4, GRU 3) as row blocks."""
         names = [a.name for a in func._schema.arguments]
         weights, stride = args[1], int(args[2])
-        mode, gates = _RNN_MODES.get(int(args[names.index("mode")]), ("RNN", 1))
+        mode, gates = RNN_MODES.get(int(args[names.index("mode")]), ("RNN", 1))
         op = str(func.overloadpacket)
         layer = len(self.calls)
         used = []
@@ -268,7 +268,7 @@ class Tracer(TorchDispatchMode):
                 family, detail = "lookup", "rows gathered by index, then multiplied"
             elif r.batched:
                 detail = "through select/index (a stack of matrices)"
-            elif fam.name == "lookup" and func.overloadpacket in _LOOKUP_INDEX:
+            elif fam.name == "lookup" and func.overloadpacket in LOOKUP_INDEX:
                 detail = "rows picked by the input"
             for i in r.params:
                 if family not in self.uses[i]:
@@ -314,7 +314,7 @@ class Tracer(TorchDispatchMode):
         """An op on parameters (and constants) only: its outputs are derived from those parameters."""
         packet = func.overloadpacket
         first = params_in[0][1]
-        if len(params_in) == 1 and packet in _PLAIN_VIEWS:
+        if len(params_in) == 1 and packet in PLAIN_VIEWS:
             # t, view, transpose, split … of one parameter: the same reference, its dims followed
             i = next(iter(first.params))
             dims = view_dims(func, args, kwargs, first.dims, outs) if len(first.params) == 1 else None
@@ -327,12 +327,12 @@ class Tracer(TorchDispatchMode):
         params = frozenset().union(*(r.params for _, r in params_in))
         batched = any(r.batched for _, r in params_in)
         indexed = any(r.indexed for _, r in params_in)
-        if packet in _SELECTS and args[0] in self.refs and len(args) > 1:
+        if packet in SELECTS and args[0] in self.refs and len(args) > 1:
             batched = batched or (dim_index(int(args[1]), args[0].ndim) == 0 and args[0].ndim >= 3)
         elif packet in INDEX_OPS:
-            whole = packet in _LOOKUP_INDEX and self._whole_matrices(packet, args)
+            whole = packet in LOOKUP_INDEX and self._whole_matrices(packet, args)
             batched, indexed = batched or whole, indexed or not whole
-        computed = packet not in _VIEWS or any(r.computed for _, r in params_in)
+        computed = packet not in VIEWS or any(r.computed for _, r in params_in)
         normed = next((r.normed for _, r in params_in if r.normed), "")
         if packet in NORMALIZATIONS and args[0] in self.refs:
             normed = str(packet).removeprefix("aten.")
@@ -347,7 +347,7 @@ class Tracer(TorchDispatchMode):
         if r.rows is not None or r.dims is None or len(r.params) != 1 or not self.shapes[i]:
             return None
         packet = func.overloadpacket
-        if packet not in _ROW_CUTS:
+        if packet not in ROW_CUTS:
             return None
         x = args[0]
         rows = self.shapes[i][0]
@@ -377,7 +377,7 @@ class Tracer(TorchDispatchMode):
             feat = follow(func, args, kwargs, head.feat, outs, lambda f, a, b: self._cut(f, a, b, op))
         elif len(acts_in) == 2 and func.overloadpacket in (aten.add, aten.add_) and outs:
             feat = self._joint(acts_in, outs[0])
-        if func.overloadpacket in _FUSED_CELLS:
+        if func.overloadpacket in FUSED_CELLS:
             self._gate_cuts(func, args)
         if feat is None or isinstance(feat, Feat):
             act = Act(src, raw, feat)
@@ -404,7 +404,7 @@ class Tracer(TorchDispatchMode):
     def _gate_cuts(self, func, args) -> None:
         """A fused CUDA cell (``_thnn_fused_lstm_cell``) takes the input and hidden gate products
         whole and splits each into its gates inside: the cut the decomposed cell would show."""
-        gates = _FUSED_CELLS[func.overloadpacket]
+        gates = FUSED_CELLS[func.overloadpacket]
         op = f"{str(func.overloadpacket).removeprefix('aten.')} ({gates} gates)"
         for t in args[:2]:
             act = self.acts.get(t)
@@ -425,4 +425,4 @@ class Tracer(TorchDispatchMode):
                 self.view_ops[i].setdefault(op if feat.layer >= 0 else f"{op} of two layers' summed outputs", None)
 
 
-__all__ = ["Act", "IdMap", "Ref", "Tracer", "Use"]
+__all__ = ["Tracer"]

@@ -16,7 +16,7 @@ from geomopt.compile.trace_blocks import Feat
 aten = torch.ops.aten
 
 # ops that hand on (a view of, or a copy of) their first tensor argument
-_VIEWS = frozenset({
+VIEWS = frozenset({
     aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.t, aten.transpose, aten.permute,
     aten.expand, aten.slice, aten.select, aten.unsqueeze, aten.squeeze, aten.alias, aten.detach, aten.clone,
     aten._to_copy, aten.contiguous, aten.as_strided, aten.unbind, aten.split, aten.split_with_sizes, aten.chunk,
@@ -27,21 +27,21 @@ _VIEWS = frozenset({
     aten.slice_copy, aten.unbind_copy, aten.split_copy, aten.split_with_sizes_copy, aten.detach_copy,
     aten.alias_copy, aten._unsafe_index_put, aten.index_put,
 }) | INDEX_OPS
-_SELECTS = frozenset({aten.select, aten.select_copy})
-_PLAIN_VIEWS = _VIEWS - _SELECTS - INDEX_OPS
-_LOOKUP_INDEX = frozenset({aten.index, aten._unsafe_index, aten.index_select})  # rows (or matrices) by index
+SELECTS = frozenset({aten.select, aten.select_copy})
+PLAIN_VIEWS = VIEWS - SELECTS - INDEX_OPS
+LOOKUP_INDEX = frozenset({aten.index, aten._unsafe_index, aten.index_select})  # rows (or matrices) by index
 # fused recurrent kernels (what ``nn.LSTM``/``GRU``/``RNN`` reach on CUDA): a cuDNN or MIOpen mode's gates
 # per layer, and the CUDA cells that take the two gate products of one step whole
-_FUSED_RNN = frozenset(op for op in (getattr(aten, "_cudnn_rnn", None), getattr(aten, "_miopen_rnn", None))
+FUSED_RNN = frozenset(op for op in (getattr(aten, "_cudnn_rnn", None), getattr(aten, "_miopen_rnn", None))
                        if op is not None)
-_RNN_MODES = {0: ("RNN_RELU", 1), 1: ("RNN_TANH", 1), 2: ("LSTM", 4), 3: ("GRU", 3)}
-_FUSED_CELLS = {op: gates for op, gates in ((getattr(aten, "_thnn_fused_lstm_cell", None), 4),
+RNN_MODES = {0: ("RNN_RELU", 1), 1: ("RNN_TANH", 1), 2: ("LSTM", 4), 3: ("GRU", 3)}
+FUSED_CELLS = {op: gates for op, gates in ((getattr(aten, "_thnn_fused_lstm_cell", None), 4),
                                             (getattr(aten, "_thnn_fused_gru_cell", None), 3)) if op is not None}
-_ROW_CUTS = frozenset({aten.split, aten.split_with_sizes, aten.unsafe_split, aten.chunk, aten.slice, aten.narrow,
+ROW_CUTS = frozenset({aten.split, aten.split_with_sizes, aten.unsafe_split, aten.chunk, aten.slice, aten.narrow,
                        aten.split_copy, aten.split_with_sizes_copy, aten.slice_copy})
 
 # ops that read a tensor for its shape, dtype and device only: their outputs are constants
-_LIKE = frozenset({aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like,
+LIKE = frozenset({aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like,
                    aten.randn_like, aten.randint_like, aten.new_zeros, aten.new_ones, aten.new_empty,
                    aten.new_full, aten.new_empty_strided, aten.empty_strided, aten.sym_size, aten.sym_numel,
                    aten.sym_stride, aten.sym_storage_offset})
@@ -108,7 +108,7 @@ class IdMap:
 _Tensor = torch.Tensor
 
 
-def _tensors(x) -> list:
+def tensors_in(x) -> list:
     """The tensors in an op's arguments or outputs (tensors, and lists/tuples of them, two deep)."""
     if isinstance(x, _Tensor):
         return [x]
@@ -121,3 +121,6 @@ def _tensors(x) -> list:
         if isinstance(a, (tuple, list)):
             out.extend(b for b in a if isinstance(b, _Tensor))
     return out
+
+
+__all__ = ["Act", "IdMap", "Ref", "Use"]
