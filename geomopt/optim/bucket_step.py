@@ -22,7 +22,7 @@ from geomopt.optim import stages as post_stages
 from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows
 from geomopt.optim.atomic import journal, restore
 from geomopt.optim.graphs import GraphedOp
-from geomopt.optim.stacked import COUNTS
+from geomopt.optim.state_keys import COUNTS
 from geomopt.optim.state_codec import Codec, aligned
 from geomopt.optim.tensors import local, op_view, stack, upcast
 from geomopt.optim.program import Program
@@ -135,9 +135,9 @@ class BucketJob:
         else:
             gu = upcast(g)
             # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
-            self.d = DIRECTIONS[group["direction"]](gu, state, hyper, inplace=len(items) > 1 or gu is not g,
-                                                    g_prev=None if self.g_prev is None else upcast(self.g_prev),
-                                                    fresh=self.fresh)
+            self.d = DIRECTIONS[group["direction"]].fn(gu, state, hyper, inplace=len(items) > 1 or gu is not g,
+                                                       g_prev=None if self.g_prev is None else upcast(self.g_prev),
+                                                       fresh=self.fresh)
         # one pass: the forward op folds a constant radius r into its result S = r·∇φ₁*(d), written
         # in X's dtype, and X.lerp_(S, γ·wd) with r = −ρ/wd is X(1 − γ·wd) − γρ·∇φ₁*(d); without
         # decay X += γ·S with r = −ρ

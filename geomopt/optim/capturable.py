@@ -22,7 +22,7 @@ from geomopt.optim.bucket_step import BucketJob
 from geomopt.optim.nonfinite import finite, finite_flags
 from geomopt.optim.runtime import Runtime
 from geomopt.optim.schedules import SCHEDULES, warmup_alpha
-from geomopt.optim.stacked import COUNTS
+from geomopt.optim.state_keys import COUNTS
 
 
 def captured_step(rt: Runtime, groups: list, state, counters: list, jobs: list, grads: list, done: list) -> None:

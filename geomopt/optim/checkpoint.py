@@ -22,7 +22,7 @@ from geomopt.optim.atomic import PendingStep
 from geomopt.optim.load_check import (CheckpointError, check_built_for, check_entry, check_group_values,
                                        check_layout, check_meta, check_not_meta, check_same_spec)
 from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
-from geomopt.optim.stacked import COUNTS
+from geomopt.optim.state_keys import COUNTS, SPEC_KEYS, direction_keys
 from geomopt.optim.tensors import count_tensor
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
@@ -38,18 +38,10 @@ def spec_hash(spec: Spec) -> str:
     return hashlib.sha256(json.dumps(spec.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-#: the group values a spec sets (besides a direction's own coefficients, :data:`DIRECTION_KEYS`)
-SPEC_KEYS = ("rule", "lr", "weight_decay", "radius", "direction", "alpha", "nesterov", "init", "schedule",
-             "on_nonfinite")
-#: a direction's coefficients that live in the group where the direction has them (heavy ball's,
-#: Lion's, Polyak's warmup, Dion's)
-DIRECTION_KEYS = ("momentum", "dampening", "beta1", "beta2", "warmup_steps", "warmup_alpha", "rank", "mu", "eps")
-
-
 def spec_values(group: dict) -> dict:
     """What the spec set in a group (saved with the state: after a spec change, values the new
-    spec changed win over the checkpoint's)."""
-    return {k: copy_value(group[k]) for k in SPEC_KEYS + DIRECTION_KEYS if k in group}
+    spec changed win over the checkpoint's): the spec's keys and the directions' coefficients."""
+    return {k: copy_value(group[k]) for k in SPEC_KEYS + direction_keys() if k in group}
 
 
 def state_dict(opt: "GeomOptimizer") -> dict:
@@ -175,7 +167,7 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
         new["params"] = group["params"]
         new["param_names"] = group.get("param_names")  # this optimizer's names: its plans' (they route)
         new["spec_hash"] = opt.spec_hash
-        for key in DIRECTION_KEYS:  # a checkpoint from before groups held them: the spec's values
+        for key in direction_keys():  # a checkpoint from before groups held them: the spec's values
             if key in group:
                 new.setdefault(key, copy_value(group[key]))
     if opt.spec_hash != meta["spec_hash"]:

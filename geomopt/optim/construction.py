@@ -18,6 +18,7 @@ from geomopt.lint.coverage import UnusedRuleWarning
 from geomopt.lint.roles import RolesGuessedWarning, untraced, untraced_text
 from geomopt.lint.runner import lint_spec
 from geomopt.optim.diagnostics import euclidean_geometry
+from geomopt.optim.directions import DIRECTIONS
 from geomopt.optim.tensors import full, in_set, op_view, upcast
 from geomopt.spec.model import Spec
 from geomopt.spec.validate import source_of
@@ -86,14 +87,17 @@ def project_on_init(groups: list, plans: list, executor) -> None:
                 p.to_local().copy_(op_view(x, pp)[block])  # _view is its own inverse
 
 
-def check_dion(groups: list, opts) -> None:
-    """A ``dion`` direction on sharded (DTensor) tensors is refused: its power iteration and QR
-    need each matrix whole, and the direction runs on each rank's shard (microsoft/dion's
-    distributed QR is not reproduced). Replicated tensors (DDP) step whole on every rank."""
-    bad = [g["rule"] for g in groups if g["direction"] == "dion"]
-    if opts.sharded and bad:
-        raise ValueError(f"rule(s) {', '.join(map(repr, bad))} have a dion direction, which needs whole matrices: "
-                         f"it cannot run on sharded (DTensor) parameters; use it with replicated ones (DDP)")
+def check_sharded(groups: list, opts) -> None:
+    """A direction that refuses the ``sharded`` form (:class:`~geomopt.optim.units.DirectionUnit`:
+    Dion, whose power iteration and QR need each matrix whole) is refused on sharded (DTensor)
+    tensors, with its declared reason. Replicated tensors (DDP) step whole on every rank."""
+    if not opts.sharded:
+        return
+    for g in groups:
+        why = DIRECTIONS[g["direction"]].why_not("sharded")
+        if why:
+            raise ValueError(f"rule '{g['rule']}' has a {g['direction']} direction, which cannot run on sharded "
+                             f"(DTensor) parameters: {why}")
 
 
 def check_capturable(groups: list, plans: list, opts) -> None:
@@ -106,8 +110,9 @@ def check_capturable(groups: list, plans: list, opts) -> None:
     if not opts.local:
         why.append("it runs in one process (under torch.distributed the executors exchange on the host)")
     for g, gplans in zip(groups, plans):
-        if g["direction"] == "storm":
-            why.append(f"rule '{g['rule']}' has a storm direction (the closure is evaluated on the host)")
+        refused = DIRECTIONS[g["direction"]].why_not("capturable")
+        if refused:
+            why.append(f"rule '{g['rule']}' has a {g['direction']} direction ({refused})")
         if g["on_nonfinite"] == "raise":
             why.append(f"rule '{g['rule']}' has on_nonfinite: raise (raising needs the host to read the flag); "
                        f"use skip")

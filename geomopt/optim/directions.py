@@ -1,6 +1,9 @@
-"""Direction estimators d (paper Section 4): registered updaters of a per-tensor state, and
-Polyak's other forms beside them (rows of a stacked state, put off for the deferred finiteness
-test, foreach over a flat block), so each direction is written in one module.
+"""Direction estimators d (paper Section 4), each a declared unit
+(:class:`~geomopt.optim.units.DirectionUnit`: its spec model, state, forms and refusals, in its
+``@direction`` line), and each rule's arithmetic written once: :func:`polyak_lerp` and
+:func:`polyak_lookahead`, :func:`heavy_ball_update` and :func:`heavy_ball_lookahead` are the
+formulas that every form calls (a tensor, a stacked bucket, rows of it, lists of tensors over a
+flat block, a write put off behind a deferred finiteness test).
 
 Each is ``fn(g, state, group, *, g_prev=None, inplace=False, fresh=None) -> d`` and updates
 ``state`` in place; given a list ``fresh``, it leaves the optimizer's state as it is until the
@@ -22,19 +25,103 @@ from typing import Callable, Optional
 import torch
 
 from geomopt.optim.tensors import stack
-from geomopt.registry import Registry
+from geomopt.optim.units import FIRST, OWN, PARAM, DirectionUnit, StateKey, declare
+from geomopt.registry import OWNER, Registry
+from geomopt.spec.updates import Dion, HeavyBall, Lion, NoDirection, Polyak, Storm
 
+#: name → :class:`~geomopt.optim.units.DirectionUnit`
 DIRECTIONS = Registry("direction")
-direction = DIRECTIONS.register
+#: the momentum every direction with state keeps (stacked per bucket, in the operators' layout)
+MOMENTUM = StateKey("d", moment=FIRST)
 
 
-@direction("none")
+def direction(name: str, spec, *, state: tuple = (), migrates: Optional[str] = None, foreach=None, lookahead=None,
+              rows: bool = False, refuses: tuple = (), locality: Optional[str] = None):
+    """Register ``fn`` as the direction ``name`` (:class:`~geomopt.optim.units.DirectionUnit`):
+    its spec model, its state (declared under the state kind ``migrates``), its list form
+    ``foreach(ds, gs, group, first)`` (d in place over lists of tensors; gives the ``flat`` form)
+    and ``lookahead(u, d, group)`` (Nesterov's u from u = g, in place), whether it has the ``rows``
+    form, and the forms it refuses with why."""
+
+    def register(fn):
+        declare(migrates, *state)
+        forms = ("flat",) * (foreach is not None) + ("rows",) * rows
+        unit = DirectionUnit(name, fn, spec, tuple(state), migrates, forms, tuple(refuses),
+                             **({} if locality is None else {"locality": locality}))
+        DIRECTIONS.add(name, unit, foreach=foreach, lookahead=lookahead)
+        return fn
+
+    return register
+
+
+# ---------------------------------------------------------------- the arithmetic, once per rule
+
+
+def polyak_lerp(d, g, alpha, out=None):
+    """Polyak's d ← d + α(g − d) = d.lerp(g, α) (Theorem 4.3), the one place it is written: on a
+    tensor (into ``out``, else d in place) or on lists of tensors (one foreach launch, in place)."""
+    if isinstance(d, list):
+        torch._foreach_lerp_(d, g, alpha)
+        return d
+    return d.lerp_(g, alpha) if out is None else torch.lerp(d, g, alpha, out=out)
+
+
+def polyak_lookahead(g, d, alpha, out=None):
+    """Nesterov's look-ahead u = g + (1 − α)(d − g) = g.lerp(d, 1 − α), as torch.optim.Muon: into
+    ``out`` (which may be g), else a new tensor."""
+    return torch.lerp(g, d, 1 - alpha) if out is None else torch.lerp(g, d, 1 - alpha, out=out)
+
+
+def polyak_ahead_weight(alpha: float, nesterov: bool) -> float:
+    """The weight w of u = d.lerp(g, w) read from the old d: α without Nesterov (u = d⁺); with it
+    g.lerp(d.lerp(g, α), 1 − α) = g + (1 − α)²(d − g), so w = 1 − (1 − α)²."""
+    return 1 - (1 - alpha) ** 2 if nesterov else alpha
+
+
+def heavy_ball_update(b, g, group: dict, fresh: bool = False):
+    """torch.optim.SGD's b ← μb + (1 − τ)g (μ = ``momentum``, τ = ``dampening``), its op order
+    (mul, then add): on a tensor (``fresh``: into a new one) or on lists (in place)."""
+    mu, tau = group["momentum"], group["dampening"]
+    if isinstance(b, list):
+        torch._foreach_mul_(b, mu)
+        torch._foreach_add_(b, g, alpha=1 - tau)
+        return b
+    kept = torch.mul(b, mu) if fresh else b.mul_(mu)
+    return kept.add_(g, alpha=1 - tau)
+
+
+def heavy_ball_lookahead(g, b, group: dict, out=None):
+    """torch.optim.SGD's Nesterov u = g + μb: into ``out`` (which may be g), else a new tensor."""
+    return torch.add(g, b, alpha=group["momentum"]) if out is None else g.add_(b, alpha=group["momentum"])
+
+
+def _starts(update: Callable, at_gradient: Callable[[dict], bool]) -> Callable:
+    """A list form ``foreach(ds, gs, group, first)``: on a first step (``first``: the state is new,
+    zero) d⁰ = g⁰ where ``at_gradient(group)``, else ``update(ds, gs, group)`` (Nesterov's u =
+    g.lerp(g, ·) = g on a first d⁰ = g⁰ is g, bit for bit)."""
+
+    def foreach(ds: list, gs: list, group: dict, first: bool) -> None:
+        if first and at_gradient(group):
+            torch._foreach_copy_(ds, gs)
+        else:
+            update(ds, gs, group)
+
+    return foreach
+
+
+# ---------------------------------------------------------------- the registered directions
+
+
+@direction("none", NoDirection, foreach=lambda ds, gs, group, first: None)
 def plain(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     """d = g."""
     return g
 
 
-@direction("polyak")
+@direction("polyak", Polyak, state=(MOMENTUM,), migrates="momentum", rows=True,
+           foreach=_starts(lambda ds, gs, group: polyak_lerp(ds, gs, group["alpha"]),
+                           lambda group: group["init"] == "gradient"),
+           lookahead=lambda u, d, group: polyak_lookahead(u, d, group["alpha"], out=u))
 def polyak(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     """Polyak momentum d ← αg + (1−α)d (Theorem 4.3; β = 1 − α in torch.optim.Muon's terms).
 
@@ -47,40 +134,34 @@ def polyak(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     if buf is None:
         buf = state["d"] = g.clone() if group["init"] == "gradient" else torch.zeros_like(g)
         if group["init"] == "gradient":
-            return g.lerp(buf, 1 - alpha) if group["nesterov"] else buf
+            return polyak_lookahead(g, buf, alpha) if group["nesterov"] else buf
     if fresh is not None:
-        buf = state["d"] = torch.lerp(buf, g, alpha)
+        buf = state["d"] = polyak_lerp(buf, g, alpha, out=torch.empty_like(buf))
     else:
-        buf.lerp_(g, alpha)
+        polyak_lerp(buf, g, alpha)
     if not group["nesterov"]:
         return buf
-    return g.lerp_(buf, 1 - alpha) if inplace else g.lerp(buf, 1 - alpha)
+    return polyak_lookahead(g, buf, alpha, out=g if inplace else None)
 
 
-def polyak_foreach(ds: list, gs: list, alpha: float) -> None:
-    """:func:`polyak`'s d ← d.lerp(g, α) on lists of tensors (the flat path's form: one foreach
-    launch over every tensor of a block; Nesterov's look-ahead is the caller's g.lerp(d, 1 − α))."""
-    torch._foreach_lerp_(ds, gs, alpha)
-
-
-@direction("heavy_ball")
+@direction("heavy_ball", HeavyBall, state=(MOMENTUM,), foreach=_starts(heavy_ball_update, lambda group: True),
+           lookahead=lambda u, d, group: heavy_ball_lookahead(u, d, group, out=u))
 def heavy_ball(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     """Heavy-ball momentum as torch.optim.SGD runs it (Polyak 1964; Sutskever et al. 2013 for
     Nesterov): b⁰ = g⁰, then b ← μb + (1−τ)g; d = b, or d = g + μb with ``nesterov`` (τ =
-    ``dampening``). Same op order as torch's single-tensor SGD, so the same bits."""
-    mu = group["momentum"]
+    ``dampening``). Same op order as torch's single-tensor SGD, so the same bits. Its b is a sum,
+    not an average of gradients: it is not carried across a spec change (no state kind)."""
     buf = state.get("d")
     if buf is None:
         buf = state["d"] = g.clone()
     else:
-        kept = torch.mul(buf, mu) if fresh is not None else buf.mul_(mu)
-        buf = state["d"] = kept.add_(g, alpha=1 - group["dampening"])
+        buf = state["d"] = heavy_ball_update(buf, g, group, fresh=fresh is not None)
     if not group["nesterov"]:
         return buf
-    return g.add_(buf, alpha=mu) if inplace else g.add(buf, alpha=mu)
+    return heavy_ball_lookahead(g, buf, group, out=g if inplace else None)
 
 
-@direction("lion")
+@direction("lion", Lion, state=(MOMENTUM,), migrates="momentum")
 def lion(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     """Lion's interpolation (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms",
     Algorithm 2): d = β₁m + (1−β₁)g, then m ← β₂m + (1−β₂)g, m⁰ = 0; the sign is the geometry's
@@ -98,7 +179,8 @@ def lion(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     return d
 
 
-@direction("storm")
+@direction("storm", Storm, state=(MOMENTUM, StateKey("prev", layout=PARAM)), migrates="storm",
+           refuses=(("capturable", "the closure is evaluated on the host"),))
 def storm(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     """STORM (Theorem 4.5): d⁰ = g(x₀, ξ₀); then d ← g(x_k, ξ_k) + (1−α)(d − g(x_{k−1}, ξ_k)),
     both gradients on the same batch ξ_k (``g_prev`` comes from re-evaluating the closure at the
@@ -137,24 +219,24 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: 
         u = lookahead(d.shape, d) if group["nesterov"] else None
         if u is not None and u.dtype == d.dtype:
             for i, g in enumerate(gs):
-                torch.lerp(d[i], g, alpha, out=u[i])  # d⁺
-                torch.lerp(g, u[i], 1 - alpha, out=u[i])
+                polyak_lerp(d[i], g, alpha, out=u[i])  # d⁺
+                polyak_lookahead(g, u[i], alpha, out=u[i])
             old = d
-            fresh.append(lambda: torch._foreach_lerp_(list(old.unbind(0)), gs, alpha))
+            fresh.append(lambda: polyak_lerp(list(old.unbind(0)), gs, alpha))
             return u
         new = state["d"] = torch.empty_like(d)
         for i, g in enumerate(gs):
-            torch.lerp(d[i], g, alpha, out=new[i])
+            polyak_lerp(d[i], g, alpha, out=new[i])
         d = new
     else:
-        torch._foreach_lerp_(list(d.unbind(0)), gs, alpha)
+        polyak_lerp(list(d.unbind(0)), gs, alpha)
     if not group["nesterov"]:
         return d
     # u in the dtype the forward op casts it to first (bf16 for Newton–Schulz on CUDA): the
     # lerp rounds once into it, so the cast pass is saved and the bits are the same
     u = lookahead(d.shape, d)
     for i, g in enumerate(gs):
-        torch.lerp(g, d[i], 1 - alpha, out=u[i])
+        polyak_lookahead(g, d[i], alpha, out=u[i])
     return u
 
 
@@ -174,19 +256,17 @@ def polyak_ahead(gs: list, state: dict, group: dict, lookahead: Callable, fresh:
     if d is None and group["init"] == "gradient":  # d⁰ = g⁰, and with Nesterov u = g too
         u.copy_(g)
         return u, lambda: state.__setitem__("d", g.clone() if len(gs) == 1 else g)
-    weight = 1 - (1 - alpha) ** 2 if nesterov else alpha
+    weight = polyak_ahead_weight(alpha, nesterov)
     if d is None:  # d = 0
         torch.mul(g, weight, out=u)
     else:
-        torch.lerp(d, g, weight, out=u)
+        polyak_lerp(d, g, weight, out=u)
 
     def commit():
         if state.get("d") is None:
             state["d"] = torch.zeros(g.shape, dtype=g.dtype, device=g.device)
-        if fresh:
-            state["d"] = torch.lerp(state["d"], g, alpha)
-        else:
-            state["d"].lerp_(g, alpha)
+        d = state["d"]
+        state["d"] = polyak_lerp(d, g, alpha, out=torch.empty_like(d) if fresh else None)
 
     return u, commit
 
@@ -209,7 +289,9 @@ def dion_q0(n: int, r: int, like: torch.Tensor) -> torch.Tensor:
     return q.to(dtype=like.dtype, device=like.device)
 
 
-@direction("dion")
+@direction("dion", Dion, state=(MOMENTUM, StateKey("dion_q", layout=OWN)), migrates="dion", locality=OWNER,
+           refuses=(("sharded", "it needs whole matrices for its power iteration and QR (microsoft/dion's "
+                                "distributed QR is not reproduced); use it with replicated tensors (DDP)"),))
 def dion(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     """Dion (Ahn, Xu, Abreu & Langford 2025, "Dion: Distributed Orthonormalized Updates",
     arXiv:2504.05295, Algorithm 1, single-device form as microsoft/dion's dion/dion_simple.py

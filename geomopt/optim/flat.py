@@ -12,7 +12,7 @@ import torch
 
 from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.forward import elementwise_into, isotropic_factors
-from geomopt.optim.directions import polyak_foreach
+from geomopt.optim.directions import DIRECTIONS
 from geomopt.geometry.matrix import split_like
 from geomopt.optim.tensors import as_real, count_tensor, local, op_view
 from geomopt.optim.program import Program
@@ -41,7 +41,7 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     last, so an exception (out of memory) leaves parameters and state as they were."""
     pp = items[0][1]
     geometry, kind = pp.geometry, pp.geometry["kind"]
-    alpha = group["alpha"] if alpha is None else alpha
+    hyper = group if alpha is None else {**group, "alpha": alpha}  # α after a momentum warmup
     wd = group["weight_decay"]
     scale = -gamma * group["radius"] * pp.radius / geometry["radius"]
     xs = [as_real(op_view(local(p), q)) for p, q in items]  # complex: re, im as reals
@@ -51,14 +51,14 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     d: Any = None
     ds: Any = None
     binds: list = []  # new state buffers' bindings, and the count: after the last write
-    lerp = nesterov = first = heavy = False
+    # the direction's list form and look-ahead (:mod:`geomopt.optim.directions`: the same formulas
+    # as every other form); a first step starts the momentum where the direction says
+    meta = DIRECTIONS.meta[group["direction"]]
+    nesterov = first = False
     if group["direction"] != "none":
-        heavy = group["direction"] == "heavy_ball"
-        first = "d" not in state[items[0][0]] and (heavy or group["init"] == "gradient")  # d⁰ = g⁰
+        first = "d" not in state[items[0][0]]
         d, ds = rt.stacked.flat(state, items, xs, "d", binds)
-        lerp = not (heavy or first)
-        # heavy ball's Nesterov from the first step (torch.optim.SGD); Polyak's first u = g.lerp(g, ·) = g
-        nesterov = group["nesterov"] and (heavy or not first)
+        nesterov = bool(group["nesterov"])
     adam = _adam_state(rt, state, items, xs, binds) if kind == "adam" else None
     fused = adam is not None and prog.fused and all(t.is_contiguous() for t in (*xs, *(gs if ds is None else ds)))
     writes = nesterov or kind == "anisotropic" or (adam is not None and not fused)
@@ -87,20 +87,16 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
             d_new = take("d", (n,))
             d_views = split_like(d_new, x_b)
             torch._foreach_copy_(d_views, d_b)
-        if lerp:
-            polyak_foreach(d_views, g_b, alpha)
-        elif d is not None:
-            _heavy_or_first(d_views, g_b, group, first)
+        if d is not None:
+            meta["foreach"](d_views, g_b, hyper, first)
         u: Any
         u_views: Any
         if nesterov or (kind == "anisotropic" and d is None):
             u = take("u", (n,))
             u_views = split_like(u, x_b)
             torch._foreach_copy_(u_views, g_b)
-            if nesterov and heavy:  # g + μb, torch.optim.SGD's Nesterov (directions.heavy_ball)
-                u.add_(d_new, alpha=group["momentum"])
-            elif nesterov:
-                u.lerp_(d_new, 1 - alpha)  # g.lerp(d, 1 − α), as the batched path
+            if nesterov:
+                meta["lookahead"](u, d_new, hyper)
         elif d is not None:
             u, u_views = d_new, d_views
         else:
@@ -148,16 +144,6 @@ def _adam_state(rt: Runtime, state, items: list, xs: list, binds: list) -> tuple
 
     binds.append(count)
     return m, v, step
-
-
-def _heavy_or_first(ds: list, gs: list, group: dict, first: bool) -> None:
-    """d⁰ = g⁰ (heavy ball, or ``init: gradient``; with Nesterov u = g.lerp(g, ·) = g), or heavy
-    ball's b ← μb + (1 − τ)g, torch.optim.SGD's ops (directions.heavy_ball)."""
-    if first:
-        torch._foreach_copy_(ds, gs)
-        return
-    torch._foreach_mul_(ds, group["momentum"])
-    torch._foreach_add_(ds, gs, alpha=1 - group["dampening"])
 
 
 def scratch(kind: str, staged: bool, nesterov: bool, unfused_adam: bool) -> tuple:

@@ -26,33 +26,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, get_args
+from typing import Any
 
 import torch
 from pydantic import ValidationError
 
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
-from geomopt.optim import stages as post_stages
-from geomopt.optim.construction import check_capturable, check_dion
-from geomopt.optim.stacked import COUNTS, STACKED
-from geomopt.optim.state_codec import BLOCK, MOMENTS, SCALE, STORED, scale_shape
-from geomopt.optim.migrate import KINDS, VIEW_KEYS
+from geomopt.optim.construction import check_capturable, check_sharded
+from geomopt.optim.directions import DIRECTIONS
+from geomopt.optim.state_codec import BLOCK, STORED, scale_shape
+from geomopt.optim.state_keys import (COUNTS, GROUP_KEYS, KINDS, MOMENTS, PARAM_KEYS, SCALE, SECOND_MOMENTS, STACKED,
+                                      STAT_KEYS, VIEW_KEYS)
 from geomopt.optim.tensors import as_real, local
 from geomopt.spec.geometries import Euclidean
 from geomopt.spec.model import Hyper
 from geomopt.spec.validate import friendly
-from geomopt.spec.updates import Direction, Polyak
+from geomopt.spec.updates import Polyak
 
-#: state keys that hold second moments (a mean of squares: never negative)
-SECOND_MOMENTS = ("exp_avg_sq", "post_v", "post_g2", "max_exp_avg_sq")
+#: tensor state that is never negative: the declared second moments, and torch.optim's AMSGrad maximum
+NONNEGATIVE = (*SECOND_MOMENTS, "max_exp_avg_sq")
 #: state keys that count steps (geomopt's are ints; torch.optim's ``step`` may be a tensor)
-STEP_KEYS = ("adam_step", post_stages.STAGE_STEP, "step")
+STEP_KEYS = (*COUNTS, "step")
 #: every key of a tensor's state this optimizer keeps: its stacked state and step counts
 KEPT = (*STACKED, *COUNTS)
-#: the keys of a geomopt param group (a same-spec load installs the saved groups as they are)
-GROUP_KEYS = ("rule", "lr", "weight_decay", "radius", "direction", "alpha", "nesterov", "init", "schedule",
-              "on_nonfinite", "step")
 _FIX = "save it again from a healthy run, or load an earlier checkpoint"
 
 
@@ -189,7 +186,7 @@ GROUP_FIELDS: dict = {
     "alpha": (Polyak, "alpha"), "nesterov": (Polyak, "nesterov"), "init": (Polyak, "init"),
 }
 #: a direction's kind → its spec model
-DIRECTION_MODELS = {m.model_fields["kind"].default: m for m in get_args(get_args(Direction)[0])}
+DIRECTION_MODELS = {name: unit.spec for name, unit in DIRECTIONS.items()}
 #: every direction model's fields but ``kind`` (the group keys they validate)
 DIRECTION_FIELDS = {f for m in DIRECTION_MODELS.values() for f in m.model_fields if f != "kind"}
 
@@ -242,7 +239,7 @@ def check_built_for(opt, groups: list) -> None:
                                   f"this optimizer was not built for (its spec has no storm direction): set the "
                                   f"spec's direction to storm, or the group's to what the spec sets")
     try:
-        check_dion(groups, opt._options)
+        check_sharded(groups, opt._options)
         check_capturable(groups, opt._plans, opt._options)
     except ValueError as err:
         raise CheckpointError(f"the state's param_groups: {err}") from None
@@ -297,7 +294,7 @@ def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
                                       f"(an integer ≥ 0): {error}: {_FIX}")
             continue
         if not isinstance(value, torch.Tensor):
-            if key in VIEW_KEYS or key in SECOND_MOMENTS or key == "prev" or key == "momentum_buffer":
+            if key in VIEW_KEYS or key in NONNEGATIVE or key in PARAM_KEYS or key == "momentum_buffer":
                 raise CheckpointError(f"tensor '{name}': state '{key}' is {_short(value)}, not a tensor: {_FIX}")
             continue
         if key in MOMENTS and key + SCALE in entry:  # int8 state: codes (any byte is a code)
@@ -316,7 +313,7 @@ def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
             raise CheckpointError(f"tensor '{name}': state '{key}' holds {int((~torch.isfinite(data)).sum())} "
                                   f"non-finite value(s) (the run had diverged when it was saved): load an earlier "
                                   f"checkpoint")
-        if (key in SECOND_MOMENTS or key.endswith(SCALE)) and bool((data < 0).any()):
+        if (key in NONNEGATIVE or key.endswith(SCALE)) and bool((data < 0).any()):
             what = "block scales" if key.endswith(SCALE) else "second moment"
             why = "a block's largest magnitude" if key.endswith(SCALE) else "a mean of squares"
             raise CheckpointError(f"tensor '{name}': {what} '{key}' holds {int((data < 0).sum())} negative "
@@ -383,11 +380,11 @@ def _check_tensor(pp, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
             raise CheckpointError(f"tensor '{pp.name}': state '{key}' is {value.dtype} {shape}, the block scales of "
                                   f"int8 state are float32 {want}: the state was edited or saved on another model")
         return
-    if key == "prev":
+    if key in PARAM_KEYS:
         want = tuple(p.shape)
     elif key in VIEW_KEYS:
         want = tuple(p.shape) if is_dtensor(p) else tuple(pp.op_shape)
-    elif key in post_stages.STAGE_STATE:  # a statistic: each dim whole, or summed out (1), or per block
+    elif key in STAT_KEYS:  # a statistic: each dim whole, or summed out (1), or per block
         op = tuple(pp.op_shape)
         want = None if len(shape) == len(op) and all(1 <= s <= n for s, n in zip(shape, op)) else f"≤ {op}"
     else:  # a step count (checked above)
@@ -396,10 +393,10 @@ def _check_tensor(pp, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
         raise CheckpointError(f"tensor '{pp.name}' {tuple(p.shape)}: state '{key}' has shape {shape}, this "
                               f"optimizer keeps {want}: the state was saved on another model (or edited); build "
                               f"the optimizer on the model it was saved from")
-    dtype = p.dtype if key == "prev" else torch.promote_types(p.dtype, torch.float32)
+    dtype = p.dtype if key in PARAM_KEYS else torch.promote_types(p.dtype, torch.float32)
     if key in MOMENTS and value.dtype == STORED.get(pp.state_dtype):  # kept in the rule's state precision
         return
-    if (key == "prev" or key in VIEW_KEYS or key in post_stages.STAGE_STATE) and value.dtype != dtype:
+    if (key in PARAM_KEYS or key in VIEW_KEYS or key in STAT_KEYS) and value.dtype != dtype:
         raise CheckpointError(f"tensor '{pp.name}' ({p.dtype}): state '{key}' is {value.dtype}, this optimizer "
                               f"keeps {dtype}: cast it (e.g. sd['state'][i]['{key}'].to({dtype})) or load into a "
                               f"model of the saved dtype")

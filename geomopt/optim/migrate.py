@@ -41,47 +41,31 @@ import torch
 from geomopt.compile.plan import ParamPlan
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
+from geomopt.optim.directions import DIRECTIONS
 from geomopt.optim.state_codec import decode_entry
+from geomopt.optim.state_keys import KINDS, VIEW_KEYS
 from geomopt.optim.tensors import count_tensor
 
-# kind → the geomopt state keys it is made of (moved together or not at all)
-KINDS = {
-    "adam": ("exp_avg", "exp_avg_sq", "adam_step"),
-    "storm": ("d", "prev"),
-    "dion": ("d", "dion_q"),
-    "momentum": ("d",),
-    "gap": ("w",),
-    "second_moment": ("post_v", "post_step"),
-    "norm_ratio": ("post_g2", "post_step"),
-}
 # torch.optim state keys → geomopt's, per source optimizer
 _TORCH = {
     "adam": {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "step": "adam_step"},
     "muon": {"momentum_buffer": "d"},
 }
-# state kept in the operators' layout (transposed for ``layout: in_out``) on unsharded tensors;
-# "prev" is an iterate, laid out like the parameter (the optimizer's state rows read this too)
-VIEW_KEYS = ("d", "exp_avg", "exp_avg_sq", "w")
 
 
 def kinds_used(pp: ParamPlan, direction: str) -> tuple[str, ...]:
     """The kinds of state a rule's step keeps for this tensor."""
-    out = []
-    if pp.geometry["kind"] == "adam":
-        out.append("adam")
-    if direction in ("storm", "dion"):
-        out.append(direction)
-    elif direction in ("polyak", "lion"):
-        out.append("momentum")
-    return tuple(out)
+    out = ["adam"] if pp.geometry["kind"] == "adam" else []
+    kind = DIRECTIONS[direction].migrates  # as the direction declares (heavy ball's sum: none)
+    return tuple(out + ([kind] if kind else []))
 
 
 def kinds_held(state: dict) -> tuple[str, ...]:
-    """The kinds of state a saved entry holds (a STORM estimate also counts as momentum)."""
+    """The kinds of state a saved entry holds: each kind whose keys it has, but a kind whose keys
+    another held kind's include (d with prev is a STORM estimate, with dion_q Dion's; alone it is
+    momentum)."""
     out = [k for k, keys in KINDS.items() if all(key in state for key in keys)]
-    if "storm" in out or "dion" in out:
-        out.remove("momentum")  # d with prev is a STORM estimate; alone it is momentum
-    return tuple(out)
+    return tuple(k for k in out if not any(set(KINDS[k]) < set(KINDS[o]) for o in out))
 
 
 @dataclasses.dataclass

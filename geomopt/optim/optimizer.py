@@ -36,17 +36,17 @@ from geomopt.optim.checkpoint import new_counters, spec_hash, spec_values
 from geomopt.optim.migrate import MigrationReport
 from geomopt.optim.contract import (check_complex, collect_params, copy_state, pickled_state,
                                     check_gradient, dense, with_overrides)
-from geomopt.optim.construction import (check_capturable, check_dion, project_on_init, warn_guessed_roles,
+from geomopt.optim.construction import (check_capturable, check_sharded, project_on_init, warn_guessed_roles,
                                         warn_slow_bf16, warn_unused_rules)
 from geomopt.optim.diagnostics import diagnostics
-from geomopt.optim.directions import previous_gradients
+from geomopt.optim.directions import DIRECTIONS, previous_gradients
 from geomopt.optim.flat import step_flat
 from geomopt.optim.nonfinite import launch_check, skip_nonfinite
 from geomopt.optim.qkclip import QKClip
 from geomopt.optim.program import IMPLEMENTATIONS, Options, Program, dispatch, flat_rule, signature
 from geomopt.optim.runtime import Runtime
 from geomopt.optim.schedules import SCHEDULES, warmup_alpha
-from geomopt.optim.stacked import COUNTS, STACKED
+from geomopt.optim.state_keys import COUNTS, STACKED, direction_keys
 from geomopt.optim.tensors import as_real, local, op_layout, op_view, stack
 from geomopt.spec.model import RESOLVED_DEFAULTS, Spec
 
@@ -164,7 +164,7 @@ class GeomOptimizer(Optimizer):
             d = first.direction
             # every hyper-parameter a step reads lives here (one source of truth): the plan keeps
             # the operators and each tensor's radius factor
-            coefficients = {k: v for k, v in d.items() if k in checkpoint.DIRECTION_KEYS}
+            coefficients = {k: v for k, v in d.items() if k in direction_keys()}
             groups.append(dict(
                 params=[tensors[p.name] for p in plans], param_names=[p.name for p in plans], rule=rule.name,
                 spec_hash=self.spec_hash, lr=first.lr,
@@ -194,10 +194,10 @@ class GeomOptimizer(Optimizer):
                                             process_group, names=[pp.name for plans in self._plans for pp in plans])
         self._options = Options(
             local=isinstance(self._executor, LocalExecutor), sharded=isinstance(self._executor, ShardedExecutor),
-            keeps_prev=any(g["direction"] == "storm" for g in self.param_groups), track_gap=track_gap,
+            keeps_prev=any(DIRECTIONS[g["direction"]].keeps_prev for g in self.param_groups), track_gap=track_gap,
             track_update=track_update, cuda_graphs=cuda_graphs, implementation=implementation, capturable=capturable)
         check_capturable(self.param_groups, self._plans, self._options)
-        check_dion(self.param_groups, self._options)
+        check_sharded(self.param_groups, self._options)
         self._rt = self._runtime()
         check_complex(self.param_groups, self._plans, lambda g, pp: flat_rule(g, pp, self._options) is None)
         self._programs: list[list[Program]] = []

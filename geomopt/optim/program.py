@@ -40,6 +40,7 @@ from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
 from geomopt.geometry.polynomial import muon_order
 from geomopt.optim import stages as post_stages
+from geomopt.optim.directions import DIRECTIONS
 from geomopt.optim.tensors import FLAT_DTYPES, upcast
 
 #: the elementwise geometries: a flat call steps them (isotropic needs one norm per tensor, which
@@ -132,8 +133,8 @@ def flat_rule(group: dict, pp: ParamPlan, opts: Options) -> Optional[str]:
         return "post-stages run on the stacked update"
     if pp.decay != "decoupled":
         return f"{pp.decay} weight decay reads the update's sign per entry"
-    if group["direction"] not in ("none", "polyak", "heavy_ball"):
-        return f"direction {group['direction']}"
+    if not DIRECTIONS[group["direction"]].has("flat"):
+        return f"direction {group['direction']} has no list form"
     if opts.track_gap or opts.track_update:
         return "track_gap / track_update measure the stacked step"
     if opts.capturable:
@@ -242,9 +243,10 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Op
         write = "one-pass"
         why.append("one pass: the forward op folds −ρ/λ (or −ρ) into its output, then one lerp (or axpy) on X")
     form = "stacked"
-    if group["direction"] == "polyak" and not opts.keeps_prev and p.dtype in (torch.float32, torch.float64):
+    unit = DIRECTIONS[group["direction"]]
+    if unit.has("rows") and not opts.keeps_prev and p.dtype in (torch.float32, torch.float64):
         form = "rows"
-        why.append("Polyak read row by row from the unstacked gradients (no stacked copy of G)")
+        why.append(f"{unit.name} read row by row from the unstacked gradients (no stacked copy of G)")
     approx = (pp.geometry.get("approx") or {}).get("kind")
     graphed = opts.cuda_graphs and approx in POLYNOMIAL_APPROXES and opts.local and p.device.type == "cuda"
     if graphed:

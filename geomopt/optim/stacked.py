@@ -12,19 +12,13 @@ import torch
 
 from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import contiguous_strides, is_dtensor
-from geomopt.optim import stages as post_stages
-from geomopt.optim.migrate import VIEW_KEYS
-from geomopt.optim.state_codec import MOMENTS, SCALE, scale_shape
+from geomopt.optim.state_codec import scale_shape
+from geomopt.optim.state_keys import COUNTS, SCALE, STACKED, STAT_KEYS, VIEW_KEYS
 from geomopt.optim.tensors import as_real, count_tensor, flat_like, like_param, op_view, stack
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-#: per-parameter state tensors that batched calls keep stacked (entries are views of a bucket buffer)
-STACKED = ("d", "dion_q", "exp_avg", "exp_avg_sq", "prev", "w", *post_stages.STAGE_STATE, *(k + SCALE for k in MOMENTS))
-#: per-parameter step counts (:func:`~geomopt.optim.tensors.count_tensor` in the state, ints while a
-#: step computes with them), equal across a bucket's tensors
-COUNTS = ("adam_step", post_stages.STAGE_STEP)
 
 
 class StackedState:
@@ -151,7 +145,7 @@ def state_row(entry: torch.Tensor, pp: ParamPlan, key: str) -> torch.Tensor:
 def state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, layout=None,
                 reduced: tuple = ()) -> torch.Tensor:
     """Inverse of :func:`state_row`: for a sharded parameter, a DTensor sharded like it. A stage's
-    state (:data:`geomopt.optim.stages.STAGE_STATE`) has its own shape in the operators' layout
+    state (:data:`geomopt.optim.state_keys.STAT_KEYS`) has its own shape in the operators' layout
     (``layout``: the tensor's there): a statistic that sums out the stack dims ``reduced`` is cut
     like the tensor along the dims it keeps and replicated over the mesh dims that cut the others
     (every rank there holds the all-reduced values)."""
@@ -164,7 +158,7 @@ def state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, lay
         scales = scale_shape(tuple(pp.op_shape))  # shaped: a sharded tensor's int8 blocks are aligned
         return DTensor.from_local(row, p.device_mesh, layout.placements, run_check=False, shape=torch.Size(scales),
                                   stride=contiguous_strides(scales))
-    if key in post_stages.STAGE_STATE:
+    if key in STAT_KEYS:
         kept = [d for d in range(row.ndim) if d + 1 not in reduced]
         shape = list(row.shape)
         for d in kept:

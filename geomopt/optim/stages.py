@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from geomopt.geometry.reference import working_eps
 from geomopt.geometry.view import count, matrix_shapes
+from geomopt.optim.units import COUNT, SECOND, STAT, StateKey, declare
 from geomopt.registry import LOCAL, REDUCE, Registry
 
 #: the per-parameter step count of the stages (a count tensor, like ``adam_step``)
@@ -42,11 +43,14 @@ STAGES = Registry("post-stage")
 
 
 def stage(kind: str, *, state: tuple = (), reads: tuple = (), locality: Callable[[dict], str] = lambda cfg: REDUCE):
-    """Register ``fn`` as the post-stage ``kind`` with the state it keeps, what it reads and its
-    locality (a function of the stage's spec fragment)."""
+    """Register ``fn`` as the post-stage ``kind`` with the state it keeps (:class:`StateKey`
+    entries, declared under the state kind ``kind`` with the stages' step count), what it reads and
+    its locality (a function of the stage's spec fragment)."""
 
     def register(fn):
-        STAGES.add(kind, Stage(fn, state, reads, locality))
+        if state:
+            declare(kind, *state, StateKey(STAGE_STEP, layout=COUNT))
+        STAGES.add(kind, Stage(fn, tuple(k.key for k in state), reads, locality))
         return fn
 
     return register
@@ -219,7 +223,8 @@ def _per_axis(sq: torch.Tensor, ctx: Context, axis: str, mean: bool):
     return stat, (row,), (row, block)
 
 
-@stage("second_moment", state=("post_v",), locality=lambda cfg: LOCAL if cfg["axis"] == "element" else REDUCE)
+@stage("second_moment", state=(StateKey("post_v", layout=STAT, moment=SECOND),),
+       locality=lambda cfg: LOCAL if cfg["axis"] == "element" else REDUCE)
 def second_moment(u, cfg, ctx):
     """v ← β₂v + (1−β₂)·mean(U²) over each row (``axis: row``: NorMuon, Li et al. 2025, Alg. 1),
     each column (``column``; each row block of a view on its own), each row or column of the longer
@@ -272,7 +277,7 @@ def dual_scale(u, cfg, ctx):
     return u * ctx.sum(u * ctx.direction, _dims(u))
 
 
-@stage("norm_ratio", state=("post_g2",), reads=("gradient", "direction"))
+@stage("norm_ratio", state=(StateKey("post_g2", layout=STAT, moment=SECOND),), reads=("gradient", "direction"))
 def norm_ratio(u, cfg, ctx):
     """U ← U·‖D‖_F/(√v + ε), v ← β₂v + (1−β₂)·‖G‖²_F per tensor (v⁰ = 0, no bias correction; D the
     direction the geometry was given, G the raw gradient): NAMO, norm-adaptive Muon (arXiv:2602.17080,
@@ -329,10 +334,6 @@ def cautious(u, cfg, ctx):
     mask = (u * ctx.gradient > 0).to(u.dtype)
     n = math.prod(ctx.op_shape)
     return u * mask * (n / (ctx.sum(mask, _dims(u)) + 1))
-
-
-#: per-parameter state keys the stages declare (stacked per bucket like the momentum)
-STAGE_STATE = tuple(dict.fromkeys(key for s in STAGES.values() for key in s.state))
 
 
 def reads(post: list) -> set:

@@ -38,13 +38,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from geomopt.optim.state_keys import MOMENTS, SCALE
+
 BLOCK = 256
 #: entries encoded or decoded at a time (a multiple of BLOCK): bounds a step's temporaries (int64
 #: indices and codes) to a few MiB whatever the bucket's size
 CHUNK = 1 << 18
-#: the state keys that are moments: ``int8`` quantizes them (signed or not); other keys keep float32
-MOMENTS = {"d": True, "exp_avg": True, "exp_avg_sq": False, "post_v": False, "post_g2": False}
-SCALE = "_absmax"
 #: a rule's ``state`` precision → the dtype its encoded entries are stored in
 STORED = {"bfloat16": torch.bfloat16, "int8": torch.uint8}
 _MAPS: dict = {}

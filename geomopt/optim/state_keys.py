@@ -1,0 +1,70 @@
+"""Every table of state keys, group keys and direction coefficients, derived from the units'
+declarations (:mod:`geomopt.optim.units`), never listed by hand.
+
+The declarations are the directions' (:mod:`geomopt.optim.directions`), the post-stages'
+(:mod:`geomopt.optim.stages`) and, here, the two pieces of state that belong to no registered
+unit: the adam geometry's moments and step count (:func:`geomopt.geometry.adam.adam_moments`
+keeps them) and the gap monitor's last subgradient (``track_gap``).
+"""
+
+from __future__ import annotations
+
+from geomopt.optim.directions import DIRECTIONS
+from geomopt.optim import stages  # noqa: F401  (the post-stages declare their state on import)
+from geomopt.optim.units import COUNT, FIRST, OP, PARAM, SECOND, STAT, STATE, STATE_KINDS, StateKey, declare
+from geomopt.registry import Registry
+
+#: the adam geometry's state (torch.optim.AdamW's exp_avg, exp_avg_sq and step)
+ADAM_STATE = declare("adam", StateKey("exp_avg", moment=FIRST), StateKey("exp_avg_sq", moment=SECOND),
+                     StateKey("adam_step", layout=COUNT))
+#: ``track_gap``'s last subgradient w of the constraint (the Frank–Wolfe gap's)
+GAP_STATE = declare("gap", StateKey("w"))
+
+#: the suffix of an int8 moment's block scales (``d`` → ``d_absmax``)
+SCALE = "_absmax"
+
+
+def moments(state: Registry = STATE) -> dict[str, bool]:
+    """Moment key → signed (a first moment) or not (a second): what a rule's ``state`` precision
+    encodes; every other key stays float32."""
+    return {k: s.moment == FIRST for k, s in state.items() if s.moment is not None}
+
+
+def keys_in(layout: str, state: Registry = STATE) -> tuple[str, ...]:
+    """The declared keys of one layout (:data:`~geomopt.optim.units.LAYOUTS`)."""
+    return tuple(k for k, s in state.items() if s.layout == layout)
+
+
+def stacked(state: Registry = STATE) -> tuple[str, ...]:
+    """The tensor state a bucket keeps stacked (entries view a row of one buffer): every declared
+    key but the counts, and an int8 moment's block scales."""
+    return tuple(k for k, s in state.items() if s.layout != COUNT) + tuple(k + SCALE for k in moments(state))
+
+
+def direction_keys(directions: Registry = DIRECTIONS) -> tuple[str, ...]:
+    """The coefficients directions keep in their param group besides the ones every group has
+    (:data:`GROUP_KEYS`): the union of their spec models' fields."""
+    out = dict.fromkeys(c for unit in directions.values() for c in unit.coefficients)
+    return tuple(k for k in out if k not in GROUP_KEYS)
+
+
+#: the keys every geomopt param group has (the spec's values; ``step``, the group's step count)
+GROUP_KEYS = ("rule", "lr", "weight_decay", "radius", "direction", "alpha", "nesterov", "init", "schedule",
+              "on_nonfinite", "step")
+#: what the spec sets in a group: every group key but the step count, and the directions' coefficients
+SPEC_KEYS = GROUP_KEYS[:-1]
+
+MOMENTS = moments()
+SECOND_MOMENTS = tuple(k for k, signed in MOMENTS.items() if not signed)
+#: state kept in the operators' layout (transposed for ``layout: in_out``) on unsharded tensors
+VIEW_KEYS = keys_in(OP)
+#: the previous iterate (laid out like the parameter)
+PARAM_KEYS = keys_in(PARAM)
+#: statistics (each dim whole, or summed out)
+STAT_KEYS = keys_in(STAT)
+#: per-parameter step counts (int64 tensors in the state, ints while a step computes with them),
+#: equal across a bucket's tensors
+COUNTS = keys_in(COUNT)
+STACKED = stacked()
+#: kind of state → its keys (moved together across a spec change, or not at all)
+KINDS = dict(STATE_KINDS)
