@@ -62,7 +62,7 @@ def gpt2_tensors(width: int):
 
 def measure(width: int, iters: int, base_pkg=None) -> tuple[list[tuple[str, float]], int]:
     import geomopt
-    from geomopt.optim.nonfinite import sum_finite as _sum_finite
+    from geomopt.optim.engine.nonfinite import sum_finite as _sum_finite
 
     base, grads = gpt2_tensors(width)
 

@@ -13,7 +13,7 @@ Per workload: the median (of the process's CPU time on a CPU, robust to other lo
 machine; of wall time on CUDA) over ``--iters`` rounds (round robin, after warm-up) of forward +
 backward without and with the monitor, of ``GeomOptimizer.step()`` (Muon-like spectral rule on
 q/k, Adam elsewhere) without and with ``qk_clip`` (τ below the logits, so every head is clipped),
-and of the clip alone (:func:`geomopt.optim.qkclip.clip_site` on every site).
+and of the clip alone (:func:`geomopt.optim.engine.qkclip.clip_site` on every site).
 Writes benchmarks/results/qk_monitor.json (or ``--out``); ``--record`` appends the rows under
 "## QK-clip" in benchmarks/RESULTS.md.
 
@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 
 import geomopt  # noqa: E402
 from geomopt.models import GPT, GPTConfig  # noqa: E402
-from geomopt.optim.qkclip import clip_site  # noqa: E402
+from geomopt.optim.engine.qkclip import clip_site  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "qk_monitor.json"
 SPEC = """geomopt 1

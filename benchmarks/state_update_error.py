@@ -35,7 +35,7 @@ from state_quality import PRECISIONS, RUNS, with_state  # noqa: E402
 
 import geomopt  # noqa: E402
 from geomopt.cli.demo import batches, corpus_bytes, train  # noqa: E402
-from geomopt.optim.state_codec import decode_entry  # noqa: E402
+from geomopt.optim.persist.state_codec import decode_entry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from geomopt.lint.coverage import UnusedRuleWarning
     from geomopt.lint.roles import RolesGuessedWarning
     from geomopt.monitor import monitor_attention
-    from geomopt.optim.optimizer import GeomOptimizer
+    from geomopt.optim.engine.optimizer import GeomOptimizer
 
 __all__ = ["Diagnostic", "Spec", "SpecError", "dump_spec", "load_spec", "parse_spec", "shipped_specs", "compile_spec",
            "forward_step", "backward_step", "GeomOptimizer", "RoutingChangedError", "UnusedRuleWarning",
@@ -39,7 +39,7 @@ def __getattr__(name: str) -> object:
         from geomopt.compile.lock import RoutingChangedError
         return RoutingChangedError
     if name == "GeomOptimizer":
-        from geomopt.optim.optimizer import GeomOptimizer
+        from geomopt.optim.engine.optimizer import GeomOptimizer
         return GeomOptimizer
     if name == "UnusedRuleWarning":
         from geomopt.lint.coverage import UnusedRuleWarning

@@ -18,7 +18,7 @@ forward leaves no mode behind):
 
 Only forwards with gradients enabled count (training forwards; an eval pass under ``no_grad`` does
 not), and the maxima accumulate (max) over every such forward until the optimizer's QK-clip
-consumes them after a step (:mod:`geomopt.optim.qkclip`): with gradient accumulation, the max over
+consumes them after a step (:mod:`geomopt.optim.engine.qkclip`): with gradient accumulation, the max over
 the step's micro-batches, as the Kimi K2 report (arXiv 2507.20534 §2.1) takes S_max over the batch.
 A max stays on the device (no host sync per call).
 

@@ -28,7 +28,7 @@ import torch
 
 import geomopt
 from geomopt.models import GPT, MLP, GPTConfig, SmallCNN
-from geomopt.optim.nonfinite import NonFiniteGradientError
+from geomopt.optim.engine.nonfinite import NonFiniteGradientError
 from geomopt.spec.diagnostics import LANGUAGE_CODES, SEVERITY_ORDER
 
 from spec_mutants import mutant

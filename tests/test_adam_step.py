@@ -15,7 +15,7 @@ import torch
 import geomopt
 from geomopt.models import get_model
 from geomopt.optim import CheckpointError
-from geomopt.optim.checkpoint import import_steps
+from geomopt.optim.persist.checkpoint import import_steps
 
 
 def trained(spec: str = "adamw", steps: int = 3):

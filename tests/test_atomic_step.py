@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import geomopt
 from geomopt import GeomOptimizer
 from geomopt.geometry import polynomial
-from geomopt.optim import state_codec
-from geomopt.optim.load_check import CheckpointError
+from geomopt.optim.persist import state_codec
+from geomopt.optim.persist.load_check import CheckpointError
 from optim_helpers import gpt_batch, loss_of, tiny_gpt
 
 SPECS = sorted(geomopt.shipped_specs())

@@ -243,7 +243,7 @@ def test_direction_written_in_the_forward_dtype_gives_the_same_bits(monkeypatch)
     CUDA): the same bits as writing it in fp32 and casting, over steps and a missed gradient."""
     from optim_helpers import step_in_lockstep, tiny_gpt
 
-    import geomopt.optim.bucket_step as optimizer_module
+    import geomopt.optim.engine.bucket_step as optimizer_module
 
     spec = {"geomopt": 1, "name": "t", "defaults": {"lr": 0.02, "weight_decay": 0.1}, "rules": [
         {"name": "hidden", "match": {"name": "**.weight", "ndim": 2},

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import geomopt
-from geomopt.optim.directions import dion_rank
+from geomopt.optim.units.directions import dion_rank
 from geomopt.spec.diagnostics import SpecError
 from optim_helpers import same_snapshot, snapshot
 

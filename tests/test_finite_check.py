@@ -1,4 +1,4 @@
-"""The finiteness test of every step (geomopt.optim.nonfinite): the fast test (``sum_finite``) has
+"""The finiteness test of every step (geomopt.optim.engine.nonfinite): the fast test (``sum_finite``) has
 no false negatives (a NaN or ±∞ anywhere, in any tensor, is caught), the exact test (``finite``)
 agrees entry for entry, neither writes to the gradients (bit for bit, NaN payloads included), and
 the optimizer's elementwise path (the adam geometry, gradients as a list) skips a step with a
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import geomopt
-from geomopt.optim.nonfinite import finite, sum_finite
+from geomopt.optim.engine.nonfinite import finite, sum_finite
 from optim_helpers import SPECS, loss_of, mlp_batch, same_snapshot, snapshot, tiny_mlp, train
 
 ADAM = SPECS / "examples" / "adam-all.yaml"

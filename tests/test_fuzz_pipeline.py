@@ -14,7 +14,7 @@ import os
 import pytest
 
 import geomopt
-from geomopt.optim.nonfinite import NonFiniteGradientError
+from geomopt.optim.engine.nonfinite import NonFiniteGradientError
 from fuzz_pipeline import FINDINGS, HANG_S, OWN_ERRORS, Models, run_mutant
 from spec_mutants import DSL_TEXTS, YAML_TEXTS, mutant
 

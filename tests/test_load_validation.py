@@ -1,5 +1,5 @@
 """A refused ``load_state_dict`` changes nothing: the whole incoming state dict is checked
-(:mod:`geomopt.optim.load_check`) before anything is written. Each case saves a stepped
+(:mod:`geomopt.optim.persist.load_check`) before anything is written. Each case saves a stepped
 optimizer's state (GPT, shipped specs muon and adamw-hybrid), corrupts one thing in a deep copy,
 and asserts the load raises a CheckpointError naming the tensor or key, and that parameters,
 every state tensor, param_groups and counters are bit for bit what they were."""

@@ -18,7 +18,7 @@ from geomopt.compile import compile_spec
 from geomopt.compile.lock import (Lock, LockError, Route, RoutingChangedError, diff, dumps, loads, lock_of, model_label,
                                   name_key, read_lock, write_lock)
 from geomopt.models import get_model
-from geomopt.optim.checkpoint import spec_hash
+from geomopt.optim.persist.checkpoint import spec_hash
 from geomopt.spec.validate import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -39,7 +39,7 @@ from geomopt.compile.lock_bounds import MAX_LOCK_DEPTH
 from geomopt.compile.lock import (LockError, RoutingChangedError, check_routing, diff, dumps,
                                   lock_of, model_label, read_lock)
 from geomopt.models import get_model
-from geomopt.optim.checkpoint import spec_hash
+from geomopt.optim.persist.checkpoint import spec_hash
 from geomopt.spec.validate import load_spec
 from spec_mutants import PUT_CHARS, TEXT_OPS, apply_text_op
 # the spec the optimizer is built with: building it projects the hidden matrices onto a spectral

@@ -65,7 +65,7 @@ def expected_state_bytes(opt, model) -> int:
         if pp.direction["kind"] == "storm":
             total += n * t.element_size()  # the previous iterate
         if pp.direction["kind"] == "dion":  # the right factor Q: n × r of the tensor as (shape[0], rest)
-            from geomopt.optim.directions import dion_rank
+            from geomopt.optim.units.directions import dion_rank
 
             cols = n // t.shape[0]
             total += cols * dion_rank(pp.direction["rank"], (t.shape[0], cols)) * size
@@ -218,7 +218,7 @@ def test_flat_blocks_give_the_same_bits_as_one_pass(name, monkeypatch):
     """The flat path block by block (row ranges of a few thousand entries here, so blocks cut
     tensors and hold several) equals the same path in one block, bit for bit, over steps with a
     missing gradient; the scratch is one block."""
-    import geomopt.optim.flat as optimizer_module
+    import geomopt.optim.engine.flat as optimizer_module
     from optim_helpers import step_in_lockstep, tiny_gpt
 
     geometry, direction = FLAT[name]

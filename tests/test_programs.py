@@ -1,4 +1,4 @@
-"""Step programs (geomopt.optim.program): each bucket's variant is chosen once by one dispatcher,
+"""Step programs (geomopt.optim.engine.program): each bucket's variant is chosen once by one dispatcher,
 with its reasons; ``opt.describe()`` and ``geomopt plan … --program`` show them; every
 hyper-parameter a step reads is the group's (one source of truth), and a change to what a program
 depends on builds it again."""
@@ -12,7 +12,7 @@ import torch
 from optim_helpers import SHIPPED, gpt_batch, mlp_batch, params_equal, tiny_gpt, tiny_mlp, train
 
 import geomopt
-import geomopt.optim.optimizer as optimizer_module
+import geomopt.optim.engine.optimizer as optimizer_module
 from geomopt.cli.main import main
 from geomopt.geometry import polynomial
 

@@ -1,5 +1,5 @@
 """QK-clip (issue #31 item 1; Kimi K2, arXiv 2507.20534 §2.1): the spec field, the attention monitor
-(geomopt/monitor.py) and the clip after the step (geomopt/optim/qkclip.py).
+(geomopt/monitor.py) and the clip after the step (geomopt/optim/engine/qkclip.py).
 
 Checked against float64 transcriptions (the logits from q and k captured independently; the report's
 per-head rescaling) and against pytorch-optimizer's ``MuonClip`` on the same weights and logits, on
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import geomopt
 from geomopt.models import GPT, GPTConfig
 from geomopt.monitor import attention_sites, sdpa_head_max
-from geomopt.optim.qkclip import clip_site
+from geomopt.optim.engine.qkclip import clip_site
 from geomopt.spec.schema import schema
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

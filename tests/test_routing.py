@@ -638,7 +638,7 @@ def test_muon_step_orthogonalizes_each_expert_and_each_gate_up_half():
     update = {n: getattr(experts, n).detach() - w[n] for n in w}
 
     def direction_of(grad):
-        """geomopt.optim.directions.polyak on step 1, init zero: buf = 0.lerp(g, α) = αg, and with
+        """geomopt.optim.units.directions.polyak on step 1, init zero: buf = 0.lerp(g, α) = αg, and with
         Nesterov d = g.lerp(buf, 1 − α) (torch.optim.Muon's convention)."""
         alpha = direction["alpha"]
         buf = torch.zeros_like(grad).lerp_(grad, alpha)

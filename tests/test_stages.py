@@ -423,7 +423,7 @@ def test_every_stage_round_trips_through_the_dsl():
 
 def test_every_stage_kind_is_registered_with_its_state_locality_and_source():
     from geomopt.distributed import LOCAL, REDUCE
-    from geomopt.optim.stages import STAGES
+    from geomopt.optim.units.stages import STAGES
     from geomopt.spec.updates import STAGE_ORDER
 
     assert set(STAGES) == set(STAGE_ORDER)

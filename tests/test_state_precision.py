@@ -14,7 +14,7 @@ import torch
 from optim_helpers import gpt_batch, loss_of, tiny_gpt
 
 import geomopt
-from geomopt.optim.state_codec import (SCALE, decode_int8, dynamic_map, encode_bf16, encode_int8, nearest_codes,
+from geomopt.optim.persist.state_codec import (SCALE, decode_int8, dynamic_map, encode_bf16, encode_int8, nearest_codes,
                                        noise)
 
 with warnings.catch_warnings():

@@ -15,7 +15,7 @@ import torch
 
 import geomopt
 from geomopt.models import get_model
-from geomopt.optim.contract import GeneratedNamesWarning
+from geomopt.optim.contract.torch_api import GeneratedNamesWarning
 
 
 def model_of(name: str, seed: int = 0):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from pydantic import Field
 
-from geomopt.optim import state_keys
-from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows
-from geomopt.optim.units import COUNT, FIRST, OP, SECOND, STAT, DirectionUnit, StateKey
+from geomopt.optim.units import state_keys
+from geomopt.optim.units.directions import DIRECTIONS, polyak_ahead, polyak_rows
+from geomopt.optim.units.declare import COUNT, FIRST, OP, SECOND, STAT, DirectionUnit, StateKey
 from geomopt.registry import Registry
 from geomopt.spec.base import SpecModel
 
@@ -122,7 +122,7 @@ def test_every_form_of_a_direction_is_its_float64_reference(kind, extra, fresh):
     assert "stacked" in forms and (kind not in ("polyak", "heavy_ball", "none") or "flat" in forms)
     for form in forms:
         if form == "flat" and fresh:
-            continue  # the flat path binds new buffers itself (geomopt.optim.flat)
+            continue  # the flat path binds new buffers itself (geomopt.optim.engine.flat)
         got, got_d = _run(form, kind, group, gs, g_prevs, fresh)
         for k, (a, b) in enumerate(zip(got, want)):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"{kind} {form}: step {k}")
@@ -195,7 +195,7 @@ def test_a_declaration_is_checked():
         StateKey("x", moment="third")
     with pytest.raises(ValueError, match="unknown form"):
         DirectionUnit("x", lambda g: g, SpecModel, forms=("fused",))
-    from geomopt.optim.units import declare
+    from geomopt.optim.units.declare import declare
 
     with pytest.raises(ValueError, match="declared twice, differently"):
         declare(None, StateKey("d", layout=STAT))  # the momentum is declared in the operators' layout

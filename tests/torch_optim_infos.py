@@ -18,7 +18,7 @@ import geomopt
 from torch.optim.lr_scheduler import StepLR
 
 from geomopt.lint.coverage import UnusedRuleWarning
-from geomopt.optim.contract import GeneratedNamesWarning
+from geomopt.optim.contract.torch_api import GeneratedNamesWarning
 
 try:  # torch's internal test helpers import expecttest (a test-only package) for their TestCase base
     import expecttest  # noqa: F401

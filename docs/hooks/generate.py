@@ -170,9 +170,9 @@ def registries() -> dict:
         "backward": greg.BACKWARD_OPS,
         "approx": _find(("geomopt.geometry.spectral", "APPROX_OPS"), ("geomopt.geometry.matrix", "APPROX_OPS")),
         "reference": _find(("geomopt.geometry.reference", "REFERENCES")),
-        "direction": _find(("geomopt.optim.directions", "DIRECTIONS")),
-        "schedule": _find(("geomopt.optim.schedules", "SCHEDULES")),
-        "stage": _find(("geomopt.optim.stages", "STAGES")),
+        "direction": _find(("geomopt.optim.units.directions", "DIRECTIONS")),
+        "schedule": _find(("geomopt.optim.units.schedules", "SCHEDULES")),
+        "stage": _find(("geomopt.optim.units.stages", "STAGES")),
     }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from geomopt.cli.status import EXIT_CLEAN, EXIT_FINDINGS, UsageError
 from geomopt.compile.lock import LockError, diff, lock_of, read_lock, write_lock
-from geomopt.optim.checkpoint import spec_hash
+from geomopt.optim.persist.checkpoint import spec_hash
 
 
 def lock_or_check(args, spec, plan) -> int:

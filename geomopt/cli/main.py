@@ -183,7 +183,7 @@ def step_programs(model_ref: str, spec) -> str:
     which ``geomopt lint`` reports."""
     import warnings
 
-    from geomopt.optim.optimizer import GeomOptimizer  # torch: off the lint path
+    from geomopt.optim.engine.optimizer import GeomOptimizer  # torch: off the lint path
 
     model, inputs = load_model(model_ref)
     with warnings.catch_warnings():

@@ -120,7 +120,7 @@ def model_label(model) -> Optional[str]:
 
 
 def lock_of(plan: Plan, spec_hash: str = "", model: Optional[str] = None) -> Lock:
-    """The routing table of a compiled plan. ``spec_hash``: :func:`geomopt.optim.checkpoint.spec_hash`
+    """The routing table of a compiled plan. ``spec_hash``: :func:`geomopt.optim.persist.checkpoint.spec_hash`
     of the plan's spec; ``model``: :func:`model_label` of the model (or a checkpoint's file name)."""
     routes = {p.name: Route(tuple(int(d) for d in p.shape), p.role, p.rule, view_text(p)) for p in plan.params}
     return Lock(plan.spec_name, spec_hash, model, __version__, routes, tuple(plan.frozen))

@@ -47,9 +47,9 @@ class ParamPlan:
     role: str = ""  # the tensor's role(s) ("" when the plan did not read roles)
     post: tuple = ()  # the rule's post-stages (spec fragments, in run order)
     decay: str = "decoupled"  # weight decay: decoupled or cautious
-    #: the rule's QK-clip after the step (``{kind: max_logit, tau, alpha}``; geomopt.optim.qkclip), or None
+    #: the rule's QK-clip after the step (``{kind: max_logit, tau, alpha}``; geomopt.optim.engine.qkclip), or None
     qk_clip: Optional[dict] = None
-    #: the precision its state is kept in between steps: float32, bfloat16 or int8 (geomopt.optim.state_codec)
+    #: the precision its state is kept in between steps: float32, bfloat16 or int8 (geomopt.optim.persist.state_codec)
     state_dtype: str = "float32"
     #: tensors with equal keys run as one batched call: same rule, operators, op shape, dtype and
     #: device (computed at construction, from ``ops`` where the planner passes it)

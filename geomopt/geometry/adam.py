@@ -45,7 +45,7 @@ def adam_multi_tensor(xs, us, m, v, step, pieces, off, geometry, gamma, weight_d
     """AdamW's update of ``xs`` (a block's ``pieces`` of the flat call, from ``off`` in the
     flat moments ``m``, ``v``, each a (buffer, views) pair; all of it when ``pieces`` is None):
     torch's fused AdamW kernel where ``fused`` (the caller checked the device has it:
-    :mod:`geomopt.optim.program`) (torch.optim.AdamW(fused=True) bit for bit: one pass
+    :mod:`geomopt.optim.engine.program`) (torch.optim.AdamW(fused=True) bit for bit: one pass
     instead of eight), else :func:`adam_moments`'s op order (AdamW's
     single-tensor path, bit for bit) with the denominator in ``take("denom", shape)`` (a scratch).
     ``steps``: the fused kernel's count as a float32 0-d tensor, made by the caller before it writes

@@ -47,7 +47,7 @@ import torch
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.tools.logging import logger
 
-from geomopt.optim.optimizer import GeomOptimizer
+from geomopt.optim.engine.optimizer import GeomOptimizer
 from geomopt.spec.diagnostics import SpecError
 from geomopt.spec.extends import shipped_specs
 from geomopt.spec.model import Spec

@@ -223,7 +223,7 @@ class MaxLogitClip(SpecModel):
     η_h^(1−α), η_h = τ / S_h (α = ``alpha``, 0.5 in the report), so S_h becomes τ (a key head
     shared by several query heads, grouped-query attention, takes its group's smallest η). The
     logits come from ``geomopt.monitor_attention(model)`` (:mod:`geomopt.monitor`); the step is
-    :mod:`geomopt.optim.qkclip`. The rule's tensors must be query/key projections."""
+    :mod:`geomopt.optim.engine.qkclip`. The rule's tensors must be query/key projections."""
 
     kind: Literal["max_logit"] = "max_logit"
     tau: PositiveFloat

@@ -12,9 +12,9 @@ import torch
 
 from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import contiguous_strides, is_dtensor
-from geomopt.optim.state_codec import scale_shape
-from geomopt.optim.state_keys import COUNTS, SCALE, STACKED, STAT_KEYS, VIEW_KEYS
-from geomopt.optim.tensors import as_real, count_tensor, flat_like, like_param, op_view, stack
+from geomopt.optim.persist.state_codec import scale_shape
+from geomopt.optim.units.state_keys import COUNTS, SCALE, STACKED, STAT_KEYS, VIEW_KEYS
+from geomopt.optim.engine.tensors import as_real, count_tensor, flat_like, like_param, op_view, stack
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -145,7 +145,7 @@ def state_row(entry: torch.Tensor, pp: ParamPlan, key: str) -> torch.Tensor:
 def state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, layout=None,
                 reduced: tuple = ()) -> torch.Tensor:
     """Inverse of :func:`state_row`: for a sharded parameter, a DTensor sharded like it. A stage's
-    state (:data:`geomopt.optim.state_keys.STAT_KEYS`) has its own shape in the operators' layout
+    state (:data:`geomopt.optim.units.state_keys.STAT_KEYS`) has its own shape in the operators' layout
     (``layout``: the tensor's there): a statistic that sums out the stack dims ``reduced`` is cut
     like the tensor along the dims it keeps and replicated over the mesh dims that cut the others
     (every rank there holds the all-reduced values)."""

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from geomopt.geometry.reference import working_eps
 from geomopt.geometry.view import count, matrix_shapes
-from geomopt.optim.units import COUNT, SECOND, STAT, StateKey, declare
+from geomopt.optim.units.declare import COUNT, SECOND, STAT, StateKey, declare
 from geomopt.registry import LOCAL, REDUCE, Registry
 
 #: the per-parameter step count of the stages (a count tensor, like ``adam_step``)
@@ -77,7 +77,7 @@ class Context:
     statistics. ``reduced``: per state key, the dims of the stack its statistic sums out (its
     entries are then replicated over the mesh dims that cut those dims). ``fresh``: a stage puts
     its updated state in ``state`` as a new tensor rather than writing the old one in place, so the
-    optimizer's state changes only when the bucket commits (:mod:`geomopt.optim.atomic`)."""
+    optimizer's state changes only when the bucket commits (:mod:`geomopt.optim.engine.atomic`)."""
 
     state: dict
     op_shape: tuple[int, ...]

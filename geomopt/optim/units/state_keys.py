@@ -1,17 +1,17 @@
 """Every table of state keys, group keys and direction coefficients, derived from the units'
-declarations (:mod:`geomopt.optim.units`), never listed by hand.
+declarations (:mod:`geomopt.optim.units.declare`), never listed by hand.
 
-The declarations are the directions' (:mod:`geomopt.optim.directions`), the post-stages'
-(:mod:`geomopt.optim.stages`) and, here, the two pieces of state that belong to no registered
+The declarations are the directions' (:mod:`geomopt.optim.units.directions`), the post-stages'
+(:mod:`geomopt.optim.units.stages`) and, here, the two pieces of state that belong to no registered
 unit: the adam geometry's moments and step count (:func:`geomopt.geometry.adam.adam_moments`
 keeps them) and the gap monitor's last subgradient (``track_gap``).
 """
 
 from __future__ import annotations
 
-from geomopt.optim.directions import DIRECTIONS
-from geomopt.optim import stages  # noqa: F401  (the post-stages declare their state on import)
-from geomopt.optim.units import COUNT, FIRST, OP, PARAM, SECOND, STAT, STATE, STATE_KINDS, StateKey, declare
+from geomopt.optim.units.directions import DIRECTIONS
+from geomopt.optim.units import stages  # noqa: F401  (the post-stages declare their state on import)
+from geomopt.optim.units.declare import COUNT, FIRST, OP, PARAM, SECOND, STAT, STATE, STATE_KINDS, StateKey, declare
 from geomopt.registry import Registry
 
 #: the adam geometry's state (torch.optim.AdamW's exp_avg, exp_avg_sq and step)
@@ -31,7 +31,7 @@ def moments(state: Registry = STATE) -> dict[str, bool]:
 
 
 def keys_in(layout: str, state: Registry = STATE) -> tuple[str, ...]:
-    """The declared keys of one layout (:data:`~geomopt.optim.units.LAYOUTS`)."""
+    """The declared keys of one layout (:data:`~geomopt.optim.units.declare.LAYOUTS`)."""
     return tuple(k for k, s in state.items() if s.layout == layout)
 
 

@@ -7,7 +7,7 @@ group values it reads, the execution forms it has beyond the generic stacked one
 refuses, with why (:class:`DirectionUnit`). Every table that lists state keys, group keys or
 direction coefficients (the precision codec's moments, the stacked keys, the load checks, the
 migration kinds, the checkpoint's spec values) is derived from these declarations
-(:mod:`geomopt.optim.state_keys`), never listed by hand, so a new unit is one declaration.
+(:mod:`geomopt.optim.units.state_keys`), never listed by hand, so a new unit is one declaration.
 
 Torch-free: the declarations are data.
 """
@@ -29,7 +29,7 @@ LAYOUTS = (OP, PARAM, STAT, OWN, COUNT)
 #: never negative); moments are what a rule's ``state`` precision (bfloat16, int8) encodes
 FIRST, SECOND = "first", "second"
 
-#: the execution forms a direction may have (:mod:`geomopt.optim.program`): ``stacked`` (on a
+#: the execution forms a direction may have (:mod:`geomopt.optim.engine.program`): ``stacked`` (on a
 #: bucket's stacked gradients; every direction), ``flat`` (foreach over an elementwise rule's flat
 #: buffers), ``rows`` (read row by row from the unstacked gradients, or ahead of a deferred
 #: finiteness test), and the settings it must run under: ``capturable`` (no host decision) and
@@ -77,7 +77,7 @@ def declare(kind: Optional[str], *keys: StateKey) -> tuple[StateKey, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class DirectionUnit:
-    """A direction estimator d (:mod:`geomopt.optim.directions`): ``fn(g, state, group, *, g_prev,
+    """A direction estimator d (:mod:`geomopt.optim.units.directions`): ``fn(g, state, group, *, g_prev,
     inplace, fresh) -> d`` on a stacked (or single) gradient; ``spec``, its spec model (its fields
     but ``kind`` are the group values it reads, :attr:`coefficients`); ``state``, the entries it
     keeps, under the state kind ``migrates`` (None: not carried across a spec change);

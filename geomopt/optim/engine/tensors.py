@@ -23,7 +23,7 @@ def count_tensor(n) -> torch.Tensor:
     ``step`` (tools that compare or move optimizer state expect tensors); int64, so it is exact
     at any count (float32 rounds counts past 2²⁴); on the CPU, so reading it for the host's bias
     corrections never waits on a device. A capturable step keeps it on the device instead
-    (:func:`geomopt.optim.capturable.counts_on_device`)."""
+    (:func:`geomopt.optim.engine.capturable.counts_on_device`)."""
     return torch.tensor(int(n), dtype=torch.int64)
 
 

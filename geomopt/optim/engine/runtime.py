@@ -1,7 +1,7 @@
 """What the optimizer's steps keep between calls besides torch's ``state`` and ``param_groups``:
 the executor that answers operator requests, the buckets' stacked state, the step's scratch, the
 CUDA graphs and the pinned finiteness flag. One object, handed to the step functions
-(:mod:`geomopt.optim.bucket_step`, :mod:`geomopt.optim.flat`, :mod:`geomopt.optim.nonfinite`)
+(:mod:`geomopt.optim.engine.bucket_step`, :mod:`geomopt.optim.engine.flat`, :mod:`geomopt.optim.engine.nonfinite`)
 explicitly; a copy of the optimizer makes a new one (caches are not copied)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 import torch
 
-from geomopt.optim.stacked import StackedState
-from geomopt.optim.workspace import Workspace
+from geomopt.optim.engine.stacked import StackedState
+from geomopt.optim.engine.workspace import Workspace
 
 
 @dataclasses.dataclass
@@ -21,7 +21,7 @@ class Runtime:
     ShardedExecutor; ``stacked``: the buckets' stacked state (and the sharded tensors' layouts);
     ``workspace``: scratch shared by buckets that run one after another (empty between steps:
     released at the end of each, except under ``capturable``); ``graphs``: bucket →
-    :class:`~geomopt.optim.graphs.GraphedOp`, at most ``graph_cap`` of them; ``flag_host``: the
+    :class:`~geomopt.optim.engine.graphs.GraphedOp`, at most ``graph_cap`` of them; ``flag_host``: the
     pinned host copy of the finiteness flag (CUDA); ``largest_bucket``: entries of the largest
     bucket, which bounds the flat path's blocks."""
 

@@ -17,9 +17,9 @@ from geomopt.geometry.prox import backward
 from geomopt.lint.coverage import UnusedRuleWarning
 from geomopt.lint.roles import RolesGuessedWarning, untraced, untraced_text
 from geomopt.lint.runner import lint_spec
-from geomopt.optim.diagnostics import euclidean_geometry
-from geomopt.optim.directions import DIRECTIONS
-from geomopt.optim.tensors import full, in_set, op_view, upcast
+from geomopt.optim.contract.diagnostics import euclidean_geometry
+from geomopt.optim.units.directions import DIRECTIONS
+from geomopt.optim.engine.tensors import full, in_set, op_view, upcast
 from geomopt.spec.model import Spec
 from geomopt.spec.validate import source_of
 
@@ -88,7 +88,7 @@ def project_on_init(groups: list, plans: list, executor) -> None:
 
 
 def check_sharded(groups: list, opts) -> None:
-    """A direction that refuses the ``sharded`` form (:class:`~geomopt.optim.units.DirectionUnit`:
+    """A direction that refuses the ``sharded`` form (:class:`~geomopt.optim.units.declare.DirectionUnit`:
     Dion, whose power iteration and QR need each matrix whole) is refused on sharded (DTensor)
     tensors, with its declared reason. Replicated tensors (DDP) step whole on every rank."""
     if not opts.sharded:

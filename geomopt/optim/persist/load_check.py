@@ -33,12 +33,12 @@ from pydantic import ValidationError
 
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
-from geomopt.optim.construction import check_capturable, check_sharded
-from geomopt.optim.directions import DIRECTIONS
-from geomopt.optim.state_codec import BLOCK, STORED, scale_shape
-from geomopt.optim.state_keys import (COUNTS, GROUP_KEYS, KINDS, MOMENTS, PARAM_KEYS, SCALE, SECOND_MOMENTS, STACKED,
-                                      STAT_KEYS, VIEW_KEYS)
-from geomopt.optim.tensors import as_real, local
+from geomopt.optim.engine.construction import check_capturable, check_sharded
+from geomopt.optim.units.directions import DIRECTIONS
+from geomopt.optim.persist.state_codec import BLOCK, STORED, scale_shape
+from geomopt.optim.units.state_keys import (COUNTS, GROUP_KEYS, KINDS, MOMENTS, PARAM_KEYS, SCALE, SECOND_MOMENTS,
+                                            STACKED, STAT_KEYS, VIEW_KEYS)
+from geomopt.optim.engine.tensors import as_real, local
 from geomopt.spec.geometries import Euclidean
 from geomopt.spec.model import Hyper
 from geomopt.spec.validate import friendly
@@ -223,7 +223,7 @@ def group_value_error(group: Mapping, key: str, value: Any):
 
 def check_built_for(opt, groups: list) -> None:
     """The loaded groups on the optimizer as it was built: the checks its constructor makes of
-    the spec's values (:mod:`geomopt.optim.construction`: dion on sharded tensors, what a
+    the spec's values (:mod:`geomopt.optim.engine.construction`: dion on sharded tensors, what a
     capturable step cannot run) hold for them, and a storm direction needs an optimizer built
     with one (it evaluates the closure at the previous iterate, decided at construction)."""
     for i, (g, mine) in enumerate(zip(groups, opt.param_groups)):

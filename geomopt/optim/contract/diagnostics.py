@@ -13,11 +13,11 @@ from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import is_dtensor
 from geomopt.geometry.gap import dual_norm, gap_unavailable, stationarity_gap
 from geomopt.geometry.prox import backward
-from geomopt.optim.tensors import full, op_view, upcast
-from geomopt.optim.contract import dense
+from geomopt.optim.engine.tensors import full, op_view, upcast
+from geomopt.optim.contract.torch_api import dense
 
 if TYPE_CHECKING:
-    from geomopt.optim.optimizer import GeomOptimizer
+    from geomopt.optim.engine.optimizer import GeomOptimizer
 
 
 def euclidean_geometry(pp: ParamPlan) -> dict:

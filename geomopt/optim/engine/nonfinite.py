@@ -10,7 +10,7 @@ tested rule and still steps the ``off`` rules (they never depend on the test).""
 from __future__ import annotations
 
 import torch
-from geomopt.optim.runtime import Runtime
+from geomopt.optim.engine.runtime import Runtime
 
 
 class NonFiniteGradientError(FloatingPointError):

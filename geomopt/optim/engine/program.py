@@ -11,10 +11,10 @@ Variants::
 
     flat      an elementwise rule (φ euclidean, anisotropic, isotropic or adam; no constraint,
               no post-stage): the rule's tensors of one dtype, device and radius run as one call
-              of foreach kernels over flat state buffers (optim.flat.step_flat); Adam through
+              of foreach kernels over flat state buffers (optim.engine.flat.step_flat); Adam through
               torch's fused AdamW kernel where the device has one (``fused``)
     batched   every other rule: a bucket's same-shape tensors stacked along a leading dim, one
-              call per operator (optim.bucket_step.BucketJob), writing back
+              call per operator (optim.engine.bucket_step.BucketJob), writing back
               ``one-pass``   X ← lerp(X, S, γλ) with S = −(ρ/λ)∇φ₁*(d) from the forward op
                              (or X += γS, S = −ρ∇φ₁*(d), without decay): one pass over X
               ``in-place``   X ← X(1 − γλ) − γρU with foreach ops on the parameters
@@ -39,9 +39,9 @@ import torch
 from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
 from geomopt.geometry.polynomial import muon_order
-from geomopt.optim import stages as post_stages
-from geomopt.optim.directions import DIRECTIONS
-from geomopt.optim.tensors import FLAT_DTYPES, upcast
+from geomopt.optim.units import stages as post_stages
+from geomopt.optim.units.directions import DIRECTIONS
+from geomopt.optim.engine.tensors import FLAT_DTYPES, upcast
 
 #: the elementwise geometries: a flat call steps them (isotropic needs one norm per tensor, which
 #: a sharded tensor would reduce across ranks, so not when sharded)

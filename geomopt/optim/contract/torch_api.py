@@ -26,7 +26,7 @@ import torch
 from geomopt.compile.compiler import model_params
 from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import LocalExecutor
-from geomopt.optim.tensors import FLAT_DTYPES
+from geomopt.optim.engine.tensors import FLAT_DTYPES
 from geomopt.spec.model import Spec
 
 
@@ -211,7 +211,7 @@ def _in_model(entries: list, model, roles: bool, example_inputs) -> tuple[list, 
 #: step's scratch, and the stacked-state caches, keyed by the original tensors' ids (the copy
 #: restacks its state on its first step, as after load_state_dict: same values, same bits)
 #: what a copy of the optimizer makes anew: torch's profiled step and the step's runtime (caches,
-#: scratch, CUDA graphs: :mod:`geomopt.optim.runtime`)
+#: scratch, CUDA graphs: :mod:`geomopt.optim.engine.runtime`)
 REBUILT = ("step", "_rt")
 
 

@@ -1,5 +1,5 @@
 """Direction estimators d (paper Section 4), each a declared unit
-(:class:`~geomopt.optim.units.DirectionUnit`: its spec model, state, forms and refusals, in its
+(:class:`~geomopt.optim.units.declare.DirectionUnit`: its spec model, state, forms and refusals, in its
 ``@direction`` line), and each rule's arithmetic written once: :func:`polyak_lerp` and
 :func:`polyak_lookahead`, :func:`heavy_ball_update` and :func:`heavy_ball_lookahead` are the
 formulas that every form calls (a tensor, a stacked bucket, rows of it, lists of tensors over a
@@ -7,7 +7,7 @@ flat block, a write put off behind a deferred finiteness test).
 
 Each is ``fn(g, state, group, *, g_prev=None, inplace=False, fresh=None) -> d`` and updates
 ``state`` in place; given a list ``fresh``, it leaves the optimizer's state as it is until the
-bucket commits (:mod:`geomopt.optim.atomic`: an exception before then leaves the state as it
+bucket commits (:mod:`geomopt.optim.engine.atomic`: an exception before then leaves the state as it
 was): new tensors replace the old in ``state`` (a bucket's gathered dict, bound to the state when
 the bucket commits), or, where d does not read the update (Lion), the in-place update is appended
 to ``fresh`` and runs at the commit, which costs no memory. The same arithmetic, so the same bits.
@@ -24,12 +24,12 @@ from typing import Callable, Optional
 
 import torch
 
-from geomopt.optim.tensors import stack
-from geomopt.optim.units import FIRST, OWN, PARAM, DirectionUnit, StateKey, declare
+from geomopt.optim.engine.tensors import stack
+from geomopt.optim.units.declare import FIRST, OWN, PARAM, DirectionUnit, StateKey, declare
 from geomopt.registry import OWNER, Registry
 from geomopt.spec.updates import Dion, HeavyBall, Lion, NoDirection, Polyak, Storm
 
-#: name → :class:`~geomopt.optim.units.DirectionUnit`
+#: name → :class:`~geomopt.optim.units.declare.DirectionUnit`
 DIRECTIONS = Registry("direction")
 #: the momentum every direction with state keeps (stacked per bucket, in the operators' layout)
 MOMENTUM = StateKey("d", moment=FIRST)
@@ -37,7 +37,7 @@ MOMENTUM = StateKey("d", moment=FIRST)
 
 def direction(name: str, spec, *, state: tuple = (), migrates: Optional[str] = None, foreach=None, lookahead=None,
               rows: bool = False, refuses: tuple = (), locality: Optional[str] = None):
-    """Register ``fn`` as the direction ``name`` (:class:`~geomopt.optim.units.DirectionUnit`):
+    """Register ``fn`` as the direction ``name`` (:class:`~geomopt.optim.units.declare.DirectionUnit`):
     its spec model, its state (declared under the state kind ``migrates``), its list form
     ``foreach(ds, gs, group, first)`` (d in place over lists of tensors; gives the ``flat`` form)
     and ``lookahead(u, d, group)`` (Nesterov's u from u = g, in place), whether it has the ``rows``
@@ -197,7 +197,7 @@ def storm(g, state, group, *, g_prev=None, inplace=False, fresh=None):
 
 
 def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: Optional[list] = None) -> torch.Tensor:
-    """Polyak momentum (:func:`geomopt.optim.directions.polyak`, same arithmetic) read from
+    """Polyak momentum (:func:`geomopt.optim.units.directions.polyak`, same arithmetic) read from
     the unstacked gradients: d ← d.lerp(g, α) row by row into the stacked state, and with
     Nesterov u = g.lerp(d, 1 − α) written into ``lookahead(shape, like)`` (a scratch; no copy of G).
 

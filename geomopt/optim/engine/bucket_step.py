@@ -1,4 +1,4 @@
-"""The batched variant of a step program (:mod:`geomopt.optim.program`): a bucket's same-shape
+"""The batched variant of a step program (:mod:`geomopt.optim.engine.program`): a bucket's same-shape
 tensors stacked, direction → forward op → post-stages → weight decay → backward op, as a
 generator of operator requests so the executors (:mod:`geomopt.distributed`) can share a round's
 matrix work across ranks."""
@@ -18,15 +18,15 @@ from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.prox import backward
 from geomopt.geometry.forward import forward, input_dtype
 from geomopt.geometry.operators import backward_locality, forward_locality
-from geomopt.optim import stages as post_stages
-from geomopt.optim.directions import DIRECTIONS, polyak_ahead, polyak_rows
-from geomopt.optim.atomic import journal, restore
-from geomopt.optim.graphs import GraphedOp
-from geomopt.optim.state_keys import COUNTS
-from geomopt.optim.state_codec import Codec, aligned
-from geomopt.optim.tensors import local, op_view, stack, upcast
-from geomopt.optim.program import Program
-from geomopt.optim.runtime import Runtime
+from geomopt.optim.units import stages as post_stages
+from geomopt.optim.units.directions import DIRECTIONS, polyak_ahead, polyak_rows
+from geomopt.optim.engine.atomic import journal, restore
+from geomopt.optim.engine.graphs import GraphedOp
+from geomopt.optim.units.state_keys import COUNTS
+from geomopt.optim.persist.state_codec import Codec, aligned
+from geomopt.optim.engine.tensors import local, op_view, stack, upcast
+from geomopt.optim.engine.program import Program
+from geomopt.optim.engine.runtime import Runtime
 
 
 def radius_factor(pp: ParamPlan) -> float:
@@ -46,10 +46,10 @@ class BucketJob:
 
     :meth:`advance` runs the next phase with the previous request's answer ``(out, flags)`` and
     returns the next :class:`Request`, or None when the job is done, so
-    :func:`~geomopt.optim.atomic.drive` can hand a round's requests to the executor together
+    :func:`~geomopt.optim.engine.atomic.drive` can hand a round's requests to the executor together
     (locally, or shared out across ranks). No generator: the phases are plain calls, so a
     compiler traces the step whole. :meth:`abort` restores the state the job journaled (one
-    process, :mod:`geomopt.optim.atomic`).
+    process, :mod:`geomopt.optim.engine.atomic`).
 
     ``g``: the stacked gradients, or a list of them (``prog.direction_form`` rows / ahead);
     ``alpha``: the direction's α as scheduled (None: the group's); ``shared``: the buckets run
@@ -272,7 +272,7 @@ class BucketJob:
         self.saved, self.next = [], None
 
     def post_request(self, u: torch.Tensor) -> Request:
-        """The rule's post-stages on the bucket's update ``u`` (:mod:`geomopt.optim.stages`), as one
+        """The rule's post-stages on the bucket's update ``u`` (:mod:`geomopt.optim.units.stages`), as one
         request, local on every executor: the stages sum across shards where they need to
         (Context.sum), the same collectives in the same order on every rank; their step count is
         per tensor."""
@@ -291,7 +291,7 @@ class BucketJob:
 
 
 def codec(rt: Runtime, items: list, pp, step: int) -> Codec:
-    """The bucket's :class:`~geomopt.optim.state_codec.Codec`: sharded, where its block lies in the
+    """The bucket's :class:`~geomopt.optim.persist.state_codec.Codec`: sharded, where its block lies in the
     whole tensor and whether int8 blocks fit in every rank's shard (the same on every rank)."""
     names = tuple(q.name for _, q in items)
     if pp.state_dtype == "float32" or not is_dtensor(items[0][0]):
@@ -303,7 +303,7 @@ def codec(rt: Runtime, items: list, pp, step: int) -> Codec:
 
 def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: dict, radius: float = 1.0, out_dtype=None):
     """The bucket's forward op (``radius``·∇φ₁*, in ``out_dtype``); replayed from a CUDA graph
-    (:mod:`geomopt.optim.graphs`) where the program is ``graphed`` (the graph reads the bucket's
+    (:mod:`geomopt.optim.engine.graphs`) where the program is ``graphed`` (the graph reads the bucket's
     kept scratch u in place when that is its input)."""
     fn = lambda m: (forward(m, geometry, radius=radius, batch_dims=1, out_dtype=out_dtype), None)  # noqa: E731
     if not prog.graphed:

@@ -41,10 +41,10 @@ import torch
 from geomopt.compile.plan import ParamPlan
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
-from geomopt.optim.directions import DIRECTIONS
-from geomopt.optim.state_codec import decode_entry
-from geomopt.optim.state_keys import KINDS, VIEW_KEYS
-from geomopt.optim.tensors import count_tensor
+from geomopt.optim.units.directions import DIRECTIONS
+from geomopt.optim.persist.state_codec import decode_entry
+from geomopt.optim.units.state_keys import KINDS, VIEW_KEYS
+from geomopt.optim.engine.tensors import count_tensor
 
 # torch.optim state keys → geomopt's, per source optimizer
 _TORCH = {

@@ -1,4 +1,4 @@
-"""The flat variant of a step program (:mod:`geomopt.optim.program`): an elementwise rule (φ
+"""The flat variant of a step program (:mod:`geomopt.optim.engine.program`): an elementwise rule (φ
 euclidean, anisotropic, isotropic or adam; no constraint, no post-stage) steps all its tensors,
 whatever their shapes, with foreach kernels over flat state buffers, in blocks that stay in cache;
 Adam through torch's fused AdamW kernel where the program is ``fused``."""
@@ -12,18 +12,18 @@ import torch
 
 from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.forward import elementwise_into, isotropic_factors
-from geomopt.optim.directions import DIRECTIONS
+from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.geometry.matrix import split_like
-from geomopt.optim.tensors import as_real, count_tensor, local, op_view
-from geomopt.optim.program import Program
-from geomopt.optim.runtime import Runtime
+from geomopt.optim.engine.tensors import as_real, count_tensor, local, op_view
+from geomopt.optim.engine.program import Program
+from geomopt.optim.engine.runtime import Runtime
 
 def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads: list, gamma: float,
               alpha) -> None:
     """One step of an elementwise rule with foreach kernels (the ``flat`` variant of a step
-    program, :mod:`geomopt.optim.program`): the state lives in flat buffers (per-parameter state
+    program, :mod:`geomopt.optim.engine.program`): the state lives in flat buffers (per-parameter state
     entries are views of them), the forward map runs on flat memory, and the parameters are
-    updated in place. Same arithmetic as :class:`~geomopt.optim.bucket_step.BucketJob`, so the
+    updated in place. Same arithmetic as :class:`~geomopt.optim.engine.bucket_step.BucketJob`, so the
     same bits, except adam where the program is ``fused`` (torch.optim.AdamW(fused=True)'s bits).
 
     u (the direction the map reads) is the gradients or the momentum themselves where the map
@@ -35,7 +35,7 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     is in cache, and the scratch is one block of the workspace. Every op is elementwise, so
     blocks change no bit.
 
-    A step never half-applies (:mod:`geomopt.optim.atomic`): what it allocates (new state buffers,
+    A step never half-applies (:mod:`geomopt.optim.engine.atomic`): what it allocates (new state buffers,
     the scratch at its largest block, the fused kernel's count, the isotropic norms) is made
     before the first write, new state binds to its entries and the count advances after the
     last, so an exception (out of memory) leaves parameters and state as they were."""
@@ -51,7 +51,7 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     d: Any = None
     ds: Any = None
     binds: list = []  # new state buffers' bindings, and the count: after the last write
-    # the direction's list form and look-ahead (:mod:`geomopt.optim.directions`: the same formulas
+    # the direction's list form and look-ahead (:mod:`geomopt.optim.units.directions`: the same formulas
     # as every other form); a first step starts the momentum where the direction says
     meta = DIRECTIONS.meta[group["direction"]]
     nesterov = first = False

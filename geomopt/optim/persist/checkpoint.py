@@ -1,6 +1,6 @@
 """Checkpoints: ``state_dict`` with what the spec set (hash, text, per-group values, counters),
 ``load_state_dict`` that resumes bit for bit under the same spec and carries state over by name
-under another (:mod:`geomopt.optim.migrate`), refusing what cannot load with what to do."""
+under another (:mod:`geomopt.optim.persist.migrate`), refusing what cannot load with what to do."""
 
 from __future__ import annotations
 
@@ -18,17 +18,17 @@ from torch.optim import Optimizer
 
 from geomopt.compile.wrappers import strip, unwrap
 from geomopt.distributed.executors import is_dtensor
-from geomopt.optim.atomic import PendingStep
-from geomopt.optim.load_check import (CheckpointError, check_built_for, check_entry, check_group_values,
+from geomopt.optim.engine.atomic import PendingStep
+from geomopt.optim.persist.load_check import (CheckpointError, check_built_for, check_entry, check_group_values,
                                        check_layout, check_meta, check_not_meta, check_same_spec)
-from geomopt.optim.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
-from geomopt.optim.state_keys import COUNTS, SPEC_KEYS, direction_keys
-from geomopt.optim.tensors import count_tensor
+from geomopt.optim.persist.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
+from geomopt.optim.units.state_keys import COUNTS, SPEC_KEYS, direction_keys
+from geomopt.optim.engine.tensors import count_tensor
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
 
 if TYPE_CHECKING:
-    from geomopt.optim.optimizer import GeomOptimizer
+    from geomopt.optim.engine.optimizer import GeomOptimizer
 
 log = logging.getLogger("geomopt")
 
@@ -80,7 +80,7 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
     unless ``allow_spec_change=True``.
 
     Under the same spec the state resumes as torch does, bit for bit. Under another spec it
-    is carried over by parameter name (:mod:`geomopt.optim.migrate`): each tensor keeps the
+    is carried over by parameter name (:mod:`geomopt.optim.persist.migrate`): each tensor keeps the
     kinds of state (Adam moments, momentum) its new rule uses where the shapes still fit, the
     rest is reset, and the returned :class:`MigrationReport` (also logged) says which. Groups
     are matched by rule name: a value the new spec sets differently (lr, weight_decay, radius,
@@ -91,7 +91,7 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
     model. A torch optimizer's state fills the tensors it names and leaves the others' state as
     it is, so a Muon + AdamW pair loads with two calls, one per optimizer.
 
-    The whole dict is checked before anything is written (:mod:`geomopt.optim.load_check`):
+    The whole dict is checked before anything is written (:mod:`geomopt.optim.persist.load_check`):
     a refused load raises :class:`CheckpointError` (a ValueError) naming the tensor or key,
     and leaves parameters, state, param_groups and counters bit for bit as they were."""
     if not isinstance(state_dict, Mapping):
@@ -193,7 +193,7 @@ def follow_spec(group: dict, was: dict, now: dict) -> None:
             group[key] = copy_value(now[key])
 
 def _migrate(opt: "GeomOptimizer", state_dict: dict, source: str, meta: Optional[dict], model) -> MigrationReport:
-    """Carry a state over by parameter name (:mod:`geomopt.optim.migrate`); everything is
+    """Carry a state over by parameter name (:mod:`geomopt.optim.persist.migrate`); everything is
     built first and installed at the end, so a failure leaves the optimizer as it was."""
     if model is not None:
         named = [(strip(n), q) for n, q in unwrap(model).named_parameters()]
@@ -251,7 +251,7 @@ def _migrate(opt: "GeomOptimizer", state_dict: dict, source: str, meta: Optional
     return report
 
 
-#: Adam's step count, kept and saved as a 0-dim int64 CPU tensor (:func:`~geomopt.optim.tensors.count_tensor`:
+#: Adam's step count, kept and saved as a 0-dim int64 CPU tensor (:func:`~geomopt.optim.engine.tensors.count_tensor`:
 #: exact at any count; the host reads it for the bias corrections 1 − βᵗ without waiting on a
 #: device). Not under torch's name ``step`` (a float32 tensor there): torch.distributed.checkpoint's
 #: flattened optimizer state (what torchtitan saves) maps each saved key to the optimizer's
@@ -325,7 +325,7 @@ def spec_name(yaml_text: str) -> str:
 
 
 def restored_pending(saved: Optional[dict], groups: list) -> Optional[PendingStep]:
-    """The interrupted step a checkpoint recorded (:mod:`geomopt.optim.atomic`), on this
+    """The interrupted step a checkpoint recorded (:mod:`geomopt.optim.engine.atomic`), on this
     optimizer's tensors; refused when it names a tensor or group this optimizer lacks."""
     if saved is None:
         return None

@@ -27,27 +27,27 @@ from geomopt.compile.lock import check_routing, model_label
 from geomopt.compile.plan import Plan
 from geomopt.distributed.executors import LocalExecutor, ShardedExecutor, make_executor
 from geomopt.distributed.layout import layout_key
-from geomopt.optim import checkpoint
-from geomopt.optim.atomic import PendingStep, drive, interrupted
-from geomopt.optim.bucket_step import BucketJob, radius_factor
+from geomopt.optim.persist import checkpoint
+from geomopt.optim.engine.atomic import PendingStep, drive, interrupted
+from geomopt.optim.engine.bucket_step import BucketJob, radius_factor
 from geomopt.geometry.capture import capturing
-from geomopt.optim.capturable import captured_step, counts_on_device
-from geomopt.optim.checkpoint import new_counters, spec_hash, spec_values
-from geomopt.optim.migrate import MigrationReport
-from geomopt.optim.contract import (check_complex, collect_params, copy_state, pickled_state,
+from geomopt.optim.engine.capturable import captured_step, counts_on_device
+from geomopt.optim.persist.checkpoint import new_counters, spec_hash, spec_values
+from geomopt.optim.persist.migrate import MigrationReport
+from geomopt.optim.contract.torch_api import (check_complex, collect_params, copy_state, pickled_state,
                                     check_gradient, dense, with_overrides)
-from geomopt.optim.construction import (check_capturable, check_sharded, project_on_init, warn_guessed_roles,
+from geomopt.optim.engine.construction import (check_capturable, check_sharded, project_on_init, warn_guessed_roles,
                                         warn_slow_bf16, warn_unused_rules)
-from geomopt.optim.diagnostics import diagnostics
-from geomopt.optim.directions import DIRECTIONS, previous_gradients
-from geomopt.optim.flat import step_flat
-from geomopt.optim.nonfinite import launch_check, skip_nonfinite
-from geomopt.optim.qkclip import QKClip
-from geomopt.optim.program import IMPLEMENTATIONS, Options, Program, dispatch, flat_rule, signature
-from geomopt.optim.runtime import Runtime
-from geomopt.optim.schedules import SCHEDULES, warmup_alpha
-from geomopt.optim.state_keys import COUNTS, STACKED, direction_keys
-from geomopt.optim.tensors import as_real, local, op_layout, op_view, stack
+from geomopt.optim.contract.diagnostics import diagnostics
+from geomopt.optim.units.directions import DIRECTIONS, previous_gradients
+from geomopt.optim.engine.flat import step_flat
+from geomopt.optim.engine.nonfinite import launch_check, skip_nonfinite
+from geomopt.optim.engine.qkclip import QKClip
+from geomopt.optim.engine.program import IMPLEMENTATIONS, Options, Program, dispatch, flat_rule, signature
+from geomopt.optim.engine.runtime import Runtime
+from geomopt.optim.units.schedules import SCHEDULES, warmup_alpha
+from geomopt.optim.units.state_keys import COUNTS, STACKED, direction_keys
+from geomopt.optim.engine.tensors import as_real, local, op_layout, op_view, stack
 from geomopt.spec.model import RESOLVED_DEFAULTS, Spec
 
 __all__ = ["GeomOptimizer"]
@@ -59,10 +59,11 @@ class GeomOptimizer(Optimizer):
     ``model_or_named_parameters`` may also be ``model.parameters()`` or param-group dicts (no
     per-group options: groups are the spec's rules), named by ``model=`` (by identity, roles from
     the model) or else ``param.<i>`` in order with roles guessed from shapes and a
-    :class:`~geomopt.optim.contract.GeneratedNamesWarning` (:func:`~geomopt.optim.contract.collect_params`).
+    :class:`~geomopt.optim.contract.torch_api.GeneratedNamesWarning`
+    (:func:`~geomopt.optim.contract.torch_api.collect_params`).
 
     ``lr``, ``weight_decay``: replace the spec's ``defaults:`` values; a rule that sets its own
-    keeps it (:mod:`geomopt.optim.contract`). Checked: finite, lr > 0, weight_decay ≥ 0.
+    keeps it (:mod:`geomopt.optim.contract.torch_api`). Checked: finite, lr > 0, weight_decay ≥ 0.
 
     ``roles``: role → name patterns (``{"head": ["proj_out.weight"]}``), over the roles inferred
     from the model (:mod:`geomopt.compile.roles`) and the spec's ``roles:``. Roles are decided by
@@ -89,7 +90,7 @@ class GeomOptimizer(Optimizer):
 
     Non-finite gradients (any group) skip the whole step or raise, per rule (``on_nonfinite``),
     before anything is written; rules with ``on_nonfinite: off`` are not tested (a NaN propagates,
-    as in torch) and step even when the others skip (:mod:`geomopt.optim.nonfinite`).
+    as in torch) and step even when the others skip (:mod:`geomopt.optim.engine.nonfinite`).
 
     Zero-size tensors (a dim of size 0) are accepted under every rule and never step: no state,
     no projection, nothing in :meth:`diagnostics`, as a tensor without a gradient.
@@ -150,7 +151,7 @@ class GeomOptimizer(Optimizer):
             check_routing(self.plan, expect, spec_hash=self.spec_hash, model=model_label(source))
         # the model's parameter order (a torch optimizer's state saved without names maps by it)
         self._order = ([i.name for i in infos], [i.name for i in infos if i.requires_grad])
-        self._pending: Optional[PendingStep] = None  # an interrupted step (:mod:`geomopt.optim.atomic`)
+        self._pending: Optional[PendingStep] = None  # an interrupted step (:mod:`geomopt.optim.engine.atomic`)
         self.track_gap = track_gap
         self.track_update = track_update
         self.cuda_graphs = cuda_graphs
@@ -205,11 +206,11 @@ class GeomOptimizer(Optimizer):
         warn_slow_bf16(self.spec, self.plan, tensors)
         warn_unused_rules(self.spec, infos)
         warn_guessed_roles(infos)
-        self._qk_clip = QKClip(self.param_groups, self._plans, source, self.spec)  # geomopt.optim.qkclip: checks
+        self._qk_clip = QKClip(self.param_groups, self._plans, source, self.spec)  # geomopt.optim.engine.qkclip: checks
         project_on_init(self.param_groups, self._plans, self._executor)
 
     def _runtime(self) -> Runtime:
-        """The step's runtime (:mod:`geomopt.optim.runtime`), with the sharded parameters' layouts
+        """The step's runtime (:mod:`geomopt.optim.engine.runtime`), with the sharded parameters' layouts
         as the operators see them (transposed for layout: in_out)."""
         rt = Runtime(self._executor, graph_cap=2 * sum(map(len, self._buckets)))
         # entries of the largest bucket (what a batched step stacks at once): bounds the flat path's blocks
@@ -221,7 +222,7 @@ class GeomOptimizer(Optimizer):
         return rt
 
     def _dispatch(self) -> None:
-        """Build every bucket's step program (:func:`geomopt.optim.program.dispatch`), and note the
+        """Build every bucket's step program (:func:`geomopt.optim.engine.program.dispatch`), and note the
         group values they were built from: a step builds them again when those change."""
         self._programs = dispatch(self.param_groups, self._plans, self._buckets, self._options)
         self._built_from = [signature(g) for g in self.param_groups]
@@ -230,7 +231,7 @@ class GeomOptimizer(Optimizer):
                           and all(p.check == "deferred" for p in progs if p.variant == "batched"))
 
     def describe(self) -> str:
-        """Every bucket's step program (:mod:`geomopt.optim.program`): its tensors, stages,
+        """Every bucket's step program (:mod:`geomopt.optim.engine.program`): its tensors, stages,
         variant and why each choice was made, as text (``geomopt plan … --program`` prints it)."""
         if [signature(g) for g in self.param_groups] != self._built_from:
             self._dispatch()
@@ -259,7 +260,8 @@ class GeomOptimizer(Optimizer):
     # ------------------------------------------------------------ checkpoints, copies, diagnostics
 
     def state_dict(self) -> dict:
-        """torch's state dict and what the spec set (``"geomopt"``): :func:`geomopt.optim.checkpoint.state_dict`."""
+        """torch's state dict and what the spec set (``"geomopt"``):
+        :func:`geomopt.optim.persist.checkpoint.state_dict`."""
         return checkpoint.state_dict(self)
 
     # override: torch's returns None; this one also takes allow_spec_change / model and returns the
@@ -267,16 +269,16 @@ class GeomOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict, *, allow_spec_change: bool = False,  # type: ignore[override]
                         model=None) -> Optional[MigrationReport]:
         """Load a checkpoint, refusing one saved under a different spec unless
-        ``allow_spec_change=True``: :func:`geomopt.optim.checkpoint.load_state_dict`."""
+        ``allow_spec_change=True``: :func:`geomopt.optim.persist.checkpoint.load_state_dict`."""
         return checkpoint.load_state_dict(self, state_dict, allow_spec_change=allow_spec_change, model=model)
 
     def diagnostics(self, *, gap_reference: str = "auto") -> dict[str, dict]:
         """Per rule: gap, dual norm, violation, update norm, skipped steps and fallbacks
-        (:func:`geomopt.optim.diagnostics.diagnostics`)."""
+        (:func:`geomopt.optim.contract.diagnostics.diagnostics`)."""
         return diagnostics(self, gap_reference=gap_reference)
 
     def __getstate__(self) -> dict:
-        """What pickle writes (:func:`geomopt.optim.contract.pickled_state`)."""
+        """What pickle writes (:func:`geomopt.optim.contract.torch_api.pickled_state`)."""
         return pickled_state(self)
 
     def __deepcopy__(self, memo: dict):
@@ -288,7 +290,7 @@ class GeomOptimizer(Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         """Also how ``load_state_dict`` installs ``state`` and ``param_groups`` into this
-        optimizer: what :data:`~geomopt.optim.contract.REBUILT` lists is made only where it is
+        optimizer: what :data:`~geomopt.optim.contract.torch_api.REBUILT` lists is made only where it is
         missing (a copy), never replaced (a sharded optimizer's layouts live in the runtime)."""
         super().__setstate__(state)  # torch's: hooks (empty where missing), the profiled step
         if "_rt" not in self.__dict__:
@@ -395,7 +397,7 @@ class GeomOptimizer(Optimizer):
                 rt.workspace.release()  # nothing of the step's scratch is held between steps
             if self._options.capturable:  # the counts a captured step advances on the device
                 counts_on_device(groups, self.state, self._counters, jobs)
-            self._qk_clip.apply()  # QK-clip after the step (geomopt.optim.qkclip)
+            self._qk_clip.apply()  # QK-clip after the step (geomopt.optim.engine.qkclip)
         return loss
 
     @property
@@ -410,7 +412,7 @@ class GeomOptimizer(Optimizer):
         zero-size tensor is in no bucket: it never steps nor gets state), split by state history
         (a tensor that missed steps has its own step counts). An elementwise rule's ``flat``
         buckets pool their tensors of one dtype, device and radius, whatever their shapes, into
-        one flat call (:func:`geomopt.optim.flat.step_flat`)."""
+        one flat call (:func:`geomopt.optim.engine.flat.step_flat`)."""
         jobs: list = []
         for group, plans, progs in zip(self.param_groups, self._plans, self._programs):
             for prog in progs:

@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from geomopt.optim.state_keys import MOMENTS, SCALE
+from geomopt.optim.units.state_keys import MOMENTS, SCALE
 
 BLOCK = 256
 #: entries encoded or decoded at a time (a multiple of BLOCK): bounds a step's temporaries (int64

@@ -17,12 +17,12 @@ from __future__ import annotations
 import torch
 
 from geomopt.geometry.prox.spectral_map import DeviceRoutes
-from geomopt.optim.atomic import drive
-from geomopt.optim.bucket_step import BucketJob
-from geomopt.optim.nonfinite import finite, finite_flags
-from geomopt.optim.runtime import Runtime
-from geomopt.optim.schedules import SCHEDULES, warmup_alpha
-from geomopt.optim.state_keys import COUNTS
+from geomopt.optim.engine.atomic import drive
+from geomopt.optim.engine.bucket_step import BucketJob
+from geomopt.optim.engine.nonfinite import finite, finite_flags
+from geomopt.optim.engine.runtime import Runtime
+from geomopt.optim.units.schedules import SCHEDULES, warmup_alpha
+from geomopt.optim.units.state_keys import COUNTS
 
 
 def captured_step(rt: Runtime, groups: list, state, counters: list, jobs: list, grads: list, done: list) -> None:

@@ -1,0 +1,1 @@
+"""The torch.optim contract and the optimizer's diagnostics."""

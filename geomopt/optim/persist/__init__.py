@@ -1,0 +1,1 @@
+"""Persistence: checkpoints (save, validate, load, migrate) and the state precision codec."""
