@@ -290,7 +290,7 @@ def categories():
                  _constraint_extra),
         Category("directions", "Directions", "direction", Direction,
                  "A rule's (or the defaults') `direction`: the estimate d of the gradient the forward step maps.",
-                 lambda k: _rule(direction=_filled(k)), "direction"),
+                 lambda k: _rule(direction=_filled(k)), "direction", _direction_extra),
         Category("decay", "Weight decay", "decay", Decay,
                  "A rule's (or the defaults') `decay`: how `weight_decay` λ is applied, after the post-stages and "
                  "before the constraint. `decay: cautious` is shorthand for `decay: {kind: cautious}`.",
@@ -509,6 +509,22 @@ def _constraint_extra(kind: str, regs: dict) -> list[str]:
         rows.append([f"[`{g}`](geometries.md#{g})", f"[`{op}`](#op-{op})"] + ([f"`{loc}`"] if loc else []))
     head = ["geometry", "backward operator"] + (["locality"] if rows and len(rows[0]) == 3 else [])
     return [*table(head, rows), ""]
+
+
+def _direction_extra(kind: str, regs: dict) -> list[str]:
+    """What a direction declares (``geomopt.optim.units.declare.DirectionUnit``): its state, the
+    kind of state it moves as across a spec change, its forms and the forms it refuses."""
+    unit = regs["direction"].get(kind)
+    if unit is None:
+        return []
+    state = ", ".join(f"`{s.key}`" + (f" ({s.moment} moment)" if s.moment else f" ({s.layout})") for s in unit.state)
+    out = ["**State**: " + (state or "none") + ("." if not unit.state else
+           f"; carried across a spec change as `{unit.migrates}`." if unit.migrates else
+           "; not carried across a spec change.")]
+    forms = [f for f in ("flat", "rows") if unit.has(f)]
+    out.append("**Forms**: stacked" + "".join(f", `{f}`" for f in forms) + ". " + " ".join(
+        f"**Refused {form}**: {why}." for form, why in unit.refuses) + f" **Distributed**: `{unit.locality}`.")
+    return out + [""]
 
 
 def _stage_extra(kind: str, regs: dict) -> list[str]:
