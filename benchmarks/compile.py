@@ -164,7 +164,7 @@ def bench(blocks: int, runs: int, workload: str = "names") -> tuple[float, float
     from geomopt.compile import as_spec
 
     try:
-        trace_cache = importlib.import_module("geomopt.compile.trace")._CACHE
+        trace_cache = importlib.import_module("geomopt.compile.trace.forward")._CACHE
     except ImportError:  # a package from before roles were traced (a --before run)
         trace_cache = {}
 
@@ -201,7 +201,7 @@ def main() -> None:
         wall, cpu, n = bench(args.blocks, args.runs, workload)
         load = f"load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
         note = "; ".join(x for x in (args.note, load) if x)
-        how = "traced" if importlib.util.find_spec("geomopt.compile.trace") else "from the module tree"
+        how = "traced" if importlib.util.find_spec("geomopt.compile.trace.forward") else "from the module tree"
         what = {"names": f"{len(SPEC['rules'])} name rules × {n} tensors",
                 "roles": f"muon.yaml (roles {how}, view: auto) × {n}-tensor nn.Module",
                 "llama-8b": f"muon.yaml × Llama-3-8B config on meta ({n} tensors, roles {how})"}[workload]
