@@ -254,7 +254,7 @@ def main(args) -> int:
         for layout, d in dev.items():
             sent = " | ".join(f"{d['sent'][s]:.2f}×" if s in d["sent"] else "—" for s in args.spec)
             lines.append(f"| {layout} | {d['processes']} | {d['max_rel']:.1e} | {d['spec']} | {d['specs']} | {sent} |")
-    emit("\n".join(lines), args.record)
+    emit("\n".join(lines), args.record, "Layouts")
     if args.record and not args.base:
         RESULTS.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return 0

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import emit  # noqa: E402
+from _results import emit, section_for  # noqa: E402
 
 import geomopt  # noqa: E402
 from geomopt.cli.bench import Timer, device_name, hidden_workload  # noqa: E402
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--spec", default=str(ROOT / "specs" / "muon.yaml"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
+    p.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
     p.add_argument("--no-torch", action="store_true",
                    help="leave torch.optim.Muon out (its Newton–Schulz runs in bf16, which a CPU without native "
                         "bf16 emulates: seconds per step)")
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     for name, _ in opts:
         ms = statistics.median(times[name])
         lines.append(f"| {name} | {ms:.2f} | {f'{ms / muon:.3f}' if muon else '–'} | {ms / ref:.3f} |")
-    emit("\n".join(lines), args.record)
+    emit("\n".join(lines), args.record, section_for(args.device, "A/B against a base commit"))
     return 0
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import emit  # noqa: E402
+from _results import emit, section_for  # noqa: E402
 
 from geomopt.cli.bench import Timer, device_name
 from geomopt.geometry.prox import backward
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
              "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r[0]} | {_ms(r[1])} | {_ms(r[2])} | {r[3]:.1f}× | {r[4]:.1e} | {r[5]:.1e} | {_ms(r[6])} | {r[7]:.1f}× | {r[8]:.2f} |"
               for r in rows]
-    emit("\n".join(lines), args.record)
+    emit("\n".join(lines), args.record, section_for(args.device, "Backward steps"))
     return 0
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import emit  # noqa: E402
+from _results import GPU, emit  # noqa: E402
 
 import geomopt  # noqa: E402
 from geomopt.cli.bench import Timer, device_name, hidden_workload  # noqa: E402
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--logs", help="folder for the stderr of each child process that fails")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--one-lr", help=argparse.SUPPRESS)
-    p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
+    p.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs CUDA: a CUDA graph captures device work")
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
                 f"eager capturable steps at the same lr (floats) {r['lr_deviation']:.1e}." if "lr_deviation" in r
                 else f"muon.yaml, tensor lr: failed ({r['error']}).")
         lines += ["", text]
-    emit("\n".join(lines), args.record)
+    emit("\n".join(lines), args.record, GPU)
     return 0
 
 

@@ -9,7 +9,8 @@
   (32 layers, width 4096, 128,256 tokens) built on the meta device: its forward traced on meta.
 
 Reports the median of 5 runs of ``compile_spec`` for each, the trace cache cleared before each
-run; with ``--record`` appends the rows under "## Compile" in benchmarks/RESULTS.md.
+run; with ``--record`` each row replaces the same workload's under "## Compile" in
+benchmarks/RESULTS.md.
 
     python benchmarks/compile.py [--blocks 500] [--runs 5] [--record] [--note TEXT]
 """
@@ -22,12 +23,16 @@ import importlib.util
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from geomopt.compile import compile_spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import record_row, workload_key  # noqa: E402
 
 D = 64  # small widths: compile time depends on names and rules, not on tensor size
 
@@ -164,7 +169,7 @@ def bench(blocks: int, runs: int, workload: str = "names") -> tuple[float, float
     from geomopt.compile import as_spec
 
     try:
-        trace_cache = importlib.import_module("geomopt.compile.trace")._CACHE
+        trace_cache = importlib.import_module("geomopt.compile.trace.forward")._CACHE
     except ImportError:  # a package from before roles were traced (a --before run)
         trace_cache = {}
 
@@ -190,7 +195,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=500)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--record", action="store_true", help="append the rows to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="record the rows in benchmarks/RESULTS.md")
     ap.add_argument("--note", default="", help="free text for the last column")
     ap.add_argument("--workloads", nargs="+", default=["names", "roles", "llama-8b"],
                     choices=["names", "roles", "llama-8b"])
@@ -201,7 +206,7 @@ def main() -> None:
         wall, cpu, n = bench(args.blocks, args.runs, workload)
         load = f"load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
         note = "; ".join(x for x in (args.note, load) if x)
-        how = "traced" if importlib.util.find_spec("geomopt.compile.trace") else "from the module tree"
+        how = "traced" if importlib.util.find_spec("geomopt.compile.trace.forward") else "from the module tree"
         what = {"names": f"{len(SPEC['rules'])} name rules × {n} tensors",
                 "roles": f"muon.yaml (roles {how}, view: auto) × {n}-tensor nn.Module",
                 "llama-8b": f"muon.yaml × Llama-3-8B config on meta ({n} tensors, roles {how})"}[workload]
@@ -213,25 +218,15 @@ def main() -> None:
 
 
 def record(row: str, runs: int) -> None:
-    path = Path(__file__).with_name("RESULTS.md")
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
-    head = "## Compile"
-    table_head = (f"\n`python benchmarks/compile.py`: `compile_spec` of a 20-rule spec against 10,000 meta tensors "
-                  f"(iterable of (name, tensor)), of muon.yaml (roles decided, by a traced forward where there is "
-                  f"one) against the same tensors as an nn.Module, and of muon.yaml against a Llama-3-8B config on "
-                  f"meta; median of {runs} runs.\n\n"
-                  "Targets: names < 0.5 s; with the trace, the 10,000-tensor model < 1 s and Llama-3-8B < 5 s. CPU "
-                  "is the process time (robust to other load on the machine).\n\n"
-                  "| date | machine | torch | workload | wall | CPU | note |\n|---|---|---|---|---|---|---|\n")
-    if head not in text:
-        text = text.rstrip("\n") + f"\n\n{head}\n{table_head}"
-    # append the row at the end of the Compile section
-    start = text.index(head)
-    nxt = text.find("\n## ", start + len(head))
-    end = len(text) if nxt == -1 else nxt
-    section = text[start:end].rstrip("\n") + "\n" + row + "\n"
-    text = text[:start] + section + ("\n" + text[end:].lstrip("\n") if nxt != -1 else "")
-    path.write_text(text, encoding="utf-8")
+    """The row in place of the same workload's on this machine, under "## Compile" in RESULTS.md."""
+    intro = [f"`python benchmarks/compile.py`: `compile_spec` of a 20-rule spec against 10,000 meta tensors "
+             f"(iterable of (name, tensor)), of muon.yaml (roles decided, by a traced forward where there is "
+             f"one) against the same tensors as an nn.Module, and of muon.yaml against a Llama-3-8B config on "
+             f"meta; median of {runs} runs.", "",
+             "Targets: names < 0.5 s; with the trace, the 10,000-tensor model < 1 s and Llama-3-8B < 5 s. CPU "
+             "is the process time (robust to other load on the machine).", "",
+             "| date | machine | torch | workload | wall | CPU | note |", "|---|---|---|---|---|---|---|"]
+    record_row("Compile", intro, row, workload_key)
 
 
 if __name__ == "__main__":

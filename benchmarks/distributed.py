@@ -8,8 +8,8 @@
 Launches ``torchrun --nproc_per_node N`` on itself for each N (gloo on CPU, nccl on CUDA). Every
 rank steps a GeomOptimizer over the model's hidden matrices (fixed random gradients) and reports
 the median step time and the time its share of the matrix functions took (``opt.work``: host
-time, so on CUDA it synchronizes before and after each step). With --record, appends the table to
-benchmarks/RESULTS.md.
+time, so on CUDA it synchronizes before and after each step). With --record, the table replaces its
+configuration's record in benchmarks/RESULTS.md.
 
 ``--layouts`` (4 gloo processes on CPU: :mod:`_layouts`) steps an HF Llama under one process,
 DDP ×2, FSDP2 ×2, HSDP 2×2 and FSDP2 × TP 2×2 and reports, per layout and spec, the bytes each
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import emit  # noqa: E402
+from _results import emit, section_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         for n, res in results.items():
             for r, row in enumerate(res[spec]):
                 lines.append(f"| {spec} | {n} | {r} | {row['matrices']:.0f} | {row['ortho_ms']:.2f} | {row['step_ms']:.2f} |")
-    emit("\n".join(lines), args.record)
+    emit("\n".join(lines), args.record, section_for(args.device, "DDP"))
     return 0
 
 

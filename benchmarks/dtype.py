@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import emit  # noqa: E402
+from _results import emit, section_for  # noqa: E402
 
 import geomopt  # noqa: E402
 from geomopt.cli.bench import Timer, device_name, hidden_workload  # noqa: E402
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--size", type=int, default=512, help="matmul size for the throughput rows")
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
+    p.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
     args = p.parse_args(argv)
     f32 = gflops(args.size, torch.float32, args.device, max(3, args.iters))
     bf16 = gflops(args.size, torch.bfloat16, args.device, max(1, args.iters // 3))
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     for name, _ in rows:
         ms = statistics.median(times[name])  # Timer gives ms
         lines.append(f"| {name} | {ms:.1f} | {ms / muon:.3f} | {ms / adamw:.1f} |")
-    emit("\n".join(lines), args.record)
+    emit("\n".join(lines), args.record, section_for(args.device, "Newton–Schulz dtype"))
     return 0
 
 

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--widths", type=int, nargs="+", default=[384, 768])
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--base", help="git commit whose geomopt runs the same specs beside this tree's")
-    p.add_argument("--record", metavar="NOTE", help="append the tables to benchmarks/RESULTS.md with this note")
+    p.add_argument("--record", metavar="NOTE", help="record the tables in benchmarks/RESULTS.md with this note")
     args = p.parse_args(argv)
     from geomopt.cli.bench import device_name
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                    f"{device_name('cpu')}, float32, torch {torch.__version__} — {datetime.date.today().isoformat()}"
                    + (f", base {args.base}" if args.base else ""))
         tables.append(ratio_table(heading, "optimizer", "fused AdamW", rows))
-    emit("\n\n".join(tables), args.record)
+    emit("\n\n".join(tables), args.record, "Elementwise rules")
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import emit  # noqa: E402
+from _results import emit, section_for  # noqa: E402
 
 import geomopt  # noqa: E402
 from geomopt.cli.bench import Timer, device_name  # noqa: E402
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tensors", type=int, default=4)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
+    ap.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
     args = ap.parse_args(argv)
     out, inp = (int(s) for s in args.shape.split("x"))
     e, n, dev = args.experts, args.tensors, torch.device(args.device)
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
             f"| {n} tensors ({e}, {out}, {inp}), view batch: 1 | {med['batched']:.1f} | "
             f"{med['batched'] / med['separate']:.2f}× | {diff:.1e} |",
             f"| {n * e} tensors ({out}, {inp}), one bucket | {med['separate']:.1f} | 1.00× | - |"]
-    emit("\n".join(rows), args.record)
+    emit("\n".join(rows), args.record, section_for(args.device, "MoE experts"))
     return 0
 
 

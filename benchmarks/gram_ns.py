@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
+    p.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     restarts = [r for r in args.restarts if r < args.steps]
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
                      f"{rel_err(outs['gram_newton_schulz'], exact):.1e} |")
     lines += ["", f"Median of {args.iters} alternating calls each; errors: largest relative Frobenius error over the "
               "batch against float64 newton_schulz on the same input."]
-    emit("\n".join(lines), args.record)
+    emit("\n".join(lines), args.record, "Gram Newton–Schulz")
     return 0
 
 

@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     p.add_argument("--specs", nargs="+", default=SPECS, help="shipped spec names (specs/NAME.yaml)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="tiny sizes (width 64, vocab 512) for a smoke test")
-    p.add_argument("--record", metavar="NOTE", help="append the tables to benchmarks/RESULTS.md with this note")
+    p.add_argument("--record", metavar="NOTE", help="record the tables in benchmarks/RESULTS.md with this note")
     p.add_argument("--jobs", type=int, default=2, help="subprocesses at a time (each measures only itself)")
     p.add_argument("--widths", type=int, nargs="+", help="model widths (384, 768; default both)")
     p.add_argument("--state", nargs="+", default=["float32"], choices=["float32", "bfloat16", "int8"],
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
         exact = ("" if all(r.get("rss_exact", True) for r in results)
                  else " (peak RSS: ru_maxrss, no per-step reset here)")
         lines += ["", f"Parameter bytes: {pb / MiB:.2f} MiB. Held MiB by holder{exact}:", *notes]
-        emit("\n".join(lines), args.record)  # each width as soon as it is measured
+        emit("\n".join(lines), args.record, "Memory")  # each width as soon as it is measured
     return 0
 
 

@@ -14,8 +14,8 @@ machine; of wall time on CUDA) over ``--iters`` rounds (round robin, after warm-
 backward without and with the monitor, of ``GeomOptimizer.step()`` (Muon-like spectral rule on
 q/k, Adam elsewhere) without and with ``qk_clip`` (τ below the logits, so every head is clipped),
 and of the clip alone (:func:`geomopt.optim.engine.qkclip.clip_site` on every site).
-Writes benchmarks/results/qk_monitor.json (or ``--out``); ``--record`` appends the rows under
-"## QK-clip" in benchmarks/RESULTS.md.
+Writes benchmarks/results/qk_monitor.json (or ``--out``); ``--record`` puts each row in place
+of the same workload's under "## QK-clip" in benchmarks/RESULTS.md.
 
     python benchmarks/qk_monitor.py [--iters 20] [--device cpu|cuda] [--record] [--note TEXT]
 """
@@ -41,6 +41,9 @@ if str(ROOT) not in sys.path:
 import geomopt  # noqa: E402
 from geomopt.models import GPT, GPTConfig  # noqa: E402
 from geomopt.optim.engine.qkclip import clip_site  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _results import record_row, workload_key  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "qk_monitor.json"
 SPEC = """geomopt 1
@@ -159,27 +162,20 @@ def row(r: dict, note: str) -> str:
             f"| {ms['clip alone']:.3f} | {note} |")
 
 
-HEAD = "## QK-clip (`benchmarks/qk_monitor.py`)"
-TABLE = ("\nThe attention monitor's cost on a training forward + backward (median ms: the process's CPU time "
+SECTION = "QK-clip (`benchmarks/qk_monitor.py`)"
+INTRO = ["The attention monitor's cost on a training forward + backward (median ms: the process's CPU time "
          "on a CPU, wall time on CUDA; the monitor recomputes "
          "each SDPA call's scores once, or takes an amax of an eager softmax's input) and the optimizer step "
-         "without / with `qk_clip` (every head clipped), and the clip alone (every site's q/k rows rescaled).\n\n"
+         "without / with `qk_clip` (every head clipped), and the clip alone (every site's q/k rows rescaled).", "",
          "| date | machine | torch | workload | fwd+bwd | fwd+bwd monitored | overhead | step | step + qk_clip "
-         "| clip alone | note |\n"
-         "|---|---|---|---|---|---|---|---|---|---|---|\n")
+         "| clip alone | note |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def record(rows: list[str]) -> None:
-    path = ROOT / "benchmarks" / "RESULTS.md"
-    text = path.read_text(encoding="utf-8")
-    if HEAD not in text:
-        text = text.rstrip("\n") + f"\n\n{HEAD}\n{TABLE}"
-    start = text.index(HEAD)
-    nxt = text.find("\n## ", start + len(HEAD))
-    end = len(text) if nxt == -1 else nxt
-    section = text[start:end].rstrip("\n") + "\n" + "\n".join(rows) + "\n"
-    text = text[:start] + section + ("\n" + text[end:].lstrip("\n") if nxt != -1 else "")
-    path.write_text(text, encoding="utf-8")
+    """Each row in place of the same workload's on the same machine, under the QK-clip section."""
+    for r in rows:
+        record_row(SECTION, INTRO, r, workload_key)
 
 
 def main(argv=None) -> int:
@@ -190,7 +186,7 @@ def main(argv=None) -> int:
                     choices=["gpt", "llama-sdpa", "llama-eager"])
     ap.add_argument("--small", action="store_true", help="tiny models (the test's smoke run)")
     ap.add_argument("--out", type=Path, default=OUT, help="the results JSON")
-    ap.add_argument("--record", action="store_true", help="append the rows to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="record the rows in benchmarks/RESULTS.md")
     ap.add_argument("--note", default="")
     args = ap.parse_args(argv)
     _DEVICE[0] = args.device
@@ -198,7 +194,7 @@ def main(argv=None) -> int:
     load = f"load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") and args.device == "cpu" else ""
     note = "; ".join(x for x in (args.note, load) if x)
     rows = [row(r, note) for r in results]
-    print(TABLE.strip().split("\n\n")[1])
+    print("\n".join(INTRO[2:]))
     print("\n".join(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(date=datetime.date.today().isoformat(), torch=torch.__version__,

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--widths", type=int, nargs="+", default=[384, 768])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--record", metavar="NOTE", help="append the tables to benchmarks/RESULTS.md with this note")
+    p.add_argument("--record", metavar="NOTE", help="record the tables in benchmarks/RESULTS.md with this note")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from geomopt.cli.bench import device_name
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         heading = (f"### Post-stages: HF GPT-2 (2 layers, width {width}, {n / 1e6:.1f}M parameters), "
                    f"{device_name('cpu')}, float32, torch {torch.__version__} — {datetime.date.today().isoformat()}")
         tables.append(ratio_table(heading, "spec", "muon spec", rows))
-    emit("\n\n".join(tables), args.record)
+    emit("\n\n".join(tables), args.record, "Update stages")
     return 0
 
 

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="results JSON (default benchmarks/results/state_quality-<run>.json)")
     p.add_argument("--mixed", nargs="+", metavar="RULE=DTYPE",
                    help="one row more: int8 state but these rules' (e.g. hidden=bfloat16)")
-    p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
+    p.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
     args = p.parse_args(argv)
     mixed = dict(kv.split("=", 1) for kv in args.mixed or [])
     mixed_row = "int8, " + ", ".join(f"{k} {v}" for k, v in mixed.items())
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
              "|---|---|---|---|---|"]
     lines += [f"| {r['state']} | {r['val_mean']:.4f} | {r['diff_mean']:+.4f} ± {r['diff_std']:.4f} | "
               f"{r['diff_max']:+.4f} | {r['bytes_ratio']:.3f} |" for r in rows]
-    emit("\n".join(lines), args.record)
+    emit("\n".join(lines), args.record, "State precision")
     return 0
 
 

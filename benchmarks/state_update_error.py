@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=300, help="float32 steps before the two measured ones")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="results JSON (default benchmarks/results/state_update_error-<run>.json)")
-    p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
+    p.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
     args = p.parse_args(argv)
     spec_path = ROOT / RUNS[args.run][0]
     spec = geomopt.load_spec(str(spec_path))
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     if start_dev > 1e-5:
         print("\n".join(lines) + "\nthe second steps started from different parameters: the errors are not the state's")
         return 1
-    emit("\n".join(lines), args.record)
+    emit("\n".join(lines), args.record, "State round trip")
     return 0
 
 

@@ -6,8 +6,8 @@
 ``--dion R …`` adds specs/catalog/dion.yaml once per rank R (a fraction of min(m, n), or an int),
 named ``dion-r<R>``, to the specs timed on the same tensors.
 
-A thin wrapper over ``geomopt bench`` that also appends the table to benchmarks/RESULTS.md
-(``--record NOTE``).
+A thin wrapper over ``geomopt bench`` that also records the table in benchmarks/RESULTS.md
+(``--record NOTE``: in place of the same configuration's record).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import emit  # noqa: E402
+from _results import emit, section_for  # noqa: E402
 
 from geomopt.cli.bench import bench, device_name, hidden_matrices, table
 
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--dion", nargs="+", type=float, metavar="RANK", default=[],
                    help="also time specs/catalog/dion.yaml at these ranks (fractions of min(m, n), or ints ≥ 1)")
-    p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
+    p.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
     args = p.parse_args(argv)
     specs: list = args.spec or [str(ROOT / "specs" / "muon.yaml")]
     specs += [dion_at(rank) for rank in args.dion]
@@ -60,7 +60,8 @@ def main(argv=None) -> int:
              f"{args.model} on {device_name(args.device)}")  # a heading of its own: docs quote each kind
     header = (f"### {where} — {datetime.date.today().isoformat()}, torch "
               f"{torch.__version__}, {len(base)} hidden matrices ({n / 1e6:.1f}M parameters)")
-    emit(table(rows, header), args.record)
+    section = "Dion" if args.dion else section_for(args.device, "Optimizer step on CPU")
+    emit(table(rows, header), args.record, section)
     return 0
 
 

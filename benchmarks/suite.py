@@ -58,7 +58,7 @@ def table(name: str, r: dict) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", help="git commit to run first, from a fresh clone")
-    p.add_argument("--record", metavar="NOTE", help="append the tables to benchmarks/RESULTS.md with this note")
+    p.add_argument("--record", metavar="NOTE", help="record the tables in benchmarks/RESULTS.md with this note")
     p.add_argument("pytest_args", nargs="*", help="after --: passed to pytest (e.g. a test file)")
     args = p.parse_args(argv)
     import platform
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
              f"{torch.__version__}, Python {platform.python_version()} — {datetime.date.today().isoformat()}", ""]
     for name, r in runs:
         lines += table(name, r)
-    emit("\n".join(lines).rstrip(), args.record)
+    emit("\n".join(lines).rstrip(), args.record, "Suite time")
     return 0 if all(r["rc"] == 0 for _, r in runs) else 1
 
 

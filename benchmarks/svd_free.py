@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import emit  # noqa: E402
+from _results import emit, section_for  # noqa: E402
 
 import geomopt  # noqa: E402
 from geomopt.cli.bench import Timer, device_name, hidden_matrices  # noqa: E402
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         for k, v in times.items():
             ms = statistics.median(v)
             lines.append(f"| {Path(path).stem} | {k} | {ms:.1f} | {ms / base_ms:.2f} |")
-    emit("\n".join(lines), args.record)
+    emit("\n".join(lines), args.record, section_for(args.device, "SVD-free constrained steps"))
     return 0
 
 

@@ -66,7 +66,7 @@ def step_syncs(spec: str) -> Counter:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--record", metavar="NOTE", help="append the table to benchmarks/RESULTS.md with this note")
+    p.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
     args = p.parse_args(argv)
     lines = [f"### Host synchronizations per step (tiny GPT, CPU), torch {torch.__version__} — "
              f"{datetime.date.today().isoformat()}", "", "| spec | syncs per step | of which |", "|---|---|---|"]
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         counts = step_syncs(name)
         detail = ", ".join(f"{op.removeprefix('aten.')} {n}" for op, n in sorted(counts.items())) or "–"
         lines.append(f"| {name} | {sum(counts.values())} | {detail} |")
-    emit("\n".join(lines), args.record)
+    emit("\n".join(lines), args.record, "Host synchronizations")
     return 0
 
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from geomopt.compile.role_structure import stated_count
+from geomopt.compile.roles.structure import stated_count
 
 __all__ = ["AttentionMonitor", "Part", "Site", "attention_sites", "find_monitored", "monitor_attention",
            "sdpa_head_max", "watching_any"]

@@ -1,7 +1,9 @@
 """The package's layers, by an AST scan of geomopt/: compile owns matching, roles and the plan and
-never imports lint (lint reads compile); each name is imported from the module that defines it
-(only the public packages re-export); no module imports another's underscore names; each module
-name means one concept (one registry.py, and "catalog" is the shipped specs only).
+never imports lint (lint reads compile); inside compile, the tracer (compile.trace) and role
+inference (compile.roles) import down only, never matching's owners or the plan; each name is
+imported from the module that defines it (only the public packages re-export); no module imports
+another's underscore names; each module name means one concept (one registry.py, and "catalog" is
+the shipped specs only).
 """
 
 from __future__ import annotations
@@ -87,6 +89,49 @@ def test_compile_never_imports_lint():
              or any(a.name.startswith("geomopt.lint") for a in node.names)
              or (target == "geomopt" and any(a.name == "lint" for a in node.names))]
     assert edges == []
+
+
+#: what each subpackage of compile may import of compile outside itself: the tracer reads parameter names
+#: only; roles read the trace and matching's records and patterns; ownership, blocking, resolution, the plan,
+#: the lock and explain read roles, never the other way
+COMPILE_LAYERS = {
+    "geomopt.compile.trace": {"geomopt.compile.wrappers"},
+    "geomopt.compile.roles": {"geomopt.compile.trace", "geomopt.compile.match"},
+}
+
+
+def _compile_targets(module: str):
+    """(line, module of geomopt.compile) of every import of ``module`` that reaches compile, submodules
+    named in ``from geomopt.compile… import x`` resolved to themselves."""
+    for node, target in _imports(module):
+        if target is None:
+            names = [a.name for a in node.names]
+        else:
+            names = [f"{target}.{a.name}" if f"{target}.{a.name}" in MODULES else target for a in node.names]
+        yield from ((node.lineno, n) for n in names if n.startswith("geomopt.compile"))
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+@pytest.mark.parametrize("layer", sorted(COMPILE_LAYERS))
+def test_compile_subpackages_import_down_only(layer):
+    allowed = COMPILE_LAYERS[layer] | {layer}
+    members = [m for m in MODULES if _inside(m, layer)]
+    assert len(members) > 3, members  # the subpackage is where the scan looks
+    found = [f"{m}:{line} imports {target}" for m in members for line, target in _compile_targets(m)
+             if not any(_inside(target, a) for a in allowed)]
+    assert found == []
+
+
+def test_the_compile_layer_scan_sees_the_edges_it_allows():
+    """The scan reads the imports the layering is about (a check that sees none would pass anything)."""
+    seen = {(layer, target) for layer in COMPILE_LAYERS for m in MODULES if _inside(m, layer)
+            for _, target in _compile_targets(m)}
+    assert ("geomopt.compile.roles", "geomopt.compile.trace.forward") in seen
+    assert ("geomopt.compile.roles", "geomopt.compile.match") in seen
+    assert ("geomopt.compile.trace", "geomopt.compile.wrappers") in seen
 
 
 def test_importing_compile_loads_no_lint():

@@ -697,7 +697,7 @@ def test_checkpoint_guesses_split_spectral_from_non_spectral_like_the_model(arch
     themselves agree except where only the module tree can tell (a tied head, a BatchNorm bias
     named like any bias). Structures (experts, gate/up halves) are guessed too."""
     from geomopt.compile.match import ParamInfo
-    from geomopt.compile.role_guess import guess_roles
+    from geomopt.compile.roles.guess import guess_roles
 
     model = build(arch)
     infos = [ParamInfo(n, tuple(t.shape)) for n, t in model.state_dict().items() if t.is_floating_point()]

@@ -23,8 +23,8 @@ import geomopt
 from geomopt.compile import compile_spec
 from geomopt.compile.compiler import model_params
 from geomopt.compile.match import glob_regex
-from geomopt.compile.trace import trace_model
-from geomopt.compile.trace_inputs import as_inputs, default_inputs
+from geomopt.compile.trace.forward import trace_model
+from geomopt.compile.trace.inputs import as_inputs, default_inputs
 from geomopt.lint import lint_spec
 
 from test_routing import ALL_SPECS, NOT_SPECTRAL, SPECTRAL, SPECTRAL_SPECS, transformers_builds

@@ -477,9 +477,9 @@ def test_a_fused_cudnn_kernel_gives_the_gates_of_its_mode(kind, mode, gates):
     """On CUDA ``nn.LSTM`` reaches the dispatcher as one ``_cudnn_rnn`` over its weight list
     (run here on meta tensors through its meta kernel): every weight is a matrix operand, and
     W_ih, W_hh of each layer hold the mode's gates as row blocks."""
-    from geomopt.compile.trace_blocks import blocks
-    from geomopt.compile.trace_dispatch import Tracer
-    from geomopt.compile.trace_ops import Act
+    from geomopt.compile.trace.blocks import blocks
+    from geomopt.compile.trace.dispatch import Tracer
+    from geomopt.compile.trace.ops import Act
 
     rnn = getattr(nn, kind)(16, 24, num_layers=2, batch_first=True)
     params = [torch.empty(p.shape, device="meta") for p in rnn._flat_weights]
@@ -503,9 +503,9 @@ def test_a_fused_cudnn_kernel_gives_the_gates_of_its_mode(kind, mode, gates):
 def test_a_fused_cuda_cell_cuts_both_gate_products():
     """``_thnn_fused_lstm_cell`` (CUDA's LSTM cell) takes W_ih·x and W_hh·h whole: each is cut into
     its 4 gates, as the decomposed cell's ``unsafe_chunk`` would."""
-    from geomopt.compile.trace_blocks import blocks
-    from geomopt.compile.trace_dispatch import Tracer
-    from geomopt.compile.trace_ops import Act
+    from geomopt.compile.trace.blocks import blocks
+    from geomopt.compile.trace.dispatch import Tracer
+    from geomopt.compile.trace.ops import Act
 
     w_ih, w_hh = torch.randn(96, 16), torch.randn(96, 24)
     tracer = Tracer([w_ih, w_hh], value_free=False)
@@ -521,7 +521,7 @@ def test_a_fused_cuda_cell_cuts_both_gate_products():
 
 
 def test_blocks_are_the_finest_partition_of_cuts_that_cover_the_rows():
-    from geomopt.compile.trace_blocks import blocks
+    from geomopt.compile.trace.blocks import blocks
 
     assert blocks({(0, 64), (64, 192), (64, 128), (128, 192)}) == [64, 64, 64]  # [q | kv], kv cut again
     assert blocks({(0, 32), (0, 64), (64, 96)}) == [32, 32, 32]

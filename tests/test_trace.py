@@ -16,10 +16,10 @@ from torch import nn
 import geomopt
 from geomopt.lint import lint_spec
 from geomopt.compile.compiler import model_params
-from geomopt.compile.op_families import FAMILIES
-from geomopt.compile.role_guess import guess_roles
-from geomopt.compile.trace import TraceError, trace_model
-from geomopt.compile.trace_inputs import Inputs, as_inputs
+from geomopt.compile.trace.families import FAMILIES
+from geomopt.compile.roles.guess import guess_roles
+from geomopt.compile.trace.forward import TraceError, trace_model
+from geomopt.compile.trace.inputs import Inputs, as_inputs
 
 from test_match import _Tied
 
@@ -120,7 +120,7 @@ def test_every_family_is_documented():
     assert set(FAMILIES) == {"matmul", "conv", "grouped_conv", "lookup", "indexed", "elementwise"}
     for fam in FAMILIES.values():
         assert fam.doc and fam.name in fam.doc, fam.name
-    text = geomopt.compile.roles.role_docs()
+    text = geomopt.compile.roles.assign.role_docs()
     assert all(f"``{name}``" in text for name in FAMILIES)
 
 
@@ -395,7 +395,7 @@ def test_batchnorm_on_one_row_is_traced_in_eval_mode(device, monkeypatch):
     model = PooledBatchNorm()
     before = copy.deepcopy(model.state_dict())
     if device == "cpu":  # the meta forward unavailable: the real one is retried in eval mode too
-        monkeypatch.setattr("geomopt.compile.trace._run", _only_real(trace_model.__globals__["_run"]))
+        monkeypatch.setattr("geomopt.compile.trace.forward._run", _only_real(trace_model.__globals__["_run"]))
     t = traced(model, torch.zeros(1, 3, 5, 5))
     assert t.device == device and "Expected more than 1 value per channel" in " ".join(t.notes)
     assert t.tensors["conv.weight"].uses and t.tensors["head.weight"].head == "output"
@@ -540,15 +540,15 @@ def _deep_models():
 def test_replayed_blocks_give_the_trace_of_running_them(arch, monkeypatch):
     """A model's later identical blocks are replayed from the summary of the earlier ones: the
     trace (every tensor's uses, head, stem, blocks) is exactly the one running every block gives."""
-    from geomopt.compile import trace
+    from geomopt.compile.trace import forward
 
     torch.manual_seed(0)
     model = _deep_models()[arch]()
-    inputs = geomopt.compile.trace_inputs.default_inputs(model)
-    trace._CACHE.clear()
+    inputs = geomopt.compile.trace.inputs.default_inputs(model)
+    forward._CACHE.clear()
     replayed = trace_model(model, inputs)
-    monkeypatch.setattr(trace, "REPLAY", False)
-    trace._CACHE.clear()
+    monkeypatch.setattr(forward, "REPLAY", False)
+    forward._CACHE.clear()
     full = trace_model(model, inputs)
     assert replayed.replayed > 0 and full.replayed == 0
     assert replayed.tensors == full.tensors

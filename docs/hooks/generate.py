@@ -613,7 +613,7 @@ def backward_ops_section(regs: dict) -> list[str]:
 
 
 def match_page() -> str:
-    from geomopt.compile.roles import role_docs
+    from geomopt.compile.roles.assign import role_docs
     from geomopt.spec.model import Match, ROLE_NAMES
 
     lines = ["# Match and roles", "", "*Generated from `geomopt.spec.model` and `geomopt.compile.roles`; do not edit.*", "",

@@ -25,8 +25,8 @@ from geomopt.compile.compiler import model_params, plan_from_infos
 from geomopt.compile.explain import explain, recipe, role_summary, starter
 from geomopt.compile.lock import model_label
 from geomopt.compile.params import params_from_checkpoint
-from geomopt.compile.role_types import TRACE_FIX
-from geomopt.compile.roles import ensure_roles, role_docs
+from geomopt.compile.roles.types import TRACE_FIX
+from geomopt.compile.roles.assign import ensure_roles, role_docs
 from geomopt.lint.context import RULES, rule_doc
 from geomopt.lint.reporters import REPORTERS, report
 from geomopt.lint.roles import untraced, untraced_text

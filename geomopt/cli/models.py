@@ -44,7 +44,7 @@ def load_model(ref: str):
         raise UsageError(f"--model {ref}: the factory raised {type(exc).__name__}: {exc}") from None
     import torch  # torch: off the lint path (a spec alone never loads it)
 
-    from geomopt.compile.trace_inputs import as_inputs  # the tracer needs torch: off the lint path
+    from geomopt.compile.trace.inputs import as_inputs  # the tracer needs torch: off the lint path
 
     model, inputs = model if isinstance(model, tuple) and len(model) == 2 else (model, None)
     if not isinstance(model, torch.nn.Module):

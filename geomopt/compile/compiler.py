@@ -13,8 +13,8 @@ from geomopt.compile.ownership import Ownership
 from geomopt.compile.params import params_from_model
 from geomopt.compile.plan import ParamPlan, Plan
 from geomopt.compile.resolve import geometry_fragment, resolve
-from geomopt.compile.role_infer import infer_roles
-from geomopt.compile.roles import assign, ensure_roles
+from geomopt.compile.roles.infer import infer_roles
+from geomopt.compile.roles.assign import assign, ensure_roles
 from geomopt.compile.wrappers import named_modules, unwrap
 from geomopt.spec.diagnostics import SpecError
 from geomopt.spec.model import Spec, resolve_hyper
@@ -41,14 +41,14 @@ def model_params(model, roles: bool = True, example_inputs=None) -> tuple[list[P
     (name, tensor) gets them guessed from names and shapes later, where a plan reads roles).
 
     Roles come from what each tensor does in one traced forward (:mod:`geomopt.compile.trace`) on
-    ``example_inputs`` (a tensor, tuple, dict or callable: :func:`~geomopt.compile.trace_inputs.as_inputs`)
-    or the model's own (:func:`~geomopt.compile.trace_inputs.default_inputs`: built-in and
+    ``example_inputs`` (a tensor, tuple, dict or callable: :func:`~geomopt.compile.trace.inputs.as_inputs`)
+    or the model's own (:func:`~geomopt.compile.trace.inputs.default_inputs`: built-in and
     Hugging Face models), over the module tree's inference; with no inputs, or a forward that
     fails, from the module tree alone, each role saying why (lint GO124). Unusable
     ``example_inputs`` raise TypeError."""
     import torch  # torch: off the lint path (a spec alone never loads it)
 
-    from geomopt.compile.trace_inputs import as_inputs  # the tracer needs torch: off the lint path
+    from geomopt.compile.trace.inputs import as_inputs  # the tracer needs torch: off the lint path
 
     given = None if example_inputs is None else as_inputs(example_inputs)
     if not (roles and isinstance(model, torch.nn.Module)):
@@ -64,9 +64,9 @@ def model_params(model, roles: bool = True, example_inputs=None) -> tuple[list[P
 def _traced_roles(model, infos: list[ParamInfo], inferred: dict, inputs) -> dict:
     """The trace's roles over ``inferred``, or ``inferred`` marked with why there is no trace."""
     # the tracer needs torch: off the lint path
-    from geomopt.compile.role_trace import apply_trace, untraced
-    from geomopt.compile.trace import TraceError, trace_model
-    from geomopt.compile.trace_inputs import default_inputs
+    from geomopt.compile.roles.traced import apply_trace, untraced
+    from geomopt.compile.trace.forward import TraceError, trace_model
+    from geomopt.compile.trace.inputs import default_inputs
 
     if not infos:
         return inferred

@@ -6,7 +6,7 @@ import math
 
 from geomopt.compile.match import Matcher, ParamInfo, any_name, describe
 from geomopt.compile.ownership import Ownership
-from geomopt.compile.role_types import TRACE_FIX
+from geomopt.compile.roles.types import TRACE_FIX
 from geomopt.compile.plan import ParamPlan, call_text, geometry_text, constraint_text, view_text
 from geomopt.spec.diagnostics import did_you_mean
 from geomopt.spec.model import Spec

@@ -12,7 +12,7 @@ from geomopt.spec.model import Match
 from geomopt.spec.patterns import NamePattern, compile_pattern
 
 if TYPE_CHECKING:
-    from geomopt.compile.role_types import Role
+    from geomopt.compile.roles.types import Role
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from geomopt.compile.match import Matcher, ParamInfo
-from geomopt.compile.roles import ensure_roles
+from geomopt.compile.roles.assign import ensure_roles
 from geomopt.spec.model import Spec
 
 

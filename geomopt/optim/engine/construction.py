@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from geomopt.compile.plan import Plan
-from geomopt.compile.role_types import TRACE_FIX
+from geomopt.compile.roles.types import TRACE_FIX
 from geomopt.distributed.executors import is_dtensor
 from geomopt.geometry.dtypes import BF16Warning, slow_bf16
 from geomopt.geometry.prox import backward

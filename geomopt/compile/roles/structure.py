@@ -2,7 +2,7 @@
 
 ``batch: 1`` for batched expert weights (E, out, in), the output-axis blocks of a fused projection
 (q, k, v; gate, up), ``layout: in_out`` for experts stored transposed. Role inference
-(:mod:`geomopt.compile.role_infer`) records it on each tensor's role; :mod:`geomopt.geometry.view`
+(:mod:`geomopt.compile.roles.infer`) records it on each tensor's role; :mod:`geomopt.geometry.view`
 reads it.
 """
 
@@ -12,7 +12,7 @@ import functools
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from geomopt.compile.role_infer import ModuleTree
+    from geomopt.compile.roles.infer import ModuleTree
 
 
 def stated_count(mod, *names: str) -> Optional[int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from geomopt.compile.op_families import GROUPED_MM
+from geomopt.compile.trace.families import GROUPED_MM
 
 aten = torch.ops.aten
 

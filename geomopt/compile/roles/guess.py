@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from geomopt.compile.match import ParamInfo
-from geomopt.compile.role_types import Role, not_a_matrix, own_role
+from geomopt.compile.roles.types import Role, not_a_matrix, own_role
 
 _EMBED = re.compile(r"embed|(^|_)emb(_|$)|^wte$|^wpe$|^shared$|^relative_attention_bias$|^cls_token$|^pos_embed"
                     r"|^mask_token$|^position_embeddings$")

@@ -1,4 +1,4 @@
-"""What the dispatch tracer (:mod:`geomopt.compile.trace_dispatch`) reads and keeps: the tables
+"""What the dispatch tracer (:mod:`geomopt.compile.trace.dispatch`) reads and keeps: the tables
 of aten ops it treats alike (views and copies that hand a tensor on, row cuts, lookups by index,
 fused recurrent kernels, ops that read only a tensor's metadata) and its records of a tensor's
 uses and of the activations that flow between ops."""
@@ -10,8 +10,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from geomopt.compile.op_families import INDEX_OPS
-from geomopt.compile.trace_blocks import Feat
+from geomopt.compile.trace.families import INDEX_OPS
+from geomopt.compile.trace.blocks import Feat
 
 aten = torch.ops.aten
 
@@ -51,7 +51,7 @@ LIKE = frozenset({aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_li
 class Use:
     """How the trace saw one parameter consumed."""
 
-    family: str  # a family of :mod:`geomopt.compile.op_families`
+    family: str  # a family of :mod:`geomopt.compile.trace.families`
     op: str  # the aten op that decided it ("aten.addmm")
     detail: str = ""  # "groups=128", "through select (a stack of matrices)"
 

@@ -23,8 +23,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from geomopt.compile.trace_blocks import Feat
-from geomopt.compile.trace_ops import Act
+from geomopt.compile.trace.blocks import Feat
+from geomopt.compile.trace.ops import Act
 
 MIN_REPEATS = 3
 
@@ -35,7 +35,7 @@ def _scalar(x) -> Any:
 
 class Replayer:
     """Patches a model's repeated blocks for one meta trace (undone by :meth:`uninstall`);
-    ``tracer`` is the :class:`geomopt.compile.trace_dispatch.Tracer`."""
+    ``tracer`` is the :class:`geomopt.compile.trace.dispatch.Tracer`."""
 
     def __init__(self, tracer, model: nn.Module):
         self.tracer = tracer

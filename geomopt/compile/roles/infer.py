@@ -4,7 +4,7 @@ The registered module rules (norm, embedding, router, expert, head), in order, c
 parameter takes the claim on its owning module or nearest claimed ancestor, the role its own name
 gives it, or ``hidden``/``other``. The module rules' docstrings are the documentation
 (:mod:`geomopt.compile.roles` tells the whole story); what an ``auto`` view reads of each tensor is
-:mod:`geomopt.compile.role_structure`'s.
+:mod:`geomopt.compile.roles.structure`'s.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import re
 from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from geomopt.compile.match import ParamInfo
-from geomopt.compile.role_structure import tensor_structure
-from geomopt.compile.role_types import Claim, Role, not_a_matrix, own_role
+from geomopt.compile.roles.structure import tensor_structure
+from geomopt.compile.roles.types import Claim, Role, not_a_matrix, own_role
 
 if TYPE_CHECKING:
     import torch

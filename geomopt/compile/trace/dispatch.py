@@ -1,7 +1,7 @@
 """The dispatch mode behind :mod:`geomopt.compile.trace`: every aten op of one forward, the
-parameters it reads and how (an op family of :mod:`geomopt.compile.op_families`), and what flows
+parameters it reads and how (an op family of :mod:`geomopt.compile.trace.families`), and what flows
 along the activations (the layers whose outputs reach them, whether they come from the raw input
-alone, where a layer's output features sit: :mod:`geomopt.compile.trace_blocks`).
+alone, where a layer's output features sit: :mod:`geomopt.compile.trace.blocks`).
 
 A parameter is followed through views, casts, selects and index gathers, and through ops that read
 only parameters (weight norm, ``-exp(A_log)``: a *derived* tensor); an op that reads a parameter
@@ -31,12 +31,12 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from geomopt.compile.op_families import (FAMILIES, GROUPED_MM, INDEX_OPS, NORMALIZATIONS, Family, contracted_dim,
+from geomopt.compile.trace.families import (FAMILIES, GROUPED_MM, INDEX_OPS, NORMALIZATIONS, Family, contracted_dim,
                                           conv_family, family_of)
-from geomopt.compile.trace_blocks import Feat, dim_index, follow, leading_batch, view_dims
-from geomopt.compile.trace_meta import run_memoized, value_free
+from geomopt.compile.trace.blocks import Feat, dim_index, follow, leading_batch, view_dims
+from geomopt.compile.trace.meta import run_memoized, value_free
 
-from geomopt.compile.trace_ops import (FUSED_CELLS, FUSED_RNN, LIKE, LOOKUP_INDEX, PLAIN_VIEWS, RNN_MODES,
+from geomopt.compile.trace.ops import (FUSED_CELLS, FUSED_RNN, LIKE, LOOKUP_INDEX, PLAIN_VIEWS, RNN_MODES,
                                        ROW_CUTS, SELECTS, VIEWS, Act, IdMap, Ref, Use, tensors_in)
 
 aten = torch.ops.aten

@@ -33,18 +33,18 @@ everything inferred.
 """
 
 # The docstring above is also the text of `geomopt rule roles` (role_docs). The parts live by concept:
-# the records (Role, Claim) in role_types, inference from the module tree (the module rules) in
-# role_infer, a tensor's structure for the auto view in role_structure, guessing from names and
-# shapes in role_guess; this module overrides and assigns roles.
+# the records (Role, Claim) in roles.types, inference from the module tree (the module rules) in
+# roles.infer, a tensor's structure for the auto view in roles.structure, guessing from names and
+# shapes in roles.guess, roles from the trace in roles.traced; this module overrides and assigns roles.
 
 from __future__ import annotations
 
 from typing import Optional
 
 from geomopt.compile.match import ParamInfo, any_name, glob_regex
-from geomopt.compile.role_guess import guess_roles
-from geomopt.compile.role_infer import MODULE_RULES
-from geomopt.compile.role_types import ROLES, Role
+from geomopt.compile.roles.guess import guess_roles
+from geomopt.compile.roles.infer import MODULE_RULES
+from geomopt.compile.roles.types import ROLES, Role
 
 __all__ = ["assign", "ensure_roles", "override", "role_docs"]
 
@@ -92,10 +92,10 @@ def ensure_roles(infos: list[ParamInfo], spec_roles: Optional[dict] = None, extr
 def role_docs() -> str:
     """The inference rules, for ``geomopt rule roles``."""
     # the tracer needs torch: off the lint path
-    from geomopt.compile import role_trace
-    from geomopt.compile.op_families import family_docs
+    from geomopt.compile.roles import traced
+    from geomopt.compile.trace.families import family_docs
 
-    parts = [__doc__.strip(), (role_trace.__doc__ or "").strip(), "Op families (what the traced forward sees):",
+    parts = [__doc__.strip(), (traced.__doc__ or "").strip(), "Op families (what the traced forward sees):",
              family_docs(), "Module rules, in order (without a trace, and beside it):"]
     for _, fn in MODULE_RULES:
         parts.append("  " + " ".join((fn.__doc__ or "").split()))

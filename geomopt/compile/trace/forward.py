@@ -3,7 +3,7 @@
 :func:`trace_model` runs the model once — on the meta device when it can (no memory, no
 compute), else one tiny forward on the model's own device — and records, for every parameter
 followed through view-like ops (views, casts, selects, index gathers, and ops that read only
-parameters: weight norm, ``-exp(A_log)``), how it is consumed (:mod:`geomopt.compile.op_families`):
+parameters: weight norm, ``-exp(A_log)``), how it is consumed (:mod:`geomopt.compile.trace.families`):
 a matrix operand, a full or grouped convolution kernel, a lookup table, an indexed table, or
 elementwise only. Along the activations it follows three things:
 
@@ -33,13 +33,13 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
-from geomopt.compile.trace_blocks import blocks
-from geomopt.compile.trace_dispatch import Tracer
-from geomopt.compile.trace_ops import Act, Use
-from geomopt.compile.trace_replay import Replayer
+from geomopt.compile.trace.blocks import blocks
+from geomopt.compile.trace.dispatch import Tracer
+from geomopt.compile.trace.ops import Act, Use
+from geomopt.compile.trace.replay import Replayer
 from geomopt.compile.wrappers import strip
 
-REPLAY = True  # meta traces replay a model's repeated blocks (geomopt.compile.trace_replay)
+REPLAY = True  # meta traces replay a model's repeated blocks (geomopt.compile.trace.replay)
 
 
 @dataclasses.dataclass
@@ -68,7 +68,7 @@ class Trace:
     device: str  # "meta", "cpu", "cuda:0"
     outputs: tuple[str, ...]  # the outputs that decided heads
     notes: tuple[str, ...] = ()  # why the meta forward was not used, etc.
-    replayed: int = 0  # calls of repeated blocks replayed from a summary (geomopt.compile.trace_replay)
+    replayed: int = 0  # calls of repeated blocks replayed from a summary (geomopt.compile.trace.replay)
 
 
 class TraceError(Exception):
@@ -193,7 +193,7 @@ def _signature(model: torch.nn.Module, named: list, inputs) -> tuple:
 
 
 def trace_model(model: torch.nn.Module, inputs) -> Trace:
-    """Trace one forward of ``model`` on ``inputs`` (an :class:`~geomopt.compile.trace_inputs.Inputs`);
+    """Trace one forward of ``model`` on ``inputs`` (an :class:`~geomopt.compile.trace.inputs.Inputs`);
     raises :class:`TraceError` saying why when neither the meta nor the real forward runs. The
     result is kept for the model while its parameters (identity, shape, dtype, device), its
     training mode and the inputs' shapes stay the same."""

@@ -28,8 +28,8 @@ from __future__ import annotations
 from typing import Optional
 
 from geomopt.compile.match import ParamInfo
-from geomopt.compile.role_types import ROLES, Role, not_a_matrix
-from geomopt.compile.trace import TensorTrace, Trace
+from geomopt.compile.roles.types import ROLES, Role, not_a_matrix
+from geomopt.compile.trace.forward import TensorTrace, Trace
 
 MATRIX_ROLES = frozenset({"hidden", "expert", "router", "head"})
 _AGREES_ELEMENTWISE = frozenset({"norm", "bias", "embedding", "other"})
