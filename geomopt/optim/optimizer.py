@@ -35,7 +35,7 @@ from geomopt.optim.capturable import captured_step, counts_on_device
 from geomopt.optim.checkpoint import new_counters, spec_hash, spec_values
 from geomopt.optim.migrate import MigrationReport
 from geomopt.optim.contract import (check_complex, collect_params, copy_state, pickled_state,
-                                    check_gradient, dense, with_overrides)
+                                    check_gradient, dense, tensor_lr, with_overrides)
 from geomopt.optim.construction import (check_capturable, check_dion, project_on_init, warn_guessed_roles,
                                         warn_slow_bf16, warn_unused_rules)
 from geomopt.optim.diagnostics import diagnostics
@@ -62,7 +62,10 @@ class GeomOptimizer(Optimizer):
     :class:`~geomopt.optim.contract.GeneratedNamesWarning` (:func:`~geomopt.optim.contract.collect_params`).
 
     ``lr``, ``weight_decay``: replace the spec's ``defaults:`` values; a rule that sets its own
-    keeps it (:mod:`geomopt.optim.contract`). Checked: finite, lr > 0, weight_decay ≥ 0.
+    keeps it (:mod:`geomopt.optim.contract`). Checked: finite, lr > 0, weight_decay ≥ 0. ``lr`` may
+    be a 1-element tensor, as in torch.optim: the groups that take the default lr hold it (a 0-d
+    view; a capturable step reads it on its device, the others read its value once per step), and
+    the spec records its value.
 
     ``roles``: role → name patterns (``{"head": ["proj_out.weight"]}``), over the roles inferred
     from the model (:mod:`geomopt.compile.roles`) and the spec's ``roles:``. Roles are decided by
@@ -131,7 +134,8 @@ class GeomOptimizer(Optimizer):
     differ, before anything is built (a run that would silently fall back to AdamW stops here).
     """
 
-    def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, lr: Optional[float] = None,
+    def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *,
+                 lr: Union[float, torch.Tensor, None] = None,
                  weight_decay: Optional[float] = None, model=None, track_gap: bool = False,
                  track_update: bool = False, distributed: Union[str, bool] = "auto", process_group=None,
                  cuda_graphs: bool = False, roles: Optional[dict] = None, implementation: str = "auto",
@@ -156,6 +160,7 @@ class GeomOptimizer(Optimizer):
         self.cuda_graphs = cuda_graphs
         self.capturable = capturable
         groups, self._plans = [], []
+        lr_tensor = tensor_lr(lr)  # a tensor lr=: the groups of the rules that take the default lr hold it
         for index, rule in enumerate(self.spec.rules):
             plans = [p for p in self.plan if p.rule_index == index]
             if not plans:
@@ -167,7 +172,7 @@ class GeomOptimizer(Optimizer):
             coefficients = {k: v for k, v in d.items() if k in checkpoint.DIRECTION_KEYS}
             groups.append(dict(
                 params=[tensors[p.name] for p in plans], param_names=[p.name for p in plans], rule=rule.name,
-                spec_hash=self.spec_hash, lr=first.lr,
+                spec_hash=self.spec_hash, lr=first.lr if lr_tensor is None or rule.lr is not None else lr_tensor,
                 weight_decay=first.weight_decay, radius=first.geometry["radius"], direction=d["kind"],
                 alpha=d.get("alpha", 1.0), nesterov=d.get("nesterov", False), init=d.get("init", "zero"),
                 **coefficients, schedule=first.schedule, on_nonfinite=first.on_nonfinite, step=0,
