@@ -173,11 +173,12 @@ def test_param_group_dicts_with_scheduler_go_right(info):
 
 @INFOS
 def test_tensor_lr(info):
-    """lr= as a tensor is refused at construction with torch's wording; a tensor lr set in a group
+    """lr= as a tensor is taken as torch takes it (the default lr's groups hold it); a tensor lr set in a group
     (by hand or by a scheduler) stays a tensor and steps exactly as the same float lr."""
     w, b = weight_bias()
-    with pytest.raises(ValueError, match="lr as a Tensor is not supported"):
-        info.optim_cls([w, b], lr=torch.tensor(1e-3))
+    lr = torch.tensor(1e-3)
+    held = [g["lr"] is lr for g in info.optim_cls([w, b], lr=lr).param_groups]  # a rule's own lr stays
+    assert any(held)
     (w1, b1), (w2, b2) = weight_bias(), weight_bias()
     x = torch.randn(5, generator=torch.Generator().manual_seed(9))
     o1, o2 = info.optim_cls([w1, b1], lr=1e-3), info.optim_cls([w2, b2], lr=1e-3)

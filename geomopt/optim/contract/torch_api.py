@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 from numbers import Real
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -31,11 +31,15 @@ from geomopt.spec.model import Spec
 
 
 def _checked(name: str, value, *, positive: bool) -> float:
-    """``value`` as a float, or a clear error naming the keyword."""
-    if isinstance(value, torch.Tensor):  # torch's own wording, which its generic tests accept
-        raise ValueError(f"{name} as a Tensor is not supported by GeomOptimizer's constructor ({name}= becomes the "
-                         f"spec's defaults: value, a number): pass a float; a tensor set later in "
-                         f"param_groups[i][{name!r}] (by you or a scheduler) is kept as a tensor")
+    """``value`` as a float, or a clear error naming the keyword (a tensor ``lr``: its value)."""
+    if isinstance(value, torch.Tensor):
+        if name != "lr":  # torch's own wording, which its generic tests accept
+            raise ValueError(f"{name} as a Tensor is not supported by GeomOptimizer's constructor ({name}= becomes "
+                             f"the spec's defaults: value, a number): pass a float")
+        if value.numel() != 1 or value.is_complex() or not value.is_floating_point():
+            raise ValueError(f"Tensor lr must be 1-element and floating point, not of shape {tuple(value.shape)} "
+                             f"and dtype {value.dtype}: pass torch.tensor(0.02) or a float")
+        value = float(value.detach())  # read once, at construction
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"GeomOptimizer's {name}= must be a number, not {type(value).__name__}")
     value = float(value)
@@ -49,7 +53,19 @@ def _checked(name: str, value, *, positive: bool) -> float:
     return value
 
 
-def with_overrides(spec: Spec, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> Spec:
+def tensor_lr(lr) -> Optional[torch.Tensor]:
+    """The groups' ``lr`` where the constructor was given a tensor: a 0-d view of it (the same
+    storage, so a scheduler's or the user's ``fill_`` reaches the step, as with torch's
+    optimizers, whose groups all hold the ``lr`` tensor given); None for a float. Every rule that
+    takes the spec's default lr holds it; the spec records its value (:func:`with_overrides`), so a
+    float lr of the same value gives the same spec, hash and checkpoint."""
+    if not isinstance(lr, torch.Tensor):
+        return None
+    return lr if lr.dim() == 0 else lr.view(())
+
+
+def with_overrides(spec: Spec, lr: Union[float, torch.Tensor, None] = None,
+                   weight_decay: Optional[float] = None) -> Spec:
     """``spec`` with ``lr`` / ``weight_decay`` (where given) as its ``defaults:`` values.
 
     Folded into the spec rather than into the param groups, so the spec the optimizer holds says

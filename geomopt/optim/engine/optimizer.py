@@ -35,7 +35,7 @@ from geomopt.optim.engine.capturable import captured_step, counts_on_device
 from geomopt.optim.persist.checkpoint import new_counters, spec_hash, spec_values
 from geomopt.optim.persist.migrate import MigrationReport
 from geomopt.optim.contract.torch_api import (check_complex, collect_params, copy_state, pickled_state,
-                                    check_gradient, dense, with_overrides)
+                                    check_gradient, dense, tensor_lr, with_overrides)
 from geomopt.optim.engine.construction import (check_capturable, check_sharded, project_on_init, warn_guessed_roles,
                                         warn_slow_bf16, warn_unused_rules)
 from geomopt.optim.contract.diagnostics import diagnostics
@@ -63,7 +63,10 @@ class GeomOptimizer(Optimizer):
     (:func:`~geomopt.optim.contract.torch_api.collect_params`).
 
     ``lr``, ``weight_decay``: replace the spec's ``defaults:`` values; a rule that sets its own
-    keeps it (:mod:`geomopt.optim.contract.torch_api`). Checked: finite, lr > 0, weight_decay ≥ 0.
+    keeps it (:mod:`geomopt.optim.contract.torch_api`). Checked: finite, lr > 0, weight_decay ≥ 0. ``lr`` may
+    be a 1-element tensor, as in torch.optim: the groups that take the default lr hold it (a 0-d
+    view; a capturable step reads it on its device, the others read its value once per step), and
+    the spec records its value.
 
     ``roles``: role → name patterns (``{"head": ["proj_out.weight"]}``), over the roles inferred
     from the model (:mod:`geomopt.compile.roles`) and the spec's ``roles:``. Roles are decided by
@@ -132,7 +135,8 @@ class GeomOptimizer(Optimizer):
     differ, before anything is built (a run that would silently fall back to AdamW stops here).
     """
 
-    def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *, lr: Optional[float] = None,
+    def __init__(self, model_or_named_parameters, spec: Union[Spec, str, dict], *,
+                 lr: Union[float, torch.Tensor, None] = None,
                  weight_decay: Optional[float] = None, model=None, track_gap: bool = False,
                  track_update: bool = False, distributed: Union[str, bool] = "auto", process_group=None,
                  cuda_graphs: bool = False, roles: Optional[dict] = None, implementation: str = "auto",
@@ -157,6 +161,7 @@ class GeomOptimizer(Optimizer):
         self.cuda_graphs = cuda_graphs
         self.capturable = capturable
         groups, self._plans = [], []
+        lr_tensor = tensor_lr(lr)  # a tensor lr=: the groups of the rules that take the default lr hold it
         for index, rule in enumerate(self.spec.rules):
             plans = [p for p in self.plan if p.rule_index == index]
             if not plans:
@@ -168,7 +173,7 @@ class GeomOptimizer(Optimizer):
             coefficients = {k: v for k, v in d.items() if k in direction_keys()}
             groups.append(dict(
                 params=[tensors[p.name] for p in plans], param_names=[p.name for p in plans], rule=rule.name,
-                spec_hash=self.spec_hash, lr=first.lr,
+                spec_hash=self.spec_hash, lr=first.lr if lr_tensor is None or rule.lr is not None else lr_tensor,
                 weight_decay=first.weight_decay, radius=first.geometry["radius"], direction=d["kind"],
                 alpha=d.get("alpha", 1.0), nesterov=d.get("nesterov", False), init=d.get("init", "zero"),
                 **coefficients, schedule=first.schedule, on_nonfinite=first.on_nonfinite, step=0,
@@ -331,9 +336,9 @@ class GeomOptimizer(Optimizer):
             grads = [self._job_grads(prog, items) for prog, items in jobs]
             prevs = [stack([op_view(local(g_prev[p]), pp) for p, pp in items])
                      if all(g_prev.get(p) is not None for p, _ in items) else None for _, items in jobs]
-            if self._options.capturable and jobs and all(
-                    all(self.state[p] for p, _ in items) for prog, items in jobs if prog.stateful):
-                done: list = []  # no host sync (the first step, creating state, syncs)
+            if self._options.capturable and jobs:
+                done: list = []  # no host sync, the first step (creating the state) included
+                counts_on_device(groups, self.state, self._counters, jobs)  # a no-op once they are
                 try:
                     captured_step(rt, groups, self.state, self._counters, jobs, grads, done)
                 except BaseException as err:  # inside a CUDA-graph capture nothing ran: nothing is pending
@@ -393,10 +398,7 @@ class GeomOptimizer(Optimizer):
             for gi in set(schedules) | (pending.groups if pending is not None else set()):
                 groups[gi]["step"] += 1
             self._pending = None
-            if not self._options.capturable:  # a captured (or compiled) step reuses the scratch it took
-                rt.workspace.release()  # nothing of the step's scratch is held between steps
-            if self._options.capturable:  # the counts a captured step advances on the device
-                counts_on_device(groups, self.state, self._counters, jobs)
+            rt.workspace.release()  # nothing of the step's scratch is held between steps
             self._qk_clip.apply()  # QK-clip after the step (geomopt.optim.engine.qkclip)
         return loss
 
