@@ -64,7 +64,10 @@ def held_storages(root, exclude: set[int]) -> dict[int, tuple[int, str]]:
         head = path[0]
         if head == "state":  # state[param][key]
             return f"state.{path[2]}" if len(path) > 2 else "state"
-        if head == "_rt" and len(path) > 1:  # the step's runtime (geomopt.optim.engine.runtime)
+        if head == "engine" and len(path) > 1:  # the step's owner (geomopt.optim.engine.engine)
+            path = path[1:]
+            head = path[0]
+        if head == "rt" and len(path) > 1:  # the step's runtime (geomopt.optim.engine.runtime)
             path = path[1:]
             head = path[0]
         if head == "workspace":  # workspace._buffers[(slot, device, dtype)]

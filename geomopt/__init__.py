@@ -10,6 +10,7 @@ from geomopt.spec.extends import shipped_specs
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
 from geomopt.spec.validate import load_spec, parse_spec
+from geomopt.version import __version__
 
 if TYPE_CHECKING:
     # seen by type checkers only; at runtime these load lazily through __getattr__ below
@@ -23,8 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Diagnostic", "Spec", "SpecError", "dump_spec", "load_spec", "parse_spec", "shipped_specs", "compile_spec",
            "forward_step", "backward_step", "GeomOptimizer", "RoutingChangedError", "UnusedRuleWarning",
-           "RolesGuessedWarning", "monitor_attention"]
-__version__ = "0.1.0"
+           "RolesGuessedWarning", "monitor_attention", "__version__"]
 
 
 def __getattr__(name: str) -> object:

@@ -175,14 +175,14 @@ def main(out: Path) -> None:
         opt = GeomOptimizer(model, spec)
         train_ddp(model, opt, data)
         result["ddp"][name] = params_of(model)
-        result["work"][name] = dict(ddp=opt.work.flops, ref=ref_flops, kind=type(opt._executor).__name__)
+        result["work"][name] = dict(ddp=opt.work.flops, ref=ref_flops, kind=type(opt.engine.executor).__name__)
 
         # FSDP2
         model = shard(make_model())
         opt = GeomOptimizer(model, spec)
         train(model, opt, data)
         result["fsdp"][name] = params_of(model)
-        result["work"][name].update(fsdp=opt.work.flops, fsdp_kind=type(opt._executor).__name__)
+        result["work"][name].update(fsdp=opt.work.flops, fsdp_kind=type(opt.engine.executor).__name__)
     result["staged"] = staged(data)
     result["checkpoint"] = checkpoint_round_trip(data)
     result["dcp"] = dcp_round_trip(data)
@@ -204,13 +204,13 @@ def staged(data) -> dict:
     model = make_model()
     opt = GeomOptimizer(model, STAGED)
     train_ddp(model, opt, data)
-    out = dict(ref=params_of(ref), ddp=params_of(model), kind=type(opt._executor).__name__,
+    out = dict(ref=params_of(ref), ddp=params_of(model), kind=type(opt.engine.executor).__name__,
                state=sorted({k for st in opt.state.values() for k in st}))
 
     model = shard(make_model())
     opt = GeomOptimizer(model, STAGED)
     train(model, opt, data[:2])
-    out["fsdp_kind"] = type(opt._executor).__name__
+    out["fsdp_kind"] = type(opt.engine.executor).__name__
     out["fsdp_state_is_dtensor"] = all(isinstance(v, DTensor) for st in opt.state.values() for k, v in st.items()
                                        if k == "post_v")
     saved_model, saved_opt = _clone(model.state_dict()), _clone(opt.state_dict())

@@ -278,7 +278,7 @@ def run_layouts(world: World, result: dict) -> None:
             result[layout][name] = params_of(model)
             result["work"][layout][name] = opt.work.flops
             if name == "muon":
-                result.setdefault("executor", {})[layout] = type(opt._executor).__name__
+                result.setdefault("executor", {})[layout] = type(opt.engine.executor).__name__
         result.setdefault("placements", {})[layout] = {n: str(getattr(p, "placements", "")) for n, p in
                                                        model.named_parameters()}
 

@@ -243,7 +243,7 @@ def run_pp(mesh, folder: Path, result: dict) -> None:
             result["refused"]["pp_fsdp"][name] = str(exc)
             continue
         (opt,) = container.optimizers
-        group = opt._executor.group
+        group = opt.engine.executor.group
         result["executor_group"][name] = tuple(dist.get_process_group_ranks(group if group is not None
                                                                              else dist.group.WORLD))
         rec = Recorder()

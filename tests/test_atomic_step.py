@@ -96,13 +96,13 @@ def snapshot(opt) -> dict:
 def requests_of(opt, grads: list) -> int:
     """How many operator requests the last step of ``opt`` over ``grads`` makes (on a copy)."""
     twin = copy_with_grads(opt, grads)
-    run, count = twin._executor.run, [0]
+    run, count = twin.engine.executor.run, [0]
 
     def counting(requests):
         count[0] += len(requests)
         return run(requests)
 
-    twin._executor.run = counting
+    twin.engine.executor.run = counting
     twin.step()
     return count[0]
 
@@ -110,7 +110,7 @@ def requests_of(opt, grads: list) -> int:
 def inject(opt, at: int, after: bool = False) -> None:
     """Make the ``at``-th operator request of the next step raise :class:`InjectedFault`: before
     it runs, or ``after`` it ran (an operator that wrote what it writes, then failed)."""
-    run, count = opt._executor.run, [0]
+    run, count = opt.engine.executor.run, [0]
 
     def faulty(requests):
         if count[0] <= at < count[0] + len(requests):
@@ -120,7 +120,7 @@ def inject(opt, at: int, after: bool = False) -> None:
         count[0] += len(requests)
         return run(requests)
 
-    opt._executor.run = faulty
+    opt.engine.executor.run = faulty
 
 
 def assert_one_clean_step(trial, clean, want: dict, at: int) -> None:
@@ -131,7 +131,7 @@ def assert_one_clean_step(trial, clean, want: dict, at: int) -> None:
         assert torch.equal(p, want[name][0]), (name, at)
         assert same_state(state, want[name][1]), (name, at)
     assert [g["step"] for g in trial.param_groups] == [g["step"] for g in clean.param_groups]
-    for mine, theirs in zip(trial._counters, clean._counters):
+    for mine, theirs in zip(trial.engine.counters, clean.engine.counters):
         assert mine["skipped"] == theirs["skipped"] and torch.equal(mine["fallbacks"], theirs["fallbacks"])
         assert torch.equal(mine["update_sq"], theirs["update_sq"]), at
 
@@ -158,7 +158,7 @@ def check_every_fault(opt, grads: list, after: bool = False) -> int:
     n = requests_of(opt, grads)
     for at in range(n):
         trial = copy_with_grads(opt, grads)
-        run = trial._executor.run
+        run = trial.engine.executor.run
         inject(trial, at, after)
         with pytest.raises(InjectedFault) as info:
             trial.step()
@@ -169,7 +169,7 @@ def check_every_fault(opt, grads: list, after: bool = False) -> int:
             for rule, names in rules.items():
                 assert not names or f"rule '{rule}': {names[0]}" in notes, (rule, notes)
         # the retry applies only the rest: one clean step's bits and step counts
-        trial._executor.run = run
+        trial.engine.executor.run = run
         trial.step()
         assert_one_clean_step(trial, clean, want, at)
     return n
@@ -193,7 +193,7 @@ def test_a_fault_at_any_request_leaves_each_tensor_before_or_after_and_a_retry_c
     first = check_every_fault(opt, grads[:1], after)  # the first step: state created
     steady = check_every_fault(opt, grads, after)  # a later step: state updated in place
     assert first + steady > 0 or all(  # a spec whose every rule runs on the flat path makes no request
-        prog.variant == "flat" for progs in opt._programs for prog in progs)
+        prog.variant == "flat" for progs in opt.engine.programs for prog in progs)
 
 
 def test_the_exception_keeps_its_type_and_names_the_committed_and_the_interrupted_tensors():
@@ -216,8 +216,8 @@ def test_a_fault_before_anything_is_written_leaves_no_pending_step(monkeypatch):
     monkeypatch.setattr(polynomial, "_MUON_ORDER_DEVICES", ())
     model, opt = build("muon")
     opt = copy_with_grads(opt, [grads_of(model, 0)])
-    opt._dispatch()  # the programs follow the device's op order patched above
-    assert opt._deferred and "deferred behind the forward ops" in opt.describe()
+    opt.engine.dispatch(opt.param_groups)  # the programs follow the device's op order patched above
+    assert opt.engine.deferred and "deferred behind the forward ops" in opt.describe()
     was = snapshot(opt)
     inject(opt, 0)
     with pytest.raises(InjectedFault) as info:
@@ -377,7 +377,7 @@ def test_a_fault_while_the_state_is_encoded_leaves_each_tensor_before_or_after(d
     counters are as before the step (none half-written), and the retry gives one clean step's bits."""
     model, opt = build(geomopt.parse_spec(PRECISION.format(dtype=dtype)))
     grads = [grads_of(model, 0), grads_of(model, 1)]
-    buckets = sum(1 for progs in opt._programs for p in progs if p.variant == "batched")
+    buckets = sum(1 for progs in opt.engine.programs for p in progs if p.variant == "batched")
     for steps in (grads[:1], grads):
         assert check_faults(opt, steps, encode_fails, range(buckets + 1)) == buckets
 
@@ -415,7 +415,7 @@ def test_out_of_memory_at_any_allocation_leaves_each_tensor_before_or_after(spec
     for track in (False, True):  # tracking the update runs every rule batched (no flat path)
         model, opt = build(parsed, track_update=track)
         assert track or spec in ("int8", "bfloat16") or any(
-            p.variant == "flat" for progs in opt._programs for p in progs)
+            p.variant == "flat" for progs in opt.engine.programs for p in progs)
         grads = [grads_of(model, 0), grads_of(model, 1)]
         for steps in (grads[:1], grads):
             n = allocations(opt, steps)

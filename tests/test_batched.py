@@ -44,7 +44,7 @@ def test_batched_bucket_equals_per_tensor(name):
     singles = [[(n, torch.nn.Parameter(p.detach().clone()))] for n, p in params]
     spec = _spec(geometry, constraint)
     batched = geomopt.GeomOptimizer(params, copy.deepcopy(spec))
-    assert len(batched._buckets[0]) == 1 and len(batched._buckets[0][0]) == 5  # one bucket of five
+    assert len(batched.engine.buckets[0]) == 1 and len(batched.engine.buckets[0][0]) == 5  # one bucket of five
     alone = [geomopt.GeomOptimizer(s, copy.deepcopy(spec)) for s in singles]
     for step in range(4):
         grads = [torch.randn(12, 8) for _ in params]
@@ -137,8 +137,8 @@ def test_flat_elementwise_path_equals_batched_path_bit_for_bit(name, monkeypatch
             loss_of(model, gpt_batch(step)).backward()
             if step == 2:  # the head misses a step: its direction buffer is kept aside
                 model.lm_head.weight.grad = None
-        assert any(prog.variant == "flat" for prog, _ in flat._jobs())
-        assert not any(prog.variant == "flat" for prog, _ in ref._jobs())
+        assert any(prog.variant == "flat" for prog, _ in flat.engine.jobs(flat.param_groups, flat.state))
+        assert not any(prog.variant == "flat" for prog, _ in ref.engine.jobs(ref.param_groups, ref.state))
         flat.step()
         ref.step()
         if step == 3:  # resume the flat one from its checkpoint (views rebuilt from loaded state)
@@ -208,9 +208,9 @@ def test_flat_path_keeps_no_allocation_per_step():
     model.weight.grad = torch.randn(64, 64)
     model.bias.grad = torch.randn(64)
     opt.step()
-    buffers = {k: v.data_ptr() for k, v in opt._rt.buffers.items()}
+    buffers = {k: v.data_ptr() for k, v in opt.engine.rt.buffers.items()}
     opt.step()
-    assert buffers and {k: v.data_ptr() for k, v in opt._rt.buffers.items()} == buffers
+    assert buffers and {k: v.data_ptr() for k, v in opt.engine.rt.buffers.items()} == buffers
 
 
 def test_flat_adam_with_channels_last_weights_is_torch_adamw():
@@ -255,7 +255,7 @@ def test_direction_written_in_the_forward_dtype_gives_the_same_bits(monkeypatch)
     opts = [geomopt.GeomOptimizer(m, copy.deepcopy(spec)) for m in models]
     low = optimizer_module.input_dtype
     taken: list = []  # the scratch u the first optimizer takes (released at the end of each step)
-    ws = opts[0]._rt.workspace
+    ws = opts[0].engine.rt.workspace
     take = ws.take
     monkeypatch.setattr(ws, "take", lambda slot, shape, dtype, device: taken.append((slot, dtype)) or
                         take(slot, shape, dtype, device))

@@ -101,7 +101,7 @@ def test_a_capturable_step_reads_nothing_on_the_host_skips_on_the_device_and_tra
             assert all(int(g["step"]) == 3 for g in captured.param_groups)
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-5), (spec.stem, (p - q).abs().max())
-    assert [int(c["skipped"]) for c in captured._counters] == [c["skipped"] for c in plain._counters]
+    assert [int(c["skipped"]) for c in captured.engine.counters] == [c["skipped"] for c in plain.engine.counters]
     assert all(int(g["step"]) == 4 for g in captured.param_groups)
     assert "check device" in captured.describe()
 

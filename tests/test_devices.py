@@ -106,10 +106,10 @@ def test_cuda_graph_replay_gives_the_eager_bits(device):
         for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
             assert torch.equal(a, b), (step, n, float((a - b).abs().max()))
     assert opts[0].diagnostics()["hidden"]["skipped"] == 1
-    graphs = opts[0]._rt.graphs
+    graphs = opts[0].engine.rt.graphs
     assert (len(graphs) == 5) if device == "cuda" else not graphs  # 4 buckets, and one without a tensor
     assert all(g.graph is not None for g in graphs.values())
-    assert not opts[1]._rt.graphs
+    assert not opts[1].engine.rt.graphs
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)

@@ -195,6 +195,6 @@ def test_request_cost_sums_the_matrices_of_a_view():
     pp = opt.plan["experts.w"]
     from geomopt.optim.engine.bucket_step import request
 
-    req = request(opt._rt, [(w, pp)], torch.zeros(1, 4, 16, 8), "owner", None)
+    req = request(opt.engine.rt, [(w, pp)], torch.zeros(1, 4, 16, 8), "owner", None)
     assert req.row_cost() == 4 * 16 * 8 * 8
     assert Request(None, torch.zeros(1, 4, 16, 8), "owner").row_cost() == 4 * 128 * 4  # the plain reading

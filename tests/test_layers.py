@@ -189,3 +189,80 @@ def test_one_module_per_name(stem):
     paths = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob(f"{stem}.py"))
     assert paths == (["geomopt/registry.py"] if stem == "registry" else [])
     assert (ROOT / "specs" / "catalog").is_dir()  # the catalogue of shipped specs keeps the name
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module → the geomopt modules it imports, at any depth (inside functions and under
+    ``TYPE_CHECKING`` too): ``from pkg import name`` counts as an import of ``pkg.name`` where
+    that is a module, else of ``pkg``."""
+    graph: dict[str, set[str]] = {}
+    for m in MODULES:
+        out = graph.setdefault(m, set())
+        for node, target in _imports(m):
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name in MODULES)
+            elif target in MODULES:
+                out.update(f"{target}.{a.name}" if f"{target}.{a.name}" in MODULES else target for a in node.names)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles_counting_lazy_and_type_checking_imports():
+    assert _cycles(_module_graph()) == []
+    # the check sees a circle where there is one
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _own_private_attributes() -> set[str]:
+    """The underscore attributes geomopt's own code assigns (``x._name = …``)."""
+    out = set()
+    for m in MODULES:
+        for node in ast.walk(_tree(m)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AnnAssign, ast.AugAssign)) else []
+            out.update(t.attr for t in targets if isinstance(t, ast.Attribute) and t.attr.startswith("_")
+                       and not t.attr.startswith("__"))
+    return out
+
+
+def test_no_module_reads_another_objects_private_attributes():
+    """An object's underscore attributes are read through ``self`` only: the optimizer's engine,
+    the spec's positions and the tracer's tables have public interfaces (torch's own private
+    attributes that geomopt assigns, the optimizer's hooks, are read by the optimizer itself)."""
+    own = _own_private_attributes()
+    assert "_building" in own and "_source" in own  # the scan sees the attributes geomopt keeps
+    found = [f"{m}:{node.lineno} {ast.unparse(node)}" for m in MODULES for node in ast.walk(_tree(m))
+             if isinstance(node, ast.Attribute) and node.attr in own
+             and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))]
+    assert found == []

@@ -66,7 +66,7 @@ def snapshot(opt) -> dict:
         state_keys=len(opt.state),
         groups=[frozen({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups],
         group_params=[[id(p) for p in g["params"]] for g in opt.param_groups],
-        counters=frozen(opt._counters),
+        counters=frozen(opt.engine.counters),
     )
 
 

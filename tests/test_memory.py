@@ -143,7 +143,7 @@ def largest_bucket_bytes(opt, model) -> int:
 
 def held_after_steps(model, loss, spec, steps=3, **kw):
     opt = geomopt.GeomOptimizer(model, spec, **kw)
-    workspace, during = opt._rt.workspace, []  # its size at the end of each step, before its release
+    workspace, during = opt.engine.rt.workspace, []  # its size at the end of each step, before its release
     release = workspace.release
     workspace.release = lambda: during.append(workspace.nbytes) or release()
     workspace.during = during
@@ -174,15 +174,15 @@ def test_held_memory_is_the_state_and_nothing_of_the_steps_scratch(spec, model_f
     opt, held = held_after_steps(model, loss, str(ROOT / spec))
     state = state_bytes(held)
     workspace = sum(b for b, name in held.values() if name.startswith("workspace"))
-    other = {name: b for b, name in held.values() if not name.startswith(("state", "workspace", "_counters"))}
+    other = {name: b for b, name in held.values() if not name.startswith(("state", "workspace", "counters"))}
     assert state == expected_state_bytes(opt, model), {name: b for b, name in held.values()}
     assert not other, other  # no kept buffer outside the state and the workspace
     assert workspace == 0, workspace  # released at the end of the step
-    during = max(opt._rt.workspace.during)  # and bounded by the largest bucket while a step runs
+    during = max(opt.engine.rt.workspace.during)  # and bounded by the largest bucket while a step runs
     bound = max(largest_bucket_bytes(opt, model), staged_momentum_bytes(opt, model))
     assert during <= bound, (during, bound)
     assert count_bytes(held) <= 8 * len(opt.plan)  # an int64 step count per tensor at most (often shared)
-    assert sum(b for b, name in held.values() if name.startswith("_counters")) < 64  # a few scalars
+    assert sum(b for b, name in held.values() if name.startswith("counters")) < 64  # a few scalars
 
 
 def test_storm_and_nesterov_keep_only_their_state():
@@ -197,8 +197,8 @@ def test_storm_and_nesterov_keep_only_their_state():
     opt, held = held_after_steps(model, loss, spec)
     state = state_bytes(held)
     assert state == expected_state_bytes(opt, model)
-    assert {name for _, name in held.values()} <= {"state.d", "state.prev", "_counters.fallbacks",
-                                                    "_counters.update_sq"}
+    assert {name for _, name in held.values()} <= {"state.d", "state.prev", "counters.fallbacks",
+                                                    "counters.update_sq"}
 
 
 FLAT = {
@@ -241,9 +241,9 @@ def test_flat_blocks_give_the_same_bits_as_one_pass(name, monkeypatch):
 
     def setup(i):
         monkeypatch.setattr(optimizer_module, "BLOCK", 3000 if i == 0 else whole)
-        opts[i]._rt.largest_bucket = 3000 if i == 0 else whole
+        opts[i].engine.rt.largest_bucket = 3000 if i == 0 else whole
 
-    workspace, during = opts[0]._rt.workspace, []  # its size at the end of each step, before it is released
+    workspace, during = opts[0].engine.rt.workspace, []  # its size at the end of each step, before it is released
     release = workspace.release
     monkeypatch.setattr(workspace, "release", lambda: during.append(workspace.nbytes) or release())
     step_in_lockstep(models, opts, setup=setup)

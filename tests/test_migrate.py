@@ -27,7 +27,7 @@ REST_ADAM = {"name": "rest", "match": "**", "lr": 0.01, "geometry": {"kind": "ad
 
 
 def _state_of(opt, name):
-    for group, plans in zip(opt.param_groups, opt._plans):
+    for group, plans in zip(opt.param_groups, opt.engine.plans):
         for p, pp in zip(group["params"], plans):
             if pp.name == name:
                 return p, opt.state.get(p, {})
@@ -196,7 +196,7 @@ def test_refusals_leave_the_optimizer_untouched():
     opt = geomopt.GeomOptimizer(model, _spec(HIDDEN, REST_ADAM))
     train(model, opt, 2, mlp_batch)
     snap = {pp.name: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
-            for g, plans in zip(opt.param_groups, opt._plans) for p, pp in zip(g["params"], plans)}
+            for g, plans in zip(opt.param_groups, opt.engine.plans) for p, pp in zip(g["params"], plans)}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     other = tiny_mlp(0)
     sgd = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
@@ -210,7 +210,7 @@ def test_refusals_leave_the_optimizer_untouched():
     with pytest.raises(ValueError):
         opt.load_state_dict(torch.optim.Adam(other.parameters()).state_dict())  # no allow_spec_change
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
-    for g, plans in zip(opt.param_groups, opt._plans):
+    for g, plans in zip(opt.param_groups, opt.engine.plans):
         for p, pp in zip(g["params"], plans):
             now = opt.state[p]
             assert now.keys() == snap[pp.name].keys()

@@ -139,9 +139,9 @@ def test_capturable_off_steps_on_nonfinite_gradients_and_tracks_the_default_step
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6, equal_nan=True)
     for gp, gc in zip(plain.param_groups, captured.param_groups):
         assert int(gc["step"]) == gp["step"]
-    assert [int(c["skipped"]) for c in captured._counters] == [c["skipped"] for c in plain._counters]
+    assert [int(c["skipped"]) for c in captured.engine.counters] == [c["skipped"] for c in plain.engine.counters]
     if spec["name"] == "mixed":
-        assert [c["skipped"] for c in plain._counters] == [1, 0]
+        assert [c["skipped"] for c in plain.engine.counters] == [1, 0]
 
 
 def test_mlp_batch_loss_is_nan_after_an_off_step_as_in_torch():

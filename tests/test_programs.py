@@ -12,7 +12,7 @@ import torch
 from optim_helpers import SHIPPED, gpt_batch, mlp_batch, params_equal, tiny_gpt, tiny_mlp, train
 
 import geomopt
-import geomopt.optim.engine.optimizer as optimizer_module
+import geomopt.optim.engine.engine as optimizer_module
 from geomopt.cli.main import main
 from geomopt.geometry import polynomial
 
@@ -26,12 +26,12 @@ def _opt(spec, model=None, **kw):
 @pytest.mark.parametrize("spec", SHIPPED, ids=lambda p: p.stem)
 def test_every_stepping_tensor_is_in_exactly_one_program_and_described(spec):
     model, opt = _opt(str(spec))
-    names = [pp.name for progs in opt._programs for prog in progs for pp in
-             (opt._plans[prog.group][i] for i in prog.indices)]
-    stepping = [pp.name for plans in opt._plans for pp in plans if pp.shape and all(pp.shape)]
+    names = [pp.name for progs in opt.engine.programs for prog in progs for pp in
+             (opt.engine.plans[prog.group][i] for i in prog.indices)]
+    stepping = [pp.name for plans in opt.engine.plans for pp in plans if pp.shape and all(pp.shape)]
     assert sorted(names) == sorted(stepping) and len(set(names)) == len(names)
     text = opt.describe()
-    for progs in opt._programs:
+    for progs in opt.engine.programs:
         for prog in progs:
             assert prog.stages[0].startswith("direction ") and prog.stages[1].startswith("forward ")
             assert prog.variant in ("flat", "batched") and prog.why
@@ -41,26 +41,26 @@ def test_every_stepping_tensor_is_in_exactly_one_program_and_described(spec):
 def test_the_dispatcher_chooses_each_variant_for_its_reason(monkeypatch):
     # CPU: torch.optim.Muon's op order, so the spectral buckets update in place and test first
     _, opt = _opt("muon")
-    hidden = [p for progs in opt._programs for p in progs if p.rule == "hidden"]
+    hidden = [p for progs in opt.engine.programs for p in progs if p.rule == "hidden"]
     assert hidden and all(p.variant == "batched" and p.write == "in-place" and p.direction_form == "rows"
                           and p.check == "before" for p in hidden)
-    assert all(p.variant == "flat" and p.fused for progs in opt._programs for p in progs if p.rule == "rest")
+    assert all(p.variant == "flat" and p.fused for progs in opt.engine.programs for p in progs if p.rule == "rest")
     _, opt = _opt("muon", implementation="foreach")
-    assert all(p.write == "foreach" and not p.fused for progs in opt._programs for p in progs if p.rule == "rest")
+    assert all(p.write == "foreach" and not p.fused for progs in opt.engine.programs for p in progs if p.rule == "rest")
     # the short forms (CUDA's): one pass over X, Polyak read ahead, the test deferred
     monkeypatch.setattr(polynomial, "_MUON_ORDER_DEVICES", ())
     _, opt = _opt("muon")
-    hidden = [p for progs in opt._programs for p in progs if p.rule == "hidden"]
+    hidden = [p for progs in opt.engine.programs for p in progs if p.rule == "hidden"]
     assert all(p.write == "one-pass" and p.direction_form == "ahead" and p.check == "deferred" for p in hidden)
-    assert opt._deferred
+    assert opt.engine.deferred
     # a constraint, tracking or bf16 parameters write back from a stacked copy
     _, opt = _opt("stiefel", tiny_mlp(0))
-    assert {p.write for progs in opt._programs for p in progs if p.variant == "batched"} == {"stacked"}
+    assert {p.write for progs in opt.engine.programs for p in progs if p.variant == "batched"} == {"stacked"}
     _, opt = _opt("muon", track_update=True)
-    assert all(p.variant == "batched" and p.write == "stacked" for progs in opt._programs for p in progs)
+    assert all(p.variant == "batched" and p.write == "stacked" for progs in opt.engine.programs for p in progs)
     _, opt = _opt("muon", tiny_gpt(0).to(torch.bfloat16))
     assert all(p.write == "stacked" and "bfloat16" in " ".join(p.why)
-               for progs in opt._programs for p in progs if p.variant == "batched")
+               for progs in opt.engine.programs for p in progs if p.variant == "batched")
 
 
 def test_programs_are_built_once_and_again_only_when_a_group_value_they_read_changes(monkeypatch):
@@ -78,7 +78,7 @@ def test_programs_are_built_once_and_again_only_when_a_group_value_they_read_cha
     hidden["nesterov"] = False
     train(model, opt, 2, gpt_batch, start=4)
     assert len(calls) == 2
-    assert all("nesterov" not in p.stages[0] for progs in opt._programs for p in progs if p.rule == "hidden")
+    assert all("nesterov" not in p.stages[0] for progs in opt.engine.programs for p in progs if p.rule == "hidden")
 
 
 SGD = {"geomopt": 1, "name": "sgd", "defaults": {"lr": 0.05}, "rules": [{

@@ -40,7 +40,7 @@ import re
 from pathlib import Path
 from typing import Optional, Union
 
-from geomopt import __version__
+from geomopt.version import __version__
 from geomopt.compile.plan import Plan, view_text
 from geomopt.compile.lock_bounds import (LONE_SURROGATE, SURROGATE, json_bound_error, lone_surrogate,
                                          may_be_unbounded)

@@ -195,6 +195,17 @@ class Spec(SpecModel):
         "same name or are added (before/after a base rule, or at the end); `remove: true` drops one."))
     _source: Any = PrivateAttr(default=None)  # positions, when parsed from text
 
+    @property
+    def source(self) -> Any:
+        """The :class:`~geomopt.spec.source.SourceMap` the spec was parsed with (None for a spec
+        built in Python)."""
+        return self._source
+
+    def with_source(self, source) -> "Spec":
+        """This spec, noting the positions it was parsed with; returns it."""
+        self._source = source
+        return self
+
     def __eq__(self, other) -> bool:  # equal content, wherever it was parsed from
         return isinstance(other, Spec) and self.model_dump() == other.model_dump()
 

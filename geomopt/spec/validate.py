@@ -22,7 +22,7 @@ from geomopt.spec.yaml_front import parse_yaml
 
 def source_of(spec: Spec) -> SourceMap | None:
     """The positions a spec was parsed with (None for specs built in Python)."""
-    return spec._source
+    return spec.source
 
 
 def validate(parsed: Parsed) -> Spec:
@@ -36,8 +36,7 @@ def validate(parsed: Parsed) -> Spec:
     except ValidationError as exc:
         found = _diagnostics(exc, data, source)
         raise SpecError(sorted(found, key=lambda d: (d.file != source.file, d.file, d.line, d.col))) from None
-    spec._source = source
-    return spec
+    return spec.with_source(source)
 
 
 def check_root(parsed: Parsed) -> Parsed:

@@ -9,20 +9,16 @@ gives it, or ``hidden``/``other``. The module rules' docstrings are the document
 
 from __future__ import annotations
 
-import re
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from geomopt.compile.match import ParamInfo
 from geomopt.compile.roles.structure import tensor_structure
+from geomopt.compile.roles.tree import ModuleTree
 from geomopt.compile.roles.types import Claim, Role, not_a_matrix, own_role
-
-if TYPE_CHECKING:
-    import torch
-
 
 # ---------------------------------------------------------------- module rules
 
-ModuleRule = Callable[["ModuleTree"], Iterable[tuple[str, Claim]]]
+ModuleRule = Callable[[ModuleTree], Iterable[tuple[str, Claim]]]
 MODULE_RULES: list[tuple[str, ModuleRule]] = []
 
 
@@ -36,52 +32,6 @@ def module_rule(name: str):
     return register
 
 
-_NORM = re.compile(r"Norm(\dd)?$")
-
-
-class ModuleTree:
-    """The module tree of a model, read once."""
-
-    def __init__(self, model, modules: Optional[dict] = None):
-        self.model = model
-        self.modules: dict[str, torch.nn.Module] = (modules if modules is not None
-                                                    else dict(model.named_modules(remove_duplicate=False)))
-        self.classes: dict[type, tuple[str, ...]] = {}
-        self.norms: dict[type, bool] = {}
-        self.embeddings: dict[type, Optional[str]] = {}
-        self.experts: Optional[list] = None
-        self.excluded: list[str] = []  # modules the head rule skips (claimed as norm, embedding, router, expert)
-        self.children: dict[str, list[str]] = {}
-        for name in self.modules:
-            if name:
-                self.children.setdefault(name.rpartition(".")[0], []).append(name)
-
-    def mro(self, module) -> tuple[str, ...]:
-        cls = type(module)
-        names = self.classes.get(cls)
-        if names is None:
-            names = self.classes[cls] = tuple(c.__name__ for c in cls.__mro__)
-        return names
-
-    def is_norm(self, module) -> bool:
-        cls = type(module)
-        hit = self.norms.get(cls)
-        if hit is None:
-            hit = self.norms[cls] = any(_NORM.search(n) for n in self.mro(module))
-        return hit
-
-    def weight(self, module):
-        """A leaf layer's 2-D+ ``weight`` (Linear, Conv, Conv1D, a router's own weight), else None."""
-        w = getattr(module, "weight", None)
-        import torch  # torch: off the lint path (a spec alone never loads it)
-
-        return w if isinstance(w, torch.Tensor) and w.ndim >= 2 else None
-
-    def out_features(self, module) -> Optional[int]:
-        w = self.weight(module)
-        if w is None:
-            return None
-        return w.shape[1] if "Conv1D" in self.mro(module) else w.shape[0]
 
 
 @module_rule("norm")

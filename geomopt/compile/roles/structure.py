@@ -9,10 +9,9 @@ reads it.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-if TYPE_CHECKING:
-    from geomopt.compile.roles.infer import ModuleTree
+from geomopt.compile.roles.tree import ModuleTree
 
 
 def stated_count(mod, *names: str) -> Optional[int]:

@@ -114,7 +114,7 @@ class Tracer(TorchDispatchMode):
         if like:
             return  # zeros_like and kin: constants
         leaves = tensors_in(args) + (tensors_in(kwargs) if kwargs else [])
-        refs, acts = self.refs._items, self.acts._items
+        refs, acts = self.refs.items, self.acts.items
         params_in: list[tuple[torch.Tensor, Ref]] = []
         acts_in: list[tuple[torch.Tensor, Act]] = []
         for a in leaves:

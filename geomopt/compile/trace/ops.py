@@ -86,23 +86,23 @@ class IdMap:
     """Tensor → value by identity, keeping each tensor alive for the trace (so no id is reused);
     the tensors of one small or meta forward cost little to keep."""
 
-    __slots__ = ("_items",)
+    __slots__ = ("items",)
 
     def __init__(self):
-        self._items: dict[int, tuple] = {}
+        self.items: dict[int, tuple] = {}  # id → (tensor, value): the tracer's hot loop reads it directly
 
     def get(self, t, default=None):
-        hit = self._items.get(id(t))
+        hit = self.items.get(id(t))
         return default if hit is None else hit[1]
 
     def __contains__(self, t) -> bool:
-        return id(t) in self._items
+        return id(t) in self.items
 
     def __getitem__(self, t):
-        return self._items[id(t)][1]
+        return self.items[id(t)][1]
 
     def __setitem__(self, t, value) -> None:
-        self._items[id(t)] = (t, value)
+        self.items[id(t)] = (t, value)
 
 
 _Tensor = torch.Tensor

@@ -5,7 +5,7 @@ fallbacks."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -16,9 +16,6 @@ from geomopt.geometry.prox import backward
 from geomopt.optim.engine.tensors import full, op_view, upcast
 from geomopt.optim.contract.torch_api import dense
 
-if TYPE_CHECKING:
-    from geomopt.optim.engine.optimizer import GeomOptimizer
-
 
 def euclidean_geometry(pp: ParamPlan) -> dict:
     """The Euclidean geometry for P_C (project_on_init, the violation): spectral sets act per
@@ -27,7 +24,7 @@ def euclidean_geometry(pp: ParamPlan) -> dict:
 
 
 @torch.no_grad()
-def diagnostics(opt: "GeomOptimizer", *, gap_reference: str = "auto") -> dict[str, dict]:
+def diagnostics(opt: Any, *, gap_reference: str = "auto") -> dict[str, dict]:
     """Per rule: ``gap`` (stationarity-gap estimate, W of the last step paired with the current
     gradient, :func:`geomopt.geometry.gap.stationarity_gap`; None where undefined or not
     tracked; NaN while a gradient is non-finite; +∞ where W left dom φ₁), ``gap_note`` (None
@@ -74,7 +71,8 @@ def diagnostics(opt: "GeomOptimizer", *, gap_reference: str = "auto") -> dict[st
         return None
 
     out = {}
-    for group, plans, counters in zip(opt.param_groups, opt._plans, opt._counters):
+    engine = opt.engine
+    for group, plans, counters in zip(opt.param_groups, engine.plans, engine.counters):
         gap = dual = None
         violation = 0.0
         first = plans[0]
@@ -116,9 +114,9 @@ def diagnostics(opt: "GeomOptimizer", *, gap_reference: str = "auto") -> dict[st
             elif pp.constraint is not None:
                 unpaired += 1
         update_sq = counters["update_sq"]
-        if opt._options.sharded:  # each rank holds the squared norm of its shards' update
+        if engine.options.sharded:  # each rank holds the squared norm of its shards' update
             update_sq = update_sq.clone()
-            opt._executor.dist.all_reduce(update_sq, group=opt._executor.group)
+            engine.executor.dist.all_reduce(update_sq, group=engine.executor.group)
         out[group["rule"]] = dict(
             gap=gap,
             gap_note=note(group["rule"], first, why, gap, measured, outside, unpaired, bad_w, unmeasurable),

@@ -223,12 +223,11 @@ def _in_model(entries: list, model, roles: bool, example_inputs) -> tuple[list, 
 
 
 #: what a copy rebuilds instead of copying: an LR scheduler's wrapper of the original's bound ``step``
-#: (torch drops it too), CUDA graphs and their pinned flag (tied to the original's memory), the
-#: step's scratch, and the stacked-state caches, keyed by the original tensors' ids (the copy
-#: restacks its state on its first step, as after load_state_dict: same values, same bits)
-#: what a copy of the optimizer makes anew: torch's profiled step and the step's runtime (caches,
-#: scratch, CUDA graphs: :mod:`geomopt.optim.engine.runtime`)
-REBUILT = ("step", "_rt")
+#: (torch drops it too). The engine's runtime (CUDA graphs and their pinned flag, tied to the
+#: original's memory; the step's scratch; the stacked-state caches, keyed by the original tensors'
+#: ids) is left out by the engine itself (:meth:`~geomopt.optim.engine.engine.Engine.__getstate__`):
+#: the copy restacks its state on its first step, as after load_state_dict, same values, same bits
+REBUILT = ("step",)
 
 
 def copy_state(opt) -> dict:
@@ -241,7 +240,7 @@ def copy_state(opt) -> dict:
     not pickle). Copy or pickle the model in the same call (``copy.deepcopy((model, opt))``,
     ``torch.save({"model": model, "opt": opt})``) so the copy's parameters are the copied model's.
     A distributed optimizer (a process group inside) is refused: save its ``state_dict()``."""
-    if not isinstance(opt._executor, LocalExecutor):
+    if not isinstance(opt.engine.executor, LocalExecutor):
         raise TypeError("a distributed GeomOptimizer holds its process group and cannot be copied or pickled: "
                         "save opt.state_dict() and build a new optimizer on each rank")
     return {k: v for k, v in opt.__dict__.items() if k not in REBUILT and not k.startswith("_optimizer_")}

@@ -17,7 +17,9 @@ least. γ is the group's ``lr`` shaped by the rule's schedule.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional, Union
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Callable, Optional, Union
 
 import torch
 from torch.optim import Optimizer
@@ -25,29 +27,18 @@ from torch.optim import Optimizer
 from geomopt.compile.compiler import as_spec, needs_roles, plan_from_infos
 from geomopt.compile.lock import check_routing, model_label
 from geomopt.compile.plan import Plan
-from geomopt.distributed.executors import LocalExecutor, ShardedExecutor, make_executor
-from geomopt.distributed.layout import layout_key
-from geomopt.optim.persist import checkpoint
-from geomopt.optim.engine.atomic import PendingStep, drive, interrupted
-from geomopt.optim.engine.bucket_step import BucketJob, radius_factor
-from geomopt.geometry.capture import capturing
-from geomopt.optim.engine.capturable import captured_step, counts_on_device
-from geomopt.optim.persist.checkpoint import new_counters, spec_hash, spec_values
-from geomopt.optim.persist.migrate import MigrationReport
-from geomopt.optim.contract.torch_api import (check_complex, collect_params, copy_state, pickled_state,
-                                    check_gradient, dense, tensor_lr, with_overrides)
-from geomopt.optim.engine.construction import (check_capturable, check_sharded, project_on_init, warn_guessed_roles,
-                                        warn_slow_bf16, warn_unused_rules)
 from geomopt.optim.contract.diagnostics import diagnostics
-from geomopt.optim.units.directions import DIRECTIONS, previous_gradients
-from geomopt.optim.engine.flat import step_flat
-from geomopt.optim.engine.nonfinite import launch_check, skip_nonfinite
+from geomopt.optim.contract.torch_api import collect_params, copy_state, pickled_state, tensor_lr, with_overrides
+from geomopt.optim.engine.construction import project_on_init, warn_guessed_roles, warn_slow_bf16, warn_unused_rules
+from geomopt.optim.engine.engine import Engine
+from geomopt.optim.engine.program import IMPLEMENTATIONS
 from geomopt.optim.engine.qkclip import QKClip
-from geomopt.optim.engine.program import IMPLEMENTATIONS, Options, Program, dispatch, flat_rule, signature
-from geomopt.optim.engine.runtime import Runtime
-from geomopt.optim.units.schedules import SCHEDULES, warmup_alpha
-from geomopt.optim.units.state_keys import COUNTS, STACKED, direction_keys
-from geomopt.optim.engine.tensors import as_real, local, op_layout, op_view, stack
+from geomopt.optim.persist import checkpoint
+from geomopt.optim.persist.checkpoint import spec_hash
+from geomopt.optim.persist.load_check import check_layout
+from geomopt.optim.persist.migrate import MigrationReport
+from geomopt.optim.units.directions import previous_gradients
+from geomopt.optim.units.state_keys import direction_keys
 from geomopt.spec.model import RESOLVED_DEFAULTS, Spec
 
 __all__ = ["GeomOptimizer"]
@@ -147,20 +138,15 @@ class GeomOptimizer(Optimizer):
         self.spec = with_overrides(as_spec(spec), lr, weight_decay)
         infos, tensors, source, generated = collect_params(model_or_named_parameters, model,
                                                            needs_roles(self.spec, roles), example_inputs)
-        # names given as param.<i> (tensors passed without names): a load matches them by position
-        self._generated_names = generated
         self.plan: Plan = plan_from_infos(self.spec, infos, roles=roles)
         self.spec_hash = spec_hash(self.spec)
         if expect is not None:  # before anything is built or projected: a changed routing stops here
             check_routing(self.plan, expect, spec_hash=self.spec_hash, model=model_label(source))
-        # the model's parameter order (a torch optimizer's state saved without names maps by it)
-        self._order = ([i.name for i in infos], [i.name for i in infos if i.requires_grad])
-        self._pending: Optional[PendingStep] = None  # an interrupted step (:mod:`geomopt.optim.engine.atomic`)
         self.track_gap = track_gap
         self.track_update = track_update
         self.cuda_graphs = cuda_graphs
         self.capturable = capturable
-        groups, self._plans = [], []
+        groups, plans_by_group = [], []
         lr_tensor = tensor_lr(lr)  # a tensor lr=: the groups of the rules that take the default lr hold it
         for index, rule in enumerate(self.spec.rules):
             plans = [p for p in self.plan if p.rule_index == index]
@@ -178,73 +164,28 @@ class GeomOptimizer(Optimizer):
                 alpha=d.get("alpha", 1.0), nesterov=d.get("nesterov", False), init=d.get("init", "zero"),
                 **coefficients, schedule=first.schedule, on_nonfinite=first.on_nonfinite, step=0,
             ))
-            self._plans.append(plans)
+            plans_by_group.append(plans)
         self._building = True
         super().__init__(groups, dict(lr=RESOLVED_DEFAULTS["lr"], weight_decay=RESOLVED_DEFAULTS["weight_decay"]))
         self._building = False
-        # what the spec set per group, saved with the state: after a spec change, values the new
-        # spec changed win over the checkpoint's (load_state_dict)
-        self._spec_groups = [spec_values(g) for g in self.param_groups]
-        self._counters = [new_counters() for _ in self.param_groups]
-        # same-(ops, shape, dtype, device) tensors of a group, and sharded ones of one mesh and
-        # placements, are a bucket (zero-size tensors are in none: they never step)
-        self._buckets = []
-        for group, plans in zip(self.param_groups, self._plans):
-            by_key: dict = {}
-            for i, p in enumerate(group["params"]):
-                if p.numel():
-                    by_key.setdefault((plans[i].bucket, layout_key(p)), []).append(i)
-            self._buckets.append(list(by_key.values()))
-        # geomopt.distributed: LocalExecutor, ReplicatedExecutor or ShardedExecutor
-        self._executor: Any = make_executor([p for g in self.param_groups for p in g["params"]], distributed,
-                                            process_group, names=[pp.name for plans in self._plans for pp in plans])
-        self._options = Options(
-            local=isinstance(self._executor, LocalExecutor), sharded=isinstance(self._executor, ShardedExecutor),
-            keeps_prev=any(DIRECTIONS[g["direction"]].keeps_prev for g in self.param_groups), track_gap=track_gap,
-            track_update=track_update, cuda_graphs=cuda_graphs, implementation=implementation, capturable=capturable)
-        check_capturable(self.param_groups, self._plans, self._options)
-        check_sharded(self.param_groups, self._options)
-        self._rt = self._runtime()
-        check_complex(self.param_groups, self._plans, lambda g, pp: flat_rule(g, pp, self._options) is None)
-        self._programs: list[list[Program]] = []
-        self._dispatch()
+        # the step's machinery (:mod:`geomopt.optim.engine.engine`); the model's parameter order (a
+        # torch optimizer's state saved without names maps by it) and the names made up for
+        # tensors given without one (a load matches them by position)
+        self.engine = Engine(self.param_groups, plans_by_group, distributed=distributed, process_group=process_group,
+                             track_gap=track_gap, track_update=track_update, cuda_graphs=cuda_graphs,
+                             implementation=implementation, capturable=capturable,
+                             order=([i.name for i in infos], [i.name for i in infos if i.requires_grad]),
+                             generated_names=generated)
         warn_slow_bf16(self.spec, self.plan, tensors)
         warn_unused_rules(self.spec, infos)
         warn_guessed_roles(infos)
-        self._qk_clip = QKClip(self.param_groups, self._plans, source, self.spec)  # geomopt.optim.engine.qkclip: checks
-        project_on_init(self.param_groups, self._plans, self._executor)
-
-    def _runtime(self) -> Runtime:
-        """The step's runtime (:mod:`geomopt.optim.engine.runtime`), with the sharded parameters' layouts
-        as the operators see them (transposed for layout: in_out)."""
-        rt = Runtime(self._executor, graph_cap=2 * sum(map(len, self._buckets)))
-        # entries of the largest bucket (what a batched step stacks at once): bounds the flat path's blocks
-        rt.largest_bucket = max((sum(g["params"][i].numel() for i in b)
-                                 for g, bs in zip(self.param_groups, self._buckets) for b in bs), default=1)
-        blocks = getattr(self._executor, "layouts", {})
-        rt.stacked.layouts = {id(p): op_layout(blocks[id(p)], pp) for g, plans in zip(self.param_groups, self._plans)
-                              for p, pp in zip(g["params"], plans) if id(p) in blocks}
-        return rt
-
-    def _dispatch(self) -> None:
-        """Build every bucket's step program (:func:`geomopt.optim.engine.program.dispatch`), and note the
-        group values they were built from: a step builds them again when those change."""
-        self._programs = dispatch(self.param_groups, self._plans, self._buckets, self._options)
-        self._built_from = [signature(g) for g in self.param_groups]
-        progs = [p for ps in self._programs for p in ps]  # not deferred where a rule is off
-        self._deferred = (self._options.local and not self._options.keeps_prev and all(p.check != "off" for p in progs)
-                          and all(p.check == "deferred" for p in progs if p.variant == "batched"))
+        self._qk_clip = QKClip(self.param_groups, plans_by_group, source, self.spec)  # geomopt.optim.engine.qkclip
+        project_on_init(self.param_groups, plans_by_group, self.engine.executor)
 
     def describe(self) -> str:
         """Every bucket's step program (:mod:`geomopt.optim.engine.program`): its tensors, stages,
         variant and why each choice was made, as text (``geomopt plan … --program`` prints it)."""
-        if [signature(g) for g in self.param_groups] != self._built_from:
-            self._dispatch()
-        off = all(p.check == "off" for progs in self._programs for p in progs)
-        test = "off" if off else "deferred behind the forward ops" if self._deferred else "before any write"
-        head = (f"spec '{self.spec.name}': {sum(map(len, self._programs))} step program(s); finiteness test "
-                f"{test}; executor {type(self._executor).__name__}")
-        return "\n".join([head] + [p.describe() for progs in self._programs for p in progs])
+        return self.engine.describe(self.spec.name, self.param_groups)
 
     # ------------------------------------------------------------ set-up
 
@@ -260,22 +201,53 @@ class GeomOptimizer(Optimizer):
     def work(self):
         """This rank's matrix-function work so far (:class:`~geomopt.distributed.WorkCounter`:
         matrices, FLOPs up to a constant, seconds): under DDP / FSDP2 about 1/world of the total."""
-        return self._executor.work
+        return self.engine.executor.work
 
     # ------------------------------------------------------------ checkpoints, copies, diagnostics
 
     def state_dict(self) -> dict:
-        """torch's state dict and what the spec set (``"geomopt"``):
-        :func:`geomopt.optim.persist.checkpoint.state_dict`."""
-        return checkpoint.state_dict(self)
+        """torch's state dict and what the spec set (``"geomopt"``:
+        :func:`geomopt.optim.persist.checkpoint.saved_meta`); the post-hooks see the finished dict."""
+        hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = type(hooks)()  # run below, on the finished dict
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = hooks
+        sd["geomopt"] = checkpoint.saved_meta(self)
+        for hook in hooks.values():
+            out = hook(self, sd)
+            sd = sd if out is None else out
+        return sd
 
     # override: torch's returns None; this one also takes allow_spec_change / model and returns the
     # MigrationReport of a state carried over from another spec or optimizer
     def load_state_dict(self, state_dict: dict, *, allow_spec_change: bool = False,  # type: ignore[override]
                         model=None) -> Optional[MigrationReport]:
         """Load a checkpoint, refusing one saved under a different spec unless
-        ``allow_spec_change=True``: :func:`geomopt.optim.persist.checkpoint.load_state_dict`."""
-        return checkpoint.load_state_dict(self, state_dict, allow_spec_change=allow_spec_change, model=model)
+        ``allow_spec_change=True`` (:func:`geomopt.optim.persist.checkpoint.load`: everything is
+        checked and built first, then installed here at once); returns the
+        :class:`~geomopt.optim.persist.migrate.MigrationReport` of a state carried over."""
+        if not isinstance(state_dict, Mapping):
+            check_layout(state_dict)  # raises, saying what a state dict is
+        state_dict = dict(state_dict)  # shallow copy, as torch does; each pre-hook runs once (here)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, state_dict)
+            state_dict = state_dict if out is None else out
+        loaded = checkpoint.load(self, state_dict, allow_spec_change=allow_spec_change, model=model)
+        # install (nothing above wrote to the optimizer)
+        if loaded.replace:
+            self.__setstate__({"state": loaded.state, "param_groups": loaded.groups})
+        else:  # a migration: the groups are written into this optimizer's
+            self.state = defaultdict(dict, loaded.state)
+            for group, new in zip(self.param_groups, loaded.groups):
+                group.clear()
+                group.update(new)
+        self.engine.install(counters=loaded.counters, pending=loaded.pending, reset_buffers=not loaded.replace)
+        self.engine.dispatch(self.param_groups)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+        return loaded.report
 
     def diagnostics(self, *, gap_reference: str = "auto") -> dict[str, dict]:
         """Per rule: gap, dual norm, violation, update norm, skipped steps and fallbacks
@@ -298,8 +270,8 @@ class GeomOptimizer(Optimizer):
         optimizer: what :data:`~geomopt.optim.contract.torch_api.REBUILT` lists is made only where it is
         missing (a copy), never replaced (a sharded optimizer's layouts live in the runtime)."""
         super().__setstate__(state)  # torch's: hooks (empty where missing), the profiled step
-        if "_rt" not in self.__dict__:
-            self._rt = self._runtime()
+        if self.engine.rt is None:  # a copy: its runtime is made anew
+            self.engine.rt = self.engine.runtime(self.param_groups)
 
     # ------------------------------------------------------------ the step
 
@@ -317,7 +289,7 @@ class GeomOptimizer(Optimizer):
         self._qk_clip.check()  # QK-clip: a monitor is attached, before anything is written
         loss = None
         g_prev: dict = {}
-        if self._options.keeps_prev:
+        if self.engine.options.keeps_prev:
             if closure is None:
                 raise RuntimeError(
                     "this spec uses a storm direction, which evaluates the gradient at the previous and the "
@@ -329,77 +301,8 @@ class GeomOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            if [signature(g) for g in self.param_groups] != self._built_from:
-                self._dispatch()  # a group's direction changed: its programs follow
-            rt, groups = self._rt, self.param_groups
-            jobs = self._jobs()
-            grads = [self._job_grads(prog, items) for prog, items in jobs]
-            prevs = [stack([op_view(local(g_prev[p]), pp) for p, pp in items])
-                     if all(g_prev.get(p) is not None for p, _ in items) else None for _, items in jobs]
-            if self._options.capturable and jobs:
-                done: list = []  # no host sync, the first step (creating the state) included
-                counts_on_device(groups, self.state, self._counters, jobs)  # a no-op once they are
-                try:
-                    captured_step(rt, groups, self.state, self._counters, jobs, grads, done)
-                except BaseException as err:  # inside a CUDA-graph capture nothing ran: nothing is pending
-                    if not capturing():
-                        self._pending = interrupted(self._pending, err, jobs, done, groups, self._plans, True)
-                    raise
-                self._pending = None
-                return loss
-            check = launch_check(rt, jobs, grads, prevs)  # None: no job is tested (on_nonfinite: off)
-            # deferred: the buckets launch their forward ops (reads into scratch) before the host
-            # waits for the test, so the device stays busy; nothing is written before the wait
-            defer = self._deferred
-            if not defer:  # a skipped step still steps the jobs of on_nonfinite: off rules
-                keep = skip_nonfinite(rt, groups, self._counters, jobs, check)
-                if len(keep) < len(jobs):
-                    if not keep or self._pending is not None:  # an interrupted step's retry: all or nothing
-                        return loss
-                    jobs, grads, prevs = ([xs[k] for k in keep] for xs in (jobs, grads, prevs))
-            schedules, devices = {}, {}
-            for prog, items in jobs:
-                gi = prog.group
-                if gi not in schedules:
-                    gamma, alpha = SCHEDULES[groups[gi]["schedule"]["kind"]](groups[gi], groups[gi]["step"])
-                    # a tensor lr is read once here (this step syncs anyway); a capturable step keeps it
-                    schedules[gi] = (float(gamma), warmup_alpha(alpha, groups[gi]))
-                    devices[gi] = items[0][0].device
-
-            pending = self._pending
-            done = []  # indices of the jobs whose writes are complete (committed)
-
-            def writes() -> bool:
-                """Everything that writes at once; False when the step is skipped."""
-                if defer and len(skip_nonfinite(rt, groups, self._counters, jobs, check)) < len(jobs):
-                    return False  # deferred: every rule tested alike (dispatch), so the whole step
-                if pending is None:  # a completed retry counts the whole step's update
-                    for gi, device in devices.items():
-                        self._counters[gi]["update_sq"] = torch.zeros((), device=device)
-                for j, ((prog, items), g) in enumerate(zip(jobs, grads)):
-                    if prog.variant == "flat":
-                        step_flat(prog, rt, self.state, groups[prog.group], items, g, *schedules[prog.group])
-                        done.append(j)
-                return True
-
-            try:
-                if not defer:
-                    writes()
-                shared = not defer and self._options.local  # buckets one after another
-                steps = [(j, BucketJob(prog, rt, self.state, self._counters[prog.group], groups[prog.group], items,
-                                       g, gp, *schedules[prog.group], shared=shared))
-                         for j, ((prog, items), g, gp) in enumerate(zip(jobs, grads, prevs)) if prog.variant != "flat"]
-                if not drive(self._executor.run, steps, done.append, writes if defer else None,
-                             lockstep=not self._options.local):
-                    return loss
-            except BaseException as err:
-                self._pending = interrupted(self._pending, err, jobs, done, groups, self._plans, self._options.local)
-                raise
-            for gi in set(schedules) | (pending.groups if pending is not None else set()):
-                groups[gi]["step"] += 1
-            self._pending = None
-            rt.workspace.release()  # nothing of the step's scratch is held between steps
-            self._qk_clip.apply()  # QK-clip after the step (geomopt.optim.engine.qkclip)
+            if self.engine.step(self.param_groups, self.state, g_prev):
+                self._qk_clip.apply()  # QK-clip after the step (geomopt.optim.engine.qkclip)
         return loss
 
     @property
@@ -407,41 +310,4 @@ class GeomOptimizer(Optimizer):
         """After a step that raised part-way: ``{"done": [names of the tensors whose update is
         written], "groups": [indices]}``; the next ``step()`` applies only the others. None
         otherwise."""
-        return None if self._pending is None else self._pending.to_dict()
-
-    def _jobs(self) -> list:
-        """(program, [(param, plan), …]) per call: a bucket's tensors that have a gradient (a
-        zero-size tensor is in no bucket: it never steps nor gets state), split by state history
-        (a tensor that missed steps has its own step counts). An elementwise rule's ``flat``
-        buckets pool their tensors of one dtype, device and radius, whatever their shapes, into
-        one flat call (:func:`geomopt.optim.engine.flat.step_flat`)."""
-        jobs: list = []
-        for group, plans, progs in zip(self.param_groups, self._plans, self._programs):
-            for prog in progs:
-                flat = prog.variant == "flat"
-                by_key: dict = {}
-                for i in prog.indices:
-                    p = group["params"][i]
-                    if p.grad is None or (self._pending is not None and id(p) in self._pending.done):
-                        continue  # no gradient, or committed by an interrupted step this one completes
-                    check_gradient(group, plans[i], p, p.grad)
-                    st = self.state[p]
-                    # the step counts by value (the host's, read off the CPU); a capturable step's
-                    # device counts by identity (a bucket's tensors share one), with no host read
-                    counts = tuple(st.get(k) if self._options.capturable or k not in st else int(st[k])
-                                   for k in COUNTS)
-                    key: tuple = (tuple(sorted(k for k in st if k in STACKED)), counts)
-                    if flat:
-                        key += (radius_factor(plans[i]),)
-                    by_key.setdefault(key, (prog, []))[1].append((p, plans[i]))
-                jobs.extend(by_key.values())
-        return jobs
-
-    @staticmethod
-    def _job_grads(prog: Program, items: list):
-        """A job's gradients: stacked (batched ops), or a list (views, no copy) where the flat
-        variant or a Polyak direction reads them tensor by tensor (the program's direction form)."""
-        grads = [as_real(op_view(local(dense(p.grad)), pp)) for p, pp in items]
-        if prog.variant == "flat" or prog.direction_form in ("rows", "ahead"):
-            return grads
-        return stack(grads)
+        return None if self.engine.pending is None else self.engine.pending.to_dict()

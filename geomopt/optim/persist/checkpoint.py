@@ -5,16 +5,16 @@ under another (:mod:`geomopt.optim.persist.migrate`), refusing what cannot load 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import hashlib
 import json
 import logging
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
-from torch.optim import Optimizer
 
 from geomopt.compile.wrappers import strip, unwrap
 from geomopt.distributed.executors import is_dtensor
@@ -22,13 +22,11 @@ from geomopt.optim.engine.atomic import PendingStep
 from geomopt.optim.persist.load_check import (CheckpointError, check_built_for, check_entry, check_group_values,
                                        check_layout, check_meta, check_not_meta, check_same_spec)
 from geomopt.optim.persist.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
-from geomopt.optim.units.state_keys import COUNTS, SPEC_KEYS, direction_keys
+from geomopt.optim.engine.engine import Owner, copy_counters, copy_value
+from geomopt.optim.units.state_keys import COUNTS, direction_keys
 from geomopt.optim.engine.tensors import count_tensor
 from geomopt.spec.model import Spec
 from geomopt.spec.printers import dump_spec
-
-if TYPE_CHECKING:
-    from geomopt.optim.engine.optimizer import GeomOptimizer
 
 log = logging.getLogger("geomopt")
 
@@ -38,44 +36,43 @@ def spec_hash(spec: Spec) -> str:
     return hashlib.sha256(json.dumps(spec.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def spec_values(group: dict) -> dict:
-    """What the spec set in a group (saved with the state: after a spec change, values the new
-    spec changed win over the checkpoint's): the spec's keys and the directions' coefficients."""
-    return {k: copy_value(group[k]) for k in SPEC_KEYS + direction_keys() if k in group}
+@dataclasses.dataclass
+class Loaded:
+    """What a load installs, built before anything is written: torch's ``state`` and the groups
+    (``replace``: installed as new groups; else written into the optimizer's, a migration), the
+    counters (None: kept), the interrupted step, and a migration's report."""
+
+    state: dict
+    groups: list
+    counters: Optional[list]
+    pending: Optional[PendingStep]
+    report: Optional[MigrationReport] = None
+    replace: bool = True
 
 
-def state_dict(opt: "GeomOptimizer") -> dict:
-    """torch's state dict and what the spec set (``"geomopt"``); the post-hooks see the
-    finished dict. Adam's step count is saved as it is kept, the int64 tensor ``adam_step``
-    (:data:`ADAM_STEP`)."""
-    hooks = opt._optimizer_state_dict_post_hooks
-    opt._optimizer_state_dict_post_hooks = type(hooks)()  # run below, on the finished dict
-    try:
-        sd = Optimizer.state_dict(opt)
-    finally:
-        opt._optimizer_state_dict_post_hooks = hooks
-    sd["geomopt"] = dict(
+def saved_meta(opt: Owner) -> dict:
+    """What a state dict saves beside torch's (``"geomopt"``): the spec and its hash, the layout it
+    was saved on, the counters, what the spec set per group, transposed tensors, an interrupted
+    step and the names made up for unnamed tensors. Adam's step count is saved as it is kept, the
+    int64 tensor ``adam_step`` (:data:`ADAM_STEP`)."""
+    engine = opt.engine
+    return dict(
         spec_hash=opt.spec_hash, spec=dump_spec(opt.spec, "yaml"),
-        world_size=opt._executor.world, sharded=opt._options.sharded, mesh=mesh_signature(opt),
-        counters=[copy_counters(c) for c in opt._counters],
-        spec_groups=[dict(g) for g in opt._spec_groups],
-        transposed=[pp.name for plans in opt._plans for pp in plans if pp.transpose],
-        pending=None if opt._pending is None else opt._pending.to_dict(),
-        generated_names=sorted(getattr(opt, "_generated_names", ())),
+        world_size=engine.executor.world, sharded=engine.options.sharded, mesh=mesh_signature(opt),
+        counters=[copy_counters(c) for c in engine.counters],
+        spec_groups=[dict(g) for g in engine.spec_groups],
+        transposed=[pp.name for plans in engine.plans for pp in plans if pp.transpose],
+        pending=None if engine.pending is None else engine.pending.to_dict(),
+        generated_names=sorted(engine.generated_names),
     )
-    for hook in hooks.values():
-        out = hook(opt, sd)
-        sd = sd if out is None else out
-    return sd
 
 
-def mesh_signature(opt: "GeomOptimizer") -> list:
+def mesh_signature(opt: Owner) -> list:
     """The meshes and placements of the sharded parameters ("2x2 (Replicate(), Shard(dim=0))" …)."""
     return sorted({"x".join(map(str, p.device_mesh.shape)) + f" {tuple(p.placements)}"
                    for g in opt.param_groups for p in g["params"] if is_dtensor(p)})
 
-def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change: bool = False,
-                    model=None) -> Optional[MigrationReport]:
+def load(opt: Owner, state_dict: dict, *, allow_spec_change: bool = False, model=None) -> Loaded:
     """Load a checkpoint; refuses one saved under a different spec (saying what differs)
     unless ``allow_spec_change=True``.
 
@@ -93,13 +90,10 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
 
     The whole dict is checked before anything is written (:mod:`geomopt.optim.persist.load_check`):
     a refused load raises :class:`CheckpointError` (a ValueError) naming the tensor or key,
-    and leaves parameters, state, param_groups and counters bit for bit as they were."""
-    if not isinstance(state_dict, Mapping):
-        check_layout(state_dict)  # raises, saying what a state dict is
-    state_dict = dict(state_dict)  # shallow copy, as torch does; each pre-hook runs once (here)
-    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
-        out = pre_hook(opt, state_dict)
-        state_dict = state_dict if out is None else out
+    and leaves parameters, state, param_groups and counters bit for bit as they were: this
+    returns what to install (:class:`Loaded`), and the optimizer installs it.
+    ``state_dict``: after the optimizer's load pre-hooks."""
+    engine = opt.engine
     check_layout(state_dict)  # after the hooks: one may turn another format into this one
     check_not_meta([p for g in opt.param_groups for p in g["params"]], state_dict["state"])
     try:
@@ -135,11 +129,11 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
             f"(hash {opt.spec_hash}){what}\npass allow_spec_change=True to carry the state over by "
             f"parameter name")
     saved_mesh = meta.get("mesh", mesh_signature(opt))
-    if (meta.get("sharded") or opt._options.sharded) and (meta.get("world_size", opt._executor.world)
-                                                   != opt._executor.world or saved_mesh != mesh_signature(opt)):
+    if (meta.get("sharded") or engine.options.sharded) and (meta.get("world_size", engine.executor.world)
+                                                     != engine.executor.world or saved_mesh != mesh_signature(opt)):
         where = f"{meta.get('world_size', '?')} rank(s)" + (f" (mesh {', '.join(saved_mesh)})"
                                                             if saved_mesh else "")
-        here = f"{opt._executor.world}" + (f" (mesh {', '.join(mesh_signature(opt))})"
+        here = f"{engine.executor.world}" + (f" (mesh {', '.join(mesh_signature(opt))})"
                                              if mesh_signature(opt) else "")
         raise CheckpointError(
             f"this optimizer state was saved {'sharded over' if meta.get('sharded') else 'on'} {where} and this "
@@ -149,7 +143,7 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
         return _migrate(opt, state_dict, source, meta, model)
     # names are optional, as in torch: generated ones (param.<i>, either side) match by position
     check_same_spec(opt, state_dict, same_rules=meta["spec_hash"] == opt.spec_hash,
-                    unnamed=set(getattr(opt, "_generated_names", ())) | set(meta.get("generated_names", ())))
+                    unnamed=set(engine.generated_names) | set(meta.get("generated_names", ())))
     check_built_for(opt, state_dict["param_groups"])
     # everything is checked: build, then install at once (torch's loader is not called: it would
     # run the pre-hooks a second time, and it casts floating state to the parameter's dtype,
@@ -161,7 +155,7 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
     for pid, p in zip(saved_ids, params):
         saved = state_dict["state"].get(pid)
         if saved is not None:  # counts stay on the CPU, as torch keeps step (a capturable step's: the device)
-            state[p] = {k: to_device(v, "cpu" if k in COUNTS and not opt._options.capturable else p.device)
+            state[p] = {k: to_device(v, "cpu" if k in COUNTS and not engine.options.capturable else p.device)
                         for k, v in saved.items()}
     for group, new in zip(opt.param_groups, groups):
         new["params"] = group["params"]
@@ -172,19 +166,11 @@ def load_state_dict(opt: "GeomOptimizer", state_dict: dict, *, allow_spec_change
                 new.setdefault(key, copy_value(group[key]))
     if opt.spec_hash != meta["spec_hash"]:
         old = meta.get("spec_groups") or [{}] * len(groups)
-        for group, was, now in zip(groups, old, opt._spec_groups):
+        for group, was, now in zip(groups, old, engine.spec_groups):
             follow_spec(group, was, now)
     counters = meta.get("counters", [])
-    pending = restored_pending(meta.get("pending"), opt.param_groups)
-    # install (nothing above wrote to the optimizer)
-    opt.__setstate__({"state": state, "param_groups": groups})
-    if len(counters) == len(opt._counters):
-        opt._counters = [copy_counters(c) for c in counters]
-    opt._pending = pending
-    opt._dispatch()
-    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
-        post_hook(opt)
-    return None
+    return Loaded(state, groups, [copy_counters(c) for c in counters] if len(counters) == len(engine.counters)
+                  else None, restored_pending(meta.get("pending"), opt.param_groups))
 
 def follow_spec(group: dict, was: dict, now: dict) -> None:
     """After a spec change: the group values the new spec sets differently follow it."""
@@ -192,14 +178,14 @@ def follow_spec(group: dict, was: dict, now: dict) -> None:
         if key not in was or was[key] != now[key]:
             group[key] = copy_value(now[key])
 
-def _migrate(opt: "GeomOptimizer", state_dict: dict, source: str, meta: Optional[dict], model) -> MigrationReport:
+def _migrate(opt: Owner, state_dict: dict, source: str, meta: Optional[dict], model) -> Loaded:
     """Carry a state over by parameter name (:mod:`geomopt.optim.persist.migrate`); everything is
     built first and installed at the end, so a failure leaves the optimizer as it was."""
     if model is not None:
         named = [(strip(n), q) for n, q in unwrap(model).named_parameters()]
         order = ([n for n, _ in named], [n for n, q in named if q.requires_grad])
     else:
-        order = opt._order
+        order = opt.engine.order
     try:
         names = saved_names(state_dict, *order)
     except ValueError as err:  # entries that cannot be told apart by name
@@ -212,11 +198,11 @@ def _migrate(opt: "GeomOptimizer", state_dict: dict, source: str, meta: Optional
     saved = {name: translate(state_dict["state"][i], source) for name, i in zip(names, ids)
              if i in state_dict["state"]}
     groups = [dict(g) for g in opt.param_groups]
-    counters = list(opt._counters)
+    counters = list(opt.engine.counters)
     if meta is not None:  # a geomopt checkpoint: groups and counters follow their rule's name
         by_rule = {g.get("rule"): i for i, g in enumerate(state_dict["param_groups"])}
         spec_groups = meta.get("spec_groups") or [{}] * len(state_dict["param_groups"])
-        for k, (group, now) in enumerate(zip(groups, opt._spec_groups)):
+        for k, (group, now) in enumerate(zip(groups, opt.engine.spec_groups)):
             i = by_rule.get(group["rule"])
             if i is None:
                 continue
@@ -227,7 +213,7 @@ def _migrate(opt: "GeomOptimizer", state_dict: dict, source: str, meta: Optional
             if len(meta.get("counters", [])) == len(state_dict["param_groups"]):
                 counters[k] = copy_counters(meta["counters"][i])
     targets = [(pp.name, p, pp, group["direction"])
-               for group, plans in zip(groups, opt._plans) for p, pp in zip(group["params"], plans)]
+               for group, plans in zip(groups, opt.engine.plans) for p, pp in zip(group["params"], plans)]
     transposed = ({renamed.get(n, strip(n)) for n in meta["transposed"]}
                   if meta is not None and "transposed" in meta else None)
     state, report = migrate_state(saved, targets, source, transposed)
@@ -236,19 +222,9 @@ def _migrate(opt: "GeomOptimizer", state_dict: dict, source: str, meta: Optional
         # hold, so torch.optim.Muon's state and then AdamW's (the usual pair) load one after the other
         state = {**{p: st for name, p, _, _ in targets if name not in saved and (st := opt.state.get(p))},
                  **state}
-    # install (nothing above wrote to the optimizer)
-    opt.state = defaultdict(dict, state)
-    for group, new in zip(opt.param_groups, groups):
-        group.clear()
-        group.update(new)
-    opt._counters = counters
-    opt._pending = None  # a carried-over state starts afresh
-    opt._rt.buffers.clear()
-    opt._dispatch()
-    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
-        post_hook(opt)
     log.info("%s", report)
-    return report
+    # a carried-over state starts afresh: no interrupted step
+    return Loaded(state, groups, counters, None, report, replace=False)
 
 
 #: Adam's step count, kept and saved as a 0-dim int64 CPU tensor (:func:`~geomopt.optim.engine.tensors.count_tensor`:
@@ -288,9 +264,6 @@ def _is_count_tensor(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype == torch.int64 and value.dim() == 0
 
 
-def copy_counters(c: dict) -> dict:
-    # skipped: an int (a capturable step counts on the device: read here, off the step)
-    return dict(c, skipped=int(c["skipped"]), fallbacks=c["fallbacks"].clone(), update_sq=c["update_sq"].clone())
 
 
 def to_device(value, device):
@@ -301,20 +274,8 @@ def to_device(value, device):
     return value
 
 
-def copy_value(value):
-    """A copy of a group value; a tensor (an lr a scheduler keeps as a tensor) stays a tensor, not
-    shared with the state dict it came from (torch's loader deep-copies the groups)."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: copy_value(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [copy_value(v) for v in value]
-    return value
 
 
-def new_counters() -> dict:
-    return dict(skipped=0, fallbacks=torch.zeros((), dtype=torch.int64), update_sq=torch.zeros(()))
 
 
 def spec_name(yaml_text: str) -> str:

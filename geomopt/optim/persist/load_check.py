@@ -234,13 +234,13 @@ def check_built_for(opt, groups: list) -> None:
             raise CheckpointError(f"param_groups[{i}] (rule '{g.get('rule', '?')}'): 'direction' is "
                                   f"{g['direction']!r} without its coefficients {missing} (a group holds every "
                                   f"value its direction reads): add them, or set the direction the spec sets")
-        if g.get("direction") == "storm" and not opt._options.keeps_prev:
+        if g.get("direction") == "storm" and not opt.engine.options.keeps_prev:
             raise CheckpointError(f"param_groups[{i}] (rule '{g.get('rule', '?')}'): 'direction' is 'storm', which "
                                   f"this optimizer was not built for (its spec has no storm direction): set the "
                                   f"spec's direction to storm, or the group's to what the spec sets")
     try:
-        check_sharded(groups, opt._options)
-        check_capturable(groups, opt._plans, opt._options)
+        check_sharded(groups, opt.engine.options)
+        check_capturable(groups, opt.engine.plans, opt.engine.options)
     except ValueError as err:
         raise CheckpointError(f"the state's param_groups: {err}") from None
 
@@ -338,7 +338,7 @@ def check_same_spec(opt, sd: Mapping, same_rules: bool = True, unnamed=frozenset
                               f"(rules {[g['rule'] for g in groups]}): it was saved on another model; build the "
                               f"optimizer on the model it was saved from")
     params, plans = [], []
-    for i, (g, s, gplans) in enumerate(zip(groups, saved, opt._plans)):
+    for i, (g, s, gplans) in enumerate(zip(groups, saved, opt.engine.plans)):
         missing = [k for k in GROUP_KEYS if k not in s]
         if missing:
             raise CheckpointError(f"param_groups[{i}] (rule '{g['rule']}') lacks {missing}: {_FIX}")
