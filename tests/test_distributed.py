@@ -150,7 +150,7 @@ def test_assign_balances_flops():
 
 def test_single_process_uses_the_local_executor():
     model = worker.make_model()
-    assert isinstance(GeomOptimizer(model, worker.spec_path("muon"))._executor, LocalExecutor)
+    assert isinstance(GeomOptimizer(model, worker.spec_path("muon")).engine.executor, LocalExecutor)
     with pytest.raises(ValueError, match="torch.distributed initialized"):
         make_executor(list(model.parameters()), "ddp", None)
     with pytest.raises(ValueError, match="fully_shard"):

@@ -13,9 +13,10 @@ post-stages, weight decay), on the common ground of :mod:`geomopt.spec.base`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from geomopt.spec.base import SpecModel, view_shorthand, kinds_of_literal
@@ -260,3 +261,30 @@ def effective_prenormalize(geometry: Spectral):
     if geometry.approx.kind in POLYNOMIAL_APPROX_KINDS:
         return FrobeniusPrenorm()
     return NoPrenorm()
+
+
+def direction_models() -> tuple[type[SpecModel], ...]:
+    """The spec models of the language's direction kinds, in order."""
+    annotation = Hyper.model_fields["direction"].annotation  # Optional[Annotated[Union[…], …]]
+    union = next(a for a in get_args(annotation) if a is not type(None))
+    return get_args(get_args(union)[0])
+
+
+def extend_directions(*, add: Optional[type[SpecModel]] = None, remove: Optional[str] = None) -> None:
+    """Add a direction kind to the language (``add``: its spec model, a :class:`SpecModel` whose
+    ``kind`` is a ``Literal``), or take one added so out (``remove``: its kind): every model that
+    holds a ``direction`` (defaults, rules, the spec) is rebuilt with the new union, so YAML, the
+    DSL, validation, the printers and the JSON Schema know it. Its arithmetic and state are its
+    unit's, declared beside it (:func:`geomopt.optim.units.directions.direction`)."""
+    members = [m for m in direction_models() if m.model_fields["kind"].default != remove]
+    if add is not None:
+        kind = add.model_fields["kind"].default
+        if any(m.model_fields["kind"].default == kind for m in members):
+            raise ValueError(f"direction kind {kind!r} is in the language already")
+        members.append(add)
+    union: Any = Annotated[Union[tuple(members)], Field(discriminator="kind")]  # type: ignore[valid-type]
+    field: Any = Optional[union]
+    for cls in (Hyper, Defaults, Rule):
+        cls.__pydantic_fields__["direction"] = FieldInfo.from_annotated_attribute(field, None)
+        cls.model_rebuild(force=True)
+    Spec.model_rebuild(force=True)

@@ -182,8 +182,10 @@ class BucketJob:
         if self.prog.write != "stacked":  # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) on the parameters themselves
             steps = list(step.unbind(0))
             self.prepare()  # the state's stored form first: a failure there leaves X as it was
-            if self.ok is not None:  # γ·ok: a skipped step writes X·1 + 0·S, X itself
-                self.write_scaled(steps, self.ok * gamma)
+            if self.ok is not None:  # γ·ok: a skipped step writes X·1 + 0·S, X itself; γ in the
+                # parameters' working precision (float64 parameters: a float64 γ, as the host's)
+                ok = self.ok.to(torch.promote_types(self.views[0].dtype, torch.float32))
+                self.write_scaled(steps, ok * gamma)
             elif self.lerp:
                 torch._foreach_lerp_(self.views, steps, gamma * wd)
             else:

@@ -37,7 +37,7 @@ from geomopt.optim.engine.construction import check_capturable, check_sharded
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.persist.state_codec import BLOCK, STORED, scale_shape
 from geomopt.optim.units.state_keys import (COUNTS, GROUP_KEYS, KINDS, MOMENTS, PARAM_KEYS, SCALE, SECOND_MOMENTS,
-                                            STACKED, STAT_KEYS, VIEW_KEYS)
+                                            STACKED, STAT_KEYS, VIEW_KEYS, direction_keys)
 from geomopt.optim.engine.tensors import as_real, local
 from geomopt.spec.geometries import Euclidean
 from geomopt.spec.model import Hyper
@@ -164,7 +164,7 @@ def check_group_values(groups: list) -> None:
         if "rule" in g and not isinstance(g["rule"], str):
             raise CheckpointError(f"{where}: 'rule' is {_short(g['rule'])}, not a rule's name: {_FIX}")
         for key, value in g.items():
-            if key in GROUP_FIELDS or key in DIRECTION_FIELDS:
+            if key in GROUP_FIELDS or key in direction_keys():
                 error = group_value_error(g, key, value)
                 if error is not None:
                     named, why = error
@@ -177,7 +177,7 @@ def check_group_values(groups: list) -> None:
 
 
 #: a group value → (the spec model whose field validates it, the field's name); a direction's own
-#: coefficients are validated by its kind's model (:data:`DIRECTION_FIELDS`)
+#: coefficients are validated by its kind's model (its unit's, :func:`direction_model`)
 GROUP_FIELDS: dict = {
     "lr": (Hyper, "lr"), "weight_decay": (Hyper, "weight_decay"), "schedule": (Hyper, "schedule"),
     "on_nonfinite": (Hyper, "on_nonfinite"), "radius": (Euclidean, "radius"),
@@ -185,10 +185,11 @@ GROUP_FIELDS: dict = {
     # every group holds these three (the defaults where its direction has none): Polyak's fields
     "alpha": (Polyak, "alpha"), "nesterov": (Polyak, "nesterov"), "init": (Polyak, "init"),
 }
-#: a direction's kind → its spec model
-DIRECTION_MODELS = {name: unit.spec for name, unit in DIRECTIONS.items()}
-#: every direction model's fields but ``kind`` (the group keys they validate)
-DIRECTION_FIELDS = {f for m in DIRECTION_MODELS.values() for f in m.model_fields if f != "kind"}
+
+
+def direction_model(kind) -> Any:
+    """The spec model of a direction kind (its unit's declaration), or None for no direction."""
+    return DIRECTIONS[kind].spec if isinstance(kind, str) and kind in DIRECTIONS else None
 
 
 def group_value_error(group: Mapping, key: str, value: Any):
@@ -203,10 +204,10 @@ def group_value_error(group: Mapping, key: str, value: Any):
             return key, "not a number" if key == "lr" else "not a plain value"
         value = number
     kind = group.get("direction")
-    model = DIRECTION_MODELS.get(kind) if isinstance(kind, str) else None
+    model = direction_model(kind)
     if key == "direction":
         if model is None:
-            return key, f"not a direction (one of {', '.join(DIRECTION_MODELS)})"
+            return key, f"not a direction (one of {', '.join(DIRECTIONS)})"
         # (a coefficient missing, as in a checkpoint from before groups held them, is the spec's:
         # :func:`check_built_for`)
         fields = {k: group[k] for k in model.model_fields if k != "kind" and k in group}
@@ -227,7 +228,7 @@ def check_built_for(opt, groups: list) -> None:
     capturable step cannot run) hold for them, and a storm direction needs an optimizer built
     with one (it evaluates the closure at the previous iterate, decided at construction)."""
     for i, (g, mine) in enumerate(zip(groups, opt.param_groups)):
-        model = DIRECTION_MODELS[g["direction"]]
+        model = DIRECTIONS[g["direction"]].spec
         # what the group lacks the loader takes from this optimizer's group (the spec's values)
         missing = [k for k in model.model_fields if k != "kind" and k not in g and k not in mine]
         if missing:
