@@ -293,6 +293,16 @@ rules:
     geometry: {kind: isotropic, reference: {kind: log_barrier, eps: 1.0e-8}}
     direction: {kind: heavy_ball, momentum: 0.9}
 """
+#: an elementwise rule whose map allocates (a log barrier's (h*)' has no one-kernel form) after its
+#: momentum is formed: the flat path stages the new momentum and the map before any write
+BARRIER_MOMENTUM = """geomopt: 1
+name: barrier-momentum
+rules:
+  - name: all
+    match: "**"
+    geometry: {kind: anisotropic, reference: {kind: log_barrier, eps: 0.01}}
+    direction: {kind: polyak, alpha: 0.1}
+"""
 #: how many allocation points each case tries: a spread over the step (every one: GEOMOPT_FAULTS=all)
 FAULTS = os.environ.get("GEOMOPT_FAULTS", "24")
 
@@ -402,7 +412,7 @@ def allocations(opt, grads: list) -> int:
     "int8", "bfloat16",  # batched, the state encoded at each commit
     "muon",  # batched in-place writes, and the flat path with torch's fused AdamW kernel
     "sign-descent", "prox-muon-frobenius", "adamw-hybrid",  # flat blocks and scratch; a journaled prox
-    "heavy-isotropic",
+    "heavy-isotropic", "barrier-momentum",
 ])
 def test_out_of_memory_at_any_allocation_leaves_each_tensor_before_or_after(spec, order):
     """Out of memory wherever a step allocates (every ATen op that makes a new tensor, counted by
@@ -410,7 +420,7 @@ def test_out_of_memory_at_any_allocation_leaves_each_tensor_before_or_after(spec
     step leaves it, counters included (the update norm tracked), and a retry completes the step
     bit for bit."""
     texts = {"int8": PRECISION.format(dtype="int8"), "bfloat16": PRECISION.format(dtype="bfloat16"),
-             "heavy-isotropic": HEAVY_ISOTROPIC}
+             "heavy-isotropic": HEAVY_ISOTROPIC, "barrier-momentum": BARRIER_MOMENTUM}
     parsed = geomopt.parse_spec(texts[spec]) if spec in texts else spec
     for track in (False, True):  # tracking the update runs every rule batched (no flat path)
         model, opt = build(parsed, track_update=track)

@@ -123,6 +123,11 @@ def elementwise_into(d: torch.Tensor, geometry: dict, out: torch.Tensor) -> torc
     return _reference(geometry).dual_grad_into(d, out)
 
 
+def elementwise_allocates(geometry: dict) -> bool:
+    """Whether :func:`elementwise_into` allocates (a barrier's (h*)'; not the sign, not the identity)."""
+    return geometry["kind"] != "euclidean" and _reference(geometry).into_allocates
+
+
 def isotropic_factors(norms: torch.Tensor, geometry: dict) -> torch.Tensor:
     """(h*)'(s)/s for the norms s = ‖D‖_F of several tensors: :func:`isotropic` without the
     multiplication by D (the optimizer's flat path folds it into its update)."""

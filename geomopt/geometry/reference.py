@@ -65,6 +65,9 @@ class Reference:
     eps: float = 0.0
     kappa: float | None = None
     bounded = True  # dom h = [−1, 1] (barriers, indicator) rather than ℝ
+    #: :meth:`dual_grad_into` allocates (no one-kernel form): a caller that must not allocate
+    #: after its first write computes it first (the optimizer's flat path)
+    into_allocates = True
 
     def h(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -187,6 +190,8 @@ class Indicator(Reference):
     def dual_grad(self, y):
         return torch.sign(y)
 
+    into_allocates = False
+
     def dual_grad_into(self, y, out):
         return torch.sign(y, out=out)
 
@@ -210,6 +215,8 @@ class Quadratic(Reference):
 
     dh = staticmethod(lambda x: x)
     dual_grad = staticmethod(lambda y: y)
+
+    into_allocates = False
 
     def dual_grad_into(self, y, out):
         return y if out is y else out.copy_(y)

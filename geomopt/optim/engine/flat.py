@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from geomopt.geometry.adam import adam_multi_tensor
-from geomopt.geometry.forward import elementwise_into, isotropic_factors
+from geomopt.geometry.forward import elementwise_allocates, elementwise_into, isotropic_factors
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.geometry.matrix import split_like
 from geomopt.optim.engine.tensors import as_real, count_tensor, local, op_view
@@ -62,8 +62,13 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     adam = _adam_state(rt, state, items, xs, binds) if kind == "adam" else None
     fused = adam is not None and prog.fused and all(t.is_contiguous() for t in (*xs, *(gs if ds is None else ds)))
     writes = nesterov or kind == "anisotropic" or (adam is not None and not fused)
+    # a map that allocates (a barrier's (h*)') runs before any write: one block, the new momentum
+    # staged in a scratch (as the isotropic norms), so an exception leaves every tensor as it was
+    whole = kind == "anisotropic" and elementwise_allocates(geometry)
     blocks: list[Any]
-    if not writes:
+    if whole:
+        blocks = [(None, 0, sum(x.numel() for x in xs))]
+    elif not writes:
         blocks = [(None, 0, d.numel() if d is not None else None)]
     else:  # isotropic reads whole tensors (a norm each): blocks of whole tensors
         blocks = flat_blocks(xs, min(rt.largest_bucket, BLOCK) if kind != "isotropic" else rt.largest_bucket,
@@ -71,7 +76,7 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     take = functools.partial(rt.workspace.take, dtype=xs[0].dtype, device=xs[0].device)
     largest = max((n if n is not None else sum(x.numel() for x in xs)) for _, _, n in blocks)
     # isotropic: its norms allocate after the new momentum is formed, so that is formed in a scratch
-    staged = kind == "isotropic" and d is not None
+    staged = (kind == "isotropic" or whole) and d is not None
     for slot in scratch(kind, staged, nesterov, adam is not None and not fused):
         take(slot, (largest,))  # the workspace at its largest now: the blocks' takes reuse it
     steps_t = None if adam is None or not fused else torch.full((), adam[2], dtype=torch.float32, device=xs[0].device)
@@ -121,6 +126,8 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
             out = u if nesterov or d is None else take("u", (u.numel(),))  # in place over a scratch u
             elementwise_into(u, geometry, out)
             steps = split_like(out, x_b)
+            if staged:  # everything that allocates has run: the momentum is written now
+                torch._foreach_copy_(d_b, d_views)
         if wd:
             torch._foreach_mul_(x_b, 1 - gamma * wd)
         torch._foreach_add_(x_b, steps, alpha=scale)
