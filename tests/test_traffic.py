@@ -1,0 +1,82 @@
+"""benchmarks/traffic.py: the dispatch-level byte counter on ops whose traffic is known by hand,
+and the script's --small record (its ratios are its totals over its floors, at least 1)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def traffic():
+    spec = importlib.util.spec_from_file_location("bench_traffic", BENCH / "traffic.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _count(traffic, fn) -> dict:
+    """(calls, read, written) per op that moved bytes."""
+    with traffic.Traffic() as t:
+        fn()
+    return {name: tuple(row) for name, row in t.ops.items() if row[1] or row[2]}
+
+
+def test_an_add_reads_both_operands_and_writes_its_result(traffic):
+    a, b = torch.randn(100), torch.randn(100, dtype=torch.float64)
+    assert _count(traffic, lambda: a + a) == {"add": (1, 800, 400)}
+    assert _count(traffic, lambda: b.add_(b)) == {"add_": (1, 1600, 800)}  # in place: self read and written
+
+
+def test_an_in_place_foreach_lerp_sums_over_its_lists(traffic):
+    xs, ys = [torch.randn(10), torch.randn(20, 3)], [torch.randn(10), torch.randn(20, 3)]
+    n = (10 + 60) * 4
+    # self read and written, end read; the weight is a Python number
+    assert _count(traffic, lambda: torch._foreach_lerp_(xs, ys, 0.5)) == {"_foreach_lerp_": (1, 2 * n, n)}
+
+
+def test_a_matmul_reads_its_operands_and_writes_its_result(traffic):
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    with traffic.Traffic() as t:
+        a @ b
+    assert dict(t.ops) == {"mm": [1, (12 + 20) * 4, 15 * 4]}
+    assert t.matmul == t.total == (12 + 20 + 15) * 4
+
+
+def test_views_move_nothing_and_a_copy_only_writes_its_destination(traffic):
+    x, y = torch.randn(6, 4), torch.empty(4, 6)
+    with traffic.Traffic() as t:
+        x.t()
+        x.reshape(-1)[:5]
+        x.unsqueeze(0).expand(3, 6, 4)
+        torch.empty(1000)
+    assert t.total == 0
+    # a reshape that must copy reads and writes every entry
+    assert _count(traffic, lambda: x.t().reshape(-1)) == {"clone": (1, 96, 96)}
+    assert _count(traffic, lambda: y.copy_(x.t())) == {"copy_": (1, 96, 96)}
+    assert _count(traffic, lambda: torch.zeros(8)) == {"zeros": (1, 0, 32)}
+
+
+def test_the_small_run_records_consistent_ratios(traffic, tmp_path):
+    assert traffic.main(["--small", "--specs", "sign-descent", "--no-torch", "--warmup", "1",
+                         "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "traffic.json").read_text())
+    assert record["small"] and [r["name"] for r in record["rows"]] == ["sign-descent"]
+    row = record["rows"][0]
+    parts = row["floor_parts"]
+    assert parts["total"] == parts["grads"] + parts["params"] + parts["state"] == row["elementwise_floor_bytes"]
+    # sign descent with momentum: one float32 momentum per tensor, as large as the parameters
+    assert parts["grads"] == 4 * row["parameters"] and parts["params"] == 8 * row["parameters"]
+    assert parts["state"] >= 8 * row["parameters"]
+    assert row["total_bytes"] == row["elementwise_bytes"] + row["matmul_bytes"]
+    assert row["floor_bytes"] == row["elementwise_floor_bytes"] + row["matmul_bytes"]
+    assert row["ratio"] == pytest.approx(row["total_bytes"] / row["floor_bytes"], rel=1e-12) and row["ratio"] >= 1
+    assert row["elementwise_ratio"] == pytest.approx(row["elementwise_bytes"] / row["elementwise_floor_bytes"],
+                                                     rel=1e-12) and row["elementwise_ratio"] >= 1
+    assert 0 < sum(o["read_bytes"] + o["written_bytes"] for o in row["top_ops"]) <= row["total_bytes"]
