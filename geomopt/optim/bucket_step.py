@@ -264,6 +264,9 @@ class BucketJob:
                 live = self.live[key]
                 torch.where(self.ok, self.state[key], old, out=live)  # type: ignore[arg-type]
                 self.state[key] = live
+            for key in COUNTS:  # a count this step created (the state's first step) was 0 before it
+                if key in self.state and key not in self.before:
+                    self.state[key] = torch.where(self.ok, torch.as_tensor(self.state[key], device=self.ok.device), 0)
         self.state = self.codec.encode(self.state)
 
     def bind(self) -> None:

@@ -120,9 +120,9 @@ class GeomOptimizer(Optimizer):
     fp32 (+450 MiB there, for 340 MB of matrices). No effect on CPU, under torch.distributed, or
     while the caller is itself capturing a graph.
 
-    ``capturable`` (off by default): after a first step (which creates the state, as torch's
-    optimizers warm up before a capture), a step makes no host synchronization, so it can be
-    captured whole (a CUDA graph, ``torch.compile``): the finiteness test's flag stays on the
+    ``capturable`` (off by default): a step makes no host synchronization, the first one (which
+    creates the state) included, so it can be captured whole (a CUDA graph after a warm-up step,
+    as torch's optimizers; ``torch.compile`` from the first call): the finiteness test's flag stays on the
     device and every write selects the new value where it is true and the old one elsewhere, so
     a skipped step leaves every bit as it was (as fused AdamW's ``found_inf``); step counts are
     device tensors, and every rule runs batched from stacked copies. One process; not with STORM,
@@ -334,9 +334,9 @@ class GeomOptimizer(Optimizer):
             grads = [self._job_grads(prog, items) for prog, items in jobs]
             prevs = [stack([op_view(local(g_prev[p]), pp) for p, pp in items])
                      if all(g_prev.get(p) is not None for p, _ in items) else None for _, items in jobs]
-            if self._options.capturable and jobs and all(
-                    all(self.state[p] for p, _ in items) for prog, items in jobs if prog.stateful):
-                done: list = []  # no host sync (the first step, creating state, syncs)
+            if self._options.capturable and jobs:
+                done: list = []  # no host sync, the first step (creating the state) included
+                counts_on_device(groups, self.state, self._counters, jobs)  # a no-op once they are
                 try:
                     captured_step(rt, groups, self.state, self._counters, jobs, grads, done)
                 except BaseException as err:  # inside a CUDA-graph capture nothing ran: nothing is pending
@@ -396,10 +396,7 @@ class GeomOptimizer(Optimizer):
             for gi in set(schedules) | (pending.groups if pending is not None else set()):
                 groups[gi]["step"] += 1
             self._pending = None
-            if not self._options.capturable:  # a captured (or compiled) step reuses the scratch it took
-                rt.workspace.release()  # nothing of the step's scratch is held between steps
-            if self._options.capturable:  # the counts a captured step advances on the device
-                counts_on_device(groups, self.state, self._counters, jobs)
+            rt.workspace.release()  # nothing of the step's scratch is held between steps
             self._qk_clip.apply()  # QK-clip after the step (geomopt.optim.qkclip)
         return loss
 
