@@ -122,11 +122,11 @@ class GeomOptimizer(Optimizer):
 
     ``capturable`` (off by default): a step makes no host synchronization, the first one (which
     creates the state) included, so it can be captured whole (a CUDA graph after a warm-up step,
-    as torch's optimizers; ``torch.compile`` from the first call): the finiteness test's flag stays on the
-    device and every write selects the new value where it is true and the old one elsewhere, so
-    a skipped step leaves every bit as it was (as fused AdamW's ``found_inf``); step counts are
-    device tensors, and every rule runs batched from stacked copies. One process; not with STORM,
-    ``on_nonfinite: raise`` or a momentum warmup, which read the host (refused, saying so).
+    as torch's optimizers; ``torch.compile`` from the first call): the finiteness test's flag
+    stays on the device and every write selects the new value where it is true and the old one
+    elsewhere, so a skipped step leaves every bit as it was (as fused AdamW's ``found_inf``); step
+    counts are device tensors, and every rule runs batched from stacked copies. One process; not
+    with STORM, ``on_nonfinite: raise`` or a momentum warmup, which read the host (refused, saying so).
 
     ``expect``: a routing lock (a file ``geomopt plan … --lock`` wrote, or a
     :class:`geomopt.compile.lock.Lock`): raises :class:`geomopt.RoutingChangedError`, with the diff,
@@ -396,7 +396,8 @@ class GeomOptimizer(Optimizer):
             for gi in set(schedules) | (pending.groups if pending is not None else set()):
                 groups[gi]["step"] += 1
             self._pending = None
-            rt.workspace.release()  # nothing of the step's scratch is held between steps
+            if not self._options.capturable:  # a captured (or compiled) step reuses the scratch it took
+                rt.workspace.release()  # nothing of the step's scratch is held between steps
             self._qk_clip.apply()  # QK-clip after the step (geomopt.optim.qkclip)
         return loss
 
