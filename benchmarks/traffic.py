@@ -268,7 +268,8 @@ def table(record: dict) -> str:
              "", "| optimizer | total (MiB) | floor (MiB) | × floor | elementwise (MiB) | elementwise floor (MiB) "
              "| × elementwise floor | matmul (MiB) | top ops by bytes |", "|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
-        top = ", ".join(f"{o['op']} {(o['read_bytes'] + o['written_bytes']) * mb:.0f}" for o in r["top_ops"][:4])
+        moved = [o for o in r["top_ops"] if (o["read_bytes"] + o["written_bytes"]) * mb >= 0.5][:4]  # shown: MiB
+        top = ", ".join(f"{o['op']} {(o['read_bytes'] + o['written_bytes']) * mb:.0f}" for o in moved)
         lines.append(f"| {r['name']} | {r['total_bytes'] * mb:.0f} | {r['floor_bytes'] * mb:.0f} | {r['ratio']:.2f} "
                      f"| {r['elementwise_bytes'] * mb:.0f} | {r['elementwise_floor_bytes'] * mb:.0f} "
                      f"| {r['elementwise_ratio']:.2f} | {r['matmul_bytes'] * mb:.0f} | {top} |")
@@ -294,12 +295,13 @@ def main(argv: Optional[list] = None) -> int:
     path = RECORD if args.record else Path(args.out) / "traffic.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    note = ("`python benchmarks/traffic.py --record`: one step after "
-            f"{args.warmup} warm-up steps, random gradients; bytes counted per aten op (reads + writes; "
+    steps = f"{args.warmup} warm-up step{'s' if args.warmup != 1 else ''}"
+    note = (f"`python benchmarks/traffic.py --record`: one step after {steps}, random gradients; "
+            "bytes counted per aten op (reads + writes; "
             "views free). Floor: each gradient read, each state tensor and parameter read and written once, "
             "plus the matrix products' operands and results; elementwise: every op but the matrix products "
             "against the first part. torch's Muon stepped on the meta device (shapes only), the rest on the CPU.")
-    emit(table(record), note if args.record else None)
+    emit(table(record), note if args.record else None, "Memory traffic")
     return 0
 
 

@@ -550,6 +550,7 @@ BENCH_QUOTES = {
     "experts": (r"MoE experts", 1),
     "dtype": (r"Newton–Schulz dtype", 1),
     "memory": (r"Optimizer-held memory", 4),
+    "traffic": (r"Step traffic against the floor, GPT-2-small's", 1),
     "state-quality": (r"State precision and quality: \w+'s training", 2),
     "state-update-error": (r"State round trip and the next update", 2),
     "elementwise": (r"Elementwise steps", 2),

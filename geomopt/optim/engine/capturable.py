@@ -1,15 +1,19 @@
 """The capturable step: no host synchronization, so a step can be captured whole (a CUDA graph,
 ``torch.compile(opt.step, fullgraph=True)``).
 
-Once every stepping tensor has its state (after a first step, which syncs: torch's optimizers
-warm up before a capture too), :func:`captured_step` runs each job with the finiteness flag on the
-device: the gradients enter the operators as they are where every one is finite and as zeros
-elsewhere (an SVD of NaNs raises), and every write (parameters, state, step counts) selects the
-new value where the flag is true and the old one elsewhere (as fused AdamW's ``found_inf``), so a
-skipped step leaves every bit as it was (rules with ``on_nonfinite: off``: not tested, they always
-step, a NaN propagating as in torch). Step counts, the groups' ``step`` and the skipped counts
-are device tensors (:func:`counts_on_device`), advanced by the flag; the spectral backward ops
-choose each matrix's route on the device (:class:`~geomopt.geometry.prox.spectral_map.DeviceRoutes`).
+Every step, the first one (which creates the state) included, :func:`captured_step` runs each
+job with the finiteness flag on the device, so ``torch.compile(opt.step, fullgraph=True)`` can
+start from the first call (a CUDA graph is still captured after a warm-up step, as torch's
+optimizers are: the first step allocates the state): the gradients enter the operators as they
+are where every one is finite and as zeros elsewhere (an SVD of NaNs raises), and every write
+(parameters, state, step counts) selects the new value where the flag is true and the old one
+elsewhere (as fused AdamW's ``found_inf``), so a skipped step leaves every bit as it was (rules
+with ``on_nonfinite: off``: not tested, they always step, a NaN propagating as in torch). Step
+counts, the groups' ``step`` and the skipped counts are device tensors
+(:func:`counts_on_device`), advanced by the flag; the spectral backward ops choose each matrix's
+route on the device (:class:`~geomopt.geometry.prox.spectral_map.DeviceRoutes`). A first step
+skipped for a non-finite gradient still creates the state, as the operators give it from zero
+gradients (zero moments, counts 0), and leaves the parameters as they were.
 """
 
 from __future__ import annotations
@@ -68,9 +72,9 @@ def captured_step(rt: Runtime, groups: list, state, counters: list, jobs: list, 
 
 
 def counts_on_device(groups: list, state, counters: list, jobs: list) -> None:
-    """After a step that synced (the first one, creating state): the step counts (the groups',
-    Adam's, the post-stages') and the skipped counts become device tensors, so the captured steps
-    that follow read and advance the same objects."""
+    """Before every capturable step (a no-op once they are): the step counts (the groups', Adam's,
+    the post-stages') and the skipped counts become device tensors, so the captured steps read
+    and advance the same objects."""
     for prog, items in jobs:
         device = items[0][0].device
         for holder in (groups[prog.group], counters[prog.group]):

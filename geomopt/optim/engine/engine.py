@@ -242,7 +242,8 @@ class Engine:
         for gi in set(schedules) | (pending.groups if pending is not None else set()):
             groups[gi]["step"] += 1
         self.pending = None
-        rt.workspace.release()  # nothing of the step's scratch is held between steps
+        if not self.options.capturable:  # a captured (or compiled) step reuses the scratch it took
+            rt.workspace.release()  # nothing of the step's scratch is held between steps
         return True
 
     def jobs(self, groups: list, state) -> list:

@@ -112,13 +112,13 @@ class GeomOptimizer(Optimizer):
     fp32 (+450 MiB there, for 340 MB of matrices). No effect on CPU, under torch.distributed, or
     while the caller is itself capturing a graph.
 
-    ``capturable`` (off by default): after a first step (which creates the state, as torch's
-    optimizers warm up before a capture), a step makes no host synchronization, so it can be
-    captured whole (a CUDA graph, ``torch.compile``): the finiteness test's flag stays on the
-    device and every write selects the new value where it is true and the old one elsewhere, so
-    a skipped step leaves every bit as it was (as fused AdamW's ``found_inf``); step counts are
-    device tensors, and every rule runs batched from stacked copies. One process; not with STORM,
-    ``on_nonfinite: raise`` or a momentum warmup, which read the host (refused, saying so).
+    ``capturable`` (off by default): a step makes no host synchronization, the first one (which
+    creates the state) included, so it can be captured whole (a CUDA graph after a warm-up step,
+    as torch's optimizers; ``torch.compile`` from the first call): the finiteness test's flag
+    stays on the device and every write selects the new value where it is true and the old one
+    elsewhere, so a skipped step leaves every bit as it was (as fused AdamW's ``found_inf``); step
+    counts are device tensors, and every rule runs batched from stacked copies. One process; not
+    with STORM, ``on_nonfinite: raise`` or a momentum warmup, which read the host (refused, saying so).
 
     ``expect``: a routing lock (a file ``geomopt plan … --lock`` wrote, or a
     :class:`geomopt.compile.lock.Lock`): raises :class:`geomopt.RoutingChangedError`, with the diff,
