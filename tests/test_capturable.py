@@ -301,6 +301,6 @@ def test_torch_compile_from_the_first_step_creates_the_state_and_skips_on_the_de
     assert counters["stats"]["unique_graphs"] <= 2  # the step that creates the state, then the others
     for opt in (eager, compiled):
         assert [int(g["step"]) for g in opt.param_groups] == [3] * len(opt.param_groups)
-        assert [int(c["skipped"]) for c in opt._counters] == [2] * len(opt.param_groups)
+        assert [int(c["skipped"]) for c in opt.engine.counters] == [2] * len(opt.param_groups)
         counts = {int(v) for st in opt.state.values() for key, v in st.items() if key == "adam_step"}
         assert counts == {3}  # Adam's count: the skipped first step left it at 0
