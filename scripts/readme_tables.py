@@ -565,8 +565,8 @@ def fuzz(records) -> str:
                  f"a step with a NaN gradient changed nothing; {_count(rec['outcomes'].get('overflow_asked', 0))} "
                  f"more held a number above 10⁶ and overflowed as asked (not counted as findings)."
                  if rec.get("n") else "")
-    caption = (f"`{command}`, geomopt {rec['commit']}, {plural(rec['workers'], 'worker')}. Findings: any other exception (a traceback), "
-               f"a mutant running past 60 s, a refusal that changed the model, the parameters or the optimizer's "
+    caption = (f"`{command}`, geomopt {rec['commit']}, {plural(rec['workers'], 'worker')}. Findings: any other "
+               f"exception (a traceback), a mutant running past 60 s, a refusal that changed the model, the parameters or the optimizer's "
                f"state (compared bit for bit), a refusal of a checkpoint naming nothing it mutated, non-finite values "
                f"after a step on finite gradients.{spec_note}")
     return "\n".join(table(head, rows)) + "\n\n" + caption
