@@ -104,14 +104,14 @@ def check_diagnostics(err: geomopt.SpecError, text: str | None) -> None:
         assert 0 <= d.line <= max_line and d.col >= 0, (d, max_line)
 
 
-def _on_alarm(signum, frame):
-    raise Hang()
-
-
 @contextlib.contextmanager
-def time_limit(seconds: int = HANG_S):
+def time_limit(seconds: int = HANG_S, what: str = "the block"):
     """Raise :class:`Hang` inside the block once it has run ``seconds`` (SIGALRM; main thread only)."""
-    old = signal.signal(signal.SIGALRM, _on_alarm)
+
+    def ring(signum, frame):
+        raise Hang(f"{what} ran past {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, ring)
     signal.alarm(seconds)
     try:
         yield
