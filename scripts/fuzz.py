@@ -1,6 +1,6 @@
 """Fuzz the whole pipeline with N mutated specs and M mutated checkpoints; write the outcome as JSON.
 
-    python scripts/fuzz.py --n 100000 --checkpoints 100000 --seed 0 --workers 1 --out benchmarks/results/fuzz.json
+    python scripts/fuzz.py --n 50000 --checkpoints 50000 --seed 0 --workers 1 --out benchmarks/results/fuzz.json
 
 Spec mutant i of seed S is replayed alone with ``--replay S:i`` (prints the spec text and its
 record), checkpoint mutant i with ``--replay-checkpoint S:i``; ``--recheck FILE`` reruns the

@@ -568,7 +568,8 @@ def fuzz(records) -> str:
     caption = (f"`{command}`, geomopt {rec['commit']}, {plural(rec['workers'], 'worker')}. Findings: any other "
                f"exception (a traceback), a mutant running past 60 s, a refusal that changed the model, the parameters or the optimizer's "
                f"state (compared bit for bit), a refusal of a checkpoint naming nothing it mutated, non-finite values "
-               f"after a step on finite gradients.{spec_note}")
+               f"after a step on finite gradients; the file lists each (`findings`, `checkpoints.findings`), "
+               f"replayed alone by `--replay SEED:I` or `--replay-checkpoint SEED:I`.{spec_note}")
     return "\n".join(table(head, rows)) + "\n\n" + caption
 
 

@@ -4,7 +4,7 @@ optimizer checkpoints through ``load_state_dict`` and a step (the contract: test
 
 CI runs a slice of ``GEOMOPT_FUZZ`` spec mutants (default 500, seed 0; about 70 mutants/s on one
 core of a quiet machine) and of ``GEOMOPT_FUZZ_CHECKPOINTS`` checkpoint mutants (default 300). The
-whole run, writing the outcome file: ``python scripts/fuzz.py --n 100000 --checkpoints 100000
+recorded run, writing the outcome file: ``python scripts/fuzz.py --n 50000 --checkpoints 50000
 --seed 0 --workers 1 --out benchmarks/results/fuzz.json``.
 """
 

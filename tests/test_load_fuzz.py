@@ -6,7 +6,7 @@ bit as they were; never another exception.
 
 CI draws ``GEOMOPT_LOAD_FUZZ`` examples (default 40, a few seconds); ``GEOMOPT_LOAD_FUZZ=5000``
 runs many more (hypothesis' seed: ``--hypothesis-seed``). The seeded, recorded run of the same
-generator: ``python scripts/fuzz.py --n 0 --checkpoints 100000`` (tests/test_fuzz_pipeline.py runs a slice).
+generator: ``python scripts/fuzz.py --n 0 --checkpoints 50000`` (tests/test_fuzz_pipeline.py runs a slice).
 """
 
 from __future__ import annotations
