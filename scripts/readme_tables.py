@@ -565,11 +565,15 @@ def fuzz(records) -> str:
                  f"a step with a NaN gradient changed nothing; {_count(rec['outcomes'].get('overflow_asked', 0))} "
                  f"more held a number above 10⁶ and overflowed as asked (not counted as findings)."
                  if rec.get("n") else "")
+    again = rec.get("recheck")
+    recheck = (f" Rechecked on geomopt {again['commit']} (`--recheck`): {len(again['still_findings'])} of the "
+               f"{again['n']} findings remain." if again else "")
     caption = (f"`{command}`, geomopt {rec['commit']}, {plural(rec['workers'], 'worker')}. Findings: any other "
-               f"exception (a traceback), a mutant running past 60 s, a refusal that changed the model, the parameters or the optimizer's "
-               f"state (compared bit for bit), a refusal of a checkpoint naming nothing it mutated, non-finite values "
-               f"after a step on finite gradients; the file lists each (`findings`, `checkpoints.findings`), "
-               f"replayed alone by `--replay SEED:I` or `--replay-checkpoint SEED:I`.{spec_note}")
+               f"exception (a traceback), a mutant running past 60 s, a refusal that changed the model, the "
+               f"parameters or the optimizer's state (compared bit for bit), a refusal of a checkpoint naming "
+               f"nothing it mutated, non-finite values after a step on finite gradients; the file lists each "
+               f"(`findings`, `checkpoints.findings`), replayed alone by `--replay SEED:I` or "
+               f"`--replay-checkpoint SEED:I`.{recheck}{spec_note}")
     return "\n".join(table(head, rows)) + "\n\n" + caption
 
 
