@@ -526,6 +526,57 @@ def catalog_names(records) -> str:
     return ", ".join(f"`{Path(c['spec']).stem}` ({c['optimizer']})" for c in rec["cases"])
 
 
+# ---------------------------------------------------------------- fuzzing
+
+FUZZ_RESULTS = ROOT / "benchmarks" / "results" / "fuzz.json"
+
+
+def _count(n: int) -> str:
+    return f"{n:,}"
+
+
+def fuzz(records) -> str:
+    """Per kind of untrusted input (mutated specs, mutated checkpoints): how many mutants, how many
+    were accepted and stepped to finite values, refused with geomopt's own error, and the rest,
+    the findings (any other exception, a hang, a refusal that changed something, non-finite values)."""
+    rec = records("fuzz", FUZZ_RESULTS)
+    rows = []
+    if rec.get("n"):
+        out = rec["outcomes"]
+        refused = {k: out.get(f"{k}_refused", 0) for k in ("parse", "compile", "build")}
+        asked = out.get("overflow_asked", 0)
+        allowed = out.get("stepped", 0) + sum(refused.values()) + asked
+        rows.append(["specs, YAML and DSL (`tests/fuzz_pipeline.py`)", _count(rec["n"]), _count(out.get("stepped", 0)),
+                     f"{_count(sum(refused.values()))} (parse {_count(refused['parse'])}, compile "
+                     f"{_count(refused['compile'])}, build {_count(refused['build'])})",
+                     _count(rec["n"] - allowed), f"{rec['mutants_per_s']:.0f}"])
+    points = rec.get("checkpoints")
+    if points:
+        out = points["outcomes"]
+        rows.append(["optimizer checkpoints (`tests/fuzz_checkpoints.py`)", _count(points["n"]),
+                     _count(out.get("stepped", 0)), _count(out.get("refused", 0)),
+                     _count(points["n"] - out.get("stepped", 0) - out.get("refused", 0)),
+                     f"{points['mutants_per_s']:.0f}"])
+    head = ["mutated input", "mutants", "accepted, stepped to finite values", "refused with geomopt's error",
+            "findings", "mutants/s"]
+    command = (f"python scripts/fuzz.py --n {rec.get('n', 0)} --checkpoints {(points or {}).get('n', 0)} "
+               f"--seed {rec.get('seed', (points or {}).get('seed'))} --workers {rec['workers']}")
+    spec_note = (f" A spec mutant counts as stepped when two steps on finite gradients left its model finite and "
+                 f"a step with a NaN gradient changed nothing; {_count(rec['outcomes'].get('overflow_asked', 0))} "
+                 f"more held a number above 10⁶ and overflowed as asked (not counted as findings)."
+                 if rec.get("n") else "")
+    again = rec.get("recheck")
+    recheck = (f" Rechecked on geomopt {again['commit']} (`--recheck`): {len(again['still_findings'])} of the "
+               f"{again['n']} findings remain." if again else "")
+    caption = (f"`{command}`, geomopt {rec['commit']}, {plural(rec['workers'], 'worker')}. Findings: any other "
+               f"exception (a traceback), a mutant running past 60 s, a refusal that changed the model, the "
+               f"parameters or the optimizer's state (compared bit for bit), a refusal of a checkpoint naming "
+               f"nothing it mutated, non-finite values after a step on finite gradients; the file lists each "
+               f"(`findings`, `checkpoints.findings`), replayed alone by `--replay SEED:I` or "
+               f"`--replay-checkpoint SEED:I`.{recheck}{spec_note}")
+    return "\n".join(table(head, rows)) + "\n\n" + caption
+
+
 # ---------------------------------------------------------------- benchmarks/RESULTS.md, quoted
 
 HEADING = re.compile(r"^(#{2,6}) (.+?)\s*$")
@@ -624,6 +675,7 @@ RENDERERS = {
     "catalog:names": catalog_names,
     "layouts": layouts,
     "layouts:docs": layouts,
+    "fuzz": fuzz,
     **{f"bench:{key}": bench_quote(key) for key in BENCH_QUOTES},
 }
 

@@ -11,8 +11,12 @@ The contract:
   is not finite only, ``NonFiniteGradientError`` (a rule's ``on_nonfinite: raise``);
 - no hang: a mutant that runs past :data:`HANG_S` seconds fails (a SIGALRM interrupts it);
   mutants slower than :data:`SLOW_S` are reported, never asserted on;
+- a refused compile or optimizer build leaves the model's parameters, buffers and modes bit for
+  bit as they were;
 - parameters are finite after the two finite steps, and the non-finite step leaves them as
-  they were (but the tensors of a rule with ``on_nonfinite: off``, which step as torch's do). Exempt (``overflow_asked``, counted, not a finding): a spec holding a number above
+  they were (but the tensors of a rule with ``on_nonfinite: off``, which step as torch's do; and
+  where the NaN is in such a tensor, the tested rules see finite gradients and step).
+  Exempt (``overflow_asked``, counted, not a finding): a spec holding a number above
   :data:`HUGE` in magnitude, whose step may grow past float32 by arithmetic alone (lr 1e30 with
   weight decay 0.01 multiplies X by 1 − 1e28 each step: 1e56·X after two). A scalar that no
   float32 can hold at all is refused at compile time (lint GO126), so it never gets here.
@@ -20,6 +24,7 @@ The contract:
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 import warnings
@@ -100,8 +105,20 @@ def check_diagnostics(err: geomopt.SpecError, text: str | None) -> None:
         assert 0 <= d.line <= max_line and d.col >= 0, (d, max_line)
 
 
-def _on_alarm(signum, frame):
-    raise Hang()
+@contextlib.contextmanager
+def time_limit(seconds: int = HANG_S, what: str = "the block"):
+    """Raise :class:`Hang` inside the block once it has run ``seconds`` (SIGALRM; main thread only)."""
+
+    def ring(signum, frame):
+        raise Hang(f"{what} ran past {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, ring)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def _grads(model, gen: torch.Generator, nan: bool = False):
@@ -112,9 +129,25 @@ def _grads(model, gen: torch.Generator, nan: bool = False):
         params[0].grad.view(-1)[0] = float("nan")
 
 
-def _stage(out: dict, stage: str, fn, text: str):
-    """Run ``fn``; a geomopt error allowed at ``stage`` ends the mutant (recorded), any other is a finding."""
+def model_state(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[bool]]:
+    """What an operation on ``model`` could write: a copy of every parameter and buffer, and each
+    module's training mode."""
+    return [t.detach().clone() for t in model.state_dict().values()], [m.training for m in model.modules()]
+
+
+def same_state(a: tuple, b: tuple) -> bool:
+    """Two :func:`model_state` results equal bit for bit (NaNs compare, -0.0 and 0.0 differ)."""
+    return a[1] == b[1] and len(a[0]) == len(b[0]) and all(
+        x.dtype == y.dtype and x.shape == y.shape
+        and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+        for x, y in zip(a[0], b[0]))
+
+
+def _stage(out: dict, stage: str, fn, text: str, model=None):
+    """Run ``fn``; a geomopt error allowed at ``stage`` ends the mutant (recorded), any other is a
+    finding, and so is a refusal that changed ``model`` (its parameters, buffers or modes)."""
     out["stage"] = stage
+    before = model_state(model) if model is not None else None
     try:
         return True, fn()
     except Hang:
@@ -124,6 +157,8 @@ def _stage(out: dict, stage: str, fn, text: str):
             check_diagnostics(err, text if stage == "parse" else None)
         out["outcome"] = f"{stage}_refused"
         out["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        if before is not None and not same_state(before, model_state(model)):
+            out["outcome"] = "refused_wrote"
         return False, None
     except Exception as err:  # noqa: BLE001 (the finding itself)
         out["outcome"] = "crash"
@@ -133,14 +168,13 @@ def _stage(out: dict, stage: str, fn, text: str):
 
 def run_mutant(seed: int, i: int, models: Models) -> dict:
     """The mutant's record: ``outcome`` is ``parse_refused``, ``compile_refused``, ``build_refused``,
-    ``stepped``, or a finding (``crash``, ``hang``, ``nonfinite``, ``nonfinite_step_wrote``, ``bad_diagnostics``)."""
+    ``stepped``, or a finding (``crash``, ``hang``, ``nonfinite``, ``nonfinite_step_wrote``, ``bad_diagnostics``,
+    ``refused_wrote``: a refused compile or build changed the model)."""
     level, fmt, text, ops = mutant(seed, i)
     out = {"i": i, "level": level, "fmt": fmt, "ops": ops}
     t0 = time.perf_counter()
-    old = signal.signal(signal.SIGALRM, _on_alarm)
-    signal.alarm(HANG_S)
     try:
-        with warnings.catch_warnings():
+        with time_limit(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _pipeline(out, fmt, text, models, i)
     except Hang:
@@ -148,9 +182,6 @@ def run_mutant(seed: int, i: int, models: Models) -> dict:
     except AssertionError as err:
         out["outcome"] = "bad_diagnostics"
         out["error"] = str(err)[:300]
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
     out["seconds"] = round(time.perf_counter() - t0, 4)
     return out
 
@@ -160,14 +191,14 @@ def _pipeline(out: dict, fmt: str, text: str, models: Models, i: int) -> None:
     if not ok:
         return
     for name, each in models.models.items():
-        ok, _ = _stage(out, "compile", lambda m=each: geomopt.compile_spec(spec, m), text)
+        ok, _ = _stage(out, "compile", lambda m=each: geomopt.compile_spec(spec, m), text, each)
         if not ok:
             out["model"] = name
             return
     name = list(models.models)[i % len(models.models)]
     out["model"] = name
     model = models.fresh(name)
-    ok, opt = _stage(out, "build", lambda: geomopt.GeomOptimizer(model, spec), text)
+    ok, opt = _stage(out, "build", lambda: geomopt.GeomOptimizer(model, spec), text, model)
     if not ok:
         return
     gen = torch.Generator().manual_seed(i)
@@ -191,6 +222,10 @@ def _pipeline(out: dict, fmt: str, text: str, models: Models, i: int) -> None:
         return
     out["nan_raised"] = not ok
     off = {pp.name for pp in opt.plan if pp.on_nonfinite == "off"}  # these step on as torch's optimizers do
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if named and named[0][0] in off:  # the NaN went to an untested tensor: for the tested rules a finite step
+        out["outcome"] = "stepped"
+        return
     if any(not torch.equal(a, p) and n not in off for a, (n, p) in zip(before, model.named_parameters())):
         out["outcome"], out["error"] = "nonfinite_step_wrote", "a step with a NaN gradient changed the parameters"
         return
@@ -205,4 +240,4 @@ def _has_huge(data) -> bool:
     return isinstance(data, (int, float)) and not isinstance(data, bool) and abs(data) > HUGE
 
 
-FINDINGS = ("crash", "hang", "nonfinite", "nonfinite_step_wrote", "bad_diagnostics")
+FINDINGS = ("crash", "hang", "nonfinite", "nonfinite_step_wrote", "bad_diagnostics", "refused_wrote")

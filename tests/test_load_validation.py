@@ -472,6 +472,8 @@ def int8_stepped():
     (lambda st: st.pop("d"), "d_absmax", "no codes"),
     (lambda st: st.pop("d_absmax"), "'d'", "torch.uint8"),
     (lambda st: st.__setitem__("d_absmax", st["d_absmax"].reshape(-1)[:1].clone()), "d_absmax", "block scales"),
+    (lambda st: st.__setitem__("d_absmax", -1.3), "d_absmax", "not a tensor"),
+    (lambda st: st.__setitem__("d_absmax", None), "d_absmax", "not a tensor"),
 ])
 def test_int8_state_is_checked_by_its_declared_types_and_ranges(int8_stepped, corrupt, key, needle):
     opt, saved = int8_stepped

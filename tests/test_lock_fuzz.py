@@ -22,7 +22,6 @@ import contextlib
 import io
 import json
 import os
-import signal
 import tempfile
 import zlib
 from pathlib import Path
@@ -41,6 +40,7 @@ from geomopt.compile.lock import (LockError, RoutingChangedError, check_routing,
 from geomopt.models import get_model
 from geomopt.optim.persist.checkpoint import spec_hash
 from geomopt.spec.validate import load_spec
+from fuzz_pipeline import time_limit
 from spec_mutants import PUT_CHARS, TEXT_OPS, apply_text_op
 # the spec the optimizer is built with: building it projects the hidden matrices onto a spectral
 # ball, so a build that went through with a refused lock would show in the parameters
@@ -60,23 +60,6 @@ GPT = get_model("gpt")
 BASES = [dumps(LOCK), dumps(lock_of(compile_spec("muon", GPT), spec_hash(load_spec("muon")), model_label(GPT)))]
 SEEN: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # test → outcomes
 
-
-class Hang(BaseException):
-    """Raised by the alarm: a BaseException, so no ``except Exception`` in the code swallows it."""
-
-
-@contextlib.contextmanager
-def deadline(what: str):
-    def ring(signum, frame):
-        raise Hang(f"{what} ran past {HANG_S} s")
-
-    previous = signal.signal(signal.SIGALRM, ring)
-    signal.alarm(HANG_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _built():
@@ -109,7 +92,7 @@ def check(data: bytes, test: str) -> None:
     """The contract, on one lock file holding ``data``."""
     path = WORK / f"{test}.lock.json"
     path.write_bytes(data)
-    with deadline(f"{test}: {data[:80]!r}…"):
+    with time_limit(HANG_S, f"{test}: {data[:80]!r}…"):
         try:
             lock = read_lock(path)
         except LockError as exc:

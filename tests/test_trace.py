@@ -327,6 +327,41 @@ def test_the_real_forward_leaves_everything_as_it_was():
     assert model.training
 
 
+class ClampsItsWeight(nn.Module):
+    """A forward that clamps its weight in place (through the parameter, or its ``.data``), and
+    that the meta device cannot run (a value read on the host)."""
+
+    def __init__(self, through_data: bool):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.head = nn.Linear(8, 2)
+        self.through_data = through_data
+
+    def forward(self, x):
+        if x.sum().item() == 0:
+            raise RuntimeError("needs real values")
+        with torch.no_grad():
+            (self.w.data if self.through_data else self.w).clamp_(-0.1, 0.1)
+        return self.head(x @ self.w)
+
+
+@pytest.mark.parametrize("through_data", [False, True])
+def test_a_forward_writing_to_a_parameter_is_stopped_before_it_writes(through_data):
+    model = ClampsItsWeight(through_data)
+    before = copy.deepcopy(model.state_dict())
+    infos, _ = model_params(model, example_inputs=torch.ones(2, 8))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    w = infos[0]
+    assert w.name == "w" and w.role.basis == "module tree" and w.role.name == "hidden"
+    assert "writes in place to parameter 'w' (aten.clamp_.default)" in w.role.untraced
+    # writing to a buffer (the trace's copy), or to a tensor the forward made, is no write to the model
+    other = ClampsItsWeight(through_data)
+    other.register_buffer("scale", torch.ones(8))
+    other.forward = lambda x: other.head((x @ other.w).mul_(other.scale.add_(x.sum().item())))
+    assert {p.role.basis for p in model_params(other, example_inputs=torch.ones(2, 8))[0]} == {"trace"}
+    assert torch.equal(other.scale, torch.ones(8))
+
+
 def test_a_meta_forward_leaves_the_model_untouched():
     model = Families()
     before = copy.deepcopy(model.state_dict())

@@ -37,7 +37,7 @@ from geomopt.compile.trace.blocks import Feat, dim_index, follow, leading_batch,
 from geomopt.compile.trace.meta import run_memoized, value_free
 
 from geomopt.compile.trace.ops import (FUSED_CELLS, FUSED_RNN, LIKE, LOOKUP_INDEX, PLAIN_VIEWS, RNN_MODES,
-                                       ROW_CUTS, SELECTS, VIEWS, Act, IdMap, Ref, Use, tensors_in)
+                                      ROW_CUTS, SELECTS, VIEWS, Act, IdMap, Ref, Use, tensors_in, written)
 
 aten = torch.ops.aten
 _OPS: dict = {}  # op → (overload packet, family, whether its outputs are constants)
@@ -46,8 +46,11 @@ _OPS: dict = {}  # op → (overload packet, family, whether its outputs are cons
 class Tracer(TorchDispatchMode):
     """The dispatch mode: classifies each op's parameter operands and propagates the bookkeeping."""
 
-    def __init__(self, params: list[torch.Tensor], value_free: bool):
+    def __init__(self, params: list[torch.Tensor], value_free: bool, names: Optional[list[str]] = None):
         super().__init__()
+        # a real forward's stand-ins share the parameters' memory: an op writing to it is refused
+        self.memory = {} if value_free else {p.untyped_storage().data_ptr(): (names or [])[i:i + 1]
+                                             for i, p in enumerate(params) if p.numel() and p.layout == torch.strided}
         self.refs = IdMap()
         self.acts = IdMap()
         for i, p in enumerate(params):
@@ -80,6 +83,11 @@ class Tracer(TorchDispatchMode):
             if out is NotImplemented:
                 out = run_memoized(self.memo, func, args, kwargs)
         if out is NotImplemented:
+            hit = [self.memory[m] for t in written(func, args, kwargs) if self.memory
+                   and t.layout == torch.strided and (m := t.untyped_storage().data_ptr()) in self.memory]
+            if hit:
+                raise RuntimeError(f"the forward writes in place to parameter '{''.join(hit[0]) or '?'}' ({func}): "
+                                   f"a trace never changes the model, so it stops there")
             out = func(*args, **kwargs)
         try:
             self._record(func, args, kwargs, out)

@@ -18,7 +18,9 @@ elementwise only. Along the activations it follows three things:
 
 The model is left as it was: parameters and buffers are stand-ins (meta copies, or for the real
 forward the parameters' data under fresh tensors and clones of the buffers), the RNG state is
-restored, and no gradient reaches the parameters. A forward that fails in training mode is tried
+restored, and no gradient reaches the parameters. A real forward's op that would write to a
+parameter's memory in place (a weight clamped inside ``forward``) raises instead, before it
+writes: that forward gives no trace. A forward that fails in training mode is tried
 again in eval mode (BatchNorm on a pooled 1×1 map refuses one value per channel in training;
 eval reads the running statistics instead), the modules' modes restored after.
 """
@@ -135,7 +137,7 @@ def _run(model, names: list[list[str]], params: list[torch.Tensor], buffers: dic
     for i, group in enumerate(names):
         for n in group:
             values[n] = stand_ins[i]
-    tracer = Tracer(stand_ins, value_free=meta)
+    tracer = Tracer(stand_ins, value_free=meta, names=[g[0] for g in names])
     for leaf in tree_flatten((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor):
             tracer.acts[leaf] = Act(frozenset(), True, None)

@@ -123,4 +123,18 @@ def tensors_in(x) -> list:
     return out
 
 
+def written(func, args: tuple, kwargs: dict) -> list:
+    """The tensors an op writes in place: its schema's mutable arguments (``clamp_``'s self,
+    ``copy_``'s destination, an ``out=``); ``set_``, which rebinds a tensor to other memory and
+    writes none, has none."""
+    schema = func._schema
+    if not schema.is_mutable or func.overloadpacket is aten.set_:
+        return []
+    out: list = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            out += tensors_in(args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name))
+    return out
+
+
 __all__ = ["Act", "IdMap", "Ref", "Use"]

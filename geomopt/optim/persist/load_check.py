@@ -295,7 +295,7 @@ def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
                                       f"(an integer ≥ 0): {error}: {_FIX}")
             continue
         if not isinstance(value, torch.Tensor):
-            if key in VIEW_KEYS or key in NONNEGATIVE or key in PARAM_KEYS or key == "momentum_buffer":
+            if key in STACKED or key in NONNEGATIVE or key == "momentum_buffer":  # (int8 block scales too)
                 raise CheckpointError(f"tensor '{name}': state '{key}' is {_short(value)}, not a tensor: {_FIX}")
             continue
         if key in MOMENTS and key + SCALE in entry:  # int8 state: codes (any byte is a code)
