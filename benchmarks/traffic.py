@@ -200,11 +200,11 @@ def measure(model: torch.nn.Module, make_opt: Callable, warmup: int) -> dict:
     )
 
 
-def geomopt_optimizer(spec: str) -> Callable:
+def geomopt_optimizer(spec: str, capturable: bool = False) -> Callable:
     def make(model):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return geomopt.GeomOptimizer(model, spec)
+            return geomopt.GeomOptimizer(model, spec, capturable=capturable)
     return make
 
 
@@ -242,12 +242,16 @@ def torch_adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
 
 
-def rows(specs: list, small: bool, warmup: int, with_torch: bool, log=print) -> list:
+def rows(specs: list, small: bool, warmup: int, with_torch: bool, log=print, capturable: bool = False) -> list:
     out = []
     for spec in specs:
         log(f"{spec} …")
         out.append(dict(name=spec, kind="geomopt", device="cpu", **measure(gpt2(small), geomopt_optimizer(spec),
                                                                            warmup)))
+        if capturable:  # the same spec with capturable=True: its passes against the eager step's
+            log(f"{spec} (capturable) …")
+            out.append(dict(name=f"{spec} (capturable)", kind="geomopt", beside=spec, device="cpu",
+                            **measure(gpt2(small), geomopt_optimizer(spec, capturable=True), warmup)))
         if with_torch and spec == "muon":
             model = gpt2(small)
             log("torch.optim.Muon + AdamW(fused) …")
@@ -282,12 +286,14 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--small", action="store_true", help="width 64, 2 layers, vocab 512: seconds")
     ap.add_argument("--warmup", type=int, default=1, help="steps before the counted one (the state exists)")
     ap.add_argument("--no-torch", action="store_true", help="leave out torch's optimizers")
+    ap.add_argument("--capturable", action="store_true", help="each spec also with capturable=True")
     ap.add_argument("--record", action="store_true",
                     help="write benchmarks/results/traffic.json and append the table to benchmarks/RESULTS.md")
     ap.add_argument("--out", metavar="DIR", default="runs", help="folder for traffic.json without --record")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
-    measured = rows(args.specs, args.small, args.warmup, not args.no_torch, log=lambda s: print(s, file=sys.stderr))
+    measured = rows(args.specs, args.small, args.warmup, not args.no_torch, log=lambda s: print(s, file=sys.stderr),
+                    capturable=args.capturable)
     record = dict(command="python benchmarks/traffic.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   torch=torch.__version__, small=args.small, warmup=args.warmup,
