@@ -23,14 +23,17 @@ def _stepped(spec_text: str, param: torch.Tensor, steps: int = 2, fmt: str = "ds
     return start, model.w.detach()
 
 
-def test_tiny_step_on_a_sphere_is_the_projection():
+@pytest.mark.parametrize("lr", ["1e-300", "1e-30"])
+def test_tiny_step_on_a_sphere_is_the_projection(lr):
     """lr 1e-300: the prox's (r/t)² overflowed a Python float (OverflowError), and a/t made the
-    solve NaN. As t → 0 the step is the Euclidean projection of Y ≈ X: X stays where it is."""
+    solve NaN; lr 1e-30: (r/t)² is a Python float that float32 cannot hold, which the ball's solve
+    gave torch as a scalar ("value cannot be converted to type float without overflow", the step
+    applied in part). As t → 0 the step is the Euclidean projection of Y ≈ X: X stays where it is."""
     for constraint in ("frobenius_sphere(relative=true)", "frobenius_ball(radius=0.5)"):
         for ref in ("power_barrier(kappa=4.0, eps=0.002)", "log_barrier(eps=1e-8)", "indicator"):
             spec = f"""geomopt 1
 name "tiny"
-defaults lr=1e-300
+defaults lr={lr}
 rule all match "**":
     geometry spectral({ref}, approx=svd)
     constraint {constraint}
