@@ -88,13 +88,14 @@ def _scalars(ctx: Ownership, i: int, rho: float):
     if isinstance(rule.geometry, Spectral) and effective_prenormalize(rule.geometry).kind != "none":
         triples = approx_coefficients(approx.model_dump())
         if triples:
-            at = ("rules", i, "geometry", "approx", "coefficients" if field(approx, "coefficients") else "kind")
+            where = ("rules", i, "geometry", "approx", "coefficients" if field(approx, "coefficients") else "kind")
             yield (f"the {approx.kind} iteration on singular values in [0, 1], which reaches "
-                   f"{iteration_bound(triples):g},"), iteration_bound(triples), at
+                   f"{iteration_bound(triples):g},"), iteration_bound(triples), where
             if any(stage.kind == "dual_scale" for stage in rule.post or ()):
                 out = iteration_output(triples)
                 yield (f"lr·radius·s² = {lr:g}·{rho:g}·{out:g}², s the largest singular value the "
-                       f"{approx.kind} iteration returns, which dual_scale multiplies in twice,"), lr * rho * out * out, at
+                       f"{approx.kind} iteration returns, which dual_scale multiplies in twice,"), \
+                    lr * rho * out * out, where
 
 
 def step_overflow(ctx: Ownership):

@@ -146,7 +146,8 @@ def _gram_eigh(work: torch.Tensor, step: Callable, unit: float):
     # eigh would raise on such a G, and also on the finite rest of it (a zero diagonal under large
     # entries does not converge), so the whole G is zeroed (the step is then computed by the SVD, below)
     overflow = ~torch.isfinite(gram.diagonal(dim1=-2, dim2=-1).sum(-1))
-    lam, v = torch.linalg.eigh(torch.where(overflow[:, None, None], 0, gram).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0))
+    gram = torch.where(overflow[:, None, None], 0, gram).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    lam, v = torch.linalg.eigh(gram)
     lam = lam.flip(-1).clamp(min=0)  # descending, as σ²
     trace = lam.sum(-1)  # ‖M‖²_F: below max(m, n)·tiny/u, G's products underflow beyond its rounding (SVD)
     zero = (trace == 0) & ~overflow
