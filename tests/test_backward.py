@@ -831,6 +831,44 @@ def test_exact_spectral_steps_at_zero_keep_the_identity_frame(dtype):
         assert torch.equal(x, z), c
 
 
+SPECTRAL_SETS = [{"kind": "spectral_ball", "radius": 2.0}, {"kind": "spectral_sphere", "radius": 2.0},
+                 {"kind": "rank", "k": 1}, {"kind": "stiefel", "radius": 1.0, "method": "exact"},
+                 {"kind": "frobenius_ball", "radius": 1.0}, {"kind": "frobenius_sphere", "radius": 1.0}]
+
+
+@pytest.mark.parametrize("c", SPECTRAL_SETS, ids=lambda c: c["kind"])
+@pytest.mark.parametrize("ref", [IND, POW4], ids=["indicator", "pow4"])
+def test_exact_spectral_steps_of_a_nonfinite_matrix_are_nan(c, ref):
+    """A matrix holding a NaN or ±∞ (a NaN gradient under ``on_nonfinite: off``) gives a NaN X, as
+    a matmul would, where LAPACK's SVD and eigh raised; the batch's finite matrices step as alone,
+    bit for bit."""
+    y = torch.randn(3, 5, 3, generator=torch.Generator().manual_seed(4))
+    y[1, 2, 1], y[2, 0, 0] = math.nan, math.inf
+    geo = _geometry("spectral", ref)
+    x, _ = backward(y, 0.1, geo, c, batch_dims=1)
+    alone, _ = backward(y[:1], 0.1, geo, c, batch_dims=1)
+    assert torch.equal(x[:1], alone)
+    assert x[1:].isnan().all()
+
+
+def test_exact_spectral_steps_where_the_gram_matrix_overflows_take_the_svd():
+    """Columns past √max (1.8e19 in float32) overflow the Gram matrix's diagonal while some of its
+    off-diagonal entries stay finite: eigh did not converge on what was left of it (the whole Gram
+    matrix is now set aside and the SVD taken). X is finite and in the set; the batch's other
+    matrix steps as alone, bit for bit."""
+    y = torch.zeros(2, 20, 16)
+    y[0] = torch.randn(20, 16, generator=torch.Generator().manual_seed(5))
+    y[1, 2, 2] = 1e25
+    for col, v in [(0, 6.0727475), (8, 0.76878495), (14, -1.5908714)]:
+        y[1, 2, col], y[1, col + 1 if col == 2 else col, col] = v, 1e25
+    for c, size in (({"kind": "frobenius_ball", "radius": 1.0}, lambda m: torch.linalg.matrix_norm(m)),
+                    ({"kind": "spectral_ball", "radius": 2.0}, lambda m: torch.linalg.matrix_norm(m, 2))):
+        x, _ = backward(y, 0.1, _geometry("spectral", POW4), c, batch_dims=1)
+        alone, _ = backward(y[:1], 0.1, _geometry("spectral", POW4), c, batch_dims=1)
+        assert x.isfinite().all() and torch.equal(x[:1], alone), c
+        assert float(size(x[1].double())) <= c["radius"] * (1 + 1e-5), c
+
+
 # ---------------------------------------------------------------- the scalar solve, to full precision
 
 

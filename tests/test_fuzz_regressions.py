@@ -23,14 +23,17 @@ def _stepped(spec_text: str, param: torch.Tensor, steps: int = 2, fmt: str = "ds
     return start, model.w.detach()
 
 
-def test_tiny_step_on_a_sphere_is_the_projection():
+@pytest.mark.parametrize("lr", ["1e-300", "1e-30"])
+def test_tiny_step_on_a_sphere_is_the_projection(lr):
     """lr 1e-300: the prox's (r/t)² overflowed a Python float (OverflowError), and a/t made the
-    solve NaN. As t → 0 the step is the Euclidean projection of Y ≈ X: X stays where it is."""
+    solve NaN; lr 1e-30: (r/t)² is a Python float that float32 cannot hold, which the ball's solve
+    gave torch as a scalar ("value cannot be converted to type float without overflow", the step
+    applied in part). As t → 0 the step is the Euclidean projection of Y ≈ X: X stays where it is."""
     for constraint in ("frobenius_sphere(relative=true)", "frobenius_ball(radius=0.5)"):
         for ref in ("power_barrier(kappa=4.0, eps=0.002)", "log_barrier(eps=1e-8)", "indicator"):
             spec = f"""geomopt 1
 name "tiny"
-defaults lr=1e-300
+defaults lr={lr}
 rule all match "**":
     geometry spectral({ref}, approx=svd)
     constraint {constraint}
@@ -85,7 +88,7 @@ def test_iteration_bound_covers_the_composed_polynomial():
     """The bound is at least every value the composed odd quintics reach on a fine grid of [0, 1]
     (computed independently in float64), and not far above it for Muon's triple."""
     from geomopt.support import approx_coefficients
-    from geomopt.compile.ranges import iteration_bound
+    from geomopt.compile.ranges import iteration_bound, iteration_output
 
     sigma = torch.linspace(0, 1, 100_001, dtype=torch.float64)
     for approx in ({"kind": "newton_schulz"}, {"kind": "polar_express"},
@@ -96,8 +99,33 @@ def test_iteration_bound_covers_the_composed_polynomial():
             s = a * s + b * s**3 + c * s**5
             reached = max(reached, s.abs().max().item())
         assert iteration_bound(triples) >= reached, approx
+        assert iteration_output(triples) >= s.abs().max().item() * (1 - 1e-12), approx
     muon = approx_coefficients({"kind": "newton_schulz"})
     assert iteration_bound(muon) < 10  # 4.775·1.2⁴: the largest term of a step on σ ≤ ~1.2
+    assert iteration_output(muon) < 1.21  # Muon's quintic ends in ≈ [0.68, 1.2]
+
+
+def test_an_iteration_whose_output_dual_scale_squares_past_float32_is_a_plan_error():
+    """PolarGrad's rule with a Newton–Schulz coefficient 12046 (for 1.2046): the iteration returns
+    singular values up to 7.6e22, finite, but dual_scale (U ← ⟨U, D⟩·U) multiplies that scale in
+    twice and the parameters became non-finite on the second step. Compile refuses it (GO126) at
+    the coefficients; the same iteration without dual_scale, and Muon's with it, compile."""
+    triples = "[[4.0848, -6.8946, 2.927], [3.9505, -6.3029, 2.6377], [3.7418, -5.5913, 2.3037], " \
+              "[2.8769, -3.1427, 12046], [2.8366, -3.0525, 1.2012]]"
+
+    def spec(coefficients: str, post: str) -> str:
+        return (f'geomopt 1\nname "p"\nrule all match "**":\n    geometry spectral(indicator, '
+                f'approx=newton_schulz({coefficients}), prenormalize=max)\n{post}')
+
+    dual = "    post [dual_scale]\n"
+    text = spec(f"coefficients={triples}", dual)
+    with pytest.raises(geomopt.SpecError) as err:
+        geomopt.compile_spec(geomopt.parse_spec(text, "dsl"), [("w", torch.zeros(8, 6))])
+    (d,) = err.value.diagnostics
+    assert d.code == "GO126" and "dual_scale" in d.message and "7.6" in d.message, d
+    assert text.splitlines()[d.line - 1][d.col - 1:].startswith("[[4.0848"), d
+    for ok in (spec(f"coefficients={triples}", ""), spec("", dual)):
+        geomopt.compile_spec(geomopt.parse_spec(ok, "dsl"), [("w", torch.zeros(8, 6))])
 
 
 @pytest.mark.parametrize("approx", ["newton_schulz", "gram_newton_schulz", "polar_express"])

@@ -151,3 +151,39 @@ def test_mlp_batch_loss_is_nan_after_an_off_step_as_in_torch():
     set_grads(model, 0, ("head.weight", math.nan))
     opt.step()
     assert math.isnan(loss_of(model, mlp_batch(0)).item())
+
+
+EXACT = {"svd": ({"kind": "svd"}, None), "gram_eigh": ({"kind": "gram_eigh"}, None),
+         "spectral_ball": ({"kind": "newton_schulz"}, {"kind": "spectral_ball", "radius": 3.0, "method": "exact"}),
+         "frobenius_ball": ({"kind": "svd"}, {"kind": "frobenius_ball", "radius": 3.0})}
+
+
+@pytest.mark.parametrize("case", list(EXACT))
+def test_off_propagates_a_nan_through_an_exact_decomposition(case):
+    """An exact SVD or eigh (the geometry's approximation, a spectral constraint's step) on a NaN
+    gradient of an ``off`` rule: the step goes on (no LAPACK error, nothing applied in part), the
+    NaN reaches that tensor's parameter and momentum as in torch, and the bucket's other tensor
+    steps bit for bit as beside a finite gradient."""
+    approx, constraint = EXACT[case]
+    rule = {"name": "w", "match": "**", "on_nonfinite": "off", "direction": {"kind": "polyak", "alpha": 0.1},
+            "geometry": {"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-3},
+                         "approx": approx}}
+    if constraint:
+        rule["constraint"] = constraint
+    spec = {"geomopt": 1, "name": "exact-off", "defaults": {"lr": 0.05}, "rules": [rule]}
+    runs = []
+    for value in (math.nan, 0.0):
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(6, 4, generator=gen)) for _ in range(2)]
+        opt = geomopt.GeomOptimizer([("a", params[0]), ("b", params[1])], spec)
+        for k in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            if k == 1:
+                params[0].grad[2, 1] = value
+            opt.step()
+        runs.append((params, opt))
+    (a, b), opt = runs[0]
+    assert a.isnan().all() and torch.equal(bits(b), bits(runs[1][0][1]))
+    assert any(torch.is_tensor(v) and v.is_floating_point() and v.isnan().any() for v in opt.state[a].values())
+    assert all(torch.isfinite(v).all() for v in opt.state[b].values() if torch.is_tensor(v) and v.is_floating_point())

@@ -106,6 +106,20 @@ def test_gram_eigh_defaults_to_float64_and_returns_input_dtype():
     assert err32 > 10 * (out.double() - exact).abs().max()
 
 
+@pytest.mark.parametrize("kind", ["svd", "gram_eigh"])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_exact_approximations_map_a_nonfinite_matrix_to_nan(kind, dtype):
+    """A matrix holding a NaN or ±∞ (a NaN gradient under ``on_nonfinite: off``) maps to NaN, as
+    through the polynomial iterations' matmuls, where LAPACK raised; the batch's finite matrices
+    map as alone, bit for bit."""
+    ref = make_reference({"kind": "power_barrier", "kappa": 4, "eps": 1e-2})
+    d = torch.randn(3, 6, 4, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    d[1, 0, 3], d[2, 5, 0] = math.nan, -math.inf
+    got = APPROX_OPS[kind](d, ref)
+    assert torch.equal(got[:1], APPROX_OPS[kind](d[:1], ref))
+    assert got[1:].isnan().all()
+
+
 # ---------------------------------------------------------------- Newton–Schulz vs torch.optim.Muon
 
 

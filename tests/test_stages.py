@@ -434,3 +434,30 @@ def test_every_stage_kind_is_registered_with_its_state_locality_and_source():
         assert stage.locality(cfg) in (LOCAL, REDUCE)
     assert STAGES["second_moment"].locality({"axis": "element"}) == LOCAL
     assert STAGES["second_moment"].state == ("post_v",)
+
+
+def test_stages_after_a_bfloat16_polynomial_compute_in_float32():
+    """Newton–Schulz with ``dtype: bfloat16`` is given a bf16 direction (Nesterov, written in the
+    iteration's dtype) and gives a bf16 update; the second moment (float32 state) upcasts it: two
+    steps are X − Σ U_t/(√v_t + ε), U_t the bf16 iteration of the Nesterov direction D_t of a conv
+    kernel's (out, rest) matrix and v_t the row means of U_t² (β₂ = 0.5), written out here in
+    float64."""
+    from geomopt.geometry.spectral import newton_schulz
+
+    w = {"w": torch.randn(4, 2, 3, 3, dtype=torch.float32)}
+    grads = [{"w": g["w"].float()} for g in _grads(w, 2)]
+    geometry = {"kind": "spectral", "reference": {"kind": "indicator"}, "scale": "none",
+                "approx": {"kind": "newton_schulz", "dtype": "bfloat16"}, "prenormalize": {"kind": "frobenius"}}
+    post = [{"kind": "second_moment", "axis": "row", "beta2": 0.5, "eps": 1e-3}]
+    direction = {"kind": "polyak", "alpha": 0.5, "nesterov": True}
+    got, opt = _run(_spec(geometry, post, direction=direction), w, grads)
+    want, buf, v = w["w"].double().reshape(4, -1), torch.zeros(4, 18), None
+    for g in grads:
+        g = g["w"].reshape(4, -1)
+        buf = 0.5 * buf + 0.5 * g  # α = 1/2: exact in float32, as the optimizer's lerps
+        u = newton_schulz(0.5 * buf + 0.5 * g, dtype="bfloat16", prenormalize={"kind": "frobenius"}).double()
+        m2 = u.pow(2).mean(1)
+        v = 0.5 * m2 if v is None else 0.5 * v + 0.5 * m2
+        want = want - 0.1 * u / (v.sqrt() + 1e-3)[:, None]
+    assert got["w"].dtype == torch.float32 and opt.state[next(iter(opt.state))]["post_v"].dtype == torch.float32
+    torch.testing.assert_close(got["w"].double(), want.reshape(4, 2, 3, 3), rtol=1e-5, atol=1e-5)

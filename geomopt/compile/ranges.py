@@ -7,7 +7,9 @@ norms with r²), a polynomial approximation's coefficients. In a
 float32 tensor (or bf16/fp16, whose step runs in float32) a scalar beyond float32's largest finite
 number, 3.4e38, is no number at all: the step would be ±∞ or NaN, and torch refuses to convert it.
 Likewise a polynomial iteration (Newton–Schulz, Polar Express) whose coefficients grow the
-pre-normalized singular values (in [0, 1]) past that range within its steps.
+pre-normalized singular values (in [0, 1]) past that range within its steps, and, under the
+``dual_scale`` post-stage (U ← ⟨U, D⟩·U, which multiplies U's scale in twice), lr·ρ times the
+square of the largest singular value the iteration returns.
 """
 
 from __future__ import annotations
@@ -54,6 +56,15 @@ def iteration_bound(triples: list) -> float:
     return worst
 
 
+def iteration_output(triples: list) -> float:
+    """A bound on the singular values a quintic iteration returns from singular values in [0, 1]:
+    each step's sup |p| on its input's bound (:func:`_quintic_sup`)."""
+    bound = 1.0
+    for a, b, c in triples:
+        bound = _quintic_sup(a, b, c, bound)
+    return bound
+
+
 def _scalars(ctx: Ownership, i: int, rho: float):
     """(what, value, spec path) of rule ``i``'s step scalars, with ρ its resolved radius."""
     rule = ctx.spec.rules[i]
@@ -77,16 +88,23 @@ def _scalars(ctx: Ownership, i: int, rho: float):
     if isinstance(rule.geometry, Spectral) and effective_prenormalize(rule.geometry).kind != "none":
         triples = approx_coefficients(approx.model_dump())
         if triples:
+            where = ("rules", i, "geometry", "approx", "coefficients" if field(approx, "coefficients") else "kind")
             yield (f"the {approx.kind} iteration on singular values in [0, 1], which reaches "
-                   f"{iteration_bound(triples):g},"), iteration_bound(triples), \
-                ("rules", i, "geometry", "approx", "coefficients" if field(approx, "coefficients") else "kind")
+                   f"{iteration_bound(triples):g},"), iteration_bound(triples), where
+            if any(stage.kind == "dual_scale" for stage in rule.post or ()):
+                out = iteration_output(triples)
+                yield (f"lr·radius·s² = {lr:g}·{rho:g}·{out:g}², s the largest singular value the "
+                       f"{approx.kind} iteration returns, which dual_scale multiplies in twice,"), \
+                    lr * rho * out * out, where
 
 
 def step_overflow(ctx: Ownership):
     """A step scalar beyond the tensor's floating-point range: lr·radius, lr·weight_decay, the
-    square of a constraint's radius, a polynomial coefficient, or the largest number a polynomial
-    iteration forms from pre-normalized singular values, above float32's largest number (3.4e38;
-    float64's for float64 tensors). The step would be infinite; torch refuses the scalar.
+    square of a constraint's radius, a polynomial coefficient, the largest number a polynomial
+    iteration forms from pre-normalized singular values, or (with the ``dual_scale`` post-stage)
+    lr·radius times the square of the largest singular value it returns, above float32's largest
+    number (3.4e38; float64's for float64 tensors). The step would be infinite; torch refuses the
+    scalar.
 
     Bad: ``geometry: {kind: isotropic, reference: {kind: indicator}, radius: 1.0e+308}``.
     Fixed: a radius (and lr) whose product is a number the tensor can hold, e.g. ``radius: 10.0``.

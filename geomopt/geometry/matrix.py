@@ -52,6 +52,16 @@ def matrices(x: torch.Tensor, batch_dims: int = 0) -> torch.Tensor:
     return x.reshape(-1, m, max(1, math.prod(shape[1:])))
 
 
+def finite_or_zero(mats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``mats`` with each matrix that holds a NaN or ±∞ replaced by zeros, the flags of those
+    matrices, shaped (..., 1, 1)). LAPACK's SVD and eigh raise on non-finite input; a caller
+    decomposes the zeroed matrices and sets the flagged matrices' results to NaN, so a NaN goes
+    through an exact decomposition as through a matmul (``on_nonfinite: off``: as in torch), with
+    no host read."""
+    bad = ~torch.isfinite(mats).flatten(-2).all(-1)[..., None, None]
+    return torch.where(bad, 0, mats), bad
+
+
 def vectors(x: torch.Tensor, batch_dims: int = 0) -> torch.Tensor:
     """(B, n): each element flattened, B = prod(batch shape) (1 when ``batch_dims`` = 0)."""
     return x.reshape(math.prod(x.shape[:batch_dims]), -1)

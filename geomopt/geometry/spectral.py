@@ -44,6 +44,7 @@ import torch
 
 from geomopt.geometry.capture import refuse_in_capture
 from geomopt.geometry.dtypes import compute_dtype
+from geomopt.geometry.matrix import finite_or_zero
 from geomopt.geometry.polynomial import gram_quintic_iteration, odd_quintic_iteration
 from geomopt.geometry.prenorm import default_prenormalize, prenormalize
 from geomopt.geometry.reference import Reference
@@ -86,14 +87,15 @@ def svd(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dt
     """Exact ∇φ*(D) = U·Diag((h*)'(σ))·Vᵀ from the reduced SVD (paper Corollary 3.2; reduced
     suffices because (h*)'(0) = 0, Example 3.3). σ below the numerical-rank tolerance
     max(m, n)·u·σ_max count as 0. ``scale`` multiplies the mapped σ (free), the result is in
-    ``out_dtype`` (default: x's), as for every approximation."""
+    ``out_dtype`` (default: x's), as for every approximation. A matrix holding a NaN or ±∞ maps
+    to NaN (LAPACK would raise: :func:`~geomopt.geometry.matrix.finite_or_zero`)."""
     refuse_in_capture("torch.linalg.svd")
-    work = _prepare(x, "svd", dtype, prenormalize)
+    work, nonfinite = finite_or_zero(_prepare(x, "svd", dtype, prenormalize))
     u, s, vh = torch.linalg.svd(work, full_matrices=False)
     m, n = work.shape[-2:]
     tol = _rank_tol(s[..., :1], m, n, work.dtype)
     mapped = torch.where(s > tol, ref.dual_grad(s) * scale, torch.zeros_like(s))
-    return ((u * mapped.unsqueeze(-2)) @ vh).to(out_dtype or x.dtype)
+    return torch.where(nonfinite, math.nan, (u * mapped.unsqueeze(-2)) @ vh).to(out_dtype or x.dtype)
 
 
 @APPROX_OPS.register("gram_eigh")
@@ -103,9 +105,10 @@ def gram_eigh(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = No
     ∇φ*(D) = Q·Diag((h*)'(σ)/σ)·QᵀD (the isotropic factor, finite at σ = 0, so D's columns are never
     divided by σ); tall matrices use DᵀD. Exact in float64 (the default): the Gram matrix resolves
     σ only down to √(max(m,n)·u)·σ_max ≈ 1.5e-8·√max(m,n)·σ_max, and smaller σ are treated as 0
-    (mapped to (h*)'(0) = 0; the component of D along them is below rounding anyway)."""
+    (mapped to (h*)'(0) = 0; the component of D along them is below rounding anyway). A matrix
+    holding a NaN or ±∞ maps to NaN, as in :func:`svd`."""
     refuse_in_capture("torch.linalg.eigh")
-    work = _prepare(x, "gram_eigh", dtype, prenormalize)
+    work, nonfinite = finite_or_zero(_prepare(x, "gram_eigh", dtype, prenormalize))
     m, n = work.shape[-2:]
     # each matrix scaled by a power of two c near its largest entry (exact): the Gram matrix of
     # the scaled a neither overflows (entries past √max, 1.8e19 in float32) nor underflows, and
@@ -122,7 +125,7 @@ def gram_eigh(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = No
     mapped = ref.dual_grad((sigma * c[..., 0]).clamp(max=big)) * scale
     factor = torch.where(sigma > tol, mapped / torch.where(sigma > tol, sigma, 1), torch.zeros_like(sigma))
     out = (q * factor.unsqueeze(-2)) @ (q.mT @ a)
-    return (out if m <= n else out.mT).to(out_dtype or x.dtype)
+    return torch.where(nonfinite, math.nan, out if m <= n else out.mT).to(out_dtype or x.dtype)
 
 
 def _pow2_scale(x: torch.Tensor) -> torch.Tensor:

@@ -158,7 +158,9 @@ def _newton_steps(dtype: torch.dtype, kappa: float) -> int:
 
 def _solve_ball(alpha: torch.Tensor, rho2: float, ref: Reference) -> torch.Tensor:
     """σ ≥ 0 with σ_i + (h₁*)'(τσ_i) = α_i (units of t) and Σσ² = ρ², by a safeguarded Newton
-    method on τ with a fixed step count (:func:`_newton_steps`; no host syncs).
+    method on τ with a fixed step count (:func:`_newton_steps`; no host syncs). A ρ² past the
+    largest value of α's dtype (a step t tiny against r) is +∞ there: the solve's σ are then not
+    finite and the caller takes t → 0's limit, the projection (:func:`_ball_finish`).
 
     Start: the indicator's root (:func:`_box_tau`), exact for the indicator and a lower bound
     otherwise ((h₁*)'(u) ≤ min(u, 1) makes its σ the smallest). Each step: σ(τ) by two Newton steps
@@ -168,6 +170,8 @@ def _solve_ball(alpha: torch.Tensor, rho2: float, ref: Reference) -> torch.Tenso
     the shrink σ = α/(1+τ) and for the power-law tails σ − σ_∞ ~ τ^{−κ} — with the target gap
     floored at u·ρ² (the float rounding of Σσ²). A step that leaves the bracket (beyond its
     rounding) is replaced by bisection in log τ. The result is scaled onto Σσ² = ρ² exactly."""
+    if not isinstance(rho2, torch.Tensor) and rho2 > torch.finfo(alpha.dtype).max:
+        rho2 = math.inf  # a Python float the dtype cannot hold is refused as an op's scalar (clamp's min)
     tau = _box_tau(alpha, rho2)
     lim = (alpha - 1).clamp_(min=0)
     s = torch.maximum(alpha / (tau + 1), lim)  # the indicator's σ

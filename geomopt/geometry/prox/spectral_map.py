@@ -16,17 +16,22 @@ from typing import Callable
 import torch
 
 from geomopt.geometry.capture import refuse_in_capture
+from geomopt.geometry.matrix import finite_or_zero
 
 
 def _svd(m: torch.Tensor):
     """Reduced SVD with true singular-vector completions (LAPACK) and the identity frame at
-    M = 0 (documented deterministic point for Stiefel and spheres)."""
+    M = 0 (documented deterministic point for Stiefel and spheres); a matrix holding a NaN or ±∞
+    gets NaN factors (:func:`~geomopt.geometry.matrix.finite_or_zero`), so its X is NaN."""
+    m, nonfinite = finite_or_zero(m)
     u, s, vh = torch.linalg.svd(m, full_matrices=False)
     q = s.shape[-1]
     zero = (s.amax(-1) == 0)[:, None, None]
     eye_u = torch.eye(m.shape[-2], q, dtype=m.dtype, device=m.device)
     eye_v = torch.eye(q, m.shape[-1], dtype=m.dtype, device=m.device)
-    return torch.where(zero, eye_u, u), s, torch.where(zero, eye_v, vh)
+    nan = torch.full((), math.nan, dtype=m.dtype, device=m.device)
+    return (torch.where(nonfinite, nan, torch.where(zero, eye_u, u)), torch.where(nonfinite[..., 0], nan, s),
+            torch.where(nonfinite, nan, torch.where(zero, eye_v, vh)))
 
 
 def _compose(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
@@ -137,10 +142,12 @@ def _gram_eigh(work: torch.Tensor, step: Callable, unit: float):
     m, n = work.shape[-2:]
     dtype = work.dtype
     gram = work.mT @ work if m >= n else work @ work.mT
-    # entries of M past √max (1.8e19 in float32) overflow G: eigh would raise on it, so such a G is
-    # zeroed (the step is then computed by the SVD, below); G itself where it is finite
+    # entries of M past √max (1.8e19 in float32), or a NaN or ±∞ in M, make G's diagonal non-finite:
+    # eigh would raise on such a G, and also on the finite rest of it (a zero diagonal under large
+    # entries does not converge), so the whole G is zeroed (the step is then computed by the SVD, below)
     overflow = ~torch.isfinite(gram.diagonal(dim1=-2, dim2=-1).sum(-1))
-    lam, v = torch.linalg.eigh(torch.nan_to_num_(gram, nan=0.0, posinf=0.0, neginf=0.0))
+    gram = torch.where(overflow[:, None, None], 0, gram).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    lam, v = torch.linalg.eigh(gram)
     lam = lam.flip(-1).clamp(min=0)  # descending, as σ²
     trace = lam.sum(-1)  # ‖M‖²_F: below max(m, n)·tiny/u, G's products underflow beyond its rounding (SVD)
     zero = (trace == 0) & ~overflow

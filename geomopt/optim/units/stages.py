@@ -341,7 +341,10 @@ def reads(post: list) -> set:
 
 
 def run(u: torch.Tensor, post: list, ctx: Context) -> torch.Tensor:
-    """The rule's post-stages on the stacked update ``u`` (in their spec order)."""
+    """The rule's post-stages on the stacked update ``u`` (in their spec order), in float32 at
+    least: a polynomial iteration run in bfloat16 (its ``dtype``) gives a bf16 ``u``, which the
+    stages' float32 state (``post_v``) could not meet in one op."""
+    u = u.to(torch.promote_types(u.dtype, torch.float32))
     if "input_norm" in reads(post):
         ctx.input_norm = ctx.norm(u)
     for cfg in post:
