@@ -91,7 +91,8 @@ def heavy_ball_update(b, g, group: dict, fresh: bool = False):
 
 
 def heavy_ball_lookahead(g, b, group: dict, out=None):
-    """torch.optim.SGD's Nesterov u = g + μb: into ``out`` (which may be g), else a new tensor."""
+    """torch.optim.SGD's Nesterov u = g + μb: in place over g where ``out`` is given (it is g), else
+    a new tensor."""
     return torch.add(g, b, alpha=group["momentum"]) if out is None else g.add_(b, alpha=group["momentum"])
 
 
