@@ -526,6 +526,36 @@ def catalog_names(records) -> str:
     return ", ".join(f"`{Path(c['spec']).stem}` ({c['optimizer']})" for c in rec["cases"])
 
 
+# ---------------------------------------------------------------- mutation testing
+
+MUTATION_RESULTS = ROOT / "benchmarks" / "results" / "mutation.json"
+MUTATION_GROUPS = {"geometry": "`geomopt/geometry/`", "stages": "`geomopt/optim/stages.py`",
+                   "directions": "`geomopt/optim/directions.py`"}
+
+
+def mutation(records) -> str:
+    """Per group of modules (scripts/mutate.py): mutants, killed, timed out, survived (of them
+    explained), and the score, with and without the explained survivors."""
+    rec = records("mutation", MUTATION_RESULTS)
+
+    def pct(x):
+        return "—" if x is None else f"{100 * x:.1f}%"
+
+    rows = [[MUTATION_GROUPS.get(g, g), str(c["mutants"]), str(c["killed"]), str(c["timed_out"]),
+             f"{c['survived']} ({c['explained']})", pct(c["score"]), pct(c["score_unexplained"])]
+            for g, c in rec["groups"].items()]
+    head = ["modules", "mutants", "killed", "timed out", "survived (explained)", "score",
+            "score, explained survivors left out"]
+    sample = rec["sample"]
+    drawn = (f"a seeded sample of {sample['mutants']} of the {sample['of']} mutants (seed {sample['seed']})"
+             if sample["sampled"] else f"all {sample['of']} mutants")
+    caption = (f"`{rec['command']}`{made_text(rec)}: {drawn}, {rec['workers']} worker, "
+               f"{duration(rec['seconds'])} on {machine_text(rec)}. Score: (killed + timed out) / (killed + "
+               f"timed out + survived); a survivor is explained where it is equivalent to the original or no "
+               f"test can tell it apart (the outcome file, `benchmarks/results/mutation.json`, says why).")
+    return "\n".join(table(head, rows)) + "\n\n" + caption
+
+
 # ---------------------------------------------------------------- benchmarks/RESULTS.md, quoted
 
 HEADING = re.compile(r"^(#{2,6}) (.+?)\s*$")
@@ -623,6 +653,7 @@ RENDERERS = {
     "catalog:names": catalog_names,
     "layouts": layouts,
     "layouts:docs": layouts,
+    "mutation": mutation,
     **{f"bench:{key}": bench_quote(key) for key in BENCH_QUOTES},
 }
 
