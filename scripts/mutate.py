@@ -77,7 +77,12 @@ EXCLUDE = "not test_compiled_"
 EXPLAINED: dict[str, str] = {}
 
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")
-TIMEOUT_FACTOR, TIMEOUT_MIN_S = 4.0, 20.0
+#: the most tests of one file a mutant runs (a function the whole step calls is called by
+#: hundreds): its cost on a shared 2-core machine
+TESTS_PER_FILE = 12
+#: a mutant's timeout: TIMEOUT_S + TIMEOUT_FACTOR × its tests' time when the map was made (under a
+#: profiler, so already above their plain time)
+TIMEOUT_S, TIMEOUT_FACTOR = 15.0, 3.0
 #: exit codes of a mutant's child beyond pytest's own
 CANNOT_APPLY = 97
 
@@ -313,13 +318,13 @@ def live_function(module: str, qualname: str) -> types.FunctionType:
     raise LookupError(f"{module}.{qualname} is not a plain function under its decorators")
 
 
-def _find_code(code: types.CodeType, name: str) -> types.CodeType | None:
+def _find_code(code: types.CodeType, qualnames: set[str]) -> types.CodeType | None:
+    """The code object among ``code``'s constants (at any depth) with one of ``qualnames``."""
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            if const.co_name == name and const.co_qualname.endswith(f"_Mutant.{name}") or const.co_qualname == \
-                    f"_mutant_scope.<locals>.{name}":
+            if const.co_qualname in qualnames:
                 return const
-            found = _find_code(const, name)
+            found = _find_code(const, qualnames)
             if found is not None:
                 return found
     return None
@@ -342,6 +347,8 @@ def mutated_code(mutant: Mutant, path: Path, live: types.FunctionType) -> types.
     assert isinstance(scope, ast.FunctionDef)
     cells = [v for v in live.__code__.co_freevars if v != "__class__"]
     body: list[ast.stmt] = [ast.Assign([ast.Name(v, ast.Store())], ast.Constant(None)) for v in cells]
+    if "." not in mutant.qualname and fn.name not in cells:
+        body.insert(0, ast.Global([fn.name]))  # a recursive call stays a global lookup, not a cell
     if "." in mutant.qualname:
         holder = ast.parse("class _Mutant:\n    pass").body[0]
         assert isinstance(holder, ast.ClassDef)
@@ -356,7 +363,9 @@ def mutated_code(mutant: Mutant, path: Path, live: types.FunctionType) -> types.
                  and any(a.name == "annotations" for a in n.names) for n in tree.body)
     import __future__
     flags = __future__.annotations.compiler_flag if future else 0
-    code = _find_code(compile(module, str(path), "exec", flags=flags, dont_inherit=True), fn.name)
+    method = "." in mutant.qualname
+    qualnames = {f"_mutant_scope.<locals>._Mutant.{fn.name}"} if method else {fn.name}
+    code = _find_code(compile(module, str(path), "exec", flags=flags, dont_inherit=True), qualnames)
     if code is None:
         raise LookupError(f"no code for {mutant.qualname} after compiling")
     if code.co_freevars != live.__code__.co_freevars:
@@ -601,11 +610,17 @@ def coverage_map() -> dict:
 
 
 def tests_for(mutant: Mutant, cmap: dict) -> list[str]:
-    """The tests of the mutant's module's test files that call its function, fastest first."""
-    allowed = set(test_files(mutant.path))
-    ids = [t for t in cmap["calls"].get(f"{mutant.path}::{mutant.qualname}", [])
-           if t.split("::", 1)[0] in allowed]
-    return sorted(ids, key=lambda t: cmap["tests"].get(t, 0.0))
+    """The tests of the mutant's module's test files that call its function: per file at most
+    :data:`TESTS_PER_FILE`, spread evenly over the file's calling tests in nodeid order (its
+    parametrizations, its cases), then run fastest first."""
+    calling = cmap["calls"].get(f"{mutant.path}::{mutant.qualname}", [])
+    chosen = []
+    for f in test_files(mutant.path):
+        ids = [t for t in calling if t.split("::", 1)[0] == f]
+        if len(ids) > TESTS_PER_FILE:
+            ids = [ids[round(i * (len(ids) - 1) / (TESTS_PER_FILE - 1))] for i in range(TESTS_PER_FILE)]
+        chosen += ids
+    return sorted(chosen, key=lambda t: cmap["tests"].get(t, 0.0))
 
 
 def _score(counts: dict) -> float | None:
@@ -676,7 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for m in chosen:
         tests = tests_for(m, cmap)
         budget = sum(cmap["tests"].get(t, 0.0) for t in tests)
-        items.append((m, ROOT / m.path, tests, max(TIMEOUT_MIN_S, TIMEOUT_FACTOR * budget)))
+        items.append((m, ROOT / m.path, tests, TIMEOUT_S + TIMEOUT_FACTOR * budget))
     runnable = [it for it in items if it[2]]
     untested = [Outcome(it[0], "survived", 0.0, 0, "no test of its module's test files calls this function")
                 for it in items if not it[2]]
@@ -693,7 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "python scripts/mutate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d", time.gmtime()), "source": source_version(ROOT), "machine": machine("cpu"),
         "load": [round(x, 2) for x in load], "workers": args.workers, "seconds": round(seconds, 1),
-        "operators": OPERATORS,
+        "operators": OPERATORS, "tests_per_file": TESTS_PER_FILE,
         "sample": {"mutants": len(chosen), "of": len(every), "seed": args.seed,
                    "sampled": len(chosen) < len(every)},
         **summary,

@@ -1,0 +1,133 @@
+"""Arithmetic of the math units that the other tests leave free (scripts/mutate.py's survivors),
+checked against independent computations: torch.optim.AdamW and float64 closed forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from geomopt.geometry.adam import adam_moments, adam_multi_tensor
+from geomopt.geometry.matrix import matrices, split_like
+from geomopt.geometry.polynomial import compose_polynomials, gram_quintic_iteration
+from geomopt.geometry.prox.polar import _ALPHA_CAP, polar_steps, scaled_polar_schedule
+
+
+def _adamw_steps(xs, grads, *, lr, betas, eps, weight_decay):
+    """torch.optim.AdamW (the single-tensor path) over the list of gradients per step."""
+    params = [x.clone().requires_grad_(True) for x in xs]
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adam_multi_tensor_is_adamw_over_steps(fused, weight_decay):
+    """The flat path in both forms (foreach ops; torch's fused kernel) against torch.optim.AdamW,
+    three steps, two tensors of a flat buffer, float64."""
+    torch.manual_seed(0)
+    xs0 = [torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
+    grads = [[torch.randn_like(x) for x in xs0] for _ in range(3)]
+    lr, betas, eps = 0.05, (0.8, 0.95), 1e-6
+    want = _adamw_steps(xs0, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    xs = [x.clone() for x in xs0]
+    n = sum(x.numel() for x in xs)
+    m, v = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    scratch = {}
+
+    def take(name, shape):
+        return scratch.setdefault(name, torch.empty(shape, dtype=torch.float64))
+
+    for step, us in enumerate(grads, start=1):
+        adam_multi_tensor(xs, us, (m, split_like(m, xs)), (v, split_like(v, xs)), step, None, 0,
+                          {"betas": betas, "eps": eps}, lr, weight_decay, fused, take)
+    for got, ref in zip(xs, want):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
+
+
+def test_adam_moments_defaults_are_adamws():
+    """Without betas and eps in the fragment: torch.optim.AdamW's (0.9, 0.999) and 1e-8, in closed
+    form over two steps (m, v and the denominator √v̂ + ε, bc₁)."""
+    torch.manual_seed(1)
+    g1, g2 = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    state: dict = {}
+    adam_moments(g1, state, {})
+    m, denom, bc1 = adam_moments(g2, state, {})
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    m_ref = b1 * (1 - b1) * g1 + (1 - b1) * g2
+    v_ref = b2 * (1 - b2) * g1**2 + (1 - b2) * g2**2
+    torch.testing.assert_close(m, m_ref, rtol=1e-12, atol=0)
+    torch.testing.assert_close(denom, v_ref.sqrt() / (1 - b2**2) ** 0.5 + eps, rtol=1e-12, atol=0)
+    assert bc1 == pytest.approx(1 - b1**2, rel=1e-14)
+
+
+# ---------------------------------------------------------------- polar: the host-side schedules
+
+
+def _cubic(x: float, a: float = 1.0) -> float:
+    """One scaled Newton–Schulz step on a singular value: f(aσ) = 1.5aσ − 0.5(aσ)³."""
+    return 1.5 * a * x - 0.5 * (a * x) ** 3
+
+
+def _grid(floor: float, n: int = 60) -> list[float]:
+    return [floor * (1 / floor) ** (i / (n - 1)) for i in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("floor", [2.0**-20, 1e-3, 0.3])
+def test_polar_steps_are_the_fewest_that_bring_every_singular_value_to_one(dtype, floor):
+    """polar_steps = (the fewest steps after which every σ in [floor, 1] is within ε of 1) + 1, by
+    brute force over a grid of σ (the map is increasing on [0, 1] and fixes 1)."""
+    eps = torch.finfo(dtype).eps
+    k = polar_steps(floor, dtype)
+
+    def after(x: float, n: int) -> float:
+        for _ in range(n):
+            x = _cubic(x)
+        return x
+
+    assert all(abs(1 - after(x, k - 1)) <= eps for x in _grid(floor))
+    assert abs(1 - after(floor, k - 2)) > eps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("floor", [2.0**-20, 1e-3, 0.3])
+def test_the_scaled_schedule_brings_every_singular_value_to_one_and_no_sooner(dtype, floor):
+    """Every σ in [floor, 1] ends within ε of 1 under the scaled steps (then α = 1); without the
+    last scaled step the floor does not; every α is at most the cap that keeps f(α) ≥ 1/2."""
+    eps = torch.finfo(dtype).eps
+    alphas = scaled_polar_schedule(floor, dtype)
+    assert alphas[-1] == 1.0 and all(0 < a <= _ALPHA_CAP for a in alphas)
+    assert _cubic(1.0, _ALPHA_CAP) == pytest.approx(0.5, abs=1e-12)
+
+    def after(x: float, schedule: list[float]) -> float:
+        for a in schedule:
+            x = _cubic(x, a)
+        return x
+
+    assert all(abs(1 - after(x, alphas[:-1])) <= 2 * eps for x in _grid(floor))
+    assert abs(1 - after(floor, alphas[:-2])) > eps
+
+
+# ---------------------------------------------------------------- small units
+
+
+def test_a_scalar_element_is_one_by_one():
+    assert matrices(torch.tensor(3.0)).shape == (1, 1, 1)
+    assert matrices(torch.zeros(5), batch_dims=1).shape == (5, 1, 1)
+    assert matrices(torch.zeros(4)).shape == (1, 4, 1)
+
+
+@pytest.mark.parametrize("scale", [1.0, -0.5, 3.0])
+def test_gram_quintic_iteration_scales_its_output(scale):
+    """scale·p_k(…p_1(X)) against the float64 map on the singular values (U·diag(p(σ))·Vᵀ)."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 5, dtype=torch.float64) * 0.3
+    coefficients = [(3.4445, -4.7750, 2.0315)] * 4
+    got = gram_quintic_iteration(x, coefficients, scale=scale)
+    u, s, vh = torch.linalg.svd(x, full_matrices=False)
+    want = scale * u @ torch.diag_embed(compose_polynomials(coefficients, s)) @ vh
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
