@@ -73,8 +73,43 @@ TESTS: dict[str, tuple[str, ...]] = {
 #: compile workers (the eager tests cover the same functions)
 EXCLUDE = "not test_compiled_"
 
+_ITERATION_CAP = ("a safety cap on a host-side loop that converges in far fewer steps: never reached, so the "
+                  "result is the same")
+_ONE_MORE_STEP = ("the loop stops when |1 − x| ≤ ε instead of < ε: the two differ only where |1 − x| is exactly ε, "
+                  "and then by one more step of a converged iteration")
+_COST_MODEL = ("a flop estimate choosing between two methods that compute the same polar factor (to the dtype's "
+               "precision): a changed estimate picks the other method, not another result")
+_START_VECTOR = ("the power iteration's start vector: any vector with a component along the top singular vector "
+                 "converges to the same estimate, which only bounds σ from above before the exact iteration")
+_NEWTON_STEPS = ("more Newton steps of an iteration that has converged to the dtype's precision after the ones "
+                 "given: the same result within rounding")
 #: survivors judged equivalent or unkillable, keyed ``path:line:col: original -> mutated``
-EXPLAINED: dict[str, str] = {}
+EXPLAINED: dict[str, str] = {
+    "geomopt/geometry/adam.py:62:72: 0 -> 1": "xs[1] for xs[0]: every tensor of a bucket is on the same device",
+    "geomopt/geometry/prox/polar.py:102:14: abs(1 - x) > eps -> abs(1 - x) >= eps": _ONE_MORE_STEP,
+    "geomopt/geometry/prox/polar.py:102:39: 200 -> 201": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py:102:39: 200 -> 400": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py:102:35: n < 200 -> n <= 200": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py:259:14: abs(1 - y * z) > eps -> abs(1 - y * z) >= eps": _ONE_MORE_STEP,
+    "geomopt/geometry/prox/polar.py:259:39: n < 100 -> n <= 100": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py:259:43: 100 -> 101": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py:259:43: 100 -> 200": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py:111:23: -1 -> 1": ("column sums for row sums of G, which is symmetric "
+                                                       "(the bound's contract): the same sums"),
+    "geomopt/geometry/prox/polar.py:111:32: -1 -> 1": "dim 1 for dim −1 of the (N, k) row sums: the same dim",
+    "geomopt/geometry/prox/polar.py:120:12: torch.arange(n, dtype=e.dtype, device=e.device) / (n + 1) * 0.7 -> "
+    "torch.arange(n, dtype=e.dtype, device=e.device) / (n + 1) / 0.7": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py:120:72: 0.7 -> 1.7": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py:120:72: 0.7 -> 1.4": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py:120:72: 0.7 -> 0.30000000000000004": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py:185:12: 2 -> 3": _COST_MODEL,
+    "geomopt/geometry/prox/polar.py:185:12: 2 -> 4": _COST_MODEL,
+    "geomopt/geometry/prox/polar.py:185:82: m * n * n -> m * n / n": _COST_MODEL,
+    "geomopt/geometry/prox/scalar.py:156:11: 4 -> 5": _NEWTON_STEPS,
+    "geomopt/geometry/prox/scalar.py:156:11: 4 -> 8": _NEWTON_STEPS,
+    "geomopt/geometry/prox/scalar.py:156:59: 8 -> 9": _NEWTON_STEPS,
+    "geomopt/geometry/prox/scalar.py:156:59: 8 -> 16": _NEWTON_STEPS,
+}
 
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")
 #: the most tests of one file a mutant runs (a function the whole step calls is called by
