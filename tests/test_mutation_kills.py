@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from geomopt.geometry.adam import adam_moments, adam_multi_tensor
+from geomopt.geometry.gap import stationarity_gap
 from geomopt.geometry.matrix import matrices, split_like
 from geomopt.geometry.polynomial import compose_polynomials, gram_quintic_iteration
 from geomopt.geometry.prox.polar import _ALPHA_CAP, polar_steps, scaled_polar_schedule
@@ -97,7 +98,8 @@ def test_polar_steps_are_the_fewest_that_bring_every_singular_value_to_one(dtype
 @pytest.mark.parametrize("floor", [2.0**-20, 1e-3, 0.3])
 def test_the_scaled_schedule_brings_every_singular_value_to_one_and_no_sooner(dtype, floor):
     """Every σ in [floor, 1] ends within ε of 1 under the scaled steps (then α = 1); without the
-    last scaled step the floor does not; every α is at most the cap that keeps f(α) ≥ 1/2."""
+    last scaled step the floor does not; every α is at most the cap that keeps f(α) ≥ 1/2, and
+    below it the one that maps both ends of the remaining interval to the same value."""
     eps = torch.finfo(dtype).eps
     alphas = scaled_polar_schedule(floor, dtype)
     assert alphas[-1] == 1.0 and all(0 < a <= _ALPHA_CAP for a in alphas)
@@ -110,6 +112,12 @@ def test_the_scaled_schedule_brings_every_singular_value_to_one_and_no_sooner(dt
 
     assert all(abs(1 - after(x, alphas[:-1])) <= 2 * eps for x in _grid(floor))
     assert abs(1 - after(floor, alphas[:-2])) > eps
+    # each α equalizes the images of the interval's ends, f(α·low) = f(α) (the equioscillation
+    # step), unless capped; the interval's image by brute force over a grid
+    low = floor
+    for a in alphas[:-1]:
+        assert a == _ALPHA_CAP or _cubic(low, a) == pytest.approx(_cubic(1.0, a), rel=1e-12)
+        low = min(_cubic(x, a) for x in [low + (1 - low) * i / 400 for i in range(401)])
 
 
 # ---------------------------------------------------------------- small units
@@ -131,3 +139,20 @@ def test_gram_quintic_iteration_scales_its_output(scale):
     u, s, vh = torch.linalg.svd(x, full_matrices=False)
     want = scale * u @ torch.diag_embed(compose_polynomials(coefficients, s)) @ vh
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("reference", [{"kind": "log_barrier", "eps": 1e-3},
+                                       {"kind": "power_barrier", "kappa": 2.0, "eps": 1e-3}])
+def test_the_gap_takes_w_on_the_boundary_as_just_inside(reference):
+    """|w| = 1 exactly (where a saturated barrier step rounds W) is h(1 − ε), finite: the same gap
+    as W pulled to 1 − ε; past rounding (|w| = 1 + 1e-3) it is +∞."""
+    eps = torch.finfo(torch.float64).eps
+    geometry = {"kind": "anisotropic", "reference": reference, "radius": 0.7}
+    g = torch.tensor([[0.3, -2.0, 0.5]], dtype=torch.float64)
+    on = torch.tensor([[1.0, -1.0, 0.25]], dtype=torch.float64)
+    inside = torch.tensor([[1 - eps, -(1 - eps), 0.25]], dtype=torch.float64)
+    gap_on = stationarity_gap(g, on, geometry, batch_dims=1)
+    assert torch.isfinite(gap_on).all()
+    torch.testing.assert_close(gap_on, stationarity_gap(g, inside, geometry, batch_dims=1), rtol=1e-12, atol=0)
+    past = stationarity_gap(g, on * (1 + 1e-3), geometry, batch_dims=1)
+    assert torch.isinf(past).all()
