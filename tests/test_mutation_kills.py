@@ -3,12 +3,15 @@ checked against independent computations: torch.optim.AdamW and float64 closed f
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from geomopt.geometry.adam import adam_moments, adam_multi_tensor
 from geomopt.geometry.gap import stationarity_gap
 from geomopt.geometry.matrix import matrices, split_like
+from geomopt.geometry.prox import backward
 from geomopt.geometry.polynomial import compose_polynomials, gram_quintic_iteration
 from geomopt.geometry.prox.polar import _ALPHA_CAP, polar_steps, scaled_polar_schedule
 
@@ -156,3 +159,39 @@ def test_the_gap_takes_w_on_the_boundary_as_just_inside(reference):
     torch.testing.assert_close(gap_on, stationarity_gap(g, inside, geometry, batch_dims=1), rtol=1e-12, atol=0)
     past = stationarity_gap(g, on * (1 + 1e-3), geometry, batch_dims=1)
     assert torch.isinf(past).all()
+
+
+# ---------------------------------------------------------------- the SVD-free Stiefel step's bounds
+
+
+def _near_stiefel(shape, r, t, seed):
+    """Y = X − tW, X ∈ Stiefel(r) (r·QR of a Gaussian), ‖W‖₂ = 0.99: float64."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.linalg.qr(torch.randn(max(shape), min(shape), generator=g, dtype=torch.float64))[0]
+    x = r * (q if shape[0] >= shape[1] else q.T)
+    w = torch.randn(*shape, generator=g, dtype=torch.float64)
+    return x - t * 0.99 * w / torch.linalg.matrix_norm(w, ord=2)
+
+
+@pytest.mark.parametrize("shape,t", [((48, 24), 0.04), ((24, 48), 0.04), ((256, 128), 0.6), ((48, 24), 2.0)])
+def test_the_svd_free_stiefel_bounds_hold_the_singular_values(shape, t, monkeypatch):
+    """The interval [floor, top] the Stiefel step hands its polar iteration holds σ(Y)/c (σ by the
+    float64 SVD), below √3; near Stiefel (t = 0.02r) it is the feasible case's,
+    σ/c ∈ [r − 1.2t, r + 1.2t]/(r + t), whose scaled schedule is 4 steps in float32 (the
+    docstring's count)."""
+    mod = importlib.import_module("geomopt.geometry.prox.polar")
+    seen = []
+    by_cost = mod._polar_by_cost
+    monkeypatch.setattr(mod, "_polar_by_cost", lambda mats, gram, c, floor, top: seen.append((c, floor, top))
+                        or by_cost(mats, gram, c, floor, top))
+    r = 2.0  # the geometry's radius is 1: the step's t = γρ is γ
+    y = torch.stack([_near_stiefel(shape, r, t, s) for s in range(2)])
+    geometry = {"kind": "spectral", "reference": {"kind": "log_barrier", "eps": 1e-3}}
+    backward(y, t, geometry, {"kind": "stiefel", "radius": r, "method": "polar"}, batch_dims=1)
+    (c, floor, top), = seen
+    ratio = torch.linalg.svdvals(y) / c.reshape(-1, 1)
+    assert (ratio.amin(-1) >= floor * (1 - 1e-12)).all() and (ratio.amax(-1) <= top * (1 + 1e-12)).all()
+    assert top < 3**0.5
+    if (shape, t) == ((48, 24), 0.04):
+        assert (floor, top) == pytest.approx(((r - 1.2 * t) / (r + t), (r + 1.2 * t) / (r + t)), rel=1e-12)
+        assert len(scaled_polar_schedule(floor / top, torch.float32)) == 4
