@@ -4,6 +4,7 @@ checked against independent computations: torch.optim.AdamW and float64 closed f
 from __future__ import annotations
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from geomopt.geometry.gap import stationarity_gap
 from geomopt.geometry.matrix import matrices, split_like
 from geomopt.geometry.prox import backward
 from geomopt.geometry.polynomial import compose_polynomials, gram_quintic_iteration
-from geomopt.geometry.prox.polar import _ALPHA_CAP, polar_steps, scaled_polar_schedule
+from geomopt.geometry.prox.polar import (_ALPHA_CAP, _inverse_sqrt, _inverse_sqrt_steps, polar_steps,
+                                         scaled_polar_schedule)
 
 
 def _adamw_steps(xs, grads, *, lr, betas, eps, weight_decay):
@@ -195,3 +197,32 @@ def test_the_svd_free_stiefel_bounds_hold_the_singular_values(shape, t, monkeypa
     if (shape, t) == ((48, 24), 0.04):
         assert (floor, top) == pytest.approx(((r - 1.2 * t) / (r + t), (r + 1.2 * t) / (r + t)), rel=1e-12)
         assert len(scaled_polar_schedule(floor / top, torch.float32)) == 4
+
+
+@pytest.mark.parametrize("floor,top", [(1e-3, 1.0), (0.25, 2.0), (0.9, 1.1)])
+def test_the_coupled_inverse_square_root_matches_eigh(floor, top):
+    """H^{−1/2} of symmetric H with spectrum spread over [floor, top], against Q·diag(λ^{−1/2})·Qᵀ
+    of float64 eigenvectors: the host-counted steps reach float64 precision."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.linalg.qr(torch.randn(2, 6, 6, generator=g, dtype=torch.float64))[0]
+    lam = torch.logspace(math.log10(floor), math.log10(top), 6, dtype=torch.float64)
+    h = q @ torch.diag_embed(lam.expand(2, 6)) @ q.mT
+    want = q @ torch.diag_embed(lam.rsqrt().expand(2, 6)) @ q.mT
+    torch.testing.assert_close(_inverse_sqrt(h, floor, top), want, rtol=0, atol=1e-11 / floor**0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("floor,top", [(1e-3, 1.0), (0.25, 2.0), (0.9, 1.1), (1e-8, 1.0)])
+def test_the_inverse_square_root_takes_the_steps_its_error_recurrence_needs(dtype, floor, top):
+    """A spectral value μ's error e = 1 − μz² moves as e ← ¾e² + ¼e³ (the docstring's recurrence,
+    from e₀ = 1 − μ): the host's step count is the steps that bring the worst end within ε, plus one."""
+    eps = torch.finfo(dtype).eps
+
+    def steps(mu: float) -> int:
+        e, n = 1 - mu, 0
+        while abs(e) > eps:
+            e, n = 0.75 * e * e + 0.25 * e**3, n + 1
+        return n
+
+    need = max(steps(floor), steps(top), 1)
+    assert need <= _inverse_sqrt_steps(floor, dtype, top) - 1 <= need + 1
