@@ -105,6 +105,24 @@ EXPLAINED: dict[str, str] = {
     "geomopt/geometry/prox/polar.py:185:12: 2 -> 3": _COST_MODEL,
     "geomopt/geometry/prox/polar.py:185:12: 2 -> 4": _COST_MODEL,
     "geomopt/geometry/prox/polar.py:185:82: m * n * n -> m * n / n": _COST_MODEL,
+    "geomopt/geometry/prox/polar.py:260:16: 1.5 - 0.5 * z * y -> -(1.5 - 0.5 * z * y)": (
+        "the host's simulation reads only y·z, which the step multiplies by t²: a negated t changes nothing it reads"),
+    "geomopt/geometry/prox/polar.py:256:12: 1 -> 2": ("at least two steps instead of one where both ends of the "
+                                                      "spectrum are already within ε of 1: one more step of a "
+                                                      "converged iteration"),
+    "geomopt/geometry/prox/polar.py:58:43: 2.0 -> 4.0": ("a lower default floor (2⁻⁸⁰ for 2⁻⁴⁰): more steps of a "
+                                                        "converging iteration, the same polar factor"),
+    "geomopt/geometry/prox/polar.py:162:9: math.sqrt(r * r + math.sqrt(q) * (2 * r * t1 + t1 * t1)) <= 1.5 * (r + t) "
+    "-> math.sqrt(r * r + math.sqrt(q) * (2 * r * t1 + t1 * t1)) < 1.5 * (r + t)": (
+        "the guard's two sides are equal only on a measure-zero set of (r, t, q); both branches' bounds hold there"),
+    "geomopt/geometry/prox/scalar.py:109:26: 1 <= j <= 6 -> 1 < j <= 6": ("κ = 2 through the general powers "
+                                                                           "instead of squarings: the same values "
+                                                                           "to rounding"),
+    "geomopt/geometry/prox/scalar.py:109:26: 1 <= j <= 6 -> 1 <= j < 6": ("κ = 64 through the general powers "
+                                                                           "instead of squarings: the same values "
+                                                                           "to rounding"),
+    "geomopt/geometry/prox/scalar.py:107:63: 2 -> 4": ("u capped at max^(1/κ)/4 instead of /2: past either cap "
+                                                       "(h₁*)' = 1 and (h₁*)'' = 0 to the working precision"),
     "geomopt/geometry/prox/scalar.py:156:11: 4 -> 5": _NEWTON_STEPS,
     "geomopt/geometry/prox/scalar.py:156:11: 4 -> 8": _NEWTON_STEPS,
     "geomopt/geometry/prox/scalar.py:156:59: 8 -> 9": _NEWTON_STEPS,
