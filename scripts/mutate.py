@@ -20,8 +20,9 @@ fork()ed child that recompiles only the mutated function and swaps its ``__code_
 function object (every ``from x import f`` reference and every registry entry sees it), then runs
 ``pytest.main([...tests..., "-x", "-q", "-p", "no:cacheprovider"])`` under a timeout (a timeout
 counts as killed, listed apart). The tests a mutant runs are those of :data:`TESTS` (a module's own
-tests and the step's integration tests) that execute the mutated function: a map from test to
-the functions it calls, computed once by profiling those tests and cached in ``.cache/`` (keyed by
+tests and the step's integration tests) that execute the mutated function, at most
+:data:`TESTS_PER_FILE` of each file spread over its cases: a map from test to the functions it
+calls, computed once by profiling those tests and cached in ``.cache/`` (per test file, keyed by
 the sources' and tests' contents).
 
 A surviving mutant is either killed by a new test or explained in :data:`EXPLAINED` (why it is
