@@ -124,6 +124,12 @@ EXPLAINED: dict[str, str] = {
                                                                            "to rounding"),
     "geomopt/geometry/prox/scalar.py:107:63: 2 -> 4": ("u capped at max^(1/κ)/4 instead of /2: past either cap "
                                                        "(h₁*)' = 1 and (h₁*)'' = 0 to the working precision"),
+    "geomopt/optim/stages.py:173:24: per_column(w * w).sqrt_().clamp_(min=eps) -> "
+    "per_column(w * w).sqrt_().clamp_(max=eps)": ("the power iteration's w divided by ε instead of its norm: "
+                                                  "only its direction is read (v = Dᵀw is normalized next)"),
+    "geomopt/optim/stages.py:175:12: v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps) -> "
+    "-(v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps))": ("v negated: the estimate σ₁ ≈ ‖Dv‖ reads w = Dv only "
+                                                           "through w·w"),
     "geomopt/geometry/prox/scalar.py:156:11: 4 -> 5": _NEWTON_STEPS,
     "geomopt/geometry/prox/scalar.py:156:11: 4 -> 8": _NEWTON_STEPS,
     "geomopt/geometry/prox/scalar.py:156:59: 8 -> 9": _NEWTON_STEPS,

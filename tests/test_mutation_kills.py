@@ -226,3 +226,26 @@ def test_the_inverse_square_root_takes_the_steps_its_error_recurrence_needs(dtyp
 
     need = max(steps(floor), steps(top), 1)
     assert need <= _inverse_sqrt_steps(floor, dtype, top) - 1 <= need + 1
+
+
+# ---------------------------------------------------------------- post-stages on a bucket
+
+
+@pytest.mark.parametrize("target", ["unit", 0.5])
+def test_rms_match_sets_each_tensors_norm_in_a_shared_bucket(target):
+    """Two tensors of one shape share a bucket (one stacked update): rms_match sets each one's
+    step norm on its own — 1, or target·√(mn) — not the bucket's."""
+    import geomopt
+
+    gen = torch.Generator().manual_seed(5)
+    params = {n: torch.nn.Parameter(torch.randn(4, 9, generator=gen, dtype=torch.float64)) for n in "ab"}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    rule = {"name": "all", "match": "**", "lr": 0.1, "geometry": {"kind": "euclidean"},
+            "post": [{"kind": "rms_match", "target": target, "eps": 1e-30}]}
+    opt = geomopt.GeomOptimizer(list(params.items()), {"geomopt": 1, "name": "t", "rules": [rule]})
+    for n, p in params.items():
+        p.grad = torch.randn(4, 9, generator=gen, dtype=torch.float64) * (1.0 if n == "a" else 7.0)
+    opt.step()
+    want = 1.0 if target == "unit" else target * 6.0
+    for n, p in params.items():
+        assert float(((before[n] - p.detach()) / 0.1).norm()) == pytest.approx(want, rel=1e-10)
