@@ -84,6 +84,10 @@ _START_VECTOR = ("the power iteration's start vector: any vector with a componen
                  "converges to the same estimate, which only bounds σ from above before the exact iteration")
 _NEWTON_STEPS = ("more Newton steps of an iteration that has converged to the dtype's precision after the ones "
                  "given: the same result within rounding")
+_TOP_TERM = ("the series' z²⁴ coefficient: for |z| < 0.1 that term is below 1e-22 of the leading z²/2, under "
+             "float64's ε")
+_SUBSTITUTION = ("the exponent of a change of variables in a quadrature: every positive value gives the same "
+                 "integral, and the tests' tolerances hold with either")
 #: survivors judged equivalent or unkillable, keyed ``path:line:col: original -> mutated``
 EXPLAINED: dict[str, str] = {
     "geomopt/geometry/adam.py:62:72: 0 -> 1": "xs[1] for xs[0]: every tensor of a bucket is on the same device",
@@ -130,6 +134,12 @@ EXPLAINED: dict[str, str] = {
     "geomopt/optim/stages.py:175:12: v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps) -> "
     "-(v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps))": ("v negated: the estimate σ₁ ≈ ‖Dv‖ reads w = Dv only "
                                                            "through w·w"),
+    "geomopt/geometry/reference.py:228:30: 1 -> 2": _TOP_TERM,
+    "geomopt/geometry/reference.py:228:30: 1 -> 0": _TOP_TERM,
+    "geomopt/geometry/reference.py:112:46: 1 -> 2": ("|x| clamped at 2 instead of 1 before h's formula: where "
+                                                     "|x| ≥ 1 the result is +∞ whatever the formula gives"),
+    "geomopt/geometry/reference.py:322:8: 2 -> 3": _SUBSTITUTION,
+    "geomopt/geometry/reference.py:370:17: 2 -> 4": _SUBSTITUTION,
     "geomopt/geometry/prox/scalar.py:156:11: 4 -> 5": _NEWTON_STEPS,
     "geomopt/geometry/prox/scalar.py:156:11: 4 -> 8": _NEWTON_STEPS,
     "geomopt/geometry/prox/scalar.py:156:59: 8 -> 9": _NEWTON_STEPS,

@@ -13,6 +13,7 @@ from geomopt.geometry.adam import adam_moments, adam_multi_tensor
 from geomopt.geometry.gap import stationarity_gap
 from geomopt.geometry.matrix import matrices, split_like
 from geomopt.geometry.prox import backward
+from geomopt.geometry.reference import _z_minus_log1p
 from geomopt.geometry.polynomial import compose_polynomials, gram_quintic_iteration
 from geomopt.geometry.prox.polar import (_ALPHA_CAP, _inverse_sqrt, _inverse_sqrt_steps, polar_steps,
                                          scaled_polar_schedule)
@@ -249,3 +250,16 @@ def test_rms_match_sets_each_tensors_norm_in_a_shared_bucket(target):
     want = 1.0 if target == "unit" else target * 6.0
     for n, p in params.items():
         assert float(((before[n] - p.detach()) / 0.1).norm()) == pytest.approx(want, rel=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_z_minus_log1p_against_fifty_digits(dtype):
+    """g(z) = z − ln(1 + z) (the log barrier's h) on both sides of its series' |z| < 0.1, against
+    Decimal arithmetic at 50 digits: a few ulps."""
+    from decimal import Decimal, getcontext
+
+    getcontext().prec = 50
+    zs = [-0.99, -0.5, -0.0999, -0.05, -1e-3, -1e-6, 1e-6, 1e-3, 0.05, 0.0999, 0.5, 5.0]
+    got = _z_minus_log1p(torch.tensor(zs, dtype=dtype)).double()
+    want = torch.tensor([float(Decimal(z) - (1 + Decimal(z)).ln()) for z in zs], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=8 * torch.finfo(dtype).eps, atol=0)
