@@ -88,6 +88,9 @@ _TOP_TERM = ("the series' z²⁴ coefficient: for |z| < 0.1 that term is below 1
              "float64's ε")
 _SUBSTITUTION = ("the exponent of a change of variables in a quadrature: every positive value gives the same "
                  "integral, and the tests' tolerances hold with either")
+_ROWS = ("dim 1 for dim −1 of the module's (B, n) rows of magnitudes (its docstring): the same dim")
+_GROUPING = ("which form computes M·V·Diag(w)·Vᵀ, and over how many leading directions (those past the "
+             "width have w = c and add nothing): a cost choice, the same product to rounding")
 #: survivors judged equivalent or unkillable, keyed ``path:line:col: original -> mutated``
 EXPLAINED: dict[str, str] = {
     "geomopt/geometry/adam.py:62:72: 0 -> 1": "xs[1] for xs[0]: every tensor of a bucket is on the same device",
@@ -140,6 +143,16 @@ EXPLAINED: dict[str, str] = {
                                                      "|x| ≥ 1 the result is +∞ whatever the formula gives"),
     "geomopt/geometry/reference.py:322:8: 2 -> 3": _SUBSTITUTION,
     "geomopt/geometry/reference.py:370:17: 2 -> 4": _SUBSTITUTION,
+    "geomopt/geometry/prox/scalar.py:141:28: -1 -> 1": _ROWS,
+    "geomopt/geometry/prox/scalar.py:142:28: -1 -> 1": _ROWS,
+    "geomopt/geometry/prox/scalar.py:236:76: -1 -> 1": _ROWS,
+    "geomopt/geometry/prox/scalar.py:285:53: -1 -> 1": _ROWS,
+    "geomopt/geometry/prox/scalar.py:304:43: -1 -> 1": "unsqueeze(1) for unsqueeze(−1) of the (B,) row norms: the same",
+    "geomopt/geometry/prox/vector.py:41:32: -1 -> 1": _ROWS,
+    "geomopt/geometry/prox/vector.py:53:57: -1 -> 1": _ROWS,
+    "geomopt/geometry/prox/spectral_map.py:183:33: min(mats.shape[-2:]) -> max(mats.shape[-2:])": _GROUPING,
+    "geomopt/geometry/prox/spectral_map.py:186:32: 8 -> 16": _GROUPING,
+    "geomopt/geometry/prox/spectral_map.py:187:31: 2 -> 0": _GROUPING,
     "geomopt/geometry/prox/scalar.py:156:11: 4 -> 5": _NEWTON_STEPS,
     "geomopt/geometry/prox/scalar.py:156:11: 4 -> 8": _NEWTON_STEPS,
     "geomopt/geometry/prox/scalar.py:156:59: 8 -> 9": _NEWTON_STEPS,

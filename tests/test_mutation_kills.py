@@ -15,6 +15,8 @@ from geomopt.geometry.matrix import matrices, split_like
 from geomopt.geometry.prox import backward
 from geomopt.geometry.reference import _z_minus_log1p
 from geomopt.geometry.polynomial import compose_polynomials, gram_quintic_iteration
+from geomopt.geometry.prox.scalar import _box_tau
+from geomopt.geometry.prox.vector import VECTOR_PROJ
 from geomopt.geometry.prox.polar import (_ALPHA_CAP, _inverse_sqrt, _inverse_sqrt_steps, polar_steps,
                                          scaled_polar_schedule)
 
@@ -263,3 +265,25 @@ def test_z_minus_log1p_against_fifty_digits(dtype):
     got = _z_minus_log1p(torch.tensor(zs, dtype=dtype)).double()
     want = torch.tensor([float(Decimal(z) - (1 + Decimal(z)).ln()) for z in zs], dtype=torch.float64)
     torch.testing.assert_close(got, want, rtol=8 * torch.finfo(dtype).eps, atol=0)
+
+
+def test_the_linf_sphere_projects_each_row_of_a_batch_on_its_own():
+    """A (B, n) batch: a row reaching ‖v‖∞ ≥ r is clipped, one inside has its first largest entry
+    moved to ±r (the nearest point of the sphere), each by its own norm."""
+    v = torch.tensor([[0.5, -3.0, 1.0], [0.2, -0.7, 0.7]], dtype=torch.float64)
+    got = VECTOR_PROJ["linf_sphere"](v, {"kind": "linf_sphere", "radius": 2.0})
+    want = torch.tensor([[0.5, -2.0, 1.0], [0.2, -2.0, 0.7]], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_box_tau_solves_each_row_on_its_own():
+    """τ with Σ max(α/(1+τ), α − 1)₊² = ρ² (the indicator's ball step), row by row of a batch:
+    the defining equation in float64, and the same τ as each row alone."""
+    # every row feasible and outside: Σ(α − 1)₊² < ρ² < Σα²
+    alpha = torch.tensor([[3.0, 2.5, 0.4, 0.1], [2.2, 1.9, 1.8, 1.3], [3.5, 1.5, 1.1, 1.0]], dtype=torch.float64)
+    rho2 = 9.0
+    tau = _box_tau(alpha, rho2)
+    total = torch.maximum(alpha / (1 + tau), alpha - 1).clamp(min=0).square().sum(-1)
+    torch.testing.assert_close(total, torch.full_like(total, rho2), rtol=1e-12, atol=0)
+    alone = torch.cat([_box_tau(alpha[i:i + 1], rho2) for i in range(len(alpha))])
+    torch.testing.assert_close(tau, alone, rtol=0, atol=0)
