@@ -538,11 +538,12 @@ def mutation(records) -> str:
     explained), and the score, with and without the explained survivors."""
     rec = records("mutation", MUTATION_RESULTS)
 
-    def pct(x):
-        return "—" if x is None else f"{100 * x:.1f}%"
+    def pct(c: dict, survived: int) -> str:  # from the counts (the record's scores are rounded)
+        caught = c["killed"] + c["timed_out"]
+        return "—" if caught + survived == 0 else f"{100 * caught / (caught + survived):.1f}%"
 
     rows = [[MUTATION_GROUPS.get(g, g), str(c["mutants"]), str(c["killed"]), str(c["timed_out"]),
-             f"{c['survived']} ({c['explained']})", pct(c["score"]), pct(c["score_unexplained"])]
+             f"{c['survived']} ({c['explained']})", pct(c, c["survived"]), pct(c, c["survived"] - c["explained"])]
             for g, c in rec["groups"].items()]
     head = ["modules", "mutants", "killed", "timed out", "survived (explained)", "score",
             "score, explained survivors left out"]
