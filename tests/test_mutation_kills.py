@@ -13,6 +13,8 @@ from geomopt.geometry.adam import adam_moments, adam_multi_tensor
 from geomopt.geometry.gap import stationarity_gap
 from geomopt.geometry.matrix import matrices, split_like
 from geomopt.geometry.prox import backward
+from geomopt.geometry.view import cost as view_cost
+from geomopt.geometry.view import count, describe
 from geomopt.geometry.reference import _z_minus_log1p
 from geomopt.geometry.polynomial import compose_polynomials, gram_quintic_iteration
 from geomopt.geometry.prox.scalar import _box_tau
@@ -287,3 +289,23 @@ def test_box_tau_solves_each_row_on_its_own():
     torch.testing.assert_close(total, torch.full_like(total, rho2), rtol=1e-12, atol=0)
     alone = torch.cat([_box_tau(alpha[i:i + 1], rho2) for i in range(len(alpha))])
     torch.testing.assert_close(tau, alone, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- views: counts, costs, descriptions
+
+VIEW_CASES = [  # (view, shape, the matrices it holds, as (count, m, n) runs in block order)
+    (None, (64, 192), [(1, 64, 192)]),
+    ({"batch": 1, "blocks": None, "trailing": "matrix"}, (4, 256, 64), [(4, 256, 64)]),
+    ({"batch": 0, "blocks": [64, 16, 16], "trailing": "matrix"}, (96, 64), [(1, 64, 64), (2, 16, 64)]),
+    ({"batch": 0, "blocks": None, "trailing": "batch"}, (8, 3, 2, 2), [(4, 8, 3)]),
+]
+
+
+@pytest.mark.parametrize("view,shape,runs", VIEW_CASES)
+def test_a_views_count_cost_and_description_by_hand(view, shape, runs):
+    """count = the matrices, cost = Σ m·n·min(m, n) over them (None without a view), describe =
+    "k × m×n" runs joined by " + " (the docstring's examples), each from the matrices listed."""
+    assert count(view, shape) == (1 if view is None else sum(k for k, _, _ in runs))
+    want_cost = float(sum(k * m * n * min(m, n) for k, m, n in runs))
+    assert view_cost(view, shape) == (None if view is None else want_cost)
+    assert describe(view, shape) == " + ".join(f"{k} × {m}×{n}" if k > 1 else f"{m}×{n}" for k, m, n in runs)
