@@ -555,7 +555,8 @@ def mutation(records) -> str:
                f"{duration(rec['seconds'])} on {machine_text(rec)}{load}; each mutant runs at most "
                f"{rec['tests_per_file']} of the tests of each test file that call its function. Score: "
                f"(killed + timed out) / (killed + timed out + survived); a survivor is explained where it is "
-               f"equivalent to the original or no test can tell it apart (the outcome file, `benchmarks/results/mutation.json`, says why).")
+               f"equivalent to the original or no test can tell it apart (the outcome file, "
+               f"`benchmarks/results/mutation.json`, says why).")
     return "\n".join(table(head, rows)) + "\n\n" + caption
 
 
