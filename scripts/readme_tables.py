@@ -577,6 +577,40 @@ def fuzz(records) -> str:
     return "\n".join(table(head, rows)) + "\n\n" + caption
 
 
+# ---------------------------------------------------------------- mutation testing
+
+MUTATION_RESULTS = ROOT / "benchmarks" / "results" / "mutation.json"
+MUTATION_GROUPS = {"geometry": "`geomopt/geometry/`", "stages": "`geomopt/optim/units/stages.py`",
+                   "directions": "`geomopt/optim/units/directions.py`"}
+
+
+def mutation(records) -> str:
+    """Per group of modules (scripts/mutate.py): mutants, killed, timed out, survived (of them
+    explained), and the score, with and without the explained survivors."""
+    rec = records("mutation", MUTATION_RESULTS)
+
+    def pct(c: dict, survived: int) -> str:  # from the counts (the record's scores are rounded)
+        caught = c["killed"] + c["timed_out"]
+        return "—" if caught + survived == 0 else f"{100 * caught / (caught + survived):.1f}%"
+
+    rows = [[MUTATION_GROUPS.get(g, g), str(c["mutants"]), str(c["killed"]), str(c["timed_out"]),
+             f"{c['survived']} ({c['explained']})", pct(c, c["survived"]), pct(c, c["survived"] - c["explained"])]
+            for g, c in rec["groups"].items()]
+    head = ["modules", "mutants", "killed", "timed out", "survived (explained)", "score",
+            "score, explained survivors left out"]
+    sample = rec["sample"]
+    drawn = (f"a seeded sample of {sample['mutants']} of the {sample['of']} mutants (seed {sample['seed']})"
+             if sample["sampled"] else f"all {sample['of']} mutants")
+    load = f", load average {rec['load'][0]:.1f} as it began" if rec.get("load") else ""
+    caption = (f"`{rec['command']}`{made_text(rec)}: {drawn}, {rec['workers']} worker, "
+               f"{duration(rec['seconds'])} on {machine_text(rec)}{load}; each mutant runs at most "
+               f"{rec['tests_per_file']} of the tests of each test file that call its function. Score: "
+               f"(killed + timed out) / (killed + timed out + survived); a survivor is explained where it is "
+               f"equivalent to the original or no test can tell it apart (the outcome file, "
+               f"`benchmarks/results/mutation.json`, says why).")
+    return "\n".join(table(head, rows)) + "\n\n" + caption
+
+
 # ---------------------------------------------------------------- benchmarks/RESULTS.md, quoted
 
 HEADING = re.compile(r"^(#{2,6}) (.+?)\s*$")
@@ -676,6 +710,7 @@ RENDERERS = {
     "layouts": layouts,
     "layouts:docs": layouts,
     "fuzz": fuzz,
+    "mutation": mutation,
     **{f"bench:{key}": bench_quote(key) for key in BENCH_QUOTES},
 }
 

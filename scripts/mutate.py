@@ -1,0 +1,820 @@
+#!/usr/bin/env python
+"""Mutation testing of the arithmetic of geomopt's math units: change one operator or constant at
+a time and record which changes the tests notice.
+
+    python scripts/mutate.py --workers 1 --out benchmarks/results/mutation.json
+    python scripts/mutate.py --modules geometry/gap.py --list     # the mutants, without running
+
+Sites: the functions (module level, and the methods of module-level classes) of
+``geomopt/geometry/**/*.py``, ``geomopt/optim/units/stages.py`` and ``geomopt/optim/units/directions.py``.
+Operators (:data:`OPERATORS`): a numeric constant c → c+1, 2c, 0, and 1−c where 0 < c < 1 is a
+float; a unary minus removed, or added to a returned value or to an arithmetic right-hand side;
+``+``↔``-``, ``*``↔``/``, ``**``→``*`` (augmented assignments too); ``<``↔``<=``, ``>``↔``>=``;
+``min``↔``max`` (builtins, tensor methods, ``clamp``'s keywords); a keyword argument ``k=1 - x``
+→ ``k=x`` and ``alpha=x`` → ``alpha=1 - x``. Not mutated: docstrings, annotations, defaults,
+decorators, ``raise`` and ``assert`` statements, warnings and logging, strings, and code outside
+a function (module constants, module-level lambdas).
+
+Speed: the parent imports torch, geomopt and the test modules once. Each mutant runs in a
+fork()ed child that recompiles only the mutated function and swaps its ``__code__`` on the live
+function object (every ``from x import f`` reference and every registry entry sees it), then runs
+``pytest.main([...tests..., "-x", "-q", "-p", "no:cacheprovider"])`` under a timeout (a timeout
+counts as killed, listed apart). The tests a mutant runs are those of :data:`TESTS` (a module's own
+tests and the step's integration tests) that execute the mutated function, at most
+:data:`TESTS_PER_FILE` of each file spread over its cases: a map from test to the functions it
+calls, computed once by profiling those tests and cached in ``.cache/`` (per test file, keyed by
+the sources' and tests' contents).
+
+A surviving mutant is either killed by a new test or explained in :data:`EXPLAINED` (why it is
+equivalent, or why no test can tell it apart); the outcome file lists every survivor with its note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache"
+DEFAULT_MODULES = ("geomopt/geometry", "geomopt/optim/units/stages.py", "geomopt/optim/units/directions.py")
+#: the groups the outcome file scores apart (path prefixes)
+GROUPS = {"geometry": "geomopt/geometry/", "stages": "geomopt/optim/units/stages.py",
+          "directions": "geomopt/optim/units/directions.py"}
+
+#: the step's integration tests: every unit runs inside them
+STEP_TESTS = ("tests/test_optimizer.py", "tests/test_equivalence.py", "tests/test_stages_variants.py")
+#: source path (or folder) → the test files whose tests may kill its mutants: its own unit tests,
+#: and the step's; the longest matching prefix wins
+TESTS: dict[str, tuple[str, ...]] = {
+    "geomopt/geometry": ("tests/test_forward.py", "tests/test_reference.py", "tests/test_gap.py",
+                         "tests/test_spectral_approx.py", "tests/test_gram_newton_schulz.py",
+                         "tests/test_backward.py", "tests/test_backward_floor.py", "tests/test_retractions.py",
+                         "tests/test_method_auto.py", "tests/test_odd_tensors.py", "tests/test_adam_step.py",
+                         "tests/test_dtype.py", "tests/test_mutation_kills.py", *STEP_TESTS),
+    "geomopt/optim/units/stages.py": ("tests/test_stages.py", "tests/test_mutation_kills.py", *STEP_TESTS),
+    "geomopt/optim/units/directions.py": ("tests/test_units.py", "tests/test_dion.py", "tests/test_adam_step.py",
+                                          *STEP_TESTS),
+}
+#: tests no mutant runs: torch.compile in a forked child costs seconds per mutant and starts
+#: compile workers (the eager tests cover the same functions)
+EXCLUDE = "not test_compiled_"
+
+_ITERATION_CAP = ("a safety cap on a host-side loop that converges in far fewer steps: never reached, so the "
+                  "result is the same")
+_ONE_MORE_STEP = ("the loop stops when |1 − x| ≤ ε instead of < ε: the two differ only where |1 − x| is exactly ε, "
+                  "and then by one more step of a converged iteration")
+_COST_MODEL = ("a flop estimate choosing between two methods that compute the same polar factor (to the dtype's "
+               "precision): a changed estimate picks the other method, not another result")
+_START_VECTOR = ("the power iteration's start vector: any vector with a component along the top singular vector "
+                 "converges to the same estimate, which only bounds σ from above before the exact iteration")
+_NEWTON_STEPS = ("more Newton steps of an iteration that has converged to the dtype's precision after the ones "
+                 "given: the same result within rounding")
+_TOP_TERM = ("the series' z²⁴ coefficient: for |z| < 0.1 that term is below 1e-22 of the leading z²/2, under "
+             "float64's ε")
+_SUBSTITUTION = ("the exponent of a change of variables in a quadrature: every positive value gives the same "
+                 "integral, and the tests' tolerances hold with either")
+_ROWS = ("dim 1 for dim −1 of the module's (B, n) rows of magnitudes (its docstring): the same dim")
+_GROUPING = ("which form computes M·V·Diag(w)·Vᵀ, and over how many leading directions (those past the "
+             "width have w = c and add nothing): a cost choice, the same product to rounding")
+#: survivors judged equivalent or unkillable, keyed ``path:line:col: original -> mutated``
+EXPLAINED: dict[str, str] = {
+    "geomopt/geometry/adam.py:62:72: 0 -> 1": "xs[1] for xs[0]: every tensor of a bucket is on the same device",
+    "geomopt/geometry/prox/polar.py:102:14: abs(1 - x) > eps -> abs(1 - x) >= eps": _ONE_MORE_STEP,
+    "geomopt/geometry/prox/polar.py:102:39: 200 -> 201": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py:102:39: 200 -> 400": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py:102:35: n < 200 -> n <= 200": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py:259:14: abs(1 - y * z) > eps -> abs(1 - y * z) >= eps": _ONE_MORE_STEP,
+    "geomopt/geometry/prox/polar.py:259:39: n < 100 -> n <= 100": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py:259:43: 100 -> 101": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py:259:43: 100 -> 200": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py:111:23: -1 -> 1": ("column sums for row sums of G, which is symmetric "
+                                                       "(the bound's contract): the same sums"),
+    "geomopt/geometry/prox/polar.py:111:32: -1 -> 1": "dim 1 for dim −1 of the (N, k) row sums: the same dim",
+    "geomopt/geometry/prox/polar.py:120:12: torch.arange(n, dtype=e.dtype, device=e.device) / (n + 1) * 0.7 -> "
+    "torch.arange(n, dtype=e.dtype, device=e.device) / (n + 1) / 0.7": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py:120:72: 0.7 -> 1.7": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py:120:72: 0.7 -> 1.4": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py:120:72: 0.7 -> 0.30000000000000004": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py:185:12: 2 -> 3": _COST_MODEL,
+    "geomopt/geometry/prox/polar.py:185:12: 2 -> 4": _COST_MODEL,
+    "geomopt/geometry/prox/polar.py:185:82: m * n * n -> m * n / n": _COST_MODEL,
+    "geomopt/geometry/prox/polar.py:260:16: 1.5 - 0.5 * z * y -> -(1.5 - 0.5 * z * y)": (
+        "the host's simulation reads only y·z, which the step multiplies by t²: a negated t changes nothing it reads"),
+    "geomopt/geometry/prox/polar.py:256:12: 1 -> 2": ("at least two steps instead of one where both ends of the "
+                                                      "spectrum are already within ε of 1: one more step of a "
+                                                      "converged iteration"),
+    "geomopt/geometry/prox/polar.py:58:43: 2.0 -> 4.0": ("a lower default floor (2⁻⁸⁰ for 2⁻⁴⁰): more steps of a "
+                                                        "converging iteration, the same polar factor"),
+    "geomopt/geometry/prox/polar.py:162:9: math.sqrt(r * r + math.sqrt(q) * (2 * r * t1 + t1 * t1)) <= 1.5 * (r + t) "
+    "-> math.sqrt(r * r + math.sqrt(q) * (2 * r * t1 + t1 * t1)) < 1.5 * (r + t)": (
+        "the guard's two sides are equal only on a measure-zero set of (r, t, q); both branches' bounds hold there"),
+    "geomopt/geometry/prox/scalar.py:109:26: 1 <= j <= 6 -> 1 < j <= 6": ("κ = 2 through the general powers "
+                                                                           "instead of squarings: the same values "
+                                                                           "to rounding"),
+    "geomopt/geometry/prox/scalar.py:109:26: 1 <= j <= 6 -> 1 <= j < 6": ("κ = 64 through the general powers "
+                                                                           "instead of squarings: the same values "
+                                                                           "to rounding"),
+    "geomopt/geometry/prox/scalar.py:107:63: 2 -> 4": ("u capped at max^(1/κ)/4 instead of /2: past either cap "
+                                                       "(h₁*)' = 1 and (h₁*)'' = 0 to the working precision"),
+    "geomopt/optim/units/stages.py:177:24: per_column(w * w).sqrt_().clamp_(min=eps) -> "
+    "per_column(w * w).sqrt_().clamp_(max=eps)": ("the power iteration's w divided by ε instead of its norm: "
+                                                  "only its direction is read (v = Dᵀw is normalized next)"),
+    "geomopt/optim/units/stages.py:179:12: v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps) -> "
+    "-(v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps))": ("v negated: the estimate σ₁ ≈ ‖Dv‖ reads w = Dv only "
+                                                           "through w·w"),
+    "geomopt/geometry/reference.py:235:30: 1 -> 2": _TOP_TERM,
+    "geomopt/geometry/reference.py:235:30: 1 -> 0": _TOP_TERM,
+    "geomopt/geometry/reference.py:115:46: 1 -> 2": ("|x| clamped at 2 instead of 1 before h's formula: where "
+                                                     "|x| ≥ 1 the result is +∞ whatever the formula gives"),
+    "geomopt/geometry/reference.py:329:8: 2 -> 3": _SUBSTITUTION,
+    "geomopt/geometry/reference.py:377:17: 2 -> 4": _SUBSTITUTION,
+    "geomopt/geometry/prox/scalar.py:141:28: -1 -> 1": _ROWS,
+    "geomopt/geometry/prox/scalar.py:142:28: -1 -> 1": _ROWS,
+    "geomopt/geometry/prox/scalar.py:240:76: -1 -> 1": _ROWS,
+    "geomopt/geometry/prox/scalar.py:289:53: -1 -> 1": _ROWS,
+    "geomopt/geometry/prox/scalar.py:308:43: -1 -> 1": "unsqueeze(1) for unsqueeze(−1) of the (B,) row norms: the same",
+    "geomopt/geometry/prox/vector.py:41:32: -1 -> 1": _ROWS,
+    "geomopt/geometry/prox/vector.py:53:57: -1 -> 1": _ROWS,
+    "geomopt/geometry/prox/spectral_map.py:190:33: min(mats.shape[-2:]) -> max(mats.shape[-2:])": _GROUPING,
+    "geomopt/geometry/prox/spectral_map.py:193:32: 8 -> 16": _GROUPING,
+    "geomopt/geometry/prox/spectral_map.py:194:31: 2 -> 0": _GROUPING,
+    "geomopt/geometry/prox/scalar.py:156:11: 4 -> 5": _NEWTON_STEPS,
+    "geomopt/geometry/prox/scalar.py:156:11: 4 -> 8": _NEWTON_STEPS,
+    "geomopt/geometry/prox/scalar.py:156:59: 8 -> 9": _NEWTON_STEPS,
+    "geomopt/geometry/prox/scalar.py:156:59: 8 -> 16": _NEWTON_STEPS,
+}
+
+PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")
+#: the most tests of one file a mutant runs (a function the whole step calls is called by
+#: hundreds): its cost on a shared 2-core machine
+TESTS_PER_FILE = 12
+#: a mutant's timeout: TIMEOUT_S + TIMEOUT_FACTOR × its tests' time when the map was made (under a
+#: profiler, so already above their plain time)
+TIMEOUT_S, TIMEOUT_FACTOR = 15.0, 3.0
+#: exit codes of a mutant's child beyond pytest's own
+CANNOT_APPLY = 97
+
+
+# ---------------------------------------------------------------- mutants
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    """One change at one site: the ``variant``-th mutation of the ``site``-th mutable node (in
+    :func:`_sites` order) of the function ``qualname`` of ``path``."""
+
+    path: str
+    module: str
+    qualname: str
+    site: int
+    variant: int
+    line: int
+    col: int
+    op: str
+    original: str
+    mutated: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.path}:{self.line}:{self.col}: {self.original} -> {self.mutated}"
+
+
+_LOGGING = {"warn", "debug", "info", "warning", "error", "exception", "critical", "log"}
+_NOT_ARITHMETIC = {"cast", "isinstance", "issubclass", "getattr", "hasattr", "setattr", "print", "repr", "str"}
+_BINOP_SWAPS: dict[type, type] = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult,
+                                  ast.Pow: ast.Mult}
+_CMP_SWAPS: dict[type, type] = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt}
+_MINMAX = {"min": "max", "max": "min", "minimum": "maximum", "maximum": "minimum", "amin": "amax",
+           "amax": "amin", "clamp_min": "clamp_max", "clamp_max": "clamp_min", "clamp_min_": "clamp_max_",
+           "clamp_max_": "clamp_min_"}
+#: keyword arguments whose plain value is a coefficient worth flipping to 1 − value
+_COEFFICIENT_KEYWORDS = {"alpha", "beta", "weight", "value"}
+#: the operators, by name: what they change
+OPERATORS = {
+    "constant": "a numeric constant c → c+1, 2c, 0, 1−c (a float in (0, 1))",
+    "unary_minus": "−x → x, or x → −x on a returned value or an arithmetic right-hand side",
+    "binop": "+ ↔ −, × ↔ ÷, ** → ×",
+    "compare": "< ↔ <=, > ↔ >=",
+    "min_max": "min ↔ max (builtins, tensor methods and clamp's keywords)",
+    "keyword": "k=1 − x → k=x, alpha/beta/weight/value=x → 1 − x",
+}
+
+
+def _is_str(node: ast.AST) -> bool:
+    return isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)))
+
+
+def _has_str(node: ast.AST) -> bool:
+    """Whether a string takes part in the expression (concatenation, formatting: not arithmetic)."""
+    return any(_is_str(n) for n in ast.walk(node))
+
+
+def _number(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Constant) and isinstance(node.value, (int, float))
+            and not isinstance(node.value, bool))
+
+
+def _skipped(node: ast.AST) -> bool:
+    """Subtrees that are not arithmetic: error paths, checks, messages, logging."""
+    if isinstance(node, (ast.Raise, ast.Assert, ast.JoinedStr, ast.Import, ast.ImportFrom, ast.Global,
+                         ast.Nonlocal)):
+        return True
+    if isinstance(node, ast.Expr) and _is_str(node.value):
+        return True  # a docstring
+    if isinstance(node, ast.Call):
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        return name in _LOGGING or name in _NOT_ARITHMETIC
+    return False
+
+
+def _children(node: ast.AST) -> Iterator[tuple[ast.AST, str, int | None, ast.AST]]:
+    """(parent, field, index, child) of ``node``'s children a mutation may reach."""
+    for field, value in ast.iter_fields(node):
+        if field in ("decorator_list", "returns", "annotation", "type_comment", "type_params"):
+            continue
+        if field == "args" and isinstance(value, ast.arguments):
+            continue  # annotations and defaults: evaluated where the function is defined
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, ast.AST) and not _skipped(item):
+                    yield node, field, i, item
+        elif isinstance(value, ast.AST) and not _skipped(value):
+            yield node, field, None, value
+
+
+def _walk(node: ast.AST) -> Iterator[tuple[ast.AST, str, int | None, ast.AST]]:
+    for parent, field, index, child in _children(node):
+        yield parent, field, index, child
+        yield from _walk(child)
+
+
+Variant = tuple[str, ast.AST]  # (operator, the node that replaces the site)
+
+
+def _with(node: ast.AST, **changes) -> ast.AST:
+    new = copy.deepcopy(node)
+    for k, v in changes.items():
+        setattr(new, k, v)
+    return new
+
+
+def _constant_variants(value: int | float) -> list:
+    out: list = [value + 1]
+    if value != 0:
+        out += [value * 2, 0 if isinstance(value, int) else 0.0]
+    if isinstance(value, float) and 0 < value < 1:
+        out.append(1 - value)
+    seen, unique = {value}, []
+    for v in out:
+        if v not in seen:
+            seen.add(v)
+            unique.append(v)
+    return unique
+
+
+def _variants(parent: ast.AST, field: str, node: ast.AST) -> list[Variant]:
+    """Every mutation of ``node`` (at ``parent.field``)."""
+    out: list[Variant] = []
+    if _number(node):
+        out += [("constant", ast.Constant(v)) for v in _constant_variants(node.value)]  # type: ignore[attr-defined]
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and not _has_str(node):
+        out.append(("unary_minus", copy.deepcopy(node.operand)))
+    elif isinstance(node, ast.BinOp) and type(node.op) in _BINOP_SWAPS:
+        if not _has_str(node) and not any(isinstance(s, (ast.Tuple, ast.List)) for s in (node.left, node.right)):
+            out.append(("binop", _with(node, op=_BINOP_SWAPS[type(node.op)]())))
+    elif isinstance(node, ast.AugAssign) and type(node.op) in _BINOP_SWAPS and not _is_str(node.value):
+        out.append(("binop", _with(node, op=_BINOP_SWAPS[type(node.op)]())))
+    elif isinstance(node, ast.Compare):
+        for i, op in enumerate(node.ops):
+            if type(op) in _CMP_SWAPS:
+                ops = list(node.ops)
+                ops[i] = _CMP_SWAPS[type(op)]()
+                out.append(("compare", _with(node, ops=ops)))
+    elif isinstance(node, ast.Call):
+        f = node.func
+        if isinstance(f, ast.Name) and f.id in ("min", "max"):
+            out.append(("min_max", _with(node, func=ast.Name(_MINMAX[f.id], ast.Load()))))
+        elif isinstance(f, ast.Attribute) and f.attr in _MINMAX:
+            out.append(("min_max", _with(node, func=_with(f, attr=_MINMAX[f.attr]))))
+        names = [k.arg for k in node.keywords]
+        if "min" in names or "max" in names:
+            keywords = [_with(k, arg=_MINMAX[k.arg]) if k.arg in ("min", "max") else copy.deepcopy(k)
+                        for k in node.keywords]
+            out.append(("min_max", _with(node, keywords=keywords)))
+    elif isinstance(node, ast.keyword) and node.arg is not None:
+        v = node.value
+        if (isinstance(v, ast.BinOp) and isinstance(v.op, ast.Sub) and _number(v.left)
+                and v.left.value == 1):  # type: ignore[attr-defined]
+            out.append(("keyword", _with(node, value=copy.deepcopy(v.right))))
+        elif node.arg in _COEFFICIENT_KEYWORDS and isinstance(v, (ast.Name, ast.Attribute, ast.Subscript)):
+            out.append(("keyword", _with(node, value=ast.BinOp(ast.Constant(1), ast.Sub(), copy.deepcopy(v)))))
+    # a minus added where an arithmetic value leaves the function or is named
+    if (field == "value" and isinstance(parent, (ast.Return, ast.Assign)) and isinstance(node, ast.BinOp)
+            and not _has_str(node)):
+        out.append(("unary_minus", ast.UnaryOp(ast.USub(), copy.deepcopy(node))))
+    return out
+
+
+def _functions(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """(qualname, def) of the module-level functions and of the methods of module-level classes."""
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name, node
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield f"{node.name}.{item.name}", item
+
+
+def _sites(fn: ast.AST) -> list[tuple[ast.AST, str, int | None, ast.AST, list[Variant]]]:
+    out = []
+    for parent, field, index, node in _walk(fn):
+        variants = _variants(parent, field, node)
+        if variants:
+            out.append((parent, field, index, node, variants))
+    return out
+
+
+def mutants(path: Path, module: str, shown: str | None = None) -> list[Mutant]:
+    """Every mutant of the source file ``path`` (importable as ``module``); ``shown``: the path
+    the mutants name (default: ``path`` relative to the checkout)."""
+    source = path.read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    shown = shown or _relative(path)
+    out = []
+    for qualname, fn in _functions(tree):
+        for k, (_, _, _, node, variants) in enumerate(_sites(fn)):
+            original = ast.get_source_segment(source, node) or ast.unparse(node)
+            original = " ".join(original.split())
+            for j, (op, new) in enumerate(variants):
+                out.append(Mutant(shown, module, qualname, k, j, node.lineno, node.col_offset, op, original,
+                                  ast.unparse(new)))
+    return out
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+# ---------------------------------------------------------------- applying one
+
+
+def live_function(module: str, qualname: str) -> types.FunctionType:
+    """The function object ``module.qualname`` runs, under its decorators (functools wrappers,
+    staticmethod, classmethod, property); an ``lru_cache`` on the way is cleared."""
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = inspect.getattr_static(obj, part)
+    name = qualname.rsplit(".", 1)[-1]
+    for _ in range(10):
+        if isinstance(obj, (staticmethod, classmethod)):
+            obj = obj.__func__
+        elif isinstance(obj, property):
+            obj = obj.fget
+        elif isinstance(obj, types.FunctionType) and obj.__code__.co_name == name:
+            return obj
+        elif hasattr(obj, "__wrapped__"):
+            if hasattr(obj, "cache_clear"):
+                obj.cache_clear()
+            obj = obj.__wrapped__
+        else:
+            break
+    raise LookupError(f"{module}.{qualname} is not a plain function under its decorators")
+
+
+def _find_code(code: types.CodeType, qualnames: set[str]) -> types.CodeType | None:
+    """The code object among ``code``'s constants (at any depth) with one of ``qualnames``."""
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            if const.co_qualname in qualnames:
+                return const
+            found = _find_code(const, qualnames)
+            if found is not None:
+                return found
+    return None
+
+
+def mutated_code(mutant: Mutant, path: Path, live: types.FunctionType) -> types.CodeType:
+    """The code object of ``mutant``'s function with the mutation applied, compiled with the same
+    free variables as ``live`` (a closure's cells, ``__class__`` for a method calling super())."""
+    source = path.read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    fn = dict(_functions(tree))[mutant.qualname]
+    parent, field, index, _, variants = _sites(fn)[mutant.site]
+    new = variants[mutant.variant][1]
+    if index is None:
+        setattr(parent, field, new)
+    else:
+        getattr(parent, field)[index] = new
+    fn.decorator_list = []
+    scope = ast.parse("def _mutant_scope():\n    pass").body[0]
+    assert isinstance(scope, ast.FunctionDef)
+    cells = [v for v in live.__code__.co_freevars if v != "__class__"]
+    body: list[ast.stmt] = [ast.Assign([ast.Name(v, ast.Store())], ast.Constant(None)) for v in cells]
+    if "." not in mutant.qualname and fn.name not in cells:
+        body.insert(0, ast.Global([fn.name]))  # a recursive call stays a global lookup, not a cell
+    if "." in mutant.qualname:
+        holder = ast.parse("class _Mutant:\n    pass").body[0]
+        assert isinstance(holder, ast.ClassDef)
+        holder.body = [fn]
+        body.append(holder)
+    else:
+        body.append(fn)
+    scope.body = body
+    module = ast.Module(body=[scope], type_ignores=[])
+    ast.fix_missing_locations(module)
+    future = any(isinstance(n, ast.ImportFrom) and n.module == "__future__"
+                 and any(a.name == "annotations" for a in n.names) for n in tree.body)
+    import __future__
+    flags = __future__.annotations.compiler_flag if future else 0
+    method = "." in mutant.qualname
+    qualnames = {f"_mutant_scope.<locals>._Mutant.{fn.name}"} if method else {fn.name}
+    code = _find_code(compile(module, str(path), "exec", flags=flags, dont_inherit=True), qualnames)
+    if code is None:
+        raise LookupError(f"no code for {mutant.qualname} after compiling")
+    if code.co_freevars != live.__code__.co_freevars:
+        raise LookupError(f"{mutant.qualname}: free variables {code.co_freevars} != {live.__code__.co_freevars}")
+    return code
+
+
+def apply(mutant: Mutant, path: Path) -> None:
+    """Swap the mutated code onto the live function (in this process only)."""
+    live = live_function(mutant.module, mutant.qualname)
+    live.__code__ = mutated_code(mutant, path, live)
+
+
+# ---------------------------------------------------------------- running
+
+
+@dataclasses.dataclass
+class Outcome:
+    mutant: Mutant
+    status: str  # killed, timed_out, survived, not_applied
+    seconds: float
+    tests: int
+    note: str = ""
+
+
+def _child(run: Callable[[], int]) -> int:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 99
+        try:
+            fd = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            sys.stdout = sys.stderr = open(fd, "w")  # a test runner's capture may have replaced them
+            code = run()
+        except BaseException:
+            code = 98
+        finally:
+            os._exit(code)
+    return pid
+
+
+def run_mutants(items: Sequence[tuple[Mutant, Path, list[str], float]], *, workers: int = 1,
+                pytest_args: Sequence[str] = (), progress: Callable[[Outcome, int, int], None] | None = None
+                ) -> list[Outcome]:
+    """Run each (mutant, its source file, its tests, its timeout) in a fork()ed child, at most
+    ``workers`` at a time: the tests pass → survived; fail → killed; past the timeout → timed_out;
+    the code could not be swapped → not_applied."""
+    import gc
+
+    import pytest
+
+    # pytest's first run in a process loads its plugins and what they import lazily: done here once,
+    # with the test modules imported, for every child
+    files = sorted({t.split("::", 1)[0] for _, _, tests, _ in items for t in tests})
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        pytest.main([*files, "--collect-only", "-q", "-p", "no:cacheprovider", *pytest_args])
+    gc.freeze()  # the children's collections skip (and do not copy) the parent's objects
+    pending = list(enumerate(items))
+    running: dict[int, tuple[int, float, float]] = {}  # pid → (item index, start, deadline)
+    results: dict[int, Outcome] = {}
+
+    def start(i: int) -> None:
+        mutant, path, tests, timeout = items[i]
+
+        def body() -> int:
+            try:
+                apply(mutant, path)
+            except Exception:
+                return CANNOT_APPLY
+            return int(pytest.main([*tests, *PYTEST_ARGS, *pytest_args]))
+
+        now = time.monotonic()
+        running[_child(body)] = (i, now, now + timeout)
+
+    def finish(i: int, status: str, seconds: float, note: str = "") -> None:
+        mutant, _, tests, _ = items[i]
+        results[i] = Outcome(mutant, status, round(seconds, 2), len(tests), note)
+        if progress is not None:
+            progress(results[i], len(results), len(items))
+
+    while pending or running:
+        while pending and len(running) < workers:
+            start(pending.pop(0)[0])
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            now = time.monotonic()
+            for p, (i, t0, deadline) in list(running.items()):
+                if now > deadline:
+                    os.kill(p, signal.SIGKILL)
+                    os.waitpid(p, 0)
+                    del running[p]
+                    finish(i, "timed_out", now - t0)
+            time.sleep(0.01)
+            continue
+        if pid not in running:
+            continue
+        i, t0, _ = running.pop(pid)
+        seconds = time.monotonic() - t0
+        if os.WIFSIGNALED(status):
+            finish(i, "killed", seconds, f"the tests' process died of signal {os.WTERMSIG(status)}")
+            continue
+        rc = os.WEXITSTATUS(status)
+        if rc == 0:
+            finish(i, "survived", seconds)
+        elif rc == CANNOT_APPLY:
+            finish(i, "not_applied", seconds, "the mutated code could not be swapped in")
+        elif rc in (1, 2):
+            finish(i, "killed", seconds)
+        else:
+            finish(i, "error", seconds, f"pytest exited {rc}")
+    return [results[i] for i in range(len(items))]
+
+
+# ---------------------------------------------------------------- the project: tests per function
+
+
+def module_name(path: str) -> str:
+    return path[:-3].replace("/", ".").removesuffix(".__init__")
+
+
+def source_files(selection: Sequence[str]) -> list[str]:
+    """The project's source files under the selected paths (``geometry/gap.py`` may omit
+    ``geomopt/``)."""
+    wanted = [s if s.startswith("geomopt") else f"geomopt/{s}" for s in selection]
+    files = []
+    for base in DEFAULT_MODULES:
+        root = ROOT / base
+        for p in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
+            rel = _relative(p)
+            if any(rel == w or rel.startswith(w.rstrip("/") + "/") for w in wanted):
+                files.append(rel)
+    return files
+
+
+def test_files(path: str) -> tuple[str, ...]:
+    key = max((k for k in TESTS if path == k or path.startswith(k + "/")), key=len)
+    return TESTS[key]
+
+
+def _existing() -> list[str]:
+    """Every test file of :data:`TESTS` that exists."""
+    return sorted(t for t in {t for files in TESTS.values() for t in files} if (ROOT / t).exists())
+
+
+def _digest(files: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(set(files)):
+        h.update(name.encode())
+        h.update((ROOT / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _profile(files: Sequence[str]) -> dict:
+    """Run the tests of ``files`` in a child with a profiler: per file, {"tests": nodeid →
+    seconds, "calls": "path::qualname" → nodeids that call the function (or a function defined
+    inside it)}."""
+    import pytest
+
+    codes: dict[types.CodeType, str] = {}
+
+    def nested(code: types.CodeType, key: str) -> None:
+        codes[code] = key
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                nested(c, key)
+
+    for path in source_files(DEFAULT_MODULES):
+        for qualname, _ in _functions(ast.parse((ROOT / path).read_text(encoding="utf-8"))):
+            try:
+                nested(live_function(module_name(path), qualname).__code__, f"{path}::{qualname}")
+            except LookupError:
+                pass
+
+    class Recorder:
+        def __init__(self):
+            self.current: str | None = None
+            self.found: dict[str, dict] = {f: {"tests": {}, "calls": {}} for f in files}
+
+        def profile(self, frame, event, arg):
+            if event == "call" and self.current is not None:
+                key = codes.get(frame.f_code)
+                if key is not None:
+                    self.found[self.current.split("::", 1)[0]]["calls"].setdefault(key, set()).add(self.current)
+
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_protocol(self, item, nextitem):
+            self.current, t0 = item.nodeid, time.perf_counter()
+            yield
+            self.found[item.nodeid.split("::", 1)[0]]["tests"][item.nodeid] = round(time.perf_counter() - t0, 4)
+            self.current = None
+
+    CACHE.mkdir(exist_ok=True)
+    out = Path(tempfile.mkstemp(dir=CACHE, suffix=".tmp")[1])
+
+    def body() -> int:
+        import threading
+
+        rec = Recorder()
+        sys.setprofile(rec.profile)
+        threading.setprofile(rec.profile)
+        rc = pytest.main([*files, "-q", "-p", "no:cacheprovider", "-k", EXCLUDE], plugins=[rec])
+        sys.setprofile(None)
+        found = {f: {"tests": v["tests"], "calls": {k: sorted(ids) for k, ids in v["calls"].items()}}
+                 for f, v in rec.found.items()}
+        out.write_text(json.dumps({"files": found, "pytest_rc": int(rc)}), encoding="utf-8")
+        return 0
+
+    _, status = os.waitpid(_child(body), 0)
+    data = json.loads(out.read_text(encoding="utf-8") or "{}")
+    out.unlink(missing_ok=True)
+    if not data or data.get("pytest_rc") != 0:
+        raise SystemExit(f"the tests do not pass unmutated (pytest exited {data.get('pytest_rc', status)}): "
+                         f"python -m pytest {' '.join(files)}")
+    return data["files"]
+
+
+def coverage_map() -> dict:
+    """{"tests": nodeid → seconds, "calls": "path::qualname" → nodeids that call it} over the test
+    files of :data:`TESTS`, from profiling the tests once; cached in .cache/mutate-map.json per test
+    file (a file whose text changed is profiled again; every file, where a source or a test helper
+    changed)."""
+    helpers = [_relative(p) for p in sorted((ROOT / "tests").glob("*.py")) if not p.name.startswith("test_")]
+    sources = _digest([*source_files(DEFAULT_MODULES), *helpers])
+    path = CACHE / "mutate-map.json"
+    cached = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    per_file = cached.get("files", {}) if cached.get("sources") == sources else {}
+    files = _existing()
+    stale = [f for f in files if per_file.get(f, {}).get("digest") != _digest([f])]
+    if stale:
+        for f, found in _profile(stale).items():
+            per_file[f] = {"digest": _digest([f]), **found}
+        CACHE.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"sources": sources, "files": per_file}), encoding="utf-8")
+    tests: dict[str, float] = {}
+    calls: dict[str, list[str]] = {}
+    for f in files:
+        tests.update(per_file[f]["tests"])
+        for key, ids in per_file[f]["calls"].items():
+            calls.setdefault(key, []).extend(ids)
+    return {"tests": tests, "calls": calls}
+
+
+def tests_for(mutant: Mutant, cmap: dict) -> list[str]:
+    """The tests of the mutant's module's test files that call its function: per file at most
+    :data:`TESTS_PER_FILE`, spread evenly over the file's calling tests in nodeid order (its
+    parametrizations, its cases), then run fastest first."""
+    calling = cmap["calls"].get(f"{mutant.path}::{mutant.qualname}", [])
+    chosen = []
+    for f in test_files(mutant.path):
+        ids = [t for t in calling if t.split("::", 1)[0] == f]
+        if len(ids) > TESTS_PER_FILE:
+            ids = [ids[round(i * (len(ids) - 1) / (TESTS_PER_FILE - 1))] for i in range(TESTS_PER_FILE)]
+        chosen += ids
+    return sorted(chosen, key=lambda t: cmap["tests"].get(t, 0.0))
+
+
+def _score(counts: dict) -> float | None:
+    done = counts["killed"] + counts["timed_out"] + counts["survived"]
+    return round((counts["killed"] + counts["timed_out"]) / done, 4) if done else None
+
+
+def summarize(outcomes: Sequence[Outcome]) -> dict:
+    """Per module and per group: mutants, killed, timed out, survived (and how many of those are
+    explained), not applied; the score (killed + timed out) / (killed + timed out + survived) and
+    the same without the explained survivors."""
+
+    def tally(rows: list[Outcome]) -> dict:
+        c = {"mutants": len(rows), **{s: sum(o.status == s for o in rows)
+                                      for s in ("killed", "timed_out", "survived", "not_applied", "error")}}
+        c["explained"] = sum(o.status == "survived" and o.mutant.key in EXPLAINED for o in rows)
+        c["score"] = _score(c)
+        rest = dict(c, survived=c["survived"] - c["explained"])
+        c["score_unexplained"] = _score(rest)
+        return c
+
+    by_path: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        by_path.setdefault(o.mutant.path, []).append(o)
+    groups = {g: tally([o for o in outcomes if o.mutant.path.startswith(prefix)]) for g, prefix in GROUPS.items()}
+    return {"groups": {g: c for g, c in groups.items() if c["mutants"]},
+            "modules": {p: tally(rows) for p, rows in sorted(by_path.items())}}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modules", nargs="+", default=list(DEFAULT_MODULES),
+                    help="source files or folders (default: geometry/, optim/stages.py, optim/directions.py)")
+    ap.add_argument("--max-mutants", type=int, default=None, help="a seeded sample of at most this many mutants")
+    ap.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
+    ap.add_argument("--workers", type=int, choices=(1, 2), default=1, help="children at a time (default 1)")
+    ap.add_argument("--list", action="store_true", help="print the mutants and exit without running them")
+    ap.add_argument("--out", type=Path, default=None, help="write the outcome as JSON here")
+    args = ap.parse_args(argv)
+    paths = source_files(args.modules)
+    if not paths:
+        ap.error(f"no source file under {' '.join(args.modules)} (choose under {', '.join(DEFAULT_MODULES)})")
+    every = [m for p in paths for m in mutants(ROOT / p, module_name(p), p)]
+    chosen = every
+    if args.max_mutants is not None and args.max_mutants < len(every):
+        keep = sorted(random.Random(args.seed).sample(range(len(every)), args.max_mutants))
+        chosen = [every[i] for i in keep]
+    if args.list:
+        for m in chosen:
+            print(f"{m.path}:{m.line}:{m.col} [{m.op}] {m.qualname}: {m.original} -> {m.mutated}")
+        print(f"{len(chosen)} of {len(every)} mutants in {len(paths)} files", file=sys.stderr)
+        return 0
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.chdir(ROOT)
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    import torch
+
+    from geomopt.cli.demo import machine, source_version
+
+    torch.set_num_threads(1)
+    load = os.getloadavg()  # the machine may be shared: how busy it was as the run began
+    t0 = time.monotonic()
+    for p in paths:
+        importlib.import_module(module_name(p))
+    cmap = coverage_map()
+    items = []
+    for m in chosen:
+        tests = tests_for(m, cmap)
+        budget = sum(cmap["tests"].get(t, 0.0) for t in tests)
+        items.append((m, ROOT / m.path, tests, TIMEOUT_S + TIMEOUT_FACTOR * budget))
+    runnable = [it for it in items if it[2]]
+    untested = [Outcome(it[0], "survived", 0.0, 0, "no test of its module's test files calls this function")
+                for it in items if not it[2]]
+
+    def progress(o: Outcome, done: int, total: int) -> None:
+        if o.status != "killed" or done % 50 == 0:
+            print(f"[{done}/{total} {time.monotonic() - t0:.0f}s] {o.status}: {o.mutant.key}", flush=True)
+
+    outcomes = run_mutants(runnable, workers=args.workers, pytest_args=("-k", EXCLUDE), progress=progress)
+    outcomes += untested
+    seconds = time.monotonic() - t0
+    summary = summarize(outcomes)
+    record = {
+        "command": "python scripts/mutate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()), "source": source_version(ROOT), "machine": machine("cpu"),
+        "load": [round(x, 2) for x in load], "workers": args.workers, "seconds": round(seconds, 1),
+        "operators": OPERATORS, "tests_per_file": TESTS_PER_FILE,
+        "sample": {"mutants": len(chosen), "of": len(every), "seed": args.seed,
+                   "sampled": len(chosen) < len(every)},
+        **summary,
+        "survivors": [{"at": f"{o.mutant.path}:{o.mutant.line}:{o.mutant.col}", "function": o.mutant.qualname,
+                       "op": o.mutant.op, "original": o.mutant.original, "mutated": o.mutant.mutated,
+                       "tests": o.tests, **({"note": o.note} if o.note else {}),
+                       **({"explained": EXPLAINED[o.mutant.key]} if o.mutant.key in EXPLAINED else {})}
+                      for o in outcomes if o.status == "survived"],
+        "timed_out": [{"at": f"{o.mutant.path}:{o.mutant.line}:{o.mutant.col}", "original": o.mutant.original,
+                       "mutated": o.mutant.mutated, "seconds": o.seconds} for o in outcomes
+                      if o.status == "timed_out"],
+        "not_applied": [{"at": o.mutant.key, "note": o.note} for o in outcomes if o.status in ("not_applied", "error")],
+    }
+    for g, c in summary["groups"].items():
+        print(f"{g}: {c['killed']} killed, {c['timed_out']} timed out, {c['survived']} survived "
+              f"({c['explained']} explained) of {c['mutants']}: score {c['score']}")
+    print(f"{len(outcomes)} mutants in {seconds:.0f} s")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

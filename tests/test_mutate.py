@@ -1,0 +1,173 @@
+"""scripts/mutate.py's machinery on a tiny module: the mutants it makes, and what running them in
+fork()ed children with their code swapped on the live functions gives (killed, survived, timed
+out), a reference taken with ``from x import f`` before the swap included."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULE = "mutate_tiny_units"
+TEST_MODULE = "test_mutate_tiny_units"
+
+SOURCE = textwrap.dedent('''
+    """Tiny units with known mutants."""
+
+
+    def relu(x):
+        """max(x, 0)."""
+        return x if x > 0 else 0.0
+
+
+    def affine(x, k):
+        return k * x + 1
+
+
+    def steps(n):
+        i = 0
+        while i < n:
+            i += 1
+        return i
+
+
+    class Base:
+        def size(self):
+            return 2
+
+
+    class Box(Base):
+        def size(self):
+            return super().size() * 3
+
+        def fail(self):
+            raise ValueError(f"no box of size {-1 + 2}")
+''')
+
+TESTS = textwrap.dedent('''
+    from mutate_tiny_units import Box, affine, relu, steps
+
+
+    def test_relu():
+        assert relu(2.0) == 2.0 and relu(0.5) == 0.5 and relu(-1.0) == 0.0 and relu(0.0) == 0.0
+
+
+    def test_affine():
+        assert affine(3.0, 2.0) == 7.0
+
+
+    def test_steps():
+        assert steps(3) == 3 and steps(0) == 0
+
+
+    def test_box():
+        assert Box().size() == 6
+''')
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(name, None)
+    return module
+
+
+@pytest.fixture(scope="module")
+def mutate():
+    return _load(ROOT / "scripts" / "mutate.py", "mutate")
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    (tmp_path / f"{MODULE}.py").write_text(SOURCE, encoding="utf-8")
+    (tmp_path / f"{TEST_MODULE}.py").write_text(TESTS, encoding="utf-8")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module(TEST_MODULE)  # bound to the original functions before any swap
+    yield tmp_path
+    for name in (MODULE, TEST_MODULE):
+        sys.modules.pop(name, None)
+
+
+def _texts(ms):
+    return {(m.qualname, m.op, m.original, m.mutated) for m in ms}
+
+
+def test_mutants_are_the_expected_ones(mutate, tiny):
+    ms = mutate.mutants(tiny / f"{MODULE}.py", MODULE, f"{MODULE}.py")
+    assert _texts(ms) == {
+        ("relu", "compare", "x > 0", "x >= 0"),
+        ("relu", "constant", "0", "1"),
+        ("relu", "constant", "0.0", "1.0"),
+        ("affine", "binop", "k * x + 1", "k * x - 1"),
+        ("affine", "unary_minus", "k * x + 1", "-(k * x + 1)"),
+        ("affine", "binop", "k * x", "k / x"),
+        ("affine", "constant", "1", "2"),
+        ("affine", "constant", "1", "0"),
+        ("steps", "constant", "0", "1"),
+        ("steps", "compare", "i < n", "i <= n"),
+        ("steps", "binop", "i += 1", "i -= 1"),
+        ("steps", "constant", "1", "2"),
+        ("steps", "constant", "1", "0"),
+        ("Base.size", "constant", "2", "3"),
+        ("Base.size", "constant", "2", "4"),
+        ("Base.size", "constant", "2", "0"),
+        ("Box.size", "binop", "super().size() * 3", "super().size() / 3"),
+        ("Box.size", "unary_minus", "super().size() * 3", "-(super().size() * 3)"),
+        ("Box.size", "constant", "3", "4"),
+        ("Box.size", "constant", "3", "6"),
+        ("Box.size", "constant", "3", "0"),
+    }  # the docstring, and the raise's message with its arithmetic, have none
+    assert all(m.path == f"{MODULE}.py" and m.key.startswith(f"{MODULE}.py:{m.line}:{m.col}: ") for m in ms)
+
+
+def test_the_tests_kill_the_killable_and_an_equivalent_mutant_survives(mutate, tiny):
+    ms = mutate.mutants(tiny / f"{MODULE}.py", MODULE, f"{MODULE}.py")
+    tests = [str(tiny / f"{TEST_MODULE}.py")]
+    args = ("-c", str(tiny / "pytest.ini"), "--rootdir", str(tiny))
+    looping = {("steps", "i += 1", "i -= 1"), ("steps", "1", "0")}  # i never reaches n: counting down, steps of 0
+    # a generous timeout where the tests end (the machine may be busy), a short one where they cannot
+    items = [(m, tiny / f"{MODULE}.py", tests, 2.0 if (m.qualname, m.original, m.mutated) in looping else 30.0)
+             for m in ms]
+    outcomes = mutate.run_mutants(items, workers=2, pytest_args=args)
+    status = {(o.mutant.qualname, o.mutant.original, o.mutant.mutated): o.status for o in outcomes}
+    assert "error" not in status.values() and "not_applied" not in status.values(), status
+    # relu(0) is 0 whichever branch returns it: the one equivalent mutant
+    assert [k for k, s in status.items() if s == "survived"] == [("relu", "x > 0", "x >= 0")], status
+    assert {k for k, s in status.items() if s == "timed_out"} == looping
+    assert all(s == "killed" for k, s in status.items() if k not in looping | {("relu", "x > 0", "x >= 0")})
+    assert status[("Box.size", "3", "4")] == "killed"  # a method calling super(): its __class__ cell kept
+    # the parent's functions are untouched
+    tiny_module = sys.modules[MODULE]
+    assert tiny_module.relu(0.5) == 0.5 and tiny_module.steps(3) == 3 and tiny_module.Box().size() == 6
+
+
+def test_a_mutant_changes_the_function_every_reference_calls(mutate, tiny):
+    """In this process (as a child does): the mutated code swapped onto the live function is what
+    a reference imported earlier calls."""
+    ms = mutate.mutants(tiny / f"{MODULE}.py", MODULE, f"{MODULE}.py")
+    m = next(m for m in ms if m.qualname == "affine" and m.mutated == "k / x")
+    ref = sys.modules[TEST_MODULE].affine
+    before = ref.__code__
+    try:
+        mutate.apply(m, tiny / f"{MODULE}.py")
+        assert ref(3.0, 2.0) == pytest.approx(2.0 / 3.0 + 1)
+    finally:
+        ref.__code__ = before
+    assert ref(3.0, 2.0) == 7.0
+
+
+def test_every_explanation_names_a_mutant_of_the_sources(mutate):
+    keys = {m.key for p in mutate.source_files(mutate.DEFAULT_MODULES)
+            for m in mutate.mutants(ROOT / p, mutate.module_name(p), p)}
+    stale = sorted(set(mutate.EXPLAINED) - keys)
+    assert not stale, f"explanations of mutants that no longer exist (the line moved or the code changed): {stale}"

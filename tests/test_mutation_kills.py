@@ -1,0 +1,311 @@
+"""Arithmetic of the math units that the other tests leave free (scripts/mutate.py's survivors),
+checked against independent computations: torch.optim.AdamW and float64 closed forms."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from geomopt.geometry.adam import adam_moments, adam_multi_tensor
+from geomopt.geometry.gap import stationarity_gap
+from geomopt.geometry.matrix import matrices, split_like
+from geomopt.geometry.prox import backward
+from geomopt.geometry.view import cost as view_cost
+from geomopt.geometry.view import count, describe
+from geomopt.geometry.reference import _z_minus_log1p
+from geomopt.geometry.polynomial import compose_polynomials, gram_quintic_iteration
+from geomopt.geometry.prox.scalar import _box_tau
+from geomopt.geometry.prox.vector import VECTOR_PROJ
+from geomopt.geometry.prox.polar import (_ALPHA_CAP, _inverse_sqrt, _inverse_sqrt_steps, polar_steps,
+                                         scaled_polar_schedule)
+
+
+def _adamw_steps(xs, grads, *, lr, betas, eps, weight_decay):
+    """torch.optim.AdamW (the single-tensor path) over the list of gradients per step."""
+    params = [x.clone().requires_grad_(True) for x in xs]
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adam_multi_tensor_is_adamw_over_steps(fused, weight_decay):
+    """The flat path in both forms (foreach ops; torch's fused kernel) against torch.optim.AdamW,
+    three steps, two tensors of a flat buffer, float64."""
+    torch.manual_seed(0)
+    xs0 = [torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
+    grads = [[torch.randn_like(x) for x in xs0] for _ in range(3)]
+    lr, betas, eps = 0.05, (0.8, 0.95), 1e-6
+    want = _adamw_steps(xs0, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    xs = [x.clone() for x in xs0]
+    n = sum(x.numel() for x in xs)
+    m, v = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    scratch = {}
+
+    def take(name, shape):
+        return scratch.setdefault(name, torch.empty(shape, dtype=torch.float64))
+
+    for step, us in enumerate(grads, start=1):
+        adam_multi_tensor(xs, us, (m, split_like(m, xs)), (v, split_like(v, xs)), step, None, 0,
+                          {"betas": betas, "eps": eps}, lr, weight_decay, fused, take)
+    for got, ref in zip(xs, want):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
+
+
+def test_adam_moments_defaults_are_adamws():
+    """Without betas and eps in the fragment: torch.optim.AdamW's (0.9, 0.999) and 1e-8, in closed
+    form over two steps (m, v and the denominator √v̂ + ε, bc₁)."""
+    torch.manual_seed(1)
+    g1, g2 = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    state: dict = {}
+    adam_moments(g1, state, {})
+    m, denom, bc1 = adam_moments(g2, state, {})
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    m_ref = b1 * (1 - b1) * g1 + (1 - b1) * g2
+    v_ref = b2 * (1 - b2) * g1**2 + (1 - b2) * g2**2
+    torch.testing.assert_close(m, m_ref, rtol=1e-12, atol=0)
+    torch.testing.assert_close(denom, v_ref.sqrt() / (1 - b2**2) ** 0.5 + eps, rtol=1e-12, atol=0)
+    assert bc1 == pytest.approx(1 - b1**2, rel=1e-14)
+
+
+# ---------------------------------------------------------------- polar: the host-side schedules
+
+
+def _cubic(x: float, a: float = 1.0) -> float:
+    """One scaled Newton–Schulz step on a singular value: f(aσ) = 1.5aσ − 0.5(aσ)³."""
+    return 1.5 * a * x - 0.5 * (a * x) ** 3
+
+
+def _grid(floor: float, n: int = 60) -> list[float]:
+    return [floor * (1 / floor) ** (i / (n - 1)) for i in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("floor", [2.0**-20, 1e-3, 0.3])
+def test_polar_steps_are_the_fewest_that_bring_every_singular_value_to_one(dtype, floor):
+    """polar_steps = (the fewest steps after which every σ in [floor, 1] is within ε of 1) + 1, by
+    brute force over a grid of σ (the map is increasing on [0, 1] and fixes 1)."""
+    eps = torch.finfo(dtype).eps
+    k = polar_steps(floor, dtype)
+
+    def after(x: float, n: int) -> float:
+        for _ in range(n):
+            x = _cubic(x)
+        return x
+
+    assert all(abs(1 - after(x, k - 1)) <= eps for x in _grid(floor))
+    assert abs(1 - after(floor, k - 2)) > eps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("floor", [2.0**-20, 1e-3, 0.3])
+def test_the_scaled_schedule_brings_every_singular_value_to_one_and_no_sooner(dtype, floor):
+    """Every σ in [floor, 1] ends within ε of 1 under the scaled steps (then α = 1); without the
+    last scaled step the floor does not; every α is at most the cap that keeps f(α) ≥ 1/2, and
+    below it the one that maps both ends of the remaining interval to the same value."""
+    eps = torch.finfo(dtype).eps
+    alphas = scaled_polar_schedule(floor, dtype)
+    assert alphas[-1] == 1.0 and all(0 < a <= _ALPHA_CAP for a in alphas)
+    assert _cubic(1.0, _ALPHA_CAP) == pytest.approx(0.5, abs=1e-12)
+
+    def after(x: float, schedule: list[float]) -> float:
+        for a in schedule:
+            x = _cubic(x, a)
+        return x
+
+    assert all(abs(1 - after(x, alphas[:-1])) <= 2 * eps for x in _grid(floor))
+    assert abs(1 - after(floor, alphas[:-2])) > eps
+    # each α equalizes the images of the interval's ends, f(α·low) = f(α) (the equioscillation
+    # step), unless capped; the interval's image by brute force over a grid
+    low = floor
+    for a in alphas[:-1]:
+        assert a == _ALPHA_CAP or _cubic(low, a) == pytest.approx(_cubic(1.0, a), rel=1e-12)
+        low = min(_cubic(x, a) for x in [low + (1 - low) * i / 400 for i in range(401)])
+
+
+# ---------------------------------------------------------------- small units
+
+
+def test_a_scalar_element_is_one_by_one():
+    assert matrices(torch.tensor(3.0)).shape == (1, 1, 1)
+    assert matrices(torch.zeros(5), batch_dims=1).shape == (5, 1, 1)
+    assert matrices(torch.zeros(4)).shape == (1, 4, 1)
+
+
+@pytest.mark.parametrize("scale", [1.0, -0.5, 3.0])
+def test_gram_quintic_iteration_scales_its_output(scale):
+    """scale·p_k(…p_1(X)) against the float64 map on the singular values (U·diag(p(σ))·Vᵀ)."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 5, dtype=torch.float64) * 0.3
+    coefficients = [(3.4445, -4.7750, 2.0315)] * 4
+    got = gram_quintic_iteration(x, coefficients, scale=scale)
+    u, s, vh = torch.linalg.svd(x, full_matrices=False)
+    want = scale * u @ torch.diag_embed(compose_polynomials(coefficients, s)) @ vh
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("reference", [{"kind": "log_barrier", "eps": 1e-3},
+                                       {"kind": "power_barrier", "kappa": 2.0, "eps": 1e-3}])
+def test_the_gap_takes_w_on_the_boundary_as_just_inside(reference):
+    """|w| = 1 exactly (where a saturated barrier step rounds W) is h(1 − ε), finite: the same gap
+    as W pulled to 1 − ε; past rounding (|w| = 1 + 1e-3) it is +∞."""
+    eps = torch.finfo(torch.float64).eps
+    geometry = {"kind": "anisotropic", "reference": reference, "radius": 0.7}
+    g = torch.tensor([[0.3, -2.0, 0.5]], dtype=torch.float64)
+    on = torch.tensor([[1.0, -1.0, 0.25]], dtype=torch.float64)
+    inside = torch.tensor([[1 - eps, -(1 - eps), 0.25]], dtype=torch.float64)
+    gap_on = stationarity_gap(g, on, geometry, batch_dims=1)
+    assert torch.isfinite(gap_on).all()
+    torch.testing.assert_close(gap_on, stationarity_gap(g, inside, geometry, batch_dims=1), rtol=1e-12, atol=0)
+    past = stationarity_gap(g, on * (1 + 1e-3), geometry, batch_dims=1)
+    assert torch.isinf(past).all()
+
+
+# ---------------------------------------------------------------- the SVD-free Stiefel step's bounds
+
+
+def _near_stiefel(shape, r, t, seed):
+    """Y = X − tW, X ∈ Stiefel(r) (r·QR of a Gaussian), ‖W‖₂ = 0.99: float64."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.linalg.qr(torch.randn(max(shape), min(shape), generator=g, dtype=torch.float64))[0]
+    x = r * (q if shape[0] >= shape[1] else q.T)
+    w = torch.randn(*shape, generator=g, dtype=torch.float64)
+    return x - t * 0.99 * w / torch.linalg.matrix_norm(w, ord=2)
+
+
+@pytest.mark.parametrize("shape,t", [((48, 24), 0.04), ((24, 48), 0.04), ((256, 128), 0.6), ((48, 24), 2.0)])
+def test_the_svd_free_stiefel_bounds_hold_the_singular_values(shape, t, monkeypatch):
+    """The interval [floor, top] the Stiefel step hands its polar iteration holds σ(Y)/c (σ by the
+    float64 SVD), below √3; near Stiefel (t = 0.02r) it is the feasible case's,
+    σ/c ∈ [r − 1.2t, r + 1.2t]/(r + t), whose scaled schedule is 4 steps in float32 (the
+    docstring's count)."""
+    mod = importlib.import_module("geomopt.geometry.prox.polar")
+    seen = []
+    by_cost = mod._polar_by_cost
+    monkeypatch.setattr(mod, "_polar_by_cost", lambda mats, gram, c, floor, top: seen.append((c, floor, top))
+                        or by_cost(mats, gram, c, floor, top))
+    r = 2.0  # the geometry's radius is 1: the step's t = γρ is γ
+    y = torch.stack([_near_stiefel(shape, r, t, s) for s in range(2)])
+    geometry = {"kind": "spectral", "reference": {"kind": "log_barrier", "eps": 1e-3}}
+    backward(y, t, geometry, {"kind": "stiefel", "radius": r, "method": "polar"}, batch_dims=1)
+    (c, floor, top), = seen
+    ratio = torch.linalg.svdvals(y) / c.reshape(-1, 1)
+    assert (ratio.amin(-1) >= floor * (1 - 1e-12)).all() and (ratio.amax(-1) <= top * (1 + 1e-12)).all()
+    assert top < 3**0.5
+    if (shape, t) == ((48, 24), 0.04):
+        assert (floor, top) == pytest.approx(((r - 1.2 * t) / (r + t), (r + 1.2 * t) / (r + t)), rel=1e-12)
+        assert len(scaled_polar_schedule(floor / top, torch.float32)) == 4
+
+
+@pytest.mark.parametrize("floor,top", [(1e-3, 1.0), (0.25, 2.0), (0.9, 1.1)])
+def test_the_coupled_inverse_square_root_matches_eigh(floor, top):
+    """H^{−1/2} of symmetric H with spectrum spread over [floor, top], against Q·diag(λ^{−1/2})·Qᵀ
+    of float64 eigenvectors: the host-counted steps reach float64 precision."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.linalg.qr(torch.randn(2, 6, 6, generator=g, dtype=torch.float64))[0]
+    lam = torch.logspace(math.log10(floor), math.log10(top), 6, dtype=torch.float64)
+    h = q @ torch.diag_embed(lam.expand(2, 6)) @ q.mT
+    want = q @ torch.diag_embed(lam.rsqrt().expand(2, 6)) @ q.mT
+    torch.testing.assert_close(_inverse_sqrt(h, floor, top), want, rtol=0, atol=1e-11 / floor**0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("floor,top", [(1e-3, 1.0), (0.25, 2.0), (0.9, 1.1), (1e-8, 1.0)])
+def test_the_inverse_square_root_takes_the_steps_its_error_recurrence_needs(dtype, floor, top):
+    """A spectral value μ's error e = 1 − μz² moves as e ← ¾e² + ¼e³ (the docstring's recurrence,
+    from e₀ = 1 − μ): the host's step count is the steps that bring the worst end within ε, plus one."""
+    eps = torch.finfo(dtype).eps
+
+    def steps(mu: float) -> int:
+        e, n = 1 - mu, 0
+        while abs(e) > eps:
+            e, n = 0.75 * e * e + 0.25 * e**3, n + 1
+        return n
+
+    need = max(steps(floor), steps(top), 1)
+    assert need <= _inverse_sqrt_steps(floor, dtype, top) - 1 <= need + 1
+
+
+# ---------------------------------------------------------------- post-stages on a bucket
+
+
+@pytest.mark.parametrize("target", ["unit", 0.5])
+def test_rms_match_sets_each_tensors_norm_in_a_shared_bucket(target):
+    """Two tensors of one shape share a bucket (one stacked update): rms_match sets each one's
+    step norm on its own — 1, or target·√(mn) — not the bucket's."""
+    import geomopt
+
+    gen = torch.Generator().manual_seed(5)
+    params = {n: torch.nn.Parameter(torch.randn(4, 9, generator=gen, dtype=torch.float64)) for n in "ab"}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    rule = {"name": "all", "match": "**", "lr": 0.1, "geometry": {"kind": "euclidean"},
+            "post": [{"kind": "rms_match", "target": target, "eps": 1e-30}]}
+    opt = geomopt.GeomOptimizer(list(params.items()), {"geomopt": 1, "name": "t", "rules": [rule]})
+    for n, p in params.items():
+        p.grad = torch.randn(4, 9, generator=gen, dtype=torch.float64) * (1.0 if n == "a" else 7.0)
+    opt.step()
+    want = 1.0 if target == "unit" else target * 6.0
+    for n, p in params.items():
+        assert float(((before[n] - p.detach()) / 0.1).norm()) == pytest.approx(want, rel=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_z_minus_log1p_against_fifty_digits(dtype):
+    """g(z) = z − ln(1 + z) (the log barrier's h) on both sides of its series' |z| < 0.1, against
+    Decimal arithmetic at 50 digits: a few ulps."""
+    from decimal import Decimal, getcontext
+
+    getcontext().prec = 50
+    zs = [-0.99, -0.5, -0.0999, -0.05, -1e-3, -1e-6, 1e-6, 1e-3, 0.05, 0.0999, 0.5, 5.0]
+    got = _z_minus_log1p(torch.tensor(zs, dtype=dtype)).double()
+    want = torch.tensor([float(Decimal(z) - (1 + Decimal(z)).ln()) for z in zs], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=8 * torch.finfo(dtype).eps, atol=0)
+
+
+def test_the_linf_sphere_projects_each_row_of_a_batch_on_its_own():
+    """A (B, n) batch: a row reaching ‖v‖∞ ≥ r is clipped, one inside has its first largest entry
+    moved to ±r (the nearest point of the sphere), each by its own norm."""
+    v = torch.tensor([[0.5, -3.0, 1.0], [0.2, -0.7, 0.7]], dtype=torch.float64)
+    got = VECTOR_PROJ["linf_sphere"](v, {"kind": "linf_sphere", "radius": 2.0})
+    want = torch.tensor([[0.5, -2.0, 1.0], [0.2, -2.0, 0.7]], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_box_tau_solves_each_row_on_its_own():
+    """τ with Σ max(α/(1+τ), α − 1)₊² = ρ² (the indicator's ball step), row by row of a batch:
+    the defining equation in float64, and the same τ as each row alone."""
+    # every row feasible and outside: Σ(α − 1)₊² < ρ² < Σα²
+    alpha = torch.tensor([[3.0, 2.5, 0.4, 0.1], [2.2, 1.9, 1.8, 1.3], [3.5, 1.5, 1.1, 1.0]], dtype=torch.float64)
+    rho2 = 9.0
+    tau = _box_tau(alpha, rho2)
+    total = torch.maximum(alpha / (1 + tau), alpha - 1).clamp(min=0).square().sum(-1)
+    torch.testing.assert_close(total, torch.full_like(total, rho2), rtol=1e-12, atol=0)
+    alone = torch.cat([_box_tau(alpha[i:i + 1], rho2) for i in range(len(alpha))])
+    torch.testing.assert_close(tau, alone, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- views: counts, costs, descriptions
+
+VIEW_CASES = [  # (view, shape, the matrices it holds, as (count, m, n) runs in block order)
+    (None, (64, 192), [(1, 64, 192)]),
+    ({"batch": 1, "blocks": None, "trailing": "matrix"}, (4, 256, 64), [(4, 256, 64)]),
+    ({"batch": 0, "blocks": [64, 16, 16], "trailing": "matrix"}, (96, 64), [(1, 64, 64), (2, 16, 64)]),
+    ({"batch": 0, "blocks": None, "trailing": "batch"}, (8, 3, 2, 2), [(4, 8, 3)]),
+]
+
+
+@pytest.mark.parametrize("view,shape,runs", VIEW_CASES)
+def test_a_views_count_cost_and_description_by_hand(view, shape, runs):
+    """count = the matrices, cost = Σ m·n·min(m, n) over them (None without a view), describe =
+    "k × m×n" runs joined by " + " (the docstring's examples), each from the matrices listed."""
+    assert count(view, shape) == (1 if view is None else sum(k for k, _, _ in runs))
+    want_cost = float(sum(k * m * n * min(m, n) for k, m, n in runs))
+    assert view_cost(view, shape) == (None if view is None else want_cost)
+    assert describe(view, shape) == " + ".join(f"{k} × {m}×{n}" if k > 1 else f"{m}×{n}" for k, m, n in runs)
