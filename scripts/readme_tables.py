@@ -602,7 +602,7 @@ def mutation(records) -> str:
     drawn = (f"a seeded sample of {sample['mutants']} of the {sample['of']} mutants (seed {sample['seed']})"
              if sample["sampled"] else f"all {sample['of']} mutants")
     load = f", load average {rec['load'][0]:.1f} as it began" if rec.get("load") else ""
-    caption = (f"`{rec['command']}`{made_text(rec)}: {drawn}, {rec['workers']} worker, "
+    caption = (f"`{rec['command']}`{made_text(rec)}: {drawn}, {plural(rec['workers'], 'worker')}, "
                f"{duration(rec['seconds'])} on {machine_text(rec)}{load}; each mutant runs at most "
                f"{rec['tests_per_file']} of the tests of each test file that call its function. Score: "
                f"(killed + timed out) / (killed + timed out + survived); a survivor is explained where it is "
