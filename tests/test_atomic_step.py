@@ -293,15 +293,20 @@ rules:
     geometry: {kind: isotropic, reference: {kind: log_barrier, eps: 1.0e-8}}
     direction: {kind: heavy_ball, momentum: 0.9}
 """
-#: an elementwise rule whose map allocates (a log barrier's (h*)' has no one-kernel form) after its
-#: momentum is formed: the flat path stages the new momentum and the map before any write
+#: elementwise rules whose maps are barriers after a momentum: the power barrier's (h*)' allocates (the
+#: flat path stages the new momentum and the map before any write), the log barrier's writes a
+#: second scratch after Nesterov's look-ahead (it cannot write over its input)
 BARRIER_MOMENTUM = """geomopt: 1
 name: barrier-momentum
 rules:
-  - name: all
+  - name: hidden
+    match: {role: hidden}
+    geometry: {kind: anisotropic, reference: {kind: power_barrier, kappa: 4.0, eps: 0.1}}
+    direction: {kind: polyak, alpha: 0.1}
+  - name: rest
     match: "**"
     geometry: {kind: anisotropic, reference: {kind: log_barrier, eps: 0.01}}
-    direction: {kind: polyak, alpha: 0.1}
+    direction: {kind: polyak, alpha: 0.1, nesterov: true}
 """
 #: how many allocation points each case tries: a spread over the step (every one: GEOMOPT_FAULTS=all)
 FAULTS = os.environ.get("GEOMOPT_FAULTS", "24")

@@ -123,9 +123,18 @@ def elementwise_into(d: torch.Tensor, geometry: dict, out: torch.Tensor) -> torc
     return _reference(geometry).dual_grad_into(d, out)
 
 
-def elementwise_allocates(geometry: dict) -> bool:
-    """Whether :func:`elementwise_into` allocates (a barrier's (h*)'; not the sign, not the identity)."""
-    return geometry["kind"] != "euclidean" and _reference(geometry).into_allocates
+def elementwise_allocates(geometry: dict, in_place: bool = False) -> bool:
+    """Whether :func:`elementwise_into` allocates (the power barrier's (h*)'; the log barrier's over
+    its own input, ``in_place``; never the sign or the identity)."""
+    if geometry["kind"] == "euclidean":
+        return False
+    ref = _reference(geometry)
+    return ref.into_allocates or (in_place and not ref.into_in_place)
+
+
+def elementwise_in_place(geometry: dict) -> bool:
+    """Whether :func:`elementwise_into` writes over its input without allocating."""
+    return geometry["kind"] == "euclidean" or _reference(geometry).into_in_place
 
 
 def isotropic_factors(norms: torch.Tensor, geometry: dict) -> torch.Tensor:

@@ -65,9 +65,11 @@ class Reference:
     eps: float = 0.0
     kappa: float | None = None
     bounded = True  # dom h = [−1, 1] (barriers, indicator) rather than ℝ
-    #: :meth:`dual_grad_into` allocates (no one-kernel form): a caller that must not allocate
+    #: :meth:`dual_grad_into` allocates (no allocation-free form): a caller that must not allocate
     #: after its first write computes it first (the optimizer's flat path)
     into_allocates = True
+    #: :meth:`dual_grad_into` may write over its input (``out`` is ``y``) without allocating
+    into_in_place = True
 
     def h(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -120,6 +122,17 @@ class LogBarrier(Reference):
 
     def dual_grad(self, y):
         return y / (working_eps(self.eps, y.dtype) + y.abs())
+
+    into_allocates = False
+    into_in_place = False  # ε + |y| needs y's signs: over y itself it takes a temporary
+
+    def dual_grad_into(self, y, out):
+        """y/(ε + |y|) in two passes over ``out`` (the same bits as :meth:`dual_grad`); ``out`` is
+        y: through a temporary."""
+        if out is y:
+            return out.copy_(self.dual_grad(y))
+        torch.abs(y, out=out).add_(working_eps(self.eps, y.dtype))
+        return torch.div(y, out, out=out)
 
     def iso_factor(self, s):
         return 1 / (working_eps(self.eps, s.dtype, norm=True) + s)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from geomopt.geometry.adam import adam_multi_tensor
-from geomopt.geometry.forward import elementwise_allocates, elementwise_into, isotropic_factors
+from geomopt.geometry.forward import elementwise_allocates, elementwise_in_place, elementwise_into, isotropic_factors
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.geometry.matrix import split_like
 from geomopt.optim.engine.tensors import as_real, count_tensor, local, op_view
@@ -62,9 +62,11 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     adam = _adam_state(rt, state, items, xs, binds) if kind == "adam" else None
     fused = adam is not None and prog.fused and all(t.is_contiguous() for t in (*xs, *(gs if ds is None else ds)))
     writes = nesterov or kind == "anisotropic" or (adam is not None and not fused)
-    # a map that allocates (a barrier's (h*)') runs before any write: one block, the new momentum
-    # staged in a scratch (as the isotropic norms), so an exception leaves every tensor as it was
+    # a map that allocates (the power barrier's (h*)') runs before any write: one block, the new
+    # momentum staged in a scratch (as the isotropic norms), so an exception leaves every tensor as
+    # it was; a map that cannot write over its input (the log barrier's) writes a second scratch
     whole = kind == "anisotropic" and elementwise_allocates(geometry)
+    second = kind == "anisotropic" and not elementwise_in_place(geometry) and (nesterov or d is None)
     blocks: list[Any]
     if whole:
         blocks = [(None, 0, sum(x.numel() for x in xs))]
@@ -77,7 +79,7 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     largest = max((n if n is not None else sum(x.numel() for x in xs)) for _, _, n in blocks)
     # isotropic: its norms allocate after the new momentum is formed, so that is formed in a scratch
     staged = (kind == "isotropic" or whole) and d is not None
-    for slot in scratch(kind, staged, nesterov, adam is not None and not fused):
+    for slot in scratch(kind, staged, nesterov, adam is not None and not fused, second):
         take(slot, (largest,))  # the workspace at its largest now: the blocks' takes reuse it
     steps_t = None if adam is None or not fused else torch.full((), adam[2], dtype=torch.float32, device=xs[0].device)
     factors = None
@@ -123,7 +125,10 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
             continue
         steps = u_views
         if kind == "anisotropic":
-            out = u if nesterov or d is None else take("u", (u.numel(),))  # in place over a scratch u
+            if nesterov or d is None:  # u is a scratch: the map writes over it, or into a second one
+                out = take("v", (u.numel(),)) if second else u
+            else:
+                out = take("u", (u.numel(),))
             elementwise_into(u, geometry, out)
             steps = split_like(out, x_b)
             if staged:  # everything that allocates has run: the momentum is written now
@@ -153,11 +158,12 @@ def _adam_state(rt: Runtime, state, items: list, xs: list, binds: list) -> tuple
     return m, v, step
 
 
-def scratch(kind: str, staged: bool, nesterov: bool, unfused_adam: bool) -> tuple:
+def scratch(kind: str, staged: bool, nesterov: bool, unfused_adam: bool, second: bool = False) -> tuple:
     """The workspace slots a flat step's blocks take (:func:`step_flat`): the look-ahead or the
-    map's output ``u``, a staged momentum ``d``, unfused Adam's ``denom``."""
+    map's output ``u``, the map's output ``v`` where it cannot write over ``u`` (``second``), a
+    staged momentum ``d``, unfused Adam's ``denom``."""
     slots = ("u",) if nesterov or (kind == "anisotropic") else ()
-    return slots + (("d",) if staged else ()) + (("denom",) if unfused_adam else ())
+    return slots + (("v",) if second else ()) + (("d",) if staged else ()) + (("denom",) if unfused_adam else ())
 
 
 #: entries of a block of the flat path (:func:`_blocks`): 4 MiB per float32 array, so a block's
