@@ -138,12 +138,12 @@ EXPLAINED: dict[str, str] = {
     "geomopt/optim/units/stages.py:179:12: v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps) -> "
     "-(v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps))": ("v negated: the estimate σ₁ ≈ ‖Dv‖ reads w = Dv only "
                                                            "through w·w"),
-    "geomopt/geometry/reference.py:235:30: 1 -> 2": _TOP_TERM,
-    "geomopt/geometry/reference.py:235:30: 1 -> 0": _TOP_TERM,
-    "geomopt/geometry/reference.py:115:46: 1 -> 2": ("|x| clamped at 2 instead of 1 before h's formula: where "
+    "geomopt/geometry/reference.py:248:30: 1 -> 2": _TOP_TERM,
+    "geomopt/geometry/reference.py:248:30: 1 -> 0": _TOP_TERM,
+    "geomopt/geometry/reference.py:117:46: 1 -> 2": ("|x| clamped at 2 instead of 1 before h's formula: where "
                                                      "|x| ≥ 1 the result is +∞ whatever the formula gives"),
-    "geomopt/geometry/reference.py:329:8: 2 -> 3": _SUBSTITUTION,
-    "geomopt/geometry/reference.py:377:17: 2 -> 4": _SUBSTITUTION,
+    "geomopt/geometry/reference.py:342:8: 2 -> 3": _SUBSTITUTION,
+    "geomopt/geometry/reference.py:390:17: 2 -> 4": _SUBSTITUTION,
     "geomopt/geometry/prox/scalar.py:141:28: -1 -> 1": _ROWS,
     "geomopt/geometry/prox/scalar.py:142:28: -1 -> 1": _ROWS,
     "geomopt/geometry/prox/scalar.py:240:76: -1 -> 1": _ROWS,

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from script_loader import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = "mutate_tiny_units"
 TEST_MODULE = "test_mutate_tiny_units"
@@ -70,20 +72,9 @@ TESTS = textwrap.dedent('''
 ''')
 
 
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(name, None)
-    return module
-
-
 @pytest.fixture(scope="module")
 def mutate():
-    return _load(ROOT / "scripts" / "mutate.py", "mutate")
+    return load_script(ROOT / "scripts" / "mutate.py", "mutate")
 
 
 @pytest.fixture

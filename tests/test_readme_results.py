@@ -5,7 +5,6 @@ clean."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import shutil
@@ -15,25 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from script_loader import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "readme_tables.py"
 EXAMPLES = ("grokking", "digits_cnn", "char_gpt", "moe", "plot_preconditioners")
 
 
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(name, None)
-    return module
-
-
 @pytest.fixture(scope="module")
 def tables():
-    return _load(SCRIPT, "readme_tables")
+    return load_script(SCRIPT, "readme_tables")
 
 
 def _check(*args: str) -> subprocess.CompletedProcess:
@@ -163,7 +153,7 @@ def test_a_quick_record_is_not_quoted(tables, tmp_path):
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_outputs_default_to_runs_and_the_committed_results_need_record(name, tmp_path, monkeypatch):
-    module = _load(ROOT / "examples" / f"{name}.py", f"example_{name}")
+    module = load_script(ROOT / "examples" / f"{name}.py", f"example_{name}")
     common = sys.modules["_common"]
     stem = "preconditioners" if name == "plot_preconditioners" else name
     parser = module.build_parser()
