@@ -92,72 +92,76 @@ _SUBSTITUTION = ("the exponent of a change of variables in a quadrature: every p
 _ROWS = ("dim 1 for dim −1 of the module's (B, n) rows of magnitudes (its docstring): the same dim")
 _GROUPING = ("which form computes M·V·Diag(w)·Vᵀ, and over how many leading directions (those past the "
              "width have w = c and add nothing): a cost choice, the same product to rounding")
-#: survivors judged equivalent or unkillable, keyed ``path:line:col: original -> mutated``
+#: survivors judged equivalent or unkillable, keyed ``path::function: original -> mutated`` (``#n``: the n-th
+#: of the same change in that function): :attr:`Mutant.stable_key`, which lines added above it leave alone
 EXPLAINED: dict[str, str] = {
-    "geomopt/geometry/adam.py:62:72: 0 -> 1": "xs[1] for xs[0]: every tensor of a bucket is on the same device",
-    "geomopt/geometry/prox/polar.py:102:14: abs(1 - x) > eps -> abs(1 - x) >= eps": _ONE_MORE_STEP,
-    "geomopt/geometry/prox/polar.py:102:39: 200 -> 201": _ITERATION_CAP,
-    "geomopt/geometry/prox/polar.py:102:39: 200 -> 400": _ITERATION_CAP,
-    "geomopt/geometry/prox/polar.py:102:35: n < 200 -> n <= 200": _ITERATION_CAP,
-    "geomopt/geometry/prox/polar.py:259:14: abs(1 - y * z) > eps -> abs(1 - y * z) >= eps": _ONE_MORE_STEP,
-    "geomopt/geometry/prox/polar.py:259:39: n < 100 -> n <= 100": _ITERATION_CAP,
-    "geomopt/geometry/prox/polar.py:259:43: 100 -> 101": _ITERATION_CAP,
-    "geomopt/geometry/prox/polar.py:259:43: 100 -> 200": _ITERATION_CAP,
-    "geomopt/geometry/prox/polar.py:111:23: -1 -> 1": ("column sums for row sums of G, which is symmetric "
-                                                       "(the bound's contract): the same sums"),
-    "geomopt/geometry/prox/polar.py:111:32: -1 -> 1": "dim 1 for dim −1 of the (N, k) row sums: the same dim",
-    "geomopt/geometry/prox/polar.py:120:12: torch.arange(n, dtype=e.dtype, device=e.device) / (n + 1) * 0.7 -> "
-    "torch.arange(n, dtype=e.dtype, device=e.device) / (n + 1) / 0.7": _START_VECTOR,
-    "geomopt/geometry/prox/polar.py:120:72: 0.7 -> 1.7": _START_VECTOR,
-    "geomopt/geometry/prox/polar.py:120:72: 0.7 -> 1.4": _START_VECTOR,
-    "geomopt/geometry/prox/polar.py:120:72: 0.7 -> 0.30000000000000004": _START_VECTOR,
-    "geomopt/geometry/prox/polar.py:185:12: 2 -> 3": _COST_MODEL,
-    "geomopt/geometry/prox/polar.py:185:12: 2 -> 4": _COST_MODEL,
-    "geomopt/geometry/prox/polar.py:185:82: m * n * n -> m * n / n": _COST_MODEL,
-    "geomopt/geometry/prox/polar.py:260:16: 1.5 - 0.5 * z * y -> -(1.5 - 0.5 * z * y)": (
-        "the host's simulation reads only y·z, which the step multiplies by t²: a negated t changes nothing it reads"),
-    "geomopt/geometry/prox/polar.py:256:12: 1 -> 2": ("at least two steps instead of one where both ends of the "
-                                                      "spectrum are already within ε of 1: one more step of a "
-                                                      "converged iteration"),
-    "geomopt/geometry/prox/polar.py:58:43: 2.0 -> 4.0": ("a lower default floor (2⁻⁸⁰ for 2⁻⁴⁰): more steps of a "
-                                                        "converging iteration, the same polar factor"),
-    "geomopt/geometry/prox/polar.py:162:9: math.sqrt(r * r + math.sqrt(q) * (2 * r * t1 + t1 * t1)) <= 1.5 * (r + t) "
-    "-> math.sqrt(r * r + math.sqrt(q) * (2 * r * t1 + t1 * t1)) < 1.5 * (r + t)": (
-        "the guard's two sides are equal only on a measure-zero set of (r, t, q); both branches' bounds hold there"),
-    "geomopt/geometry/prox/scalar.py:109:26: 1 <= j <= 6 -> 1 < j <= 6": ("κ = 2 through the general powers "
-                                                                           "instead of squarings: the same values "
-                                                                           "to rounding"),
-    "geomopt/geometry/prox/scalar.py:109:26: 1 <= j <= 6 -> 1 <= j < 6": ("κ = 64 through the general powers "
-                                                                           "instead of squarings: the same values "
-                                                                           "to rounding"),
-    "geomopt/geometry/prox/scalar.py:107:63: 2 -> 4": ("u capped at max^(1/κ)/4 instead of /2: past either cap "
-                                                       "(h₁*)' = 1 and (h₁*)'' = 0 to the working precision"),
-    "geomopt/optim/units/stages.py:177:24: per_column(w * w).sqrt_().clamp_(min=eps) -> "
-    "per_column(w * w).sqrt_().clamp_(max=eps)": ("the power iteration's w divided by ε instead of its norm: "
-                                                  "only its direction is read (v = Dᵀw is normalized next)"),
-    "geomopt/optim/units/stages.py:179:12: v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps) -> "
-    "-(v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps))": ("v negated: the estimate σ₁ ≈ ‖Dv‖ reads w = Dv only "
-                                                           "through w·w"),
-    "geomopt/geometry/reference.py:248:30: 1 -> 2": _TOP_TERM,
-    "geomopt/geometry/reference.py:248:30: 1 -> 0": _TOP_TERM,
-    "geomopt/geometry/reference.py:117:46: 1 -> 2": ("|x| clamped at 2 instead of 1 before h's formula: where "
-                                                     "|x| ≥ 1 the result is +∞ whatever the formula gives"),
-    "geomopt/geometry/reference.py:342:8: 2 -> 3": _SUBSTITUTION,
-    "geomopt/geometry/reference.py:390:17: 2 -> 4": _SUBSTITUTION,
-    "geomopt/geometry/prox/scalar.py:141:28: -1 -> 1": _ROWS,
-    "geomopt/geometry/prox/scalar.py:142:28: -1 -> 1": _ROWS,
-    "geomopt/geometry/prox/scalar.py:240:76: -1 -> 1": _ROWS,
-    "geomopt/geometry/prox/scalar.py:289:53: -1 -> 1": _ROWS,
-    "geomopt/geometry/prox/scalar.py:308:43: -1 -> 1": "unsqueeze(1) for unsqueeze(−1) of the (B,) row norms: the same",
-    "geomopt/geometry/prox/vector.py:41:32: -1 -> 1": _ROWS,
-    "geomopt/geometry/prox/vector.py:53:57: -1 -> 1": _ROWS,
-    "geomopt/geometry/prox/spectral_map.py:190:33: min(mats.shape[-2:]) -> max(mats.shape[-2:])": _GROUPING,
-    "geomopt/geometry/prox/spectral_map.py:193:32: 8 -> 16": _GROUPING,
-    "geomopt/geometry/prox/spectral_map.py:194:31: 2 -> 0": _GROUPING,
-    "geomopt/geometry/prox/scalar.py:156:11: 4 -> 5": _NEWTON_STEPS,
-    "geomopt/geometry/prox/scalar.py:156:11: 4 -> 8": _NEWTON_STEPS,
-    "geomopt/geometry/prox/scalar.py:156:59: 8 -> 9": _NEWTON_STEPS,
-    "geomopt/geometry/prox/scalar.py:156:59: 8 -> 16": _NEWTON_STEPS,
+    "geomopt/geometry/adam.py::adam_multi_tensor: 0 -> 1":
+        "xs[1] for xs[0]: every tensor of a bucket is on the same device",
+    "geomopt/geometry/prox/polar.py::polar_steps: abs(1 - x) > eps -> abs(1 - x) >= eps": _ONE_MORE_STEP,
+    "geomopt/geometry/prox/polar.py::polar_steps: 200 -> 201": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py::polar_steps: 200 -> 400": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py::polar_steps: n < 200 -> n <= 200": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py::_inverse_sqrt_steps: abs(1 - y * z) > eps -> abs(1 - y * z) >= eps":
+        _ONE_MORE_STEP,
+    "geomopt/geometry/prox/polar.py::_inverse_sqrt_steps: n < 100 -> n <= 100": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py::_inverse_sqrt_steps: 100 -> 101": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py::_inverse_sqrt_steps: 100 -> 200": _ITERATION_CAP,
+    "geomopt/geometry/prox/polar.py::_gershgorin: -1 -> 1":
+        "column sums for row sums of G, which is symmetric (the bound's contract): the same sums",
+    "geomopt/geometry/prox/polar.py::_gershgorin: -1 -> 1 #2": "dim 1 for dim −1 of the (N, k) row sums: the same dim",
+    "geomopt/geometry/prox/polar.py::_spectral_norm_estimate: torch.arange(n, dtype=e.dtype, device=e.device) / (n + 1) * 0.7 -> torch.arange(n, dtype=e.dtype, device=e.device) / (n + 1) / 0.7":
+        _START_VECTOR,
+    "geomopt/geometry/prox/polar.py::_spectral_norm_estimate: 0.7 -> 1.7": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py::_spectral_norm_estimate: 0.7 -> 1.4": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py::_spectral_norm_estimate: 0.7 -> 0.30000000000000004": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py::_polar_by_cost: 2 -> 3 #3": _COST_MODEL,
+    "geomopt/geometry/prox/polar.py::_polar_by_cost: 2 -> 4 #3": _COST_MODEL,
+    "geomopt/geometry/prox/polar.py::_polar_by_cost: m * n * n -> m * n / n": _COST_MODEL,
+    "geomopt/geometry/prox/polar.py::_inverse_sqrt_steps: 1.5 - 0.5 * z * y -> -(1.5 - 0.5 * z * y)":
+        "the host's simulation reads only y·z, which the step multiplies by t²: a negated t changes nothing "
+        "it reads",
+    "geomopt/geometry/prox/polar.py::_inverse_sqrt_steps: 1 -> 2":
+        "at least two steps instead of one where both ends of the spectrum are already within ε of 1: one "
+        "more step of a converged iteration",
+    "geomopt/geometry/prox/polar.py::polar: 2.0 -> 4.0":
+        "a lower default floor (2⁻⁸⁰ for 2⁻⁴⁰): more steps of a converging iteration, the same polar factor",
+    "geomopt/geometry/prox/polar.py::_stiefel_polar: math.sqrt(r * r + math.sqrt(q) * (2 * r * t1 + t1 * t1)) <= 1.5 * (r + t) -> math.sqrt(r * r + math.sqrt(q) * (2 * r * t1 + t1 * t1)) < 1.5 * (r + t)":
+        "the guard's two sides are equal only on a measure-zero set of (r, t, q); both branches' bounds hold "
+        "there",
+    "geomopt/geometry/prox/scalar.py::_unit_dual: 1 <= j <= 6 -> 1 < j <= 6":
+        "κ = 2 through the general powers instead of squarings: the same values to rounding",
+    "geomopt/geometry/prox/scalar.py::_unit_dual: 1 <= j <= 6 -> 1 <= j < 6":
+        "κ = 64 through the general powers instead of squarings: the same values to rounding",
+    "geomopt/geometry/prox/scalar.py::_unit_dual: 2 -> 4":
+        "u capped at max^(1/κ)/4 instead of /2: past either cap (h₁*)' = 1 and (h₁*)'' = 0 to the working "
+        "precision",
+    "geomopt/optim/units/stages.py::_power_normalized: per_column(w * w).sqrt_().clamp_(min=eps) -> per_column(w * w).sqrt_().clamp_(max=eps)":
+        "the power iteration's w divided by ε instead of its norm: only its direction is read (v = Dᵀw is "
+        "normalized next)",
+    "geomopt/optim/units/stages.py::_power_normalized: v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps) -> -(v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps))":
+        "v negated: the estimate σ₁ ≈ ‖Dv‖ reads w = Dv only through w·w",
+    "geomopt/geometry/reference.py::_z_minus_log1p: 1 -> 2": _TOP_TERM,
+    "geomopt/geometry/reference.py::_z_minus_log1p: 1 -> 0": _TOP_TERM,
+    "geomopt/geometry/reference.py::LogBarrier.h: 1 -> 2":
+        "|x| clamped at 2 instead of 1 before h's formula: where |x| ≥ 1 the result is +∞ whatever the "
+        "formula gives",
+    "geomopt/geometry/reference.py::_power_barrier_h_quad: 2 -> 3": _SUBSTITUTION,
+    "geomopt/geometry/reference.py::_power_barrier_conj_quad: 2 -> 4": _SUBSTITUTION,
+    "geomopt/geometry/prox/scalar.py::_interpolate: -1 -> 1": _ROWS,
+    "geomopt/geometry/prox/scalar.py::_interpolate: -1 -> 1 #2": _ROWS,
+    "geomopt/geometry/prox/scalar.py::_box_tau: -1 -> 1 #8": _ROWS,
+    "geomopt/geometry/prox/scalar.py::_ball_finish: -1 -> 1 #3": _ROWS,
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: -1 -> 1 #4":
+        "unsqueeze(1) for unsqueeze(−1) of the (B,) row norms: the same",
+    "geomopt/geometry/prox/vector.py::_proj_linf_sphere: -1 -> 1 #4": _ROWS,
+    "geomopt/geometry/prox/vector.py::_keep_top: -1 -> 1 #3": _ROWS,
+    "geomopt/geometry/prox/spectral_map.py::_gram_compose: min(mats.shape[-2:]) -> max(mats.shape[-2:])": _GROUPING,
+    "geomopt/geometry/prox/spectral_map.py::_gram_compose: 8 -> 16 #2": _GROUPING,
+    "geomopt/geometry/prox/spectral_map.py::_gram_compose: 2 -> 0 #3": _GROUPING,
+    "geomopt/geometry/prox/scalar.py::_newton_steps: 4 -> 5": _NEWTON_STEPS,
+    "geomopt/geometry/prox/scalar.py::_newton_steps: 4 -> 8": _NEWTON_STEPS,
+    "geomopt/geometry/prox/scalar.py::_newton_steps: 8 -> 9": _NEWTON_STEPS,
+    "geomopt/geometry/prox/scalar.py::_newton_steps: 8 -> 16": _NEWTON_STEPS,
 }
 
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")
@@ -189,10 +193,20 @@ class Mutant:
     op: str
     original: str
     mutated: str
+    nth: int = 0  # among the function's mutants of the same text (0: the first)
 
     @property
     def key(self) -> str:
+        """Where it is: path:line:col, the original and the mutated text."""
         return f"{self.path}:{self.line}:{self.col}: {self.original} -> {self.mutated}"
+
+    @property
+    def stable_key(self) -> str:
+        """What it is, whatever the lines above it: path::function, the original and the mutated text
+        (and which of them, where the function has the same change more than once). :data:`EXPLAINED`
+        is keyed by it, so an edit elsewhere in a file leaves the explanations in place."""
+        return (f"{self.path}::{self.qualname}: {self.original} -> {self.mutated}"
+                + (f" #{self.nth + 1}" if self.nth else ""))
 
 
 _LOGGING = {"warn", "debug", "info", "warning", "error", "exception", "critical", "log"}
@@ -360,12 +374,14 @@ def mutants(path: Path, module: str, shown: str | None = None) -> list[Mutant]:
     shown = shown or _relative(path)
     out = []
     for qualname, fn in _functions(tree):
+        seen: dict = {}
         for k, (_, _, _, node, variants) in enumerate(_sites(fn)):
-            original = ast.get_source_segment(source, node) or ast.unparse(node)
-            original = " ".join(original.split())
+            original = " ".join((ast.get_source_segment(source, node) or ast.unparse(node)).split())
             for j, (op, new) in enumerate(variants):
+                mutated = ast.unparse(new)
+                nth = seen[(original, mutated)] = seen.get((original, mutated), -1) + 1
                 out.append(Mutant(shown, module, qualname, k, j, node.lineno, node.col_offset, op, original,
-                                  ast.unparse(new)))
+                                  mutated, nth))
     return out
 
 
@@ -720,7 +736,7 @@ def summarize(outcomes: Sequence[Outcome]) -> dict:
     def tally(rows: list[Outcome]) -> dict:
         c = {"mutants": len(rows), **{s: sum(o.status == s for o in rows)
                                       for s in ("killed", "timed_out", "survived", "not_applied", "error")}}
-        c["explained"] = sum(o.status == "survived" and o.mutant.key in EXPLAINED for o in rows)
+        c["explained"] = sum(o.status == "survived" and o.mutant.stable_key in EXPLAINED for o in rows)
         c["score"] = _score(c)
         rest = dict(c, survived=c["survived"] - c["explained"])
         c["score_unexplained"] = _score(rest)
@@ -799,7 +815,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "survivors": [{"at": f"{o.mutant.path}:{o.mutant.line}:{o.mutant.col}", "function": o.mutant.qualname,
                        "op": o.mutant.op, "original": o.mutant.original, "mutated": o.mutant.mutated,
                        "tests": o.tests, **({"note": o.note} if o.note else {}),
-                       **({"explained": EXPLAINED[o.mutant.key]} if o.mutant.key in EXPLAINED else {})}
+                       **({"explained": EXPLAINED[o.mutant.stable_key]} if o.mutant.stable_key in EXPLAINED else {})}
                       for o in outcomes if o.status == "survived"],
         "timed_out": [{"at": f"{o.mutant.path}:{o.mutant.line}:{o.mutant.col}", "original": o.mutant.original,
                        "mutated": o.mutant.mutated, "seconds": o.seconds} for o in outcomes
