@@ -28,7 +28,7 @@ import warnings
 from typing import Any, Callable, Optional
 
 from geomopt.spec.regex_cost import backtracks_little
-from geomopt.spec.regex_re2 import MAX_REPEAT, Untranslatable, translate
+from geomopt.spec.regex_re2 import MAX_REPEAT, Untranslatable, is_text, translate
 
 # glob tokens
 _LIT, _ONE, _STAR, _DSTAR, _LEAD, _TRAIL = range(6)
@@ -56,7 +56,7 @@ class PatternError(ValueError):
 @functools.lru_cache(maxsize=4096)
 def compile_pattern(pattern: str) -> NamePattern:
     """``pattern`` (a glob, or ``re:`` and a regex) compiled; raises :class:`PatternError`."""
-    if _has_surrogate(pattern):
+    if not is_text(pattern):
         raise PatternError(f"name pattern {_show(pattern)} holds a lone surrogate (not text): write the character "
                            f"itself")
     if pattern.startswith("re:"):
@@ -72,7 +72,7 @@ def compile_pattern(pattern: str) -> NamePattern:
 def pattern_error(pattern: str) -> Optional[str]:
     """Why ``pattern`` is refused (one line: what is wrong and what to write), or None. A glob
     that Python's engine runs is not compiled here (lint without a model compiles nothing)."""
-    if not pattern.startswith("re:") and not _has_surrogate(pattern) and _glob_fast(_glob_tokens(pattern)):
+    if not pattern.startswith("re:") and is_text(pattern) and _glob_fast(_glob_tokens(pattern)):
         return None
     try:
         compile_pattern(pattern)
@@ -216,11 +216,3 @@ def _re2_compile(rx: str) -> Callable[[bytes], Any]:
     except re2.error as exc:
         why = exc.args[0] if exc.args else exc
         raise _Re2Refused(why.decode("utf-8", "replace") if isinstance(why, bytes) else str(why)) from None
-
-
-def _has_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False

@@ -79,7 +79,7 @@ def translate(body: str) -> Re2Form:
     :class:`Untranslatable`."""
     parsed = _sre_parse.parse(body, 0)
     tree = _tree(parsed, parsed.state.flags)
-    kinds = _assert_kinds(tree)
+    kinds = _leaves(tree, "at")
     if kinds & {"ub", "uB"} and kinds & {"ab", "aB"}:
         raise Untranslatable("it mixes Unicode and ASCII word boundaries (\\b with and without the a flag), "
                              "which RE2 cannot tell apart: use one kind")
@@ -129,22 +129,15 @@ def _at_kind(at: str, flags: int) -> str:
             "AT_BOUNDARY": "ab" if ascii_ else "ub", "AT_NON_BOUNDARY": "aB" if ascii_ else "uB"}[at]
 
 
-def _assert_kinds(node: tuple) -> set[str]:
+def _leaves(node: tuple, leaf: str) -> set:
+    """The values of a tree's ``leaf`` nodes (``at``: the assertions' kinds; ``set``: the classes'
+    ranges), through sequences, alternatives and repeats."""
     kind = node[0]
-    if kind == "at":
+    if kind == leaf:
         return {node[1]}
     if kind in ("seq", "alt"):
-        return set().union(*(_assert_kinds(n) for n in node[1]))
-    return _assert_kinds(node[1]) if kind == "rep" else set()
-
-
-def _sets(node: tuple) -> set[Ranges]:
-    kind = node[0]
-    if kind == "set":
-        return {node[1]}
-    if kind in ("seq", "alt"):
-        return set().union(*(_sets(n) for n in node[1]))
-    return _sets(node[1]) if kind == "rep" else set()
+        return set().union(*(_leaves(n, leaf) for n in node[1]))
+    return _leaves(node[1], leaf) if kind == "rep" else set()
 
 
 # ---------------------------------------------------------------- character items
@@ -352,7 +345,7 @@ def _recoder(tree: tuple, kinds: set[str]) -> tuple[Optional[Callable[[str], str
     stand in for another of its group, and the items are redrawn to hold it as they hold what it
     stands for). The name's match is unchanged."""
     unicode_b = bool(kinds & {"ub", "uB"})
-    sets = sorted(_sets(tree))
+    sets = sorted(_leaves(tree, "set"))
     word: Ranges = ()  # the word characters \\b sees (none where the pattern has no \\b)
     if kinds & {"ub", "uB", "ab", "aB"}:
         word = _brute(r"\w", 0 if unicode_b else re.ASCII)
@@ -395,7 +388,7 @@ def _recoder(tree: tuple, kinds: set[str]) -> tuple[Optional[Callable[[str], str
         c = m.group()
         return back.get(c) or targets[bisect.bisect_right(starts, ord(c)) - 1]
 
-    check = str.isascii if unicode_b and not back else _is_text if not back else None
+    check = str.isascii if unicode_b and not back else is_text if not back else None
 
     def recode(name: str) -> str:
         return name if check is not None and check(name) else pick.sub(swap, name)
@@ -431,7 +424,8 @@ def _redraw(node: tuple, redrawn: dict[Ranges, Ranges]) -> tuple:
     return ("rep", _redraw(node[1], redrawn), node[2], node[3]) if kind == "rep" else node
 
 
-def _is_text(name: str) -> bool:
+def is_text(name: str) -> bool:
+    """Whether ``name`` is text UTF-8 can hold (no lone surrogate, which RE2 cannot read)."""
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
