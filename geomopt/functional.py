@@ -11,7 +11,7 @@ from typing import Mapping, Optional, Union
 import torch
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from geomopt.compile.resolve import geometry_fragment, resolve
+from geomopt.compile.resolve import resolve
 from geomopt.geometry.forward import forward
 from geomopt.geometry.prox import backward
 from geomopt.spec.constraints import Constraint
@@ -37,15 +37,10 @@ def _fragment(adapter: TypeAdapter, value, what: str):
     return model
 
 
-def geometry_dict(geometry: Union[Mapping, BaseModel]) -> dict:
-    """Validated geometry fragment with its defaults (pre-normalization resolved), as in a plan."""
-    return geometry_fragment(_fragment(_GEOMETRY, geometry, "geometry"))
-
-
 def _ops(geometry, constraint, t: torch.Tensor, batch_dims: int):
     """:func:`geomopt.compile.resolve.resolve` for one element of ``t``, as a spec resolves it."""
-    c = None if constraint is None else _fragment(_CONSTRAINT, constraint, "constraint").model_dump()
-    return resolve(geometry_dict(geometry), c, tuple(t.shape[batch_dims:]))
+    c = None if constraint is None else _fragment(_CONSTRAINT, constraint, "constraint")
+    return resolve(_fragment(_GEOMETRY, geometry, "geometry"), c, tuple(t.shape[batch_dims:]))
 
 
 def _transposed(t: torch.Tensor, ops, batch_dims: int) -> torch.Tensor:
@@ -65,7 +60,7 @@ def _real_view(t: torch.Tensor, ops, constraint) -> torch.Tensor:
     which a map of the real view is not, and casting to real would drop the imaginary part)."""
     if not t.is_complex():
         return t
-    kind = ops.geometry["kind"]
+    kind = ops.geometry.kind
     if kind not in ELEMENTWISE or constraint is not None:
         raise ValueError(f"a complex tensor ({t.dtype}) steps only under an elementwise geometry "
                          f"({', '.join(ELEMENTWISE)}) with no constraint, as GeomOptimizer's complex parameters: "

@@ -304,6 +304,9 @@ def test_plan_json(capsys):
     assert [r["bucket"] for r in rows] == [p.bucket for p in plan]
     assert all(not k.startswith("_") for r in rows for k in r)
     assert rows[0]["radius"] == pytest.approx(plan.params[0].radius)
+    # the typed fragments print as their plain JSON form, not as a repr
+    assert all(isinstance(r["geometry"], dict) and r["geometry"]["kind"] == p.geometry.kind
+               and isinstance(r["direction"], dict) for r, p in zip(rows, plan))
 
 
 def test_plan_with_errors_reports_them(capsys, bad):

@@ -3,16 +3,19 @@ installed); values resolved into ParamPlan; Plan.table(); buckets; compile-time 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
 
+import pydantic
 import pytest
 import torch
 from torch import nn
 
 import geomopt
 from geomopt.compile import as_spec, compile_spec
+from geomopt.compile.fragments import plain
 from geomopt.lint import lint_spec
 from geomopt.compile.params import params_from_model
 from geomopt.support import supported_constraints
@@ -88,7 +91,7 @@ def test_hugging_face_conv1d_gets_the_true_scion_radius(hf_gpt2):
             d_in, d_out = p.shape  # Conv1D stores (d_in, d_out)
             if suffix == "attn.c_attn":  # fused q, k, v: the auto view reads three (64, 64) blocks
                 d_out //= 3
-                assert p.geometry["view"]["blocks"] == [64, 64, 64]
+                assert p.geometry.view.blocks == (64, 64, 64)
             assert p.rule == "hidden" and p.transpose
             assert p.radius == pytest.approx(math.sqrt(d_out / d_in))
     assert plan["transformer.h.0.attn.c_attn.weight"].radius == pytest.approx(1.0)  # 64 / 64 per block
@@ -123,18 +126,18 @@ def test_hyper_parameters_resolve_rule_over_defaults_over_builtins():
     )
     plan = compile_spec(spec, nn.Linear(4, 3))
     w, b = plan["weight"], plan["bias"]
-    assert (w.lr, w.weight_decay, w.direction, w.on_nonfinite) == (0.1, 0.0, {"kind": "none"}, "raise")
+    assert (w.lr, w.weight_decay, plain(w.direction), w.on_nonfinite) == (0.1, 0.0, {"kind": "none"}, "raise")
     assert (b.lr, b.weight_decay, b.on_nonfinite) == (0.05, 0.01, "skip")
-    assert b.direction == {"kind": "polyak", "alpha": 0.2, "nesterov": False, "init": "zero",
+    assert plain(b.direction) == {"kind": "polyak", "alpha": 0.2, "nesterov": False, "init": "zero",
                            "warmup_steps": 0, "warmup_alpha": None}
     assert w.project_on_init is False and b.project_on_init is False
-    assert w.schedule == b.schedule == {"kind": "constant"}
+    assert plain(w.schedule) == plain(b.schedule) == {"kind": "constant"}
 
 
 def test_builtin_defaults():
     plan = compile_spec(_spec([{"name": "all", "match": "**", "geometry": {"kind": "euclidean"}}]), nn.Linear(2, 2))
     p = plan["weight"]
-    assert (p.lr, p.weight_decay, p.direction, p.schedule) == (0.02, 0.0, {"kind": "none"}, {"kind": "constant"})
+    assert (p.lr, p.weight_decay, plain(p.direction), plain(p.schedule)) == (0.02, 0.0, {"kind": "none"}, {"kind": "constant"})
     assert (p.on_nonfinite, p.project_on_init, p.constraint) == ("skip", True, None)
 
 
@@ -195,8 +198,8 @@ def test_relative_constraint_radius_is_in_units_of_the_resolved_radius():
     plan = compile_spec(spec, nn.Linear(64, 192))
     w = plan["weight"]
     assert w.radius == pytest.approx(2.0 * math.sqrt(3))
-    assert w.constraint == {"kind": "frobenius_ball", "radius": pytest.approx(0.5 * w.radius), "relative": False}
-    assert plan["bias"].constraint == {"kind": "l2_ball", "radius": 0.5, "relative": False}
+    assert plain(w.constraint) == {"kind": "frobenius_ball", "radius": pytest.approx(0.5 * w.radius), "relative": False}
+    assert plain(plan["bias"].constraint) == {"kind": "l2_ball", "radius": 0.5, "relative": False}
 
 
 @pytest.mark.parametrize("approx, explicit, expected", [
@@ -213,18 +216,25 @@ def test_prenormalize_defaults_on_for_iterative_approximations(approx, explicit,
     if explicit is not None:
         geometry["prenormalize"] = explicit
     plan = compile_spec(_spec([{"name": "all", "match": "**", "geometry": geometry}]), nn.Linear(4, 4, bias=False))
-    assert plan["weight"].geometry["prenormalize"] == expected
-    assert plan["weight"].approx["kind"] == approx["kind"]
+    assert plain(plan["weight"].geometry["prenormalize"]) == expected
+    assert plan["weight"].geometry.approx_kind == approx["kind"]
 
 
-def test_plans_do_not_share_mutable_fragments():
+def test_plans_share_only_frozen_fragments():
     plan = compile_spec(_spec([{"name": "all", "match": "**", "geometry": SPECTRAL,
                                 "constraint": {"kind": "spectral_ball", "radius": 1.0}}]),
                         nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)))
     a, b = plan["0.weight"], plan["1.weight"]
-    assert a.geometry == b.geometry and a.geometry is not b.geometry
-    assert a.geometry["approx"] is not b.geometry["approx"] and a.constraint is not b.constraint
-    assert a.bucket == b.bucket
+    assert a.geometry == b.geometry and a.constraint == b.constraint and a.bucket == b.bucket
+    # what two plans share cannot be changed through either
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.geometry.spec = b.geometry.spec  # type: ignore[misc]
+    with pytest.raises(pydantic.ValidationError):
+        a.geometry.approx.steps = 1  # type: ignore[union-attr]
+    with pytest.raises(pydantic.ValidationError):
+        a.constraint.radius = 2.0  # type: ignore[union-attr]
+    with pytest.raises(TypeError):
+        a.geometry["radius"] = 2.0  # type: ignore[index]
 
 
 # ---------------------------------------------------------------- buckets and the table
@@ -362,7 +372,7 @@ def test_view_blocks_must_divide_the_rows():
     assert "blocks=5" in str(exc.value) and "[2, 3, 4, 6, 8, 12]" in str(exc.value) and "'weight' (192×64)" in str(exc.value)
     ok = compile_spec(_spec([{"name": "all", "match": "**", "geometry": {**SPECTRAL, "view": {"kind": "matrix", "blocks": 3}}}]),
                       nn.Linear(64, 192, bias=False))
-    assert ok["weight"].geometry["view"]["blocks"] == [64, 64, 64]
+    assert ok["weight"].geometry.view.blocks == (64, 64, 64)
 
 
 def test_view_unequal_blocks_carry_radius_factors():
@@ -374,8 +384,8 @@ def test_view_unequal_blocks_carry_radius_factors():
                         nn.Linear(64, 96, bias=False))
     pp = plan["weight"]
     assert pp.radius == pytest.approx(1.0)
-    assert pp.geometry["view"]["factors"] == pytest.approx([1.0, 0.5, 0.5])
-    assert pp.geometry["view"]["scale_constraint"] is True
+    assert pp.geometry.view.factors == pytest.approx((1.0, 0.5, 0.5))
+    assert pp.geometry.view.scale_constraint is True
     with pytest.raises(geomopt.SpecError, match="sum to 80"):
         compile_spec(_spec([{"name": "all", "match": "**", "geometry": {**SPECTRAL, "view": {"kind": "matrix", "blocks": [64, 16]}}}]),
                      nn.Linear(64, 96, bias=False))

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from geomopt.compile.fragments import plain
 import geomopt
 from geomopt.geometry.dtypes import BF16Warning
 from optim_helpers import SPECS, gpt_batch, loss_of, mlp_batch, tiny_gpt, tiny_mlp
@@ -62,7 +63,7 @@ def test_muon_spec_reads_as_torch_muon():
     for p in plan:
         assert p.rule == "hidden"
         assert p.lr == LR and p.weight_decay == WD
-        assert p.direction == {"kind": "polyak", "alpha": pytest.approx(1 - MOMENTUM), "nesterov": True, "init": "zero",
+        assert plain(p.direction) == {"kind": "polyak", "alpha": pytest.approx(1 - MOMENTUM), "nesterov": True, "init": "zero",
                                    "warmup_steps": 0, "warmup_alpha": None}
         assert p.radius == pytest.approx(math.sqrt(max(1.0, p.shape[0] / p.shape[1])))  # "original" adjustment
 

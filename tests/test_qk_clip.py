@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from geomopt.compile.fragments import plain
 import geomopt
 from geomopt.models import GPT, GPTConfig
 from geomopt.monitor import attention_sites, sdpa_head_max
@@ -172,7 +173,7 @@ def test_lint_reads_a_qk_clip_spec():
 
 def test_plan_carries_the_clip():
     plan = geomopt.compile_spec(geomopt.parse_spec(GPT_SPEC.format(tau=3), "dsl"), gpt())
-    assert plan["transformer.h.0.attn.c_attn.weight"].qk_clip == {"kind": "max_logit", "tau": 3.0, "alpha": 0.5}
+    assert plain(plan["transformer.h.0.attn.c_attn.weight"].qk_clip) == {"kind": "max_logit", "tau": 3.0, "alpha": 0.5}
     assert plan["transformer.h.0.attn.c_proj.weight"].qk_clip is None
 
 

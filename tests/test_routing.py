@@ -576,12 +576,12 @@ def test_fused_projection_views_cut_the_right_rows():
     hf = compile_spec(ROOT / "specs" / "muon.yaml", build("hf-gpt2"))["transformer.h.0.attn.c_attn.weight"]
     ours = compile_spec(ROOT / "specs" / "muon.yaml", build("gpt"))["transformer.h.0.attn.c_attn.weight"]
     assert hf.shape == (32, 96) and hf.transpose and hf.op_shape == (96, 32)
-    assert hf.geometry["view"]["blocks"] == [32, 32, 32]
+    assert hf.geometry.view.blocks == (32, 32, 32)
     assert ours.shape == (192, 64) and not ours.transpose
-    assert ours.geometry["view"]["blocks"] == [64, 64, 64]
+    assert ours.geometry.view.blocks == (64, 64, 64)
     mha = compile_spec(ROOT / "specs" / "muon.yaml", build("transformer-encoder"))
     mha = mha["encoder.layers.0.self_attn.in_proj_weight"]
-    assert mha.shape == (96, 32) and mha.geometry["view"]["blocks"] == [32, 32, 32]
+    assert mha.shape == (96, 32) and mha.geometry.view.blocks == (32, 32, 32)
 
 
 # ---------------------------------------------------------------- one Muon step on Mixtral's experts
@@ -624,7 +624,7 @@ def test_muon_step_orthogonalizes_each_expert_and_each_gate_up_half():
     lr, wd, direction = pp.lr, pp.weight_decay, pp.direction
     assert (pp.rule, lr, wd) == ("hidden", 0.02, 0.1)  # muon.yaml's defaults
     assert pp.geometry["approx"]["dtype"] == "float32" and pp.geometry["scale"] == "muon_original"
-    assert direction == {"kind": "polyak", "alpha": 0.05, "nesterov": True, "init": "zero",
+    assert direction.model_dump() == {"kind": "polyak", "alpha": 0.05, "nesterov": True, "init": "zero",
                          "warmup_steps": 0, "warmup_alpha": None}
 
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))

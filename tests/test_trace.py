@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from geomopt.compile.fragments import plain
 import geomopt
 from geomopt.lint import lint_spec
 from geomopt.compile.compiler import model_params
@@ -282,7 +283,7 @@ def test_blocks_from_the_cuts_of_each_output():
 def test_trace_blocks_reach_the_muon_view():
     plan = geomopt.compile_spec("muon", Fused(), example_inputs=torch.zeros(2, 3, 8))
     view = plan["qkv_gqa.weight"].geometry["view"]
-    assert view["blocks"] == [8, 4, 4]
+    assert view.blocks == (8, 4, 4)
     assert plan["interleaved.weight"].geometry["view"] is None
 
 

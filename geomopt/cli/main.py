@@ -23,6 +23,7 @@ from geomopt.cli.models import load_model
 from geomopt.cli.status import EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, UsageError, write_output
 from geomopt.compile.compiler import model_params, plan_from_infos
 from geomopt.compile.explain import explain, recipe, role_summary, starter
+from geomopt.compile.fragments import plain
 from geomopt.compile.lock import model_label
 from geomopt.compile.params import params_from_checkpoint
 from geomopt.compile.roles.types import TRACE_FIX
@@ -163,7 +164,7 @@ def cmd_plan(args) -> int:
         print(step_programs(args.model, spec))
         return EXIT_CLEAN
     if args.format == "json":
-        rows = [{**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)}, "bucket": p.bucket}
+        rows = [{**{f.name: plain(getattr(p, f.name)) for f in dataclasses.fields(p)}, "bucket": p.bucket}
                 for p in plan.params]
         json.dump(rows, sys.stdout, indent=2, default=str)
         print()

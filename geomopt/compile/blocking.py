@@ -67,7 +67,7 @@ def inapplicable_geometry(ctx: Ownership):
     from geomopt.geometry.scale import check_applicable  # torch, and only with a model: not on the lint path
 
     for i, rule in enumerate(ctx.spec.rules):
-        geometry = rule.geometry.model_dump()
+        geometry = rule.geometry
         view_path = ("rules", i, "geometry", "view")
         problems: dict = {}
         for p in ctx.owned(i):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 import re
 from pathlib import Path
 from typing import Optional, Union
@@ -12,11 +11,12 @@ from geomopt.compile.match import ParamInfo
 from geomopt.compile.ownership import Ownership
 from geomopt.compile.params import params_from_model
 from geomopt.compile.plan import ParamPlan, Plan
-from geomopt.compile.resolve import geometry_fragment, resolve
+from geomopt.compile.resolve import resolve
 from geomopt.compile.roles.infer import infer_roles
 from geomopt.compile.roles.assign import assign, ensure_roles
 from geomopt.compile.wrappers import named_modules, unwrap
 from geomopt.spec.diagnostics import SpecError
+from geomopt.spec.geometries import AutoView
 from geomopt.spec.model import Spec, resolve_hyper
 from geomopt.spec.source import Parsed, SourceMap
 from geomopt.spec.validate import gc_paused, load_spec, parse_spec, source_of, validate
@@ -135,9 +135,10 @@ def as_spec(spec: Union[Spec, str, dict, "object"]) -> Spec:
 
 
 class _RulePlanner:
-    """Resolves one rule's values once (hyper-parameters, dumped geometry and constraint) and each
+    """Resolves one rule's values once (hyper-parameters, geometry and constraint) and each
     (shape, layout, structure) once (:func:`geomopt.compile.resolve.resolve`), so planning many
-    tensors of few shapes costs little per tensor."""
+    tensors of few shapes costs little per tensor. The fragments are frozen: the plans of a rule
+    share them."""
 
     def __init__(self, spec: Spec, index: int):
         rule = spec.rules[index]
@@ -145,36 +146,30 @@ class _RulePlanner:
         self.index, self.rule = index, rule
         self.lr, self.weight_decay = hyper["lr"], hyper["weight_decay"]
         self.on_nonfinite, self.project_on_init = hyper["on_nonfinite"], hyper["project_on_init"]
-        self.direction = hyper["direction"].model_dump()
+        self.direction = hyper["direction"]
         self.decay = hyper["decay"].kind
         self.state_dtype = hyper["state"].dtype
-        self.post = tuple(s.model_dump() for s in rule.post or ())
-        self.schedule = hyper["schedule"].model_dump()
-        self.geometry = geometry_fragment(rule.geometry)
-        self.constraint = rule.constraint.model_dump() if rule.constraint else None
-        self.qk_clip = rule.qk_clip.model_dump() if rule.qk_clip else None
-        self.auto_view = (self.geometry.get("view") or {}).get("kind") == "auto"
-        self._resolved: dict = {}  # (shape, Conv1D, structure) → (pickled fragments, Ops)
+        self.post = tuple(rule.post or ())
+        self.schedule = hyper["schedule"]
+        self.geometry = rule.geometry
+        self.constraint = rule.constraint
+        self.qk_clip = rule.qk_clip
+        self.auto_view = isinstance(self.geometry.get("view"), AutoView)
+        self._resolved: dict = {}  # (shape, Conv1D, structure) → Ops
 
     def plan(self, p: ParamInfo) -> ParamPlan:
         conv1d = bool(p.modules and "Conv1D" in p.modules)
         structure = p.role.structure if p.role is not None and self.auto_view else None
         key = (p.shape, conv1d, None if structure is None else repr(structure))
-        resolved = self._resolved.get(key)
-        if resolved is None:
-            ops = resolve(self.geometry, self.constraint, p.shape, conv1d=conv1d, structure=structure, post=self.post)
-            fragments = pickle.dumps((ops.geometry, ops.constraint, self.direction, self.schedule, self.post),
-                                     pickle.HIGHEST_PROTOCOL)
-            resolved = self._resolved[key] = (fragments, ops)
-        fragments, ops = resolved
-        # Each plan gets its own dicts (as model_dump gave); one unpickling copies all the nested
-        # fragments at C speed.
-        geometry, constraint, direction, schedule, post = pickle.loads(fragments)
+        ops = self._resolved.get(key)
+        if ops is None:
+            ops = self._resolved[key] = resolve(self.geometry, self.constraint, p.shape, conv1d=conv1d,
+                                                structure=structure, post=self.post)
         return ParamPlan(
             name=p.name, shape=p.shape, dtype=p.dtype, device=p.device, rule=self.rule.name, rule_index=self.index,
-            geometry=geometry, constraint=constraint, direction=direction, schedule=schedule, lr=self.lr,
-            weight_decay=self.weight_decay, radius=ops.radius, transpose=ops.transpose, on_nonfinite=self.on_nonfinite,
-            project_on_init=self.project_on_init, aliases=p.aliases,
-            role="" if p.role is None else p.role.name, post=post, decay=self.decay, ops=ops.digest,
+            geometry=ops.geometry, constraint=ops.constraint, direction=self.direction, schedule=self.schedule,
+            lr=self.lr, weight_decay=self.weight_decay, radius=ops.radius, transpose=ops.transpose,
+            on_nonfinite=self.on_nonfinite, project_on_init=self.project_on_init, aliases=p.aliases,
+            role="" if p.role is None else p.role.name, post=self.post, decay=self.decay, ops=ops.digest,
             qk_clip=self.qk_clip, state_dtype=self.state_dtype,
         )

@@ -92,8 +92,8 @@ def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], na
     spec_view = getattr(spec.rules[pp.rule_index].geometry, "view", None)
     lines.append(f"view       {view_text(pp)}" + (" (view: auto, from the structure)" if spec_view is not None
                                                    and spec_view.kind == "auto" else ""))
-    if g.get("view") and g["view"].get("factors"):
-        lines.append(f"           block radius factors {[round(f, 4) for f in g['view']['factors']]}")
+    if g.view is not None and g.view.factors:
+        lines.append(f"           block radius factors {[round(f, 4) for f in g.view.factors]}")
     extra = []
     if g.get("prenormalize"):
         extra.append(f"prenormalize {call_text(g['prenormalize'])}")
@@ -105,15 +105,15 @@ def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], na
     if pp.post:
         lines.append(f"post       {' → '.join(call_text(s) for s in pp.post)} (on the forward's update, before ρ)")
     lines.append(f"backward   {constraint_text(pp)}")
-    if pp.constraint and pp.constraint.get("method") == "auto" and g["kind"] == "spectral":
+    if pp.constraint and pp.constraint.get("method") == "auto" and g.kind == "spectral":
         from geomopt.geometry.method import AUTO_RULE  # geomopt.geometry loads torch: off the lint path
 
         lines.append(f"           method auto on {pp.device}: {AUTO_RULE}; exact or polar forces one")
     lines.append(f"direction  {call_text(pp.direction)}; schedule {call_text(pp.schedule)}")
     lines.append(f"lr         {pp.lr:g}; weight decay {pp.weight_decay:g}"
                  + (f" ({pp.decay})" if pp.weight_decay else ""))
-    scale = pp.radius / g["radius"] if g["radius"] else math.nan
-    lines.append(f"radius     {pp.radius:.4g} (geometry radius {g['radius']:g} × preset {scale:.4g}); "
+    scale = pp.radius / g.radius if g.radius else math.nan
+    lines.append(f"radius     {pp.radius:.4g} (geometry radius {g.radius:g} × preset {scale:.4g}); "
                  f"step size lr·radius = {pp.lr * pp.radius:.4g}")
     return "\n".join(lines) + "\n"
 

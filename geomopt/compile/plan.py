@@ -1,9 +1,9 @@
 """The compiled plan: one :class:`ParamPlan` per tensor, grouped into buckets.
 
-Everything here is resolved and plain (dicts of spec fragments with their defaults filled, floats):
-the optimizer executes a plan without looking at the spec again. The resolution itself (layout,
-view, radius, relative constraints, pre-normalization) is :mod:`geomopt.compile.resolve`, shared
-with the functional API.
+Everything here is resolved and frozen (the spec's typed models with their defaults filled and
+their per-tensor values resolved: :mod:`geomopt.compile.fragments`; floats): the optimizer executes
+a plan without looking at the spec again. The resolution itself (layout, view, radius, relative
+constraints, pre-normalization) is :mod:`geomopt.compile.resolve`, shared with the functional API.
 """
 
 from __future__ import annotations
@@ -13,18 +13,20 @@ import hashlib
 import json
 from typing import Optional
 
-
+from geomopt.compile.fragments import ResolvedGeometry, plain
+from geomopt.spec.constraints import Constraint
+from geomopt.spec.updates import Direction, MaxLogitClip, PostStage, Schedule
 
 @dataclasses.dataclass(frozen=True)
 class ParamPlan:
     """How one tensor is optimized.
 
-    ``geometry``/``constraint``/``direction``/``schedule`` (and each of ``post``) are plain spec
-    fragments with every default filled in (``prenormalize``, ``layout`` and the ``view`` resolved:
-    :func:`geomopt.compile.resolve.resolve`); ``radius`` is the geometry's radius times its scale
-    preset for this shape; ``transpose`` means the ops act on the transposed tensor (``layout:
-    in_out``, e.g. Hugging Face Conv1D). A plan is frozen: edit one with ``dataclasses.replace``,
-    which computes its ``bucket`` again (the fragments are not to be changed in place).
+    ``geometry``/``constraint``/``direction``/``schedule`` (and each of ``post``) are the spec's
+    frozen models with every default filled in (the geometry's ``prenormalize``, ``layout`` and
+    ``view`` resolved for this tensor: :func:`geomopt.compile.resolve.resolve`); ``radius`` is the
+    geometry's radius times its scale preset for this shape; ``transpose`` means the ops act on the
+    transposed tensor (``layout: in_out``, e.g. Hugging Face Conv1D). A plan is frozen: edit one
+    with ``dataclasses.replace``, which computes its ``bucket`` again.
     """
 
     name: str
@@ -33,10 +35,10 @@ class ParamPlan:
     device: str
     rule: str
     rule_index: int
-    geometry: dict
-    constraint: Optional[dict]
-    direction: dict
-    schedule: dict
+    geometry: ResolvedGeometry
+    constraint: Optional[Constraint]
+    direction: Direction
+    schedule: Schedule
     lr: float
     weight_decay: float
     radius: float
@@ -45,10 +47,10 @@ class ParamPlan:
     project_on_init: bool
     aliases: tuple[str, ...] = ()
     role: str = ""  # the tensor's role(s) ("" when the plan did not read roles)
-    post: tuple = ()  # the rule's post-stages (spec fragments, in run order)
+    post: tuple[PostStage, ...] = ()  # the rule's post-stages, in run order
     decay: str = "decoupled"  # weight decay: decoupled or cautious
     #: the rule's QK-clip after the step (``{kind: max_logit, tau, alpha}``; geomopt.optim.engine.qkclip), or None
-    qk_clip: Optional[dict] = None
+    qk_clip: Optional[MaxLogitClip] = None
     #: the precision its state is kept in between steps: float32, bfloat16 or int8 (geomopt.optim.persist.state_codec)
     state_dtype: str = "float32"
     #: tensors with equal keys run as one batched call: same rule, operators, op shape, dtype and
@@ -70,12 +72,8 @@ class ParamPlan:
         if "_cost" not in self.__dict__:
             from geomopt.geometry.view import cost  # geomopt.geometry loads torch: off the lint path
 
-            object.__setattr__(self, "_cost", cost(self.geometry.get("view"), self.op_shape))
+            object.__setattr__(self, "_cost", cost(self.geometry.view, self.op_shape))
         return self.__dict__["_cost"]
-
-    @property
-    def approx(self) -> Optional[dict]:
-        return self.geometry.get("approx")
 
     @property
     def op_shape(self) -> tuple[int, ...]:
@@ -85,9 +83,9 @@ class ParamPlan:
         return self.shape
 
 
-def ops_digest(geometry: dict, constraint: Optional[dict], radius: float, transpose: bool, post: tuple = ()) -> str:
+def ops_digest(geometry, constraint, radius: float, transpose: bool, post: tuple = ()) -> str:
     """A short digest of what a tensor's operators compute (equal for equal fragments)."""
-    text = json.dumps([geometry, constraint, radius, transpose, list(post)], sort_keys=True)
+    text = json.dumps([plain(geometry), plain(constraint), radius, transpose, plain(post)], sort_keys=True)
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
@@ -155,16 +153,18 @@ class Plan:
 def view_text(p: ParamPlan) -> str:
     """The matrices the operators see: "4 × 256×64" (experts), "3 × 64×64" (fused blocks),
     "64×576" (a conv kernel as one matrix); "-" for geometries that read no matrix."""
-    if p.geometry["kind"] not in ("spectral", "rowwise", "columnwise", "anisotropic") or len(p.shape) < 2:
+    if p.geometry.kind not in ("spectral", "rowwise", "columnwise", "anisotropic") or len(p.shape) < 2:
         return "-"
     from geomopt.geometry.view import describe  # geomopt.geometry loads torch: off the lint path
 
-    return describe(p.geometry.get("view"), p.op_shape)
+    return describe(p.geometry.view, p.op_shape)
 
 
-def call_text(d: Optional[dict]) -> str:
-    if not d:
+def call_text(fragment) -> str:
+    """``kind(field=value, …)`` of a fragment's scalar fields (defaults that say nothing left out)."""
+    if not fragment:
         return "-"
+    d = plain(fragment)
     quiet = {("relative", False), ("dtype", "auto")}  # defaults say nothing
     args = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items()
             if k != "kind" and not isinstance(v, (dict, list)) and v is not None and (k, v) not in quiet]
@@ -173,13 +173,13 @@ def call_text(d: Optional[dict]) -> str:
 
 def geometry_text(p: ParamPlan) -> str:
     g = p.geometry
-    text = g["kind"]
+    text = g.kind
     if "reference" in g:
         text += f"[{call_text(g['reference'])}]"
-    if g.get("approx") is not None:
-        text += f" via {call_text({k: v for k, v in g['approx'].items() if k != 'coefficients'})}"
+    if g.approx is not None:
+        text += f" via {call_text({k: v for k, v in plain(g.approx).items() if k != 'coefficients'})}"
     if p.post:
-        text += " + " + " + ".join(s["kind"] for s in p.post)
+        text += " + " + " + ".join(s.kind for s in p.post)
     return text
 
 
@@ -191,13 +191,13 @@ def resolved_methods(p: ParamPlan) -> list[str]:
     c = p.constraint
     if not c or c.get("method") != "auto":
         return []
-    if p.geometry["kind"] != "spectral":
+    if p.geometry.kind != "spectral":
         return ["exact"]
     # geomopt.geometry loads torch: off the lint path
     from geomopt.geometry.method import resolve_method
     from geomopt.geometry.view import matrix_shapes
 
-    return sorted({resolve_method(c, p.device, s) for s in matrix_shapes(p.geometry.get("view"), p.op_shape)})
+    return sorted({resolve_method(c, p.device, s) for s in matrix_shapes(p.geometry.view, p.op_shape)})
 
 
 def constraint_text(p: ParamPlan) -> str:
@@ -206,7 +206,7 @@ def constraint_text(p: ParamPlan) -> str:
     return _constraint_text(p.constraint, resolved_methods(p))
 
 
-def _constraint_text(c: Optional[dict], methods=()) -> str:
+def _constraint_text(c: Optional[Constraint], methods=()) -> str:
     if c and c.get("method") == "auto":
-        return call_text({**c, "method": "auto" + ("→" + "/".join(sorted(methods)) if methods else "")})
+        return call_text({**plain(c), "method": "auto" + ("→" + "/".join(sorted(methods)) if methods else "")})
     return call_text(c)

@@ -112,7 +112,7 @@ def step_overflow(ctx: Ownership):
     from geomopt.geometry.scale import radius_scale  # torch, and only with a model: not on the lint path
 
     for i, rule in enumerate(ctx.spec.rules):
-        geometry = rule.geometry.model_dump()
+        geometry = rule.geometry
         seen: set = set()
         found = False
         for p in ctx.owned(i):

@@ -9,9 +9,10 @@ import torch
 
 from geomopt.geometry.matrix import split_like, working_dtype
 from geomopt.geometry.reference import working_eps
+from geomopt.spec.base import Fields
 
 
-def adam_moments(g: torch.Tensor, state: dict, geometry: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
+def adam_moments(g: torch.Tensor, state: dict, geometry: Fields) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Update m ← β₁m + (1−β₁)g, v ← β₂v + (1−β₂)g² in ``state`` (float32 at least) and return
     (m, √v/√bc₂ + ε, bc₁) with bc_i = 1 − β_i^t, in torch.optim.AdamW's single-tensor op order, so
     ``x.addcdiv(m, denom, value=-lr/bc₁)`` is AdamW's step bit for bit. ε is floored at √tiny of the

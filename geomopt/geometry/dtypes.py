@@ -13,6 +13,7 @@ import torch
 
 from geomopt.geometry.matrix import working_dtype
 from geomopt.spec.geometries import POLYNOMIAL_APPROX_KINDS
+from geomopt.spec.base import Fields
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -56,7 +57,7 @@ def native_bf16_cpu() -> bool:
         return True
 
 
-def slow_bf16(approx: dict | None, device) -> bool:
+def slow_bf16(approx: Fields | None, device) -> bool:
     """A polynomial iteration asked to run in bf16 on a CPU without native bf16 matmuls."""
     approx = approx or {}
     return (approx.get("kind") in POLYNOMIAL_APPROXES and approx.get("dtype") == "bfloat16"

@@ -1,11 +1,12 @@
 """Forward ops: the preconditioner ρ·∇φ₁*(D) of the forward step Y = X − γ∇φ*(D) (paper eq. (2.1)).
 
 One registered op per geometry kind (docs: design.md, the math contracts), each
-``fn(d, geometry: dict, *, radius, batch_dims=0, state=None) -> Tensor`` with ``geometry`` the
-``model_dump()`` of a spec geometry. The leading ``batch_dims`` dims of ``d`` index independent
-tensors (the optimizer stacks same-shape tensors into one bucket), so every norm and every matrix
-is per batch element. Ops compute in at least float32 (bf16 inputs are upcast:
-:func:`geomopt.geometry.matrix.upcast`) and return ``out_dtype`` (default: the input dtype).
+``fn(d, geometry: Fields, *, radius, batch_dims=0, state=None) -> Tensor`` with ``geometry`` a
+spec geometry read by field name (a plan's resolved one, a model or a dict). The leading
+``batch_dims`` dims of ``d`` index independent tensors (the optimizer stacks same-shape tensors
+into one bucket), so every norm and every matrix is per batch element. Ops compute in at least
+float32 (bf16 inputs are upcast: :func:`geomopt.geometry.matrix.upcast`) and return ``out_dtype``
+(default: the input dtype).
 
 Each op declares its locality when it registers (:mod:`geomopt.geometry.operators`): elementwise
 maps are ``LOCAL``, whole-tensor or row/column norms ``REDUCE``, the spectral map (a matrix
@@ -25,9 +26,10 @@ from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES, compute_dtype
 from geomopt.geometry.spectral import apply_approx
 from geomopt.geometry.view import apply as apply_view
 from geomopt.geometry.view import split_view
+from geomopt.spec.base import Fields
 
 
-def _reference(geometry: dict) -> Reference:
+def _reference(geometry: Fields) -> Reference:
     cfg = geometry.get("reference")
     if cfg is None:
         raise ValueError(f"geometry {geometry.get('kind')!r} needs a reference "
@@ -77,7 +79,7 @@ def spectral(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     return out.reshape(d.shape)
 
 
-def input_dtype(geometry: dict, like: torch.Tensor) -> torch.dtype:
+def input_dtype(geometry: Fields, like: torch.Tensor) -> torch.dtype:
     """The dtype the forward op first casts a direction like ``like`` to: a caller that writes the
     direction in it saves that pass (bit for bit the same step). bf16 for Newton–Schulz / Polar
     Express where they run in bf16; ``like.dtype`` otherwise."""
@@ -113,7 +115,7 @@ def columnwise(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None)
     return _blockwise(d, geometry, radius, batch_dims, out_dtype)
 
 
-def elementwise_into(d: torch.Tensor, geometry: dict, out: torch.Tensor) -> torch.Tensor:
+def elementwise_into(d: torch.Tensor, geometry: Fields, out: torch.Tensor) -> torch.Tensor:
     """∇φ₁*(d) (ρ = 1) of the euclidean or anisotropic geometry, written into ``out`` (which may
     be ``d``; the euclidean map returns ``d`` itself): the optimizer's flat path, which keeps its
     buffers and so never pays for fresh memory. Same values as :func:`euclidean` /
@@ -123,7 +125,7 @@ def elementwise_into(d: torch.Tensor, geometry: dict, out: torch.Tensor) -> torc
     return _reference(geometry).dual_grad_into(d, out)
 
 
-def elementwise_allocates(geometry: dict, in_place: bool = False) -> bool:
+def elementwise_allocates(geometry: Fields, in_place: bool = False) -> bool:
     """Whether :func:`elementwise_into` allocates (the power barrier's (h*)'; the log barrier's over
     its own input, ``in_place``; never the sign or the identity)."""
     if geometry["kind"] == "euclidean":
@@ -132,12 +134,12 @@ def elementwise_allocates(geometry: dict, in_place: bool = False) -> bool:
     return ref.into_allocates or (in_place and not ref.into_in_place)
 
 
-def elementwise_in_place(geometry: dict) -> bool:
+def elementwise_in_place(geometry: Fields) -> bool:
     """Whether :func:`elementwise_into` writes over its input without allocating."""
     return geometry["kind"] == "euclidean" or _reference(geometry).into_in_place
 
 
-def isotropic_factors(norms: torch.Tensor, geometry: dict) -> torch.Tensor:
+def isotropic_factors(norms: torch.Tensor, geometry: Fields) -> torch.Tensor:
     """(h*)'(s)/s for the norms s = ‖D‖_F of several tensors: :func:`isotropic` without the
     multiplication by D (the optimizer's flat path folds it into its update)."""
     return _reference(geometry).iso_factor(norms)
@@ -159,14 +161,14 @@ def adam(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
 
 def forward(
     d: torch.Tensor,
-    geometry: dict,
+    geometry: Fields,
     *,
     radius: float | None = None,
     batch_dims: int = 0,
     state: dict | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """ρ·∇φ₁*(d) for a geometry dict (``model_dump()`` of a spec geometry), in ``out_dtype``
+    """ρ·∇φ₁*(d) for a geometry (read by field name: :class:`~geomopt.spec.base.Fields`), in ``out_dtype``
     (default: d's); ``radius`` None reads ``geometry["radius"]`` (default 1). A resolved ``view``
     (:mod:`geomopt.geometry.view`) runs the op on each of its matrix stacks. A zero-size ``d``
     gives a zero-size result (no op runs; an adam ``state`` is left as it is)."""

@@ -66,12 +66,13 @@ from geomopt.geometry.reference import Reference, make_reference
 from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
 from geomopt.geometry.prenorm import default_prenormalize, prenormalize
 from geomopt.geometry.view import reduce, split_view
+from geomopt.spec.base import Fields
 
 #: values of the ``reference`` argument (module docstring)
 GAP_REFERENCES = ("auto", "declared", "realized")
 
 
-def gap_reference(geometry: dict, constraint: dict | None = None, reference: str = "auto") -> dict | None:
+def gap_reference(geometry: Fields, constraint: Fields | None = None, reference: str = "auto") -> dict | None:
     """The reference the gap of a (geometry, constraint) pair is measured against (module
     docstring): the declared one, or for a Newton–Schulz / Polar Express forward the realized
     κ = 4 barrier where ``reference`` is ``"realized"``, or ``"auto"`` and the backward step does
@@ -92,7 +93,7 @@ def gap_reference(geometry: dict, constraint: dict | None = None, reference: str
     return declared
 
 
-def gap_unavailable(geometry: dict, constraint: dict | None = None, reference: str = "auto") -> str | None:
+def gap_unavailable(geometry: Fields, constraint: Fields | None = None, reference: str = "auto") -> str | None:
     """Why :func:`stationarity_gap` is None for this (geometry, constraint) pair, and what to look
     at instead; None where it is defined."""
     if constraint is not None and _retraction(constraint):
@@ -117,9 +118,9 @@ def gap_unavailable(geometry: dict, constraint: dict | None = None, reference: s
 def stationarity_gap(
     g: torch.Tensor,
     w: torch.Tensor,
-    geometry: dict,
+    geometry: Fields,
     *,
-    constraint: dict | None = None,
+    constraint: Fields | None = None,
     reference: str = "auto",
     radius: float | None = None,
     batch_dims: int = 0,
@@ -137,18 +138,18 @@ def stationarity_gap(
     return _gap(g, w, geometry, make_reference(cfg), _gap_prenormalize(geometry, constraint), rho, batch_dims)
 
 
-def _retraction(constraint: dict | None) -> bool:
+def _retraction(constraint: Fields | None) -> bool:
     """Whether the constraint's step is a retraction, not a prox (stiefel msign, frobenius_sphere project)."""
     return constraint is not None and constraint.get("method") in ("msign", "project")
 
 
-def _any_reference(geometry: dict, constraint: dict | None) -> bool:
+def _any_reference(geometry: Fields, constraint: Fields | None) -> bool:
     """Whether the backward step is the prox for every reference: no constraint, or a spectral set
     projection (paper Table 1; :func:`geomopt.geometry.prox.spectral.spectral_projection`)."""
     return constraint is None or geometry["kind"] == "spectral" and constraint["kind"] in SPECTRAL_SETS
 
 
-def _gap_prenormalize(geometry: dict, constraint: dict | None) -> dict | None:
+def _gap_prenormalize(geometry: Fields, constraint: Fields | None) -> dict | None:
     """The pre-normalization the gap applies to G (a :func:`prenormalize` cfg), or None."""
     if geometry["kind"] != "spectral" or constraint is not None and constraint["kind"] == "proximal_decay":
         return None
@@ -158,7 +159,7 @@ def _gap_prenormalize(geometry: dict, constraint: dict | None) -> dict | None:
     return None if cfg.get("kind", "frobenius") == "none" else cfg
 
 
-def _gap(g: torch.Tensor, w: torch.Tensor, geometry: dict, ref: Reference, prenorm: dict | None, rho: float,
+def _gap(g: torch.Tensor, w: torch.Tensor, geometry: Fields, ref: Reference, prenorm: dict | None, rho: float,
          batch_dims: int) -> torch.Tensor:
     kind = geometry["kind"]
     view, plain = split_view(geometry, g.shape[batch_dims:])
@@ -190,7 +191,7 @@ def _gap(g: torch.Tensor, w: torch.Tensor, geometry: dict, ref: Reference, preno
     return (rho * val).reshape(g.shape[:batch_dims])
 
 
-def dual_norm(g: torch.Tensor, geometry: dict, batch_dims: int = 0) -> torch.Tensor:
+def dual_norm(g: torch.Tensor, geometry: Fields, batch_dims: int = 0) -> torch.Tensor:
     """‖G‖_*, the dual of the norm whose unit ball is dom φ₁ (the gap of the lmo method where
     g ≡ 0, per unit radius): nuclear norm for spectral (summed over a ``view``'s matrices, each
     weighted by its radius factor), ℓ1 for anisotropic, Σ of row (column) norms for rowwise

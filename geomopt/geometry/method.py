@@ -11,7 +11,8 @@ training's steps, tests/test_backward.py). ``exact`` and ``polar`` in a spec for
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Sequence
+from geomopt.spec.base import Fields
 
 #: constraint kinds with a ``method`` field (and a polar step in geomopt.geometry.prox.polar)
 METHOD_KINDS = ("stiefel", "spectral_ball")
@@ -23,7 +24,7 @@ CUDA_BATCHED_EIGH_MAX = 32
 AUTO_RULE = f"exact on CPU, polar on CUDA where the smaller matrix side > {CUDA_BATCHED_EIGH_MAX}, exact otherwise"
 
 
-def resolve_method(constraint: Mapping, device, shape: Sequence[int]) -> str:
+def resolve_method(constraint: Fields, device, shape: Sequence[int]) -> str:
     """``"exact"`` or ``"polar"``: the method the backward step of ``constraint`` (a plain dict;
     no ``method`` key reads as ``auto``) runs for matrices of ``shape`` on ``device`` (a
     ``torch.device``, or its type as a string: ``"cuda"``, ``"cuda:1"``, ``"cpu"``). ``shape`` is

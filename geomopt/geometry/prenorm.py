@@ -13,6 +13,7 @@ import torch
 
 from geomopt.geometry.reference import working_eps
 from geomopt.spec.geometries import POLYNOMIAL_APPROX_KINDS, FrobeniusPrenorm, NoPrenorm
+from geomopt.spec.base import Fields
 
 #: ε of a pre-normalization fragment that leaves it out: the spec model's default (1e-7)
 _EPS: float = FrobeniusPrenorm.model_fields["eps"].default
@@ -24,7 +25,7 @@ def default_prenormalize(approx_kind: str) -> dict:
     return (FrobeniusPrenorm() if approx_kind in POLYNOMIAL_APPROX_KINDS else NoPrenorm()).model_dump()
 
 
-def prenormalize(x: torch.Tensor, cfg: dict | None, approx_kind: str = "svd", inplace: bool = False) -> torch.Tensor:
+def prenormalize(x: torch.Tensor, cfg: Fields | None, approx_kind: str = "svd", inplace: bool = False) -> torch.Tensor:
     """Scale each matrix of ``x`` (..., m, n): ``frobenius`` D/(‖D‖_F + ε) (Muon reference code,
     Scion, paper eq. (4.1)), ``max`` D/max(‖D‖_F, ε) (torch.optim.Muon), ``none``. ``cfg`` None
     selects :func:`default_prenormalize`; a dict without ``kind`` means frobenius (the spec model's
@@ -36,7 +37,7 @@ def prenormalize(x: torch.Tensor, cfg: dict | None, approx_kind: str = "svd", in
     return x.div_(denom) if inplace else torch.div(x, denom)
 
 
-def _prenorm_denominator(norm: torch.Tensor, cfg: dict) -> torch.Tensor:
+def _prenorm_denominator(norm: torch.Tensor, cfg: Fields) -> torch.Tensor:
     """What :func:`prenormalize` divides a matrix by, from its ‖D‖_F (cfg kind frobenius or max)."""
     kind = cfg.get("kind", "frobenius")
     # ε as the norm's dtype holds it, floored at √tiny (geomopt.geometry.reference.working_eps): an
@@ -50,7 +51,7 @@ def _prenorm_denominator(norm: torch.Tensor, cfg: dict) -> torch.Tensor:
     raise ValueError(f"unknown prenormalize kind {kind!r}; expected frobenius, max or none")
 
 
-def prenorm_factor(sq_norm: torch.Tensor, cfg: dict) -> torch.Tensor | None:
+def prenorm_factor(sq_norm: torch.Tensor, cfg: Fields) -> torch.Tensor | None:
     """The factor :func:`prenormalize` multiplies a matrix by, from its ‖D‖²_F (None for ``none``)."""
     if cfg.get("kind", "frobenius") == "none":
         return None

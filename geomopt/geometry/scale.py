@@ -37,12 +37,13 @@ from __future__ import annotations
 import math
 
 from geomopt.geometry.view import concrete, matrix_shapes, without_view
+from geomopt.spec.base import Fields
 
 _MATRIX_KINDS = ("spectral", "rowwise", "columnwise")
 SCALE_PRESETS = ("none", "scion", "muon_original", "match_rms_adamw")
 
 
-def fan_dims(geometry: dict, shape: tuple[int, ...]) -> tuple[int, int]:
+def fan_dims(geometry: Fields, shape: tuple[int, ...]) -> tuple[int, int]:
     """(d_out, d_in) of one tensor (of the first matrix of its resolved ``view``) as ``layout``
     reads it."""
     shape = tuple(int(s) for s in shape)
@@ -55,7 +56,7 @@ def fan_dims(geometry: dict, shape: tuple[int, ...]) -> tuple[int, int]:
     return first, rest
 
 
-def radius_scale(geometry: dict, shape: tuple[int, ...]) -> float:
+def radius_scale(geometry: Fields, shape: tuple[int, ...]) -> float:
     """Multiplier of ``geometry["radius"]`` for a tensor of ``shape`` (see the module docstring)."""
     preset = geometry.get("scale", "none") or "none"
     kind = geometry.get("kind")
@@ -81,7 +82,7 @@ def radius_scale(geometry: dict, shape: tuple[int, ...]) -> float:
     raise ValueError(f"scale preset 'scion' has no rule for geometry {kind!r}")
 
 
-def block_factors(geometry: dict, shape: tuple[int, ...], view: dict) -> list[float] | None:
+def block_factors(geometry: Fields, shape: tuple[int, ...], view: Fields) -> list[float] | None:
     """Per block of ``view``, its preset's radius over the first block's (None when all equal)."""
     if view is None or not view["blocks"] or len(set(view["blocks"])) == 1:
         return None
@@ -91,7 +92,7 @@ def block_factors(geometry: dict, shape: tuple[int, ...], view: dict) -> list[fl
     return None if all(f == 1.0 for f in factors) else factors
 
 
-def check_applicable(geometry: dict, shape: tuple[int, ...]) -> str | None:
+def check_applicable(geometry: Fields, shape: tuple[int, ...]) -> str | None:
     """Why ``geometry`` cannot apply to a tensor of ``shape``, or None when it can."""
     kind = geometry.get("kind")
     shape = tuple(int(s) for s in shape)

@@ -51,6 +51,7 @@ from geomopt.geometry.reference import Reference
 from geomopt.registry import Registry
 # the coefficient lists and what they realize are plain data (lint reads them without torch)
 from geomopt.support import newton_schulz_coefficients, polar_express_coefficients
+from geomopt.spec.base import Fields
 
 # ---------------------------------------------------------------- the working copy
 
@@ -207,7 +208,7 @@ def polar_express(
     return _polynomial(x, "polar_express", coeffs, dtype, prenormalize, scale, out_dtype)
 
 
-def apply_approx(x: torch.Tensor, ref: Reference | None, approx: dict | None, prenorm: dict | None = None, *,
+def apply_approx(x: torch.Tensor, ref: Reference | None, approx: Fields | None, prenorm: dict | None = None, *,
                  scale: float = 1.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Dispatch an ``approx`` dict (``model_dump()`` of a spec approx) on ``x`` (..., m, n):
     ``scale``·∇φ*(x) in ``out_dtype`` (default: x's), the scale folded into the approximation."""

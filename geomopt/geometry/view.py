@@ -29,11 +29,12 @@ import math
 from typing import Callable, Optional, cast
 
 import torch
+from geomopt.spec.base import Fields
 
 Groups = list[tuple[int, list[int]]]  # (block size, indices of the blocks of that size)
 
 
-def resolve(view: Optional[dict], shape: tuple[int, ...], structure: Optional[dict] = None) -> Optional[dict]:
+def resolve(view: Optional[Fields], shape: tuple[int, ...], structure: Optional[dict] = None) -> Optional[dict]:
     """The concrete view of a spec ``view`` (``model_dump()``: ``{kind: auto}`` or ``{kind: matrix,
     …}``; None: none) for a tensor of ``shape`` (operators' layout). ``structure``: what the model
     says of the tensor (``{"batch": 1}`` for expert weights, ``{"blocks": [...]}`` for fused
@@ -76,7 +77,7 @@ def resolve(view: Optional[dict], shape: tuple[int, ...], structure: Optional[di
     return out
 
 
-def concrete(geometry: dict, shape: tuple[int, ...]) -> Optional[dict]:
+def concrete(geometry: Fields, shape: tuple[int, ...]) -> Optional[Fields]:
     """The resolved view of a geometry dict for an element of ``shape``: the plan's (already
     resolved), or a spec view resolved here without structure (functional calls)."""
     view = geometry.get("view")
@@ -85,19 +86,19 @@ def concrete(geometry: dict, shape: tuple[int, ...]) -> Optional[dict]:
     return resolve(view, tuple(shape))
 
 
-def without_view(geometry: dict) -> dict:
+def without_view(geometry: Fields) -> dict:
     """The geometry an operator receives for one stack of a view's matrices."""
-    return {k: v for k, v in geometry.items() if k != "view"}
+    return {k: geometry[k] for k in geometry.keys() if k != "view"}
 
 
-def split_view(geometry: dict, shape: tuple[int, ...]) -> tuple[Optional[dict], dict]:
+def split_view(geometry: Fields, shape: tuple[int, ...]) -> tuple[Optional[Fields], Fields]:
     """(the concrete view of ``geometry`` for an element of ``shape``, the geometry without it);
     (None, ``geometry``) when it reads the plain matrix."""
     view = concrete(geometry, shape)
     return (None, geometry) if view is None else (view, without_view(geometry))
 
 
-def matrix_shapes(view: Optional[dict], shape: tuple[int, ...]) -> list[tuple[int, int]]:
+def matrix_shapes(view: Optional[Fields], shape: tuple[int, ...]) -> list[tuple[int, int]]:
     """(rows, cols) of each distinct block, in block order (one entry without blocks)."""
     shape = tuple(int(s) for s in shape)
     if view is None:
@@ -108,7 +109,7 @@ def matrix_shapes(view: Optional[dict], shape: tuple[int, ...]) -> list[tuple[in
     return [(s, cols) for s in sizes]
 
 
-def count(view: Optional[dict], shape: tuple[int, ...]) -> int:
+def count(view: Optional[Fields], shape: tuple[int, ...]) -> int:
     """How many matrices one tensor of ``shape`` holds under ``view``."""
     if view is None:
         return 1
@@ -117,7 +118,7 @@ def count(view: Optional[dict], shape: tuple[int, ...]) -> int:
     return n * (math.prod(shape[b + 2:]) if view["trailing"] == "batch" else 1)
 
 
-def cost(view: Optional[dict], shape: tuple[int, ...]) -> Optional[float]:
+def cost(view: Optional[Fields], shape: tuple[int, ...]) -> Optional[float]:
     """Σ m·n·min(m, n) over the matrices of one tensor under ``view`` (the distributed executors'
     work estimate); None without a view."""
     if view is None:
@@ -127,7 +128,7 @@ def cost(view: Optional[dict], shape: tuple[int, ...]) -> Optional[float]:
     return float(sum(per * m * n * min(m, n) for m, n in shapes))
 
 
-def describe(view: Optional[dict], shape: tuple[int, ...]) -> str:
+def describe(view: Optional[Fields], shape: tuple[int, ...]) -> str:
     """"4 × 256×64", "3 × 64×64", "64×192" (blocks of different sizes: "64×64 + 2 × 16×64")."""
     shapes = matrix_shapes(view, shape)
     per = count(view, shape) // len(shapes) if view is not None else 1
@@ -138,14 +139,14 @@ def describe(view: Optional[dict], shape: tuple[int, ...]) -> str:
     return " + ".join(parts)
 
 
-def _groups(view: dict) -> Groups:
+def _groups(view: Fields) -> Groups:
     out: dict[int, list[int]] = {}
     for i, s in enumerate(view["blocks"]):
         out.setdefault(s, []).append(i)
     return list(out.items())
 
 
-def _canonical(x: torch.Tensor, batch_dims: int, view: dict) -> torch.Tensor:
+def _canonical(x: torch.Tensor, batch_dims: int, view: Fields) -> torch.Tensor:
     """(N, rows, cols): every matrix of every batch element, blocks not yet cut."""
     shape = x.shape[batch_dims:]
     b = view["batch"]
@@ -157,7 +158,7 @@ def _canonical(x: torch.Tensor, batch_dims: int, view: dict) -> torch.Tensor:
     return x.reshape(nb, rows, math.prod(shape[b + 1:]))
 
 
-def _restore(mats: torch.Tensor, like: torch.Tensor, batch_dims: int, view: dict) -> torch.Tensor:
+def _restore(mats: torch.Tensor, like: torch.Tensor, batch_dims: int, view: Fields) -> torch.Tensor:
     shape = like.shape[batch_dims:]
     b = view["batch"]
     if view["trailing"] == "batch" and len(shape) > b + 2:
@@ -166,7 +167,7 @@ def _restore(mats: torch.Tensor, like: torch.Tensor, batch_dims: int, view: dict
     return mats.reshape(like.shape)
 
 
-def apply(x: torch.Tensor, batch_dims: int, view: dict, fn: Callable) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def apply(x: torch.Tensor, batch_dims: int, view: Fields, fn: Callable) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``fn(mats, factor) -> (out, flag)`` on each stack of same-shape matrices (N, m, n) of ``x``
     (flag None or one bool per matrix); returns (out in ``x``'s shape, per-element flag (shape
     ``x.shape[:batch_dims]``) or None). One call without blocks or with equal blocks."""
@@ -200,7 +201,7 @@ def apply(x: torch.Tensor, batch_dims: int, view: dict, fn: Callable) -> tuple[t
     return out, None if flags is None else flags.reshape(x.shape[:batch_dims])
 
 
-def reduce(x: torch.Tensor, batch_dims: int, view: dict, fn: Callable, *others: torch.Tensor) -> torch.Tensor:
+def reduce(x: torch.Tensor, batch_dims: int, view: Fields, fn: Callable, *others: torch.Tensor) -> torch.Tensor:
     """Σ over the matrices of each element of ``fn(mats, *other_mats, factor)`` (one value per
     matrix): per-element sums such as a nuclear norm or a stationarity gap, in shape
     ``x.shape[:batch_dims]``."""

@@ -131,7 +131,7 @@ def merged_matrices(ctx: LintContext):
     for i, rule in enumerate(ctx.spec.rules):
         if rule.geometry.kind not in ("spectral", "rowwise", "columnwise"):
             continue
-        geometry = rule.geometry.model_dump()
+        geometry = rule.geometry
         for p in ctx.owned(i):
             if p.role is None:
                 continue
@@ -140,7 +140,7 @@ def merged_matrices(ctx: LintContext):
                 continue
             op_geometry, _, op_shape = op_layout(geometry, p)
             try:
-                view = resolve_view(op_geometry, op_shape, structure).get("view")
+                view = resolve_view(op_geometry, op_shape, structure)
             except ValueError:
                 continue  # GO104's finding
             if view is None or view["batch"] < structure["batch"]:

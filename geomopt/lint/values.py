@@ -49,9 +49,8 @@ def dubious_value(ctx: LintContext):
         if owned and scale != "none":
             from geomopt.geometry.scale import radius_scale  # torch: only with a model
 
-            geometry = rule.geometry.model_dump()
             for p in owned:
-                op_geometry, _, op_shape = op_layout(geometry, p)  # the shape the compiled plan scales by
+                op_geometry, _, op_shape = op_layout(rule.geometry, p)  # the shape the compiled plan scales by
                 try:
                     s = radius_scale(op_geometry, op_shape)
                 except (ValueError, ZeroDivisionError):

@@ -4,7 +4,7 @@ With φ = ρ⋆φ₁ the step sees only t = γρ: (γ⋆φ)(Z − Y) = t·φ₁(
 row of the backward table (paper Table 1), registered under the ``(geometry, constraint)`` pairs its
 row of :data:`geomopt.support.BACKWARD_TABLE` names; the contract is in :mod:`geomopt.geometry.operators`::
 
-    fn(y, t, ref, constraint: dict, *, gamma, geometry: dict, batch_dims) -> (x, fallback)
+    fn(y, t, ref, constraint: Fields, *, gamma, geometry: Fields, batch_dims) -> (x, fallback)
 
 The leading ``batch_dims`` dims of ``y`` index independent tensors; every norm, sum and SVD is per
 batch element. Spectral ops view an element as a (shape[0], prod(rest)) matrix; a geometry's
@@ -57,6 +57,7 @@ from geomopt.geometry.reference import Quadratic, make_reference
 from geomopt.geometry.operators import BACKWARD_OPS, unsupported_message
 from geomopt.geometry.view import apply as apply_view
 from geomopt.geometry.view import split_view
+from geomopt.spec.base import Fields
 
 __all__ = ["backward"]
 
@@ -64,8 +65,8 @@ __all__ = ["backward"]
 def backward(
     y: torch.Tensor,
     gamma: float,
-    geometry: dict,
-    constraint: dict | None,
+    geometry: Fields,
+    constraint: Fields | None,
     *,
     radius: float | None = None,
     batch_dims: int = 0,

@@ -12,9 +12,10 @@ from geomopt.geometry.prox.common import row_norm, per_element, unflat_rows
 from geomopt.geometry.prox.scalar import ball_magnitudes, sphere_magnitudes
 from geomopt.geometry.operators import backward_op
 from geomopt.registry import REDUCE
+from geomopt.spec.base import Fields
 
 
-def _from_rows(rows: torch.Tensor, geometry: dict, y: torch.Tensor) -> torch.Tensor:
+def _from_rows(rows: torch.Tensor, geometry: Fields, y: torch.Tensor) -> torch.Tensor:
     """The groups (B, groups, len) back in ``y``'s shape and dtype."""
     return unflat_rows(rows if by_rows(geometry) else rows.transpose(-2, -1), y)
 

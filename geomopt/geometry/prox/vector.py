@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from geomopt.geometry.prox.common import row_norm, sign_plus
+from geomopt.spec.base import Fields
 
 def sphere_euclid(a: torch.Tensor, r: float) -> torch.Tensor:
     """Euclidean projection of magnitudes onto the sphere; a = 0 → (r/√n)·1."""
@@ -65,7 +66,7 @@ VECTOR_PROJ: dict[str, Callable] = {
 }
 
 
-def sigma_proj(kind: str, s: torch.Tensor, c: dict) -> torch.Tensor:
+def sigma_proj(kind: str, s: torch.Tensor, c: Fields) -> torch.Tensor:
     """Euclidean projections of the singular values (Table 1, second half)."""
     if kind == "stiefel":
         return torch.full_like(s, c["radius"])

@@ -20,7 +20,7 @@ from geomopt.optim.contract.torch_api import dense
 def euclidean_geometry(pp: ParamPlan) -> dict:
     """The Euclidean geometry for P_C (project_on_init, the violation): spectral sets act per
     matrix of the plan's ``view``, as the rule's own backward step does."""
-    return {"kind": "euclidean", "radius": 1.0, "view": pp.geometry.get("view")}
+    return {"kind": "euclidean", "radius": 1.0, "view": pp.geometry.view}
 
 
 @torch.no_grad()
@@ -40,8 +40,8 @@ def diagnostics(opt: Any, *, gap_reference: str = "auto") -> dict[str, dict]:
     (:mod:`geomopt.geometry.gap`). Syncs with the device: call it every N steps."""
     def note(rule, pp, why, gap, measured, outside, unpaired, bad_w, unmeasurable):
         """A rule's ``gap_note``: None where its gap is a finite sum over all its tensors."""
-        head = f"rule {rule!r} ({pp.geometry['kind']} geometry): "
-        if pp.geometry["kind"] != "adam" and pp.constraint is None:
+        head = f"rule {rule!r} ({pp.geometry.kind} geometry): "
+        if pp.geometry.kind != "adam" and pp.constraint is None:
             return head + "no constraint (g ≡ 0): the gap of the lmo method is ρ‖G‖_*, reported as dual_norm"
         if why is not None:
             return head + why
@@ -82,9 +82,9 @@ def diagnostics(opt: Any, *, gap_reference: str = "auto") -> dict[str, dict]:
         for p, pp in zip(group["params"], plans):
             if not p.numel():
                 continue  # zero-size: never steps, nothing to measure
-            rho = group["radius"] * pp.radius / pp.geometry["radius"]
+            rho = group["radius"] * pp.radius / pp.geometry.radius
             g = None if p.grad is None else upcast(op_view(full(dense(p.grad)), pp))
-            if pp.constraint is not None and pp.constraint["kind"] != "proximal_decay":
+            if pp.constraint is not None and pp.constraint.kind != "proximal_decay":
                 x = upcast(op_view(full(p), pp))
                 violation = _worst(violation, _measured(_distance, x, pp))
             if g is None:
@@ -92,7 +92,7 @@ def diagnostics(opt: Any, *, gap_reference: str = "auto") -> dict[str, dict]:
             w = opt.state[p].get("w")
             if w is not None and is_dtensor(w):
                 w = op_view(full(w), pp)
-            lmo_gap = pp.constraint is None and pp.geometry["kind"] != "adam"
+            lmo_gap = pp.constraint is None and pp.geometry.kind != "adam"
             if not bool(torch.isfinite(g).all()):
                 # a non-finite gradient (a skipped step): no estimate, and no SVD of it
                 if lmo_gap:

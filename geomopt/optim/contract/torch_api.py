@@ -277,8 +277,8 @@ def check_complex(groups: list, plans: list, flat_rule: Callable[[dict, ParamPla
             if not flat_rule(group, pp):
                 raise ValueError(
                     f"tensor '{pp.name}' is complex ({p.dtype}) and its rule '{group['rule']}' is not elementwise "
-                    f"(geometry {pp.geometry['kind']}"
-                    + (f", constraint {pp.constraint['kind']}" if pp.constraint else "")
+                    f"(geometry {pp.geometry.kind}"
+                    + (f", constraint {pp.constraint.kind}" if pp.constraint else "")
                     + (", post-stages" if pp.post else "") + f", direction {group['direction']}): complex "
                     f"parameters step only under euclidean, anisotropic, isotropic or adam geometry with no "
                     f"constraint, post-stage, cautious decay, STORM direction or track_gap/track_update. Route "
@@ -294,7 +294,7 @@ def takes_sparse(group: dict, pp: ParamPlan) -> bool:
     without a gradient move only by the momentum and the decay they would have under a zero
     gradient. Every other geometry acts on the whole tensor (a spectral map mixes all rows, Adam's
     moments would fill every row), so a sparse gradient buys nothing there and is refused."""
-    return (pp.geometry["kind"] == "euclidean" and pp.constraint is None and not pp.post
+    return (pp.geometry.kind == "euclidean" and pp.constraint is None and not pp.post
             and pp.decay == "decoupled" and group["direction"] in ("none", "heavy_ball"))
 
 
@@ -320,7 +320,7 @@ def check_gradient(group: dict, pp: ParamPlan, p: torch.Tensor, g: torch.Tensor)
         raise RuntimeError(
             f"{where} has a sparse gradient ({g.layout}): geomopt steps sparse gradients only under elementwise "
             f"SGD (euclidean geometry, direction none or heavy_ball, no constraint or post-stage), as torch.optim.SGD; "
-            f"this rule's {pp.geometry['kind']} geometry does not support sparse gradients (as torch.optim.AdamW "
+            f"this rule's {pp.geometry.kind} geometry does not support sparse gradients (as torch.optim.AdamW "
             f"does not). Build its module with dense gradients (nn.Embedding(..., sparse=False)), route it to an "
             f"SGD rule, or leave the parameter to torch.optim.SparseAdam")
     if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from geomopt.compile.fragments import ResolvedGeometry
 from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import Request, is_dtensor
 from geomopt.registry import LOCAL, OWNER
@@ -32,7 +33,7 @@ from geomopt.optim.engine.runtime import Runtime
 def radius_factor(pp: ParamPlan) -> float:
     """The tensor's factor on the group's radius: its scale preset for this shape (ρ = group
     radius × factor)."""
-    return pp.radius / pp.geometry["radius"]
+    return pp.radius / pp.geometry.radius
 
 
 class BucketJob:
@@ -124,7 +125,7 @@ class BucketJob:
         # answered): directions update it out of place (``fresh``), and state updated in place
         # before a request (Adam's moments, post-stages' statistics) is journaled
         self.fresh: Optional[list] = [] if prog.journal else None  # updates put off until the commit
-        if prog.journal and pp.geometry["kind"] == "adam":  # its moments (d and the stages' state: fresh)
+        if prog.journal and pp.geometry.kind == "adam":  # its moments (d and the stages' state: fresh)
             self.saved.extend(journal(rt.stacked.live(items, state, ("exp_avg", "exp_avg_sq"))))
         self.commit = None
         lookahead = lambda shared: lambda shape, like: _lookahead(prog, rt, items, shape, like, shared)  # noqa: E731
@@ -145,9 +146,9 @@ class BucketJob:
         self.lerp = one_pass and wd != 0 and abs(rho / wd) < 1e30
         radius = (-rho / wd if self.lerp else -rho) if one_pass else 1.0
         self.next = self.on_forward
-        if pp.geometry["kind"] == "adam":
+        if pp.geometry.kind == "adam":
             return self.on_forward(None)
-        return request(rt, items, self.d, forward_locality(pp.geometry["kind"]),
+        return request(rt, items, self.d, forward_locality(pp.geometry.kind),
                        _forward_fn(prog, rt, items, pp.geometry, radius, self.views[0].dtype if one_pass else None))
 
     def on_forward(self, answer) -> Optional[Request]:
@@ -155,7 +156,7 @@ class BucketJob:
         if self.commit is not None:
             self.commit()
         self.x = None
-        if pp.geometry["kind"] == "adam":
+        if pp.geometry.kind == "adam":
             exp_avg, denom, bc1 = adam_moments(self.d, self.state, pp.geometry)
             if not pp.post:
                 x = self.x = upcast(stack(self.views))
@@ -228,7 +229,7 @@ class BucketJob:
         if not self.projects:
             return self.on_backward((y, None))
         geometry, constraint, gamma, rho = self.pp.geometry, self.pp.constraint, self.gamma, self.rho
-        return request(self.rt, self.items, y, backward_locality(geometry["kind"], constraint["kind"]),
+        return request(self.rt, self.items, y, backward_locality(geometry.kind, constraint.kind),
                        lambda m: backward(m, gamma, geometry, constraint, radius=rho, batch_dims=1))
 
     def on_backward(self, answer) -> Optional[Request]:
@@ -290,7 +291,7 @@ class BucketJob:
             layout = rt.stacked.layouts[id(p)]
             shard = post_stages.Shard(layout.mine(), layout.cuts, layout.mesh)
         ctx = self.post_ctx = post_stages.Context(
-            state, pp.op_shape, view=pp.geometry.get("view"), gradient=self.g_raw,
+            state, pp.op_shape, view=pp.geometry.view, gradient=self.g_raw,
             direction=None if self.d is None else upcast(self.d), step=step, shard=shard, fresh=self.prog.journal)
         return Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)
 
@@ -306,7 +307,8 @@ def codec(rt: Runtime, items: list, pp, step: int) -> Codec:
                  aligned=aligned(tuple(pp.op_shape), layout.blocks))
 
 
-def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: dict, radius: float = 1.0, out_dtype=None):
+def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: ResolvedGeometry, radius: float = 1.0,
+                out_dtype=None):
     """The bucket's forward op (``radius``·∇φ₁*, in ``out_dtype``); replayed from a CUDA graph
     (:mod:`geomopt.optim.engine.graphs`) where the program is ``graphed`` (the graph reads the bucket's
     kept scratch u in place when that is its input)."""
@@ -331,7 +333,7 @@ def request(rt: Runtime, items: list, x: torch.Tensor, locality: str, fn) -> Req
     if not is_dtensor(p):
         return Request(fn, x, locality, cost=cost)
     layout = rt.stacked.layouts[id(p)]
-    if locality == OWNER and whole_matrices(pp.geometry.get("view"), layout.cuts):
+    if locality == OWNER and whole_matrices(pp.geometry.view, layout.cuts):
         # experts cut whole across ranks: each rank's matrices (the cost: of its share of them)
         share = x[0].numel() / math.prod(pp.op_shape)
         return Request(fn, x, locality, layout=layout, full_shape=pp.op_shape,

@@ -26,7 +26,7 @@ from geomopt.spec.validate import source_of
 
 def warn_slow_bf16(spec: Spec, plan: Plan, tensors: dict) -> None:
     """One warning when rules ask for bf16 matrix iterations on a CPU that emulates bf16."""
-    slow = sorted({pp.rule for pp in plan if slow_bf16(pp.geometry.get("approx"), tensors[pp.name].device)})
+    slow = sorted({pp.rule for pp in plan if slow_bf16(pp.geometry.approx, tensors[pp.name].device)})
     if slow:
         warnings.warn(
             f"rule(s) {', '.join(map(repr, slow))} of spec '{spec.name}' run their matrix iteration in "
@@ -74,7 +74,7 @@ def project_on_init(groups: list, plans: list, executor) -> None:
     for group, gplans in zip(groups, plans):
         for p, pp in zip(group["params"], gplans):
             c = pp.constraint
-            if c is None or not pp.project_on_init or c["kind"] == "proximal_decay" or not p.numel():
+            if c is None or not pp.project_on_init or c.kind == "proximal_decay" or not p.numel():
                 continue
             x = op_view(full(p), pp)
             xu = upcast(x)

@@ -29,7 +29,7 @@ from geomopt.optim.engine.program import Options, Program, dispatch, flat_rule, 
 from geomopt.optim.engine.runtime import Runtime
 from geomopt.optim.engine.tensors import as_real, local, op_layout, op_view, stack
 from geomopt.optim.units.directions import DIRECTIONS
-from geomopt.optim.units.schedules import SCHEDULES, warmup_alpha
+from geomopt.optim.units.schedules import step_size
 from geomopt.optim.units.state_keys import COUNTS, SPEC_KEYS, STACKED, direction_keys
 from geomopt.spec.model import Spec
 
@@ -205,9 +205,9 @@ class Engine:
         for prog, items in jobs:
             gi = prog.group
             if gi not in schedules:
-                gamma, alpha = SCHEDULES[groups[gi]["schedule"]["kind"]](groups[gi], groups[gi]["step"])
+                gamma, alpha = step_size(groups[gi])
                 # a tensor lr is read once here (this step syncs anyway); a capturable step keeps it
-                schedules[gi] = (float(gamma), warmup_alpha(alpha, groups[gi]))
+                schedules[gi] = (float(gamma), alpha)
                 devices[gi] = items[0][0].device
 
         pending = self.pending

@@ -40,10 +40,10 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     before the first write, new state binds to its entries and the count advances after the
     last, so an exception (out of memory) leaves parameters and state as they were."""
     pp = items[0][1]
-    geometry, kind = pp.geometry, pp.geometry["kind"]
+    geometry, kind = pp.geometry, pp.geometry.kind
     hyper = group if alpha is None else {**group, "alpha": alpha}  # α after a momentum warmup
     wd = group["weight_decay"]
-    scale = -gamma * group["radius"] * pp.radius / geometry["radius"]
+    scale = -gamma * group["radius"] * pp.radius / geometry.radius
     xs = [as_real(op_view(local(p), q)) for p, q in items]  # complex: re, im as reals
     gs = grads  # operators' layout and real views already (the optimizer's job grads)
     # the momentum's flat buffer and views, where the rule has a direction (Any: the control

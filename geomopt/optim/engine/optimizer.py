@@ -160,9 +160,9 @@ class GeomOptimizer(Optimizer):
             groups.append(dict(
                 params=[tensors[p.name] for p in plans], param_names=[p.name for p in plans], rule=rule.name,
                 spec_hash=self.spec_hash, lr=first.lr if lr_tensor is None or rule.lr is not None else lr_tensor,
-                weight_decay=first.weight_decay, radius=first.geometry["radius"], direction=d["kind"],
+                weight_decay=first.weight_decay, radius=first.geometry.radius, direction=d.kind,
                 alpha=d.get("alpha", 1.0), nesterov=d.get("nesterov", False), init=d.get("init", "zero"),
-                **coefficients, schedule=first.schedule, on_nonfinite=first.on_nonfinite, step=0,
+                **coefficients, schedule=first.schedule.model_dump(), on_nonfinite=first.on_nonfinite, step=0,
             ))
             plans_by_group.append(plans)
         self._building = True

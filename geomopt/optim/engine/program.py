@@ -122,13 +122,13 @@ def flat_rule(group: dict, pp: ParamPlan, opts: Options) -> Optional[str]:
     """None when a rule's whole step is elementwise with nothing that needs its tensors stacked;
     else why not."""
     kinds = FLAT_GEOMETRIES + (() if opts.sharded else ("isotropic",))
-    if pp.geometry["kind"] not in kinds:
-        return f"{pp.geometry['kind']} geometry is not elementwise" + (
-            " on sharded tensors (a norm per tensor)" if pp.geometry["kind"] == "isotropic" else "")
+    if pp.geometry.kind not in kinds:
+        return f"{pp.geometry.kind} geometry is not elementwise" + (
+            " on sharded tensors (a norm per tensor)" if pp.geometry.kind == "isotropic" else "")
     if pp.state_dtype != "float32":
         return f"state {pp.state_dtype}: decoded to float32 and encoded again per bucket"
     if pp.constraint is not None:
-        return f"constraint {pp.constraint['kind']}: its prox runs on the stacked update"
+        return f"constraint {pp.constraint.kind}: its prox runs on the stacked update"
     if pp.post:
         return "post-stages run on the stacked update"
     if pp.decay != "decoupled":
@@ -148,12 +148,12 @@ def stage_text(group: dict, pp: ParamPlan) -> tuple[str, ...]:
     if group.get("nesterov"):
         d += " (nesterov)"
     g = pp.geometry
-    fwd = g["kind"] + (f"/{g['approx']['kind']}" if g.get("approx") else "")
+    fwd = g.kind + (f"/{g.approx_kind}" if g.approx is not None else "")
     out = [f"direction {d}", f"forward {fwd}"]
-    out += [f"post {s['kind']}" for s in pp.post]
+    out += [f"post {s.kind}" for s in pp.post]
     out.append(f"decay {pp.decay}")
     if pp.constraint is not None:
-        out.append(f"prox {pp.constraint['kind']}")
+        out.append(f"prox {pp.constraint.kind}")
     return tuple(out)
 
 
@@ -173,11 +173,11 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
                           device=str(p.device), stages=stage_text(group, pp))
             not_flat = flat_rule(group, pp, opts)
             if not_flat is None and p.dtype in FLAT_DTYPES:
-                fused = (pp.geometry["kind"] == "adam" and opts.implementation != "foreach"
+                fused = (pp.geometry.kind == "adam" and opts.implementation != "foreach"
                          and p.device.type in FUSED_ADAM_DEVICES)
                 why = ["elementwise rule: the rule's tensors of this dtype and device, whatever their shapes, in one "
                        "foreach call (one per radius and state history)"]
-                if pp.geometry["kind"] == "adam":
+                if pp.geometry.kind == "adam":
                     why.append("torch's fused AdamW kernel (foreach ops for a non-contiguous tensor)" if fused else
                                "Adam with foreach ops (" + ("implementation='foreach'" if opts.implementation
                                                             == "foreach" else f"no fused kernel on {p.device.type}")
@@ -225,7 +225,7 @@ def _unchecked(prog: Program) -> Program:
 
 def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Options, not_flat: str) -> Program:
     why = [f"batched: {not_flat}"]
-    kind = pp.geometry["kind"]
+    kind = pp.geometry.kind
     working = p.dtype == upcast(torch.empty((), dtype=p.dtype)).dtype
     reasons = {"a constraint's prox needs Y": pp.constraint is not None, "adam geometry": kind == "adam",
                "track_update measures X⁺ − X": opts.track_update, "cautious decay": pp.decay == "cautious",
@@ -247,7 +247,7 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Op
     if unit.has("rows") and not opts.keeps_prev and p.dtype in (torch.float32, torch.float64):
         form = "rows"
         why.append(f"{unit.name} read row by row from the unstacked gradients (no stacked copy of G)")
-    approx = (pp.geometry.get("approx") or {}).get("kind")
+    approx = pp.geometry.approx_kind
     graphed = opts.cuda_graphs and approx in POLYNOMIAL_APPROXES and opts.local and p.device.type == "cuda"
     if graphed:
         why.append(f"cuda_graphs: the {approx} iteration replays from a CUDA graph")
@@ -267,7 +267,7 @@ def _deferrable(prog: Program, group: dict, pp: ParamPlan, p: torch.Tensor) -> b
     """A batched bucket that writes nothing before its forward op: direction none, or Polyak read
     from the unstacked gradients; no Adam geometry, post-stage or cautious decay; off torch Muon's
     op order (on CPU the step keeps its order)."""
-    return ((group["direction"] == "none" or prog.direction_form == "rows") and pp.geometry["kind"] != "adam"
+    return ((group["direction"] == "none" or prog.direction_form == "rows") and pp.geometry.kind != "adam"
             and not pp.post and pp.decay == "decoupled" and not muon_order(p.device))
 
 

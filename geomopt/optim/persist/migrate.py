@@ -55,7 +55,7 @@ _TORCH = {
 
 def kinds_used(pp: ParamPlan, direction: str) -> tuple[str, ...]:
     """The kinds of state a rule's step keeps for this tensor."""
-    out = ["adam"] if pp.geometry["kind"] == "adam" else []
+    out = ["adam"] if pp.geometry.kind == "adam" else []
     kind = DIRECTIONS[direction].migrates  # as the direction declares (heavy ball's sum: none)
     return tuple(out + ([kind] if kind else []))
 
@@ -212,7 +212,7 @@ def migrate_state(saved: dict[str, dict], targets: list[tuple], source: str,
 
 def _why_not(kind: str, pp: ParamPlan, direction: str) -> str:
     if kind == "adam":
-        return f"rule '{pp.rule}' uses the {pp.geometry['kind']} geometry, not adam"
+        return f"rule '{pp.rule}' uses the {pp.geometry.kind} geometry, not adam"
     if kind == "momentum" and direction == "storm":
         return f"rule '{pp.rule}' uses storm, whose estimate also needs the previous iterate"
     return f"rule '{pp.rule}' uses the direction {direction}"

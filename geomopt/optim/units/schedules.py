@@ -36,6 +36,14 @@ def storm(group, k):
     return group["lr"] * a, a
 
 
+def step_size(group: dict) -> tuple:
+    """(γ, α) of the group's coming step: its schedule at its step count, the warmup applied to α.
+    The schedule is read off the group (a torch param group: a plain dict, saved in the state
+    dict), so what a user or a load puts there is what the step runs."""
+    gamma, alpha = SCHEDULES[group["schedule"]["kind"]](group, group["step"])
+    return gamma, warmup_alpha(alpha, group)
+
+
 def warmup_alpha(alpha, group: dict):
     """α of this step under a Polyak momentum warmup: from the group's ``warmup_alpha`` at step 0
     linearly to its ``alpha`` at ``warmup_steps``, then its α (a schedule's own α wins)."""

@@ -336,8 +336,9 @@ def cautious(u, cfg, ctx):
     return u * mask * (n / (ctx.sum(mask, _dims(u)) + 1))
 
 
-def reads(post: list) -> set:
-    return {r for s in post for r in STAGES[s["kind"]].reads}
+def reads(post) -> set:
+    """What the stages ``post`` (spec models) read besides the update."""
+    return {r for s in post for r in STAGES[s.kind].reads}
 
 
 def run(u: torch.Tensor, post: list, ctx: Context) -> torch.Tensor:
@@ -348,6 +349,6 @@ def run(u: torch.Tensor, post: list, ctx: Context) -> torch.Tensor:
     if "input_norm" in reads(post):
         ctx.input_norm = ctx.norm(u)
     for cfg in post:
-        u = STAGES[cfg["kind"]].fn(u, cfg, ctx)
+        u = STAGES[cfg.kind].fn(u, cfg, ctx)
     return u
 
