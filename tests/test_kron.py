@@ -326,9 +326,9 @@ def test_shampoo_matches_pytorch_optimizer_shampoo(shape, every):
     lr, eps = 0.1, 1e-3
     peer = _peer(pytorch_optimizer.Shampoo, grads, lr=lr, matrix_eps=eps, preconditioning_compute_steps=every)
     ours = dict(lr=lr, beta=1.0, weight=1.0, eps=eps, every=every, roots_init=0.0)
-    bound = 1e-9
+    bound = 1e-12  # measured: 5e-14 (eigh), 2e-13 (Newton)
     assert _gap(_shampoo(grads, **ours), peer) < bound
-    assert _gap(_shampoo(grads, **{**ours, "method": "newton"}), peer) < 1e-9
+    assert _gap(_shampoo(grads, **{**ours, "method": "newton"}), peer) < bound
     for change in ({"beta": 0.99}, {"eps": 1.1e-3}, {"order": 2}, {"every": every + 1}):
         assert _gap(_shampoo(grads, **{**ours, **change}), peer) > 100 * bound, change
 
@@ -350,7 +350,7 @@ def test_shampoo_matches_pytorch_optimizer_scalable_shampoo(shape):
                  pre_conditioner_type=one_sided if max_dim else 0)
     ours = dict(lr=lr, beta=beta2, weight=1 - beta2, eps=0.0, init_eps=eps, every=every, max_dim=max_dim,
                 graft_eps=diag_eps, momentum=beta1)
-    bound = 1e-9
+    bound = 1e-12  # measured: 1e-15
     assert _gap(_shampoo(grads, **ours), peer) < bound
     for change in ({"beta": 0.95, "weight": 0.05}, {"init_eps": 1.1e-3}, {"order": 6}, {"every": 3}):
         assert _gap(_shampoo(grads, **{**ours, **change}), peer) > 100 * bound, change
@@ -367,14 +367,17 @@ def _peer_soap_bases(grads, **hp):
     return tuple(torch.stack([q[i] for q in qs]) if len(qs[0][i]) else None for i in range(2))
 
 
+@pytest.mark.parametrize("every", [2, 100])
 @pytest.mark.parametrize("shape", ["square", "wide", "one-sided"])
-def test_soap_matches_pytorch_optimizer_soap(shape):
+def test_soap_matches_pytorch_optimizer_soap(shape, every):
     """pytorch-optimizer's ``SOAP``: the first step only starts the factors and bases, m kept in
     the gradient's basis, v' in the rotated one, ε before the bias correction, the bases refreshed
-    every 2 steps (one power iteration and a float32 QR), a side above max_dim unrotated."""
+    every 2 steps (one power iteration and a QR in float32, whose rounding of inputs that differ in
+    their last bits is the whole gap: with no refresh in the run, 1e-14), a side above max_dim
+    unrotated."""
     (dims, max_dim) = SHAPES[shape]
     grads = _grads(dims, seed=3)
-    lr, betas, shampoo_beta, eps, every = 0.01, (0.9, 0.95), 0.8, 1e-3, 2
+    lr, betas, shampoo_beta, eps = 0.01, (0.9, 0.95), 0.8, 1e-3
     hp = dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps, precondition_frequency=every,
               max_precondition_dim=max_dim or 10000, weight_decay=0.0)
     peer = _peer(pytorch_optimizer.SOAP, grads, **hp)
@@ -385,7 +388,10 @@ def test_soap_matches_pytorch_optimizer_soap(shape):
         # depends on it: both runs start from the peer's first bases
         ours["bases"] = _peer_soap_bases(grads[:1], **hp)
         assert _gap(_soap(grads, **{**ours, "bases": None}), peer) > 1e-3
-    bound = 1e-6
+    bound = 1e-12 if every > STEPS else 1e-6  # measured: 4e-15; 2e-7 (float32 QR)
     assert _gap(_soap(grads, **ours), peer) < bound
-    for change in ({"shampoo_beta": 0.85}, {"betas": (0.9, 0.96)}, {"eps": 1.2e-3}, {"every": 3}):
+    changes = [{"betas": (0.9, 0.96)}, {"eps": 1.2e-3}, {"every": 3}]
+    if every <= STEPS:  # the factors' β reaches the bases only through a refresh (eigh ignores a scale)
+        changes.append({"shampoo_beta": 0.85})
+    for change in changes:
         assert _gap(_soap(grads, **{**ours, **change}), peer) > 10 * bound, change
