@@ -168,8 +168,8 @@ def soap_refresh(left: Factor, right: Factor, q_left: Factor, q_right: Factor, e
     P = F·Q, the columns of P (and the rotated second moment's rows for L, its columns for R) are put
     in decreasing order of the estimated eigenvalues diag(Qᵀ·F·Q), and Q ← the Q of P's QR. The
     second moment is only reordered, not re-projected into the new basis (as the references do:
-    the new basis is one power step from the old). The QR runs in float32 at least, as the
-    reference does (its float64 runs take float32 bases too)."""
+    the new basis is one power step from the old). The QR runs in float32 at least (the reference
+    casts to float32 whatever the dtype, so its float64 runs take bases accurate to ~1e-7)."""
     v = _stack(exp_avg_sq)
     for f, q, dim in ((left, q_left, -2), (right, q_right, -1)):
         if f is None or q is None:
