@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from geomopt.geometry.kron_root import inverse_root_eigh, inverse_root_newton
+from geomopt.geometry.kron_root import as_stack, inverse_root_eigh, inverse_root_newton
 from geomopt.optim.units.declare import COUNT, FIRST, OP, OWN, SECOND, StateKey
 
 Factor = Optional[torch.Tensor]
@@ -48,14 +48,6 @@ SOAP_STATE = (
 )
 
 
-def _stack(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (m, n) or (b, m, n) as a stack (b, m, n): a single matrix is the stack of one (a view,
-    so in-place updates of it reach ``x``)."""
-    if x.ndim not in (2, 3):
-        raise ValueError(f"expected a matrix (m, n) or a stack (b, m, n), got shape {tuple(x.shape)}")
-    return x.unsqueeze(0) if x.ndim == 2 else x
-
-
 def init_factors(shape: tuple[int, ...], max_dim: Optional[int] = None, *, eps: float = 0.0,
                  dtype: torch.dtype = torch.float32, device=None) -> tuple[Factor, Factor]:
     """The factors (L, R) of a matrix (m, n) or a stack (b, m, n): ε·I of size m and n (stacked
@@ -74,10 +66,10 @@ def init_factors(shape: tuple[int, ...], max_dim: Optional[int] = None, *, eps: 
 def update_factors(g: torch.Tensor, left: Factor, right: Factor, *, beta: float, weight: float) -> None:
     """L ← β·L + w·G·Gᵀ and R ← β·R + w·Gᵀ·G in place, per matrix (w = 1 and β = 1: Shampoo's sum;
     w = 1 − β: the moving average). A None factor is not kept and not computed."""
-    g3 = _stack(g)
+    g3 = as_stack(g)
     for f, a, b in ((left, g3, g3.mT), (right, g3.mT, g3)):
         if f is not None:
-            _stack(f).baddbmm_(a.to(f.dtype), b.to(f.dtype), beta=beta, alpha=weight)
+            as_stack(f).baddbmm_(a.to(f.dtype), b.to(f.dtype), beta=beta, alpha=weight)
 
 
 def root_order(left: Factor, right: Factor, override: Optional[int] = None) -> int:
@@ -114,11 +106,11 @@ def shampoo_direction(g: torch.Tensor, left_root: Factor, right_root: Factor) ->
     the roots' dtype (float32 at least), shaped like ``g``."""
     roots = [r for r in (left_root, right_root) if r is not None]
     dtype = roots[0].dtype if roots else g.dtype
-    d = _stack(g).to(dtype)
+    d = as_stack(g).to(dtype)
     if left_root is not None:
-        d = _stack(left_root) @ d
+        d = as_stack(left_root) @ d
     if right_root is not None:
-        d = d @ _stack(right_root)
+        d = d @ as_stack(right_root)
     if not roots:
         d = d.clone()
     return d.reshape(g.shape)
@@ -128,7 +120,7 @@ def graft(d: torch.Tensor, graft_direction: torch.Tensor, tiny: float = 1e-16) -
     """Grafting (Agarwal et al. 2020): D·‖E‖_F/(‖D‖_F + tiny) per matrix, in place on ``d``: the
     direction D keeps its orientation and takes the step length of E, another optimizer's direction
     (AdaGrad's or Adam's diagonal one, Muon's orthogonalized one), computed by the caller."""
-    d3, e3 = _stack(d), _stack(graft_direction)
+    d3, e3 = as_stack(d), as_stack(graft_direction)
     ratio = torch.linalg.matrix_norm(e3.to(d.dtype), keepdim=True) / (torch.linalg.matrix_norm(d3, keepdim=True) + tiny)
     d3.mul_(ratio)
     return d
@@ -139,21 +131,21 @@ def graft(d: torch.Tensor, graft_direction: torch.Tensor, tiny: float = 1e-16) -
 
 def rotate(x: torch.Tensor, q_left: Factor, q_right: Factor) -> torch.Tensor:
     """X' = Q_Lᵀ·X·Q_R per matrix (a None basis: the identity): X in the factors' eigenbases."""
-    x3 = _stack(x)
+    x3 = as_stack(x)
     if q_left is not None:
-        x3 = _stack(q_left).mT @ x3
+        x3 = as_stack(q_left).mT @ x3
     if q_right is not None:
-        x3 = x3 @ _stack(q_right)
+        x3 = x3 @ as_stack(q_right)
     return x3.reshape(x.shape)
 
 
 def unrotate(x: torch.Tensor, q_left: Factor, q_right: Factor) -> torch.Tensor:
     """X = Q_L·X'·Q_Rᵀ per matrix, the inverse of :func:`rotate` (the bases are orthogonal)."""
-    x3 = _stack(x)
+    x3 = as_stack(x)
     if q_left is not None:
-        x3 = _stack(q_left) @ x3
+        x3 = as_stack(q_left) @ x3
     if q_right is not None:
-        x3 = x3 @ _stack(q_right).mT
+        x3 = x3 @ as_stack(q_right).mT
     return x3.reshape(x.shape)
 
 
@@ -164,17 +156,17 @@ def soap_bases(left: Factor, right: Factor) -> tuple[Factor, Factor]:
 
 
 def soap_refresh(left: Factor, right: Factor, q_left: Factor, q_right: Factor, exp_avg_sq: torch.Tensor) -> None:
-    """One power iteration and a QR per kept side, in place (Vyas et al. 2024, Algorithm 4): with
+    """One power iteration and a QR per kept side, in place (Vyas et al. 2024): with
     P = F·Q, the columns of P (and the rotated second moment's rows for L, its columns for R) are put
     in decreasing order of the estimated eigenvalues diag(Qᵀ·F·Q), and Q ← the Q of P's QR. The
     second moment is only reordered, not re-projected into the new basis (as the references do:
     the new basis is one power step from the old). The QR runs in float32 at least (the reference
     casts to float32 whatever the dtype, so its float64 runs take bases accurate to ~1e-7)."""
-    v = _stack(exp_avg_sq)
+    v = as_stack(exp_avg_sq)
     for f, q, dim in ((left, q_left, -2), (right, q_right, -1)):
         if f is None or q is None:
             continue
-        f3, q3 = _stack(f), _stack(q)
+        f3, q3 = as_stack(f), as_stack(q)
         power = f3 @ q3
         est = (q3 * power).sum(dim=-2)
         order = torch.argsort(est, dim=-1, descending=True)

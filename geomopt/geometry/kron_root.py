@@ -15,11 +15,19 @@ import torch
 from geomopt.geometry.matrix import working_dtype
 
 
-def _stacked(a: torch.Tensor) -> torch.Tensor:
-    """``a`` as a stack (b, m, m): a single matrix is the stack of one (a view)."""
-    if a.ndim not in (2, 3) or a.shape[-1] != a.shape[-2]:
+def as_stack(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (m, n) or (b, m, n) as a stack (b, m, n): a single matrix is the stack of one (a view,
+    so in-place updates of it reach ``x``)."""
+    if x.ndim not in (2, 3):
+        raise ValueError(f"expected a matrix (m, n) or a stack (b, m, n), got shape {tuple(x.shape)}")
+    return x.unsqueeze(0) if x.ndim == 2 else x
+
+
+def _square_stack(a: torch.Tensor) -> torch.Tensor:
+    """:func:`as_stack` of square matrices."""
+    if a.shape[-1] != a.shape[-2]:
         raise ValueError(f"expected a square matrix (m, m) or a stack (b, m, m), got shape {tuple(a.shape)}")
-    return a.unsqueeze(0) if a.ndim == 2 else a
+    return as_stack(a)
 
 
 def inverse_root_eigh(a: torch.Tensor, p: float, eps: float = 0.0) -> torch.Tensor:
@@ -30,7 +38,7 @@ def inverse_root_eigh(a: torch.Tensor, p: float, eps: float = 0.0) -> torch.Tens
     NaN. With ε = 0 the factor must be positive definite (a zero eigenvalue gives +∞)."""
     if p <= 0:
         raise ValueError(f"the root order p must be positive, got {p}")
-    a3 = _stacked(a)
+    a3 = _square_stack(a)
     lam, q = torch.linalg.eigh(a3.to(torch.float64))
     scale = lam.clamp_min_(0.0).add_(eps).pow_(-1.0 / p)
     out = (q * scale.unsqueeze(-2)) @ q.mT
@@ -56,7 +64,7 @@ def inverse_root_newton(a: torch.Tensor, p: int, eps: float = 0.0, *, tol: Optio
     if int(p) != p or p < 1:
         raise ValueError(f"the Newton iteration needs a positive integer root order p, got {p}")
     p = int(p)
-    a3 = _stacked(a)
+    a3 = _square_stack(a)
     dtype = working_dtype(a.dtype)
     if tol is None:
         tol = 1e-12 if dtype == torch.float64 else 1e-6
