@@ -946,13 +946,15 @@ _PAGES: dict[str, str] = {}
 
 
 def on_config(config):
-    """Fill the nav's "Language reference" and "Lint rules" sections with the generated pages."""
+    """Fill the nav's "Language reference" and "Lint rules" sections with the generated pages (the
+    reference's hand-written pages, listed in mkdocs.yml, after them)."""
     _PAGES.clear()
     _PAGES.update(pages())
     rules = sorted(p for p in _PAGES if p.startswith("lint/GO"))
     for item in config["nav"] or []:
         if isinstance(item, dict) and "Language reference" in item:
-            item["Language reference"] = [f"reference/{p}.md" for p in REFERENCE_NAV]
+            written = item["Language reference"] or []
+            item["Language reference"] = [f"reference/{p}.md" for p in REFERENCE_NAV] + written
         if isinstance(item, dict) and "Lint rules" in item:
             item["Lint rules"] = ["lint/index.md", *rules]
     return config

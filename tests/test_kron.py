@@ -1,0 +1,397 @@
+"""Kronecker-factored geometries (geomopt.geometry.kron, kron_root): each function against an
+independent float64 computation (explicit sums, scipy's fractional matrix power, the defining
+identity X^p·(A + εI) = I), a stack against its matrices one by one (bit for bit), and Shampoo and
+SOAP run step for step beside pytorch-optimizer's ``Shampoo``, ``ScalableShampoo`` and ``SOAP`` on
+the same gradients: the parameters agree within a tight bound, and leave it when one coefficient
+of ours is changed."""
+
+from __future__ import annotations
+
+import pytest
+import scipy.linalg
+import torch
+
+from geomopt.geometry import kron
+from geomopt.geometry.kron_root import inverse_root_eigh, inverse_root_newton
+from geomopt.optim.units.declare import COUNT, FIRST, SECOND, StateKey
+
+pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
+
+F64 = torch.float64
+
+
+def _psd(n: int, cond: float = 10.0, seed: int = 0, batch: tuple = ()) -> torch.Tensor:
+    """Symmetric positive definite matrices with eigenvalues log-spaced in [1/cond, 1] (float64)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(*batch, n, n, generator=gen, dtype=F64))
+    lam = torch.logspace(0, -torch.log10(torch.tensor(cond)).item(), n, dtype=F64)
+    return (q * lam) @ q.mT
+
+
+def _scipy_root(a: torch.Tensor, p: float, eps: float) -> torch.Tensor:
+    """(A + εI)^(−1/p) by scipy's Schur-based fractional power (no eigh), float64."""
+    m = a.to(F64).numpy() + eps * torch.eye(a.shape[-1], dtype=F64).numpy()
+    return torch.from_numpy(scipy.linalg.fractional_matrix_power(m, -1.0 / p).real.copy())
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.to(F64) - b.to(F64)).abs().max() / b.to(F64).abs().max()).item()
+
+
+# ---------------------------------------------------------------- factors, orders, schedule
+
+
+def test_factors_are_the_explicit_sums_and_a_long_side_keeps_none():
+    gen = torch.Generator().manual_seed(1)
+    gs = torch.randn(4, 3, 5, 9, generator=gen, dtype=F64)  # 4 steps of a stack of 3 matrices 5 × 9
+    left, right = kron.init_factors((3, 5, 9), max_dim=6, eps=0.5, dtype=F64)
+    assert right is None and left.shape == (3, 5, 5)
+    beta, w = 0.9, 0.1
+    for g in gs:
+        kron.update_factors(g, left, right, beta=beta, weight=w)
+    expect = 0.5 * beta**4 * torch.eye(5, dtype=F64) + sum(
+        w * beta ** (3 - t) * gs[t] @ gs[t].mT for t in range(4))
+    assert _rel(left, expect) < 1e-14
+    left, right = kron.init_factors((5, 9), dtype=F64)
+    kron.update_factors(gs[0, 0], left, right, beta=1.0, weight=1.0)
+    assert _rel(right, gs[0, 0].mT @ gs[0, 0]) < 1e-14
+
+
+def test_root_order_and_refresh_schedule():
+    a = torch.eye(2)
+    assert kron.root_order(a, a) == 4 and kron.root_order(a, None) == 2 and kron.root_order(None, a, 6) == 6
+    assert [t for t in range(1, 8) if kron.refresh_due(t, 3)] == [3, 6]
+
+
+# ---------------------------------------------------------------- inverse roots
+
+
+@pytest.mark.parametrize("cond", [10.0, 1e6])
+@pytest.mark.parametrize("p", [2, 4])
+def test_eigh_root_against_scipy_and_the_defining_identity(cond, p):
+    a, eps = _psd(7, cond, seed=2), 1e-7
+    x = inverse_root_eigh(a, p, eps)
+    ref = _scipy_root(a, p, eps)
+    assert _rel(x, ref) < 1e-9
+    ident = torch.linalg.matrix_power(x, p) @ (a + eps * torch.eye(7, dtype=F64))
+    torch.testing.assert_close(ident, torch.eye(7, dtype=F64), rtol=0, atol=1e-8)
+
+
+def test_eigh_root_of_float32_is_computed_in_float64_and_clamps_negative_eigenvalues():
+    a32 = _psd(6, 1e6, seed=3).float()
+    ref = _scipy_root(a32.double(), 4, 1e-6)
+    x = inverse_root_eigh(a32, 4, 1e-6)
+    assert x.dtype == torch.float32
+    assert _rel(x, ref) < 2e-7  # only the final rounding to float32
+    # a rank-deficient factor whose rounding made an eigenvalue slightly negative
+    q, _ = torch.linalg.qr(torch.randn(6, 6, generator=torch.Generator().manual_seed(5), dtype=F64))
+    lam = torch.tensor([3.0, 1.0, 0.5, 0.0, 0.0, -1e-12], dtype=F64)
+    b = (q * lam) @ q.mT
+    x = inverse_root_eigh(b, 2, 1e-3)
+    ref = (q * (lam.clamp_min(0) + 1e-3) ** -0.5) @ q.mT
+    assert torch.isfinite(x).all() and _rel(x, ref) < 1e-10
+
+
+@pytest.mark.parametrize("cond", [10.0, 1e6])
+@pytest.mark.parametrize("p", [2, 4])
+def test_newton_root_converges_to_the_eigh_root(cond, p):
+    a, eps = _psd(8, cond, seed=6), 1e-9
+    ref = _scipy_root(a, p, eps)
+    assert _rel(inverse_root_newton(a, p, eps), ref) < 1e-10
+    errs = [_rel(inverse_root_newton(a, p, eps, max_iters=k), ref) for k in (5, 15, 25, 60)]
+    assert errs == sorted(errs, reverse=True) and errs[-1] < 1e-10
+    x32 = inverse_root_newton(a.float(), p, eps)
+    assert x32.dtype == torch.float32 and _rel(x32, ref) < (1e-6 if cond < 1e3 else 5e-3)
+
+
+def test_roots_refuse_bad_orders_and_shapes():
+    with pytest.raises(ValueError, match="positive integer"):
+        inverse_root_newton(torch.eye(3), 2.5)
+    with pytest.raises(ValueError, match="positive"):
+        inverse_root_eigh(torch.eye(3), 0)
+    with pytest.raises(ValueError, match="square"):
+        inverse_root_eigh(torch.ones(2, 3), 2)
+    with pytest.raises(ValueError, match="'eigh' or 'newton'"):
+        kron.refresh_roots(torch.eye(2), None, torch.eye(2), None, p=2, method="svd")
+
+
+# ---------------------------------------------------------------- direction, graft, SOAP pieces
+
+
+def test_shampoo_direction_is_the_two_sided_product_and_one_sided_uses_the_identity():
+    gen = torch.Generator().manual_seed(7)
+    g = torch.randn(4, 6, generator=gen, dtype=F64)
+    lr_, rr = _psd(4, seed=8), _psd(6, seed=9)
+    assert _rel(kron.shampoo_direction(g, lr_, rr), lr_ @ g @ rr) < 1e-14
+    assert _rel(kron.shampoo_direction(g, lr_, None), lr_ @ g) < 1e-14
+    d = kron.shampoo_direction(g, None, None)
+    assert torch.equal(d, g) and d.data_ptr() != g.data_ptr()
+
+
+def test_graft_takes_the_other_directions_frobenius_norm_per_matrix():
+    gen = torch.Generator().manual_seed(10)
+    d = torch.randn(3, 5, 4, generator=gen, dtype=F64)
+    g = torch.randn(3, 5, 4, generator=gen, dtype=F64)
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    for e in (g / (g.abs() + 1e-3), u @ vh):  # a diagonal (Adam-like) and Muon's orthogonalized direction
+        out = kron.graft(d.clone(), e)
+        for i in range(3):
+            assert abs(out[i].norm() - e[i].norm()) < 1e-12 * e[i].norm()
+            cos = (out[i] * d[i]).sum() / (out[i].norm() * d[i].norm())
+            assert abs(cos - 1) < 1e-13
+    # Muon's direction has Frobenius norm √rank
+    out = kron.graft(d.clone(), u @ vh)
+    torch.testing.assert_close(out.norm(dim=(-2, -1)), torch.full((3,), 2.0, dtype=F64), rtol=1e-12, atol=0)
+
+
+def test_rotate_and_unrotate_are_inverse_and_the_bases_are_eigenbases():
+    left, right = _psd(5, seed=11), _psd(3, seed=12)
+    ql, qr = kron.soap_bases(left, right)
+    for f, q in ((left, ql), (right, qr)):
+        lam = torch.linalg.eigvalsh(f).flip(-1)  # decreasing
+        torch.testing.assert_close(q.mT @ f @ q, torch.diag(lam), rtol=0, atol=1e-13)
+    x = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(13))
+    torch.testing.assert_close(kron.unrotate(kron.rotate(x, ql, qr), ql, qr), x, rtol=0, atol=1e-14)
+    torch.testing.assert_close(kron.rotate(x, ql, None), ql.mT @ x, rtol=0, atol=0)
+
+
+def test_soap_refresh_is_subspace_iteration_and_reorders_the_second_moment():
+    """Repeated refreshes on fixed factors converge to their eigenbases (power iteration with
+    QR), and the rotated second moment's rows and columns follow the estimated eigenvalues."""
+    left, right = _psd(5, cond=1e3, seed=14), _psd(4, cond=1e3, seed=15)
+    gen = torch.Generator().manual_seed(16)
+    ql, _ = torch.linalg.qr(torch.randn(5, 5, generator=gen, dtype=F64))
+    qr_, _ = torch.linalg.qr(torch.randn(4, 4, generator=gen, dtype=F64))
+    v = torch.rand(5, 4, generator=gen, dtype=F64)
+    v0 = v.clone()
+    rows = torch.argsort((ql * (left @ ql)).sum(0), descending=True)
+    cols = torch.argsort((qr_ * (right @ qr_)).sum(0), descending=True)
+    kron.soap_refresh(left, right, ql, qr_, v)
+    assert torch.equal(v, v0[rows][:, cols])
+    for q in (ql, qr_):  # a float64 QR for float64 factors
+        assert q.dtype == F64
+        torch.testing.assert_close(q.mT @ q, torch.eye(q.shape[0], dtype=F64), rtol=0, atol=1e-14)
+    for _ in range(60):
+        kron.soap_refresh(left, right, ql, qr_, v)
+    for f, q in ((left, ql), (right, qr_)):
+        lam = torch.linalg.eigvalsh(f).flip(-1)
+        off = q.mT @ f @ q - torch.diag(torch.diagonal(q.mT @ f @ q))
+        assert off.abs().max() < 1e-5
+        torch.testing.assert_close(torch.diagonal(q.mT @ f @ q), lam, rtol=1e-5, atol=0)
+
+
+def test_soap_direction_is_adam_in_the_rotated_basis():
+    """Against Adam written out in float64 on the rotated gradients: with fixed bases, SOAP's
+    direction is Q_L·adam(Q_Lᵀ G_t Q_R)·Q_Rᵀ (m is linear, so keeping it unrotated changes nothing)."""
+    gen = torch.Generator().manual_seed(17)
+    gs = torch.randn(5, 4, 6, generator=gen, dtype=F64)
+    ql, qr = kron.soap_bases(_psd(4, seed=18), _psd(6, seed=19))
+    m, v = torch.zeros(4, 6, dtype=F64), torch.zeros(4, 6, dtype=F64)
+    b1, b2, eps = 0.9, 0.95, 1e-3
+    mr, vr = torch.zeros(4, 6, dtype=F64), torch.zeros(4, 6, dtype=F64)
+    for t, g in enumerate(gs, 1):
+        d = kron.soap_direction(g, m, v, ql, qr, betas=(b1, b2), eps=eps, step=t)
+        gr = ql.mT @ g @ qr
+        mr, vr = b1 * mr + (1 - b1) * gr, b2 * vr + (1 - b2) * gr**2
+        ref = ql @ (mr / (vr.sqrt() + eps)) @ qr.mT * (1 - b2**t) ** 0.5 / (1 - b1**t)
+        assert _rel(d, ref) < 1e-12
+
+
+# ---------------------------------------------------------------- a stack is its matrices
+
+
+def test_a_stack_gives_each_matrix_the_bits_it_gets_alone():
+    gen = torch.Generator().manual_seed(20)
+    g = torch.randn(3, 4, 6, generator=gen)
+    a = _psd(4, 1e4, seed=21, batch=(3,)).float()
+    for fn in (lambda x: inverse_root_eigh(x, 4, 1e-6), lambda x: inverse_root_newton(x, 4, 1e-6)):
+        stacked = fn(a)
+        assert all(torch.equal(stacked[i], fn(a[i])) for i in range(3))
+    left, right = kron.init_factors((3, 4, 6), eps=1e-3)
+    singles = [kron.init_factors((4, 6), eps=1e-3) for _ in range(3)]
+    kron.update_factors(g, left, right, beta=0.9, weight=0.1)
+    for i, (sl, sr) in enumerate(singles):
+        kron.update_factors(g[i], sl, sr, beta=0.9, weight=0.1)
+        assert torch.equal(left[i], sl) and torch.equal(right[i], sr)
+    lroot, rroot = inverse_root_eigh(left, 4), inverse_root_eigh(right, 4)
+    d = kron.shampoo_direction(g, lroot, rroot)
+    e = torch.sign(g)
+    kron.graft(d, e)
+    ql, qr = kron.soap_bases(left, right)
+    m, v = torch.zeros_like(g), torch.zeros_like(g)
+    sd = kron.soap_direction(g, m, v, ql, qr, betas=(0.9, 0.95), eps=1e-8, step=1)
+    kron.soap_refresh(left, right, ql, qr, v)
+    for i, (sl, sr) in enumerate(singles):
+        di = kron.graft(kron.shampoo_direction(g[i], inverse_root_eigh(sl, 4), inverse_root_eigh(sr, 4)), e[i])
+        assert torch.equal(d[i], di)
+        qli, qri = kron.soap_bases(sl, sr)
+        mi, vi = torch.zeros_like(g[i]), torch.zeros_like(g[i])
+        sdi = kron.soap_direction(g[i], mi, vi, qli, qri, betas=(0.9, 0.95), eps=1e-8, step=1)
+        kron.soap_refresh(sl, sr, qli, qri, vi)
+        assert torch.equal(sd[i], sdi) and torch.equal(v[i], vi) and torch.equal(ql[i], qli)
+
+
+# ---------------------------------------------------------------- the declared state
+
+
+def test_state_declarations():
+    for keys in (kron.SHAMPOO_STATE, kron.SOAP_STATE):
+        assert all(isinstance(k, StateKey) for k in keys) and len({k.key for k in keys}) == len(keys)
+        assert sum(k.layout == COUNT for k in keys) == 1
+    assert [k.key for k in kron.SHAMPOO_STATE if k.moment] == []
+    assert {k.key: k.moment for k in kron.SOAP_STATE if k.moment} == {"soap_exp_avg": FIRST,
+                                                                      "soap_exp_avg_sq": SECOND}
+
+
+# ---------------------------------------------------------------- beside pytorch-optimizer
+
+STEPS = 6
+#: (shape, max_dim): square, wide, and one-sided (the 12-long side above max_dim keeps no factor)
+SHAPES = {"square": ((6, 6), None), "wide": ((4, 7), None), "one-sided": ((5, 12), 8)}
+BUCKET = 3  # the peer steps 3 parameters of a shape, ours one stack of 3
+
+
+def _grads(shape, seed=0) -> torch.Tensor:
+    return torch.randn(STEPS, BUCKET, *shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def _peer(cls, grads: torch.Tensor, **hp) -> torch.Tensor:
+    """The peer's parameters after stepping on ``grads`` (steps × bucket × shape), from zeros."""
+    ps = [torch.zeros(grads.shape[2:], dtype=F64, requires_grad=True) for _ in range(grads.shape[1])]
+    opt = cls(ps, **hp)
+    for g in grads:
+        for p, gi in zip(ps, g):
+            p.grad = gi.clone()
+        opt.step()
+    return torch.stack([p.detach() for p in ps])
+
+
+def _gap(ours: torch.Tensor, peer: torch.Tensor) -> float:
+    """max |ours − peer| over max |peer| (both runs start from zero: the displacement)."""
+    assert torch.isfinite(ours).all() and peer.abs().max() > 0
+    return _rel(ours, peer)
+
+
+def _shampoo(grads, *, lr, beta, weight, eps, every, max_dim=None, order=None, init_eps=0.0, roots_init=1.0,
+             graft_eps=None, momentum=0.0, method="eigh") -> torch.Tensor:
+    """Our Shampoo on ``grads``: factors (ε₀·I at the start), roots every ``every`` steps, the
+    direction grafted to AdaGrad's (``graft_eps``: its ε; None: no grafting), heavy-ball momentum."""
+    shape = grads.shape[1:]
+    x = torch.zeros(shape, dtype=F64)
+    left, right = kron.init_factors(shape, max_dim, eps=init_eps, dtype=F64)
+    lroot, rroot = kron.init_factors(shape, max_dim, eps=roots_init, dtype=F64)
+    p = kron.root_order(left, right, order)
+    acc, buf = torch.zeros_like(x), torch.zeros_like(x)
+    for t, g in enumerate(grads, 1):
+        kron.update_factors(g, left, right, beta=beta, weight=weight)
+        if kron.refresh_due(t, every):
+            kron.refresh_roots(left, right, lroot, rroot, p=p, eps=eps, method=method)
+        d = kron.shampoo_direction(g, lroot, rroot)
+        if graft_eps is not None:
+            acc.addcmul_(g, g)
+            kron.graft(d, g / (acc.sqrt() + graft_eps))
+        buf.mul_(momentum).add_(d)
+        x.sub_(buf, alpha=lr)
+    return x
+
+
+def _soap(grads, *, lr, betas, shampoo_beta, eps, every, max_dim=None, bases=None) -> torch.Tensor:
+    """Our SOAP on ``grads`` in the reference's schedule: the first gradient only starts the
+    factors and their eigenbases (``bases``: these instead); from the second on, t counts the
+    moment updates, and the bases are refreshed after the factors' update when t is due."""
+    shape = grads.shape[1:]
+    x = torch.zeros(shape, dtype=F64)
+    left, right = kron.init_factors(shape, max_dim, dtype=F64)
+    m, v = torch.zeros_like(x), torch.zeros_like(x)
+    ql = qr = None
+    for t, g in enumerate(grads):
+        if t == 0:
+            kron.update_factors(g, left, right, beta=shampoo_beta, weight=1 - shampoo_beta)
+            ql, qr = kron.soap_bases(left, right) if bases is None else (b.clone() for b in bases)
+            continue
+        x.sub_(kron.soap_direction(g, m, v, ql, qr, betas=betas, eps=eps, step=t), alpha=lr)
+        kron.update_factors(g, left, right, beta=shampoo_beta, weight=1 - shampoo_beta)
+        if kron.refresh_due(t, every):
+            kron.soap_refresh(left, right, ql, qr, v)
+    return x
+
+
+@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("shape", ["square", "wide"])
+def test_shampoo_matches_pytorch_optimizer_shampoo(shape, every):
+    """pytorch-optimizer's ``Shampoo``: the sum form, started at ε·I (our damping ε of the root:
+    the same matrix), exponent −1/4, the roots every ``every`` steps starting from zero (no step
+    before the first refresh)."""
+    grads = _grads(SHAPES[shape][0], seed=1)
+    lr, eps = 0.1, 1e-3
+    peer = _peer(pytorch_optimizer.Shampoo, grads, lr=lr, matrix_eps=eps, preconditioning_compute_steps=every)
+    ours = dict(lr=lr, beta=1.0, weight=1.0, eps=eps, every=every, roots_init=0.0)
+    bound = 1e-12  # measured: 5e-14 (eigh), 2e-13 (Newton)
+    assert _gap(_shampoo(grads, **ours), peer) < bound
+    assert _gap(_shampoo(grads, **{**ours, "method": "newton"}), peer) < bound
+    for change in ({"beta": 0.99}, {"eps": 1.1e-3}, {"order": 2}, {"every": every + 1}):
+        assert _gap(_shampoo(grads, **{**ours, **change}), peer) > 100 * bound, change
+
+
+@pytest.mark.parametrize("shape", ["square", "wide", "one-sided"])
+def test_shampoo_matches_pytorch_optimizer_scalable_shampoo(shape):
+    """pytorch-optimizer's ``ScalableShampoo`` (roots by SVD): moving-average factors started at
+    ε·I (the damping decays as β₂ᵗ·ε: our factors start at ε·I and the roots take no damping),
+    roots every 2 steps from the identity, grafted to AdaGrad's direction, heavy-ball momentum;
+    one-sided: the peer preconditions the first dimension only, we drop the side above max_dim."""
+    (dims, max_dim) = SHAPES[shape]
+    grads = _grads(dims, seed=2)
+    lr, (beta1, beta2), eps, diag_eps, every = 0.05, (0.5, 0.9), 1e-3, 1e-4, 2
+    one_sided = pytorch_optimizer.optimizer.utils.partition.PreConditionerType.INPUT
+    peer = _peer(pytorch_optimizer.ScalableShampoo, grads, lr=lr, betas=(beta1, beta2), matrix_eps=eps,
+                 diagonal_eps=diag_eps, start_preconditioning_step=1, preconditioning_compute_steps=every,
+                 block_size=64, shape_interpretation=False, nesterov=False, use_svd=True,
+                 graft_type=pytorch_optimizer.optimizer.utils.graft.LayerWiseGrafting.ADAGRAD,
+                 pre_conditioner_type=one_sided if max_dim else 0)
+    ours = dict(lr=lr, beta=beta2, weight=1 - beta2, eps=0.0, init_eps=eps, every=every, max_dim=max_dim,
+                graft_eps=diag_eps, momentum=beta1)
+    bound = 1e-12  # measured: 1e-15
+    assert _gap(_shampoo(grads, **ours), peer) < bound
+    for change in ({"beta": 0.95, "weight": 0.05}, {"init_eps": 1.1e-3}, {"order": 6}, {"every": 3}):
+        assert _gap(_shampoo(grads, **{**ours, **change}), peer) > 100 * bound, change
+
+
+def _peer_soap_bases(grads, **hp):
+    """The peer's SOAP bases (Q_L, Q_R) after its first step, stacked (None: a side not kept)."""
+    ps = [torch.zeros(grads.shape[2:], dtype=F64, requires_grad=True) for _ in range(grads.shape[1])]
+    opt = pytorch_optimizer.SOAP(ps, **hp)
+    for p, g in zip(ps, grads[0]):
+        p.grad = g.clone()
+    opt.step()
+    qs = [opt.state[p]["Q"] for p in ps]
+    return tuple(torch.stack([q[i] for q in qs]) if len(qs[0][i]) else None for i in range(2))
+
+
+@pytest.mark.parametrize("every", [2, 100])
+@pytest.mark.parametrize("shape", ["square", "wide", "one-sided"])
+def test_soap_matches_pytorch_optimizer_soap(shape, every):
+    """pytorch-optimizer's ``SOAP``: the first step only starts the factors and bases, m kept in
+    the gradient's basis, v' in the rotated one, ε before the bias correction, the bases refreshed
+    every 2 steps (one power iteration and a QR in float32, whose rounding of inputs that differ in
+    their last bits is the whole gap: with no refresh in the run, 1e-14), a side above max_dim
+    unrotated."""
+    (dims, max_dim) = SHAPES[shape]
+    grads = _grads(dims, seed=3)
+    lr, betas, shampoo_beta, eps = 0.01, (0.9, 0.95), 0.8, 1e-3
+    hp = dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps, precondition_frequency=every,
+              max_precondition_dim=max_dim or 10000, weight_decay=0.0)
+    peer = _peer(pytorch_optimizer.SOAP, grads, **hp)
+    ours = dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps, every=every, max_dim=max_dim)
+    if shape == "wide":
+        # the first factor of a non-square gradient has a null space (Gᵀ·G of a 4 × 7 G has rank 4),
+        # where eigh's basis is arbitrary and decided by rounding, and the rotated second moment
+        # depends on it: both runs start from the peer's first bases
+        ours["bases"] = _peer_soap_bases(grads[:1], **hp)
+        assert _gap(_soap(grads, **{**ours, "bases": None}), peer) > 1e-3
+    bound = 1e-12 if every > STEPS else 1e-6  # measured: 4e-15; 2e-7 (float32 QR)
+    assert _gap(_soap(grads, **ours), peer) < bound
+    changes = [{"betas": (0.9, 0.96)}, {"eps": 1.2e-3}, {"every": 3}]
+    if every <= STEPS:  # the factors' β reaches the bases only through a refresh (eigh ignores a scale)
+        changes.append({"shampoo_beta": 0.85})
+    for change in changes:
+        assert _gap(_soap(grads, **{**ours, **change}), peer) > 10 * bound, change
