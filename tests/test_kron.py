@@ -13,6 +13,7 @@ import torch
 
 from geomopt.geometry import kron
 from geomopt.geometry.kron_root import inverse_root_eigh, inverse_root_newton
+from geomopt.optim.units import state_keys
 from geomopt.optim.units.declare import COUNT, FIRST, SECOND, StateKey
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
@@ -235,11 +236,11 @@ def test_a_stack_gives_each_matrix_the_bits_it_gets_alone():
 
 
 def test_state_declarations():
-    for keys in (kron.SHAMPOO_STATE, kron.SOAP_STATE):
+    for keys in (state_keys.SHAMPOO_STATE, state_keys.SOAP_STATE):
         assert all(isinstance(k, StateKey) for k in keys) and len({k.key for k in keys}) == len(keys)
         assert sum(k.layout == COUNT for k in keys) == 1
-    assert [k.key for k in kron.SHAMPOO_STATE if k.moment] == []
-    assert {k.key: k.moment for k in kron.SOAP_STATE if k.moment} == {"soap_exp_avg": FIRST,
+    assert [k.key for k in state_keys.SHAMPOO_STATE if k.moment] == []
+    assert {k.key: k.moment for k in state_keys.SOAP_STATE if k.moment} == {"soap_exp_avg": FIRST,
                                                                       "soap_exp_avg_sq": SECOND}
 
 

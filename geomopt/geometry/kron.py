@@ -24,29 +24,8 @@ from typing import Optional
 import torch
 
 from geomopt.geometry.kron_root import as_stack, inverse_root_eigh, inverse_root_newton
-from geomopt.optim.units.declare import COUNT, FIRST, OP, OWN, SECOND, StateKey
 
 Factor = Optional[torch.Tensor]
-
-#: Shampoo's state per matrix. The factors and their roots stay float32 whatever the rule's state
-#: precision: a factor's entries are signed (not a second moment), and its rounding lands on its
-#: smallest eigenvalues, which the inverse root raises to −1/p; the count schedules the refreshes.
-SHAMPOO_STATE = (
-    StateKey("shampoo_left", layout=OWN), StateKey("shampoo_right", layout=OWN),
-    StateKey("shampoo_left_root", layout=OWN), StateKey("shampoo_right_root", layout=OWN),
-    StateKey("shampoo_step", layout=COUNT),
-)
-#: SOAP's state per matrix. Adam's first moment is kept in the gradient's basis (as the reference
-#: keeps it) and its second moment in the rotated basis: both are moments the state precision may
-#: encode. The factors stay float32 (their eigenbases are taken from them), and so do the bases: an
-#: encoded basis is no longer orthogonal, and the rotation would stop being one.
-SOAP_STATE = (
-    StateKey("soap_left", layout=OWN), StateKey("soap_right", layout=OWN),
-    StateKey("soap_left_basis", layout=OWN), StateKey("soap_right_basis", layout=OWN),
-    StateKey("soap_exp_avg", layout=OP, moment=FIRST), StateKey("soap_exp_avg_sq", layout=OP, moment=SECOND),
-    StateKey("soap_step", layout=COUNT),
-)
-
 
 def init_factors(shape: tuple[int, ...], max_dim: Optional[int] = None, *, eps: float = 0.0,
                  dtype: torch.dtype = torch.float32, device=None) -> tuple[Factor, Factor]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.units import stages  # noqa: F401  (the post-stages declare their state on import)
-from geomopt.optim.units.declare import COUNT, FIRST, OP, PARAM, SECOND, STAT, STATE, STATE_KINDS, StateKey, declare
+from geomopt.optim.units.declare import (COUNT, FIRST, OP, OWN, PARAM, SECOND, STAT, STATE, STATE_KINDS, StateKey,
+                                          declare)
 from geomopt.registry import Registry
 
 #: the adam geometry's state (torch.optim.AdamW's exp_avg, exp_avg_sq and step)
@@ -19,6 +20,28 @@ ADAM_STATE = declare("adam", StateKey("exp_avg", moment=FIRST), StateKey("exp_av
                      StateKey("adam_step", layout=COUNT))
 #: ``track_gap``'s last subgradient w of the constraint (the Frank–Wolfe gap's)
 GAP_STATE = declare("gap", StateKey("w"))
+
+#: Shampoo's state per matrix (:mod:`geomopt.geometry.kron`; not declared until a geometry keeps
+#: it: a declaration adds its keys to every table here). The factors and their roots stay float32
+#: whatever the rule's state precision: a factor's entries are signed (not a second moment), and its
+#: rounding lands on its smallest eigenvalues, which the inverse root raises to −1/p; the count
+#: schedules the refreshes.
+SHAMPOO_STATE = (
+    StateKey("shampoo_left", layout=OWN), StateKey("shampoo_right", layout=OWN),
+    StateKey("shampoo_left_root", layout=OWN), StateKey("shampoo_right_root", layout=OWN),
+    StateKey("shampoo_step", layout=COUNT),
+)
+#: SOAP's state per matrix (likewise). Adam's first moment is kept in the gradient's basis (as the
+#: reference keeps it) and its second moment in the rotated basis: both are moments the state
+#: precision may encode. The factors stay float32 (their eigenbases are taken from them), and so do the bases: an
+#: encoded basis is no longer orthogonal, and the rotation would stop being one.
+SOAP_STATE = (
+    StateKey("soap_left", layout=OWN), StateKey("soap_right", layout=OWN),
+    StateKey("soap_left_basis", layout=OWN), StateKey("soap_right_basis", layout=OWN),
+    StateKey("soap_exp_avg", layout=OP, moment=FIRST), StateKey("soap_exp_avg_sq", layout=OP, moment=SECOND),
+    StateKey("soap_step", layout=COUNT),
+)
+
 
 #: the suffix of an int8 moment's block scales (``d`` → ``d_absmax``)
 SCALE = "_absmax"
