@@ -13,6 +13,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from geomopt.compile.resolve import resolve
 from geomopt.geometry.forward import forward
+from geomopt.geometry.operators import elementwise_geometries
 from geomopt.geometry.prox import backward
 from geomopt.spec.constraints import Constraint
 from geomopt.spec.diagnostics import SpecError, language_diagnostic
@@ -48,11 +49,6 @@ def _transposed(t: torch.Tensor, ops, batch_dims: int) -> torch.Tensor:
     return t.transpose(batch_dims, batch_dims + 1) if ops.transpose else t
 
 
-#: geometries whose maps act entry by entry (or through a norm of all entries), so a complex
-#: tensor steps as its real view, re and im two real coordinates (as GeomOptimizer steps it)
-ELEMENTWISE = ("euclidean", "anisotropic", "isotropic", "adam")
-
-
 def _real_view(t: torch.Tensor, ops, constraint) -> torch.Tensor:
     """``t`` as the operators may read it: a complex tensor's real view (``torch.view_as_real``)
     under an elementwise geometry without constraint; refused elsewhere, as GeomOptimizer
@@ -61,9 +57,11 @@ def _real_view(t: torch.Tensor, ops, constraint) -> torch.Tensor:
     if not t.is_complex():
         return t
     kind = ops.geometry.kind
-    if kind not in ELEMENTWISE or constraint is not None:
+    elementwise = elementwise_geometries()  # entry by entry, or through a norm of all entries:
+    # a complex tensor steps as its real view, re and im two real coordinates (as GeomOptimizer does)
+    if kind not in elementwise or constraint is not None:
         raise ValueError(f"a complex tensor ({t.dtype}) steps only under an elementwise geometry "
-                         f"({', '.join(ELEMENTWISE)}) with no constraint, as GeomOptimizer's complex parameters: "
+                         f"({', '.join(elementwise)}) with no constraint, as GeomOptimizer's complex parameters: "
                          f"{kind} geometry{' with a constraint' if constraint is not None else ''} acts on it as a "
                          f"matrix or through a set whose complex form is another map. Pass its real view "
                          f"(torch.view_as_real) to step it as a real tensor")

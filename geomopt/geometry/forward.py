@@ -41,13 +41,13 @@ def _element_dims(d: torch.Tensor, batch_dims: int) -> tuple[int, ...]:
     return tuple(range(batch_dims, d.ndim))
 
 
-@FORWARD_OPS.register("euclidean", locality=LOCAL)
+@FORWARD_OPS.register("euclidean", locality=LOCAL, forms=("flat",))
 def euclidean(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """φ = ½‖·‖²: ∇φ*(D) = ρD (SGD)."""
     return (upcast(d) * radius).to(out_dtype or d.dtype)
 
 
-@FORWARD_OPS.register("isotropic", locality=REDUCE)
+@FORWARD_OPS.register("isotropic", locality=REDUCE, forms=("flat",))
 def isotropic(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """φ = h∘‖·‖_F: ∇φ*(D) = ρ·(h*)'(‖D‖)·D/‖D‖ = ρ·[(h*)'(s)/s]·D, s = ‖D‖_F per batch element
     (paper Corollary 3.2(i), Example 2.3: log barrier gives D/(ε+‖D‖), normalized SGD). The factor
@@ -57,7 +57,7 @@ def isotropic(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     return (x * (radius * _reference(geometry).iso_factor(s))).to(out_dtype or d.dtype)
 
 
-@FORWARD_OPS.register("anisotropic", locality=LOCAL)
+@FORWARD_OPS.register("anisotropic", locality=LOCAL, forms=("flat",))
 def anisotropic(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """φ(X) = Σ h(X_ij): ∇φ*(D)_ij = ρ·(h*)'(D_ij) (paper Example 2.3, separable; the indicator
     gives ρ·sign(D), Scion's Sign with ρ = 1/d_in)."""
@@ -145,7 +145,7 @@ def isotropic_factors(norms: torch.Tensor, geometry: Fields) -> torch.Tensor:
     return _reference(geometry).iso_factor(norms)
 
 
-@FORWARD_OPS.register("adam", locality=LOCAL)
+@FORWARD_OPS.register("adam", locality=LOCAL, forms=("flat",))
 def adam(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """Adam(W)'s update direction, outside the paper's theory (an escape hatch; lint says so):
     m ← β₁m + (1−β₁)d, v ← β₂v + (1−β₂)d², returns ρ·m/(bc₁·(√v/√bc₂ + ε)), bc_i = 1 − β_i^t

@@ -11,7 +11,10 @@ Operators are pure functions of tensors and config read by field name
 
 Forward op:   ``fn(d, geometry: Fields, *, radius: float, batch_dims: int, state: dict | None,
               out_dtype: torch.dtype | None) -> Tensor`` returns ρ·∇φ₁*(d) in out_dtype (None: d's).
-              Registered with ``@FORWARD_OPS.register(kind, locality=LOCAL | REDUCE | OWNER)``.
+              Registered with ``@FORWARD_OPS.register(kind, locality=LOCAL | REDUCE | OWNER,
+              forms=(...))``; ``forms`` ``("flat",)``: the map acts entry by entry (or through one
+              norm of the whole tensor), so a rule's tensors may step as one flat list
+              (:func:`flat_refusal`; on sharded tensors only a ``LOCAL`` one).
 Backward op:  ``fn(y, t, ref, constraint: Fields, *, gamma: float, geometry: Fields, batch_dims: int)
               -> (x, fallback)``, t = γρ; ``fallback`` is a bool tensor of shape
               ``y.shape[:batch_dims]`` (True where the step was undefined and the Euclidean
@@ -29,10 +32,10 @@ from typing import Callable, Union
 
 from geomopt.spec.constraints import CONSTRAINT_KINDS
 from geomopt.support import BACKWARD_TABLE, backward_pairs, supported_constraints
-from geomopt.registry import LOCALITIES, Registry
+from geomopt.registry import LOCAL, LOCALITIES, Registry
 
 __all__ = ["FORWARD_OPS", "BACKWARD_OPS", "backward_op", "get_forward", "get_backward", "forward_locality",
-           "backward_locality", "unsupported_message"]
+           "backward_locality", "unsupported_message", "elementwise_geometries", "flat_refusal"]
 
 #: A backward op's locality: one of LOCAL / REDUCE / OWNER, or a function of the (geometry,
 #: constraint) kinds where it depends on the pair.
@@ -73,6 +76,23 @@ def get_backward(geometry: str, constraint: str) -> Callable | None:
 
 def get_forward(geometry: str) -> Callable | None:
     return FORWARD_OPS.get(geometry)
+
+
+def elementwise_geometries() -> tuple[str, ...]:
+    """The geometries whose forward op declares the flat form (entry by entry, or through one norm
+    of the whole tensor)."""
+    return tuple(str(k) for k, meta in FORWARD_OPS.meta.items() if "flat" in meta.get("forms", ()))
+
+
+def flat_refusal(kind: str, sharded: bool = False) -> str | None:
+    """Why a rule under geometry ``kind`` cannot step its tensors as one flat list, from its forward
+    op's declaration (None: it can): not elementwise, or a norm per tensor that a sharded tensor
+    would reduce across ranks."""
+    if kind not in elementwise_geometries():
+        return f"{kind} geometry is not elementwise"
+    if sharded and forward_locality(kind) != LOCAL:
+        return f"{kind} geometry is not elementwise on sharded tensors (a norm per tensor)"
+    return None
 
 
 def forward_locality(kind: str) -> str:

@@ -27,6 +27,7 @@ from geomopt.compile.compiler import model_params
 from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import LocalExecutor
 from geomopt.optim.engine.tensors import FLAT_DTYPES
+from geomopt.optim.units.decays import DECAYS
 from geomopt.spec.model import Spec
 
 
@@ -295,7 +296,7 @@ def takes_sparse(group: dict, pp: ParamPlan) -> bool:
     gradient. Every other geometry acts on the whole tensor (a spectral map mixes all rows, Adam's
     moments would fill every row), so a sparse gradient buys nothing there and is refused."""
     return (pp.geometry.kind == "euclidean" and pp.constraint is None and not pp.post
-            and pp.decay == "decoupled" and group["direction"] in ("none", "heavy_ball"))
+            and DECAYS[pp.decay].in_place is not None and group["direction"] in ("none", "heavy_ball"))
 
 
 def dense(grad: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from geomopt.geometry.prox import backward
 from geomopt.geometry.forward import forward, input_dtype
 from geomopt.geometry.operators import backward_locality, forward_locality
 from geomopt.optim.units import stages as post_stages
+from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS, polyak_ahead, polyak_rows
 from geomopt.optim.engine.atomic import journal, restore
 from geomopt.optim.engine.graphs import GraphedOp
@@ -161,7 +162,7 @@ class BucketJob:
             if not pp.post:
                 x = self.x = upcast(stack(self.views))
                 wd = self.group["weight_decay"]
-                xw = decayed(x, exp_avg, 1 - self.gamma * wd, wd != 0 and pp.decay == "cautious") if wd else x
+                xw = DECAYS[pp.decay].stacked(x, exp_avg, 1 - self.gamma * wd) if wd else x
                 if torch.is_tensor(self.gamma):  # lr on the device: γ scales the moment
                     return self.backward(xw.addcdiv(exp_avg * -self.gamma, denom * bc1))
                 if isinstance(bc1, torch.Tensor):  # a capturable step's count: bc₁ on the device
@@ -193,7 +194,7 @@ class BucketJob:
                 # torch Muon's op order (same bits on CPU): decay, then the axpy of the step (ρ
                 # already in it where the forward op folded it)
                 if wd:
-                    torch._foreach_mul_(self.views, 1 - gamma * wd)
+                    DECAYS[self.pp.decay].in_place(self.views, 1 - gamma * wd)
                 torch._foreach_add_(self.views, steps, alpha=gamma if self.prog.write == "one-pass" else -gamma * rho)
             self.bind()
             return None
@@ -201,7 +202,7 @@ class BucketJob:
         # forward output), and the decayed copy of X is updated in place
         x = self.x = upcast(stack(self.views))
         if wd:
-            return self.backward(axpy_(decayed(x, step, 1 - gamma * wd, self.pp.decay == "cautious"), step,
+            return self.backward(axpy_(DECAYS[self.pp.decay].stacked(x, step, 1 - gamma * wd), step,
                                        -gamma * rho))
         if torch.is_tensor(gamma):
             return self.backward(x + step * (-gamma * rho))
@@ -216,7 +217,7 @@ class BucketJob:
                 v.lerp_(s, gamma * wd)
             return
         if wd:
-            torch._foreach_mul_(self.views, 1 - gamma * wd)
+            DECAYS[self.pp.decay].in_place(self.views, 1 - gamma * wd)
         coef = gamma if self.prog.write == "one-pass" else -gamma * rho
         for v, s in zip(self.views, steps):
             v.addcmul_(s, coef)
@@ -370,11 +371,3 @@ def axpy_(y: torch.Tensor, step: torch.Tensor, coef) -> torch.Tensor:
     """Y += c·S in place: ``add_``'s alpha for a number, a product for a 0-d tensor c (lr on the
     device, where ``alpha`` takes no tensor)."""
     return y.add_(step * coef) if torch.is_tensor(coef) else y.add_(step, alpha=coef)
-
-
-def decayed(x: torch.Tensor, step: torch.Tensor, decay: float, cautious: bool) -> torch.Tensor:
-    """X(1 − γλ) (decoupled), or, cautious (Chen et al. 2025), X(1 − γλ) only where the step S and
-    X agree in sign (S⊙X ≥ 0) and X elsewhere."""
-    if not cautious:
-        return x * decay
-    return torch.where(step * x >= 0, x * decay, x)

@@ -12,6 +12,7 @@ import torch
 
 from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.forward import elementwise_allocates, elementwise_in_place, elementwise_into, isotropic_factors
+from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.geometry.matrix import split_like
 from geomopt.optim.engine.tensors import as_real, count_tensor, local, op_view
@@ -119,7 +120,7 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
             if staged:
                 torch._foreach_copy_(d_b, d_views)
             if wd:
-                torch._foreach_mul_(x_b, 1 - gamma * wd)
+                DECAYS[pp.decay].in_place(x_b, 1 - gamma * wd)
             torch._foreach_addcmul_(x_b, u_views, list(factors.unbind(0)), value=scale)
             factors = None
             continue
@@ -134,7 +135,7 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
             if staged:  # everything that allocates has run: the momentum is written now
                 torch._foreach_copy_(d_b, d_views)
         if wd:
-            torch._foreach_mul_(x_b, 1 - gamma * wd)
+            DECAYS[pp.decay].in_place(x_b, 1 - gamma * wd)
         torch._foreach_add_(x_b, steps, alpha=scale)
     for bind in binds:
         bind()

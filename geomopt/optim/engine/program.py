@@ -38,14 +38,13 @@ import torch
 
 from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
+from geomopt.geometry.operators import flat_refusal
 from geomopt.geometry.polynomial import muon_order
 from geomopt.optim.units import stages as post_stages
+from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.engine.tensors import FLAT_DTYPES, upcast
 
-#: the elementwise geometries: a flat call steps them (isotropic needs one norm per tensor, which
-#: a sharded tensor would reduce across ranks, so not when sharded)
-FLAT_GEOMETRIES = ("euclidean", "anisotropic", "adam")
 #: device types with a fused AdamW kernel (torch._fused_adamw_)
 FUSED_ADAM_DEVICES = ("cpu", "cuda")
 #: ``implementation`` values: auto (fused where the device has the kernel), fused, foreach
@@ -121,18 +120,18 @@ def signature(group: dict) -> tuple:
 def flat_rule(group: dict, pp: ParamPlan, opts: Options) -> Optional[str]:
     """None when a rule's whole step is elementwise with nothing that needs its tensors stacked;
     else why not."""
-    kinds = FLAT_GEOMETRIES + (() if opts.sharded else ("isotropic",))
-    if pp.geometry.kind not in kinds:
-        return f"{pp.geometry.kind} geometry is not elementwise" + (
-            " on sharded tensors (a norm per tensor)" if pp.geometry.kind == "isotropic" else "")
+    not_elementwise = flat_refusal(pp.geometry.kind, opts.sharded)
+    if not_elementwise is not None:
+        return not_elementwise
     if pp.state_dtype != "float32":
         return f"state {pp.state_dtype}: decoded to float32 and encoded again per bucket"
     if pp.constraint is not None:
         return f"constraint {pp.constraint.kind}: its prox runs on the stacked update"
     if pp.post:
         return "post-stages run on the stacked update"
-    if pp.decay != "decoupled":
-        return f"{pp.decay} weight decay reads the update's sign per entry"
+    not_in_place = DECAYS[pp.decay].why_not_in_place()
+    if not_in_place is not None:
+        return not_in_place
     if not DIRECTIONS[group["direction"]].has("flat"):
         return f"direction {group['direction']} has no list form"
     if opts.track_gap or opts.track_update:
@@ -228,7 +227,7 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Op
     kind = pp.geometry.kind
     working = p.dtype == upcast(torch.empty((), dtype=p.dtype)).dtype
     reasons = {"a constraint's prox needs Y": pp.constraint is not None, "adam geometry": kind == "adam",
-               "track_update measures X⁺ − X": opts.track_update, "cautious decay": pp.decay == "cautious",
+               "track_update measures X⁺ − X": opts.track_update, f"{pp.decay} decay": DECAYS[pp.decay].reads_step,
                f"{p.dtype} parameters (float32 working copy)": not working}
     stacked = [r for r, on in reasons.items() if on]
     if stacked:
@@ -268,7 +267,7 @@ def _deferrable(prog: Program, group: dict, pp: ParamPlan, p: torch.Tensor) -> b
     from the unstacked gradients; no Adam geometry, post-stage or cautious decay; off torch Muon's
     op order (on CPU the step keeps its order)."""
     return ((group["direction"] == "none" or prog.direction_form == "rows") and pp.geometry.kind != "adam"
-            and not pp.post and pp.decay == "decoupled" and not muon_order(p.device))
+            and not pp.post and DECAYS[pp.decay].in_place is not None and not muon_order(p.device))
 
 
 def reads_gradient(pp: ParamPlan) -> bool:
