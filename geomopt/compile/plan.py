@@ -176,6 +176,8 @@ def geometry_text(p: ParamPlan) -> str:
     text = g.kind
     if "reference" in g:
         text += f"[{call_text(g['reference'])}]"
+    if "method" in g:  # a learned metric's method (kronecker: shampoo or soap)
+        text += f"[{g['method']}]"
     if g.approx is not None:
         text += f" via {call_text({k: v for k, v in plain(g.approx).items() if k != 'coefficients'})}"
     if p.post:

@@ -12,6 +12,7 @@ them.
 # the op modules: importing them registers their units
 from geomopt.geometry.reference import make_reference
 from geomopt.geometry import spectral  # noqa: F401  (its approximations)
+from geomopt.geometry import learned  # noqa: F401  (the kronecker forward op)
 from geomopt.geometry.forward import forward
 from geomopt.geometry.prox import backward
 

@@ -39,7 +39,7 @@ import math
 from geomopt.geometry.view import concrete, matrix_shapes, without_view
 from geomopt.spec.base import Fields
 
-_MATRIX_KINDS = ("spectral", "rowwise", "columnwise")
+_MATRIX_KINDS = ("spectral", "rowwise", "columnwise", "kronecker")
 SCALE_PRESETS = ("none", "scion", "muon_original", "match_rms_adamw")
 
 

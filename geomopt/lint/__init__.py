@@ -1,4 +1,4 @@
-"""``geomopt lint``: lint rules GO101–GO128, each a small registered unit with a code, a kebab-case
+"""``geomopt lint``: lint rules GO101–GO129, each a small registered unit with a code, a kebab-case
 name, a severity and a docstring (with a bad and a fixed example) that ``geomopt rule CODE`` prints.
 
 Modules, one concern each:
@@ -8,7 +8,7 @@ Modules, one concern each:
 * rule families: :mod:`~geomopt.lint.coverage` (GO101–GO103, GO110–GO112: which rule owns each
   tensor), :mod:`~geomopt.lint.applicability` (GO104, GO105, GO120, GO126, GO127: blocking errors,
   whose checks live in :mod:`geomopt.compile.blocking`),
-  :mod:`~geomopt.lint.values` (GO106–GO109, GO121, GO122, GO128: legal but suspect values and
+  :mod:`~geomopt.lint.values` (GO106–GO109, GO121, GO122, GO128, GO129: legal but suspect values and
   combinations), :mod:`~geomopt.lint.roles` (GO113–GO119, GO124, GO125: roles and views);
 * :mod:`~geomopt.lint.suppress`: ``# geomopt: disable=CODE`` comments and GO123;
 * :mod:`~geomopt.lint.runner`: :func:`lint_spec` with ``select=`` / ``ignore=``;

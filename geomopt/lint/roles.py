@@ -106,7 +106,7 @@ def matrix_to_catch_all(ctx: LintContext):
     if not spectral:
         return
     for i, rule in enumerate(ctx.spec.rules):
-        if rule.geometry.kind in ("spectral", "rowwise", "columnwise"):
+        if rule.geometry.kind in ("spectral", "rowwise", "columnwise", "kronecker"):  # the matrix geometries
             continue
         missed = [(p, p.role) for p in ctx.owned(i) if len(p.shape) >= 2 and p.role is not None
                   and set(p.role.roles) & {"hidden", "expert"} and not set(p.role.roles) & set(_SPECIAL)]

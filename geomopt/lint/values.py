@@ -171,10 +171,11 @@ def cautious_under_constraint(ctx: LintContext):
 
 @lint_rule("GO109", "outside-theory", "note")
 def outside_theory(ctx: LintContext):
-    """Choices the paper's convergence theory does not cover: the ``adam`` geometry, and any constraint with the
-    ``indicator`` reference.
+    """Choices the paper's convergence theory does not cover: the ``adam`` and ``kronecker`` geometries, and any
+    constraint with the ``indicator`` reference.
 
-    The convergence guarantees do not apply there: ``adam`` is an escape hatch for hybrids, and with the
+    The convergence guarantees do not apply there: ``adam`` is an escape hatch for hybrids, ``kronecker`` learns
+    its metric from the data (the theory's φ is fixed), and with the
     ``indicator`` reference (lmo / Frank–Wolfe steps) the Fenchel–Young stationarity gap is not available. It is
     a note: fine where chosen on purpose (embeddings in a hybrid).
 
@@ -184,8 +185,9 @@ def outside_theory(ctx: LintContext):
     """
     for i, rule in enumerate(ctx.spec.rules):
         g = rule.geometry
-        if g.kind == "adam":
-            yield (f"rule '{rule.name}': the adam geometry is outside the paper's theory",
+        if g.kind in ("adam", "kronecker"):
+            yield (f"rule '{rule.name}': the {g.kind} geometry is outside the paper's theory"
+                   + (" (its metric is learned from the data)" if g.kind == "kronecker" else ""),
                    ("rules", i, "geometry", "kind"))
         ref = field(g, "reference")
         if rule.constraint is not None and ref is not None and ref.kind == "indicator":
@@ -217,3 +219,36 @@ def int8_spectral_momentum(ctx: LintContext):
             yield (f"rule '{rule.name}': int8 momentum under a spectral map, which lifts the rounding noise in a "
                    f"low-rank momentum's near-null directions into the update; state: bfloat16 on this rule keeps "
                    f"the rest in int8"), at
+
+
+#: a Kronecker factor's side above which its refreshes (an eigh or a root, O(n³)) and its n² entries
+#: cost more than the step they precondition
+KRONECKER_SIDE = 4096
+
+
+@lint_rule("GO129", "large-kronecker-factor", "warning")
+def large_kronecker_factor(ctx: LintContext):
+    """A ``kronecker`` rule that keeps a factor on a side longer than 4096.
+
+    Each kept side of n keeps an n × n factor (and a root or a basis as large) and recomputes it every ``every``
+    steps by an eigendecomposition or a root iteration, O(n³): a vocabulary-sized side (50,257 for GPT-2's
+    embedding) holds 10 GB per factor and takes minutes per refresh. Shampoo implementations precondition such a
+    matrix on its short side only; ``max_dim`` says the same here.
+
+    Bad: ``geometry: {kind: kronecker}`` over a (50257, 768) embedding. Fixed: ``geometry: {kind: kronecker,
+    max_dim: 4096}`` (its long side steps as the identity).
+    """
+    for i, rule in enumerate(ctx.spec.rules):
+        if rule.geometry.kind != "kronecker":
+            continue
+        limit = rule.geometry.max_dim
+        for p in ctx.owned(i):
+            if len(p.shape) < 2:
+                continue
+            sides = (p.shape[0], math.prod(p.shape[1:]))
+            big = [s for s in sides if s > KRONECKER_SIDE and (limit is None or s <= limit)]
+            if big:
+                yield (f"rule '{rule.name}' keeps a {max(big)} × {max(big)} factor for '{p.name}' ({shape_text(p)}), "
+                       f"recomputed every {rule.geometry.every} steps at O(n³); set max_dim: {KRONECKER_SIDE} to "
+                       f"precondition its short side only"), ("rules", i, "geometry", "kind")
+                break

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from geomopt.spec.base import PositiveFloat, SpecModel, view_shorthand, kinds_of
 
@@ -283,7 +283,43 @@ class Adam(_Geometry):
     eps: PositiveFloat = 1e-8
 
 
+class Kronecker(_Geometry):
+    """A metric learned from the gradients: Kronecker factors L ← βL + w·D·Dᵀ and R ← βR + w·Dᵀ·D
+    of each (shape[0], rest) matrix (w = 1 − β; β = 1: the plain sum, w = 1), then ``method``
+    ``shampoo``: L^(−1/p)·D·R^(−1/p) from roots (L + εI)^(−1/p) recomputed every ``every`` steps
+    (``root``: eigh or the coupled Newton iteration; p = ``exponent``, default 2 × the sides kept),
+    its length optionally grafted onto another map's (``graft``); or ``soap``: Adam (``betas``,
+    ``eps``) in the factors' eigenbases, refreshed every ``every`` steps. A side longer than
+    ``max_dim`` keeps no factor (the identity there). Outside the paper's fixed-φ theory: its φ
+    changes with the data."""
+
+    kind: Literal["kronecker"] = "kronecker"
+    method: Literal["shampoo", "soap"] = "shampoo"
+    beta: Annotated[float, Field(gt=0, le=1)] = 0.95
+    damping: Annotated[float, Field(ge=0)] = 1e-12
+    exponent: Optional[Annotated[int, Field(ge=1, le=32)]] = None
+    every: Annotated[int, Field(ge=1)] = 10
+    root: Literal["eigh", "newton"] = "eigh"
+    graft: Literal["none", "adagrad", "adam", "spectral"] = "none"
+    betas: Annotated[list[Annotated[float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = [0.95, 0.95]
+    eps: PositiveFloat = 1e-8
+    max_dim: Optional[Annotated[int, Field(ge=1)]] = None
+    layout: Layout = "auto"
+
+    @model_validator(mode="after")
+    def _method_fields(self):
+        """Fields of one method set on the other are refused (they would do nothing)."""
+        own = {"shampoo": ("damping", "exponent", "root", "graft"), "soap": ()}
+        other = "soap" if self.method == "shampoo" else "shampoo"
+        stray = [f for f in own[other] if f in self.model_fields_set]
+        if stray:
+            raise ValueError(f"{', '.join(stray)} belong{'s' if len(stray) == 1 else ''} to method {other}, not "
+                             f"{self.method}: remove {'it' if len(stray) == 1 else 'them'} or set method: {other}")
+        return self
+
+
 Geometry = Annotated[
-    Union[Euclidean, Isotropic, Anisotropic, Spectral, Rowwise, Columnwise, Adam], Field(discriminator="kind")
+    Union[Euclidean, Isotropic, Anisotropic, Spectral, Rowwise, Columnwise, Adam, Kronecker],
+    Field(discriminator="kind"),
 ]
 GEOMETRY_KINDS = kinds_of(Geometry)

@@ -24,7 +24,7 @@ from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS, polyak_ahead, polyak_rows
 from geomopt.optim.engine.atomic import journal, restore
 from geomopt.optim.engine.graphs import GraphedOp
-from geomopt.optim.units.state_keys import COUNTS
+from geomopt.optim.units.state_keys import COUNTS, geometry_state
 from geomopt.optim.persist.state_codec import Codec, aligned
 from geomopt.optim.engine.tensors import local, op_view, stack, upcast
 from geomopt.optim.engine.program import Program
@@ -126,8 +126,9 @@ class BucketJob:
         # answered): directions update it out of place (``fresh``), and state updated in place
         # before a request (Adam's moments, post-stages' statistics) is journaled
         self.fresh: Optional[list] = [] if prog.journal else None  # updates put off until the commit
-        if prog.journal and pp.geometry.kind == "adam":  # its moments (d and the stages' state: fresh)
-            self.saved.extend(journal(rt.stacked.live(items, state, ("exp_avg", "exp_avg_sq"))))
+        if prog.journal:  # the forward op's state, updated in place (d and the stages' state: fresh)
+            kept = tuple(k for k in geometry_state(pp.geometry) if k not in COUNTS)
+            self.saved.extend(journal(rt.stacked.live(items, state, kept)))
         self.commit = None
         lookahead = lambda shared: lambda shape, like: _lookahead(prog, rt, items, shape, like, shared)  # noqa: E731
         if prog.direction_form == "ahead":
@@ -150,7 +151,8 @@ class BucketJob:
         if pp.geometry.kind == "adam":
             return self.on_forward(None)
         return request(rt, items, self.d, forward_locality(pp.geometry.kind),
-                       _forward_fn(prog, rt, items, pp.geometry, radius, self.views[0].dtype if one_pass else None))
+                       _forward_fn(prog, rt, items, pp.geometry, radius, self.views[0].dtype if one_pass else None,
+                                   state if geometry_state(pp.geometry) else None))
 
     def on_forward(self, answer) -> Optional[Request]:
         pp = self.pp
@@ -309,11 +311,12 @@ def codec(rt: Runtime, items: list, pp, step: int) -> Codec:
 
 
 def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: ResolvedGeometry, radius: float = 1.0,
-                out_dtype=None):
+                out_dtype=None, state: Optional[dict] = None):
     """The bucket's forward op (``radius``·∇φ₁*, in ``out_dtype``); replayed from a CUDA graph
     (:mod:`geomopt.optim.engine.graphs`) where the program is ``graphed`` (the graph reads the bucket's
     kept scratch u in place when that is its input)."""
-    fn = lambda m: (forward(m, geometry, radius=radius, batch_dims=1, out_dtype=out_dtype), None)  # noqa: E731
+    fn = lambda m: (forward(m, geometry, radius=radius, batch_dims=1, out_dtype=out_dtype, state=state),  # noqa: E731
+                    None)
     if not prog.graphed:
         return fn
     ids = tuple(id(p) for p, _ in items)

@@ -13,6 +13,7 @@ from geomopt.compile.plan import Plan
 from geomopt.compile.roles.types import TRACE_FIX
 from geomopt.distributed.executors import is_dtensor
 from geomopt.geometry.dtypes import BF16Warning, slow_bf16
+from geomopt.geometry.operators import FORWARD_OPS
 from geomopt.geometry.prox import backward
 from geomopt.lint.coverage import UnusedRuleWarning
 from geomopt.lint.roles import RolesGuessedWarning, untraced, untraced_text
@@ -98,6 +99,21 @@ def check_sharded(groups: list, opts) -> None:
         if why:
             raise ValueError(f"rule '{g['rule']}' has a {g['direction']} direction, which cannot run on sharded "
                              f"(DTensor) parameters: {why}")
+
+
+def check_geometry_forms(groups: list, plans: list, opts) -> None:
+    """A geometry whose forward op refuses a form (its registration's ``refuses``: the kronecker
+    geometry under ``capturable`` and on several ranks) is refused at construction, with its
+    declared reason and what to do."""
+    for g, gplans in zip(groups, plans):
+        kind = gplans[0].geometry.kind
+        refuses = dict(FORWARD_OPS.meta[kind].get("refuses", ()))
+        settings = (("capturable", opts.capturable, "build it without capturable=True"),
+                    ("distributed", not opts.local or opts.sharded, "step this rule in one process"))
+        for form, on, fix in settings:
+            if on and form in refuses:
+                raise ValueError(f"rule '{g['rule']}' has the {kind} geometry, which cannot run "
+                                 f"{'captured' if form == 'capturable' else 'across ranks'}: {refuses[form]}; {fix}")
 
 
 def check_capturable(groups: list, plans: list, opts) -> None:

@@ -43,6 +43,7 @@ from geomopt.geometry.polynomial import muon_order
 from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS
+from geomopt.optim.units.state_keys import geometry_state
 from geomopt.optim.engine.tensors import FLAT_DTYPES, upcast
 
 #: device types with a fused AdamW kernel (torch._fused_adamw_)
@@ -256,7 +257,7 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Op
         check = "device"
         why.append("capturable: the finiteness flag stays on the device; a skipped step selects the old values"
                    + ("" if write == "stacked" else " (the parameters: γ·flag, so X is written as X·1 + 0·S)"))
-    stateful = group["direction"] != "none" or kind == "adam" or bool(pp.post) or opts.track_gap
+    stateful = group["direction"] != "none" or bool(geometry_state(pp.geometry)) or bool(pp.post) or opts.track_gap
     return Program(**common, variant="batched", write=write, direction_form=form, check=check, graphed=graphed,
                    journal=journal, stateful=stateful, keeps_prev=opts.keeps_prev,
                    track_gap=opts.track_gap, track_update=opts.track_update, why=tuple(why))

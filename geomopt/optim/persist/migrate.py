@@ -43,7 +43,7 @@ from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.persist.state_codec import decode_entry
-from geomopt.optim.units.state_keys import KINDS, VIEW_KEYS
+from geomopt.optim.units.state_keys import KINDS, VIEW_KEYS, geometry_kind
 from geomopt.optim.engine.tensors import count_tensor
 
 # torch.optim state keys → geomopt's, per source optimizer
@@ -55,7 +55,8 @@ _TORCH = {
 
 def kinds_used(pp: ParamPlan, direction: str) -> tuple[str, ...]:
     """The kinds of state a rule's step keeps for this tensor."""
-    out = ["adam"] if pp.geometry.kind == "adam" else []
+    geometry = geometry_kind(pp.geometry)  # adam's moments, a kronecker method's factors
+    out = [] if geometry is None else [geometry]
     kind = DIRECTIONS[direction].migrates  # as the direction declares (heavy ball's sum: none)
     return tuple(out + ([kind] if kind else []))
 

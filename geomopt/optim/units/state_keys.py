@@ -21,26 +21,40 @@ ADAM_STATE = declare("adam", StateKey("exp_avg", moment=FIRST), StateKey("exp_av
 #: ``track_gap``'s last subgradient w of the constraint (the Frank–Wolfe gap's)
 GAP_STATE = declare("gap", StateKey("w"))
 
-#: Shampoo's state per matrix (:mod:`geomopt.geometry.kron`; not declared until a geometry keeps
-#: it: a declaration adds its keys to every table here). The factors and their roots stay float32
-#: whatever the rule's state precision: a factor's entries are signed (not a second moment), and its
-#: rounding lands on its smallest eigenvalues, which the inverse root raises to −1/p; the count
-#: schedules the refreshes.
-SHAMPOO_STATE = (
-    StateKey("shampoo_left", layout=OWN), StateKey("shampoo_right", layout=OWN),
+#: the kronecker geometry's state per matrix (:mod:`geomopt.geometry.learned`), one kind per method.
+#: Shampoo: the factors, their roots, AdaGrad's or Adam's sum of squares for a graft (float32, laid
+#: out as the operators see the tensor; empty without a graft), the step count.
+#: The factors and roots stay float32 whatever the rule's state precision: a factor's entries are
+#: signed (not a second moment), and its rounding lands on its smallest eigenvalues, which the
+#: inverse root raises to −1/p. A side longer than ``max_dim`` (and a graft of none) holds an empty
+#: entry: every key is in the state of every tensor the geometry steps.
+SHAMPOO_STATE = declare(
+    "shampoo", StateKey("shampoo_left", layout=OWN), StateKey("shampoo_right", layout=OWN),
     StateKey("shampoo_left_root", layout=OWN), StateKey("shampoo_right_root", layout=OWN),
-    StateKey("shampoo_step", layout=COUNT),
+    StateKey("shampoo_graft", layout=OWN), StateKey("shampoo_step", layout=COUNT),
 )
-#: SOAP's state per matrix (likewise). Adam's first moment is kept in the gradient's basis (as the
-#: reference keeps it) and its second moment in the rotated basis: both are moments the state
-#: precision may encode. The factors stay float32 (their eigenbases are taken from them), and so do the bases: an
-#: encoded basis is no longer orthogonal, and the rotation would stop being one.
-SOAP_STATE = (
-    StateKey("soap_left", layout=OWN), StateKey("soap_right", layout=OWN),
+#: SOAP: Adam's first moment in the gradient's basis (as the reference keeps it) and its second in
+#: the rotated basis, both moments the state precision may encode; the factors and the bases stay
+#: float32 (an encoded basis is no longer orthogonal, and the rotation would stop being one).
+SOAP_STATE = declare(
+    "soap", StateKey("soap_left", layout=OWN), StateKey("soap_right", layout=OWN),
     StateKey("soap_left_basis", layout=OWN), StateKey("soap_right_basis", layout=OWN),
     StateKey("soap_exp_avg", layout=OP, moment=FIRST), StateKey("soap_exp_avg_sq", layout=OP, moment=SECOND),
     StateKey("soap_step", layout=COUNT),
 )
+
+
+def geometry_kind(geometry) -> "str | None":
+    """The kind of state a rule's forward op keeps (adam; a kronecker geometry's method), or None."""
+    kind = geometry.get("method", geometry.kind)  # a kronecker geometry: its method's state
+    return kind if kind in STATE_KINDS else None
+
+
+def geometry_state(geometry) -> tuple[str, ...]:
+    """The state keys a rule's forward op keeps: its declared kind's (adam's moments, a kronecker
+    method's factors); () for a geometry without state."""
+    kind = geometry_kind(geometry)
+    return () if kind is None else STATE_KINDS[kind]
 
 
 #: the suffix of an int8 moment's block scales (``d`` → ``d_absmax``)

@@ -1,0 +1,144 @@
+"""The ``kronecker`` forward op: a geometry whose metric is learned from the directions it maps,
+one step of Shampoo or SOAP on a matrix or a bucket's stack, with its state.
+
+Per matrix D (the (shape[0], rest) view; a bucket's stack (b, m, n)), each step
+(:mod:`geomopt.geometry.kron` has the arithmetic, docs/reference/kron.md the formulas):
+
+* ``shampoo``: L ← βL + w·D·Dᵀ, R ← βR + w·Dᵀ·D (w = 1 − β; β = 1: w = 1); at steps ``every``,
+  2·``every``, … the roots (L + εI)^(−1/p), (R + εI)^(−1/p) are recomputed (identity before the
+  first); the update L^(−1/p)·D·R^(−1/p), its Frobenius norm optionally grafted onto another
+  map's: AdaGrad's D/(√ΣD² + ε), Adam's D/(√v̂ + ε) (v ← β₂v + (1−β₂)D², bias-corrected), or the
+  spectral map's (an orthogonal factor of full rank: √min(m, n)).
+* ``soap``: the first step starts the factors and their eigenbases and moves nothing; then Adam in
+  the eigenbases (:func:`geomopt.geometry.kron.soap_direction`), the factors' update, and every
+  ``every`` steps one power iteration and a QR of the bases.
+
+A side longer than ``max_dim`` keeps no factor (and no entry in the state). The step counts are
+host integers (the schedule of the refreshes), so the op runs where the host decides: not under
+``capturable``; its state lives with the whole matrix, so not on sharded tensors or under the
+distributed executors either (the registration says so, and the optimizer refuses such a rule).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from geomopt.geometry import kron
+from geomopt.geometry.matrix import matrix_view, upcast
+from geomopt.geometry.operators import FORWARD_OPS
+from geomopt.registry import OWNER
+from geomopt.spec.base import Fields
+
+#: why the op has no form under these settings (the optimizer's construction reads them)
+REFUSES = (
+    ("capturable", "its roots and bases are recomputed on a schedule the host reads from the step count"),
+    ("distributed", "its factors live with the whole matrix, which the distributed executors and sharded "
+                    "tensors split across ranks"),
+)
+
+
+def _put(state: dict, key: str, value, like: torch.Tensor) -> None:
+    """``state[key] = value``; a side kept by no factor holds an empty entry (b, 0): every key is in
+    the state of every tensor the geometry steps, which checkpoints and migrations read as one."""
+    state[key] = like.new_empty(*like.shape[:-2], 0) if value is None else value
+
+
+def _factor(state: dict, key: str):
+    """A factor, root or basis of the state; None for a side that keeps none."""
+    value = state.get(key)
+    return None if value is None or value.numel() == 0 else value
+
+
+def _moment(state: dict, key: str, g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """An entry laid out as the operators see the tensor (``shape``: the bucket's (b, …) or one
+    tensor's), created zero; returned as the matrices ``g`` is (a view: updates in place reach it)."""
+    if key not in state:
+        state[key] = g.new_zeros(shape)
+    return state[key].view(g.shape)
+
+
+def _weight(beta: float) -> float:
+    """w of the factors' update: 1 − β, or 1 for the plain sum (β = 1)."""
+    return 1.0 if beta == 1 else 1.0 - beta
+
+
+def shampoo(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.Tensor:
+    """One Shampoo step on ``g`` (m, n) or (b, m, n) with its ``state`` (filled on the first step);
+    ``shape``: the operators' shape of the tensors (their moments' layout)."""
+    if "shampoo_step" not in state:
+        left, right = kron.init_factors(g.shape, cfg["max_dim"], dtype=g.dtype, device=g.device)
+        left_root, right_root = kron.init_factors(g.shape, cfg["max_dim"], eps=1.0, dtype=g.dtype, device=g.device)
+        for key, value in (("shampoo_left", left), ("shampoo_right", right), ("shampoo_left_root", left_root),
+                           ("shampoo_right_root", right_root)):
+            _put(state, key, value, g)
+        if cfg["graft"] in ("adagrad", "adam"):
+            _moment(state, "shampoo_graft", g, shape)
+        else:
+            _put(state, "shampoo_graft", None, g)
+        state["shampoo_step"] = 0
+    left, right = _factor(state, "shampoo_left"), _factor(state, "shampoo_right")
+    left_root, right_root = _factor(state, "shampoo_left_root"), _factor(state, "shampoo_right_root")
+    step = state["shampoo_step"] = state["shampoo_step"] + 1
+    kron.update_factors(g, left, right, beta=cfg["beta"], weight=_weight(cfg["beta"]))
+    if kron.refresh_due(step, cfg["every"]):
+        kron.refresh_roots(left, right, left_root, right_root, p=kron.root_order(left, right, cfg["exponent"]),
+                           eps=cfg["damping"], method=cfg["root"])
+    d = kron.shampoo_direction(g, left_root, right_root)
+    graft = cfg["graft"]
+    if graft == "none":
+        return d
+    if graft == "spectral":  # ‖U·Vᵀ‖_F = √min(m, n) for a full-rank m × n matrix: a constant one of that norm
+        m, n = g.shape[-2:]
+        return kron.graft(d, torch.full_like(d, math.sqrt(min(m, n) / (m * n))))
+    acc = _moment(state, "shampoo_graft", g, shape)
+    if graft == "adagrad":
+        acc.addcmul_(g, g)
+        return kron.graft(d, g / (acc.sqrt() + cfg["eps"]))
+    beta2 = cfg["betas"][1]  # adam
+    acc.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    return kron.graft(d, g / ((acc / (1 - beta2**step)).sqrt() + cfg["eps"]))
+
+
+def soap(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.Tensor:
+    """One SOAP step on ``g`` (m, n) or (b, m, n) with its ``state``: zero on the first (which starts
+    the factors and their eigenbases), Adam in the eigenbases after."""
+    beta = cfg["beta"]
+    if "soap_step" not in state:
+        left, right = kron.init_factors(g.shape, cfg["max_dim"], dtype=g.dtype, device=g.device)
+        kron.update_factors(g, left, right, beta=beta, weight=_weight(beta))
+        q_left, q_right = kron.soap_bases(left, right)
+        for key, value in (("soap_left", left), ("soap_right", right), ("soap_left_basis", q_left),
+                           ("soap_right_basis", q_right)):
+            _put(state, key, value, g)
+        _moment(state, "soap_exp_avg", g, shape)
+        _moment(state, "soap_exp_avg_sq", g, shape)
+        state["soap_step"] = 0
+        return torch.zeros_like(g)
+    left, right = _factor(state, "soap_left"), _factor(state, "soap_right")
+    q_left, q_right = _factor(state, "soap_left_basis"), _factor(state, "soap_right_basis")
+    exp_avg, exp_avg_sq = _moment(state, "soap_exp_avg", g, shape), _moment(state, "soap_exp_avg_sq", g, shape)
+    step = state["soap_step"] = state["soap_step"] + 1
+    d = kron.soap_direction(g, exp_avg, exp_avg_sq, q_left, q_right, betas=tuple(cfg["betas"]), eps=cfg["eps"],
+                            step=step)
+    kron.update_factors(g, left, right, beta=beta, weight=_weight(beta))
+    if kron.refresh_due(step, cfg["every"]):
+        kron.soap_refresh(left, right, q_left, q_right, exp_avg_sq)
+    return d
+
+
+METHODS = {"shampoo": shampoo, "soap": soap}
+
+
+@FORWARD_OPS.register("kronecker", locality=OWNER, refuses=REFUSES, state=True)
+def kronecker(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
+    """ρ times one step of the geometry's ``method`` on each matrix of ``d`` (the leading
+    ``batch_dims`` dims index a bucket's tensors), in float32 at least; ``state`` (required) is
+    filled on the first step."""
+    if state is None:
+        raise ValueError("the kronecker forward op carries state: pass a dict (empty on the first step)")
+    x = upcast(d)
+    mats = matrix_view(x, batch_dims)
+    out = METHODS[geometry["method"]](mats, state, geometry, x.shape)
+    return (out * radius).reshape(d.shape).to(out_dtype or d.dtype)

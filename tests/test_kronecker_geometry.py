@@ -1,0 +1,168 @@
+"""The ``kronecker`` geometry (Shampoo, SOAP) as a spec: GeomOptimizer steps a bucket of matrices
+beside pytorch-optimizer's ``Shampoo`` and ``SOAP`` on the same gradients (the parameters agree
+within a tight bound, and leave it when one coefficient is changed), resumes bit for bit from a
+checkpoint, skips a non-finite gradient without touching its factors, keeps its factors float32
+under a low state precision, and is refused, with why, where it cannot run."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+import pytorch_optimizer
+import torch
+from torch import nn
+
+import geomopt
+from geomopt.spec.diagnostics import SpecError
+
+F64 = torch.float64
+STEPS, BUCKET = 6, 3
+
+
+def _spec(**geometry) -> dict:
+    return {"geomopt": 1, "name": "k", "defaults": {"on_nonfinite": "skip"},
+            "rules": [{"name": "all", "match": "**", "geometry": {"kind": "kronecker", **geometry}}]}
+
+
+class Stack(nn.Module):
+    """BUCKET matrices of one shape (one bucket), float64."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.ws = nn.ParameterList([nn.Parameter(torch.zeros(shape, dtype=F64)) for _ in range(BUCKET)])
+
+
+def _grads(shape, seed):
+    return torch.randn(STEPS, BUCKET, *shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def _ours(grads, lr, **geometry) -> torch.Tensor:
+    model = Stack(grads.shape[2:])
+    opt = geomopt.GeomOptimizer(model, _spec(**geometry), lr=lr)
+    for g in grads:
+        for p, gi in zip(model.ws, g):
+            p.grad = gi.clone()
+        opt.step()
+    return torch.stack([p.detach() for p in model.ws])
+
+
+def _peer(cls, grads, **hp) -> torch.Tensor:
+    ps = [torch.zeros(grads.shape[2:], dtype=F64, requires_grad=True) for _ in range(grads.shape[1])]
+    opt = cls(ps, **hp)
+    for g in grads:
+        for p, gi in zip(ps, g):
+            p.grad = gi.clone()
+        opt.step()
+    return torch.stack([p.detach() for p in ps])
+
+
+def _gap(ours, peer) -> float:
+    assert torch.isfinite(ours).all() and peer.abs().max() > 0
+    return ((ours - peer).abs().max() / peer.abs().max()).item()
+
+
+@pytest.mark.parametrize("shape", [(6, 6), (4, 7)])
+def test_shampoo_steps_as_pytorch_optimizers_shampoo(shape):
+    """pytorch-optimizer's ``Shampoo`` (the sum of D·Dᵀ from ε·I, exponent −1/4, roots every step):
+    β = 1 (the sum), damping ε, every 1."""
+    grads = _grads(shape, seed=1)
+    lr, eps = 0.1, 1e-3
+    peer = _peer(pytorch_optimizer.Shampoo, grads, lr=lr, matrix_eps=eps, preconditioning_compute_steps=1)
+    ours = dict(method="shampoo", beta=1.0, damping=eps, every=1)
+    bound = 1e-12
+    assert _gap(_ours(grads, lr, **ours), peer) < bound
+    assert _gap(_ours(grads, lr, **ours, root="newton"), peer) < bound
+    for change in ({"beta": 0.99}, {"damping": 1.1e-3}, {"exponent": 2}, {"every": 2}):
+        assert _gap(_ours(grads, lr, **{**ours, **change}), peer) > 100 * bound, change
+
+
+@pytest.mark.parametrize("every", [2, 100])
+def test_soap_steps_as_pytorch_optimizers_soap(every):
+    """pytorch-optimizer's ``SOAP`` (no update on the first step, Adam in the eigenbases, bases
+    refreshed every ``every`` steps with a float32 QR: the 1e-6 bound where a refresh happens)."""
+    grads = _grads((6, 6), seed=3)
+    lr, betas, beta, eps = 0.01, (0.9, 0.95), 0.8, 1e-3
+    peer = _peer(pytorch_optimizer.SOAP, grads, lr=lr, betas=betas, shampoo_beta=beta, eps=eps,
+                 precondition_frequency=every, weight_decay=0.0)
+    ours = dict(method="soap", betas=list(betas), beta=beta, eps=eps, every=every)
+    bound = 1e-12 if every > STEPS else 1e-6
+    assert _gap(_ours(grads, lr, **ours), peer) < bound
+    for change in ({"betas": [0.9, 0.96]}, {"eps": 1.2e-3}, {"every": 3}):
+        assert _gap(_ours(grads, lr, **{**ours, **change}), peer) > 100 * bound, change
+
+
+def test_one_sided_keeps_no_factor_above_max_dim():
+    """A side longer than max_dim keeps an empty entry and steps as the identity there: Shampoo on
+    a 5 × 12 matrix with max_dim 8 is L^(−1/2)·D, checked against an explicit float64 computation."""
+    torch.manual_seed(0)
+    model = Stack((5, 12))
+    opt = geomopt.GeomOptimizer(model, _spec(method="shampoo", beta=1.0, damping=1e-3, every=1, max_dim=8), lr=0.1)
+    g = torch.randn(BUCKET, 5, 12, dtype=F64)
+    for p, gi in zip(model.ws, g):
+        p.grad = gi.clone()
+    opt.step()
+    state = opt.state[model.ws[0]]
+    assert state["shampoo_right"].numel() == 0 and state["shampoo_left"].shape == (5, 5)
+    lam, q = torch.linalg.eigh(g[0] @ g[0].T + 1e-3 * torch.eye(5, dtype=F64))
+    want = -0.1 * (q @ torch.diag(lam ** -0.5) @ q.T @ g[0])
+    torch.testing.assert_close(model.ws[0].detach(), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("geometry", [dict(method="shampoo", every=2, graft="adam"),
+                                      dict(method="soap", every=2)])
+def test_a_checkpoint_resumes_bit_for_bit(geometry):
+    grads = _grads((6, 5), seed=4)
+    straight = _ours(grads, 0.05, **geometry)
+    model = Stack((6, 5))
+    opt = geomopt.GeomOptimizer(model, _spec(**geometry), lr=0.05)
+    half = STEPS // 2
+    for i, g in enumerate(grads):
+        if i == half:  # a fresh optimizer from the checkpoint
+            saved = opt.state_dict()
+            opt = geomopt.GeomOptimizer(model, _spec(**geometry), lr=0.05)
+            opt.load_state_dict(saved)
+        for p, gi in zip(model.ws, g):
+            p.grad = gi.clone()
+        opt.step()
+    assert torch.equal(torch.stack([p.detach() for p in model.ws]), straight)
+
+
+def test_a_non_finite_gradient_leaves_the_factors_as_they_were():
+    grads = _grads((4, 4), seed=5)
+    model = Stack((4, 4))
+    opt = geomopt.GeomOptimizer(model, _spec(method="shampoo", every=1), lr=0.05)
+    for g in grads[:2]:
+        for p, gi in zip(model.ws, g):
+            p.grad = gi.clone()
+        opt.step()
+    before = {k: v.clone() for k, v in opt.state[model.ws[1]].items()}
+    x = [p.detach().clone() for p in model.ws]
+    for p, gi in zip(model.ws, grads[2]):
+        p.grad = gi.clone()
+    model.ws[0].grad[0, 0] = float("nan")
+    opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(x, model.ws))
+    assert all(torch.equal(before[k], v) for k, v in opt.state[model.ws[1]].items())
+
+
+def test_factors_stay_float32_under_a_low_state_precision():
+    spec = _spec(method="soap", every=1)
+    spec["rules"][0]["state"] = {"dtype": "bfloat16"}
+    model = nn.Linear(6, 4, bias=False)
+    opt = geomopt.GeomOptimizer(model, spec, lr=0.01)
+    for _ in range(3):
+        model.weight.grad = torch.randn_like(model.weight)
+        opt.step()
+    state = opt.state[model.weight]
+    assert state["soap_exp_avg"].dtype == state["soap_exp_avg_sq"].dtype == torch.bfloat16
+    assert state["soap_left"].dtype == state["soap_left_basis"].dtype == torch.float32
+
+
+def test_where_it_cannot_run_it_says_why():
+    model = nn.Linear(4, 4, bias=False)
+    with pytest.raises(ValueError, match="kronecker geometry, which cannot run captured"):
+        geomopt.GeomOptimizer(model, _spec(), lr=0.01, capturable=True)
+    with pytest.raises((SpecError, pydantic.ValidationError), match="graft belongs to method shampoo"):
+        geomopt.GeomOptimizer(model, _spec(method="soap", graft="adam"), lr=0.01)
+    with pytest.raises(SpecError, match="at least 2 dimensions"):
+        geomopt.GeomOptimizer(nn.Linear(4, 4), _spec(), lr=0.01)  # the bias
