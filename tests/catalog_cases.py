@@ -586,6 +586,29 @@ def _adamuon(m):
     return AdaMuon(use_muon_groups(by_rule(m), muon))
 
 
+class Unread:
+    """An optimizer whose state is reported without ``keys``: buffers it keeps but, as configured,
+    never reads (pytorch-optimizer's Shampoo allocates its momentum buffer at momentum 0)."""
+
+    def __init__(self, opt, *keys: str):
+        self.opt, self.keys = opt, keys
+
+    def step(self):
+        self.opt.step()
+
+    @property
+    def state(self) -> dict:
+        return {p: {k: v for k, v in st.items() if k not in self.keys} for p, st in self.opt.state.items()}
+
+
+def _shampoo(m):
+    from pytorch_optimizer import Shampoo
+
+    g = by_rule(m)
+    peer = Shampoo(g["hidden"], lr=0.02, momentum=0.0, matrix_eps=1e-3, preconditioning_compute_steps=1)
+    return Composite(Unread(peer, "momentum_buffer"), adamw_rest(g))
+
+
 def _polargrad(m):
     g = by_rule(m)
     return Composite(PolarGradM(g["hidden"], lr=1e-3, beta=0.9), adamw_rest(g, wd=0.0))
@@ -697,6 +720,11 @@ CASES: list[Case] = [
                "by about σ₁/σ_min there, so float32 and float64 runs drift apart (measured up to 4e-2 after 6 steps, "
                "1.5e-3 with geomopt's SVD in float64; tests/test_catalog.py checks only that they stay within 0.2)",
          rule=llama_rule),
+    Case("shampoo", "Shampoo", "Gupta, Koren & Singer 2018", "https://arxiv.org/abs/1802.09568",
+         "`pytorch_optimizer.Shampoo(matrix_eps=1e-3, preconditioning_compute_steps=1)`; "
+         "`torch.optim.AdamW(fused=True)`", "package", "llama", _shampoo, 1e-4,
+         "the peer's roots are a float32 SVD of each factor, geomopt's a float64 eigh (float32 rounding of the "
+         "factors' small eigenvalues, raised to −1/4)", 3e-5, _LOSS, rule=llama_rule),
     Case("dion", "Dion (rank 1/4)", "Ahn et al. 2025", "https://arxiv.org/abs/2504.05295",
          "Algorithm 1 (microsoft/dion's `dion_simple.py`) in float64; `torch.optim.AdamW(fused=True)`",
          "transcription", "llama", _dion, 2e-6, _F64_DION, 1e-5, _LOSS, rule=llama_rule),
