@@ -308,10 +308,12 @@ class Kronecker(_Geometry):
 
     @model_validator(mode="after")
     def _method_fields(self):
-        """Fields of one method set on the other are refused (they would do nothing)."""
+        """Fields of one method given a value other than their default on the other are refused (they
+        would do nothing; a dump of the model, defaults and all, validates again)."""
         own = {"shampoo": ("damping", "exponent", "root", "graft"), "soap": ()}
         other = "soap" if self.method == "shampoo" else "shampoo"
-        stray = [f for f in own[other] if f in self.model_fields_set]
+        fields = type(self).model_fields
+        stray = [f for f in own[other] if getattr(self, f) != fields[f].default]
         if stray:
             raise ValueError(f"{', '.join(stray)} belong{'s' if len(stray) == 1 else ''} to method {other}, not "
                              f"{self.method}: remove {'it' if len(stray) == 1 else 'them'} or set method: {other}")
