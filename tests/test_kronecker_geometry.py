@@ -166,3 +166,14 @@ def test_where_it_cannot_run_it_says_why():
         geomopt.GeomOptimizer(model, _spec(method="soap", graft="adam"), lr=0.01)
     with pytest.raises(SpecError, match="at least 2 dimensions"):
         geomopt.GeomOptimizer(nn.Linear(4, 4), _spec(), lr=0.01)  # the bias
+
+
+def test_a_dump_validates_again_and_only_a_stray_value_is_refused():
+    from geomopt.spec.geometries import Kronecker
+
+    for method in ("shampoo", "soap"):
+        g = Kronecker(method=method, every=3)
+        assert Kronecker.model_validate(g.model_dump()) == g
+    assert Kronecker(method="soap", graft="none").graft == "none"  # the default, written out
+    with pytest.raises(pydantic.ValidationError, match="damping belongs to method shampoo"):
+        Kronecker(method="soap", damping=1e-3)
