@@ -222,3 +222,17 @@ def test_busy_machine_script_times_the_demo_quiet_and_beside_a_busy_core(tmp_pat
     assert len(row["load_before_quiet"]) == len(row["load_before_busy"]) == 1
     with pytest.raises(SystemExit):
         _script("busy_machine").main(["--only", "demo", "--record"])  # a record has every row
+
+
+def test_kron_script_counts_the_state_each_optimizer_holds(capsys):
+    """benchmarks/kron.py runs every row, and the state it reports for geomopt's Shampoo is the
+    factors and roots, 2·(m² + n²) float32 entries per matrix, plus one int64 count."""
+    kron = _script("kron")
+    assert kron.main(["--width", "8", "--layers", "1", "--every", "2", "--units", "1"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("torch.optim.Muon", "kronecker shampoo", "pytorch_optimizer.SOAP"))
+    rows, _ = kron.measure(8, 1, 2, 1)
+    held = {name.split(" (")[0]: b for name, _, b in rows}
+    want = sum(8 * (m * m + n * n) + 8 for m, n in kron.shapes(8, 1))
+    assert held["geomopt kronecker shampoo"] == want
+    assert held["geomopt kronecker soap"] == sum(8 * (m * m + n * n) + 8 * m * n + 8 for m, n in kron.shapes(8, 1))
