@@ -8,6 +8,7 @@ of ours is changed."""
 from __future__ import annotations
 
 import pytest
+import pytorch_optimizer
 import scipy.linalg
 import torch
 
@@ -15,8 +16,6 @@ from geomopt.geometry import kron
 from geomopt.geometry.kron_root import inverse_root_eigh, inverse_root_newton
 from geomopt.optim.units import state_keys
 from geomopt.optim.units.declare import COUNT, FIRST, SECOND, StateKey
-
-pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 
 F64 = torch.float64
 
