@@ -14,6 +14,7 @@ from torch import nn
 
 import geomopt
 from geomopt.spec.diagnostics import SpecError
+from test_kron import _gap, _peer  # the peers stepped from zero on the same gradients
 
 F64 = torch.float64
 STEPS, BUCKET = 6, 3
@@ -44,21 +45,6 @@ def _ours(grads, lr, **geometry) -> torch.Tensor:
             p.grad = gi.clone()
         opt.step()
     return torch.stack([p.detach() for p in model.ws])
-
-
-def _peer(cls, grads, **hp) -> torch.Tensor:
-    ps = [torch.zeros(grads.shape[2:], dtype=F64, requires_grad=True) for _ in range(grads.shape[1])]
-    opt = cls(ps, **hp)
-    for g in grads:
-        for p, gi in zip(ps, g):
-            p.grad = gi.clone()
-        opt.step()
-    return torch.stack([p.detach() for p in ps])
-
-
-def _gap(ours, peer) -> float:
-    assert torch.isfinite(ours).all() and peer.abs().max() > 0
-    return ((ours - peer).abs().max() / peer.abs().max()).item()
 
 
 @pytest.mark.parametrize("shape", [(6, 6), (4, 7)])
