@@ -89,6 +89,9 @@ class BucketJob:
         pp = self.pp = items[0][1]
         self.views = [op_view(local(p), q) for p, q in items]
         hyper = group if self.alpha is None else dict(group, alpha=self.alpha)
+        self.weighted = weighted_state(prog, self.ok)
+        if self.weighted:  # α·ok: a skipped step's lerp leaves d as it was (zeroed gradients: d + 0·(0 − d))
+            hyper = dict(hyper, alpha=hyper["alpha"] * self.ok.to(torch.float64))
         state = self.state = rt.stacked.gather(self.state_of, items)
         # float32 working copies of state kept in another precision (the rule's, or a checkpoint's);
         # the stored state changes at the commit
@@ -105,7 +108,7 @@ class BucketJob:
                 if key in state and (not isinstance(state[key], torch.Tensor) or state[key].device != self.ok.device):
                     state[key] = torch.tensor(int(state[key]), dtype=torch.int64, device=self.ok.device)
             self.live = dict(state)  # the tensors the entries are bound to (written in place at the end)
-            self.before = {k: v.clone() for k, v in state.items()}
+            self.before = {k: v.clone() for k, v in state.items() if k not in self.weighted}
         else:  # counts as ints while the step computes (host arithmetic); stored as tensors again
             for key in COUNTS:
                 if key in state:
@@ -182,9 +185,8 @@ class BucketJob:
         if self.prog.write != "stacked":  # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) on the parameters themselves
             steps = list(step.unbind(0))
             self.prepare()  # the state's stored form first: a failure there leaves X as it was
-            if self.ok is not None:  # γ·ok: a skipped step writes X·1 + 0·S, X itself; γ in the
-                # parameters' working precision (float64 parameters: a float64 γ, as the host's)
-                ok = self.ok.to(torch.promote_types(self.views[0].dtype, torch.float32))
+            if self.ok is not None:  # γ·ok: a skipped step writes X·1 + 0·S, X itself
+                ok = self.ok.to(torch.float64)  # γ·ok rounded as the host's γ is: the eager step's bits
                 self.write_scaled(steps, ok * gamma)
             elif self.lerp:
                 torch._foreach_lerp_(self.views, steps, gamma * wd)
@@ -262,7 +264,11 @@ class BucketJob:
         for update in self.fresh or ():
             update()
         if self.ok is not None:  # selected into the same tensors: the entries stay bound (a compiled step
-            for key, old in self.before.items():  # reads the same objects each step)
+            for key in self.weighted:  # reads the same objects each step); a weighted key: already its value
+                live = self.live.get(key)
+                if live is not None and self.state[key] is not live:
+                    self.state[key] = live.copy_(self.state[key])
+            for key, old in self.before.items():
                 live = self.live[key]
                 torch.where(self.ok, self.state[key], old, out=live)  # type: ignore[arg-type]
                 self.state[key] = live
@@ -293,6 +299,14 @@ class BucketJob:
             state, pp.op_shape, view=pp.geometry.get("view"), gradient=self.g_raw,
             direction=None if self.d is None else upcast(self.d), step=step, shard=shard, fresh=self.prog.journal)
         return Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)
+
+
+def weighted_state(prog: Program, ok: Optional[torch.Tensor]) -> tuple:
+    """The state keys a capturable step (``ok``: the device's finiteness flag) updates with its
+    weight scaled by the flag, so a skipped step leaves them as they were with no copy of them
+    and no selection: Polyak's d read row by row (d ← d.lerp(g, α·ok) on gradients zeroed where
+    the flag is false, d + 0·(0 − d) = d; the same bits as α where it is true)."""
+    return ("d",) if ok is not None and prog.direction_form == "rows" else ()
 
 
 def codec(rt: Runtime, items: list, pp, step: int) -> Codec:

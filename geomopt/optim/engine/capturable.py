@@ -22,6 +22,7 @@ import torch
 
 from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.prox.spectral_map import DeviceRoutes
+from geomopt.geometry.reference import working_eps
 from geomopt.optim.engine.atomic import drive
 from geomopt.optim.engine.bucket_step import BucketJob
 from geomopt.optim.engine.nonfinite import finite, finite_flags
@@ -99,14 +100,35 @@ def captured_adam(rt: Runtime, state, group: dict, items: list, grads: list, gam
     steps = (count + 1).to(torch.float32)  # the kernel's bias corrections read this step's number
     if torch.is_tensor(gamma) and gamma.device != xs[0].device:  # the kernel reads lr on its device
         gamma = gamma.to(xs[0].device, torch.float32)
-    adam_multi_tensor(xs, grads, m, v, None, None, 0, pp.geometry, gamma, group["weight_decay"], True, None, steps,
-                      found_inf=(~ok).to(torch.float32))
+    if torch.compiler.is_compiling():  # inductor cannot functionalize the fused kernel (torch 2.13)
+        adam_weighted(xs, grads, m[1], v[1], steps, pp.geometry, gamma, group["weight_decay"], ok)
+    else:
+        adam_multi_tensor(xs, grads, m, v, None, None, 0, pp.geometry, gamma, group["weight_decay"], True, None, steps,
+                          found_inf=(~ok).to(torch.float32))
     for bind in binds:
         bind()
     count.add_(ok.to(torch.int64))
     if created:
         for p, _ in items:
             state[p]["adam_step"] = count
+
+
+def adam_weighted(xs: list, gs: list, ms: list, vs: list, steps: torch.Tensor, geometry: dict, gamma, wd: float,
+                  ok: torch.Tensor) -> None:
+    """AdamW (``adam_moments``' formulas) tensor by tensor, for a compiler to fuse (inductor does not
+    take torch's fused kernel): every write weighted by the flag ``ok`` on gradients zeroed where
+    it is false, so a skipped step writes m + 0·(0 − m), v·1 + 0 and X·1 + 0, the values as they
+    were. Within rounding of the fused kernel (another op order)."""
+    beta1, beta2 = (float(b) for b in geometry["betas"])
+    eps = working_eps(float(geometry["eps"]), vs[0].dtype, norm=True)
+    w = ok.to(torch.float64)
+    step = steps.to(torch.float64)
+    bc1, bc2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
+    for x, g, m, v in zip(xs, gs, ms, vs):
+        g = torch.where(ok, g, 0)
+        m.lerp_(g, (1 - beta1) * w)
+        v.mul_(1 - (1 - beta2) * w).addcmul_(g, g * ((1 - beta2) * w))
+        x.mul_(1 - gamma * wd * w).add_(m / (v.sqrt() / bc2_sqrt + eps) * (-gamma * w / bc1))
 
 
 def counts_on_device(groups: list, state, counters: list, jobs: list) -> None:
