@@ -200,6 +200,9 @@ class BucketJob:
             return None
         # Y = X(1 − γ·wd) − γρ·∇φ₁*(d): ρ folds into the axpy (one pass fewer than scaling the
         # forward output), and the decayed copy of X is updated in place
+        if self.ok is None and not self.prog.track_update and self.pp.decay != "cautious" and \
+                not torch.is_tensor(gamma) and self.views[0].dtype == step.dtype:  # X read once: no stacked copy
+            return self.backward(axpy_rows(self.views, step, 1 - gamma * wd if wd else None, -gamma * rho))
         x = self.x = upcast(stack(self.views))
         if wd:
             return self.backward(axpy_(decayed(x, step, 1 - gamma * wd, self.pp.decay == "cautious"), step,
@@ -382,6 +385,20 @@ def axpy_(y: torch.Tensor, step: torch.Tensor, coef) -> torch.Tensor:
     """Y += c·S in place: ``add_``'s alpha for a number, a product for a 0-d tensor c (lr on the
     device, where ``alpha`` takes no tensor)."""
     return y.add_(step * coef) if torch.is_tensor(coef) else y.add_(step, alpha=coef)
+
+
+def axpy_rows(views: list, step: torch.Tensor, decay: Optional[float], coef: float) -> torch.Tensor:
+    """Y = X(1 − γλ) + c·S (``decay`` None: X + c·S) with X read from the parameters' rows into Y, not
+    stacked first: one pass over X fewer than ``axpy_(decayed(stack(X), …))`` and
+    ``torch.add(stack(X), S, alpha=c)``, with the same elementwise ops, so the same bits."""
+    y = torch.empty_like(step)
+    if decay is None:
+        for v, s, out in zip(views, step.unbind(0), y.unbind(0)):
+            torch.add(v, s, alpha=coef, out=out)
+        return y
+    for v, out in zip(views, y.unbind(0)):
+        torch.mul(v, decay, out=out)
+    return y.add_(step, alpha=coef)
 
 
 def decayed(x: torch.Tensor, step: torch.Tensor, decay: float, cautious: bool) -> torch.Tensor:
