@@ -200,7 +200,7 @@ class BucketJob:
             return None
         # Y = X(1 − γ·wd) − γρ·∇φ₁*(d): ρ folds into the axpy (one pass fewer than scaling the
         # forward output), and the decayed copy of X is updated in place
-        if self.ok is None and not self.prog.track_update and self.pp.decay != "cautious" and \
+        if not (self.prog.track_update or self.prog.track_gap) and self.pp.decay != "cautious" and \
                 not torch.is_tensor(gamma) and self.views[0].dtype == step.dtype:  # X read once: no stacked copy
             return self.backward(axpy_rows(self.views, step, 1 - gamma * wd if wd else None, -gamma * rho))
         x = self.x = upcast(stack(self.views))
@@ -246,8 +246,8 @@ class BucketJob:
         if fallback is not None:
             n = fallback.sum() if self.ok is None else fallback.sum() * self.ok
             counts["fallbacks"] = _accumulate(counters["fallbacks"], n, in_place)
-        if self.ok is not None:
-            x_new = torch.where(self.ok, x_new, self.x)  # type: ignore[arg-type]
+        if self.ok is not None and self.x is not None:
+            x_new = torch.where(self.ok, x_new, self.x)
         if prog.track_gap and self.pp.constraint is not None and self.rho > 0 and (
                 torch.is_tensor(self.gamma) or self.gamma > 0):
             self.state["w"] = (x_new - self.y) / (self.gamma * self.rho)
@@ -257,7 +257,11 @@ class BucketJob:
         self.prepare()
         counters.update(counts)
         self.bind()
-        torch._foreach_copy_(self.views, list(x_new.unbind(0)))
+        if self.ok is not None and self.x is None:  # no stacked copy of X: selected as it is written
+            for view, row in zip(self.views, x_new.unbind(0)):
+                torch.where(self.ok, row, view, out=view)
+        else:
+            torch._foreach_copy_(self.views, list(x_new.unbind(0)))
         return None
 
     def prepare(self) -> None:

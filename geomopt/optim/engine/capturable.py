@@ -25,6 +25,7 @@ from geomopt.geometry.prox.spectral_map import DeviceRoutes
 from geomopt.geometry.reference import working_eps
 from geomopt.optim.engine.atomic import drive
 from geomopt.optim.engine.bucket_step import BucketJob
+from geomopt.optim.engine.flat import step_flat
 from geomopt.optim.engine.nonfinite import finite, finite_flags
 from geomopt.optim.engine.runtime import Runtime
 from geomopt.optim.engine.tensors import as_real, local, op_view
@@ -50,7 +51,7 @@ def captured_step(rt: Runtime, groups: list, state, counters: list, jobs: list, 
     # non-finite, and the writes select the old values
     zero = torch.zeros((), dtype=first.dtype, device=ok.device)
     # (a flat program's fused kernel reads the flag itself: its gradients enter as they are)
-    grads = [g if prog.check == "off" or prog.variant == "flat" else [torch.where(ok, t, zero) for t in g]
+    grads = [g if prog.check == "off" or prog.fused else [torch.where(ok, t, zero) for t in g]
              if isinstance(g, list) else torch.where(ok, g, zero) for (prog, _), g in zip(jobs, grads)]
     schedules: dict = {}
     for prog, _ in jobs:
@@ -60,8 +61,15 @@ def captured_step(rt: Runtime, groups: list, state, counters: list, jobs: list, 
             schedules[gi] = (gamma, warmup_alpha(alpha, groups[gi]))
             counters[gi]["update_sq"].zero_()  # this step's sum, in place (a graph replays into it)
     for j, ((prog, items), g) in enumerate(zip(jobs, grads)):
-        if prog.variant == "flat":
+        if prog.fused:
             captured_adam(rt, state, groups[prog.group], items, g, schedules[prog.group][0], oks[j])
+            done.append(j)
+        elif prog.variant == "flat":  # Polyak and a map of each entry, weighted by the flag
+            gamma, alpha = schedules[prog.group]
+            group = groups[prog.group]
+            weight = oks[j].to(torch.float64)
+            alpha = None if group["direction"] == "none" else (group["alpha"] if alpha is None else alpha) * weight
+            step_flat(prog, rt, state, group, items, g, gamma * weight, alpha)
             done.append(j)
     steps = [(j, BucketJob(prog, rt, state, counters[prog.group], groups[prog.group], items, g, None,
                            schedules[prog.group][0], schedules[prog.group][1], shared=True, ok=oks[j]))
