@@ -90,7 +90,7 @@ class BucketJob:
         self.views = [op_view(local(p), q) for p, q in items]
         hyper = group if self.alpha is None else dict(group, alpha=self.alpha)
         self.weighted = weighted_state(prog, self.ok)
-        if self.weighted:  # α·ok: a skipped step's lerp leaves d as it was (zeroed gradients: d + 0·(0 − d))
+        if self.weighted and self.ok is not None:  # α·ok: on zeroed gradients d + 0·(0 − d), d as it was
             hyper = dict(hyper, alpha=hyper["alpha"] * self.ok.to(torch.float64))
         state = self.state = rt.stacked.gather(self.state_of, items)
         # float32 working copies of state kept in another precision (the rule's, or a checkpoint's);
