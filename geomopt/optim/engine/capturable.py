@@ -106,8 +106,8 @@ def captured_adam(rt: Runtime, state, group: dict, items: list, grads: list, gam
     if created:
         count = torch.zeros((), dtype=torch.int64, device=ok.device)
     steps = (count + 1).to(torch.float32)  # the kernel's bias corrections read this step's number
-    if torch.is_tensor(gamma) and gamma.device != xs[0].device:  # the kernel reads lr on its device
-        gamma = gamma.to(xs[0].device, torch.float32)
+    if torch.is_tensor(gamma) and xs[0].device.type != "cpu":  # a device kernel reads a float32 lr on its device
+        gamma = gamma.to(xs[0].device, torch.float32)  # (the CPU kernel reads any lr's value as a double)
     if torch.compiler.is_compiling():  # inductor cannot functionalize the fused kernel (torch 2.13)
         adam_weighted(xs, grads, m[1], v[1], steps, pp.geometry, gamma, group["weight_decay"], ok)
     else:
