@@ -302,7 +302,7 @@ def main(argv: Optional[list] = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     steps = f"{args.warmup} warm-up step{'s' if args.warmup != 1 else ''}"
-    note = (f"`python benchmarks/traffic.py --record`: one step after {steps}, random gradients; "
+    note = (f"`{record['command']}`: one step after {steps}, random gradients; "
             "bytes counted per aten op (reads + writes; "
             "views free). Floor: each gradient read, each state tensor and parameter read and written once, "
             "plus the matrix products' operands and results; elementwise: every op but the matrix products "

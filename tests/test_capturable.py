@@ -304,3 +304,65 @@ def test_torch_compile_from_the_first_step_creates_the_state_and_skips_on_the_de
         assert [int(c["skipped"]) for c in opt.engine.counters] == [2] * len(opt.param_groups)
         counts = {int(v) for st in opt.state.values() for key, v in st.items() if key == "adam_step"}
         assert counts == {3}  # Adam's count: the skipped first step left it at 0
+
+
+def _state_values(opt) -> list:
+    return [v for g in opt.param_groups for p in g["params"] for _, v in sorted(opt.state[p].items())
+            if torch.is_tensor(v)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A float tensor's bit patterns (NaN payloads, −0.0 and +0.0 told apart), or the tensor."""
+    sizes = {torch.float32: torch.int32, torch.float64: torch.int64}
+    return t.detach().cpu().view(sizes[t.dtype]) if t.dtype in sizes else t.detach().cpu()
+
+
+@pytest.mark.parametrize("spec", ["adamw", "muon", "adamw-hybrid", "normuon", "sign-descent"])
+def test_a_capturable_step_has_the_default_steps_bits(spec):
+    """Adam's rules through the same fused kernel (found_inf, the same lr and count values),
+    Polyak's d with α·ok, the write with γ·ok rounded in float64 as the host's γ: parameters and
+    state bit for bit the default step's, a skipped step (NaN) among them."""
+    models, (plain, captured) = _pair(spec)
+    for step in range(4):
+        _grads(models, step, poison=step == 2)
+        plain.step()
+        captured.step()
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(_bits(p), _bits(q))
+    for a, b in zip(_state_values(plain), _state_values(captured), strict=True):
+        assert torch.equal(_bits(a), _bits(b.to(a.device)))
+    # Adam's rules (all but sign descent's) step flat, through the fused kernel
+    assert ("variant: flat · fused · check device" in captured.describe()) == (spec != "sign-descent")
+
+
+def test_a_skipped_capturable_adam_step_leaves_every_bit_the_first_one_included():
+    """Every tensor of the catalogue's AdamW in one fused call: a NaN in one gradient and +∞ in
+    another skip it whole (the kernel returns before any write), on the first step (the moments
+    exist, zero, count 0) and later; the parameters keep every bit, −0.0 included."""
+    model = tiny_gpt(0)
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[:3] = torch.tensor([-0.0, 0.0, -1.5])
+    opt = geomopt.GeomOptimizer(model, "adamw", capturable=True)
+    params = list(model.parameters())
+
+    def grads(step, poison):
+        _grads([model], step)
+        if poison:
+            params[0].grad.view(-1)[5] = math.nan
+            params[-1].grad.view(-1)[0] = math.inf
+
+    before = [_bits(p).clone() for p in params]
+    grads(0, True)
+    opt.step()
+    assert all(torch.equal(a, _bits(p)) for a, p in zip(before, params))
+    assert all(torch.count_nonzero(v) == 0 for v in _state_values(opt))  # moments 0, count 0
+    grads(1, False)
+    opt.step()
+    assert not torch.equal(before[0], _bits(params[0]))
+    after = [_bits(p).clone() for p in params]
+    state = [_bits(v).clone() for v in _state_values(opt)]
+    grads(2, True)
+    opt.step()
+    assert all(torch.equal(a, _bits(p)) for a, p in zip(after, params))
+    assert all(torch.equal(a, _bits(v)) for a, v in zip(state, _state_values(opt)))
+    assert [int(c["skipped"]) for c in opt.engine.counters] == [2] and int(opt.param_groups[0]["step"]) == 1

@@ -80,3 +80,33 @@ def test_the_small_run_records_consistent_ratios(traffic, tmp_path):
     assert row["elementwise_ratio"] == pytest.approx(row["elementwise_bytes"] / row["elementwise_floor_bytes"],
                                                      rel=1e-12) and row["elementwise_ratio"] >= 1
     assert 0 < sum(o["read_bytes"] + o["written_bytes"] for o in row["top_ops"]) <= row["total_bytes"]
+
+
+@pytest.mark.parametrize("spec", ["adamw", "muon", "sign-descent"])
+def test_a_capturable_step_moves_no_more_bytes_than_the_eager_one(traffic, spec):
+    """Adam's rules step through the fused kernel in both (found_inf: the capturable one reads the
+    gradients as they are), and Polyak's d and the parameters are written once under the flag's
+    weight, not copied and selected. A capturable step still zeroes the other rules' gradients
+    where the flag is false (one read and one write of them: a NaN must not reach the parameters
+    through the step, and 0·NaN is NaN), which an eager step does not need: that is its only
+    allowance, beside 0-d values (the exact finiteness test's min and max per tensor where the
+    eager step sums, γ·ok, α·ok, the device counts: about a hundred bytes a tensor)."""
+    torch.set_grad_enabled(False)
+    try:
+        eager = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(spec), 1)
+        captured = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(spec, capturable=True), 1)
+        model = traffic.gpt2(True)
+        programs = traffic.geomopt_optimizer(spec, capturable=True)(model).engine.programs
+    finally:
+        torch.set_grad_enabled(True)
+    zeroed_names = {n for progs in programs for prog in progs if not prog.fused for n in prog.names}
+    zeroed = 2 * sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in zeroed_names)
+    scalars = 128 * len(list(model.parameters()))
+    assert captured["matmul_bytes"] == eager["matmul_bytes"]
+    assert captured["elementwise_floor_bytes"] == eager["elementwise_floor_bytes"]
+    assert captured["elementwise_bytes"] <= eager["elementwise_bytes"] + zeroed + scalars, (captured["top_ops"],
+                                                                                         eager["top_ops"])
+    if spec == "adamw":  # one fused kernel over everything in both, at the floor; nothing zeroed
+        assert zeroed == 0 and captured["top_ops"][0]["op"] == "_fused_adamw_"
+        fused = captured["top_ops"][0]["read_bytes"] + captured["top_ops"][0]["written_bytes"]
+        assert abs(fused - eager["elementwise_floor_bytes"]) <= scalars  # the counts: a few bytes each

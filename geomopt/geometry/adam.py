@@ -42,7 +42,7 @@ def adam_moments(g: torch.Tensor, state: dict, geometry: Fields) -> tuple[torch.
 
 
 def adam_multi_tensor(xs, us, m, v, step, pieces, off, geometry, gamma, weight_decay, fused, take,
-                      steps=None) -> None:
+                      steps=None, found_inf=None) -> None:
     """AdamW's update of ``xs`` (a block's ``pieces`` of the flat call, from ``off`` in the
     flat moments ``m``, ``v``, each a (buffer, views) pair; all of it when ``pieces`` is None):
     torch's fused AdamW kernel where ``fused`` (the caller checked the device has it:
@@ -50,7 +50,8 @@ def adam_multi_tensor(xs, us, m, v, step, pieces, off, geometry, gamma, weight_d
     instead of eight), else :func:`adam_moments`'s op order (AdamW's
     single-tensor path, bit for bit) with the denominator in ``take("denom", shape)`` (a scratch).
     ``steps``: the fused kernel's count as a float32 0-d tensor, made by the caller before it writes
-    anything (None: made here)."""
+    anything (None: made here); ``found_inf`` (fused only): a float32 0-d device tensor, 1 where the
+    step is skipped (the kernel then returns before any write; ``gamma`` may be a 0-d tensor)."""
     beta1, beta2 = (float(b) for b in geometry["betas"])  # a plan's fragment holds every default
     (m, m_views), (v, v_views) = m, v
     eps = working_eps(float(geometry["eps"]), v.dtype, norm=True)
@@ -63,7 +64,7 @@ def adam_multi_tensor(xs, us, m, v, step, pieces, off, geometry, gamma, weight_d
             steps = torch.full((), step, dtype=torch.float32, device=xs[0].device)
         # the count is read, not written
         torch._fused_adamw_(xs, us, m_views, v_views, [], [steps] * len(xs), lr=gamma, beta1=beta1, beta2=beta2,
-                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, found_inf=found_inf)
         return
     torch._foreach_lerp_(m_views, us, 1 - beta1)
     v.mul_(beta2)

@@ -91,6 +91,9 @@ class BucketJob:
         pp = self.pp = items[0][1]
         self.views = [op_view(local(p), q) for p, q in items]
         hyper = group if self.alpha is None else dict(group, alpha=self.alpha)
+        self.weighted = weighted_state(prog, self.ok)
+        if self.weighted and self.ok is not None:  # α·ok: on zeroed gradients d + 0·(0 − d), d as it was
+            hyper = dict(hyper, alpha=hyper["alpha"] * self.ok.to(torch.float64))
         state = self.state = rt.stacked.gather(self.state_of, items)
         # float32 working copies of state kept in another precision (the rule's, or a checkpoint's);
         # the stored state changes at the commit
@@ -107,7 +110,7 @@ class BucketJob:
                 if key in state and (not isinstance(state[key], torch.Tensor) or state[key].device != self.ok.device):
                     state[key] = torch.tensor(int(state[key]), dtype=torch.int64, device=self.ok.device)
             self.live = dict(state)  # the tensors the entries are bound to (written in place at the end)
-            self.before = {k: v.clone() for k, v in state.items()}
+            self.before = {k: v.clone() for k, v in state.items() if k not in self.weighted}
         else:  # counts as ints while the step computes (host arithmetic); stored as tensors again
             for key in COUNTS:
                 if key in state:
@@ -186,9 +189,8 @@ class BucketJob:
         if self.prog.write != "stacked":  # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) on the parameters themselves
             steps = list(step.unbind(0))
             self.prepare()  # the state's stored form first: a failure there leaves X as it was
-            if self.ok is not None:  # γ·ok: a skipped step writes X·1 + 0·S, X itself; γ in the
-                # parameters' working precision (float64 parameters: a float64 γ, as the host's)
-                ok = self.ok.to(torch.promote_types(self.views[0].dtype, torch.float32))
+            if self.ok is not None:  # γ·ok: a skipped step writes X·1 + 0·S, X itself
+                ok = self.ok.to(torch.float64)  # γ·ok rounded as the host's γ is: the eager step's bits
                 self.write_scaled(steps, ok * gamma)
             elif self.lerp:
                 torch._foreach_lerp_(self.views, steps, gamma * wd)
@@ -202,6 +204,10 @@ class BucketJob:
             return None
         # Y = X(1 − γ·wd) − γρ·∇φ₁*(d): ρ folds into the axpy (one pass fewer than scaling the
         # forward output), and the decayed copy of X is updated in place
+        decay = DECAYS[self.pp.decay]
+        if not (self.prog.track_update or self.prog.track_gap) and decay.into is not None and \
+                not torch.is_tensor(gamma) and self.views[0].dtype == step.dtype:  # X read once: no stacked copy
+            return self.backward(axpy_rows(self.views, step, decay.into if wd else None, 1 - gamma * wd, -gamma * rho))
         x = self.x = upcast(stack(self.views))
         if wd:
             return self.backward(axpy_(DECAYS[self.pp.decay].stacked(x, step, 1 - gamma * wd), step,
@@ -245,8 +251,8 @@ class BucketJob:
         if fallback is not None:
             n = fallback.sum() if self.ok is None else fallback.sum() * self.ok
             counts["fallbacks"] = _accumulate(counters["fallbacks"], n, in_place)
-        if self.ok is not None:
-            x_new = torch.where(self.ok, x_new, self.x)  # type: ignore[arg-type]
+        if self.ok is not None and self.x is not None:
+            x_new = torch.where(self.ok, x_new, self.x)
         if prog.track_gap and self.pp.constraint is not None and self.rho > 0 and (
                 torch.is_tensor(self.gamma) or self.gamma > 0):
             self.state["w"] = (x_new - self.y) / (self.gamma * self.rho)
@@ -256,7 +262,11 @@ class BucketJob:
         self.prepare()
         counters.update(counts)
         self.bind()
-        torch._foreach_copy_(self.views, list(x_new.unbind(0)))
+        if self.ok is not None and self.x is None:  # no stacked copy of X: selected as it is written
+            for view, row in zip(self.views, x_new.unbind(0)):
+                torch.where(self.ok, row, view, out=view)
+        else:
+            torch._foreach_copy_(self.views, list(x_new.unbind(0)))
         return None
 
     def prepare(self) -> None:
@@ -266,7 +276,11 @@ class BucketJob:
         for update in self.fresh or ():
             update()
         if self.ok is not None:  # selected into the same tensors: the entries stay bound (a compiled step
-            for key, old in self.before.items():  # reads the same objects each step)
+            for key in self.weighted:  # reads the same objects each step); a weighted key: already its value
+                live = self.live.get(key)
+                if live is not None and self.state[key] is not live:
+                    self.state[key] = live.copy_(self.state[key])
+            for key, old in self.before.items():
                 live = self.live[key]
                 torch.where(self.ok, self.state[key], old, out=live)  # type: ignore[arg-type]
                 self.state[key] = live
@@ -297,6 +311,14 @@ class BucketJob:
             state, pp.op_shape, view=pp.geometry.view, gradient=self.g_raw,
             direction=None if self.d is None else upcast(self.d), step=step, shard=shard, fresh=self.prog.journal)
         return Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)
+
+
+def weighted_state(prog: Program, ok: Optional[torch.Tensor]) -> tuple:
+    """The state keys a capturable step (``ok``: the device's finiteness flag) updates with its
+    weight scaled by the flag, so a skipped step leaves them as they were with no copy of them
+    and no selection: Polyak's d read row by row (d ← d.lerp(g, α·ok) on gradients zeroed where
+    the flag is false, d + 0·(0 − d) = d; the same bits as α where it is true)."""
+    return ("d",) if ok is not None and prog.direction_form == "rows" else ()
 
 
 def codec(rt: Runtime, items: list, pp, step: int) -> Codec:
@@ -374,3 +396,19 @@ def axpy_(y: torch.Tensor, step: torch.Tensor, coef) -> torch.Tensor:
     """Y += c·S in place: ``add_``'s alpha for a number, a product for a 0-d tensor c (lr on the
     device, where ``alpha`` takes no tensor)."""
     return y.add_(step * coef) if torch.is_tensor(coef) else y.add_(step, alpha=coef)
+
+
+def axpy_rows(views: list, step: torch.Tensor, decay: Optional[Callable], factor: float, coef: float) -> torch.Tensor:
+    """Y = decay(X) + c·S (``decay`` None: X + c·S; else a decay's ``into`` form with ``factor``
+    = 1 − γλ) with X read from the parameters' rows into Y, not stacked first: one pass over X
+    fewer than ``axpy_(decay.stacked(stack(X), …))`` and ``torch.add(stack(X), S, alpha=c)``, with
+    the same elementwise ops, so the same bits."""
+    y = torch.empty_like(step)
+    if decay is None:
+        for v, s, out in zip(views, step.unbind(0), y.unbind(0)):
+            torch.add(v, s, alpha=coef, out=out)
+        return y
+    for v, out in zip(views, y.unbind(0)):
+        decay(v, factor, out)
+    return y.add_(step, alpha=coef)
+

@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import torch
 
+from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.prox.spectral_map import DeviceRoutes
+from geomopt.geometry.reference import working_eps
+from geomopt.spec.base import Fields
 from geomopt.optim.engine.atomic import drive
 from geomopt.optim.engine.bucket_step import BucketJob
+from geomopt.optim.engine.flat import step_flat
 from geomopt.optim.engine.nonfinite import finite, finite_flags
 from geomopt.optim.engine.runtime import Runtime
-from geomopt.optim.units.schedules import SCHEDULES, warmup_alpha
+from geomopt.optim.engine.tensors import as_real, local, op_view
+from geomopt.optim.units.schedules import step_size
 from geomopt.optim.units.state_keys import COUNTS
 
 
@@ -46,18 +51,29 @@ def captured_step(rt: Runtime, groups: list, state, counters: list, jobs: list, 
     # the operators run either way (the host does not know): on zeros where a gradient is
     # non-finite, and the writes select the old values
     zero = torch.zeros((), dtype=first.dtype, device=ok.device)
-    grads = [g if prog.check == "off" else [torch.where(ok, t, zero) for t in g] if isinstance(g, list)
-             else torch.where(ok, g, zero) for (prog, _), g in zip(jobs, grads)]
+    # (a flat program's fused kernel reads the flag itself: its gradients enter as they are)
+    grads = [g if prog.check == "off" or prog.fused else [torch.where(ok, t, zero) for t in g]
+             if isinstance(g, list) else torch.where(ok, g, zero) for (prog, _), g in zip(jobs, grads)]
     schedules: dict = {}
     for prog, _ in jobs:
         gi = prog.group
         if gi not in schedules:
-            gamma, alpha = SCHEDULES[groups[gi]["schedule"]["kind"]](groups[gi], groups[gi]["step"])
-            schedules[gi] = (gamma, warmup_alpha(alpha, groups[gi]))
+            schedules[gi] = step_size(groups[gi])
             counters[gi]["update_sq"].zero_()  # this step's sum, in place (a graph replays into it)
+    for j, ((prog, items), g) in enumerate(zip(jobs, grads)):
+        if prog.fused:
+            captured_adam(rt, state, groups[prog.group], items, g, schedules[prog.group][0], oks[j])
+            done.append(j)
+        elif prog.variant == "flat":  # Polyak and a map of each entry, weighted by the flag
+            gamma, alpha = schedules[prog.group]
+            group = groups[prog.group]
+            weight = oks[j].to(torch.float64)
+            alpha = None if group["direction"] == "none" else (group["alpha"] if alpha is None else alpha) * weight
+            step_flat(prog, rt, state, group, items, g, gamma * weight, alpha)
+            done.append(j)
     steps = [(j, BucketJob(prog, rt, state, counters[prog.group], groups[prog.group], items, g, None,
                            schedules[prog.group][0], schedules[prog.group][1], shared=True, ok=oks[j]))
-             for j, ((prog, items), g) in enumerate(zip(jobs, grads))]
+             for j, ((prog, items), g) in enumerate(zip(jobs, grads)) if prog.variant != "flat"]
     # the requests answered where they are (one process), not counted in opt.work (host numbers)
     with DeviceRoutes():
         drive(lambda requests: [r.fn(r.x) for r in requests], steps, done.append)
@@ -69,6 +85,58 @@ def captured_step(rt: Runtime, groups: list, state, counters: list, jobs: list, 
                 holder[key].add_(by.to(torch.int64))
             else:
                 holder[key] = by.to(torch.int64) + holder[key]
+
+
+def captured_adam(rt: Runtime, state, group: dict, items: list, grads: list, gamma, ok: torch.Tensor) -> None:
+    """A flat Adam call's capturable step (program ``flat · fused``): torch's fused AdamW kernel
+    over the flat moments, as the eager flat step runs it (the same bits: the same kernel, the
+    same lr and count values), with ``found_inf = 1 − ok`` (the kernel returns before any write
+    where a gradient is not finite: the gradients are read as they are, nothing is selected) and
+    the count advanced on the device by ``ok``, in place (one count shared by the call's tensors,
+    which a captured step replays into). A first step creates the moments as zeros and the count
+    0 + ok."""
+    p0, pp = items[0]
+    xs = [as_real(op_view(local(p), q)) for p, q in items]
+    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+    binds: list = []
+    m = rt.stacked.flat(state, items, xs, "exp_avg", binds)
+    v = rt.stacked.flat(state, items, xs, "exp_avg_sq", binds)
+    count = state[p0].get("adam_step")
+    created = count is None
+    if created:
+        count = torch.zeros((), dtype=torch.int64, device=ok.device)
+    steps = (count + 1).to(torch.float32)  # the kernel's bias corrections read this step's number
+    if torch.is_tensor(gamma) and xs[0].device.type != "cpu":  # a device kernel reads a float32 lr on its device
+        gamma = gamma.to(xs[0].device, torch.float32)  # (the CPU kernel reads any lr's value as a double)
+    if torch.compiler.is_compiling():  # inductor cannot functionalize the fused kernel (torch 2.13)
+        adam_weighted(xs, grads, m[1], v[1], steps, pp.geometry, gamma, group["weight_decay"], ok)
+    else:
+        adam_multi_tensor(xs, grads, m, v, None, None, 0, pp.geometry, gamma, group["weight_decay"], True, None, steps,
+                          found_inf=(~ok).to(torch.float32))
+    for bind in binds:
+        bind()
+    count.add_(ok.to(torch.int64))
+    if created:
+        for p, _ in items:
+            state[p]["adam_step"] = count
+
+
+def adam_weighted(xs: list, gs: list, ms: list, vs: list, steps: torch.Tensor, geometry: Fields, gamma, wd: float,
+                  ok: torch.Tensor) -> None:
+    """AdamW (``adam_moments``' formulas) tensor by tensor, for a compiler to fuse (inductor does not
+    take torch's fused kernel): every write weighted by the flag ``ok`` on gradients zeroed where
+    it is false, so a skipped step writes m + 0·(0 − m), v·1 + 0 and X·1 + 0, the values as they
+    were. Within rounding of the fused kernel (another op order)."""
+    beta1, beta2 = (float(b) for b in geometry["betas"])
+    eps = working_eps(float(geometry["eps"]), vs[0].dtype, norm=True)
+    w = ok.to(torch.float64)
+    step = steps.to(torch.float64)
+    bc1, bc2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
+    for x, g, m, v in zip(xs, gs, ms, vs):
+        g = torch.where(ok, g, 0)
+        m.lerp_(g, (1 - beta1) * w)
+        v.mul_(1 - (1 - beta2) * w).addcmul_(g, g * ((1 - beta2) * w))
+        x.mul_(1 - gamma * wd * w).add_(m / (v.sqrt() / bc2_sqrt + eps) * (-gamma * w / bc1))
 
 
 def counts_on_device(groups: list, state, counters: list, jobs: list) -> None:

@@ -136,9 +136,19 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
                 torch._foreach_copy_(d_b, d_views)
         if wd:
             DECAYS[pp.decay].in_place(x_b, 1 - gamma * wd)
-        torch._foreach_add_(x_b, steps, alpha=scale)
+        axpy_lists(x_b, steps, scale)
     for bind in binds:
         bind()
+
+
+def axpy_lists(xs: list, ys: list, coef) -> None:
+    """xs += c·ys: one foreach add for a number c; for a 0-d tensor c (a capturable step's γ·ok) per
+    tensor, with no host read of c (the same bits: c·y rounded once, then added)."""
+    if torch.is_tensor(coef):
+        for x, y in zip(xs, ys):
+            x.addcmul_(y, coef)
+    else:
+        torch._foreach_add_(xs, ys, alpha=coef)
 
 
 def _adam_state(rt: Runtime, state, items: list, xs: list, binds: list) -> tuple:

@@ -104,8 +104,8 @@ class Program:
         choices = [self.variant, self.write]
         if self.variant == "batched":
             choices += [f"direction {self.direction_form}", f"check {self.check}"] + ["graphed"] * self.graphed
-        elif self.check == "off":
-            choices.append("check off")
+        elif self.check in ("off", "device"):
+            choices.append(f"check {self.check}")
         lines = [head, f"  variant: {' · '.join(choices)}", "  stages: " + " → ".join(self.stages)]
         lines += [f"  why: {w}" for w in self.why]
         names = ", ".join(self.names[:4]) + (f", … ({len(self.names)} tensors)" if len(self.names) > 4 else "")
@@ -137,8 +137,36 @@ def flat_rule(group: dict, pp: ParamPlan, opts: Options) -> Optional[str]:
         return f"direction {group['direction']} has no list form"
     if opts.track_gap or opts.track_update:
         return "track_gap / track_update measure the stacked step"
-    if opts.capturable:
-        return "capturable: every write selects on the device's finiteness flag, from a stacked copy"
+    if opts.capturable and not capturable_weights(group, pp, opts):
+        return ("capturable: every write selects on the device's finiteness flag, from a stacked copy (a flat "
+                "call runs Adam through torch's fused kernel, or Polyak and a map of each entry, weighted by it)")
+    return None
+
+
+def capturable_weights(group: dict, pp: ParamPlan, opts: Options) -> bool:
+    """Whether a flat call can skip on the device's flag with no selection: Adam through torch's
+    fused kernel (which reads the flag: ``found_inf``), or no direction or Polyak's and a map of
+    each entry, whose writes take the flag as a weight (d.lerp(g, α·ok), X + γ·ok·S, X·(1 − γ·ok·λ):
+    on gradients zeroed where it is false, the values as they were)."""
+    if pp.geometry.kind == "adam":
+        return group["direction"] == "none" and opts.implementation != "foreach"
+    # a map of each entry: an elementwise op that needs no norm (LOCAL, as on a shard) and keeps no state
+    each_entry = flat_refusal(pp.geometry.kind, sharded=True) is None and not geometry_state(pp.geometry)
+    return each_entry and group["direction"] in ("none", "polyak")
+
+
+def capturable_flat(group: dict, pp: ParamPlan, indices: list, opts: Options) -> Optional[str]:
+    """None where a flat call can run a capturable step (:func:`capturable_weights`); Adam's needs
+    torch's fused AdamW kernel on the device, which reads the finiteness flag itself
+    (``found_inf``: it returns before any write) and lr as a tensor, and contiguous tensors (it
+    writes them as flat memory). Else why not (the rule then steps batched)."""
+    if not opts.capturable or pp.geometry.kind != "adam":
+        return None
+    ps = [group["params"][i] for i in indices]
+    if ps[0].device.type not in FUSED_ADAM_DEVICES:
+        return f"capturable: no fused AdamW kernel on {ps[0].device.type}"
+    if not all(p.is_contiguous() for p in ps):
+        return "capturable: the fused AdamW kernel needs contiguous parameters"
     return None
 
 
@@ -171,7 +199,7 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
             common = dict(rule=group["rule"], group=gi, indices=tuple(indices),
                           names=tuple(ps[i].name for i in indices), shape=tuple(pp.op_shape), dtype=str(p.dtype),
                           device=str(p.device), stages=stage_text(group, pp))
-            not_flat = flat_rule(group, pp, opts)
+            not_flat = flat_rule(group, pp, opts) or capturable_flat(group, pp, indices, opts)
             if not_flat is None and p.dtype in FLAT_DTYPES:
                 fused = (pp.geometry.kind == "adam" and opts.implementation != "foreach"
                          and p.device.type in FUSED_ADAM_DEVICES)
@@ -194,6 +222,12 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
             fields = dict(common, indices=tuple(sorted(indices)), names=tuple(ps[i].name for i in sorted(indices)))
             if len({ps[i].op_shape for i in indices}) > 1:
                 fields["shape"] = ()  # tensors of several shapes
+            if opts.capturable:  # capturable_weights
+                fields["check"] = "device"
+                why = why + ["capturable: the fused kernel reads the device's finiteness flag (found_inf) and "
+                             "returns before any write where it is false" if fused else
+                             "capturable: the writes take the device's finiteness flag as a weight (α·ok, γ·ok) "
+                             "on gradients zeroed where it is false"]
             progs.append(Program(**fields, variant="flat", write="fused" if fused else "foreach", why=tuple(why)))
         out.append([_unchecked(p) for p in progs] if group["on_nonfinite"] == "off" else progs)
     # the finiteness test waits behind the forward ops' launches only where no bucket of the step

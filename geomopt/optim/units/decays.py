@@ -4,7 +4,8 @@ constraint (one step is direction → geometry → post-stages → weight decay 
 A :class:`DecayUnit` says, once: its spec model (:data:`geomopt.spec.updates.Decay`), its
 arithmetic on a bucket's stacked copy of X (``stacked(x, step, factor) -> X'``, a new tensor, with
 S the step it goes with and ``factor`` = 1 − γλ), its arithmetic in place on a list of tensors
-where it has one (``in_place(xs, factor)``: the flat path's and the in-place write-backs' form),
+where it has one (``in_place(xs, factor)``: the flat path's and the in-place write-backs' form) and
+into a given output (``into(x, factor, out)``: a stacked write-back's rows read from the parameters),
 and whether it reads the step S — a decay that does cannot run before the step is known, so it
 has no in-place form and its bucket writes X from the stacked copy
 (:mod:`geomopt.optim.engine.program` reads that here, not from the decay's name).
@@ -23,19 +24,20 @@ from geomopt.spec.updates import CautiousDecay, DecoupledDecay
 
 @dataclasses.dataclass(frozen=True)
 class DecayUnit:
-    """A weight decay: ``stacked(x, step, factor)`` (every decay), ``in_place(xs, factor)`` (None:
-    it has none), ``reads_step`` (it reads S, so the step comes first), ``locality`` (where it can
-    run on a shard: both decays act entry by entry)."""
+    """A weight decay: ``stacked(x, step, factor)`` (every decay), ``in_place(xs, factor)`` and
+    ``into(x, factor, out)`` (None: it has none), ``reads_step`` (it reads S, so the step comes
+    first), ``locality`` (where it can run on a shard: both decays act entry by entry)."""
 
     name: str
     spec: Any
     stacked: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
     in_place: Optional[Callable[[list, Any], None]] = None
+    into: Optional[Callable[[torch.Tensor, Any, torch.Tensor], None]] = None
     reads_step: bool = False
     locality: str = LOCAL
 
     def __post_init__(self):
-        if self.reads_step and self.in_place is not None:
+        if self.reads_step and (self.in_place is not None or self.into is not None):
             raise ValueError(f"decay {self.name!r} reads the step, so it has no in-place form before it")
 
     def why_not_in_place(self) -> Optional[str]:
@@ -64,11 +66,16 @@ def _decoupled_in_place(xs: list, factor) -> None:
     torch._foreach_mul_(xs, factor)
 
 
+def _decoupled_into(x: torch.Tensor, factor, out: torch.Tensor) -> None:
+    """out ← X·(1 − γλ) (a row of a stacked result, written from the parameter itself)."""
+    torch.mul(x, factor, out=out)
+
+
 def _cautious_stacked(x: torch.Tensor, step: torch.Tensor, factor) -> torch.Tensor:
     """X·(1 − γλ) only where the step S and X agree in sign (S⊙X ≥ 0), X elsewhere (Chen et al.
     2025, cautious weight decay)."""
     return torch.where(step * x >= 0, x * factor, x)
 
 
-decay(DecayUnit("decoupled", DecoupledDecay, _decoupled_stacked, _decoupled_in_place))
+decay(DecayUnit("decoupled", DecoupledDecay, _decoupled_stacked, _decoupled_in_place, _decoupled_into))
 decay(DecayUnit("cautious", CautiousDecay, _cautious_stacked, reads_step=True))

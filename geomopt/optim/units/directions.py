@@ -61,7 +61,11 @@ def polyak_lerp(d, g, alpha, out=None):
     """Polyak's d ← d + α(g − d) = d.lerp(g, α) (Theorem 4.3), the one place it is written: on a
     tensor (into ``out``, else d in place) or on lists of tensors (one foreach launch, in place)."""
     if isinstance(d, list):
-        torch._foreach_lerp_(d, g, alpha)
+        if torch.is_tensor(alpha):  # a device weight (a capturable step's α·ok): per tensor, no host read
+            for a, b in zip(d, g):
+                a.lerp_(b, alpha)
+        else:
+            torch._foreach_lerp_(d, g, alpha)
         return d
     return d.lerp_(g, alpha) if out is None else torch.lerp(d, g, alpha, out=out)
 
