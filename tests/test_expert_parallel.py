@@ -24,6 +24,7 @@ import torch
 WORKER = Path(__file__).with_name("ep_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 import ep_worker as worker  # noqa: E402
+from refusals import REFUSED_ON_SHARDS  # noqa: E402
 
 #: as tests/test_layouts.py: the shards sum norms and statistics in another order than one process
 BOUND = 2e-5
@@ -72,8 +73,8 @@ def test_expert_parallel_matches_one_process(ranks, reference, layout, name):
     """Under fsdp_ep_rows, mixed's Frobenius sphere on the router gate (2 rows over 4 ranks: a cut
     DTensor cannot flatten) runs as a matrix function gathered on one rank."""
     refused = ranks[0]["refused"][layout]
-    if "dion" in name:  # its power iteration needs whole matrices: refused on sharded tensors, saying so
-        assert "needs whole matrices" in refused.get(name, ""), (layout, refused)
+    if name in REFUSED_ON_SHARDS:  # refused on sharded tensors, saying why
+        assert REFUSED_ON_SHARDS[name] in refused.get(name, ""), (layout, refused)
         return
     assert name not in refused, refused[name]
     experts = worker.LAYOUTS[layout]

@@ -273,7 +273,8 @@ def test_radius_defaults_to_the_geometry_field():
 
 
 def test_dispatch_errors():
-    assert set(FORWARD_OPS) == {"euclidean", "isotropic", "anisotropic", "spectral", "rowwise", "columnwise", "adam"}
+    assert set(FORWARD_OPS) == {"euclidean", "isotropic", "anisotropic", "spectral", "rowwise", "columnwise", "adam",
+                                "kronecker"}
     with pytest.raises(ValueError, match="unknown geometry kind 'spectrl'.*spectral"):
         forward(torch.ones(2, 2), {"kind": "spectrl"})
     with pytest.raises(ValueError, match="needs a reference"):
@@ -282,6 +283,8 @@ def test_dispatch_errors():
         forward(torch.ones(3), {"kind": "spectral", "reference": IND})
     with pytest.raises(ValueError, match="carries state"):
         forward(torch.ones(3), {"kind": "adam"})
+    with pytest.raises(ValueError, match="carries state"):
+        forward(torch.ones(3, 3), {"kind": "kronecker", "method": "shampoo"})
 
 
 # ---------------------------------------------------------------- adam vs torch.optim.AdamW

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import geomopt
+from geomopt.optim.units.state_keys import COUNTS
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "specs").rglob("*.yaml"))
@@ -71,6 +72,14 @@ def expected_state_bytes(opt, model) -> int:
             total += cols * dion_rank(pp.direction["rank"], (t.shape[0], cols)) * size
         if pp.geometry["kind"] == "adam":
             total += 2 * n * size  # exp_avg, exp_avg_sq
+        if pp.geometry["kind"] == "kronecker":  # per (shape[0], rest) matrix: factors and their roots or bases
+            rows = pp.op_shape[0]
+            sides = [k for k in (rows, n // rows) if pp.geometry["max_dim"] is None or k <= pp.geometry["max_dim"]]
+            total += 2 * sum(k * k for k in sides) * 4
+            if pp.geometry["method"] == "soap":
+                total += 2 * n * size  # Adam's moments
+            elif pp.geometry["graft"] in ("adagrad", "adam"):
+                total += n * 4  # the graft's sum of squares
         for stage in pp.post:
             if stage["kind"] == "second_moment":
                 total += _second_moment_numel(stage["axis"], pp) * size  # post_v
@@ -108,7 +117,7 @@ def _prod(xs) -> int:
 
 
 #: 0-dim int64 step counts (torch keeps its ``step`` a tensor): counters, not the algorithm's state
-COUNT_KEYS = ("state.adam_step", "state.post_step")
+COUNT_KEYS = tuple(f"state.{k}" for k in COUNTS)  # the declared step counts
 
 
 def state_bytes(held: dict) -> int:

@@ -24,6 +24,7 @@ import torch
 WORKER = Path(__file__).with_name("pp_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 import pp_worker as worker  # noqa: E402
+from refusals import REFUSED_ON_SHARDS  # noqa: E402
 
 #: max over tensors of ‖X − X_ref‖_F / ‖X_ref‖_F after 2 steps: tests/test_layouts.py's bound, for
 #: the optimizer's own deviation (the reference given the pipeline's microbatched gradients)
@@ -90,9 +91,9 @@ def test_pipeline_gradients_are_the_whole_batch_gradients(ranks):
 @pytest.mark.parametrize("name", sorted(worker.SPECS))
 def test_pp_fsdp_matches_one_process(ranks, pp, name):
     refused = ranks[0]["refused"]["pp_fsdp"]
-    if name == "dion":  # its power iteration needs whole matrices: refused on sharded tensors, saying so
+    if name in REFUSED_ON_SHARDS:  # refused on sharded tensors, saying why
         for r in ranks:
-            assert "needs whole matrices" in r["refused"]["pp_fsdp"].get(name, ""), r["refused"]
+            assert REFUSED_ON_SHARDS[name] in r["refused"]["pp_fsdp"].get(name, ""), r["refused"]
         assert name not in pp
         return
     assert name not in refused, refused[name]

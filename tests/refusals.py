@@ -1,0 +1,10 @@
+"""The shipped specs that refuse sharded (DTensor) parameters, and what their refusal says: the
+layout tests take the refusal as the result for these (every other spec must run and match one
+process). Dion's power iteration and QR need each matrix whole; the kronecker geometry's factors
+live with the whole matrix (shampoo, soap-muon)."""
+
+REFUSED_ON_SHARDS = {
+    "dion": "needs whole matrices",
+    "shampoo": "cannot run across ranks",
+    "soap-muon": "cannot run across ranks",
+}
