@@ -91,12 +91,12 @@ def test_pipeline_gradients_are_the_whole_batch_gradients(ranks):
 @pytest.mark.parametrize("name", sorted(worker.SPECS))
 def test_pp_fsdp_matches_one_process(ranks, pp, name):
     refused = ranks[0]["refused"]["pp_fsdp"]
-    if name in REFUSED_ON_SHARDS:  # refused on sharded tensors, saying why
+    if name in refused:  # a rule of this spec refuses sharded tensors on this model: its refusal, saying why
         for r in ranks:
-            assert REFUSED_ON_SHARDS[name] in r["refused"]["pp_fsdp"].get(name, ""), r["refused"]
+            assert REFUSED_ON_SHARDS.get(name, "(not expected to refuse)") in r["refused"]["pp_fsdp"].get(name, ""), \
+                r["refused"]
         assert name not in pp
         return
-    assert name not in refused, refused[name]
     whole = merged(ranks, "ref")[name]["params"]
     microbatched = merged(ranks, "ref_microbatched")[name]["params"]
     got = pp[name]
