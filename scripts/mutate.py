@@ -20,8 +20,9 @@ fork()ed child that recompiles only the mutated function and swaps its ``__code_
 function object (every ``from x import f`` reference and every registry entry sees it), then runs
 ``pytest.main([...tests..., "-x", "-q", "-p", "no:cacheprovider"])`` under a timeout (a timeout
 counts as killed, listed apart). The tests a mutant runs are those of :data:`TESTS` (a module's own
-tests and the step's integration tests) that execute the mutated function, at most
-:data:`TESTS_PER_FILE` of each file spread over its cases: a map from test to the functions it
+tests and the step's integration tests) that execute the mutated function: all of those of the
+module's own test files (:data:`OWN_TESTS`), at most :data:`TESTS_PER_FILE` of each other file
+spread over its cases; which tests execute which function is a map from test to the functions it
 calls, computed once by profiling those tests and cached in ``.cache/`` (per test file, keyed by
 the sources' and tests' contents).
 
@@ -71,6 +72,10 @@ TESTS: dict[str, tuple[str, ...]] = {
     "geomopt/optim/units/directions.py": ("tests/test_units.py", "tests/test_dion.py", "tests/test_adam_step.py",
                                           *STEP_TESTS),
 }
+#: the test files that run in full for a mutant of a module, not capped at :data:`TESTS_PER_FILE`: the
+#: module's own unit tests (``tests/test_<module>.py``, or those named here) and the survivors' file
+OWN_TESTS: dict[str, tuple[str, ...]] = {"geomopt/optim/units/directions.py": ("tests/test_units.py",)}
+ALWAYS_FULL = ("tests/test_mutation_kills.py",)
 #: tests no mutant runs: torch.compile in a forked child costs seconds per mutant and starts
 #: compile workers (the eager tests cover the same functions)
 EXCLUDE = "not test_compiled_"
@@ -709,15 +714,23 @@ def coverage_map() -> dict:
     return {"tests": tests, "calls": calls}
 
 
+def own_tests(path: str) -> set[str]:
+    """The test files that run in full for a mutant of ``path`` (:data:`OWN_TESTS`, ``tests/test_<module>.py``,
+    :data:`ALWAYS_FULL`)."""
+    return {*OWN_TESTS.get(path, ()), f"tests/test_{Path(path).stem}.py", *ALWAYS_FULL}
+
+
 def tests_for(mutant: Mutant, cmap: dict) -> list[str]:
-    """The tests of the mutant's module's test files that call its function: per file at most
-    :data:`TESTS_PER_FILE`, spread evenly over the file's calling tests in nodeid order (its
-    parametrizations, its cases), then run fastest first."""
+    """The tests of the mutant's module's test files that call its function: all of those of its own
+    test files (:func:`own_tests`), of the others at most :data:`TESTS_PER_FILE` per file, spread evenly
+    over the file's calling tests in nodeid order (its parametrizations, its cases); then run fastest
+    first."""
     calling = cmap["calls"].get(f"{mutant.path}::{mutant.qualname}", [])
     chosen = []
+    own = own_tests(mutant.path)
     for f in test_files(mutant.path):
         ids = [t for t in calling if t.split("::", 1)[0] == f]
-        if len(ids) > TESTS_PER_FILE:
+        if len(ids) > TESTS_PER_FILE and f not in own:
             ids = [ids[round(i * (len(ids) - 1) / (TESTS_PER_FILE - 1))] for i in range(TESTS_PER_FILE)]
         chosen += ids
     return sorted(chosen, key=lambda t: cmap["tests"].get(t, 0.0))
