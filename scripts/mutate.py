@@ -74,7 +74,8 @@ TESTS: dict[str, tuple[str, ...]] = {
 }
 #: the test files that run in full for a mutant of a module, not capped at :data:`TESTS_PER_FILE`: the
 #: module's own unit tests (``tests/test_<module>.py``, or those named here) and the survivors' file
-OWN_TESTS: dict[str, tuple[str, ...]] = {"geomopt/optim/units/directions.py": ("tests/test_units.py",)}
+OWN_TESTS: dict[str, tuple[str, ...]] = {"geomopt/optim/units/directions.py": ("tests/test_units.py",
+                                                                             "tests/test_dion.py")}
 ALWAYS_FULL = ("tests/test_mutation_kills.py",)
 #: tests no mutant runs: torch.compile in a forked child costs seconds per mutant and starts
 #: compile workers (the eager tests cover the same functions)
