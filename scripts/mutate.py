@@ -98,6 +98,11 @@ _SUBSTITUTION = ("the exponent of a change of variables in a quadrature: every p
 _ROWS = ("dim 1 for dim −1 of the module's (B, n) rows of magnitudes (its docstring): the same dim")
 _GROUPING = ("which form computes M·V·Diag(w)·Vᵀ, and over how many leading directions (those past the "
              "width have w = c and add nothing): a cost choice, the same product to rounding")
+_POWER_SCALE = ("a power iterate (the start vector v, or w = Dv per row block) scaled by another positive or a "
+                "negative number instead of its norm's reciprocal: only its direction is read, as v = Dᵀw and the "
+                "estimate's w = Dv are normalized next")
+_ONE_BLOCK = ("a matrix of one row block: only the length of the list of block sizes is read, and the per-block path "
+              "(index_add over one block) sums the same entries, the same statistic to rounding")
 #: survivors judged equivalent or unkillable, keyed ``path::function: original -> mutated`` (``#n``: the n-th
 #: of the same change in that function): :attr:`Mutant.stable_key`, which lines added above it leave alone
 EXPLAINED: dict[str, str] = {
@@ -146,6 +151,20 @@ EXPLAINED: dict[str, str] = {
         "normalized next)",
     "geomopt/optim/units/stages.py::_power_normalized: v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps) -> -(v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps))":
         "v negated: the estimate σ₁ ≈ ‖Dv‖ reads w = Dv only through w·w",
+    "geomopt/optim/units/stages.py::_power_normalized: 1 / math.sqrt(math.prod(ctx.op_shape[c - 1] for c in cols)) -> 1 * math.sqrt(math.prod((ctx.op_shape[c - 1] for c in cols)))":
+        _POWER_SCALE,
+    "geomopt/optim/units/stages.py::_power_normalized: 1 -> 2": _POWER_SCALE,
+    "geomopt/optim/units/stages.py::_power_normalized: 1 -> 2 #2": _POWER_SCALE,
+    "geomopt/optim/units/stages.py::_power_normalized: w / to_rows(per_column(w * w).sqrt_().clamp_(min=eps)) -> w * to_rows(per_column(w * w).sqrt_().clamp_(min=eps))":
+        _POWER_SCALE,
+    "geomopt/optim/units/stages.py::_power_normalized: w / to_rows(per_column(w * w).sqrt_().clamp_(min=eps)) -> -(w / to_rows(per_column(w * w).sqrt_().clamp_(min=eps)))":
+        _POWER_SCALE,
+    "geomopt/optim/units/stages.py::_per_axis: 1 -> 2": _ONE_BLOCK,
+    "geomopt/optim/units/stages.py::_per_axis: 1 -> 0": _ONE_BLOCK,
+    "geomopt/optim/units/stages.py::_per_axis: 1 -> 2 #2": _ONE_BLOCK,
+    "geomopt/optim/units/stages.py::_per_axis: 1 -> 0 #2": _ONE_BLOCK,
+    "geomopt/optim/units/directions.py::dion_rank: 1 -> 0 #2":
+        "max(0, ·) for max(1, ·) of ⌈r·min(m, n)⌉, which is at least 1 for the fraction r > 0 the spec admits",
     "geomopt/geometry/reference.py::_z_minus_log1p: 1 -> 2": _TOP_TERM,
     "geomopt/geometry/reference.py::_z_minus_log1p: 1 -> 0": _TOP_TERM,
     "geomopt/geometry/reference.py::LogBarrier.h: 1 -> 2":

@@ -175,6 +175,64 @@ def test_second_moment_reads_each_kernel_position_as_its_own_matrix(axis):
     torch.testing.assert_close(got["conv.w"], want, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("fresh", [False, True], ids=["in-place", "journaled"])
+def test_stage_state_in_place_or_journaled_is_the_same_running_mean(fresh):
+    """second_moment and norm_ratio called directly over three steps, their state updated in place
+    (a multi-process step) or put in the state as a new tensor (a journaled one): the same
+    v ← β₂v + (1−β₂)·x as the brute-force reference."""
+    from geomopt.optim.units.stages import STAGES, Context
+
+    gen = torch.Generator().manual_seed(3)
+    us = [torch.randn(1, 4, 6, generator=gen) for _ in range(3)]
+    gs = [torch.randn(1, 4, 6, generator=gen) for _ in range(3)]
+    moment = {"kind": "second_moment", "axis": "row", "beta2": 0.8, "eps": 1e-3, "bias_correction": False}
+    ratio = {"kind": "norm_ratio", "beta2": 0.8, "eps": 1e-3}
+    state_m: dict = {}
+    state_r: dict = {}
+    want = _second_moment_ref([u[0] for u in us], "row", 0.8, 1e-3, False)
+    v = 0.0
+    for k, (u, g) in enumerate(zip(us, gs)):
+        got = STAGES["second_moment"].fn(u.clone(), moment, Context(state=state_m, op_shape=(4, 6), fresh=fresh))
+        torch.testing.assert_close(got[0], want[k][0], rtol=1e-12, atol=1e-12)
+        ctx = Context(state=state_r, op_shape=(4, 6), gradient=g, direction=u, fresh=fresh)
+        got = STAGES["norm_ratio"].fn(u.clone(), ratio, ctx)
+        v = 0.8 * v + 0.2 * float(g.square().sum())
+        torch.testing.assert_close(got, u * float(u.norm()) / (math.sqrt(v) + 1e-3), rtol=1e-12, atol=1e-12)
+
+
+def test_second_moment_on_the_longer_side_of_a_square_matrix_is_per_row():
+    """``axis: longer`` takes rows where m ≥ n: a square matrix's statistic is per row."""
+    w = {"w": torch.randn(5, 5)}
+    grads = _grads(w, 2, seed=4)
+    post = [{"kind": "second_moment", "axis": "longer", "beta2": 0.9, "eps": 1e-3}]
+    got, _ = _run(_spec(EUCLID, post), w, grads)
+    ref = _second_moment_ref([g["w"] for g in grads], "row", 0.9, 1e-3, False)
+    torch.testing.assert_close(got["w"], w["w"] - 0.1 * sum(r[0] for r in ref), rtol=1e-12, atol=1e-12)
+
+
+def test_power_normalized_divides_by_the_top_singular_value_with_zero_rows():
+    """D/σ₁(D) by the power iteration for a matrix with zero rows (σ = 3, 1, 0 and a clear gap: the
+    estimate converges), against σ₁ from the SVD."""
+    from geomopt.optim.units.stages import Context, _power_normalized
+
+    q, _ = torch.linalg.qr(torch.randn(3, 3, generator=torch.Generator().manual_seed(1)))
+    d = torch.zeros(4, 3)
+    d[0, 0], d[1, 1] = 3.0, 1.0
+    d = (d @ q).unsqueeze(0)
+    got = _power_normalized(d, Context(state={}, op_shape=(4, 3)), 30)
+    torch.testing.assert_close(got, d / torch.linalg.matrix_norm(d[0], ord=2), rtol=1e-12, atol=1e-12)
+
+
+def test_cautious_drops_the_components_where_the_gradient_is_zero():
+    """m = [U⊙G > 0]: a component whose gradient is exactly 0 does not agree with it and is dropped."""
+    from geomopt.optim.units.stages import STAGES, Context
+
+    u = torch.tensor([[[1.0, -2.0, 3.0, 0.5]]])
+    g = torch.tensor([[[2.0, 0.0, 0.0, -1.0]]])
+    got = STAGES["cautious"].fn(u, {"kind": "cautious"}, Context(state={}, op_shape=(1, 4), gradient=g))
+    torch.testing.assert_close(got, torch.tensor([[[1.0 * 4 / 2, 0.0, 0.0, 0.0]]]), rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- the scalar stages
 
 
