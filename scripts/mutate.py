@@ -39,6 +39,7 @@ import copy
 import dataclasses
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -783,6 +784,25 @@ def summarize(outcomes: Sequence[Outcome]) -> dict:
             "modules": {p: tally(rows) for p, rows in sorted(by_path.items())}}
 
 
+RECORDED = ROOT / "benchmarks" / "results" / "mutation.json"
+#: the section of benchmarks/RESULTS.md that holds the recorded run's table
+RESULTS_SECTION = "Mutation testing (`scripts/mutate.py`)"
+
+
+def record_results(record: dict) -> None:
+    """The recorded outcome's table and caption, as the docs render them (scripts/readme_tables.py's
+    ``mutation``), put in :data:`RESULTS_SECTION` of benchmarks/RESULTS.md (``benchmarks/_results.record``)."""
+    loaded = {}
+    for name, path in (("readme_tables", ROOT / "scripts" / "readme_tables.py"),
+                       ("_results", ROOT / "benchmarks" / "_results.py")):
+        spec = importlib.util.spec_from_file_location(f"_mutate_{name}", path)
+        assert spec is not None and spec.loader is not None
+        loaded[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded[name])
+    text = loaded["readme_tables"].mutation(lambda key, path: record)
+    loaded["_results"].record(RESULTS_SECTION, f"### Mutation score of the math units\n\n{text}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modules", nargs="+", default=list(DEFAULT_MODULES),
@@ -841,7 +861,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "python scripts/mutate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d", time.gmtime()), "source": source_version(ROOT), "machine": machine("cpu"),
         "load": [round(x, 2) for x in load], "workers": args.workers, "seconds": round(seconds, 1),
-        "operators": OPERATORS, "tests_per_file": TESTS_PER_FILE,
+        "operators": OPERATORS, "tests_per_file": TESTS_PER_FILE, "own_tests_in_full": True,
         "sample": {"mutants": len(chosen), "of": len(every), "seed": args.seed,
                    "sampled": len(chosen) < len(every)},
         **summary,
@@ -862,6 +882,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        if args.out.resolve() == RECORDED.resolve():
+            record_results(record)
     return 0
 
 
