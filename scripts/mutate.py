@@ -104,6 +104,14 @@ _POWER_SCALE = ("a power iterate (the start vector v, or w = Dv per row block) s
                 "estimate's w = Dv are normalized next")
 _ONE_BLOCK = ("a matrix of one row block: only the length of the list of block sizes is read, and the per-block path "
               "(index_add over one block) sums the same entries, the same statistic to rounding")
+_GAP_ROUNDING = ("how many ulps past 1 an entry of W may lie and still count as the boundary's rounding (the gap's "
+                 "docstring: beyond rounding it is +∞): a tolerance, not a value the gap computes")
+_FLOAT32_FLOOR = ("a lower default floor for float32 (2⁻²¹ or 2⁻⁴⁰ for 2⁻²⁰): more steps of a converging iteration, "
+                  "the same polar factor")
+_SERIES_CLAMP = ("the clamp that keeps the series' argument small where the direct formula is taken instead: the "
+                 "values it changes are discarded")
+_STACK_NORMS = ("unsqueeze(1) for unsqueeze(−1) of the (N,) norms of the (N, m, n) stack, or unsqueeze(1) or "
+                "unsqueeze(−2) of the (N, 1) ones: the same (N, 1, 1)")
 #: survivors judged equivalent or unkillable, keyed ``path::function: original -> mutated`` (``#n``: the n-th
 #: of the same change in that function): :attr:`Mutant.stable_key`, which lines added above it leave alone
 EXPLAINED: dict[str, str] = {
@@ -166,6 +174,38 @@ EXPLAINED: dict[str, str] = {
     "geomopt/optim/units/stages.py::_per_axis: 1 -> 0 #2": _ONE_BLOCK,
     "geomopt/optim/units/directions.py::dion_rank: 1 -> 0 #2":
         "max(0, ·) for max(1, ·) of ⌈r·min(m, n)⌉, which is at least 1 for the fraction r > 0 the spec admits",
+    "geomopt/geometry/gap.py::_h: a > 1 + 8 * eps -> a >= 1 + 8 * eps": _GAP_ROUNDING,
+    "geomopt/geometry/gap.py::_h: 8 -> 9": _GAP_ROUNDING,
+    "geomopt/geometry/gap.py::_h: 8 -> 16": _GAP_ROUNDING,
+    "geomopt/geometry/gap.py::dual_norm: -1 -> 1 #2":
+        "dim 1 for dim −1 of the (N, k) singular values of the (N, m, n) stack: the same dim",
+    "geomopt/geometry/operators.py::unsupported_message: 1 -> 2":
+        "difflib's two closest names instead of one: only the first, the same, is read",
+    "geomopt/geometry/prox/polar.py::polar: -1 -> 1 #3": _STACK_NORMS,
+    "geomopt/geometry/prox/polar.py::polar: -1 -> 1 #4": _STACK_NORMS,
+    "geomopt/geometry/prox/polar.py::polar: 1 -> 2 #4": _STACK_NORMS,
+    "geomopt/geometry/prox/polar.py::polar: 20 -> 21": _FLOAT32_FLOOR,
+    "geomopt/geometry/prox/polar.py::polar: 20 -> 40": _FLOAT32_FLOOR,
+    "geomopt/geometry/prox/polar.py::polar_steps: 0 -> 1":
+        "at least one step counted where both ends of the interval are already within ε of 1 (two in all): one "
+        "more step of a converged iteration",
+    "geomopt/geometry/reference.py::_z_minus_log1p: 0.1 -> 0.2 #2": _SERIES_CLAMP,
+    "geomopt/geometry/reference.py::_z_minus_log1p: 0.1 -> 1.1 #2": _SERIES_CLAMP,
+    "geomopt/geometry/reference.py::_z_minus_log1p: 0.1 -> 0.9 #2": _SERIES_CLAMP,
+    "geomopt/geometry/reference.py::_z_minus_log1p: 24 -> 25": _TOP_TERM,
+    "geomopt/geometry/reference.py::_z_minus_log1p: 24 -> 48": _TOP_TERM,
+    "geomopt/geometry/reference.py::_z_minus_log1p: 23 -> 24":
+        "one more term z²⁵/24 of the series: for |z| < 0.1 below 1e-24 of the leading z²/2, under float64's ε",
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: -1 -> 1": "unsqueeze(1) for unsqueeze(−1) of the (B,) flags: the same",
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: -1 -> 1 #2": _ROWS,
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: -1 -> 1 #3":
+        "unsqueeze(1) for unsqueeze(−1) of the (B,) slacks: the same",
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: a.amax(-1) -> a.amin(-1)":
+        "the scale of the rounding slack of the outward feasibility test: a tolerance, not a value the step computes",
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: row_norm(a) >= r -> row_norm(a) > r":
+        "a row exactly on the sphere taken outward instead of inward: both keep it, to the solve's rounding (|s| ≥ |a| with Σs² = r² is s = a)",
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: (a + t + slack).square().sum(-1) < r * r -> (a + t + slack).square().sum(-1) <= r * r":
+        "the outward infeasibility test at equality, which the rounding slack already widens: a tolerance's boundary",
     "geomopt/geometry/reference.py::_z_minus_log1p: 1 -> 2": _TOP_TERM,
     "geomopt/geometry/reference.py::_z_minus_log1p: 1 -> 0": _TOP_TERM,
     "geomopt/geometry/reference.py::LogBarrier.h: 1 -> 2":
