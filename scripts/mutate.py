@@ -20,8 +20,9 @@ fork()ed child that recompiles only the mutated function and swaps its ``__code_
 function object (every ``from x import f`` reference and every registry entry sees it), then runs
 ``pytest.main([...tests..., "-x", "-q", "-p", "no:cacheprovider"])`` under a timeout (a timeout
 counts as killed, listed apart). The tests a mutant runs are those of :data:`TESTS` (a module's own
-tests and the step's integration tests) that execute the mutated function, at most
-:data:`TESTS_PER_FILE` of each file spread over its cases: a map from test to the functions it
+tests and the step's integration tests) that execute the mutated function: all of those of the
+module's own test files (:data:`OWN_TESTS`), at most :data:`TESTS_PER_FILE` of each other file
+spread over its cases; which tests execute which function is a map from test to the functions it
 calls, computed once by profiling those tests and cached in ``.cache/`` (per test file, keyed by
 the sources' and tests' contents).
 
@@ -38,6 +39,7 @@ import copy
 import dataclasses
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -71,6 +73,11 @@ TESTS: dict[str, tuple[str, ...]] = {
     "geomopt/optim/units/directions.py": ("tests/test_units.py", "tests/test_dion.py", "tests/test_adam_step.py",
                                           *STEP_TESTS),
 }
+#: the test files that run in full for a mutant of a module, not capped at :data:`TESTS_PER_FILE`: the
+#: module's own unit tests (``tests/test_<module>.py``, or those named here) and the survivors' file
+OWN_TESTS: dict[str, tuple[str, ...]] = {"geomopt/optim/units/directions.py": ("tests/test_units.py",
+                                                                             "tests/test_dion.py")}
+ALWAYS_FULL = ("tests/test_mutation_kills.py",)
 #: tests no mutant runs: torch.compile in a forked child costs seconds per mutant and starts
 #: compile workers (the eager tests cover the same functions)
 EXCLUDE = "not test_compiled_"
@@ -92,6 +99,19 @@ _SUBSTITUTION = ("the exponent of a change of variables in a quadrature: every p
 _ROWS = ("dim 1 for dim −1 of the module's (B, n) rows of magnitudes (its docstring): the same dim")
 _GROUPING = ("which form computes M·V·Diag(w)·Vᵀ, and over how many leading directions (those past the "
              "width have w = c and add nothing): a cost choice, the same product to rounding")
+_POWER_SCALE = ("a power iterate (the start vector v, or w = Dv per row block) scaled by another positive or a "
+                "negative number instead of its norm's reciprocal: only its direction is read, as v = Dᵀw and the "
+                "estimate's w = Dv are normalized next")
+_ONE_BLOCK = ("a matrix of one row block: only the length of the list of block sizes is read, and the per-block path "
+              "(index_add over one block) sums the same entries, the same statistic to rounding")
+_GAP_ROUNDING = ("how many ulps past 1 an entry of W may lie and still count as the boundary's rounding (the gap's "
+                 "docstring: beyond rounding it is +∞): a tolerance, not a value the gap computes")
+_FLOAT32_FLOOR = ("a lower default floor for float32 (2⁻²¹ or 2⁻⁴⁰ for 2⁻²⁰): more steps of a converging iteration, "
+                  "the same polar factor")
+_SERIES_CLAMP = ("the clamp that keeps the series' argument small where the direct formula is taken instead: the "
+                 "values it changes are discarded")
+_STACK_NORMS = ("unsqueeze(1) for unsqueeze(−1) of the (N,) norms of the (N, m, n) stack, or unsqueeze(1) or "
+                "unsqueeze(−2) of the (N, 1) ones: the same (N, 1, 1)")
 #: survivors judged equivalent or unkillable, keyed ``path::function: original -> mutated`` (``#n``: the n-th
 #: of the same change in that function): :attr:`Mutant.stable_key`, which lines added above it leave alone
 EXPLAINED: dict[str, str] = {
@@ -140,6 +160,52 @@ EXPLAINED: dict[str, str] = {
         "normalized next)",
     "geomopt/optim/units/stages.py::_power_normalized: v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps) -> -(v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps))":
         "v negated: the estimate σ₁ ≈ ‖Dv‖ reads w = Dv only through w·w",
+    "geomopt/optim/units/stages.py::_power_normalized: 1 / math.sqrt(math.prod(ctx.op_shape[c - 1] for c in cols)) -> 1 * math.sqrt(math.prod((ctx.op_shape[c - 1] for c in cols)))":
+        _POWER_SCALE,
+    "geomopt/optim/units/stages.py::_power_normalized: 1 -> 2": _POWER_SCALE,
+    "geomopt/optim/units/stages.py::_power_normalized: 1 -> 2 #2": _POWER_SCALE,
+    "geomopt/optim/units/stages.py::_power_normalized: w / to_rows(per_column(w * w).sqrt_().clamp_(min=eps)) -> w * to_rows(per_column(w * w).sqrt_().clamp_(min=eps))":
+        _POWER_SCALE,
+    "geomopt/optim/units/stages.py::_power_normalized: w / to_rows(per_column(w * w).sqrt_().clamp_(min=eps)) -> -(w / to_rows(per_column(w * w).sqrt_().clamp_(min=eps)))":
+        _POWER_SCALE,
+    "geomopt/optim/units/stages.py::_per_axis: 1 -> 2": _ONE_BLOCK,
+    "geomopt/optim/units/stages.py::_per_axis: 1 -> 0": _ONE_BLOCK,
+    "geomopt/optim/units/stages.py::_per_axis: 1 -> 2 #2": _ONE_BLOCK,
+    "geomopt/optim/units/stages.py::_per_axis: 1 -> 0 #2": _ONE_BLOCK,
+    "geomopt/optim/units/directions.py::dion_rank: 1 -> 0 #2":
+        "max(0, ·) for max(1, ·) of ⌈r·min(m, n)⌉, which is at least 1 for the fraction r > 0 the spec admits",
+    "geomopt/geometry/gap.py::_h: a > 1 + 8 * eps -> a >= 1 + 8 * eps": _GAP_ROUNDING,
+    "geomopt/geometry/gap.py::_h: 8 -> 9": _GAP_ROUNDING,
+    "geomopt/geometry/gap.py::_h: 8 -> 16": _GAP_ROUNDING,
+    "geomopt/geometry/gap.py::dual_norm: -1 -> 1 #2":
+        "dim 1 for dim −1 of the (N, k) singular values of the (N, m, n) stack: the same dim",
+    "geomopt/geometry/operators.py::unsupported_message: 1 -> 2":
+        "difflib's two closest names instead of one: only the first, the same, is read",
+    "geomopt/geometry/prox/polar.py::polar: -1 -> 1 #3": _STACK_NORMS,
+    "geomopt/geometry/prox/polar.py::polar: -1 -> 1 #4": _STACK_NORMS,
+    "geomopt/geometry/prox/polar.py::polar: 1 -> 2 #4": _STACK_NORMS,
+    "geomopt/geometry/prox/polar.py::polar: 20 -> 21": _FLOAT32_FLOOR,
+    "geomopt/geometry/prox/polar.py::polar: 20 -> 40": _FLOAT32_FLOOR,
+    "geomopt/geometry/prox/polar.py::polar_steps: 0 -> 1":
+        "at least one step counted where both ends of the interval are already within ε of 1 (two in all): one "
+        "more step of a converged iteration",
+    "geomopt/geometry/reference.py::_z_minus_log1p: 0.1 -> 0.2 #2": _SERIES_CLAMP,
+    "geomopt/geometry/reference.py::_z_minus_log1p: 0.1 -> 1.1 #2": _SERIES_CLAMP,
+    "geomopt/geometry/reference.py::_z_minus_log1p: 0.1 -> 0.9 #2": _SERIES_CLAMP,
+    "geomopt/geometry/reference.py::_z_minus_log1p: 24 -> 25": _TOP_TERM,
+    "geomopt/geometry/reference.py::_z_minus_log1p: 24 -> 48": _TOP_TERM,
+    "geomopt/geometry/reference.py::_z_minus_log1p: 23 -> 24":
+        "one more term z²⁵/24 of the series: for |z| < 0.1 below 1e-24 of the leading z²/2, under float64's ε",
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: -1 -> 1": "unsqueeze(1) for unsqueeze(−1) of the (B,) flags: the same",
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: -1 -> 1 #2": _ROWS,
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: -1 -> 1 #3":
+        "unsqueeze(1) for unsqueeze(−1) of the (B,) slacks: the same",
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: a.amax(-1) -> a.amin(-1)":
+        "the scale of the rounding slack of the outward feasibility test: a tolerance, not a value the step computes",
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: row_norm(a) >= r -> row_norm(a) > r":
+        "a row exactly on the sphere taken outward instead of inward: both keep it, to the solve's rounding (|s| ≥ |a| with Σs² = r² is s = a)",
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: (a + t + slack).square().sum(-1) < r * r -> (a + t + slack).square().sum(-1) <= r * r":
+        "the outward infeasibility test at equality, which the rounding slack already widens: a tolerance's boundary",
     "geomopt/geometry/reference.py::_z_minus_log1p: 1 -> 2": _TOP_TERM,
     "geomopt/geometry/reference.py::_z_minus_log1p: 1 -> 0": _TOP_TERM,
     "geomopt/geometry/reference.py::LogBarrier.h: 1 -> 2":
@@ -709,15 +775,23 @@ def coverage_map() -> dict:
     return {"tests": tests, "calls": calls}
 
 
+def own_tests(path: str) -> set[str]:
+    """The test files that run in full for a mutant of ``path`` (:data:`OWN_TESTS`, ``tests/test_<module>.py``,
+    :data:`ALWAYS_FULL`)."""
+    return {*OWN_TESTS.get(path, ()), f"tests/test_{Path(path).stem}.py", *ALWAYS_FULL}
+
+
 def tests_for(mutant: Mutant, cmap: dict) -> list[str]:
-    """The tests of the mutant's module's test files that call its function: per file at most
-    :data:`TESTS_PER_FILE`, spread evenly over the file's calling tests in nodeid order (its
-    parametrizations, its cases), then run fastest first."""
+    """The tests of the mutant's module's test files that call its function: all of those of its own
+    test files (:func:`own_tests`), of the others at most :data:`TESTS_PER_FILE` per file, spread evenly
+    over the file's calling tests in nodeid order (its parametrizations, its cases); then run fastest
+    first."""
     calling = cmap["calls"].get(f"{mutant.path}::{mutant.qualname}", [])
     chosen = []
+    own = own_tests(mutant.path)
     for f in test_files(mutant.path):
         ids = [t for t in calling if t.split("::", 1)[0] == f]
-        if len(ids) > TESTS_PER_FILE:
+        if len(ids) > TESTS_PER_FILE and f not in own:
             ids = [ids[round(i * (len(ids) - 1) / (TESTS_PER_FILE - 1))] for i in range(TESTS_PER_FILE)]
         chosen += ids
     return sorted(chosen, key=lambda t: cmap["tests"].get(t, 0.0))
@@ -748,6 +822,28 @@ def summarize(outcomes: Sequence[Outcome]) -> dict:
     groups = {g: tally([o for o in outcomes if o.mutant.path.startswith(prefix)]) for g, prefix in GROUPS.items()}
     return {"groups": {g: c for g, c in groups.items() if c["mutants"]},
             "modules": {p: tally(rows) for p, rows in sorted(by_path.items())}}
+
+
+RECORDED = ROOT / "benchmarks" / "results" / "mutation.json"
+#: the section of benchmarks/RESULTS.md that holds the recorded run's table
+RESULTS_SECTION = "Mutation testing (`scripts/mutate.py`)"
+
+
+def record_results(record: dict) -> None:
+    """The recorded outcome's table and caption, as the docs render them (scripts/readme_tables.py's
+    ``mutation``), put in :data:`RESULTS_SECTION` of benchmarks/RESULTS.md (``benchmarks/_results.record``)."""
+    loaded = {}
+    for name, path in (("readme_tables", ROOT / "scripts" / "readme_tables.py"),
+                       ("_results", ROOT / "benchmarks" / "_results.py")):
+        spec = importlib.util.spec_from_file_location(f"_mutate_{name}", path)
+        assert spec is not None and spec.loader is not None
+        loaded[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded[name])
+    text = loaded["readme_tables"].mutation(lambda key, path: record)
+    machine = record.get("machine") or {}
+    heading = (f"### Mutation score of the math units, {machine.get('cpu', 'CPU')}, torch {machine.get('torch', '?')} "
+               f"— {record['date']}")
+    loaded["_results"].record(RESULTS_SECTION, f"{heading}\n\n{text}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -808,7 +904,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "python scripts/mutate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d", time.gmtime()), "source": source_version(ROOT), "machine": machine("cpu"),
         "load": [round(x, 2) for x in load], "workers": args.workers, "seconds": round(seconds, 1),
-        "operators": OPERATORS, "tests_per_file": TESTS_PER_FILE,
+        "operators": OPERATORS, "tests_per_file": TESTS_PER_FILE, "own_tests_in_full": True,
         "sample": {"mutants": len(chosen), "of": len(every), "seed": args.seed,
                    "sampled": len(chosen) < len(every)},
         **summary,
@@ -829,6 +925,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        if args.out.resolve() == RECORDED.resolve():
+            record_results(record)
     return 0
 
 

@@ -602,9 +602,12 @@ def mutation(records) -> str:
     drawn = (f"a seeded sample of {sample['mutants']} of the {sample['of']} mutants (seed {sample['seed']})"
              if sample["sampled"] else f"all {sample['of']} mutants")
     load = f", load average {rec['load'][0]:.1f} as it began" if rec.get("load") else ""
+    own = rec.get("own_tests_in_full", False)  # records before it capped every file
+    runs = (f"the tests that call its function: all of those of its module's own test files, at most "
+            f"{rec['tests_per_file']} of each other test file" if own else
+            f"at most {rec['tests_per_file']} of the tests of each test file that call its function")
     caption = (f"`{rec['command']}`{made_text(rec)}: {drawn}, {plural(rec['workers'], 'worker')}, "
-               f"{duration(rec['seconds'])} on {machine_text(rec)}{load}; each mutant runs at most "
-               f"{rec['tests_per_file']} of the tests of each test file that call its function. Score: "
+               f"{duration(rec['seconds'])} on {machine_text(rec)}{load}; each mutant runs {runs}. Score: "
                f"(killed + timed out) / (killed + timed out + survived); a survivor is explained where it is "
                f"equivalent to the original or no test can tell it apart (the outcome file, "
                f"`benchmarks/results/mutation.json`, says why).")

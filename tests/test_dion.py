@@ -69,7 +69,7 @@ def run_steps(model, opt, steps: int, start: int = 0) -> None:
 
 @pytest.mark.parametrize("rank, shape, expected", [(3, (6, 8), 3), (0.5, (6, 8), 3), (0.25, (6, 8), 2),
                                                     (1.0, (6, 8), 6), (0.01, (6, 8), 1), (4, (4, 2, 3, 3), 4),
-                                                    (0.5, (4, 2, 3, 3), 2)])
+                                                    (0.5, (4, 2, 3, 3), 2), (0.5, (8, 2), 1)])
 def test_rank_is_a_number_or_a_fraction_of_the_smaller_side(rank, shape, expected):
     assert dion_rank(rank, shape) == expected
     model = nn.Module()

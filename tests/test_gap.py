@@ -166,6 +166,45 @@ def test_euclidean_gap_is_half_squared_distance():
     torch.testing.assert_close(gap, 3.0 * 0.5 * (w - g).square().sum())
 
 
+def test_spectral_quadratic_gap_is_half_squared_distance_for_unaligned_matrices():
+    """h = ½σ² lifted to singular values: φ₁(W) + φ₁*(G) − ⟨G, W⟩ = ½‖W‖² + ½‖G‖² − ⟨G, W⟩ = ½‖W − G‖²_F,
+    whose von Neumann slack Σσ(G)σ(W) − ⟨G, W⟩ is positive for matrices with different singular vectors."""
+    gen = torch.Generator().manual_seed(4)
+    g = torch.randn(2, 4, 3, dtype=torch.float64, generator=gen)
+    w = torch.randn(2, 4, 3, dtype=torch.float64, generator=gen)
+    gap = stationarity_gap(g, w, _geometry("spectral", QUAD, 3.0), batch_dims=1)
+    torch.testing.assert_close(gap, 3.0 * 0.5 * (w - g).square().sum((1, 2)), rtol=1e-12, atol=1e-12)
+
+
+def test_gap_over_a_view_gives_each_block_its_radius():
+    """Blocks of rows with radius factors f: block i is its own matrix with radius ρ·fᵢ, paired with
+    the step's W scaled to it, W_i/fᵢ: Σ ρfᵢ·½‖W_i/fᵢ − G_i‖²_F for the quadratic reference."""
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(5, 3, dtype=torch.float64, generator=gen)
+    w = torch.randn(5, 3, dtype=torch.float64, generator=gen)
+    view = {"batch": 0, "trailing": "cols", "blocks": [2, 3], "factors": [1.0, 2.5]}
+    gap = stationarity_gap(g, w, {**_geometry("spectral", QUAD, 0.7), "view": view})
+    want = sum(0.7 * f * 0.5 * float((w[rows] / f - g[rows]).square().sum())
+               for rows, f in ((slice(0, 2), 1.0), (slice(2, 5), 2.5)))
+    assert float(gap) == pytest.approx(want, rel=1e-12)
+
+
+def test_gap_over_experts_is_the_sum_of_each_experts_gap():
+    """An experts view (batch 1): each (m, n) matrix is its own, so the gap is the sum of the plain
+    gaps of the matrices (not that of the merged (E, m·n) matrix); a geometry without a radius has
+    radius 1."""
+    gen = torch.Generator().manual_seed(6)
+    g = torch.randn(3, 4, 2, dtype=torch.float64, generator=gen)
+    w = 0.3 * torch.randn(3, 4, 2, dtype=torch.float64, generator=gen)
+    geometry = {"kind": "spectral", "reference": LOG}
+    gap = stationarity_gap(g, w, {**geometry, "view": {"batch": 1, "trailing": "cols", "blocks": None,
+                                                       "factors": None}})
+    want = sum(float(stationarity_gap(g[e], w[e], _geometry("spectral", LOG, 1.0))) for e in range(3))
+    assert float(gap) == pytest.approx(want, rel=1e-12)
+    assert float(stationarity_gap(g[0], w[0], geometry)) == float(stationarity_gap(g[0], w[0],
+                                                                                  _geometry("spectral", LOG, 1.0)))
+
+
 def test_gap_not_available():
     g = w = torch.zeros(3, 3)
     assert stationarity_gap(g, w, _geometry("spectral", {"kind": "indicator"})) is None

@@ -11,15 +11,15 @@ import torch
 
 from geomopt.geometry.adam import adam_moments, adam_multi_tensor
 from geomopt.geometry.gap import stationarity_gap
-from geomopt.geometry.matrix import matrices, split_like
+from geomopt.geometry.matrix import groups, matrices, split_like
 from geomopt.geometry.prox import backward
 from geomopt.geometry.view import cost as view_cost
 from geomopt.geometry.view import count, describe
-from geomopt.geometry.reference import _z_minus_log1p
+from geomopt.geometry.reference import _z_minus_log1p, make_reference
 from geomopt.geometry.polynomial import compose_polynomials, gram_quintic_iteration
-from geomopt.geometry.prox.scalar import _box_tau
+from geomopt.geometry.prox.scalar import _box_tau, ball_magnitudes, sphere_magnitudes
 from geomopt.geometry.prox.vector import VECTOR_PROJ
-from geomopt.geometry.prox.polar import (_ALPHA_CAP, _inverse_sqrt, _inverse_sqrt_steps, polar_steps,
+from geomopt.geometry.prox.polar import (_ALPHA_CAP, _inverse_sqrt, _inverse_sqrt_steps, polar, polar_steps,
                                          scaled_polar_schedule)
 
 
@@ -309,3 +309,48 @@ def test_a_views_count_cost_and_description_by_hand(view, shape, runs):
     want_cost = float(sum(k * m * n * min(m, n) for k, m, n in runs))
     assert view_cost(view, shape) == (None if view is None else want_cost)
     assert describe(view, shape) == " + ".join(f"{k} × {m}×{n}" if k > 1 else f"{m}×{n}" for k, m, n in runs)
+
+
+def test_polar_of_a_stack_scales_each_matrix_by_its_own_norm():
+    """A (3, 4, 2) stack of matrices of very different norms: each polar factor is its own U·Vᵀ (the
+    SVD's, float64), so each matrix is divided by its own Frobenius norm before the iteration."""
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(3, 4, 2, dtype=torch.float64, generator=gen) * torch.tensor([1e-3, 1.0, 50.0],
+                                                                                dtype=torch.float64)[:, None, None]
+    u, _, vh = torch.linalg.svd(m, full_matrices=False)
+    torch.testing.assert_close(polar(m, floor=1e-2), u @ vh, rtol=1e-10, atol=1e-10)
+
+
+def test_the_groups_of_a_batch_of_scalars_are_one_by_one():
+    """A batch of 0-d elements under a rowwise geometry: one group of one entry each."""
+    x = torch.tensor([1.5, -2.0, 0.5])
+    for kind in ("rowwise", "columnwise"):
+        got = groups(x, 1, {"kind": kind})
+        assert got.shape == (3, 1, 1) and torch.equal(got.reshape(3), x)
+
+
+@pytest.mark.parametrize("step", ["ball", "sphere"])
+@pytest.mark.parametrize("kind", ["log_barrier", "power_barrier"])
+def test_the_ball_and_sphere_magnitudes_solve_their_optimality_conditions(step, kind):
+    """The ℓ2-ball and sphere steps on magnitudes a (rows inside, outside and, for the sphere, inside
+    the sphere), checked on their definition: a row inside the ball is kept; otherwise Σs² = r² and
+    σ = s/t, α = a/t meet σ ± (h₁*)'(τσ) = α for one τ per row (+ inward, − outward), i.e.
+    τ = h₁'(±(α − σ))/σ is the same for every entry (h₁' = ((h₁*)')⁻¹, the reference's own h')."""
+    ref = make_reference({"kind": kind, "eps": 0.05} if kind == "log_barrier" else
+                         {"kind": kind, "kappa": 4.0, "eps": 0.05})
+    a = torch.tensor([[0.3, 0.2, 0.1, 0.05], [1.2, 0.8, 0.5, 0.3], [1.6, 1.2, 0.4, 0.9]], dtype=torch.float64)
+    t, r = 1.0, 1.0
+    fn = ball_magnitudes if step == "ball" else sphere_magnitudes
+    s, bad = fn(a, t, r, ref, torch.float64)
+    assert bad is not None and not bad.any()
+    for i in range(3):
+        inside = float(a[i].norm()) <= r
+        if inside and step == "ball":
+            assert torch.equal(s[i], a[i])
+            continue
+        assert float(s[i].norm()) == pytest.approx(r, rel=1e-13)
+        sigma, alpha = s[i] / t, a[i] / t
+        sign = -1.0 if inside else 1.0  # the sphere pushes a row inside it outward
+        tau = ref.dh(sign * (alpha - sigma)) / sigma
+        assert bool((tau > 0).all())
+        torch.testing.assert_close(tau, tau[0].expand_as(tau), rtol=1e-8, atol=0)

@@ -107,7 +107,7 @@ def test_the_log_holds_one_record_per_configuration_with_its_command(results):
     sections = _sections(text)
     assert len(sections) >= 20 and len(set(sections)) == len(sections)
     for title, body in sections.items():
-        assert re.search(r"benchmarks/\w+\.py", body), f"## {title} names no command"
+        assert re.search(r"(benchmarks|scripts)/\w+\.py", body), f"## {title} names no command"
         lines = body.splitlines()
         starts = [i for i, line in enumerate(lines) if line.startswith("### ")]
         keys = [results.config_key(lines[i:next((j for j in starts if j > i), len(lines))]) for i in starts]

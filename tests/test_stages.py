@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import copy
 import math
+import types
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import geomopt
 from geomopt.spec.diagnostics import SpecError
@@ -41,6 +43,32 @@ def _run(spec, tensors: dict, grads: list[dict], **kw):
 def _grads(tensors: dict, steps: int, seed: int = 0) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     return [{n: torch.randn(t.shape, generator=gen) for n, t in tensors.items()} for _ in range(steps)]
+
+
+# ---------------------------------------------------------------- a stack cut across ranks
+
+
+def test_a_context_cut_across_ranks_reads_the_whole_tensors_statistics(tmp_path):
+    """One rank of a one-rank gloo group holding the whole tensor as its shard, rows cut by mesh
+    dim 0: a dim is cut only by the mesh dims the shard names, and the sums, means and norms summed
+    across the ranks (here the one) are the whole tensor's; a shard's rows are its block's indices."""
+    from geomopt.optim.units.stages import Context, Shard
+
+    t = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        mesh = types.SimpleNamespace(get_group=lambda m: dist.group.WORLD)
+        ctx = Context(state={}, op_shape=(3, 5), shard=Shard(block=((0, 3), (0, 5)), cuts=((0,), ()), mesh=mesh))
+        assert ctx.cut((1,)) and ctx.cut((1, 2)) and not ctx.cut((2,))
+        torch.testing.assert_close(ctx.sum(t, (1,)), t.sum(1, keepdim=True))
+        torch.testing.assert_close(ctx.mean(t, (1,)), t.mean(1, keepdim=True))
+        torch.testing.assert_close(ctx.mean(t, (1, 2)), t.mean((1, 2), keepdim=True))
+        torch.testing.assert_close(ctx.norm(t), torch.linalg.vector_norm(t, dim=(1, 2), keepdim=True))
+    finally:
+        dist.destroy_process_group()
+    part = Context(state={}, op_shape=(6, 5), shard=Shard(block=((2, 3), (1, 4)), cuts=((), ()), mesh=None))
+    assert part.rows(1, "cpu").tolist() == [2, 3, 4] and part.rows(2, "cpu").tolist() == [1, 2, 3, 4]
+    assert Context(state={}, op_shape=(6, 5)).rows(2, "cpu").tolist() == list(range(5))
 
 
 # ---------------------------------------------------------------- second moments, by brute force
@@ -122,6 +150,87 @@ def test_second_moment_reads_each_expert_and_block_as_its_own_matrix(axis):
     want = fused["qkv.w"] - 0.1 * sum(torch.cat(r, 0) for r in ref)
     # block-wise radius factors scale each block's lmo: only compare when the scale preset is none
     torch.testing.assert_close(got["qkv.w"], want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("axis", ["row", "column"])
+def test_second_moment_reads_each_kernel_position_as_its_own_matrix(axis):
+    """A conv kernel (out, in, kh) under ``trailing: batch``: one out × in matrix per position, whose
+    rows and columns are the statistics' (not those of the out × in·kh matrix)."""
+    conv = {"conv.w": torch.randn(4, 3, 2)}
+    spec = _spec({"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "svd"},
+                  "view": {"kind": "matrix", "trailing": "batch"}}, [{"kind": "second_moment", "axis": axis,
+                                                                      "beta2": 0.5}])
+    grads = _grads(conv, 2, seed=2)
+    got, _ = _run(spec, conv, grads)
+
+    def positions(u):
+        return [u[:, :, k] for k in range(u.shape[2])]
+
+    us = []
+    for g in grads:
+        polar = [torch.linalg.svd(m, full_matrices=False) for m in positions(g["conv.w"])]
+        us.append(torch.stack([U @ Vh for U, _, Vh in polar], -1))
+    ref = _second_moment_ref(us, axis, 0.5, 1e-8, False, rows_of=positions)
+    want = conv["conv.w"] - 0.1 * sum(torch.stack(r, -1) for r in ref)
+    torch.testing.assert_close(got["conv.w"], want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["in-place", "journaled"])
+def test_stage_state_in_place_or_journaled_is_the_same_running_mean(fresh):
+    """second_moment and norm_ratio called directly over three steps, their state updated in place
+    (a multi-process step) or put in the state as a new tensor (a journaled one): the same
+    v ← β₂v + (1−β₂)·x as the brute-force reference."""
+    from geomopt.optim.units.stages import STAGES, Context
+
+    gen = torch.Generator().manual_seed(3)
+    us = [torch.randn(1, 4, 6, generator=gen) for _ in range(3)]
+    gs = [torch.randn(1, 4, 6, generator=gen) for _ in range(3)]
+    moment = {"kind": "second_moment", "axis": "row", "beta2": 0.8, "eps": 1e-3, "bias_correction": False}
+    ratio = {"kind": "norm_ratio", "beta2": 0.8, "eps": 1e-3}
+    state_m: dict = {}
+    state_r: dict = {}
+    want = _second_moment_ref([u[0] for u in us], "row", 0.8, 1e-3, False)
+    v = 0.0
+    for k, (u, g) in enumerate(zip(us, gs)):
+        got = STAGES["second_moment"].fn(u.clone(), moment, Context(state=state_m, op_shape=(4, 6), fresh=fresh))
+        torch.testing.assert_close(got[0], want[k][0], rtol=1e-12, atol=1e-12)
+        ctx = Context(state=state_r, op_shape=(4, 6), gradient=g, direction=u, fresh=fresh)
+        got = STAGES["norm_ratio"].fn(u.clone(), ratio, ctx)
+        v = 0.8 * v + 0.2 * float(g.square().sum())
+        torch.testing.assert_close(got, u * float(u.norm()) / (math.sqrt(v) + 1e-3), rtol=1e-12, atol=1e-12)
+
+
+def test_second_moment_on_the_longer_side_of_a_square_matrix_is_per_row():
+    """``axis: longer`` takes rows where m ≥ n: a square matrix's statistic is per row."""
+    w = {"w": torch.randn(5, 5)}
+    grads = _grads(w, 2, seed=4)
+    post = [{"kind": "second_moment", "axis": "longer", "beta2": 0.9, "eps": 1e-3}]
+    got, _ = _run(_spec(EUCLID, post), w, grads)
+    ref = _second_moment_ref([g["w"] for g in grads], "row", 0.9, 1e-3, False)
+    torch.testing.assert_close(got["w"], w["w"] - 0.1 * sum(r[0] for r in ref), rtol=1e-12, atol=1e-12)
+
+
+def test_power_normalized_divides_by_the_top_singular_value_with_zero_rows():
+    """D/σ₁(D) by the power iteration for a matrix with zero rows (σ = 3, 1, 0 and a clear gap: the
+    estimate converges), against σ₁ from the SVD."""
+    from geomopt.optim.units.stages import Context, _power_normalized
+
+    q, _ = torch.linalg.qr(torch.randn(3, 3, generator=torch.Generator().manual_seed(1)))
+    d = torch.zeros(4, 3)
+    d[0, 0], d[1, 1] = 3.0, 1.0
+    d = (d @ q).unsqueeze(0)
+    got = _power_normalized(d, Context(state={}, op_shape=(4, 3)), 30)
+    torch.testing.assert_close(got, d / torch.linalg.matrix_norm(d[0], ord=2), rtol=1e-12, atol=1e-12)
+
+
+def test_cautious_drops_the_components_where_the_gradient_is_zero():
+    """m = [U⊙G > 0]: a component whose gradient is exactly 0 does not agree with it and is dropped."""
+    from geomopt.optim.units.stages import STAGES, Context
+
+    u = torch.tensor([[[1.0, -2.0, 3.0, 0.5]]])
+    g = torch.tensor([[[2.0, 0.0, 0.0, -1.0]]])
+    got = STAGES["cautious"].fn(u, {"kind": "cautious"}, Context(state={}, op_shape=(1, 4), gradient=g))
+    torch.testing.assert_close(got, torch.tensor([[[1.0 * 4 / 2, 0.0, 0.0, 0.0]]]), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- the scalar stages

@@ -130,6 +130,36 @@ def test_every_form_of_a_direction_is_its_float64_reference(kind, extra, fresh):
             torch.testing.assert_close(got_d, want_d, rtol=1e-12, atol=1e-12, msg=f"{kind} {form}: state d")
 
 
+@pytest.mark.parametrize("kind,extra", [("polyak", {"nesterov": True}), ("heavy_ball", {"nesterov": True})])
+def test_a_direction_not_in_place_leaves_the_gradient_and_is_its_reference(kind, extra):
+    """The stacked form without ``inplace``: a new tensor each step, the gradient left as it was."""
+    group = _group(kind, **extra)
+    gs, g_prevs = _grads(7)
+    want, _ = _reference(kind, group, gs, g_prevs)
+    state: dict = {}
+    for k, g in enumerate(gs):
+        before = g.clone()
+        d = DIRECTIONS[kind].fn(g, state, group, g_prev=None, inplace=False)
+        torch.testing.assert_close(d, want[k], rtol=1e-12, atol=1e-12, msg=f"{kind}: step {k}")
+        assert torch.equal(g, before)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_look_ahead_keeps_its_own_copy_of_the_first_gradient(rows):
+    """``init: gradient`` in the look-ahead form: d⁰ = g⁰ is the state's own tensor, also for a bucket
+    of one tensor (whose stack is a view of its gradient), so a gradient zeroed in place after the
+    step (``zero_grad(set_to_none=False)``) leaves d as it was."""
+    gs = list(torch.randn(rows, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rows)).unbind(0))
+    want = torch.stack(gs).clone()
+    state: dict = {}
+    u, commit = polyak_ahead(gs, state, _group("polyak", init="gradient"), _scratch)
+    torch.testing.assert_close(u, want, rtol=0, atol=0)
+    commit()
+    for g in gs:
+        g.zero_()
+    torch.testing.assert_close(state["d"], want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind", [k for k in DIRECTIONS if k != "dion"] + ["dion"])
 def test_a_direction_writes_only_the_state_it_declares(kind):
     group = _group(kind, rank=2, mu=0.9, eps=1e-8)
