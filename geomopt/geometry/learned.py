@@ -131,7 +131,7 @@ def soap(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.
 METHODS = {"shampoo": shampoo, "soap": soap}
 
 
-@FORWARD_OPS.register("kronecker", locality=OWNER, refuses=REFUSES, state=True)
+@FORWARD_OPS.register("kronecker", locality=OWNER, refuses=REFUSES)
 def kronecker(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """ρ times one step of the geometry's ``method`` on each matrix of ``d`` (the leading
     ``batch_dims`` dims index a bucket's tensors), in float32 at least; ``state`` (required) is
