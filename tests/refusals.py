@@ -5,6 +5,6 @@ live with the whole matrix (shampoo, soap-muon)."""
 
 REFUSED_ON_SHARDS = {
     "dion": "needs whole matrices",
-    "shampoo": "cannot run across ranks",
-    "soap-muon": "cannot run across ranks",
+    "shampoo": "cannot run on sharded (DTensor) parameters",
+    "soap-muon": "cannot run on sharded (DTensor) parameters",
 }

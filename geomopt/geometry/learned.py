@@ -13,10 +13,12 @@ Per matrix D (the (shape[0], rest) view; a bucket's stack (b, m, n)), each step
   the eigenbases (:func:`geomopt.geometry.kron.soap_direction`), the factors' update, and every
   ``every`` steps one power iteration and a QR of the bases.
 
-A side longer than ``max_dim`` keeps no factor (and no entry in the state). The step counts are
+A side longer than ``max_dim`` keeps no factor (an empty entry in the state). The step counts are
 host integers (the schedule of the refreshes), so the op runs where the host decides: not under
-``capturable``; its state lives with the whole matrix, so not on sharded tensors or under the
-distributed executors either (the registration says so, and the optimizer refuses such a rule).
+``capturable``. Its state lives with the whole matrix: on replicated tensors (DDP) every rank runs
+it on its whole copy (``LOCAL``: no rank owns a matrix, so each keeps the same factors, the
+iterates of one process); sharded tensors, whose matrices are cut across ranks, are refused (the
+registration says so, and the optimizer refuses such a rule).
 """
 
 from __future__ import annotations
@@ -28,14 +30,13 @@ import torch
 from geomopt.geometry import kron
 from geomopt.geometry.matrix import matrix_view, upcast
 from geomopt.geometry.operators import FORWARD_OPS
-from geomopt.registry import OWNER
+from geomopt.registry import LOCAL
 from geomopt.spec.base import Fields
 
 #: why the op has no form under these settings (the optimizer's construction reads them)
 REFUSES = (
     ("capturable", "its roots and bases are recomputed on a schedule the host reads from the step count"),
-    ("distributed", "its factors live with the whole matrix, which the distributed executors and sharded "
-                    "tensors split across ranks"),
+    ("sharded", "its factors live with the whole matrix, which sharded tensors cut across ranks"),
 )
 
 
@@ -131,7 +132,7 @@ def soap(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.
 METHODS = {"shampoo": shampoo, "soap": soap}
 
 
-@FORWARD_OPS.register("kronecker", locality=OWNER, refuses=REFUSES)
+@FORWARD_OPS.register("kronecker", locality=LOCAL, refuses=REFUSES)
 def kronecker(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """ρ times one step of the geometry's ``method`` on each matrix of ``d`` (the leading
     ``batch_dims`` dims index a bucket's tensors), in float32 at least; ``state`` (required) is

@@ -103,17 +103,18 @@ def check_sharded(groups: list, opts) -> None:
 
 def check_geometry_forms(groups: list, plans: list, opts) -> None:
     """A geometry whose forward op refuses a form (its registration's ``refuses``: the kronecker
-    geometry under ``capturable`` and on several ranks) is refused at construction, with its
+    geometry under ``capturable`` and on sharded tensors) is refused at construction, with its
     declared reason and what to do."""
     for g, gplans in zip(groups, plans):
         kind = gplans[0].geometry.kind
         refuses = dict(FORWARD_OPS.meta[kind].get("refuses", ()))
         settings = (("capturable", opts.capturable, "build it without capturable=True"),
-                    ("distributed", not opts.local or opts.sharded, "step this rule in one process"))
+                    ("sharded", opts.sharded, "keep its tensors whole on each rank (DDP) or step it in one process"))
         for form, on, fix in settings:
             if on and form in refuses:
                 raise ValueError(f"rule '{g['rule']}' has the {kind} geometry, which cannot run "
-                                 f"{'captured' if form == 'capturable' else 'across ranks'}: {refuses[form]}; {fix}")
+                                 f"{'captured' if form == 'capturable' else 'on sharded (DTensor) parameters'}: "
+                                 f"{refuses[form]}; {fix}")
 
 
 def check_capturable(groups: list, plans: list, opts) -> None:
