@@ -129,8 +129,9 @@ class BucketJob:
         # answered): directions update it out of place (``fresh``), and state updated in place
         # before a request (Adam's moments, post-stages' statistics) is journaled
         self.fresh: Optional[list] = [] if prog.journal else None  # updates put off until the commit
+        forward_state = geometry_state(pp.geometry)  # adam's moments, a kronecker method's factors
         if prog.journal:  # the forward op's state, updated in place (d and the stages' state: fresh)
-            kept = tuple(k for k in geometry_state(pp.geometry) if k not in COUNTS)
+            kept = tuple(k for k in forward_state if k not in COUNTS)
             self.saved.extend(journal(rt.stacked.live(items, state, kept)))
         self.commit = None
         lookahead = lambda shared: lambda shape, like: _lookahead(prog, rt, items, shape, like, shared)  # noqa: E731
@@ -155,7 +156,7 @@ class BucketJob:
             return self.on_forward(None)
         return request(rt, items, self.d, forward_locality(pp.geometry.kind),
                        _forward_fn(prog, rt, items, pp.geometry, radius, self.views[0].dtype if one_pass else None,
-                                   state if geometry_state(pp.geometry) else None))
+                                   state if forward_state else None))
 
     def on_forward(self, answer) -> Optional[Request]:
         pp = self.pp
@@ -210,7 +211,7 @@ class BucketJob:
             return self.backward(axpy_rows(self.views, step, decay.into if wd else None, 1 - gamma * wd, -gamma * rho))
         x = self.x = upcast(stack(self.views))
         if wd:
-            return self.backward(axpy_(DECAYS[self.pp.decay].stacked(x, step, 1 - gamma * wd), step,
+            return self.backward(axpy_(decay.stacked(x, step, 1 - gamma * wd), step,
                                        -gamma * rho))
         if torch.is_tensor(gamma):
             return self.backward(x + step * (-gamma * rho))
