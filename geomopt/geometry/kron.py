@@ -99,9 +99,14 @@ def graft(d: torch.Tensor, graft_direction: torch.Tensor, tiny: float = 1e-16) -
     """Grafting (Agarwal et al. 2020): D·‖E‖_F/(‖D‖_F + tiny) per matrix, in place on ``d``: the
     direction D keeps its orientation and takes the step length of E, another optimizer's direction
     (AdaGrad's or Adam's diagonal one, Muon's orthogonalized one), computed by the caller."""
-    d3, e3 = as_stack(d), as_stack(graft_direction)
-    ratio = torch.linalg.matrix_norm(e3.to(d.dtype), keepdim=True) / (torch.linalg.matrix_norm(d3, keepdim=True) + tiny)
-    d3.mul_(ratio)
+    return graft_to_norm(d, torch.linalg.matrix_norm(as_stack(graft_direction).to(d.dtype), keepdim=True), tiny)
+
+
+def graft_to_norm(d: torch.Tensor, norm, tiny: float = 1e-16) -> torch.Tensor:
+    """D·n/(‖D‖_F + tiny) per matrix, in place on ``d``: :func:`graft` to a step length ``n`` known
+    without a direction (a number, or one per matrix shaped (b, 1, 1))."""
+    d3 = as_stack(d)
+    d3.mul_(norm / (torch.linalg.matrix_norm(d3, keepdim=True) + tiny))
     return d
 
 

@@ -90,9 +90,8 @@ def shampoo(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> tor
     graft = cfg["graft"]
     if graft == "none":
         return d
-    if graft == "spectral":  # ‖U·Vᵀ‖_F = √min(m, n) for a full-rank m × n matrix: a constant one of that norm
-        m, n = g.shape[-2:]
-        return kron.graft(d, torch.full_like(d, math.sqrt(min(m, n) / (m * n))))
+    if graft == "spectral":  # ‖U·Vᵀ‖_F = √min(m, n) for a full-rank m × n matrix
+        return kron.graft_to_norm(d, math.sqrt(min(g.shape[-2:])))
     acc = _moment(state, "shampoo_graft", g, shape)
     if graft == "adagrad":
         acc.addcmul_(g, g)
