@@ -146,7 +146,8 @@ def test_factors_stay_float32_under_a_low_state_precision():
 
 def test_where_it_cannot_run_it_says_why():
     model = nn.Linear(4, 4, bias=False)
-    with pytest.raises(ValueError, match="kronecker geometry, which cannot run captured"):
+    with pytest.raises(ValueError, match=r"capturable=True cannot run this spec: rule 'all' has the kronecker "
+                                         r"geometry \(its roots and bases are recomputed on a schedule the host"):
         geomopt.GeomOptimizer(model, _spec(), lr=0.01, capturable=True)
     with pytest.raises((SpecError, pydantic.ValidationError), match="graft belongs to method shampoo"):
         geomopt.GeomOptimizer(model, _spec(method="soap", graft="adam"), lr=0.01)
@@ -163,3 +164,20 @@ def test_a_dump_validates_again_and_only_a_stray_value_is_refused():
     assert Kronecker(method="soap", graft="none").graft == "none"  # the default, written out
     with pytest.raises(pydantic.ValidationError, match="damping belongs to method shampoo"):
         Kronecker(method="soap", damping=1e-3)
+
+
+@pytest.mark.parametrize("graft", ["adagrad", "adam", "spectral"])
+def test_a_graft_gives_each_matrix_the_other_maps_step_length(graft):
+    """After one step from zero, each matrix moved by lr·‖E‖_F, E the graft's map of the gradient,
+    written out in float64: AdaGrad's and Adam's (bias-corrected) G/(|G| + ε) at the first step, the
+    spectral map's √min(m, n) (an orthogonal factor of full rank); the orientation stays Shampoo's."""
+    grads = _grads((6, 4), seed=6)[:1]
+    lr, eps = 0.05, 1e-3
+    moved = _ours(grads, lr, method="shampoo", every=1, damping=1e-3, graft=graft, eps=eps)
+    g = grads[0]
+    want = (torch.full((BUCKET,), 4.0).sqrt() if graft == "spectral"
+            else torch.linalg.matrix_norm(g / (g.abs() + eps)))
+    torch.testing.assert_close(torch.linalg.matrix_norm(moved), lr * want.to(F64), rtol=1e-10, atol=0)
+    plain = _ours(grads, lr, method="shampoo", every=1, damping=1e-3)
+    cos = (moved * plain).sum((-2, -1)) / (torch.linalg.matrix_norm(moved) * torch.linalg.matrix_norm(plain))
+    torch.testing.assert_close(cos, torch.ones(BUCKET, dtype=F64), rtol=0, atol=1e-12)

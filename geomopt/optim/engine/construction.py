@@ -6,6 +6,7 @@ backward step is defined."""
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
 
@@ -88,33 +89,30 @@ def project_on_init(groups: list, plans: list, executor) -> None:
                 p.to_local().copy_(op_view(x, pp)[block])  # _view is its own inverse
 
 
-def check_sharded(groups: list, opts) -> None:
-    """A direction that refuses the ``sharded`` form (:class:`~geomopt.optim.units.declare.DirectionUnit`:
-    Dion, whose power iteration and QR need each matrix whole) is refused on sharded (DTensor)
-    tensors, with its declared reason. Replicated tensors (DDP) step whole on every rank."""
+def _geometry_refusal(gplans: list, form: str) -> tuple[str, Optional[str]]:
+    """(the rule's geometry kind, why its forward op refuses ``form``, or None): the registration's
+    ``refuses`` (the kronecker geometry under ``capturable`` and on sharded tensors)."""
+    kind = gplans[0].geometry.kind
+    return kind, dict(FORWARD_OPS.meta[kind].get("refuses", ())).get(form)
+
+
+def check_sharded(groups: list, plans: list, opts) -> None:
+    """A direction or a geometry that refuses the ``sharded`` form (Dion, whose power iteration and
+    QR need each matrix whole: :class:`~geomopt.optim.units.declare.DirectionUnit`; the kronecker
+    geometry, whose factors live with the whole matrix: its forward op's registration) is refused
+    on sharded (DTensor) tensors, with its declared reason. Replicated tensors (DDP) step whole on
+    every rank."""
     if not opts.sharded:
         return
-    for g in groups:
+    for g, gplans in zip(groups, plans):
         why = DIRECTIONS[g["direction"]].why_not("sharded")
         if why:
             raise ValueError(f"rule '{g['rule']}' has a {g['direction']} direction, which cannot run on sharded "
                              f"(DTensor) parameters: {why}")
-
-
-def check_geometry_forms(groups: list, plans: list, opts) -> None:
-    """A geometry whose forward op refuses a form (its registration's ``refuses``: the kronecker
-    geometry under ``capturable`` and on sharded tensors) is refused at construction, with its
-    declared reason and what to do."""
-    for g, gplans in zip(groups, plans):
-        kind = gplans[0].geometry.kind
-        refuses = dict(FORWARD_OPS.meta[kind].get("refuses", ()))
-        settings = (("capturable", opts.capturable, "build it without capturable=True"),
-                    ("sharded", opts.sharded, "keep its tensors whole on each rank (DDP) or step it in one process"))
-        for form, on, fix in settings:
-            if on and form in refuses:
-                raise ValueError(f"rule '{g['rule']}' has the {kind} geometry, which cannot run "
-                                 f"{'captured' if form == 'capturable' else 'on sharded (DTensor) parameters'}: "
-                                 f"{refuses[form]}; {fix}")
+        kind, why = _geometry_refusal(gplans, "sharded")
+        if why:
+            raise ValueError(f"rule '{g['rule']}' has the {kind} geometry, which cannot run on sharded (DTensor) "
+                             f"parameters: {why}; keep its tensors whole on each rank (DDP) or step it in one process")
 
 
 def check_capturable(groups: list, plans: list, opts) -> None:
@@ -130,6 +128,9 @@ def check_capturable(groups: list, plans: list, opts) -> None:
         refused = DIRECTIONS[g["direction"]].why_not("capturable")
         if refused:
             why.append(f"rule '{g['rule']}' has a {g['direction']} direction ({refused})")
+        kind, refused = _geometry_refusal(gplans, "capturable")
+        if refused:
+            why.append(f"rule '{g['rule']}' has the {kind} geometry ({refused})")
         if g["on_nonfinite"] == "raise":
             why.append(f"rule '{g['rule']}' has on_nonfinite: raise (raising needs the host to read the flag); "
                        f"use skip")

@@ -22,7 +22,7 @@ from geomopt.optim.contract.torch_api import check_complex, check_gradient, dens
 from geomopt.optim.engine.atomic import PendingStep, drive, interrupted
 from geomopt.optim.engine.bucket_step import BucketJob, radius_factor
 from geomopt.optim.engine.capturable import captured_step, counts_on_device
-from geomopt.optim.engine.construction import check_capturable, check_geometry_forms, check_sharded
+from geomopt.optim.engine.construction import check_capturable, check_sharded
 from geomopt.optim.engine.flat import step_flat
 from geomopt.optim.engine.nonfinite import launch_check, skip_nonfinite
 from geomopt.optim.engine.program import Options, Program, dispatch, flat_rule, signature
@@ -108,8 +108,7 @@ class Engine:
             keeps_prev=any(DIRECTIONS[g["direction"]].keeps_prev for g in groups), track_gap=track_gap,
             track_update=track_update, cuda_graphs=cuda_graphs, implementation=implementation, capturable=capturable)
         check_capturable(groups, plans, self.options)
-        check_geometry_forms(groups, plans, self.options)
-        check_sharded(groups, self.options)
+        check_sharded(groups, plans, self.options)
         self.rt: Optional[Runtime] = self.runtime(groups)
         check_complex(groups, plans, lambda g, pp: flat_rule(g, pp, self.options) is None)
         self.programs: list[list[Program]] = []

@@ -240,7 +240,7 @@ def check_built_for(opt, groups: list) -> None:
                                   f"this optimizer was not built for (its spec has no storm direction): set the "
                                   f"spec's direction to storm, or the group's to what the spec sets")
     try:
-        check_sharded(groups, opt.engine.options)
+        check_sharded(groups, opt.engine.plans, opt.engine.options)
         check_capturable(groups, opt.engine.plans, opt.engine.options)
     except ValueError as err:
         raise CheckpointError(f"the state's param_groups: {err}") from None
