@@ -149,6 +149,7 @@ class _RulePlanner:
         self.direction = hyper["direction"]
         self.decay = hyper["decay"].kind
         self.state_dtype = hyper["state"].dtype
+        self.compensation = hyper["state"].compensation
         self.post = tuple(rule.post or ())
         self.schedule = hyper["schedule"]
         self.geometry = rule.geometry
@@ -171,5 +172,5 @@ class _RulePlanner:
             lr=self.lr, weight_decay=self.weight_decay, radius=ops.radius, transpose=ops.transpose,
             on_nonfinite=self.on_nonfinite, project_on_init=self.project_on_init, aliases=p.aliases,
             role="" if p.role is None else p.role.name, post=self.post, decay=self.decay, ops=ops.digest,
-            qk_clip=self.qk_clip, state_dtype=self.state_dtype,
+            qk_clip=self.qk_clip, state_dtype=self.state_dtype, compensation=self.compensation,
         )

@@ -53,6 +53,8 @@ class ParamPlan:
     qk_clip: Optional[MaxLogitClip] = None
     #: the precision its state is kept in between steps: float32, bfloat16 or int8 (geomopt.optim.persist.state_codec)
     state_dtype: str = "float32"
+    #: what is kept of a bfloat16 parameter's rounding error: none, int8 or int16 (geomopt.optim.units.compensation)
+    compensation: str = "none"
     #: tensors with equal keys run as one batched call: same rule, operators, op shape, dtype and
     #: device (computed at construction, from ``ops`` where the planner passes it)
     bucket: str = dataclasses.field(init=False, compare=False)

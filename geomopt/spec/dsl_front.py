@@ -343,4 +343,7 @@ class _Walker:
                 if key == "kind":
                     self.error("GO005", "'kind' is the call's name: write kind(…) instead of kind=…", key_tree)
                 self.put(out, path, key, key_tree, value, self.value(value, path + (key,), key))
+        if field == "state":  # ``state bfloat16(compensation=int8)``: the call's name is the dtype
+            self.source.values[path + ("dtype",)] = self.source.values.pop(path + ("kind",))
+            out = {"dtype": out.pop("kind"), **out}
         return out

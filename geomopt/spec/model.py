@@ -97,9 +97,18 @@ class StatePrecision(SpecModel):
     with stochastic rounding (torchao's low-bit optimizers, Zamirai et al. 2020: unbiased, so
     updates smaller than bf16's spacing are kept on average); ``int8`` for moments only, as
     block-wise dynamic quantization (Dettmers et al. 2022, arXiv:2110.02861: 256-entry blocks, each
-    scaled by its largest magnitude, signed for first moments and unsigned for second)."""
+    scaled by its largest magnitude, signed for first moments and unsigned for second).
+
+    ``compensation``: what the optimizer keeps of a bfloat16 parameter's rounding error, so that its
+    updates are not lost to bf16's 8-bit significand (a step smaller than half the weight's spacing
+    would otherwise round away): ``int8``, the error in 256ths of the weight's spacing (1 byte per
+    weight; the weight read as bf16 + error carries about 15 significant bits); ``int16``, the low
+    16 bits of the float32 weight (the parameter holds the high 16: the float32 weight exactly, as a
+    split float32 master copy). The step runs on the float32 weight it decodes, and stores it back
+    as bf16 + error. Float32 parameters of the rule keep no error (they lose nothing)."""
 
     dtype: Literal["float32", "bfloat16", "int8"] = "float32"
+    compensation: Literal["none", "int8", "int16"] = "none"
 
 
 class Hyper(SpecModel):

@@ -2,7 +2,8 @@
 one canonical layout — what ``geomopt fmt`` writes and ``geomopt fmt --check`` expects.
 
 Only what differs from a default is written (``kind`` and the numbers that define the math, a reference's ε and κ, a
-direction's α, always are); ``view: {kind: auto}`` prints as ``view: auto``, ``state: {dtype: int8}`` as ``state int8``.
+direction's α, always are); ``view: {kind: auto}`` prints as ``view: auto``, ``state: {dtype: int8}`` as ``state int8``
+(``state: {dtype: bfloat16, compensation: int8}`` as ``state bfloat16(compensation=int8)``).
 
 Canonical layout, the same elements in the same order in both spellings: ``geomopt``, ``name``,
 ``description``, ``defaults``, ``roles``, then the rules; in a rule ``match``, ``geometry``,
@@ -358,7 +359,11 @@ def _string(value: str) -> str:
 
 def _value(value, field: str | None = None) -> str:
     if isinstance(value, dict):
-        return value.get("dtype", "float32") if field == "state" and set(value) <= {"dtype"} else _call(value, field)
+        if field == "state":  # ``state int8``; ``state bfloat16(compensation=int8)``: the dtype names the call
+            rest = {k: v for k, v in value.items() if k != "dtype"}
+            dtype = value.get("dtype", "float32")
+            return _call({"kind": dtype, **rest}, field) if rest else dtype
+        return _call(value, field)
     if isinstance(value, list):
         return "[" + ", ".join(_value(v, field if field == "post" else None) for v in value) + "]"
     return _scalar(value)

@@ -113,6 +113,10 @@ def check_sharded(groups: list, plans: list, opts) -> None:
         if why:
             raise ValueError(f"rule '{g['rule']}' has the {kind} geometry, which cannot run on sharded (DTensor) "
                              f"parameters: {why}; keep its tensors whole on each rank (DDP) or step it in one process")
+        if gplans[0].compensation != "none":
+            raise ValueError(f"rule '{g['rule']}' has compensation {gplans[0].compensation}, which does not run on "
+                             f"sharded (DTensor) parameters yet: keep such a model's weights in float32 under FSDP2 or "
+                             f"tensor parallelism (mixed precision's param_dtype gives bf16 compute), or use DDP")
 
 
 def check_capturable(groups: list, plans: list, opts) -> None:
@@ -140,5 +144,8 @@ def check_capturable(groups: list, plans: list, opts) -> None:
             why.append(f"rule '{g['rule']}' has a momentum warmup (α read from the step count on the host)")
         if any(pp.state_dtype != "float32" for pp in gplans):
             why.append(f"rule '{g['rule']}' keeps its state in {gplans[0].state_dtype} (encoded anew each step)")
+        if gplans[0].compensation != "none":
+            why.append(f"rule '{g['rule']}' has compensation {gplans[0].compensation} (its bf16 weights are decoded "
+                       f"into float32 tensors of their own each step, which a captured step cannot follow)")
     if why:
         raise ValueError("capturable=True cannot run this spec: " + "; ".join(why))

@@ -32,6 +32,7 @@ from geomopt.optim.contract.torch_api import collect_params, copy_state, pickled
 from geomopt.optim.engine.construction import project_on_init, warn_guessed_roles, warn_slow_bf16, warn_unused_rules
 from geomopt.optim.engine.engine import Engine
 from geomopt.optim.engine.program import IMPLEMENTATIONS
+from geomopt.optim.engine.masters import Masters
 from geomopt.optim.engine.qkclip import QKClip
 from geomopt.optim.persist import checkpoint
 from geomopt.optim.persist.checkpoint import spec_hash
@@ -180,7 +181,9 @@ class GeomOptimizer(Optimizer):
         warn_unused_rules(self.spec, infos)
         warn_guessed_roles(infos)
         self._qk_clip = QKClip(self.param_groups, plans_by_group, source, self.spec)  # geomopt.optim.engine.qkclip
-        project_on_init(self.param_groups, plans_by_group, self.engine.executor)
+        self._masters = Masters(self.param_groups, plans_by_group)  # geomopt.optim.engine.masters
+        with self._masters.around(self.state, every=True):  # a compensated weight projects as its float32 value
+            project_on_init(self.param_groups, plans_by_group, self.engine.executor)
 
     def describe(self) -> str:
         """Every bucket's step program (:mod:`geomopt.optim.engine.program`): its tensors, stages,
@@ -300,8 +303,10 @@ class GeomOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
-            if self.engine.step(self.param_groups, self.state, g_prev):
+        # compensated bf16 parameters step as their float32 weights (geomopt.optim.engine.masters)
+        with torch.no_grad(), self._masters.around(self.state) as stepped:
+            stepped[0] = self.engine.step(self.param_groups, self.state, g_prev)
+            if stepped[0]:
                 self._qk_clip.apply()  # QK-clip after the step (geomopt.optim.engine.qkclip)
         return loss
 

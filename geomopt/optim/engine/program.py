@@ -38,6 +38,7 @@ import torch
 
 from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
+from geomopt.optim.engine.masters import step_dtype
 from geomopt.geometry.operators import flat_refusal
 from geomopt.geometry.polynomial import muon_order
 from geomopt.optim.units import stages as post_stages
@@ -196,11 +197,12 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
         flat: dict = {}  # (dtype, device) → (common fields, fused, why, indices): one flat call each
         for indices in bs:
             p, pp = group["params"][indices[0]], ps[indices[0]]
+            dtype = step_dtype(pp, p)  # a compensated bf16 parameter steps as its float32 weight
             common = dict(rule=group["rule"], group=gi, indices=tuple(indices),
-                          names=tuple(ps[i].name for i in indices), shape=tuple(pp.op_shape), dtype=str(p.dtype),
+                          names=tuple(ps[i].name for i in indices), shape=tuple(pp.op_shape), dtype=str(dtype),
                           device=str(p.device), stages=stage_text(group, pp))
             not_flat = flat_rule(group, pp, opts) or capturable_flat(group, pp, indices, opts)
-            if not_flat is None and p.dtype in FLAT_DTYPES:
+            if not_flat is None and dtype in FLAT_DTYPES:
                 fused = (pp.geometry.kind == "adam" and opts.implementation != "foreach"
                          and p.device.type in FUSED_ADAM_DEVICES)
                 why = ["elementwise rule: the rule's tensors of this dtype and device, whatever their shapes, in one "
@@ -210,12 +212,12 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
                                "Adam with foreach ops (" + ("implementation='foreach'" if opts.implementation
                                                             == "foreach" else f"no fused kernel on {p.device.type}")
                                + ")")
-                pooled = flat.setdefault((p.dtype, p.device), (common, fused, why, []))
+                pooled = flat.setdefault((dtype, p.device), (common, fused, why, []))
                 pooled[3].extend(indices)
                 continue
             if not_flat is None:
-                not_flat = f"{p.dtype} parameters step in float32 stacked copies"
-            prog = _batched(common, group, pp, p, opts, not_flat)
+                not_flat = f"{dtype} parameters step in float32 stacked copies"
+            prog = _batched(common, group, pp, p, dtype, opts, not_flat)
             progs.append(prog)
             batched.append((gi, len(progs) - 1, _deferrable(prog, group, pp, p)))
         for common, fused, why, indices in flat.values():
@@ -257,13 +259,17 @@ def _unchecked(prog: Program) -> Program:
         "on_nonfinite: off: no finiteness test of these gradients (a NaN or ±∞ propagates, as in torch)",))
 
 
-def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Options, not_flat: str) -> Program:
+def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: torch.dtype, opts: Options,
+             not_flat: str) -> Program:
     why = [f"batched: {not_flat}"]
+    if dtype != p.dtype:
+        why.append(f"{p.dtype} parameters with compensation {pp.compensation}: the step runs on their float32 "
+                   f"weights (bf16 + the error kept as state)")
     kind = pp.geometry.kind
-    working = p.dtype == upcast(torch.empty((), dtype=p.dtype)).dtype
+    working = dtype == upcast(torch.empty((), dtype=dtype)).dtype
     reasons = {"a constraint's prox needs Y": pp.constraint is not None, "adam geometry": kind == "adam",
                "track_update measures X⁺ − X": opts.track_update, f"{pp.decay} decay": DECAYS[pp.decay].reads_step,
-               f"{p.dtype} parameters (float32 working copy)": not working}
+               f"{dtype} parameters (float32 working copy)": not working}
     stacked = [r for r, on in reasons.items() if on]
     if stacked:
         write = "stacked"
@@ -278,7 +284,7 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, opts: Op
         why.append("one pass: the forward op folds −ρ/λ (or −ρ) into its output, then one lerp (or axpy) on X")
     form = "stacked"
     unit = DIRECTIONS[group["direction"]]
-    if unit.has("rows") and not opts.keeps_prev and p.dtype in (torch.float32, torch.float64):
+    if unit.has("rows") and not opts.keeps_prev and dtype in (torch.float32, torch.float64):
         form = "rows"
         why.append(f"{unit.name} read row by row from the unstacked gradients (no stacked copy of G)")
     approx = pp.geometry.approx_kind

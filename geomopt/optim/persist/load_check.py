@@ -37,7 +37,8 @@ from geomopt.optim.engine.construction import check_capturable, check_sharded
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.persist.state_codec import BLOCK, STORED, scale_shape
 from geomopt.optim.units.state_keys import (COUNTS, GROUP_KEYS, KINDS, MOMENTS, PARAM_KEYS, SCALE, SECOND_MOMENTS,
-                                            STACKED, STAT_KEYS, VIEW_KEYS, direction_keys)
+                                            STACKED, STAT_KEYS, VIEW_KEYS, WEIGHT_KEYS, direction_keys)
+from geomopt.optim.units.compensation import DTYPES, LOW
 from geomopt.optim.engine.tensors import as_real, local
 from geomopt.spec.geometries import Euclidean
 from geomopt.spec.model import Hyper
@@ -49,7 +50,7 @@ NONNEGATIVE = (*SECOND_MOMENTS, "max_exp_avg_sq")
 #: state keys that count steps (geomopt's are ints; torch.optim's ``step`` may be a tensor)
 STEP_KEYS = (*COUNTS, "step")
 #: every key of a tensor's state this optimizer keeps: its stacked state and step counts
-KEPT = (*STACKED, *COUNTS)
+KEPT = (*STACKED, *COUNTS, *WEIGHT_KEYS)
 _FIX = "save it again from a healthy run, or load an earlier checkpoint"
 
 
@@ -306,6 +307,11 @@ def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
         if key.endswith(SCALE) and key[:-len(SCALE)] in MOMENTS and key[:-len(SCALE)] not in entry:
             raise CheckpointError(f"tensor '{name}': state '{key}' (int8 block scales) has no codes "
                                   f"'{key[:-len(SCALE)]}' beside it: {_FIX}")
+        if key in WEIGHT_KEYS:  # a compensated weight's lost bits: integers (checked against the rule later)
+            if value.dtype not in DTYPES.values():
+                raise CheckpointError(f"tensor '{name}': state '{key}' is {value.dtype}, not one of the "
+                                      f"compensation forms ({', '.join(map(str, DTYPES.values()))}): {_FIX}")
+            continue
         if not (value.is_floating_point() or value.is_complex()):  # complex: a complex parameter's state
             raise CheckpointError(f"tensor '{name}': state '{key}' has dtype {value.dtype}, not a floating dtype: "
                                   f"{_FIX}")
@@ -381,6 +387,14 @@ def _check_tensor(pp, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
             raise CheckpointError(f"tensor '{pp.name}': state '{key}' is {value.dtype} {shape}, the block scales of "
                                   f"int8 state are float32 {want}: the state was edited or saved on another model")
         return
+    if key in WEIGHT_KEYS:  # a compensated bf16 weight's lost bits: the parameter's shape, the rule's dtype
+        kind = DTYPES.get(pp.compensation) if p.dtype in LOW else None
+        if kind is None or shape != tuple(p.shape) or value.dtype != kind:
+            keeps = f"keeps {kind} {tuple(p.shape)}" if kind is not None else "keeps none (no compensation here)"
+            raise CheckpointError(f"tensor '{pp.name}' ({p.dtype}): state '{key}' is {value.dtype} {shape}, this "
+                                  f"optimizer {keeps}: the state was saved with another compensation or model; load "
+                                  f"it with allow_spec_change=True to carry over what fits")
+        return
     if key in PARAM_KEYS:
         want = tuple(p.shape)
     elif key in VIEW_KEYS:
@@ -394,7 +408,8 @@ def _check_tensor(pp, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
         raise CheckpointError(f"tensor '{pp.name}' {tuple(p.shape)}: state '{key}' has shape {shape}, this "
                               f"optimizer keeps {want}: the state was saved on another model (or edited); build "
                               f"the optimizer on the model it was saved from")
-    dtype = p.dtype if key in PARAM_KEYS else torch.promote_types(p.dtype, torch.float32)
+    work = torch.float32 if pp.compensation != "none" and p.dtype in LOW else p.dtype  # the dtype a step sees
+    dtype = work if key in PARAM_KEYS else torch.promote_types(work, torch.float32)
     if key in MOMENTS and value.dtype == STORED.get(pp.state_dtype):  # kept in the rule's state precision
         return
     if (key in PARAM_KEYS or key in VIEW_KEYS or key in STAT_KEYS) and value.dtype != dtype:

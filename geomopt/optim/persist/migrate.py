@@ -41,6 +41,7 @@ import torch
 from geomopt.compile.plan import ParamPlan
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
+from geomopt.optim.units.compensation import DTYPES, KEY, LOW_NAMES
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.persist.state_codec import decode_entry
 from geomopt.optim.units.state_keys import KINDS, VIEW_KEYS, geometry_kind
@@ -58,7 +59,8 @@ def kinds_used(pp: ParamPlan, direction: str) -> tuple[str, ...]:
     geometry = geometry_kind(pp.geometry)  # adam's moments, a kronecker method's factors
     out = [] if geometry is None else [geometry]
     kind = DIRECTIONS[direction].migrates  # as the direction declares (heavy ball's sum: none)
-    return tuple(out + ([kind] if kind else []))
+    weights = ["compensation"] if pp.compensation != "none" and pp.dtype in LOW_NAMES else []
+    return tuple(out + ([kind] if kind else []) + weights)
 
 
 def kinds_held(state: dict) -> tuple[str, ...]:
@@ -183,6 +185,16 @@ def migrate_state(saved: dict[str, dict], targets: list[tuple], source: str,
             if into is None:
                 reset.append(f"{kind} ({_why_not(kind, pp, direction)})")
                 continue
+            if kind == "compensation":  # the weight's lost bits: carried only in the form this rule keeps
+                value = entry[KEY]
+                want = DTYPES[pp.compensation]
+                if value.dtype != want or tuple(value.shape) != tuple(p.shape):
+                    reset.append(f"compensation (saved {value.dtype} {tuple(value.shape)}, rule '{pp.rule}' keeps "
+                                 f"{want} {tuple(p.shape)}: the weight keeps its bf16 value)")
+                else:
+                    new[KEY] = value.detach().to(device=p.device, copy=True)
+                    kept.append(kind)
+                continue
             moved: Optional[dict] = {}
             for key in KINDS[into]:
                 value = entry[key]
@@ -214,6 +226,8 @@ def migrate_state(saved: dict[str, dict], targets: list[tuple], source: str,
 def _why_not(kind: str, pp: ParamPlan, direction: str) -> str:
     if kind == "adam":
         return f"rule '{pp.rule}' uses the {pp.geometry.kind} geometry, not adam"
+    if kind == "compensation":
+        return f"rule '{pp.rule}' keeps no compensation for this tensor (its weight keeps its bf16 value)"
     if kind == "momentum" and direction == "storm":
         return f"rule '{pp.rule}' uses storm, whose estimate also needs the previous iterate"
     return f"rule '{pp.rule}' uses the direction {direction}"

@@ -22,9 +22,11 @@ from geomopt.registry import LOCAL, Registry
 #: a state entry's layout: ``op``, the operators' layout of the tensor (the momentum's; transposed
 #: for ``layout: in_out``); ``param``, the parameter's own (an iterate); ``stat``, a statistic whose
 #: dims are each whole or summed out; ``own``, a shape of the unit's own (checked by it); ``count``,
-#: a step count (an int64 tensor)
-OP, PARAM, STAT, OWN, COUNT = "op", "param", "stat", "own", "count"
-LAYOUTS = (OP, PARAM, STAT, OWN, COUNT)
+#: a step count (an int64 tensor); ``weight``, what a low-precision parameter's stored form lost (the
+#: parameter's own shape; an integer tensor kept beside it, read and written around the step, never
+#: stacked)
+OP, PARAM, STAT, OWN, COUNT, WEIGHT = "op", "param", "stat", "own", "count", "weight"
+LAYOUTS = (OP, PARAM, STAT, OWN, COUNT, WEIGHT)
 #: a moment's sign: ``first`` (signed: an average of gradients) or ``second`` (a mean of squares,
 #: never negative); moments are what a rule's ``state`` precision (bfloat16, int8) encodes
 FIRST, SECOND = "first", "second"

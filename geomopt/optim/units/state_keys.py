@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.units import stages  # noqa: F401  (the post-stages declare their state on import)
-from geomopt.optim.units.declare import (COUNT, FIRST, OP, OWN, PARAM, SECOND, STAT, STATE, STATE_KINDS, StateKey,
-                                          declare)
+from geomopt.optim.units import compensation  # noqa: F401  (a low-precision weight's lost bits, likewise)
+from geomopt.optim.units.declare import (COUNT, FIRST, OP, OWN, PARAM, SECOND, STAT, STATE, STATE_KINDS, WEIGHT,
+                                          StateKey, declare)
 from geomopt.registry import Registry
 
 #: the adam geometry's state (torch.optim.AdamW's exp_avg, exp_avg_sq and step)
@@ -75,7 +76,8 @@ def keys_in(layout: str, state: Registry = STATE) -> tuple[str, ...]:
 def stacked(state: Registry = STATE) -> tuple[str, ...]:
     """The tensor state a bucket keeps stacked (entries view a row of one buffer): every declared
     key but the counts, and an int8 moment's block scales."""
-    return tuple(k for k, s in state.items() if s.layout != COUNT) + tuple(k + SCALE for k in moments(state))
+    kept = tuple(k for k, s in state.items() if s.layout not in (COUNT, WEIGHT))
+    return kept + tuple(k + SCALE for k in moments(state))
 
 
 def direction_keys(directions: Registry = DIRECTIONS) -> tuple[str, ...]:
@@ -99,6 +101,8 @@ VIEW_KEYS = keys_in(OP)
 PARAM_KEYS = keys_in(PARAM)
 #: statistics (each dim whole, or summed out)
 STAT_KEYS = keys_in(STAT)
+#: what a low-precision parameter's stored form lost (:mod:`geomopt.optim.units.compensation`)
+WEIGHT_KEYS = keys_in(WEIGHT)
 #: per-parameter step counts (int64 tensors in the state, ints while a step computes with them),
 #: equal across a bucket's tensors
 COUNTS = keys_in(COUNT)
