@@ -7,10 +7,11 @@ ulp(w) = 2^(e−8) (w = m·2^e, ½ ≤ |m| < 1: bf16 keeps 8 significant bits), 
 lr stops moving (Zamirai et al. 2020, arXiv:2010.06192; the modded-nanogpt records keep the
 float32 weight's low half beside a bf16 copy for this reason). Two forms:
 
-* ``int16`` (:func:`split16`, :func:`join16`): the float32 weight x's bit pattern cut in two, the
-  parameter holds the high 16 bits (x truncated to bf16: sign, exponent, 7 significand bits) and
-  the state the low 16. join16(split16(x)) = x bit for bit: the step sees exactly the float32 weight
-  a float32 master copy would hold, in the same 4 bytes.
+* ``int16`` (:func:`split16`, :func:`join16`): the float32 weight x rounded to the nearest bf16 w
+  (the parameter) and the rest of x's bit pattern, x − w counted in x's last bits, an int16 (the
+  state). join16(split16(x)) = x bit for bit: the step sees exactly the float32 weight a float32
+  master copy would hold, in the same 4 bytes, and the forward reads x rounded (not truncated,
+  which would shrink every weight toward 0 by up to a spacing).
 * ``int8`` (:func:`split8`, :func:`join8`): w = bf16(x), round to nearest, and the error x − w in
   units of ulp(w)/256, q = round((x − w)·2^(16−e)) ∈ [−127, 127] (|x − w| ≤ ulp/2 is 128 units at
   most; the one tie value is clamped). join8 reads x̂ = w + q·2^(e−16): |x̂ − x| ≤ ulp(w)/512
@@ -37,17 +38,23 @@ LOW_NAMES = tuple(str(t).removeprefix("torch.") for t in LOW)  # as a plan names
 
 
 def split16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``x`` → (its high 16 bits as bf16 (x truncated), its low 16 bits as int16)."""
-    bits = x.contiguous().view(torch.int32)
-    high = torch.bitwise_right_shift(bits, 16).to(torch.int16).view(torch.bfloat16)
-    low = torch.bitwise_and(bits, 0xFFFF).to(torch.int16)  # 0 … 65535 wrapped into int16's range
-    return high, low
+    """float32 ``x`` → (w: x rounded to bf16, half-way magnitudes up, as bf16; x's bit pattern minus
+    w's, an int16). On the magnitude's bits: w = ⌊(|x| + 2^15) / 2^16⌋·2^16 (a carry into the
+    exponent is bf16's rounding up to the next binade), so the remainder lies in [−2^15, 2^15).
+    A NaN keeps bf16's NaN and a remainder of 0 (its payload is not kept)."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64)
+    sign, mag = bits & 0x80000000, bits & 0x7FFFFFFF
+    nan = mag > 0x7F800000
+    wmag = torch.where(nan, 0x7FC00000, (mag + 0x8000) & ~0xFFFF)
+    low = torch.where(nan, 0, mag - wmag)
+    return ((sign | wmag) >> 16).to(torch.int16).view(torch.bfloat16), low.to(torch.int16)
 
 
 def join16(w: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The float32 weight whose bit pattern is ``w``'s 16 bits, then ``low``'s."""
-    high = torch.bitwise_left_shift(w.contiguous().view(torch.int16).to(torch.int32), 16)
-    return torch.bitwise_or(high, torch.bitwise_and(low.to(torch.int32), 0xFFFF)).view(torch.float32)
+    """The float32 weight: ``w``'s magnitude bits, shifted to float32's place, plus ``low``."""
+    wb = w.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    mag = ((wb & 0x7FFF) << 16) + low.to(torch.int64)
+    return (((wb & 0x8000) << 16) | mag).to(torch.int32).view(torch.float32)
 
 
 def _units(w: torch.Tensor) -> torch.Tensor:
