@@ -77,7 +77,8 @@ class Masters:
         finally:
             for p, kind, w, g, kept in swapped:
                 if flag[0]:
-                    w, err = SPLIT[kind](p.detach())
+                    new, err = SPLIT[kind](p.detach())
+                    w.copy_(new)  # into the parameter's own storage (views of it, a wrapper's, stay bound)
                     if kept or bool(err.any()):
                         state[p][KEY] = err
                 p.grad = None
