@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -317,3 +319,34 @@ def test_bytes_per_parameter():
     assert _bytes(m16, o16, by_rule["hidden"]) == 5
     adam = [p for r, ps in by_rule.items() if r != "hidden" for p in ps]
     assert _bytes(m16, o16, adam) == 7
+
+
+# ---------------------------------------------------------------- torch.distributed
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """4 gloo processes (tests/compensation_worker.py): DDP pairs against one process, FSDP2's refusal."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import compensation_worker
+    import layout_worker
+
+    return layout_worker.launch(4, tmp_path_factory.mktemp("compensation"), script=compensation_worker.__file__)
+
+
+def test_ddp_steps_compensated_weights_as_one_process(ranks):
+    """Under DDP every rank's bf16 weights and decoded float32 weights equal one process's bit for
+    bit, a forward after the steps gives its loss, and every parameter keeps its error."""
+    for r in ranks:
+        for (layout, name), dev in r["deviation"].items():
+            assert dev == {"bf16": 0.0, "float32": 0.0}, (r["rank"], layout, name, dev)
+            assert r["loss"][(layout, name)] == r["loss"][("single", name)]
+            form = name.rsplit("-", 1)[1]
+            assert len(r["errors"][(layout, name)]) == 21
+            assert all(e == (f"torch.{form}", "torch.bfloat16") for e in r["errors"][(layout, name)].values())
+
+
+def test_sharded_parameters_are_refused_with_what_to_do(ranks):
+    for r in ranks:
+        assert "does not run on sharded (DTensor) parameters yet" in r["fsdp"], r["fsdp"]
+        assert "MixedPrecisionPolicy" in r["fsdp"] and "DDP" in r["fsdp"]
