@@ -115,16 +115,19 @@ def main(argv=None) -> int:
     p.add_argument("--run", choices=sorted(RUNS), default="demo")
     p.add_argument("--steps", type=int, help="default: the run's")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--without", nargs="+", default=[], metavar="ROW",
+                   help="leave out the rows whose label contains any of these (e.g. int16)")
     p.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     spec_path, steps = RUNS[args.run]
     steps = args.steps or steps
     spec = geomopt.load_spec(ROOT / spec_path)
-    finals: dict = {label: [] for label in ROWS}
+    rows_run = {k: v for k, v in ROWS.items() if k == REFERENCE or not any(w in k for w in args.without)}
+    finals: dict = {label: [] for label in rows_run}
     held: dict = {}
     for seed in args.seeds:
-        for label, (dtype, compensation, scale, state) in ROWS.items():
+        for label, (dtype, compensation, scale, state) in rows_run.items():
             final, held[label] = run_one(with_compensation(spec, compensation, scale, state), dtype, seed, steps)
             finals[label].append(final)
             print(f"seed {seed} {label}: {final:.4f}", flush=True)
