@@ -112,7 +112,7 @@ SPEEDRUN_COEFFICIENTS: tuple[Triple, ...] = (
 #: ``coefficients`` names of newton_schulz and gram_newton_schulz. ``aol`` is Turbo-Muon's (Boissin
 #: et al. 2025, arXiv:2512.04632; github.com/thib-s/flash-newton-schulz): four steps fitted to start
 #: from the AOL rescaling (geometry ``prenormalize: aol``). ``polar_express`` is the authors' list
-#: with the 1.01 safety factor (:data:`POLAR_EXPRESS_COEFFICIENTS`) rounded to 4 decimals.
+#: with the 1.01 safety factor (:data:`POLAR_EXPRESS_COEFFICIENTS`) to 4 decimals (within 1e-4).
 NEWTON_SCHULZ_SETS: dict[str, tuple[Triple, ...]] = {
     "simple": (MUON_COEFFICIENTS,),
     "quintic": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
