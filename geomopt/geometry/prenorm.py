@@ -36,7 +36,7 @@ def prenormalize(x: torch.Tensor, cfg: Fields | None, approx_kind: str = "svd", 
     cfg = default_prenormalize(approx_kind) if cfg is None else cfg
     if cfg.get("kind", "frobenius") == "none":
         return x
-    if cfg["kind"] == "aol":
+    if cfg.get("kind") == "aol":
         tall = x.shape[-2] > x.shape[-1]
         scaled = aol(x.mT if tall else x, cfg)[0]
         return scaled.mT if tall else scaled
