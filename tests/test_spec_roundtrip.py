@@ -199,8 +199,9 @@ triple = st.lists(finite, min_size=3, max_size=3)
 @st.composite
 def newton_schulz(draw):
     steps = draw(st.integers(1, 100))
-    coefficients = draw(st.one_of(st.none(), st.lists(triple, min_size=1, max_size=1), st.lists(triple, min_size=steps, max_size=steps) if steps <= 6 else st.none(),
-                                  st.sampled_from(["simple", "quintic", "polar_express", "cans", "aol"])))
+    per_step = st.lists(triple, min_size=steps, max_size=steps) if steps <= 6 else st.none()
+    named = st.sampled_from(["simple", "quintic", "polar_express", "cans", "aol"])
+    coefficients = draw(st.one_of(st.none(), st.lists(triple, min_size=1, max_size=1), per_step, named))
     return NewtonSchulz(steps=steps, coefficients=coefficients, dtype=draw(dtype))
 
 
@@ -227,7 +228,8 @@ geometry = st.one_of(
     approx.flatmap(lambda a: model(  # a polynomial iteration needs pre-normalization (Spectral refuses none)
         Spectral, radius=pos, reference=reference, approx=st.just(a), scale=scale, layout=layout, view=view,
         prenormalize=prenormalize.filter(lambda p: not isinstance(p, NoPrenorm))
-        if a.kind in POLYNOMIAL_APPROX_KINDS else prenormalize.filter(lambda p: not isinstance(p, AolPrenorm)))),
+        if a.kind in POLYNOMIAL_APPROX_KINDS
+        else prenormalize.filter(lambda p: not isinstance(p, AolPrenorm)))),  # aol: the iterations only
     model(Rowwise, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
     model(Columnwise, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
     model(Adam, radius=pos, eps=pos,

@@ -221,6 +221,7 @@ def gram_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, p
 
     A = gram(X)
     steps = len(coefficients)
+    pending: torch.Tensor | None
     if cfg.get("kind") == "aol":  # D̂ = S·D: A ← S·A·S, and S is folded into the first Q
         if steps == 0:
             return (prenormalize(X, cfg) * scale).to(out_dtype).reshape(*lead, m, n)
