@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import catalog_eo  # noqa: E402
 
 AOL = {"kind": "aol", "eps": 1e-7}
+TURBO_MUON = Path(__file__).resolve().parents[1] / "specs" / "catalog" / "turbo-muon.yaml"
 
 
 def aol_reference(d: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
@@ -171,3 +172,15 @@ def test_named_coefficient_sets():
     assert approx_coefficients({"kind": "gram_newton_schulz", "steps": 4, "coefficients": "aol"}) == catalog_eo.AOL
     with pytest.raises(ValueError, match="unknown coefficient set 'turbo'"):
         newton_schulz_coefficients(4, "turbo")
+
+
+def test_explain_and_the_dsl_show_the_set_and_aol(capsys):
+    """``geomopt explain`` names the coefficient set and the pre-normalization of turbo-muon's
+    hidden rule; the DSL writes both and reads them back."""
+    from geomopt.cli.main import main
+
+    assert main(["explain", "turbo-muon", "transformer.h.0.mlp.c_proj.weight", "--model", "gpt"]) == 0
+    out = capsys.readouterr().out
+    assert "via newton_schulz(steps=4, coefficients=aol); prenormalize aol(eps=1e-07)" in out
+    assert main(["fmt", str(TURBO_MUON), "--to", "dsl"]) == 0
+    assert "approx=newton_schulz(steps=4, coefficients=aol), prenormalize=aol" in capsys.readouterr().out
