@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import emit  # noqa: E402
+from _results import emit, round_robin  # noqa: E402
 from gram_ns import rel_err  # noqa: E402
 
 from geomopt.cli.bench import device_name  # noqa: E402
@@ -61,15 +60,10 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         m, n = map(int, shape.lower().split("x"))
         x = torch.randn(args.batch, m, n, generator=torch.Generator().manual_seed(args.seed))
-        times: dict[str, list[float]] = {name: [] for name in fns}
         outs = {name: fn(x) for name, fn in fns.items()}  # the warm-up call, kept for the errors
-        for _ in range(args.iters):
-            for name, fn in fns.items():
-                t0 = time.perf_counter()
-                fn(x)
-                times[name].append((time.perf_counter() - t0) * 1e3)
+        timed = round_robin([(name, lambda fn=fn, x=x: fn(x)) for name, fn in fns.items()], args.iters, warmup=0)
+        (_, muon_ms), (_, turbo_ms) = timed
         polar = polar_factor(x)
-        muon_ms, turbo_ms = (statistics.median(times[name]) for name in fns)
         lines.append(f"| {args.batch} × {m}×{n} | {muon_ms:.1f} | {turbo_ms:.1f} | {muon_ms / turbo_ms:.2f}× | "
                      f"{rel_err(outs['muon'], polar):.3f} | {rel_err(outs['turbo-muon'], polar):.3f} |")
     lines += ["", f"Median of {args.iters} alternating calls each; errors: largest over the batch."]
