@@ -107,17 +107,51 @@ SPEEDRUN_COEFFICIENTS: tuple[Triple, ...] = (
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 
+#: NVIDIA Emerging-Optimizers' named Newton–Schulz coefficient sets (muon_utils._COEFFICIENT_SETS of
+#: github.com/NVIDIA-NeMo/Emerging-Optimizers, as the package ships them: 4 decimals), the
+#: ``coefficients`` names of newton_schulz and gram_newton_schulz. ``aol`` is Turbo-Muon's (Boissin
+#: et al. 2025, arXiv:2512.04632; github.com/thib-s/flash-newton-schulz): four steps fitted to start
+#: from the AOL rescaling (geometry ``prenormalize: aol``). ``polar_express`` is the authors' list
+#: with the 1.01 safety factor (:data:`POLAR_EXPRESS_COEFFICIENTS`) to 4 decimals (within 1e-4).
+NEWTON_SCHULZ_SETS: dict[str, tuple[Triple, ...]] = {
+    "simple": (MUON_COEFFICIENTS,),
+    "quintic": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+                (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)),
+    "polar_express": ((8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184), (3.9096, -2.8234, 0.5250),
+                      (3.2856, -2.4153, 0.4853), (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
+                      (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750)),
+    "cans": ((8.4703, -25.1081, 18.6293), (4.1828, -3.1087, 0.5806), (3.9619, -2.9541, 0.5630),
+             (3.2866, -2.4647, 0.5074), (2.2737, -1.6447, 0.4162)),
+    "aol": ((4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254),
+            (2.7215, -3.0494, 1.3169)),
+}
+
+#: The named sets that repeat their last triple past their end (the package's ``repeat_last``); the
+#: others start again from the first (``cycle``).
+REPEAT_LAST_SETS = ("polar_express", "cans")
+
 COEFFICIENT_LISTS: dict[str, tuple[Triple, ...]] = {
     "polar_express": POLAR_EXPRESS_COEFFICIENTS,
     "speedrun": SPEEDRUN_COEFFICIENTS,
 }
 
 
-def newton_schulz_coefficients(steps: int = 5, coefficients: Sequence[Sequence[float]] | None = None) -> list[Triple]:
+def newton_schulz_coefficients(steps: int = 5,
+                               coefficients: str | Sequence[Sequence[float]] | None = None) -> list[Triple]:
     """The per-step triples Newton–Schulz runs: Muon's triple (default) or one user triple reused
-    ``steps`` times, or exactly ``steps`` user triples."""
+    ``steps`` times, or exactly ``steps`` user triples, or the first ``steps`` of a named set of
+    :data:`NEWTON_SCHULZ_SETS`, cycled past its end or, for :data:`REPEAT_LAST_SETS`, its last
+    triple repeated (as Emerging-Optimizers' ``get_coefficient_iterator`` does)."""
     if coefficients is None:
         return [MUON_COEFFICIENTS] * steps
+    if isinstance(coefficients, str):
+        if coefficients not in NEWTON_SCHULZ_SETS:
+            raise ValueError(f"unknown coefficient set {coefficients!r}; "
+                             f"expected one of {', '.join(NEWTON_SCHULZ_SETS)} or a list of triples")
+        base = list(NEWTON_SCHULZ_SETS[coefficients])
+        if coefficients in REPEAT_LAST_SETS:
+            return base[:steps] + [base[-1]] * max(0, steps - len(base))
+        return [base[i % len(base)] for i in range(steps)]
     triples = [_triple(t) for t in coefficients]
     if len(triples) == 1:
         return triples * steps

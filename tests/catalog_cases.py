@@ -552,6 +552,13 @@ def _muon_cans(m):
     return Composite(muon, adamw_rest(g))
 
 
+def _turbo_muon(m):
+    g = by_rule(m)
+    muon = catalog_eo.TurboMuon(g["hidden"], lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=True,
+                                coefficients=catalog_eo.AOL, scale=catalog_eo.shape_scaling)
+    return Composite(muon, adamw_rest(g))
+
+
 def _muon_plus(m):
     g = by_rule(m)
     return Composite(catalog_muon_variants.MuonPlus(g["hidden"], lr=0.02, weight_decay=0.1, norm_mode="row_col"),
@@ -808,6 +815,14 @@ CASES: list[Case] = [
          "`torch.optim.AdamW(fused=True)`", "transcription", "llama", _muon_cans, 1e-5,
          _EO32 + "; CANS's first quintic (coefficients up to 25) amplifies that rounding about 5× more than Muon's",
          3e-5, _LOSS,
+         rule=llama_rule),
+    Case("turbo-muon", "Turbo-Muon (AOL-preconditioned Newton–Schulz, 4 steps)", "Boissin et al. 2025",
+         "https://arxiv.org/abs/2512.04632",
+         "NVIDIA Emerging-Optimizers' `Muon(num_ns_steps=4, coefficient_type=\"aol\")` with the authors' AOL "
+         "rescaling (github.com/thib-s/flash-newton-schulz) in its Newton–Schulz, written out in "
+         "`tests/catalog_eo.py`; `torch.optim.AdamW(fused=True)`", "transcription", "llama", _turbo_muon, 3e-6,
+         "the Newton–Schulz iterations are the same ops bit for bit (tests/test_aol.py); decoupled decay as "
+         "p + (−λγ)p there, X(1 − γλ) here, and the update's scale and sum: fp32 rounding", 3e-5, _LOSS,
          rule=llama_rule),
     Case("muon-plus", "Muon+ (row, then column normalization)", "arXiv:2602.21545 (2026)",
          "https://arxiv.org/abs/2602.21545",

@@ -10,12 +10,17 @@ written out here from its source, operation for operation and in the same order:
 * ``muon_utils.newton_schulz``: transpose to the wide side, ``F.normalize`` (X/max(‖X‖_F, 1e-7)),
   per step A = XXᵀ, B = bA + cA², X = aX + BX (``torch.addmm``), coefficient sets cycled; run in
   float32 here (the package's ``fp32_matmul_prec="highest"``; its default "medium" rounds to bf16);
+* Turbo-Muon's AOL-rescaled Newton–Schulz (:func:`aol_newton_schulz`): the package ships its ``aol``
+  coefficient set but not the AOL rescaling the set was fitted for, so that is transcribed from the
+  authors' code (github.com/thib-s/flash-newton-schulz) in the package's op style;
 * ``muon.Muon`` (``OrthogonalizedOptimizer`` with Muon's scale factor), ``polargrad.PolarGrad``,
   ``muon_hyperball.MuonHyperball`` (fixed ``hyperball_radius``), ``spel.Spel`` and
   ``adaptive_muon.AdaptiveMuon(moment2_method="namo")``.
 
-Each class was checked against the package itself (run under Python 3.11 with ``typing.override``
-and ``absl.logging`` stubbed): identical to the last bit on the catalogue's Llama, 6 steps.
+Each class but ``TurboMuon`` was checked against the package itself (run under Python 3.11 with
+``typing.override`` and ``absl.logging`` stubbed): identical to the last bit on the catalogue's
+Llama, 6 steps. ``TurboMuon`` is ``muon.Muon`` with :func:`aol_newton_schulz` in place of
+``newton_schulz``; the authors' code runs in bf16 with Triton kernels, so it was read, not run.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ QUINTIC = [(4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.591
 CANS = [(8.4703, -25.1081, 18.6293), (4.1828, -3.1087, 0.5806), (3.9619, -2.9541, 0.5630),
         (3.2866, -2.4647, 0.5074), (2.2737, -1.6447, 0.4162)]
 
+#: "aol" (Turbo-Muon's four quintics, fitted to start from the AOL rescaling; the package takes them from
+#: github.com/thib-s/flash-newton-schulz), cycled
+AOL = [(4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254), (2.7215, -3.0494, 1.3169)]
+
 
 def newton_schulz(x: torch.Tensor, coefficients, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
     """muon_utils.newton_schulz (2-D, float32, coefficient sets cycled)."""
@@ -44,6 +53,29 @@ def newton_schulz(x: torch.Tensor, coefficients, steps: int = 5, eps: float = 1e
         A = X @ X.mT
         B = torch.addmm(A, A, A, alpha=c, beta=b)
         X = torch.addmm(X, B, X, alpha=1.0, beta=a)
+    return X.mT if transpose else X
+
+
+def aol_newton_schulz(x: torch.Tensor, coefficients, steps: int = 4, eps: float = 1e-7) -> torch.Tensor:
+    """Turbo-Muon's Newton–Schulz (Boissin et al. 2025, arXiv:2512.04632; ``NS_ours`` of
+    github.com/thib-s/flash-newton-schulz, newton_schulz_triton.py): transpose to the wide side,
+    A = XXᵀ, s = rsqrt(clamp_min(Σⱼ|A_ij|, ε)), X ← X·s (each row), A ← A·s·sᵀ reused by the first
+    step (no Frobenius normalization), then per step B = bA + cA², X = aX + BX. Its Triton products
+    (ns_line_1/2/3) are written as Emerging-Optimizers' ``torch.addmm`` steps (``baddbmm`` for a
+    batch), in float32; coefficient sets cycled."""
+    transpose = x.size(-2) > x.size(-1)
+    if transpose:
+        x = x.mT
+    mm_add = torch.baddbmm if x.ndim == 3 else torch.addmm
+    A = x @ x.mT
+    s = torch.rsqrt(torch.clamp_min(A.abs().sum(dim=-1, keepdim=False), min=eps))
+    X = x * s.unsqueeze(-1)
+    A = A * s.unsqueeze(-1) * s.unsqueeze(-2)
+    for i, (a, b, c) in enumerate(itertools.islice(itertools.cycle(coefficients), steps)):
+        if i > 0:
+            A = X @ X.mT
+        B = mm_add(A, A, A, alpha=c, beta=b)
+        X = mm_add(X, B, X, alpha=1.0, beta=a)
     return X.mT if transpose else X
 
 
@@ -86,6 +118,18 @@ class OrthogonalizedOptimizer:
             self.pre(p, update)
             p.add_(update, alpha=-self.lr)
             self.post(p)
+
+
+class TurboMuon(OrthogonalizedOptimizer):
+    """Turbo-Muon: Muon's step (``muon.Muon``, Muon's scale factor) with the orthogonalization
+    replaced by :func:`aol_newton_schulz` (``steps`` iterations, 4 by default)."""
+
+    def __init__(self, params, *, steps: int = 4, **kw):
+        super().__init__(params, **kw)
+        self.steps = steps
+
+    def orthogonalize(self, g):
+        return aol_newton_schulz(g, self.coefficients, self.steps) * self.scale(g.size(-2), g.size(-1))
 
 
 class PolarGrad(OrthogonalizedOptimizer):
@@ -139,5 +183,5 @@ class Namo(OrthogonalizedOptimizer):
         return orth * alpha * self.scale(orth.size(-2), orth.size(-1))
 
 
-__all__ = ["CANS", "MuonHyperball", "Namo", "OrthogonalizedOptimizer", "PolarGrad", "QUINTIC", "SIMPLE", "Spel",
-           "newton_schulz", "shape_scaling"]
+__all__ = ["AOL", "CANS", "MuonHyperball", "Namo", "OrthogonalizedOptimizer", "PolarGrad", "QUINTIC", "SIMPLE", "Spel",
+           "TurboMuon", "aol_newton_schulz", "newton_schulz", "shape_scaling"]

@@ -73,6 +73,8 @@ CASES = [
     ("yaml_coefficients_pairs.yaml", "GO005", 11, 51, ["coefficients[1]", "at least 3 items"]),
     ("yaml_coefficients_flat.yaml", "GO005", 9, 52, ["coefficients[0]", "valid list"]),
     ("yaml_coefficients_count.yaml", "GO005", 12, 23, ["1 or steps=3 triples, got 2"]),
+    ("yaml_unknown_coefficient_set.yaml", "GO005", 9, 61, ["'cans' or 'aol'", "did you mean 'aol'"]),
+    ("yaml_aol_with_svd.yaml", "GO005", 10, 21, ["aol with approx gram_eigh", "use it with a polynomial approx"]),
     ("yaml_literal_typo.yaml", "GO005", 9, 14, ["got 'scoin'", "did you mean 'scion'"]),
     ("yaml_betas_length.yaml", "GO005", 6, 35, ["betas", "at least 2 items"]),
     ("yaml_geometry_scalar.yaml", "GO005", 6, 15, ["rules[0].geometry", "got 'spectral'"]),

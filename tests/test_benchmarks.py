@@ -146,6 +146,14 @@ def test_gram_ns_script_compares_the_two_iterations(capsys):
     assert re.search(r"^\| 2 × 16×64 \|", out, flags=re.M), out
 
 
+def test_turbo_ns_script_compares_muon_and_turbo_muon(capsys):
+    assert _script("turbo_ns").main(["--shapes", "16x64", "--batch", "2", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    row = re.search(r"^\| 2 × 16×64 \| [\d.]+ \| [\d.]+ \| [\d.]+× \| ([\d.]+) \| ([\d.]+) \|$", out, flags=re.M)
+    assert row, out
+    assert 0 < float(row[1]) < 1 and 0 < float(row[2]) < 1, out
+
+
 def test_ab_script_reads_a_base_commit_whose_specs_extend_shipped_ones(capsys):
     # the base's specs and grammar go inside its package, as a wheel installs them
     spec = str(Path(__file__).resolve().parents[1] / "specs" / "catalog" / "normuon.yaml")

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import geomopt
 from geomopt.spec.geometries import (
+    AolPrenorm,
     FrobeniusPrenorm,
     NoPrenorm,
     POLYNOMIAL_APPROX_KINDS,
@@ -198,7 +199,9 @@ triple = st.lists(finite, min_size=3, max_size=3)
 @st.composite
 def newton_schulz(draw):
     steps = draw(st.integers(1, 100))
-    coefficients = draw(st.one_of(st.none(), st.lists(triple, min_size=1, max_size=1), st.lists(triple, min_size=steps, max_size=steps) if steps <= 6 else st.none()))
+    per_step = st.lists(triple, min_size=steps, max_size=steps) if steps <= 6 else st.none()
+    named = st.sampled_from(["simple", "quintic", "polar_express", "cans", "aol"])
+    coefficients = draw(st.one_of(st.none(), st.lists(triple, min_size=1, max_size=1), per_step, named))
     return NewtonSchulz(steps=steps, coefficients=coefficients, dtype=draw(dtype))
 
 
@@ -209,7 +212,8 @@ approx = st.one_of(
     model(PolarExpress, steps=st.integers(1, 100), dtype=dtype,
           coefficients=st.one_of(st.sampled_from(["polar_express", "speedrun"]), st.lists(triple, min_size=1, max_size=4))),
 )
-prenormalize = st.one_of(model(FrobeniusPrenorm, eps=pos), model(MaxPrenorm, eps=pos), st.just(NoPrenorm()))
+prenormalize = st.one_of(model(FrobeniusPrenorm, eps=pos), model(MaxPrenorm, eps=pos), model(AolPrenorm, eps=pos),
+                         st.just(NoPrenorm()))
 # none, auto (printed as the shorthand), or a matrix view with blocks a count or a list of sizes
 view = st.one_of(
     st.none(),
@@ -224,7 +228,8 @@ geometry = st.one_of(
     approx.flatmap(lambda a: model(  # a polynomial iteration needs pre-normalization (Spectral refuses none)
         Spectral, radius=pos, reference=reference, approx=st.just(a), scale=scale, layout=layout, view=view,
         prenormalize=prenormalize.filter(lambda p: not isinstance(p, NoPrenorm))
-        if a.kind in POLYNOMIAL_APPROX_KINDS else prenormalize)),
+        if a.kind in POLYNOMIAL_APPROX_KINDS
+        else prenormalize.filter(lambda p: not isinstance(p, AolPrenorm)))),  # aol: the iterations only
     model(Rowwise, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
     model(Columnwise, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
     model(Adam, radius=pos, eps=pos,
@@ -344,7 +349,7 @@ def test_schema_has_the_discriminated_kinds():
         ("Rule", "constraint"): set(CONSTRAINT_KINDS),
         ("Spectral", "reference"): {"log_barrier", "power_barrier", "indicator", "quadratic"},
         ("Spectral", "approx"): {"svd", "gram_eigh", "newton_schulz", "gram_newton_schulz", "polar_express"},
-        ("Spectral", "prenormalize"): {"frobenius", "max", "none"},
+        ("Spectral", "prenormalize"): {"frobenius", "max", "aol", "none"},
         ("Rule", "direction"): set(DIRECTION_KINDS),
         ("Rule", "decay"): {"decoupled", "cautious"},
         ("Defaults", "schedule"): {"constant", "theory", "storm"},

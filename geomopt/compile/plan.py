@@ -181,7 +181,9 @@ def geometry_text(p: ParamPlan) -> str:
     if "method" in g:  # a learned metric's method (kronecker: shampoo or soap)
         text += f"[{g['method']}]"
     if g.approx is not None:
-        text += f" via {call_text({k: v for k, v in plain(g.approx).items() if k != 'coefficients'})}"
+        # a named coefficient set is shown, a list of triples is not (too long for the line)
+        approx = {k: v for k, v in plain(g.approx).items() if k != "coefficients" or isinstance(v, str)}
+        text += f" via {call_text(approx)}"
     if p.post:
         text += " + " + " + ".join(s.kind for s in p.post)
     return text

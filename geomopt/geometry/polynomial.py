@@ -17,7 +17,7 @@ import torch
 
 from geomopt.support import Triple
 from geomopt.geometry.matrix import working_dtype
-from geomopt.geometry.prenorm import prenorm_factor, prenormalize
+from geomopt.geometry.prenorm import aol, aol_factors, aol_gram, prenorm_factor, prenormalize
 
 
 def compose_polynomials(coefficients: Sequence[Triple], sigma: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,8 @@ def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, pr
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if not muon_order(x.device):
         return _folded_iteration(x, coefficients, cfg, scale, out_dtype)
-    X = prenormalize(x, cfg, inplace=overwrite)
+    use_aol = cfg.get("kind") == "aol"
+    X = x if use_aol else prenormalize(x, cfg, inplace=overwrite)
     m, n = X.shape[-2:]
     tall = m > n
     # contiguous: baddbmm's result takes its input's strides, so a transposed start would keep
@@ -75,8 +76,14 @@ def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, pr
         mm_add = torch.baddbmm
     else:
         mm_add = torch.addmm
+    # AOL (Turbo-Muon's order): rescale the wide matrix's rows, and reuse its Gram matrix, rescaled,
+    # for the first step
+    first_gram = None
+    if use_aol:
+        X, first_gram = aol(X, cfg)
     for a, b, c in coefficients:
-        gram = X @ X.mT
+        gram = X @ X.mT if first_gram is None else first_gram
+        first_gram = None
         update = mm_add(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
         X = mm_add(X, update, X, beta=a)  # a·X + (b·A + c·A²)·X
     X = X.reshape(*lead, *X.shape[-2:])
@@ -93,23 +100,31 @@ def _folded_iteration(x: torch.Tensor, coefficients: Sequence[Triple], prenorm: 
     otherwise (a product without an addend: baddbmm would first copy X into its output):
 
     - pre-normalization: ‖D‖²_F = tr(A₁), and with D̂ = f·D the first step is X₁ = (f·F̂₁)·D,
-      F̂₁ built from A₁·f² (f = 1/(‖D‖_F + ε), or 1/max(‖D‖_F, ε)); no pass over D;
+      F̂₁ built from A₁·f² (f = 1/(‖D‖_F + ε), or 1/max(‖D‖_F, ε)); no pass over D; AOL likewise,
+      D̂ = S·D: X₁ = (F̂₁·S)·D, F̂₁ built from S·A₁·S (tall: D·(S·F̂₁));
     - ``scale`` multiplies the last F, and the last product writes ``out_dtype`` directly where
       the device's bmm can (fp32 from bf16 operands on CUDA: :func:`_bmm_into`)."""
     m, n = x.shape[-2:]
     right = m > n
     lead = x.shape[:-2]
     X = x.reshape(-1, m, n)
+    use_aol = prenorm.get("kind") == "aol"
     if not coefficients:
+        if use_aol:
+            return (prenormalize(X, prenorm) * scale).to(out_dtype).reshape(*lead, m, n)
         sq = (X.float() ** 2).sum(dim=(-2, -1))
         f = prenorm_factor(sq, prenorm)
         out = X * (scale if f is None else f[:, None, None] * scale)
         return out.to(out_dtype).reshape(*lead, m, n)
     last = len(coefficients) - 1
+    s_aol = None
     for i, (a, b, c) in enumerate(coefficients):
         gram = X.mT @ X if right else X @ X.mT
         factor: float | torch.Tensor = 1.0 if i < last else scale
-        if i == 0:
+        if i == 0 and use_aol:
+            s_aol = aol_factors(gram, prenorm)
+            aol_gram(gram, s_aol)
+        elif i == 0:
             f = prenorm_factor(gram.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32), prenorm)
             if f is not None:
                 # in the working dtype (bf16 on CUDA: rounded as torch Muon's bf16 norm is; a
@@ -118,6 +133,9 @@ def _folded_iteration(x: torch.Tensor, coefficients: Sequence[Triple], prenorm: 
                 factor = (f * factor).to(gram.dtype)[:, None, None]
         update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
         update.diagonal(dim1=-2, dim2=-1).add_(a)
+        if s_aol is not None:  # F̂·S (wide: S·D's rows), S·F̂ (tall: D·S's columns)
+            update.mul_(s_aol.unsqueeze(-1) if right else s_aol.unsqueeze(-2))
+            s_aol = None
         if not isinstance(factor, float) or factor != 1.0:
             update.mul_(factor)
         if i < last:
@@ -185,7 +203,8 @@ def gram_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, p
 
     Pre-normalization and ``scale`` are folded into R: ‖D‖²_F = tr(A₀) (summed in at least
     float32, float64 for float64 work), A₀ is scaled by f² and the first Q by f
-    (f = 1/(‖D‖_F + ε) or 1/max(‖D‖_F, ε)); ``scale`` multiplies the last R. The result is in
+    (f = 1/(‖D‖_F + ε) or 1/max(‖D‖_F, ε)); AOL (D̂ = S·D) scales A₀ to S·A₀·S and the first Q to
+    Q·S (tall: S·Q); ``scale`` multiplies the last R. The result is in
     ``out_dtype`` (default: x's)."""
     cfg = {"kind": "none"} if prenorm is None else prenorm
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -201,14 +220,22 @@ def gram_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, p
         return X @ R if right else R @ X
 
     A = gram(X)
-    sq = A.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=working_dtype(A.dtype))
-    f = prenorm_factor(sq, cfg)
-    pending = None if f is None else f.to(A.dtype)[:, None, None]  # folded into the first Q
-    if pending is not None:
-        # ‖D‖²_F past the dtype's range (entries past √max): f = 0, and the overflowed entries of
-        # A times 0 are NaN; A·f² is 0 there, as is the map of D/‖D‖ rounded through f = 0
-        torch.nan_to_num_(A.mul_(pending * pending), nan=0.0, posinf=0.0, neginf=0.0)
     steps = len(coefficients)
+    pending: torch.Tensor | None
+    if cfg.get("kind") == "aol":  # D̂ = S·D: A ← S·A·S, and S is folded into the first Q
+        if steps == 0:
+            return (prenormalize(X, cfg) * scale).to(out_dtype).reshape(*lead, m, n)
+        s = aol_factors(A, cfg)
+        aol_gram(A, s)
+        pending = s.unsqueeze(-1) if right else s.unsqueeze(-2)  # S·Q (tall), Q·S (wide)
+    else:
+        sq = A.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=working_dtype(A.dtype))
+        f = prenorm_factor(sq, cfg)
+        pending = None if f is None else f.to(A.dtype)[:, None, None]  # folded into the first Q
+        if pending is not None:
+            # ‖D‖²_F past the dtype's range (entries past √max): f = 0, and the overflowed entries of
+            # A times 0 are NaN; A·f² is 0 there, as is the map of D/‖D‖ rounded through f = 0
+            torch.nan_to_num_(A.mul_(pending * pending), nan=0.0, posinf=0.0, neginf=0.0)
     if steps == 0:
         factor = scale if pending is None else pending * scale
         return (X * factor).to(out_dtype).reshape(*lead, m, n)

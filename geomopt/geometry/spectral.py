@@ -12,7 +12,8 @@ matrices) and a reference :class:`~geomopt.geometry.reference.Reference`, regist
 
 Pre-normalization (geometry field ``prenormalize``) is applied by every approximation in the same
 way, per matrix (norms over the last two dims): ``frobenius`` D/(‖D‖_F + ε), ``max``
-D/max(‖D‖_F, ε) (torch.optim.Muon), ``none``. ``None`` means the default: frobenius with ε = 1e-7
+D/max(‖D‖_F, ε) (torch.optim.Muon), ``aol`` S·D (Turbo-Muon's row rescaling from the smaller Gram
+matrix; the polynomial iterations only), ``none``. ``None`` means the default: frobenius with ε = 1e-7
 for newton_schulz / gram_newton_schulz / polar_express (they diverge without it), none for svd /
 gram_eigh.
 
@@ -158,7 +159,8 @@ def newton_schulz(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Quintic Newton–Schulz on the pre-normalized D (Muon; default triple
-    (3.4445, −4.7750, 2.0315), one triple reused or one per step). Realizes its own map,
+    (3.4445, −4.7750, 2.0315), one triple reused or one per step, or a named set of
+    :data:`~geomopt.support.NEWTON_SCHULZ_SETS`). Realizes its own map,
     ≈ the κ = 4 power barrier of :func:`~geomopt.support.realized_reference`; ``ref`` is ignored."""
     coeffs = newton_schulz_coefficients(steps, coefficients)
     return _polynomial(x, "newton_schulz", coeffs, dtype, prenormalize, scale, out_dtype)

@@ -64,20 +64,31 @@ class GramEigh(SpecModel):
     dtype: ApproxDtype = "auto"
 
 
+#: Named Newton–Schulz coefficient sets: NVIDIA Emerging-Optimizers' (``muon_utils._COEFFICIENT_SETS``,
+#: as the package ships them; :data:`geomopt.support.NEWTON_SCHULZ_SETS` holds the triples)
+NewtonSchulzSet = Literal["simple", "quintic", "polar_express", "cans", "aol"]
+
+
 def _fit_steps(v, info):
-    """A per-step coefficient list holds one triple (for every step) or one per step."""
+    """A per-step coefficient list holds one triple (for every step) or one per step (a named set
+    runs any number of steps: :func:`geomopt.support.newton_schulz_coefficients`)."""
     steps = info.data.get("steps")
-    if v is not None and steps is not None and len(v) not in (1, steps):
+    if isinstance(v, list) and steps is not None and len(v) not in (1, steps):
         raise ValueError(f"coefficients must hold 1 or steps={steps} triples, got {len(v)}")
     return v
 
 
 class NewtonSchulz(SpecModel):
-    """Quintic Newton–Schulz, X ← aX + b(XXᵀ)X + c(XXᵀ)²X; default Muon's (3.4445, −4.7750, 2.0315)."""
+    """Quintic Newton–Schulz, X ← aX + b(XXᵀ)X + c(XXᵀ)²X; default Muon's (3.4445, −4.7750, 2.0315).
+    ``coefficients``: one triple for every step, one per step, or a named set as NVIDIA
+    Emerging-Optimizers ships it: ``simple`` (Muon's triple), ``quintic`` (modded-nanogpt's five),
+    ``aol`` (Turbo-Muon's four, fitted to start from ``prenormalize: aol``), cycled past their end;
+    ``polar_express`` (Amsel et al.'s eight with the 1.01 safety factor, to 4 decimals) and ``cans``
+    (Grishina et al.'s five), whose last triple repeats."""
 
     kind: Literal["newton_schulz"] = "newton_schulz"
     steps: Annotated[int, Field(ge=1, le=100)] = 5
-    coefficients: Optional[list[Triple]] = None
+    coefficients: Optional[Union[NewtonSchulzSet, list[Triple]]] = None
     dtype: ApproxDtype = "auto"
 
     # a field validator (steps is validated first), so errors point at the field
@@ -112,7 +123,7 @@ class GramNewtonSchulz(SpecModel):
 
     kind: Literal["gram_newton_schulz"] = "gram_newton_schulz"
     steps: Annotated[int, Field(ge=1, le=100)] = 5
-    coefficients: Optional[list[Triple]] = None
+    coefficients: Optional[Union[NewtonSchulzSet, list[Triple]]] = None
     restarts: list[Annotated[int, Field(ge=1)]] = [2]
     dtype: ApproxDtype = "auto"
 
@@ -155,13 +166,25 @@ class MaxPrenorm(SpecModel):
     eps: PositiveFloat = 1e-7
 
 
+class AolPrenorm(SpecModel):
+    """AOL rescaling (almost-orthogonal layers, Prach & Lampert 2022, arXiv:2208.03160; Turbo-Muon,
+    Boissin et al. 2025, arXiv:2512.04632): D ← S·D, S = diag(max(Σⱼ |A_ij|, ε))^(−1/2), A = DDᵀ the
+    Gram matrix of the smaller side (tall D: D·S with A = DᵀD). σ_max(S·D) ≤ 1 for every D, and
+    the spectrum starts closer to 1 than D/‖D‖_F's, so Newton–Schulz needs about one step fewer;
+    the iterations reuse A for their first step. Only with a polynomial approx (an exact one would
+    factor S·D, whose polar factor is not D's)."""
+
+    kind: Literal["aol"] = "aol"
+    eps: PositiveFloat = 1e-7
+
+
 class NoPrenorm(SpecModel):
     """No pre-normalization (the default for svd and gram_eigh)."""
 
     kind: Literal["none"] = "none"
 
 
-Prenormalize = Annotated[Union[FrobeniusPrenorm, MaxPrenorm, NoPrenorm], Field(discriminator="kind")]
+Prenormalize = Annotated[Union[FrobeniusPrenorm, MaxPrenorm, AolPrenorm, NoPrenorm], Field(discriminator="kind")]
 
 # ---------------------------------------------------------------- geometries
 
@@ -248,12 +271,18 @@ class Spectral(_MatrixGeometry):
     def _iterations_need_prenormalize(cls, v, info):
         """A polynomial iteration maps [0, 1] to about 1 and diverges (to ±∞, then NaN) for singular
         values past its basin (≈ 1.5 for Muon's coefficients): without pre-normalization a finite
-        gradient of norm above that makes the parameters NaN, so it is refused."""
+        gradient of norm above that makes the parameters NaN, so it is refused. AOL with an exact
+        approx is refused too (:class:`AolPrenorm`)."""
         approx = info.data.get("approx")
         if isinstance(v, NoPrenorm) and isinstance(approx, (NewtonSchulz, GramNewtonSchulz, PolarExpress)):
             raise ValueError(f"prenormalize: none with approx {approx.kind}: its polynomial iteration diverges "
                              f"(to NaN) for singular values above about 1.5, and a gradient's are unbounded; use "
-                             f"prenormalize: frobenius (the default) or max, or an exact approx (svd, gram_eigh)")
+                             f"prenormalize: frobenius (the default), max or aol, or an exact approx (svd, gram_eigh)")
+        if isinstance(v, AolPrenorm) and isinstance(approx, (Svd, GramEigh)):
+            raise ValueError(f"prenormalize: aol with approx {approx.kind}: AOL rescales D's rows (or columns), so an "
+                             f"exact approx would factor the rescaled matrix, not D; use it with a polynomial "
+                             f"approx (newton_schulz, gram_newton_schulz, polar_express), or prenormalize: frobenius "
+                             f"or max")
         return v
 
 

@@ -264,7 +264,10 @@ def resolve_hyper(spec: Spec, rule: Rule) -> dict:
 def effective_prenormalize(geometry: Spectral):
     """Newton–Schulz (plain or Gram) and Polar Express diverge without pre-normalization, so it
     defaults on (ε = 1e-7) for them (:data:`POLYNOMIAL_APPROX_KINDS`), and ``none`` is refused
-    with them; off for svd and gram_eigh (geomopt.geometry.spectral: pre-normalization)."""
+    with them; off for svd and gram_eigh (geomopt.geometry.spectral: pre-normalization). ``aol``
+    (Turbo-Muon's rescaling, for the polynomial iterations only) replaces D/‖D‖_F by S·D with the
+    same σ_max ≤ 1 and a spectrum nearer 1, so Newton–Schulz needs about one step fewer: catalogue
+    entry ``turbo-muon`` runs 4 steps of the ``aol`` coefficient set from it."""
     if geometry.prenormalize is not None:
         return geometry.prenormalize
     if geometry.approx.kind in POLYNOMIAL_APPROX_KINDS:
