@@ -42,7 +42,7 @@ def mla(attn: str = "sdpa", scale: float = 1.0, **overrides) -> nn.Module:
     torch.manual_seed(0)
     cfg = transformers.DeepseekV3Config(**{**MLA_CFG, **overrides}, attn_implementation=attn)
     model = transformers.DeepseekV3ForCausalLM(cfg)
-    nope, rope, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
     with torch.no_grad():
         for layer in model.model.layers:
             a = layer.self_attn
