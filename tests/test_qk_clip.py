@@ -402,13 +402,18 @@ def _mla_batch(model, step: int = 0):
     return model(input_ids=ids, labels=ids).loss
 
 
-@pytest.mark.parametrize("attn, overrides", [("sdpa", {}), ("eager", {}), ("sdpa", {"q_lora_rank": None}),
-                                             ("eager", {"rope_interleave": False})],
-                         ids=["sdpa", "eager", "no-query-lora", "rope-halves"])
-def test_monitor_matches_mla_logits_written_out(attn, overrides):
+@pytest.mark.parametrize("attn, overrides, mscale", [("sdpa", {}, 1.0), ("eager", {}, 1.0),
+                                                     ("sdpa", {"q_lora_rank": None}, 1.0),
+                                                     ("eager", {"rope_interleave": False}, 1.0),
+                                                     ("sdpa", {}, 1.7), ("eager", {}, 1.7)],
+                         ids=["sdpa", "eager", "no-query-lora", "rope-halves", "sdpa-own-scale", "eager-own-scale"])
+def test_monitor_matches_mla_logits_written_out(attn, overrides, mscale):
     """The monitor's per-head maxima on DeepSeek-V3's MLA against the logits recomputed in float64
-    from each module's weights and its captured input (tests/catalog_mla.py)."""
+    from each module's weights and its captured input (tests/catalog_mla.py); with the modules'
+    softmax scale changed (as YaRN's mscale² does), the monitor's maxima follow it."""
     model = catalog_mla.mla(attn, scale=20.0, **overrides)
+    for layer in model.model.layers:
+        layer.self_attn.scaling *= mscale
     handle, inputs = geomopt.monitor_attention(model), catalog_mla.Inputs(model)
     assert not handle.refused and [s.name for s in handle.sites] == list(inputs.modules)
     for step in range(2):  # the max over two training forwards
@@ -419,7 +424,7 @@ def test_monitor_matches_mla_logits_written_out(attn, overrides):
     assert set(got) == set(ref) and len(ref) == 2
     for n in ref:
         assert got[n].shape == (4,)
-        assert float(((got[n].double() - ref[n]) / ref[n]).abs().max()) < 1e-6, n
+        assert float(((got[n].double() - mscale * ref[n]) / ref[n]).abs().max()) < 1e-6, n
 
 
 def _mla_parts(model, name: str) -> dict:
