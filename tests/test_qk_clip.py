@@ -534,16 +534,29 @@ def test_mla_rules_on_shared_tensors_or_without_their_keys_are_refused(match, wh
         geomopt.GeomOptimizer(catalog_mla.mla(), spec)
 
 
-def test_mla_without_its_dims_is_refused_with_the_reason():
+@pytest.mark.filterwarnings("ignore::geomopt.RolesGuessedWarning")  # the broken modules' forward fails: no trace
+@pytest.mark.parametrize("case, why", [
+    ("no rotary dim", r"without stated head counts and dims \(num_heads, qk_nope_head_dim, qk_rope_head_dim"),
+    ("rows", r"48 query rows and 64 kv_b_proj rows are not 4 heads of 6 \+ 4 \(query\) and 6 \+ 8"),
+    ("not linear", r"without nn.Linear q_b_proj \(or q_proj\), kv_b_proj and kv_a_proj_with_mqa")])
+def test_mla_the_monitor_cannot_read_is_refused_with_the_reason(case, why):
     model = catalog_mla.mla()
-    for layer in model.model.layers:  # an MLA module that states no rotary dim, itself or in its config
-        del layer.self_attn.qk_rope_head_dim
-        layer.self_attn.config = type("Config", (), {"num_attention_heads": 4})()
+    for layer in model.model.layers:
+        a = layer.self_attn
+        if case == "no rotary dim":  # stated neither on the module nor in its config
+            del a.qk_rope_head_dim
+            a.config = type("Config", (), {"num_attention_heads": 4})()
+        elif case == "rows":  # a stated dim its tensors do not have
+            a.qk_nope_head_dim = 6
+        else:
+            a.kv_b_proj = torch.nn.Sequential(a.kv_b_proj)
     sites, refused = attention_sites(model)
     assert not sites and set(refused) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
-    assert "qk_rope_head_dim" in refused["model.layers.0.self_attn"]
-    with pytest.raises(ValueError, match="multi-head latent attention.*without stated head counts and dims"):
+    with pytest.raises(ValueError, match="multi-head latent attention \\(MLA\\).*" + why):
         geomopt.monitor_attention(model)
+    with pytest.raises(geomopt.SpecError, match=r"q_b_proj\.weight' is not a query or key projection.*"
+                                                r"multi-head latent attention"):
+        geomopt.GeomOptimizer(model, MLA_SPEC.format(tau=1.0))
 
 
 # ---------------------------------------------------------------- the guide and the benchmark
