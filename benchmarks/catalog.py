@@ -95,7 +95,9 @@ def main(argv=None) -> int:
         metric="max over tensors of ||X_geomopt - X_ref||_F / ||X_ref - X_0||_F",
         models={"gpt": f"geomopt.models.GPT {catalog_cases.GPT_CFG}",
                 "gpt-clip": f"geomopt.models.GPT {catalog_cases.GPT_CFG}, hidden matrices x40",
-                "llama": f"transformers.LlamaForCausalLM {catalog_cases.LLAMA_CFG}"},
+                "llama": f"transformers.LlamaForCausalLM {catalog_cases.LLAMA_CFG}",
+                "mla-clip": f"transformers.DeepseekV3ForCausalLM {catalog_cases.catalog_mla.MLA_CFG}, "
+                            f"query/key rows x70"},
         seconds_total=round(time.perf_counter() - t0, 2), cases=entries)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

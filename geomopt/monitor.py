@@ -25,9 +25,16 @@ A max stays on the device (no host sync per call).
 An attention site (:class:`Site`) is a module with separate ``q_proj`` and ``k_proj`` linear layers
 (Hugging Face Llama, Mistral, Qwen, …; grouped-query attention included) or a fused ``c_attn``
 (geomopt's GPT: ``nn.Linear`` (3E, E); GPT-2: ``Conv1D`` (E, 3E)) whose head counts it states
-(``num_heads``/``n_head``/``config.num_attention_heads``, ``num_key_value_heads``, ``head_dim``).
-Multi-head latent attention (DeepSeek-V3, Kimi K2: ``q_b_proj``/``kv_b_proj``, a shared rotary key)
-and ``nn.MultiheadAttention`` are refused with the reason (:func:`attention_sites`' second value).
+(``num_heads``/``n_head``/``config.num_attention_heads``, ``num_key_value_heads``, ``head_dim``),
+or multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2; :func:`_mla_site`). In MLA the
+logit of head h is q_C^h·k_C^h + q_R^h·k_R: the per-head non-rotary query q_C^h and rotary query
+q_R^h are head h's rows of ``q_b_proj`` (``q_proj`` without a query LoRA), each head's
+``qk_nope_head_dim`` rows then its ``qk_rope_head_dim`` rows; the per-head non-rotary key k_C^h
+is the first ``qk_nope_head_dim`` of head h's rows of ``kv_b_proj`` (its value rows follow); the
+rotary key k_R (the last rows of ``kv_a_proj_with_mqa``) and the latents (``q_a_proj``, the rest
+of ``kv_a_proj_with_mqa``) are shared by every head. Its scores reach the monitor as those of any
+attention, through SDPA (scale: the module's own, passed to the kernel) or the eager softmax.
+``nn.MultiheadAttention`` is refused with the reason (:func:`attention_sites`' second value).
 """
 
 from __future__ import annotations
@@ -54,15 +61,25 @@ _MLA = ("q_b_proj", "kv_b_proj", "kv_a_proj_with_mqa", "q_a_proj")
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """The query or key block of one projection tensor: ``heads`` × ``head_dim`` consecutive
-    entries from ``offset`` along ``axis`` (0: ``nn.Linear``'s (out, in) weight or a bias; 1: a
-    Hugging Face ``Conv1D``'s (in, out) weight), head h's rows at offset + h·head_dim."""
+    """The query or key entries of one projection tensor along ``axis`` (0: ``nn.Linear``'s
+    (out, in) weight or a bias; 1: a Hugging Face ``Conv1D``'s (in, out) weight): head h's
+    ``head_dim`` entries at offset + h·stride + first (stride 0: head_dim, the heads' blocks
+    consecutive). ``kind`` says which factor of η_h the clip gives them: ``q`` (η^α), ``k``
+    (η^(1−α)), ``q_rope`` (η: MLA's per-head rotary query, whose key k_R is shared)."""
 
-    kind: str  # "q" or "k"
+    kind: str  # "q", "k" or "q_rope"
     axis: int
     offset: int
     heads: int
     head_dim: int
+    stride: int = 0
+    first: int = 0
+
+    def block(self, p: torch.Tensor) -> torch.Tensor:
+        """The part of ``p`` as a view with the heads on ``axis`` and their entries on axis + 1."""
+        stride = self.stride or self.head_dim
+        span = p.narrow(self.axis, self.offset, self.heads * stride).unflatten(self.axis, (self.heads, stride))
+        return span.narrow(self.axis + 1, self.first, self.head_dim)
 
 
 @dataclasses.dataclass(eq=False)
@@ -77,6 +94,7 @@ class Site:
     head_dim: int
     tensors: dict  # parameter name → (parameter, [Part, …])
     weights: tuple  # names of the projection weights (the tensors a QK-clip rule must cover)
+    shared: dict = dataclasses.field(default_factory=dict)  # MLA: parameter name → the head-shared value it gives
     maxima: Optional[torch.Tensor] = None  # (heads,) float32: max logit per query head
     observed: int = 0  # attention ops seen
     blind: int = 0  # training forwards of the module in which no attention op was seen
@@ -91,9 +109,7 @@ def _site(name: str, mod: nn.Module, prefix: str) -> tuple[Optional[Site], Optio
     """(a site, None), (None, why it is refused) or (None, None): not an attention module."""
     children = dict(mod.named_children())
     if any(c in children for c in _MLA):
-        return None, ("multi-head latent attention (MLA): its per-head query/key components and the shared "
-                      "rotary key are not separate tensors here, so QK-clip is refused (the report clips the "
-                      "head-specific q/k parts only)")
+        return _mla_site(name, mod, prefix, children)
     if isinstance(mod, nn.MultiheadAttention):
         return None, "nn.MultiheadAttention: its fused kernel computes the logits where no monitor sees them"
     heads = stated_count(mod, "num_heads", "num_attention_heads", "n_head", "n_heads")
@@ -128,6 +144,43 @@ def _site(name: str, mod: nn.Module, prefix: str) -> tuple[Optional[Site], Optio
             tensors[f"{prefix}c_attn.{pname}"] = (p, [Part("q", ax, 0, heads, hd), Part("k", ax, heads * hd, kv, hd)])
         weights = (f"{prefix}c_attn.weight",)
     return Site(name, mod, heads, kv, hd, tensors, weights), None
+
+
+def _mla_site(name: str, mod: nn.Module, prefix: str, children: dict) -> tuple[Optional[Site], Optional[str]]:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2; Hugging Face's ``DeepseekV3Attention``
+    layout): the per-head parts q_C, q_R (``q_b_proj``, or ``q_proj`` without a query LoRA) and
+    k_C (``kv_b_proj``); the head-shared tensors (``q_a_proj``, ``kv_a_proj_with_mqa``: the latents
+    and the rotary key k_R) in ``Site.shared``, never clipped. Every head has its own k_C, so the
+    site has as many key heads as query heads."""
+    what = "multi-head latent attention (MLA)"
+    heads = stated_count(mod, "num_heads", "num_attention_heads", "n_head", "n_heads")
+    nope, rope, v = (stated_count(mod, a) for a in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    q = children.get("q_b_proj") if "q_b_proj" in children else children.get("q_proj")
+    kv, kv_a = children.get("kv_b_proj"), children.get("kv_a_proj_with_mqa")
+    if heads is None or nope is None or rope is None or v is None:
+        return None, (f"{what} without stated head counts and dims (num_heads, qk_nope_head_dim, "
+                      f"qk_rope_head_dim, v_head_dim on the module or its config): QK-clip cannot tell its heads apart")
+    if not all(isinstance(x, nn.Linear) for x in (q, kv, kv_a)):
+        return None, (f"{what} without nn.Linear q_b_proj (or q_proj), kv_b_proj and kv_a_proj_with_mqa: "
+                      f"QK-clip knows only DeepSeek-V3's layout")
+    assert q is not None and kv is not None and kv_a is not None
+    if q.weight.shape[0] != heads * (nope + rope) or kv.weight.shape[0] != heads * (nope + v):
+        return None, (f"{what}: {q.weight.shape[0]} query rows and {kv.weight.shape[0]} kv_b_proj rows are not "
+                      f"{heads} heads of {nope} + {rope} (query) and {nope} + {v} (key, value)")
+    qname = "q_b_proj" if "q_b_proj" in children else "q_proj"
+    tensors: dict = {}
+    for pname, p in q.named_parameters(recurse=False):
+        tensors[f"{prefix}{qname}.{pname}"] = (p, [Part("q", 0, 0, heads, nope, nope + rope),
+                                                   Part("q_rope", 0, 0, heads, rope, nope + rope, nope)])
+    for pname, p in kv.named_parameters(recurse=False):
+        tensors[f"{prefix}kv_b_proj.{pname}"] = (p, [Part("k", 0, 0, heads, nope, nope + v)])
+    shared = {f"{prefix}kv_a_proj_with_mqa.{n}": "the key-value latent and the rotary key k_R"
+              for n, _ in kv_a.named_parameters(recurse=False)}
+    if "q_b_proj" in children and isinstance(children.get("q_a_proj"), nn.Module):
+        shared.update({f"{prefix}q_a_proj.{n}": "the query latent"
+                       for n, _ in children["q_a_proj"].named_parameters(recurse=False)})
+    return Site(name, mod, heads, heads, nope + rope, tensors, (f"{prefix}{qname}.weight", f"{prefix}kv_b_proj.weight"),
+                shared=shared), None
 
 
 def attention_sites(model: nn.Module) -> tuple[list[Site], dict[str, str]]:
@@ -247,8 +300,9 @@ class AttentionMonitor:
         self.sites, self.refused = attention_sites(model)
         if not self.sites:
             why = "; ".join(f"{n}: {w}" for n, w in self.refused.items())
-            raise ValueError("monitor_attention found no attention module with q_proj/k_proj or a fused c_attn and "
-                             "stated head counts in this model" + (f" ({why})" if why else ""))
+            raise ValueError("monitor_attention found no attention module with q_proj/k_proj, a fused c_attn or "
+                             "multi-head latent attention's q_b_proj/kv_b_proj, and stated head counts, in this model"
+                             + (f" ({why})" if why else ""))
         self._by_param = {id(p): (site, parts) for site in self.sites for p, parts in site.tensors.values()}
         self._handles: list = []
         for site in self.sites:

@@ -447,7 +447,8 @@ def sci(x: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-CATALOG_MODELS = {"gpt": "GPT", "gpt-clip": "GPT, hidden ×40", "llama": "HF Llama"}
+CATALOG_MODELS = {"gpt": "GPT", "gpt-clip": "GPT, hidden ×40", "llama": "HF Llama",
+                  "mla-clip": "HF DeepSeek-V3 (MLA), q/k ×70"}
 
 
 def catalog(records) -> str:

@@ -42,6 +42,7 @@ if str(Path(__file__).parent) not in sys.path:  # test_equivalence's Scion trans
     sys.path.insert(0, str(Path(__file__).parent))
 
 import catalog_eo  # noqa: E402
+import catalog_mla  # noqa: E402
 import catalog_muon_variants  # noqa: E402
 import geomopt  # noqa: E402
 from geomopt.models import GPT, GPTConfig  # noqa: E402
@@ -87,7 +88,7 @@ def gpt_clip() -> nn.Module:
     return model
 
 
-MODELS = {"gpt": gpt, "gpt-clip": gpt_clip, "llama": llama}
+MODELS = {"gpt": gpt, "gpt-clip": gpt_clip, "llama": llama, "mla-clip": catalog_mla.mla_clip}
 
 
 def loss_fn(model: nn.Module, step: int) -> torch.Tensor:
@@ -435,6 +436,7 @@ class Case:
     spec_edit: Optional[Callable[[dict], dict]] = None
     patches: tuple = ()  # (module, attribute, original → replacement)
     same_as: Optional[str] = None  # the shipped spec (specs/) this one must equal
+    logits: bool = False  # QK-clip: an attention monitor on geomopt's model, and a forward in ``same`` mode too
 
     @property
     def path(self) -> Path:
@@ -489,6 +491,20 @@ def _gram_muon(m):
 
     muon = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, use_adjusted_lr=False)
     return Muon(use_muon_groups(by_rule(m), muon), ns_method="gram_newton_schulz", ns_reset_steps=(2,))
+
+
+def mla_rule(name: str, p: torch.Tensor) -> str:
+    """:func:`llama_rule` for the MLA model, with its per-head query/key projections in ``qk``."""
+    return "qk" if name.endswith(("q_b_proj.weight", "kv_b_proj.weight")) else llama_rule(name, p)
+
+
+def _muonclip(m):
+    """pytorch-optimizer's MuonClip as Kimi K2 sets it (τ = 100, α = 0.5, μ = 0.95, Moonlight's
+    0.2·√max(m, n), wd 0.1), on whole matrices; its clip on the MLA per-head parts
+    (tests/catalog_mla.py)."""
+    g = by_rule(m, lambda n, p: "hidden" if mla_rule(n, p) == "qk" else mla_rule(n, p))
+    muon = dict(lr=2e-4, momentum=0.95, weight_decay=0.1, use_adjusted_lr=True)
+    return catalog_mla.MuonClipMLA(m, use_muon_groups(g, muon, lr=2e-4), qk_clip_threshold=100.0, qk_clip_alpha=0.5)
 
 
 def _moonlight(m):
@@ -788,6 +804,13 @@ CASES: list[Case] = [
     Case("muon-polar-express", "Muon with Polar Express", "Amsel et al. 2025", "https://arxiv.org/abs/2505.16932",
          "`pytorch_optimizer.Muon(ns_coeffs=<Algorithm 1's list>)`", "package", "llama", _polar_express_muon, 3e-6,
          _NS32, 3e-5, _LOSS, rule=llama_rule, patches=NS_FP32),
+    Case("muonclip", "MuonClip (Muon + QK-clip, on MLA)", "Kimi Team 2025", "https://arxiv.org/abs/2507.20534",
+         "`pytorch_optimizer.MuonClip(qk_clip_threshold=100, qk_clip_alpha=0.5, use_adjusted_lr=True)`, its clip "
+         "groups (`query`, `query_rotary`, `key`) on the per-head rows of an MLA model, the logits written out in "
+         "float64 (`tests/catalog_mla.py`)", "package", "mla-clip", _muonclip, 5e-6,
+         _NS32 + "; the clip's logits are float32 (SDPA's) here, float64 there, and the ×70 query/key rows round "
+         "at u·‖X‖ against steps of lr 2e-4", 1e-4, _LOSS, rule=mla_rule,
+         patches=NS_FP32, logits=True),
     Case("namo", "NAMO (norm-adaptive Muon)", "arXiv:2602.17080 (2026)", "https://arxiv.org/abs/2602.17080",
          'NVIDIA Emerging-Optimizers\' `AdaptiveMuon(moment2_method="namo")`, written out in `tests/catalog_eo.py`; '
          '`torch.optim.AdamW(fused=True)`', "transcription", "llama", _namo, 3e-6, _EO32, 3e-5, _LOSS,
@@ -915,6 +938,7 @@ def run(case: Case, mode: str = "same", setattr_fn=None) -> dict:
         warnings.simplefilter("ignore", BF16Warning)  # bf16 on purpose (the Muon cases), on tiny matrices
         opt = geomopt.GeomOptimizer(model, load(case))
         ref = case.build(ref_model)
+        monitor = geomopt.monitor_attention(model) if case.logits else None
         t0 = time.perf_counter()
         for k in range(case.steps):
             for m in (model, ref_model):
@@ -922,10 +946,14 @@ def run(case: Case, mode: str = "same", setattr_fn=None) -> dict:
                 if mode == "loss":
                     loss_fn(m, k).backward()
                 else:
+                    if case.logits:  # the step's forward gives the logits a clip reads; its gradients are replaced
+                        loss_fn(m, k)
                     set_random_grads(m, k)
             opt.step()
             ref.step()
         seconds = time.perf_counter() - t0
+        if monitor is not None:
+            monitor.remove()
     worst, worst_name, num, den = 0.0, None, 0.0, 0.0
     unmoved, per_tensor = [], {}
     for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):

@@ -152,6 +152,8 @@ def largest_bucket_bytes(opt, model) -> int:
 
 def held_after_steps(model, loss, spec, steps=3, **kw):
     opt = geomopt.GeomOptimizer(model, spec, **kw)
+    if any(pp.qk_clip is not None for pp in opt.plan):  # QK-clip reads the logits an attention monitor keeps
+        geomopt.monitor_attention(model)
     workspace, during = opt.engine.rt.workspace, []  # its size at the end of each step, before its release
     release = workspace.release
     workspace.release = lambda: during.append(workspace.nbytes) or release()

@@ -11,7 +11,16 @@ projection's bias (GPT-2's ``c_attn``) is scaled with its rows, so the whole q (
 scales. Under grouped-query attention a key head serves several query heads; it takes the
 smallest η of its group, η_g^(1−α), which still brings every head of the group to at most τ
 (η_g ≤ η_h: S_h⁺ = η_h^α η_g^(1−α) S_h ≤ τ), and clips the others of the group somewhat more.
-Multi-head latent attention is refused (:func:`geomopt.monitor.attention_sites`).
+
+Multi-head latent attention (the report's own model): head h's logit is q_C^h·k_C^h + q_R^h·k_R
+with the rotary key k_R shared by every head, so only the per-head parts are scaled (the report's
+rule, there with α = 0.5)::
+
+    q_C^h ← η_h^α · q_C^h        k_C^h ← η_h^(1−α) · k_C^h        q_R^h ← η_h · q_R^h        k_R unchanged
+
+and both terms, hence S_h, scale by η_h. The rows are head h's of ``q_b_proj`` and ``kv_b_proj``
+(:func:`geomopt.monitor._mla_site`); their value rows and the shared ``kv_a_proj_with_mqa`` and
+``q_a_proj`` are never written, and a QK-clip rule that owns a shared tensor is refused.
 
 The checks come before anything is written: at construction (the rule's tensors must be query/key
 projections of attention modules the model has, and every projection weight of a clipped module
@@ -43,34 +52,42 @@ def clip_site(site: Site, maxima: torch.Tensor, tau: float, alpha: float) -> Non
     """Scale ``site``'s query/key tensors in place for per-head maxima ``maxima`` (heads,): with
     η_h = τ / max(S_h, τ), query head h's rows (and bias entries) × η_h^α, key head j's ×
     (min over its query heads η_h)^(1−α) (Kimi K2, arXiv 2507.20534 §2.1, grouped keys as above),
-    computed in float32 and written in the tensor's dtype."""
+    MLA's per-head rotary query rows × η_h; computed in float32 and written in the tensor's dtype
+    (only the rows of its parts: value rows and head-shared tensors are not touched)."""
     eta = torch.nan_to_num(tau / maxima.float().clamp_min(tau), nan=1.0)  # a NaN logit clips nothing
     group = site.heads // site.kv_heads
-    scales = {"q": eta.pow(alpha), "k": eta.view(site.kv_heads, group).amin(dim=1).pow(1.0 - alpha)}
+    scales = {"q": eta.pow(alpha), "k": eta.view(site.kv_heads, group).amin(dim=1).pow(1.0 - alpha), "q_rope": eta}
     with torch.no_grad():
         for p, parts in site.tensors.values():
             for part in parts:
-                block = p.narrow(part.axis, part.offset, part.heads * part.head_dim)
-                rows = scales[part.kind].to(block.device).repeat_interleave(part.head_dim)
-                shape = [1] * p.ndim
+                block = part.block(p)
+                shape = [1] * block.ndim
                 shape[part.axis] = -1
-                block.copy_(block.float() * rows.view(shape))
+                block.copy_(block.float() * scales[part.kind].to(block.device).view(shape))
 
 
 def _checked_sites(entries: list, sites: list, refused: dict) -> list:
     """[(site, clip)] for the rule tensors ``entries`` [(param, name, rule, clip)], or ValueError."""
     by_param = {id(p): site for site in sites for p, _ in site.tensors.values()}
+    shared = {n: (site, what) for site in sites for n, what in site.shared.items()}
     chosen: dict = {}
     for p, name, rule, clip in entries:
         site = by_param.get(id(p))
+        if site is None and name in shared:
+            site, what = shared[name]
+            raise ValueError(
+                f"rule '{rule}' has qk_clip, but tensor '{name}' gives {what}, shared by every head of the multi-head "
+                f"latent attention module '{site.name}': QK-clip scales only the per-head parts (q_C, q_R, k_C: "
+                f"{' and '.join(map(repr, site.weights))}) and leaves the shared ones as they are; narrow the rule's "
+                f"match to those, e.g. \"re:.*\\.(q_b_proj|kv_b_proj)\\.weight\"")
         if site is None:
             owner = name.rpartition(".")[0]
             why = next((f" (module '{m}' is {w})" for m, w in refused.items() if owner.startswith(m + ".") or
                         owner == m), "")
             raise ValueError(
                 f"rule '{rule}' has qk_clip, but tensor '{name}' is not a query or key projection of an attention "
-                f"module{why}: QK-clip rescales q/k projections per head (q_proj/k_proj, or a fused c_attn with "
-                f"stated head counts); narrow the rule's match to those tensors, e.g. "
+                f"module{why}: QK-clip rescales q/k projections per head (q_proj/k_proj, a fused c_attn with "
+                f"stated head counts, or MLA's q_b_proj/kv_b_proj); narrow the rule's match to those tensors, e.g. "
                 f"\"re:.*\\.(q_proj|k_proj)\\.weight\"")
         if chosen.setdefault(site.name, (site, clip, rule))[1] != clip:
             raise ValueError(f"attention module '{site.name}': its query/key tensors are in rules with different "
