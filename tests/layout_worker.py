@@ -20,6 +20,7 @@ Each layout's last step of each spec also counts the bytes the rank hands to col
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -32,6 +33,7 @@ import torch.distributed as dist
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from distributed_worker import _clone  # noqa: E402  (the 2-process worker's deep copy of a state dict)
+import geomopt  # noqa: E402
 from geomopt import GeomOptimizer, shipped_specs  # noqa: E402
 
 STEPS = 2
@@ -265,14 +267,15 @@ def run_layouts(world: World, result: dict) -> None:
                     _local(p).copy_(start[pname])
             try:
                 opt = GeomOptimizer(model, spec, **kwargs)
-            except ValueError as exc:  # a spec that refuses sharded tensors (dion): the refusal is the result
-                if layout == "ddp":
+            except (ValueError, NotImplementedError) as exc:  # a spec that refuses sharded tensors (dion,
+                if layout == "ddp":  # QK-clip): the refusal is the result
                     raise
                 result.setdefault("refused", {}).setdefault(layout, {})[name] = str(exc)
                 continue
             t0 = time.perf_counter()
             counter = _counter()
-            train(model, opt, forward=forward, counter=counter)
+            with clip_monitor(model, opt):
+                train(model, opt, forward=forward, counter=counter)
             result["seconds"][layout][name] = time.perf_counter() - t0
             result.setdefault("sent", {}).setdefault(layout, {})[name] = counter.sent / param_bytes(model)
             result[layout][name] = params_of(model)
@@ -281,6 +284,18 @@ def run_layouts(world: World, result: dict) -> None:
                 result.setdefault("executor", {})[layout] = type(opt.engine.executor).__name__
         result.setdefault("placements", {})[layout] = {n: str(getattr(p, "placements", "")) for n, p in
                                                        model.named_parameters()}
+
+
+@contextlib.contextmanager
+def clip_monitor(model, opt):
+    """An attention monitor on ``model`` while the block runs, where the spec has QK-clip (which reads
+    the logits it keeps; the maxima are reduced over the data-parallel ranks, which see one batch)."""
+    monitor = geomopt.monitor_attention(model) if any(pp.qk_clip is not None for pp in opt.plan) else None
+    try:
+        yield
+    finally:
+        if monitor is not None:
+            monitor.remove()
 
 
 def param_bytes(model) -> int:
@@ -308,7 +323,8 @@ def references(rank: int, world: int) -> dict:
         if i % world == rank:
             model = make_model()
             opt = GeomOptimizer(model, spec, distributed=False)
-            train(model, opt)
+            with clip_monitor(model, opt):
+                train(model, opt)
             out[name] = dict(params=params_of(model), flops=opt.work.flops)
     return out
 
