@@ -66,10 +66,11 @@ def hidden_norms(model, opt) -> dict:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(name: str = "char_gpt", optimizers: dict = OPTIMIZERS, seeds: int = 1,
+                 doc: str = __doc__) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--seeds", type=int, default=seeds)
     ap.add_argument("--seed0", type=int, default=0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--block", type=int, default=64)
@@ -79,23 +80,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=0, help="linear warmup steps (0: none; linear decay to 10%%)")
     ap.add_argument("--lr", type=float, default=0.0, help="override the specs' lr (default: the spec's)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of: " + ", ".join(OPTIMIZERS))
+    ap.add_argument("--optimizers", default=",".join(optimizers), help="comma-separated subset of: " + ", ".join(optimizers))
     ap.add_argument("--quick", action="store_true", help="20 steps, width 32 (for tests)")
     ap.add_argument("--no-progress", action="store_true")
     add_threads_arg(ap)
-    _common.add_output_args(ap, "char_gpt", repeats=True)
+    _common.add_output_args(ap, name, repeats=True)
     return ap
 
 
-def main(argv=None) -> int:
-    ap = build_parser()
+def main(argv=None, key: str = "char_gpt", optimizers: dict = OPTIMIZERS, seeds: int = 1, doc: str = __doc__) -> int:
+    """The training of each of ``optimizers`` (label → spec) at each seed, written as ``key``.json
+    and .png (examples/learned_metric.py runs it with its own optimizers)."""
+    ap = build_parser(key, optimizers, seeds, doc)
     args = ap.parse_args(argv)
-    out = _common.resolve_output(ap, args, "char_gpt")
+    out = _common.resolve_output(ap, args, key)
     if args.quick:
         args.steps, args.n_embd, args.block = 20, 32, 32
-    names = _common.chosen_optimizers(ap, args.optimizers, OPTIMIZERS)
+    names = _common.chosen_optimizers(ap, args.optimizers, optimizers)
     config = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    first = _common.spec_path(OPTIMIZERS[names[0]])
+    first = _common.spec_path(optimizers[names[0]])
     threads = choose_threads(args.threads, lambda: probe_step(lambda m: geomopt.GeomOptimizer(m, first), config=config,
                                                               batch=args.batch, device=args.device), args.device)
     print(threads.header(), flush=True)
@@ -108,7 +111,7 @@ def main(argv=None) -> int:
             for name in names:
                 held = {}
 
-                def make_opt(model, _spec=_common.spec_path(OPTIMIZERS[name])):
+                def make_opt(model, _spec=_common.spec_path(optimizers[name])):
                     opt = geomopt.GeomOptimizer(model, _spec)
                     if args.lr:
                         for g in opt.param_groups:
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
                     f["identical"] = f["identical"] and r["train"] == f["train"] and r["val"] == f["val"]
                     print(f"seed {seed} {name:<22} run {k + 1}/{args.repeats}: {r['seconds']:.1f} s", flush=True)
                     continue
-                r.update(label=name, optimizer=name, seed=seed, spec=_common.spec_label(OPTIMIZERS[name]),
+                r.update(label=name, optimizer=name, seed=seed, spec=_common.spec_label(optimizers[name]),
                          final_val=r["val"][-1], best_val=min(r["val"]), norms=hidden_norms(held["model"], held["opt"]),
                          fallbacks={rule: v.get("fallbacks") for rule, v in held["opt"].diagnostics().items()
                                     if isinstance(v, dict)},
@@ -133,8 +136,9 @@ def main(argv=None) -> int:
                 kept[name] = r
                 runs.append(r)
                 fro = [v["fro_over_rho"] for v in r["norms"].values()]
+                norms = f"hidden ‖W‖_F/ρ {min(fro):.2f}–{max(fro):.2f}, " if fro else ""  # (a spec without a hidden rule)
                 print(f"seed {seed} {name:<22} val {r['final_val']:.4f} (best {r['best_val']:.4f}), "
-                      f"hidden ‖W‖_F/ρ {min(fro):.2f}–{max(fro):.2f}, {r['seconds']:.1f} s", flush=True)
+                      f"{norms}{r['seconds']:.1f} s", flush=True)
     for r in runs:
         r["seconds"] = round(_common.median(r["seconds_runs"]), 2)
     summary = {}
@@ -155,12 +159,12 @@ def main(argv=None) -> int:
     if not all(r["identical"] for r in runs):
         print("note: the repeated runs' losses differ (nondeterministic kernels); the table shows the first runs'")
     settings = _common.settings_of(args, optimizers=names, corpus_bytes=len(corpus_bytes()), eval_every=eval_every)
-    _common.write_results(out / "char_gpt.json", settings=settings, results=dict(summary=summary, runs=runs), seconds=total,
+    _common.write_results(out / f"{key}.json", settings=settings, results=dict(summary=summary, runs=runs), seconds=total,
                           threads=threads,
                           device=args.device, extra=dict(repeats_identical=all(r["identical"] for r in runs)))
     first = [r for r in runs if r["seed"] == args.seed0]
-    if plot(first, out / "char_gpt.png"):
-        print(f"wrote {out / 'char_gpt.json'} and {out / 'char_gpt.png'}")
+    if plot(first, out / f"{key}.png"):
+        print(f"wrote {out / f'{key}.json'} and {out / f'{key}.png'}")
     return 0
 
 

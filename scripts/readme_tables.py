@@ -348,6 +348,29 @@ def digits_prox_cost(records) -> str:
     return _cost(records("digits_cnn"), "+ Frobenius (anisotropic prox)", "uScion")
 
 
+# ---------------------------------------------------------------- learned metric (SOAP, Muon, AdamW)
+
+
+def learned_metric(records) -> str:
+    """examples/learned_metric.py: each optimizer's final validation loss over the seeds."""
+    rec = records("learned_metric")
+    st, summary = rec["settings"], rec["results"]["summary"]
+    rows, runs = [], 1
+    for name, s in summary.items():
+        loss = f"{s['mean_final_val']:.3f}" + (f" ± {s['std_final_val']:.3f}" if len(s["final_val"]) > 1 else "")
+        times = s.get("seconds_per_run") or [s["seconds"]]
+        runs = len(times)
+        rows.append([name, spec_cell(s["spec"]), loss, ", ".join(f"{v:.3f}" for v in s["final_val"]),
+                     f"{s['bits_per_byte']:.2f}", span(times)])
+    head = ["optimizer", "spec", "final val. loss (nats/byte)" + (" (mean ± std)" if st["seeds"] > 1 else ""),
+            "per seed", "bits/byte", "time (s)"]
+    lines = table(head, rows)
+    lines += ["", f"`{rec['command']}`: {st['steps']} steps, {plural(st['seeds'], 'seed')} (each optimizer from the "
+                  f"same weights and batches at a seed); {duration(rec['seconds_total'])} for the whole command"
+                  f"{made_text(rec)}. Time: {repeat_text(runs)}, on {machine_text(rec)}." + differ_text(rec)]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- char_gpt
 
 CHAR_NAMES = {"prox Frobenius 0.5ρ": "prox Frobenius ball, 0.5ρ (paper's setting)",
@@ -642,6 +665,7 @@ BENCH_QUOTES = {
     "traffic": (r"Step traffic against the floor, GPT-2-small's", 1),
     "state-quality": (r"State precision and quality: \w+'s training", 2),
     "state-update-error": (r"State round trip and the next update", 2),
+    "weight-quality": (r"Low-precision weights and quality: \w+'s training", 1),
     "elementwise": (r"Elementwise steps", 2),
     "gram-ns": (r"newton_schulz vs gram_newton_schulz", 1),
     "dion": (r"Dion vs Muon", 1),
@@ -704,6 +728,7 @@ RENDERERS = {
     "digits_cnn:acc-range": digits_acc_range,
     "digits_cnn:prox-cost": digits_prox_cost,
     "char_gpt": char_gpt,
+    "learned-metric": learned_metric,
     "char_gpt:uscion-norms": char_uscion_norms,
     "char_gpt:prox-vs-uscion": char_prox_vs_uscion,
     "char_gpt:r4-vs-uscion": char_r4_vs_uscion,

@@ -119,6 +119,22 @@ def test_char_gpt_quick(tmp_path):
 
 
 
+def test_learned_metric_quick(tmp_path):
+    """SOAP, Muon and AdamW from the same seeds: each seed's runs start from the same weights and
+    batches (equal first training loss), the record holds every seed, and the docs' table renders."""
+    rec = _run("learned_metric.py", tmp_path, "--no-progress", "--seeds", "2")
+    summary, runs = rec["results"]["summary"], rec["results"]["runs"]
+    assert list(summary) == ["SOAP", "Muon", "AdamW"]
+    assert summary["SOAP"]["spec"] == "specs/examples/soap-gpt.yaml"
+    assert all(len(s["final_val"]) == 2 and s["std_final_val"] >= 0 for s in summary.values())
+    for seed in (0, 1):
+        first = {r["train"][0] for r in runs if r["seed"] == seed}
+        assert len(first) == 1, first
+    assert all(all(0 < v < math.log(256) + 0.5 for v in r["val"]) for r in runs)
+    table = _render("learned-metric", tmp_path)
+    assert "| SOAP | `examples/soap-gpt.yaml` |" in table and "2 seeds" in table
+
+
 def test_moe_quick_in_record_mode(tmp_path):
     # record mode into a temporary --out: every training timed twice, the machine recorded. Context
     # 16 and batch 8 (default 64 and 32): 16× fewer tokens per training step, 4× fewer per
