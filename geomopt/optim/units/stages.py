@@ -112,17 +112,24 @@ class Context:
         return partial
 
     def sum(self, t: torch.Tensor, dims) -> torch.Tensor:
-        """Σ over ``dims`` (kept), over the whole tensor where a dim is cut across ranks."""
+        """Σ over ``dims`` (kept), over the whole tensor where a dim is cut across ranks; no dims
+        (a stack of 0-d tensors): each entry is its own sum (torch reads ``dim=()`` as every dim)."""
+        if not dims:
+            return t.clone()
         return self.across(t.sum(dim=tuple(dims), keepdim=True), dims)
 
     def mean(self, t: torch.Tensor, dims) -> torch.Tensor:
+        if not dims:
+            return t.clone()
         if not self.cut(dims):
             return t.mean(dim=tuple(dims), keepdim=True)
         full = (len(t), *self.op_shape)
         return self.sum(t, dims) / math.prod(full[d] for d in dims)
 
     def norm(self, u: torch.Tensor) -> torch.Tensor:
-        """‖U‖_F per tensor, shaped to broadcast against the stack."""
+        """‖U‖_F per tensor, shaped to broadcast against the stack (|U| for 0-d tensors)."""
+        if u.ndim == 1:
+            return u.abs()
         if not self.cut(_dims(u)):
             return torch.linalg.vector_norm(u, dim=_dims(u), keepdim=True)
         return self.sum(u * u, _dims(u)).sqrt_()
