@@ -207,3 +207,25 @@ def test_zero_dim_tensors_in_one_bucket_take_their_own_norms(stage, want):
     x = {"a": torch.tensor(3.0), "b": torch.tensor(-4.0)}
     got = _run(_spec({"kind": "euclidean"}, stage), x, [{"a": torch.tensor(1.0), "b": torch.tensor(2.0)}])
     torch.testing.assert_close([got["a"], got["b"]], [torch.tensor(w) for w in want], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("capturable", [False, True], ids=["default", "capturable"])
+def test_a_non_finite_gradient_leaves_parameters_and_state(capturable):
+    """LAMB's form (Adam's moments as state): a NaN in a gradient skips the step, parameters and
+    moments as they were, with the device's flag as with the host's test."""
+    tensors = _tensors()
+    params = {n: torch.nn.Parameter(t.clone()) for n, t in tensors.items()}
+    opt = geomopt.GeomOptimizer(list(params.items()), _spec(ADAM, LAMB), capturable=capturable)
+    grads = _grads(tensors, 2)
+    for n, p in params.items():
+        p.grad = grads[0][n].clone()
+    opt.step()
+    x = {n: p.detach().clone() for n, p in params.items()}
+    state = {n: {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for n, p in params.items()}
+    for n, p in params.items():
+        p.grad = grads[1][n].clone()
+    params["a"].grad[0, 0] = math.nan
+    opt.step()
+    for n, p in params.items():
+        assert torch.equal(p.detach(), x[n]), n
+        assert all(torch.equal(opt.state[p][k], v) for k, v in state[n].items()), n
