@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import geomopt
 from geomopt.optim.units.stages import STAGES, Context, Shard
+from test_stages_variants import _run  # the spec's optimizer stepped on the given gradients
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 
@@ -22,16 +23,6 @@ LR = 0.1
 def _spec(geometry: dict, stage: dict) -> dict:
     return {"geomopt": 1, "name": "t",
             "rules": [{"name": "all", "match": "**", "geometry": geometry, "lr": LR, "post": [stage]}]}
-
-
-def _run(spec: dict, tensors: dict, grads: list[dict]) -> dict:
-    params = {n: torch.nn.Parameter(t.clone()) for n, t in tensors.items()}
-    opt = geomopt.GeomOptimizer(list(params.items()), spec)
-    for g in grads:
-        for n, p in params.items():
-            p.grad = g[n].clone()
-        opt.step()
-    return {n: p.detach() for n, p in params.items()}
 
 
 def _tensors() -> dict:
