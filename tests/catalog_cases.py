@@ -474,6 +474,24 @@ def _tiger(m):
     return Tiger(m.parameters(), lr=1e-3, beta=0.965, weight_decay=0.01)
 
 
+def _lars(m):
+    from pytorch_optimizer import LARS
+
+    return LARS(m.parameters(), lr=1.0, momentum=0.0, weight_decay=5e-4, trust_coefficient=1e-3)
+
+
+def lars_rule(name: str, p: torch.Tensor) -> str:
+    """LARS's split: pytorch-optimizer's LARS scales tensors of more than one dimension."""
+    return "layers" if p.ndim > 1 else "vectors"
+
+
+def _lamb(m):
+    from pytorch_optimizer import Lamb
+
+    return Lamb(m.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-12, weight_decay=0.0, weight_decouple=False,
+                adam_debias=True, max_grad_norm=0.0)
+
+
 def _torch_muon(m):
     g = by_rule(m)
     muon = torch.optim.Muon(g["hidden"], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -706,6 +724,11 @@ _VAR32 = ("both run Newton–Schulz in float32 in different op orders (the trans
           "X ← aX + (bA + cA²)X; geomopt: its batched form): fp32 rounding")
 _F64_DION = ("geomopt runs the power iteration, its QR and the error feedback in float32, the transcription in "
              "float64: float32 rounding")
+LAMB_WHY = ("the package divides m by √v + ε without Adam's bias corrections, geomopt by √v̂ + ε with them; the "
+            "ratio divides the scale out, ε = 1e-12 (≪ √v) leaves the rest to float32 rounding, and the adam "
+            "geometry's moments are lerps where the package multiplies and adds. On Llama, whose tensors are all "
+            "nonzero: a zero tensor (a bias at initialization) takes the ratio 1 on its first step, where the "
+            "missing bias corrections show (×√(1 − β₂)/(1 − β₁) ≈ 0.32)")
 _LOSS = ("on the loss, the float32 differences of one step change the next step's gradients; Adam's "
          "normalization of the small gradients of norm gains amplifies them most")
 
@@ -736,6 +759,12 @@ CASES: list[Case] = [
          "`pytorch_optimizer.Lion(weight_decay=1.0, cautious=True)`", "package", "gpt", _cautious_lion, 0.0, _BIT, 0.0),
     Case("tiger", "Tiger", "Su 2023", "https://github.com/bojone/tiger", "`pytorch_optimizer.Tiger(beta=0.965)`",
          "package", "gpt", _tiger, 0.0, _BIT + " (its momentum is exp_avg.lerp_(g, 1 − β), Polyak's)", 0.0),
+    Case("lars", "LARS (without momentum)", "You, Gitman & Ginsburg 2017", "https://arxiv.org/abs/1708.03888",
+         "`pytorch_optimizer.LARS(momentum=0, weight_decay=5e-4, trust_coefficient=1e-3)`", "package", "gpt", _lars,
+         0.0, _BIT + " (the ratio's norms, G + λX and its scaling in the package's order)", 0.0, rule=lars_rule),
+    Case("lamb", "LAMB", "You et al. 2020", "https://arxiv.org/abs/1904.00962",
+         "`pytorch_optimizer.Lamb(eps=1e-12, weight_decouple=False, adam_debias=True, max_grad_norm=0)`", "package",
+         "llama", _lamb, 3e-6, LAMB_WHY, 1e-5, _LOSS),
     Case("normalized-sgd-momentum", "Normalized SGD with momentum", "Cutkosky & Mehta 2020",
          "https://arxiv.org/abs/2002.03305", "Algorithm 1 in float64, per tensor", "transcription",
          "gpt", lambda m: NormalizedSGDM(m, lr=0.01, beta=0.9), 2e-5, _F64, 3e-5, _F64),

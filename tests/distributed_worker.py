@@ -65,7 +65,8 @@ MIXED = {
 }
 
 
-# every post-stage (each second-moment axis, norm_ratio's per-tensor sums over the shards, axis_norm's row and
+# every post-stage (each second-moment axis, norm_ratio's and trust_ratio's per-tensor sums over the shards (the
+# latter's of the parameter's shards too), axis_norm's row and
 # column sums, contra's power iteration; rows and columns cut across ranks by FSDP2's Shard(0),
 # the in_out projection with its columns cut), cautious decay and the heavy-ball and Lion directions
 STAGED = {
@@ -89,7 +90,8 @@ STAGED = {
          "post": [{"kind": "contra", "coeff": 0.5},
                   {"kind": "second_moment", "axis": "element", "bias_correction": True},
                   {"kind": "rms_match", "target": "polar"}]},
-        {"name": "head", "match": "lm_head.weight", "geometry": {"kind": "adam"}, "post": [{"kind": "cautious"}],
+        {"name": "head", "match": "lm_head.weight", "geometry": {"kind": "adam"},
+         "post": [{"kind": "cautious"}, {"kind": "trust_ratio", "weight_decay": 0.01, "eps": 1e-6}],
          "weight_decay": 0.1, "decay": "cautious"},
         # Lion's direction under a smooth reference (not the sign): the attention key bias's gradient is
         # rounding noise, which shards round their own way and a sign (or a cautious mask, which reads

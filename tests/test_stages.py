@@ -489,7 +489,7 @@ def test_row_stage_on_a_vector_is_refused_with_the_parameter_and_rule():
 
 @pytest.mark.parametrize("post,code,where,hint", [
     ("[{kind: bogus}]", "GO004", "7:19",
-     "contra, second_moment, axis_norm, dual_scale, norm_ratio, rms_match, cautious"),
+     "contra, second_moment, axis_norm, dual_scale, norm_ratio, rms_match, cautious, trust_ratio"),
     ("[{kind: norm_ratio, beta2: 1.0}]", "GO005", "7:38", "less than 1"),
     ("[{kind: rms_match, target: units}]", "GO005", "7:38", "target"),
     ("[cautious, rms_match]", "GO005", "7:22", "must come before 'cautious'"),
@@ -519,7 +519,8 @@ def test_every_stage_round_trips_through_the_dsl():
     text = ('geomopt: 1\nname: t\ndefaults: {decay: cautious}\nrules:\n  - name: a\n    match: "**"\n'
             '    geometry: {kind: spectral, reference: {kind: indicator}}\n'
             '    post: [{kind: second_moment, axis: column, beta2: 0.9, eps: 1.0e-6, bias_correction: true}, dual_scale, '
-            '{kind: norm_ratio, beta2: 0.9, eps: 1.0e-6}, {kind: rms_match, target: polar}, cautious]\n'
+            '{kind: norm_ratio, beta2: 0.9, eps: 1.0e-6}, {kind: rms_match, target: polar}, cautious, '
+            '{kind: trust_ratio, coeff: 0.5, weight_decay: 0.01, denominator: sum, eps: 1.0e-6, clamp: 10.0}]\n'
             '    direction: {kind: polyak, alpha: 0.05, warmup_steps: 10, warmup_alpha: 0.2}\n'
             '  - {name: b, match: "**", geometry: {kind: euclidean}, direction: {kind: heavy_ball, nesterov: true}}\n'
             '  - {name: c, match: "**", geometry: {kind: euclidean}, direction: {kind: lion}, post: [{kind: rms_match, target: input}]}\n'

@@ -194,7 +194,23 @@ class Cautious(SpecModel):
     kind: Literal["cautious"] = "cautious"
 
 
-PostStage = Annotated[Union[Contra, SecondMoment, AxisNorm, DualScale, NormRatio, RmsMatch, Cautious],
+class TrustRatio(SpecModel):
+    """U ← r·W, W = U + λX, r = η·min(‖X‖_F, c)/(N + ε) per tensor (r = 1 where ‖X‖ or N is 0),
+    N = ‖U‖_F + λ‖X‖_F (``denominator: sum``: LARS, You et al. 2017) or ‖W‖_F (``update``: LAMB,
+    You et al. 2020), X the parameter before the step: each tensor's step sized by its weight's
+    norm. λ = ``weight_decay`` is the papers' decay, inside the ratio (the rule's own decoupled
+    decay, X(1 − γλ) after the stages, is another optimizer's; leave it 0 for LARS and LAMB);
+    η = ``coeff``, c = ``clamp`` (none by default)."""
+
+    kind: Literal["trust_ratio"] = "trust_ratio"
+    coeff: PositiveFloat = 1.0
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    denominator: Literal["sum", "update"] = "update"
+    eps: Annotated[float, Field(ge=0)] = 0.0
+    clamp: Optional[PositiveFloat] = None
+
+
+PostStage = Annotated[Union[Contra, SecondMoment, AxisNorm, DualScale, NormRatio, RmsMatch, Cautious, TrustRatio],
                       Field(discriminator="kind")]
 #: the order post-stages run in (and must be listed in; the union's order), each at most once
 STAGE_ORDER = kinds_of(PostStage)

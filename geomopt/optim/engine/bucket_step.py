@@ -308,9 +308,12 @@ class BucketJob:
         if is_dtensor(p):  # sums over a cut dim are all-reduced by the stages themselves
             layout = rt.stacked.layouts[id(p)]
             shard = post_stages.Shard(layout.mine(), layout.cuts, layout.mesh)
+        # X before the step (this rank's block where sharded), for the stages that read it
+        param = upcast(stack(self.views)) if "param" in post_stages.reads(pp.post) else None
         ctx = self.post_ctx = post_stages.Context(
             state, pp.op_shape, view=pp.geometry.view, gradient=self.g_raw,
-            direction=None if self.d is None else upcast(self.d), step=step, shard=shard, fresh=self.prog.journal)
+            direction=None if self.d is None else upcast(self.d), param=param, step=step, shard=shard,
+            fresh=self.prog.journal)
         return Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)
 
 

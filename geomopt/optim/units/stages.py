@@ -35,7 +35,7 @@ STAGE_STEP = "post_step"
 class Stage:
     fn: Callable
     state: tuple[str, ...]
-    reads: tuple[str, ...]  # "gradient", "direction", "input_norm" besides U
+    reads: tuple[str, ...]  # "gradient", "direction", "param", "input_norm" besides U
     locality: Callable[[dict], str]  # cfg → locality
 
 
@@ -70,7 +70,8 @@ class Shard:
 @dataclasses.dataclass
 class Context:
     """What a bucket's stages read besides U: the stacked state (created on first use), the raw
-    gradient and the direction (operators' layout, float32 at least), the Frobenius norm of U as
+    gradient, the direction and the parameters X before the step (operators' layout, float32 at
+    least; each only where a stage reads it), the Frobenius norm of U as
     the geometry gave it (per tensor), the stages' step number, the tensor's op shape and view,
     and, for sharded tensors (:class:`Shard`), where the stack is cut: sums over a cut dim are
     all-reduced (:meth:`sum`), so every rank normalizes its shard by the whole tensor's
@@ -84,6 +85,7 @@ class Context:
     view: Optional[dict] = None
     gradient: Optional[torch.Tensor] = None
     direction: Optional[torch.Tensor] = None
+    param: Optional[torch.Tensor] = None
     input_norm: Optional[torch.Tensor] = None
     step: int = 1
     shard: Optional[Shard] = None
@@ -110,17 +112,24 @@ class Context:
         return partial
 
     def sum(self, t: torch.Tensor, dims) -> torch.Tensor:
-        """Σ over ``dims`` (kept), over the whole tensor where a dim is cut across ranks."""
+        """Σ over ``dims`` (kept), over the whole tensor where a dim is cut across ranks; no dims
+        (a stack of 0-d tensors): each entry is its own sum (torch reads ``dim=()`` as every dim)."""
+        if not dims:
+            return t.clone()
         return self.across(t.sum(dim=tuple(dims), keepdim=True), dims)
 
     def mean(self, t: torch.Tensor, dims) -> torch.Tensor:
+        if not dims:
+            return t.clone()
         if not self.cut(dims):
             return t.mean(dim=tuple(dims), keepdim=True)
         full = (len(t), *self.op_shape)
         return self.sum(t, dims) / math.prod(full[d] for d in dims)
 
     def norm(self, u: torch.Tensor) -> torch.Tensor:
-        """‖U‖_F per tensor, shaped to broadcast against the stack."""
+        """‖U‖_F per tensor, shaped to broadcast against the stack (|U| for 0-d tensors)."""
+        if u.ndim == 1:
+            return u.abs()
         if not self.cut(_dims(u)):
             return torch.linalg.vector_norm(u, dim=_dims(u), keepdim=True)
         return self.sum(u * u, _dims(u)).sqrt_()
@@ -334,6 +343,32 @@ def cautious(u, cfg, ctx):
     mask = (u * ctx.gradient > 0).to(u.dtype)
     n = math.prod(ctx.op_shape)
     return u * mask * (n / (ctx.sum(mask, _dims(u)) + 1))
+
+
+@stage("trust_ratio", reads=("param",))
+def trust_ratio(u, cfg, ctx):
+    """U ← r·W, W = U + λX, r = η·min(‖X‖_F, c)/(N + ε), per tensor, X the parameter before the
+    step; r = 1 where ‖X‖ = 0 or N = 0 (both references' guard); no state. ``denominator: sum``:
+    N = ‖U‖_F + λ‖X‖_F, LARS (You, Gitman & Ginsburg 2017, arXiv:1708.03888, Alg. 1: local lr
+    η‖w‖/(‖∇L‖ + β‖w‖) on ∇L + βw; pytorch-optimizer's ``LARS``, ε = 0); ``update``: N = ‖W‖_F,
+    LAMB (You et al. 2020, arXiv:1904.00962, Alg. 2: r = m/(√v + ε) + λx scaled by φ(‖x‖)/‖r‖, φ
+    the identity, or min(·, 10) in the authors' and pytorch-optimizer's ``Lamb``, whose ratio is
+    ‖x‖/(‖r‖ + ε)). λ = ``weight_decay`` is the papers' coupled decay, inside W and the ratio: both
+    optimizers are then exact as specs with the rule's decoupled decay at 0 (decay after the
+    stages, X(1 − γλ), would scale X outside the ratio, which neither paper does). η·r is read
+    per tensor, so it is a layer's step relative to its weight."""
+    x = ctx.param.to(u.dtype)
+    lam, eps = cfg["weight_decay"], cfg["eps"]
+    x_norm = ctx.norm(x)
+    if lam:
+        w = torch.add(u, x, alpha=lam)  # (the references' op: g.add_(x, alpha=λ))
+        n = ctx.norm(u) + lam * x_norm if cfg["denominator"] == "sum" else ctx.norm(w)
+    else:
+        w, n = u, ctx.norm(u)
+    if cfg["clamp"] is not None:
+        x_norm = x_norm.clamp(max=cfg["clamp"])
+    r = torch.where((x_norm > 0) & (n > 0), cfg["coeff"] * x_norm / (n + eps), torch.ones_like(n))
+    return w * r
 
 
 def reads(post) -> set:
