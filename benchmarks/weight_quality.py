@@ -117,6 +117,9 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--without", nargs="+", default=[], metavar="ROW",
                    help="leave out the rows whose label contains any of these (e.g. int16)")
+    p.add_argument("--out", help="results JSON (default benchmarks/results/weight_quality-<run>.json)")
+    p.add_argument("--again", action="store_true", help="run every row anew (default: keep the rows the "
+                   "results file already holds for these seeds)")
     p.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -124,13 +127,26 @@ def main(argv=None) -> int:
     steps = args.steps or steps
     spec = geomopt.load_spec(ROOT / spec_path)
     rows_run = {k: v for k, v in ROWS.items() if k == REFERENCE or not any(w in k for w in args.without)}
-    finals: dict = {label: [] for label in rows_run}
+    out = Path(args.out) if args.out else RESULTS / f"weight_quality-{args.run}.json"
+    # runs already in the results file (same run, steps and torch) are kept, not run again: a row
+    # added later runs alone (--without the others) and joins the same table
+    done: dict = {}
     held: dict = {}
+    if out.exists() and not args.again:
+        old = json.loads(out.read_text())
+        if (old["run"], old["steps"], old["torch"]) == (args.run, steps, torch.__version__):
+            for r in old["rows"]:
+                done[r["label"]] = dict(zip(old["seeds"], r["final"]))
+                held[r["label"]] = r["bytes_per_param"]
     for seed in args.seeds:
         for label, (dtype, compensation, scale, state) in rows_run.items():
+            if seed in done.get(label, {}):
+                continue
             final, held[label] = run_one(with_compensation(spec, compensation, scale, state), dtype, seed, steps)
-            finals[label].append(final)
+            done.setdefault(label, {})[seed] = final
             print(f"seed {seed} {label}: {final:.4f}", flush=True)
+    labels = [k for k in ROWS if k in done and all(seed in done[k] for seed in args.seeds)]
+    finals = {label: [done[label][seed] for seed in args.seeds] for label in labels}
     ref = finals[REFERENCE]
     rows = []
     for label, values in finals.items():
@@ -140,8 +156,8 @@ def main(argv=None) -> int:
                          diff_max=max(diffs, key=abs), bytes_per_param=held[label]))
     result = dict(run=args.run, spec=spec_path, steps=steps, seeds=args.seeds, rows=rows,
                   torch=torch.__version__, date=datetime.date.today().isoformat())
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"weight_quality-{args.run}.json").write_text(json.dumps(result, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"### Low-precision weights and quality: {args.run}'s training ({Path(spec_path).name}, {steps} steps, "
              f"{len(args.seeds)} seed(s) {', '.join(map(str, args.seeds))}), torch {torch.__version__} — "
              f"{datetime.date.today().isoformat()}", "",

@@ -217,6 +217,28 @@ def test_state_quality_script_compares_precisions_and_a_mixed_spec(tmp_path, cap
     assert sorted({r["seed"] for r in runs}) == [0, 1] and len(runs) == 10
 
 
+def test_weight_quality_script_compares_weights_and_keeps_what_it_ran(tmp_path, capsys):
+    """Each row against the float32-weights reference at the same seed, bytes per parameter by rule
+    (a momentum rule with bf16 weights, int8 compensation and bf16 state: 2 + 1 + 2 = 5), and a
+    second call runs only the rows the file lacks."""
+    import json
+
+    out_json = tmp_path / "w.json"
+    argv = ["--run", "demo", "--steps", "3", "--seeds", "0", "--out", str(out_json)]
+    assert _script("weight_quality").main([*argv, "--without", "int16", "control"]) == 0
+    first = capsys.readouterr().out
+    assert "int16" not in first and first.count("seed 0 ") == 4, first
+    rows = {r["label"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert rows["float32 weights (autocast bf16)"]["diff_mean"] == 0.0
+    assert rows["float32 weights (autocast bf16)"]["bytes_per_param"]["all"] == 8.0  # weights + momentum
+    assert rows["bf16 weights, compensation int8, bf16 state"]["bytes_per_param"]["hidden"] == 5.0
+    assert rows["bf16 weights, no compensation"]["bytes_per_param"]["all"] == 6.0
+    assert _script("weight_quality").main(argv) == 0  # the two rows left out before, and only they
+    second = capsys.readouterr().out
+    assert second.count("seed 0 ") == 2 and "compensation int16: " in second and "(control): " in second, second
+    assert len(json.loads(out_json.read_text())["rows"]) == 6
+
+
 def test_busy_machine_script_times_the_demo_quiet_and_beside_a_busy_core(tmp_path, capsys):
     import json
 
