@@ -91,15 +91,21 @@ class Match(SpecModel):
 _RULE_NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 
 
+#: the state precisions that keep moments as int8 codes with block scales (``int8-ec``: and a correction)
+QUANTIZED = ("int8", "int8-ec")
+
+
 class StatePrecision(SpecModel):
     """The precision the rule's optimizer state is kept in between steps (``state: bfloat16`` is
     short for ``state: {dtype: bfloat16}``): ``float32`` as torch keeps it; ``bfloat16`` written
     with stochastic rounding (torchao's low-bit optimizers, Zamirai et al. 2020: unbiased, so
     updates smaller than bf16's spacing are kept on average); ``int8`` for moments only, as
     block-wise dynamic quantization (Dettmers et al. 2022, arXiv:2110.02861: 256-entry blocks, each
-    scaled by its largest magnitude, signed for first moments and unsigned for second)."""
+    scaled by its largest magnitude, signed for first moments and unsigned for second);
+    ``int8-ec``: int8 with error compensation, each code's rounding residual kept in 4 bits beside it
+    and added back at the next decode (stochastically rounded, so unbiased), 0.38 of float32's bytes."""
 
-    dtype: Literal["float32", "bfloat16", "int8"] = "float32"
+    dtype: Literal["float32", "bfloat16", "int8", "int8-ec"] = "float32"
 
 
 class Hyper(SpecModel):
