@@ -35,9 +35,10 @@ reproducible, a checkpoint resumes bit for bit with no generator state saved, th
 streams are untouched, and a sharded tensor rounds each entry exactly as one process does.
 
 Sharded tensors (:class:`Codec`'s ``start``, ``full`` and ``aligned``): every rank encodes its own
-block, so a quantization block must lie within one shard: int8 (and ``int8-ec``) needs the last dim cut at multiples
-of 256 (FSDP2's row cuts always are; a tensor cut elsewhere keeps float32 state, on every rank
-alike), and its block scales (and corrections) are DTensors cut like the tensor. Then every layout stores the same codes as one process.
+block, so a quantization block must lie within one shard: int8 (and ``int8-ec``) needs the last dim
+cut at multiples of 256 (FSDP2's row cuts always are; a tensor cut elsewhere keeps float32 state, on
+every rank alike), and its block scales (and corrections) are DTensors cut like the tensor. Then
+every layout stores the same codes as one process.
 
 A state entry records its own precision: float32, bfloat16, or uint8 codes beside a ``<key>_absmax``
 entry (and, ``int8-ec``, a ``<key>_ec`` correction). Whatever the rule's precision, a step decodes
