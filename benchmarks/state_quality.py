@@ -1,6 +1,6 @@
 """What keeping optimizer state in bf16 or int8 costs in training quality: the demo's training (the
 byte-level GPT of ``geomopt demo``, its spec, steps and seed) with the spec's ``state`` set to
-float32, bfloat16 and int8 for every rule, final validation loss in nats/byte.
+float32, bfloat16, int8 and int8-ec for every rule, final validation loss in nats/byte.
 
     python benchmarks/state_quality.py [--run demo|char_gpt] [--seeds 0 1 2] [--mixed RULE=DTYPE ...]
                                        [--record NOTE]
@@ -38,7 +38,7 @@ from geomopt.cli.demo import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-PRECISIONS = ("float32", "bfloat16", "int8")
+PRECISIONS = ("float32", "bfloat16", "int8", "int8-ec")
 RUNS = {"demo": ("specs/spectral-clip.yaml", 800), "char_gpt": ("specs/prox-muon-frobenius.yaml", 600)}
 CONTROL = "float32, lr × (1 + 1e-6) (control)"
 
