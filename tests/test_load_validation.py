@@ -484,6 +484,27 @@ def test_int8_state_is_checked_by_its_declared_types_and_ranges(int8_stepped, co
     opt.load_state_dict(copy.deepcopy(saved))  # the intact one loads
 
 
+@pytest.fixture(scope="module")
+def int8_ec_stepped():
+    model, opt = build(dict(INT8, name="int8-ec", rules=[dict(r, state="int8-ec") for r in INT8["rules"]]), steps=2)
+    return opt, copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.parametrize("corrupt, key, needle", [
+    (lambda st: st.__setitem__("d_ec", st["d_ec"].float()), "d_ec", "uint8 (two 4-bit values to a byte)"),
+    (lambda st: st.__setitem__("d_ec", st["d_ec"].reshape(-1)[:8].clone()), "d_ec", "two to a byte"),
+    (lambda st: (st.pop("d_absmax"), st.pop("d")), "d_ec", "no int8 codes"),
+    (lambda st: st.pop("d"), "d_absmax", "no codes"),
+])
+def test_int8_ec_corrections_are_checked_by_their_declared_type_and_shape(int8_ec_stepped, corrupt, key, needle):
+    opt, saved = int8_ec_stepped
+    sd = copy.deepcopy(saved)
+    name, st = entry(sd, "d_ec")
+    corrupt(st)
+    refused(opt, sd, f"'{name}'", key, needle)
+    opt.load_state_dict(copy.deepcopy(saved))  # the intact one loads
+
+
 def test_a_direction_changed_in_the_checkpoint_needs_its_coefficients_and_an_optimizer_built_for_it(stepped):
     """A group's direction may differ from the spec's (a user may switch it between steps), with
     the coefficients it reads; a STORM direction needs an optimizer built for it."""

@@ -3,7 +3,8 @@ bin, stochastically rounded and added back at each decode (geomopt.optim.persist
 codec's arithmetic against float64 references (the correction is what int8 dropped, to a 15th of
 the bin; it is unbiased), a slowly varying moment kept through many encode/decode cycles (its
 error stays under a bound that does not grow with the cycles, while int8's grows past it), the
-sharded codec (each shard encodes what one process does), a skipped step, and the load checks."""
+sharded codec (each shard encodes what one process does) and a skipped step (the load checks:
+tests/test_load_validation.py)."""
 
 from __future__ import annotations
 
@@ -128,10 +129,10 @@ def _cycles(dtype: str, g: torch.Tensor, beta: float) -> tuple[torch.Tensor, tor
     return torch.tensor(err), torch.tensor(rounding)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), beta=st.floats(0.8, 0.95), drift=st.floats(0.3, 1.0))
 def test_a_slowly_varying_moment_keeps_a_bounded_error_where_int8s_grows(seed, beta, drift):
-    """A moment tracking a slowly drifting signal (each entry moves by ``drift``·its start over 300
+    """A moment tracking a slowly drifting signal (each entry moves by ``drift``·its start over 200
     cycles): int8's nearest code holds while the change per cycle is below half a bin, so its
     error grows with the cycles; int8-ec's corrections carry what each encode rounds, and its
     error at every cycle stays within the sum of the roundings geometrically forgotten,
@@ -139,15 +140,15 @@ def test_a_slowly_varying_moment_keeps_a_bounded_error_where_int8s_grows(seed, b
     which int8's error passes."""
     g0 = _block(seed, True, spread=1.5).double()
     direction = torch.where(torch.rand(g0.shape, generator=torch.Generator().manual_seed(seed + 1)) < 0.5, -1.0, 1.0)
-    k = torch.arange(301, dtype=torch.float64).reshape(-1, 1, 1) / 300
+    k = torch.arange(201, dtype=torch.float64).reshape(-1, 1, 1) / 200
     g = g0 * (1 + drift * k * direction.double())
     ec, rounding = _cycles("int8-ec", g, beta)
     plain, _ = _cycles("int8", g, beta)
     bound = float(rounding.max()) / (1 - beta) + 1e-5
     assert float(ec.max()) <= bound
-    assert float(plain[-100:].max()) > 2 * bound  # int8's stalled codes drift past it
-    assert float(plain[-100:].max()) > 3 * float(plain[:10].max())  # and grew with the cycles
-    assert float(ec[-100:].max()) <= 2 * float(ec[:100].max())  # int8-ec's did not
+    assert float(plain[-50:].max()) > 2 * bound  # int8's stalled codes drift past it
+    assert float(plain[-50:].max()) > 3 * float(plain[0])  # its error grew with the cycles
+    assert float(ec[-50:].max()) <= 2 * float(ec[:50].max())  # int8-ec's did not
 
 
 def test_each_shard_encodes_what_one_process_does():
@@ -202,19 +203,3 @@ def test_a_nonfinite_gradient_leaves_codes_scales_and_corrections_untouched():
             w = after["state"][i][key]
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(w)), key
     assert any(CORRECTION in key for st_ in before["state"].values() for key in st_)
-
-
-@pytest.mark.parametrize("corrupt, key, needle", [
-    (lambda st: st.__setitem__("d_ec", st["d_ec"].float()), "d_ec", "uint8"),
-    (lambda st: st.__setitem__("d_ec", st["d_ec"].reshape(-1)[:8].clone()), "d_ec", "two to a byte"),
-    (lambda st: st.pop("d_absmax"), "d_ec", "no int8 codes"),
-])
-def test_a_corrupted_correction_is_refused_at_load(corrupt, key, needle):
-    model, opt = _stepped()
-    saved = copy.deepcopy(opt.state_dict())
-    sd = copy.deepcopy(saved)
-    idx = next(i for i, s in sd["state"].items() if "d_ec" in s)
-    corrupt(sd["state"][idx])
-    with pytest.raises(geomopt.CheckpointError, match=f"{key}.*{needle}|{needle}.*{key}"):
-        opt.load_state_dict(sd)
-    opt.load_state_dict(saved)  # the intact one loads
