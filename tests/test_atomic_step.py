@@ -386,7 +386,7 @@ def allocation_fails(trial, at: int):
         yield
 
 
-@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16", "int8-ec"])
 def test_a_fault_while_the_state_is_encoded_leaves_each_tensor_before_or_after(dtype, order):
     """Out of memory in the codec, at each bucket's encoding: the bucket's parameters, state and
     counters are as before the step (none half-written), and the retry gives one clean step's bits."""
