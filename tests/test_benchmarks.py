@@ -213,6 +213,18 @@ def test_state_quality_script_compares_precisions_and_a_mixed_spec(tmp_path, cap
     assert sorted({r["seed"] for r in runs}) == [0, 1] and len(runs) == 12
 
 
+def test_state_cost_script_times_each_precision_against_float32_state_and_counts_its_bytes(capsys):
+    assert _script("state_cost").main(["--model", "gpt", "--specs", "muon", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {r[0]: tuple(map(float, r[1:])) for r in re.findall(
+        r"^\| muon, ([\w-]+) \| [\d.]+ \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out, flags=re.M)}
+    assert list(rows) == ["float32", "bfloat16", "int8", "int8-ec"], out
+    assert rows["float32"] == (1.0, 4.0, 1.0), out  # every hidden matrix's momentum, 4 bytes an entry
+    # int8-ec: int8's byte and a 256th of a scale, and half a byte of corrections
+    assert rows["bfloat16"][1:] == (2.0, 0.5) and rows["int8"][2] < rows["int8-ec"][2] < 0.4, out
+    assert rows["int8-ec"][1] == pytest.approx(1 + 0.5 + 4 / 256, abs=2e-3), out
+
+
 def test_busy_machine_script_times_the_demo_quiet_and_beside_a_busy_core(tmp_path, capsys):
     import json
 
