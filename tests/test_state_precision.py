@@ -293,7 +293,8 @@ def test_a_checkpoint_moves_between_precisions_with_the_migration(dtype):
 def test_int8_state_for_a_storm_direction_is_refused_at_the_key(tmp_path, dtype):
     path = tmp_path / "s.yaml"
     path.write_text("\n".join(["geomopt: 1", "name: s", "rules:", "  - name: all", "    match: \"**\"",
-                               "    geometry: {kind: euclidean}", "    direction: {kind: storm}", f"    state: {dtype}"]))
+                               "    geometry: {kind: euclidean}", "    direction: {kind: storm}",
+                               f"    state: {dtype}"]))
     with pytest.raises(ValueError, match=r"s.yaml:8:12.*GO127.*accepts: float32, bfloat16"):
         geomopt.GeomOptimizer(tiny_gpt(0), str(path))
 
