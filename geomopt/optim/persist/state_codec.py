@@ -65,7 +65,9 @@ STORED = {"bfloat16": torch.bfloat16, "int8": torch.uint8, "int8-ec": torch.uint
 #: the steps of an ``int8-ec`` correction within a code's bin (4 bits: 0 … 15)
 STEPS = 15
 _MAPS: dict = {}
-_TABLES: dict = {}  # (signed, device) → nearest_codes' table and midpoints
+#: (signed, device) → nearest_codes' table and midpoints; (signed, "edges", device) → the bins' least
+#: values and widths (encode_correction); (signed, "bins", device) → bin_values
+_TABLES: dict = {}
 
 
 def dynamic_map(signed: bool) -> torch.Tensor:
@@ -178,25 +180,40 @@ def encode_correction(scaled: torch.Tensor, codes: torch.Tensor, signed: bool,
     its bin (:func:`bin_edges`), clamped to [0, 15] (a value outside the map's range: the nearest
     end) and rounded up with probability its fraction, ``bits16`` a uniform 16-bit draw per entry
     (:func:`noise`; None: to the nearest). Non-finite values: 0."""
-    edges = bin_edges(signed).to(scaled.device)
-    c = codes.long()
-    lo = edges.index_select(0, c)
-    width = edges.index_select(0, c + 1) - lo
-    pos = ((scaled - lo) / width * STEPS).clamp_(0, STEPS).nan_to_num_(0.0)
-    draw = 0.5 if bits16 is None else bits16.float() / 65536
-    return (pos + draw).floor_().clamp_(max=STEPS).to(torch.uint8)
+    key = (bool(signed), "edges", scaled.device)
+    if key not in _TABLES:
+        edges = bin_edges(signed)
+        _TABLES[key] = (edges[:-1].to(scaled.device), (edges[1:] - edges[:-1]).to(scaled.device))
+    lows, widths = _TABLES[key]
+    c = codes if codes.dtype in (torch.int32, torch.int64) else codes.int()
+    pos = (scaled - lows.index_select(0, c)).div_(widths.index_select(0, c)).mul_(STEPS)
+    pos = pos.clamp_(0, STEPS).nan_to_num_(0.0)
+    return pos.add_(0.5 if bits16 is None else bits16.float() / 65536).floor_().clamp_(max=STEPS).to(torch.uint8)
 
 
 def decode_int8_ec(codes: torch.Tensor, corrections: torch.Tensor, absmax: torch.Tensor,
                    signed: bool) -> torch.Tensor:
     """float32 values a·(E_c + t/15·(E_{c+1} − E_c)) of a stack of codes c (rows: tensors), their
     4-bit corrections t (uint8, one per entry, shaped as the codes) and block scales a (any shape
-    holding a row's blocks in order)."""
-    edges = bin_edges(signed).to(codes.device)
-    c = codes.reshape(codes.shape[0], -1, BLOCK).long()
-    lo, hi = edges[c], edges[c + 1]
-    t = corrections.reshape(c.shape).float() / STEPS
-    return ((lo + t * (hi - lo)) * absmax.reshape(codes.shape[0], -1, 1)).reshape(codes.shape)
+    holding a row's blocks in order): one look-up of c·16 + t in the 4096 values E_c + t/15·w_c
+    (:func:`bin_values`), times a."""
+    table = bin_values(signed, codes.device)
+    index = codes.reshape(-1).int().bitwise_left_shift_(4).bitwise_or_(corrections.reshape(-1).int())
+    rows = table.index_select(0, index).reshape(codes.shape[0], -1, BLOCK)
+    return (rows * absmax.reshape(codes.shape[0], -1, 1)).reshape(codes.shape)
+
+
+def bin_values(signed: bool, device) -> torch.Tensor:
+    """The 4096 values E_c + t/15·(E_{c+1} − E_c) a code c and its correction t decode to (before the
+    block scale), at c·16 + t (t = 15 never occurs past the last code's 1; every t is a value of
+    the bin)."""
+    key = (bool(signed), "bins", device)
+    if key not in _TABLES:
+        edges = bin_edges(signed)
+        lo, hi = edges[:-1].unsqueeze(1), edges[1:].unsqueeze(1)
+        t = torch.arange(16, dtype=torch.float32) / STEPS
+        _TABLES[key] = (lo + t * (hi - lo)).reshape(-1).to(device)
+    return _TABLES[key]
 
 
 def pack4(t: torch.Tensor) -> torch.Tensor:
