@@ -1,7 +1,7 @@
 """Optimizer-held memory: geomopt against torch's own optimizers running the same algorithm on an
 HF GPT-2 (2 layers, built from a config: random init, nothing downloaded) at two widths.
 
-    python benchmarks/memory.py [--specs muon examples/adam-all ...] [--state float32 bfloat16 int8] [--quick]
+    python benchmarks/memory.py [--specs muon examples/adam-all ...] [--state float32 bfloat16 int8 int8-ec] [--quick]
                                 [--record NOTE]
 
 Every shipped spec by default (specs/**/*.yaml; a spec whose algorithm no torch optimizer runs,
@@ -18,7 +18,7 @@ adam rules → ``AdamW(fused=True)``, spectral rules with momentum → ``torch.o
 Newton–Schulz swapped for a float32 copy: bf16 is emulated on this CPU), other rules
 with momentum → ``SGD(momentum=1−α)`` (heavy_ball: its own momentum, dampening and Nesterov), rules
 without → ``SGD()``, each with the rule's lr, weight
-decay, betas. ``--state``: geomopt's rows again with the spec's state kept in bfloat16 or int8
+decay, betas. ``--state``: geomopt's rows again with the spec's state kept in bfloat16, int8 or int8-ec
 (``defaults: {state: …}``; torch's side is float32 as ever). Every (spec, width, optimizer) runs
 in its own subprocess; "peak RSS Δ" is the largest rise of the process's resident set during one
 ``step()`` over its RSS just before (peak reset per step through /proc/self/clear_refs).
@@ -268,7 +268,7 @@ def main(argv=None) -> int:
     p.add_argument("--record", metavar="NOTE", help="record the tables in benchmarks/RESULTS.md with this note")
     p.add_argument("--jobs", type=int, default=2, help="subprocesses at a time (each measures only itself)")
     p.add_argument("--widths", type=int, nargs="+", help="model widths (384, 768; default both)")
-    p.add_argument("--state", nargs="+", default=["float32"], choices=["float32", "bfloat16", "int8"],
+    p.add_argument("--state", nargs="+", default=["float32"], choices=["float32", "bfloat16", "int8", "int8-ec"],
                    help="geomopt's state precision(s), a row each (default float32)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -1,9 +1,9 @@
 """What keeping optimizer state in bf16 or int8 costs in training quality: the demo's training (the
 byte-level GPT of ``geomopt demo``, its spec, steps and seed) with the spec's ``state`` set to
-float32, bfloat16 and int8 for every rule, final validation loss in nats/byte.
+float32, bfloat16, int8 and int8-ec for every rule, final validation loss in nats/byte.
 
     python benchmarks/state_quality.py [--run demo|char_gpt] [--seeds 0 1 2] [--mixed RULE=DTYPE ...]
-                                       [--record NOTE]
+                                       [--precisions P ...] [--no-control] [--record NOTE]
     python benchmarks/state_quality.py --spec specs/spectral-clip.yaml --steps 800 --seeds 0
 
 ``--run demo``: ``geomopt demo``'s spec and steps (spectral-clip.yaml, 800); ``--run char_gpt``:
@@ -38,7 +38,7 @@ from geomopt.cli.demo import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-PRECISIONS = ("float32", "bfloat16", "int8")
+PRECISIONS = ("float32", "bfloat16", "int8", "int8-ec")
 RUNS = {"demo": ("specs/spectral-clip.yaml", 800), "char_gpt": ("specs/prox-muon-frobenius.yaml", 600)}
 CONTROL = "float32, lr × (1 + 1e-6) (control)"
 
@@ -68,11 +68,15 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, help="default: the run's")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--out", help="results JSON (default benchmarks/results/state_quality-<run>.json)")
+    p.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS),
+                   help="the precisions compared (default: all; float32 is always run, the others' reference)")
+    p.add_argument("--no-control", action="store_true", help="leave out the control row (float32, lr × (1 + 1e-6))")
     p.add_argument("--mixed", nargs="+", metavar="RULE=DTYPE",
                    help="one row more: int8 state but these rules' (e.g. hidden=bfloat16)")
     p.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
     args = p.parse_args(argv)
     mixed = dict(kv.split("=", 1) for kv in args.mixed or [])
+    precisions = [d for d in PRECISIONS if d in args.precisions or d == "float32"]
     mixed_row = "int8, " + ", ".join(f"{k} {v}" for k, v in mixed.items())
     spec_path = args.spec or str(ROOT / RUNS[args.run][0])
     steps = args.steps or RUNS[args.run][1]
@@ -81,7 +85,8 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         # the control: float32 state with every lr 1e-6 larger, a perturbation far below any precision's;
         # how far it moves the final loss is how far this training amplifies any difference
-        variants = [(d, d, 1.0, None) for d in PRECISIONS] + [(CONTROL, "float32", 1 + 1e-6, None)]
+        variants = [(d, d, 1.0, None) for d in precisions] + ([] if args.no_control else
+                                                               [(CONTROL, "float32", 1 + 1e-6, None)])
         for label, dtype, scale, rules in variants + ([(mixed_row, "int8", 1.0, mixed)] if mixed else []):
             variant = with_state(spec, dtype, scale, rules)
             held: list = []
@@ -93,7 +98,7 @@ def main(argv=None) -> int:
     base = {r["seed"]: r["val"] for r in runs if r["state"] == "float32"}
     rows = []
     base_bytes = next(r["state_bytes"] for r in runs if r["state"] == "float32")
-    for state in [*PRECISIONS, CONTROL] + ([mixed_row] if mixed else []):
+    for state in [*precisions] + ([] if args.no_control else [CONTROL]) + ([mixed_row] if mixed else []):
         diffs = [r["val"] - base[r["seed"]] for r in runs if r["state"] == state]
         vals = [r["val"] for r in runs if r["state"] == state]
         nbytes = next(r["state_bytes"] for r in runs if r["state"] == state)

@@ -1,11 +1,11 @@
-"""How far one round trip of the optimizer state through bf16 or int8 moves the next update, rule by
-rule: where state precision costs training quality, and why.
+"""How far one round trip of the optimizer state through bf16, int8 or int8-ec moves the next update,
+rule by rule: where state precision costs training quality, and why.
 
     python benchmarks/state_update_error.py [--run char_gpt|demo] [--steps 300] [--seed 0] [--record NOTE]
 
 The run's training (benchmarks/state_quality.py's runs: the byte-level GPT, its spec) goes
-``--steps`` steps with float32 state; from there it goes two steps more three times, on the same two
-batches, with the spec's state in float32, bfloat16 and int8 (the first step still reads float32
+``--steps`` steps with float32 state; from there it goes two steps more four times, on the same two
+batches, with the spec's state in float32, bfloat16, int8 and int8-ec (the first step still reads float32
 state, as a checkpoint loaded under another precision does, and encodes it; the second decodes it).
 The first step's parameters are equal, so the second step's gradients are too, and the second
 step's parameter change Δθ differs by the state's round trip alone. Reported per rule (its tensors
@@ -38,6 +38,7 @@ from geomopt.cli.demo import batches, corpus_bytes, train  # noqa: E402
 from geomopt.optim.persist.state_codec import decode_entry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+SHORT = {"bfloat16": "bf16", "int8": "int8", "int8-ec": "int8-ec"}
 RESULTS = ROOT / "benchmarks" / "results"
 NULL = 1e-3  # a singular value below NULL · ‖d‖_F counts as the momentum's near-null space
 
@@ -127,12 +128,13 @@ def main(argv=None) -> int:
     lines = [f"### State round trip and the next update: {args.run}'s training ({spec_path.name}, after "
              f"{args.steps} float32 steps, seed {args.seed}), torch {torch.__version__} — "
              f"{datetime.date.today().isoformat()}", "",
-             "| rule | tensors | state error bf16 | state error int8 | update error bf16 | update error int8 "
-             f"| momentum σ < {NULL:g}‖d‖ (median share) |", "|---|---|---|---|---|---|---|"]
+             "| rule | tensors | " + " | ".join(f"state error {SHORT[d]}" for d in PRECISIONS[1:]) + " | "
+             + " | ".join(f"update error {SHORT[d]}" for d in PRECISIONS[1:])
+             + f" | momentum σ < {NULL:g}‖d‖ (median share) |", "|---" * (3 + 2 * len(PRECISIONS[1:])) + "|"]
     for r in rows:
         null = "—" if r["near_null"] is None else f"{r['near_null']:.2f}"
-        lines.append(f"| {r['rule']} | {r['tensors']} | {r['state_bfloat16']:.4f} | {r['state_int8']:.4f} | "
-                     f"{r['update_bfloat16']:.3f} | {r['update_int8']:.3f} | {null} |")
+        lines.append(f"| {r['rule']} | {r['tensors']} | " + " | ".join(f"{r['state_' + d]:.4f}" for d in PRECISIONS[1:])
+                     + " | " + " | ".join(f"{r['update_' + d]:.3f}" for d in PRECISIONS[1:]) + f" | {null} |")
     lines += ["", f"The second steps' starting parameters differ by at most {start_dev:.1e} of a tensor's largest "
                   "entry (float rounding of the first step)."]
     if start_dev > 1e-5:

@@ -23,7 +23,7 @@ from optim_helpers import gpt_batch, loss_of, tiny_gpt
 from test_atomic_step import PRECISION
 
 #: the specs whose checkpoints are mutated: batched and flat programs, every state precision
-SPECS = ["muon", "adamw-hybrid", "sign-descent", "prox-muon-frobenius", "int8", "bfloat16"]
+SPECS = ["muon", "adamw-hybrid", "sign-descent", "prox-muon-frobenius", "int8", "bfloat16", "int8-ec"]
 _BASES: dict = {}
 
 
@@ -96,7 +96,7 @@ def base(spec: str):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             opt = geomopt.GeomOptimizer(model, geomopt.parse_spec(PRECISION.format(dtype=spec))
-                                        if spec in ("int8", "bfloat16") else spec)
+                                        if spec in ("int8", "bfloat16", "int8-ec") else spec)
         grads = {}
         for k in range(3):
             model.zero_grad(set_to_none=True)

@@ -1,5 +1,5 @@
 """Run by tests/test_state_layouts.py under ``torchrun --nproc_per_node 4`` (gloo, CPU): optimizer
-state kept in bfloat16 and int8 under DDP, FSDP2, HSDP and FSDP2 × TP (tests/layout_worker.py's
+state kept in bfloat16, int8 and int8-ec under DDP, FSDP2, HSDP and FSDP2 × TP (tests/layout_worker.py's
 4-process world), against one process.
 
 An HF Llama of width 512 (intermediate 1024): every layout cuts each tensor's last dim at
@@ -20,21 +20,25 @@ import torch
 import torch.distributed as dist
 
 from geomopt import GeomOptimizer
+from geomopt.optim.units.state_keys import SIDE
 from layout_worker import CFG, World, make_model, params_of, round_trips, train
 
 WIDE = dict(CFG, hidden_size=512, intermediate_size=1024)
 MIXED_FORMATS = dict(CFG, hidden_size=256, intermediate_size=512)
-SPECS = {f"{base}-{dtype}": {"geomopt": 1, "name": f"{base}-{dtype}", "extends": base,
-                             "defaults": {"state": dtype}}
-         for base in ("muon", "adamw-hybrid") for dtype in ("bfloat16", "int8")}
+#: spec name → its state precision: each shipped base in bfloat16 and int8, and muon in int8-ec
+DTYPES = {f"{base}-{dtype}": dtype for base in ("muon", "adamw-hybrid") for dtype in ("bfloat16", "int8")}
+DTYPES["muon-int8-ec"] = "int8-ec"
+SPECS = {name: {"geomopt": 1, "name": name, "extends": name.removesuffix(f"-{dtype}"), "defaults": {"state": dtype}}
+         for name, dtype in DTYPES.items()}
 LAYOUTS = ("ddp", "fsdp", "hsdp", "fsdp_tp")
 
 
 def entries(opt, model) -> dict:
-    """Per parameter: each state entry's dtype, and the placements of its int8 block scales."""
+    """Per parameter: each state entry's dtype, and the placements of its int8 block scales and
+    int8-ec corrections."""
     out = {}
     for name, p in model.named_parameters():
-        out[name] = {k: str(v.dtype).removeprefix("torch.") + (f" {tuple(v.placements)}" if k.endswith("_absmax")
+        out[name] = {k: str(v.dtype).removeprefix("torch.") + (f" {tuple(v.placements)}" if k.endswith(SIDE)
                                                                and hasattr(v, "placements") else "")
                      for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor) and v.ndim > 0}
     return out
@@ -74,9 +78,8 @@ def main(out_dir: Path) -> None:
     opt = GeomOptimizer(model, SPECS["muon-int8"], **kw)
     train(model, opt, range(1), forward)
     out["entries"][("fsdp_tp", "mixed formats")] = entries(opt, model)
-    out["round_trips"] = round_trips(world, ("fsdp_tp", "hsdp"), [(n, SPECS[n]) for n in ("muon-int8",
-                                                                                         "adamw-hybrid-bfloat16")],
-                                     cfg=MIXED_FORMATS)
+    out["round_trips"] = round_trips(world, ("fsdp_tp", "hsdp"), [(n, SPECS[n]) for n in (
+        "muon-int8", "adamw-hybrid-bfloat16", "muon-int8-ec")], cfg=MIXED_FORMATS)
     out["seconds"] = time.perf_counter() - t0
     torch.save(out, out_dir / f"rank{world.rank}.pt")
     dist.barrier()

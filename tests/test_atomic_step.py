@@ -386,7 +386,7 @@ def allocation_fails(trial, at: int):
         yield
 
 
-@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16", "int8-ec"])
 def test_a_fault_while_the_state_is_encoded_leaves_each_tensor_before_or_after(dtype, order):
     """Out of memory in the codec, at each bucket's encoding: the bucket's parameters, state and
     counters are as before the step (none half-written), and the retry gives one clean step's bits."""
@@ -414,7 +414,7 @@ def allocations(opt, grads: list) -> int:
 
 
 @pytest.mark.parametrize("spec", [
-    "int8", "bfloat16",  # batched, the state encoded at each commit
+    "int8", "bfloat16", "int8-ec",  # batched, the state encoded at each commit
     "muon",  # batched in-place writes, and the flat path with torch's fused AdamW kernel
     "sign-descent", "prox-muon-frobenius", "adamw-hybrid",  # flat blocks and scratch; a journaled prox
     "heavy-isotropic", "barrier-momentum",
@@ -424,12 +424,12 @@ def test_out_of_memory_at_any_allocation_leaves_each_tensor_before_or_after(spec
     a dispatch mode): the step raises it, every tensor is as before the step or as one clean
     step leaves it, counters included (the update norm tracked), and a retry completes the step
     bit for bit."""
-    texts = {"int8": PRECISION.format(dtype="int8"), "bfloat16": PRECISION.format(dtype="bfloat16"),
-             "heavy-isotropic": HEAVY_ISOTROPIC, "barrier-momentum": BARRIER_MOMENTUM}
+    texts = {d: PRECISION.format(dtype=d) for d in ("int8", "bfloat16", "int8-ec")}
+    texts.update({"heavy-isotropic": HEAVY_ISOTROPIC, "barrier-momentum": BARRIER_MOMENTUM})
     parsed = geomopt.parse_spec(texts[spec]) if spec in texts else spec
     for track in (False, True):  # tracking the update runs every rule batched (no flat path)
         model, opt = build(parsed, track_update=track)
-        assert track or spec in ("int8", "bfloat16") or any(
+        assert track or spec in ("int8", "bfloat16", "int8-ec") or any(
             p.variant == "flat" for progs in opt.engine.programs for p in progs)
         grads = [grads_of(model, 0), grads_of(model, 1)]
         for steps in (grads[:1], grads):

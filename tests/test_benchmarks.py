@@ -180,13 +180,16 @@ def test_state_update_error_script_finds_int8_coarser_than_bf16_rule_by_rule(tmp
     script = _script("state_update_error")
     assert script.main(["--run", "char_gpt", "--steps", "30", "--out", str(tmp_path / "e.json")]) == 0
     out = capsys.readouterr().out
-    rows = {r[0]: tuple(map(float, r[1:6])) for r in re.findall(
-        r"^\| (\w+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| [\d.—]+ \|$", out, flags=re.M)}
+    rows = {r[0]: tuple(map(float, r[1:8])) for r in re.findall(
+        r"^\| (\w+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| [\d.—]+ \|$",
+        out, flags=re.M)}
     assert set(rows) == {"embeddings", "head", "hidden", "rest"}, out
     for rule in ("embeddings", "head", "hidden"):  # every tensor's state quantized
-        _, bf16, int8, up_bf16, up_int8 = rows[rule]
-        # one scale per 256 entries rounds coarser than bf16's exponent per entry, and so moves the update more
+        _, bf16, int8, ec, up_bf16, up_int8, up_ec = rows[rule]
+        # one scale per 256 entries rounds coarser than bf16's exponent per entry, and so moves the update more;
+        # int8-ec's corrections place each value within its code's bin, a 15th of int8's rounding at most
         assert 0 < bf16 < int8 < 0.05 and up_bf16 < up_int8, (rule, out)
+        assert 0 < ec < int8 / 5 and up_ec < up_int8, (rule, out)
     # the second steps start from the same parameters but for float rounding, and the JSON has the table's rows
     start = float(re.search(r"differ by at most ([\d.e+-]+)", out).group(1))
     assert start <= 1e-5, out
@@ -204,17 +207,30 @@ def test_state_quality_script_compares_precisions_and_a_mixed_spec(tmp_path, cap
     out = capsys.readouterr().out
     rows = {r[0]: (float(r[1]), float(r[2])) for r in re.findall(
         r"^\| ([^|]+?) \| [\d.]+ \| ([+-][\d.]+) ± [\d.]+ \| [+-][\d.]+ \| ([\d.]+) \|$", out, flags=re.M)}
-    assert list(rows) == ["float32", "bfloat16", "int8", "float32, lr × (1 + 1e-6) (control)",
+    assert list(rows) == ["float32", "bfloat16", "int8", "int8-ec", "float32, lr × (1 + 1e-6) (control)",
                           "int8, hidden bfloat16"], out
     assert rows["float32"] == (0.0, 1.0), out
     # bf16 halves every moment; int8 keeps a byte and a 256th of a float32 scale, but small tensors stay float32
     assert abs(rows["bfloat16"][1] - 0.5) < 1e-3 and 0.25 < rows["int8"][1] < 0.3, out
     assert rows["int8"][1] < rows["int8, hidden bfloat16"][1] < rows["bfloat16"][1], out
+    assert rows["int8"][1] < rows["int8-ec"][1] < 0.4, out  # half a byte more per quantized entry
     assert rows["float32, lr × (1 + 1e-6) (control)"][1] == 1.0, out
     import json
 
     runs = json.loads(out_json.read_text())["runs"]
-    assert sorted({r["seed"] for r in runs}) == [0, 1] and len(runs) == 10
+    assert sorted({r["seed"] for r in runs}) == [0, 1] and len(runs) == 12
+
+
+def test_state_cost_script_times_each_precision_against_float32_state_and_counts_its_bytes(capsys):
+    assert _script("state_cost").main(["--model", "gpt", "--specs", "muon", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {r[0]: tuple(map(float, r[1:])) for r in re.findall(
+        r"^\| muon, ([\w-]+) \| [\d.]+ \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out, flags=re.M)}
+    assert list(rows) == ["float32", "bfloat16", "int8", "int8-ec"], out
+    assert rows["float32"] == (1.0, 4.0, 1.0), out  # every hidden matrix's momentum, 4 bytes an entry
+    # int8-ec: int8's byte and a 256th of a scale, and half a byte of corrections
+    assert rows["bfloat16"][1:] == (2.0, 0.5) and rows["int8"][2] < rows["int8-ec"][2] < 0.4, out
+    assert rows["int8-ec"][1] == pytest.approx(1 + 0.5 + 4 / 256, abs=2e-3), out
 
 
 def test_weight_quality_script_compares_weights_and_keeps_what_it_ran(tmp_path, capsys):

@@ -461,22 +461,37 @@ INT8 = {"geomopt": 1, "name": "int8", "rules": [
 
 
 @pytest.fixture(scope="module")
-def int8_stepped():
-    model, opt = build(INT8, steps=2)
-    return opt, copy.deepcopy(opt.state_dict())
+def encoded_stepped():
+    """dtype → (an optimizer of INT8's rules in that precision stepped twice, its state dict), built
+    once per precision."""
+    built: dict = {}
+
+    def get(dtype: str):
+        if dtype not in built:
+            model, opt = build(dict(INT8, name=dtype, rules=[dict(r, state=dtype) for r in INT8["rules"]]), steps=2)
+            built[dtype] = opt, copy.deepcopy(opt.state_dict())
+        return built[dtype]
+
+    return get
 
 
-@pytest.mark.parametrize("corrupt, key, needle", [
-    (lambda st: st["d_absmax"].view(-1).__setitem__(0, -1.0), "d_absmax", "negative"),
-    (lambda st: st.__setitem__("d", st["d"].float()), "'d'", "uint8 codes"),
-    (lambda st: st.pop("d"), "d_absmax", "no codes"),
-    (lambda st: st.pop("d_absmax"), "'d'", "torch.uint8"),
-    (lambda st: st.__setitem__("d_absmax", st["d_absmax"].reshape(-1)[:1].clone()), "d_absmax", "block scales"),
-    (lambda st: st.__setitem__("d_absmax", -1.3), "d_absmax", "not a tensor"),
-    (lambda st: st.__setitem__("d_absmax", None), "d_absmax", "not a tensor"),
+@pytest.mark.parametrize("dtype, corrupt, key, needle", [
+    ("int8", lambda st: st["d_absmax"].view(-1).__setitem__(0, -1.0), "d_absmax", "negative"),
+    ("int8", lambda st: st.__setitem__("d", st["d"].float()), "'d'", "uint8 codes"),
+    ("int8", lambda st: st.pop("d"), "d_absmax", "no codes"),
+    ("int8", lambda st: st.pop("d_absmax"), "'d'", "torch.uint8"),
+    ("int8", lambda st: st.__setitem__("d_absmax", st["d_absmax"].reshape(-1)[:1].clone()), "d_absmax",
+     "block scales"),
+    ("int8", lambda st: st.__setitem__("d_absmax", -1.3), "d_absmax", "not a tensor"),
+    ("int8", lambda st: st.__setitem__("d_absmax", None), "d_absmax", "not a tensor"),
+    # int8-ec: int8's entries and a correction beside them
+    ("int8-ec", lambda st: st.__setitem__("d_ec", st["d_ec"].float()), "d_ec", "uint8 (two 4-bit values to a byte)"),
+    ("int8-ec", lambda st: st.__setitem__("d_ec", st["d_ec"].reshape(-1)[:8].clone()), "d_ec", "two to a byte"),
+    ("int8-ec", lambda st: (st.pop("d_absmax"), st.pop("d")), "d_ec", "no int8 codes"),
+    ("int8-ec", lambda st: st.pop("d"), "d_absmax", "no codes"),
 ])
-def test_int8_state_is_checked_by_its_declared_types_and_ranges(int8_stepped, corrupt, key, needle):
-    opt, saved = int8_stepped
+def test_int8_state_is_checked_by_its_declared_types_and_ranges(encoded_stepped, dtype, corrupt, key, needle):
+    opt, saved = encoded_stepped(dtype)
     sd = copy.deepcopy(saved)
     name, st = entry(sd, "d_absmax")
     corrupt(st)

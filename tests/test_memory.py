@@ -199,6 +199,39 @@ def test_held_memory_is_the_state_and_nothing_of_the_steps_scratch(spec, model_f
     assert sum(b for b, name in held.values() if name.startswith("counters")) < 64  # a few scalars
 
 
+def moments_numel(opt, model) -> list:
+    """The entry counts of every moment the plan keeps (a direction's momentum, Adam's two), one per
+    moment and tensor: what a rule's state precision encodes."""
+    named = dict(model.named_parameters())
+    out = []
+    for pp in opt.plan:
+        n = named[pp.name].numel()
+        out += [n] * ((pp.direction["kind"] != "none") + 2 * (pp.geometry["kind"] == "adam"))
+    return out
+
+
+#: bytes per entry of a moment kept in each precision, where int8 quantizes it (a size that is a
+#: multiple of 256): codes, a float32 scale per 256 entries, and int8-ec's 4-bit corrections
+PER_ENTRY = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 256, "int8-ec": 1 + 4 / 256 + 1 / 2}
+
+
+@pytest.mark.filterwarnings("ignore::geomopt.UnusedRuleWarning")
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int8-ec"])
+@pytest.mark.parametrize("model_fn", [_gpt, _llama], ids=["gpt", "hf-llama"])
+def test_held_memory_in_a_state_precision_is_its_bytes_per_entry(model_fn, dtype):
+    """Muon's state in each precision, counted from the plan: every moment at the precision's bytes
+    per entry (int8's: only a size that is a multiple of 256, the rest float32), nothing else kept."""
+    model, loss = model_fn()
+    spec = {"geomopt": 1, "name": f"muon-{dtype}", "extends": str(ROOT / "specs" / "muon.yaml"),
+            "defaults": {"state": dtype}}
+    opt, held = held_after_steps(model, loss, spec)
+    sizes = moments_numel(opt, model)
+    want = sum(n * (PER_ENTRY[dtype] if dtype == "bfloat16" or n % 256 == 0 else 4) for n in sizes)
+    assert any(n % 256 == 0 for n in sizes)  # int8 quantizes some of them
+    assert state_bytes(held) == want, {name: b for b, name in held.values()}
+    assert sum(b for b, name in held.values() if name.startswith("workspace")) == 0
+
+
 def test_storm_and_nesterov_keep_only_their_state():
     """STORM keeps d and the previous iterate; a Nesterov look-ahead and a sign map's output live
     in the step's workspace, not per tensor, and not between steps."""

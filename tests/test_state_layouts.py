@@ -1,7 +1,8 @@
-"""Optimizer state in bfloat16 and int8 under DDP, FSDP2, HSDP and FSDP2 × TP (4 gloo CPU
+"""Optimizer state in bfloat16, int8 and int8-ec under DDP, FSDP2, HSDP and FSDP2 × TP (4 gloo CPU
 processes, tests/precision_worker.py): each layout stores what one process stores, the int8 block
-scales are DTensors cut like their tensors, a tensor whose shards cannot hold whole blocks keeps
-float32 state on every rank, and state-dict and DCP round trips resume bit for bit.
+scales (and int8-ec's corrections) are DTensors cut like their tensors, a tensor whose shards
+cannot hold whole blocks keeps float32 state on every rank, and state-dict and DCP round trips
+resume bit for bit.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import precision_worker as worker  # noqa: E402
 #: is left is the optimizer's rounding (an int8 code flips where a shard's norm rounds otherwise).
 #: TP splits the forward's matmuls (gradients differ by ~1e-6 relative), which flips a stochastic
 #: rounding or an int8 code where a value lies that close to a boundary
-BOUND = {"bfloat16": 2e-5, "int8": 5e-5}
-BOUND_TP = {"bfloat16": 3e-4, "int8": 1e-3}  # measured 7.3e-5 and 2.8e-4
+BOUND = {"bfloat16": 2e-5, "int8": 5e-5, "int8-ec": 5e-5}
+BOUND_TP = {"bfloat16": 3e-4, "int8": 1e-3, "int8-ec": 1e-3}  # measured 7.3e-5 and 2.8e-4 (bf16, int8)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def ranks(tmp_path_factory):
 @pytest.mark.parametrize("layout", worker.LAYOUTS)
 @pytest.mark.parametrize("name", sorted(worker.SPECS))
 def test_each_layout_stores_what_one_process_stores(ranks, layout, name):
-    dtype = name.rsplit("-", 1)[1]
+    dtype = worker.DTYPES[name]
     bound = (BOUND_TP if layout == "fsdp_tp" else BOUND)[dtype]
     dev = ranks[0]["deviation"][(layout, name)]
     if layout == "ddp":
@@ -50,6 +51,9 @@ def test_int8_state_is_codes_with_block_scales_cut_like_the_tensor(ranks, layout
         want = {"ddp": "float32", "fsdp": "float32 (Shard(dim=0),)", "hsdp": "float32 (Replicate(), Shard(dim=0))",
                 "fsdp_tp": "float32 (Shard(dim=0), Shard(dim=1))"}[layout]
         assert scales == want, scales
+        ec = r["entries"][(layout, "muon-int8-ec")]["model.layers.0.mlp.down_proj.weight"]
+        assert ec["d"] == "uint8" and ec["d_absmax"] == scales  # int8's codes and scales, and corrections
+        assert ec["d_ec"] == want.replace("float32", "uint8"), ec  # cut like them
         e16 = r["entries"][(layout, "adamw-hybrid-bfloat16")]
         assert e16["model.layers.0.self_attn.q_proj.weight"]["d"] == "bfloat16"
         assert e16["model.embed_tokens.weight"]["exp_avg"] == "bfloat16"
@@ -66,7 +70,8 @@ def test_a_tensor_whose_shards_cannot_hold_whole_blocks_keeps_float32_on_every_r
 
 
 @pytest.mark.parametrize("key", [("fsdp_tp", "muon-int8"), ("fsdp_tp", "adamw-hybrid-bfloat16"),
-                                 ("hsdp", "muon-int8"), ("hsdp", "adamw-hybrid-bfloat16")])
+                                 ("fsdp_tp", "muon-int8-ec"), ("hsdp", "muon-int8"),
+                                 ("hsdp", "adamw-hybrid-bfloat16"), ("hsdp", "muon-int8-ec")])
 def test_state_dict_and_dcp_round_trips_are_exact(ranks, key):
     for r in ranks:
         assert r["round_trips"][key] == dict(state_dict=True, dcp=True, dtensor_state=True,
@@ -80,3 +85,4 @@ def test_sharded_state_bytes_shrink_with_the_precision(ranks):
         f32 = r["held"][("fsdp", "muon-float32")]
         assert r["held"][("fsdp", "muon-bfloat16")] / f32 == pytest.approx(0.5, abs=0.01)
         assert 0.25 <= r["held"][("fsdp", "muon-int8")] / f32 <= 0.27
+        assert 0.37 <= r["held"][("fsdp", "muon-int8-ec")] / f32 <= 0.39  # half a byte more per entry

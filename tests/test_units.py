@@ -199,7 +199,7 @@ def test_a_new_declaration_reaches_every_derived_table():
     state.add("toy_m", StateKey("toy_m", moment=FIRST))
     state.add("toy_step", StateKey("toy_step", layout=COUNT))
     assert state_keys.moments(state)["toy_m"] is True and state_keys.moments(state)["toy_v"] is False
-    assert {"toy_v", "toy_m", "toy_v_absmax", "toy_m_absmax"} <= set(state_keys.stacked(state))
+    assert {"toy_v", "toy_m", "toy_v_absmax", "toy_m_absmax", "toy_v_ec", "toy_m_ec"} <= set(state_keys.stacked(state))
     assert "toy_step" not in state_keys.stacked(state) and "toy_step" in state_keys.keys_in(COUNT, state)
     assert state_keys.keys_in(STAT, state)[-1] == "toy_v"
 

@@ -20,6 +20,7 @@ from geomopt.compile.ranges import step_overflow
 from geomopt.compile.resolve import op_layout, resolve_view
 from geomopt.registry import Registry
 from geomopt.spec.diagnostics import Diagnostic
+from geomopt.spec.model import QUANTIZED
 from geomopt.spec.source import SourceMap
 
 #: code → check; meta ``name`` (the lint rule's) and ``needs_model``
@@ -175,12 +176,12 @@ def state_precision(ctx: Ownership):
     """
     for i, rule in enumerate(ctx.spec.rules):
         state = rule.state if rule.state is not None else ctx.spec.defaults.state
-        if state is None or state.dtype != "int8":
+        if state is None or state.dtype not in QUANTIZED:
             continue
         direction = rule.direction if rule.direction is not None else ctx.spec.defaults.direction
         if direction is not None and direction.kind == "storm":
             path = ("rules", i, "state") if rule.state is not None else ("defaults", "state")
-            yield (f"rule '{rule.name}': state int8 quantizes moments, and its storm direction also keeps the "
+            yield (f"rule '{rule.name}': state {state.dtype} quantizes moments, and its storm direction also keeps the "
                    f"previous gradient; this rule's state accepts: float32, bfloat16"), path
 
 

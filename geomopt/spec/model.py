@@ -91,23 +91,29 @@ class Match(SpecModel):
 _RULE_NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 
 
+#: the state precisions that keep moments as int8 codes with block scales (``int8-ec``: and a correction)
+QUANTIZED = ("int8", "int8-ec")
+
+
 class StatePrecision(SpecModel):
     """The precision the rule's optimizer state is kept in between steps (``state: bfloat16`` is
     short for ``state: {dtype: bfloat16}``): ``float32`` as torch keeps it; ``bfloat16`` written
     with stochastic rounding (torchao's low-bit optimizers, Zamirai et al. 2020: unbiased, so
     updates smaller than bf16's spacing are kept on average); ``int8`` for moments only, as
     block-wise dynamic quantization (Dettmers et al. 2022, arXiv:2110.02861: 256-entry blocks, each
-    scaled by its largest magnitude, signed for first moments and unsigned for second).
+    scaled by its largest magnitude, signed for first moments and unsigned for second);
+    ``int8-ec``: int8 with error compensation, each code's rounding residual kept in 4 bits beside it
+    and added back at the next decode (stochastically rounded, so unbiased), 0.38 of float32's bytes.
 
     ``compensation``: what the optimizer keeps of a bfloat16 parameter's rounding error, so that its
     updates are not lost to bf16's 8-bit significand (a step smaller than half the weight's spacing
     would otherwise round away): ``int8``, the error in 256ths of the weight's spacing (1 byte per
-    weight; the weight read as bf16 + error carries about 15 significant bits); ``int16``, the low
-    16 bits of the float32 weight (the parameter holds the high 16: the float32 weight exactly, as a
+    weight; the weight read as bf16 + error carries about 16 significant bits); ``int16``, the rest
+    of the float32 weight's bit pattern beside its nearest bf16 (the float32 weight exactly, as a
     split float32 master copy). The step runs on the float32 weight it decodes, and stores it back
     as bf16 + error. Float32 parameters of the rule keep no error (they lose nothing)."""
 
-    dtype: Literal["float32", "bfloat16", "int8"] = "float32"
+    dtype: Literal["float32", "bfloat16", "int8", "int8-ec"] = "float32"
     compensation: Literal["none", "int8", "int16"] = "none"
 
 

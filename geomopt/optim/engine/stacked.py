@@ -12,8 +12,8 @@ import torch
 
 from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import contiguous_strides, is_dtensor
-from geomopt.optim.persist.state_codec import scale_shape
-from geomopt.optim.units.state_keys import COUNTS, SCALE, STACKED, STAT_KEYS, VIEW_KEYS
+from geomopt.optim.persist.state_codec import side_shape
+from geomopt.optim.units.state_keys import COUNTS, SIDE, STACKED, STAT_KEYS, VIEW_KEYS
 from geomopt.optim.engine.tensors import as_real, count_tensor, flat_like, like_param, op_view, stack
 
 if TYPE_CHECKING:
@@ -154,10 +154,10 @@ def state_entry(row: torch.Tensor, p: torch.Tensor, pp: ParamPlan, key: str, lay
     from torch.distributed.tensor import DTensor  # DTensor's package loads only where tensors are sharded
 
     p = cast(DTensor, p)
-    if key.endswith(SCALE):  # int8 block scales: the tensor's shape (operators' layout), last dim in blocks
-        scales = scale_shape(tuple(pp.op_shape))  # shaped: a sharded tensor's int8 blocks are aligned
-        return DTensor.from_local(row, p.device_mesh, layout.placements, run_check=False, shape=torch.Size(scales),
-                                  stride=contiguous_strides(scales))
+    if key.endswith(SIDE):  # int8 block scales, an int8-ec correction: the tensor's shape (operators' layout),
+        side = side_shape(key, tuple(pp.op_shape))  # last dim in blocks or in pairs; a sharded tensor's int8
+        return DTensor.from_local(row, p.device_mesh, layout.placements, run_check=False,  # blocks are aligned
+                                  shape=torch.Size(side), stride=contiguous_strides(side))
     if key in STAT_KEYS:
         kept = [d for d in range(row.ndim) if d + 1 not in reduced]
         shape = list(row.shape)

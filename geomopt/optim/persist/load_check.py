@@ -35,9 +35,9 @@ from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
 from geomopt.optim.engine.construction import check_capturable, check_sharded
 from geomopt.optim.units.directions import DIRECTIONS
-from geomopt.optim.persist.state_codec import BLOCK, STORED, scale_shape
-from geomopt.optim.units.state_keys import (COUNTS, GROUP_KEYS, KINDS, MOMENTS, PARAM_KEYS, SCALE, SECOND_MOMENTS,
-                                            STACKED, STAT_KEYS, VIEW_KEYS, WEIGHT_KEYS, direction_keys)
+from geomopt.optim.persist.state_codec import BLOCK, STORED, scale_shape, side_shape
+from geomopt.optim.units.state_keys import (CORRECTION, COUNTS, GROUP_KEYS, KINDS, MOMENTS, PARAM_KEYS, SCALE,
+                                            SECOND_MOMENTS, STACKED, STAT_KEYS, VIEW_KEYS, WEIGHT_KEYS, direction_keys)
 from geomopt.optim.units.compensation import DTYPES, LOW
 from geomopt.optim.engine.tensors import as_real, local
 from geomopt.spec.geometries import Euclidean
@@ -312,6 +312,15 @@ def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
                 raise CheckpointError(f"tensor '{name}': state '{key}' is {value.dtype}, not one of the "
                                       f"compensation forms ({', '.join(map(str, DTYPES.values()))}): {_FIX}")
             continue
+        moment = key[:-len(CORRECTION)]
+        if key.endswith(CORRECTION) and moment in MOMENTS:  # int8-ec's 4-bit corrections (any byte is two)
+            if moment + SCALE not in entry:
+                raise CheckpointError(f"tensor '{name}': state '{key}' (int8-ec corrections) has no int8 codes "
+                                      f"'{moment}' and block scales '{moment + SCALE}' beside it: {_FIX}")
+            if value.dtype != torch.uint8:
+                raise CheckpointError(f"tensor '{name}': state '{key}' is {value.dtype}: int8-ec keeps its "
+                                      f"corrections as uint8 (two 4-bit values to a byte): {_FIX}")
+            continue
         if not (value.is_floating_point() or value.is_complex()):  # complex: a complex parameter's state
             raise CheckpointError(f"tensor '{name}': state '{key}' has dtype {value.dtype}, not a floating dtype: "
                                   f"{_FIX}")
@@ -394,6 +403,13 @@ def _check_tensor(pp, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
             raise CheckpointError(f"tensor '{pp.name}' ({p.dtype}): state '{key}' is {value.dtype} {shape}, this "
                                   f"optimizer {keeps}: the state was saved with another compensation or model; load "
                                   f"it with allow_spec_change=True to carry over what fits")
+        return
+    if key.endswith(CORRECTION) and key[:-len(CORRECTION)] in MOMENTS:  # an int8-ec entry's corrections
+        want = side_shape(key, tuple(pp.op_shape))
+        if shape != want:
+            raise CheckpointError(f"tensor '{pp.name}': state '{key}' has shape {shape}, the corrections of "
+                                  f"int8-ec state are uint8 {want} (two to a byte): the state was edited or saved "
+                                  f"on another model")
         return
     if key in PARAM_KEYS:
         want = tuple(p.shape)

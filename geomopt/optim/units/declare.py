@@ -28,7 +28,7 @@ from geomopt.registry import LOCAL, Registry
 OP, PARAM, STAT, OWN, COUNT, WEIGHT = "op", "param", "stat", "own", "count", "weight"
 LAYOUTS = (OP, PARAM, STAT, OWN, COUNT, WEIGHT)
 #: a moment's sign: ``first`` (signed: an average of gradients) or ``second`` (a mean of squares,
-#: never negative); moments are what a rule's ``state`` precision (bfloat16, int8) encodes
+#: never negative); moments are what a rule's ``state`` precision (bfloat16, int8, int8-ec) encodes
 FIRST, SECOND = "first", "second"
 
 #: the execution forms a direction may have (:mod:`geomopt.optim.engine.program`): ``stacked`` (on a

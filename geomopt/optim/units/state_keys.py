@@ -60,6 +60,11 @@ def geometry_state(geometry) -> tuple[str, ...]:
 
 #: the suffix of an int8 moment's block scales (``d`` → ``d_absmax``)
 SCALE = "_absmax"
+#: the suffix of an ``int8-ec`` moment's rounding correction (``d`` → ``d_ec``: 4 bits per entry, two
+#: to a byte, placing each value within its code's bin; :mod:`geomopt.optim.persist.state_codec`)
+CORRECTION = "_ec"
+#: the suffixes of the entries kept beside an encoded moment's codes
+SIDE = (SCALE, CORRECTION)
 
 
 def moments(state: Registry = STATE) -> dict[str, bool]:
@@ -75,9 +80,10 @@ def keys_in(layout: str, state: Registry = STATE) -> tuple[str, ...]:
 
 def stacked(state: Registry = STATE) -> tuple[str, ...]:
     """The tensor state a bucket keeps stacked (entries view a row of one buffer): every declared
-    key but the counts, and an int8 moment's block scales."""
+    key but the counts and a low-precision weight's lost bits, and an encoded moment's side entries
+    (int8 block scales, an ``int8-ec`` correction)."""
     kept = tuple(k for k, s in state.items() if s.layout not in (COUNT, WEIGHT))
-    return kept + tuple(k + SCALE for k in moments(state))
+    return kept + tuple(k + x for x in SIDE for k in moments(state))
 
 
 def direction_keys(directions: Registry = DIRECTIONS) -> tuple[str, ...]:

@@ -1,0 +1,85 @@
+"""What each state precision costs per step and holds per parameter, in one process: a spec's
+optimizer with its state in float32, bfloat16, int8 and int8-ec stepping copies of the same
+tensors (the hidden matrices of ``--model``, each with the same fixed gradient), round-robin with
+the order reversed every round (benchmarks/ab.py's method: the machine's drift hits every row
+alike).
+
+    python benchmarks/state_cost.py [--model gpt-bench] [--specs muon examples/adam-all] [--iters 20]
+                                    [--device cpu] [--record NOTE]
+
+Reported per (spec, precision): the median step, its ratio to float32 state's, and the bytes the
+state holds per parameter (every tensor of ``opt.state``: codes, scales, corrections, moments,
+counts) and over float32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import emit, section_for  # noqa: E402
+from state_quality import PRECISIONS, state_bytes  # noqa: E402
+
+import geomopt  # noqa: E402
+from geomopt.cli.bench import Timer, device_name, hidden_workload  # noqa: E402
+
+
+def with_state(spec: str, dtype: str) -> dict:
+    """The shipped spec ``spec`` with every rule's state in ``dtype``."""
+    return {"geomopt": 1, "name": f"{Path(spec).stem}-{dtype}", "extends": spec, "defaults": {"state": dtype}}
+
+
+def measure(spec: str, model: str, device: str, iters: int) -> list[dict]:
+    """One row per precision: median step (ms), × float32's, state bytes per parameter, × float32's."""
+    _, fresh = hidden_workload(model, device, torch.float32)
+    opts, params = [], 0
+    for dtype in PRECISIONS:
+        ps = fresh()
+        params = sum(p.numel() for _, p in ps)
+        opts.append((dtype, geomopt.GeomOptimizer(ps, with_state(spec, dtype))))
+    timer = Timer(device)
+    for _ in range(2):
+        for _, opt in opts:
+            opt.step()
+    times: dict = {d: [] for d, _ in opts}
+    for k in range(iters):
+        for dtype, opt in (opts if k % 2 == 0 else opts[::-1]):
+            times[dtype] += timer(opt.step, 0, 1)
+    ms = {d: statistics.median(t) for d, t in times.items()}
+    held = {d: state_bytes(opt) for d, opt in opts}
+    return [dict(spec=spec, state=d, ms=ms[d], time_ratio=ms[d] / ms["float32"], bytes_per_param=held[d] / params,
+                 bytes_ratio=held[d] / held["float32"]) for d in PRECISIONS]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt-bench")
+    p.add_argument("--specs", nargs="+", default=["muon", "examples/adam-all"],
+                   help="shipped spec names or paths (default: muon, examples/adam-all)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
+    args = p.parse_args(argv)
+    root = Path(__file__).resolve().parents[1] / "specs"
+    rows = []
+    for spec in args.specs:
+        path = spec if spec in geomopt.shipped_specs() or Path(spec).exists() else str(root / f"{spec}.yaml")
+        rows += measure(path, args.model, args.device, args.iters)
+    lines = [f"### State precision's step time and bytes: {args.model}'s hidden matrices, "
+             f"{device_name(args.device)}, torch {torch.__version__} — {datetime.date.today().isoformat()}", "",
+             "| spec, state | step (ms, median) | × float32 state | state bytes per parameter | × float32 state |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {Path(r['spec']).stem}, {r['state']} | {r['ms']:.2f} | {r['time_ratio']:.3f} | "
+              f"{r['bytes_per_param']:.3f} | {r['bytes_ratio']:.3f} |" for r in rows]
+    emit("\n".join(lines), args.record, section_for(args.device, "State precision"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
