@@ -10,7 +10,7 @@ from pydantic import Field
 
 from geomopt.optim.units import state_keys
 from geomopt.optim.units.directions import DIRECTIONS, polyak_ahead, polyak_rows
-from geomopt.optim.units.declare import COUNT, FIRST, OP, SECOND, STAT, DirectionUnit, StateKey
+from geomopt.optim.units.declare import COUNT, FIRST, OP, SECOND, STAT, WEIGHT, DirectionUnit, StateKey
 from geomopt.registry import Registry
 from geomopt.spec.base import SpecModel
 
@@ -179,8 +179,10 @@ def test_derived_tables_follow_the_declarations():
     for key, decl in state_keys.STATE.items():
         assert (key in state_keys.MOMENTS) == (decl.moment is not None)
         assert (key in state_keys.COUNTS) == (decl.layout == COUNT)
-        assert (key in state_keys.STACKED) == (decl.layout != COUNT)
+        assert (key in state_keys.STACKED) == (decl.layout not in (COUNT, WEIGHT))
         assert (key in state_keys.VIEW_KEYS) == (decl.layout == OP)
+        assert (key in state_keys.WEIGHT_KEYS) == (decl.layout == WEIGHT)
+    assert state_keys.WEIGHT_KEYS == ("weight_error",) and state_keys.KINDS["compensation"] == ("weight_error",)
     assert state_keys.MOMENTS["d"] and not state_keys.MOMENTS["exp_avg_sq"]
     # the migration kinds: the adam geometry's three keys move together; heavy ball's sum has no kind
     assert state_keys.KINDS["adam"] == ("exp_avg", "exp_avg_sq", "adam_step")
