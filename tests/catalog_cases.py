@@ -619,6 +619,43 @@ def _shampoo(m):
     return Composite(Reported(peer, "momentum_buffer"), adamw_rest(g))
 
 
+def _shape_streams() -> Callable[[tuple, torch.dtype], torch.Tensor]:
+    """Standard normal draws from one seeded stream per matrix shape: the k-th draw of a shape is the
+    same for every caller, whatever order the shapes come in."""
+    streams: dict = {}
+
+    def draw(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        gen = streams.setdefault(tuple(shape), torch.Generator().manual_seed(7 + 1000 * shape[0] + shape[1]))
+        return torch.randn(tuple(shape), generator=gen, dtype=dtype)
+
+    return draw
+
+
+def _our_probes(original):
+    draw = _shape_streams()
+    return lambda g: torch.stack([draw(g.shape[-2:], g.dtype) for _ in range(g.reshape(-1, *g.shape[-2:]).shape[0])]
+                                 ).reshape(g.shape)
+
+
+def _kron_probes(original):
+    draw = _shape_streams()
+    return lambda qs, expressions, v, g, step, eps: original(qs, expressions, draw(v.shape, v.dtype), g, step, eps)
+
+
+#: PSGD's probes, from the same per-shape streams on both sides (each run draws its own from torch's default
+#: generator, which the two runs share, one step of each after the other)
+PSGD_PROBES = (("geomopt.geometry.kron_psgd", "probe", _our_probes),
+               (f"{_PO}.psgd", "update_precondition", _kron_probes))
+
+
+def _psgd_kron(m):
+    from pytorch_optimizer import Kron
+
+    g = by_rule(m)
+    peer = Kron(g["hidden"], lr=0.003, momentum=0.9, pre_conditioner_update_probability=1.0, balance_prob=1.0)
+    return Composite(Reported(peer, "expressions"), adamw_rest(g))
+
+
 def soap_muon_rule(name: str, p: torch.Tensor) -> str:
     """soap-muon's rules: SOAP on the square attention projections, else the Muon specs' (by name)."""
     return "attention" if name.endswith(("q_proj.weight", "o_proj.weight")) else llama_rule(name, p)
@@ -752,6 +789,13 @@ CASES: list[Case] = [
          "`torch.optim.AdamW(fused=True)`", "package", "llama", _shampoo, 1e-4,
          "the peer's roots are a float32 SVD of each factor, geomopt's a float64 eigh (float32 rounding of the "
          "factors' small eigenvalues, raised to −1/4)", 3e-5, _LOSS, rule=llama_rule),
+    Case("psgd-kron", "PSGD-Kron", "Li 2018", "https://arxiv.org/abs/1809.10232",
+         "`pytorch_optimizer.Kron(momentum=0.9, pre_conditioner_update_probability=1.0, balance_prob=1.0)`; "
+         "`torch.optim.AdamW(fused=True)`", "package", "llama", _psgd_kron, 2e-6,
+         "both fit and apply the factors in float32, in different op orders (the peer's einsums per matrix, "
+         "geomopt's batched matmuls), on the same probes (one seeded stream per shape, both sides patched); "
+         "measured 3e-7, and 1.5e-2 with precond_lr 0.11, 9e-3 with momentum 0.91",
+         5e-5, _LOSS, rule=llama_rule, patches=PSGD_PROBES),
     Case("soap-muon", "SOAP on attention, Muon on the rest", "Vyas et al. 2024; Jordan et al. 2024",
          "https://arxiv.org/abs/2409.11321",
          "`pytorch_optimizer.SOAP` + `torch.optim.Muon` + `torch.optim.AdamW(fused=True)`", "package", "llama",
