@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from geomopt.geometry.kron_root import as_stack
+from geomopt.spec.geometries import kronecker_side
 
 #: the smallest positive normal bfloat16 (= float32's): the fit's guard against 0/0
 TINY = torch.finfo(torch.bfloat16).tiny
@@ -47,8 +48,8 @@ def init_factors(shape: tuple[int, ...], max_dim=None, *, dtype: torch.dtype = t
 
 def diagonal(k: int, max_dim=None) -> bool:
     """Whether a side of ``k`` keeps a diagonal factor: k = 1, or k above ``max_dim`` (Kron's
-    ``max_size_triangular``)."""
-    return k == 1 or (max_dim is not None and k > max_dim)
+    ``max_size_triangular``; :func:`geomopt.spec.geometries.kronecker_side`)."""
+    return kronecker_side("psgd", k, max_dim) == "diagonal"
 
 
 def _stack(q: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -332,6 +332,16 @@ class Kronecker(_Geometry):
         return self
 
 
+def kronecker_side(method: str, k: int, max_dim: Optional[int]) -> str:
+    """The factor a kronecker ``method`` keeps on a side of ``k``: ``full`` (k × k: Shampoo's and SOAP's
+    statistics) or ``none`` (the identity there) past ``max_dim``; PSGD's ``triangular`` (k × k) or,
+    for k = 1 or past ``max_dim``, ``diagonal`` (k: Kron's ``max_size_triangular``)."""
+    over = max_dim is not None and k > max_dim
+    if method == "psgd":
+        return "diagonal" if over or k == 1 else "triangular"
+    return "none" if over else "full"
+
+
 Geometry = Annotated[
     Union[Euclidean, Isotropic, Anisotropic, Spectral, Rowwise, Columnwise, Adam, Kronecker],
     Field(discriminator="kind"),
