@@ -14,6 +14,8 @@ from torch import nn
 
 import geomopt
 from geomopt.spec.diagnostics import SpecError
+from catalog_cases import kron_step_probes  # Kron's probes replaced by ours
+from geomopt.geometry import kron_psgd
 from test_kron import _gap, _peer  # the peers stepped from zero on the same gradients
 
 F64 = torch.float64
@@ -98,57 +100,61 @@ def test_one_sided_keeps_no_factor_above_max_dim():
 
 
 @pytest.mark.parametrize("every", [1, 2])
-def test_psgd_steps_as_pytorch_optimizers_kron(every):
+def test_psgd_steps_as_pytorch_optimizers_kron(every, monkeypatch):
     """pytorch-optimizer's ``Kron`` (update probability 1/every: its counter fits at steps every,
-    2·every, …; ``balance_prob`` 1: balanced at every fit, as ours) on the same gradients, with torch's
-    default generator seeded alike before each run: both draw one probe per matrix and fit, in the
-    parameters' order, so they draw the same probes (its float32 triangular solves kept in float64)."""
+    2·every, …; ``balance_prob`` 1: balanced at every fit, as ours) on the same gradients, its probes
+    replaced by ours for the same step (it draws from torch's default generator; ours are seeded by the
+    step), its float32 triangular solves kept in float64."""
     from pytorch_optimizer.optimizer import psgd as peer_module
 
     grads = 5 * _grads((5, 7), seed=9)
     lr, momentum = 0.02, 0.9
-    torch.manual_seed(10)
-    solve = peer_module.solve_triangular_right
-    peer_module.solve_triangular_right = lambda x, a: torch.linalg.solve_triangular(
-        a, x.reshape(-1, x.size(-1)), upper=True, left=False).reshape_as(x)
-    try:
-        peer = _peer(pytorch_optimizer.Kron, grads, lr=lr, momentum=momentum, balance_prob=1.0,
-                     pre_conditioner_update_probability=1 / every, precondition_dtype=F64)
-    finally:
-        peer_module.solve_triangular_right = solve
+    monkeypatch.setattr(peer_module, "update_precondition", kron_step_probes(every)(peer_module.update_precondition))
+    monkeypatch.setattr(peer_module, "solve_triangular_right", lambda x, a: torch.linalg.solve_triangular(
+        a, x.reshape(-1, x.size(-1)), upper=True, left=False).reshape_as(x))
+    peer = _peer(pytorch_optimizer.Kron, grads, lr=lr, momentum=momentum, balance_prob=1.0,
+                 pre_conditioner_update_probability=1 / every, precondition_dtype=F64)
     ours = dict(method="psgd", momentum=momentum, every=every)
-
-    def run(**change):
-        torch.manual_seed(10)
-        return _ours(grads, lr, direction={"kind": "none"}, **{**ours, **change})
-
     bound = 1e-13  # measured: 4e-16
-    assert _gap(run(), peer) < bound
+    assert _gap(_ours(grads, lr, direction={"kind": "none"}, **ours), peer) < bound
     for change in ({"momentum": 0.91}, {"precond_lr": 0.11}, {"every": every + 1}):
-        assert _gap(run(**change), peer) > 100 * bound, change
-    torch.manual_seed(11)  # other probes
+        assert _gap(_ours(grads, lr, direction={"kind": "none"}, **{**ours, **change}), peer) > 100 * bound, change
+    monkeypatch.setattr(kron_psgd, "PROBE_SEED", kron_psgd.PROBE_SEED + 1)  # other probes
     assert _gap(_ours(grads, lr, direction={"kind": "none"}, **ours), peer) > 100 * bound
+
+
+def test_psgd_probes_are_the_steps_and_leave_torchs_generator_alone():
+    """Every matrix of a stack gets the step's probe, in its dtype; another step draws another; a step
+    of the optimizer does not move torch's default generator."""
+    g = torch.zeros(3, 4, 5, dtype=F64)
+    v = kron_psgd.probe(g, 7)
+    assert v.shape == g.shape and v.dtype == F64 and all(torch.equal(v[i], v[0]) for i in range(3))
+    assert torch.equal(kron_psgd.probe(g[0], 7), v[0]) and not torch.equal(kron_psgd.probe(g, 8)[0], v[0])
+    assert abs(v[0].mean().item()) < 1 and 0.3 < v[0].std().item() < 3
+    model = Stack((4, 5))
+    opt = geomopt.GeomOptimizer(model, _spec(method="psgd", every=1), lr=0.01)
+    for p, gi in zip(model.ws, _grads((4, 5), seed=14)[0]):
+        p.grad = gi.clone()
+    before = torch.get_rng_state()
+    opt.step()
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 @pytest.mark.parametrize("geometry", [dict(method="shampoo", every=2, graft="adam"),
                                       dict(method="soap", every=2), dict(method="psgd", every=2)])
 def test_a_checkpoint_resumes_bit_for_bit(geometry):
-    """PSGD's probes come from torch's default generator: its state is saved beside the optimizer's,
-    as a training loop's checkpoint does."""
+    """PSGD's probes are the step's: a resume draws them again, whatever torch's generator did."""
     grads = _grads((6, 5), seed=4)
-    torch.manual_seed(12)
     straight = _ours(grads, 0.05, **geometry)
-    torch.manual_seed(12)
     model = Stack((6, 5))
     opt = geomopt.GeomOptimizer(model, _spec(**geometry), lr=0.05)
     half = STEPS // 2
     for i, g in enumerate(grads):
         if i == half:  # a fresh optimizer from the checkpoint
-            saved, rng = opt.state_dict(), torch.get_rng_state()
-            torch.manual_seed(13)  # the generator moved on elsewhere
+            saved = opt.state_dict()
+            torch.manual_seed(13)  # the default generator elsewhere
             opt = geomopt.GeomOptimizer(model, _spec(**geometry), lr=0.05)
             opt.load_state_dict(saved)
-            torch.set_rng_state(rng)
         for p, gi in zip(model.ws, g):
             p.grad = gi.clone()
         opt.step()

@@ -28,6 +28,8 @@ from geomopt.spec.geometries import kronecker_side
 
 #: the smallest positive normal bfloat16 (= float32's): the fit's guard against 0/0
 TINY = torch.finfo(torch.bfloat16).tiny
+#: the probes' generator is seeded with this plus the step (:func:`probe`)
+PROBE_SEED = 0x5053_4744
 #: the update's RMS ceiling: P·G is scaled down to an RMS of 1.1 where it exceeds it (Kron's)
 RMS_CAP = 1.1
 
@@ -151,13 +153,18 @@ def fit(g: torch.Tensor, v: torch.Tensor, q_left: torch.Tensor, q_right: torch.T
         q.sub_(step)
 
 
-def probe(g: torch.Tensor) -> torch.Tensor:
-    """V ~ N(0, I) shaped like ``g`` (m, n) or (b, m, n), in its dtype: one draw of m × n normals per matrix,
-    in the stack's order, from torch's default generator (as Kron draws one per parameter: seeded alike and
-    stepping the same matrices in the same order, both draw the same probes)."""
-    g3 = as_stack(g)
-    return torch.stack([torch.randn(g3.shape[-2:], dtype=g.dtype, device=g.device) for _ in range(g3.shape[0])]
-                       ).reshape(g.shape)
+def probe(g: torch.Tensor, step: int) -> torch.Tensor:
+    """V ~ N(0, I) of one matrix's shape (m, n), drawn from a generator seeded with :data:`PROBE_SEED` +
+    ``step`` on ``g``'s device, in ``g``'s dtype, and given to every matrix of ``g`` (m, n) or (b, m, n)
+    (a view).
+
+    The fit's expectation is over each matrix's probes across steps, which are independent draws;
+    matrices may share one at a step (each is fitted on its own). A function of the step alone, the
+    probes are the same on every rank and after a resume, whatever the bucket, and leave torch's default
+    generator alone."""
+    gen = torch.Generator(device=g.device).manual_seed(PROBE_SEED + step)
+    v = torch.randn(g.shape[-2:], generator=gen, dtype=g.dtype, device=g.device)
+    return v.expand(g.shape)
 
 
 def cap_rms(d: torch.Tensor, cap: float = RMS_CAP, eps: float = 1e-6) -> torch.Tensor:

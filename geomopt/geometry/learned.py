@@ -14,7 +14,7 @@ Per matrix D (the (shape[0], rest) view; a bucket's stack (b, m, n)), each step
   ``every`` steps one power iteration and a QR of the bases.
 * ``psgd``: PSGD-Kron (:mod:`geomopt.geometry.kron_psgd`): its own momentum m ← μm + (1 − μ)D,
   debiased; every ``every`` steps the triangular factors Q_L, Q_R are fitted on (V, m̂), V a probe
-  drawn from torch's default generator; the update Q_LᵀQ_L·m̂·Q_RᵀQ_R with its RMS capped at 1.1.
+  drawn from a generator seeded with the step (the same on every rank and after a resume); the update Q_LᵀQ_L·m̂·Q_RᵀQ_R with its RMS capped at 1.1.
 
 A side longer than ``max_dim`` keeps no factor (an empty entry in the state); under ``psgd``, a
 diagonal one. The step counts are
@@ -135,7 +135,7 @@ def soap(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.
 def psgd(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.Tensor:
     """One PSGD-Kron step on ``g`` (m, n) or (b, m, n) with its ``state`` (factors at the identity on the
     first step): m ← μm + (1 − μ)G, ĥ = m/(1 − μᵗ); at steps ``every``, 2·``every``, … the factors are
-    balanced and fitted on (V, ĥ), V a fresh probe; the update P·ĥ, its RMS capped at 1.1."""
+    balanced and fitted on (V, ĥ), V the step's probe; the update P·ĥ, its RMS capped at 1.1."""
     if "psgd_step" not in state:
         state["psgd_left"], state["psgd_right"] = kron_psgd.init_factors(g.shape, cfg["max_dim"], dtype=g.dtype,
                                                                          device=g.device)
@@ -149,7 +149,7 @@ def psgd(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.
     h = m / (1.0 - math.pow(mu, step))
     if kron.refresh_due(step, cfg["every"]):
         kron_psgd.balance(q_left, q_right, h)
-        kron_psgd.fit(h, kron_psgd.probe(h), q_left, q_right, lr=cfg["precond_lr"])
+        kron_psgd.fit(h, kron_psgd.probe(h, step), q_left, q_right, lr=cfg["precond_lr"])
     return kron_psgd.cap_rms(kron_psgd.precondition(h, q_left, q_right))
 
 
