@@ -669,9 +669,7 @@ def _scalable_shampoo(m):
 
 
 def soap_rule(name: str, p: torch.Tensor) -> str:
-    """soap's rules: the square q_proj, o_proj; k_proj, v_proj (16 × 32); the other hidden matrices."""
-    if name.endswith(("q_proj.weight", "o_proj.weight")):
-        return "attention"
+    """soap's rules: k_proj, v_proj (16 × 32); the other hidden matrices (the Muon specs' rules)."""
     return "kv" if name.endswith(("k_proj.weight", "v_proj.weight")) else llama_rule(name, p)
 
 
@@ -679,7 +677,7 @@ def _soap(m):
     from pytorch_optimizer import SOAP
 
     g = by_rule(m)
-    sides = {"attention": 10000, "kv": 16, "hidden": 32}  # a rectangular matrix: its short side only
+    sides = {"kv": 16, "hidden": 32}  # a rectangular matrix: its short side only (q_proj, o_proj: both)
     groups = [dict(params=[p for n, p in m.named_parameters() if soap_rule(n, p) == k], max_precondition_dim=d)
               for k, d in sides.items()]
     soap = SOAP(groups, lr=0.003, betas=(0.95, 0.95), shampoo_beta=0.95, eps=1e-8, precondition_frequency=2,
@@ -840,13 +838,13 @@ CASES: list[Case] = [
          "to β₂ᵗ·ε: their directions differ by ~5e-3 (measured 4.7e-3; 7e-2 with β 0.98)",
          rule=llama_rule, steps=8),
     Case("soap", "SOAP", "Vyas et al. 2024", "https://arxiv.org/abs/2409.11321",
-         "`pytorch_optimizer.SOAP(max_precondition_dim=16 on k_proj, v_proj; 32 on the other rectangular "
+         "`pytorch_optimizer.SOAP(max_precondition_dim=16 on k_proj, v_proj; 32 on the other hidden "
          "matrices)`; `torch.optim.AdamW(fused=True)`", "package", "llama", _soap, 1e-4,
          "SOAP's float32 eigh and QR of the factors in different op orders (the peer's per matrix, geomopt's "
          "batched). A rectangular matrix keeps its short side's factor only: its long side's Gᵀ·G has rank at most "
          "the short side, and the eigenbasis on that null space is decided by rounding (two correct SOAPs differ "
          "by O(1) there), so both keep each matrix's full-rank side (max_dim, the peer's max_precondition_dim); "
-         "measured 3.4e-5, and 0.13 with every 3, 1.8e-3 with betas [0.95, 0.96], 4e-2 with kv's β 0.9",
+         "measured 3.4e-5, and 0.22 with every 3, 1.8e-3 with betas [0.95, 0.96], 4e-2 with kv's β 0.9",
          0.5, "on the loss, as in soap-muon: the first gradients of q_proj and o_proj are ill-conditioned (o_proj's "
          "input, heads that share a key-value group under near-uniform attention, spans about half its width), "
          "and two float32 eigh take the eigenvectors of their nearly equal small eigenvalues apart; the rotated "

@@ -129,8 +129,9 @@ def kronecker_factors_text(pp: ParamPlan) -> str:
     out = []
     for name, k in (("left", rows), ("right", cols)):
         side = kronecker_side(g["method"], k, g["max_dim"])
-        out.append(f"{name} " + {"full": f"{k}×{k}", "triangular": f"{k}×{k} triangular", "diagonal": f"diagonal of {k}",
-                                 "none": f"none (identity; {k} > max_dim)"}[side])
+        text = {"full": f"{k}×{k}", "triangular": f"{k}×{k} triangular", "diagonal": f"diagonal of {k}",
+                "none": f"none (identity; {k} > max_dim)"}
+        out.append(f"{name} {text[side]}")
     return ", ".join(out)
 
 

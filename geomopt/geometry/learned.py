@@ -14,7 +14,8 @@ Per matrix D (the (shape[0], rest) view; a bucket's stack (b, m, n)), each step
   ``every`` steps one power iteration and a QR of the bases.
 * ``psgd``: PSGD-Kron (:mod:`geomopt.geometry.kron_psgd`): its own momentum m ← μm + (1 − μ)D,
   debiased; every ``every`` steps the triangular factors Q_L, Q_R are fitted on (V, m̂), V a probe
-  drawn from a generator seeded with the step (the same on every rank and after a resume); the update Q_LᵀQ_L·m̂·Q_RᵀQ_R with its RMS capped at 1.1.
+  drawn from a generator seeded with the step (the same on every rank and after a resume); the
+  update Q_LᵀQ_L·m̂·Q_RᵀQ_R with its RMS capped at 1.1.
 
 A side longer than ``max_dim`` keeps no factor (an empty entry in the state); under ``psgd``, a
 diagonal one. The step counts are
