@@ -14,7 +14,9 @@ says why otherwise).
 pytorch-optimizer runs its Newton–Schulz iterations in bf16 (Gram Newton–Schulz in float16) by
 default, which on a CPU without bf16 matmuls is ~100× slower and rounds at 4e-3; the cases that use
 it swap the module's function for the same function with ``dtype=torch.float32`` (``patches``),
-which is the iteration geomopt runs on a CPU (``dtype: auto``).
+which is the iteration geomopt runs on a CPU (``dtype: auto``). pytorch-optimizer's ``Kron`` draws
+its random probes from torch's default generator; ``psgd-kron`` hands it geomopt's probes of the
+same step instead (``patches``), so that both fit their factors on the same draws.
 """
 
 from __future__ import annotations

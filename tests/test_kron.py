@@ -1,9 +1,10 @@
-"""Kronecker-factored geometries (geomopt.geometry.kron, kron_root): each function against an
-independent float64 computation (explicit sums, scipy's fractional matrix power, the defining
-identity X^p·(A + εI) = I), a stack against its matrices one by one (bit for bit), and Shampoo and
-SOAP run step for step beside pytorch-optimizer's ``Shampoo``, ``ScalableShampoo`` and ``SOAP`` on
-the same gradients: the parameters agree within a tight bound, and leave it when one coefficient
-of ours is changed."""
+"""Kronecker-factored geometries (geomopt.geometry.kron, kron_root, kron_psgd): each function
+against an independent float64 computation (explicit sums, scipy's fractional matrix power, the
+defining identity X^p·(A + εI) = I, the explicit Kronecker product, PSGD's criterion), a stack
+against its matrices one by one (bit for bit), and Shampoo, SOAP and PSGD-Kron run step for step
+beside pytorch-optimizer's ``Shampoo``, ``ScalableShampoo``, ``SOAP`` and ``Kron`` on the same
+gradients (and, for Kron, the same probes): the parameters agree within a tight bound, and leave it
+when one coefficient of ours is changed."""
 
 from __future__ import annotations
 
@@ -235,12 +236,14 @@ def test_a_stack_gives_each_matrix_the_bits_it_gets_alone():
 
 
 def test_state_declarations():
-    for keys in (state_keys.SHAMPOO_STATE, state_keys.SOAP_STATE):
+    for keys in (state_keys.SHAMPOO_STATE, state_keys.SOAP_STATE, state_keys.PSGD_STATE):
         assert all(isinstance(k, StateKey) for k in keys) and len({k.key for k in keys}) == len(keys)
         assert sum(k.layout == COUNT for k in keys) == 1
     assert [k.key for k in state_keys.SHAMPOO_STATE if k.moment] == []
     assert {k.key: k.moment for k in state_keys.SOAP_STATE if k.moment} == {"soap_exp_avg": FIRST,
                                                                       "soap_exp_avg_sq": SECOND}
+    assert {k.key: k.moment for k in state_keys.PSGD_STATE if k.moment} == {"psgd_momentum": FIRST}
+    assert state_keys.KINDS["psgd"] == tuple(k.key for k in state_keys.PSGD_STATE)
 
 
 # ---------------------------------------------------------------- beside pytorch-optimizer
