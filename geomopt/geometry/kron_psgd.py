@@ -13,8 +13,9 @@ G) with one step of relative gradient descent on the group of triangular matrice
     Q_R ← Q_R − η·triu(Aᵀ·A − Bᵀ·B)/‖Aᵀ·A + Bᵀ·B‖ · Q_R
 
 ‖·‖ a lower bound of the spectral norm (:func:`norm_lower_bound`); a diagonal factor takes the
-diagonal of the same terms over their largest entry. The fit's fixed point is P·E[hhᵀ]·P =
-E[vvᵀ] = I: P = E[hhᵀ]^(−1/2), Shampoo's metric reached without a root.
+diagonal of the same terms over their largest entry. Over all P the criterion's minimizer solves
+P·E[hhᵀ]·P = E[vvᵀ] = I: P = E[hhᵀ]^(−1/2), the metric Shampoo approximates by roots; the fit
+approaches it within Kronecker products, without a root.
 
 docs/reference/kron.md has the formulas and where ``Kron`` puts them.
 """
