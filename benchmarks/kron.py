@@ -1,5 +1,5 @@
-"""Step time and held state of the kronecker geometry (Shampoo, SOAP) beside pytorch-optimizer's
-Shampoo, ScalableShampoo and SOAP, and beside Muon (geomopt's and torch.optim.Muon), on the same
+"""Step time and held state of the kronecker geometry (Shampoo, SOAP, PSGD-Kron) beside
+pytorch-optimizer's Shampoo, ScalableShampoo, SOAP and Kron, and beside Muon (geomopt's and torch.optim.Muon), on the same
 matrices and gradients, in one process.
 
     python benchmarks/kron.py [--width 256] [--layers 2] [--every 10] [--units 6] [--record NOTE]
@@ -44,7 +44,7 @@ def state_bytes(state) -> int | None:
             for t in (v if isinstance(v, (list, tuple)) else [v]):
                 if torch.is_tensor(t):
                     total += t.numel() * t.element_size()
-                elif not isinstance(t, (int, float, bool)):
+                elif not isinstance(t, (int, float, bool, str, list)):  # Kron's einsum expressions: text
                     return None
     return total
 
@@ -78,6 +78,10 @@ def optimizers(params_of, every: int) -> list[tuple[str, object]]:
         (f"geomopt kronecker soap (every {every})",
          geomopt.GeomOptimizer(params_of(), _spec({"kind": "kronecker", "method": "soap", "every": every}), lr=0.003)),
         (f"pytorch_optimizer.SOAP (every {every})", po.SOAP(params_of(), lr=0.003, precondition_frequency=every)),
+        ("geomopt kronecker psgd (fit every step)",
+         geomopt.GeomOptimizer(params_of(), _spec({"kind": "kronecker", "method": "psgd", "every": 1}), lr=0.003)),
+        ("pytorch_optimizer.Kron (fit every step)",
+         po.Kron(params_of(), lr=0.003, pre_conditioner_update_probability=1.0)),
     ]
 
 
