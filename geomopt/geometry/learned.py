@@ -18,12 +18,12 @@ Per matrix D (the (shape[0], rest) view; a bucket's stack (b, m, n)), each step
   update Q_LᵀQ_L·m̂·Q_RᵀQ_R with its RMS capped at 1.1.
 
 A side longer than ``max_dim`` keeps no factor (an empty entry in the state); under ``psgd``, a
-diagonal one. The step counts are
-host integers (the schedule of the refreshes), so the op runs where the host decides: not under
-``capturable``. Its state lives with the whole matrix: on replicated tensors (DDP) every rank runs
-it on its whole copy (``LOCAL``: no rank owns a matrix, so each keeps the same factors, the
-iterates of one process); sharded tensors, whose matrices are cut across ranks, are refused (the
-registration says so, and the optimizer refuses such a rule).
+diagonal one. The step counts are host integers (the schedule of the refreshes), so the op runs
+where the host decides: not under ``capturable``. Its state lives with the whole matrix: on
+replicated tensors (DDP) every rank runs it on its whole copy (``LOCAL``: no rank owns a matrix, so
+each keeps the same factors, the iterates of one process; PSGD's probes are the step's on every
+rank); sharded tensors, whose matrices are cut across ranks, are refused (the registration says
+so, and the optimizer refuses such a rule).
 """
 
 from __future__ import annotations
