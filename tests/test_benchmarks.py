@@ -272,7 +272,8 @@ def test_busy_machine_script_times_the_demo_quiet_and_beside_a_busy_core(tmp_pat
 
 def test_kron_script_counts_the_state_each_optimizer_holds(capsys):
     """benchmarks/kron.py runs every row, and the state it reports for geomopt's Shampoo is the
-    factors and roots, 2·(m² + n²) float32 entries per matrix, plus one int64 count."""
+    factors and roots, 2·(m² + n²) float32 entries per matrix, plus one int64 count (SOAP's and
+    PSGD's: theirs)."""
     kron = _script("kron")
     assert kron.main(["--width", "8", "--layers", "1", "--every", "2", "--units", "1"]) == 0
     out = capsys.readouterr().out
@@ -282,3 +283,5 @@ def test_kron_script_counts_the_state_each_optimizer_holds(capsys):
     want = sum(8 * (m * m + n * n) + 8 for m, n in kron.shapes(8, 1))
     assert held["geomopt kronecker shampoo"] == want
     assert held["geomopt kronecker soap"] == sum(8 * (m * m + n * n) + 8 * m * n + 8 for m, n in kron.shapes(8, 1))
+    # PSGD: the factors Q_L, Q_R and the momentum, float32, plus the count
+    assert held["geomopt kronecker psgd"] == sum(4 * (m * m + n * n) + 4 * m * n + 8 for m, n in kron.shapes(8, 1))

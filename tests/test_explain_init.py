@@ -56,6 +56,18 @@ def test_explain_says_role_rules_view_ops_and_radius(capsys):
     assert "radius     1 " in out  # √(64/64) per block
 
 
+def test_explain_says_which_factor_each_side_of_a_kronecker_rule_keeps(capsys, tmp_path):
+    """Shampoo keeps a full factor or none past max_dim; PSGD a triangular one, or a diagonal past it."""
+    spec = tmp_path / "k.yaml"
+    for method, want in (("psgd", "factors    left diagonal of 256, right 64×64 triangular"),
+                         ("shampoo", "factors    left none (identity; 256 > max_dim), right 64×64")):
+        spec.write_text(f"geomopt: 1\nname: k\nrules:\n  - name: m\n    match: {{ndim: 2}}\n    geometry: "
+                        f"{{kind: kronecker, method: {method}, max_dim: 100}}\n  - name: rest\n    match: '**'\n"
+                        f"    geometry: {{kind: euclidean}}\n")
+        rc, out, _ = _run(capsys, "explain", str(spec), "transformer.wte.weight", "--model", "gpt")
+        assert rc == 0 and want in out, out
+
+
 def test_explain_an_expert_of_a_moe_model(capsys, moe_module):
     rc, out, _ = _run(capsys, "explain", MUON, "model.layers.0.mlp.experts.gate_up_proj", "--model", moe_module)
     assert rc == 0

@@ -1,9 +1,10 @@
-"""Kronecker-factored geometries (geomopt.geometry.kron, kron_root): each function against an
-independent float64 computation (explicit sums, scipy's fractional matrix power, the defining
-identity X^p·(A + εI) = I), a stack against its matrices one by one (bit for bit), and Shampoo and
-SOAP run step for step beside pytorch-optimizer's ``Shampoo``, ``ScalableShampoo`` and ``SOAP`` on
-the same gradients: the parameters agree within a tight bound, and leave it when one coefficient
-of ours is changed."""
+"""Kronecker-factored geometries (geomopt.geometry.kron, kron_root, kron_psgd): each function
+against an independent float64 computation (explicit sums, scipy's fractional matrix power, the
+defining identity X^p·(A + εI) = I, the explicit Kronecker product, PSGD's criterion), a stack
+against its matrices one by one (bit for bit), and Shampoo, SOAP and PSGD-Kron run step for step
+beside pytorch-optimizer's ``Shampoo``, ``ScalableShampoo``, ``SOAP`` and ``Kron`` on the same
+gradients (and, for Kron, the same probes): the parameters agree within a tight bound, and leave it
+when one coefficient of ours is changed."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytorch_optimizer
 import scipy.linalg
 import torch
 
-from geomopt.geometry import kron
+from geomopt.geometry import kron, kron_psgd
 from geomopt.geometry.kron_root import inverse_root_eigh, inverse_root_newton
 from geomopt.optim.units import state_keys
 from geomopt.optim.units.declare import COUNT, FIRST, SECOND, StateKey
@@ -235,12 +236,14 @@ def test_a_stack_gives_each_matrix_the_bits_it_gets_alone():
 
 
 def test_state_declarations():
-    for keys in (state_keys.SHAMPOO_STATE, state_keys.SOAP_STATE):
+    for keys in (state_keys.SHAMPOO_STATE, state_keys.SOAP_STATE, state_keys.PSGD_STATE):
         assert all(isinstance(k, StateKey) for k in keys) and len({k.key for k in keys}) == len(keys)
         assert sum(k.layout == COUNT for k in keys) == 1
     assert [k.key for k in state_keys.SHAMPOO_STATE if k.moment] == []
     assert {k.key: k.moment for k in state_keys.SOAP_STATE if k.moment} == {"soap_exp_avg": FIRST,
                                                                       "soap_exp_avg_sq": SECOND}
+    assert {k.key: k.moment for k in state_keys.PSGD_STATE if k.moment} == {"psgd_momentum": FIRST}
+    assert state_keys.KINDS["psgd"] == tuple(k.key for k in state_keys.PSGD_STATE)
 
 
 # ---------------------------------------------------------------- beside pytorch-optimizer
@@ -395,3 +398,143 @@ def test_soap_matches_pytorch_optimizer_soap(shape, every):
         changes.append({"shampoo_beta": 0.85})
     for change in changes:
         assert _gap(_soap(grads, **{**ours, **change}), peer) > 10 * bound, change
+
+
+# ---------------------------------------------------------------- PSGD-Kron
+
+
+def test_psgd_norm_lower_bound_is_between_the_spectral_norm_over_root_k_and_it():
+    """Against float64 ‖A‖₂ (eigenvalues) on symmetric PSD matrices and Kron's own function on each
+    matrix of the stack (the same ops: bit for bit up to the stack's reductions)."""
+    from pytorch_optimizer.optimizer.utils.psgd import norm_lower_bound as peer
+
+    a = _psd(7, 1e3, seed=30, batch=(4,)) * 5.0
+    bound = kron_psgd.norm_lower_bound(a).flatten()
+    two = torch.linalg.eigvalsh(a)[:, -1]
+    assert (bound <= two * (1 + 1e-14)).all() and (bound >= two / 7**0.5).all()
+    for i in range(4):
+        assert abs(bound[i].item() - peer(a[i].clone()).item()) <= 1e-15 * two[i].item()
+
+
+def test_psgd_precondition_is_the_kronecker_product_of_the_factors_grams():
+    """P·G = Q_LᵀQ_L·G·Q_RᵀQ_R against the explicit (QᵀQ ⊗ ...) product on vec(G), a diagonal side
+    as diag(q)²."""
+    gen = torch.Generator().manual_seed(31)
+    g = torch.randn(2, 4, 5, generator=gen, dtype=F64)
+    ql = torch.triu(torch.randn(2, 4, 4, generator=gen, dtype=F64))
+    qr = torch.randn(2, 5, generator=gen, dtype=F64)
+    d = kron_psgd.precondition(g, ql, qr)
+    for i in range(2):
+        big = torch.kron(ql[i].T @ ql[i], torch.diag(qr[i] ** 2))  # row-major vec: P_L ⊗ P_R
+        assert _rel(d[i].flatten(), big @ g[i].flatten()) < 1e-14
+
+
+def test_psgd_fit_is_a_relative_gradient_step_on_the_criterion():
+    """One fit step from Q = I with η: the triangular factor moves by −η·triu(A·Aᵀ − B·Bᵀ)/‖·‖ (A = G,
+    B = V at the identity), and a small step lowers PSGD's criterion hᵀPh + vᵀP⁻¹v on the pair
+    (written out with the explicit Kronecker product)."""
+    gen = torch.Generator().manual_seed(32)
+    g, v = torch.randn(2, 3, 4, 5, generator=gen, dtype=F64)
+    ql, qr = kron_psgd.init_factors((3, 4, 5), dtype=F64)
+    kron_psgd.fit(g, v, ql, qr, lr=0.1)
+    t1, t2 = g @ g.mT, v @ v.mT
+    lb = kron_psgd.norm_lower_bound(t1 + t2)
+    torch.testing.assert_close(ql, torch.eye(4, dtype=F64) - 0.1 * torch.triu(t1 - t2) / lb, rtol=0, atol=1e-15)
+
+    def criterion(ql, qr, i):
+        p = torch.kron(ql[i].T @ ql[i], qr[i].T @ qr[i])
+        h, w = g[i].flatten(), v[i].flatten()
+        return (h @ p @ h + w @ torch.linalg.solve(p, w)).item()
+
+    ql, qr = kron_psgd.init_factors((3, 4, 5), dtype=F64)
+    before = [criterion(ql, qr, i) for i in range(3)]
+    kron_psgd.fit(g, v, ql, qr, lr=0.01)
+    assert all(criterion(ql, qr, i) < before[i] for i in range(3))
+
+
+def test_psgd_balance_leaves_the_preconditioner_unchanged():
+    gen = torch.Generator().manual_seed(33)
+    ql = torch.triu(torch.randn(2, 4, 4, generator=gen, dtype=F64)) * 100
+    qr = torch.triu(torch.randn(2, 5, 5, generator=gen, dtype=F64)) / 100
+    g = torch.randn(2, 4, 5, generator=gen, dtype=F64)
+    before = kron_psgd.precondition(g, ql, qr)
+    kron_psgd.balance(ql, qr, g)
+    assert _rel(kron_psgd.precondition(g, ql, qr), before) < 1e-14
+    torch.testing.assert_close(ql.abs().amax((-2, -1)), qr.abs().amax((-2, -1)), rtol=1e-15, atol=0)
+
+
+def test_psgd_a_stack_gives_each_matrix_the_bits_it_gets_alone():
+    gen = torch.Generator().manual_seed(34)
+    g, v = torch.randn(2, 3, 4, 6, generator=gen)
+    for max_dim in (None, 5):
+        ql, qr = kron_psgd.init_factors((3, 4, 6), max_dim)
+        singles = [kron_psgd.init_factors((4, 6), max_dim) for _ in range(3)]
+        for _ in range(2):
+            kron_psgd.balance(ql, qr, g)
+            kron_psgd.fit(g, v, ql, qr, lr=0.1)
+            for i, (sl, sr) in enumerate(singles):
+                kron_psgd.balance(sl, sr, g[i])
+                kron_psgd.fit(g[i], v[i], sl, sr, lr=0.1)
+        d = kron_psgd.cap_rms(kron_psgd.precondition(g, ql, qr))
+        for i, (sl, sr) in enumerate(singles):
+            assert torch.equal(ql[i], sl) and torch.equal(qr[i], sr)
+            assert torch.equal(d[i], kron_psgd.cap_rms(kron_psgd.precondition(g[i], sl, sr)))
+
+
+def _peer_kron(grads, probes, *, precision=F64, **hp) -> torch.Tensor:
+    """pytorch-optimizer's ``Kron`` on ``grads`` from zeros, its probes replaced by ``probes`` (one per
+    parameter and fit, in its order: its ``update_precondition`` is wrapped), its triangular solves
+    kept in the parameters' dtype (it casts them to float32)."""
+    from pytorch_optimizer.optimizer import psgd as peer
+
+    draws = iter(probes.flatten(0, 1))
+    update, solve = peer.update_precondition, peer.solve_triangular_right
+    peer.update_precondition = lambda qs, ex, v, g, step, eps: update(qs, ex, next(draws), g, step, eps)
+    peer.solve_triangular_right = lambda x, a: torch.linalg.solve_triangular(
+        a, x.reshape(-1, x.size(-1)), upper=True, left=False).reshape_as(x)
+    try:
+        return _peer(pytorch_optimizer.Kron, grads, precondition_dtype=precision, **hp)
+    finally:
+        peer.update_precondition, peer.solve_triangular_right = update, solve
+
+
+def _psgd(grads, probes, *, lr, momentum, precond_lr, every, max_dim=None, cap=kron_psgd.RMS_CAP) -> torch.Tensor:
+    """Our PSGD-Kron on ``grads`` with ``probes`` (one per fit): debiased momentum, the factors balanced
+    and fitted at steps every, 2·every, …, the update P·m̂ with its RMS capped."""
+    x = torch.zeros(grads.shape[1:], dtype=F64)
+    ql, qr = kron_psgd.init_factors(x.shape, max_dim, dtype=F64)
+    m, fits = torch.zeros_like(x), iter(probes)
+    for t, g in enumerate(grads, 1):
+        m.mul_(momentum).add_(g, alpha=1 - momentum)
+        h = m / (1 - momentum**t)
+        if kron.refresh_due(t, every):
+            kron_psgd.balance(ql, qr, h)
+            kron_psgd.fit(h, next(fits), ql, qr, lr=precond_lr)
+        x.sub_(kron_psgd.cap_rms(kron_psgd.precondition(h, ql, qr), cap), alpha=lr)
+    return x
+
+
+@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("shape", ["square", "wide", "one-sided", "row"])
+def test_psgd_matches_pytorch_optimizer_kron(shape, every):
+    """pytorch-optimizer's ``Kron`` with a fixed update probability 1/every (its counter then fits at
+    steps every, 2·every, …: our ``every``), ``max_size_triangular`` = max_dim (the 12-long side of the
+    one-sided case keeps a diagonal factor; a 1 × 5 row's side of 1 is diagonal in both), the same probes
+    (its draws replaced by ours), balancing at every fit (``balance_prob`` 1) or never (0: it leaves P
+    unchanged, so the two agree within the same bound); gradients of RMS 5, so the cap acts."""
+    dims, max_dim = SHAPES[shape] if shape != "row" else ((1, 5), None)
+    grads = 5 * _grads(dims, seed=7)  # P·m̂ starts near m̂: RMS ≈ 5, above the cap of 1.1
+    probes = torch.randn(STEPS // every, BUCKET, *dims, generator=torch.Generator().manual_seed(8), dtype=F64)
+    lr, momentum = 0.02, 0.9
+    hp = dict(lr=lr, momentum=momentum, pre_conditioner_update_probability=1 / every,
+              max_size_triangular=max_dim or 8192)
+    ours = dict(lr=lr, momentum=momentum, precond_lr=0.1, every=every, max_dim=max_dim)
+    bound = 1e-13  # measured: 4e-16
+    got = _psgd(grads, probes, **ours)
+    for balance in (1.0, 0.0):
+        assert _gap(got, _peer_kron(grads, probes, balance_prob=balance, **hp)) < bound
+    peer = _peer_kron(grads, probes, balance_prob=1.0, **hp)
+    for change in ({"momentum": 0.91}, {"precond_lr": 0.11}, {"cap": 1.2}):
+        assert _gap(_psgd(grads, probes, **{**ours, **change}), peer) > 100 * bound, change
+    if every == 1:
+        assert _gap(_psgd(grads, probes[::2], **{**ours, "every": 2}), peer) > 100 * bound

@@ -1,5 +1,5 @@
-"""The ``kronecker`` geometry (Shampoo, SOAP) as a spec: GeomOptimizer steps a bucket of matrices
-beside pytorch-optimizer's ``Shampoo`` and ``SOAP`` on the same gradients (the parameters agree
+"""The ``kronecker`` geometry (Shampoo, SOAP, PSGD-Kron) as a spec: GeomOptimizer steps a bucket of
+matrices beside pytorch-optimizer's ``Shampoo``, ``SOAP`` and ``Kron`` on the same gradients (the parameters agree
 within a tight bound, and leave it when one coefficient is changed), resumes bit for bit from a
 checkpoint, skips a non-finite gradient without touching its factors, keeps its factors float32
 under a low state precision, and is refused, with why, where it cannot run."""
@@ -14,6 +14,8 @@ from torch import nn
 
 import geomopt
 from geomopt.spec.diagnostics import SpecError
+from catalog_cases import kron_step_probes  # Kron's probes replaced by ours
+from geomopt.geometry import kron_psgd
 from test_kron import _gap, _peer  # the peers stepped from zero on the same gradients
 
 F64 = torch.float64
@@ -37,9 +39,12 @@ def _grads(shape, seed):
     return torch.randn(STEPS, BUCKET, *shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
-def _ours(grads, lr, **geometry) -> torch.Tensor:
+def _ours(grads, lr, direction=None, **geometry) -> torch.Tensor:
     model = Stack(grads.shape[2:])
-    opt = geomopt.GeomOptimizer(model, _spec(**geometry), lr=lr)
+    spec = _spec(**geometry)
+    if direction is not None:
+        spec["defaults"]["direction"] = direction
+    opt = geomopt.GeomOptimizer(model, spec, lr=lr)
     for g in grads:
         for p, gi in zip(model.ws, g):
             p.grad = gi.clone()
@@ -94,9 +99,51 @@ def test_one_sided_keeps_no_factor_above_max_dim():
     torch.testing.assert_close(model.ws[0].detach(), want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_psgd_steps_as_pytorch_optimizers_kron(every, monkeypatch):
+    """pytorch-optimizer's ``Kron`` (update probability 1/every: its counter fits at steps every,
+    2·every, …; ``balance_prob`` 1: balanced at every fit, as ours) on the same gradients, its probes
+    replaced by ours for the same step (it draws from torch's default generator; ours are seeded by the
+    step), its float32 triangular solves kept in float64."""
+    from pytorch_optimizer.optimizer import psgd as peer_module
+
+    grads = 5 * _grads((5, 7), seed=9)
+    lr, momentum = 0.02, 0.9
+    monkeypatch.setattr(peer_module, "update_precondition", kron_step_probes(every)(peer_module.update_precondition))
+    monkeypatch.setattr(peer_module, "solve_triangular_right", lambda x, a: torch.linalg.solve_triangular(
+        a, x.reshape(-1, x.size(-1)), upper=True, left=False).reshape_as(x))
+    peer = _peer(pytorch_optimizer.Kron, grads, lr=lr, momentum=momentum, balance_prob=1.0,
+                 pre_conditioner_update_probability=1 / every, precondition_dtype=F64)
+    ours = dict(method="psgd", momentum=momentum, every=every)
+    bound = 1e-13  # measured: 4e-16
+    assert _gap(_ours(grads, lr, direction={"kind": "none"}, **ours), peer) < bound
+    for change in ({"momentum": 0.91}, {"precond_lr": 0.11}, {"every": every + 1}):
+        assert _gap(_ours(grads, lr, direction={"kind": "none"}, **{**ours, **change}), peer) > 100 * bound, change
+    monkeypatch.setattr(kron_psgd, "PROBE_SEED", kron_psgd.PROBE_SEED + 1)  # other probes
+    assert _gap(_ours(grads, lr, direction={"kind": "none"}, **ours), peer) > 100 * bound
+
+
+def test_psgd_probes_are_the_steps_and_leave_torchs_generator_alone():
+    """Every matrix of a stack gets the step's probe, in its dtype; another step draws another; a step
+    of the optimizer does not move torch's default generator."""
+    g = torch.zeros(3, 4, 5, dtype=F64)
+    v = kron_psgd.probe(g, 7)
+    assert v.shape == g.shape and v.dtype == F64 and all(torch.equal(v[i], v[0]) for i in range(3))
+    assert torch.equal(kron_psgd.probe(g[0], 7), v[0]) and not torch.equal(kron_psgd.probe(g, 8)[0], v[0])
+    assert abs(v[0].mean().item()) < 1 and 0.3 < v[0].std().item() < 3
+    model = Stack((4, 5))
+    opt = geomopt.GeomOptimizer(model, _spec(method="psgd", every=1), lr=0.01)
+    for p, gi in zip(model.ws, _grads((4, 5), seed=14)[0]):
+        p.grad = gi.clone()
+    before = torch.get_rng_state()
+    opt.step()
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 @pytest.mark.parametrize("geometry", [dict(method="shampoo", every=2, graft="adam"),
-                                      dict(method="soap", every=2)])
+                                      dict(method="soap", every=2), dict(method="psgd", every=2)])
 def test_a_checkpoint_resumes_bit_for_bit(geometry):
+    """PSGD's probes are the step's: a resume draws them again, whatever torch's generator did."""
     grads = _grads((6, 5), seed=4)
     straight = _ours(grads, 0.05, **geometry)
     model = Stack((6, 5))
@@ -105,6 +152,7 @@ def test_a_checkpoint_resumes_bit_for_bit(geometry):
     for i, g in enumerate(grads):
         if i == half:  # a fresh optimizer from the checkpoint
             saved = opt.state_dict()
+            torch.manual_seed(13)  # the default generator elsewhere
             opt = geomopt.GeomOptimizer(model, _spec(**geometry), lr=0.05)
             opt.load_state_dict(saved)
         for p, gi in zip(model.ws, g):
@@ -113,10 +161,11 @@ def test_a_checkpoint_resumes_bit_for_bit(geometry):
     assert torch.equal(torch.stack([p.detach() for p in model.ws]), straight)
 
 
-def test_a_non_finite_gradient_leaves_the_factors_as_they_were():
+@pytest.mark.parametrize("method", ["shampoo", "psgd"])
+def test_a_non_finite_gradient_leaves_the_factors_as_they_were(method):
     grads = _grads((4, 4), seed=5)
     model = Stack((4, 4))
-    opt = geomopt.GeomOptimizer(model, _spec(method="shampoo", every=1), lr=0.05)
+    opt = geomopt.GeomOptimizer(model, _spec(method=method, every=1), lr=0.05)
     for g in grads[:2]:
         for p, gi in zip(model.ws, g):
             p.grad = gi.clone()
@@ -131,8 +180,9 @@ def test_a_non_finite_gradient_leaves_the_factors_as_they_were():
     assert all(torch.equal(before[k], v) for k, v in opt.state[model.ws[1]].items())
 
 
-def test_factors_stay_float32_under_a_low_state_precision():
-    spec = _spec(method="soap", every=1)
+@pytest.mark.parametrize("method", ["soap", "psgd"])
+def test_factors_stay_float32_under_a_low_state_precision(method):
+    spec = _spec(method=method, every=1)
     spec["rules"][0]["state"] = {"dtype": "bfloat16"}
     model = nn.Linear(6, 4, bias=False)
     opt = geomopt.GeomOptimizer(model, spec, lr=0.01)
@@ -140,8 +190,13 @@ def test_factors_stay_float32_under_a_low_state_precision():
         model.weight.grad = torch.randn_like(model.weight)
         opt.step()
     state = opt.state[model.weight]
-    assert state["soap_exp_avg"].dtype == state["soap_exp_avg_sq"].dtype == torch.bfloat16
-    assert state["soap_left"].dtype == state["soap_left_basis"].dtype == torch.float32
+    assert torch.isfinite(model.weight).all()
+    if method == "soap":
+        assert state["soap_exp_avg"].dtype == state["soap_exp_avg_sq"].dtype == torch.bfloat16
+        assert state["soap_left"].dtype == state["soap_left_basis"].dtype == torch.float32
+    else:
+        assert state["psgd_momentum"].dtype == torch.bfloat16
+        assert state["psgd_left"].dtype == state["psgd_right"].dtype == torch.float32
 
 
 def test_where_it_cannot_run_it_says_why():
@@ -151,6 +206,10 @@ def test_where_it_cannot_run_it_says_why():
         geomopt.GeomOptimizer(model, _spec(), lr=0.01, capturable=True)
     with pytest.raises((SpecError, pydantic.ValidationError), match="graft belongs to method shampoo"):
         geomopt.GeomOptimizer(model, _spec(method="soap", graft="adam"), lr=0.01)
+    with pytest.raises((SpecError, pydantic.ValidationError), match="momentum belongs to method psgd, not soap"):
+        geomopt.GeomOptimizer(model, _spec(method="soap", momentum=0.5), lr=0.01)
+    with pytest.raises((SpecError, pydantic.ValidationError), match="beta, betas belong to method shampoo or soap"):
+        geomopt.GeomOptimizer(model, _spec(method="psgd", beta=0.9, betas=[0.9, 0.9]), lr=0.01)
     with pytest.raises(SpecError, match="at least 2 dimensions"):
         geomopt.GeomOptimizer(nn.Linear(4, 4), _spec(), lr=0.01)  # the bias
 
@@ -158,7 +217,7 @@ def test_where_it_cannot_run_it_says_why():
 def test_a_dump_validates_again_and_only_a_stray_value_is_refused():
     from geomopt.spec.geometries import Kronecker
 
-    for method in ("shampoo", "soap"):
+    for method in ("shampoo", "soap", "psgd"):
         g = Kronecker(method=method, every=3)
         assert Kronecker.model_validate(g.model_dump()) == g
     assert Kronecker(method="soap", graft="none").graft == "none"  # the default, written out

@@ -72,7 +72,11 @@ def expected_state_bytes(opt, model) -> int:
             total += cols * dion_rank(pp.direction["rank"], (t.shape[0], cols)) * size
         if pp.geometry["kind"] == "adam":
             total += 2 * n * size  # exp_avg, exp_avg_sq
-        if pp.geometry["kind"] == "kronecker":  # per (shape[0], rest) matrix: factors and their roots or bases
+        if pp.geometry["kind"] == "kronecker" and pp.geometry["method"] == "psgd":  # Q_L, Q_R and the momentum
+            rows, limit = pp.op_shape[0], pp.geometry["max_dim"]
+            total += sum(k if k == 1 or (limit is not None and k > limit) else k * k for k in (rows, n // rows)) * 4
+            total += n * size
+        elif pp.geometry["kind"] == "kronecker":  # per (shape[0], rest) matrix: factors and their roots or bases
             rows = pp.op_shape[0]
             sides = [k for k in (rows, n // rows) if pp.geometry["max_dim"] is None or k <= pp.geometry["max_dim"]]
             total += 2 * sum(k * k for k in sides) * 4

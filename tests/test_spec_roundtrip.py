@@ -24,6 +24,7 @@ from geomopt.spec.geometries import (
     POLYNOMIAL_APPROX_KINDS,
     Spectral,
     Adam,
+    Kronecker,
     Anisotropic,
     AutoView,
     Columnwise,
@@ -234,6 +235,11 @@ geometry = st.one_of(
     model(Columnwise, radius=pos, reference=reference, scale=scale, layout=layout, view=view),
     model(Adam, radius=pos, eps=pos,
           betas=st.lists(st.floats(min_value=0, max_value=1, exclude_max=True, allow_nan=False), min_size=2, max_size=2)),
+    model(Kronecker, radius=pos, method=st.sampled_from(["shampoo", "soap", "psgd"]), every=st.integers(1, 10**6),
+          max_dim=st.one_of(st.none(), st.integers(1, 10**6)), layout=layout,
+          graft=st.sampled_from(["none", "adagrad", "adam", "spectral"]),
+          momentum=st.floats(min_value=0, max_value=1, exclude_max=True, allow_nan=False),
+          precond_lr=st.floats(min_value=0, max_value=1, exclude_min=True, allow_nan=False)),
 )
 method = st.sampled_from(["auto", "exact", "polar"])
 radius_fields = dict(radius=pos, relative=st.booleans())

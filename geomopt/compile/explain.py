@@ -9,6 +9,7 @@ from geomopt.compile.ownership import Ownership
 from geomopt.compile.roles.types import TRACE_FIX
 from geomopt.compile.plan import ParamPlan, call_text, geometry_text, constraint_text, view_text
 from geomopt.spec.diagnostics import did_you_mean
+from geomopt.spec.geometries import kronecker_side
 from geomopt.spec.model import Spec
 from geomopt.spec.shipped import shipped_folder
 
@@ -102,6 +103,8 @@ def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], na
     if pp.transpose:
         extra.append("acts on the transpose (layout in_out)")
     lines.append(f"forward    {geometry_text(pp)}" + (f"; {', '.join(extra)}" if extra else ""))
+    if g.kind == "kronecker":
+        lines.append(f"factors    {kronecker_factors_text(pp)}")
     if pp.post:
         lines.append(f"post       {' → '.join(call_text(s) for s in pp.post)} (on the forward's update, before ρ)")
     lines.append(f"backward   {constraint_text(pp)}")
@@ -116,6 +119,20 @@ def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], na
     lines.append(f"radius     {pp.radius:.4g} (geometry radius {g.radius:g} × preset {scale:.4g}); "
                  f"step size lr·radius = {pp.lr * pp.radius:.4g}")
     return "\n".join(lines) + "\n"
+
+
+def kronecker_factors_text(pp: ParamPlan) -> str:
+    """The factor a kronecker rule keeps on each side of the tensor's (shape[0], rest) matrix."""
+    g = pp.geometry
+    rows = pp.op_shape[0]
+    cols = math.prod(pp.op_shape[1:])
+    out = []
+    for name, k in (("left", rows), ("right", cols)):
+        side = kronecker_side(g["method"], k, g["max_dim"])
+        text = {"full": f"{k}×{k}", "triangular": f"{k}×{k} triangular", "diagonal": f"diagonal of {k}",
+                "none": f"none (identity; {k} > max_dim)"}
+        out.append(f"{name} {text[side]}")
+    return ", ".join(out)
 
 
 def recipe(name: str) -> str:

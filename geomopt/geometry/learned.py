@@ -1,5 +1,5 @@
 """The ``kronecker`` forward op: a geometry whose metric is learned from the directions it maps,
-one step of Shampoo or SOAP on a matrix or a bucket's stack, with its state.
+one step of Shampoo, SOAP or PSGD-Kron on a matrix or a bucket's stack, with its state.
 
 Per matrix D (the (shape[0], rest) view; a bucket's stack (b, m, n)), each step
 (:mod:`geomopt.geometry.kron` has the arithmetic, docs/reference/kron.md the formulas):
@@ -12,13 +12,18 @@ Per matrix D (the (shape[0], rest) view; a bucket's stack (b, m, n)), each step
 * ``soap``: the first step starts the factors and their eigenbases and moves nothing; then Adam in
   the eigenbases (:func:`geomopt.geometry.kron.soap_direction`), the factors' update, and every
   ``every`` steps one power iteration and a QR of the bases.
+* ``psgd``: PSGD-Kron (:mod:`geomopt.geometry.kron_psgd`): its own momentum m ← μm + (1 − μ)D,
+  debiased; every ``every`` steps the triangular factors Q_L, Q_R are fitted on (V, m̂), V a probe
+  drawn from a generator seeded with the step (the same on every rank and after a resume); the
+  update Q_LᵀQ_L·m̂·Q_RᵀQ_R with its RMS capped at 1.1.
 
-A side longer than ``max_dim`` keeps no factor (an empty entry in the state). The step counts are
-host integers (the schedule of the refreshes), so the op runs where the host decides: not under
-``capturable``. Its state lives with the whole matrix: on replicated tensors (DDP) every rank runs
-it on its whole copy (``LOCAL``: no rank owns a matrix, so each keeps the same factors, the
-iterates of one process); sharded tensors, whose matrices are cut across ranks, are refused (the
-registration says so, and the optimizer refuses such a rule).
+A side longer than ``max_dim`` keeps no factor (an empty entry in the state); under ``psgd``, a
+diagonal one. The step counts are host integers (the schedule of the refreshes), so the op runs
+where the host decides: not under ``capturable``. Its state lives with the whole matrix: on
+replicated tensors (DDP) every rank runs it on its whole copy (``LOCAL``: no rank owns a matrix, so
+each keeps the same factors, the iterates of one process; PSGD's probes are the step's on every
+rank); sharded tensors, whose matrices are cut across ranks, are refused (the registration says
+so, and the optimizer refuses such a rule).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import math
 
 import torch
 
-from geomopt.geometry import kron
+from geomopt.geometry import kron, kron_psgd
 from geomopt.geometry.matrix import matrix_view, upcast
 from geomopt.geometry.operators import FORWARD_OPS
 from geomopt.registry import LOCAL
@@ -128,7 +133,28 @@ def soap(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.
     return d
 
 
-METHODS = {"shampoo": shampoo, "soap": soap}
+def psgd(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.Tensor:
+    """One PSGD-Kron step on ``g`` (m, n) or (b, m, n) with its ``state`` (factors at the identity on the
+    first step): m ← μm + (1 − μ)G, ĥ = m/(1 − μᵗ); at steps ``every``, 2·``every``, … the factors are
+    balanced and fitted on (V, ĥ), V the step's probe; the update P·ĥ, its RMS capped at 1.1."""
+    if "psgd_step" not in state:
+        state["psgd_left"], state["psgd_right"] = kron_psgd.init_factors(g.shape, cfg["max_dim"], dtype=g.dtype,
+                                                                         device=g.device)
+        _moment(state, "psgd_momentum", g, shape)
+        state["psgd_step"] = 0
+    q_left, q_right = state["psgd_left"], state["psgd_right"]
+    m = _moment(state, "psgd_momentum", g, shape)
+    step = state["psgd_step"] = state["psgd_step"] + 1
+    mu = cfg["momentum"]
+    m.mul_(mu).add_(g, alpha=1 - mu)
+    h = m / (1.0 - math.pow(mu, step))
+    if kron.refresh_due(step, cfg["every"]):
+        kron_psgd.balance(q_left, q_right, h)
+        kron_psgd.fit(h, kron_psgd.probe(h, step), q_left, q_right, lr=cfg["precond_lr"])
+    return kron_psgd.cap_rms(kron_psgd.precondition(h, q_left, q_right))
+
+
+METHODS = {"shampoo": shampoo, "soap": soap, "psgd": psgd}
 
 
 @FORWARD_OPS.register("kronecker", locality=LOCAL, refuses=REFUSES)

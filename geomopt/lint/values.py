@@ -234,12 +234,13 @@ def large_kronecker_factor(ctx: LintContext):
     """A ``kronecker`` rule that keeps a factor on a side longer than 4096.
 
     Each kept side of n keeps an n × n factor (and a root or a basis as large) and recomputes it every ``every``
-    steps by an eigendecomposition or a root iteration, O(n³): a vocabulary-sized side (50,257 for GPT-2's
-    embedding) holds 10 GB per factor and takes minutes per refresh. Shampoo implementations precondition such a
-    matrix on its short side only; ``max_dim`` says the same here.
+    steps by an eigendecomposition or a root iteration (PSGD: triangular matmuls and solves), O(n³): a
+    vocabulary-sized side (50,257 for GPT-2's embedding) holds 10 GB per factor and takes minutes per refresh.
+    Shampoo implementations precondition such a matrix on its short side only, PSGD-Kron with a diagonal factor
+    on its long side; ``max_dim`` says the same here.
 
     Bad: ``geometry: {kind: kronecker}`` over a (50257, 768) embedding. Fixed: ``geometry: {kind: kronecker,
-    max_dim: 4096}`` (its long side steps as the identity).
+    max_dim: 4096}`` (its long side steps as the identity; under ``method: psgd``, with a diagonal factor).
     """
     for i, rule in enumerate(ctx.spec.rules):
         if rule.geometry.kind != "kronecker":
@@ -251,7 +252,9 @@ def large_kronecker_factor(ctx: LintContext):
             sides = (p.shape[0], math.prod(p.shape[1:]))
             big = [s for s in sides if s > KRONECKER_SIDE and (limit is None or s <= limit)]
             if big:
+                instead = ("a diagonal factor on its long side" if rule.geometry.method == "psgd"
+                           else "its short side only")
                 yield (f"rule '{rule.name}' keeps a {max(big)} × {max(big)} factor for '{p.name}' ({shape_text(p)}), "
                        f"recomputed every {rule.geometry.every} steps at O(n³); set max_dim: {KRONECKER_SIDE} to "
-                       f"precondition its short side only"), ("rules", i, "geometry", "kind")
+                       f"precondition with {instead}"), ("rules", i, "geometry", "kind")
                 break

@@ -312,18 +312,27 @@ class Adam(_Geometry):
     eps: PositiveFloat = 1e-8
 
 
+#: the kronecker fields only some methods read, and which (every method reads the others)
+KRONECKER_METHOD_FIELDS = {"beta": ("shampoo", "soap"), "damping": ("shampoo",), "exponent": ("shampoo",),
+                           "root": ("shampoo",), "graft": ("shampoo",), "betas": ("shampoo", "soap"),
+                           "eps": ("shampoo", "soap"), "momentum": ("psgd",), "precond_lr": ("psgd",)}
+
+
 class Kronecker(_Geometry):
-    """A metric learned from the gradients: Kronecker factors L ← βL + w·D·Dᵀ and R ← βR + w·Dᵀ·D
-    of each (shape[0], rest) matrix (w = 1 − β; β = 1: the plain sum, w = 1), then ``method``
-    ``shampoo``: L^(−1/p)·D·R^(−1/p) from roots (L + εI)^(−1/p) recomputed every ``every`` steps
-    (``root``: eigh or the coupled Newton iteration; p = ``exponent``, default 2 × the sides kept),
-    its length optionally grafted onto another map's (``graft``); or ``soap``: Adam (``betas``,
-    ``eps``) in the factors' eigenbases, refreshed every ``every`` steps. A side longer than
-    ``max_dim`` keeps no factor (the identity there). Outside the paper's fixed-φ theory: its φ
-    changes with the data."""
+    """A metric learned from the gradients, per (shape[0], rest) matrix D. ``method`` ``shampoo``
+    and ``soap`` keep Kronecker factors L ← βL + w·D·Dᵀ and R ← βR + w·Dᵀ·D (w = 1 − β; β = 1: the
+    plain sum, w = 1); ``shampoo`` steps along L^(−1/p)·D·R^(−1/p) from roots (L + εI)^(−1/p)
+    recomputed every ``every`` steps (``root``: eigh or the coupled Newton iteration; p =
+    ``exponent``, default 2 × the sides kept), its length optionally grafted onto another map's
+    (``graft``); ``soap`` runs Adam (``betas``, ``eps``) in the factors' eigenbases, refreshed every
+    ``every`` steps. A side longer than ``max_dim`` keeps no factor (the identity there). ``psgd``
+    (PSGD-Kron) keeps its own momentum m ← μm + (1 − μ)D (μ = ``momentum``, debiased) and steps along
+    Q_LᵀQ_L·m̂·Q_RᵀQ_R, the RMS capped at 1.1, with triangular factors fitted to PSGD's criterion every
+    ``every`` steps (step size ``precond_lr``); a side longer than ``max_dim`` keeps a diagonal factor.
+    Outside the paper's fixed-φ theory: its φ changes with the data."""
 
     kind: Literal["kronecker"] = "kronecker"
-    method: Literal["shampoo", "soap"] = "shampoo"
+    method: Literal["shampoo", "soap", "psgd"] = "shampoo"
     beta: Annotated[float, Field(gt=0, le=1)] = 0.95
     damping: Annotated[float, Field(ge=0)] = 1e-12
     exponent: Optional[Annotated[int, Field(ge=1, le=32)]] = None
@@ -332,21 +341,34 @@ class Kronecker(_Geometry):
     graft: Literal["none", "adagrad", "adam", "spectral"] = "none"
     betas: Annotated[list[Annotated[float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = [0.95, 0.95]
     eps: PositiveFloat = 1e-8
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    precond_lr: Annotated[float, Field(gt=0, le=1)] = 0.1
     max_dim: Optional[Annotated[int, Field(ge=1)]] = None
     layout: Layout = "auto"
 
     @model_validator(mode="after")
     def _method_fields(self):
-        """Fields of one method given a value other than their default on the other are refused (they
-        would do nothing; a dump of the model, defaults and all, validates again)."""
-        own = {"shampoo": ("damping", "exponent", "root", "graft"), "soap": ()}
-        other = "soap" if self.method == "shampoo" else "shampoo"
+        """Fields of other methods given a value other than their default are refused (they would do
+        nothing; a dump of the model, defaults and all, validates again)."""
         fields = type(self).model_fields
-        stray = [f for f in own[other] if getattr(self, f) != fields[f].default]
+        stray = [f for f, methods in KRONECKER_METHOD_FIELDS.items()
+                 if self.method not in methods and getattr(self, f) != fields[f].default]
         if stray:
-            raise ValueError(f"{', '.join(stray)} belong{'s' if len(stray) == 1 else ''} to method {other}, not "
-                             f"{self.method}: remove {'it' if len(stray) == 1 else 'them'} or set method: {other}")
+            owners = sorted({m for f in stray for m in KRONECKER_METHOD_FIELDS[f]})
+            raise ValueError(f"{', '.join(stray)} belong{'s' if len(stray) == 1 else ''} to method "
+                             f"{' or '.join(owners)}, not {self.method}: remove {'it' if len(stray) == 1 else 'them'}"
+                             f" or set method: {owners[0]}")
         return self
+
+
+def kronecker_side(method: str, k: int, max_dim: Optional[int]) -> str:
+    """The factor a kronecker ``method`` keeps on a side of ``k``: ``full`` (k × k: Shampoo's and SOAP's
+    statistics) or ``none`` (the identity there) past ``max_dim``; PSGD's ``triangular`` (k × k) or,
+    for k = 1 or past ``max_dim``, ``diagonal`` (k: Kron's ``max_size_triangular``)."""
+    over = max_dim is not None and k > max_dim
+    if method == "psgd":
+        return "diagonal" if over or k == 1 else "triangular"
+    return "none" if over else "full"
 
 
 Geometry = Annotated[

@@ -44,6 +44,14 @@ SOAP_STATE = declare(
     StateKey("soap_step", layout=COUNT),
 )
 
+#: PSGD-Kron: the factors Q_L, Q_R (triangular k × k, or a diagonal of k) stay float32 (an encoded
+#: triangular factor's rounding is its preconditioner's, and P = QᵀQ squares it), the momentum is a
+#: first moment the state precision may encode (laid out as the operators see the tensor).
+PSGD_STATE = declare(
+    "psgd", StateKey("psgd_left", layout=OWN), StateKey("psgd_right", layout=OWN),
+    StateKey("psgd_momentum", layout=OP, moment=FIRST), StateKey("psgd_step", layout=COUNT),
+)
+
 
 def geometry_kind(geometry) -> "str | None":
     """The kind of state a rule's forward op keeps (adam; a kronecker geometry's method), or None."""
