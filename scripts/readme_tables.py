@@ -729,7 +729,7 @@ RENDERERS = {
     "digits_cnn:acc-range": digits_acc_range,
     "digits_cnn:prox-cost": digits_prox_cost,
     "char_gpt": char_gpt,
-    "learned-metric": learned_metric,
+    "learned_metric": learned_metric,
     "char_gpt:uscion-norms": char_uscion_norms,
     "char_gpt:prox-vs-uscion": char_prox_vs_uscion,
     "char_gpt:r4-vs-uscion": char_r4_vs_uscion,

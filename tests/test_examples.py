@@ -131,7 +131,7 @@ def test_learned_metric_quick(tmp_path):
         first = {r["train"][0] for r in runs if r["seed"] == seed}
         assert len(first) == 1, first
     assert all(all(0 < v < math.log(256) + 0.5 for v in r["val"]) for r in runs)
-    table = _render("learned-metric", tmp_path)
+    table = _render("learned_metric", tmp_path)
     assert "| SOAP | `examples/soap-gpt.yaml` |" in table and "2 seeds" in table
 
 
