@@ -177,7 +177,7 @@ def test_example_specs_lint_clean_except_the_intended_heuristic():
     from geomopt.lint import lint_spec
 
     paths = sorted((SPECS / "examples").glob("*.yaml"))
-    assert len(paths) == 8
+    assert len(paths) == 9
     for path in paths:
         spec = geomopt.load_spec(path)
         errors = [d for d in lint_spec(spec) if d.severity == "error"]

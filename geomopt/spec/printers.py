@@ -359,11 +359,7 @@ def _string(value: str) -> str:
 
 def _value(value, field: str | None = None) -> str:
     if isinstance(value, dict):
-        if field == "state":  # ``state int8``; ``state bfloat16(compensation=int8)``: the dtype names the call
-            rest = {k: v for k, v in value.items() if k != "dtype"}
-            dtype = value.get("dtype", "float32")
-            return _call({"kind": dtype, **rest}, field) if rest else dtype
-        return _call(value, field)
+        return value.get("dtype", "float32") if field == "state" and set(value) <= {"dtype"} else _call(value, field)
     if isinstance(value, list):
         return "[" + ", ".join(_value(v, field if field == "post" else None) for v in value) + "]"
     return _scalar(value)
@@ -379,7 +375,7 @@ def _call(d: dict, field: str | None) -> str:
 def _args(d: dict, field: str | None) -> tuple:
     """(kind, [(key, "key=" or "" for the positional reference, value)…]) of a call."""
     d = dict(d)
-    kind = d.pop("kind")
+    kind = d.pop("dtype", "float32") if field == "state" else d.pop("kind")  # state bfloat16(compensation=int8)
     return kind, [(k, "" if (k == "reference" and field == "geometry") else f"{k}=", v) for k, v in d.items()]
 
 

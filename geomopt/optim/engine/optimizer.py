@@ -180,7 +180,8 @@ class GeomOptimizer(Optimizer):
         warn_slow_bf16(self.spec, self.plan, tensors)
         warn_unused_rules(self.spec, infos)
         warn_guessed_roles(infos)
-        self._qk_clip = QKClip(self.param_groups, plans_by_group, source, self.spec)  # geomopt.optim.engine.qkclip
+        self._qk_clip = QKClip(self.param_groups, plans_by_group, source, self.spec,  # geomopt.optim.engine.qkclip
+                               executor=self.engine.executor)
         self._masters = Masters(self.param_groups, plans_by_group)  # geomopt.optim.engine.masters
         with self._masters.around(self.state, every=True):  # a compensated weight projects as its float32 value
             project_on_init(self.param_groups, plans_by_group, self.engine.executor)

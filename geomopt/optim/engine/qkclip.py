@@ -114,7 +114,11 @@ class QKClip:
     """The optimizer's QK-clip: built at construction (checks), :meth:`check` at the start of a step,
     :meth:`apply` after it."""
 
-    def __init__(self, param_groups: list, plans: list, source, spec=None) -> None:
+    def __init__(self, param_groups: list, plans: list, source, spec=None, executor=None) -> None:
+        # the maxima are reduced over the optimizer's own process group (a DDP group, or the world);
+        # one process (distributed=False, or no torch.distributed) reduces nothing
+        self.group = getattr(executor, "group", None)
+        self.reduce = executor is not None and hasattr(executor, "group")
         self.entries = [(p, pp.name, pp.rule, pp.qk_clip) for g, pps in zip(param_groups, plans)
                         for p, pp in zip(g["params"], pps) if pp.qk_clip is not None]
         where = {pp.rule: pp.rule_index for pps in plans for pp in pps if pp.qk_clip is not None}
@@ -165,12 +169,12 @@ class QKClip:
         """After the step: clip each watched module whose heads exceeded τ, then forget its maxima."""
         if not self._sites:
             return
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if self.reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             # every rank reduces every site (a site one rank has not seen yet is -inf there)
             device = next(p.device for p, _, _, _ in self.entries)
             flat = torch.cat([s.maxima.to(device) if s.maxima is not None
                               else torch.full((s.heads,), float("-inf"), device=device) for s, _ in self._sites])
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
             for (s, _), m in zip(self._sites, flat.split([s.heads for s, _ in self._sites])):
                 s.maxima = m
         seen = [(site, clip) for site, clip in self._sites if site.maxima is not None]
