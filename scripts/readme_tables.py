@@ -666,7 +666,7 @@ BENCH_QUOTES = {
     "state-quality": (r"State precision and quality: \w+'s training", 3),
     "state-cost": (r"State precision's step time and bytes", 1),
     "state-update-error": (r"State round trip and the next update", 2),
-    "weight-quality": (r"Low-precision weights and quality: \w+'s training", 1),
+    "weight-quality": (r"Low-precision weights and quality: \w+'s training", 2),
     "elementwise": (r"Elementwise steps", 2),
     "gram-ns": (r"newton_schulz vs gram_newton_schulz", 1),
     "dion": (r"Dion vs Muon", 1),
