@@ -3,7 +3,8 @@
 
 Before the engine runs, each such parameter with a gradient holds its float32 weight (decoded from
 the bf16 value and the state's error) and a float32 copy of its gradient, so every step program
-runs exactly as on a float32 model (its programs are chosen for float32: :func:`step_dtype`). After
+runs exactly as on a float32 model (its programs are chosen for float32:
+:func:`~geomopt.optim.units.compensation.step_dtype`). After
 it, the weight is stored again as bf16 + error and the parameter gets its own gradient back. A
 skipped step (a non-finite gradient) restores the bf16 tensors untouched and writes no state; a
 step that raises stores what it wrote (the parameters it had not reached decode and encode to
@@ -16,20 +17,10 @@ from typing import Iterator
 
 import torch
 
-from geomopt.optim.units.compensation import JOIN, KEY, LOW, SPLIT
+from geomopt.optim.units.compensation import JOIN, KEY, LOW, SPLIT, compensated
 
 #: parameter dtypes a compensated rule may also hold: they keep their value exactly
 EXACT = (torch.float32, torch.float64)
-
-
-def compensated(pp, p: torch.Tensor) -> bool:
-    """Whether tensor ``p`` (plan ``pp``) steps as a float32 weight stored as bf16 + error."""
-    return pp.compensation != "none" and p.dtype in LOW
-
-
-def step_dtype(pp, p: torch.Tensor) -> torch.dtype:
-    """The dtype a step sees ``p`` in: float32 where it is compensated, its own otherwise."""
-    return torch.float32 if compensated(pp, p) else p.dtype
 
 
 class Masters:
@@ -51,7 +42,7 @@ class Masters:
                                  f"are all float32, which lose nothing: cast the model to bfloat16 "
                                  f"(model.to(torch.bfloat16)) or remove compensation from the rule")
         self.entries = [(p, pp.compensation) for g, pps in zip(param_groups, plans)
-                        for p, pp in zip(g["params"], pps) if compensated(pp, p)]
+                        for p, pp in zip(g["params"], pps) if compensated(pp, p.dtype)]
 
     @contextlib.contextmanager
     def around(self, state, every: bool = False) -> Iterator[list]:

@@ -38,7 +38,7 @@ import torch
 
 from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
-from geomopt.optim.engine.masters import step_dtype
+from geomopt.optim.units.compensation import step_dtype
 from geomopt.geometry.operators import flat_refusal
 from geomopt.geometry.polynomial import muon_order
 from geomopt.optim.units import stages as post_stages
@@ -197,7 +197,7 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
         flat: dict = {}  # (dtype, device) → (common fields, fused, why, indices): one flat call each
         for indices in bs:
             p, pp = group["params"][indices[0]], ps[indices[0]]
-            dtype = step_dtype(pp, p)  # a compensated bf16 parameter steps as its float32 weight
+            dtype = step_dtype(pp, p.dtype)  # a compensated bf16 parameter steps as its float32 weight
             common = dict(rule=group["rule"], group=gi, indices=tuple(indices),
                           names=tuple(ps[i].name for i in indices), shape=tuple(pp.op_shape), dtype=str(dtype),
                           device=str(p.device), stages=stage_text(group, pp))

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from geomopt.distributed.executors import is_dtensor
+from geomopt.distributed.executors import LocalExecutor, is_dtensor
 from geomopt.monitor import Site, attention_sites, find_monitored, watching_any
 from geomopt.spec.diagnostics import Diagnostic, SpecError
 from geomopt.spec.validate import source_of
@@ -117,8 +117,8 @@ class QKClip:
     def __init__(self, param_groups: list, plans: list, source, spec=None, executor=None) -> None:
         # the maxima are reduced over the optimizer's own process group (a DDP group, or the world);
         # one process (distributed=False, or no torch.distributed) reduces nothing
-        self.group = getattr(executor, "group", None)
-        self.reduce = executor is not None and hasattr(executor, "group")
+        self.reduce = executor is not None and not isinstance(executor, LocalExecutor)
+        self.group = executor.group if self.reduce else None
         self.entries = [(p, pp.name, pp.rule, pp.qk_clip) for g, pps in zip(param_groups, plans)
                         for p, pp in zip(g["params"], pps) if pp.qk_clip is not None]
         where = {pp.rule: pp.rule_index for pps in plans for pp in pps if pp.qk_clip is not None}

@@ -38,7 +38,7 @@ from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.persist.state_codec import BLOCK, STORED, scale_shape, side_shape
 from geomopt.optim.units.state_keys import (CORRECTION, COUNTS, GROUP_KEYS, KINDS, MOMENTS, PARAM_KEYS, SCALE,
                                             SECOND_MOMENTS, STACKED, STAT_KEYS, VIEW_KEYS, WEIGHT_KEYS, direction_keys)
-from geomopt.optim.units.compensation import DTYPES, LOW
+from geomopt.optim.units.compensation import DTYPES, compensated, step_dtype
 from geomopt.optim.engine.tensors import as_real, local
 from geomopt.spec.geometries import Euclidean
 from geomopt.spec.model import Hyper
@@ -394,7 +394,7 @@ def _check_tensor(pp, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
                                   f"int8 state are float32 {want}: the state was edited or saved on another model")
         return
     if key in WEIGHT_KEYS:  # a compensated bf16 weight's lost bits: the parameter's shape, the rule's dtype
-        kind = DTYPES.get(pp.compensation) if p.dtype in LOW else None
+        kind = DTYPES[pp.compensation] if compensated(pp, p.dtype) else None
         if kind is None or shape != tuple(p.shape) or value.dtype != kind:
             keeps = f"keeps {kind} {tuple(p.shape)}" if kind is not None else "keeps none (no compensation here)"
             raise CheckpointError(f"tensor '{pp.name}' ({p.dtype}): state '{key}' is {value.dtype} {shape}, this "
@@ -421,7 +421,7 @@ def _check_tensor(pp, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
         raise CheckpointError(f"tensor '{pp.name}' {tuple(p.shape)}: state '{key}' has shape {shape}, this "
                               f"optimizer keeps {want}: the state was saved on another model (or edited); build "
                               f"the optimizer on the model it was saved from")
-    work = torch.float32 if pp.compensation != "none" and p.dtype in LOW else p.dtype  # the dtype a step sees
+    work = step_dtype(pp, p.dtype)
     dtype = work if key in PARAM_KEYS else torch.promote_types(work, torch.float32)
     if key in MOMENTS and value.dtype == STORED.get(pp.state_dtype):  # kept in the rule's state precision
         return

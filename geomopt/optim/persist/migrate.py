@@ -41,7 +41,7 @@ import torch
 from geomopt.compile.plan import ParamPlan
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
-from geomopt.optim.units.compensation import DTYPES, KEY, LOW_NAMES
+from geomopt.optim.units.compensation import DTYPES, KEY, compensated
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.persist.state_codec import decode_entry
 from geomopt.optim.units.state_keys import KINDS, VIEW_KEYS, geometry_kind
@@ -59,7 +59,7 @@ def kinds_used(pp: ParamPlan, direction: str) -> tuple[str, ...]:
     geometry = geometry_kind(pp.geometry)  # adam's moments, a kronecker method's factors
     out = [] if geometry is None else [geometry]
     kind = DIRECTIONS[direction].migrates  # as the direction declares (heavy ball's sum: none)
-    weights = ["compensation"] if pp.compensation != "none" and pp.dtype in LOW_NAMES else []
+    weights = ["compensation"] if compensated(pp, pp.dtype) else []
     return tuple(out + ([kind] if kind else []) + weights)
 
 

@@ -37,6 +37,18 @@ LOW = (torch.bfloat16,)
 LOW_NAMES = tuple(str(t).removeprefix("torch.") for t in LOW)  # as a plan names dtypes
 
 
+def compensated(pp, dtype) -> bool:
+    """Whether a tensor of ``dtype`` (a torch dtype, or a plan's name of one) under plan ``pp``
+    steps as a float32 weight stored as bf16 + error."""
+    return pp.compensation != "none" and str(dtype).removeprefix("torch.") in LOW_NAMES
+
+
+def step_dtype(pp, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a step sees a tensor of ``dtype`` in: float32 where it is compensated, its own
+    otherwise."""
+    return torch.float32 if compensated(pp, dtype) else dtype
+
+
 def split16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``x`` → (w: x rounded to bf16, half-way magnitudes up, as bf16; x's bit pattern minus
     w's, an int16). On the magnitude's bits: w = ⌊(|x| + 2^15) / 2^16⌋·2^16 (a carry into the
