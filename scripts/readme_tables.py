@@ -351,16 +351,26 @@ def digits_prox_cost(records) -> str:
 # ---------------------------------------------------------------- learned metric (SOAP, Muon, AdamW)
 
 
+def _final_loss(s: dict) -> str:
+    """An optimizer's final validation loss in a char_gpt.py record's summary: the mean, ± the
+    standard deviation where there are several seeds."""
+    return f"{s['mean_final_val']:.3f}" + (f" ± {s['std_final_val']:.3f}" if len(s["final_val"]) > 1 else "")
+
+
+def _run_times(s: dict) -> list:
+    """The timed runs of an optimizer's training in a char_gpt.py record's summary."""
+    return s.get("seconds_per_run") or [s["seconds"]]
+
+
 def learned_metric(records) -> str:
     """examples/learned_metric.py: each optimizer's final validation loss over the seeds."""
     rec = records("learned_metric")
     st, summary = rec["settings"], rec["results"]["summary"]
     rows, runs = [], 1
     for name, s in summary.items():
-        loss = f"{s['mean_final_val']:.3f}" + (f" ± {s['std_final_val']:.3f}" if len(s["final_val"]) > 1 else "")
-        times = s.get("seconds_per_run") or [s["seconds"]]
+        times = _run_times(s)
         runs = len(times)
-        rows.append([name, spec_cell(s["spec"]), loss, ", ".join(f"{v:.3f}" for v in s["final_val"]),
+        rows.append([name, spec_cell(s["spec"]), _final_loss(s), ", ".join(f"{v:.3f}" for v in s["final_val"]),
                      f"{s['bits_per_byte']:.2f}", span(times)])
     head = ["optimizer", "spec", "final val. loss (nats/byte)" + (" (mean ± std)" if st["seeds"] > 1 else ""),
             "per seed", "bits/byte", "time (s)"]
@@ -387,11 +397,10 @@ def char_gpt(records) -> str:
     st, summary = rec["settings"], rec["results"]["summary"]
     rows, runs = [], 1
     for name, s in summary.items():
-        loss = f"{s['mean_final_val']:.3f}" + (f" ± {s['std_final_val']:.3f}" if len(s["final_val"]) > 1 else "")
         fro = _fro(rec, name)
-        times = s.get("seconds_per_run") or [s["seconds"]]
+        times = _run_times(s)
         runs = len(times)
-        rows.append([CHAR_NAMES.get(name, name), spec_cell(s["spec"]), loss, f"{s['bits_per_byte']:.2f}",
+        rows.append([CHAR_NAMES.get(name, name), spec_cell(s["spec"]), _final_loss(s), f"{s['bits_per_byte']:.2f}",
                      span(fro, "{:.2f}" if max(fro) < 5 else "{:.1f}"), span(times)])
     head = ["optimizer", "spec", "final val. loss (nats/byte)" + (" (mean ± std)" if st["seeds"] > 1 else ""),
             "bits/byte", "final ‖W‖_F/ρ (hidden)", "time (s)"]
