@@ -39,10 +39,10 @@ from _results import emit  # noqa: E402
 import geomopt  # noqa: E402
 from geomopt.cli.demo import train  # noqa: E402
 from geomopt.models.gpt import GPT, GPTConfig  # noqa: E402
+from state_quality import RUNS  # noqa: E402  (the same trainings: spec and steps by run)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-RUNS = {"demo": ("specs/spectral-clip.yaml", 800), "char_gpt": ("specs/prox-muon-frobenius.yaml", 600)}
 REFERENCE = "float32 weights (autocast bf16)"
 CONTROL = "float32 weights (autocast bf16), lr × (1 + 1e-6) (control)"
 ROWS = {  # label → (weights dtype, compensation or None: the spec as it is, lr scale, state precision)
