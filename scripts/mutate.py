@@ -68,15 +68,19 @@ TESTS: dict[str, tuple[str, ...]] = {
                          "tests/test_spectral_approx.py", "tests/test_gram_newton_schulz.py",
                          "tests/test_backward.py", "tests/test_backward_floor.py", "tests/test_retractions.py",
                          "tests/test_method_auto.py", "tests/test_odd_tensors.py", "tests/test_adam_step.py",
-                         "tests/test_dtype.py", "tests/test_mutation_kills.py", *STEP_TESTS),
-    "geomopt/optim/units/stages.py": ("tests/test_stages.py", "tests/test_mutation_kills.py", *STEP_TESTS),
+                         "tests/test_dtype.py", "tests/test_kron.py", "tests/test_aol.py",
+                         "tests/test_mutation_kills.py", *STEP_TESTS),
+    "geomopt/optim/units/stages.py": ("tests/test_stages.py", "tests/test_trust_ratio.py",
+                                      "tests/test_mutation_kills.py", *STEP_TESTS),
     "geomopt/optim/units/directions.py": ("tests/test_units.py", "tests/test_dion.py", "tests/test_adam_step.py",
                                           *STEP_TESTS),
 }
 #: the test files that run in full for a mutant of a module, not capped at :data:`TESTS_PER_FILE`: the
 #: module's own unit tests (``tests/test_<module>.py``, or those named here) and the survivors' file
 OWN_TESTS: dict[str, tuple[str, ...]] = {"geomopt/optim/units/directions.py": ("tests/test_units.py",
-                                                                             "tests/test_dion.py")}
+                                                                             "tests/test_dion.py"),
+                                         "geomopt/optim/units/stages.py": ("tests/test_stages.py",
+                                                                           "tests/test_trust_ratio.py")}
 ALWAYS_FULL = ("tests/test_mutation_kills.py",)
 #: tests no mutant runs: torch.compile in a forked child costs seconds per mutant and starts
 #: compile workers (the eager tests cover the same functions)
@@ -115,6 +119,13 @@ _STACK_NORMS = ("unsqueeze(1) for unsqueeze(−1) of the (N,) norms of the (N, m
 #: survivors judged equivalent or unkillable, keyed ``path::function: original -> mutated`` (``#n``: the n-th
 #: of the same change in that function): :attr:`Mutant.stable_key`, which lines added above it leave alone
 EXPLAINED: dict[str, str] = {
+    "geomopt/geometry/kron_psgd.py::norm_lower_bound: -2 -> 2 #2":
+        "dim 2 for −2 (a stack is (b, k, k)): row sums for column sums, the same on the symmetric T₁ + T₂ the "
+        "fit passes",
+    "geomopt/geometry/kron_psgd.py::norm_lower_bound: a @ torch.take_along_dim(a, j.view(-1, 1, 1), dim=-2).mT "
+    "-> -(a @ torch.take_along_dim(a, j.view(-1, 1, 1), dim=-2).mT)":
+        "−x₁: only its norm is read (the bound is ‖Âᵀ·x̂₁‖)",
+    "geomopt/geometry/kron_psgd.py::fit: -1 -> 1 #3": "dim 1 for −1 of a diagonal factor's (b, k) terms: the same dim",
     "geomopt/geometry/adam.py::adam_multi_tensor: 0 -> 1":
         "xs[1] for xs[0]: every tensor of a bucket is on the same device",
     "geomopt/geometry/prox/polar.py::polar_steps: abs(1 - x) > eps -> abs(1 - x) >= eps": _ONE_MORE_STEP,

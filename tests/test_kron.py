@@ -403,6 +403,15 @@ def test_soap_matches_pytorch_optimizer_soap(shape, every):
 # ---------------------------------------------------------------- PSGD-Kron
 
 
+def test_psgd_probe_is_one_matrix_draw_given_to_every_matrix_of_a_stack():
+    """A stack's probe is the draw one matrix of its shape gets at that step, for every matrix; another
+    step draws anew."""
+    g = torch.zeros(3, 4, 5, dtype=F64)
+    v, alone = kron_psgd.probe(g, 7), kron_psgd.probe(g[0], 7)
+    assert v.shape == (3, 4, 5) and all(torch.equal(v[i], alone) for i in range(3))
+    assert not torch.equal(alone, kron_psgd.probe(g[0], 8))
+
+
 def test_psgd_norm_lower_bound_is_between_the_spectral_norm_over_root_k_and_it():
     """Against float64 ‖A‖₂ (eigenvalues) on symmetric PSD matrices and Kron's own function on each
     matrix of the stack (the same ops: bit for bit up to the stack's reductions)."""
