@@ -19,6 +19,10 @@ from typing import Sequence
 
 from geomopt.spec.constraints import CONSTRAINT_KINDS
 
+#: The geometries that read a tensor as one or more matrices (a rule's ``view`` says which), as
+#: opposed to the elementwise ones: they need ndim ≥ 2 and take a body's matrices.
+MATRIX_GEOMETRIES = ("spectral", "rowwise", "columnwise", "kronecker")
+
 # ---------------------------------------------------------------- the backward table
 
 SET_KINDS = tuple(k for k in CONSTRAINT_KINDS if k != "proximal_decay")

@@ -38,8 +38,8 @@ import math
 
 from geomopt.geometry.view import concrete, matrix_shapes, without_view
 from geomopt.spec.base import Fields
+from geomopt.support import MATRIX_GEOMETRIES
 
-_MATRIX_KINDS = ("spectral", "rowwise", "columnwise", "kronecker")
 SCALE_PRESETS = ("none", "scion", "muon_original", "match_rms_adamw")
 
 
@@ -96,7 +96,7 @@ def check_applicable(geometry: Fields, shape: tuple[int, ...]) -> str | None:
     """Why ``geometry`` cannot apply to a tensor of ``shape``, or None when it can."""
     kind = geometry.get("kind")
     shape = tuple(int(s) for s in shape)
-    if kind in _MATRIX_KINDS and len(shape) < 2:
+    if kind in MATRIX_GEOMETRIES and len(shape) < 2:
         return (
             f"{kind} geometry needs a tensor with at least 2 dimensions (viewed as (shape[0], rest)), "
             f"got shape {shape}; use isotropic or anisotropic for {'scalars' if not shape else 'vectors'}"

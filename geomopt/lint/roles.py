@@ -12,6 +12,7 @@ from __future__ import annotations
 from geomopt.compile.match import any_name, describe, glob_regex, shape_text
 from geomopt.compile.resolve import op_layout, resolve_view
 from geomopt.lint.context import LintContext, lint_rule
+from geomopt.support import MATRIX_GEOMETRIES
 
 
 def _roles_of(rule) -> set:
@@ -106,7 +107,7 @@ def matrix_to_catch_all(ctx: LintContext):
     if not spectral:
         return
     for i, rule in enumerate(ctx.spec.rules):
-        if rule.geometry.kind in ("spectral", "rowwise", "columnwise", "kronecker"):  # the matrix geometries
+        if rule.geometry.kind in MATRIX_GEOMETRIES:
             continue
         missed = [(p, p.role) for p in ctx.owned(i) if len(p.shape) >= 2 and p.role is not None
                   and set(p.role.roles) & {"hidden", "expert"} and not set(p.role.roles) & set(_SPECIAL)]

@@ -88,7 +88,6 @@ class Program:
     check: str = "before"
     graphed: bool = False
     journal: bool = False  # one process: state updated before a request is journaled / put off
-    stateful: bool = False  # keeps state (a first step creates it)
     keeps_prev: bool = False
     track_gap: bool = False
     track_update: bool = False
@@ -297,9 +296,8 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
         check = "device"
         why.append("capturable: the finiteness flag stays on the device; a skipped step selects the old values"
                    + ("" if write == "stacked" else " (the parameters: γ·flag, so X is written as X·1 + 0·S)"))
-    stateful = group["direction"] != "none" or bool(geometry_state(pp.geometry)) or bool(pp.post) or opts.track_gap
     return Program(**common, variant="batched", write=write, direction_form=form, check=check, graphed=graphed,
-                   journal=journal, stateful=stateful, keeps_prev=opts.keeps_prev,
+                   journal=journal, keeps_prev=opts.keeps_prev,
                    track_gap=opts.track_gap, track_update=opts.track_update, why=tuple(why))
 
 
