@@ -1,6 +1,8 @@
 """Run by tests/test_compensation.py under ``torchrun --nproc_per_node 4`` (gloo, CPU): compensated
 bf16 weights on sharded (DTensor) parameters, in tests/layout_worker.py's world: ``fsdp`` (FSDP2
-with bf16 parameters on two meshes of 2 ranks) and ``fsdp_tp`` (FSDP2 × TP on a 2 × 2 mesh).
+with bf16 parameters on two meshes of 2 ranks), ``hsdp`` (a 2 × 2 mesh: Replicate × Shard) and
+``fsdp_tp`` (FSDP2 × TP on a 2 × 2 mesh). The embedding's and the head's 97 rows are cut unevenly
+(49 + 48).
 
 Per layout and spec, a bf16 model with the compensated spec and a float32 model holding the same
 (bf16) weights with the spec as it ships, laid out alike and fed the same gradients (the bf16
@@ -27,7 +29,7 @@ from geomopt import GeomOptimizer
 from geomopt.optim.units.compensation import JOIN
 from layout_worker import World, batch, make_model, params_of
 
-LAYOUTS = ("fsdp", "fsdp_tp")
+LAYOUTS = ("fsdp", "hsdp", "fsdp_tp")
 STEPS = 3
 BF16 = torch.bfloat16
 
