@@ -123,7 +123,8 @@ def train(model, forward, opt, steps) -> None:
 
 def checkpoints(world: World) -> dict:
     """Per layout: opt.state_dict() into a fresh optimizer, and a DCP save / load of model and
-    optimizer (int8 compensation, bf16 state), resume bit for bit, errors included."""
+    optimizer (int8 compensation, bf16 state), resume bit for bit, errors included; a spec change
+    (another lr) carries every error, sharded as it was."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -141,6 +142,14 @@ def checkpoints(world: World) -> dict:
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path[0])
         train(model, forward, opt, range(2, 4))
         expected = everything(model, opt)
+        data = the_spec.model_dump(exclude_none=True)
+        data["defaults"]["lr"] = data["defaults"].get("lr", 0.02) / 2
+        changed = GeomOptimizer(model, geomopt.Spec.model_validate(data), **kw)
+        report = changed.load_state_dict(opt.state_dict(), allow_spec_change=True)
+        carried = sum("compensation" in kinds for kinds in report.kept.values()) == len(expected) // 2 and all(
+            type(e).__name__ == "DTensor" and e.placements == p.placements and torch.equal(shard(e), shard(o))
+            for p in model.parameters()
+            for e, o in ((changed.state[p]["weight_error"], opt.state[p]["weight_error"]),))
 
         fresh, fwd, kw = world.wrap(layout, make_model(seed=7).to(BF16))
         fresh.load_state_dict(saved_model)
@@ -160,6 +169,7 @@ def checkpoints(world: World) -> dict:
         same = {k: torch.equal(expected[k].view(torch.uint8), got[k].view(torch.uint8)) for k in expected}
         same_dcp = {k: torch.equal(expected[k].view(torch.uint8), got_dcp[k].view(torch.uint8)) for k in expected}
         out[layout] = dict(state_dict=all(same.values()), dcp=all(same_dcp.values()), keys=len(expected),
+                           carried=carried,
                            moved=sum(bool(expected[k + ":error"].any()) for k, _ in model.named_parameters()))
     return out
 

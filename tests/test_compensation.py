@@ -389,10 +389,11 @@ def test_sharded_int8_stays_within_its_bound(sharded):
 
 def test_sharded_checkpoint_resumes_bit_for_bit(sharded):
     """opt.state_dict() into a fresh optimizer and a distributed checkpoint (DCP's get_state_dict,
-    save, load, set_state_dict) resume with the same bits of every bf16 weight and every error."""
+    save, load, set_state_dict) resume with the same bits of every bf16 weight and every error; a
+    spec change (``allow_spec_change``) carries every error, a DTensor placed like its parameter."""
     for r in sharded:
         for layout, got in r["checkpoints"].items():
-            assert got == dict(state_dict=True, dcp=True, keys=42, moved=21), (r["rank"], layout, got)
+            assert got == dict(state_dict=True, dcp=True, keys=42, carried=True, moved=21), (r["rank"], layout, got)
 
 
 def test_sharded_nonfinite_step_changes_nothing(sharded):
