@@ -26,6 +26,7 @@ is its projection rounded to bf16, as without compensation)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import TYPE_CHECKING, Iterator, Optional, cast
 
 import torch
@@ -60,6 +61,7 @@ class Masters:
                                  f"(model.to(torch.bfloat16)) or remove compensation from the rule")
         self.entries = [(p, pp.compensation) for g, pps in zip(param_groups, plans)
                         for p, pp in zip(g["params"], pps) if compensated(pp, p.dtype)]
+        self.specs: dict = {}  # (id of a sharded parameter, dtype) → the DTensor spec of a tensor laid out like it
 
     @contextlib.contextmanager
     def around(self, state, every: bool = False) -> Iterator[list]:
@@ -76,23 +78,40 @@ class Masters:
                     continue
                 err = state[p].get(KEY) if p in state else None
                 held = _held(p)
-                shard = held[1]
-                x = shard.float() if err is None else JOIN[kind](shard, _held(err)[1])
+                x = held[1].float() if err is None else JOIN[kind](held[1], _local(err))
                 p.grad = None  # a gradient must match its tensor's dtype: swapped after the data
-                _hold(p, _held(_like(x, p)))
-                p.grad = None if g is None else g.float()
+                xd = self.like(x, p)
+                _hold(p, (xd, x, getattr(xd, "_spec", None)))
+                p.grad = None if g is None else self.like(_local(g).float(), p)
                 swapped.append((p, kind, held, g, _stores(err is not None, is_dtensor(p), every)))
             yield flag
         finally:
             for p, kind, held, g, store in swapped:
                 if flag[0]:
-                    new, err = SPLIT[kind](_held(p)[1])
+                    new, err = SPLIT[kind](_local(p))
                     held[1].copy_(new)  # into the parameter's own storage (views of it, a wrapper's, stay bound)
                     if store or (store is None and bool(err.any())):
-                        state[p][KEY] = _like(err, p)
+                        state[p][KEY] = self.like(err, p)
                 p.grad = None
                 _hold(p, held)
                 p.grad = g
+
+    def like(self, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """``x``, this rank's elements, as a tensor laid out like ``p``: a DTensor of ``p``'s mesh,
+        placements, shape and stride (an uneven shard included) where ``p`` is one. Made from a
+        spec kept per parameter and dtype (``DTensor.from_local`` builds one each call, through
+        an autograd function: most of a small step's time)."""
+        if not is_dtensor(p):
+            return x
+        from torch.distributed.tensor import DTensor  # loads only where tensors are sharded
+        from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+        key = (id(p), x.dtype)
+        spec = self.specs.get(key)
+        if spec is None:
+            d = cast(DTensor, p)
+            spec = self.specs[key] = dataclasses.replace(d._spec, tensor_meta=TensorMeta(d.shape, d.stride(), x.dtype))
+        return DTensor(x, spec, requires_grad=False)
 
 
 def _stores(kept: bool, sharded: bool, every: bool) -> Optional[bool]:
@@ -104,30 +123,22 @@ def _stores(kept: bool, sharded: bool, every: bool) -> Optional[bool]:
     return False if sharded else None
 
 
-def _held(t: torch.Tensor) -> tuple:
-    """What tensor ``t`` holds: (its data, this rank's elements, a DTensor's spec or None). A
-    DTensor's local shard and spec (the dtype its ops propagate) live in attributes of the Python
-    object, which ``set_data`` leaves as they were."""
-    if is_dtensor(t):
-        d = cast("DTensor", t)
-        return t.data, d._local_tensor, d._spec
-    return t.data, t.data, None
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of ``t``: a DTensor's local shard (the tensor it holds), the data of
+    any other tensor."""
+    return cast("DTensor", t)._local_tensor if is_dtensor(t) else t.data
+
+
+def _held(p: torch.Tensor) -> tuple:
+    """What ``p`` holds: (its data, this rank's elements, a DTensor's spec or None). A DTensor's
+    local shard and spec (the dtype its ops propagate) live in attributes of the Python object,
+    which ``set_data`` leaves as they were."""
+    return p.data, _local(p), cast("DTensor", p)._spec if is_dtensor(p) else None
 
 
 def _hold(p: torch.Tensor, held: tuple) -> None:
-    """Make ``p`` hold what :func:`_held` read (of itself before, or of another tensor)."""
+    """Make ``p`` hold what :func:`_held` read (of ``p`` before, or of another tensor)."""
     p.data = held[0]
     if held[2] is not None:
         d = cast("DTensor", p)
         d._local_tensor, d._spec = held[1], held[2]
-
-
-def _like(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``x``, this rank's elements, as a tensor laid out like ``p``: a DTensor of ``p``'s mesh,
-    placements, shape and stride where ``p`` is one (an uneven shard included)."""
-    if not is_dtensor(p):
-        return x
-    from torch.distributed.tensor import DTensor  # loads only where tensors are sharded
-
-    d = cast(DTensor, p)
-    return DTensor.from_local(x, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
