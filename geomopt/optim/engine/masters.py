@@ -10,7 +10,7 @@ skipped step (a non-finite gradient) restores the bf16 tensors untouched and wri
 step that raises stores what it wrote (the parameters it had not reached decode and encode to
 their own bits).
 
-A sharded (DTensor) parameter (FSDP2, FSDP2 × TP) runs on its local shard: the error is a DTensor
+A sharded (DTensor) parameter (FSDP2, HSDP, FSDP2 × TP) runs on its local shard: the error is a DTensor
 sharded like the parameter (one entry per local element, as every sharded state entry), the
 float32 weight is decoded from the shard and its error, and the parameter holds it as a DTensor
 of its own placements. A DTensor keeps its shard and its metadata in Python attributes that a
