@@ -1,12 +1,12 @@
 """Run by tests/test_compensation.py under ``torchrun --nproc_per_node 4`` (gloo, CPU): a bf16 HF
 Llama with compensated weights under DDP (tests/layout_worker.py's 4-process world: two DDP
-pairs), against one process, and the refusal under FSDP2.
+pairs), against one process (sharded parameters: tests/compensation_fsdp_worker.py).
 
 Every rank sees the same batch, so the data-parallel bf16 gradients are the one-process ones; the
 step runs on the decoded float32 weights and stores them back into the parameters' own storage,
 which DDP keeps. Reported per spec: the largest relative difference of the bf16 weights and of
 the decoded float32 weights from one process's, the loss of a forward after the steps, each
-error's dtype; and the error FSDP2's sharded parameters get at construction.
+error's dtype.
 """
 
 from __future__ import annotations
@@ -72,12 +72,6 @@ def main(out_dir: Path) -> None:
             out["loss"][(layout, name)] = next_loss(forward)
             out["errors"][(layout, name)] = {n: (str(e.dtype), str(p.dtype)) for n, p in model.named_parameters()
                                              if (e := opt.state.get(p, {}).get("weight_error")) is not None}
-    model, _, kw = world.wrap("fsdp", make_model().to(torch.bfloat16))
-    try:
-        GeomOptimizer(model, SPECS["muon-int16"], **kw)
-        out["fsdp"] = "built"
-    except ValueError as err:
-        out["fsdp"] = str(err)
     out["seconds"] = time.perf_counter() - t0
     torch.save(out, out_dir / f"rank{world.rank}.pt")
     dist.barrier()

@@ -1,7 +1,8 @@
 """Compensated bfloat16 weights (a rule's ``state: {compensation: int8|int16}``): the split and join
 against their definitions (bit patterns, a float64 reference), then the optimizer on a bf16 model
 against the same spec on float32 weights fed the same gradients, checkpoints, the non-finite skip,
-refusals, migration, autocast and the bytes a parameter costs."""
+refusals, migration, autocast and the bytes a parameter costs; under DDP, FSDP2 and FSDP2 × TP
+(torchrun workers)."""
 
 from __future__ import annotations
 
@@ -324,14 +325,25 @@ def test_bytes_per_parameter():
 # ---------------------------------------------------------------- torch.distributed
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """4 gloo processes (tests/compensation_worker.py): DDP pairs against one process, FSDP2's refusal."""
+def _launch(tmp_path_factory, worker: str) -> list:
     sys.path.insert(0, str(Path(__file__).parent))
-    import compensation_worker
     import layout_worker
 
-    return layout_worker.launch(4, tmp_path_factory.mktemp("compensation"), script=compensation_worker.__file__)
+    return layout_worker.launch(4, tmp_path_factory.mktemp(worker), script=str(Path(__file__).parent / f"{worker}.py"))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """4 gloo processes (tests/compensation_worker.py): DDP pairs against one process."""
+    return _launch(tmp_path_factory, "compensation_worker")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """4 gloo processes (tests/compensation_fsdp_worker.py): FSDP2 on two meshes of 2 ranks
+    (``fsdp``), HSDP on a 2 × 2 mesh (``hsdp``) and FSDP2 × TP on a 2 × 2 mesh (``fsdp_tp``), bf16
+    parameters."""
+    return _launch(tmp_path_factory, "compensation_fsdp_worker")
 
 
 def test_ddp_steps_compensated_weights_as_one_process(ranks):
@@ -346,7 +358,49 @@ def test_ddp_steps_compensated_weights_as_one_process(ranks):
             assert all(e == (f"torch.{form}", "torch.bfloat16") for e in r["errors"][(layout, name)].values())
 
 
-def test_sharded_parameters_are_refused_with_what_to_do(ranks):
-    for r in ranks:
-        assert "does not run on sharded (DTensor) parameters yet" in r["fsdp"], r["fsdp"]
-        assert "MixedPrecisionPolicy" in r["fsdp"] and "DDP" in r["fsdp"]
+def _sharded_runs(ranks: list, form: str) -> list:
+    runs = [(r["rank"], key, got) for r in ranks for key, got in r["against_float32"].items() if key[2] == form]
+    assert {key[:2] for _, key, _ in runs} == {(lay, base) for lay in ("fsdp", "hsdp", "fsdp_tp")
+                                              for base in ("muon", "adamw-hybrid")}
+    return runs
+
+
+def test_sharded_int16_steps_the_float32_weights_bit_for_bit(sharded):
+    """Under FSDP2, HSDP and FSDP2 × TP, bf16 parameters with int16 compensation step as float32
+    parameters under the same spec, fed the same gradients: every rank's decoded shards equal the
+    float32 model's bit for bit; the parameters stay bf16, every error is a DTensor placed like its
+    parameter (one entry per local element). FSDP2's forward after the steps gathers the written
+    shards: its loss is one process's on the gathered bf16 weights, exactly (FSDP2) or up to the
+    split matmuls' rounding (TP: 1e-3)."""
+    for rank, key, got in _sharded_runs(sharded, "int16"):
+        assert got["bits"] and got["dev"] == 0.0 and got["bf16"] and got["sharded"], (rank, key, got)
+        if key[0] != "fsdp_tp":
+            assert got["loss"] == got["one_process"], (rank, key, got)
+        else:
+            assert abs(got["loss"] - got["one_process"]) <= 1e-3, (rank, key, got)
+
+
+def test_sharded_int8_stays_within_its_bound(sharded):
+    """int8 under FSDP2, HSDP and FSDP2 × TP: every rank's decoded shards within STEPS · max|x| · 2^−16
+    of the float32 model's (what one step's rounding, ulp/512 ≤ |w|·2^−16, allows), and not equal."""
+    for rank, key, got in _sharded_runs(sharded, "int8"):
+        assert 0.0 < got["dev"] <= 1.0 and got["bf16"] and got["sharded"], (rank, key, got)
+
+
+def test_sharded_checkpoint_resumes_bit_for_bit(sharded):
+    """opt.state_dict() into a fresh optimizer and a distributed checkpoint (DCP's get_state_dict,
+    save, load, set_state_dict) resume with the same bits of every bf16 weight and every error; a
+    spec change (``allow_spec_change``) carries every error, a DTensor placed like its parameter."""
+    for r in sharded:
+        for layout, got in r["checkpoints"].items():
+            assert got == dict(state_dict=True, dcp=True, keys=42, carried=True, moved=21), (r["rank"], layout, got)
+
+
+def test_sharded_nonfinite_step_changes_nothing(sharded):
+    """A NaN in one rank's shard of a hidden matrix's gradient: every rank skips the step (the
+    hidden rule counts it), no bit of a weight's shard or an error moves, gradients stay the
+    parameters' own."""
+    for r in sharded:
+        for layout, got in r["nonfinite"].items():
+            assert got["unchanged"] and got["own_grads"], (r["rank"], layout, got)
+            assert got["skipped"] == {"embeddings": 0, "head": 0, "hidden": 1, "rest": 0}, (r["rank"], layout, got)

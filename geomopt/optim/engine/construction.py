@@ -113,11 +113,6 @@ def check_sharded(groups: list, plans: list, opts) -> None:
         if why:
             raise ValueError(f"rule '{g['rule']}' has the {kind} geometry, which cannot run on sharded (DTensor) "
                              f"parameters: {why}; keep its tensors whole on each rank (DDP) or step it in one process")
-        if gplans[0].compensation != "none":
-            raise ValueError(f"rule '{g['rule']}' has compensation {gplans[0].compensation}, which does not run on "
-                             f"sharded (DTensor) parameters yet: under FSDP2 or tensor parallelism keep the weights "
-                             f"in float32 (FSDP2's MixedPrecisionPolicy(param_dtype=torch.bfloat16) computes in bf16), "
-                             f"or train data-parallel with DDP, where compensation runs")
 
 
 def check_capturable(groups: list, plans: list, opts) -> None:
