@@ -150,6 +150,7 @@ class _RulePlanner:
         self.decay = hyper["decay"].kind
         self.state_dtype = hyper["state"].dtype
         self.compensation = hyper["state"].compensation
+        self.factor_dtype = hyper["state"].factors
         self.post = tuple(rule.post or ())
         self.schedule = hyper["schedule"]
         self.geometry = rule.geometry
@@ -173,4 +174,5 @@ class _RulePlanner:
             on_nonfinite=self.on_nonfinite, project_on_init=self.project_on_init, aliases=p.aliases,
             role="" if p.role is None else p.role.name, post=self.post, decay=self.decay, ops=ops.digest,
             qk_clip=self.qk_clip, state_dtype=self.state_dtype, compensation=self.compensation,
+            factor_dtype=self.factor_dtype,
         )

@@ -55,6 +55,8 @@ class ParamPlan:
     state_dtype: str = "float32"
     #: what is kept of a bfloat16 parameter's rounding error: none, int8 or int16 (geomopt.optim.units.compensation)
     compensation: str = "none"
+    #: the precision a learned metric's factors are kept in: float32 or bfloat16 (the rule's ``state: {factors: …}``)
+    factor_dtype: str = "float32"
     #: tensors with equal keys run as one batched call: same rule, operators, op shape, dtype and
     #: device (computed at construction, from ``ops`` where the planner passes it)
     bucket: str = dataclasses.field(init=False, compare=False)

@@ -135,8 +135,11 @@ def unrotate(x: torch.Tensor, q_left: Factor, q_right: Factor) -> torch.Tensor:
 
 def soap_bases(left: Factor, right: Factor) -> tuple[Factor, Factor]:
     """The eigenbases of the factors, eigenvectors by decreasing eigenvalue (torch.linalg.eigh's
-    columns reversed): SOAP's bases at their first computation."""
-    return tuple(None if f is None else torch.linalg.eigh(f)[1].flip(-1) for f in (left, right))  # type: ignore[return-value]
+    columns reversed): SOAP's bases at their first computation. Row-major, as a checkpoint's
+    entries come back: eigh's column-major vectors would be multiplied by other kernels (other bits)
+    than the same values restored, and a resume would leave the run's path."""
+    return tuple(None if f is None else torch.linalg.eigh(f)[1].flip(-1).contiguous()  # type: ignore[return-value]
+                 for f in (left, right))
 
 
 def soap_refresh(left: Factor, right: Factor, q_left: Factor, q_right: Factor, exp_avg_sq: torch.Tensor) -> None:

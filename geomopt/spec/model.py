@@ -111,10 +111,18 @@ class StatePrecision(SpecModel):
     weight; the weight read as bf16 + error carries about 16 significant bits); ``int16``, the rest
     of the float32 weight's bit pattern beside its nearest bf16 (the float32 weight exactly, as a
     split float32 master copy). The step runs on the float32 weight it decodes, and stores it back
-    as bf16 + error. Float32 parameters of the rule keep no error (they lose nothing)."""
+    as bf16 + error. Float32 parameters of the rule keep no error (they lose nothing).
+
+    ``factors``: the precision of a learned metric's factor statistics (the kronecker geometry's
+    L and R: Shampoo's and SOAP's Σ GGᵀ, PSGD's Q), kept apart from the moments' ``dtype``
+    because rounding lands on a factor's smallest eigenvalues, which its inverse root raises
+    (Distributed Shampoo's ``factor_matrix_dtype``): ``float32``, or ``bfloat16`` written with
+    stochastic rounding (half the bytes of the largest part of a Shampoo or SOAP state; the roots
+    and eigenbases stay float32). A rule whose geometry keeps no factors has nothing to encode."""
 
     dtype: Literal["float32", "bfloat16", "int8", "int8-ec"] = "float32"
     compensation: Literal["none", "int8", "int16"] = "none"
+    factors: Literal["float32", "bfloat16"] = "float32"
 
 
 class Hyper(SpecModel):

@@ -330,10 +330,10 @@ def codec(rt: Runtime, items: list, pp, step: int) -> Codec:
     whole tensor and whether int8 blocks fit in every rank's shard (the same on every rank)."""
     names = tuple(q.name for _, q in items)
     if pp.state_dtype == "float32" or not is_dtensor(items[0][0]):
-        return Codec(pp.state_dtype, names, step)
+        return Codec(pp.state_dtype, names, step, factors=pp.factor_dtype)
     layout = rt.stacked.layouts[id(items[0][0])]
     return Codec(pp.state_dtype, names, step, start=tuple(s for s, _ in layout.mine()), full=tuple(pp.op_shape),
-                 aligned=aligned(tuple(pp.op_shape), layout.blocks))
+                 aligned=aligned(tuple(pp.op_shape), layout.blocks), factors=pp.factor_dtype)
 
 
 def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: ResolvedGeometry, radius: float = 1.0,

@@ -28,6 +28,9 @@ step decodes its bucket's state to float32, runs in float32 as always, and encod
   per step is below half its bin (its error then grows with the steps until it reaches that
   bound / (1 − β)). State bytes: 1.5 per entry plus a scale per 256, 0.38 of float32's (int8:
   0.25, bfloat16: 0.5).
+* A learned metric's factors (the keys declared ``factor``: Shampoo's, SOAP's and PSGD's L and R)
+  follow the rule's ``state: {factors: …}`` instead: float32, or bfloat16 by the same stochastic
+  rounding, whatever the moments' precision.
 
 The random bits of stochastic rounding are a hash (:func:`noise`) of each entry's index in the whole
 tensor (in the operators' layout), the tensor's name, the state key and the step count: a run is
@@ -53,7 +56,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from geomopt.optim.units.state_keys import CORRECTION, MOMENTS, SCALE
+from geomopt.optim.units.state_keys import CORRECTION, FACTORS, MOMENTS, SCALE
 from geomopt.spec.model import QUANTIZED
 
 BLOCK = 256
@@ -308,15 +311,18 @@ class Codec:
     :meth:`encode` into ``dtype`` (nothing to do for float32). ``names``: its tensors', ``step``: the
     step count (with the state key they seed stochastic rounding). Sharded: ``start`` and ``full``,
     where this rank's block of each tensor lies in the whole (operators' layout), and ``aligned``:
-    whether int8 blocks lie within shards on every rank (:func:`aligned`)."""
+    whether int8 blocks lie within shards on every rank (:func:`aligned`). ``factors``: the
+    precision of a learned metric's factors (float32 or bfloat16), apart from the moments'."""
 
     def __init__(self, dtype: str, names: tuple = (), step: int = 0, start: tuple = (), full: tuple = (),
-                 aligned: bool = True):
-        self.dtype, self.names, self.step = dtype, names, step
+                 aligned: bool = True, factors: str = "float32"):
+        self.dtype, self.names, self.step, self.factors = dtype, names, step, factors
         self.start, self.full, self.aligned = start, full, aligned
 
     def stored(self, key: str, row: torch.Tensor) -> bool:
         """Whether ``key`` is kept encoded for a tensor shaped like ``row``."""
+        if key in FACTORS:
+            return self.factors == "bfloat16"
         if self.dtype == "bfloat16":
             return key in MOMENTS
         if self.full:  # sharded: decided for the whole tensor, so every rank (even one holding none) alike
@@ -349,14 +355,14 @@ class Codec:
 
     def encode(self, values: dict) -> dict:
         """The stored form of float32 ``values`` (a bucket's stacked state after its step)."""
-        if self.dtype == "float32":
+        if self.dtype == "float32" and self.factors == "float32":
             return values
         out = dict(values)
         for key, value in values.items():
             if not isinstance(value, torch.Tensor) or not value.is_floating_point() or not self.stored(key, value[0]):
                 continue
             flat = value.reshape(-1)
-            if self.dtype == "bfloat16":
+            if self.dtype == "bfloat16" or key in FACTORS:
                 seeds = [seed_of(name, self.step, key) for name in self.names]
                 enc = torch.empty(flat.shape, dtype=torch.bfloat16, device=flat.device)
                 for a, b in _pieces(flat.numel()):

@@ -43,17 +43,21 @@ FORMS = ("stacked", "flat", "rows", "capturable", "sharded")
 class StateKey:
     """One entry of a tensor's optimizer state: its key, its layout (:data:`LAYOUTS`) and, for a
     moment, its sign (:data:`FIRST` or :data:`SECOND`; None: kept in float32 whatever the rule's
-    state precision)."""
+    state precision); ``factor``: a learned metric's factor, kept in the rule's factor precision."""
 
     key: str
     layout: str = OP
     moment: Optional[str] = None
+    #: a learned metric's factor statistic, kept in the rule's ``state: {factors: …}`` precision
+    factor: bool = False
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"state {self.key!r}: layout {self.layout!r} is not one of {LAYOUTS}")
         if self.moment not in (None, FIRST, SECOND):
             raise ValueError(f"state {self.key!r}: moment {self.moment!r} is not first, second or None")
+        if self.factor and (self.moment is not None or self.layout != OWN):
+            raise ValueError(f"state {self.key!r}: a factor is a matrix of the unit's own layout, not a moment")
 
 
 #: every state key a unit keeps, by key (two units may keep one key if they declare it alike)

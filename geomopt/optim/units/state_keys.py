@@ -25,30 +25,34 @@ GAP_STATE = declare("gap", StateKey("w"))
 #: the kronecker geometry's state per matrix (:mod:`geomopt.geometry.learned`), one kind per method.
 #: Shampoo: the factors, their roots, AdaGrad's or Adam's sum of squares for a graft (float32, laid
 #: out as the operators see the tensor; empty without a graft), the step count.
-#: The factors and roots stay float32 whatever the rule's state precision: a factor's entries are
-#: signed (not a second moment), and its rounding lands on its smallest eigenvalues, which the
-#: inverse root raises to −1/p. A side longer than ``max_dim`` (and a graft of none) holds an empty
-#: entry: every key is in the state of every tensor the geometry steps.
+#: The factors are kept in the rule's factor precision (``state: {factors: …}``, float32 unless
+#: asked), never the moments' ``dtype``: a factor's entries are signed (not a second moment), and
+#: its rounding lands on its smallest eigenvalues, which the inverse root raises to −1/p. The roots
+#: stay float32 (recomputed every ``every`` steps, they are what multiplies each update). A side
+#: longer than ``max_dim`` (and a graft of none) holds an empty entry: every key is in the state of
+#: every tensor the geometry steps.
 SHAMPOO_STATE = declare(
-    "shampoo", StateKey("shampoo_left", layout=OWN), StateKey("shampoo_right", layout=OWN),
+    "shampoo", StateKey("shampoo_left", layout=OWN, factor=True), StateKey("shampoo_right", layout=OWN, factor=True),
     StateKey("shampoo_left_root", layout=OWN), StateKey("shampoo_right_root", layout=OWN),
     StateKey("shampoo_graft", layout=OWN), StateKey("shampoo_step", layout=COUNT),
 )
 #: SOAP: Adam's first moment in the gradient's basis (as the reference keeps it) and its second in
-#: the rotated basis, both moments the state precision may encode; the factors and the bases stay
-#: float32 (an encoded basis is no longer orthogonal, and the rotation would stop being one).
+#: the rotated basis, both moments the state precision may encode; the factors follow the factor
+#: precision, as Shampoo's; the bases stay float32 (an encoded basis is no longer orthogonal, and the
+#: rotation would stop being one).
 SOAP_STATE = declare(
-    "soap", StateKey("soap_left", layout=OWN), StateKey("soap_right", layout=OWN),
+    "soap", StateKey("soap_left", layout=OWN, factor=True), StateKey("soap_right", layout=OWN, factor=True),
     StateKey("soap_left_basis", layout=OWN), StateKey("soap_right_basis", layout=OWN),
     StateKey("soap_exp_avg", layout=OP, moment=FIRST), StateKey("soap_exp_avg_sq", layout=OP, moment=SECOND),
     StateKey("soap_step", layout=COUNT),
 )
 
-#: PSGD-Kron: the factors Q_L, Q_R (triangular k × k, or a diagonal of k) stay float32 (an encoded
-#: triangular factor's rounding is its preconditioner's, and P = QᵀQ squares it), the momentum is a
-#: first moment the state precision may encode (laid out as the operators see the tensor).
+#: PSGD-Kron: the factors Q_L, Q_R (triangular k × k, or a diagonal of k) follow the factor
+#: precision (stochastic rounding keeps the fit's small steps on average; heavyball keeps them in
+#: bf16 too); the momentum is a first moment the state precision may encode (laid out as the
+#: operators see the tensor).
 PSGD_STATE = declare(
-    "psgd", StateKey("psgd_left", layout=OWN), StateKey("psgd_right", layout=OWN),
+    "psgd", StateKey("psgd_left", layout=OWN, factor=True), StateKey("psgd_right", layout=OWN, factor=True),
     StateKey("psgd_momentum", layout=OP, moment=FIRST), StateKey("psgd_step", layout=COUNT),
 )
 
@@ -81,6 +85,11 @@ def moments(state: Registry = STATE) -> dict[str, bool]:
     return {k: s.moment == FIRST for k, s in state.items() if s.moment is not None}
 
 
+def factors(state: Registry = STATE) -> tuple[str, ...]:
+    """The learned metrics' factor keys: what a rule's ``state: {factors: …}`` precision encodes."""
+    return tuple(k for k, s in state.items() if s.factor)
+
+
 def keys_in(layout: str, state: Registry = STATE) -> tuple[str, ...]:
     """The declared keys of one layout (:data:`~geomopt.optim.units.declare.LAYOUTS`)."""
     return tuple(k for k, s in state.items() if s.layout == layout)
@@ -109,6 +118,7 @@ SPEC_KEYS = GROUP_KEYS[:-1]
 
 MOMENTS = moments()
 SECOND_MOMENTS = tuple(k for k, signed in MOMENTS.items() if not signed)
+FACTORS = factors()
 #: state kept in the operators' layout (transposed for ``layout: in_out``) on unsharded tensors
 VIEW_KEYS = keys_in(OP)
 #: the previous iterate (laid out like the parameter)
