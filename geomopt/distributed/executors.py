@@ -52,7 +52,9 @@ class Request:
     its matrix view is not the (shape[0], rest) matrix (experts, blocks: the view's sum; of the
     local matrices where they are ``whole``). ``whole``: an owner request whose matrices each lie
     whole on every rank (only their batch dims are cut: experts under FSDP2), which every rank
-    computes on its own blocks."""
+    computes on its own blocks. ``owners``: an owner request's rank for each row, fixed where the
+    operator keeps state with each matrix (it must run where that state lies, every step); ``fn``
+    is then called as ``fn(x, rows)``, ``rows`` the indices of the request's rows that ``x`` holds."""
 
     fn: Callable
     x: torch.Tensor
@@ -61,20 +63,25 @@ class Request:
     full_shape: tuple = ()
     whole: bool = False
     cost: Optional[float] = None
+    owners: Optional[tuple] = None
 
     @property
     def rows(self) -> int:
         return self.x.shape[0]
 
     def row_cost(self) -> float:
-        """FLOPs of a matrix function of one row, up to a constant: m·n·min(m, n) (summed over the
-        matrices of a view)."""
-        if self.cost is not None:
-            return self.cost
-        shape = self.full_shape or tuple(self.x.shape[1:])
-        m = shape[0] if shape else 1
-        n = math.prod(shape[1:]) if len(shape) > 1 else 1
-        return float(m) * n * min(m, n)
+        """FLOPs of a matrix function of one row (:func:`matrix_cost`)."""
+        return matrix_cost(self.full_shape or tuple(self.x.shape[1:]), self.cost)
+
+
+def matrix_cost(shape: tuple, cost: Optional[float] = None) -> float:
+    """FLOPs of a matrix function of a tensor of ``shape``, up to a constant: m·n·min(m, n) of its
+    (shape[0], rest) matrix; ``cost`` where its view says otherwise (the sum over its matrices)."""
+    if cost is not None:
+        return cost
+    m = shape[0] if shape else 1
+    n = math.prod(shape[1:]) if len(shape) > 1 else 1
+    return float(m) * n * min(m, n)
 
 
 @dataclass
@@ -115,8 +122,9 @@ def assign(costs: list[float], world: int) -> list[int]:
     return owners
 
 
-def _apply(req: Request, x: torch.Tensor):
-    out, flags = req.fn(x)
+def _apply(req: Request, x: torch.Tensor, rows: Optional[list] = None):
+    """``req``'s operator on ``x``, the rows ``rows`` of the request (all of them where None)."""
+    out, flags = req.fn(x) if req.owners is None else req.fn(x, list(range(req.rows)) if rows is None else rows)
     if flags is None:
         flags = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
     return out, flags
@@ -135,7 +143,8 @@ class LocalExecutor:
         for req in requests:
             if req.locality == OWNER:
                 self.work.add(req, req.rows)
-                out.append(self.work.timed(req.fn, req.x))
+                out.append(self.work.timed(_apply, req, req.x) if req.owners is not None
+                           else self.work.timed(req.fn, req.x))
             else:
                 out.append(req.fn(req.x))
         return out
@@ -160,13 +169,17 @@ class _DistExecutor:
         return t.bool()
 
     def _owners(self, requests: list[Request]) -> list[list[int]]:
-        """Owner of each row of each owner-class request (one balanced split for the round)."""
+        """Owner of each row of each owner-class request: its fixed owner where the request names one
+        (state kept with the matrix), else one balanced split for the round."""
         jobs = [(i, r) for i, req in enumerate(requests) if req.locality == OWNER and not req.whole
-                for r in range(req.rows)]
+                and req.owners is None for r in range(req.rows)]
         costs = [requests[i].row_cost() for i, _ in jobs]
         out = [[-1] * req.rows for req in requests]
         for (i, r), o in zip(jobs, assign(costs, self.world)):
             out[i][r] = o
+        for i, req in enumerate(requests):
+            if req.locality == OWNER and req.owners is not None:
+                out[i] = list(req.owners)
         return out
 
 
@@ -186,7 +199,7 @@ class ReplicatedExecutor(_DistExecutor):
             if rows:
                 self.work.add(req, len(rows))
                 idx = torch.tensor(rows, device=req.x.device)
-                mine[i] = (rows, *self.work.timed(_apply, req, req.x.index_select(0, idx)))
+                mine[i] = (rows, *self.work.timed(_apply, req, req.x.index_select(0, idx), rows))
         by_dtype: dict = {}
         for i, req in enumerate(requests):
             if req.locality == OWNER:
@@ -317,7 +330,7 @@ class ShardedExecutor(_DistExecutor):
                         full[k][lay[i].slices(s)] = piece.reshape([m for _, m in lay[i].blocks[s]])
                         offsets[s] += n
             self.work.add(req, len(rows))
-            out, flags = self.work.timed(_apply, req, full)
+            out, flags = self.work.timed(_apply, req, full, rows)
             computed[i] = dict(zip(rows, zip(out.unbind(0), flags.unbind(0))))
         # 3. the owner sends every rank its block of the result (and the fallback flag)
         send, send_sizes = [], []

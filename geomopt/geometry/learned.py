@@ -22,8 +22,10 @@ diagonal one. The step counts are host integers (the schedule of the refreshes),
 where the host decides: not under ``capturable``. Its state lives with the whole matrix: on
 replicated tensors (DDP) every rank runs it on its whole copy (``LOCAL``: no rank owns a matrix, so
 each keeps the same factors, the iterates of one process; PSGD's probes are the step's on every
-rank); sharded tensors, whose matrices are cut across ranks, are refused (the registration says
-so, and the optimizer refuses such a rule).
+rank); on sharded tensors (FSDP2, HSDP, TP), whose matrices are cut across ranks, it is ``OWNER``
+(the registration's ``sharded`` locality): each matrix is gathered whole on one rank, fixed for the
+run, which keeps that matrix's whole state (factors, roots, bases, moments, step count) and sends
+every rank its block of the direction (:mod:`geomopt.optim.engine.owned`).
 """
 
 from __future__ import annotations
@@ -35,13 +37,12 @@ import torch
 from geomopt.geometry import kron, kron_psgd
 from geomopt.geometry.matrix import matrix_view, upcast
 from geomopt.geometry.operators import FORWARD_OPS
-from geomopt.registry import LOCAL
+from geomopt.registry import LOCAL, OWNER
 from geomopt.spec.base import Fields
 
 #: why the op has no form under these settings (the optimizer's construction reads them)
 REFUSES = (
     ("capturable", "its roots and bases are recomputed on a schedule the host reads from the step count"),
-    ("sharded", "its factors live with the whole matrix, which sharded tensors cut across ranks"),
 )
 
 
@@ -157,7 +158,7 @@ def psgd(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.
 METHODS = {"shampoo": shampoo, "soap": soap, "psgd": psgd}
 
 
-@FORWARD_OPS.register("kronecker", locality=LOCAL, refuses=REFUSES)
+@FORWARD_OPS.register("kronecker", locality=LOCAL, sharded=OWNER, refuses=REFUSES)
 def kronecker(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """ρ times one step of the geometry's ``method`` on each matrix of ``d`` (the leading
     ``batch_dims`` dims index a bucket's tensors), in float32 at least; ``state`` (required) is

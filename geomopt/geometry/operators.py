@@ -95,10 +95,13 @@ def flat_refusal(kind: str, sharded: bool = False) -> str | None:
     return None
 
 
-def forward_locality(kind: str) -> str:
-    """Locality of the forward op of geometry ``kind`` (KeyError naming the known kinds if none)."""
+def forward_locality(kind: str, sharded: bool = False) -> str:
+    """Locality of the forward op of geometry ``kind`` (KeyError naming the known kinds if none); on
+    ``sharded`` tensors, the registration's ``sharded`` locality where it declares one (an op whose
+    state lives with the whole matrix: ``LOCAL`` on whole copies, ``OWNER`` on shards)."""
     FORWARD_OPS[kind]  # noqa: B018  (the registry's KeyError for an unknown kind)
-    return FORWARD_OPS.meta[kind]["locality"]
+    meta = FORWARD_OPS.meta[kind]
+    return meta.get("sharded", meta["locality"]) if sharded else meta["locality"]
 
 
 def backward_locality(geometry: str, constraint: str) -> str:

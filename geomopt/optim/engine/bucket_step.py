@@ -24,7 +24,8 @@ from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS, polyak_ahead, polyak_rows
 from geomopt.optim.engine.atomic import journal, restore
 from geomopt.optim.engine.graphs import GraphedOp
-from geomopt.optim.units.state_keys import COUNTS, geometry_state
+from geomopt.optim.engine.owned import owned_forward
+from geomopt.optim.units.state_keys import COUNTS, geometry_state, owner_state
 from geomopt.optim.persist.state_codec import Codec, aligned
 from geomopt.optim.engine.tensors import local, op_view, stack, upcast
 from geomopt.optim.engine.program import Program
@@ -94,7 +95,9 @@ class BucketJob:
         self.weighted = weighted_state(prog, self.ok)
         if self.weighted and self.ok is not None:  # α·ok: on zeroed gradients d + 0·(0 − d), d as it was
             hyper = dict(hyper, alpha=hyper["alpha"] * self.ok.to(torch.float64))
-        state = self.state = rt.stacked.gather(self.state_of, items)
+        # a sharded tensor's kronecker state: on each matrix's owner alone, read there by its forward op
+        self.held = owner_state(pp.geometry, is_dtensor(items[0][0]))
+        state = self.state = rt.stacked.gather(self.state_of, items, skip=self.held)
         # float32 working copies of state kept in another precision (the rule's, or a checkpoint's);
         # the stored state changes at the commit
         self.codec = codec(rt, items, pp, group["step"])
@@ -154,6 +157,10 @@ class BucketJob:
         self.next = self.on_forward
         if pp.geometry.kind == "adam":
             return self.on_forward(None)
+        if self.held:
+            out_dtype = self.views[0].dtype if one_pass else None
+            return owned_request(rt, items, self.d, owned_forward(self.state_of, items, pp.geometry, self.held,
+                                                                  radius, out_dtype))
         return request(rt, items, self.d, forward_locality(pp.geometry.kind),
                        _forward_fn(prog, rt, items, pp.geometry, radius, self.views[0].dtype if one_pass else None,
                                    state if forward_state else None))
@@ -369,6 +376,14 @@ def request(rt: Runtime, items: list, x: torch.Tensor, locality: str, fn) -> Req
         return Request(fn, x, locality, layout=layout, full_shape=pp.op_shape,
                        cost=None if cost is None else cost * share, whole=True)
     return Request(fn, x, locality, layout=layout, full_shape=pp.op_shape, cost=cost)
+
+
+def owned_request(rt: Runtime, items: list, x: torch.Tensor, fn) -> Request:
+    """An owner request whose rows each run on their fixed owner (:mod:`geomopt.optim.engine.owned`),
+    which keeps their state: never computed where the blocks lie, even if a matrix lies whole there."""
+    p, pp = items[0]
+    return Request(fn, x, OWNER, layout=rt.stacked.layouts[id(p)], full_shape=pp.op_shape, cost=pp.matrix_cost,
+                   owners=tuple(rt.owners[id(q)] for q, _ in items))
 
 
 def _first_holder(rt: Runtime, p) -> bool:

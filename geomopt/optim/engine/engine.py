@@ -25,12 +25,13 @@ from geomopt.optim.engine.capturable import captured_step, counts_on_device
 from geomopt.optim.engine.construction import check_capturable, check_sharded
 from geomopt.optim.engine.flat import step_flat
 from geomopt.optim.engine.nonfinite import launch_check, skip_nonfinite
+from geomopt.optim.engine.owned import owners
 from geomopt.optim.engine.program import Options, Program, dispatch, flat_rule, signature
 from geomopt.optim.engine.runtime import Runtime
 from geomopt.optim.engine.tensors import as_real, local, op_layout, op_view, stack
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.units.schedules import step_size
-from geomopt.optim.units.state_keys import COUNTS, SPEC_KEYS, STACKED, direction_keys
+from geomopt.optim.units.state_keys import COUNTS, SPEC_KEYS, STACKED, direction_keys, owner_state
 from geomopt.spec.model import Spec
 
 
@@ -131,6 +132,8 @@ class Engine:
         blocks = getattr(self.executor, "layouts", {})
         rt.stacked.layouts = {id(p): op_layout(blocks[id(p)], pp) for g, gplans in zip(groups, self.plans)
                               for p, pp in zip(g["params"], gplans) if id(p) in blocks}
+        rt.owners = owners([(p, pp) for g, gplans in zip(groups, self.plans) for p, pp in zip(g["params"], gplans)
+                            if p.numel() and owner_state(pp.geometry, self.options.sharded)], self.executor.world)
         return rt
 
     def dispatch(self, groups: list) -> None:
@@ -265,9 +268,12 @@ class Engine:
                     st = state[p]
                     # the step counts by value (the host's, read off the CPU); a capturable step's
                     # device counts by identity (a bucket's tensors share one), with no host read
+                    # state kept on a matrix's owner alone (a sharded tensor's kronecker factors) splits
+                    # nothing: the other ranks, which hold none of it, must form the same jobs
+                    held = owner_state(plans[i].geometry, self.options.sharded)
                     counts = tuple(st.get(k) if self.options.capturable or k not in st else int(st[k])
-                                   for k in COUNTS)
-                    key: tuple = (tuple(sorted(k for k in st if k in STACKED)), counts)
+                                   for k in COUNTS if k not in held)
+                    key: tuple = (tuple(sorted(k for k in st if k in STACKED and k not in held)), counts)
                     if flat:
                         key += (radius_factor(plans[i]),)
                     by_key.setdefault(key, (prog, []))[1].append((p, plans[i]))

@@ -23,7 +23,9 @@ class Runtime:
     released at the end of each, except under ``capturable``); ``graphs``: bucket →
     :class:`~geomopt.optim.engine.graphs.GraphedOp`, at most ``graph_cap`` of them; ``flag_host``: the
     pinned host copy of the finiteness flag (CUDA); ``largest_bucket``: entries of the largest
-    bucket, which bounds the flat path's blocks."""
+    bucket, which bounds the flat path's blocks; ``owners``: id(parameter) → the rank that keeps its
+    matrices' state and computes them (:mod:`geomopt.optim.engine.owned`; sharded tensors whose
+    forward op keeps state)."""
 
     executor: Any
     stacked: StackedState = dataclasses.field(default_factory=StackedState)
@@ -32,6 +34,7 @@ class Runtime:
     graph_cap: int = 0
     flag_host: Optional[torch.Tensor] = None
     largest_bucket: int = 1
+    owners: dict = dataclasses.field(default_factory=dict)
 
     @property
     def buffers(self) -> dict:

@@ -38,14 +38,15 @@ class StackedState:
         # identity, which a compiler traces (a pointer comparison it does not)
         self.bound: dict = {}
 
-    def gather(self, state, items: list) -> dict:
+    def gather(self, state, items: list, skip: tuple = ()) -> dict:
         """The state of a batched call: stacked tensors (the per-parameter state entries are views
-        of them, so nothing is copied in steady state) and the shared step counts."""
+        of them, so nothing is copied in steady state) and the shared step counts; not the keys
+        ``skip`` (state each matrix's owner keeps alone: :mod:`geomopt.optim.engine.owned`)."""
         first = state[items[0][0]]
         ids = tuple(id(p) for p, _ in items)
         out = {}
         for key in STACKED:
-            if key not in first:
+            if key not in first or key in skip:
                 continue
             buf: Optional[torch.Tensor] = self.buffers.get((ids, key))
             if buf is None or not self._bound(state, items, ids, key):
@@ -55,7 +56,7 @@ class StackedState:
                 buf = stack([state_row(state[p][key], pp, key) for p, pp in items]).clone()
             out[key] = buf
         for key in COUNTS:
-            if key in first:
+            if key in first and key not in skip:
                 out[key] = first[key]
         return out
 

@@ -14,7 +14,8 @@ from geomopt.optim.units import stages  # noqa: F401  (the post-stages declare t
 from geomopt.optim.units import compensation  # noqa: F401  (a low-precision weight's lost bits, likewise)
 from geomopt.optim.units.declare import (COUNT, FIRST, OP, OWN, PARAM, SECOND, STAT, STATE, STATE_KINDS, WEIGHT,
                                           StateKey, declare)
-from geomopt.registry import Registry
+from geomopt.geometry.operators import forward_locality
+from geomopt.registry import OWNER, Registry
 
 #: the adam geometry's state (torch.optim.AdamW's exp_avg, exp_avg_sq and step)
 ADAM_STATE = declare("adam", StateKey("exp_avg", moment=FIRST), StateKey("exp_avg_sq", moment=SECOND),
@@ -68,6 +69,16 @@ def geometry_state(geometry) -> tuple[str, ...]:
     method's factors); () for a geometry without state."""
     kind = geometry_kind(geometry)
     return () if kind is None else STATE_KINDS[kind]
+
+
+def owner_state(geometry, sharded: bool) -> tuple[str, ...]:
+    """The state keys a rule's forward op keeps whole, on each matrix's owning rank alone, where its
+    tensors are ``sharded``: a stateful op whose registration runs it ``OWNER`` on shards (the
+    kronecker geometry's factors, roots, bases, moments and step count); () elsewhere (replicated or
+    one-process tensors keep their state in the bucket's stack, sharded ones like the parameter)."""
+    if not sharded or forward_locality(geometry.kind, sharded=True) != OWNER:
+        return ()
+    return geometry_state(geometry)
 
 
 #: the suffix of an int8 moment's block scales (``d`` → ``d_absmax``)
