@@ -124,6 +124,14 @@ STAGED = staged_spec(dict(q="**.q_proj.weight", mlp_in=r"re:.*\.(gate|up)_proj\.
                           proj=r"re:.*\.(o|down)_proj\.weight", head="lm_head.weight"))
 
 SPECS = {**{name: str(path) for name, path in shipped_specs().items()}, "mixed": MIXED, "staged": STAGED}
+#: specs whose update turns the last bits of a gradient into steps of the update's size: SOAP's first
+#: Adam step in eigenbases that a rank-deficient factor (k, v: 16 × 32 matrices, R of rank ≤ 16 at the
+#: first step) leaves undetermined, where Adam scales an entry of rounding noise to ±1 (one process:
+#: gradients perturbed by 1e-7 relative move the weights by 0.085 relative). Tensor parallelism's split
+#: matmuls change the gradients' last bits, so under it these specs step on the one-process gradients:
+#: what is compared is the optimizer alone
+REPLAYED = ("soap", "soap-muon")
+TP_LAYOUTS = ("fsdp_tp", "hsdp_tp")
 
 
 class Experts(torch.nn.Module):
@@ -191,17 +199,44 @@ def batch(step: int) -> torch.Tensor:
     return torch.randint(0, CFG["vocab_size"], (4, 9), generator=torch.Generator().manual_seed(step))
 
 
-def train(model, opt, steps=range(STEPS), forward=None, counter=None) -> None:
-    """``counter`` (a dispatch mode) watches the last step's ``opt.step()`` only."""
+def train(model, opt, steps=range(STEPS), forward=None, counter=None, grads=None) -> None:
+    """``counter`` (a dispatch mode) watches the last step's ``opt.step()`` only; ``grads`` (a list of
+    {name: whole gradient} per step): each rank's gradient blocks are replaced by those gradients'."""
     for step in steps:
         opt.zero_grad(set_to_none=True)
         ids = batch(step)
         (forward or model)(input_ids=ids, labels=ids).loss.backward()
+        if grads is not None:
+            replay(model, opt, grads[step])
         if counter is not None and step == steps[-1]:
             with counter:
                 opt.step()
         else:
             opt.step()
+
+
+def one_process_grads(spec, steps=range(STEPS)) -> list:
+    """The gradients of a one-process run of ``spec``, per step ({name: tensor})."""
+    model = make_model()
+    opt = GeomOptimizer(model, spec, distributed=False)
+    out = []
+    for step in steps:
+        opt.zero_grad(set_to_none=True)
+        ids = batch(step)
+        model(input_ids=ids, labels=ids).loss.backward()
+        out.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        opt.step()
+    return out
+
+
+def replay(model, opt, grads: dict) -> None:
+    """Each sharded parameter's gradient block set to its block of ``grads[name]`` (where the
+    optimizer's layout says it lies)."""
+    executor = opt.engine.executor
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            block = executor.layouts[id(p)].slices(executor.rank)
+            p.grad.to_local().copy_(grads[name][block])
 
 
 def params_of(model) -> dict:
@@ -272,10 +307,11 @@ def run_layouts(world: World, result: dict) -> None:
                     raise
                 result.setdefault("refused", {}).setdefault(layout, {})[name] = str(exc)
                 continue
+            grads = one_process_grads(spec) if name in REPLAYED and layout in TP_LAYOUTS else None
             t0 = time.perf_counter()
             counter = _counter()
             with clip_monitor(model, opt):
-                train(model, opt, forward=forward, counter=counter)
+                train(model, opt, forward=forward, counter=counter, grads=grads)
             result["seconds"][layout][name] = time.perf_counter() - t0
             result.setdefault("sent", {}).setdefault(layout, {})[name] = counter.sent / param_bytes(model)
             result[layout][name] = params_of(model)

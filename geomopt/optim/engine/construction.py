@@ -21,6 +21,7 @@ from geomopt.lint.roles import RolesGuessedWarning, untraced, untraced_text
 from geomopt.lint.runner import lint_spec
 from geomopt.optim.contract.diagnostics import euclidean_geometry
 from geomopt.optim.units.directions import DIRECTIONS
+from geomopt.optim.units.state_keys import owner_state
 from geomopt.optim.engine.tensors import full, in_set, op_view, upcast
 from geomopt.spec.model import Spec
 from geomopt.spec.validate import source_of
@@ -91,17 +92,18 @@ def project_on_init(groups: list, plans: list, executor) -> None:
 
 def _geometry_refusal(gplans: list, form: str) -> tuple[str, Optional[str]]:
     """(the rule's geometry kind, why its forward op refuses ``form``, or None): the registration's
-    ``refuses`` (the kronecker geometry under ``capturable`` and on sharded tensors)."""
+    ``refuses`` (the kronecker geometry under ``capturable``)."""
     kind = gplans[0].geometry.kind
     return kind, dict(FORWARD_OPS.meta[kind].get("refuses", ())).get(form)
 
 
 def check_sharded(groups: list, plans: list, opts) -> None:
     """A direction or a geometry that refuses the ``sharded`` form (Dion, whose power iteration and
-    QR need each matrix whole: :class:`~geomopt.optim.units.declare.DirectionUnit`; the kronecker
-    geometry, whose factors live with the whole matrix: its forward op's registration) is refused
-    on sharded (DTensor) tensors, with its declared reason. Replicated tensors (DDP) step whole on
-    every rank."""
+    QR need each matrix whole: :class:`~geomopt.optim.units.declare.DirectionUnit`; a geometry's
+    forward op by its registration) is refused on sharded (DTensor) tensors, with its declared
+    reason; so is a state precision other than float32 for a geometry whose state each matrix's
+    owner keeps whole (the kronecker geometry's: :mod:`geomopt.optim.engine.owned`, which does not
+    encode it). Replicated tensors (DDP) step whole on every rank."""
     if not opts.sharded:
         return
     for g, gplans in zip(groups, plans):
@@ -113,6 +115,10 @@ def check_sharded(groups: list, plans: list, opts) -> None:
         if why:
             raise ValueError(f"rule '{g['rule']}' has the {kind} geometry, which cannot run on sharded (DTensor) "
                              f"parameters: {why}; keep its tensors whole on each rank (DDP) or step it in one process")
+        if owner_state(gplans[0].geometry, True) and gplans[0].state_dtype != "float32":
+            raise ValueError(f"rule '{g['rule']}' has the {kind} geometry with state: {gplans[0].state_dtype}: on "
+                             f"sharded (DTensor) parameters each matrix's owner keeps its state whole, in float32; "
+                             f"set state: float32 for this rule, or keep its tensors whole on each rank (DDP)")
 
 
 def check_capturable(groups: list, plans: list, opts) -> None:

@@ -37,7 +37,8 @@ from geomopt.optim.engine.construction import check_capturable, check_sharded
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.persist.state_codec import BLOCK, STORED, scale_shape, side_shape
 from geomopt.optim.units.state_keys import (CORRECTION, COUNTS, GROUP_KEYS, KINDS, MOMENTS, PARAM_KEYS, SCALE,
-                                            SECOND_MOMENTS, STACKED, STAT_KEYS, VIEW_KEYS, WEIGHT_KEYS, direction_keys)
+                                            SECOND_MOMENTS, STACKED, STAT_KEYS, VIEW_KEYS, WEIGHT_KEYS, direction_keys,
+                                            owner_state)
 from geomopt.optim.units.compensation import DTYPES, compensated, step_dtype
 from geomopt.optim.engine.tensors import as_real, local
 from geomopt.spec.geometries import Euclidean
@@ -378,9 +379,22 @@ def check_same_spec(opt, sd: Mapping, same_rules: bool = True, unnamed=frozenset
             raise CheckpointError(f"tensor '{pp.name}': state '{unknown[0]}' is not a key this optimizer keeps "
                                   f"({', '.join(KEPT)}): the state was edited or saved by another optimizer; drop "
                                   f"the key, or load it with allow_spec_change=True to carry over what fits")
+        _check_owner(opt, pp, p, entry)
         for key, value in entry.items():
             if isinstance(value, torch.Tensor) and key not in STEP_KEYS:
                 _check_tensor(pp, p, key, value)
+
+
+def _check_owner(opt, pp, p: torch.Tensor, entry: Mapping) -> None:
+    """State a sharded tensor's matrix owner keeps alone (the kronecker geometry's) is in the entry
+    of that rank only: elsewhere it is another rank's state."""
+    held = [k for k in owner_state(pp.geometry, is_dtensor(p)) if k in entry]
+    rt, executor = opt.engine.rt, opt.engine.executor
+    owner = None if rt is None else rt.owners.get(id(p))
+    if held and owner is not None and owner != executor.rank:
+        raise CheckpointError(f"tensor '{pp.name}': state '{held[0]}' is kept by the rank that owns the tensor's "
+                              f"matrix (rank {owner}), and this is rank {executor.rank}: the state dict was saved "
+                              f"by another rank; load each rank's own optimizer.state_dict()")
 
 
 def _check_tensor(pp, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
@@ -410,8 +424,9 @@ def _check_tensor(pp, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
         return
     if key in PARAM_KEYS:
         want = tuple(p.shape)
-    elif key in VIEW_KEYS:
-        want = tuple(p.shape) if is_dtensor(p) else tuple(pp.op_shape)
+    elif key in VIEW_KEYS:  # a sharded tensor's: laid out like it, unless its matrix's owner keeps it whole
+        sharded = is_dtensor(p)
+        want = tuple(p.shape) if sharded and key not in owner_state(pp.geometry, sharded) else tuple(pp.op_shape)
     elif key in STAT_KEYS:  # a statistic: each dim whole, or summed out (1), or per block
         op = tuple(pp.op_shape)
         want = None if len(shape) == len(op) and all(1 <= s <= n for s, n in zip(shape, op)) else f"≤ {op}"

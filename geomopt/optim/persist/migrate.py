@@ -44,7 +44,7 @@ from geomopt.distributed.executors import is_dtensor
 from geomopt.optim.units.compensation import DTYPES, KEY, compensated
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.persist.state_codec import decode_entry
-from geomopt.optim.units.state_keys import KINDS, VIEW_KEYS, geometry_kind
+from geomopt.optim.units.state_keys import KINDS, VIEW_KEYS, geometry_kind, owner_state
 from geomopt.optim.engine.tensors import count_tensor
 
 # torch.optim state keys → geomopt's, per source optimizer
@@ -184,6 +184,9 @@ def migrate_state(saved: dict[str, dict], targets: list[tuple], source: str,
             into = kind if kind in used else "momentum" if kind == "storm" and "momentum" in used else None
             if into is None:
                 reset.append(f"{kind} ({_why_not(kind, pp, direction)})")
+                continue
+            if set(KINDS[into]) & set(owner_state(pp.geometry, is_dtensor(p))):
+                reset.append(f"{kind} (kept whole by the owner of the sharded tensor's matrix: it starts there)")
                 continue
             if kind == "compensation":  # the weight's lost bits: carried only in the form this rule keeps
                 value = entry[KEY]

@@ -1,0 +1,104 @@
+"""State kept with each whole matrix on its owner (:mod:`geomopt.optim.engine.owned`), in one process:
+the owner's forward op on some rows of a bucket, whose tensors may have stepped different numbers
+of times, gives each matrix the step it takes alone and keeps its state per tensor; owners are a
+balanced split fixed by the tensors' FLOPs; an executor sends a request's rows to the owners it names.
+(The sharded runs against one process: tests/test_layouts.py.)"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from geomopt.distributed.executors import ReplicatedExecutor, Request, matrix_cost
+from geomopt.geometry.learned import kronecker
+from geomopt.optim.engine.owned import owned_forward, owners
+from geomopt.optim.units.state_keys import geometry_state, owner_state
+from geomopt.registry import LOCAL, OWNER
+
+F64 = torch.float64
+
+
+class G(dict):
+    """A geometry as a plan's fragment reads: by field and by ``.kind``."""
+
+    @property
+    def kind(self):
+        return self["kind"]
+
+
+GEOMETRIES = {
+    "shampoo": G(kind="kronecker", method="shampoo", beta=0.9, damping=1e-3, every=1, exponent=None,
+                    root="eigh", graft="adam", betas=[0.9, 0.99], eps=1e-8, max_dim=None),
+    "soap": G(kind="kronecker", method="soap", beta=0.95, betas=[0.9, 0.95], eps=1e-8, every=2, max_dim=5),
+    "psgd": G(kind="kronecker", method="psgd", momentum=0.9, precond_lr=0.1, every=1, max_dim=None),
+}
+
+
+def _alone(g: torch.Tensor, state: dict, geometry: dict) -> torch.Tensor:
+    """One matrix stepped by the forward op as a bucket of one."""
+    return kronecker(g.unsqueeze(0), geometry, radius=0.5, batch_dims=1, state=state)[0]
+
+
+@pytest.mark.parametrize("method", sorted(GEOMETRIES))
+def test_owned_rows_step_as_each_matrix_alone(method):
+    """A bucket of 4 (5, 6) tensors; this rank owns rows 0, 2 and 3; tensor 3 misses the first step,
+    so at the second its count differs from rows 0 and 2 (they step apart). Each row's direction and
+    state equal those of its matrix stepped alone."""
+    geometry = GEOMETRIES[method]
+    gen = torch.Generator().manual_seed(0)
+    grads = torch.randn(3, 4, 5, 6, generator=gen, dtype=F64)
+    params = [torch.zeros(5, 6) for _ in range(4)]
+    items = [(p, None) for p in params]
+    state_of: dict = {p: {} for p in params}
+    alone: dict = {r: {} for r in range(4)}
+    keys = geometry_state(geometry)
+    fn = owned_forward(state_of, items, geometry, keys, radius=0.5)
+    for step, rows in enumerate(([0, 2], [0, 2, 3], [0, 2, 3])):
+        out, flags = fn(grads[step, rows], rows)
+        assert flags is None and out.shape == (len(rows), 5, 6)
+        for k, r in enumerate(rows):
+            want = _alone(grads[step, r], alone[r], geometry)
+            assert torch.allclose(out[k], want, rtol=1e-12, atol=1e-12), (method, step, r)
+            got_state = state_of[params[r]]
+            assert set(got_state) == set(keys)
+            for key in keys:
+                if isinstance(alone[r][key], int):
+                    assert int(got_state[key]) == alone[r][key]
+                else:
+                    assert torch.allclose(got_state[key], alone[r][key].reshape(got_state[key].shape),
+                                          rtol=1e-12, atol=1e-12), (method, key)
+    assert state_of[params[1]] == {}  # a row this rank does not own keeps nothing here
+    assert int(state_of[params[3]][keys[-1]]) == int(state_of[params[0]][keys[-1]]) - 1  # stepped apart
+
+
+def test_owners_are_a_balanced_split_of_the_flops():
+    plans = [SimpleNamespace(op_shape=shape, matrix_cost=None) for shape in ((64, 32), (32, 32), (32, 32), (16, 32))]
+    items = [(torch.zeros(1), pp) for pp in plans]
+    got = owners(items, 2)
+    ranks = [got[id(p)] for p, _ in items]
+    assert ranks == [0, 1, 1, 0]  # 65536 | 32768 + 32768, then 8192 onto the lighter rank 0
+    assert matrix_cost((16, 32)) == 16 * 32 * 16 and matrix_cost((4, 2, 3)) == 4 * 6 * 4
+    assert matrix_cost((4, 2, 3), 7.0) == 7.0
+
+
+def test_a_request_with_fixed_owners_goes_to_them():
+    executor = object.__new__(ReplicatedExecutor)
+    executor.world, executor.rank = 2, 0
+    x = torch.zeros(3, 4, 4)
+    free = Request(lambda m: (m, None), x, OWNER)
+    fixed = Request(lambda m, rows: (m, None), x, OWNER, owners=(1, 1, 0))
+    local = Request(lambda m: (m, None), x, LOCAL)
+    got = executor._owners([free, fixed, local])
+    assert got[1] == [1, 1, 0] and got[2] == [-1, -1, -1]
+    assert sorted(got[0]) == [0, 0, 1] or sorted(got[0]) == [0, 1, 1]
+    assert math.isclose(free.row_cost(), 64.0)
+
+
+def test_only_a_sharded_stateful_owner_op_keeps_state_on_its_owner():
+    assert owner_state(GEOMETRIES["soap"], True) == geometry_state(GEOMETRIES["soap"])
+    assert owner_state(GEOMETRIES["soap"], False) == ()
+    assert owner_state(G(kind="adam"), True) == ()  # local on shards: laid out like the parameter
+    assert owner_state(G(kind="spectral"), True) == ()  # owner, but keeps no state
