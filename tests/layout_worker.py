@@ -417,6 +417,27 @@ def round_trips(world: World, layouts=("hsdp", "fsdp_tp"), specs=("staged", "mix
     return out
 
 
+def owned_state(world: World, layout: str = "fsdp_tp", spec: str = "soap") -> dict:
+    """Which tensors' kronecker state this rank keeps (a sharded matrix's: on its owner alone), and the
+    bytes of it, after a run of ``spec``."""
+    from geomopt.optim.units.state_keys import geometry_state
+
+    model, forward, kw = world.wrap(layout, make_model())
+    opt = GeomOptimizer(model, SPECS[spec], **kw)
+    train(model, opt, forward=forward)
+    out: dict = {"held": {}, "bytes": 0}
+    plans = {pp.name: pp for pp in opt.plan}
+    for name, p in model.named_parameters():
+        pp = plans[name]
+        keys = geometry_state(pp.geometry)
+        if keys and pp.geometry.kind == "kronecker":
+            held = [k for k in keys if k in opt.state[p]]
+            out["held"][name] = held == list(keys)
+            out["bytes"] += sum(opt.state[p][k].numel() * opt.state[p][k].element_size() for k in held)
+            assert held in ([], list(keys)), (name, held)  # all of the kind, or none
+    return out
+
+
 def bad_input(world: World) -> dict:
     """Refusals: a Partial placement, a _StridedShard nesting FSDP2 does not make (its split factor
     is not the size of the mesh dim that shards the same dim after it), a state_dict from another
@@ -542,6 +563,9 @@ def main(out: Path) -> None:
         result["errors"] = bad_input3(world)
     else:
         result["round_trips"] = round_trips(world)
+        # the kronecker specs' state, kept on each matrix's owner: a state dict and DCP resume bit for bit
+        result["round_trips"].update(round_trips(world, ("fsdp_tp",), ("soap", "shampoo", "psgd-kron")))
+        result["owned"] = owned_state(world)
         result["experts"] = experts(world)
         result["diagnostics"] = diagnostics(world)
         result["errors"] = bad_input(world)

@@ -112,6 +112,26 @@ def test_state_dict_and_dcp_round_trips_are_exact(ranks, key):
         assert got == dict(state_dict=True, dcp=True, dtensor_state=True, placed_like_params=True), (key, got)
 
 
+@pytest.mark.parametrize("name", ["soap", "shampoo", "psgd-kron"])
+def test_kronecker_state_on_owners_resumes_bit_for_bit(ranks, name):
+    """FSDP2 × TP: the kronecker state each matrix's owner keeps (plain tensors, on that rank alone)
+    goes through opt.state_dict() and through DCP, and the runs resume bit for bit."""
+    for r in ranks:
+        got = r["round_trips"][("fsdp_tp", name)]
+        assert got["state_dict"] and got["dcp"], (name, got)
+
+
+def test_kronecker_state_lies_on_one_owner_per_matrix(ranks):
+    """FSDP2 × TP (one group of 4 ranks): each matrix's factors, bases and moments are on exactly one
+    rank, the owners share them out (no rank holds more than twice its share of the bytes)."""
+    held = [r["owned"]["held"] for r in ranks]
+    names = set(held[0])
+    assert names and all(set(h) == names for h in held)
+    assert all(sum(h[n] for h in held) == 1 for n in names), held
+    sizes = [r["owned"]["bytes"] for r in ranks]
+    assert all(0 < b <= 2 * sum(sizes) / len(sizes) for b in sizes), sizes
+
+
 def test_unservable_meshes_and_placements_are_refused(ranks):
     for r in ranks:
         e = r["errors"]
