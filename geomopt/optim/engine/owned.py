@@ -56,8 +56,13 @@ def owned_forward(state_of, items: list, geometry, keys: tuple, radius: float = 
                     out = y.new_empty((len(rows), *y.shape[1:]))
                 out[idx] = y
             for key, value in state.items():
-                for i, e in enumerate(entries):
-                    e[key] = count_tensor(value) if key in COUNTS else value[i]
+                if isinstance(value, torch.Tensor):
+                    for e, row in zip(entries, value.unbind(0)):
+                        e[key] = row
+                else:  # a step count: one tensor for the rows, as a bucket's
+                    count = count_tensor(value)
+                    for e in entries:
+                        e[key] = count
         return out, None
 
     return fn
