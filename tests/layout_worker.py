@@ -417,6 +417,12 @@ def round_trips(world: World, layouts=("hsdp", "fsdp_tp"), specs=("staged", "mix
     return out
 
 
+#: SOAP with its moments kept in bfloat16 (one process encodes them; a sharded run refuses it)
+KRON_BF16 = {"geomopt": 1, "name": "soap-bf16", "defaults": {"state": "bfloat16"}, "rules": [
+    {"name": "hidden", "match": {"role": ["hidden"]}, "geometry": {"kind": "kronecker", "method": "soap"}},
+    {"name": "rest", "match": "**", "geometry": {"kind": "adam"}}]}
+
+
 def owned_state(world: World, layout: str = "fsdp_tp", spec: str = "soap") -> dict:
     """Which tensors' kronecker state this rank keeps (a sharded matrix's: on its owner alone), and the
     bytes of it, after a run of ``spec``."""
@@ -460,6 +466,19 @@ def bad_input(world: World) -> dict:
     sd = opt.state_dict()
     other, forward, kw = world.wrap("fsdp_tp", make_model())
     out["mesh_change"] = _error(lambda: GeomOptimizer(other, "muon", **kw).load_state_dict(sd))
+    # the kronecker geometry's state, kept float32 by each matrix's owner: another precision is refused;
+    # an owner's state loaded on another rank (rank 0 given rank 1's state dict) is refused
+    model, forward, kw = world.wrap("fsdp", make_model())
+    out["kron_bf16"] = _error(lambda: GeomOptimizer(model, KRON_BF16, **kw))
+    opt = GeomOptimizer(model, "soap", **kw)
+    train(model, opt, forward=forward)
+    sd = _clone(opt.state_dict())
+    kept = [i for i, e in sd["state"].items() if "soap_step" in e]  # the matrices this rank owns
+    kron = [i for g in sd["param_groups"] if g["rule"] in ("kv", "hidden") for i in g["params"]]
+    other = next(i for i in kron if i not in kept)  # another rank's: its entry as that rank would save it
+    sd["state"][other] = dict(sd["state"][kept[0]])
+    fresh, _, kw = world.wrap("fsdp", make_model())
+    out["kron_other_rank"] = _error(lambda: GeomOptimizer(fresh, "soap", **kw).load_state_dict(sd))
     return out
 
 

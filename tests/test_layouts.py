@@ -141,6 +141,11 @@ def test_unservable_meshes_and_placements_are_refused(ranks):
         assert "supported:" in e["strided"]
         assert e["mesh_change"] and "torch.distributed.checkpoint" in e["mesh_change"]
         assert "2x2 (Replicate(), Shard(dim=0))" in e["mesh_change"]
+        # the kronecker state each matrix's owner keeps: float32 only, and each rank's own
+        assert e["kron_bf16"] and "kronecker geometry with state: bfloat16" in e["kron_bf16"], e["kron_bf16"]
+        assert "set state: float32" in e["kron_bf16"]
+        assert e["kron_other_rank"] and "kept by the rank that owns the tensor's matrix" in e["kron_other_rank"]
+        assert "load each rank's own optimizer.state_dict()" in e["kron_other_rank"]
 
 
 def test_update_norms_count_each_block_once(ranks):

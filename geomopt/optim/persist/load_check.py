@@ -393,7 +393,8 @@ def _check_owner(opt, pp, p: torch.Tensor, entry: Mapping) -> None:
     owner = None if rt is None else rt.owners.get(id(p))
     if held and owner is not None and owner != executor.rank:
         raise CheckpointError(f"tensor '{pp.name}': state '{held[0]}' is kept by the rank that owns the tensor's "
-                              f"matrix (rank {owner}), and this is rank {executor.rank}: the state dict was saved "
+                              f"matrix (rank {owner} of the step's process group), and this is rank "
+                              f"{executor.rank}: the state dict was saved "
                               f"by another rank; load each rank's own optimizer.state_dict()")
 
 
