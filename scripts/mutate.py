@@ -6,7 +6,8 @@ a time and record which changes the tests notice.
     python scripts/mutate.py --modules geometry/gap.py --list     # the mutants, without running
 
 Sites: the functions (module level, and the methods of module-level classes) of
-``geomopt/geometry/**/*.py``, ``geomopt/optim/units/stages.py`` and ``geomopt/optim/units/directions.py``.
+``geomopt/geometry/**/*.py``, ``geomopt/optim/units/stages.py``, ``geomopt/optim/units/directions.py`` and
+``geomopt/optim/units/compensation.py`` (the compensated bf16 weights' split and join).
 Operators (:data:`OPERATORS`): a numeric constant c → c+1, 2c, 0, and 1−c where 0 < c < 1 is a
 float; a unary minus removed, or added to a returned value or to an arithmetic right-hand side;
 ``+``↔``-``, ``*``↔``/``, ``**``→``*`` (augmented assignments too); ``<``↔``<=``, ``>``↔``>=``;
@@ -54,10 +55,11 @@ from typing import Callable, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
-DEFAULT_MODULES = ("geomopt/geometry", "geomopt/optim/units/stages.py", "geomopt/optim/units/directions.py")
+DEFAULT_MODULES = ("geomopt/geometry", "geomopt/optim/units/stages.py", "geomopt/optim/units/directions.py",
+                   "geomopt/optim/units/compensation.py")
 #: the groups the outcome file scores apart (path prefixes)
 GROUPS = {"geometry": "geomopt/geometry/", "stages": "geomopt/optim/units/stages.py",
-          "directions": "geomopt/optim/units/directions.py"}
+          "directions": "geomopt/optim/units/directions.py", "compensation": "geomopt/optim/units/compensation.py"}
 
 #: the step's integration tests: every unit runs inside them
 STEP_TESTS = ("tests/test_optimizer.py", "tests/test_equivalence.py", "tests/test_stages_variants.py")
@@ -69,22 +71,27 @@ TESTS: dict[str, tuple[str, ...]] = {
                          "tests/test_backward.py", "tests/test_backward_floor.py", "tests/test_retractions.py",
                          "tests/test_method_auto.py", "tests/test_odd_tensors.py", "tests/test_adam_step.py",
                          "tests/test_dtype.py", "tests/test_kron.py", "tests/test_aol.py",
+                         "tests/test_prox_polar.py", "tests/test_prox_scalar.py", "tests/test_prox_spectral_map.py",
                          "tests/test_mutation_kills.py", *STEP_TESTS),
     "geomopt/optim/units/stages.py": ("tests/test_stages.py", "tests/test_trust_ratio.py",
                                       "tests/test_mutation_kills.py", *STEP_TESTS),
     "geomopt/optim/units/directions.py": ("tests/test_units.py", "tests/test_dion.py", "tests/test_adam_step.py",
                                           *STEP_TESTS),
+    "geomopt/optim/units/compensation.py": ("tests/test_compensation.py", "tests/test_mutation_kills.py"),
 }
 #: the test files that run in full for a mutant of a module, not capped at :data:`TESTS_PER_FILE`: the
 #: module's own unit tests (``tests/test_<module>.py``, or those named here) and the survivors' file
 OWN_TESTS: dict[str, tuple[str, ...]] = {"geomopt/optim/units/directions.py": ("tests/test_units.py",
                                                                              "tests/test_dion.py"),
                                          "geomopt/optim/units/stages.py": ("tests/test_stages.py",
-                                                                           "tests/test_trust_ratio.py")}
+                                                                           "tests/test_trust_ratio.py"),
+                                         **{f"geomopt/geometry/prox/{m}.py": (f"tests/test_prox_{m}.py",)
+                                            for m in ("polar", "scalar", "spectral_map")}}
 ALWAYS_FULL = ("tests/test_mutation_kills.py",)
 #: tests no mutant runs: torch.compile in a forked child costs seconds per mutant and starts
-#: compile workers (the eager tests cover the same functions)
-EXCLUDE = "not test_compiled_"
+#: compile workers (the eager tests cover the same functions); test_compensation's two that start 4
+#: gloo processes (its one-process tests cover the same split and join)
+EXCLUDE = "not test_compiled_ and not test_ddp_steps_compensated and not test_sharded_parameters_are_refused"
 
 _ITERATION_CAP = ("a safety cap on a host-side loop that converges in far fewer steps: never reached, so the "
                   "result is the same")
@@ -860,7 +867,8 @@ def record_results(record: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modules", nargs="+", default=list(DEFAULT_MODULES),
-                    help="source files or folders (default: geometry/, optim/stages.py, optim/directions.py)")
+                    help="source files or folders (default: geometry/, optim/units/stages.py, directions.py, "
+                         "compensation.py)")
     ap.add_argument("--max-mutants", type=int, default=None, help="a seeded sample of at most this many mutants")
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
     ap.add_argument("--workers", type=int, choices=(1, 2), default=1, help="children at a time (default 1)")

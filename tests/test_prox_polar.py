@@ -1,0 +1,131 @@
+"""geometry/prox/polar.py: the SVD-free (Newton–Schulz, Gram inverse square root) polar factors of
+the Stiefel and spectral-ball steps, their max-entry error against the SVD's steps in float64, and
+the iteration's step counts and safeguards against independent computations."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+from geomopt.geometry.prox import backward
+from geomopt.geometry.prox.polar import polar
+from test_backward import LOG, _geometry, direction, point_in
+
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
+@pytest.mark.parametrize("shape", [(48, 24), (24, 48), (256, 128), (128, 512)])
+@pytest.mark.parametrize("gamma", [0.6, 0.04, 0.002])  # t = 0.3r (a loose Gershgorin guard), 0.02r, 0.001r
+def test_stiefel_polar_accuracy(dtype, bound, shape, gamma):
+    """r·polar(Y) for Y = X − tW, X ∈ Stiefel(r), ‖W‖₂ < 1: max-entry error vs the SVD ≤ bound·r."""
+    rng = np.random.default_rng(5)
+    r = 2.0
+    y = np.stack([point_in({"kind": "stiefel", "radius": r}, shape, rng)
+                  - gamma * direction("spectral", shape, rng, 0.99)
+                  for _ in range(3)])
+    geo = _geometry("spectral", LOG)
+    exact, _ = backward(torch.tensor(y), gamma, geo, {"kind": "stiefel", "radius": r}, batch_dims=1)
+    approx, fb = backward(torch.tensor(y, dtype=dtype), gamma, geo, {"kind": "stiefel", "radius": r, "method": "polar"},
+                          batch_dims=1)
+    err = (approx.double() - exact).abs().max().item() / r
+    assert err <= bound, err
+    assert not fb.any()
+
+
+@pytest.mark.parametrize("shape,gram_route", [((128, 512), True), ((512, 128), True), ((128, 128), False)])
+def test_stiefel_polar_takes_the_cheaper_iteration(shape, gram_route, monkeypatch):
+    """Near Stiefel, elongated matrices go through the Gram matrix's inverse square root (fewer
+    FLOPs), square ones through Newton–Schulz on Y; both match r·U·Vᵀ of the SVD to ≤ 2e-6·r."""
+    mod = importlib.import_module("geomopt.geometry.prox.polar")
+    calls = []
+    inverse_sqrt = mod._inverse_sqrt
+    monkeypatch.setattr(mod, "_inverse_sqrt", lambda *a, **k: calls.append(1) or inverse_sqrt(*a, **k))
+    rng = np.random.default_rng(11)
+    r, gamma = 2.0, 0.04
+    y = np.stack([point_in({"kind": "stiefel", "radius": r}, shape, rng)
+                  - gamma * direction("spectral", shape, rng, 0.99)
+                  for _ in range(2)])
+    geo = _geometry("spectral", LOG)
+    exact, _ = backward(torch.tensor(y), gamma, geo, {"kind": "stiefel", "radius": r}, batch_dims=1)
+    approx, _ = backward(torch.tensor(y, dtype=torch.float32), gamma, geo,
+                         {"kind": "stiefel", "radius": r, "method": "polar"}, batch_dims=1)
+    assert bool(calls) == gram_route
+    assert (approx.double() - exact).abs().max().item() / r <= 2e-6
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
+@pytest.mark.parametrize("shape,rank", [((40, 24), None), ((24, 40), None), ((40, 24), 5)])
+def test_spectral_ball_polar_accuracy(dtype, bound, shape, rank):
+    """SVD-free clipping vs SVD clipping: max-entry error ≤ bound·r on Gaussian and rank-deficient
+    matrices (rank-deficient inputs are where the ½[Y + rQ − PQᵀ(Y − rQ)] form loses ~1e-1·r
+    in fp32 with an iterative polar; see _spectral_ball_polar)."""
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(3, *shape, generator=g, dtype=torch.float64)
+    if rank is not None:
+        y = y[..., :rank] @ torch.randn(3, rank, shape[1], generator=g, dtype=torch.float64)
+    r = 4.0  # σ(Y) spreads over (0, ~13): some clipped, some not
+    geo = _geometry("spectral", LOG)
+    exact, _ = backward(y, 0.5, geo, {"kind": "spectral_ball", "radius": r}, batch_dims=1)
+    approx, _ = backward(y.to(dtype), 0.5, geo, {"kind": "spectral_ball", "radius": r, "method": "polar"}, batch_dims=1)
+    assert approx.dtype == dtype
+    err = (approx.double() - exact).abs().max().item() / r
+    assert err <= bound, err
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
+@pytest.mark.parametrize("shape", [(256, 128), (128, 512)])
+@pytest.mark.parametrize("gamma", [0.6, 0.04, 0.002])  # t = 0.3r, 0.02r, 0.001r
+def test_spectral_ball_polar_accuracy_on_training_steps(dtype, bound, shape, gamma):
+    """Y = X − tW, X in the spectral ball (σ uniform in [0, r]), ‖W‖₂ < 1: the clipping's
+    max-entry error vs the SVD ≤ bound·r (its step counts adapt to the Gram matrix's scales)."""
+    rng = np.random.default_rng(7)
+    r = 2.0
+    y = []
+    for _ in range(3):
+        u = np.linalg.qr(rng.standard_normal((shape[0], min(shape))))[0]
+        v = np.linalg.qr(rng.standard_normal((shape[1], min(shape))))[0]
+        y.append((u * rng.uniform(0, r, min(shape))) @ v.T - gamma * direction("spectral", shape, rng, 0.99))
+    y = np.stack(y)
+    geo = _geometry("spectral", LOG)
+    c = {"kind": "spectral_ball", "radius": r}
+    exact, _ = backward(torch.tensor(y), gamma, geo, c, batch_dims=1)
+    approx, fb = backward(torch.tensor(y, dtype=dtype), gamma, geo, dict(c, method="polar"), batch_dims=1)
+    err = (approx.double() - exact).abs().max().item() / r
+    assert err <= bound, err
+    assert not fb.any()
+
+
+def test_polar_identity_for_clipping_holds_exactly_with_svd_polar():
+    """The clipping identity itself (_spectral_ball_polar's docstring) with exact polar factors: equality to
+    rounding."""
+    y = torch.randn(7, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    r = 1.3
+
+    def pol(m):
+        u, _, vh = torch.linalg.svd(m, full_matrices=False)
+        return u @ vh
+
+    q = pol(y)
+    p = pol(y - r * q)
+    clip = 0.5 * (y + r * q - p @ q.T @ (y - r * q))
+    u, s, vh = torch.linalg.svd(y, full_matrices=False)
+    torch.testing.assert_close(clip, (u * s.clamp(max=r)) @ vh, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(polar(y), q, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-4), (torch.float64, 1e-12)])
+def test_spectral_ball_polar_far_outside_the_ball(dtype, bound):
+    """σ(Y) from 100r down to 0.01r (no feasibility to lean on, e.g. backward_step on any Y):
+    the polar factors' floors are relative to the scale, not to r, so clipping stays accurate."""
+    g = torch.Generator().manual_seed(0)
+    u, _, vh = torch.linalg.svd(torch.randn(3, 64, 32, generator=g, dtype=torch.float64), full_matrices=False)
+    s = torch.logspace(-2, 2, 32, dtype=torch.float64).flip(0).expand(3, 32)
+    y = u @ torch.diag_embed(s) @ vh
+    geo = _geometry("spectral", LOG)
+    exact, _ = backward(y, 0.01, geo, {"kind": "spectral_ball", "radius": 1.0}, batch_dims=1)
+    approx, _ = backward(y.to(dtype), 0.01, geo, {"kind": "spectral_ball", "radius": 1.0, "method": "polar"},
+                         batch_dims=1)
+    assert (approx.double() - exact).abs().max().item() <= bound
