@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from geomopt.geometry.prox import backward
-from geomopt.geometry.prox.polar import polar
+from geomopt.geometry.prox.polar import polar, polar_steps
 from test_backward import LOG, _geometry, direction, point_in
 
 
@@ -129,3 +129,100 @@ def test_spectral_ball_polar_far_outside_the_ball(dtype, bound):
     approx, _ = backward(y.to(dtype), 0.01, geo, {"kind": "spectral_ball", "radius": 1.0, "method": "polar"},
                          batch_dims=1)
     assert (approx.double() - exact).abs().max().item() <= bound
+
+
+# ---------------------------------------------------------------- the iterations at their contracts' ends
+
+
+def _spectrum_matrix(sigma: np.ndarray, m: int, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    u = np.linalg.qr(rng.standard_normal((m, len(sigma))))[0]
+    v = np.linalg.qr(rng.standard_normal((n, len(sigma))))[0]
+    return (u * sigma) @ v.T
+
+
+def _svd_polar(m: np.ndarray) -> np.ndarray:
+    u, _, vt = np.linalg.svd(m, full_matrices=False)
+    return u @ vt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(24, 10), (10, 24)])
+@pytest.mark.parametrize("floor,top", [(1e-3, 1.5), (0.05, 1.0), (0.3, 0.9), (2.0**-20, 1.2)])
+def test_scaled_polar_at_the_ends_of_its_contract(dtype, shape, floor, top):
+    """polar(M, scale=c, floor=f, top=T) for σ(M)/c spread over [f, T] with both ends taken (the
+    caller's guarantee, polar's docstring): the SVD's U·Vᵀ in float64 to ≤ 4u/f per entry (the polar
+    factor's own conditioning, u/σ_min: measured ≤ 1.0u/f); the unscaled iteration (steps from
+    :func:`polar_steps`) the same on σ/‖M‖_F ∈ [f', 1], f' its smallest."""
+    u = torch.finfo(dtype).eps
+    q = min(shape)
+    c = 3.0
+    scales = [np.geomspace(top, floor, q), np.r_[top, np.full(q - 2, 0.5 * (top + floor)), floor]]
+    m = np.stack([_spectrum_matrix(c * s, *shape, k) for k, s in enumerate(scales)])
+    want = np.stack([_svd_polar(mk) for mk in m])
+    got = polar(torch.tensor(m, dtype=dtype), scale=torch.full((2, 1, 1), c, dtype=dtype), floor=floor, top=top)
+    assert got.dtype == dtype
+    assert np.abs(got.double().numpy() - want).max() <= 4 * u / floor
+    fro = np.stack([s / np.linalg.norm(s) for s in scales])
+    m = np.stack([_spectrum_matrix(s, *shape, k) for k, s in enumerate(fro)])
+    low = min(float(s[-1]) for s in fro)
+    got = polar(torch.tensor(m, dtype=dtype), floor=low)
+    assert np.abs(got.double().numpy() - np.stack([_svd_polar(mk) for mk in m])).max() <= 4 * u / low
+
+
+def _cubic_steps_np(x: float, eps: float) -> int:
+    n = 0
+    while abs(1 - x) > eps and n < 1000:
+        x = 1.5 * x - 0.5 * x**3
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("floor,top", [(1e-6, 1.0), (0.2, 1.6), (0.9, 1.1), (1.0, 1.0)])
+def test_polar_steps_counts_the_slower_end(dtype, floor, top):
+    """polar_steps: one more than the cubic map's steps for the slower of σ = floor and σ = top to
+    come within ε of 1 (counted here in Python floats), and those steps bring both there."""
+    eps = torch.finfo(dtype).eps
+    n = polar_steps(floor, dtype, top)
+    assert n == max(_cubic_steps_np(floor, eps), _cubic_steps_np(top, eps)) + 1
+    for x in (floor, top):
+        for _ in range(n - 1):
+            x = 1.5 * x - 0.5 * x**3
+        assert abs(1 - x) <= eps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("floor,top", [(1e-4, 1.0), (0.3, 2.0), (0.8, 1.2)])
+def test_inverse_sqrt_at_the_ends_of_its_spectrum(dtype, floor, top):
+    """_inverse_sqrt(H, floor, top) for symmetric H with spectrum spread over [floor, top], both ends
+    taken: V·Diag(μ^{−1/2})·Vᵀ from numpy's float64 eigh, to ≤ 4u/floor relative to its largest
+    entry (H's conditioning)."""
+    bound = 4 * torch.finfo(dtype).eps / floor
+    mod = importlib.import_module("geomopt.geometry.prox.polar")
+    rng = np.random.default_rng(2)
+    hs = []
+    for k in range(2):
+        v = np.linalg.qr(rng.standard_normal((9, 9)))[0]
+        mu = np.geomspace(top, floor, 9) if k == 0 else np.r_[top, np.full(7, floor), floor]
+        hs.append((v * mu) @ v.T)
+    h = np.stack(hs)
+    want = []
+    for hk in h:
+        mu, v = np.linalg.eigh(hk)
+        want.append((v * mu**-0.5) @ v.T)
+    got = mod._inverse_sqrt(torch.tensor(h, dtype=dtype), floor=floor, top=top)
+    want = np.stack(want)
+    assert np.abs(got.double().numpy() - want).max() <= bound * np.abs(want).max()
+
+
+def test_spectral_norm_estimate_of_tall_and_wide_matrices():
+    """The power-iteration estimate of σ_max: for a matrix whose top singular value is separated
+    (σ₁/σ₂ = 4) it is σ₁ to 1e-6 after its 12 iterations, tall or wide, and never above σ₁."""
+    mod = importlib.import_module("geomopt.geometry.prox.polar")
+    sig = np.r_[8.0, 2.0, 1.5, 1.0, 0.5, 0.1]
+    for shape in ((15, 6), (6, 15)):
+        e = torch.tensor(np.stack([_spectrum_matrix(sig * (k + 1), *shape, k) for k in range(3)]))
+        est = mod._spectral_norm_estimate(e)
+        want = torch.tensor([8.0, 16.0, 24.0], dtype=torch.float64)
+        assert torch.all(est <= want * (1 + 1e-12)) and torch.allclose(est, want, rtol=1e-6, atol=0), (shape, est)
