@@ -4,6 +4,7 @@ each matrix takes, and its zero, non-finite and overflowing inputs."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -12,6 +13,7 @@ import scipy.optimize as so
 import torch
 
 from geomopt.geometry.prox import backward
+from geomopt.geometry.prox.spectral_map import DeviceRoutes
 from test_backward import IND, POW4, _geometry
 
 
@@ -65,12 +67,14 @@ GRAM_SPECTRA = {
                                          if (c["kind"], sp) != ("stiefel", "rank-deficient")],  # not unique there
                          ids=lambda v: v["kind"] if isinstance(v, dict) else v)
 @pytest.mark.parametrize("shape", [(96, 40), (40, 96), (48, 48)])
-def test_exact_spectral_steps_as_accurate_as_a_float32_svd(c, spectrum, shape):
+@pytest.mark.parametrize("routes", ["host", "device"])
+def test_exact_spectral_steps_as_accurate_as_a_float32_svd(c, spectrum, shape, routes):
     """The exact steps (batched Gram–eigh where it is as accurate, float64 Gram or the SVD where
     not) against the step done on a float64 numpy SVD of the same float32 Y: max-entry error at
     most 3× that of the same step on torch's float32 SVD (plus 1e-7·‖Y‖₂ for errors both reach
     at rounding level), tall, wide and square. The Frobenius ball's radius and t are set so that
-    the step is feasible for the first matrix (the shrink branch)."""
+    the step is feasible for the first matrix (the shrink branch). ``device``: the routes chosen on
+    the device (:class:`DeviceRoutes`, a capturable step's), the same bound."""
     m, n = shape
     q = min(m, n)
     sigmas = [GRAM_SPECTRA[spectrum](q, np.random.default_rng(k)) for k in range(3)]
@@ -82,7 +86,8 @@ def test_exact_spectral_steps_as_accurate_as_a_float32_svd(c, spectrum, shape):
         assert np.linalg.norm(np.maximum(sigmas[0] - t, 0)) < c["radius"]
     y = torch.tensor(np.stack(ys), dtype=torch.float32)
     geo = _geometry("spectral", IND)
-    x, _ = backward(y, t, geo, c, batch_dims=1)
+    with DeviceRoutes() if routes == "device" else contextlib.nullcontext():
+        x, _ = backward(y, t, geo, c, batch_dims=1)
     exact, svd32 = [], []
     for yi in y:
         u, s, vt = np.linalg.svd(yi.double().numpy(), full_matrices=False)
@@ -148,18 +153,22 @@ def test_exact_spectral_steps_redo_only_the_matrices_that_need_it(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_exact_spectral_steps_at_zero_keep_the_identity_frame(dtype):
+@pytest.mark.parametrize("routes", ["host", "device"])
+def test_exact_spectral_steps_at_zero_keep_the_identity_frame(dtype, routes):
     """Y = 0 (σ all zero, no singular vectors to read off a Gram matrix): the identity frame of
     the documented convention, as the SVD path gives it."""
     z = torch.zeros(2, 5, 3, dtype=dtype)
     geo = _geometry("spectral", IND)
-    x, _ = backward(z, 0.1, geo, {"kind": "spectral_sphere", "radius": 2.0}, batch_dims=1)
+    routing = DeviceRoutes() if routes == "device" else contextlib.nullcontext()
+    with routing:
+        x, _ = backward(z, 0.1, geo, {"kind": "spectral_sphere", "radius": 2.0}, batch_dims=1)
     expected = torch.zeros(5, 3, dtype=dtype)
     expected[0, 0] = 2.0
     torch.testing.assert_close(x, expected.expand(2, 5, 3))
     for c in ({"kind": "spectral_ball", "radius": 2.0}, {"kind": "rank", "k": 1},
               {"kind": "frobenius_ball", "radius": 1.0}):
-        x, _ = backward(z, 0.1, geo, c, batch_dims=1)
+        with routing:
+            x, _ = backward(z, 0.1, geo, c, batch_dims=1)
         assert torch.equal(x, z), c
 
 
