@@ -593,11 +593,12 @@ def _child(run: Callable[[], int]) -> int:
 
 
 def run_mutants(items: Sequence[tuple[Mutant, Path, list[str], float]], *, workers: int = 1,
-                pytest_args: Sequence[str] = (), progress: Callable[[Outcome, int, int], None] | None = None
-                ) -> list[Outcome]:
+                pytest_args: Sequence[str] = (), progress: Callable[[Outcome, int, int], None] | None = None,
+                stop_at: float | None = None) -> list[Outcome]:
     """Run each (mutant, its source file, its tests, its timeout) in a fork()ed child, at most
     ``workers`` at a time: the tests pass → survived; fail → killed; past the timeout → timed_out;
-    the code could not be swapped → not_applied."""
+    the code could not be swapped → not_applied. Past ``stop_at`` (time.monotonic()) no mutant starts:
+    the outcomes are those of the items run, in order (a prefix of ``items``)."""
     import gc
 
     import pytest
@@ -632,8 +633,12 @@ def run_mutants(items: Sequence[tuple[Mutant, Path, list[str], float]], *, worke
             progress(results[i], len(results), len(items))
 
     while pending or running:
+        if stop_at is not None and time.monotonic() > stop_at:
+            pending.clear()
         while pending and len(running) < workers:
             start(pending.pop(0)[0])
+        if not running:
+            break
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             now = time.monotonic()
@@ -661,7 +666,7 @@ def run_mutants(items: Sequence[tuple[Mutant, Path, list[str], float]], *, worke
             finish(i, "killed", seconds)
         else:
             finish(i, "error", seconds, f"pytest exited {rc}")
-    return [results[i] for i in range(len(items))]
+    return [results[i] for i in sorted(results)]
 
 
 # ---------------------------------------------------------------- the project: tests per function
@@ -874,7 +879,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, choices=(1, 2), default=1, help="children at a time (default 1)")
     ap.add_argument("--list", action="store_true", help="print the mutants and exit without running them")
     ap.add_argument("--out", type=Path, default=None, help="write the outcome as JSON here")
+    ap.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                    help="start no mutant after this many seconds; the mutants run in a seeded random order, so "
+                         "those done are a uniform sample, and the outcome is theirs")
+    ap.add_argument("--rerun-survivors", type=Path, default=None, metavar="OUTCOME",
+                    help="run again the unexplained survivors of this outcome file (after tests were added) and "
+                         "update it in place: their new outcomes, the counts, the explanations")
     args = ap.parse_args(argv)
+    if args.rerun_survivors is not None:
+        return rerun_survivors(args.rerun_survivors, workers=args.workers)
     paths = source_files(args.modules)
     if not paths:
         ap.error(f"no source file under {' '.join(args.modules)} (choose under {', '.join(DEFAULT_MODULES)})")
@@ -883,51 +896,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_mutants is not None and args.max_mutants < len(every):
         keep = sorted(random.Random(args.seed).sample(range(len(every)), args.max_mutants))
         chosen = [every[i] for i in keep]
+    if args.stop_after is not None:
+        chosen = list(chosen)
+        random.Random(args.seed).shuffle(chosen)
     if args.list:
         for m in chosen:
             print(f"{m.path}:{m.line}:{m.col} [{m.op}] {m.qualname}: {m.original} -> {m.mutated}")
         print(f"{len(chosen)} of {len(every)} mutants in {len(paths)} files", file=sys.stderr)
         return 0
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.chdir(ROOT)
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-    import torch
-
-    from geomopt.cli.demo import machine, source_version
-
-    torch.set_num_threads(1)
     load = os.getloadavg()  # the machine may be shared: how busy it was as the run began
     t0 = time.monotonic()
-    for p in paths:
-        importlib.import_module(module_name(p))
-    cmap = coverage_map()
-    items = []
-    for m in chosen:
-        tests = tests_for(m, cmap)
-        budget = sum(cmap["tests"].get(t, 0.0) for t in tests)
-        items.append((m, ROOT / m.path, tests, TIMEOUT_S + TIMEOUT_FACTOR * budget))
+    items = _prepare(paths, chosen)
+    stop_at = None if args.stop_after is None else t0 + args.stop_after
     runnable = [it for it in items if it[2]]
+    outcomes = run_mutants(runnable, workers=args.workers, pytest_args=("-k", EXCLUDE), progress=_progress(t0),
+                           stop_at=stop_at)
+    if len(outcomes) < len(runnable):  # stopped: the mutants run (a prefix of the seeded order) are the sample
+        ran = {id(o.mutant) for o in outcomes}
+        last = max(i for i, it in enumerate(items) if id(it[0]) in ran)
+        items = items[:last + 1]
     untested = [Outcome(it[0], "survived", 0.0, 0, "no test of its module's test files calls this function")
                 for it in items if not it[2]]
-
-    def progress(o: Outcome, done: int, total: int) -> None:
-        if o.status != "killed" or done % 50 == 0:
-            print(f"[{done}/{total} {time.monotonic() - t0:.0f}s] {o.status}: {o.mutant.key}", flush=True)
-
-    outcomes = run_mutants(runnable, workers=args.workers, pytest_args=("-k", EXCLUDE), progress=progress)
-    outcomes += untested
+    outcomes = sorted(outcomes + untested, key=lambda o: (o.mutant.path, o.mutant.line, o.mutant.col, o.mutant.variant))
     seconds = time.monotonic() - t0
+    from geomopt.cli.demo import machine, source_version
+
     summary = summarize(outcomes)
     record = {
         "command": "python scripts/mutate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d", time.gmtime()), "source": source_version(ROOT), "machine": machine("cpu"),
         "load": [round(x, 2) for x in load], "workers": args.workers, "seconds": round(seconds, 1),
         "operators": OPERATORS, "tests_per_file": TESTS_PER_FILE, "own_tests_in_full": True,
-        "sample": {"mutants": len(chosen), "of": len(every), "seed": args.seed,
-                   "sampled": len(chosen) < len(every)},
+        "sample": {"mutants": len(outcomes), "of": len(every), "seed": args.seed,
+                   "sampled": len(outcomes) < len(every),
+                   **({"stopped_after": args.stop_after} if args.stop_after is not None else {})},
         **summary,
-        "survivors": [{"at": f"{o.mutant.path}:{o.mutant.line}:{o.mutant.col}", "function": o.mutant.qualname,
+        "survivors": [{"at": f"{o.mutant.path}:{o.mutant.line}:{o.mutant.col}", "key": o.mutant.stable_key,
+                       "function": o.mutant.qualname,
                        "op": o.mutant.op, "original": o.mutant.original, "mutated": o.mutant.mutated,
                        "tests": o.tests, **({"note": o.note} if o.note else {}),
                        **({"explained": EXPLAINED[o.mutant.stable_key]} if o.mutant.stable_key in EXPLAINED else {})}
@@ -937,15 +943,95 @@ def main(argv: Sequence[str] | None = None) -> int:
                       if o.status == "timed_out"],
         "not_applied": [{"at": o.mutant.key, "note": o.note} for o in outcomes if o.status in ("not_applied", "error")],
     }
-    for g, c in summary["groups"].items():
-        print(f"{g}: {c['killed']} killed, {c['timed_out']} timed out, {c['survived']} survived "
-              f"({c['explained']} explained) of {c['mutants']}: score {c['score']}")
     print(f"{len(outcomes)} mutants in {seconds:.0f} s")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        if args.out.resolve() == RECORDED.resolve():
+    _write(record, args.out)
+    return 0
+
+
+def _prepare(paths: Sequence[str], chosen: Sequence[Mutant]) -> list[tuple[Mutant, Path, list[str], float]]:
+    """In this process: torch on one thread, the sources imported, the map of tests to functions; then
+    each mutant with its source file, its tests (:func:`tests_for`) and its timeout."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.chdir(ROOT)
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    import torch
+
+    torch.set_num_threads(1)
+    for p in paths:
+        importlib.import_module(module_name(p))
+    cmap = coverage_map()
+    items = []
+    for m in chosen:
+        tests = tests_for(m, cmap)
+        budget = sum(cmap["tests"].get(t, 0.0) for t in tests)
+        items.append((m, ROOT / m.path, tests, TIMEOUT_S + TIMEOUT_FACTOR * budget))
+    return items
+
+
+def _progress(t0: float) -> Callable[[Outcome, int, int], None]:
+    def progress(o: Outcome, done: int, total: int) -> None:
+        if o.status != "killed" or done % 50 == 0:
+            print(f"[{done}/{total} {time.monotonic() - t0:.0f}s] {o.status}: {o.mutant.key}", flush=True)
+    return progress
+
+
+def _write(record: dict, out: Path | None) -> None:
+    for g, c in record["groups"].items():
+        print(f"{g}: {c['killed']} killed, {c['timed_out']} timed out, {c['survived']} survived "
+              f"({c['explained']} explained) of {c['mutants']}: score {c['score']}, "
+              f"explained left out {c['score_unexplained']}")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        if out.resolve() == RECORDED.resolve():
             record_results(record)
+
+
+def _recount(c: dict, killed: int, explained: int) -> dict:
+    """A tally of :func:`summarize` with ``killed`` survivors now killed and ``explained`` of the
+    remaining ones explained."""
+    c = dict(c, killed=c["killed"] + killed, survived=c["survived"] - killed, explained=explained)
+    c["score"] = _score(c)
+    c["score_unexplained"] = _score(dict(c, survived=c["survived"] - explained))
+    return c
+
+
+def rerun_survivors(path: Path, *, workers: int = 1) -> int:
+    """Run the unexplained survivors of the outcome file ``path`` again, with the tests as they are
+    now, and update the file: a survivor the tests now kill counts as killed (tests only added: the
+    killed mutants stay killed), the explanations are read again from :data:`EXPLAINED`, and the
+    record lists the rerun (its date, source, mutants and how many it killed)."""
+    record = json.loads(path.read_text(encoding="utf-8"))
+    from geomopt.cli.demo import source_version
+
+    wanted = {s["key"] for s in record["survivors"] if s["key"] not in EXPLAINED}
+    files = sorted({s["at"].split(":", 1)[0] for s in record["survivors"] if s["key"] in wanted})
+    current = {m.stable_key: m for p in files for m in mutants(ROOT / p, module_name(p), p)}
+    missing = sorted(wanted - set(current))
+    if missing:
+        raise SystemExit(f"survivors no longer among the mutants (the code changed; run the sample again): {missing}")
+    t0 = time.monotonic()
+    items = [it for it in _prepare(files, [current[k] for k in sorted(wanted)]) if it[2]]
+    outcomes = run_mutants(items, workers=workers, pytest_args=("-k", EXCLUDE), progress=_progress(t0))
+    caught = {o.mutant.stable_key for o in outcomes if o.status in ("killed", "timed_out")}
+    survivors = [s for s in record["survivors"] if s["key"] not in caught]
+    for s in survivors:
+        s.pop("explained", None)
+        if s["key"] in EXPLAINED:
+            s["explained"] = EXPLAINED[s["key"]]
+
+    def counts(prefix: str, c: dict) -> dict:
+        killed = sum(k.startswith(prefix) for k in caught)
+        explained = sum(s["key"].startswith(prefix) and "explained" in s for s in survivors)
+        return _recount(c, killed, explained)
+
+    record["modules"] = {p: counts(p + "::", c) for p, c in record["modules"].items()}
+    record["groups"] = {g: counts(GROUPS[g], c) for g, c in record["groups"].items()}
+    record["survivors"] = survivors
+    record.setdefault("reruns", []).append({
+        "date": time.strftime("%Y-%m-%d", time.gmtime()), "source": source_version(ROOT),
+        "mutants": len(outcomes), "killed": len(caught), "seconds": round(time.monotonic() - t0, 1)})
+    _write(record, path)
     return 0
 
 
