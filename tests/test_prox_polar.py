@@ -166,8 +166,13 @@ def test_scaled_polar_at_the_ends_of_its_contract(dtype, shape, floor, top):
     fro = np.stack([s / np.linalg.norm(s) for s in scales])
     m = np.stack([_spectrum_matrix(s, *shape, k) for k, s in enumerate(fro)])
     low = min(float(s[-1]) for s in fro)
+    want = np.stack([_svd_polar(mk) for mk in m])
     got = polar(torch.tensor(m, dtype=dtype), floor=low)
-    assert np.abs(got.double().numpy() - np.stack([_svd_polar(mk) for mk in m])).max() <= 4 * u / low
+    assert np.abs(got.double().numpy() - want).max() <= 4 * u / low
+    one = polar(torch.tensor(m[1], dtype=dtype), floor=low)  # a single matrix, and a stack of stacks
+    assert one.shape == m[1].shape and np.abs(one.double().numpy() - want[1]).max() <= 4 * u / low
+    four = polar(torch.tensor(np.stack([m, m[::-1]]), dtype=dtype), floor=low)
+    assert np.abs(four.double().numpy() - np.stack([want, want[::-1]])).max() <= 4 * u / low
 
 
 def _cubic_steps_np(x: float, eps: float) -> int:
