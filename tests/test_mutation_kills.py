@@ -354,3 +354,36 @@ def test_the_ball_and_sphere_magnitudes_solve_their_optimality_conditions(step, 
         tau = ref.dh(sign * (alpha - sigma)) / sigma
         assert bool((tau > 0).all())
         torch.testing.assert_close(tau, tau[0].expand_as(tau), rtol=1e-8, atol=0)
+
+
+@pytest.mark.parametrize("excess,flagged", [(3.0, False), (400.0, True)])
+def test_the_exact_spectral_steps_flag_past_rounding_at_the_largest_scale(excess, flagged):
+    """The spectral ball's feasibility flag: max_i |x_i − σ_i| > t beyond rounding, the rounding being
+    u·(σ_max + t) (Y = X − tW's error at Y's largest scale): σ₁ = r + t + excess·u·σ₁ with σ₁ ≈ 1000
+    and the others small is within it at 3u·σ₁ (not flagged) and past it at 400u·σ₁ (flagged)."""
+    u = torch.finfo(torch.float64).eps
+    r, t = 1000.0, 1e-3
+    sigma = torch.tensor([r + t + excess * u * r, 1.0, 0.5, 1e-3], dtype=torch.float64)
+    q1, _ = torch.linalg.qr(torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    q2, _ = torch.linalg.qr(torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    y = (q1 * sigma) @ q2.T
+    geo = {"kind": "spectral", "radius": 1.0, "reference": {"kind": "log_barrier", "eps": 1e-3}}
+    _, bad = backward(y, t, geo, {"kind": "spectral_ball", "radius": r})
+    assert bool(bad) == flagged
+
+
+def test_psgd_steps_along_the_debiased_momentum_before_its_first_fit():
+    """PSGD-Kron with its factors at the identity (before step ``every``): the update is the debiased
+    momentum ĥ = m/(1 − μᵗ), m ← μm + (1 − μ)G (RMS below the 1.1 cap), written out here for two
+    steps: G₁ then (μ(1 − μ)G₁ + (1 − μ)G₂)/(1 − μ²), times ρ."""
+    from geomopt.geometry.learned import kronecker
+
+    mu, rho = 0.9, 0.5
+    geo = {"method": "psgd", "max_dim": 64, "momentum": mu, "every": 10, "precond_lr": 0.1}
+    g = torch.randn(2, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 0.1
+    state: dict = {}
+    first = kronecker(g[0], geo, radius=rho, state=state)
+    second = kronecker(g[1], geo, radius=rho, state=state)
+    torch.testing.assert_close(first, rho * g[0], rtol=1e-12, atol=0)
+    want = (mu * (1 - mu) * g[0] + (1 - mu) * g[1]) / (1 - mu**2)
+    torch.testing.assert_close(second, rho * want, rtol=1e-12, atol=1e-15)
