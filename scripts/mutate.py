@@ -246,6 +246,31 @@ EXPLAINED: dict[str, str] = {
     "geomopt/geometry/prox/scalar.py::_newton_steps: 4 -> 8": _NEWTON_STEPS,
     "geomopt/geometry/prox/scalar.py::_newton_steps: 8 -> 9": _NEWTON_STEPS,
     "geomopt/geometry/prox/scalar.py::_newton_steps: 8 -> 16": _NEWTON_STEPS,
+    "geomopt/geometry/view.py::resolve: 1 -> 2":
+        "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
+        "divides rows, the same list",
+    "geomopt/geometry/view.py::_restore: b + 2 -> b - 2":
+        "the trailing-batch branch taken where the shape has no axes past the matrix (len ≤ b + 2): its extra "
+        "axis is then of size 1, and the reshape and permute give the same tensor",
+    "geomopt/geometry/kron.py::graft_to_norm: torch.linalg.matrix_norm(d3, keepdim=True) + tiny -> "
+    "torch.linalg.matrix_norm(d3, keepdim=True) - tiny":
+        "‖D‖_F − 1e-16 for ‖D‖_F + 1e-16: the same quotient to rounding for a nonzero D (‖D‖ ≫ 1e-16), 0 times "
+        "it for a zero one",
+    "geomopt/geometry/prox/spectral_map.py::_gram_eigh: -1 -> 1 #16":
+        "dim 1 for dim −1 of the (B, q − 1) tie flags: the same dim",
+    "geomopt/geometry/kron_root.py::inverse_root_newton: 1e-6 -> 0.0":
+        "float32's tolerance 0: each matrix iterates on until its error grows by rounding (or max_iters) and keeps "
+        "the X before, as accurate as at 1e-6, with more iterations",
+    "geomopt/geometry/prox/groupwise.py::groupwise_frobenius_ball: a > 0 -> a >= 0":
+        "a zero row's scale s/tiny: the ball step never grows a magnitude (s ≤ a = 0), so the same 0",
+    "geomopt/geometry/prox/polar.py::_inverse_sqrt: 1 -> 2": "H is square: eye of shape[−2] is eye of shape[−1]",
+    "geomopt/geometry/spectral.py::gram_eigh: 1 -> 0 #2":
+        "the placeholder denominator where σ ≤ tol: the outer where discards that quotient (0 there)",
+    "geomopt/geometry/spectral.py::gram_eigh: sigma > tol -> sigma >= tol #2":
+        "the inner where's guard against dividing by σ at σ = tol: the outer where (σ > tol) discards that quotient",
+    "geomopt/geometry/spectral.py::_pow2_scale: 1 -> 2 #2":
+        "c = 2^(e−2) for 2^(e−1): still a power of two (an exact scaling, undone by σ = c·σ'), entries below 4 "
+        "instead of 2: the Gram matrix neither overflows nor underflows either way, the same map to rounding",
 }
 
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")

@@ -387,3 +387,30 @@ def test_psgd_steps_along_the_debiased_momentum_before_its_first_fit():
     torch.testing.assert_close(first, rho * g[0], rtol=1e-12, atol=0)
     want = (mu * (1 - mu) * g[0] + (1 - mu) * g[1]) / (1 - mu**2)
     torch.testing.assert_close(second, rho * want, rtol=1e-12, atol=1e-15)
+
+
+def test_the_newton_inverse_root_of_order_one_is_the_inverse():
+    """p = 1, the smallest order the iteration takes: (A + εI)^(−1) against numpy's float64 inverse."""
+    import numpy as np
+
+    from geomopt.geometry.kron_root import inverse_root_newton
+
+    b = torch.randn(5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    a = b @ b.T + 0.5 * torch.eye(5, dtype=torch.float64)
+    want = np.linalg.inv(a.numpy() + 1e-3 * np.eye(5))
+    got = inverse_root_newton(a, 1, 1e-3)
+    assert np.abs(got.numpy() - want).max() <= 1e-10 * np.abs(want).max()
+
+
+def test_shampoos_roots_stay_the_identity_until_step_every():
+    """Shampoo's roots start at the identity and are first computed at step ``every`` (both references'
+    schedule): with every = 3 and no graft, steps 1 and 2 return G itself, step 3 a preconditioned G."""
+    from geomopt.geometry.learned import kronecker
+
+    geo = {"method": "shampoo", "max_dim": 64, "beta": 0.9, "every": 3, "exponent": None, "damping": 1e-12,
+           "root": "eigh", "graft": "none", "eps": 1e-8, "betas": (0.9, 0.999)}
+    g = torch.randn(3, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    state: dict = {}
+    out = [kronecker(g[k], geo, radius=1.0, state=state) for k in range(3)]
+    assert torch.equal(out[0], g[0]) and torch.equal(out[1], g[1])
+    assert (out[2] - g[2]).abs().max() > 1e-3
