@@ -246,6 +246,13 @@ EXPLAINED: dict[str, str] = {
     "geomopt/geometry/prox/scalar.py::_newton_steps: 4 -> 8": _NEWTON_STEPS,
     "geomopt/geometry/prox/scalar.py::_newton_steps: 8 -> 9": _NEWTON_STEPS,
     "geomopt/geometry/prox/scalar.py::_newton_steps: 8 -> 16": _NEWTON_STEPS,
+    "geomopt/geometry/prox/polar.py::scaled_polar_schedule: 1 - low > eps -> 1 - low >= eps": _ONE_MORE_STEP,
+    "geomopt/geometry/reference.py::_power_barrier_conj_quad: 2 -> 3": _SUBSTITUTION,
+    "geomopt/geometry/prox/scalar.py::_box_sigma: 1 -> 0":
+        "the shrink α/τ for α/(1 + τ): another parametrization of the same σ, whose root τ' = 1 + τ the sphere's "
+        "bisection on log τ finds as well (it lies in the bracket [2⁻⁶⁰, 2⁶⁰]), the same σ",
+    "geomopt/optim/units/compensation.py::split16: 0x80000000 -> 2147483649":
+        "the sign mask with bit 0 set: (sign | w) >> 16 shifts bit 0 out, the same w",
     "geomopt/geometry/view.py::resolve: 1 -> 2":
         "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
         "divides rows, the same list",

@@ -414,3 +414,15 @@ def test_shampoos_roots_stay_the_identity_until_step_every():
     out = [kronecker(g[k], geo, radius=1.0, state=state) for k in range(3)]
     assert torch.equal(out[0], g[0]) and torch.equal(out[1], g[1])
     assert (out[2] - g[2]).abs().max() > 1e-3
+
+
+def test_an_auto_view_without_structure_is_the_plain_matrix():
+    """``view: auto`` on a tensor the model says nothing of (no batch, no blocks): the plain matrix
+    (None), a 3-D tensor included (rows × the rest, not a batch of matrices)."""
+    from geomopt.geometry.view import resolve
+
+    for shape in ((4, 3), (4, 3, 2), (2, 4, 3, 2)):
+        assert resolve({"kind": "auto"}, shape, {}) is None, shape
+        assert resolve({"kind": "auto"}, shape, None) is None, shape
+    assert resolve({"kind": "auto"}, (4, 3, 2), {"batch": 1}) == {"batch": 1, "trailing": "cols", "blocks": None,
+                                                                  "factors": None}

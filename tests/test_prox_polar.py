@@ -231,3 +231,21 @@ def test_spectral_norm_estimate_of_tall_and_wide_matrices():
         est = mod._spectral_norm_estimate(e)
         want = torch.tensor([8.0, 16.0, 24.0], dtype=torch.float64)
         assert torch.all(est <= want * (1 + 1e-12)) and torch.allclose(est, want, rtol=1e-6, atol=0), (shape, est)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_gram_route_converges_at_the_top_of_its_interval(dtype, monkeypatch):
+    """_polar_by_cost on a 512×8 matrix (the Gram matrix's inverse square root is the cheaper route)
+    with σ/c spread over [0.999, 1.5], both ends taken: the top end, not the floor, needs the steps;
+    U·Vᵀ of the float64 SVD to ≤ 8u per entry."""
+    mod = importlib.import_module("geomopt.geometry.prox.polar")
+    c, floor, top = 2.0, 0.999, 1.5
+    sigma = c * np.r_[top, np.linspace(1.3, 1.0, 6), floor]
+    m = _spectrum_matrix(sigma, 512, 8, 4)[None]
+    mats = torch.tensor(m, dtype=dtype)
+    calls = []
+    inverse_sqrt = mod._inverse_sqrt
+    monkeypatch.setattr(mod, "_inverse_sqrt", lambda *a, **k: calls.append(1) or inverse_sqrt(*a, **k))
+    got = mod._polar_by_cost(mats, mats.mT @ mats, torch.full((1, 1, 1), c, dtype=dtype), floor, top)
+    assert calls
+    assert np.abs(got.double().numpy() - _svd_polar(m[0])[None]).max() <= 8 * torch.finfo(dtype).eps
