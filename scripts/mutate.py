@@ -253,6 +253,10 @@ EXPLAINED: dict[str, str] = {
         "bisection on log τ finds as well (it lies in the bracket [2⁻⁶⁰, 2⁶⁰]), the same σ",
     "geomopt/optim/units/compensation.py::split16: 0x80000000 -> 2147483649":
         "the sign mask with bit 0 set: (sign | w) >> 16 shifts bit 0 out, the same w",
+    "geomopt/geometry/prox/scalar.py::_solve_ball: -1 -> 1 #2": _ROWS,
+    "geomopt/geometry/prox/polar.py::_polar_by_cost: 2 * m * n * n * len(scaled_polar_schedule(floor / top, "
+    "mats.dtype)) - m * n * n -> 2 * m * n * n * len(scaled_polar_schedule(floor / top, mats.dtype)) + m * n * n":
+        _COST_MODEL,
     "geomopt/geometry/view.py::resolve: 1 -> 2":
         "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
         "divides rows, the same list",

@@ -426,3 +426,16 @@ def test_an_auto_view_without_structure_is_the_plain_matrix():
         assert resolve({"kind": "auto"}, shape, None) is None, shape
     assert resolve({"kind": "auto"}, (4, 3, 2), {"batch": 1}) == {"batch": 1, "trailing": "cols", "blocks": None,
                                                                   "factors": None}
+
+
+@pytest.mark.parametrize("size", [1e-160, 1e-3, 1e150])
+def test_gram_eigh_at_the_ends_of_float64_is_the_svds_map(size):
+    """∇φ*(D) by the Gram matrix's eigh for D of entries near 1e-160 (the Gram matrix's products would
+    underflow unscaled), 1e-3 and 1e150 (they would overflow): the SVD's map to 1e-9."""
+    from geomopt.geometry.spectral import gram_eigh, svd
+
+    d = torch.randn(2, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(8)) * size
+    ref = make_reference({"kind": "log_barrier", "eps": 1e-3 * size})
+    want = svd(d, ref)
+    torch.testing.assert_close(gram_eigh(d, ref), want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
+    torch.testing.assert_close(gram_eigh(d.mT, ref), want.mT, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
