@@ -257,6 +257,12 @@ EXPLAINED: dict[str, str] = {
     "geomopt/geometry/prox/polar.py::_polar_by_cost: 2 * m * n * n * len(scaled_polar_schedule(floor / top, "
     "mats.dtype)) - m * n * n -> 2 * m * n * n * len(scaled_polar_schedule(floor / top, mats.dtype)) + m * n * n":
         _COST_MODEL,
+    "geomopt/geometry/reference.py::_z_minus_log1p: 1 / 24 -> 1 * 24": _TOP_TERM,
+    "geomopt/geometry/prox/polar.py::_spectral_ball_polar: 2 * torch.finfo(a.dtype).eps * r -> "
+    "2 * torch.finfo(a.dtype).eps / r":
+        "the floor of S = sign(G − r²I) without its r² factor: it only sets how closely a σ within ~u·c/r of r is "
+        "resolved, and there H's eigenvalue lies between r² and σ², moving the clipped σ by at most |σ − r| "
+        "(the docstring's bound): no test's σ falls in that window (r = 0.02 checked too)",
     "geomopt/geometry/view.py::resolve: 1 -> 2":
         "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
         "divides rows, the same list",

@@ -439,3 +439,20 @@ def test_gram_eigh_at_the_ends_of_float64_is_the_svds_map(size):
     want = svd(d, ref)
     torch.testing.assert_close(gram_eigh(d, ref), want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
     torch.testing.assert_close(gram_eigh(d.mT, ref), want.mT, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
+
+
+def test_soaps_factors_are_moving_averages_of_the_gradients_products():
+    """SOAP's factors after three steps: L = Σ_k (1 − β)·β^(3−k)·G_k·G_kᵀ and R the same of G_kᵀ·G_k
+    (the first step starts them from zero), written out in float64."""
+    from geomopt.geometry.learned import kronecker
+
+    beta = 0.8
+    geo = {"method": "soap", "max_dim": 64, "beta": beta, "every": 10, "betas": (0.9, 0.99), "eps": 1e-8}
+    g = torch.randn(3, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    state: dict = {}
+    for k in range(3):
+        kronecker(g[k], geo, radius=1.0, state=state)
+    left = sum((1 - beta) * beta ** (2 - k) * g[k] @ g[k].T for k in range(3))
+    right = sum((1 - beta) * beta ** (2 - k) * g[k].T @ g[k] for k in range(3))
+    torch.testing.assert_close(state["soap_left"].reshape(5, 5), left, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(state["soap_right"].reshape(3, 3), right, rtol=1e-12, atol=1e-14)
