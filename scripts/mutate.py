@@ -263,6 +263,13 @@ EXPLAINED: dict[str, str] = {
         "the floor of S = sign(G − r²I) without its r² factor: it only sets how closely a σ within ~u·c/r of r is "
         "resolved, and there H's eigenvalue lies between r² and σ², moving the clipped σ by at most |σ − r| "
         "(the docstring's bound): no test's σ falls in that window (r = 0.02 checked too)",
+    "geomopt/geometry/prox/polar.py::_spectral_ball_polar: r * r -> r / r #3":
+        "the fallback of an empty batch (no matrix: the floor sets the steps of an iteration over nothing)",
+    "geomopt/geometry/prox/scalar.py::_ball_finish: -1 -> 1 #2": _ROWS,
+    "geomopt/geometry/prox/spectral_map.py::_gram_eigh: 4 * unit * s[:, :1] -> 4 * unit / s[:, :1]":
+        "the tie test's threshold 4u/σ_max for 4u·σ_max: a rank cut through σ equal to the input's rounding still "
+        "goes to the SVD, its λ being equal in the working dtype (R = ∞ from the slope over equal λ; checked at σ "
+        "scaled by 1e±3): the route and the result are the same",
     "geomopt/geometry/view.py::resolve: 1 -> 2":
         "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
         "divides rows, the same list",

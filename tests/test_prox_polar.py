@@ -58,15 +58,16 @@ def test_stiefel_polar_takes_the_cheaper_iteration(shape, gram_route, monkeypatc
 
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
 @pytest.mark.parametrize("shape,rank", [((40, 24), None), ((24, 40), None), ((40, 24), 5)])
-def test_spectral_ball_polar_accuracy(dtype, bound, shape, rank):
-    """SVD-free clipping vs SVD clipping: max-entry error ≤ bound·r on Gaussian and rank-deficient
-    matrices (rank-deficient inputs are where the ½[Y + rQ − PQᵀ(Y − rQ)] form loses ~1e-1·r
+@pytest.mark.parametrize("r", [4.0, 0.02])
+def test_spectral_ball_polar_accuracy(dtype, bound, shape, rank, r):
+    """SVD-free clipping vs SVD clipping at r = 4 and 0.02 (Y scaled with r): max-entry error ≤ bound·r
+    on Gaussian and rank-deficient matrices (rank-deficient inputs are where the ½[Y + rQ − PQᵀ(Y − rQ)] form loses ~1e-1·r
     in fp32 with an iterative polar; see _spectral_ball_polar)."""
     g = torch.Generator().manual_seed(0)
     y = torch.randn(3, *shape, generator=g, dtype=torch.float64)
     if rank is not None:
         y = y[..., :rank] @ torch.randn(3, rank, shape[1], generator=g, dtype=torch.float64)
-    r = 4.0  # σ(Y) spreads over (0, ~13): some clipped, some not
+    y = y * (r / 4.0)  # σ(Y) spreads over (0, ~3.3r): some clipped, some not
     geo = _geometry("spectral", LOG)
     exact, _ = backward(y, 0.5, geo, {"kind": "spectral_ball", "radius": r}, batch_dims=1)
     approx, _ = backward(y.to(dtype), 0.5, geo, {"kind": "spectral_ball", "radius": r, "method": "polar"}, batch_dims=1)
