@@ -270,6 +270,15 @@ EXPLAINED: dict[str, str] = {
         "the tie test's threshold 4u/σ_max for 4u·σ_max: a rank cut through σ equal to the input's rounding still "
         "goes to the SVD, its λ being equal in the working dtype (R = ∞ from the slope over equal λ; checked at σ "
         "scaled by 1e±3): the route and the result are the same",
+    "geomopt/geometry/prox/__init__.py::backward: 1.0 -> 0.0 #2":
+        "a constraint's radius scaled by its block's factor f also where f = 1: the same radius",
+    "geomopt/geometry/matrix.py::matrices: 1 -> 0 #3":
+        "max(0, ·) for max(1, ·) of the trailing size: they differ only for a zero-size tensor, which never steps",
+    "geomopt/geometry/reference.py::_power_barrier_conj: 2.0 -> 0.0":
+        "κ = 2 through the general quadrature instead of its closed form √(ε² + y²) − ε: the same h* to the "
+        "quadrature's accuracy",
+    "geomopt/geometry/reference.py::_power_barrier_conj_quad: 1.0 -> 2.0": _SUBSTITUTION,
+    "geomopt/geometry/gap.py::_gap: -1 -> 1": "dim 1 for dim −1 of the (B, n) vectors: the same dim",
     "geomopt/geometry/view.py::resolve: 1 -> 2":
         "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
         "divides rows, the same list",
