@@ -279,6 +279,20 @@ EXPLAINED: dict[str, str] = {
         "quadrature's accuracy",
     "geomopt/geometry/reference.py::_power_barrier_conj_quad: 1.0 -> 2.0": _SUBSTITUTION,
     "geomopt/geometry/gap.py::_gap: -1 -> 1": "dim 1 for dim −1 of the (B, n) vectors: the same dim",
+    "geomopt/geometry/gap.py::_gap: -1 -> 1 #3": "dim 1 for dim −1 of the (B, k) values of the k groups: the same dim",
+    "geomopt/geometry/prox/scalar.py::_ball_newton: 0 -> 1":
+        "h clamped at 1 instead of 0 in the upper bound s − min(h, 0): Newton on the concave H from the left lands "
+        "at or below the root (the docstring), so h ≤ 0 but for rounding and the bound is the same",
+    "geomopt/geometry/prox/polar.py::_polar_by_cost: mats.shape[-2] >= mats.shape[-1] -> "
+    "mats.shape[-2] > mats.shape[-1]":
+        "the Gram route's orientation for a square matrix, the only case where they differ: the cost model never "
+        "takes that route for one (3n³ per inverse-square-root step against 2n³ per cubic step, no fewer steps; "
+        "checked near Stiefel, t down to 1e-4·r)",
+    "geomopt/geometry/kron_root.py::inverse_root_newton: 2 -> 3":
+        "the start's scale (p + 1)/(3‖M‖_F) for (p + 1)/(2‖M‖_F): the coupled iteration converges from any scale "
+        "putting M's spectrum in (0, p + 1], to the same root within its tolerance",
+    "geomopt/geometry/view.py::apply: -1 -> 1 #7": "dim 1 for dim −1 of the (n_el, k) flags: the same dim",
+    "geomopt/geometry/prox/polar.py::scaled_polar_schedule: 200 -> 201": _ITERATION_CAP,
     "geomopt/geometry/view.py::resolve: 1 -> 2":
         "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
         "divides rows, the same list",
