@@ -293,6 +293,9 @@ EXPLAINED: dict[str, str] = {
         "putting M's spectrum in (0, p + 1], to the same root within its tolerance",
     "geomopt/geometry/view.py::apply: -1 -> 1 #7": "dim 1 for dim −1 of the (n_el, k) flags: the same dim",
     "geomopt/geometry/prox/polar.py::scaled_polar_schedule: 200 -> 201": _ITERATION_CAP,
+    "geomopt/geometry/prox/spectral_map.py::_gram_eigh: 4 -> 8 #4":
+        "x counted as lifted above 8u·max x instead of 4u: a lifted null direction's x is of the set's radius, far "
+        "above either, and a kept σ below the Gram matrix's resolution below both: the same route",
     "geomopt/geometry/view.py::resolve: 1 -> 2":
         "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
         "divides rows, the same list",

@@ -456,3 +456,20 @@ def test_soaps_factors_are_moving_averages_of_the_gradients_products():
     right = sum((1 - beta) * beta ** (2 - k) * g[k].T @ g[k] for k in range(3))
     torch.testing.assert_close(state["soap_left"].reshape(5, 5), left, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(state["soap_right"].reshape(3, 3), right, rtol=1e-12, atol=1e-14)
+
+
+def test_psgd_preconditions_with_diagonal_factors_on_a_square_matrix():
+    """PSGD-Kron's P·G = Q_LᵀQ_L·G·Q_RᵀQ_R with both sides diagonal (longer than max_dim): Diag(l²)·G·Diag(r²),
+    rows scaled by the left factor and columns by the right one, on a square G where a swap would still
+    broadcast; and with triangular factors the same product of the matrices."""
+    from geomopt.geometry.kron_psgd import precondition
+
+    gen = torch.Generator().manual_seed(9)
+    g = torch.randn(2, 4, 4, dtype=torch.float64, generator=gen)
+    ql, qr = torch.rand(2, 4, dtype=torch.float64, generator=gen) + 0.5, torch.rand(2, 4, dtype=torch.float64,
+                                                                                    generator=gen) + 0.5
+    want = ql.square()[:, :, None] * g * qr.square()[:, None, :]
+    torch.testing.assert_close(precondition(g, ql, qr), want, rtol=1e-12, atol=1e-14)
+    tl = torch.triu(torch.rand(2, 4, 4, dtype=torch.float64, generator=gen)) + torch.eye(4, dtype=torch.float64)
+    tr = torch.triu(torch.rand(2, 4, 4, dtype=torch.float64, generator=gen)) + torch.eye(4, dtype=torch.float64)
+    torch.testing.assert_close(precondition(g, tl, tr), tl.mT @ tl @ g @ tr.mT @ tr, rtol=1e-12, atol=1e-13)
