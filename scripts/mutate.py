@@ -296,6 +296,14 @@ EXPLAINED: dict[str, str] = {
     "geomopt/geometry/prox/spectral_map.py::_gram_eigh: 4 -> 8 #4":
         "x counted as lifted above 8u·max x instead of 4u: a lifted null direction's x is of the set's radius, far "
         "above either, and a kept σ below the Gram matrix's resolution below both: the same route",
+    "geomopt/geometry/prox/vector.py::_proj_sign_set: r * sign_plus(v) -> r / sign_plus(v)":
+        "r/s for r·s with s = ±1: the same",
+    "geomopt/geometry/prox/scalar.py::_bisection_steps: 24 -> 25":
+        "one more halving of a bracket the final interpolation already resolves to full precision (the comment's "
+        "measurement: 8 halvings of margin)",
+    "geomopt/geometry/gap.py::_gap: -1 -> 1 #8":
+        "each batch element is one matrix here (a view's blocks are summed above): its values reshape to (B, 1) "
+        "as to (B, −1)",
     "geomopt/geometry/view.py::resolve: 1 -> 2":
         "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
         "divides rows, the same list",

@@ -473,3 +473,17 @@ def test_psgd_preconditions_with_diagonal_factors_on_a_square_matrix():
     tl = torch.triu(torch.rand(2, 4, 4, dtype=torch.float64, generator=gen)) + torch.eye(4, dtype=torch.float64)
     tr = torch.triu(torch.rand(2, 4, 4, dtype=torch.float64, generator=gen)) + torch.eye(4, dtype=torch.float64)
     torch.testing.assert_close(precondition(g, tl, tr), tl.mT @ tl @ g @ tr.mT @ tr, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (5, 3), (2, 3, 5)])
+def test_shampoos_spectral_graft_has_the_norm_of_a_polar_factor(shape):
+    """Shampoo's ``graft: spectral`` step has the Frobenius norm of U·Vᵀ of a full-rank m × n matrix,
+    √min(m, n), per matrix, wide or tall."""
+    from geomopt.geometry.learned import kronecker
+
+    geo = {"method": "shampoo", "max_dim": 64, "beta": 0.9, "every": 1, "exponent": None, "damping": 1e-12,
+           "root": "eigh", "graft": "spectral", "eps": 1e-8, "betas": (0.9, 0.999)}
+    g = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    out = kronecker(g, geo, radius=1.0, state={}, batch_dims=len(shape) - 2)
+    norms = torch.linalg.matrix_norm(out.reshape(-1, *shape[-2:]))
+    torch.testing.assert_close(norms, torch.full_like(norms, math.sqrt(min(shape[-2:]))), rtol=1e-12, atol=0)
