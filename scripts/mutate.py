@@ -304,6 +304,13 @@ EXPLAINED: dict[str, str] = {
     "geomopt/geometry/gap.py::_gap: -1 -> 1 #8":
         "each batch element is one matrix here (a view's blocks are summed above): its values reshape to (B, 1) "
         "as to (B, −1)",
+    "geomopt/geometry/prox/polar.py::_inverse_sqrt_steps: 1 -> 0":
+        "one step instead of two where the whole spectrum is already within ε of 1: the first step, T = 1.5I − "
+        "0.5H, is H^(−1/2) to O(ε²) there",
+    "geomopt/geometry/prox/scalar.py::_solve_ball: rho2 > torch.finfo(alpha.dtype).max -> "
+    "rho2 >= torch.finfo(alpha.dtype).max":
+        "ρ² exactly the dtype's largest value taken as +∞: that ρ² is the projection's limit either way "
+        "(t/r below 1e-19), the same magnitudes",
     "geomopt/geometry/view.py::resolve: 1 -> 2":
         "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
         "divides rows, the same list",
