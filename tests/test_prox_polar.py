@@ -61,8 +61,8 @@ def test_stiefel_polar_takes_the_cheaper_iteration(shape, gram_route, monkeypatc
 @pytest.mark.parametrize("r", [4.0, 0.02])
 def test_spectral_ball_polar_accuracy(dtype, bound, shape, rank, r):
     """SVD-free clipping vs SVD clipping at r = 4 and 0.02 (Y scaled with r): max-entry error ≤ bound·r
-    on Gaussian and rank-deficient matrices (rank-deficient inputs are where the ½[Y + rQ − PQᵀ(Y − rQ)] form loses ~1e-1·r
-    in fp32 with an iterative polar; see _spectral_ball_polar)."""
+    on Gaussian and rank-deficient matrices (rank-deficient inputs are where the ½[Y + rQ − PQᵀ(Y − rQ)]
+    form loses ~1e-1·r in fp32 with an iterative polar; see _spectral_ball_polar)."""
     g = torch.Generator().manual_seed(0)
     y = torch.randn(3, *shape, generator=g, dtype=torch.float64)
     if rank is not None:
