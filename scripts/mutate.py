@@ -311,6 +311,8 @@ EXPLAINED: dict[str, str] = {
     "rho2 >= torch.finfo(alpha.dtype).max":
         "ρ² exactly the dtype's largest value taken as +∞: that ρ² is the projection's limit either way "
         "(t/r below 1e-19), the same magnitudes",
+    "geomopt/geometry/reference.py::_power_barrier_conj_quad: z > 1 -> z >= 1":
+        "at z = 1 both branches are H(1): h_one + (1 − 1) − ∫₁¹ = h_one = 1²·∫₀¹ of the small branch",
     "geomopt/geometry/view.py::resolve: 1 -> 2":
         "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
         "divides rows, the same list",

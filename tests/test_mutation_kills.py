@@ -487,3 +487,16 @@ def test_shampoos_spectral_graft_has_the_norm_of_a_polar_factor(shape):
     out = kronecker(g, geo, radius=1.0, state={}, batch_dims=len(shape) - 2)
     norms = torch.linalg.matrix_norm(out.reshape(-1, *shape[-2:]))
     torch.testing.assert_close(norms, torch.full_like(norms, math.sqrt(min(shape[-2:]))), rtol=1e-12, atol=0)
+
+
+def test_psgds_probe_is_the_steps_own_gaussian_draw():
+    """The probe of step k is N(0, I) from a generator seeded with PROBE_SEED + k (the same on every
+    rank and after a resume), drawn here from its own generator, shared by a stack's matrices."""
+    from geomopt.geometry import kron_psgd
+
+    g = torch.zeros(3, 4, 5, dtype=torch.float64)
+    for step in (1, 2, 7):
+        want = torch.randn(4, 5, generator=torch.Generator().manual_seed(kron_psgd.PROBE_SEED + step),
+                           dtype=torch.float64)
+        got = kron_psgd.probe(g, step)
+        assert all(torch.equal(got[i], want) for i in range(3)), step

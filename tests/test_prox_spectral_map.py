@@ -14,7 +14,7 @@ import torch
 
 from geomopt.geometry.prox import backward
 from geomopt.geometry.prox.spectral_map import DeviceRoutes
-from test_backward import IND, POW4, _geometry
+from test_backward import IND, POW4, QUAD, _geometry
 
 
 
@@ -208,3 +208,19 @@ def test_exact_spectral_steps_where_the_gram_matrix_overflows_take_the_svd():
         alone, _ = backward(y[:1], 0.1, _geometry("spectral", POW4), c, batch_dims=1)
         assert x.isfinite().all() and torch.equal(x[:1], alone), c
         assert float(size(x[1].double())) <= c["radius"] * (1 + 1e-5), c
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("tiny", [2.08e-157, 1e-30, 1e-12, 0.0])
+def test_stiefel_projection_of_a_nearly_rank_deficient_matrix_is_on_the_manifold(dtype, tiny):
+    """The last σ of Y = [0; 0; (1, tiny)] is below the Gram matrix's resolution: the projection must
+    still be r·(orthonormal columns) (LAPACK's completion), not M·v/σ of rounding noise, and a fixed
+    point (found by hypothesis in test_euclidean_projection_idempotent)."""
+    y = torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, tiny]], dtype=torch.float64).to(dtype)
+    c = {"kind": "stiefel", "radius": 0.9}
+    x, _ = backward(y, 0.3, _geometry("euclidean", QUAD), c)
+    r = c["radius"]
+    torch.testing.assert_close(x.double().T @ x.double(), r * r * torch.eye(2, dtype=torch.float64),
+                               rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-12)
+    xx, _ = backward(x, 0.3, _geometry("euclidean", QUAD), c)
+    torch.testing.assert_close(xx, x, rtol=1e-5, atol=1e-6)
