@@ -321,6 +321,9 @@ EXPLAINED: dict[str, str] = {
         "the safeguard's bisection point, taken only where a Newton step leaves its bracket beyond rounding: no "
         "solve of the tests (six references, t/r from 1e-3 to 5, float32 and float64) takes it",
     "geomopt/geometry/prox/spectral_map.py::_gram_compose: q * q + p * q -> q * q - p * q": _GROUPING,
+    "geomopt/geometry/prox/spectral_map.py::_gram_eigh: x.amax(-1, keepdim=True) -> x.amin(-1, keepdim=True)":
+        "the lifted test's threshold 4u·min x, at most 4u·max x: more matrices counted as lifting a null direction "
+        "and sent to the float64 Gram or the SVD, routes at least as accurate: the same steps to rounding",
     "geomopt/geometry/view.py::resolve: 1 -> 2":
         "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
         "divides rows, the same list",
