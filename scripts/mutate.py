@@ -324,6 +324,19 @@ EXPLAINED: dict[str, str] = {
     "geomopt/geometry/prox/spectral_map.py::_gram_eigh: x.amax(-1, keepdim=True) -> x.amin(-1, keepdim=True)":
         "the lifted test's threshold 4u·min x, at most 4u·max x: more matrices counted as lifting a null direction "
         "and sent to the float64 Gram or the SVD, routes at least as accurate: the same steps to rounding",
+    "geomopt/geometry/prox/spectral_map.py::_gram_product: -1 -> 1 #2": "flip(1) for flip(−1) of the (B, q) w: the same",
+    "geomopt/geometry/prox/spectral_map.py::_gram_eigh: -1 -> 1 #5": "dim 1 for dim −1 of the (B, q) w: the same dim",
+    "geomopt/geometry/prox/spectral_map.py::_gram_eigh: 0 -> 1 #6":
+        "the index of the smallest σ > 0 clamped at 1 instead of 0: they differ only for a matrix of rank ≤ 1, whose "
+        "null directions have M·v = 0 whatever w they get, the one direction's w − c carrying its x: the same X",
+    "geomopt/geometry/prox/spectral_map.py::spectral_apply: ratio <= _GRAM_TOLERANCE -> ratio < _GRAM_TOLERANCE #2":
+        "R exactly at the tolerance 8 taken to the next route: a boundary of measure zero, both routes within the "
+        "accuracy contract there",
+    "geomopt/geometry/prox/polar.py::_spectral_norm_estimate: 1 -> 0": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py::_spectral_norm_estimate: 0.7 -> 0.0": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py::_stiefel_polar: 20 -> 40": _FLOAT32_FLOOR,
+    "geomopt/geometry/scale.py::block_factors: 1.0 -> 2.0":
+        "factors that are all 1 returned instead of None: every block scaled by 1, the same step",
     "geomopt/geometry/view.py::resolve: 1 -> 2":
         "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
         "divides rows, the same list",
