@@ -324,7 +324,11 @@ EXPLAINED: dict[str, str] = {
     "geomopt/geometry/prox/spectral_map.py::_gram_eigh: x.amax(-1, keepdim=True) -> x.amin(-1, keepdim=True)":
         "the lifted test's threshold 4u·min x, at most 4u·max x: more matrices counted as lifting a null direction "
         "and sent to the float64 Gram or the SVD, routes at least as accurate: the same steps to rounding",
-    "geomopt/geometry/prox/spectral_map.py::_gram_product: -1 -> 1 #2": "flip(1) for flip(−1) of the (B, q) w: the same",
+    "geomopt/geometry/prox/spectral_map.py::_gram_product: -1 -> 1 #2":
+        "flip(1) for flip(−1) of the (B, q) w: the same",
+    "geomopt/geometry/prox/spectral_map.py::_gram_eigh: 4 -> 5":
+        "x = c·σ to 5u·max|x| instead of 4u: it only decides which directions count in the low-rank form's width, "
+        "those between carrying w − c at rounding level: the same X to rounding",
     "geomopt/geometry/prox/spectral_map.py::_gram_eigh: -1 -> 1 #5": "dim 1 for dim −1 of the (B, q) w: the same dim",
     "geomopt/geometry/prox/spectral_map.py::_gram_eigh: 0 -> 1 #6":
         "the index of the smallest σ > 0 clamped at 1 instead of 0: they differ only for a matrix of rank ≤ 1, whose "
