@@ -5,7 +5,8 @@ X⁺ must lie in C and reach an objective g(X⁺) + (γ⋆φ)(X⁺ − Y) no wor
 minimization (scipy SLSQP over the entries, Powell over an SVD parametrization for spectral sets,
 or enumeration of the combinatorial sets), with the barrier written directly from h in float64.
 For the indicator reference the objective is ½‖Z − Y‖² on C ∩ (Y + t·dom φ₁), the selection
-the ops document. Then property tests (hypothesis) and the SVD-free variants' measured accuracy.
+the ops document. Then property tests (hypothesis). The polar, Gram–eigh and scalar solves' own
+accuracy tests are in tests/test_prox_polar.py, test_prox_spectral_map.py and test_prox_scalar.py.
 """
 
 from __future__ import annotations
