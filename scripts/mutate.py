@@ -6,7 +6,8 @@ a time and record which changes the tests notice.
     python scripts/mutate.py --modules geometry/gap.py --list     # the mutants, without running
 
 Sites: the functions (module level, and the methods of module-level classes) of
-``geomopt/geometry/**/*.py``, ``geomopt/optim/units/stages.py`` and ``geomopt/optim/units/directions.py``.
+``geomopt/geometry/**/*.py``, ``geomopt/optim/units/stages.py``, ``geomopt/optim/units/directions.py`` and
+``geomopt/optim/units/compensation.py`` (the compensated bf16 weights' split and join).
 Operators (:data:`OPERATORS`): a numeric constant c → c+1, 2c, 0, and 1−c where 0 < c < 1 is a
 float; a unary minus removed, or added to a returned value or to an arithmetic right-hand side;
 ``+``↔``-``, ``*``↔``/``, ``**``→``*`` (augmented assignments too); ``<``↔``<=``, ``>``↔``>=``;
@@ -54,10 +55,11 @@ from typing import Callable, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
-DEFAULT_MODULES = ("geomopt/geometry", "geomopt/optim/units/stages.py", "geomopt/optim/units/directions.py")
+DEFAULT_MODULES = ("geomopt/geometry", "geomopt/optim/units/stages.py", "geomopt/optim/units/directions.py",
+                   "geomopt/optim/units/compensation.py")
 #: the groups the outcome file scores apart (path prefixes)
 GROUPS = {"geometry": "geomopt/geometry/", "stages": "geomopt/optim/units/stages.py",
-          "directions": "geomopt/optim/units/directions.py"}
+          "directions": "geomopt/optim/units/directions.py", "compensation": "geomopt/optim/units/compensation.py"}
 
 #: the step's integration tests: every unit runs inside them
 STEP_TESTS = ("tests/test_optimizer.py", "tests/test_equivalence.py", "tests/test_stages_variants.py")
@@ -69,22 +71,27 @@ TESTS: dict[str, tuple[str, ...]] = {
                          "tests/test_backward.py", "tests/test_backward_floor.py", "tests/test_retractions.py",
                          "tests/test_method_auto.py", "tests/test_odd_tensors.py", "tests/test_adam_step.py",
                          "tests/test_dtype.py", "tests/test_kron.py", "tests/test_aol.py",
+                         "tests/test_prox_polar.py", "tests/test_prox_scalar.py", "tests/test_prox_spectral_map.py",
                          "tests/test_mutation_kills.py", *STEP_TESTS),
     "geomopt/optim/units/stages.py": ("tests/test_stages.py", "tests/test_trust_ratio.py",
                                       "tests/test_mutation_kills.py", *STEP_TESTS),
     "geomopt/optim/units/directions.py": ("tests/test_units.py", "tests/test_dion.py", "tests/test_adam_step.py",
                                           *STEP_TESTS),
+    "geomopt/optim/units/compensation.py": ("tests/test_compensation.py", "tests/test_mutation_kills.py"),
 }
 #: the test files that run in full for a mutant of a module, not capped at :data:`TESTS_PER_FILE`: the
 #: module's own unit tests (``tests/test_<module>.py``, or those named here) and the survivors' file
 OWN_TESTS: dict[str, tuple[str, ...]] = {"geomopt/optim/units/directions.py": ("tests/test_units.py",
                                                                              "tests/test_dion.py"),
                                          "geomopt/optim/units/stages.py": ("tests/test_stages.py",
-                                                                           "tests/test_trust_ratio.py")}
+                                                                           "tests/test_trust_ratio.py"),
+                                         **{f"geomopt/geometry/prox/{m}.py": (f"tests/test_prox_{m}.py",)
+                                            for m in ("polar", "scalar", "spectral_map")}}
 ALWAYS_FULL = ("tests/test_mutation_kills.py",)
 #: tests no mutant runs: torch.compile in a forked child costs seconds per mutant and starts
-#: compile workers (the eager tests cover the same functions)
-EXCLUDE = "not test_compiled_"
+#: compile workers (the eager tests cover the same functions); test_compensation's two that start 4
+#: gloo processes (its one-process tests cover the same split and join)
+EXCLUDE = "not test_compiled_ and not test_ddp_steps_compensated and not test_sharded_parameters_are_refused"
 
 _ITERATION_CAP = ("a safety cap on a host-side loop that converges in far fewer steps: never reached, so the "
                   "result is the same")
@@ -239,6 +246,129 @@ EXPLAINED: dict[str, str] = {
     "geomopt/geometry/prox/scalar.py::_newton_steps: 4 -> 8": _NEWTON_STEPS,
     "geomopt/geometry/prox/scalar.py::_newton_steps: 8 -> 9": _NEWTON_STEPS,
     "geomopt/geometry/prox/scalar.py::_newton_steps: 8 -> 16": _NEWTON_STEPS,
+    "geomopt/geometry/prox/polar.py::scaled_polar_schedule: 1 - low > eps -> 1 - low >= eps": _ONE_MORE_STEP,
+    "geomopt/geometry/reference.py::_power_barrier_conj_quad: 2 -> 3": _SUBSTITUTION,
+    "geomopt/geometry/prox/scalar.py::_box_sigma: 1 -> 0":
+        "the shrink α/τ for α/(1 + τ): another parametrization of the same σ, whose root τ' = 1 + τ the sphere's "
+        "bisection on log τ finds as well (it lies in the bracket [2⁻⁶⁰, 2⁶⁰]), the same σ",
+    "geomopt/optim/units/compensation.py::split16: 0x80000000 -> 2147483649":
+        "the sign mask with bit 0 set: (sign | w) >> 16 shifts bit 0 out, the same w",
+    "geomopt/geometry/prox/scalar.py::_solve_ball: -1 -> 1 #2": _ROWS,
+    "geomopt/geometry/prox/polar.py::_polar_by_cost: 2 * m * n * n * len(scaled_polar_schedule(floor / top, "
+    "mats.dtype)) - m * n * n -> 2 * m * n * n * len(scaled_polar_schedule(floor / top, mats.dtype)) + m * n * n":
+        _COST_MODEL,
+    "geomopt/geometry/reference.py::_z_minus_log1p: 1 / 24 -> 1 * 24": _TOP_TERM,
+    "geomopt/geometry/prox/polar.py::_spectral_ball_polar: 2 * torch.finfo(a.dtype).eps * r -> "
+    "2 * torch.finfo(a.dtype).eps / r":
+        "the floor of S = sign(G − r²I) without its r² factor: it only sets how closely a σ within ~u·c/r of r is "
+        "resolved, and there H's eigenvalue lies between r² and σ², moving the clipped σ by at most |σ − r| "
+        "(the docstring's bound): no test's σ falls in that window (r = 0.02 checked too)",
+    "geomopt/geometry/prox/polar.py::_spectral_ball_polar: r * r -> r / r #3":
+        "the fallback of an empty batch (no matrix: the floor sets the steps of an iteration over nothing)",
+    "geomopt/geometry/prox/scalar.py::_ball_finish: -1 -> 1 #2": _ROWS,
+    "geomopt/geometry/prox/spectral_map.py::_gram_eigh: 4 * unit * s[:, :1] -> 4 * unit / s[:, :1]":
+        "the tie test's threshold 4u/σ_max for 4u·σ_max: a rank cut through σ equal to the input's rounding still "
+        "goes to the SVD, its λ being equal in the working dtype (R = ∞ from the slope over equal λ; checked at σ "
+        "scaled by 1e±3): the route and the result are the same",
+    "geomopt/geometry/prox/__init__.py::backward: 1.0 -> 0.0 #2":
+        "a constraint's radius scaled by its block's factor f also where f = 1: the same radius",
+    "geomopt/geometry/matrix.py::matrices: 1 -> 0 #3":
+        "max(0, ·) for max(1, ·) of the trailing size: they differ only for a zero-size tensor, which never steps",
+    "geomopt/geometry/reference.py::_power_barrier_conj: 2.0 -> 0.0":
+        "κ = 2 through the general quadrature instead of its closed form √(ε² + y²) − ε: the same h* to the "
+        "quadrature's accuracy",
+    "geomopt/geometry/reference.py::_power_barrier_conj_quad: 1.0 -> 2.0": _SUBSTITUTION,
+    "geomopt/geometry/gap.py::_gap: -1 -> 1": "dim 1 for dim −1 of the (B, n) vectors: the same dim",
+    "geomopt/geometry/gap.py::_gap: -1 -> 1 #3": "dim 1 for dim −1 of the (B, k) values of the k groups: the same dim",
+    "geomopt/geometry/prox/scalar.py::_ball_newton: 0 -> 1":
+        "h clamped at 1 instead of 0 in the upper bound s − min(h, 0): Newton on the concave H from the left lands "
+        "at or below the root (the docstring), so h ≤ 0 but for rounding and the bound is the same",
+    "geomopt/geometry/prox/polar.py::_polar_by_cost: mats.shape[-2] >= mats.shape[-1] -> "
+    "mats.shape[-2] > mats.shape[-1]":
+        "the Gram route's orientation for a square matrix, the only case where they differ: the cost model never "
+        "takes that route for one (3n³ per inverse-square-root step against 2n³ per cubic step, no fewer steps; "
+        "checked near Stiefel, t down to 1e-4·r)",
+    "geomopt/geometry/kron_root.py::inverse_root_newton: 2 -> 3":
+        "the start's scale (p + 1)/(3‖M‖_F) for (p + 1)/(2‖M‖_F): the coupled iteration converges from any scale "
+        "putting M's spectrum in (0, p + 1], to the same root within its tolerance",
+    "geomopt/geometry/view.py::apply: -1 -> 1 #7": "dim 1 for dim −1 of the (n_el, k) flags: the same dim",
+    "geomopt/geometry/prox/polar.py::scaled_polar_schedule: 200 -> 201": _ITERATION_CAP,
+    "geomopt/geometry/prox/spectral_map.py::_gram_eigh: 4 -> 8 #4":
+        "x counted as lifted above 8u·max x instead of 4u: a lifted null direction's x is of the set's radius, far "
+        "above either, and a kept σ below the Gram matrix's resolution below both: the same route",
+    "geomopt/geometry/prox/vector.py::_proj_sign_set: r * sign_plus(v) -> r / sign_plus(v)":
+        "r/s for r·s with s = ±1: the same",
+    "geomopt/geometry/prox/scalar.py::_bisection_steps: 24 -> 25":
+        "one more halving of a bracket the final interpolation already resolves to full precision (the comment's "
+        "measurement: 8 halvings of margin)",
+    "geomopt/geometry/gap.py::_gap: -1 -> 1 #8":
+        "each batch element is one matrix here (a view's blocks are summed above): its values reshape to (B, 1) "
+        "as to (B, −1)",
+    "geomopt/geometry/prox/polar.py::_inverse_sqrt_steps: 1 -> 0":
+        "one step instead of two where the whole spectrum is already within ε of 1: the first step, T = 1.5I − "
+        "0.5H, is H^(−1/2) to O(ε²) there",
+    "geomopt/geometry/prox/scalar.py::_solve_ball: rho2 > torch.finfo(alpha.dtype).max -> "
+    "rho2 >= torch.finfo(alpha.dtype).max":
+        "ρ² exactly the dtype's largest value taken as +∞: that ρ² is the projection's limit either way "
+        "(t/r below 1e-19), the same magnitudes",
+    "geomopt/geometry/reference.py::_power_barrier_conj_quad: z > 1 -> z >= 1":
+        "at z = 1 both branches are H(1): h_one + (1 − 1) − ∫₁¹ = h_one = 1²·∫₀¹ of the small branch",
+    "geomopt/geometry/reference.py::_gauss_legendre: k / torch.sqrt(4 * k * k - 1) -> "
+    "-(k / torch.sqrt(4 * k * k - 1))":
+        "the Jacobi matrix's off-diagonal negated: D·J·D with D = Diag(±1), the same eigenvalues (the nodes) and "
+        "squared first components (the weights)",
+    "geomopt/geometry/prox/scalar.py::_solve_ball: lo * hi -> lo / hi":
+        "the safeguard's bisection point, taken only where a Newton step leaves its bracket beyond rounding: no "
+        "solve of the tests (six references, t/r from 1e-3 to 5, float32 and float64) takes it",
+    "geomopt/geometry/prox/spectral_map.py::_gram_compose: q * q + p * q -> q * q - p * q": _GROUPING,
+    "geomopt/geometry/prox/spectral_map.py::_gram_eigh: x.amax(-1, keepdim=True) -> x.amin(-1, keepdim=True)":
+        "the lifted test's threshold 4u·min x, at most 4u·max x: more matrices counted as lifting a null direction "
+        "and sent to the float64 Gram or the SVD, routes at least as accurate: the same steps to rounding",
+    "geomopt/geometry/prox/spectral_map.py::_gram_product: -1 -> 1 #2":
+        "flip(1) for flip(−1) of the (B, q) w: the same",
+    "geomopt/geometry/prox/spectral_map.py::_gram_eigh: 4 -> 5":
+        "x = c·σ to 5u·max|x| instead of 4u: it only decides which directions count in the low-rank form's width, "
+        "those between carrying w − c at rounding level: the same X to rounding",
+    "geomopt/geometry/prox/spectral_map.py::_gram_eigh: -1 -> 1 #5": "dim 1 for dim −1 of the (B, q) w: the same dim",
+    "geomopt/geometry/prox/spectral_map.py::_gram_eigh: 0 -> 1 #6":
+        "the index of the smallest σ > 0 clamped at 1 instead of 0: they differ only for a matrix of rank ≤ 1, whose "
+        "null directions have M·v = 0 whatever w they get, the one direction's w − c carrying its x: the same X",
+    "geomopt/geometry/prox/spectral_map.py::spectral_apply: ratio <= _GRAM_TOLERANCE -> ratio < _GRAM_TOLERANCE #2":
+        "R exactly at the tolerance 8 taken to the next route: a boundary of measure zero, both routes within the "
+        "accuracy contract there",
+    "geomopt/geometry/prox/polar.py::_spectral_norm_estimate: 1 -> 0": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py::_spectral_norm_estimate: 0.7 -> 0.0": _START_VECTOR,
+    "geomopt/geometry/prox/polar.py::_stiefel_polar: 20 -> 40": _FLOAT32_FLOOR,
+    "geomopt/geometry/scale.py::block_factors: 1.0 -> 2.0":
+        "factors that are all 1 returned instead of None: every block scaled by 1, the same step",
+    "geomopt/geometry/prox/scalar.py::sphere_magnitudes: a + t + slack -> a + t - slack":
+        "the outward infeasibility test's rounding slack taken off instead of added: rows within 8u of the boundary "
+        "flagged, a tolerance's side, not a value the step computes",
+    "geomopt/geometry/view.py::resolve: 1 -> 2":
+        "range(2, rows + 2) for range(2, rows + 1) in an error message's list of divisors: rows + 1 never "
+        "divides rows, the same list",
+    "geomopt/geometry/view.py::_restore: b + 2 -> b - 2":
+        "the trailing-batch branch taken where the shape has no axes past the matrix (len ≤ b + 2): its extra "
+        "axis is then of size 1, and the reshape and permute give the same tensor",
+    "geomopt/geometry/kron.py::graft_to_norm: torch.linalg.matrix_norm(d3, keepdim=True) + tiny -> "
+    "torch.linalg.matrix_norm(d3, keepdim=True) - tiny":
+        "‖D‖_F − 1e-16 for ‖D‖_F + 1e-16: the same quotient to rounding for a nonzero D (‖D‖ ≫ 1e-16), 0 times "
+        "it for a zero one",
+    "geomopt/geometry/prox/spectral_map.py::_gram_eigh: -1 -> 1 #16":
+        "dim 1 for dim −1 of the (B, q − 1) tie flags: the same dim",
+    "geomopt/geometry/kron_root.py::inverse_root_newton: 1e-6 -> 0.0":
+        "float32's tolerance 0: each matrix iterates on until its error grows by rounding (or max_iters) and keeps "
+        "the X before, as accurate as at 1e-6, with more iterations",
+    "geomopt/geometry/prox/groupwise.py::groupwise_frobenius_ball: a > 0 -> a >= 0":
+        "a zero row's scale s/tiny: the ball step never grows a magnitude (s ≤ a = 0), so the same 0",
+    "geomopt/geometry/prox/polar.py::_inverse_sqrt: 1 -> 2": "H is square: eye of shape[−2] is eye of shape[−1]",
+    "geomopt/geometry/spectral.py::gram_eigh: 1 -> 0 #2":
+        "the placeholder denominator where σ ≤ tol: the outer where discards that quotient (0 there)",
+    "geomopt/geometry/spectral.py::gram_eigh: sigma > tol -> sigma >= tol #2":
+        "the inner where's guard against dividing by σ at σ = tol: the outer where (σ > tol) discards that quotient",
+    "geomopt/geometry/spectral.py::_pow2_scale: 1 -> 2 #2":
+        "c = 2^(e−2) for 2^(e−1): still a power of two (an exact scaling, undone by σ = c·σ'), entries below 4 "
+        "instead of 2: the Gram matrix neither overflows nor underflows either way, the same map to rounding",
 }
 
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")
@@ -586,11 +716,12 @@ def _child(run: Callable[[], int]) -> int:
 
 
 def run_mutants(items: Sequence[tuple[Mutant, Path, list[str], float]], *, workers: int = 1,
-                pytest_args: Sequence[str] = (), progress: Callable[[Outcome, int, int], None] | None = None
-                ) -> list[Outcome]:
+                pytest_args: Sequence[str] = (), progress: Callable[[Outcome, int, int], None] | None = None,
+                stop_at: float | None = None) -> list[Outcome]:
     """Run each (mutant, its source file, its tests, its timeout) in a fork()ed child, at most
     ``workers`` at a time: the tests pass → survived; fail → killed; past the timeout → timed_out;
-    the code could not be swapped → not_applied."""
+    the code could not be swapped → not_applied. Past ``stop_at`` (time.monotonic()) no mutant starts:
+    the outcomes are those of the items run, in order (a prefix of ``items``)."""
     import gc
 
     import pytest
@@ -625,8 +756,12 @@ def run_mutants(items: Sequence[tuple[Mutant, Path, list[str], float]], *, worke
             progress(results[i], len(results), len(items))
 
     while pending or running:
+        if stop_at is not None and time.monotonic() > stop_at:
+            pending.clear()
         while pending and len(running) < workers:
             start(pending.pop(0)[0])
+        if not running:
+            break
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             now = time.monotonic()
@@ -654,7 +789,7 @@ def run_mutants(items: Sequence[tuple[Mutant, Path, list[str], float]], *, worke
             finish(i, "killed", seconds)
         else:
             finish(i, "error", seconds, f"pytest exited {rc}")
-    return [results[i] for i in range(len(items))]
+    return [results[i] for i in sorted(results)]
 
 
 # ---------------------------------------------------------------- the project: tests per function
@@ -860,13 +995,22 @@ def record_results(record: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modules", nargs="+", default=list(DEFAULT_MODULES),
-                    help="source files or folders (default: geometry/, optim/stages.py, optim/directions.py)")
+                    help="source files or folders (default: geometry/, optim/units/stages.py, directions.py, "
+                         "compensation.py)")
     ap.add_argument("--max-mutants", type=int, default=None, help="a seeded sample of at most this many mutants")
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
     ap.add_argument("--workers", type=int, choices=(1, 2), default=1, help="children at a time (default 1)")
     ap.add_argument("--list", action="store_true", help="print the mutants and exit without running them")
     ap.add_argument("--out", type=Path, default=None, help="write the outcome as JSON here")
+    ap.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                    help="start no mutant after this many seconds; the mutants run in a seeded random order, so "
+                         "those done are a uniform sample, and the outcome is theirs")
+    ap.add_argument("--rerun-survivors", type=Path, default=None, metavar="OUTCOME",
+                    help="run again the unexplained survivors of this outcome file (after tests were added) and "
+                         "update it in place: their new outcomes, the counts, the explanations")
     args = ap.parse_args(argv)
+    if args.rerun_survivors is not None:
+        return rerun_survivors(args.rerun_survivors, workers=args.workers)
     paths = source_files(args.modules)
     if not paths:
         ap.error(f"no source file under {' '.join(args.modules)} (choose under {', '.join(DEFAULT_MODULES)})")
@@ -875,51 +1019,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_mutants is not None and args.max_mutants < len(every):
         keep = sorted(random.Random(args.seed).sample(range(len(every)), args.max_mutants))
         chosen = [every[i] for i in keep]
+    if args.stop_after is not None:
+        chosen = list(chosen)
+        random.Random(args.seed).shuffle(chosen)
     if args.list:
         for m in chosen:
             print(f"{m.path}:{m.line}:{m.col} [{m.op}] {m.qualname}: {m.original} -> {m.mutated}")
         print(f"{len(chosen)} of {len(every)} mutants in {len(paths)} files", file=sys.stderr)
         return 0
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.chdir(ROOT)
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-    import torch
-
-    from geomopt.cli.demo import machine, source_version
-
-    torch.set_num_threads(1)
     load = os.getloadavg()  # the machine may be shared: how busy it was as the run began
     t0 = time.monotonic()
-    for p in paths:
-        importlib.import_module(module_name(p))
-    cmap = coverage_map()
-    items = []
-    for m in chosen:
-        tests = tests_for(m, cmap)
-        budget = sum(cmap["tests"].get(t, 0.0) for t in tests)
-        items.append((m, ROOT / m.path, tests, TIMEOUT_S + TIMEOUT_FACTOR * budget))
+    items = _prepare(paths, chosen)
+    stop_at = None if args.stop_after is None else t0 + args.stop_after
     runnable = [it for it in items if it[2]]
+    outcomes = run_mutants(runnable, workers=args.workers, pytest_args=("-k", EXCLUDE), progress=_progress(t0),
+                           stop_at=stop_at)
+    if len(outcomes) < len(runnable):  # stopped: the mutants run (a prefix of the seeded order) are the sample
+        ran = {id(o.mutant) for o in outcomes}
+        last = max(i for i, it in enumerate(items) if id(it[0]) in ran)
+        items = items[:last + 1]
     untested = [Outcome(it[0], "survived", 0.0, 0, "no test of its module's test files calls this function")
                 for it in items if not it[2]]
-
-    def progress(o: Outcome, done: int, total: int) -> None:
-        if o.status != "killed" or done % 50 == 0:
-            print(f"[{done}/{total} {time.monotonic() - t0:.0f}s] {o.status}: {o.mutant.key}", flush=True)
-
-    outcomes = run_mutants(runnable, workers=args.workers, pytest_args=("-k", EXCLUDE), progress=progress)
-    outcomes += untested
+    outcomes = sorted(outcomes + untested, key=lambda o: (o.mutant.path, o.mutant.line, o.mutant.col, o.mutant.variant))
     seconds = time.monotonic() - t0
+    from geomopt.cli.demo import machine, source_version
+
     summary = summarize(outcomes)
     record = {
         "command": "python scripts/mutate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d", time.gmtime()), "source": source_version(ROOT), "machine": machine("cpu"),
         "load": [round(x, 2) for x in load], "workers": args.workers, "seconds": round(seconds, 1),
         "operators": OPERATORS, "tests_per_file": TESTS_PER_FILE, "own_tests_in_full": True,
-        "sample": {"mutants": len(chosen), "of": len(every), "seed": args.seed,
-                   "sampled": len(chosen) < len(every)},
+        "sample": {"mutants": len(outcomes), "of": len(every), "seed": args.seed,
+                   "sampled": len(outcomes) < len(every),
+                   **({"stopped_after": args.stop_after} if args.stop_after is not None else {})},
         **summary,
-        "survivors": [{"at": f"{o.mutant.path}:{o.mutant.line}:{o.mutant.col}", "function": o.mutant.qualname,
+        "survivors": [{"at": f"{o.mutant.path}:{o.mutant.line}:{o.mutant.col}", "key": o.mutant.stable_key,
+                       "function": o.mutant.qualname,
                        "op": o.mutant.op, "original": o.mutant.original, "mutated": o.mutant.mutated,
                        "tests": o.tests, **({"note": o.note} if o.note else {}),
                        **({"explained": EXPLAINED[o.mutant.stable_key]} if o.mutant.stable_key in EXPLAINED else {})}
@@ -929,15 +1066,95 @@ def main(argv: Sequence[str] | None = None) -> int:
                       if o.status == "timed_out"],
         "not_applied": [{"at": o.mutant.key, "note": o.note} for o in outcomes if o.status in ("not_applied", "error")],
     }
-    for g, c in summary["groups"].items():
-        print(f"{g}: {c['killed']} killed, {c['timed_out']} timed out, {c['survived']} survived "
-              f"({c['explained']} explained) of {c['mutants']}: score {c['score']}")
     print(f"{len(outcomes)} mutants in {seconds:.0f} s")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        if args.out.resolve() == RECORDED.resolve():
+    _write(record, args.out)
+    return 0
+
+
+def _prepare(paths: Sequence[str], chosen: Sequence[Mutant]) -> list[tuple[Mutant, Path, list[str], float]]:
+    """In this process: torch on one thread, the sources imported, the map of tests to functions; then
+    each mutant with its source file, its tests (:func:`tests_for`) and its timeout."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.chdir(ROOT)
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    import torch
+
+    torch.set_num_threads(1)
+    for p in paths:
+        importlib.import_module(module_name(p))
+    cmap = coverage_map()
+    items = []
+    for m in chosen:
+        tests = tests_for(m, cmap)
+        budget = sum(cmap["tests"].get(t, 0.0) for t in tests)
+        items.append((m, ROOT / m.path, tests, TIMEOUT_S + TIMEOUT_FACTOR * budget))
+    return items
+
+
+def _progress(t0: float) -> Callable[[Outcome, int, int], None]:
+    def progress(o: Outcome, done: int, total: int) -> None:
+        if o.status != "killed" or done % 50 == 0:
+            print(f"[{done}/{total} {time.monotonic() - t0:.0f}s] {o.status}: {o.mutant.key}", flush=True)
+    return progress
+
+
+def _write(record: dict, out: Path | None) -> None:
+    for g, c in record["groups"].items():
+        print(f"{g}: {c['killed']} killed, {c['timed_out']} timed out, {c['survived']} survived "
+              f"({c['explained']} explained) of {c['mutants']}: score {c['score']}, "
+              f"explained left out {c['score_unexplained']}")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        if out.resolve() == RECORDED.resolve():
             record_results(record)
+
+
+def _recount(c: dict, killed: int, explained: int) -> dict:
+    """A tally of :func:`summarize` with ``killed`` survivors now killed and ``explained`` of the
+    remaining ones explained."""
+    c = dict(c, killed=c["killed"] + killed, survived=c["survived"] - killed, explained=explained)
+    c["score"] = _score(c)
+    c["score_unexplained"] = _score(dict(c, survived=c["survived"] - explained))
+    return c
+
+
+def rerun_survivors(path: Path, *, workers: int = 1) -> int:
+    """Run the unexplained survivors of the outcome file ``path`` again, with the tests as they are
+    now, and update the file: a survivor the tests now kill counts as killed (tests only added: the
+    killed mutants stay killed), the explanations are read again from :data:`EXPLAINED`, and the
+    record lists the rerun (its date, source, mutants and how many it killed)."""
+    record = json.loads(path.read_text(encoding="utf-8"))
+    from geomopt.cli.demo import source_version
+
+    wanted = {s["key"] for s in record["survivors"] if s["key"] not in EXPLAINED}
+    files = sorted({s["at"].split(":", 1)[0] for s in record["survivors"] if s["key"] in wanted})
+    current = {m.stable_key: m for p in files for m in mutants(ROOT / p, module_name(p), p)}
+    missing = sorted(wanted - set(current))
+    if missing:
+        raise SystemExit(f"survivors no longer among the mutants (the code changed; run the sample again): {missing}")
+    t0 = time.monotonic()
+    items = [it for it in _prepare(files, [current[k] for k in sorted(wanted)]) if it[2]]
+    outcomes = run_mutants(items, workers=workers, pytest_args=("-k", EXCLUDE), progress=_progress(t0))
+    caught = {o.mutant.stable_key for o in outcomes if o.status in ("killed", "timed_out")}
+    survivors = [s for s in record["survivors"] if s["key"] not in caught]
+    for s in survivors:
+        s.pop("explained", None)
+        if s["key"] in EXPLAINED:
+            s["explained"] = EXPLAINED[s["key"]]
+
+    def counts(prefix: str, c: dict) -> dict:
+        killed = sum(k.startswith(prefix) for k in caught)
+        explained = sum(s["key"].startswith(prefix) and "explained" in s for s in survivors)
+        return _recount(c, killed, explained)
+
+    record["modules"] = {p: counts(p + "::", c) for p, c in record["modules"].items()}
+    record["groups"] = {g: counts(GROUPS[g], c) for g, c in record["groups"].items()}
+    record["survivors"] = survivors
+    record.setdefault("reruns", []).append({
+        "date": time.strftime("%Y-%m-%d", time.gmtime()), "source": source_version(ROOT),
+        "mutants": len(outcomes), "killed": len(caught), "seconds": round(time.monotonic() - t0, 1)})
+    _write(record, path)
     return 0
 
 

@@ -614,7 +614,8 @@ def fuzz(records) -> str:
 
 MUTATION_RESULTS = ROOT / "benchmarks" / "results" / "mutation.json"
 MUTATION_GROUPS = {"geometry": "`geomopt/geometry/`", "stages": "`geomopt/optim/units/stages.py`",
-                   "directions": "`geomopt/optim/units/directions.py`"}
+                   "directions": "`geomopt/optim/units/directions.py`",
+                   "compensation": "`geomopt/optim/units/compensation.py`"}
 
 
 def mutation(records) -> str:
@@ -634,6 +635,9 @@ def mutation(records) -> str:
     sample = rec["sample"]
     drawn = (f"a seeded sample of {sample['mutants']} of the {sample['of']} mutants (seed {sample['seed']})"
              if sample["sampled"] else f"all {sample['of']} mutants")
+    if sample.get("stopped_after") is not None and sample["sampled"]:
+        drawn += (f": the first {sample['mutants']} of them in a seeded random order, the run stopping after "
+                  f"{duration(sample['stopped_after'])}")
     load = f", load average {rec['load'][0]:.1f} as it began" if rec.get("load") else ""
     own = rec.get("own_tests_in_full", False)  # records before it capped every file
     runs = (f"the tests that call its function: all of those of its module's own test files, at most "
@@ -644,6 +648,9 @@ def mutation(records) -> str:
                f"(killed + timed out) / (killed + timed out + survived); a survivor is explained where it is "
                f"equivalent to the original or no test can tell it apart (the outcome file, "
                f"`benchmarks/results/mutation.json`, says why).")
+    for r in rec.get("reruns", []):
+        caption += (f" Its unexplained survivors ran again after tests were added (`--rerun-survivors`{made_text(r)}): "
+                    f"{r['killed']} of {r['mutants']} killed; the table counts them killed.")
     return "\n".join(table(head, rows)) + "\n\n" + caption
 
 

@@ -96,6 +96,54 @@ def test_compensation_keeps_updates_bf16_rounds_away():
     assert abs(join8(w8, q).item() - 1.1) < 0.01
 
 
+def _bits(values: list[int]) -> torch.Tensor:
+    return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=torch.int32).view(torch.float32)
+
+
+#: float32 bit patterns at the edges: ±0, ±∞, a NaN, the smallest subnormal, the largest finite
+#: (which rounds to ∞ in bf16), ties just below, at and above half a bf16 spacing, a tie carrying
+#: into the next binade, 1, −1.5
+EDGES = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00001, 0x00000001, 0x7F7FFFFF, 0x3F807FFF,
+         0x3F808000, 0x3F808001, 0x3F818000, 0x3FFF8000, 0xBF7F8000, 0x3F800000, 0xBFC00000]
+
+
+def test_split16_join16_at_the_edges():
+    """split16 on :data:`EDGES` against the definition in Python integers (w's bits: the magnitude
+    plus 2^15, its low 16 bits cleared; the remainder the magnitude minus that, NaN kept as bf16's
+    quiet NaN with remainder 0), and join16 giving every non-NaN pattern back bit for bit."""
+    x = _bits(EDGES)
+    w, low = split16(x)
+    for b, wv, lv in zip(EDGES, w.view(torch.int16).tolist(), low.tolist()):
+        sign, mag = b & 0x80000000, b & 0x7FFFFFFF
+        wmag = 0x7FC00000 if mag > 0x7F800000 else (mag + 0x8000) & ~0xFFFF
+        rest = 0 if mag > 0x7F800000 else mag - wmag
+        assert wv & 0xFFFF == (sign | wmag) >> 16 and lv == rest, hex(b)
+    back = join16(w, low).view(torch.int32)
+    for b, v in zip(EDGES, back.tolist()):
+        if not (b & 0x7FFFFFFF) > 0x7F800000:
+            assert v & 0xFFFFFFFF == b, hex(b)
+
+
+def test_split8_join8_at_the_edges():
+    """split8 at a binade's edges, a tie of bf16 (q = ±128 clamped to ±127) and ±0 against the
+    float64 reference (:func:`_reference8`); join8 keeps −0's sign and reads w + q·ulp(w)/256."""
+    values = [1.0, -1.0, 1.0 + 2.0**-8, 1.0 + 2.0**-8 + 2.0**-16, 1.0 - 2.0**-24, 2.0 - 2.0**-9,
+              0.75 + 3 * 2.0**-20, -(3.0 + 2.0**-7), 2.0**-100 * 1.5, 1e30]
+    x = torch.tensor(values, dtype=torch.float32)
+    w, q = split8(x)
+    ref = [_reference8(float(v)) for v in x.tolist()]
+    assert w.float().tolist() == [r[0] for r in ref]
+    assert q.tolist() == [r[1] for r in ref]
+    assert 127 in [abs(v) for v in q.tolist()]  # the tie, clamped
+    back = join8(w, q).tolist()
+    for (wr, qr), y in zip(ref, back):
+        e = math.frexp(wr)[1]
+        assert y == wr + qr * 2.0 ** (e - 16)
+    zw, zq = split8(torch.tensor([-0.0, 0.0]))
+    assert zq.tolist() == [0, 0]
+    assert [math.copysign(1.0, v) for v in join8(zw, zq).tolist()] == [-1.0, 1.0]
+
+
 # ---------------------------------------------------------------- the optimizer
 
 

@@ -175,3 +175,16 @@ def test_every_explanation_names_a_mutant_of_the_sources(mutate):
             for m in mutate.mutants(ROOT / p, mutate.module_name(p), p)}
     stale = sorted(set(mutate.EXPLAINED) - keys)
     assert not stale, f"explanations of mutants that no longer exist (the code changed): {stale}"
+
+
+def test_a_stopped_run_and_a_rerun_count_what_ran(mutate, tiny):
+    """Past ``stop_at`` no mutant starts (the outcomes: those run, a prefix); a rerun's recount moves
+    the survivors the tests now kill to killed and scores the rest with the explanations given."""
+    ms = mutate.mutants(tiny / f"{MODULE}.py", MODULE, f"{MODULE}.py")
+    args = ("-c", str(tiny / "pytest.ini"), "--rootdir", str(tiny))
+    items = [(m, tiny / f"{MODULE}.py", [str(tiny / f"{TEST_MODULE}.py")], 30.0) for m in ms[:3]]
+    assert mutate.run_mutants(items, pytest_args=args, stop_at=0.0) == []
+    c = {"mutants": 10, "killed": 6, "timed_out": 1, "survived": 3, "explained": 1}
+    after = mutate._recount(c, killed=2, explained=1)
+    assert (after["killed"], after["survived"], after["explained"]) == (8, 1, 1)
+    assert after["score"] == 0.9 and after["score_unexplained"] == 1.0

@@ -354,3 +354,149 @@ def test_the_ball_and_sphere_magnitudes_solve_their_optimality_conditions(step, 
         tau = ref.dh(sign * (alpha - sigma)) / sigma
         assert bool((tau > 0).all())
         torch.testing.assert_close(tau, tau[0].expand_as(tau), rtol=1e-8, atol=0)
+
+
+@pytest.mark.parametrize("excess,flagged", [(3.0, False), (400.0, True)])
+def test_the_exact_spectral_steps_flag_past_rounding_at_the_largest_scale(excess, flagged):
+    """The spectral ball's feasibility flag: max_i |x_i − σ_i| > t beyond rounding, the rounding being
+    u·(σ_max + t) (Y = X − tW's error at Y's largest scale): σ₁ = r + t + excess·u·σ₁ with σ₁ ≈ 1000
+    and the others small is within it at 3u·σ₁ (not flagged) and past it at 400u·σ₁ (flagged)."""
+    u = torch.finfo(torch.float64).eps
+    r, t = 1000.0, 1e-3
+    sigma = torch.tensor([r + t + excess * u * r, 1.0, 0.5, 1e-3], dtype=torch.float64)
+    q1, _ = torch.linalg.qr(torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    q2, _ = torch.linalg.qr(torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    y = (q1 * sigma) @ q2.T
+    geo = {"kind": "spectral", "radius": 1.0, "reference": {"kind": "log_barrier", "eps": 1e-3}}
+    _, bad = backward(y, t, geo, {"kind": "spectral_ball", "radius": r})
+    assert bool(bad) == flagged
+
+
+def test_psgd_steps_along_the_debiased_momentum_before_its_first_fit():
+    """PSGD-Kron with its factors at the identity (before step ``every``): the update is the debiased
+    momentum ĥ = m/(1 − μᵗ), m ← μm + (1 − μ)G (RMS below the 1.1 cap), written out here for two
+    steps: G₁ then (μ(1 − μ)G₁ + (1 − μ)G₂)/(1 − μ²), times ρ."""
+    from geomopt.geometry.learned import kronecker
+
+    mu, rho = 0.9, 0.5
+    geo = {"method": "psgd", "max_dim": 64, "momentum": mu, "every": 10, "precond_lr": 0.1}
+    g = torch.randn(2, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 0.1
+    state: dict = {}
+    first = kronecker(g[0], geo, radius=rho, state=state)
+    second = kronecker(g[1], geo, radius=rho, state=state)
+    torch.testing.assert_close(first, rho * g[0], rtol=1e-12, atol=0)
+    want = (mu * (1 - mu) * g[0] + (1 - mu) * g[1]) / (1 - mu**2)
+    torch.testing.assert_close(second, rho * want, rtol=1e-12, atol=1e-15)
+
+
+def test_the_newton_inverse_root_of_order_one_is_the_inverse():
+    """p = 1, the smallest order the iteration takes: (A + εI)^(−1) against numpy's float64 inverse."""
+    import numpy as np
+
+    from geomopt.geometry.kron_root import inverse_root_newton
+
+    b = torch.randn(5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    a = b @ b.T + 0.5 * torch.eye(5, dtype=torch.float64)
+    want = np.linalg.inv(a.numpy() + 1e-3 * np.eye(5))
+    got = inverse_root_newton(a, 1, 1e-3)
+    assert np.abs(got.numpy() - want).max() <= 1e-10 * np.abs(want).max()
+
+
+def test_shampoos_roots_stay_the_identity_until_step_every():
+    """Shampoo's roots start at the identity and are first computed at step ``every`` (both references'
+    schedule): with every = 3 and no graft, steps 1 and 2 return G itself, step 3 a preconditioned G."""
+    from geomopt.geometry.learned import kronecker
+
+    geo = {"method": "shampoo", "max_dim": 64, "beta": 0.9, "every": 3, "exponent": None, "damping": 1e-12,
+           "root": "eigh", "graft": "none", "eps": 1e-8, "betas": (0.9, 0.999)}
+    g = torch.randn(3, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    state: dict = {}
+    out = [kronecker(g[k], geo, radius=1.0, state=state) for k in range(3)]
+    assert torch.equal(out[0], g[0]) and torch.equal(out[1], g[1])
+    assert (out[2] - g[2]).abs().max() > 1e-3
+
+
+def test_an_auto_view_without_structure_is_the_plain_matrix():
+    """``view: auto`` on a tensor the model says nothing of (no batch, no blocks): the plain matrix
+    (None), a 3-D tensor included (rows × the rest, not a batch of matrices)."""
+    from geomopt.geometry.view import resolve
+
+    for shape in ((4, 3), (4, 3, 2), (2, 4, 3, 2)):
+        assert resolve({"kind": "auto"}, shape, {}) is None, shape
+        assert resolve({"kind": "auto"}, shape, None) is None, shape
+    assert resolve({"kind": "auto"}, (4, 3, 2), {"batch": 1}) == {"batch": 1, "trailing": "cols", "blocks": None,
+                                                                  "factors": None}
+
+
+@pytest.mark.parametrize("size", [1e-160, 1e-3, 1e150])
+def test_gram_eigh_at_the_ends_of_float64_is_the_svds_map(size):
+    """∇φ*(D) by the Gram matrix's eigh for D of entries near 1e-160 (the Gram matrix's products would
+    underflow unscaled), 1e-3 and 1e150 (they would overflow): the SVD's map to 1e-9."""
+    from geomopt.geometry.spectral import gram_eigh, svd
+
+    d = torch.randn(2, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(8)) * size
+    ref = make_reference({"kind": "log_barrier", "eps": 1e-3 * size})
+    want = svd(d, ref)
+    torch.testing.assert_close(gram_eigh(d, ref), want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
+    torch.testing.assert_close(gram_eigh(d.mT, ref), want.mT, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
+
+
+def test_soaps_factors_are_moving_averages_of_the_gradients_products():
+    """SOAP's factors after three steps: L = Σ_k (1 − β)·β^(3−k)·G_k·G_kᵀ and R the same of G_kᵀ·G_k
+    (the first step starts them from zero), written out in float64."""
+    from geomopt.geometry.learned import kronecker
+
+    beta = 0.8
+    geo = {"method": "soap", "max_dim": 64, "beta": beta, "every": 10, "betas": (0.9, 0.99), "eps": 1e-8}
+    g = torch.randn(3, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    state: dict = {}
+    for k in range(3):
+        kronecker(g[k], geo, radius=1.0, state=state)
+    left = sum((1 - beta) * beta ** (2 - k) * g[k] @ g[k].T for k in range(3))
+    right = sum((1 - beta) * beta ** (2 - k) * g[k].T @ g[k] for k in range(3))
+    torch.testing.assert_close(state["soap_left"].reshape(5, 5), left, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(state["soap_right"].reshape(3, 3), right, rtol=1e-12, atol=1e-14)
+
+
+def test_psgd_preconditions_with_diagonal_factors_on_a_square_matrix():
+    """PSGD-Kron's P·G = Q_LᵀQ_L·G·Q_RᵀQ_R with both sides diagonal (longer than max_dim): Diag(l²)·G·Diag(r²),
+    rows scaled by the left factor and columns by the right one, on a square G where a swap would still
+    broadcast; and with triangular factors the same product of the matrices."""
+    from geomopt.geometry.kron_psgd import precondition
+
+    gen = torch.Generator().manual_seed(9)
+    g = torch.randn(2, 4, 4, dtype=torch.float64, generator=gen)
+    ql, qr = torch.rand(2, 4, dtype=torch.float64, generator=gen) + 0.5, torch.rand(2, 4, dtype=torch.float64,
+                                                                                    generator=gen) + 0.5
+    want = ql.square()[:, :, None] * g * qr.square()[:, None, :]
+    torch.testing.assert_close(precondition(g, ql, qr), want, rtol=1e-12, atol=1e-14)
+    tl = torch.triu(torch.rand(2, 4, 4, dtype=torch.float64, generator=gen)) + torch.eye(4, dtype=torch.float64)
+    tr = torch.triu(torch.rand(2, 4, 4, dtype=torch.float64, generator=gen)) + torch.eye(4, dtype=torch.float64)
+    torch.testing.assert_close(precondition(g, tl, tr), tl.mT @ tl @ g @ tr.mT @ tr, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (5, 3), (2, 3, 5)])
+def test_shampoos_spectral_graft_has_the_norm_of_a_polar_factor(shape):
+    """Shampoo's ``graft: spectral`` step has the Frobenius norm of U·Vᵀ of a full-rank m × n matrix,
+    √min(m, n), per matrix, wide or tall."""
+    from geomopt.geometry.learned import kronecker
+
+    geo = {"method": "shampoo", "max_dim": 64, "beta": 0.9, "every": 1, "exponent": None, "damping": 1e-12,
+           "root": "eigh", "graft": "spectral", "eps": 1e-8, "betas": (0.9, 0.999)}
+    g = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    out = kronecker(g, geo, radius=1.0, state={}, batch_dims=len(shape) - 2)
+    norms = torch.linalg.matrix_norm(out.reshape(-1, *shape[-2:]))
+    torch.testing.assert_close(norms, torch.full_like(norms, math.sqrt(min(shape[-2:]))), rtol=1e-12, atol=0)
+
+
+def test_psgds_probe_is_the_steps_own_gaussian_draw():
+    """The probe of step k is N(0, I) from a generator seeded with PROBE_SEED + k (the same on every
+    rank and after a resume), drawn here from its own generator, shared by a stack's matrices."""
+    from geomopt.geometry import kron_psgd
+
+    g = torch.zeros(3, 4, 5, dtype=torch.float64)
+    for step in (1, 2, 7):
+        want = torch.randn(4, 5, generator=torch.Generator().manual_seed(kron_psgd.PROBE_SEED + step),
+                           dtype=torch.float64)
+        got = kron_psgd.probe(g, step)
+        assert all(torch.equal(got[i], want) for i in range(3)), step

@@ -4,7 +4,7 @@ where the backward step runs (the device and the matrix size are known only ther
 The two methods (:func:`geomopt.geometry.prox.spectral.spectral_projection`): ``exact`` diagonalizes
 the small Gram matrix (batched ``eigh``; the SVD where that is not as accurate), ``polar`` runs
 SVD-free polar iterations (matrix products only; approximate, max-entry error ≤ 2e-6·r in fp32 on
-training's steps, tests/test_backward.py). ``exact`` and ``polar`` in a spec force one; ``auto``
+training's steps, tests/test_prox_polar.py). ``exact`` and ``polar`` in a spec force one; ``auto``
 (the default) is :func:`resolve_method`'s rule.
 """
 

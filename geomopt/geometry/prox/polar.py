@@ -136,7 +136,7 @@ def _stiefel_polar(y, t, ref, constraint, *, geometry, batch_dims):
     precision: cubic Newton–Schulz on Y (scaled, :func:`polar`) or Y·G^{−1/2} by the Gram
     matrix's inverse square root, whichever costs fewer FLOPs (:func:`_polar_by_cost`). Measured
     against the SVD on Y = X − tW, X ∈ Stiefel(r), ‖W‖₂ ≤ 0.99, t ∈ {0.3, 0.02, 0.001}·r
-    (48×24, 24×48, 256×128, 128×512): tests/test_backward.py asserts max-entry error ≤ 2e-6·r
+    (48×24, 24×48, 256×128, 128×512): tests/test_prox_polar.py asserts max-entry error ≤ 2e-6·r
     (fp32), ≤ 1e-13·r (fp64). The step count is the feasible case's (4 steps for t = 0.02r): Y far
     from Stiefel(r) — not a step from a feasible X — is flagged and left less converged (8e-2·r
     for a Gaussian 64×32 Y); in training the next step brings X back to ~3e-7
@@ -205,7 +205,7 @@ def _spectral_ball_polar(y, t, ref, constraint, *, geometry, batch_dims):
     [r²/c_H, 1]: a few steps near the ball, more for σ ≫ r. Directions with σ ≤ r (including
     σ = 0: rank-deficient Y) get H = r², a factor 1, exactly. Everything is n×n except the Gram
     matrix and the final product; the two step counts are set on the host from the largest scales
-    in the batch (two host syncs per call). Measured against the SVD (tests/test_backward.py):
+    in the batch (two host syncs per call). Measured against the SVD (tests/test_prox_polar.py):
     Gaussian 40×24, 24×40 and rank-5 40×24 matrices, max-entry error ≤ 2e-6·r (fp32), ≤ 1e-13·r
     (fp64); σ spread from 100r to 0.01r: ≤ 1e-4·r (fp32), ≤ 1e-12·r (fp64). The flag uses a
     power-iteration estimate of ‖Y − X⁺‖₂."""
