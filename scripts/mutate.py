@@ -906,10 +906,11 @@ def coverage_map() -> dict:
     cached = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     per_file = cached.get("files", {}) if cached.get("sources") == sources else {}
     files = _existing()
-    stale = [f for f in files if per_file.get(f, {}).get("digest") != _digest([f])]
+    now = {f: _digest([f]) for f in files}  # read before profiling: a file edited meanwhile is stale next time
+    stale = [f for f in files if per_file.get(f, {}).get("digest") != now[f]]
     if stale:
         for f, found in _profile(stale).items():
-            per_file[f] = {"digest": _digest([f]), **found}
+            per_file[f] = {"digest": now[f], **found}
         CACHE.mkdir(exist_ok=True)
         path.write_text(json.dumps({"sources": sources, "files": per_file}), encoding="utf-8")
     tests: dict[str, float] = {}
