@@ -12,7 +12,9 @@ Variants::
     flat      an elementwise rule (φ euclidean, anisotropic, isotropic or adam; no constraint,
               no post-stage): the rule's tensors of one dtype, device and radius run as one call
               of foreach kernels over flat state buffers (optim.engine.flat.step_flat); Adam through
-              torch's fused AdamW kernel where the device has one (``fused``)
+              torch's fused AdamW kernel where the device has one (``fused``); under ``fuse``, a
+              map of each entry with no direction or Polyak's as one compiled function
+              (``compiled``: optim.engine.fused)
     batched   every other rule: a bucket's same-shape tensors stacked along a leading dim, one
               call per operator (optim.engine.bucket_step.BucketJob), writing back
               ``one-pass``   X ← lerp(X, S, γλ) with S = −(ρ/λ)∇φ₁*(d) from the forward op
@@ -65,6 +67,7 @@ class Options:
     cuda_graphs: bool = False
     implementation: str = "auto"
     capturable: bool = False
+    fuse: bool = False  # an elementwise rule's flat step compiled whole (optim.engine.fused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +101,11 @@ class Program:
     def fused(self) -> bool:
         """A flat program through torch's fused AdamW kernel."""
         return self.write == "fused"
+
+    @property
+    def compiled(self) -> bool:
+        """A flat program whose step is one compiled function (:mod:`geomopt.optim.engine.fused`)."""
+        return self.write == "compiled"
 
     def describe(self) -> str:
         shape = f"× {list(self.shape)}" if self.shape or self.variant == "batched" else "tensors of several shapes,"
@@ -156,6 +164,15 @@ def capturable_weights(group: dict, pp: ParamPlan, opts: Options) -> bool:
     return each_entry and group["direction"] in ("none", "polyak")
 
 
+def fusable(group: dict, pp: ParamPlan, opts: Options) -> bool:
+    """Whether a flat rule's step compiles whole under ``fuse`` (:mod:`geomopt.optim.engine.fused`):
+    not capturable (its flag-weighted writes stay eager), a map of each entry keeping no state (no
+    norm: one loop per tensor), no direction or Polyak's (its coefficient α enters the graph as a
+    tensor, so a schedule of it compiles nothing again)."""
+    each_entry = flat_refusal(pp.geometry.kind, sharded=True) is None and not geometry_state(pp.geometry)
+    return opts.fuse and not opts.capturable and each_entry and group["direction"] in ("none", "polyak")
+
+
 def capturable_flat(group: dict, pp: ParamPlan, indices: list, opts: Options) -> Optional[str]:
     """None where a flat call can run a capturable step (:func:`capturable_weights`); Adam's needs
     torch's fused AdamW kernel on the device, which reads the finiteness flag itself
@@ -212,6 +229,9 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
                                "Adam with foreach ops (" + ("implementation='foreach'" if opts.implementation
                                                             == "foreach" else f"no fused kernel on {p.device.type}")
                                + ")")
+                if fusable(group, pp, opts):
+                    why.append("fuse: direction, map, decay and write-back compiled into one loop per tensor "
+                               "(torch.compile)")
                 pooled = flat.setdefault((dtype, p.device), (common, fused, why, []))
                 pooled[3].extend(indices)
                 continue
@@ -230,7 +250,8 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
                              "returns before any write where it is false" if fused else
                              "capturable: the writes take the device's finiteness flag as a weight (α·ok, γ·ok) "
                              "on gradients zeroed where it is false"]
-            progs.append(Program(**fields, variant="flat", write="fused" if fused else "foreach", why=tuple(why)))
+            write = "fused" if fused else "compiled" if fusable(group, ps[indices[0]], opts) else "foreach"
+            progs.append(Program(**fields, variant="flat", write=write, why=tuple(why)))
         out.append([_unchecked(p) for p in progs] if group["on_nonfinite"] == "off" else progs)
     # the finiteness test waits behind the forward ops' launches only where no bucket of the step
     # writes before its forward op: decided for the optimizer as a whole; not where some rule is

@@ -1,0 +1,75 @@
+"""The fused elementwise tail of a flat step (``GeomOptimizer(fuse=True)``): an elementwise rule's
+direction, map, decay and write-back over its list of tensors, compiled by ``torch.compile``
+(inductor) into kernels that read each gradient, state tensor and parameter once and write each
+state tensor and parameter once — the memory-traffic floor of the step's elementwise part.
+
+The compiled function is :func:`flat_tail`, written with the units' own list forms (the
+direction's ``foreach`` and ``lookahead``, the geometry's ``elementwise_into``, the decay's
+``in_place``), so no formula has a second copy here; inductor fuses what the eager step runs as
+separate passes (d ← d.lerp(g, α), u = ∇φ₁*(d), X ← X(1 − γλ) + c·u) into one loop per tensor.
+Its numbers are the eager step's to within float32 rounding: inductor's lerp rounds as its own
+generated code does (at most 2 ulp of d apart, measured); the sign map and X's write have the
+eager step's bits where the map is the sign (c·sign(d) is exact).
+
+The coefficients (α, 1 − γλ, c = −γρ) enter as 0-d float64 tensors, so a schedule that changes
+them every step compiles nothing again (Python numbers would be baked into the graph: one
+compile per value, about 3 s each on a 2-core CPU, measured); each distinct list of shapes
+compiles once (the first step, which starts the momentum, once more).
+
+:func:`run` is the one place a compiled region is called: a byte counter at the dispatcher
+(``benchmarks/traffic.py``) cannot see inside one, so it replaces :func:`run` to count the
+region's inputs read once and its written inputs written once."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from geomopt.geometry.forward import elementwise_into
+from geomopt.optim.units.decays import DECAYS
+from geomopt.optim.units.directions import DIRECTIONS
+
+
+def run(fn: Callable, written: list, read: list, *args) -> Any:
+    """Call the compiled region ``fn(*written, *read, *args)``: ``written`` its tensor lists
+    written in place (read too), ``read`` those it only reads (the declaration a byte counter
+    reads; the call itself ignores it)."""
+    return fn(*written, *read, *args)
+
+
+def flat_tail(xs: list, ds: list, gs: list, alpha: torch.Tensor, keep: torch.Tensor, coef: torch.Tensor, *,
+              direction: str, init: str, nesterov: bool, first: bool, geometry, decay: str, decays: bool) -> None:
+    """One elementwise step over lists: d ← direction(d, g) (``ds`` empty: no direction, u = g),
+    u = Nesterov's look-ahead where asked, X ← X·keep (``decays``) then X += coef·∇φ₁*(u); the
+    same unit calls as :func:`geomopt.optim.engine.flat.step_flat`'s, on whole tensors (a
+    compiler fuses them: nothing but X and d is written)."""
+    hyper = {"alpha": alpha, "init": init, "nesterov": nesterov}
+    meta = DIRECTIONS.meta[direction]
+    if ds:
+        meta["foreach"](ds, gs, hyper, first)
+    us = list(ds) if ds else list(gs)
+    if nesterov:
+        us = [g.clone() for g in gs]
+        for u, d in zip(us, ds):
+            meta["lookahead"](u, d, hyper)
+    steps = [elementwise_into(u, geometry, torch.empty_like(u)) for u in us]
+    if decays:
+        DECAYS[decay].in_place(xs, keep)
+    for x, s in zip(xs, steps):
+        x.add_(s * coef)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(direction: str, init: str, nesterov: bool, first: bool, geometry, decay: str, decays: bool) -> Callable:
+    """:func:`flat_tail` compiled for one rule's fixed choices (a cache per choice; a
+    compiled function guards on its tensors' shapes itself)."""
+    fn = functools.partial(flat_tail, direction=direction, init=init, nesterov=nesterov, first=first,
+                           geometry=geometry, decay=decay, decays=decays)
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def scalar(value, like: torch.Tensor) -> torch.Tensor:
+    """A coefficient as a 0-d float64 tensor on ``like``'s device (a graph input, never a constant)."""
+    return torch.as_tensor(value, dtype=torch.float64, device=like.device)
