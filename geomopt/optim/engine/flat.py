@@ -62,7 +62,7 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
         d, ds = rt.stacked.flat(state, items, xs, "d", binds)
         nesterov = bool(group["nesterov"])
     if prog.compiled:  # one compiled function over whole tensors (optim.engine.fused): no blocks, no scratch
-        tail.run(tail.compiled(group["direction"], group["init"], nesterov, first, geometry, pp.decay, bool(wd)),
+        tail.run(tail.compiled(group["direction"], group["init"], nesterov, first, geometry, pp.decay, bool(wd)), [],
                  [xs, [] if ds is None else list(ds)], [gs], tail.scalar(hyper["alpha"], xs[0]),
                  tail.scalar(1 - gamma * wd, xs[0]), tail.scalar(scale, xs[0]))
         for bind in binds:

@@ -29,14 +29,14 @@ import torch
 
 from geomopt.geometry.forward import elementwise_into
 from geomopt.optim.units.decays import DECAYS
-from geomopt.optim.units.directions import DIRECTIONS
+from geomopt.optim.units.directions import DIRECTIONS, polyak_lookahead_rows
 
 
-def run(fn: Callable, written: list, read: list, *args) -> Any:
-    """Call the compiled region ``fn(*written, *read, *args)``: ``written`` its tensor lists
-    written in place (read too), ``read`` those it only reads (the declaration a byte counter
-    reads; the call itself ignores it)."""
-    return fn(*written, *read, *args)
+def run(fn: Callable, out: list, written: list, read: list, *args) -> Any:
+    """Call the compiled region ``fn(*out, *written, *read, *args)``: ``out`` the tensors it only
+    writes, ``written`` those it writes in place (reading them too), ``read`` those it only reads
+    (the declaration a byte counter reads; the call itself ignores it)."""
+    return fn(*out, *written, *read, *args)
 
 
 def flat_tail(xs: list, ds: list, gs: list, alpha: torch.Tensor, keep: torch.Tensor, coef: torch.Tensor, *,
@@ -54,20 +54,52 @@ def flat_tail(xs: list, ds: list, gs: list, alpha: torch.Tensor, keep: torch.Ten
         us = [g.clone() for g in gs]
         for u, d in zip(us, ds):
             meta["lookahead"](u, d, hyper)
-    steps = [elementwise_into(u, geometry, torch.empty_like(u)) for u in us]
+    write_tail(xs, [elementwise_into(u, geometry, torch.empty_like(u)) for u in us], keep, coef,
+               decay=decay, decays=decays)
+
+
+def write_tail(xs: list, steps: list, keep: torch.Tensor, coef: torch.Tensor, *, decay: str, decays: bool) -> None:
+    """X ← X·keep (the decay's in-place form, ``decays``), then X += coef·S: the in-place
+    write-back (compiled: one pass over X instead of two)."""
     if decays:
         DECAYS[decay].in_place(xs, keep)
     for x, s in zip(xs, steps):
         x.add_(s * coef)
 
 
+def _compile(fn: Callable, **fixed) -> Callable:
+    """``fn`` with its fixed choices, compiled whole; shapes specialize first and turn dynamic when
+    a second one comes (torch's automatic dynamic shapes: one more compile serves every bucket)."""
+    out = torch.compile(functools.partial(fn, **fixed), fullgraph=True)
+    out.__name__ = fn.__name__  # the name a byte counter reports
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def compiled(direction: str, init: str, nesterov: bool, first: bool, geometry, decay: str, decays: bool) -> Callable:
     """:func:`flat_tail` compiled for one rule's fixed choices (a cache per choice; a
     compiled function guards on its tensors' shapes itself)."""
-    fn = functools.partial(flat_tail, direction=direction, init=init, nesterov=nesterov, first=first,
-                           geometry=geometry, decay=decay, decays=decays)
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+    return _compile(flat_tail, direction=direction, init=init, nesterov=nesterov, first=first, geometry=geometry,
+                    decay=decay, decays=decays)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_write(decay: str, decays: bool) -> Callable:
+    """:func:`write_tail` compiled for one decay."""
+    return _compile(write_tail, decay=decay, decays=decays)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_rows() -> Callable:
+    """Nesterov's look-ahead read row by row (:func:`~geomopt.optim.units.directions.polyak_lookahead_rows`)
+    compiled: d⁺ and u in one pass (each row of d and each gradient read once, u written once)."""
+    return _compile(polyak_lookahead_rows)
+
+
+def lookahead_rows(u: torch.Tensor, d: torch.Tensor, gs: list, alpha) -> torch.Tensor:
+    """:func:`compiled_rows`, α as a graph input."""
+    run(compiled_rows(), [u], [], [d, gs], scalar(alpha, u))
+    return u
 
 
 def scalar(value, like: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,7 @@ Variants::
     flat      an elementwise rule (φ euclidean, anisotropic, isotropic or adam; no constraint,
               no post-stage): the rule's tensors of one dtype, device and radius run as one call
               of foreach kernels over flat state buffers (optim.engine.flat.step_flat); Adam through
-              torch's fused AdamW kernel where the device has one (``fused``); under ``fuse``, a
-              map of each entry with no direction or Polyak's as one compiled function
-              (``compiled``: optim.engine.fused)
+              torch's fused AdamW kernel where the device has one (``fused``)
     batched   every other rule: a bucket's same-shape tensors stacked along a leading dim, one
               call per operator (optim.engine.bucket_step.BucketJob), writing back
               ``one-pass``   X ← lerp(X, S, γλ) with S = −(ρ/λ)∇φ₁*(d) from the forward op
@@ -29,6 +27,11 @@ step, or ``deferred`` behind the forward ops' launches, one process; ``device`` 
 ``off``, any variant, under ``on_nonfinite: off``: the test never reads the bucket's gradients, so
 a NaN reaches parameters and state as in torch), and ``graphed`` (the polynomial forward op
 replayed from a CUDA graph).
+
+``compiled`` (``fuse``, one process, not capturable): the step's elementwise tail runs as
+functions compiled by ``torch.compile`` (optim.engine.fused): a flat rule's whole step where its
+map acts on each entry and its direction is none or Polyak's; a batched bucket's Polyak look-ahead
+read row by row (d⁺ and u in one pass) and its in-place write-back X(1 − γλ) − γρU (one pass).
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class Program:
     keeps_prev: bool = False
     track_gap: bool = False
     track_update: bool = False
+    compiled: bool = False  # the elementwise tail compiled (``fuse``: optim.engine.fused)
     why: tuple[str, ...] = ()
 
     @property
@@ -102,15 +106,11 @@ class Program:
         """A flat program through torch's fused AdamW kernel."""
         return self.write == "fused"
 
-    @property
-    def compiled(self) -> bool:
-        """A flat program whose step is one compiled function (:mod:`geomopt.optim.engine.fused`)."""
-        return self.write == "compiled"
 
     def describe(self) -> str:
         shape = f"× {list(self.shape)}" if self.shape or self.variant == "batched" else "tensors of several shapes,"
         head = f"rule {self.rule!r}: {len(self.indices)} {shape} {self.dtype} on {self.device}"
-        choices = [self.variant, self.write]
+        choices = [self.variant, self.write] + ["compiled"] * self.compiled
         if self.variant == "batched":
             choices += [f"direction {self.direction_form}", f"check {self.check}"] + ["graphed"] * self.graphed
         elif self.check in ("off", "device"):
@@ -250,8 +250,8 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
                              "returns before any write where it is false" if fused else
                              "capturable: the writes take the device's finiteness flag as a weight (α·ok, γ·ok) "
                              "on gradients zeroed where it is false"]
-            write = "fused" if fused else "compiled" if fusable(group, ps[indices[0]], opts) else "foreach"
-            progs.append(Program(**fields, variant="flat", write=write, why=tuple(why)))
+            progs.append(Program(**fields, variant="flat", write="fused" if fused else "foreach",
+                                 compiled=not fused and fusable(group, ps[indices[0]], opts), why=tuple(why)))
         out.append([_unchecked(p) for p in progs] if group["on_nonfinite"] == "off" else progs)
     # the finiteness test waits behind the forward ops' launches only where no bucket of the step
     # writes before its forward op: decided for the optimizer as a whole; not where some rule is
@@ -308,6 +308,11 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
     if unit.has("rows") and not opts.keeps_prev and dtype in (torch.float32, torch.float64):
         form = "rows"
         why.append(f"{unit.name} read row by row from the unstacked gradients (no stacked copy of G)")
+    compiled = opts.fuse and opts.local and not opts.capturable and (write == "in-place" or form == "rows")
+    if compiled:
+        why.append("fuse: " + " and ".join(
+            (["the look-ahead read row by row in one pass"] if form == "rows" else [])
+            + (["the in-place write-back in one pass over X"] if write == "in-place" else [])) + " (torch.compile)")
     approx = pp.geometry.approx_kind
     graphed = opts.cuda_graphs and approx in POLYNOMIAL_APPROXES and opts.local and p.device.type == "cuda"
     if graphed:
@@ -321,7 +326,7 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
     stateful = group["direction"] != "none" or bool(geometry_state(pp.geometry)) or bool(pp.post) or opts.track_gap
     return Program(**common, variant="batched", write=write, direction_form=form, check=check, graphed=graphed,
                    journal=journal, stateful=stateful, keeps_prev=opts.keeps_prev,
-                   track_gap=opts.track_gap, track_update=opts.track_update, why=tuple(why))
+                   track_gap=opts.track_gap, track_update=opts.track_update, compiled=compiled, why=tuple(why))
 
 
 def _deferrable(prog: Program, group: dict, pp: ParamPlan, p: torch.Tensor) -> bool:
