@@ -35,8 +35,14 @@ from geomopt.optim.units.directions import DIRECTIONS, polyak_lookahead_rows
 def run(fn: Callable, out: list, written: list, read: list, *args) -> Any:
     """Call the compiled region ``fn(*out, *written, *read, *args)``: ``out`` the tensors it only
     writes, ``written`` those it writes in place (reading them too), ``read`` those it only reads
-    (the declaration a byte counter reads; the call itself ignores it)."""
-    return fn(*out, *written, *read, *args)
+    (the declaration a byte counter reads). Each is a list of tensors (or of lists of them),
+    passed detached: the same memory, written in place, as plain tensors (a parameter's shape is
+    a constant to the compiler: one compile per shape)."""
+    return fn(*(_detached(t) for t in (*out, *written, *read)), *args)
+
+
+def _detached(t):
+    return [_detached(x) for x in t] if isinstance(t, (list, tuple)) else t.detach()
 
 
 def flat_tail(xs: list, ds: list, gs: list, alpha: torch.Tensor, keep: torch.Tensor, coef: torch.Tensor, *,
@@ -68,17 +74,24 @@ def write_tail(xs: list, steps: list, keep: torch.Tensor, coef: torch.Tensor, *,
 
 
 def _compile(fn: Callable, **fixed) -> Callable:
-    """``fn`` with its fixed choices, compiled whole; shapes specialize first and turn dynamic when
-    a second one comes (torch's automatic dynamic shapes: one more compile serves every bucket)."""
-    out = torch.compile(functools.partial(fn, **fixed), fullgraph=True)
-    out.__name__ = fn.__name__  # the name a byte counter reports
-    return out
+    """``fn`` compiled whole, its fixed choices passed as keywords (constants the graph guards
+    on). ``fn`` itself is compiled, not a partial of it: torch's cache and its recompile limit
+    are per code object, and every partial shares one. Shapes specialize first and turn dynamic
+    when a second one comes (torch's automatic dynamic shapes), so one more compile serves every
+    bucket of a function: the tensors are given as plain tensors (:func:`run` detaches them),
+    as parameters' shapes would stay static."""
+    step = torch.compile(fn, fullgraph=True)
+
+    def call(*args):
+        return step(*args, **fixed)
+
+    call.__name__ = fn.__name__  # the name a byte counter reports
+    return call
 
 
 @functools.lru_cache(maxsize=None)
 def compiled(direction: str, init: str, nesterov: bool, first: bool, geometry, decay: str, decays: bool) -> Callable:
-    """:func:`flat_tail` compiled for one rule's fixed choices (a cache per choice; a
-    compiled function guards on its tensors' shapes itself)."""
+    """:func:`flat_tail` compiled for one rule's fixed choices."""
     return _compile(flat_tail, direction=direction, init=init, nesterov=nesterov, first=first, geometry=geometry,
                     decay=decay, decays=decays)
 
