@@ -1,6 +1,6 @@
 """A/B of two versions of geomopt in one process: this tree against a git commit's package.
 
-    python benchmarks/ab.py --base COMMIT [--model gpt2-small] [--spec specs/muon.yaml] [--device cuda]
+    python benchmarks/ab.py --base COMMIT [--model gpt2-small] [--spec specs/muon.yaml] [--device cuda] [--fuse]
 
 The base commit's ``geomopt`` package is extracted (``git archive``) into a temporary folder and
 imported under the name ``geomopt_base``, so both versions, torch.optim.Muon and (on CUDA) both
@@ -79,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--spec", default=str(ROOT / "specs" / "muon.yaml"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--fuse", action="store_true",
+                   help="also this tree with fuse=True (the elementwise tails compiled: compiles in the warm-up)")
     p.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
     p.add_argument("--no-torch", action="store_true",
                    help="leave torch.optim.Muon out (its Newton–Schulz runs in bf16, which a CPU without native "
@@ -94,6 +96,8 @@ def main(argv=None) -> int:
         rows += [(f"base {args.base}", lambda ps: base.GeomOptimizer(ps, args.spec)),
                 ("this tree", lambda ps: geomopt.GeomOptimizer(ps, args.spec)),
                 (f"base {args.base}, again", lambda ps: again.GeomOptimizer(ps, args.spec))]
+        if args.fuse:
+            rows.append(("this tree, fuse=True", lambda ps: geomopt.GeomOptimizer(ps, args.spec, fuse=True)))
         if torch.device(args.device).type == "cuda":
             rows += [(f"base {args.base}, graphs", lambda ps: base.GeomOptimizer(ps, args.spec, cuda_graphs=True)),
                      ("this tree, graphs", lambda ps: geomopt.GeomOptimizer(ps, args.spec, cuda_graphs=True))]

@@ -1,6 +1,6 @@
 """Memory traffic of one optimizer step against its physical floor, counted at the dispatcher.
 
-    python benchmarks/traffic.py [--small] [--specs muon adamw …] [--no-torch] [--record]
+    python benchmarks/traffic.py [--small] [--specs muon adamw …] [--no-torch] [--capturable] [--fuse] [--record]
 
 A ``TorchDispatchMode`` sees every aten op that one ``opt.step()`` runs (after ``--warmup``
 steps, so the state exists) and counts the bytes it reads and writes: a tensor argument is
@@ -8,6 +8,16 @@ steps, so the state exists) and counts the bytes it reads and writes: a tensor a
 lists, an argument the op's schema marks as written (``Tensor(a!)``) is written (and read, unless
 the op only overwrites it: ``copy_``, ``fill_``, ``zero_``, an ``out=``), every new output is
 written; views, ``empty`` and metadata ops touch nothing.
+
+A compiled region (``GeomOptimizer(fuse=True)``: :mod:`geomopt.optim.engine.fused`) runs
+inductor's kernels, which the dispatcher never sees, and ``torch.compile`` refuses to trace under a
+dispatch mode; so the counter replaces ``fused.run``, the one place such a region is called, and
+counts it as one op (``compiled:<function>``) the way a fused kernel moves memory at best, from
+what the call declares (``run(fn, out, written, read, …)``): every tensor it reads (``written``,
+``read``, its 0-d coefficients) read once, every tensor it writes (``out``, ``written``) written
+once, whatever inductor keeps in registers in between. That is a lower bound for the region (a
+generated kernel that re-read an input would not be seen); the region runs with the counting mode
+set aside.
 
 The floor is what any implementation must move: each gradient read once, each state tensor read
 and written once, each parameter read and written once (the *elementwise floor*), plus the bytes
@@ -43,7 +53,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -119,6 +129,28 @@ class Traffic(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops: dict = defaultdict(lambda: [0, 0, 0])
+        self._run = None
+
+    def __enter__(self):
+        from geomopt.optim.engine import fused
+        self._run = fused.run
+
+        def counted(fn, out: list, written: list, read: list, *args):
+            """A compiled region: what it reads, read once; what it writes, written once."""
+            row = self.ops[f"compiled:{getattr(fn, '__name__', 'region')}"]
+            row[0] += 1
+            row[1] += tensor_bytes(list(written) + list(read) + [a for a in args if torch.is_tensor(a)])
+            row[2] += tensor_bytes(list(out) + list(written))
+            with _disable_current_modes():
+                return self._run(fn, out, written, read, *args)
+
+        fused.run = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from geomopt.optim.engine import fused
+        fused.run = self._run
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -200,11 +232,11 @@ def measure(model: torch.nn.Module, make_opt: Callable, warmup: int) -> dict:
     )
 
 
-def geomopt_optimizer(spec: str, capturable: bool = False) -> Callable:
+def geomopt_optimizer(spec: str, capturable: bool = False, fuse: bool = False) -> Callable:
     def make(model):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return geomopt.GeomOptimizer(model, spec, capturable=capturable)
+            return geomopt.GeomOptimizer(model, spec, capturable=capturable, fuse=fuse)
     return make
 
 
@@ -242,7 +274,8 @@ def torch_adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
 
 
-def rows(specs: list, small: bool, warmup: int, with_torch: bool, log=print, capturable: bool = False) -> list:
+def rows(specs: list, small: bool, warmup: int, with_torch: bool, log=print, capturable: bool = False,
+         fuse: bool = False) -> list:
     out = []
     for spec in specs:
         log(f"{spec} …")
@@ -252,6 +285,10 @@ def rows(specs: list, small: bool, warmup: int, with_torch: bool, log=print, cap
             log(f"{spec} (capturable) …")
             out.append(dict(name=f"{spec} (capturable)", kind="geomopt", beside=spec, device="cpu",
                             **measure(gpt2(small), geomopt_optimizer(spec, capturable=True), warmup)))
+        if fuse:  # the same spec with fuse=True: compiled regions counted as fused kernels (see the module)
+            log(f"{spec} (fused) …")
+            out.append(dict(name=f"{spec} (fused)", kind="geomopt", beside=spec, device="cpu",
+                            **measure(gpt2(small), geomopt_optimizer(spec, fuse=True), warmup)))
         if with_torch and spec == "muon":
             model = gpt2(small)
             log("torch.optim.Muon + AdamW(fused) …")
@@ -287,13 +324,14 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="steps before the counted one (the state exists)")
     ap.add_argument("--no-torch", action="store_true", help="leave out torch's optimizers")
     ap.add_argument("--capturable", action="store_true", help="each spec also with capturable=True")
+    ap.add_argument("--fuse", action="store_true", help="each spec also with fuse=True (compiled elementwise steps)")
     ap.add_argument("--record", action="store_true",
                     help="write benchmarks/results/traffic.json and append the table to benchmarks/RESULTS.md")
     ap.add_argument("--out", metavar="DIR", default="runs", help="folder for traffic.json without --record")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     measured = rows(args.specs, args.small, args.warmup, not args.no_torch, log=lambda s: print(s, file=sys.stderr),
-                    capturable=args.capturable)
+                    capturable=args.capturable, fuse=args.fuse)
     record = dict(command="python benchmarks/traffic.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   torch=torch.__version__, small=args.small, warmup=args.warmup,

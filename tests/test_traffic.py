@@ -110,3 +110,43 @@ def test_a_capturable_step_moves_no_more_bytes_than_the_eager_one(traffic, spec)
         assert zeroed == 0 and captured["top_ops"][0]["op"] == "_fused_adamw_"
         fused = captured["top_ops"][0]["read_bytes"] + captured["top_ops"][0]["written_bytes"]
         assert abs(fused - eager["elementwise_floor_bytes"]) <= scalars  # the counts: a few bytes each
+
+
+def test_a_compiled_region_counts_what_it_reads_once_and_what_it_writes_once(traffic):
+    """fused.run's declaration: ``out`` written, ``written`` read and written, ``read`` and the 0-d
+    coefficients read; inductor's kernels themselves are not seen by the dispatcher."""
+    from geomopt.optim.engine import fused
+    xs, steps = [torch.randn(10), torch.randn(4, 5)], [torch.randn(10), torch.randn(4, 5)]
+    expected = [x * 0.5 + s * 0.25 for x, s in zip(xs, steps)]
+    keep, coef = fused.scalar(0.5, xs[0]), fused.scalar(0.25, xs[0])
+    n = 30 * 4
+    with traffic.Traffic() as t:
+        fused.run(fused.compiled_write("decoupled", True), [], [xs], [steps], keep, coef)
+    assert {k: tuple(v) for k, v in t.ops.items()} == {"compiled:write_tail": (1, 2 * n + 16, n)}
+    assert all(torch.allclose(x, e, rtol=0, atol=1e-7) for x, e in zip(xs, expected))
+    assert fused.run is not None and fused.run.__name__ == "run"  # the counter put the real one back
+
+
+def test_a_fused_step_moves_only_what_its_compiled_regions_save(traffic):
+    """sign descent, compiled whole: the floor plus the finiteness test's read of G (1.2× the
+    elementwise floor); muon: the look-ahead (d⁺ and u from d and G in one pass, not two) and the
+    in-place write-back (X read and written once, not twice) save exactly five passes over its
+    hidden matrices (3 + 2), the rest is unchanged (Newton–Schulz, Adam's fused kernel)."""
+    torch.set_grad_enabled(False)
+    try:
+        sign = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer("sign-descent", fuse=True), 1)
+        eager = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer("muon"), 1)
+        fused = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer("muon", fuse=True), 1)
+        model = traffic.gpt2(True)
+        programs = traffic.geomopt_optimizer("muon", fuse=True)(model).engine.programs
+    finally:
+        torch.set_grad_enabled(True)
+    parts = sign["floor_parts"]
+    scalars = 64 * len(list(model.parameters()))
+    assert sign["top_ops"][0]["op"] == "compiled:flat_tail"
+    assert 0 <= sign["elementwise_bytes"] - (parts["total"] + parts["grads"]) <= scalars
+    assert sign["elementwise_ratio"] <= 1.3
+    hidden = {n for progs in programs for p in progs if p.compiled and p.variant == "batched" for n in p.names}
+    moved = 4 * sum(p.numel() for n, p in model.named_parameters() if n in hidden)
+    assert hidden and fused["matmul_bytes"] == eager["matmul_bytes"]
+    assert abs(eager["elementwise_bytes"] - fused["elementwise_bytes"] - 5 * moved) <= scalars

@@ -22,6 +22,7 @@ from geomopt.geometry.operators import backward_locality, forward_locality
 from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS, polyak_ahead, polyak_rows
+from geomopt.optim.engine import fused
 from geomopt.optim.engine.atomic import journal, restore
 from geomopt.optim.engine.graphs import GraphedOp
 from geomopt.optim.engine.owned import owned_forward
@@ -141,7 +142,8 @@ class BucketJob:
         if prog.direction_form == "ahead":
             self.d, self.commit = polyak_ahead(g, state, hyper, lookahead(False), fresh=prog.journal)
         elif prog.direction_form == "rows":
-            self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=self.fresh)
+            self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=self.fresh,
+                                 lookahead_rows=fused.lookahead_rows if prog.compiled else None)
         else:
             gu = upcast(g)
             # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
@@ -205,9 +207,14 @@ class BucketJob:
             else:
                 # torch Muon's op order (same bits on CPU): decay, then the axpy of the step (ρ
                 # already in it where the forward op folded it)
-                if wd:
-                    DECAYS[self.pp.decay].in_place(self.views, 1 - gamma * wd)
-                torch._foreach_add_(self.views, steps, alpha=gamma if self.prog.write == "one-pass" else -gamma * rho)
+                coef = gamma if self.prog.write == "one-pass" else -gamma * rho
+                if self.prog.compiled:  # one pass over X (optim.engine.fused)
+                    fused.run(fused.compiled_write(self.pp.decay, bool(wd)), [], [self.views], [steps],
+                              fused.scalar(1 - gamma * wd, steps[0]), fused.scalar(coef, steps[0]))
+                else:
+                    if wd:
+                        DECAYS[self.pp.decay].in_place(self.views, 1 - gamma * wd)
+                    torch._foreach_add_(self.views, steps, alpha=coef)
             self.bind()
             return None
         # Y = X(1 − γ·wd) − γρ·∇φ₁*(d): ρ folds into the axpy (one pass fewer than scaling the

@@ -82,7 +82,7 @@ class Engine:
     made up for tensors given without one (``param.<i>``: a load matches them by position)."""
 
     def __init__(self, groups: list, plans: list, *, distributed, process_group, track_gap: bool,
-                 track_update: bool, cuda_graphs: bool, implementation: str, capturable: bool,
+                 track_update: bool, cuda_graphs: bool, implementation: str, capturable: bool, fuse: bool = False,
                  order: tuple = ((), ()), generated_names=frozenset()):
         self.plans = plans
         self.order = order
@@ -107,7 +107,8 @@ class Engine:
         self.options = Options(
             local=isinstance(self.executor, LocalExecutor), sharded=isinstance(self.executor, ShardedExecutor),
             keeps_prev=any(DIRECTIONS[g["direction"]].keeps_prev for g in groups), track_gap=track_gap,
-            track_update=track_update, cuda_graphs=cuda_graphs, implementation=implementation, capturable=capturable)
+            track_update=track_update, cuda_graphs=cuda_graphs, implementation=implementation, capturable=capturable,
+            fuse=fuse)
         check_capturable(groups, plans, self.options)
         check_sharded(groups, plans, self.options)
         self.rt: Optional[Runtime] = self.runtime(groups)

@@ -15,6 +15,7 @@ from geomopt.geometry.forward import elementwise_allocates, elementwise_in_place
 from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.geometry.matrix import split_like
+from geomopt.optim.engine import fused as tail
 from geomopt.optim.engine.tensors import as_real, count_tensor, local, op_view
 from geomopt.optim.engine.program import Program
 from geomopt.optim.engine.runtime import Runtime
@@ -60,6 +61,13 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
         first = "d" not in state[items[0][0]]
         d, ds = rt.stacked.flat(state, items, xs, "d", binds)
         nesterov = bool(group["nesterov"])
+    if prog.compiled:  # one compiled function over whole tensors (optim.engine.fused): no blocks, no scratch
+        tail.run(tail.compiled(group["direction"], group["init"], nesterov, first, geometry, pp.decay, bool(wd)), [],
+                 [xs, [] if ds is None else list(ds)], [gs], tail.scalar(hyper["alpha"], xs[0]),
+                 tail.scalar(1 - gamma * wd, xs[0]), tail.scalar(scale, xs[0]))
+        for bind in binds:
+            bind()
+        return
     adam = _adam_state(rt, state, items, xs, binds) if kind == "adam" else None
     fused = adam is not None and prog.fused and all(t.is_contiguous() for t in (*xs, *(gs if ds is None else ds)))
     writes = nesterov or kind == "anisotropic" or (adam is not None and not fused)

@@ -121,6 +121,13 @@ class GeomOptimizer(Optimizer):
     counts are device tensors, and every rule runs batched from stacked copies. One process; not
     with STORM, ``on_nonfinite: raise`` or a momentum warmup, which read the host (refused, saying so).
 
+    ``fuse`` (off by default): an elementwise rule with no direction or Polyak's and a map of each
+    entry (sign descent, SGD) steps as one function compiled by ``torch.compile``
+    (:mod:`geomopt.optim.engine.fused`): each gradient, momentum and parameter read once, the
+    momentum and the parameters written once (eager: a pass per op). The first step compiles
+    (seconds; a C++ compiler on CPU); the values are the eager step's to within float32 rounding of
+    the momentum. Not with ``capturable``; other rules step as without it.
+
     ``expect``: a routing lock (a file ``geomopt plan … --lock`` wrote, or a
     :class:`geomopt.compile.lock.Lock`): raises :class:`geomopt.RoutingChangedError`, with the diff,
     when the plan routes a tensor to another rule, role or view than the lock, or the tensors
@@ -132,7 +139,7 @@ class GeomOptimizer(Optimizer):
                  weight_decay: Optional[float] = None, model=None, track_gap: bool = False,
                  track_update: bool = False, distributed: Union[str, bool] = "auto", process_group=None,
                  cuda_graphs: bool = False, roles: Optional[dict] = None, implementation: str = "auto",
-                 example_inputs=None, expect=None, capturable: bool = False):
+                 example_inputs=None, expect=None, capturable: bool = False, fuse: bool = False):
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, not {implementation!r}")
         self.implementation = implementation
@@ -147,6 +154,7 @@ class GeomOptimizer(Optimizer):
         self.track_update = track_update
         self.cuda_graphs = cuda_graphs
         self.capturable = capturable
+        self.fuse = fuse
         groups, plans_by_group = [], []
         lr_tensor = tensor_lr(lr)  # a tensor lr=: the groups of the rules that take the default lr hold it
         for index, rule in enumerate(self.spec.rules):
@@ -174,7 +182,7 @@ class GeomOptimizer(Optimizer):
         # tensors given without one (a load matches them by position)
         self.engine = Engine(self.param_groups, plans_by_group, distributed=distributed, process_group=process_group,
                              track_gap=track_gap, track_update=track_update, cuda_graphs=cuda_graphs,
-                             implementation=implementation, capturable=capturable,
+                             implementation=implementation, capturable=capturable, fuse=fuse,
                              order=([i.name for i in infos], [i.name for i in infos if i.requires_grad]),
                              generated_names=generated)
         warn_slow_bf16(self.spec, self.plan, tensors)

@@ -27,6 +27,11 @@ step, or ``deferred`` behind the forward ops' launches, one process; ``device`` 
 ``off``, any variant, under ``on_nonfinite: off``: the test never reads the bucket's gradients, so
 a NaN reaches parameters and state as in torch), and ``graphed`` (the polynomial forward op
 replayed from a CUDA graph).
+
+``compiled`` (``fuse``, one process, not capturable): the step's elementwise tail runs as
+functions compiled by ``torch.compile`` (optim.engine.fused): a flat rule's whole step where its
+map acts on each entry and its direction is none or Polyak's; a batched bucket's Polyak look-ahead
+read row by row (d⁺ and u in one pass) and its in-place write-back X(1 − γλ) − γρU (one pass).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class Options:
     cuda_graphs: bool = False
     implementation: str = "auto"
     capturable: bool = False
+    fuse: bool = False  # an elementwise rule's flat step compiled whole (optim.engine.fused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +97,7 @@ class Program:
     keeps_prev: bool = False
     track_gap: bool = False
     track_update: bool = False
+    compiled: bool = False  # the elementwise tail compiled (``fuse``: optim.engine.fused)
     why: tuple[str, ...] = ()
 
     @property
@@ -98,10 +105,11 @@ class Program:
         """A flat program through torch's fused AdamW kernel."""
         return self.write == "fused"
 
+
     def describe(self) -> str:
         shape = f"× {list(self.shape)}" if self.shape or self.variant == "batched" else "tensors of several shapes,"
         head = f"rule {self.rule!r}: {len(self.indices)} {shape} {self.dtype} on {self.device}"
-        choices = [self.variant, self.write]
+        choices = [self.variant, self.write] + ["compiled"] * self.compiled
         if self.variant == "batched":
             choices += [f"direction {self.direction_form}", f"check {self.check}"] + ["graphed"] * self.graphed
         elif self.check in ("off", "device"):
@@ -153,6 +161,15 @@ def capturable_weights(group: dict, pp: ParamPlan, opts: Options) -> bool:
     # a map of each entry: an elementwise op that needs no norm (LOCAL, as on a shard) and keeps no state
     each_entry = flat_refusal(pp.geometry.kind, sharded=True) is None and not geometry_state(pp.geometry)
     return each_entry and group["direction"] in ("none", "polyak")
+
+
+def fusable(group: dict, pp: ParamPlan, opts: Options) -> bool:
+    """Whether a flat rule's step compiles whole under ``fuse`` (:mod:`geomopt.optim.engine.fused`):
+    not capturable (its flag-weighted writes stay eager), a map of each entry keeping no state (no
+    norm: one loop per tensor), no direction or Polyak's (its coefficient α enters the graph as a
+    tensor, so a schedule of it compiles nothing again)."""
+    each_entry = flat_refusal(pp.geometry.kind, sharded=True) is None and not geometry_state(pp.geometry)
+    return opts.fuse and not opts.capturable and each_entry and group["direction"] in ("none", "polyak")
 
 
 def capturable_flat(group: dict, pp: ParamPlan, indices: list, opts: Options) -> Optional[str]:
@@ -211,6 +228,9 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
                                "Adam with foreach ops (" + ("implementation='foreach'" if opts.implementation
                                                             == "foreach" else f"no fused kernel on {p.device.type}")
                                + ")")
+                if fusable(group, pp, opts):
+                    why.append("fuse: direction, map, decay and write-back compiled into one loop per tensor "
+                               "(torch.compile)")
                 pooled = flat.setdefault((dtype, p.device), (common, fused, why, []))
                 pooled[3].extend(indices)
                 continue
@@ -229,7 +249,8 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
                              "returns before any write where it is false" if fused else
                              "capturable: the writes take the device's finiteness flag as a weight (α·ok, γ·ok) "
                              "on gradients zeroed where it is false"]
-            progs.append(Program(**fields, variant="flat", write="fused" if fused else "foreach", why=tuple(why)))
+            progs.append(Program(**fields, variant="flat", write="fused" if fused else "foreach",
+                                 compiled=not fused and fusable(group, ps[indices[0]], opts), why=tuple(why)))
         out.append([_unchecked(p) for p in progs] if group["on_nonfinite"] == "off" else progs)
     # the finiteness test waits behind the forward ops' launches only where no bucket of the step
     # writes before its forward op: decided for the optimizer as a whole; not where some rule is
@@ -286,6 +307,11 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
     if unit.has("rows") and not opts.keeps_prev and dtype in (torch.float32, torch.float64):
         form = "rows"
         why.append(f"{unit.name} read row by row from the unstacked gradients (no stacked copy of G)")
+    compiled = opts.fuse and opts.local and not opts.capturable and (write == "in-place" or form == "rows")
+    if compiled:
+        why.append("fuse: " + " and ".join(
+            (["the look-ahead read row by row in one pass"] if form == "rows" else [])
+            + (["the in-place write-back in one pass over X"] if write == "in-place" else [])) + " (torch.compile)")
     approx = pp.geometry.approx_kind
     graphed = opts.cuda_graphs and approx in POLYNOMIAL_APPROXES and opts.local and p.device.type == "cuda"
     if graphed:
@@ -298,7 +324,7 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
                    + ("" if write == "stacked" else " (the parameters: γ·flag, so X is written as X·1 + 0·S)"))
     return Program(**common, variant="batched", write=write, direction_form=form, check=check, graphed=graphed,
                    journal=journal, keeps_prev=opts.keeps_prev,
-                   track_gap=opts.track_gap, track_update=opts.track_update, why=tuple(why))
+                   track_gap=opts.track_gap, track_update=opts.track_update, compiled=compiled, why=tuple(why))
 
 
 def _deferrable(prog: Program, group: dict, pp: ParamPlan, p: torch.Tensor) -> bool:

@@ -201,7 +201,17 @@ def storm(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     return buf
 
 
-def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: Optional[list] = None) -> torch.Tensor:
+def polyak_lookahead_rows(u: torch.Tensor, d: torch.Tensor, gs: list, alpha) -> torch.Tensor:
+    """u[i] = g_i.lerp(d[i].lerp(g_i, α), 1 − α) row by row (:func:`polyak_lerp` into u, then
+    :func:`polyak_lookahead` over it): Nesterov's look-ahead from the old d, d left as it is."""
+    for i, g in enumerate(gs):
+        polyak_lerp(d[i], g, alpha, out=u[i])  # d⁺
+        polyak_lookahead(g, u[i], alpha, out=u[i])
+    return u
+
+
+def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: Optional[list] = None,
+                lookahead_rows: Optional[Callable] = None) -> torch.Tensor:
     """Polyak momentum (:func:`geomopt.optim.units.directions.polyak`, same arithmetic) read from
     the unstacked gradients: d ← d.lerp(g, α) row by row into the stacked state, and with
     Nesterov u = g.lerp(d, 1 − α) written into ``lookahead(shape, like)`` (a scratch; no copy of G).
@@ -211,7 +221,8 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: 
     the write of d, the same lerp again, is appended to ``fresh``: one more pass over d and G and
     no new memory, where a new d would cost the scratch's pass plus its fresh pages (8% of a CPU
     muon step, measured). Else d⁺ is a new tensor that replaces d in ``state`` (without Nesterov
-    the cheaper of the two: 1.02× against 1.11× the in-place step of adamuon on a CPU)."""
+    the cheaper of the two: 1.02× against 1.11× the in-place step of adamuon on a CPU).
+    ``lookahead_rows``: :func:`polyak_lookahead_rows` as the caller runs it (compiled: one pass)."""
     alpha = group["alpha"]
     d = state.get("d")
     if d is None:
@@ -223,9 +234,7 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: 
     if fresh is not None:
         u = lookahead(d.shape, d) if group["nesterov"] else None
         if u is not None and u.dtype == d.dtype:
-            for i, g in enumerate(gs):
-                polyak_lerp(d[i], g, alpha, out=u[i])  # d⁺
-                polyak_lookahead(g, u[i], alpha, out=u[i])
+            (lookahead_rows or polyak_lookahead_rows)(u, d, gs, alpha)
             old = d
             fresh.append(lambda: polyak_lerp(list(old.unbind(0)), gs, alpha))
             return u

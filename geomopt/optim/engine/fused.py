@@ -1,0 +1,120 @@
+"""The fused elementwise tail of a flat step (``GeomOptimizer(fuse=True)``): an elementwise rule's
+direction, map, decay and write-back over its list of tensors, compiled by ``torch.compile``
+(inductor) into kernels that read each gradient, state tensor and parameter once and write each
+state tensor and parameter once — the memory-traffic floor of the step's elementwise part.
+
+The compiled function is :func:`flat_tail`, written with the units' own list forms (the
+direction's ``foreach`` and ``lookahead``, the geometry's ``elementwise_into``, the decay's
+``in_place``), so no formula has a second copy here; inductor fuses what the eager step runs as
+separate passes (d ← d.lerp(g, α), u = ∇φ₁*(d), X ← X(1 − γλ) + c·u) into one loop per tensor.
+Its numbers are the eager step's to within float32 rounding: inductor's lerp rounds as its own
+generated code does (at most 2 ulp of d apart, measured); the sign map and X's write have the
+eager step's bits where the map is the sign (c·sign(d) is exact).
+
+The coefficients (α, 1 − γλ, c = −γρ) enter as 0-d float64 tensors, so a schedule that changes
+them every step compiles nothing again (Python numbers would be baked into the graph: one
+compile per value, about 3 s each on a 2-core CPU, measured); each distinct list of shapes
+compiles once (the first step, which starts the momentum, once more).
+
+:func:`run` is the one place a compiled region is called: a byte counter at the dispatcher
+(``benchmarks/traffic.py``) cannot see inside one, so it replaces :func:`run` to count the
+region's inputs read once and its written inputs written once."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from geomopt.geometry.forward import elementwise_into
+from geomopt.optim.units.decays import DECAYS
+from geomopt.optim.units.directions import DIRECTIONS, polyak_lookahead_rows
+
+
+def run(fn: Callable, out: list, written: list, read: list, *args) -> Any:
+    """Call the compiled region ``fn(*out, *written, *read, *args)``: ``out`` the tensors it only
+    writes, ``written`` those it writes in place (reading them too), ``read`` those it only reads
+    (the declaration a byte counter reads). Each is a list of tensors (or of lists of them),
+    passed detached: the same memory, written in place, as plain tensors (a parameter's shape is
+    a constant to the compiler: one compile per shape)."""
+    return fn(*(_detached(t) for t in (*out, *written, *read)), *args)
+
+
+def _detached(t):
+    return [_detached(x) for x in t] if isinstance(t, (list, tuple)) else t.detach()
+
+
+def flat_tail(xs: list, ds: list, gs: list, alpha: torch.Tensor, keep: torch.Tensor, coef: torch.Tensor, *,
+              direction: str, init: str, nesterov: bool, first: bool, geometry, decay: str, decays: bool) -> None:
+    """One elementwise step over lists: d ← direction(d, g) (``ds`` empty: no direction, u = g),
+    u = Nesterov's look-ahead where asked, X ← X·keep (``decays``) then X += coef·∇φ₁*(u); the
+    same unit calls as :func:`geomopt.optim.engine.flat.step_flat`'s, on whole tensors (a
+    compiler fuses them: nothing but X and d is written)."""
+    hyper = {"alpha": alpha, "init": init, "nesterov": nesterov}
+    meta = DIRECTIONS.meta[direction]
+    if ds:
+        meta["foreach"](ds, gs, hyper, first)
+    us = list(ds) if ds else list(gs)
+    if nesterov:
+        us = [g.clone() for g in gs]
+        for u, d in zip(us, ds):
+            meta["lookahead"](u, d, hyper)
+    write_tail(xs, [elementwise_into(u, geometry, torch.empty_like(u)) for u in us], keep, coef,
+               decay=decay, decays=decays)
+
+
+def write_tail(xs: list, steps: list, keep: torch.Tensor, coef: torch.Tensor, *, decay: str, decays: bool) -> None:
+    """X ← X·keep (the decay's in-place form, ``decays``), then X += coef·S: the in-place
+    write-back (compiled: one pass over X instead of two)."""
+    if decays:
+        DECAYS[decay].in_place(xs, keep)
+    for x, s in zip(xs, steps):
+        x.add_(s * coef)
+
+
+def _compile(fn: Callable, **fixed) -> Callable:
+    """``fn`` compiled whole, its fixed choices passed as keywords (constants the graph guards
+    on). ``fn`` itself is compiled, not a partial of it: torch's cache and its recompile limit
+    are per code object, and every partial shares one. Shapes specialize first and turn dynamic
+    when a second one comes (torch's automatic dynamic shapes), so one more compile serves every
+    bucket of a function: the tensors are given as plain tensors (:func:`run` detaches them),
+    as parameters' shapes would stay static."""
+    step = torch.compile(fn, fullgraph=True)
+
+    def call(*args):
+        return step(*args, **fixed)
+
+    call.__name__ = fn.__name__  # the name a byte counter reports
+    return call
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(direction: str, init: str, nesterov: bool, first: bool, geometry, decay: str, decays: bool) -> Callable:
+    """:func:`flat_tail` compiled for one rule's fixed choices."""
+    return _compile(flat_tail, direction=direction, init=init, nesterov=nesterov, first=first, geometry=geometry,
+                    decay=decay, decays=decays)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_write(decay: str, decays: bool) -> Callable:
+    """:func:`write_tail` compiled for one decay."""
+    return _compile(write_tail, decay=decay, decays=decays)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_rows() -> Callable:
+    """Nesterov's look-ahead read row by row (:func:`~geomopt.optim.units.directions.polyak_lookahead_rows`)
+    compiled: d⁺ and u in one pass (each row of d and each gradient read once, u written once)."""
+    return _compile(polyak_lookahead_rows)
+
+
+def lookahead_rows(u: torch.Tensor, d: torch.Tensor, gs: list, alpha) -> torch.Tensor:
+    """:func:`compiled_rows`, α as a graph input."""
+    run(compiled_rows(), [u], [], [d, gs], scalar(alpha, u))
+    return u
+
+
+def scalar(value, like: torch.Tensor) -> torch.Tensor:
+    """A coefficient as a 0-d float64 tensor on ``like``'s device (a graph input, never a constant)."""
+    return torch.as_tensor(value, dtype=torch.float64, device=like.device)
