@@ -360,7 +360,8 @@ def test_schema_has_the_discriminated_kinds():
         ("Rule", "direction"): set(DIRECTION_KINDS),
         ("Rule", "decay"): {"decoupled", "cautious"},
         ("Defaults", "schedule"): {"constant", "theory", "storm"},
-        **{(owner, "view"): set(VIEW_KINDS) for owner in ("Anisotropic", "Spectral", "Rowwise", "Columnwise", "Kronecker")},
+        **{(owner, "view"): set(VIEW_KINDS)
+           for owner in ("Anisotropic", "Spectral", "Rowwise", "Columnwise", "Kronecker")},
     }
     for (owner, field), kinds in expected.items():
         prop = defs[owner]["properties"][field]
