@@ -1,7 +1,8 @@
 """The ``kronecker`` forward op: a geometry whose metric is learned from the directions it maps,
 one step of Shampoo, SOAP or PSGD-Kron on a matrix or a bucket's stack, with its state.
 
-Per matrix D (the (shape[0], rest) view; a bucket's stack (b, m, n)), each step
+Per matrix D (the (shape[0], rest) view, or a rule's ``view``'s matrices: experts, equal blocks; a
+bucket's stack (b, m, n)), each step
 (:mod:`geomopt.geometry.kron` has the arithmetic, docs/reference/kron.md the formulas):
 
 * ``shampoo``: L ← βL + w·D·Dᵀ, R ← βR + w·Dᵀ·D (w = 1 − β; β = 1: w = 1); at steps ``every``,
