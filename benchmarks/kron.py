@@ -9,7 +9,8 @@ A timed unit is ``every`` consecutive steps, so each unit holds one refresh of t
 (the eigendecompositions amortized over their interval); the optimizers take their units in turn
 (round robin: the machine's drift hits every row alike), and a row's figure is the median unit's
 time over ``every``: ms per step, refresh included. Held state: the bytes of every tensor the
-optimizer keeps after the run (a list entry's tensors counted one by one). pytorch-optimizer's Kron
+optimizer keeps after the run (a list entry's tensors counted one by one). heavyball's KLShampoo,
+SOAP and PSGDKron have rows where heavyball is installed (run eagerly). pytorch-optimizer's Kron
 has no row: without the opt_einsum package its einsums form the outer product of a matrix's two
 factors (m²·n² entries: 275 GB for a 1024 × 256 matrix).
 """
@@ -38,17 +39,21 @@ def shapes(width: int, layers: int) -> list[tuple[int, int]]:
 
 
 def state_bytes(state) -> int | None:
-    """Bytes of the tensors an optimizer keeps (list entries' tensors one by one); None where it
-    keeps objects of its own, whose tensors this does not see (ScalableShampoo's preconditioners)."""
-    total = 0
-    for entry in state.values():
-        for v in entry.values():
-            for t in (v if isinstance(v, (list, tuple)) else [v]):
-                if torch.is_tensor(t):
-                    total += t.numel() * t.element_size()
-                elif not isinstance(t, (int, float, bool)):
-                    return None
-    return total
+    """Bytes of the tensors an optimizer keeps (list entries' tensors one by one, nested dicts
+    walked: heavyball keeps a dict per parameter); None where it keeps objects of its own, whose
+    tensors this does not see (ScalableShampoo's preconditioners)."""
+
+    def held(v) -> int | None:
+        if torch.is_tensor(v):
+            return v.numel() * v.element_size()
+        if isinstance(v, (list, tuple, dict)):
+            parts = [held(x) for x in (v.values() if isinstance(v, dict) else v)]
+            return None if None in parts else sum(p for p in parts if p is not None)
+        if isinstance(v, (set, frozenset)):  # heavyball's flags (which entries are initialized)
+            return 0 if all(isinstance(x, (int, str)) for x in v) else None
+        return 0 if v is None or isinstance(v, (int, float, bool, str)) else None
+
+    return held(list(state.values()))
 
 
 def _spec(geometry: dict, direction: dict | None = None) -> dict:
@@ -62,19 +67,45 @@ MUON = {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind
 NESTEROV = {"kind": "polyak", "alpha": 0.05, "nesterov": True}  # torch.optim.Muon's momentum 0.95
 
 
+def _heavyball_rows(params_of, every: int) -> list[tuple[str, object]]:
+    """heavyball's Kronecker-factored optimizers, run eagerly (``heavyball.utils.compile_mode =
+    None``: by default each step is compiled by inductor, minutes on a CPU); none where heavyball
+    is not installed. KLShampoo is its Shampoo: KL-corrected factors, the preconditioner from the
+    eigenvalues diag(Qᵀ·F·Q) in a basis refreshed every ``every`` steps."""
+    try:
+        import heavyball
+        import heavyball.utils
+    except ImportError:
+        print("heavyball is not installed: its rows are left out", file=sys.stderr)
+        return []
+    heavyball.utils.compile_mode = None
+    return [
+        (f"heavyball.KLShampoo (every {every})",
+         heavyball.KLShampoo(params_of(), lr=0.003, precondition_frequency=every, weight_decay=0.0)),
+        (f"heavyball.SOAP (every {every})",
+         heavyball.SOAP(params_of(), lr=0.003, precondition_frequency=every, weight_decay=0.0)),
+        ("heavyball.PSGDKron (fit every step)",
+         heavyball.PSGDKron(params_of(), lr=0.003, preconditioner_update_probability=1.0)),
+    ]
+
+
 def optimizers(params_of, every: int) -> list[tuple[str, object]]:
     """(name, optimizer) rows, each on its own copy of the parameters (``params_of()``)."""
     import pytorch_optimizer as po
 
+    def shampoo(root: str) -> dict:
+        return {"kind": "kronecker", "method": "shampoo", "every": every, "root": root}
+
     return [
         ("torch.optim.Muon", torch.optim.Muon(params_of(), lr=0.02, momentum=0.95, nesterov=True)),
         ("geomopt muon", geomopt.GeomOptimizer(params_of(), _spec(MUON, NESTEROV), lr=0.02)),
-        (f"geomopt kronecker shampoo (every {every})",
-         geomopt.GeomOptimizer(params_of(), _spec({"kind": "kronecker", "method": "shampoo", "every": every}),
-                               lr=0.02)),
-        (f"pytorch_optimizer.Shampoo (every {every})", po.Shampoo(params_of(), lr=0.02,
-                                                                  preconditioning_compute_steps=every)),
-        (f"pytorch_optimizer.ScalableShampoo (every {every})",
+        (f"geomopt kronecker shampoo, root: eigh (every {every})",
+         geomopt.GeomOptimizer(params_of(), _spec(shampoo("eigh")), lr=0.02)),
+        (f"geomopt kronecker shampoo, root: newton (every {every})",
+         geomopt.GeomOptimizer(params_of(), _spec(shampoo("newton")), lr=0.02)),
+        (f"pytorch_optimizer.Shampoo, float32 SVD (every {every})",
+         po.Shampoo(params_of(), lr=0.02, preconditioning_compute_steps=every)),
+        (f"pytorch_optimizer.ScalableShampoo, coupled Newton (every {every})",
          po.ScalableShampoo(params_of(), lr=0.02, preconditioning_compute_steps=every, start_preconditioning_step=1,
                             block_size=4096, shape_interpretation=False)),
         (f"geomopt kronecker soap (every {every})",
@@ -82,6 +113,7 @@ def optimizers(params_of, every: int) -> list[tuple[str, object]]:
         (f"pytorch_optimizer.SOAP (every {every})", po.SOAP(params_of(), lr=0.003, precondition_frequency=every)),
         ("geomopt kronecker psgd (fit every step)",
          geomopt.GeomOptimizer(params_of(), _spec({"kind": "kronecker", "method": "psgd", "every": 1}), lr=0.003)),
+        *_heavyball_rows(params_of, every),
     ]
 
 

@@ -66,6 +66,11 @@ def test_explain_says_which_factor_each_side_of_a_kronecker_rule_keeps(capsys, t
                         f"    geometry: {{kind: euclidean}}\n")
         rc, out, _ = _run(capsys, "explain", str(spec), "transformer.wte.weight", "--model", "gpt")
         assert rc == 0 and want in out, out
+    # under a view, each matrix keeps its own: fused q, k, v as three blocks
+    spec.write_text("geomopt: 1\nname: k\nrules:\n  - name: m\n    match: {ndim: 2}\n    geometry: "
+                    "{kind: kronecker, view: auto}\n  - name: rest\n    match: '**'\n    geometry: {kind: euclidean}\n")
+    rc, out, _ = _run(capsys, "explain", str(spec), "transformer.h.0.attn.c_attn.weight", "--model", "gpt")
+    assert rc == 0 and "factors    3 matrices, each: left 64×64, right 64×64" in out, out
 
 
 def test_explain_an_expert_of_a_moe_model(capsys, moe_module):

@@ -93,6 +93,39 @@ def test_eigh_root_of_float32_is_computed_in_float64_and_clamps_negative_eigenva
     assert torch.isfinite(x).all() and _rel(x, ref) < 1e-10
 
 
+def test_eigh_root_of_float32_takes_float32_where_its_error_is_small_and_float64_elsewhere(monkeypatch):
+    """A stack of float32 factors with κ = 10, 30 and 1e6: the first two are rooted in float32
+    (u₃₂·κ ≤ FLOAT32_ROOT_TOL), within a few u₃₂·κ of the float64 root; the third in float64,
+    within the final rounding; each matrix gets the bits it gets alone."""
+    conds = (10.0, 30.0, 1e6)
+    a = torch.stack([_psd(40, c, seed=9 + i) for i, c in enumerate(conds)]).float()
+    calls = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda x: calls.append((x.dtype, x.shape[0])) or eigh(x))
+    x = inverse_root_eigh(a, 4, 1e-9)
+    assert calls == [(torch.float32, 2), (F64, 1)]
+    for i, c in enumerate(conds):
+        ref = _scipy_root(a[i].double(), 4, 1e-9)
+        err = _rel(x[i], ref)
+        assert err < (4 * 2.0**-24 * c if c < 1e3 else 2e-7), (c, err)
+        assert torch.equal(inverse_root_eigh(a[i], 4, 1e-9), x[i])
+    assert _rel(x[1], _scipy_root(a[1].double(), 4, 1e-9)) > 2e-7  # float32's error, not the final rounding's
+    # the damping counts: with ε = 0.05 the third factor's κ is about 20, and float32 takes it
+    calls.clear()
+    inverse_root_eigh(a[2], 4, 0.05)
+    assert calls == [(torch.float32, 1)]
+
+
+def test_the_float32_precheck_is_the_conditioning_bound():
+    """_well_conditioned passes a factor iff λ_min + ε > ‖A + εI‖_F·u₃₂/tol (up to float32's rounding)."""
+    from geomopt.geometry.kron_root import FLOAT32_ROOT_TOL, _well_conditioned
+    a = torch.stack([_psd(30, c, seed=20) for c in (10.0, 30.0, 1e3, 1e7)]).float()
+    lam = torch.linalg.eigvalsh(a.double())
+    bound = torch.linalg.matrix_norm(a.double()) * 2.0**-24 / FLOAT32_ROOT_TOL
+    assert torch.equal(_well_conditioned(a, 0.0), lam[:, 0] > bound)
+    assert _well_conditioned(a, 0.0).tolist() == [True, True, False, False]
+
+
 @pytest.mark.parametrize("cond", [10.0, 1e6])
 @pytest.mark.parametrize("p", [2, 4])
 def test_newton_root_converges_to_the_eigh_root(cond, p):

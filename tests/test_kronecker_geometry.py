@@ -240,3 +240,91 @@ def test_a_graft_gives_each_matrix_the_other_maps_step_length(graft):
     plain = _ours(grads, lr, method="shampoo", every=1, damping=1e-3)
     cos = (moved * plain).sum((-2, -1)) / (torch.linalg.matrix_norm(moved) * torch.linalg.matrix_norm(plain))
     torch.testing.assert_close(cos, torch.ones(BUCKET, dtype=F64), rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- views: experts and fused blocks
+
+EXPERTS = 3
+
+
+def _viewed(grads, lr, view, **geometry) -> tuple[torch.Tensor, dict]:
+    """Our kronecker geometry through ``view`` on a bucket of BUCKET tensors (the shape of
+    ``grads``' rows), from zeros; the parameters and the first tensor's state."""
+    model = Stack(grads.shape[2:])
+    opt = geomopt.GeomOptimizer(model, _spec(view=view, **geometry), lr=lr)
+    for g in grads:
+        for p, gi in zip(model.ws, g):
+            p.grad = gi.clone()
+        opt.step()
+    return torch.stack([p.detach() for p in model.ws]), opt.state[model.ws[0]]
+
+
+SHAMPOO_PEER = dict(method="shampoo", beta=1.0, damping=1e-3, every=1)  # pytorch-optimizer's Shampoo's form
+
+
+@pytest.mark.parametrize("root", ["eigh", "newton"])
+def test_experts_each_take_their_own_shampoo(root):
+    """An (E, m, n) expert tensor under view batch: 1 is E matrices, each stepped as pytorch-optimizer's
+    Shampoo steps it alone (each its own 2-D parameter, float64); without the view, the (m, E·n) matrix
+    is one Shampoo, which the bound refuses; the factors are stored (E, m, m) per tensor."""
+    grads = _grads((EXPERTS, 5, 4), seed=8)
+    lr = 0.1
+    peer = _peer(pytorch_optimizer.Shampoo, grads.reshape(STEPS, BUCKET * EXPERTS, 5, 4), lr=lr, matrix_eps=1e-3,
+                 preconditioning_compute_steps=1).reshape(BUCKET, EXPERTS, 5, 4)
+    ours, state = _viewed(grads, lr, {"kind": "matrix", "batch": 1}, **SHAMPOO_PEER, root=root)
+    bound = 1e-12
+    assert _gap(ours, peer) < bound
+    assert state["shampoo_left"].shape == (EXPERTS, 5, 5) and state["shampoo_right_root"].shape == (EXPERTS, 4, 4)
+    assert _gap(_ours(grads, lr, **SHAMPOO_PEER, root=root), peer) > 100 * bound
+    assert _gap(_viewed(grads, lr, {"kind": "matrix", "batch": 1}, **{**SHAMPOO_PEER, "damping": 1.1e-3})[0],
+                peer) > 100 * bound
+
+
+def test_fused_blocks_each_take_their_own_shampoo_and_soap():
+    """A fused (3·s, n) projection (q, k, v) under view blocks: 3 is three s × n matrices, each
+    stepped as the peers step it alone: pytorch-optimizer's Shampoo and SOAP (its float32 QR: the
+    1e-6 bound)."""
+    s, n = 4, 5
+    grads = _grads((3 * s, n), seed=9)
+    alone = grads.reshape(STEPS, BUCKET * 3, s, n)
+    view = {"kind": "matrix", "blocks": 3}
+    peer = _peer(pytorch_optimizer.Shampoo, alone, lr=0.1, matrix_eps=1e-3, preconditioning_compute_steps=1)
+    ours, state = _viewed(grads, 0.1, view, **SHAMPOO_PEER)
+    assert _gap(ours, peer.reshape(BUCKET, 3 * s, n)) < 1e-12
+    assert state["shampoo_left"].shape == (3, s, s) and state["shampoo_right"].shape == (3, n, n)
+    lr, betas, beta, eps = 0.01, (0.9, 0.95), 0.8, 1e-3
+    peer = _peer(pytorch_optimizer.SOAP, alone, lr=lr, betas=betas, shampoo_beta=beta, eps=eps,
+                 precondition_frequency=2, weight_decay=0.0).reshape(BUCKET, 3 * s, n)
+    soap = dict(method="soap", betas=list(betas), beta=beta, eps=eps, every=2)
+    ours, state = _viewed(grads, lr, view, **soap)
+    assert _gap(ours, peer) < 1e-6
+    assert state["soap_exp_avg"].shape == (3 * s, n)  # a moment keeps the tensor's layout
+    assert _gap(_ours(grads, lr, **soap), peer) > 1e-3
+
+
+def test_a_viewed_checkpoint_resumes_bit_for_bit():
+    grads = _grads((EXPERTS, 4, 3), seed=10)
+    view = {"kind": "matrix", "batch": 1}
+    geometry = dict(method="psgd", every=2)
+    straight, _ = _viewed(grads, 0.05, view, **geometry)
+    model = Stack((EXPERTS, 4, 3))
+    opt = geomopt.GeomOptimizer(model, _spec(view=view, **geometry), lr=0.05)
+    for i, g in enumerate(grads):
+        if i == STEPS // 2:
+            saved = opt.state_dict()
+            opt = geomopt.GeomOptimizer(model, _spec(view=view, **geometry), lr=0.05)
+            opt.load_state_dict(saved)
+        for p, gi in zip(model.ws, g):
+            p.grad = gi.clone()
+        opt.step()
+    assert torch.equal(torch.stack([p.detach() for p in model.ws]), straight)
+
+
+def test_a_view_it_cannot_read_is_refused_at_its_path():
+    model = nn.Linear(4, 6, bias=False)
+    with pytest.raises(SpecError, match=r"rules\[0\]\.geometry\.view|blocks \[4, 2\] are of different sizes") as err:
+        geomopt.GeomOptimizer(model, _spec(view={"kind": "matrix", "blocks": [4, 2]}), lr=0.01)
+    assert "blocks [4, 2] are of different sizes" in str(err.value)
+    conv = nn.Conv2d(2, 3, 3, bias=False)
+    with pytest.raises(SpecError, match="reads views with trailing: cols only"):
+        geomopt.GeomOptimizer(conv, _spec(view={"kind": "matrix", "trailing": "batch"}), lr=0.01)

@@ -237,6 +237,7 @@ geometry = st.one_of(
           betas=st.lists(st.floats(min_value=0, max_value=1, exclude_max=True, allow_nan=False), min_size=2, max_size=2)),
     model(Kronecker, radius=pos, method=st.sampled_from(["shampoo", "soap", "psgd"]), every=st.integers(1, 10**6),
           max_dim=st.one_of(st.none(), st.integers(1, 10**6)), layout=layout,
+          view=view,
           graft=st.sampled_from(["none", "adagrad", "adam", "spectral"]),
           momentum=st.floats(min_value=0, max_value=1, exclude_max=True, allow_nan=False),
           precond_lr=st.floats(min_value=0, max_value=1, exclude_min=True, allow_nan=False)),
@@ -359,7 +360,8 @@ def test_schema_has_the_discriminated_kinds():
         ("Rule", "direction"): set(DIRECTION_KINDS),
         ("Rule", "decay"): {"decoupled", "cautious"},
         ("Defaults", "schedule"): {"constant", "theory", "storm"},
-        **{(owner, "view"): set(VIEW_KINDS) for owner in ("Anisotropic", "Spectral", "Rowwise", "Columnwise")},
+        **{(owner, "view"): set(VIEW_KINDS)
+           for owner in ("Anisotropic", "Spectral", "Rowwise", "Columnwise", "Kronecker")},
     }
     for (owner, field), kinds in expected.items():
         prop = defs[owner]["properties"][field]
@@ -380,7 +382,7 @@ def test_schema_has_the_discriminated_kinds():
     assert any(s.get("type") == "string" for s in match) and any(s.get("$ref") == "#/$defs/Match" for s in match)
     # `view: auto` is shorthand for `view: {kind: auto}` on every geometry that has a view
     with_view = {name for name, d in defs.items() if "view" in d.get("properties", {})}
-    assert with_view == {"Anisotropic", "Spectral", "Rowwise", "Columnwise"}
+    assert with_view == {"Anisotropic", "Spectral", "Rowwise", "Columnwise", "Kronecker"}
     for name in with_view:
         shorthand = [s for s in defs[name]["properties"]["view"]["anyOf"] if s.get("type") == "string"]
         assert shorthand and set(shorthand[0]["enum"]) == set(VIEW_KINDS), name

@@ -122,17 +122,21 @@ def explain(spec: Spec, infos: list[ParamInfo], plan_params: list[ParamPlan], na
 
 
 def kronecker_factors_text(pp: ParamPlan) -> str:
-    """The factor a kronecker rule keeps on each side of the tensor's (shape[0], rest) matrix."""
+    """The factor a kronecker rule keeps on each side of the tensor's matrices (the (shape[0], rest)
+    one, or its view's, which are of one shape: each keeps its own)."""
+    from geomopt.geometry.view import count, matrix_shapes  # geomopt.geometry loads torch: off the lint path
+
     g = pp.geometry
-    rows = pp.op_shape[0]
-    cols = math.prod(pp.op_shape[1:])
+    view = None if g.view is None else g.view.plain()
+    rows, cols = matrix_shapes(view, pp.op_shape)[0]
+    head = f"{count(view, pp.op_shape)} matrices, each: " if view is not None else ""
     out = []
     for name, k in (("left", rows), ("right", cols)):
         side = kronecker_side(g["method"], k, g["max_dim"])
         text = {"full": f"{k}×{k}", "triangular": f"{k}×{k} triangular", "diagonal": f"diagonal of {k}",
                 "none": f"none (identity; {k} > max_dim)"}
         out.append(f"{name} {text[side]}")
-    return ", ".join(out)
+    return head + ", ".join(out)
 
 
 def recipe(name: str) -> str:

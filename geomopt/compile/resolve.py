@@ -76,6 +76,12 @@ def resolve_view(geometry: Geometry, op_shape: tuple[int, ...], structure: Optio
     view = resolve_spec_view(spec_view, op_shape, structure)
     if view is None:
         return None
+    if geometry.kind == "kronecker":
+        from geomopt.geometry.learned import view_problem
+
+        problem = view_problem(view)
+        if problem is not None:
+            raise ValueError(problem)
     view["factors"] = block_factors(geometry, op_shape, view)
     if view["factors"] and constraint is not None and constraint.get("relative"):
         view["scale_constraint"] = True

@@ -180,7 +180,8 @@ def forward(
     if d.numel() == 0:  # no entries (a dim of size 0): nothing to map, and no matrix to view
         return torch.empty_like(d, dtype=out_dtype or d.dtype)
     view, plain = split_view(geometry, d.shape[batch_dims:])
-    if view is None or kind == "anisotropic" and not view["factors"]:  # elementwise: only factors matter
+    if view is None or kind == "anisotropic" and not view["factors"] or FORWARD_OPS.meta[kind].get("reads_view"):
+        # elementwise (anisotropic): only factors matter; reads_view: the op reads its view itself
         return op(d, geometry, radius=rho, batch_dims=batch_dims, state=state, out_dtype=out_dtype)
     out, _ = apply_view(d, batch_dims, view, lambda m, f: (
         op(m, plain, radius=rho * f, batch_dims=1, state=state, out_dtype=out_dtype), None))

@@ -1,7 +1,8 @@
 """The ``kronecker`` forward op: a geometry whose metric is learned from the directions it maps,
 one step of Shampoo, SOAP or PSGD-Kron on a matrix or a bucket's stack, with its state.
 
-Per matrix D (the (shape[0], rest) view; a bucket's stack (b, m, n)), each step
+Per matrix D (the (shape[0], rest) view, or a rule's ``view``'s matrices: experts, equal blocks; a
+bucket's stack (b, m, n)), each step
 (:mod:`geomopt.geometry.kron` has the arithmetic, docs/reference/kron.md the formulas):
 
 * ``shampoo``: L ← βL + w·D·Dᵀ, R ← βR + w·Dᵀ·D (w = 1 − β; β = 1: w = 1); at steps ``every``,
@@ -37,6 +38,7 @@ import torch
 from geomopt.geometry import kron, kron_psgd
 from geomopt.geometry.matrix import matrix_view, upcast
 from geomopt.geometry.operators import FORWARD_OPS
+from geomopt.geometry.view import concrete
 from geomopt.registry import LOCAL, OWNER
 from geomopt.spec.base import Fields
 
@@ -46,16 +48,25 @@ REFUSES = (
 )
 
 
-def _put(state: dict, key: str, value, like: torch.Tensor) -> None:
-    """``state[key] = value``; a side kept by no factor holds an empty entry (b, 0): every key is in
-    the state of every tensor the geometry steps, which checkpoints and migrations read as one."""
-    state[key] = like.new_empty(*like.shape[:-2], 0) if value is None else value
+def _put(state: dict, key: str, value, like: torch.Tensor, store: tuple) -> None:
+    """``state[key] = value``, its leading dim (one per matrix of ``like``) stored as ``store`` (the
+    bucket's and the view's dims, :func:`kronecker`); a side kept by no factor holds an empty entry
+    (…, 0): every key is in the state of every tensor the geometry steps, which checkpoints and
+    migrations read as one."""
+    value = like.new_empty(*like.shape[:-2], 0) if value is None else value
+    state[key] = value.reshape(*store, *value.shape[like.ndim - 2:])
 
 
-def _factor(state: dict, key: str):
-    """A factor, root or basis of the state; None for a side that keeps none."""
+def _factor(state: dict, key: str, like: torch.Tensor, store: tuple):
+    """A factor, root or basis of the state, one per matrix of ``like`` (a view of the stored entry:
+    updates in place reach it); None for a side that keeps none."""
     value = state.get(key)
-    return None if value is None or value.numel() == 0 else value
+    return None if value is None or value.numel() == 0 else _stored(value, like, store)
+
+
+def _stored(value: torch.Tensor, like: torch.Tensor, store: tuple) -> torch.Tensor:
+    """A stored entry read one per matrix of ``like`` (a view)."""
+    return value.reshape(*like.shape[:-2], *value.shape[len(store):])
 
 
 def _moment(state: dict, key: str, g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -71,22 +82,24 @@ def _weight(beta: float) -> float:
     return 1.0 if beta == 1 else 1.0 - beta
 
 
-def shampoo(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.Tensor:
+def shampoo(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size, store: tuple) -> torch.Tensor:
     """One Shampoo step on ``g`` (m, n) or (b, m, n) with its ``state`` (filled on the first step);
-    ``shape``: the operators' shape of the tensors (their moments' layout)."""
+    ``shape``: the operators' shape of the tensors (their moments' layout); ``store``: the leading
+    dims the per-matrix entries are stored under."""
     if "shampoo_step" not in state:
         left, right = kron.init_factors(g.shape, cfg["max_dim"], dtype=g.dtype, device=g.device)
         left_root, right_root = kron.init_factors(g.shape, cfg["max_dim"], eps=1.0, dtype=g.dtype, device=g.device)
         for key, value in (("shampoo_left", left), ("shampoo_right", right), ("shampoo_left_root", left_root),
                            ("shampoo_right_root", right_root)):
-            _put(state, key, value, g)
+            _put(state, key, value, g, store)
         if cfg["graft"] in ("adagrad", "adam"):
             _moment(state, "shampoo_graft", g, shape)
         else:
-            _put(state, "shampoo_graft", None, g)
+            _put(state, "shampoo_graft", None, g, store)
         state["shampoo_step"] = 0
-    left, right = _factor(state, "shampoo_left"), _factor(state, "shampoo_right")
-    left_root, right_root = _factor(state, "shampoo_left_root"), _factor(state, "shampoo_right_root")
+    left, right = _factor(state, "shampoo_left", g, store), _factor(state, "shampoo_right", g, store)
+    left_root = _factor(state, "shampoo_left_root", g, store)
+    right_root = _factor(state, "shampoo_right_root", g, store)
     step = state["shampoo_step"] = state["shampoo_step"] + 1
     kron.update_factors(g, left, right, beta=cfg["beta"], weight=_weight(cfg["beta"]))
     if kron.refresh_due(step, cfg["every"]):
@@ -107,7 +120,7 @@ def shampoo(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> tor
     return kron.graft(d, g / ((acc / (1 - beta2**step)).sqrt() + cfg["eps"]))
 
 
-def soap(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.Tensor:
+def soap(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size, store: tuple) -> torch.Tensor:
     """One SOAP step on ``g`` (m, n) or (b, m, n) with its ``state``: zero on the first (which starts
     the factors and their eigenbases), Adam in the eigenbases after."""
     beta = cfg["beta"]
@@ -117,13 +130,13 @@ def soap(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.
         q_left, q_right = kron.soap_bases(left, right)
         for key, value in (("soap_left", left), ("soap_right", right), ("soap_left_basis", q_left),
                            ("soap_right_basis", q_right)):
-            _put(state, key, value, g)
+            _put(state, key, value, g, store)
         _moment(state, "soap_exp_avg", g, shape)
         _moment(state, "soap_exp_avg_sq", g, shape)
         state["soap_step"] = 0
         return torch.zeros_like(g)
-    left, right = _factor(state, "soap_left"), _factor(state, "soap_right")
-    q_left, q_right = _factor(state, "soap_left_basis"), _factor(state, "soap_right_basis")
+    left, right = _factor(state, "soap_left", g, store), _factor(state, "soap_right", g, store)
+    q_left, q_right = _factor(state, "soap_left_basis", g, store), _factor(state, "soap_right_basis", g, store)
     exp_avg, exp_avg_sq = _moment(state, "soap_exp_avg", g, shape), _moment(state, "soap_exp_avg_sq", g, shape)
     step = state["soap_step"] = state["soap_step"] + 1
     d = kron.soap_direction(g, exp_avg, exp_avg_sq, q_left, q_right, betas=tuple(cfg["betas"]), eps=cfg["eps"],
@@ -134,16 +147,17 @@ def soap(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.
     return d
 
 
-def psgd(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.Tensor:
+def psgd(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size, store: tuple) -> torch.Tensor:
     """One PSGD-Kron step on ``g`` (m, n) or (b, m, n) with its ``state`` (factors at the identity on the
     first step): m ← μm + (1 − μ)G, ĥ = m/(1 − μᵗ); at steps ``every``, 2·``every``, … the factors are
     balanced and fitted on (V, ĥ), V the step's probe; the update P·ĥ, its RMS capped at 1.1."""
     if "psgd_step" not in state:
-        state["psgd_left"], state["psgd_right"] = kron_psgd.init_factors(g.shape, cfg["max_dim"], dtype=g.dtype,
-                                                                         device=g.device)
+        factors = kron_psgd.init_factors(g.shape, cfg["max_dim"], dtype=g.dtype, device=g.device)
+        for key, value in zip(("psgd_left", "psgd_right"), factors):
+            _put(state, key, value, g, store)
         _moment(state, "psgd_momentum", g, shape)
         state["psgd_step"] = 0
-    q_left, q_right = state["psgd_left"], state["psgd_right"]
+    q_left, q_right = (_stored(state[key], g, store) for key in ("psgd_left", "psgd_right"))
     m = _moment(state, "psgd_momentum", g, shape)
     step = state["psgd_step"] = state["psgd_step"] + 1
     mu = cfg["momentum"]
@@ -158,14 +172,50 @@ def psgd(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size) -> torch.
 METHODS = {"shampoo": shampoo, "soap": soap, "psgd": psgd}
 
 
-@FORWARD_OPS.register("kronecker", locality=LOCAL, sharded=OWNER, refuses=REFUSES)
+def view_problem(view: Fields) -> str | None:
+    """Why the kronecker geometry cannot read its tensor through a resolved ``view``, or None. Its
+    state is one entry per matrix stacked in a tensor, so every matrix has one shape (equal
+    blocks), in the tensor's own memory order (no ``trailing: batch`` over kernel positions,
+    which permutes the entries)."""
+    blocks = view.get("blocks")
+    if blocks and len(set(blocks)) > 1:
+        return (f"the kronecker geometry keeps one factor shape per tensor, and view blocks {list(blocks)} are of "
+                f"different sizes; use equal blocks or no view")
+    if view.get("trailing") == "batch":
+        return "the kronecker geometry reads views with trailing: cols only; use trailing: cols or no view"
+    return None
+
+
+def _view_matrices(x: torch.Tensor, batch_dims: int, view: Fields) -> torch.Tensor:
+    """The matrices (N, m, n) of ``x`` under a resolved ``view`` (the leading ``batch_dims`` dims
+    index a bucket's tensors): the view's batch axes and the equal blocks of the rows, in memory
+    order (a view of ``x``)."""
+    problem = view_problem(view)
+    if problem is not None:
+        raise ValueError(problem)
+    shape = x.shape[batch_dims:]
+    b = view["batch"]
+    k = len(view["blocks"] or [0]) or 1
+    return x.reshape(-1, shape[b] // k, math.prod(shape[b + 1:]))
+
+
+@FORWARD_OPS.register("kronecker", locality=LOCAL, sharded=OWNER, refuses=REFUSES, reads_view=True)
 def kronecker(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """ρ times one step of the geometry's ``method`` on each matrix of ``d`` (the leading
     ``batch_dims`` dims index a bucket's tensors), in float32 at least; ``state`` (required) is
-    filled on the first step."""
+    filled on the first step. The matrices are the (shape[0], rest) one per tensor, or a resolved
+    ``view``'s (experts, equal blocks: :func:`view_problem`), each with its own factors: the state
+    entries are stored (bucket, matrix, …)."""
     if state is None:
         raise ValueError("the kronecker forward op carries state: pass a dict (empty on the first step)")
     x = upcast(d)
-    mats = matrix_view(x, batch_dims)
-    out = METHODS[geometry["method"]](mats, state, geometry, x.shape)
+    view = concrete(geometry, d.shape[batch_dims:])
+    if view is None:
+        mats = matrix_view(x, batch_dims)
+        store = tuple(mats.shape[:-2])
+    else:
+        mats = _view_matrices(x, batch_dims, view)
+        lead = tuple(x.shape[:batch_dims])
+        store = (*lead, mats.shape[0] // math.prod(lead))
+    out = METHODS[geometry["method"]](mats, state, geometry, x.shape, store)
     return (out * radius).reshape(d.shape).to(out_dtype or d.dtype)

@@ -318,8 +318,9 @@ KRONECKER_METHOD_FIELDS = {"beta": ("shampoo", "soap"), "damping": ("shampoo",),
                            "eps": ("shampoo", "soap"), "momentum": ("psgd",), "precond_lr": ("psgd",)}
 
 
-class Kronecker(_Geometry):
-    """A metric learned from the gradients, per (shape[0], rest) matrix D. ``method`` ``shampoo``
+class Kronecker(_MatrixGeometry):
+    """A metric learned from the gradients, per (shape[0], rest) matrix D (a ``view``: per expert,
+    per equal block of the rows, each matrix with its own factors). ``method`` ``shampoo``
     and ``soap`` keep Kronecker factors L ← βL + w·D·Dᵀ and R ← βR + w·Dᵀ·D (w = 1 − β; β = 1: the
     plain sum, w = 1); ``shampoo`` steps along L^(−1/p)·D·R^(−1/p) from roots (L + εI)^(−1/p)
     recomputed every ``every`` steps (``root``: eigh or the coupled Newton iteration; p =
