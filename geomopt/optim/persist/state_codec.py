@@ -53,7 +53,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from geomopt.optim.units.state_keys import CORRECTION, MOMENTS, SCALE
+from geomopt.optim.units.state_keys import CORRECTION, MOMENTS, SCALE, SIDE
 from geomopt.spec.model import QUANTIZED
 
 BLOCK = 256
@@ -335,13 +335,9 @@ class Codec:
             if value.dtype == torch.bfloat16:
                 out[key] = value.float()
             elif key + SCALE in state:
-                codes, scales = value.reshape(-1), state[key + SCALE].reshape(-1)
-                fixes = state.get(key + CORRECTION)
-                flat = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
-                for a, b in _pieces(codes.numel()):
-                    c, m = codes[a:b].unsqueeze(0), scales[a // BLOCK: b // BLOCK]
-                    flat[a:b] = (decode_int8(c, m, MOMENTS[key]) if fixes is None else decode_int8_ec(
-                        c, unpack4(fixes.reshape(-1)[a // 2: b // 2]), m, MOMENTS[key]))[0]
+                flat = torch.empty(value.numel(), dtype=torch.float32, device=value.device)
+                for a, b in _pieces(value.numel()):
+                    decode_piece(state, key, a, b, flat[a:b])
                 out[key] = flat.reshape(value.shape)
                 del out[key + SCALE]
                 out.pop(key + CORRECTION, None)
@@ -356,32 +352,66 @@ class Codec:
             if not isinstance(value, torch.Tensor) or not value.is_floating_point() or not self.stored(key, value[0]):
                 continue
             flat = value.reshape(-1)
-            if self.dtype == "bfloat16":
-                seeds = [seed_of(name, self.step, key) for name in self.names]
-                enc = torch.empty(flat.shape, dtype=torch.bfloat16, device=flat.device)
-                for a, b in _pieces(flat.numel()):
-                    bits = noise(seeds, tuple(value.shape), self.start, self.full, a, b, device=flat.device)
-                    enc[a:b] = encode_bf16(flat[a:b], bits)
-                out[key] = enc.reshape(value.shape)
-            else:  # a row's size is a multiple of BLOCK: a piece's blocks lie within rows
-                codes = torch.empty(flat.shape, dtype=torch.uint8, device=flat.device)
-                scales = torch.empty(flat.numel() // BLOCK, dtype=torch.float32, device=flat.device)
-                ec = self.dtype == "int8-ec"
-                fixes = torch.empty(flat.numel() // 2 if ec else 0, dtype=torch.uint8, device=flat.device)
-                seeds = [seed_of(name, self.step, key) for name in self.names] if ec else []
-                for a, b in _pieces(flat.numel()):
-                    scaled, m = block_scaled(flat[a:b].unsqueeze(0))
-                    c = nearest_codes(scaled, MOMENTS[key])  # encode_int8's codes
-                    codes[a:b], scales[a // BLOCK: b // BLOCK] = c, m[0]
-                    if ec:
-                        bits = noise(seeds, tuple(value.shape), self.start, self.full, a, b, device=flat.device)
-                        fixes[a // 2: b // 2] = pack4(encode_correction(scaled, c, MOMENTS[key], bits))
-                out[key] = codes.reshape(value.shape)
-                row = tuple(value.shape[1:])
-                out[key + SCALE] = scales.reshape(value.shape[0], *scale_shape(row))
-                if ec:
-                    out[key + CORRECTION] = fixes.reshape(value.shape[0], *scale_shape(row, 2))
+            seeds = [seed_of(name, self.step, key) for name in self.names]
+            stored = self.empty(key, flat.numel(), flat.device)
+            for a, b in _pieces(flat.numel()):
+                self.encode_piece(key, flat[a:b], a, b, tuple(value.shape), seeds, stored)
+            out.update(shaped(stored, tuple(value.shape)))
         return out
+
+    def empty(self, key: str, numel: int, device) -> dict:
+        """Flat uninitialized stored entries for ``numel`` values of the moment ``key`` (its codes or
+        bf16 values; int8: a scale per 256; ``int8-ec``: a correction byte per two entries), what
+        :meth:`encode_piece` writes."""
+        if self.dtype == "bfloat16":
+            return {key: torch.empty(numel, dtype=torch.bfloat16, device=device)}
+        out = {key: torch.empty(numel, dtype=torch.uint8, device=device),
+               key + SCALE: torch.empty(numel // BLOCK, dtype=torch.float32, device=device)}
+        if self.dtype == "int8-ec":
+            out[key + CORRECTION] = torch.empty(numel // 2, dtype=torch.uint8, device=device)
+        return out
+
+    def encode_piece(self, key: str, x: torch.Tensor, a: int, b: int, shape: tuple, seeds: list,
+                     out: dict) -> None:
+        """Encode the float32 values ``x`` of the entries [a, b) (row-major) of a stack shaped ``shape``
+        (rows seeded by ``seeds``: :func:`seed_of` of a tensor's name, the step and ``key``) into the
+        flat stored entries ``out`` (:meth:`empty`) at the same place. ``a`` and ``b`` are multiples of
+        BLOCK where int8 (a row's size is too: a block lies within a row), so encoding a stack piece by
+        piece gives the bits of encoding it whole: a block's scale reads its own entries only, and the
+        rounding's random bits hash each entry's index in its tensor (:func:`noise`)."""
+        if self.dtype == "bfloat16":
+            bits = noise(seeds, shape, self.start, self.full, a, b, device=x.device)
+            out[key][a:b] = encode_bf16(x, bits)
+            return
+        scaled, m = block_scaled(x.unsqueeze(0))
+        c = nearest_codes(scaled, MOMENTS[key])  # encode_int8's codes
+        out[key][a:b], out[key + SCALE][a // BLOCK: b // BLOCK] = c, m[0]
+        if key + CORRECTION in out:
+            bits = noise(seeds, shape, self.start, self.full, a, b, device=x.device)
+            out[key + CORRECTION][a // 2: b // 2] = pack4(encode_correction(scaled, c, MOMENTS[key], bits))
+
+
+def shaped(stored: dict, shape: tuple) -> dict:
+    """:meth:`Codec.empty`'s flat entries of a stack shaped ``shape`` (rows: tensors) in their state
+    shapes: the codes (or bf16 values) as the stack, the scales and corrections per row
+    (:func:`scale_shape`)."""
+    row = shape[1:]
+    return {k: v.reshape(shape) if not k.endswith(SIDE) else v.reshape(shape[0], *side_shape(k, row))
+            for k, v in stored.items()}
+
+
+def decode_piece(state: dict, key: str, a: int, b: int, out: torch.Tensor) -> None:
+    """The float32 values of the entries [a, b) (row-major; multiples of BLOCK where int8) of the
+    entry ``key`` of ``state`` (a stack or one tensor: int8 codes with their ``<key>_absmax`` scales
+    and ``int8-ec`` correction, bf16 values, or float32 ones) into the 1-D ``out``."""
+    value = state[key].reshape(-1)
+    if key + SCALE not in state:
+        out.copy_(value[a:b])
+        return
+    c, m = value[a:b].unsqueeze(0), state[key + SCALE].reshape(-1)[a // BLOCK: b // BLOCK]
+    fixes = state.get(key + CORRECTION)
+    out.copy_((decode_int8(c, m, MOMENTS[key]) if fixes is None else decode_int8_ec(
+        c, unpack4(fixes.reshape(-1)[a // 2: b // 2]), m, MOMENTS[key]))[0])
 
 
 def _pieces(total: int):
