@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -63,11 +63,12 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
 
 
 def run_flat(prog: Program, rt: Runtime, group: dict, pp: ParamPlan, xs: list, gs: list, momentum: tuple, adam,
-             first: bool, gamma: float, alpha) -> None:
+             first: bool, gamma: float, alpha, count: Optional[torch.Tensor] = None) -> None:
     """:func:`step_flat`'s arithmetic (``pp``: the plan of the rule's tensors) on the parameters ``xs``
     with gradients ``gs`` (operators' layout, real views), the momentum ``momentum`` (flat buffer and
     views over ``xs``; (None, None) without a direction) and ``adam`` (the moments' (buffer, views)
-    pairs and the step number; None off Adam), written in place; ``first``: the momentum's first step."""
+    pairs and the step number; None off Adam), written in place; ``first``: the momentum's first step;
+    ``count``: the fused kernel's step count (a float32 0-d tensor; None: made here, before any write)."""
     geometry, kind = pp.geometry, pp.geometry.kind
     hyper = group if alpha is None else {**group, "alpha": alpha}  # α after a momentum warmup
     wd = group["weight_decay"]
@@ -96,7 +97,9 @@ def run_flat(prog: Program, rt: Runtime, group: dict, pp: ParamPlan, xs: list, g
     staged = (kind == "isotropic" or whole) and d is not None
     for slot in scratch(kind, staged, nesterov, adam is not None and not fused, second):
         take(slot, (largest,))  # the workspace at its largest now: the blocks' takes reuse it
-    steps_t = None if adam is None or not fused else torch.full((), adam[2], dtype=torch.float32, device=xs[0].device)
+    steps_t = count
+    if adam is not None and fused and count is None:
+        steps_t = torch.full((), adam[2], dtype=torch.float32, device=xs[0].device)
     factors = None
     if kind == "isotropic" and d is None:  # nothing is written before the norms: taken here
         factors = isotropic_factors(torch.stack(torch._foreach_norm(gs)), geometry)
@@ -187,34 +190,39 @@ def step_flat_encoded(prog: Program, rt: Runtime, state, group: dict, items: lis
         step = int(sts[0].get("adam_step", 0)) + 1
         tensor = count_tensor(step)  # one tensor for the call's tensors (a step replaces it, never writes into it)
         binds.append(lambda: [st.__setitem__("adam_step", tensor) for st in sts])
-    chunks = encoded_chunks([x.numel() for x in xs], CHUNK)
-    largest = max(sum(b - a for _, a, b in c) for c in chunks)
-    take = functools.partial(rt.workspace.take, dtype=torch.float32, device=xs[0].device)
+    # the largest chunk first: the workspace (the moments' chunks, run_flat's scratch, the codec's
+    # temporaries) is at its largest before the first write, so nothing allocates after it
+    chunks = sorted(encoded_chunks([x.numel() for x in xs], CHUNK), key=lambda c: -sum(b - a for _, a, b in c))
+    largest = sum(b - a for _, a, b in chunks[0])
+    device = xs[0].device
+    take = rt.workspace.take
+    Codec.reserve(take, largest, device)
     for key in keys:
-        take("state." + key, (largest,))  # the workspace at its largest before the first write
+        take("state." + key, (largest,), torch.float32, device)
+    count = None if step is None else torch.full((), step, dtype=torch.float32, device=device)
     for pieces in chunks:
         n = sum(b - a for _, a, b in pieces)
         x_b = [xs[i][a:b] for i, a, b in pieces]
         g_b = [gs[i][a:b] for i, a, b in pieces]
         bufs = {}
         for key in keys:
-            buf = take("state." + key, (n,))
+            buf = take("state." + key, (n,), torch.float32, device)
             views = split_like(buf, x_b)
             for (i, a, b), view in zip(pieces, views):
                 if key in olds[i]:
-                    decode_piece(olds[i], key, a, b, view)
+                    decode_piece(olds[i], key, a, b, view, take)
                 else:
                     view.zero_()
             bufs[key] = (buf, views)
         adam = None if step is None else (bufs["exp_avg"], bufs["exp_avg_sq"], step)
-        run_flat(prog, rt, group, pp, x_b, g_b, bufs.get("d", (None, None)), adam, first, gamma, alpha)
+        run_flat(prog, rt, group, pp, x_b, g_b, bufs.get("d", (None, None)), adam, first, gamma, alpha, count)
         for key in keys:
             for (i, a, b), view in zip(pieces, bufs[key][1]):
                 target = targets[i][key]
                 if isinstance(target, torch.Tensor):  # kept float32 (int8: a size not a multiple of its block)
                     target[a:b].copy_(view)
                 else:
-                    codec.encode_piece(key, view, a, b, (1, xs[i].numel()), seeds[i][key], target)
+                    codec.encode_piece(key, view, a, b, (1, xs[i].numel()), seeds[i][key], target, take)
     for bind in binds:
         bind()
 
