@@ -242,10 +242,9 @@ def _target(codec: Codec, key: str, st: dict, shape: tuple, device, binds: list)
         binds.append(lambda: _bind(st, key, {key: new.view(shape)}))
         return new
     flat = codec.empty(key, numel, device)
-    now = {k: st.get(k) for k in flat}
-    if all(v is not None and v.dtype == flat[k].dtype and v.numel() == flat[k].numel() and v.is_contiguous()
-           for k, v in now.items()) and not any(key + x in st and key + x not in flat for x in SIDE):
-        return {k: v.view(-1) for k, v in now.items()}
+    if all(k in st and st[k].dtype == v.dtype and st[k].numel() == v.numel() and st[k].is_contiguous()
+           for k, v in flat.items()) and not any(key + x in st and key + x not in flat for x in SIDE):
+        return {k: st[k].view(-1) for k in flat}
     binds.append(lambda: _bind(st, key, {k: v[0] for k, v in shaped(flat, (1, *shape)).items()}))
     return flat
 
