@@ -46,7 +46,7 @@ from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.units.state_keys import geometry_state
-from geomopt.optim.engine.tensors import FLAT_DTYPES, upcast
+from geomopt.optim.engine.tensors import FLAT_DTYPES, op_view, upcast
 
 #: device types with a fused AdamW kernel (torch._fused_adamw_)
 FUSED_ADAM_DEVICES = ("cpu", "cuda")
@@ -152,7 +152,8 @@ def encoded_flat(pp: ParamPlan, opts: Options, tensors: list) -> Optional[str]:
     """None where a rule with state in a lower precision steps flat, chunk by chunk
     (:func:`geomopt.optim.engine.flat.step_flat_encoded`): a map of each entry (isotropic's norms
     read whole tensors, an allocating map the whole call), one process, not capturable, on float32
-    contiguous real tensors (the chunks are flat views of them); else why not."""
+    contiguous real tensors (``tensors``: as the operators see them; the chunks are flat views of
+    them); else why not."""
     if pp.geometry.kind == "isotropic":
         return "isotropic: its norms read whole tensors"
     if pp.geometry.kind == "anisotropic" and elementwise_allocates(pp.geometry):
@@ -221,7 +222,7 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
             common = dict(rule=group["rule"], group=gi, indices=tuple(indices),
                           names=tuple(ps[i].name for i in indices), shape=tuple(pp.op_shape), dtype=str(dtype),
                           device=str(p.device), stages=stage_text(group, pp))
-            tensors = [group["params"][i] for i in indices]
+            tensors = [op_view(group["params"][i], ps[i]) for i in indices]  # as the flat path reads them
             not_flat = flat_rule(group, pp, opts, tensors) or capturable_flat(group, pp, indices, opts)
             if not_flat is None and dtype in FLAT_DTYPES:
                 fused = (pp.geometry.kind == "adam" and opts.implementation != "foreach"
