@@ -224,8 +224,11 @@ def test_state_quality_script_compares_precisions_and_a_mixed_spec(tmp_path, cap
 def test_state_cost_script_times_each_precision_against_float32_state_and_counts_its_bytes(capsys):
     assert _script("state_cost").main(["--model", "gpt", "--specs", "muon", "--iters", "1"]) == 0
     out = capsys.readouterr().out
-    rows = {r[0]: tuple(map(float, r[1:])) for r in re.findall(
-        r"^\| muon, ([\w-]+) \| [\d.]+ \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out, flags=re.M)}
+    found = re.findall(r"^\| muon, ([\w-]+) \| [\d.]+ \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out,
+                       flags=re.M)
+    codec = {r[0]: float(r[2]) for r in found}  # the codec alone over float32 state's step: none for float32
+    assert codec["float32"] == 0 and all(codec[d] > 0 for d in ("bfloat16", "int8", "int8-ec")), out
+    rows = {r[0]: (float(r[1]), float(r[3]), float(r[4])) for r in found}
     assert list(rows) == ["float32", "bfloat16", "int8", "int8-ec"], out
     assert rows["float32"] == (1.0, 4.0, 1.0), out  # every hidden matrix's momentum, 4 bytes an entry
     # int8-ec: int8's byte and a 256th of a scale, and half a byte of corrections

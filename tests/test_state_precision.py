@@ -304,6 +304,6 @@ def test_a_capturable_step_refuses_low_precision_state():
         geomopt.GeomOptimizer(tiny_gpt(0), _spec("bfloat16", {"kind": "adam"}), capturable=True)
 
 
-def test_the_program_says_why_an_elementwise_rule_runs_batched():
+def test_the_program_says_an_encoded_elementwise_rule_steps_flat_chunk_by_chunk():
     opt = geomopt.GeomOptimizer(tiny_gpt(0), _spec("int8", {"kind": "adam"}))
-    assert "state int8: decoded to float32 and encoded again per bucket" in opt.describe()
+    assert "state int8: the moments decoded chunk by chunk into the workspace" in opt.describe()

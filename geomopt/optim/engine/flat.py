@@ -6,13 +6,17 @@ Adam through torch's fused AdamW kernel where the program is ``fused``."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+import math
+from typing import Any, Optional
 
 import torch
 
+from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.forward import elementwise_allocates, elementwise_in_place, elementwise_into, isotropic_factors
+from geomopt.optim.persist.state_codec import BLOCK as CODEC_BLOCK, CHUNK, Codec, decode_piece, seed_of, shaped
 from geomopt.optim.units.decays import DECAYS
+from geomopt.optim.units.state_keys import MOMENTS, SIDE, geometry_state
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.geometry.matrix import split_like
 from geomopt.optim.engine import fused as tail
@@ -42,33 +46,42 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     before the first write, new state binds to its entries and the count advances after the
     last, so an exception (out of memory) leaves parameters and state as they were."""
     pp = items[0][1]
+    if pp.state_dtype != "float32":
+        return step_flat_encoded(prog, rt, state, group, items, grads, gamma, alpha)
+    xs = [as_real(op_view(local(p), q)) for p, q in items]  # complex: re, im as reals
+    # the momentum's flat buffer and views, where the rule has a direction
+    d: Any = None
+    ds: Any = None
+    binds: list = []  # new state buffers' bindings, and the count: after the last write
+    first = False
+    if group["direction"] != "none":
+        first = "d" not in state[items[0][0]]
+        d, ds = rt.stacked.flat(state, items, xs, "d", binds)
+    adam = _adam_state(rt, state, items, xs, binds) if pp.geometry.kind == "adam" else None
+    run_flat(prog, rt, group, pp, xs, grads, (d, ds), adam, first, gamma, alpha)
+    for bind in binds:
+        bind()
+
+
+def run_flat(prog: Program, rt: Runtime, group: dict, pp: ParamPlan, xs: list, gs: list, momentum: tuple, adam,
+             first: bool, gamma: float, alpha, count: Optional[torch.Tensor] = None) -> None:
+    """:func:`step_flat`'s arithmetic (``pp``: the plan of the rule's tensors) on the parameters ``xs``
+    with gradients ``gs`` (operators' layout, real views), the momentum ``momentum`` (flat buffer and
+    views over ``xs``; (None, None) without a direction) and ``adam`` (the moments' (buffer, views)
+    pairs and the step number; None off Adam), written in place; ``first``: the momentum's first step;
+    ``count``: the fused kernel's step count (a float32 0-d tensor; None: made here, before any write)."""
     geometry, kind = pp.geometry, pp.geometry.kind
     hyper = group if alpha is None else {**group, "alpha": alpha}  # α after a momentum warmup
     wd = group["weight_decay"]
     scale = -gamma * group["radius"] * pp.radius / geometry.radius
-    xs = [as_real(op_view(local(p), q)) for p, q in items]  # complex: re, im as reals
-    gs = grads  # operators' layout and real views already (the optimizer's job grads)
-    # the momentum's flat buffer and views, where the rule has a direction (Any: the control
-    # flow below, not the types, says where they are set)
-    d: Any = None
-    ds: Any = None
-    binds: list = []  # new state buffers' bindings, and the count: after the last write
-    # the direction's list form and look-ahead (:mod:`geomopt.optim.units.directions`: the same formulas
-    # as every other form); a first step starts the momentum where the direction says
     meta = DIRECTIONS.meta[group["direction"]]
-    nesterov = first = False
-    if group["direction"] != "none":
-        first = "d" not in state[items[0][0]]
-        d, ds = rt.stacked.flat(state, items, xs, "d", binds)
-        nesterov = bool(group["nesterov"])
+    d, ds = momentum
+    nesterov = d is not None and bool(group["nesterov"])
     if prog.compiled:  # one compiled function over whole tensors (optim.engine.fused): no blocks, no scratch
         tail.run(tail.compiled(group["direction"], group["init"], nesterov, first, geometry, pp.decay, bool(wd)), [],
                  [xs, [] if ds is None else list(ds)], [gs], tail.scalar(hyper["alpha"], xs[0]),
                  tail.scalar(1 - gamma * wd, xs[0]), tail.scalar(scale, xs[0]))
-        for bind in binds:
-            bind()
         return
-    adam = _adam_state(rt, state, items, xs, binds) if kind == "adam" else None
     fused = adam is not None and prog.fused and all(t.is_contiguous() for t in (*xs, *(gs if ds is None else ds)))
     writes = nesterov or kind == "anisotropic" or (adam is not None and not fused)
     # a map that allocates (the power barrier's (h*)') runs before any write: one block, the new
@@ -90,7 +103,9 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     staged = (kind == "isotropic" or whole) and d is not None
     for slot in scratch(kind, staged, nesterov, adam is not None and not fused, second):
         take(slot, (largest,))  # the workspace at its largest now: the blocks' takes reuse it
-    steps_t = None if adam is None or not fused else torch.full((), adam[2], dtype=torch.float32, device=xs[0].device)
+    steps_t = count
+    if adam is not None and fused and count is None:
+        steps_t = torch.full((), adam[2], dtype=torch.float32, device=xs[0].device)
     factors = None
     if kind == "isotropic" and d is None:  # nothing is written before the norms: taken here
         factors = isotropic_factors(torch.stack(torch._foreach_norm(gs)), geometry)
@@ -145,8 +160,131 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
         if wd:
             DECAYS[pp.decay].in_place(x_b, 1 - gamma * wd)
         axpy_lists(x_b, steps, scale)
+
+
+def step_flat_encoded(prog: Program, rt: Runtime, state, group: dict, items: list, grads: list, gamma: float,
+                      alpha) -> None:
+    """:func:`step_flat` for a rule whose state is kept in a lower precision (``state: bfloat16 | int8
+    | int8-ec``, :mod:`geomopt.optim.persist.state_codec`), chunk by chunk: the flat order of the
+    call's tensors cut into chunks of at most the codec's CHUNK entries (:func:`encoded_chunks`,
+    cuts within a tensor at multiples of its quantization block), and per chunk the moments decoded
+    into the workspace, :func:`run_flat`'s arithmetic (torch's fused AdamW kernel where the float32
+    state's program uses it), and the moments encoded back. The float32 copies a step holds are one
+    chunk's, not the call's, and every op is elementwise and the codec's blocks and rounding bits
+    are per entry, so chunks change no bit.
+
+    The stored entries are written in place where they hold the rule's precision (new ones, made
+    before the first write, are bound after the last: a first step, a checkpoint of another
+    precision). Parameters must be float32 and contiguous (:func:`~geomopt.optim.engine.program.dispatch`)."""
+    pp = items[0][1]
+    codec = Codec(pp.state_dtype, step=group["step"])
+    shapes = [tuple(op_view(local(p), q).shape) for p, q in items]
+    xs = [op_view(local(p), q).view(-1) for p, q in items]
+    gs = [g.reshape(-1) for g in grads]
+    sts = [state[p] for p, _ in items]
+    keys = (("d",) if group["direction"] != "none" else ()) + \
+        (tuple(k for k in geometry_state(pp.geometry) if k in MOMENTS) if pp.geometry.kind == "adam" else ())
+    first = "d" not in sts[0]
+    binds: list = []
+    # per tensor, per key: the stored form written (flat) and the entries read (as they are)
+    targets = [{key: _target(codec, key, st, shape, xs[0].device, binds) for key in keys}
+               for st, shape in zip(sts, shapes)]
+    olds = [{k: st[k] for key in keys for k in (key, *(key + x for x in SIDE)) if k in st} for st in sts]
+    seeds = [{key: [seed_of(q.name, codec.step, key)] for key in keys} for _, q in items]
+    step = None
+    if pp.geometry.kind == "adam":
+        step = int(sts[0].get("adam_step", 0)) + 1
+        tensor = count_tensor(step)  # one tensor for the call's tensors (a step replaces it, never writes into it)
+        binds.append(lambda: [st.__setitem__("adam_step", tensor) for st in sts])
+    # the largest chunk first: the workspace (the moments' chunks, run_flat's scratch, the codec's
+    # temporaries) is at its largest before the first write, so nothing allocates after it
+    chunks = sorted(encoded_chunks([x.numel() for x in xs], CHUNK), key=lambda c: -sum(b - a for _, a, b in c))
+    largest = sum(b - a for _, a, b in chunks[0])
+    device = xs[0].device
+    take = rt.workspace.take
+    Codec.reserve(take, largest, device)
+    for key in keys:
+        take("state." + key, (largest,), torch.float32, device)
+    count = None if step is None else torch.full((), step, dtype=torch.float32, device=device)
+    for pieces in chunks:
+        n = sum(b - a for _, a, b in pieces)
+        x_b = [xs[i][a:b] for i, a, b in pieces]
+        g_b = [gs[i][a:b] for i, a, b in pieces]
+        bufs = {}
+        for key in keys:
+            buf = take("state." + key, (n,), torch.float32, device)
+            views = split_like(buf, x_b)
+            for (i, a, b), view in zip(pieces, views):
+                if key in olds[i]:
+                    decode_piece(olds[i], key, a, b, view, take)
+                else:
+                    view.zero_()
+            bufs[key] = (buf, views)
+        adam = None if step is None else (bufs["exp_avg"], bufs["exp_avg_sq"], step)
+        run_flat(prog, rt, group, pp, x_b, g_b, bufs.get("d", (None, None)), adam, first, gamma, alpha, count)
+        for key in keys:
+            for (i, a, b), view in zip(pieces, bufs[key][1]):
+                target = targets[i][key]
+                if isinstance(target, torch.Tensor):  # kept float32 (int8: a size not a multiple of its block)
+                    target[a:b].copy_(view)
+                else:
+                    codec.encode_piece(key, view, a, b, (1, xs[i].numel()), seeds[i][key], target, take)
     for bind in binds:
         bind()
+
+
+def _target(codec: Codec, key: str, st: dict, shape: tuple, device, binds: list) -> "dict | torch.Tensor":
+    """Where a tensor's moment ``key`` is written (flat; ``shape``: the tensor's, operators' layout):
+    its stored entries themselves where they already hold the codec's form, else new ones bound to
+    the state after the step's last write (the old entries are read until then); a float32 tensor
+    where ``key`` stays float32."""
+    numel = math.prod(shape)
+    if not codec.stored(key, torch.empty(shape, device="meta")):
+        old = st.get(key)
+        if old is not None and old.dtype == torch.float32 and not any(key + x in st for x in SIDE) \
+                and old.is_contiguous() and old.numel() == numel:
+            return old.view(-1)
+        new = torch.empty(numel, dtype=torch.float32, device=device)
+        binds.append(lambda: _bind(st, key, {key: new.view(shape)}))
+        return new
+    flat = codec.empty(key, numel, device)
+    if all(k in st and st[k].dtype == v.dtype and st[k].numel() == v.numel() and st[k].is_contiguous()
+           for k, v in flat.items()) and not any(key + x in st and key + x not in flat for x in SIDE):
+        return {k: st[k].view(-1) for k in flat}
+    binds.append(lambda: _bind(st, key, {k: v[0] for k, v in shaped(flat, (1, *shape)).items()}))
+    return flat
+
+
+def _bind(st: dict, key: str, entries: dict) -> None:
+    """A tensor's moment ``key`` bound to ``entries``, its side entries of another form dropped."""
+    for side in SIDE:
+        st.pop(key + side, None)
+    st.update(entries)
+
+
+def encoded_chunks(sizes: list, cap: int) -> list:
+    """The chunks of :func:`step_flat_encoded`: lists of (tensor index, first entry, end entry) of at
+    most ``cap`` entries over tensors of ``sizes`` in flat order, a tensor cut only at multiples
+    of the codec's BLOCK (its int8 blocks lie within one chunk); ``cap`` a multiple of BLOCK."""
+    out: list = []
+    chunk: list = []
+    n = 0
+    for i, size in enumerate(sizes):
+        a = 0
+        while a < size:
+            room = cap - n
+            size_left = size - a
+            k = size_left if size_left <= room else room // CODEC_BLOCK * CODEC_BLOCK
+            if k == 0:
+                out.append(chunk)
+                chunk, n = [], 0
+                continue
+            chunk.append((i, a, a + k))
+            n += k
+            a += k
+    if chunk:
+        out.append(chunk)
+    return out
 
 
 def axpy_lists(xs: list, ys: list, coef) -> None:

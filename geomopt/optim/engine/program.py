@@ -43,6 +43,7 @@ import torch
 
 from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
+from geomopt.geometry.forward import elementwise_allocates
 from geomopt.optim.units.compensation import step_dtype
 from geomopt.geometry.operators import flat_refusal
 from geomopt.geometry.polynomial import muon_order
@@ -50,7 +51,7 @@ from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.units.state_keys import geometry_state
-from geomopt.optim.engine.tensors import FLAT_DTYPES, upcast
+from geomopt.optim.engine.tensors import FLAT_DTYPES, op_view, upcast
 
 #: device types with a fused AdamW kernel (torch._fused_adamw_)
 FUSED_ADAM_DEVICES = ("cpu", "cuda")
@@ -126,14 +127,17 @@ def signature(group: dict) -> tuple:
     return group["direction"], bool(group.get("nesterov")), group.get("init"), group.get("on_nonfinite")
 
 
-def flat_rule(group: dict, pp: ParamPlan, opts: Options) -> Optional[str]:
+def flat_rule(group: dict, pp: ParamPlan, opts: Options, tensors: Optional[list] = None) -> Optional[str]:
     """None when a rule's whole step is elementwise with nothing that needs its tensors stacked;
-    else why not."""
+    else why not. State kept in a lower precision steps flat where :func:`encoded_flat` allows it
+    for the bucket's ``tensors`` (none given: it does not)."""
     not_elementwise = flat_refusal(pp.geometry.kind, opts.sharded)
     if not_elementwise is not None:
         return not_elementwise
     if pp.state_dtype != "float32":
-        return f"state {pp.state_dtype}: decoded to float32 and encoded again per bucket"
+        not_encoded = encoded_flat(pp, opts, tensors or [])
+        if not_encoded is not None:
+            return f"state {pp.state_dtype}: decoded to float32 and encoded again per bucket ({not_encoded})"
     if pp.constraint is not None:
         return f"constraint {pp.constraint.kind}: its prox runs on the stacked update"
     if pp.post:
@@ -151,6 +155,23 @@ def flat_rule(group: dict, pp: ParamPlan, opts: Options) -> Optional[str]:
     return None
 
 
+def encoded_flat(pp: ParamPlan, opts: Options, tensors: list) -> Optional[str]:
+    """None where a rule with state in a lower precision steps flat, chunk by chunk
+    (:func:`geomopt.optim.engine.flat.step_flat_encoded`): a map of each entry (isotropic's norms
+    read whole tensors, an allocating map the whole call), one process, not capturable, on float32
+    contiguous real tensors (``tensors``: as the operators see them; the chunks are flat views of
+    them); else why not."""
+    if pp.geometry.kind == "isotropic":
+        return "isotropic: its norms read whole tensors"
+    if pp.geometry.kind == "anisotropic" and elementwise_allocates(pp.geometry):
+        return "the map allocates: it runs on the whole call at once"
+    if opts.sharded or opts.capturable:
+        return "sharded" if opts.sharded else "capturable"
+    if not tensors or not all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+        return "its chunks are flat views of float32 contiguous tensors"
+    return None
+
+
 def capturable_weights(group: dict, pp: ParamPlan, opts: Options) -> bool:
     """Whether a flat call can skip on the device's flag with no selection: Adam through torch's
     fused kernel (which reads the flag: ``found_inf``), or no direction or Polyak's and a map of
@@ -165,11 +186,13 @@ def capturable_weights(group: dict, pp: ParamPlan, opts: Options) -> bool:
 
 def fusable(group: dict, pp: ParamPlan, opts: Options) -> bool:
     """Whether a flat rule's step compiles whole under ``fuse`` (:mod:`geomopt.optim.engine.fused`):
-    not capturable (its flag-weighted writes stay eager), a map of each entry keeping no state (no
-    norm: one loop per tensor), no direction or Polyak's (its coefficient α enters the graph as a
-    tensor, so a schedule of it compiles nothing again)."""
+    not capturable (its flag-weighted writes stay eager), float32 state (an encoded one steps chunk
+    by chunk), a map of each entry keeping no state (no norm: one loop per tensor), no direction or
+    Polyak's (its coefficient α enters the graph as a tensor, so a schedule of it compiles nothing
+    again)."""
     each_entry = flat_refusal(pp.geometry.kind, sharded=True) is None and not geometry_state(pp.geometry)
-    return opts.fuse and not opts.capturable and each_entry and group["direction"] in ("none", "polyak")
+    return (opts.fuse and not opts.capturable and each_entry and group["direction"] in ("none", "polyak")
+            and pp.state_dtype == "float32")  # encoded state steps chunk by chunk, eager
 
 
 def capturable_flat(group: dict, pp: ParamPlan, indices: list, opts: Options) -> Optional[str]:
@@ -217,7 +240,8 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
             common = dict(rule=group["rule"], group=gi, indices=tuple(indices),
                           names=tuple(ps[i].name for i in indices), shape=tuple(pp.op_shape), dtype=str(dtype),
                           device=str(p.device), stages=stage_text(group, pp))
-            not_flat = flat_rule(group, pp, opts) or capturable_flat(group, pp, indices, opts)
+            tensors = [op_view(group["params"][i], ps[i]) for i in indices]  # as the flat path reads them
+            not_flat = flat_rule(group, pp, opts, tensors) or capturable_flat(group, pp, indices, opts)
             if not_flat is None and dtype in FLAT_DTYPES:
                 fused = (pp.geometry.kind == "adam" and opts.implementation != "foreach"
                          and p.device.type in FUSED_ADAM_DEVICES)
@@ -231,6 +255,9 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
                 if fusable(group, pp, opts):
                     why.append("fuse: direction, map, decay and write-back compiled into one loop per tensor "
                                "(torch.compile)")
+                if pp.state_dtype != "float32":
+                    why.append(f"state {pp.state_dtype}: the moments decoded chunk by chunk into the workspace, "
+                               "stepped and encoded back (the float32 copies are one chunk's)")
                 pooled = flat.setdefault((dtype, p.device), (common, fused, why, []))
                 pooled[3].extend(indices)
                 continue

@@ -56,7 +56,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from geomopt.optim.units.state_keys import CORRECTION, FACTORS, MOMENTS, SCALE
+from geomopt.optim.units.state_keys import CORRECTION, FACTORS, MOMENTS, SCALE, SIDE
 from geomopt.spec.model import QUANTIZED
 
 BLOCK = 256
@@ -71,6 +71,21 @@ _MAPS: dict = {}
 #: (signed, device) → nearest_codes' table and midpoints; (signed, "edges", device) → the bins' least
 #: values and widths (encode_correction); (signed, "bins", device) → bin_values
 _TABLES: dict = {}
+
+
+def fresh(slot: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """New memory for a codec temporary (the default scratch): the signature of
+    :meth:`geomopt.optim.engine.workspace.Workspace.take`, which a caller passes instead to make
+    the codec allocate nothing once its slots are taken at their largest (a chunked step:
+    nothing allocates after its first write)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+#: the codec's scratch slots (:func:`fresh`'s ``slot``) and their dtypes; each holds at most one
+#: entry per value of a piece (:meth:`Codec.reserve`)
+SCRATCH = {"codec.f0": torch.float32, "codec.f1": torch.float32, "codec.f2": torch.float32, "codec.i0": torch.int32,
+           "codec.i1": torch.int32, "codec.i2": torch.int32, "codec.l0": torch.int64, "codec.u0": torch.uint8,
+           "codec.b0": torch.bool, "codec.h0": torch.bfloat16}
 
 
 def dynamic_map(signed: bool) -> torch.Tensor:
@@ -124,26 +139,34 @@ def encode_int8(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tens
     """(codes uint8 shaped as ``x``, per-block largest magnitudes (…, numel/256)) of a stacked
     tensor ``x`` (rows: tensors; blocks never straddle two tensors)."""
     scaled, absmax = block_scaled(x)
+    absmax = absmax.clone()
     codes = nearest_codes(scaled, signed)  # the nearest code; halfway: the upper one
     return codes.to(torch.uint8).reshape(x.shape), absmax
 
 
-def block_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def block_scaled(x: torch.Tensor, take=fresh,
+                 absmax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(each entry of a stacked ``x`` over its block's largest magnitude, flat float32; those
-    magnitudes (…, numel/256)): what :func:`encode_int8` codes."""
+    magnitudes (…, numel/256), written into ``absmax`` where given): what :func:`encode_int8`
+    codes. ``take``: where the temporaries live (:func:`fresh`)."""
     rows = x.reshape(x.shape[0], -1, BLOCK).float()
-    absmax = rows.abs().amax(-1)
-    return (rows / absmax.clamp(min=1e-12).unsqueeze(-1)).reshape(-1), absmax
+    mags = torch.abs(rows, out=take("codec.f0", (rows.numel(),), torch.float32, x.device).view(rows.shape))
+    blocks = rows.shape[0] * rows.shape[1]
+    side = take("codec.f1", (2 * blocks,), torch.float32, x.device)
+    absmax = torch.amax(mags, -1, out=(side[:blocks] if absmax is None else absmax).view(rows.shape[:2]))
+    low = torch.clamp(absmax, min=1e-12, out=side[blocks:].view(absmax.shape))
+    return torch.div(rows, low.unsqueeze(-1), out=mags).reshape(-1), absmax
 
 
-def nearest_codes(scaled: torch.Tensor, signed: bool) -> torch.Tensor:
+def nearest_codes(scaled: torch.Tensor, signed: bool, take=fresh) -> torch.Tensor:
     """The index of the dynamic map's code nearest each entry of the 1-D float32 ``scaled``, a value
     halfway between two codes taking the upper one: ``torch.bucketize(scaled, midpoints,
     right=True)``, by a table instead of a binary search per entry (five times faster on a CPU). The
     17 high bits of a float32 (sign, exponent, 8 mantissa bits) name a bin of relative width 2⁻⁸,
     narrower than the map's finest relative spacing (2⁻⁷·0.9), so at most one midpoint falls inside
     a bin: the table holds the code of each bin's least value, and one comparison with the next
-    midpoint finishes. ±∞ take the end codes and NaN the last, as bucketize gives them."""
+    midpoint finishes. ±∞ take the end codes and NaN the last, as bucketize gives them. ``take``:
+    where the temporaries and the (int32) codes live (:func:`fresh`)."""
     key = (bool(signed), scaled.device)
     if key not in _TABLES:
         mids = (dynamic_map(signed)[1:] + dynamic_map(signed)[:-1]) / 2
@@ -155,16 +178,28 @@ def nearest_codes(scaled: torch.Tensor, signed: bool) -> torch.Tensor:
         nxt = torch.cat([mids, torch.tensor([math.nan])])  # after the last code: no midpoint (x ≥ NaN is false)
         _TABLES[key] = (table.to(scaled.device), nxt.to(scaled.device))
     table, nxt = _TABLES[key]
-    codes = table.index_select(0, scaled.view(torch.int32).bitwise_right_shift(15).add_(1 << 16))
-    return codes.add_(scaled >= nxt.index_select(0, codes))
+    n, device = scaled.numel(), scaled.device
+    index = torch.bitwise_right_shift(scaled.view(torch.int32), 15, out=take("codec.i0", (n,), torch.int32, device))
+    codes = torch.index_select(table, 0, index.add_(1 << 16), out=take("codec.i1", (n,), torch.int32, device))
+    above = torch.index_select(nxt, 0, codes, out=take("codec.f1", (n,), torch.float32, device))
+    return codes.add_(torch.ge(scaled, above, out=take("codec.b0", (n,), torch.bool, device)))
 
 
-def decode_int8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+def decode_int8(codes: torch.Tensor, absmax: torch.Tensor, signed: bool, take=fresh,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """float32 values of a stack of codes (rows: tensors) and their block scales (any shape holding
-    a row's blocks in order)."""
-    qmap = dynamic_map(signed).to(codes.device)
-    rows = qmap[codes.reshape(codes.shape[0], -1, BLOCK).long()] * absmax.reshape(codes.shape[0], -1, 1)
-    return rows.reshape(codes.shape)
+    a row's blocks in order), written into ``out`` (contiguous, as many entries) where given."""
+    key = (bool(signed), "map", codes.device)
+    if key not in _TABLES:
+        _TABLES[key] = dynamic_map(signed).to(codes.device)
+    n, device = codes.numel(), codes.device
+    index = take("codec.i0", (n,), torch.int32, device)
+    index.copy_(codes.reshape(-1))
+    rows = torch.index_select(_TABLES[key], 0, index, out=take("codec.f0", (n,), torch.float32, device))
+    dest = take("codec.f1", (n,), torch.float32, device) if out is None else out
+    shape = (codes.shape[0], -1, BLOCK)
+    torch.mul(rows.view(shape), absmax.reshape(codes.shape[0], -1, 1), out=dest.view(shape))
+    return dest.view(codes.shape) if out is None else out
 
 
 def bin_edges(signed: bool) -> torch.Tensor:
@@ -177,33 +212,47 @@ def bin_edges(signed: bool) -> torch.Tensor:
 
 
 def encode_correction(scaled: torch.Tensor, codes: torch.Tensor, signed: bool,
-                      bits16: Optional[torch.Tensor]) -> torch.Tensor:
+                      bits16: Optional[torch.Tensor], take=fresh) -> torch.Tensor:
     """The 4-bit corrections t ∈ {0 … 15} (uint8, one per entry) of the 1-D float32 ``scaled``
     (x / its block's scale) coded as ``codes``: 15·(scaled − E_c)/(E_{c+1} − E_c), its position in
     its bin (:func:`bin_edges`), clamped to [0, 15] (a value outside the map's range: the nearest
     end) and rounded up with probability its fraction, ``bits16`` a uniform 16-bit draw per entry
-    (:func:`noise`; None: to the nearest). Non-finite values: 0."""
+    (:func:`noise`; None: to the nearest). Non-finite values: 0. ``take``: where the temporaries and
+    the result live (:func:`fresh`)."""
     key = (bool(signed), "edges", scaled.device)
     if key not in _TABLES:
         edges = bin_edges(signed)
         _TABLES[key] = (edges[:-1].to(scaled.device), (edges[1:] - edges[:-1]).to(scaled.device))
     lows, widths = _TABLES[key]
+    n, device = scaled.numel(), scaled.device
     c = codes if codes.dtype in (torch.int32, torch.int64) else codes.int()
-    pos = (scaled - lows.index_select(0, c)).div_(widths.index_select(0, c)).mul_(STEPS)
+    pos = torch.index_select(lows, 0, c, out=take("codec.f1", (n,), torch.float32, device))
+    width = torch.index_select(widths, 0, c, out=take("codec.f2", (n,), torch.float32, device))
+    pos = torch.sub(scaled, pos, out=pos).div_(width).mul_(STEPS)
     pos = pos.clamp_(0, STEPS).nan_to_num_(0.0)
-    return pos.add_(0.5 if bits16 is None else bits16.float() / 65536).floor_().clamp_(max=STEPS).to(torch.uint8)
+    if bits16 is None:
+        pos.add_(0.5)
+    else:
+        pos.add_(width.copy_(bits16.reshape(-1)).div_(65536))  # exact: a 16-bit integer over 2¹⁶
+    t = take("codec.u0", (n,), torch.uint8, device)
+    return t.copy_(pos.floor_().clamp_(max=STEPS))
 
 
 def decode_int8_ec(codes: torch.Tensor, corrections: torch.Tensor, absmax: torch.Tensor,
-                   signed: bool) -> torch.Tensor:
+                   signed: bool, take=fresh, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """float32 values a·(E_c + t/15·(E_{c+1} − E_c)) of a stack of codes c (rows: tensors), their
     4-bit corrections t (uint8, one per entry, shaped as the codes) and block scales a (any shape
     holding a row's blocks in order): one look-up of c·16 + t in the 4096 values E_c + t/15·w_c
-    (:func:`bin_values`), times a."""
+    (:func:`bin_values`), times a; written into ``out`` (contiguous, as many entries) where given."""
     table = bin_values(signed, codes.device)
-    index = codes.reshape(-1).int().bitwise_left_shift_(4).bitwise_or_(corrections.reshape(-1).int())
-    rows = table.index_select(0, index).reshape(codes.shape[0], -1, BLOCK)
-    return (rows * absmax.reshape(codes.shape[0], -1, 1)).reshape(codes.shape)
+    n, device = codes.numel(), codes.device
+    index = take("codec.i0", (n,), torch.int32, device)
+    index.copy_(codes.reshape(-1)).bitwise_left_shift_(4).bitwise_or_(corrections.reshape(-1))
+    rows = torch.index_select(table, 0, index, out=take("codec.f0", (n,), torch.float32, device))
+    dest = take("codec.f1", (n,), torch.float32, device) if out is None else out
+    shape = (codes.shape[0], -1, BLOCK)
+    torch.mul(rows.view(shape), absmax.reshape(codes.shape[0], -1, 1), out=dest.view(shape))
+    return dest.view(codes.shape) if out is None else out
 
 
 def bin_values(signed: bool, device) -> torch.Tensor:
@@ -219,17 +268,26 @@ def bin_values(signed: bool, device) -> torch.Tensor:
     return _TABLES[key]
 
 
-def pack4(t: torch.Tensor) -> torch.Tensor:
+def pack4(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Two 4-bit values (uint8 in [0, 16)) to a byte, entry 2i in the low half: the flat ``t`` of even
-    size as uint8 of half its size."""
+    size as uint8 of half its size (written into ``out`` where given; ``t`` is overwritten then)."""
     pairs = t.reshape(-1, 2)
-    return pairs[:, 0] | (pairs[:, 1] << 4)
+    if out is None:
+        return pairs[:, 0] | (pairs[:, 1] << 4)
+    high = pairs[:, 1].bitwise_left_shift_(4)
+    return torch.bitwise_or(pairs[:, 0], high, out=out)
 
 
-def unpack4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack4`: the flat 4-bit values, twice ``packed``'s size."""
+def unpack4(packed: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of :func:`pack4`: the flat 4-bit values, twice ``packed``'s size (written into ``out``,
+    uint8, where given)."""
     flat = packed.reshape(-1, 1)
-    return torch.cat([flat & 0xF, flat >> 4], 1).reshape(-1)
+    if out is None:
+        return torch.cat([flat & 0xF, flat >> 4], 1).reshape(-1)
+    pairs = out.view(-1, 2)
+    torch.bitwise_and(flat[:, 0], 0xF, out=pairs[:, 0])
+    torch.bitwise_right_shift(flat[:, 0], 4, out=pairs[:, 1])
+    return out
 
 
 def seed_of(*parts) -> int:
@@ -238,34 +296,37 @@ def seed_of(*parts) -> int:
 
 
 def noise(seeds: Sequence[int], shape: tuple, start: tuple = (), full: tuple = (), lo: int = 0,
-          hi: Optional[int] = None, device="cpu") -> torch.Tensor:
+          hi: Optional[int] = None, device="cpu", take=fresh) -> torch.Tensor:
     """16 uniform random bits (int32) per entry of a stack of tensors of ``shape`` (rows: tensors):
     row r's entries are those at offset ``start`` (per dim; none: 0) of a whole tensor of shape
     ``full`` (none: ``shape[1:]``), and each draw is a hash of the entry's flat index there and
     ``seeds[r]`` (:func:`mix`). The same entry of the same tensor draws the same bits whichever
     shard holds it. ``lo``, ``hi``: only the entries [lo, hi) of the stack in row-major order, flat
     (what :class:`Codec` encodes at a time); by default all of them, shaped as the stack. The seeds
-    are host integers: the bits are made on ``device`` with no read back."""
+    are host integers: the bits are made on ``device`` with no read back. ``take``: where the bits
+    and the temporaries live (:func:`fresh`)."""
     rows = tuple(shape[1:])
     n = max(math.prod(rows), 1)
     end = len(seeds) * n if hi is None else hi
-    parts = []
+    out = take("codec.i0", (end - lo,), torch.int32, device)
     for r in range(lo // n, -(-end // n)):  # the rows the range meets, each in one piece
         a, b = max(lo, r * n) - r * n, min(end, (r + 1) * n) - r * n
-        parts.append(mix(_index(a, b, rows, start, full, device), int(seeds[r])))
-    out = torch.cat(parts) if len(parts) != 1 else parts[0]
+        part = out[r * n + a - lo: r * n + b - lo]
+        mix(_index(a, b, rows, start, full, device, part, take), int(seeds[r]), take)
     return out.reshape(shape) if hi is None and lo == 0 else out
 
 
-def _index(a: int, b: int, rows: tuple, start: tuple, full: tuple, device) -> torch.Tensor:
+def _index(a: int, b: int, rows: tuple, start: tuple, full: tuple, device, out: torch.Tensor,
+           take=fresh) -> torch.Tensor:
     """int32 flat indices, in the whole tensor of shape ``full``, of the entries [a, b) (row-major)
-    of its block of shape ``rows`` at offset ``start``: a range where only the first dim is cut
-    (one process, FSDP2's rows), else unravelled dim by dim."""
+    of its block of shape ``rows`` at offset ``start``, written into ``out``: a range where only the
+    first dim is cut (one process, FSDP2's rows), else unravelled dim by dim (which allocates)."""
     full = tuple(full) or rows
     start = tuple(start) or (0,) * len(rows)
     if tuple(full[1:]) == tuple(rows[1:]):
         offset = start[0] * math.prod(full[1:]) if rows else 0
-        return torch.arange(a + offset, b + offset, dtype=torch.int64, device=device).to(torch.int32)
+        wide = take("codec.l0", (b - a,), torch.int64, device)
+        return out.copy_(torch.arange(a + offset, b + offset, out=wide))
     j = torch.arange(a, b, dtype=torch.int64, device=device)
     idx = torch.zeros_like(j)
     stride = 1
@@ -273,29 +334,42 @@ def _index(a: int, b: int, rows: tuple, start: tuple, full: tuple, device) -> to
         idx += (j % rows[d] + start[d]) * stride
         j //= rows[d]
         stride *= full[d]
-    return idx.to(torch.int32)
+    return out.copy_(idx)
 
 
-def mix(x: torch.Tensor, seed: int) -> torch.Tensor:
+def mix(x: torch.Tensor, seed: int, take=fresh) -> torch.Tensor:
     """The 16 low bits of a 32-bit integer hash of int32 ``x`` ⊕ ``seed``, in place: x ← (x ⊕ x≫16)·
     0x45d9f3b twice, then x ⊕ x≫16 (a well-mixing multiply-xorshift; ≫ logical, products mod 2³²,
-    which int32 arithmetic wraps to)."""
+    which int32 arithmetic wraps to). ``take``: where the shifted copy lives (:func:`fresh`)."""
+    shifted = take("codec.i2", (x.numel(),), torch.int32, x.device).view(x.shape)
     x.bitwise_xor_(seed - (1 << 32) if seed >= 1 << 31 else seed)
     for _ in range(2):
-        x.bitwise_xor_(x.bitwise_right_shift(16).bitwise_and_(0xFFFF)).mul_(0x45D9F3B)
-    x.bitwise_xor_(x.bitwise_right_shift(16).bitwise_and_(0xFFFF))
+        x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted).bitwise_and_(0xFFFF)).mul_(0x45D9F3B)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted).bitwise_and_(0xFFFF))
     return x.bitwise_and_(0xFFFF)
 
 
-def encode_bf16(x: torch.Tensor, bits16: Optional[torch.Tensor]) -> torch.Tensor:
+def encode_bf16(x: torch.Tensor, bits16: Optional[torch.Tensor], take=fresh,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """bf16 of float32 ``x`` by stochastic rounding: the 16 low bits plus ``bits16`` (a uniform 16-bit
     draw per entry, :func:`noise`; None: round toward zero), carried into the kept bits, then
-    truncated (exact: the low bits are zero)."""
-    x = x.float().contiguous()
-    raw = x.view(torch.int32) if bits16 is None else x.view(torch.int32) + bits16
-    bits = raw & -65536  # 0xFFFF0000 as an int32
-    out = bits.view(torch.float32).to(torch.bfloat16)
-    return torch.where(torch.isfinite(x), out, x.to(torch.bfloat16))  # ±∞ and NaN as they are
+    truncated (exact: the low bits are zero); written into ``out`` (bf16, as many entries) where
+    given. ``take``: where the temporaries live (:func:`fresh`)."""
+    flat = x.float().contiguous().reshape(-1)
+    n, device = flat.numel(), flat.device
+    raw = take("codec.i1", (n,), torch.int32, device)
+    if bits16 is None:
+        raw.copy_(flat.view(torch.int32))
+    else:
+        torch.add(flat.view(torch.int32), bits16.reshape(-1), out=raw)
+    raw.bitwise_and_(-65536)  # 0xFFFF0000 as an int32
+    mags = take("codec.f0", (n,), torch.float32, device)
+    finite = torch.lt(torch.abs(flat, out=mags), math.inf, out=take("codec.b0", (n,), torch.bool, device))
+    # |x| < ∞ is false at ±∞ and NaN, which keep their own bf16; the rest is exact in bf16 (low bits 0)
+    kept = torch.where(finite, raw.view(torch.float32), flat, out=mags)
+    dest = take("codec.h0", (n,), torch.bfloat16, device) if out is None else out.view(-1)
+    dest.copy_(kept)
+    return dest.view(x.shape) if out is None else out
 
 
 def decode_entry(state: dict) -> dict:
@@ -341,13 +415,9 @@ class Codec:
             if value.dtype == torch.bfloat16:
                 out[key] = value.float()
             elif key + SCALE in state:
-                codes, scales = value.reshape(-1), state[key + SCALE].reshape(-1)
-                fixes = state.get(key + CORRECTION)
-                flat = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
-                for a, b in _pieces(codes.numel()):
-                    c, m = codes[a:b].unsqueeze(0), scales[a // BLOCK: b // BLOCK]
-                    flat[a:b] = (decode_int8(c, m, MOMENTS[key]) if fixes is None else decode_int8_ec(
-                        c, unpack4(fixes.reshape(-1)[a // 2: b // 2]), m, MOMENTS[key]))[0]
+                flat = torch.empty(value.numel(), dtype=torch.float32, device=value.device)
+                for a, b in _pieces(value.numel()):
+                    decode_piece(state, key, a, b, flat[a:b])
                 out[key] = flat.reshape(value.shape)
                 del out[key + SCALE]
                 out.pop(key + CORRECTION, None)
@@ -362,32 +432,82 @@ class Codec:
             if not isinstance(value, torch.Tensor) or not value.is_floating_point() or not self.stored(key, value[0]):
                 continue
             flat = value.reshape(-1)
-            if self.dtype == "bfloat16" or key in FACTORS:
-                seeds = [seed_of(name, self.step, key) for name in self.names]
-                enc = torch.empty(flat.shape, dtype=torch.bfloat16, device=flat.device)
-                for a, b in _pieces(flat.numel()):
-                    bits = noise(seeds, tuple(value.shape), self.start, self.full, a, b, device=flat.device)
-                    enc[a:b] = encode_bf16(flat[a:b], bits)
-                out[key] = enc.reshape(value.shape)
-            else:  # a row's size is a multiple of BLOCK: a piece's blocks lie within rows
-                codes = torch.empty(flat.shape, dtype=torch.uint8, device=flat.device)
-                scales = torch.empty(flat.numel() // BLOCK, dtype=torch.float32, device=flat.device)
-                ec = self.dtype == "int8-ec"
-                fixes = torch.empty(flat.numel() // 2 if ec else 0, dtype=torch.uint8, device=flat.device)
-                seeds = [seed_of(name, self.step, key) for name in self.names] if ec else []
-                for a, b in _pieces(flat.numel()):
-                    scaled, m = block_scaled(flat[a:b].unsqueeze(0))
-                    c = nearest_codes(scaled, MOMENTS[key])  # encode_int8's codes
-                    codes[a:b], scales[a // BLOCK: b // BLOCK] = c, m[0]
-                    if ec:
-                        bits = noise(seeds, tuple(value.shape), self.start, self.full, a, b, device=flat.device)
-                        fixes[a // 2: b // 2] = pack4(encode_correction(scaled, c, MOMENTS[key], bits))
-                out[key] = codes.reshape(value.shape)
-                row = tuple(value.shape[1:])
-                out[key + SCALE] = scales.reshape(value.shape[0], *scale_shape(row))
-                if ec:
-                    out[key + CORRECTION] = fixes.reshape(value.shape[0], *scale_shape(row, 2))
+            seeds = [seed_of(name, self.step, key) for name in self.names]
+            stored = self.empty(key, flat.numel(), flat.device)
+            for a, b in _pieces(flat.numel()):
+                self.encode_piece(key, flat[a:b], a, b, tuple(value.shape), seeds, stored)
+            out.update(shaped(stored, tuple(value.shape)))
         return out
+
+    def bf16(self, key: str) -> bool:
+        """Whether ``key`` is stored as bfloat16 (a moment under bf16 state, a factor under bf16 factors)."""
+        return key in FACTORS or self.dtype == "bfloat16"
+
+    def empty(self, key: str, numel: int, device) -> dict:
+        """Flat uninitialized stored entries for ``numel`` values of the moment ``key`` (its codes or
+        bf16 values; int8: a scale per 256; ``int8-ec``: a correction byte per two entries), what
+        :meth:`encode_piece` writes."""
+        if self.bf16(key):
+            return {key: torch.empty(numel, dtype=torch.bfloat16, device=device)}
+        out = {key: torch.empty(numel, dtype=torch.uint8, device=device),
+               key + SCALE: torch.empty(numel // BLOCK, dtype=torch.float32, device=device)}
+        if self.dtype == "int8-ec":
+            out[key + CORRECTION] = torch.empty(numel // 2, dtype=torch.uint8, device=device)
+        return out
+
+    def encode_piece(self, key: str, x: torch.Tensor, a: int, b: int, shape: tuple, seeds: list,
+                     out: dict, take=fresh) -> None:
+        """Encode the float32 values ``x`` of the entries [a, b) (row-major) of a stack shaped ``shape``
+        (rows seeded by ``seeds``: :func:`seed_of` of a tensor's name, the step and ``key``) into the
+        flat stored entries ``out`` (:meth:`empty`) at the same place. ``a`` and ``b`` are multiples of
+        BLOCK where int8 (a row's size is too: a block lies within a row), so encoding a stack piece by
+        piece gives the bits of encoding it whole: a block's scale reads its own entries only, and the
+        rounding's random bits hash each entry's index in its tensor (:func:`noise`). ``take``: where
+        the temporaries live (:func:`fresh`; with :meth:`reserve`'s slots taken, nothing allocates)."""
+        if self.bf16(key):
+            bits = noise(seeds, shape, self.start, self.full, a, b, x.device, take)
+            encode_bf16(x, bits, take, out[key][a:b])
+            return
+        scaled, _ = block_scaled(x.unsqueeze(0), take, out[key + SCALE][a // BLOCK: b // BLOCK])
+        c = nearest_codes(scaled, MOMENTS[key], take)  # encode_int8's codes
+        out[key][a:b] = c
+        if key + CORRECTION in out:
+            bits = noise(seeds, shape, self.start, self.full, a, b, x.device, take)
+            pack4(encode_correction(scaled, c, MOMENTS[key], bits, take), out[key + CORRECTION][a // 2: b // 2])
+
+    @staticmethod
+    def reserve(take, n: int, device) -> None:
+        """Every scratch slot of the codec (:data:`SCRATCH`) taken for pieces of up to ``n`` entries,
+        so that encoding and decoding them through ``take`` then allocates nothing."""
+        for slot, dtype in SCRATCH.items():
+            take(slot, (2 * n if slot == "codec.f1" else n,), dtype, device)
+
+
+def shaped(stored: dict, shape: tuple) -> dict:
+    """:meth:`Codec.empty`'s flat entries of a stack shaped ``shape`` (rows: tensors) in their state
+    shapes: the codes (or bf16 values) as the stack, the scales and corrections per row
+    (:func:`scale_shape`)."""
+    row = shape[1:]
+    return {k: v.reshape(shape) if not k.endswith(SIDE) else v.reshape(shape[0], *side_shape(k, row))
+            for k, v in stored.items()}
+
+
+def decode_piece(state: dict, key: str, a: int, b: int, out: torch.Tensor, take=fresh) -> None:
+    """The float32 values of the entries [a, b) (row-major; multiples of BLOCK where int8) of the
+    entry ``key`` of ``state`` (a stack or one tensor: int8 codes with their ``<key>_absmax`` scales
+    and ``int8-ec`` correction, bf16 values, or float32 ones) into the 1-D ``out``. ``take``: where
+    the temporaries live (:func:`fresh`)."""
+    value = state[key].reshape(-1)
+    if key + SCALE not in state:
+        out.copy_(value[a:b])
+        return
+    c, m = value[a:b].unsqueeze(0), state[key + SCALE].reshape(-1)[a // BLOCK: b // BLOCK]
+    fixes = state.get(key + CORRECTION)
+    if fixes is None:
+        decode_int8(c, m, MOMENTS[key], take, out)
+    else:
+        t = unpack4(fixes.reshape(-1)[a // 2: b // 2], take("codec.u0", (b - a,), torch.uint8, c.device))
+        decode_int8_ec(c, t, m, MOMENTS[key], take, out)
 
 
 def _pieces(total: int):
