@@ -5,11 +5,10 @@ and says so."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from optim_helpers import gpt_batch, loss_of, tiny_gpt
+from optim_helpers import tiny_gpt
+from test_capturable import _grads  # every model's gradients of one batch (NaN-poisoned on request)
 
 import geomopt
 
@@ -27,16 +26,6 @@ def _fresh_compiler():
     """Each test compiles its own functions (torch's recompile limit is per code object)."""
     torch._dynamo.reset()
     yield
-
-
-def _grads(models, step, poison=False):
-    for m in models:
-        for p in m.parameters():
-            p.grad = None
-        loss_of(m, gpt_batch(step)).backward()
-        if poison:
-            for p in m.parameters():
-                p.grad.view(-1)[-1] = math.nan
 
 
 def _pair(spec):
