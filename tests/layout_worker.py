@@ -123,14 +123,23 @@ MIXED = mixed_spec(dict(embed="model.embed_tokens.weight", q="**.q_proj.weight",
 STAGED = staged_spec(dict(q="**.q_proj.weight", mlp_in=r"re:.*\.(gate|up)_proj\.weight",
                           proj=r"re:.*\.(o|down)_proj\.weight", head="lm_head.weight"))
 
-SPECS = {**{name: str(path) for name, path in shipped_specs().items()}, "mixed": MIXED, "staged": STAGED}
+#: Shampoo with its factors in bfloat16: on shards each matrix's owner encodes them as one process does
+KRON_FACTORS = {"geomopt": 1, "name": "shampoo-bf16-factors", "rules": [
+    {"name": "hidden", "match": {"role": ["hidden"]}, "state": {"factors": "bfloat16"},
+     "geometry": {"kind": "kronecker", "method": "shampoo", "every": 2, "graft": "adam"}},
+    {"name": "rest", "match": "**", "geometry": {"kind": "adam"}}]}
+
+SPECS = {**{name: str(path) for name, path in shipped_specs().items()}, "mixed": MIXED, "staged": STAGED,
+         "shampoo-bf16-factors": KRON_FACTORS}
 #: specs whose update turns the last bits of a gradient into steps of the update's size: SOAP's first
 #: Adam step in eigenbases that a rank-deficient factor (k, v: 16 × 32 matrices, R of rank ≤ 16 at the
 #: first step) leaves undetermined, where Adam scales an entry of rounding noise to ±1 (one process:
 #: gradients perturbed by 1e-7 relative move the weights by 0.085 relative). Tensor parallelism's split
 #: matmuls change the gradients' last bits, so under it these specs step on the one-process gradients:
-#: what is compared is the optimizer alone
-REPLAYED = ("soap", "soap-muon")
+#: what is compared is the optimizer alone. So does Shampoo with bf16 factors: a factor one float32
+#: rounding apart may round stochastically to the other bf16 neighbour (2⁻⁸ apart), which its root carries
+#: into every later step (4e-3 relative after the run under FSDP2 × TP on its own gradients)
+REPLAYED = ("soap", "soap-muon", "shampoo-bf16-factors")
 TP_LAYOUTS = ("fsdp_tp", "hsdp_tp")
 
 

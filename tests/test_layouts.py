@@ -44,7 +44,7 @@ def deviation(got: dict, ref: dict) -> float:
 def test_the_worker_covers_every_shipped_spec(reference):
     from geomopt import shipped_specs
 
-    assert set(reference) == set(shipped_specs()) | {"mixed", "staged"}
+    assert set(reference) == set(shipped_specs()) | {"mixed", "staged", "shampoo-bf16-factors"}
 
 
 @pytest.mark.parametrize("name", sorted(worker.SPECS))

@@ -36,7 +36,7 @@ def reference(ranks):
 def test_the_eight_ranks_split_the_references(ranks, reference):
     from geomopt import shipped_specs
 
-    assert set(reference) == set(shipped_specs()) | {"mixed", "staged"}
+    assert set(reference) == set(shipped_specs()) | {"mixed", "staged", "shampoo-bf16-factors"}
     assert all(r["ref"] for r in ranks)
 
 

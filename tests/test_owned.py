@@ -102,3 +102,35 @@ def test_only_a_sharded_stateful_owner_op_keeps_state_on_its_owner():
     assert owner_state(GEOMETRIES["soap"], False) == ()
     assert owner_state(G(kind="adam"), True) == ()  # local on shards: laid out like the parameter
     assert owner_state(G(kind="spectral"), True) == ()  # owner, but keeps no state
+
+
+def test_an_owner_stores_bf16_factors_as_one_process_does():
+    """Factors in bfloat16 (``state: {factors: bfloat16}``): the owner decodes them, steps the rows it owns
+    and rounds each factor with the random bits of its tensor (name, step, entry): the stored bits are
+    the one-process codec's for the same tensors, whichever rows this rank owns."""
+    from geomopt.optim.persist.state_codec import Codec
+    from geomopt.optim.units.state_keys import FACTORS
+
+    geometry = GEOMETRIES["shampoo"]
+    gen = torch.Generator().manual_seed(1)
+    grads = torch.randn(2, 3, 5, 6, generator=gen)
+    params = [torch.zeros(5, 6) for _ in range(3)]
+    items = [(p, SimpleNamespace(name=f"w{i}")) for i, p in enumerate(params)]
+    keys = geometry_state(geometry)
+    owned: dict = {p: {} for p in params}
+    whole: dict = {}  # the bucket of all three, as one process keeps it (stacked)
+    for step in range(2):
+        fn = owned_forward(owned, items, geometry, keys, radius=0.5, factors="bfloat16", step=step + 1)
+        fn(grads[step, [0, 2]], [0, 2])
+        fn(grads[step, [1]], [1])
+        whole = Codec.decode(whole)
+        kronecker(grads[step], geometry, radius=0.5, batch_dims=1, state=whole)
+        whole = Codec("float32", ("w0", "w1", "w2"), step + 1, factors="bfloat16").encode(whole)
+    for key in keys:
+        for r, p in enumerate(params):
+            got = owned[p][key]
+            if key in FACTORS:
+                assert got.dtype == torch.bfloat16, key
+                assert torch.equal(got, whole[key][r]), (key, r)
+            elif isinstance(whole[key], torch.Tensor):
+                assert got.dtype == torch.float32 and torch.equal(got, whole[key][r].reshape(got.shape)), key

@@ -162,7 +162,7 @@ class BucketJob:
         if self.held:
             out_dtype = self.views[0].dtype if one_pass else None
             return owned_request(rt, items, self.d, owned_forward(self.state_of, items, pp.geometry, self.held,
-                                                                  radius, out_dtype))
+                                                                  radius, out_dtype, pp.factor_dtype, self.codec.step))
         return request(rt, items, self.d, forward_locality(pp.geometry.kind),
                        _forward_fn(prog, rt, items, pp.geometry, radius, self.views[0].dtype if one_pass else None,
                                    state if forward_state else None))

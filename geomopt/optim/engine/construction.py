@@ -101,9 +101,9 @@ def check_sharded(groups: list, plans: list, opts) -> None:
     """A direction or a geometry that refuses the ``sharded`` form (Dion, whose power iteration and
     QR need each matrix whole: :class:`~geomopt.optim.units.declare.DirectionUnit`; a geometry's
     forward op by its registration) is refused on sharded (DTensor) tensors, with its declared
-    reason; so is a state precision (of moments or factors) other than float32 for a geometry whose
-    state each matrix's owner keeps whole (the kronecker geometry's: :mod:`geomopt.optim.engine.owned`,
-    which does not encode it). Replicated tensors (DDP) step whole on every rank."""
+    reason; so is a moments' precision other than float32 for a geometry whose state each matrix's
+    owner keeps whole (the kronecker geometry's: :mod:`geomopt.optim.engine.owned`, which encodes its
+    factors only). Replicated tensors (DDP) step whole on every rank."""
     if not opts.sharded:
         return
     for g, gplans in zip(groups, plans):
@@ -115,12 +115,11 @@ def check_sharded(groups: list, plans: list, opts) -> None:
         if why:
             raise ValueError(f"rule '{g['rule']}' has the {kind} geometry, which cannot run on sharded (DTensor) "
                              f"parameters: {why}; keep its tensors whole on each rank (DDP) or step it in one process")
-        low = [d for d in (gplans[0].state_dtype, gplans[0].factor_dtype) if d != "float32"]
-        if owner_state(gplans[0].geometry, True) and low:
-            raise ValueError(f"rule '{g['rule']}' has the {kind} geometry with state: {low[0]}: on sharded "
-                             f"(DTensor) parameters each matrix's owner keeps its state whole, in float32 (moments "
-                             f"and factors); set state: float32 for this rule, or keep its tensors whole on each "
-                             f"rank (DDP)")
+        if owner_state(gplans[0].geometry, True) and gplans[0].state_dtype != "float32":
+            raise ValueError(f"rule '{g['rule']}' has the {kind} geometry with state: {gplans[0].state_dtype}: on "
+                             f"sharded (DTensor) parameters each matrix's owner keeps its moments whole, in float32 "
+                             f"(its factors may be bfloat16: state: {{factors: bfloat16}}); set state: float32 for "
+                             f"this rule, or keep its tensors whole on each rank (DDP)")
 
 
 def check_capturable(groups: list, plans: list, opts) -> None:

@@ -7,7 +7,8 @@ The owners are chosen once, when the optimizer's runtime is built, by a balanced
 tensors' matrix FLOPs (:func:`~geomopt.distributed.executors.assign`: the same on every rank), so the
 state a rank keeps is the state of the matrices it computes at every step, and a checkpoint saved on
 a mesh resumes on it. The entries are plain tensors laid out as the operators see the whole tensor,
-in the owner's per-parameter state only; the other ranks keep none of them. A bucket's owned rows
+in the owner's per-parameter state only (the factors in the rule's factor precision); the other
+ranks keep none of them. A bucket's owned rows
 are stacked for the op and split back into per-tensor entries after it (rows whose step counts
 differ, tensors that missed steps, step apart)."""
 
@@ -18,6 +19,7 @@ import torch
 from geomopt.distributed.executors import assign, matrix_cost
 from geomopt.geometry.forward import forward
 from geomopt.optim.engine.tensors import count_tensor
+from geomopt.optim.persist.state_codec import Codec
 from geomopt.optim.units.state_keys import COUNTS
 
 
@@ -28,11 +30,15 @@ def owners(items: list, world: int) -> dict:
     return {id(p): rank for (p, _), rank in zip(items, assign(costs, world))}
 
 
-def owned_forward(state_of, items: list, geometry, keys: tuple, radius: float = 1.0, out_dtype=None):
+def owned_forward(state_of, items: list, geometry, keys: tuple, radius: float = 1.0, out_dtype=None,
+                  factors: str = "float32", step: int = 0):
     """The forward op of a bucket's ``items`` as an owner request's function ``fn(m, rows)``: ``m``
     the whole matrices of the bucket's rows ``rows`` (this rank's), each stepped with the state
     ``keys`` its parameter keeps here (``state_of``: torch's per-parameter state), created on its first
-    step; returns ``(radius·∇φ₁*(m), None)``."""
+    step; returns ``(radius·∇φ₁*(m), None)``. The factors are stored in ``factors`` precision (the
+    rule's ``state: {factors: …}``), rounded with the random bits one process uses for the tensor
+    (its name, the group's ``step``, each entry's place in the whole matrix), so the owner stores what
+    one process does."""
 
     def fn(m: torch.Tensor, rows: list):
         by_count: dict = {}
@@ -43,8 +49,8 @@ def owned_forward(state_of, items: list, geometry, keys: tuple, radius: float = 
         out = None
         for ks in by_count.values():
             entries = [state_of[items[rows[k]][0]] for k in ks]
-            state = {key: int(entries[0][key]) if key in COUNTS else torch.stack([e[key] for e in entries])
-                     for key in keys if key in entries[0]}
+            state = Codec.decode({key: int(entries[0][key]) if key in COUNTS else torch.stack([e[key] for e in entries])
+                                  for key in keys if key in entries[0]})
             whole = len(ks) == len(rows)
             idx = torch.tensor(ks, device=m.device)
             y = forward(m if whole else m.index_select(0, idx), geometry, radius=radius, batch_dims=1,
@@ -55,6 +61,8 @@ def owned_forward(state_of, items: list, geometry, keys: tuple, radius: float = 
                 if out is None:
                     out = y.new_empty((len(rows), *y.shape[1:]))
                 out[idx] = y
+            if factors != "float32":
+                state = Codec("float32", tuple(items[rows[k]][1].name for k in ks), step, factors=factors).encode(state)
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     for e, row in zip(entries, value.unbind(0)):
