@@ -19,8 +19,9 @@ import torch
 from geomopt.compile.wrappers import strip, unwrap
 from geomopt.distributed.executors import is_dtensor
 from geomopt.optim.engine.atomic import PendingStep
-from geomopt.optim.persist.load_check import (CheckpointError, check_built_for, check_entry, check_group_values,
-                                       check_layout, check_meta, check_not_meta, check_same_spec)
+from geomopt.optim.persist.group_check import check_built_for, check_group_values
+from geomopt.optim.persist.load_check import (CheckpointError, check_entry, check_layout, check_meta, check_not_meta,
+                                              check_same_spec)
 from geomopt.optim.persist.migrate import MigrationReport, migrate_state, saved_names, source_of, translate
 from geomopt.optim.engine.engine import Owner, copy_counters, copy_value
 from geomopt.optim.units.state_keys import COUNTS, direction_keys

@@ -29,22 +29,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
-from geomopt.optim.engine.construction import check_capturable, check_sharded
-from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.persist.state_codec import BLOCK, STORED, scale_shape, side_shape
 from geomopt.optim.units.state_keys import (CORRECTION, COUNTS, GROUP_KEYS, KINDS, MOMENTS, PARAM_KEYS, SCALE,
-                                            SECOND_MOMENTS, STACKED, STAT_KEYS, VIEW_KEYS, WEIGHT_KEYS, direction_keys,
-                                            owner_state)
+                                            SECOND_MOMENTS, STACKED, STAT_KEYS, VIEW_KEYS, WEIGHT_KEYS, owner_state)
 from geomopt.optim.units.compensation import DTYPES, compensated, step_dtype
 from geomopt.optim.engine.tensors import as_real, local
-from geomopt.spec.geometries import Euclidean
-from geomopt.spec.model import Hyper
-from geomopt.spec.validate import friendly
-from geomopt.spec.updates import Polyak
 
 #: tensor state that is never negative: the declared second moments, and torch.optim's AMSGrad maximum
 NONNEGATIVE = (*SECOND_MOMENTS, "max_exp_avg_sq")
@@ -52,7 +44,7 @@ NONNEGATIVE = (*SECOND_MOMENTS, "max_exp_avg_sq")
 STEP_KEYS = (*COUNTS, "step")
 #: every key of a tensor's state this optimizer keeps: its stacked state and step counts
 KEPT = (*STACKED, *COUNTS, *WEIGHT_KEYS)
-_FIX = "save it again from a healthy run, or load an earlier checkpoint"
+FIX = "save it again from a healthy run, or load an earlier checkpoint"
 
 
 class CheckpointError(ValueError):
@@ -84,38 +76,38 @@ def check_layout(sd: Any) -> None:
     for key, kind in (("state", Mapping), ("param_groups", list)):
         if key not in sd:
             raise CheckpointError(f"the state dict has no '{key}' (it has {sorted(map(str, sd))}): it is not an "
-                                  f"optimizer's state_dict(), or was cut; {_FIX}")
+                                  f"optimizer's state_dict(), or was cut; {FIX}")
         if not isinstance(sd[key], kind):
             raise CheckpointError(f"the state dict's '{key}' is a {type(sd[key]).__name__}, not a "
-                                  f"{kind.__name__}: {_FIX}")
+                                  f"{kind.__name__}: {FIX}")
     if not sd["param_groups"]:
-        raise CheckpointError(f"the state dict has no param_groups: {_FIX}")
+        raise CheckpointError(f"the state dict has no param_groups: {FIX}")
     seen: set = set()
     for i, g in enumerate(sd["param_groups"]):
         if not isinstance(g, Mapping) or not isinstance(g.get("params"), (list, tuple)):
-            raise CheckpointError(f"param_groups[{i}] is not a dict with a 'params' list: {_FIX}")
+            raise CheckpointError(f"param_groups[{i}] is not a dict with a 'params' list: {FIX}")
         names = g.get("param_names")
         if names is not None and (not isinstance(names, (list, tuple)) or len(names) != len(g["params"])
                                   or not all(isinstance(n, str) for n in names)):
             raise CheckpointError(f"param_groups[{i}]['param_names'] is not a list of {len(g['params'])} names, "
-                                  f"one per entry of its 'params': {_FIX}")
+                                  f"one per entry of its 'params': {FIX}")
         for pid in g["params"]:
             if pid in seen:
-                raise CheckpointError(f"parameter index {pid!r} is listed twice in param_groups: {_FIX}")
+                raise CheckpointError(f"parameter index {pid!r} is listed twice in param_groups: {FIX}")
             seen.add(pid)
     for pid, entry in sd["state"].items():
         if pid not in seen:
             raise CheckpointError(f"state entry {pid!r} belongs to no parameter group (the groups list "
-                                  f"{len(seen)} indices): {_FIX}")
+                                  f"{len(seen)} indices): {FIX}")
         if not isinstance(entry, Mapping):
-            raise CheckpointError(f"state entry {pid!r} is a {type(entry).__name__}, not a dict of state: {_FIX}")
+            raise CheckpointError(f"state entry {pid!r} is a {type(entry).__name__}, not a dict of state: {FIX}")
 
 
 def check_meta(meta: Any) -> None:
     """The ``geomopt`` section (or the hash a torch.distributed.checkpoint's groups carry)."""
     if not isinstance(meta, Mapping) or not isinstance(meta.get("spec_hash"), str):
         raise CheckpointError("the state dict's 'geomopt' section has no spec_hash string (nor do its param_groups): "
-                              f"it was not saved by GeomOptimizer.state_dict(), or was edited; {_FIX}")
+                              f"it was not saved by GeomOptimizer.state_dict(), or was edited; {FIX}")
     for key, ok, what in (("spec", lambda v: isinstance(v, str), "the spec's text"),
                           ("spec_groups", lambda v: isinstance(v, list) and all(isinstance(g, Mapping) for g in v),
                            "a list of dicts (one per group)"),
@@ -130,15 +122,15 @@ def check_meta(meta: Any) -> None:
                               and all(_is_int(i) and i >= 0 for i in v["groups"])),
                            "None or {'done': [tensor names], 'groups': [group indices]} (an interrupted step)")):
         if key in meta and not ok(meta[key]):
-            raise CheckpointError(f"geomopt['{key}'] is {_short(meta[key])}, not {what}: {_FIX}")
+            raise CheckpointError(f"geomopt['{key}'] is {shown(meta[key])}, not {what}: {FIX}")
     counters = meta.get("counters", [])
     if not isinstance(counters, list):
         raise CheckpointError(f"geomopt['counters'] is a {type(counters).__name__}, not a list (one per group): "
-                              f"{_FIX}")
+                              f"{FIX}")
     for i, c in enumerate(counters):
         where = f"geomopt['counters'][{i}]"
         if not isinstance(c, Mapping):
-            raise CheckpointError(f"{where} is a {type(c).__name__}, not a dict: {_FIX}")
+            raise CheckpointError(f"{where} is a {type(c).__name__}, not a dict: {FIX}")
         for key, ok, what in (("skipped", lambda v: _is_int(v) and count_error(v) is None, "an int in [0, 2⁶³)"),
                               ("fallbacks", lambda v: isinstance(v, torch.Tensor) and v.numel() == 1
                                and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool
@@ -148,118 +140,9 @@ def check_meta(meta: Any) -> None:
                                "a one-element float tensor, finite and ≥ 0 (a sum of squares)")):
             if key not in c:
                 raise CheckpointError(f"{where} has no '{key}' (it has {sorted(c)}): a checkpoint of an older or "
-                                      f"edited optimizer; {_FIX}, or drop geomopt['counters'] to restart them")
+                                      f"edited optimizer; {FIX}, or drop geomopt['counters'] to restart them")
             if not ok(c[key]):
-                raise CheckpointError(f"{where}['{key}'] is {_short(c[key])}, not {what}: {_FIX}")
-
-
-def check_group_values(groups: list) -> None:
-    """A geomopt group's values, each by the validator of the spec field it came from
-    (:data:`GROUP_FIELDS`: ``lr`` ≥ 0 and finite, ``radius`` > 0, ``alpha`` in (0, 1], a
-    direction's kind and coefficients by its model, ``on_nonfinite`` one of its words, …), and its
-    step count by :func:`count_error`: a checkpoint holds only what a spec could have set, so a
-    NaN lr or a negative radius (a rule that steps uphill) is refused here, not run."""
-    for i, g in enumerate(groups):
-        where = f"param_groups[{i}] (rule '{g.get('rule', '?')}')"
-        if "lr" not in g:
-            raise CheckpointError(f"{where} has no 'lr': {_FIX}")
-        if "rule" in g and not isinstance(g["rule"], str):
-            raise CheckpointError(f"{where}: 'rule' is {_short(g['rule'])}, not a rule's name: {_FIX}")
-        for key, value in g.items():
-            if key in GROUP_FIELDS or key in direction_keys():
-                error = group_value_error(g, key, value)
-                if error is not None:
-                    named, why = error
-                    raise CheckpointError(f"{where}: '{named}' is {_short(g[named])}: {why} (as in a spec); set it "
-                                          f"in the dict, or load an earlier checkpoint")
-        if "step" in g:  # an int, or a capturable step's device count
-            error = count_error(g["step"])
-            if error is not None:
-                raise CheckpointError(f"{where}: 'step' is {_short(g['step'])}, {error}: {_FIX}")
-
-
-#: a group value → (the spec model whose field validates it, the field's name); a direction's own
-#: coefficients are validated by its kind's model (its unit's, :func:`direction_model`)
-GROUP_FIELDS: dict = {
-    "lr": (Hyper, "lr"), "weight_decay": (Hyper, "weight_decay"), "schedule": (Hyper, "schedule"),
-    "on_nonfinite": (Hyper, "on_nonfinite"), "radius": (Euclidean, "radius"),
-    "direction": (Hyper, "direction"),  # (its kind and coefficients: by its kind's model)
-    # every group holds these three (the defaults where its direction has none): Polyak's fields
-    "alpha": (Polyak, "alpha"), "nesterov": (Polyak, "nesterov"), "init": (Polyak, "init"),
-}
-
-
-def direction_model(kind) -> Any:
-    """The spec model of a direction kind (its unit's declaration), or None for no direction."""
-    return DIRECTIONS[kind].spec if isinstance(kind, str) and kind in DIRECTIONS else None
-
-
-def group_value_error(group: Mapping, key: str, value: Any):
-    """(the key it is about, what the spec's validator says) of ``value`` as ``group[key]``; None when
-    it accepts it. A
-    direction's coefficients are validated together by the model of the group's direction kind
-    (its cross-field rules too, e.g. a warmup's steps and α set together); a one-element tensor (an
-    lr a scheduler keeps as a tensor) is validated as its number."""
-    if isinstance(value, torch.Tensor):
-        number = _number(value)
-        if number is None or key != "lr":
-            return key, "not a number" if key == "lr" else "not a plain value"
-        value = number
-    kind = group.get("direction")
-    model = direction_model(kind)
-    if key == "direction":
-        if model is None:
-            return key, f"not a direction (one of {', '.join(DIRECTIONS)})"
-        # (a coefficient missing, as in a checkpoint from before groups held them, is the spec's:
-        # :func:`check_built_for`)
-        fields = {k: group[k] for k in model.model_fields if k != "kind" and k in group}
-        return _validation_error(model, dict(fields, kind=kind), key)
-    if model is not None and key in model.model_fields:
-        return None  # validated with its direction
-    if key not in GROUP_FIELDS:
-        return None  # another direction's coefficient (a group keeps the spec's values of its own only)
-    spec_model, field = GROUP_FIELDS[key]
-    if value is None:  # (a rule's field is optional, the default filling it: a group holds the value)
-        return key, "no value (a group holds each value resolved)"
-    return _validation_error(spec_model, {field: value}, key)
-
-
-def check_built_for(opt, groups: list) -> None:
-    """The loaded groups on the optimizer as it was built: the checks its constructor makes of
-    the spec's values (:mod:`geomopt.optim.engine.construction`: dion on sharded tensors, what a
-    capturable step cannot run) hold for them, and a storm direction needs an optimizer built
-    with one (it evaluates the closure at the previous iterate, decided at construction)."""
-    for i, (g, mine) in enumerate(zip(groups, opt.param_groups)):
-        model = DIRECTIONS[g["direction"]].spec
-        # what the group lacks the loader takes from this optimizer's group (the spec's values)
-        missing = [k for k in model.model_fields if k != "kind" and k not in g and k not in mine]
-        if missing:
-            raise CheckpointError(f"param_groups[{i}] (rule '{g.get('rule', '?')}'): 'direction' is "
-                                  f"{g['direction']!r} without its coefficients {missing} (a group holds every "
-                                  f"value its direction reads): add them, or set the direction the spec sets")
-        if g.get("direction") == "storm" and not opt.engine.options.keeps_prev:
-            raise CheckpointError(f"param_groups[{i}] (rule '{g.get('rule', '?')}'): 'direction' is 'storm', which "
-                                  f"this optimizer was not built for (its spec has no storm direction): set the "
-                                  f"spec's direction to storm, or the group's to what the spec sets")
-    try:
-        check_sharded(groups, opt.engine.plans, opt.engine.options)
-        check_capturable(groups, opt.engine.plans, opt.engine.options)
-    except ValueError as err:
-        raise CheckpointError(f"the state's param_groups: {err}") from None
-
-
-def _validation_error(model, data: dict, key: str):
-    """(the group key, the first message) of ``model``'s validation of ``data``: the key is the
-    field the error points at where the group holds it, else ``key``; None when it validates."""
-    try:
-        model.model_validate(data)
-    except ValidationError as err:
-        first = err.errors()[0]
-        loc = [str(x) for x in first["loc"]]
-        named = loc[0] if loc and loc[0] in data and loc[0] != "kind" else key
-        rest = ".".join(loc[1:])
-        return named, friendly(first["type"], first["msg"]) + (f" (at {rest})" if rest else "")
-    return None
+                raise CheckpointError(f"{where}['{key}'] is {shown(c[key])}, not {what}: {FIX}")
 
 
 #: the largest count a step counter holds: torch keeps counts as int64 tensors
@@ -293,35 +176,35 @@ def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
         if key in STEP_KEYS:
             error = count_error(value, floats=key == "step")
             if error is not None:
-                raise CheckpointError(f"tensor '{name}': state '{key}' is {_short(value)}, not a step count "
-                                      f"(an integer ≥ 0): {error}: {_FIX}")
+                raise CheckpointError(f"tensor '{name}': state '{key}' is {shown(value)}, not a step count "
+                                      f"(an integer ≥ 0): {error}: {FIX}")
             continue
         if not isinstance(value, torch.Tensor):
             if key in STACKED or key in NONNEGATIVE or key == "momentum_buffer":  # (int8 block scales too)
-                raise CheckpointError(f"tensor '{name}': state '{key}' is {_short(value)}, not a tensor: {_FIX}")
+                raise CheckpointError(f"tensor '{name}': state '{key}' is {shown(value)}, not a tensor: {FIX}")
             continue
         if key in MOMENTS and key + SCALE in entry:  # int8 state: codes (any byte is a code)
             if value.dtype != torch.uint8:
                 raise CheckpointError(f"tensor '{name}': state '{key}' is {value.dtype} beside its block scales "
-                                      f"'{key + SCALE}': int8 state keeps uint8 codes there: {_FIX}")
+                                      f"'{key + SCALE}': int8 state keeps uint8 codes there: {FIX}")
             continue
         if key.endswith(SCALE) and key[:-len(SCALE)] in MOMENTS and key[:-len(SCALE)] not in entry:
             raise CheckpointError(f"tensor '{name}': state '{key}' (int8 block scales) has no codes "
-                                  f"'{key[:-len(SCALE)]}' beside it: {_FIX}")
+                                  f"'{key[:-len(SCALE)]}' beside it: {FIX}")
         if key in WEIGHT_KEYS:  # a compensated weight's lost bits: checked against its rule (_check_tensor)
             continue
         moment = key[:-len(CORRECTION)]
         if key.endswith(CORRECTION) and moment in MOMENTS:  # int8-ec's 4-bit corrections (any byte is two)
             if moment + SCALE not in entry:
                 raise CheckpointError(f"tensor '{name}': state '{key}' (int8-ec corrections) has no int8 codes "
-                                      f"'{moment}' and block scales '{moment + SCALE}' beside it: {_FIX}")
+                                      f"'{moment}' and block scales '{moment + SCALE}' beside it: {FIX}")
             if value.dtype != torch.uint8:
                 raise CheckpointError(f"tensor '{name}': state '{key}' is {value.dtype}: int8-ec keeps its "
-                                      f"corrections as uint8 (two 4-bit values to a byte): {_FIX}")
+                                      f"corrections as uint8 (two 4-bit values to a byte): {FIX}")
             continue
         if not (value.is_floating_point() or value.is_complex()):  # complex: a complex parameter's state
             raise CheckpointError(f"tensor '{name}': state '{key}' has dtype {value.dtype}, not a floating dtype: "
-                                  f"{_FIX}")
+                                  f"{FIX}")
         data = as_real(local(value))  # this rank's shard of a DTensor; complex as (re, im)
         if not bool(torch.isfinite(data).all()):
             raise CheckpointError(f"tensor '{name}': state '{key}' holds {int((~torch.isfinite(data)).sum())} "
@@ -331,13 +214,13 @@ def check_entry(name: str, entry: Mapping, geomopt_keys: bool = True) -> None:
             what = "block scales" if key.endswith(SCALE) else "second moment"
             why = "a block's largest magnitude" if key.endswith(SCALE) else "a mean of squares"
             raise CheckpointError(f"tensor '{name}': {what} '{key}' holds {int((data < 0).sum())} negative "
-                                  f"value(s) ({why} is ≥ 0): {_FIX}")
+                                  f"value(s) ({why} is ≥ 0): {FIX}")
     # Adam's moments and step count move together (a stage's post_step also counts stages without
     # state, so it may stand alone)
     for keys in [KINDS["adam"]] if geomopt_keys else []:
         if any(k in entry for k in keys) and not all(k in entry for k in keys):
             raise CheckpointError(f"tensor '{name}': state has {[k for k in keys if k in entry]} without "
-                                  f"{[k for k in keys if k not in entry]} (they are kept together): {_FIX}")
+                                  f"{[k for k in keys if k not in entry]} (they are kept together): {FIX}")
 
 
 def check_same_spec(opt, sd: Mapping, same_rules: bool = True, unnamed=frozenset()) -> None:
@@ -355,7 +238,7 @@ def check_same_spec(opt, sd: Mapping, same_rules: bool = True, unnamed=frozenset
     for i, (g, s, gplans) in enumerate(zip(groups, saved, opt.engine.plans)):
         missing = [k for k in GROUP_KEYS if k not in s]
         if missing:
-            raise CheckpointError(f"param_groups[{i}] (rule '{g['rule']}') lacks {missing}: {_FIX}")
+            raise CheckpointError(f"param_groups[{i}] (rule '{g['rule']}') lacks {missing}: {FIX}")
         if (same_rules and s["rule"] != g["rule"]) or len(s["params"]) != len(g["params"]):
             raise CheckpointError(
                 f"param_groups[{i}] holds {len(s['params'])} tensor(s) of rule '{s['rule']}', this optimizer's "
@@ -451,7 +334,7 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _number(v: Any):
+def as_number(v: Any):
     """A real number as a float (a one-element real tensor too); None for anything else."""
     if isinstance(v, torch.Tensor):
         return float(v.item()) if v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool else None
@@ -460,6 +343,6 @@ def _number(v: Any):
     return None
 
 
-def _short(v: Any) -> str:
+def shown(v: Any) -> str:
     text = repr(v)
     return f"{type(v).__name__} {text[:60]}{'…' if len(text) > 60 else ''}"
