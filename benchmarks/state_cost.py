@@ -31,7 +31,8 @@ from state_quality import PRECISIONS, state_bytes  # noqa: E402
 import geomopt  # noqa: E402
 from geomopt.cli.bench import Timer, device_name, hidden_workload  # noqa: E402
 from geomopt.optim.engine.workspace import Workspace  # noqa: E402
-from geomopt.optim.persist.state_codec import CHUNK, STORED, Codec, decode_piece, seed_of  # noqa: E402
+from geomopt.optim.persist.codes import seed_of  # noqa: E402
+from geomopt.optim.persist.state_codec import CHUNK, STORED, Codec, decode_piece  # noqa: E402
 from geomopt.optim.units.state_keys import MOMENTS  # noqa: E402
 
 

@@ -15,7 +15,8 @@ import torch
 import geomopt
 from geomopt.optim.engine import flat
 from geomopt.optim.persist import state_codec
-from geomopt.optim.persist.state_codec import BLOCK, decode_entry
+from geomopt.optim.persist.codes import BLOCK
+from geomopt.optim.persist.state_codec import decode_entry
 
 pytestmark = [pytest.mark.filterwarnings("ignore::geomopt.UnusedRuleWarning"),
               pytest.mark.filterwarnings("ignore::geomopt.RolesGuessedWarning")]  # Linear layers: hidden

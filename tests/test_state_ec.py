@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from optim_helpers import gpt_batch, loss_of, tiny_gpt
 
 import geomopt
-from geomopt.optim.persist.state_codec import (BLOCK, STEPS, Codec, bin_edges, block_scaled, decode_int8,
-                                               decode_int8_ec, dynamic_map, encode_correction, encode_int8, noise,
-                                               pack4, seed_of, unpack4)
+from geomopt.optim.persist.codes import (BLOCK, STEPS, bin_edges, block_scaled, decode_int8, decode_int8_ec,
+                                         dynamic_map, encode_correction, encode_int8, noise, pack4, seed_of, unpack4)
+from geomopt.optim.persist.state_codec import Codec
 from geomopt.optim.units.state_keys import CORRECTION, SCALE
 
 pytestmark = pytest.mark.filterwarnings("ignore::geomopt.UnusedRuleWarning")

@@ -14,9 +14,9 @@ import torch
 from optim_helpers import gpt_batch, loss_of, tiny_gpt
 
 import geomopt
-from geomopt.optim.persist.state_codec import (SCALE, decode_int8, decode_int8_ec, dynamic_map, encode_bf16,
-                                               encode_int8, nearest_codes, noise, unpack4)
-from geomopt.optim.units.state_keys import CORRECTION
+from geomopt.optim.persist.codes import (decode_int8, decode_int8_ec, dynamic_map, encode_bf16, encode_int8,
+                                         nearest_codes, noise, unpack4)
+from geomopt.optim.units.state_keys import CORRECTION, SCALE
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -14,7 +14,8 @@ import torch
 from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.forward import elementwise_allocates, elementwise_in_place, elementwise_into, isotropic_factors
-from geomopt.optim.persist.state_codec import BLOCK as CODEC_BLOCK, CHUNK, Codec, decode_piece, seed_of, shaped
+from geomopt.optim.persist.codes import BLOCK as CODEC_BLOCK, seed_of
+from geomopt.optim.persist.state_codec import CHUNK, Codec, decode_piece, shaped
 from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.state_keys import MOMENTS, SIDE, geometry_state
 from geomopt.optim.units.directions import DIRECTIONS

@@ -12,7 +12,7 @@ import torch
 
 from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import contiguous_strides, is_dtensor
-from geomopt.optim.persist.state_codec import side_shape
+from geomopt.optim.persist.codes import side_shape
 from geomopt.optim.units.state_keys import COUNTS, SIDE, STACKED, STAT_KEYS, VIEW_KEYS
 from geomopt.optim.engine.tensors import as_real, count_tensor, flat_like, like_param, op_view, stack
 

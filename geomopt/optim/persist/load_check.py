@@ -32,7 +32,8 @@ import torch
 
 from geomopt.compile.wrappers import strip_names
 from geomopt.distributed.executors import is_dtensor
-from geomopt.optim.persist.state_codec import BLOCK, STORED, scale_shape, side_shape
+from geomopt.optim.persist.codes import BLOCK, scale_shape, side_shape
+from geomopt.optim.persist.state_codec import STORED
 from geomopt.optim.units.state_keys import (CORRECTION, COUNTS, GROUP_KEYS, KINDS, MOMENTS, PARAM_KEYS, SCALE,
                                             SECOND_MOMENTS, STACKED, STAT_KEYS, VIEW_KEYS, WEIGHT_KEYS, owner_state)
 from geomopt.optim.units.compensation import DTYPES, compensated, step_dtype

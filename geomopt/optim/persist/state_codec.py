@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from geomopt.optim.persist.codes import (  # noqa: F401  (the formats, read here by their users)
-    BLOCK, SCRATCH, STEPS, bin_edges, bin_values, block_scaled, decode_int8, decode_int8_ec, dynamic_map,
-    encode_bf16, encode_correction, encode_int8, fresh, mix, nearest_codes, noise, pack4, scale_shape, seed_of,
-    side_shape, unpack4)
+from geomopt.optim.persist.codes import (BLOCK, SCRATCH, block_scaled, decode_int8, decode_int8_ec, encode_bf16,
+                                         encode_correction, fresh, nearest_codes, noise, pack4, seed_of, side_shape,
+                                         unpack4)
 from geomopt.optim.units.state_keys import CORRECTION, FACTORS, MOMENTS, SCALE, SIDE
 from geomopt.spec.model import QUANTIZED
 
