@@ -16,7 +16,6 @@ weight or error.
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import geomopt
-from distributed_worker import _clone
+from distributed_worker import finish, load_dcp, snapshot
 from geomopt import GeomOptimizer
 from geomopt.optim.units.compensation import JOIN
 from layout_worker import World, batch, make_model, params_of
@@ -125,8 +124,6 @@ def checkpoints(world: World) -> dict:
     """Per layout: opt.state_dict() into a fresh optimizer, and a DCP save / load of model and
     optimizer (int8 compensation, bf16 state), resume bit for bit, errors included; a spec change
     (another lr) carries every error, sharded as it was."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     out = {}
     the_spec = spec("muon", "int8", state="bfloat16")
@@ -134,12 +131,7 @@ def checkpoints(world: World) -> dict:
         model, forward, kw = world.wrap(layout, make_model().to(BF16))
         opt = GeomOptimizer(model, the_spec, **kw)
         train(model, forward, opt, range(2))
-        saved_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        saved_opt = _clone(opt.state_dict())
-        msd, osd = get_state_dict(model, opt)
-        path = [tempfile.mkdtemp(prefix="geomopt-dcp-") if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(path)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path[0])
+        saved_model, saved_opt, path = snapshot(model, opt)
         train(model, forward, opt, range(2, 4))
         expected = everything(model, opt)
         data = the_spec.model_dump(exclude_none=True)
@@ -160,10 +152,7 @@ def checkpoints(world: World) -> dict:
 
         via_dcp, fwd, kw = world.wrap(layout, make_model(seed=7).to(BF16))
         dcp_opt = GeomOptimizer(via_dcp, the_spec, **kw)
-        msd, osd = get_state_dict(via_dcp, dcp_opt)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=path[0])
-        set_state_dict(via_dcp, dcp_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        load_dcp(via_dcp, dcp_opt, path)
         train(via_dcp, fwd, dcp_opt, range(2, 4))
         got_dcp = everything(via_dcp, dcp_opt)
         same = {k: torch.equal(expected[k].view(torch.uint8), got[k].view(torch.uint8)) for k in expected}
@@ -209,9 +198,7 @@ def main(out_dir: Path) -> None:
     out: dict = {"rank": world.rank, "against_float32": against_float32(world), "checkpoints": checkpoints(world),
                  "nonfinite": nonfinite(world)}
     out["seconds"] = time.perf_counter() - t0
-    torch.save(out, out_dir / f"rank{world.rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(out, out_dir / f"rank{world.rank}.pt")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distributed_worker import finish
 from geomopt import GeomOptimizer
 from geomopt.optim.units.compensation import JOIN
 from layout_worker import World, batch, make_model, train
@@ -73,9 +74,7 @@ def main(out_dir: Path) -> None:
             out["errors"][(layout, name)] = {n: (str(e.dtype), str(p.dtype)) for n, p in model.named_parameters()
                                              if (e := opt.state.get(p, {}).get("weight_error")) is not None}
     out["seconds"] = time.perf_counter() - t0
-    torch.save(out, out_dir / f"rank{world.rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(out, out_dir / f"rank{world.rank}.pt")
 
 
 if __name__ == "__main__":

@@ -191,9 +191,7 @@ def main(out: Path) -> None:
     result["dcp_staged"] = dcp_round_trip(data, STAGED)
     result["errors"] = bad_input()
     result["nonfinite"] = nonfinite_on_one_rank()
-    torch.save(result, out / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out / f"rank{rank}.pt")
 
 
 def staged(data) -> dict:
@@ -226,6 +224,43 @@ def staged(data) -> dict:
     got = params_of(fresh)
     out["fsdp_resume_diff"] = max(float((out["fsdp"][k] - got[k]).abs().max()) for k in got)
     return out
+
+
+def save_dcp(model, opt) -> str:
+    """Save ``model`` and ``opt`` with torch.distributed.checkpoint into a fresh folder that rank 0
+    names and every rank is told; its path."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    path = [tempfile.mkdtemp(prefix="geomopt-dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path[0])
+    return path[0]
+
+
+def snapshot(model, opt) -> tuple[dict, dict, str]:
+    """(a copy of ``model``'s state dict, a copy of ``opt``'s, the folder :func:`save_dcp` saved both in)."""
+    saved_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return saved_model, _clone(opt.state_dict()), save_dcp(model, opt)
+
+
+def load_dcp(model, opt, path: str) -> None:
+    """Load what :func:`save_dcp` saved in ``path`` into ``model`` and ``opt``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def finish(result: dict, path: Path) -> None:
+    """Save this rank's ``result`` at ``path``, wait for every rank, and leave the process group."""
+    torch.save(result, path)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _clone(obj):
@@ -270,26 +305,19 @@ def checkpoint_round_trip(data) -> dict:
 def dcp_round_trip(data, spec=None) -> dict:
     """torch.distributed.checkpoint save / load of model and optimizer (FQN-keyed state)."""
     spec = spec_path("spectral-clip") if spec is None else spec
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model = shard(make_model())
     opt = GeomOptimizer(model, spec)
     train(model, opt, data[:2])
-    msd, osd = get_state_dict(model, opt)
-    keys = sorted(osd["state"])
-    path = [tempfile.mkdtemp(prefix="geomopt-dcp-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path[0])
+    keys = sorted(get_state_dict(model, opt)[1]["state"])
+    path = save_dcp(model, opt)
     train(model, opt, data[2:])
     expected = params_of(model)
 
     fresh = shard(make_model(seed=7))
     fresh_opt = GeomOptimizer(fresh, spec)
-    msd, osd = get_state_dict(fresh, fresh_opt)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path[0])
-    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    load_dcp(fresh, fresh_opt, path)
     train(fresh, fresh_opt, data[2:])
     got = params_of(fresh)
     diff = max(float((expected[k] - got[k]).abs().max()) for k in expected)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +47,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _layouts import _counter  # noqa: E402
-from distributed_worker import _clone  # noqa: E402
+from distributed_worker import finish, load_dcp, snapshot  # noqa: E402
 from geomopt import GeomOptimizer, shipped_specs  # noqa: E402
 
 STEPS = 2
@@ -352,8 +351,6 @@ def references(rank: int, size: int) -> dict:
 def round_trips(world: World) -> dict:
     """opt.state_dict() into a fresh optimizer, and a DCP save / load of model and optimizer,
     resume bit for bit under fsdp_ep."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     experts = LAYOUTS["fsdp_ep"]
     out = {}
@@ -362,12 +359,7 @@ def round_trips(world: World) -> dict:
         model, grads = world.wrap(experts), world.wrap(experts)
         opt = GeomOptimizer(model, spec)
         train(world, model, grads, opt, experts, range(2))
-        saved_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        saved_opt = _clone(opt.state_dict())
-        msd, osd = get_state_dict(model, opt)
-        path = [tempfile.mkdtemp(prefix="geomopt-dcp-") if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(path)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path[0])
+        saved_model, saved_opt, path = snapshot(model, opt)
         train(world, model, grads, opt, experts, range(2, 4))
         expected = params_of(model)
 
@@ -380,10 +372,7 @@ def round_trips(world: World) -> dict:
 
         via_dcp = world.wrap(experts)
         dcp_opt = GeomOptimizer(via_dcp, spec)
-        msd, osd = get_state_dict(via_dcp, dcp_opt)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=path[0])
-        set_state_dict(via_dcp, dcp_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        load_dcp(via_dcp, dcp_opt, path)
         train(world, via_dcp, grads, dcp_opt, experts, range(2, 4))
         got_dcp = params_of(via_dcp)
         out[spec_name] = dict(state_dict=all(torch.equal(expected[k], got[k]) for k in expected),
@@ -412,9 +401,7 @@ def main(out: Path) -> None:
     if rank != 0:  # the gathered parameters are the same on every rank: rank 0 keeps them
         for layout in LAYOUTS:
             result.pop(layout)
-    torch.save(result, out / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":

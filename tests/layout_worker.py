@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import torch.distributed as dist
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from distributed_worker import _clone  # noqa: E402  (the 2-process worker's deep copy of a state dict)
+from distributed_worker import _clone, finish, load_dcp, snapshot  # noqa: E402  (the 2-process worker's checkpoint helpers)
 import geomopt  # noqa: E402
 from geomopt import GeomOptimizer, shipped_specs  # noqa: E402
 
@@ -378,8 +377,6 @@ def round_trips(world: World, layouts=("hsdp", "fsdp_tp"), specs=("staged", "mix
     """HSDP and FSDP2 × TP: opt.state_dict() into a fresh optimizer, and a DCP save / load of
     model and optimizer, resume bit for bit; the state is sharded like the parameters. ``specs``:
     names of :data:`SPECS`, or (name, spec) pairs."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.tensor import DTensor
 
     out = {}
@@ -395,12 +392,7 @@ def round_trips(world: World, layouts=("hsdp", "fsdp_tp"), specs=("staged", "mix
             plain_like = all(v.placements == p.placements and v.shape == p.shape
                              for p in model.parameters() for k, v in opt.state[p].items()
                              if k in ("d", "exp_avg", "exp_avg_sq"))
-            saved_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            saved_opt = _clone(opt.state_dict())
-            msd, osd = get_state_dict(model, opt)
-            path = [tempfile.mkdtemp(prefix="geomopt-dcp-") if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(path)
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path[0])
+            saved_model, saved_opt, path = snapshot(model, opt)
             train(model, opt, range(2, 4), forward)
             expected = params_of(model)
 
@@ -413,10 +405,7 @@ def round_trips(world: World, layouts=("hsdp", "fsdp_tp"), specs=("staged", "mix
 
             via_dcp, fwd, kw = world.wrap(layout, make_model(seed=7, cfg=cfg))
             dcp_opt = GeomOptimizer(via_dcp, spec, **kw)
-            msd, osd = get_state_dict(via_dcp, dcp_opt)
-            state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=path[0])
-            set_state_dict(via_dcp, dcp_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            load_dcp(via_dcp, dcp_opt, path)
             train(via_dcp, dcp_opt, range(2, 4), fwd)
             got_dcp = params_of(via_dcp)
             out[(layout, spec_name)] = dict(
@@ -602,9 +591,7 @@ def main(out: Path) -> None:
     if rank != 0:  # the gathered parameters are the same on every rank: rank 0 keeps them
         for layout in world.layouts:
             result.pop(layout)
-    torch.save(result, out / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distributed_worker import finish
 from geomopt import GeomOptimizer
 from geomopt.optim.units.state_keys import SIDE
 from layout_worker import CFG, World, make_model, params_of, round_trips, train
@@ -81,9 +82,7 @@ def main(out_dir: Path) -> None:
     out["round_trips"] = round_trips(world, ("fsdp_tp", "hsdp"), [(n, SPECS[n]) for n in (
         "muon-int8", "adamw-hybrid-bfloat16", "muon-int8-ec")], cfg=MIXED_FORMATS)
     out["seconds"] = time.perf_counter() - t0
-    torch.save(out, out_dir / f"rank{world.rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(out, out_dir / f"rank{world.rank}.pt")
 
 
 if __name__ == "__main__":
