@@ -11,8 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.optim._muon import _adjust_lr
 
-from geomopt.geometry import check_applicable, forward, make_reference, radius_scale
+import typed_fragments as typed
+from geomopt.functional import forward_step
+from geomopt.geometry import check_applicable, make_reference, radius_scale
+from geomopt.geometry import forward as forward_op
 from geomopt.geometry.adam import adam_moments
+from geomopt.spec.diagnostics import SpecError
 from geomopt.geometry.operators import FORWARD_OPS
 from geomopt.geometry.spectral import newton_schulz, polar_express
 
@@ -21,6 +25,11 @@ LOG = {"kind": "log_barrier", "eps": 1e-2}
 POW = {"kind": "power_barrier", "kappa": 4.0, "eps": 5e-2}
 IND = {"kind": "indicator"}
 QUAD = {"kind": "quadratic"}
+
+
+def forward(d, geometry, **kw):
+    """The forward op on a geometry written as a dict (validated into the typed fragment the op takes)."""
+    return forward_op(d, typed.geometry(geometry, d.shape[kw.get("batch_dims", 0):]), **kw)
 
 
 def randn(*shape, seed=0, dtype=F64):
@@ -56,7 +65,7 @@ def _conj_euclidean(ref, d):
 
 def brute_force(phi_conj, ref_cfg, d, radius):
     """ρ·∇φ₁*(D) by autograd of φ₁* (the paper's dual reference function), float64."""
-    ref = make_reference(ref_cfg) if ref_cfg else None
+    ref = make_reference(typed.reference(ref_cfg)) if ref_cfg else None
     x = d.detach().clone().requires_grad_(True)
     (g,) = torch.autograd.grad(phi_conj(ref, x), x)
     return radius * g
@@ -100,7 +109,7 @@ def test_forward_equals_gradient_of_dual_reference(row, radius):
 
 def test_spectral_argmax_definition():
     """∇φ*(D) = argmax_X ⟨D, X⟩ − φ(X), checked by perturbing the claimed maximizer (φ(X) = Σh(σ_i))."""
-    ref = make_reference(POW)
+    ref = make_reference(typed.reference(POW))
     d = randn(3, 4, seed=11)
     x = forward(d, {"kind": "spectral", "reference": POW})
 
@@ -275,10 +284,11 @@ def test_radius_defaults_to_the_geometry_field():
 def test_dispatch_errors():
     assert set(FORWARD_OPS) == {"euclidean", "isotropic", "anisotropic", "spectral", "rowwise", "columnwise", "adam",
                                 "kronecker"}
-    with pytest.raises(ValueError, match="unknown geometry kind 'spectrl'.*spectral"):
-        forward(torch.ones(2, 2), {"kind": "spectrl"})
-    with pytest.raises(ValueError, match="needs a reference"):
-        forward(torch.ones(2, 2), {"kind": "isotropic"})
+    # a kind the spec lacks, or a missing reference, is refused where a dict enters (the spec's message)
+    with pytest.raises(SpecError, match="geometry: Input tag 'spectrl'.*expected tags.*'spectral'"):
+        forward_step(torch.ones(2, 2), {"kind": "spectrl"})
+    with pytest.raises(SpecError, match="geometry.isotropic.reference: Field required"):
+        forward_step(torch.ones(2, 2), {"kind": "isotropic"})
     with pytest.raises(ValueError, match="at least 2 dims"):
         forward(torch.ones(3), {"kind": "spectral", "reference": IND})
     with pytest.raises(ValueError, match="carries state"):
@@ -324,7 +334,7 @@ def test_adam_moments_with_addcdiv_is_adamw_bit_for_bit(weight_decay):
         grad = randn(6, 7, seed=50 + k, dtype=torch.float32)
         ref_param.grad = grad.clone()
         opt.step()
-        exp_avg, denom, bc1 = adam_moments(grad, state, {"kind": "adam", "betas": list(betas)})
+        exp_avg, denom, bc1 = adam_moments(grad, state, typed.geometry({"kind": "adam", "betas": list(betas)}))
         p = (p * (1 - lr * weight_decay)).addcdiv(exp_avg, denom, value=-lr / bc1)
         assert torch.equal(p, ref_param.detach())
 

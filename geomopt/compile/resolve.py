@@ -79,7 +79,7 @@ def resolve_view(geometry: Geometry, op_shape: tuple[int, ...], structure: Optio
     if geometry.kind == "kronecker":
         from geomopt.geometry.learned import view_problem
 
-        problem = view_problem(view)
+        problem = view_problem(View.of(view))
         if problem is not None:
             raise ValueError(problem)
     view["factors"] = block_factors(geometry, op_shape, view)

@@ -29,6 +29,7 @@ import math
 from typing import Callable, Optional, cast
 
 import torch
+from geomopt.compile.fragments import View
 from geomopt.spec.base import Fields
 
 Groups = list[tuple[int, list[int]]]  # (block size, indices of the blocks of that size)
@@ -139,42 +140,42 @@ def describe(view: Optional[Fields], shape: tuple[int, ...]) -> str:
     return " + ".join(parts)
 
 
-def _groups(view: Fields) -> Groups:
+def _groups(view: View) -> Groups:
     out: dict[int, list[int]] = {}
-    for i, s in enumerate(view["blocks"]):
+    for i, s in enumerate(view.blocks or ()):
         out.setdefault(s, []).append(i)
     return list(out.items())
 
 
-def _canonical(x: torch.Tensor, batch_dims: int, view: Fields) -> torch.Tensor:
+def _canonical(x: torch.Tensor, batch_dims: int, view: View) -> torch.Tensor:
     """(N, rows, cols): every matrix of every batch element, blocks not yet cut."""
     shape = x.shape[batch_dims:]
-    b = view["batch"]
+    b = view.batch
     nb = math.prod(x.shape[:batch_dims]) * math.prod(shape[:b])
     rows = shape[b]
-    if view["trailing"] == "batch" and len(shape) > b + 2:
+    if view.trailing == "batch" and len(shape) > b + 2:
         cols, extra = shape[b + 1], math.prod(shape[b + 2:])
         return x.reshape(nb, rows, cols, extra).permute(0, 3, 1, 2).reshape(nb * extra, rows, cols)
     return x.reshape(nb, rows, math.prod(shape[b + 1:]))
 
 
-def _restore(mats: torch.Tensor, like: torch.Tensor, batch_dims: int, view: Fields) -> torch.Tensor:
+def _restore(mats: torch.Tensor, like: torch.Tensor, batch_dims: int, view: View) -> torch.Tensor:
     shape = like.shape[batch_dims:]
-    b = view["batch"]
-    if view["trailing"] == "batch" and len(shape) > b + 2:
+    b = view.batch
+    if view.trailing == "batch" and len(shape) > b + 2:
         rows, cols, extra = shape[b], shape[b + 1], math.prod(shape[b + 2:])
         mats = mats.reshape(-1, extra, rows, cols).permute(0, 2, 3, 1)
     return mats.reshape(like.shape)
 
 
-def apply(x: torch.Tensor, batch_dims: int, view: Fields, fn: Callable) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def apply(x: torch.Tensor, batch_dims: int, view: View, fn: Callable) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``fn(mats, factor) -> (out, flag)`` on each stack of same-shape matrices (N, m, n) of ``x``
     (flag None or one bool per matrix); returns (out in ``x``'s shape, per-element flag (shape
     ``x.shape[:batch_dims]``) or None). One call without blocks or with equal blocks."""
     mats = _canonical(x, batch_dims, view)
     n_el = math.prod(x.shape[:batch_dims])
-    blocks = view["blocks"]
-    factors = view.get("factors") or None
+    blocks = view.blocks
+    factors = view.factors or None
     if blocks is None or len(set(blocks)) == 1 and factors is None:
         k = len(blocks) if blocks else 1
         out, flag = fn(mats.reshape(-1, mats.shape[1] // k, mats.shape[2]), 1.0)
@@ -201,14 +202,14 @@ def apply(x: torch.Tensor, batch_dims: int, view: Fields, fn: Callable) -> tuple
     return out, None if flags is None else flags.reshape(x.shape[:batch_dims])
 
 
-def reduce(x: torch.Tensor, batch_dims: int, view: Fields, fn: Callable, *others: torch.Tensor) -> torch.Tensor:
+def reduce(x: torch.Tensor, batch_dims: int, view: View, fn: Callable, *others: torch.Tensor) -> torch.Tensor:
     """Σ over the matrices of each element of ``fn(mats, *other_mats, factor)`` (one value per
     matrix): per-element sums such as a nuclear norm or a stationarity gap, in shape
     ``x.shape[:batch_dims]``."""
     n_el = math.prod(x.shape[:batch_dims])
     mats = [_canonical(t, batch_dims, view) for t in (x, *others)]
-    blocks = view["blocks"] or [mats[0].shape[1]]
-    factors = view.get("factors") or [1.0] * len(blocks)
+    blocks = view.blocks or [mats[0].shape[1]]
+    factors = view.factors or [1.0] * len(blocks)
     total = None
     offset = 0
     for i, size in enumerate(blocks):

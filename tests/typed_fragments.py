@@ -1,0 +1,70 @@
+"""Spec fragments written in the tests as plain dicts, turned into the typed objects the arithmetic
+units of geomopt.geometry take: each validated through the spec's own pydantic model (as
+geomopt.functional does at its entry), a geometry wrapped with its concrete view. Nothing else
+changes: no scale preset, layout or pre-normalization is resolved (geomopt.compile.resolve does
+that for a plan), so a test reads the operators as it wrote them."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from pydantic import TypeAdapter
+
+from geomopt.compile.fragments import ResolvedGeometry, View
+from geomopt.geometry.view import resolve
+from geomopt.spec.constraints import Constraint
+from geomopt.spec.geometries import Approx, Geometry, Prenormalize, Reference
+
+_GEOMETRY: TypeAdapter[Geometry] = TypeAdapter(Geometry)
+_CONSTRAINT: TypeAdapter[Constraint] = TypeAdapter(Constraint)
+_REFERENCE: TypeAdapter[Reference] = TypeAdapter(Reference)
+_APPROX: TypeAdapter[Approx] = TypeAdapter(Approx)
+_PRENORM: TypeAdapter[Prenormalize] = TypeAdapter(Prenormalize)
+
+_RESOLVED_VIEW = {"batch", "trailing", "blocks", "factors", "layout", "scale_constraint"}
+
+
+def _model(adapter: TypeAdapter, value: Any) -> Any:
+    return adapter.validate_python(dict(value)) if isinstance(value, Mapping) else value
+
+
+def geometry(value: Any, shape: Optional[tuple] = None) -> ResolvedGeometry:
+    """A geometry dict (or spec model) as a resolved geometry: a spec ``view`` resolved for an
+    element of ``shape`` (needed then), an already resolved view dict (``batch``, ``trailing``,
+    ``blocks``, …) taken as it is."""
+    if isinstance(value, ResolvedGeometry):
+        return value
+    if not isinstance(value, Mapping):
+        value = value.model_dump()
+    value = dict(value)
+    view = value.get("view")
+    concrete: Optional[View] = None
+    if isinstance(view, Mapping) and "kind" not in view and set(view) <= _RESOLVED_VIEW:
+        del value["view"]
+        concrete = View.of(view)
+    elif view is not None:
+        if shape is None:
+            raise ValueError("a spec view needs the element's shape to resolve")
+        resolved = resolve(dict(view) if isinstance(view, Mapping) else {"kind": view}, tuple(shape))
+        concrete = None if resolved is None else View.of(resolved)
+    return ResolvedGeometry(_GEOMETRY.validate_python(value), concrete)
+
+
+def constraint(value: Any) -> Any:
+    """A constraint dict as the spec's model (None stays None)."""
+    return None if value is None else _model(_CONSTRAINT, value)
+
+
+def reference(value: Any) -> Any:
+    """A reference dict (``{"kind": "power_barrier", "kappa": 4}``) as the spec's model."""
+    return _model(_REFERENCE, value)
+
+
+def approx(value: Any) -> Any:
+    """An approx dict as the spec's model (None stays None)."""
+    return None if value is None else _model(_APPROX, value)
+
+
+def prenorm(value: Any) -> Any:
+    """A pre-normalization dict as the spec's model (None stays None)."""
+    return None if value is None else _model(_PRENORM, value)
