@@ -23,6 +23,7 @@ from hypothesis import given, settings, strategies as st
 from scipy import integrate, optimize
 from torch import nn
 
+import typed_fragments as typed
 import geomopt
 from geomopt.geometry.prox import backward
 from geomopt.geometry.gap import dual_norm, gap_reference, gap_unavailable, stationarity_gap
@@ -45,7 +46,7 @@ def grad_conj(kind: str, ref: dict, d: torch.Tensor) -> torch.Tensor:
     """∇φ₁*(D) for each lifting of h."""
     if kind == "euclidean":
         return d
-    h = make_reference(ref)
+    h = make_reference(typed.reference(ref))
     if kind == "anisotropic":
         return h.dual_grad(d)
     if kind == "isotropic":
@@ -146,7 +147,7 @@ def test_gap_nonnegative(gkind, ref, seed, size, gscale):
 def test_gap_zero_iff_g_is_grad_phi_of_w():
     """Per entry: G = ∇φ₁(W) ⇔ gap = 0 (anisotropic log barrier, spectral, isotropic)."""
     w = torch.tensor([[0.3, -0.9], [0.0, 0.5]], dtype=torch.float64)
-    h = make_reference(LOG)
+    h = make_reference(typed.reference(LOG))
     g = h.dh(w)
     assert float(stationarity_gap(g, w, _geometry("anisotropic", LOG))) <= 1e-14
     assert float(stationarity_gap(g + 0.1, w, _geometry("anisotropic", LOG))) > 1e-6

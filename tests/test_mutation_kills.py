@@ -336,8 +336,8 @@ def test_the_ball_and_sphere_magnitudes_solve_their_optimality_conditions(step, 
     the sphere), checked on their definition: a row inside the ball is kept; otherwise Σs² = r² and
     σ = s/t, α = a/t meet σ ± (h₁*)'(τσ) = α for one τ per row (+ inward, − outward), i.e.
     τ = h₁'(±(α − σ))/σ is the same for every entry (h₁' = ((h₁*)')⁻¹, the reference's own h')."""
-    ref = make_reference({"kind": kind, "eps": 0.05} if kind == "log_barrier" else
-                         {"kind": kind, "kappa": 4.0, "eps": 0.05})
+    ref = make_reference(typed.reference({"kind": kind, "eps": 0.05} if kind == "log_barrier" else
+                         {"kind": kind, "kappa": 4.0, "eps": 0.05}))
     a = torch.tensor([[0.3, 0.2, 0.1, 0.05], [1.2, 0.8, 0.5, 0.3], [1.6, 1.2, 0.4, 0.9]], dtype=torch.float64)
     t, r = 1.0, 1.0
     fn = ball_magnitudes if step == "ball" else sphere_magnitudes
@@ -435,7 +435,7 @@ def test_gram_eigh_at_the_ends_of_float64_is_the_svds_map(size):
     from geomopt.geometry.spectral import gram_eigh, svd
 
     d = torch.randn(2, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(8)) * size
-    ref = make_reference({"kind": "log_barrier", "eps": 1e-3 * size})
+    ref = make_reference(typed.reference({"kind": "log_barrier", "eps": 1e-3 * size}))
     want = svd(d, ref)
     torch.testing.assert_close(gram_eigh(d, ref), want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
     torch.testing.assert_close(gram_eigh(d.mT, ref), want.mT, rtol=1e-9, atol=1e-9 * float(want.abs().max()))

@@ -440,7 +440,7 @@ def test_working_eps_floors_and_limits(dtype):
     half_ulp = 2 / info.eps * info.tiny  # from here on, tiny is at most half an ulp of |y|: y/(tiny + |y|) = sign(y)
     y = torch.tensor([0.0, 1e-45, -1e-40, half_ulp, -1.0, info.max], dtype=dtype)
     for ref in ({"kind": "log_barrier", "eps": F64_MIN}, {"kind": "power_barrier", "kappa": 4.0, "eps": F64_MIN}):
-        h = make_reference(ref)
+        h = make_reference(typed.reference(ref))
         out = h.dual_grad(y)
         assert torch.isfinite(out).all() and out.abs().max() <= 1
         limit = (y.abs() >= half_ulp) & (y.abs() <= 1)
@@ -454,7 +454,7 @@ def test_working_eps_floors_and_limits(dtype):
         tiny_group = torch.full((3,), 1e-20 if dtype == torch.float32 else 1e-160, dtype=dtype)
         norm = torch.linalg.vector_norm(tiny_group)
         assert (tiny_group * h.iso_factor(norm)).abs().max() <= 1
-        h_big = make_reference({**ref, "eps": F64_MAX})
+        h_big = make_reference(typed.reference({**ref, "eps": F64_MAX}))
         if dtype == torch.float32:  # ε past float32's range is +∞ there: the map is 0
             assert torch.equal(h_big.dual_grad(y), torch.zeros_like(y))
         else:  # float64 holds ε: y/ε (to its rounding, ≤ 1)
