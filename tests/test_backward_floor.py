@@ -17,7 +17,7 @@ import scipy.optimize as so
 import torch
 
 import typed_fragments as typed
-from geomopt.geometry.prox import backward
+from typed_fragments import backward
 from geomopt.geometry.reference import make_reference
 
 scalar = importlib.import_module("geomopt.geometry.prox.scalar")
@@ -142,8 +142,9 @@ def _buckets(shape, batch=4):
 def _step_values(s: torch.Tensor, c: dict, t: float) -> torch.Tensor:
     """The op's own scalar step on σ, in float64."""
     if c["kind"] == "frobenius_ball":
-        return scalar.ball_magnitudes(s.double(), t, c["radius"], make_reference(typed.reference(GEOMETRY["reference"])), torch.float64)[0]
-    return vector.sigma_proj(c["kind"], s.double(), c)
+        ref = make_reference(typed.reference(GEOMETRY["reference"]))
+        return scalar.ball_magnitudes(s.double(), t, c["radius"], ref, torch.float64)[0]
+    return vector.sigma_proj(c["kind"], s.double(), typed.constraint(c))
 
 
 def _svd_step(y: torch.Tensor, c: dict, t: float) -> torch.Tensor:

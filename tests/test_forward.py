@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from torch.optim._muon import _adjust_lr
 
 import typed_fragments as typed
+from typed_fragments import forward
 from geomopt.functional import forward_step
 from geomopt.geometry import check_applicable, make_reference, radius_scale
-from geomopt.geometry import forward as forward_op
 from geomopt.geometry.adam import adam_moments
 from geomopt.spec.diagnostics import SpecError
 from geomopt.geometry.operators import FORWARD_OPS
@@ -25,11 +25,6 @@ LOG = {"kind": "log_barrier", "eps": 1e-2}
 POW = {"kind": "power_barrier", "kappa": 4.0, "eps": 5e-2}
 IND = {"kind": "indicator"}
 QUAD = {"kind": "quadratic"}
-
-
-def forward(d, geometry, **kw):
-    """The forward op on a geometry written as a dict (validated into the typed fragment the op takes)."""
-    return forward_op(d, typed.geometry(geometry, d.shape[kw.get("batch_dims", 0):]), **kw)
 
 
 def randn(*shape, seed=0, dtype=F64):

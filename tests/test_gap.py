@@ -25,7 +25,7 @@ from torch import nn
 
 import typed_fragments as typed
 import geomopt
-from geomopt.geometry.prox import backward
+from typed_fragments import backward
 from geomopt.geometry.gap import dual_norm, gap_reference, gap_unavailable, stationarity_gap
 from geomopt.geometry.reference import make_reference
 from geomopt.geometry.polynomial import compose_polynomials

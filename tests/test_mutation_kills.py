@@ -12,7 +12,7 @@ import torch
 from geomopt.geometry.adam import adam_moments, adam_multi_tensor
 from geomopt.geometry.gap import stationarity_gap
 from geomopt.geometry.matrix import groups, matrices, split_like
-from geomopt.geometry.prox import backward
+from typed_fragments import backward
 from geomopt.geometry.view import cost as view_cost
 from geomopt.geometry.view import count, describe
 from geomopt.geometry.reference import _z_minus_log1p, make_reference

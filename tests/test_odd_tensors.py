@@ -23,8 +23,8 @@ import torch
 import geomopt
 from geomopt.support import BACKWARD_PAIRS, supported_constraints
 from geomopt.compile import as_spec
-from geomopt.geometry import backward
-from geomopt.geometry.forward import forward
+from typed_fragments import backward
+from typed_fragments import forward
 from geomopt.geometry.reference import make_reference, working_eps
 from geomopt.geometry.scale import radius_scale
 from optim_helpers import SPECS

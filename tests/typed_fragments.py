@@ -11,6 +11,8 @@ from typing import Any, Mapping, Optional
 from pydantic import TypeAdapter
 
 from geomopt.compile.fragments import ResolvedGeometry, View
+from geomopt.geometry.forward import forward as forward_op
+from geomopt.geometry.prox import backward as backward_op
 from geomopt.geometry.view import resolve
 from geomopt.spec.constraints import Constraint
 from geomopt.spec.geometries import Approx, Geometry, Prenormalize, Reference
@@ -68,3 +70,14 @@ def approx(value: Any) -> Any:
 def prenorm(value: Any) -> Any:
     """A pre-normalization dict as the spec's model (None stays None)."""
     return None if value is None else _model(_PRENORM, value)
+
+
+def forward(d, geo: Any, **kw):
+    """geomopt.geometry.forward on a geometry written as a dict (a spec view resolved for ``d``'s
+    elements, after ``batch_dims``)."""
+    return forward_op(d, geometry(geo, tuple(d.shape[kw.get("batch_dims", 0):])), **kw)
+
+
+def backward(y, gamma, geo: Any, con: Any, **kw):
+    """geomopt.geometry.backward on fragments written as dicts."""
+    return backward_op(y, gamma, geometry(geo, tuple(y.shape[kw.get("batch_dims", 0):])), constraint(con), **kw)
