@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional
 from pydantic import TypeAdapter
 
 from geomopt.compile.fragments import ResolvedGeometry, View
+from geomopt.geometry import gap
 from geomopt.geometry.forward import forward as forward_op
 from geomopt.geometry.prox import backward as backward_op
 from geomopt.geometry.view import resolve
@@ -81,3 +82,28 @@ def forward(d, geo: Any, **kw):
 def backward(y, gamma, geo: Any, con: Any, **kw):
     """geomopt.geometry.backward on fragments written as dicts."""
     return backward_op(y, gamma, geometry(geo, tuple(y.shape[kw.get("batch_dims", 0):])), constraint(con), **kw)
+
+
+def stationarity_gap(g, w, geo: Any, *, constraint: Any = None, **kw):
+    """geomopt.geometry.gap.stationarity_gap on fragments written as dicts."""
+    return gap.stationarity_gap(g, w, geometry(geo, tuple(g.shape[kw.get("batch_dims", 0):])),
+                                constraint=_constraint(constraint), **kw)
+
+
+def dual_norm(g, geo: Any, batch_dims: int = 0):
+    """geomopt.geometry.gap.dual_norm on a geometry written as a dict."""
+    return gap.dual_norm(g, geometry(geo, tuple(g.shape[batch_dims:])), batch_dims)
+
+
+def gap_reference(geo: Any, con: Any = None, reference: str = "auto") -> Optional[dict]:
+    """geomopt.geometry.gap.gap_reference on fragments written as dicts, the reference as a dict."""
+    ref = gap.gap_reference(geometry(geo), _constraint(con), reference)
+    return None if ref is None else ref.model_dump()
+
+
+def gap_unavailable(geo: Any, con: Any = None, reference: str = "auto") -> Optional[str]:
+    """geomopt.geometry.gap.gap_unavailable on fragments written as dicts."""
+    return gap.gap_unavailable(geometry(geo), _constraint(con), reference)
+
+
+_constraint = constraint
