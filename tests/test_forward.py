@@ -214,11 +214,12 @@ def test_view_trailing_batch_is_one_matrix_per_kernel_position():
 def test_view_that_does_not_fit_says_why(view, shape, message):
     from geomopt.geometry.view import resolve
 
+    spec_view = typed.view(view)
     if message is None:
-        assert resolve(view, shape)["blocks"] == [4, 4, 4]
+        assert resolve(spec_view, shape).blocks == (4, 4, 4)
     else:
         with pytest.raises(ValueError, match=message):
-            resolve(view, shape)
+            resolve(spec_view, shape)
 
 
 @pytest.mark.parametrize("kind", ["rowwise", "columnwise"])
@@ -351,10 +352,10 @@ MUON_SHAPES = [(64, 16), (16, 64), (32, 32), (3, 1), (1, 7)]
 def test_muon_presets_match_torch_adjust_lr(shape, preset):
     geometry = {"kind": "spectral", "reference": IND, "scale": preset}
     torch_name = {"muon_original": "original", "match_rms_adamw": "match_rms_adamw"}[preset]
-    assert radius_scale(geometry, shape) == pytest.approx(_adjust_lr(1.0, torch_name, torch.Size(shape)), rel=1e-15)
+    assert radius_scale(typed.preset_geometry(geometry), shape) == pytest.approx(_adjust_lr(1.0, torch_name, torch.Size(shape)), rel=1e-15)
     # in_out storage reads the transposed shape
     flipped = {**geometry, "layout": "in_out"}
-    assert radius_scale(flipped, shape[::-1]) == pytest.approx(radius_scale(geometry, shape), rel=1e-15)
+    assert radius_scale(typed.preset_geometry(flipped), shape[::-1]) == pytest.approx(radius_scale(typed.preset_geometry(geometry), shape), rel=1e-15)
 
 
 def _scion_colnorm(g):  # LIONS-EPFL/scion ColNorm(normalized=False).lmo
@@ -392,7 +393,7 @@ def _scion_sign(g):  # Sign(normalized=True).lmo
 def test_scion_presets_reproduce_scion_lmos(geometry, scion_lmo, shape, layout_shape):
     """Scion's g/(c‖g‖ + 1e-8) is the isotropic log barrier with ρ = 1/c, ε = 1e-8/c (paper Remark 2.5)."""
     g = randn(*shape, seed=6)
-    rho = radius_scale(geometry, shape)
+    rho = radius_scale(typed.preset_geometry(geometry), shape)
     if "reference" not in geometry:
         geometry = {**geometry, "reference": {"kind": "log_barrier", "eps": 1e-8 * rho}}
     torch.testing.assert_close(forward(g, geometry, radius=rho), scion_lmo(g), rtol=1e-12, atol=1e-14)
@@ -415,16 +416,17 @@ def test_scion_presets_reproduce_scion_lmos(geometry, scion_lmo, shape, layout_s
         ({"kind": "rowwise", "scale": "scion", "layout": "in_out"}, (10, 4), 1 / math.sqrt(10)),
         ({"kind": "spectral", "scale": "none"}, (10, 4), 1.0),
         ({"kind": "euclidean"}, (10, 4), 1.0),
-        ({"kind": "adam", "scale": "scion"}, (10, 4), 1.0),
+        ({"kind": "adam"}, (10, 4), 1.0),
     ],
 )
 def test_radius_scale_table(geometry, shape, want):
-    assert radius_scale(geometry, shape) == pytest.approx(want, rel=1e-15)
+    assert radius_scale(typed.preset_geometry(geometry), shape) == pytest.approx(want, rel=1e-15)
 
 
 def test_unknown_preset_is_an_error():
-    with pytest.raises(ValueError, match="unknown scale preset 'scoin'"):
-        radius_scale({"kind": "spectral", "scale": "scoin"}, (3, 3))
+    # refused where the dict enters, by the spec's model
+    with pytest.raises(ValueError, match="spectral.scale\n.*Input should be 'none', 'scion'"):
+        radius_scale(typed.preset_geometry({"kind": "spectral", "scale": "scoin"}), (3, 3))
 
 
 # ---------------------------------------------------------------- applicability
@@ -443,7 +445,7 @@ def test_unknown_preset_is_an_error():
     ],
 )
 def test_check_applicable(geometry, shape, message):
-    got = check_applicable(geometry, shape)
+    got = check_applicable(typed.preset_geometry(geometry), shape)
     if message is None:
         assert got is None
     else:

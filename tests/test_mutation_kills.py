@@ -12,6 +12,7 @@ import torch
 from geomopt.geometry.adam import adam_moments, adam_multi_tensor
 from geomopt.geometry.gap import stationarity_gap
 from geomopt.geometry.matrix import groups, matrices, split_like
+import typed_fragments as typed
 from typed_fragments import backward
 from geomopt.geometry.view import cost as view_cost
 from geomopt.geometry.view import count, describe
@@ -419,13 +420,14 @@ def test_shampoos_roots_stay_the_identity_until_step_every():
 def test_an_auto_view_without_structure_is_the_plain_matrix():
     """``view: auto`` on a tensor the model says nothing of (no batch, no blocks): the plain matrix
     (None), a 3-D tensor included (rows × the rest, not a batch of matrices)."""
+    from geomopt.compile.fragments import View
     from geomopt.geometry.view import resolve
+    from geomopt.spec.geometries import AutoView
 
     for shape in ((4, 3), (4, 3, 2), (2, 4, 3, 2)):
-        assert resolve({"kind": "auto"}, shape, {}) is None, shape
-        assert resolve({"kind": "auto"}, shape, None) is None, shape
-    assert resolve({"kind": "auto"}, (4, 3, 2), {"batch": 1}) == {"batch": 1, "trailing": "cols", "blocks": None,
-                                                                  "factors": None}
+        assert resolve(AutoView(), shape, {}) is None, shape
+        assert resolve(AutoView(), shape, None) is None, shape
+    assert resolve(AutoView(), (4, 3, 2), {"batch": 1}) == View(batch=1, trailing="cols", blocks=None)
 
 
 @pytest.mark.parametrize("size", [1e-160, 1e-3, 1e150])

@@ -23,8 +23,8 @@ import torch
 import geomopt
 from geomopt.support import BACKWARD_PAIRS, supported_constraints
 from geomopt.compile import as_spec
-from typed_fragments import backward
-from typed_fragments import forward
+import typed_fragments as typed
+from typed_fragments import backward, forward
 from geomopt.geometry.reference import make_reference, working_eps
 from geomopt.geometry.scale import radius_scale
 from optim_helpers import SPECS
@@ -180,7 +180,7 @@ def test_zero_size_operators(geometry, shape):
     """The operators themselves: every scale preset gives a finite radius for a zero-size shape, the
     forward op returns an empty tensor of the shape and dtype asked for, and every backward step the
     geometry has returns its (empty) input."""
-    assert math.isfinite(radius_scale(geometry, shape))
+    assert math.isfinite(radius_scale(typed.preset_geometry(geometry), shape))
     d = torch.zeros(shape)
     out = forward(d, {**geometry, "radius": 1.0}, out_dtype=torch.bfloat16)
     assert out.shape == d.shape and out.dtype == torch.bfloat16

@@ -17,13 +17,16 @@ from geomopt.geometry.prox import backward as backward_op
 from geomopt.geometry.view import resolve
 from geomopt.spec.constraints import Constraint
 from geomopt.spec.geometries import Approx, Geometry, Prenormalize, Reference
+from geomopt.spec.geometries import View as SpecView
 
 _GEOMETRY: TypeAdapter[Geometry] = TypeAdapter(Geometry)
 _CONSTRAINT: TypeAdapter[Constraint] = TypeAdapter(Constraint)
 _REFERENCE: TypeAdapter[Reference] = TypeAdapter(Reference)
 _APPROX: TypeAdapter[Approx] = TypeAdapter(Approx)
 _PRENORM: TypeAdapter[Prenormalize] = TypeAdapter(Prenormalize)
+_VIEW: TypeAdapter[SpecView] = TypeAdapter(SpecView)
 
+_NO_REFERENCE = ("euclidean", "adam", "kronecker")
 _RESOLVED_VIEW = {"batch", "trailing", "blocks", "factors", "layout", "scale_constraint"}
 
 
@@ -44,13 +47,29 @@ def geometry(value: Any, shape: Optional[tuple] = None) -> ResolvedGeometry:
     concrete: Optional[View] = None
     if isinstance(view, Mapping) and "kind" not in view and set(view) <= _RESOLVED_VIEW:
         del value["view"]
-        concrete = View.of(view)
+        blocks, factors = view.get("blocks"), view.get("factors")
+        concrete = View(view["batch"], view["trailing"], None if blocks is None else tuple(blocks),
+                        None if factors is None else tuple(factors), view.get("layout"),
+                        view.get("scale_constraint", False))
     elif view is not None:
         if shape is None:
             raise ValueError("a spec view needs the element's shape to resolve")
-        resolved = resolve(dict(view) if isinstance(view, Mapping) else {"kind": view}, tuple(shape))
-        concrete = None if resolved is None else View.of(resolved)
+        concrete = resolve(_model(_VIEW, view), tuple(shape))
     return ResolvedGeometry(_GEOMETRY.validate_python(value), concrete)
+
+
+def preset_geometry(value: Any) -> Any:
+    """A geometry dict as the spec's model (its spec view resolved by the callee, as the lint's
+    shapes are) for the scale presets and the applicability checks, which never read the reference:
+    the quadratic one filled in where a kind needs one and the dict names none."""
+    if isinstance(value, Mapping) and "reference" not in value and value.get("kind") not in _NO_REFERENCE:
+        value = {**value, "reference": {"kind": "quadratic"}}
+    return _model(_GEOMETRY, value)
+
+
+def view(value: Any) -> Any:
+    """A spec view dict (``{"kind": "matrix", "blocks": 3}``) as the spec's model."""
+    return _model(_VIEW, value)
 
 
 def constraint(value: Any) -> Any:

@@ -40,14 +40,6 @@ class View:
     layout: Optional[str] = None
     scale_constraint: bool = False
 
-    @classmethod
-    def of(cls, view: Mapping) -> "View":
-        """The view of a resolved view mapping (:func:`geomopt.geometry.view.resolve`'s)."""
-        blocks, factors = view.get("blocks"), view.get("factors")
-        return cls(int(view["batch"]), str(view["trailing"]), None if blocks is None else tuple(blocks),
-                   None if factors is None else tuple(float(f) for f in factors), view.get("layout"),
-                   bool(view.get("scale_constraint", False)))
-
     def __getitem__(self, key: str) -> Any:
         if key not in _VIEW_FIELDS:
             raise KeyError(key)
