@@ -15,7 +15,6 @@ bucket digests, ``geomopt plan --format json``, the printed step programs).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Iterator, Mapping, Optional
 
 from pydantic import BaseModel
@@ -111,11 +110,16 @@ class ResolvedGeometry:
         """The layout the operators read (``out_in`` for the kinds without the field)."""
         return self.spec.__dict__.get("layout", "out_in")
 
-    @functools.cached_property
+    def __post_init__(self) -> None:
+        # made once (the instance is frozen), not on each step; not a field: equality, hashing and
+        # the printed form are the spec's and the view's
+        object.__setattr__(self, "_matrix", self if self.view is None else ResolvedGeometry(self.spec))
+
+    @property
     def matrix(self) -> "ResolvedGeometry":
         """This geometry without its view: what an operator receives for one stack of the view's
-        matrices (made once, then kept: the instance is frozen)."""
-        return self if self.view is None else ResolvedGeometry(self.spec)
+        matrices."""
+        return self._matrix  # type: ignore[attr-defined]
 
     def __getitem__(self, key: str) -> Any:
         if key == "view" and "view" in self.spec.__dict__:

@@ -119,6 +119,7 @@ class Engine:
         # (a step reads it again where a group's value changed)
         self.schedules: list = []
         self.schedule_values: list = []
+        self.read_schedules(groups)
         self.deferred = False
         self.dispatch(groups)
 
@@ -150,14 +151,19 @@ class Engine:
         self.deferred = (self.options.local and not self.options.keeps_prev and all(p.check != "off" for p in progs)
                          and all(p.check == "deferred" for p in progs if p.variant == "batched"))
 
+    def read_schedules(self, groups: list) -> None:
+        """Each group's schedule validated into its spec model (:func:`typed_schedule`), once per
+        value: a step reads the model, and a value the spec refuses is refused before anything runs."""
+        self.schedules = [typed_schedule(g) for g in groups]
+        self.schedule_values = [copy_value(g["schedule"]) for g in groups]
+
     def refresh(self, groups: list) -> None:
         """Programs built again where a group's direction (or what else they read) changed; the
         schedules read again where a group's schedule changed."""
         if [signature(g) for g in groups] != self.built_from:
             self.dispatch(groups)
         if [g["schedule"] for g in groups] != self.schedule_values:
-            self.schedules = [typed_schedule(g) for g in groups]
-            self.schedule_values = [copy_value(g["schedule"]) for g in groups]
+            self.read_schedules(groups)
         if self.rt is None:
             self.rt = self.runtime(groups)
 
