@@ -16,7 +16,7 @@ from geomopt.spec.constraints import Constraint, SpectralBall, Stiefel
 
 #: constraint kinds with a ``method`` field (and a polar step in geomopt.geometry.prox.polar)
 METHOD_SETS = (Stiefel, SpectralBall)
-METHOD_KINDS = tuple(cls.model_fields["kind"].default for cls in METHOD_SETS)
+METHOD_KINDS = ("stiefel", "spectral_ball")  # their kinds
 
 #: matrices whose smaller side is at most this run ``exact`` under ``auto`` on CUDA
 CUDA_BATCHED_EIGH_MAX = 32
