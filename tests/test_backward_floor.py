@@ -104,7 +104,8 @@ def test_ball_solve_has_no_host_syncs():
     """Fixed step count, no data-dependent control flow: the whole solve runs on the meta device
     (any .item(), .tolist() or bool() of a tensor would raise there)."""
     for ref in REFS.values():
-        s, bad = scalar.ball_magnitudes(torch.empty(3, 7, device="meta"), 0.1, 1.0, make_reference(typed.reference(ref)), torch.float32)
+        h = make_reference(typed.reference(ref))
+        s, bad = scalar.ball_magnitudes(torch.empty(3, 7, device="meta"), 0.1, 1.0, h, torch.float32)
         assert s.shape == (3, 7) and bad.shape == (3,)
 
 

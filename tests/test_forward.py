@@ -352,10 +352,11 @@ MUON_SHAPES = [(64, 16), (16, 64), (32, 32), (3, 1), (1, 7)]
 def test_muon_presets_match_torch_adjust_lr(shape, preset):
     geometry = {"kind": "spectral", "reference": IND, "scale": preset}
     torch_name = {"muon_original": "original", "match_rms_adamw": "match_rms_adamw"}[preset]
-    assert radius_scale(typed.preset_geometry(geometry), shape) == pytest.approx(_adjust_lr(1.0, torch_name, torch.Size(shape)), rel=1e-15)
+    scale = radius_scale(typed.preset_geometry(geometry), shape)
+    assert scale == pytest.approx(_adjust_lr(1.0, torch_name, torch.Size(shape)), rel=1e-15)
     # in_out storage reads the transposed shape
     flipped = {**geometry, "layout": "in_out"}
-    assert radius_scale(typed.preset_geometry(flipped), shape[::-1]) == pytest.approx(radius_scale(typed.preset_geometry(geometry), shape), rel=1e-15)
+    assert radius_scale(typed.preset_geometry(flipped), shape[::-1]) == pytest.approx(scale, rel=1e-15)
 
 
 def _scion_colnorm(g):  # LIONS-EPFL/scion ColNorm(normalized=False).lmo

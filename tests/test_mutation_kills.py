@@ -409,7 +409,8 @@ def test_shampoos_roots_stay_the_identity_until_step_every():
     schedule): with every = 3 and no graft, steps 1 and 2 return G itself, step 3 a preconditioned G."""
     from geomopt.geometry.learned import kronecker
 
-    geo = {"kind": "kronecker", "method": "shampoo", "max_dim": 64, "beta": 0.9, "every": 3, "exponent": None, "damping": 1e-12,
+    geo = {"kind": "kronecker", "method": "shampoo", "max_dim": 64,
+           "beta": 0.9, "every": 3, "exponent": None, "damping": 1e-12,
            "root": "eigh", "graft": "none", "eps": 1e-8, "betas": [0.9, 0.999]}
     g = torch.randn(3, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     state: dict = {}
@@ -450,7 +451,8 @@ def test_soaps_factors_are_moving_averages_of_the_gradients_products():
     from geomopt.geometry.learned import kronecker
 
     beta = 0.8
-    geo = {"kind": "kronecker", "method": "soap", "max_dim": 64, "beta": beta, "every": 10, "betas": [0.9, 0.99], "eps": 1e-8}
+    geo = {"kind": "kronecker", "method": "soap", "max_dim": 64, "beta": beta,
+           "every": 10, "betas": [0.9, 0.99], "eps": 1e-8}
     g = torch.randn(3, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     state: dict = {}
     for k in range(3):
@@ -484,7 +486,8 @@ def test_shampoos_spectral_graft_has_the_norm_of_a_polar_factor(shape):
     √min(m, n), per matrix, wide or tall."""
     from geomopt.geometry.learned import kronecker
 
-    geo = {"kind": "kronecker", "method": "shampoo", "max_dim": 64, "beta": 0.9, "every": 1, "exponent": None, "damping": 1e-12,
+    geo = {"kind": "kronecker", "method": "shampoo", "max_dim": 64,
+           "beta": 0.9, "every": 1, "exponent": None, "damping": 1e-12,
            "root": "eigh", "graft": "spectral", "eps": 1e-8, "betas": [0.9, 0.999]}
     g = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     out = kronecker(g, typed.geometry(geo), radius=1.0, state={}, batch_dims=len(shape) - 2)
