@@ -69,7 +69,8 @@ class View:
 class ResolvedGeometry:
     """A tensor's geometry: the spec geometry (``layout`` and ``prenormalize`` resolved) and, for
     the geometries that read matrices, the tensor's concrete :class:`View` (None: the plain
-    matrix). Read by name it answers as the spec geometry whose ``view`` is the concrete one."""
+    matrix). The fields some kinds have are typed properties (None where the kind has none). Read by
+    name (build-time code only) it answers as the spec geometry whose ``view`` is the concrete one."""
 
     spec: Geometry
     view: Optional[View] = None
