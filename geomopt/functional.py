@@ -30,8 +30,8 @@ def _fragment(adapter: TypeAdapter, value, what: str):
         model = adapter.validate_python(dict(value))
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise SpecError([language_diagnostic("GO005", f"{what}.{where}: {first['msg']}", f"<{what}>")]) from None
+        where = ".".join(str(p) for p in (what, *first["loc"]))
+        raise SpecError([language_diagnostic("GO005", f"{where}: {first['msg']}", f"<{what}>")]) from None
     except (TypeError, ValueError) as exc:
         raise SpecError([language_diagnostic("GO005", f"{what} must be a mapping with a 'kind': {exc}",
                                              f"<{what}>")]) from None

@@ -23,8 +23,9 @@ from geomopt.support import (MUON_COEFFICIENTS, NEWTON_SCHULZ_SETS, POLAR_EXPRES
 
 sys.path.insert(0, str(Path(__file__).parent))
 import catalog_eo  # noqa: E402
+import typed_fragments as typed  # noqa: E402
 
-AOL = {"kind": "aol", "eps": 1e-7}
+AOL = typed.prenorm({"kind": "aol", "eps": 1e-7})
 TURBO_MUON = Path(__file__).resolve().parents[1] / "specs" / "catalog" / "turbo-muon.yaml"
 
 
@@ -66,7 +67,7 @@ def test_aol_eps_floors_the_row_sums():
     """A zero row stays zero (s = ε^(−1/2)); a row whose sum is below ε is scaled by ε^(−1/2), not more."""
     d = torch.zeros(3, 8, dtype=torch.float64)
     d[1] = 1e-6
-    out = prenormalize(d, {"kind": "aol", "eps": 1e-3})
+    out = prenormalize(d, typed.prenorm({"kind": "aol", "eps": 1e-3}))
     assert torch.equal(out[0], torch.zeros(8, dtype=torch.float64))
     torch.testing.assert_close(out[1], d[1] / math.sqrt(1e-3), rtol=1e-14, atol=0)
 
@@ -130,7 +131,7 @@ def test_aol_starts_closer_to_orthogonal_than_frobenius():
     start's, so four steps of the same ``aol`` set end nearer the polar factor UVᵀ."""
     torch.manual_seed(3)
     d = torch.randn(4, 256, 256, dtype=torch.float64)
-    fro = {"kind": "frobenius", "eps": 1e-7}
+    fro = typed.prenorm({"kind": "frobenius", "eps": 1e-7})
     smin = [torch.linalg.svdvals(prenormalize(d, cfg))[..., -1] for cfg in (AOL, fro)]
     assert bool((smin[0] >= 2 * smin[1]).all())
     u, _, vh = torch.linalg.svd(d)

@@ -16,7 +16,8 @@ import pytest
 import scipy.optimize as so
 import torch
 
-from geomopt.geometry.prox import backward
+import typed_fragments as typed
+from typed_fragments import backward
 from geomopt.geometry.reference import make_reference
 
 scalar = importlib.import_module("geomopt.geometry.prox.scalar")
@@ -92,7 +93,7 @@ def test_ball_newton_matches_float64_brute_force(ref, dist, t_over_r, theta):
     a = _scaled(_magnitudes(dist, 40, rng), t, r, theta)
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
         at = torch.tensor(a, dtype=dtype)[None]
-        s, bad = scalar.ball_magnitudes(at, t, r, make_reference(REFS[ref]), dtype)
+        s, bad = scalar.ball_magnitudes(at, t, r, make_reference(typed.reference(REFS[ref])), dtype)
         assert not bool(bad[0])
         want = _ball_brute(REFS[ref], at[0].double().numpy(), t, r)
         err = np.abs(s[0].double().numpy() - want).max() / want.max()
@@ -103,7 +104,8 @@ def test_ball_solve_has_no_host_syncs():
     """Fixed step count, no data-dependent control flow: the whole solve runs on the meta device
     (any .item(), .tolist() or bool() of a tensor would raise there)."""
     for ref in REFS.values():
-        s, bad = scalar.ball_magnitudes(torch.empty(3, 7, device="meta"), 0.1, 1.0, make_reference(ref), torch.float32)
+        h = make_reference(typed.reference(ref))
+        s, bad = scalar.ball_magnitudes(torch.empty(3, 7, device="meta"), 0.1, 1.0, h, torch.float32)
         assert s.shape == (3, 7) and bad.shape == (3,)
 
 
@@ -112,7 +114,7 @@ def test_ball_rows_are_independent_and_flags_unchanged():
     the flag, and a row's result does not depend on the rows next to it (bit for bit)."""
     rng = np.random.default_rng(3)
     a = torch.tensor(np.stack([rng.uniform(0, 1, 16) * k for k in (0.1, 0.4, 1.0, 5.0)]), dtype=torch.float32)
-    ref = make_reference(REFS["pow4"])
+    ref = make_reference(typed.reference(REFS["pow4"]))
     s, bad = scalar.ball_magnitudes(a, 0.3, 1.0, ref, torch.float32)
     assert torch.equal(s[0], a[0]) and not bool(bad[0])
     assert bool(bad[3]) and torch.allclose(s[3], a[3] / a[3].norm())
@@ -141,8 +143,9 @@ def _buckets(shape, batch=4):
 def _step_values(s: torch.Tensor, c: dict, t: float) -> torch.Tensor:
     """The op's own scalar step on σ, in float64."""
     if c["kind"] == "frobenius_ball":
-        return scalar.ball_magnitudes(s.double(), t, c["radius"], make_reference(GEOMETRY["reference"]), torch.float64)[0]
-    return vector.sigma_proj(c["kind"], s.double(), c)
+        ref = make_reference(typed.reference(GEOMETRY["reference"]))
+        return scalar.ball_magnitudes(s.double(), t, c["radius"], ref, torch.float64)[0]
+    return vector.sigma_proj(c["kind"], s.double(), typed.constraint(c))
 
 
 def _svd_step(y: torch.Tensor, c: dict, t: float) -> torch.Tensor:

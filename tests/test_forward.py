@@ -11,8 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.optim._muon import _adjust_lr
 
-from geomopt.geometry import check_applicable, forward, make_reference, radius_scale
+import typed_fragments as typed
+from typed_fragments import forward
+from geomopt.functional import forward_step
+from geomopt.geometry import check_applicable, make_reference, radius_scale
 from geomopt.geometry.adam import adam_moments
+from geomopt.spec.diagnostics import SpecError
 from geomopt.geometry.operators import FORWARD_OPS
 from geomopt.geometry.spectral import newton_schulz, polar_express
 
@@ -56,7 +60,7 @@ def _conj_euclidean(ref, d):
 
 def brute_force(phi_conj, ref_cfg, d, radius):
     """ρ·∇φ₁*(D) by autograd of φ₁* (the paper's dual reference function), float64."""
-    ref = make_reference(ref_cfg) if ref_cfg else None
+    ref = make_reference(typed.reference(ref_cfg)) if ref_cfg else None
     x = d.detach().clone().requires_grad_(True)
     (g,) = torch.autograd.grad(phi_conj(ref, x), x)
     return radius * g
@@ -100,7 +104,7 @@ def test_forward_equals_gradient_of_dual_reference(row, radius):
 
 def test_spectral_argmax_definition():
     """∇φ*(D) = argmax_X ⟨D, X⟩ − φ(X), checked by perturbing the claimed maximizer (φ(X) = Σh(σ_i))."""
-    ref = make_reference(POW)
+    ref = make_reference(typed.reference(POW))
     d = randn(3, 4, seed=11)
     x = forward(d, {"kind": "spectral", "reference": POW})
 
@@ -210,11 +214,12 @@ def test_view_trailing_batch_is_one_matrix_per_kernel_position():
 def test_view_that_does_not_fit_says_why(view, shape, message):
     from geomopt.geometry.view import resolve
 
+    spec_view = typed.view(view)
     if message is None:
-        assert resolve(view, shape)["blocks"] == [4, 4, 4]
+        assert resolve(spec_view, shape).blocks == (4, 4, 4)
     else:
         with pytest.raises(ValueError, match=message):
-            resolve(view, shape)
+            resolve(spec_view, shape)
 
 
 @pytest.mark.parametrize("kind", ["rowwise", "columnwise"])
@@ -275,10 +280,11 @@ def test_radius_defaults_to_the_geometry_field():
 def test_dispatch_errors():
     assert set(FORWARD_OPS) == {"euclidean", "isotropic", "anisotropic", "spectral", "rowwise", "columnwise", "adam",
                                 "kronecker"}
-    with pytest.raises(ValueError, match="unknown geometry kind 'spectrl'.*spectral"):
-        forward(torch.ones(2, 2), {"kind": "spectrl"})
-    with pytest.raises(ValueError, match="needs a reference"):
-        forward(torch.ones(2, 2), {"kind": "isotropic"})
+    # a kind the spec lacks, or a missing reference, is refused where a dict enters (the spec's message)
+    with pytest.raises(SpecError, match="geometry: Input tag 'spectrl'.*expected tags.*'spectral'"):
+        forward_step(torch.ones(2, 2), {"kind": "spectrl"})
+    with pytest.raises(SpecError, match="geometry.isotropic.reference: Field required"):
+        forward_step(torch.ones(2, 2), {"kind": "isotropic"})
     with pytest.raises(ValueError, match="at least 2 dims"):
         forward(torch.ones(3), {"kind": "spectral", "reference": IND})
     with pytest.raises(ValueError, match="carries state"):
@@ -324,7 +330,7 @@ def test_adam_moments_with_addcdiv_is_adamw_bit_for_bit(weight_decay):
         grad = randn(6, 7, seed=50 + k, dtype=torch.float32)
         ref_param.grad = grad.clone()
         opt.step()
-        exp_avg, denom, bc1 = adam_moments(grad, state, {"kind": "adam", "betas": list(betas)})
+        exp_avg, denom, bc1 = adam_moments(grad, state, typed.geometry({"kind": "adam", "betas": list(betas)}))
         p = (p * (1 - lr * weight_decay)).addcdiv(exp_avg, denom, value=-lr / bc1)
         assert torch.equal(p, ref_param.detach())
 
@@ -346,10 +352,11 @@ MUON_SHAPES = [(64, 16), (16, 64), (32, 32), (3, 1), (1, 7)]
 def test_muon_presets_match_torch_adjust_lr(shape, preset):
     geometry = {"kind": "spectral", "reference": IND, "scale": preset}
     torch_name = {"muon_original": "original", "match_rms_adamw": "match_rms_adamw"}[preset]
-    assert radius_scale(geometry, shape) == pytest.approx(_adjust_lr(1.0, torch_name, torch.Size(shape)), rel=1e-15)
+    scale = radius_scale(typed.preset_geometry(geometry), shape)
+    assert scale == pytest.approx(_adjust_lr(1.0, torch_name, torch.Size(shape)), rel=1e-15)
     # in_out storage reads the transposed shape
     flipped = {**geometry, "layout": "in_out"}
-    assert radius_scale(flipped, shape[::-1]) == pytest.approx(radius_scale(geometry, shape), rel=1e-15)
+    assert radius_scale(typed.preset_geometry(flipped), shape[::-1]) == pytest.approx(scale, rel=1e-15)
 
 
 def _scion_colnorm(g):  # LIONS-EPFL/scion ColNorm(normalized=False).lmo
@@ -387,7 +394,7 @@ def _scion_sign(g):  # Sign(normalized=True).lmo
 def test_scion_presets_reproduce_scion_lmos(geometry, scion_lmo, shape, layout_shape):
     """Scion's g/(c‖g‖ + 1e-8) is the isotropic log barrier with ρ = 1/c, ε = 1e-8/c (paper Remark 2.5)."""
     g = randn(*shape, seed=6)
-    rho = radius_scale(geometry, shape)
+    rho = radius_scale(typed.preset_geometry(geometry), shape)
     if "reference" not in geometry:
         geometry = {**geometry, "reference": {"kind": "log_barrier", "eps": 1e-8 * rho}}
     torch.testing.assert_close(forward(g, geometry, radius=rho), scion_lmo(g), rtol=1e-12, atol=1e-14)
@@ -410,16 +417,17 @@ def test_scion_presets_reproduce_scion_lmos(geometry, scion_lmo, shape, layout_s
         ({"kind": "rowwise", "scale": "scion", "layout": "in_out"}, (10, 4), 1 / math.sqrt(10)),
         ({"kind": "spectral", "scale": "none"}, (10, 4), 1.0),
         ({"kind": "euclidean"}, (10, 4), 1.0),
-        ({"kind": "adam", "scale": "scion"}, (10, 4), 1.0),
+        ({"kind": "adam"}, (10, 4), 1.0),
     ],
 )
 def test_radius_scale_table(geometry, shape, want):
-    assert radius_scale(geometry, shape) == pytest.approx(want, rel=1e-15)
+    assert radius_scale(typed.preset_geometry(geometry), shape) == pytest.approx(want, rel=1e-15)
 
 
 def test_unknown_preset_is_an_error():
-    with pytest.raises(ValueError, match="unknown scale preset 'scoin'"):
-        radius_scale({"kind": "spectral", "scale": "scoin"}, (3, 3))
+    # refused where the dict enters, by the spec's model
+    with pytest.raises(ValueError, match="spectral.scale\n.*Input should be 'none', 'scion'"):
+        radius_scale(typed.preset_geometry({"kind": "spectral", "scale": "scoin"}), (3, 3))
 
 
 # ---------------------------------------------------------------- applicability
@@ -438,7 +446,7 @@ def test_unknown_preset_is_an_error():
     ],
 )
 def test_check_applicable(geometry, shape, message):
-    got = check_applicable(geometry, shape)
+    got = check_applicable(typed.preset_geometry(geometry), shape)
     if message is None:
         assert got is None
     else:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+import typed_fragments as typed
 import geomopt
 from geomopt.support import realized_reference
 from geomopt.lint import lint_spec
@@ -52,7 +53,10 @@ def test_equals_newton_schulz_in_float64(shape, steps, restarts):
     assert _rel(got, want) < 1e-10
 
 
-@pytest.mark.parametrize("prenorm", [None, {"kind": "max", "eps": 1e-7}, {"kind": "frobenius", "eps": 1e-3}])
+MAX = typed.prenorm({"kind": "max", "eps": 1e-7})
+
+
+@pytest.mark.parametrize("prenorm", [None, MAX, typed.prenorm({"kind": "frobenius", "eps": 1e-3})])
 def test_same_pre_normalization_coefficients_and_scale(prenorm):
     x = torch.randn(2, 12, 30, generator=torch.Generator().manual_seed(3), dtype=F64) * 7.0
     coeffs = [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5), (1.875, -1.25, 0.375)]
@@ -89,10 +93,10 @@ def test_matches_pytorch_optimizer_float32(shape, steps, restarts):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(steps * 10 + len(restarts)))
     want = matrix.zero_power_via_gram_newton_schulz(x, num_steps=steps, eps=1e-7, safety_factor=1.0, weights=MUON,
                                                     dtype=torch.float32, reset_steps=restarts)
-    got = gram_newton_schulz(x, steps=steps, restarts=list(restarts), prenormalize={"kind": "max", "eps": 1e-7})
+    got = gram_newton_schulz(x, steps=steps, restarts=list(restarts), prenormalize=MAX)
     assert got.dtype == want.dtype == torch.float32
     assert _rel(got, want) < 1e-5
-    exact = newton_schulz(x.double(), steps=steps, prenormalize={"kind": "max", "eps": 1e-7})
+    exact = newton_schulz(x.double(), steps=steps, prenormalize=MAX)
     assert _rel(got, exact) < 1e-5
 
 
@@ -144,8 +148,8 @@ def test_optimizer_step_matches_newton_schulz(extra):
 
 def test_forward_op_folds_the_radius():
     d = torch.randn(6, 16, 40, generator=torch.Generator().manual_seed(4))
-    geometry = {"kind": "spectral", "reference": {"kind": "indicator"},
-                "approx": GramNewtonSchulz().model_dump()}
+    geometry = typed.geometry({"kind": "spectral", "reference": {"kind": "indicator"},
+                               "approx": GramNewtonSchulz().model_dump()})
     got = forward(d, geometry, radius=3.0, batch_dims=1)
     assert got.dtype == torch.float32
     assert _rel(got, 3.0 * newton_schulz(d.double())) < 1e-5  # fp32: measured 1.4e-6
@@ -168,13 +172,17 @@ def test_treated_like_newton_schulz():
         for dtype in ("auto", "float32", "bfloat16", "float64"):
             assert compute_dtype(like, "gram_newton_schulz", dtype) == compute_dtype(like, "newton_schulz", dtype)
     assert compute_dtype(cuda, "gram_newton_schulz") == torch.bfloat16
-    geometry = {"kind": "spectral", "approx": {"kind": "gram_newton_schulz", "dtype": "bfloat16"}}
+    approx = {"kind": "gram_newton_schulz", "dtype": "bfloat16"}
+    geometry = typed.geometry({"kind": "spectral", "reference": {"kind": "indicator"}, "approx": approx})
     assert input_dtype(geometry, cpu) == torch.bfloat16
-    assert slow_bf16(geometry["approx"], "cpu") == slow_bf16({**geometry["approx"], "kind": "newton_schulz"}, "cpu")
-    ns = {"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}}
-    gns = {**ns, "approx": {"kind": "gram_newton_schulz"}}
-    stiefel = {"kind": "stiefel"}  # its backward step does not depend on h: the realized barrier is measured
-    assert gap_reference(gns, stiefel) == gap_reference(ns, stiefel) == realized_reference({"kind": "newton_schulz"})
+    assert slow_bf16(typed.approx(approx), "cpu") == slow_bf16(typed.approx({**approx, "kind": "newton_schulz"}), "cpu")
+    ns = typed.geometry({"kind": "spectral", "reference": {"kind": "indicator"}, "approx": {"kind": "newton_schulz"}})
+    gns = typed.geometry({"kind": "spectral", "reference": {"kind": "indicator"},
+                          "approx": {"kind": "gram_newton_schulz"}})
+    # its backward step does not depend on h: the realized barrier is measured
+    stiefel = typed.constraint({"kind": "stiefel", "radius": 1.0})
+    assert gap_reference(gns, stiefel) == gap_reference(ns, stiefel)
+    assert gap_reference(ns, stiefel).model_dump() == realized_reference({"kind": "newton_schulz"})
 
 
 def test_lint_go107_fires_as_for_newton_schulz():

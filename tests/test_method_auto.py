@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+import typed_fragments as typed
 import geomopt
 from geomopt.compile import compile_spec
 from geomopt.lint import lint_spec
@@ -21,13 +22,12 @@ from geomopt.compile.compiler import model_params
 from geomopt.compile.explain import explain
 from geomopt.compile.plan import constraint_text, resolved_methods
 from geomopt.geometry import method
-from geomopt.geometry.gap import gap_reference, gap_unavailable
+from typed_fragments import gap_reference, gap_unavailable
 from geomopt.geometry.method import CUDA_BATCHED_EIGH_MAX, METHOD_KINDS, resolve_method
 from geomopt.spec.constraints import Rank, SpectralBall, SpectralSphere, Stiefel
 from geomopt.spec.schema import schema
 
-# the package (its ``backward`` attribute is the function), and the module of the polar steps
-backward = importlib.import_module("geomopt.geometry.prox")
+# the module of the polar steps
 prox_polar = importlib.import_module("geomopt.geometry.prox.polar")
 ROOT = Path(__file__).resolve().parents[1]
 SPECTRAL = {"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 2e-3},
@@ -79,8 +79,9 @@ def test_an_unknown_method_is_refused_with_the_choices():
                                    (64, 16, 3, 3)])
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), "meta", "mps"])
 def test_auto_is_exact_off_cuda_at_every_size(kind, shape, device):
-    assert resolve_method({"kind": kind, "method": "auto"}, device, shape) == "exact"
-    assert resolve_method({"kind": kind}, device, shape) == "exact"  # no method key reads as auto
+    assert resolve_method(typed.constraint({"kind": kind, "radius": 1.0, "method": "auto"}), device, shape) == "exact"
+    # no method key reads as auto
+    assert resolve_method(typed.constraint({"kind": kind, "radius": 1.0}), device, shape) == "exact"
 
 
 @pytest.mark.parametrize("kind", METHOD_KINDS)
@@ -92,8 +93,8 @@ def test_auto_is_exact_off_cuda_at_every_size(kind, shape, device):
 ])
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda"), torch.device("cuda", 0)])
 def test_auto_on_cuda_is_polar_where_the_smaller_side_exceeds_32(kind, shape, expected, device):
-    assert resolve_method({"kind": kind, "method": "auto"}, device, shape) == expected
-    assert resolve_method({"kind": kind}, device, torch.Size(shape)) == expected
+    assert resolve_method(typed.constraint({"kind": kind, "radius": 1.0, "method": "auto"}), device, shape) == expected
+    assert resolve_method(typed.constraint({"kind": kind, "radius": 1.0}), device, torch.Size(shape)) == expected
 
 
 def test_the_threshold_is_torchs_batched_eigh_limit():
@@ -107,12 +108,13 @@ def test_the_threshold_is_torchs_batched_eigh_limit():
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("shape", [(8, 4), (768, 768)])
 def test_exact_and_polar_force_one(kind, forced, device, shape):
-    assert resolve_method({"kind": kind, "method": forced}, device, shape) == forced
+    assert resolve_method(typed.constraint({"kind": kind, "radius": 1.0, "method": forced}), device, shape) == forced
 
 
-@pytest.mark.parametrize("kind", ["spectral_sphere", "rank"])
-def test_kinds_without_a_polar_step_are_exact(kind):
-    assert resolve_method({"kind": kind, "radius": 1.0, "k": 2}, "cuda", (768, 768)) == "exact"
+@pytest.mark.parametrize("constraint", [{"kind": "spectral_sphere", "radius": 1.0}, {"kind": "rank", "k": 2}],
+                         ids=lambda c: c["kind"])
+def test_kinds_without_a_polar_step_are_exact(constraint):
+    assert resolve_method(typed.constraint(constraint), "cuda", (768, 768)) == "exact"
 
 
 def test_the_method_kinds_are_the_polar_steps():
@@ -136,12 +138,12 @@ def test_the_backward_step_dispatches_through_resolve_method(kind, monkeypatch):
     seen = []
 
     def fake(constraint, device, shape):
-        seen.append((constraint.get("method"), torch.device(device).type, tuple(shape)))
+        seen.append((constraint.method, torch.device(device).type, tuple(shape)))
         return "polar"
 
-    polar, _ = backward.backward(y, 0.1, geo, {"kind": kind, "radius": 1.0, "method": "polar"}, batch_dims=1)
+    polar, _ = typed.backward(y, 0.1, geo, {"kind": kind, "radius": 1.0, "method": "polar"}, batch_dims=1)
     monkeypatch.setattr(method, "resolve_method", fake)
-    auto, _ = backward.backward(y, 0.1, geo, {"kind": kind, "radius": 1.0, "method": "auto"}, batch_dims=1)
+    auto, _ = typed.backward(y, 0.1, geo, {"kind": kind, "radius": 1.0, "method": "auto"}, batch_dims=1)
     assert seen == [("auto", "cpu", (48, 40))]
     assert torch.equal(auto, polar)
 
@@ -151,9 +153,9 @@ def test_auto_backward_step_on_cpu_is_the_exact_one(kind):
     torch.manual_seed(1)
     y = torch.randn(4, 40, 24)
     geo = {"kind": "spectral", "reference": {"kind": "indicator"}}
-    exact, _ = backward.backward(y, 0.1, geo, {"kind": kind, "radius": 1.0, "method": "exact"}, batch_dims=1)
+    exact, _ = typed.backward(y, 0.1, geo, {"kind": kind, "radius": 1.0, "method": "exact"}, batch_dims=1)
     for c in ({"kind": kind, "radius": 1.0, "method": "auto"}, {"kind": kind, "radius": 1.0}):
-        assert torch.equal(backward.backward(y, 0.1, geo, c, batch_dims=1)[0], exact)
+        assert torch.equal(typed.backward(y, 0.1, geo, c, batch_dims=1)[0], exact)
 
 
 @pytest.mark.parametrize("kind", METHOD_KINDS)

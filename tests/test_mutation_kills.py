@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from geomopt.geometry.adam import adam_moments, adam_multi_tensor
-from geomopt.geometry.gap import stationarity_gap
 from geomopt.geometry.matrix import groups, matrices, split_like
-from geomopt.geometry.prox import backward
+import typed_fragments as typed
+from typed_fragments import backward, stationarity_gap
 from geomopt.geometry.view import cost as view_cost
 from geomopt.geometry.view import count, describe
+from geomopt.compile.fragments import View
 from geomopt.geometry.reference import _z_minus_log1p, make_reference
 from geomopt.geometry.polynomial import compose_polynomials, gram_quintic_iteration
 from geomopt.geometry.prox.scalar import _box_tau, ball_magnitudes, sphere_magnitudes
@@ -54,19 +55,20 @@ def test_adam_multi_tensor_is_adamw_over_steps(fused, weight_decay):
 
     for step, us in enumerate(grads, start=1):
         adam_multi_tensor(xs, us, (m, split_like(m, xs)), (v, split_like(v, xs)), step, None, 0,
-                          {"betas": betas, "eps": eps}, lr, weight_decay, fused, take)
+                          typed.geometry({"kind": "adam", "betas": list(betas), "eps": eps}), lr, weight_decay, fused,
+                          take)
     for got, ref in zip(xs, want):
         torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
 
 
 def test_adam_moments_defaults_are_adamws():
-    """Without betas and eps in the fragment: torch.optim.AdamW's (0.9, 0.999) and 1e-8, in closed
-    form over two steps (m, v and the denominator √v̂ + ε, bc₁)."""
+    """Without betas and eps in the spec: torch.optim.AdamW's (0.9, 0.999) and 1e-8, in closed form
+    over two steps (m, v and the denominator √v̂ + ε, bc₁)."""
     torch.manual_seed(1)
     g1, g2 = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     state: dict = {}
-    adam_moments(g1, state, {})
-    m, denom, bc1 = adam_moments(g2, state, {})
+    adam_moments(g1, state, typed.geometry({"kind": "adam"}))
+    m, denom, bc1 = adam_moments(g2, state, typed.geometry({"kind": "adam"}))
     b1, b2, eps = 0.9, 0.999, 1e-8
     m_ref = b1 * (1 - b1) * g1 + (1 - b1) * g2
     v_ref = b2 * (1 - b2) * g1**2 + (1 - b2) * g2**2
@@ -273,7 +275,7 @@ def test_the_linf_sphere_projects_each_row_of_a_batch_on_its_own():
     """A (B, n) batch: a row reaching ‖v‖∞ ≥ r is clipped, one inside has its first largest entry
     moved to ±r (the nearest point of the sphere), each by its own norm."""
     v = torch.tensor([[0.5, -3.0, 1.0], [0.2, -0.7, 0.7]], dtype=torch.float64)
-    got = VECTOR_PROJ["linf_sphere"](v, {"kind": "linf_sphere", "radius": 2.0})
+    got = VECTOR_PROJ["linf_sphere"](v, typed.constraint({"kind": "linf_sphere", "radius": 2.0}))
     want = torch.tensor([[0.5, -2.0, 1.0], [0.2, -2.0, 0.7]], dtype=torch.float64)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -295,9 +297,9 @@ def test_box_tau_solves_each_row_on_its_own():
 
 VIEW_CASES = [  # (view, shape, the matrices it holds, as (count, m, n) runs in block order)
     (None, (64, 192), [(1, 64, 192)]),
-    ({"batch": 1, "blocks": None, "trailing": "matrix"}, (4, 256, 64), [(4, 256, 64)]),
-    ({"batch": 0, "blocks": [64, 16, 16], "trailing": "matrix"}, (96, 64), [(1, 64, 64), (2, 16, 64)]),
-    ({"batch": 0, "blocks": None, "trailing": "batch"}, (8, 3, 2, 2), [(4, 8, 3)]),
+    (View(batch=1, blocks=None, trailing="cols"), (4, 256, 64), [(4, 256, 64)]),
+    (View(batch=0, blocks=(64, 16, 16), trailing="cols"), (96, 64), [(1, 64, 64), (2, 16, 64)]),
+    (View(batch=0, blocks=None, trailing="batch"), (8, 3, 2, 2), [(4, 8, 3)]),
 ]
 
 
@@ -325,7 +327,7 @@ def test_the_groups_of_a_batch_of_scalars_are_one_by_one():
     """A batch of 0-d elements under a rowwise geometry: one group of one entry each."""
     x = torch.tensor([1.5, -2.0, 0.5])
     for kind in ("rowwise", "columnwise"):
-        got = groups(x, 1, {"kind": kind})
+        got = groups(x, 1, typed.geometry({"kind": kind, "reference": {"kind": "quadratic"}}))
         assert got.shape == (3, 1, 1) and torch.equal(got.reshape(3), x)
 
 
@@ -336,8 +338,8 @@ def test_the_ball_and_sphere_magnitudes_solve_their_optimality_conditions(step, 
     the sphere), checked on their definition: a row inside the ball is kept; otherwise Σs² = r² and
     σ = s/t, α = a/t meet σ ± (h₁*)'(τσ) = α for one τ per row (+ inward, − outward), i.e.
     τ = h₁'(±(α − σ))/σ is the same for every entry (h₁' = ((h₁*)')⁻¹, the reference's own h')."""
-    ref = make_reference({"kind": kind, "eps": 0.05} if kind == "log_barrier" else
-                         {"kind": kind, "kappa": 4.0, "eps": 0.05})
+    ref = make_reference(typed.reference({"kind": kind, "eps": 0.05} if kind == "log_barrier" else
+                         {"kind": kind, "kappa": 4.0, "eps": 0.05}))
     a = torch.tensor([[0.3, 0.2, 0.1, 0.05], [1.2, 0.8, 0.5, 0.3], [1.6, 1.2, 0.4, 0.9]], dtype=torch.float64)
     t, r = 1.0, 1.0
     fn = ball_magnitudes if step == "ball" else sphere_magnitudes
@@ -379,11 +381,11 @@ def test_psgd_steps_along_the_debiased_momentum_before_its_first_fit():
     from geomopt.geometry.learned import kronecker
 
     mu, rho = 0.9, 0.5
-    geo = {"method": "psgd", "max_dim": 64, "momentum": mu, "every": 10, "precond_lr": 0.1}
+    geo = {"kind": "kronecker", "method": "psgd", "max_dim": 64, "momentum": mu, "every": 10, "precond_lr": 0.1}
     g = torch.randn(2, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 0.1
     state: dict = {}
-    first = kronecker(g[0], geo, radius=rho, state=state)
-    second = kronecker(g[1], geo, radius=rho, state=state)
+    first = kronecker(g[0], typed.geometry(geo), radius=rho, state=state)
+    second = kronecker(g[1], typed.geometry(geo), radius=rho, state=state)
     torch.testing.assert_close(first, rho * g[0], rtol=1e-12, atol=0)
     want = (mu * (1 - mu) * g[0] + (1 - mu) * g[1]) / (1 - mu**2)
     torch.testing.assert_close(second, rho * want, rtol=1e-12, atol=1e-15)
@@ -407,11 +409,12 @@ def test_shampoos_roots_stay_the_identity_until_step_every():
     schedule): with every = 3 and no graft, steps 1 and 2 return G itself, step 3 a preconditioned G."""
     from geomopt.geometry.learned import kronecker
 
-    geo = {"method": "shampoo", "max_dim": 64, "beta": 0.9, "every": 3, "exponent": None, "damping": 1e-12,
-           "root": "eigh", "graft": "none", "eps": 1e-8, "betas": (0.9, 0.999)}
+    geo = {"kind": "kronecker", "method": "shampoo", "max_dim": 64,
+           "beta": 0.9, "every": 3, "exponent": None, "damping": 1e-12,
+           "root": "eigh", "graft": "none", "eps": 1e-8, "betas": [0.9, 0.999]}
     g = torch.randn(3, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     state: dict = {}
-    out = [kronecker(g[k], geo, radius=1.0, state=state) for k in range(3)]
+    out = [kronecker(g[k], typed.geometry(geo), radius=1.0, state=state) for k in range(3)]
     assert torch.equal(out[0], g[0]) and torch.equal(out[1], g[1])
     assert (out[2] - g[2]).abs().max() > 1e-3
 
@@ -419,13 +422,14 @@ def test_shampoos_roots_stay_the_identity_until_step_every():
 def test_an_auto_view_without_structure_is_the_plain_matrix():
     """``view: auto`` on a tensor the model says nothing of (no batch, no blocks): the plain matrix
     (None), a 3-D tensor included (rows × the rest, not a batch of matrices)."""
+    from geomopt.compile.fragments import View
     from geomopt.geometry.view import resolve
+    from geomopt.spec.geometries import AutoView
 
     for shape in ((4, 3), (4, 3, 2), (2, 4, 3, 2)):
-        assert resolve({"kind": "auto"}, shape, {}) is None, shape
-        assert resolve({"kind": "auto"}, shape, None) is None, shape
-    assert resolve({"kind": "auto"}, (4, 3, 2), {"batch": 1}) == {"batch": 1, "trailing": "cols", "blocks": None,
-                                                                  "factors": None}
+        assert resolve(AutoView(), shape, {}) is None, shape
+        assert resolve(AutoView(), shape, None) is None, shape
+    assert resolve(AutoView(), (4, 3, 2), {"batch": 1}) == View(batch=1, trailing="cols", blocks=None)
 
 
 @pytest.mark.parametrize("size", [1e-160, 1e-3, 1e150])
@@ -435,7 +439,7 @@ def test_gram_eigh_at_the_ends_of_float64_is_the_svds_map(size):
     from geomopt.geometry.spectral import gram_eigh, svd
 
     d = torch.randn(2, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(8)) * size
-    ref = make_reference({"kind": "log_barrier", "eps": 1e-3 * size})
+    ref = make_reference(typed.reference({"kind": "log_barrier", "eps": 1e-3 * size}))
     want = svd(d, ref)
     torch.testing.assert_close(gram_eigh(d, ref), want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
     torch.testing.assert_close(gram_eigh(d.mT, ref), want.mT, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
@@ -447,11 +451,12 @@ def test_soaps_factors_are_moving_averages_of_the_gradients_products():
     from geomopt.geometry.learned import kronecker
 
     beta = 0.8
-    geo = {"method": "soap", "max_dim": 64, "beta": beta, "every": 10, "betas": (0.9, 0.99), "eps": 1e-8}
+    geo = {"kind": "kronecker", "method": "soap", "max_dim": 64, "beta": beta,
+           "every": 10, "betas": [0.9, 0.99], "eps": 1e-8}
     g = torch.randn(3, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     state: dict = {}
     for k in range(3):
-        kronecker(g[k], geo, radius=1.0, state=state)
+        kronecker(g[k], typed.geometry(geo), radius=1.0, state=state)
     left = sum((1 - beta) * beta ** (2 - k) * g[k] @ g[k].T for k in range(3))
     right = sum((1 - beta) * beta ** (2 - k) * g[k].T @ g[k] for k in range(3))
     torch.testing.assert_close(state["soap_left"].reshape(5, 5), left, rtol=1e-12, atol=1e-14)
@@ -481,10 +486,11 @@ def test_shampoos_spectral_graft_has_the_norm_of_a_polar_factor(shape):
     √min(m, n), per matrix, wide or tall."""
     from geomopt.geometry.learned import kronecker
 
-    geo = {"method": "shampoo", "max_dim": 64, "beta": 0.9, "every": 1, "exponent": None, "damping": 1e-12,
-           "root": "eigh", "graft": "spectral", "eps": 1e-8, "betas": (0.9, 0.999)}
+    geo = {"kind": "kronecker", "method": "shampoo", "max_dim": 64,
+           "beta": 0.9, "every": 1, "exponent": None, "damping": 1e-12,
+           "root": "eigh", "graft": "spectral", "eps": 1e-8, "betas": [0.9, 0.999]}
     g = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    out = kronecker(g, geo, radius=1.0, state={}, batch_dims=len(shape) - 2)
+    out = kronecker(g, typed.geometry(geo), radius=1.0, state={}, batch_dims=len(shape) - 2)
     norms = torch.linalg.matrix_norm(out.reshape(-1, *shape[-2:]))
     torch.testing.assert_close(norms, torch.full_like(norms, math.sqrt(min(shape[-2:]))), rtol=1e-12, atol=0)
 

@@ -23,8 +23,8 @@ import torch
 import geomopt
 from geomopt.support import BACKWARD_PAIRS, supported_constraints
 from geomopt.compile import as_spec
-from geomopt.geometry import backward
-from geomopt.geometry.forward import forward
+import typed_fragments as typed
+from typed_fragments import backward, forward
 from geomopt.geometry.reference import make_reference, working_eps
 from geomopt.geometry.scale import radius_scale
 from optim_helpers import SPECS
@@ -180,7 +180,7 @@ def test_zero_size_operators(geometry, shape):
     """The operators themselves: every scale preset gives a finite radius for a zero-size shape, the
     forward op returns an empty tensor of the shape and dtype asked for, and every backward step the
     geometry has returns its (empty) input."""
-    assert math.isfinite(radius_scale(geometry, shape))
+    assert math.isfinite(radius_scale(typed.preset_geometry(geometry), shape))
     d = torch.zeros(shape)
     out = forward(d, {**geometry, "radius": 1.0}, out_dtype=torch.bfloat16)
     assert out.shape == d.shape and out.dtype == torch.bfloat16
@@ -440,7 +440,7 @@ def test_working_eps_floors_and_limits(dtype):
     half_ulp = 2 / info.eps * info.tiny  # from here on, tiny is at most half an ulp of |y|: y/(tiny + |y|) = sign(y)
     y = torch.tensor([0.0, 1e-45, -1e-40, half_ulp, -1.0, info.max], dtype=dtype)
     for ref in ({"kind": "log_barrier", "eps": F64_MIN}, {"kind": "power_barrier", "kappa": 4.0, "eps": F64_MIN}):
-        h = make_reference(ref)
+        h = make_reference(typed.reference(ref))
         out = h.dual_grad(y)
         assert torch.isfinite(out).all() and out.abs().max() <= 1
         limit = (y.abs() >= half_ulp) & (y.abs() <= 1)
@@ -454,7 +454,7 @@ def test_working_eps_floors_and_limits(dtype):
         tiny_group = torch.full((3,), 1e-20 if dtype == torch.float32 else 1e-160, dtype=dtype)
         norm = torch.linalg.vector_norm(tiny_group)
         assert (tiny_group * h.iso_factor(norm)).abs().max() <= 1
-        h_big = make_reference({**ref, "eps": F64_MAX})
+        h_big = make_reference(typed.reference({**ref, "eps": F64_MAX}))
         if dtype == torch.float32:  # ε past float32's range is +∞ there: the map is 0
             assert torch.equal(h_big.dual_grad(y), torch.zeros_like(y))
         else:  # float64 holds ε: y/ε (to its rounding, ≤ 1)

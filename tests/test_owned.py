@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import typed_fragments as typed
+from geomopt.compile.fragments import ResolvedGeometry
 from geomopt.distributed.executors import ReplicatedExecutor, Request, matrix_cost
 from geomopt.geometry.learned import kronecker
 from geomopt.optim.engine.owned import owned_forward, owners
@@ -21,12 +23,9 @@ from geomopt.registry import LOCAL, OWNER
 F64 = torch.float64
 
 
-class G(dict):
-    """A geometry as a plan's fragment reads: by field and by ``.kind``."""
-
-    @property
-    def kind(self):
-        return self["kind"]
+def G(**fields) -> ResolvedGeometry:
+    """A geometry as a plan holds it (the spec's model, typed), from its fields."""
+    return typed.geometry({"reference": {"kind": "indicator"}, **fields} if fields["kind"] == "spectral" else fields)
 
 
 GEOMETRIES = {

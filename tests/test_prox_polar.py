@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from geomopt.geometry.prox import backward
+from typed_fragments import backward
 from geomopt.geometry.prox.polar import polar, polar_steps
 from test_backward import LOG, _geometry, direction, point_in
 

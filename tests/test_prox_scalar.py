@@ -11,6 +11,7 @@ import pytest
 import scipy.optimize as so
 import torch
 
+import typed_fragments as typed
 from test_backward import LOG, POW4
 
 
@@ -42,7 +43,7 @@ def test_ball_magnitudes_match_nested_root_finding_in_float64(ref, t_over_r):
 
     assert np.sum(np.maximum(a - t, 0) ** 2) <= r * r
     log_tau = so.brentq(lambda lt: np.sum(sigma(np.exp(lt)) ** 2) - rho**2, -40, 40, xtol=1e-15, rtol=1e-15)
-    s, bad = mod.ball_magnitudes(torch.tensor(a)[None], t, r, make_reference(ref), torch.float64)
+    s, bad = mod.ball_magnitudes(torch.tensor(a)[None], t, r, make_reference(typed.reference(ref)), torch.float64)
     assert not bool(bad[0])
     np.testing.assert_allclose(s[0].numpy(), t * sigma(np.exp(log_tau)), rtol=1e-12, atol=1e-14 * r)
 
@@ -130,7 +131,7 @@ def test_magnitudes_match_nested_root_finding_on_every_branch(name, t_over_r, ki
     solve = mod.ball_magnitudes if kind == "ball" else mod.sphere_magnitudes
     for dtype, rtol in ((torch.float64, 1e-13), (torch.float32, 2e-6)):
         x = torch.tensor(a, dtype=dtype)
-        s, bad = solve(x, t, r, make_reference(ref), dtype)
+        s, bad = solve(x, t, r, make_reference(typed.reference(ref)), dtype)
         assert bad.tolist() == flags, (dtype, bad)
         exact = [(_magnitudes_np(row, t, r, ref, outward=kind == "sphere" and np.linalg.norm(row) < r)
                   if not (f or (kind == "ball" and np.linalg.norm(row) <= r)) else w)

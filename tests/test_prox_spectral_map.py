@@ -12,7 +12,7 @@ import pytest
 import scipy.optimize as so
 import torch
 
-from geomopt.geometry.prox import backward
+from typed_fragments import backward
 from geomopt.geometry.prox.spectral_map import DeviceRoutes
 from test_backward import IND, POW4, QUAD, _geometry
 

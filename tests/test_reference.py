@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import integrate, optimize, special
 
+import typed_fragments as typed
 from geomopt.geometry.reference import REFERENCES, make_reference
 
 F64 = torch.float64
@@ -78,7 +79,7 @@ def conj_quad(y: float, kappa: float, eps: float) -> float:
 @pytest.mark.parametrize("kappa", [1.0, 1.5, 2.0, 3.0, 4.0, 8.0])
 def test_power_barrier_h_matches_quadrature(kappa):
     eps = 1e-3
-    ref = make_reference({"kind": "power_barrier", "kappa": kappa, "eps": eps})
+    ref = make_reference(typed.reference({"kind": "power_barrier", "kappa": kappa, "eps": eps}))
     xs = [0.0, 1e-9, 1e-3, -0.2, 0.5, -0.75, 0.9, 0.99, 0.999999, -(1 - 1e-12), 1 - 2**-52]
     if kappa > 1:
         xs.append(1.0)  # h(±1) is finite for κ > 1
@@ -90,7 +91,7 @@ def test_power_barrier_h_matches_quadrature(kappa):
 @pytest.mark.parametrize("kappa", [1.0, 1.5, 2.0, 3.0, 4.0, 8.0])
 def test_power_barrier_conj_matches_quadrature(kappa):
     eps = 1e-3
-    ref = make_reference({"kind": "power_barrier", "kappa": kappa, "eps": eps})
+    ref = make_reference(typed.reference({"kind": "power_barrier", "kappa": kappa, "eps": eps}))
     ys = [0.0, 1e-12, 1e-6, -5e-4, 1e-3, 2e-3, -0.05, 1.0, 37.0, -1e3 * eps, 1e5 * eps, 1e8 * eps]
     got = ref.conj(t64(ys)).numpy()
     want = np.array([conj_quad(y, kappa, eps) for y in ys])
@@ -101,11 +102,11 @@ def test_power_barrier_closed_forms():
     """κ = 2: h = ε(1−√(1−x²)), h* = √(ε²+y²)−ε; κ = 1 is the log barrier (geomopt.geometry.reference)."""
     x = torch.linspace(-0.999, 0.999, 101, dtype=F64)
     y = torch.logspace(-8, 4, 101, dtype=F64)
-    k2 = make_reference({"kind": "power_barrier", "kappa": 2, "eps": 0.1})
+    k2 = make_reference(typed.reference({"kind": "power_barrier", "kappa": 2, "eps": 0.1}))
     torch.testing.assert_close(k2.h(x), 0.1 * (1 - torch.sqrt(1 - x * x)), rtol=1e-12, atol=1e-17)
     torch.testing.assert_close(k2.conj(y[50:]), torch.sqrt(0.01 + y[50:] ** 2) - 0.1, rtol=1e-12, atol=0)
-    k1 = make_reference({"kind": "power_barrier", "kappa": 1, "eps": 0.1})
-    lb = make_reference({"kind": "log_barrier", "eps": 0.1})
+    k1 = make_reference(typed.reference({"kind": "power_barrier", "kappa": 1, "eps": 0.1}))
+    lb = make_reference(typed.reference({"kind": "log_barrier", "eps": 0.1}))
     for fn in ("h", "dh", "dual_grad", "conj", "iso_factor"):
         arg = x if fn in ("h", "dh") else y
         torch.testing.assert_close(getattr(k1, fn)(arg), getattr(lb, fn)(arg), rtol=1e-13, atol=0)
@@ -114,7 +115,7 @@ def test_power_barrier_closed_forms():
 def test_hypergeometric_form_away_from_boundary():
     """h = ε(x²/2)·₂F₁(2/κ,1/κ;1+2/κ;|x|^κ) (paper Appendix F) where scipy's ₂F₁ is reliable."""
     for kappa in (1.5, 3.0, 4.0):
-        ref = make_reference({"kind": "power_barrier", "kappa": kappa, "eps": 0.2})
+        ref = make_reference(typed.reference({"kind": "power_barrier", "kappa": kappa, "eps": 0.2}))
         xs = np.array([0.01, 0.3, 0.6, 0.8])
         want = 0.2 * xs**2 / 2 * special.hyp2f1(2 / kappa, 1 / kappa, 1 + 2 / kappa, xs**kappa)
         np.testing.assert_allclose(ref.h(t64(xs)).numpy(), want, rtol=1e-12)
@@ -122,7 +123,7 @@ def test_hypergeometric_form_away_from_boundary():
 
 @pytest.mark.parametrize("cfg", BARRIERS, ids=_id)
 def test_outside_domain_is_infinite(cfg):
-    ref = make_reference(cfg)
+    ref = make_reference(typed.reference(cfg))
     out = ref.h(t64([1.5, -1.0000001, 7.0]))
     assert torch.isinf(out).all() and (out > 0).all()
 
@@ -132,7 +133,7 @@ def test_outside_domain_is_infinite(cfg):
 
 @pytest.mark.parametrize("cfg", ALL, ids=_id)
 def test_dual_grad_is_derivative_of_conj(cfg):
-    ref = make_reference(cfg)
+    ref = make_reference(typed.reference(cfg))
     eps = getattr(ref, "eps", 1.0) or 1.0
     y = torch.tensor([-300.0, -3.0, -0.7, -0.2, 0.1, 0.5, 1.3, 40.0], dtype=F64).mul(eps).requires_grad_(True)
     (g,) = torch.autograd.grad(ref.conj(y).sum(), y)
@@ -141,7 +142,7 @@ def test_dual_grad_is_derivative_of_conj(cfg):
 
 @pytest.mark.parametrize("cfg", BARRIERS + [{"kind": "quadratic"}], ids=_id)
 def test_dh_is_derivative_of_h(cfg):
-    ref = make_reference(cfg)
+    ref = make_reference(typed.reference(cfg))
     x = torch.tensor([-0.999, -0.9, -0.5, -1e-3, 0.0, 0.2, 0.7, 0.95, 0.9999], dtype=F64).requires_grad_(True)
     (g,) = torch.autograd.grad(ref.h(x).sum(), x)
     torch.testing.assert_close(g, ref.dh(x.detach()), rtol=1e-9, atol=1e-15)
@@ -151,7 +152,7 @@ def test_dh_is_derivative_of_h(cfg):
 def test_dual_grad_inverts_dh(cfg):
     """(h*)' = (h')^{-1} (paper Lemma A.1). h'(x) amplifies the rounding of x by 1/(1 − |x|^κ), so y
     stays where 1 − |x|^κ ≳ 1e-6: |y| ≤ ε·10^{6/κ}."""
-    ref = make_reference(cfg)
+    ref = make_reference(typed.reference(cfg))
     eps = ref.eps
     y = torch.linspace(-1, 1, 401, dtype=F64) * eps * 10 ** (6 / (ref.kappa or 6))
     torch.testing.assert_close(ref.dh(ref.dual_grad(y)), y, rtol=1e-9, atol=1e-14 * eps)
@@ -161,7 +162,7 @@ def test_dual_grad_inverts_dh(cfg):
 
 @pytest.mark.parametrize("cfg", ALL, ids=_id)
 def test_iso_factor_times_s_is_dual_grad(cfg):
-    ref = make_reference(cfg)
+    ref = make_reference(typed.reference(cfg))
     s = torch.tensor([0.0, 1e-12, 1e-4, 0.3, 2.0, 1e6], dtype=F64)
     torch.testing.assert_close(ref.iso_factor(s) * s, ref.dual_grad(s), rtol=1e-14, atol=0)
     assert torch.isfinite(ref.iso_factor(s)).all()
@@ -170,7 +171,7 @@ def test_iso_factor_times_s_is_dual_grad(cfg):
 @pytest.mark.parametrize("cfg", BARRIERS, ids=_id)
 def test_fenchel_conjugacy_brute_force(cfg):
     """h*(y) = sup_{|x|≤1} xy − h(x), the sup found by a bounded scalar search (no use of h')."""
-    ref = make_reference(cfg)
+    ref = make_reference(typed.reference(cfg))
     # y = h'(x₀) for x₀ spread over the domain, so the sup is attained in the interior.
     for y in ref.dh(t64([-0.99, -0.5, 0.02, 0.9, 0.999])).tolist():
         def neg(x):
@@ -190,7 +191,7 @@ def test_fenchel_conjugacy_brute_force(cfg):
 def test_fenchel_young_equality_at_the_dual_point(kappa, log_eps, log_y):
     """h(x) + h*(y) = xy at x = (h*)'(y), wherever 1 − x is representable."""
     eps, y = 10.0**log_eps, 10.0 ** (log_y + log_eps)
-    ref = make_reference({"kind": "power_barrier", "kappa": kappa, "eps": eps})
+    ref = make_reference(typed.reference({"kind": "power_barrier", "kappa": kappa, "eps": eps}))
     x = ref.dual_grad(t64([y]))
     if 1 - x.item() < 1e-10:
         x = t64([1 - 1e-10])
@@ -201,12 +202,12 @@ def test_fenchel_young_equality_at_the_dual_point(kappa, log_eps, log_y):
 
 def test_registry_holds_every_spec_kind():
     assert set(REFERENCES) == {"log_barrier", "power_barrier", "indicator", "quadratic"}
-    assert make_reference({"kind": "indicator"}).dual_grad(t64([0.0, -2.0])).tolist() == [0.0, -1.0]
+    assert make_reference(typed.reference({"kind": "indicator"})).dual_grad(t64([0.0, -2.0])).tolist() == [0.0, -1.0]
 
 
 def test_large_tensors_are_integrated_in_chunks_with_the_same_values():
     """h and h* of a tensor larger than one quadrature batch equal the elementwise values."""
-    ref = make_reference({"kind": "power_barrier", "kappa": 4.0, "eps": 1e-3})
+    ref = make_reference(typed.reference({"kind": "power_barrier", "kappa": 4.0, "eps": 1e-3}))
     g = torch.Generator().manual_seed(0)
     x = torch.rand(300, 130, generator=g, dtype=F64) * 2 - 1  # 39000 > one chunk
     y = torch.randn(300, 130, generator=g, dtype=F64)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.optim._muon import _zeropower_via_newtonschulz
 
+import typed_fragments as typed
 from geomopt.geometry import make_reference, realized_reference
 from geomopt.geometry.polynomial import compose_polynomials
 from geomopt.geometry.prenorm import prenormalize
@@ -64,7 +65,7 @@ def rank_deficient(m: int, n: int, r: int, seed: int = 0) -> torch.Tensor:
 )
 def test_svd_equals_gram_eigh_float64(ref, make):
     d = make()
-    r = make_reference(ref)
+    r = make_reference(typed.reference(ref))
     torch.testing.assert_close(gram_eigh(d, r), svd(d, r), rtol=1e-7, atol=1e-9)
 
 
@@ -80,7 +81,7 @@ def test_svd_equals_gram_eigh_shapes(m, n, batch, rank, seed):
     g = torch.Generator().manual_seed(seed)
     r = min(rank, m, n)
     d = torch.randn(*batch, m, r, generator=g, dtype=F64) @ torch.randn(*batch, r, n, generator=g, dtype=F64)
-    ref = make_reference({"kind": "log_barrier", "eps": 1e-3})
+    ref = make_reference(typed.reference({"kind": "log_barrier", "eps": 1e-3}))
     torch.testing.assert_close(gram_eigh(d, ref), svd(d, ref), rtol=1e-7, atol=1e-8)
 
 
@@ -88,7 +89,7 @@ def test_svd_maps_singular_values_by_dual_grad():
     """U·Diag((h*)'(σ))·Vᵀ: the output's singular values are (h*)'(σ) (h* increasing on σ ≥ 0)."""
     s = torch.tensor([3.0, 1.0, 0.2, 1e-3], dtype=F64)
     d = with_singular_values(s, 6, 9)
-    ref = make_reference({"kind": "power_barrier", "kappa": 4, "eps": 1e-2})
+    ref = make_reference(typed.reference({"kind": "power_barrier", "kappa": 4, "eps": 1e-2}))
     out = svd(d, ref)
     torch.testing.assert_close(torch.linalg.svdvals(out)[:4], ref.dual_grad(s), rtol=1e-12, atol=1e-14)
     assert torch.linalg.svdvals(out)[4:].max() < 1e-14  # rank is kept: (h*)'(0) = 0
@@ -96,7 +97,7 @@ def test_svd_maps_singular_values_by_dual_grad():
 
 def test_gram_eigh_defaults_to_float64_and_returns_input_dtype():
     d = torch.randn(20, 30)
-    ref = make_reference({"kind": "indicator"})
+    ref = make_reference(typed.reference({"kind": "indicator"}))
     out = gram_eigh(d, ref)
     assert out.dtype == torch.float32
     exact = svd(d.double(), ref)
@@ -112,7 +113,7 @@ def test_exact_approximations_map_a_nonfinite_matrix_to_nan(kind, dtype):
     """A matrix holding a NaN or ±∞ (a NaN gradient under ``on_nonfinite: off``) maps to NaN, as
     through the polynomial iterations' matmuls, where LAPACK raised; the batch's finite matrices
     map as alone, bit for bit."""
-    ref = make_reference({"kind": "power_barrier", "kappa": 4, "eps": 1e-2})
+    ref = make_reference(typed.reference({"kind": "power_barrier", "kappa": 4, "eps": 1e-2}))
     d = torch.randn(3, 6, 4, dtype=dtype, generator=torch.Generator().manual_seed(2))
     d[1, 0, 3], d[2, 5, 0] = math.nan, -math.inf
     got = APPROX_OPS[kind](d, ref)
@@ -140,7 +141,7 @@ def test_newton_schulz_bf16_reproduces_torch_muon(shape):
     """With dtype bfloat16 and torch's D/max(‖D‖, ε) pre-normalization the op sequence is Muon's."""
     g = torch.randn(*shape, generator=torch.Generator().manual_seed(7))
     want = _zeropower_via_newtonschulz(g, MUON_COEFFICIENTS, 5, 1e-7).float()
-    got = newton_schulz(g, dtype="bfloat16", prenormalize={"kind": "max", "eps": 1e-7})
+    got = newton_schulz(g, dtype="bfloat16", prenormalize=typed.prenorm({"kind": "max", "eps": 1e-7}))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
@@ -213,7 +214,7 @@ def test_folded_iteration_is_the_same_map(prenorm, shape, steps, monkeypatch):
     if prenorm["kind"] == "none":
         d = d / d.norm(dim=(-2, -1), keepdim=True)  # the iteration needs σ ≤ 1
     coeffs = newton_schulz_coefficients(steps)
-    kw = dict(prenorm=prenorm, scale=-2.5, out_dtype=torch.float32)
+    kw = dict(prenorm=typed.prenorm(prenorm), scale=-2.5, out_dtype=torch.float32)
     before = d.clone()
     want = spectral_module.odd_quintic_iteration(d, coeffs, **kw)
     monkeypatch.setattr(spectral_module, "_MUON_ORDER_DEVICES", ())
@@ -254,9 +255,9 @@ def test_scale_and_out_dtype_fold_into_every_approximation(kind):
     radius, folded into σ maps and small factors instead of a pass over the result)."""
     g = torch.Generator().manual_seed(4)
     d = torch.randn(2, 6, 9, generator=g, dtype=torch.float32)
-    ref = make_reference({"kind": "log_barrier", "eps": 1e-2})
-    plain = apply_approx(d, ref, {"kind": kind})
-    scaled = apply_approx(d, ref, {"kind": kind}, scale=-3.0, out_dtype=torch.float64)
+    ref = make_reference(typed.reference({"kind": "log_barrier", "eps": 1e-2}))
+    plain = apply_approx(d, ref, typed.approx({"kind": kind}))
+    scaled = apply_approx(d, ref, typed.approx({"kind": kind}), scale=-3.0, out_dtype=torch.float64)
     assert scaled.dtype == torch.float64
     torch.testing.assert_close(scaled, -3.0 * plain.double(), rtol=1e-5, atol=1e-6)
 
@@ -320,7 +321,7 @@ def test_newton_schulz_coefficient_forms():
         newton_schulz_coefficients(3, per_step)
     # the cubic (1.5, −0.5) converges to the polar factor
     d = with_singular_values(torch.tensor([1.0, 0.6, 0.3], dtype=F64), 5, 7)
-    out = newton_schulz(d, steps=30, coefficients=[[1.5, -0.5, 0.0]], prenormalize={"kind": "none"})
+    out = newton_schulz(d, steps=30, coefficients=[[1.5, -0.5, 0.0]], prenormalize=typed.prenorm({"kind": "none"}))
     torch.testing.assert_close(torch.linalg.svdvals(out)[:3], torch.ones(3, dtype=F64), rtol=0, atol=1e-10)
 
 
@@ -372,9 +373,9 @@ def test_prenormalize_is_the_same_map_for_every_approx(kind, cfg, scale, magnitu
     g = torch.Generator().manual_seed(5)
     d = torch.randn(3, 6, 8, generator=g, dtype=F64) * torch.tensor(magnitudes, dtype=F64).view(3, 1, 1)
     norms = torch.linalg.vector_norm(d, dim=(-2, -1), keepdim=True)
-    ref = make_reference({"kind": "log_barrier", "eps": 1e-2})
-    got = APPROX_OPS[kind](d, ref, prenormalize=cfg)
-    want = APPROX_OPS[kind](d / scale(norms), ref, prenormalize={"kind": "none"})
+    ref = make_reference(typed.reference({"kind": "log_barrier", "eps": 1e-2}))
+    got = APPROX_OPS[kind](d, ref, prenormalize=typed.prenorm(cfg))
+    want = APPROX_OPS[kind](d / scale(norms), ref, prenormalize=typed.prenorm({"kind": "none"}))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
@@ -383,20 +384,22 @@ def test_prenormalize_defaults():
     # None = frobenius for the polynomial iterations, none for the exact paths
     torch.testing.assert_close(prenormalize(d, None, "polar_express"), d / (d.norm() + 1e-7))
     assert prenormalize(d, None, "svd") is d
-    torch.testing.assert_close(prenormalize(d, {"eps": 1e-3}), d / (d.norm() + 1e-3))  # kind omitted = frobenius
-    with pytest.raises(ValueError, match="prenormalize kind"):
-        prenormalize(d, {"kind": "spectral"})
+    torch.testing.assert_close(prenormalize(d, typed.prenorm({"kind": "frobenius", "eps": 1e-3})),
+                               d / (d.norm() + 1e-3))
+    with pytest.raises(ValueError, match="Input tag 'spectral'.*expected tags: 'frobenius'"):
+        typed.prenorm({"kind": "spectral"})  # refused where a dict enters, by the spec's model
 
 
 def test_apply_approx_dispatch_and_errors():
     d = torch.randn(4, 5, dtype=F64)
-    ref = make_reference({"kind": "indicator"})
+    ref = make_reference(typed.reference({"kind": "indicator"}))
     torch.testing.assert_close(apply_approx(d, ref, None), svd(d, ref))
-    torch.testing.assert_close(apply_approx(d, None, {"kind": "polar_express", "steps": 6}), polar_express(d, steps=6))
-    with pytest.raises(ValueError, match="unknown spectral approx 'eig'"):
-        apply_approx(d, ref, {"kind": "eig"})
+    torch.testing.assert_close(apply_approx(d, None, typed.approx({"kind": "polar_express", "steps": 6})),
+                               polar_express(d, steps=6))
+    with pytest.raises(ValueError, match="Input tag 'eig'.*expected tags: 'svd'"):
+        typed.approx({"kind": "eig"})  # refused where a dict enters, by the spec's model
     with pytest.raises(ValueError, match="needs a reference"):
-        apply_approx(d, None, {"kind": "gram_eigh"})
+        apply_approx(d, None, typed.approx({"kind": "gram_eigh"}))
 
 
 def test_module_docstring_table_of_realized_eps_is_current():

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import geomopt
 from geomopt.spec.diagnostics import SpecError
+from geomopt.spec.geometries import FrobeniusPrenorm
 
 
 # this module's references are float64 (tests that compare bits with torch use float32)
@@ -565,7 +566,7 @@ def test_stages_after_a_bfloat16_polynomial_compute_in_float32():
     for g in grads:
         g = g["w"].reshape(4, -1)
         buf = 0.5 * buf + 0.5 * g  # α = 1/2: exact in float32, as the optimizer's lerps
-        u = newton_schulz(0.5 * buf + 0.5 * g, dtype="bfloat16", prenormalize={"kind": "frobenius"}).double()
+        u = newton_schulz(0.5 * buf + 0.5 * g, dtype="bfloat16", prenormalize=FrobeniusPrenorm()).double()
         m2 = u.pow(2).mean(1)
         v = 0.5 * m2 if v is None else 0.5 * v + 0.5 * m2
         want = want - 0.1 * u / (v.sqrt() + 1e-3)[:, None]

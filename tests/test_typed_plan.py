@@ -123,27 +123,16 @@ def _kind_lookups(path: Path) -> list[str]:
     return out
 
 
-ENGINE = sorted((ROOT / "geomopt" / "optim").rglob("*.py"))
+STEP_PATH = sorted((ROOT / "geomopt" / "optim").rglob("*.py")) + sorted((ROOT / "geomopt" / "geometry").rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", ENGINE, ids=lambda p: str(p.relative_to(ROOT / "geomopt" / "optim")))
-def test_the_engine_reads_no_kind_by_string(path):
-    """The engine reads typed fragments by attribute. The one exception: a torch param group's
-    ``schedule`` (a plain dict by torch's contract: it is saved in the state dict)."""
-    found = [f for f in _kind_lookups(path) if f not in _ALLOWED]
-    assert not found, f"{_KIND_LOOKUP} in the engine: {found}"
-
-
-def _group_schedule_lines() -> set[str]:
-    out = set()
-    for path in ENGINE:
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if '["schedule"]["kind"]' in line:
-                out.add(f"{path.name}:{i}")
-    return out
-
-
-_ALLOWED = _group_schedule_lines()
+@pytest.mark.parametrize("path", STEP_PATH, ids=lambda p: str(p.relative_to(ROOT / "geomopt")))
+def test_the_step_path_reads_no_kind_by_string(path):
+    """The engine and the arithmetic units read typed fragments by attribute (a param group's
+    ``schedule``, plain data by torch's contract, is validated into its model first:
+    geomopt.optim.units.schedules.typed_schedule)."""
+    found = _kind_lookups(path)
+    assert not found, f"{_KIND_LOOKUP} on the step path: {found}"
 
 
 def test_the_kind_lookup_finder_finds_one():
@@ -154,3 +143,157 @@ def test_the_kind_lookup_finder_finds_one():
         p = Path(d) / "m.py"
         p.write_text('def f(g):\n    return g["kind"], g.get("kind")\n')
         assert _kind_lookups(p) == ["m.py:2", "m.py:2"]
+
+
+# ---------------------------------------------------------------- a step reads nothing by name
+
+#: shipped specs whose steps cover every forward kind, the polynomial approximations with each
+#: pre-normalization (AOL: turbo-muon), views, the backward steps (projections, a retraction, a
+#: prox under a barrier, proximal decay) and the kronecker methods
+STEP_SPECS = ["muon", "adamw-hybrid", "scion", "uscion", "stiefel", "hyperball", "prox-muon-frobenius",
+              "sign-descent", "spectral-clip", "catalog/shampoo", "catalog/soap", "catalog/psgd-kron",
+              "catalog/turbo-muon", "catalog/muon-hyperball", "catalog/lion", "catalog/normuon"]
+
+THEORY = """
+geomopt: 1
+name: theory
+defaults:
+  direction: {kind: polyak, alpha: 0.1}
+  schedule: {kind: theory, horizon: 100, gamma_bar: 0.5}
+rules:
+  - name: hidden
+    match: {ndim: 2}
+    geometry: {kind: spectral, reference: {kind: indicator}, approx: {kind: newton_schulz}, view: auto}
+    constraint: {kind: spectral_ball, radius: 3.0}
+  - name: rest
+    match: "**"
+    geometry: {kind: isotropic, reference: {kind: log_barrier, eps: 1.0e-8}}
+"""
+
+#: the post-stages read their own fields by name (geomopt.optim.units.stages: ``cfg["target"]``),
+#: never a kind: the only reads by name a step may make
+_POST_STAGES = {"norm_ratio", "rms_match", "second_moment", "cautious", "trust_ratio", "row_norm", "contra",
+                "power_normalize"}
+
+
+def _spec_text(name: str) -> str:
+    return THEORY if name == "theory" else (ROOT / "specs" / f"{name}.yaml").read_text()
+
+
+@pytest.fixture
+def name_reads(monkeypatch):
+    """Every read of a fragment by name (``fragment["x"]``, ``.get``, ``in``, ``keys``, ``items``) on
+    the spec models, the resolved geometries and the views, as (class, key), while ``reading[0]``."""
+    reads: list = []
+    reading = [False]
+
+    def watch(cls, method):
+        original = getattr(cls, method)
+
+        def watched(self, *args, **kwargs):
+            if reading[0]:
+                reads.append((type(self).__name__, args[0] if args else method))
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, method, watched)
+
+    for cls in (SpecModel, ResolvedGeometry, View):
+        for method in ("__getitem__", "get", "__contains__", "keys", "items"):
+            if method in vars(cls):
+                watch(cls, method)
+    return reads, reading
+
+
+@pytest.mark.parametrize("name", STEP_SPECS + ["theory"])
+def test_a_step_reads_no_fragment_by_name(name, name_reads):
+    """Two steps (the first creates the state) of a spec on a small GPT read every fragment by
+    attribute: no kind, and no field of a geometry, constraint, approximation, pre-normalization,
+    reference, schedule or view, is read by name."""
+    from optim_helpers import gpt_batch, loss_of, tiny_gpt
+
+    reads, reading = name_reads
+    torch.manual_seed(0)
+    model = tiny_gpt(0)
+    opt = GeomOptimizer(model, _spec_text(name))
+    post = {s.kind for r in opt.spec.rules for s in (r.post or ())}
+    for k in range(2):
+        opt.zero_grad()
+        loss_of(model, gpt_batch(k)).backward()
+        reading[0] = True
+        try:
+            opt.step()
+        finally:
+            reading[0] = False
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    kinds = [r for r in reads if r[1] == "kind"]
+    assert not kinds, f"a step of {name} looked up a kind by name: {kinds}"
+    others = [r for r in reads if not (post and r[0] in _post_models(post))]
+    assert not others, f"a step of {name} read fragments by name: {sorted(set(others))}"
+
+
+def _post_models(kinds: set) -> set:
+    """The class names of the post-stage models of ``kinds`` (their fields are read by name)."""
+    from geomopt.spec.model import Rule
+
+    union = Rule.model_fields["post"].annotation
+    models = {m for m in _members(union)}
+    return {m.__name__ for m in models if m.model_fields["kind"].default in kinds}
+
+
+def _members(tp) -> set:
+    """The pydantic models inside a (nested) annotation."""
+    import typing
+
+    out = set()
+    stack = [tp]
+    while stack:
+        t = stack.pop()
+        if isinstance(t, type) and issubclass(t, pydantic.BaseModel):
+            out.add(t)
+        else:
+            stack.extend(typing.get_args(t))
+    return out
+
+
+def test_the_name_read_watch_sees_a_kind_read(name_reads, monkeypatch):
+    """The watch above is not blind: a kind read by name on a plan's fragment during a step is
+    seen (the polynomial iteration's pre-normalization read as ``cfg["kind"]``)."""
+    import geomopt.geometry.spectral as spectral
+    from optim_helpers import gpt_batch, loss_of, tiny_gpt
+
+    reads, reading = name_reads
+    model = tiny_gpt(0)
+    opt = GeomOptimizer(model, "muon")
+    original = spectral.odd_quintic_iteration
+
+    def by_name(x, coefficients, *, prenorm=None, **kwargs):
+        assert prenorm is not None and prenorm["kind"] == "max"  # the spelling the step path forbids
+        return original(x, coefficients, prenorm=prenorm, **kwargs)
+
+    monkeypatch.setattr(spectral, "odd_quintic_iteration", by_name)
+    loss_of(model, gpt_batch(0)).backward()
+    reading[0] = True
+    opt.step()
+    reading[0] = False
+    assert ("MaxPrenorm", "kind") in reads
+
+
+def test_a_group_schedule_the_spec_refuses_is_refused_before_the_step():
+    """A param group's ``schedule`` is plain data (saved in the state dict, editable): the step
+    validates it into the spec's model when it changes, so a bad edit gets the spec's message and
+    nothing moves; a good edit is what the next step runs."""
+    from optim_helpers import gpt_batch, loss_of, tiny_gpt
+
+    model = tiny_gpt(0)
+    opt = GeomOptimizer(model, THEORY)
+    loss_of(model, gpt_batch(0)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    group = opt.param_groups[0]
+    group["schedule"] = {"kind": "theory", "horizon": 100}
+    with pytest.raises(ValueError, match="rule 'hidden': schedule.theory.gamma_bar: Field required"):
+        opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert group["step"] == 0
+    group["schedule"]["gamma_bar"] = 0.25  # edited in place: read again
+    opt.step()
+    assert opt.engine.schedules[0].gamma_bar == 0.25 and group["step"] == 1

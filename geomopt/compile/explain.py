@@ -127,7 +127,7 @@ def kronecker_factors_text(pp: ParamPlan) -> str:
     from geomopt.geometry.view import count, matrix_shapes  # geomopt.geometry loads torch: off the lint path
 
     g = pp.geometry
-    view = None if g.view is None else g.view.plain()
+    view = g.view
     rows, cols = matrix_shapes(view, pp.op_shape)[0]
     head = f"{count(view, pp.op_shape)} matrices, each: " if view is not None else ""
     out = []

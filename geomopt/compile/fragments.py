@@ -5,10 +5,11 @@ per-tensor values resolved by :mod:`geomopt.compile.resolve` (the layout the ope
 Newton–Schulz's pre-normalization, a ``relative`` radius made absolute: each a ``model_copy`` with
 a value of the field's own type). Two things a spec cannot say have their own frozen types: the
 concrete matrix view of one tensor (:class:`View`) and the geometry that carries it
-(:class:`ResolvedGeometry`). Code that knows a fragment's kind reads attributes; the arithmetic
-units (:mod:`geomopt.geometry`) read fields by name, which every fragment here, every spec model
-and the functional API's plain dicts all answer. :func:`plain` gives any fragment's JSON-able form
-(the bucket digests, ``geomopt plan --format json``, the printed step programs).
+(:class:`ResolvedGeometry`). Everything on the step path (the engine and the arithmetic units of
+:mod:`geomopt.geometry`) reads them by attribute, typed; the functional API validates its plain
+dicts into these types once, at its entry. Reading by field name (``fragment["kind"]``) is left to
+build-time code that handles raw spec data. :func:`plain` gives any fragment's JSON-able form (the
+bucket digests, ``geomopt plan --format json``, the printed step programs).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 from pydantic import BaseModel
 
-from geomopt.spec.geometries import Geometry
+from geomopt.spec.geometries import Approx, Geometry, Layout, Prenormalize, Reference
 
 _VIEW_FIELDS = ("batch", "trailing", "blocks", "factors", "layout", "scale_constraint")
 
@@ -37,14 +38,6 @@ class View:
     factors: Optional[tuple[float, ...]] = None
     layout: Optional[str] = None
     scale_constraint: bool = False
-
-    @classmethod
-    def of(cls, view: Mapping) -> "View":
-        """The view of a resolved view mapping (:func:`geomopt.geometry.view.resolve`'s)."""
-        blocks, factors = view.get("blocks"), view.get("factors")
-        return cls(int(view["batch"]), str(view["trailing"]), None if blocks is None else tuple(blocks),
-                   None if factors is None else tuple(float(f) for f in factors), view.get("layout"),
-                   bool(view.get("scale_constraint", False)))
 
     def __getitem__(self, key: str) -> Any:
         if key not in _VIEW_FIELDS:
@@ -76,7 +69,8 @@ class View:
 class ResolvedGeometry:
     """A tensor's geometry: the spec geometry (``layout`` and ``prenormalize`` resolved) and, for
     the geometries that read matrices, the tensor's concrete :class:`View` (None: the plain
-    matrix). Read by name it answers as the spec geometry whose ``view`` is the concrete one."""
+    matrix). The fields some kinds have are typed properties (None where the kind has none). Read by
+    name (build-time code only) it answers as the spec geometry whose ``view`` is the concrete one."""
 
     spec: Geometry
     view: Optional[View] = None
@@ -89,15 +83,44 @@ class ResolvedGeometry:
     def radius(self) -> float:
         return self.spec.radius
 
+    # The fields some kinds have, typed, None where the kind has none (a plain lookup:
+    # ``getattr`` on a field a model lacks goes through pydantic's slow ``__getattr__``).
+
     @property
-    def approx(self) -> Optional[BaseModel]:
+    def approx(self) -> Optional[Approx]:
         """The spectral geometry's approximation (None for the others)."""
         return self.spec.__dict__.get("approx")
 
     @property
     def approx_kind(self) -> Optional[str]:
         approx = self.approx
-        return None if approx is None else approx.kind  # type: ignore[attr-defined]
+        return None if approx is None else approx.kind
+
+    @property
+    def reference(self) -> Optional[Reference]:
+        """The reference function h (None for euclidean, adam and kronecker)."""
+        return self.spec.__dict__.get("reference")
+
+    @property
+    def prenormalize(self) -> Optional[Prenormalize]:
+        """The spectral geometry's pre-normalization (None: the approximation's default)."""
+        return self.spec.__dict__.get("prenormalize")
+
+    @property
+    def layout(self) -> Layout:
+        """The layout the operators read (``out_in`` for the kinds without the field)."""
+        return self.spec.__dict__.get("layout", "out_in")
+
+    def __post_init__(self) -> None:
+        # made once (the instance is frozen), not on each step; not a field: equality, hashing and
+        # the printed form are the spec's and the view's
+        object.__setattr__(self, "_matrix", self if self.view is None else ResolvedGeometry(self.spec))
+
+    @property
+    def matrix(self) -> "ResolvedGeometry":
+        """This geometry without its view: what an operator receives for one stack of the view's
+        matrices."""
+        return self._matrix  # type: ignore[attr-defined]
 
     def __getitem__(self, key: str) -> Any:
         if key == "view" and "view" in self.spec.__dict__:

@@ -82,10 +82,9 @@ def resolve_view(geometry: Geometry, op_shape: tuple[int, ...], structure: Optio
         problem = view_problem(view)
         if problem is not None:
             raise ValueError(problem)
-    view["factors"] = block_factors(geometry, op_shape, view)
-    if view["factors"] and constraint is not None and constraint.get("relative"):
-        view["scale_constraint"] = True
-    return View.of(view)
+    factors = block_factors(geometry, op_shape, view)
+    return dataclasses.replace(view, factors=factors, scale_constraint=bool(
+        factors and constraint is not None and constraint.get("relative")))
 
 
 def resolve(geometry: Geometry, constraint: Optional[Constraint], shape: tuple[int, ...], *,

@@ -5,22 +5,31 @@ the same op order), the optimizer's flat path."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from geomopt.geometry.matrix import split_like, working_dtype
 from geomopt.geometry.reference import working_eps
-from geomopt.spec.base import Fields
+from geomopt.compile.fragments import ResolvedGeometry
+from geomopt.spec.geometries import Adam
 
 
-def adam_moments(g: torch.Tensor, state: dict, geometry: Fields) -> tuple[torch.Tensor, torch.Tensor, float]:
+def adam_hyper(geometry: ResolvedGeometry) -> tuple[float, float, float]:
+    """(β₁, β₂, ε) of an adam geometry (its spec model holds every default)."""
+    spec = cast(Adam, geometry.spec)
+    beta1, beta2 = spec.betas
+    return float(beta1), float(beta2), float(spec.eps)
+
+
+def adam_moments(g: torch.Tensor, state: dict, geometry: ResolvedGeometry) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Update m ← β₁m + (1−β₁)g, v ← β₂v + (1−β₂)g² in ``state`` (float32 at least) and return
     (m, √v/√bc₂ + ε, bc₁) with bc_i = 1 − β_i^t, in torch.optim.AdamW's single-tensor op order, so
     ``x.addcdiv(m, denom, value=-lr/bc₁)`` is AdamW's step bit for bit. ε is floored at √tiny of the
     state's dtype (:func:`geomopt.geometry.reference.working_eps`: √v loses gradients below √tiny,
     whose squares underflow, and a smaller ε would divide m by ~0 there; +∞ past the dtype's range),
     which changes nothing for ε ≥ √tiny (1.1e-19 in float32)."""
-    beta1, beta2 = (float(b) for b in geometry.get("betas", (0.9, 0.999)))
-    eps = float(geometry.get("eps", 1e-8))
+    beta1, beta2, eps = adam_hyper(geometry)
     if "exp_avg" not in state:
         state["adam_step"] = 0
         dtype = working_dtype(g.dtype)
@@ -52,9 +61,9 @@ def adam_multi_tensor(xs, us, m, v, step, pieces, off, geometry, gamma, weight_d
     ``steps``: the fused kernel's count as a float32 0-d tensor, made by the caller before it writes
     anything (None: made here); ``found_inf`` (fused only): a float32 0-d device tensor, 1 where the
     step is skipped (the kernel then returns before any write; ``gamma`` may be a 0-d tensor)."""
-    beta1, beta2 = (float(b) for b in geometry["betas"])  # a plan's fragment holds every default
+    beta1, beta2, eps = adam_hyper(geometry)
     (m, m_views), (v, v_views) = m, v
-    eps = working_eps(float(geometry["eps"]), v.dtype, norm=True)
+    eps = working_eps(eps, v.dtype, norm=True)
     if pieces is not None:
         n = sum(x.numel() for x in xs)
         m, v = m[off:off + n], v[off:off + n]

@@ -12,8 +12,7 @@ import functools
 import torch
 
 from geomopt.geometry.matrix import working_dtype
-from geomopt.spec.geometries import POLYNOMIAL_APPROX_KINDS
-from geomopt.spec.base import Fields
+from geomopt.spec.geometries import POLYNOMIAL_APPROX_KINDS, Approx, GramNewtonSchulz, NewtonSchulz, PolarExpress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -57,8 +56,7 @@ def native_bf16_cpu() -> bool:
         return True
 
 
-def slow_bf16(approx: Fields | None, device) -> bool:
+def slow_bf16(approx: Approx | None, device) -> bool:
     """A polynomial iteration asked to run in bf16 on a CPU without native bf16 matmuls."""
-    approx = approx or {}
-    return (approx.get("kind") in POLYNOMIAL_APPROXES and approx.get("dtype") == "bfloat16"
+    return (isinstance(approx, (NewtonSchulz, GramNewtonSchulz, PolarExpress)) and approx.dtype == "bfloat16"
             and torch.device(device).type == "cpu" and not native_bf16_cpu())

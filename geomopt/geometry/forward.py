@@ -1,8 +1,9 @@
 """Forward ops: the preconditioner ρ·∇φ₁*(D) of the forward step Y = X − γ∇φ*(D) (paper eq. (2.1)).
 
 One registered op per geometry kind (docs: design.md, the math contracts), each
-``fn(d, geometry: Fields, *, radius, batch_dims=0, state=None) -> Tensor`` with ``geometry`` a
-spec geometry read by field name (a plan's resolved one, a model or a dict). The leading
+``fn(d, geometry: ResolvedGeometry, *, radius, batch_dims=0, state=None) -> Tensor`` with
+``geometry`` a plan's resolved geometry (:mod:`geomopt.compile.fragments`: the spec model and
+its concrete view), read by attribute. The leading
 ``batch_dims`` dims of ``d`` index independent tensors (the optimizer stacks same-shape tensors
 into one bucket), so every norm and every matrix is per batch element. Ops compute in at least
 float32 (bf16 inputs are upcast: :func:`geomopt.geometry.matrix.upcast`) and return ``out_dtype``
@@ -22,17 +23,19 @@ from geomopt.geometry.matrix import by_rows, matrix_view, upcast
 from geomopt.geometry.reference import Reference, make_reference
 from geomopt.geometry.operators import FORWARD_OPS
 from geomopt.registry import LOCAL, OWNER, REDUCE
-from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES, compute_dtype
+from geomopt.geometry.dtypes import compute_dtype
 from geomopt.geometry.spectral import apply_approx
 from geomopt.geometry.view import apply as apply_view
-from geomopt.geometry.view import split_view
-from geomopt.spec.base import Fields
+from geomopt.compile.fragments import ResolvedGeometry
+from geomopt.spec.geometries import GramNewtonSchulz, NewtonSchulz, PolarExpress, Svd
+
+_SVD = Svd()  # a spectral geometry's approx where none is given
 
 
-def _reference(geometry: Fields) -> Reference:
-    cfg = geometry.get("reference")
+def _reference(geometry: ResolvedGeometry) -> Reference:
+    cfg = geometry.reference
     if cfg is None:
-        raise ValueError(f"geometry {geometry.get('kind')!r} needs a reference "
+        raise ValueError(f"geometry {geometry.kind!r} needs a reference "
                          f"(log_barrier, power_barrier, indicator, quadratic)")
     return make_reference(cfg)
 
@@ -70,24 +73,23 @@ def spectral(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     Muon-like). Each element is the matrix (shape[0], prod(rest)) (a ``view`` makes it several:
     :func:`forward`). ``approx`` picks svd / gram_eigh / newton_schulz / polar_express
     (:mod:`geomopt.geometry.spectral`), after ``prenormalize``."""
-    approx = geometry.get("approx") or {"kind": "svd"}
-    ref = _reference(geometry) if approx.get("kind", "svd") in ("svd", "gram_eigh") else None
+    approx = geometry.approx or _SVD
+    ref = _reference(geometry) if approx.kind in ("svd", "gram_eigh") else None
     # no upcast here: each approximation casts to its own working dtype (spectral.compute_dtype),
     # and folds ρ into its result (a scaled σ map, or the last small factor of an iteration)
     mats = matrix_view(d, batch_dims)
-    out = apply_approx(mats, ref, approx, geometry.get("prenormalize"), scale=radius, out_dtype=out_dtype or d.dtype)
+    out = apply_approx(mats, ref, approx, geometry.prenormalize, scale=radius, out_dtype=out_dtype or d.dtype)
     return out.reshape(d.shape)
 
 
-def input_dtype(geometry: Fields, like: torch.Tensor) -> torch.dtype:
+def input_dtype(geometry: ResolvedGeometry, like: torch.Tensor) -> torch.dtype:
     """The dtype the forward op first casts a direction like ``like`` to: a caller that writes the
     direction in it saves that pass (bit for bit the same step). bf16 for Newton–Schulz / Polar
     Express where they run in bf16; ``like.dtype`` otherwise."""
-    approx = geometry.get("approx") or {}
-    kind = approx.get("kind")
-    if geometry.get("kind") != "spectral" or kind not in POLYNOMIAL_APPROXES:
+    approx = geometry.approx
+    if geometry.kind != "spectral" or not isinstance(approx, (NewtonSchulz, GramNewtonSchulz, PolarExpress)):
         return like.dtype
-    return compute_dtype(like, kind, approx.get("dtype", "auto"))
+    return compute_dtype(like, approx.kind, approx.dtype)
 
 
 def _blockwise(d, geometry, radius, batch_dims, out_dtype):
@@ -115,31 +117,31 @@ def columnwise(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None)
     return _blockwise(d, geometry, radius, batch_dims, out_dtype)
 
 
-def elementwise_into(d: torch.Tensor, geometry: Fields, out: torch.Tensor) -> torch.Tensor:
+def elementwise_into(d: torch.Tensor, geometry: ResolvedGeometry, out: torch.Tensor) -> torch.Tensor:
     """∇φ₁*(d) (ρ = 1) of the euclidean or anisotropic geometry, written into ``out`` (which may
     be ``d``; the euclidean map returns ``d`` itself): the optimizer's flat path, which keeps its
     buffers and so never pays for fresh memory. Same values as :func:`euclidean` /
     :func:`anisotropic` with radius 1."""
-    if geometry["kind"] == "euclidean":
+    if geometry.kind == "euclidean":
         return d
     return _reference(geometry).dual_grad_into(d, out)
 
 
-def elementwise_allocates(geometry: Fields, in_place: bool = False) -> bool:
+def elementwise_allocates(geometry: ResolvedGeometry, in_place: bool = False) -> bool:
     """Whether :func:`elementwise_into` allocates (the power barrier's (h*)'; the log barrier's over
     its own input, ``in_place``; never the sign or the identity)."""
-    if geometry["kind"] == "euclidean":
+    if geometry.kind == "euclidean":
         return False
     ref = _reference(geometry)
     return ref.into_allocates or (in_place and not ref.into_in_place)
 
 
-def elementwise_in_place(geometry: Fields) -> bool:
+def elementwise_in_place(geometry: ResolvedGeometry) -> bool:
     """Whether :func:`elementwise_into` writes over its input without allocating."""
-    return geometry["kind"] == "euclidean" or _reference(geometry).into_in_place
+    return geometry.kind == "euclidean" or _reference(geometry).into_in_place
 
 
-def isotropic_factors(norms: torch.Tensor, geometry: Fields) -> torch.Tensor:
+def isotropic_factors(norms: torch.Tensor, geometry: ResolvedGeometry) -> torch.Tensor:
     """(h*)'(s)/s for the norms s = ‖D‖_F of several tensors: :func:`isotropic` without the
     multiplication by D (the optimizer's flat path folds it into its update)."""
     return _reference(geometry).iso_factor(norms)
@@ -161,28 +163,29 @@ def adam(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
 
 def forward(
     d: torch.Tensor,
-    geometry: Fields,
+    geometry: ResolvedGeometry,
     *,
     radius: float | None = None,
     batch_dims: int = 0,
     state: dict | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """ρ·∇φ₁*(d) for a geometry (read by field name: :class:`~geomopt.spec.base.Fields`), in ``out_dtype``
-    (default: d's); ``radius`` None reads ``geometry["radius"]`` (default 1). A resolved ``view``
+    """ρ·∇φ₁*(d) for a resolved geometry (its spec model and concrete view, read by attribute), in
+    ``out_dtype`` (default: d's); ``radius`` None reads the geometry's ``radius``. A ``view``
     (:mod:`geomopt.geometry.view`) runs the op on each of its matrix stacks. A zero-size ``d``
     gives a zero-size result (no op runs; an adam ``state`` is left as it is)."""
-    kind = geometry.get("kind")
+    kind = geometry.kind
     op = FORWARD_OPS.get(kind)
     if op is None:
         raise ValueError(f"unknown geometry kind {kind!r}; expected one of {', '.join(FORWARD_OPS)}")
-    rho = float(geometry.get("radius", 1.0)) if radius is None else float(radius)
+    rho = float(geometry.radius) if radius is None else float(radius)
     if d.numel() == 0:  # no entries (a dim of size 0): nothing to map, and no matrix to view
         return torch.empty_like(d, dtype=out_dtype or d.dtype)
-    view, plain = split_view(geometry, d.shape[batch_dims:])
-    if view is None or kind == "anisotropic" and not view["factors"] or FORWARD_OPS.meta[kind].get("reads_view"):
+    view = geometry.view
+    if view is None or kind == "anisotropic" and not view.factors or FORWARD_OPS.meta[kind].get("reads_view"):
         # elementwise (anisotropic): only factors matter; reads_view: the op reads its view itself
         return op(d, geometry, radius=rho, batch_dims=batch_dims, state=state, out_dtype=out_dtype)
+    plain = geometry.matrix
     out, _ = apply_view(d, batch_dims, view, lambda m, f: (
         op(m, plain, radius=rho * f, batch_dims=1, state=state, out_dtype=out_dtype), None))
     return out

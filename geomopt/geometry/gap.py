@@ -59,56 +59,63 @@ from __future__ import annotations
 import math
 
 import torch
+from pydantic import TypeAdapter
 
 from geomopt.support import SPECTRAL_SETS, realized_reference
 from geomopt.geometry.matrix import groups, matrices, vectors, working_dtype
 from geomopt.geometry.reference import Reference, make_reference
-from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
 from geomopt.geometry.prenorm import default_prenormalize, prenormalize
-from geomopt.geometry.view import reduce, split_view
-from geomopt.spec.base import Fields
+from geomopt.geometry.view import reduce
+from geomopt.compile.fragments import ResolvedGeometry
+from geomopt.spec.constraints import Constraint, FrobeniusSphere, Stiefel
+from geomopt.spec.geometries import GramNewtonSchulz, NewtonSchulz, PolarExpress, Prenormalize, Quadratic
+from geomopt.spec.geometries import Reference as ReferenceSpec
+
+_REFERENCE: TypeAdapter[ReferenceSpec] = TypeAdapter(ReferenceSpec)
+_POLYNOMIAL = (NewtonSchulz, GramNewtonSchulz, PolarExpress)
+_QUADRATIC = Quadratic()  # the reference of the geometries that declare none (euclidean)
 
 #: values of the ``reference`` argument (module docstring)
 GAP_REFERENCES = ("auto", "declared", "realized")
 
 
-def gap_reference(geometry: Fields, constraint: Fields | None = None, reference: str = "auto") -> dict | None:
+def gap_reference(geometry: ResolvedGeometry, constraint: Constraint | None = None,
+                  reference: str = "auto") -> ReferenceSpec | None:
     """The reference the gap of a (geometry, constraint) pair is measured against (module
     docstring): the declared one, or for a Newton–Schulz / Polar Express forward the realized
     κ = 4 barrier where ``reference`` is ``"realized"``, or ``"auto"`` and the backward step does
     not depend on h. None for adam. ``constraint`` None means g ≡ 0."""
     if reference not in GAP_REFERENCES:
         raise ValueError(f"unknown gap reference {reference!r}; expected one of {', '.join(GAP_REFERENCES)}")
-    kind = geometry["kind"]
-    if kind == "adam":
+    if geometry.kind == "adam":
         return None
-    declared = dict(geometry.get("reference") or {"kind": "quadratic"})
-    approx = geometry.get("approx") or {}
-    polynomial = kind == "spectral" and approx.get("kind") in POLYNOMIAL_APPROXES
-    realized = realized_reference(approx) if polynomial else None
+    declared = geometry.reference or _QUADRATIC
+    approx = geometry.approx
+    realized = realized_reference(approx.model_dump()) if isinstance(approx, _POLYNOMIAL) else None
     if realized is None or reference == "declared":
         return declared
     if reference == "realized" or _any_reference(geometry, constraint):
-        return realized
+        return _REFERENCE.validate_python(realized)
     return declared
 
 
-def gap_unavailable(geometry: Fields, constraint: Fields | None = None, reference: str = "auto") -> str | None:
+def gap_unavailable(geometry: ResolvedGeometry, constraint: Constraint | None = None,
+                    reference: str = "auto") -> str | None:
     """Why :func:`stationarity_gap` is None for this (geometry, constraint) pair, and what to look
     at instead; None where it is defined."""
-    if constraint is not None and _retraction(constraint):
-        return (f"the {constraint['kind']} step is a retraction (method {constraint['method']}), not the geometry's "
+    if isinstance(constraint, (Stiefel, FrobeniusSphere)) and _retraction(constraint):
+        return (f"the {constraint.kind} step is a retraction (method {constraint.method}), not the geometry's "
                 "prox: there is no Fenchel–Young pair (G, W) to measure; watch the loss and update_norm")
     ref = gap_reference(geometry, constraint, reference)
     if ref is None:
         return ("adam is outside the theory: its step is not ∇φ₁* of a reference function, so there is no "
                 "Fenchel–Young pair (G, W) to measure; watch the loss and update_norm")
-    if ref["kind"] != "indicator":
+    if ref.kind != "indicator":
         return None
     why = ("the indicator reference has φ₁* = ‖·‖_*, not strictly convex: φ₁*(G) − ⟨G, W⟩ vanishes for "
            "every G in the normal cone at W, so a zero would not certify stationarity")
-    approx = (geometry.get("approx") or {}).get("kind")
-    if geometry["kind"] == "spectral" and approx in POLYNOMIAL_APPROXES and _any_reference(geometry, constraint):
+    approx = geometry.approx_kind
+    if isinstance(geometry.approx, _POLYNOMIAL) and _any_reference(geometry, constraint):
         return why + (f"; reference 'auto' measures the {approx} forward's realized κ = 4 barrier, which "
                       "certifies here (the backward step does not depend on h)")
     return why + ("; declare a barrier (power_barrier or log_barrier, small eps: the same steps as eps → 0) "
@@ -118,9 +125,9 @@ def gap_unavailable(geometry: Fields, constraint: Fields | None = None, referenc
 def stationarity_gap(
     g: torch.Tensor,
     w: torch.Tensor,
-    geometry: Fields,
+    geometry: ResolvedGeometry,
     *,
-    constraint: Fields | None = None,
+    constraint: Constraint | None = None,
     reference: str = "auto",
     radius: float | None = None,
     batch_dims: int = 0,
@@ -129,40 +136,41 @@ def stationarity_gap(
     (float64 for float64 input); None where the gap is not defined (:func:`gap_unavailable`).
     φ₁ is :func:`gap_reference`'s; Ĝ is G pre-normalized per matrix as the geometry's forward step
     normalizes its input, except under ``proximal_decay`` (module docstring). ``constraint``: the
-    rule's (None: g ≡ 0); ``radius`` overrides ``geometry["radius"]``. Entries of W outside dom φ₁
+    rule's (None: g ≡ 0); ``radius`` overrides the geometry's ``radius``. Entries of W outside dom φ₁
     (beyond rounding) give +∞."""
     cfg = gap_reference(geometry, constraint, reference)
-    if cfg is None or cfg["kind"] == "indicator" or _retraction(constraint):
+    if cfg is None or cfg.kind == "indicator" or _retraction(constraint):
         return None
-    rho = float(radius if radius is not None else geometry.get("radius", 1.0))
-    return _gap(g, w, geometry, make_reference(cfg), _gap_prenormalize(geometry, constraint), rho, batch_dims)
+    rho = float(radius if radius is not None else geometry.radius)
+    return _gap(g, w, geometry, make_reference(cfg),
+                _gap_prenormalize(geometry, constraint), rho, batch_dims)
 
 
-def _retraction(constraint: Fields | None) -> bool:
+def _retraction(constraint: Constraint | None) -> bool:
     """Whether the constraint's step is a retraction, not a prox (stiefel msign, frobenius_sphere project)."""
-    return constraint is not None and constraint.get("method") in ("msign", "project")
+    return isinstance(constraint, (Stiefel, FrobeniusSphere)) and constraint.method in ("msign", "project")
 
 
-def _any_reference(geometry: Fields, constraint: Fields | None) -> bool:
+def _any_reference(geometry: ResolvedGeometry, constraint: Constraint | None) -> bool:
     """Whether the backward step is the prox for every reference: no constraint, or a spectral set
     projection (paper Table 1; :func:`geomopt.geometry.prox.spectral.spectral_projection`)."""
-    return constraint is None or geometry["kind"] == "spectral" and constraint["kind"] in SPECTRAL_SETS
+    return constraint is None or geometry.kind == "spectral" and constraint.kind in SPECTRAL_SETS
 
 
-def _gap_prenormalize(geometry: Fields, constraint: Fields | None) -> dict | None:
+def _gap_prenormalize(geometry: ResolvedGeometry, constraint: Constraint | None) -> Prenormalize | None:
     """The pre-normalization the gap applies to G (a :func:`prenormalize` cfg), or None."""
-    if geometry["kind"] != "spectral" or constraint is not None and constraint["kind"] == "proximal_decay":
+    if geometry.kind != "spectral" or constraint is not None and constraint.kind == "proximal_decay":
         return None
-    cfg = geometry.get("prenormalize")
+    cfg = geometry.prenormalize
     if cfg is None:
-        cfg = default_prenormalize((geometry.get("approx") or {}).get("kind", "svd"))
-    return None if cfg.get("kind", "frobenius") == "none" else cfg
+        cfg = default_prenormalize(geometry.approx_kind or "svd")
+    return None if cfg.kind == "none" else cfg
 
 
-def _gap(g: torch.Tensor, w: torch.Tensor, geometry: Fields, ref: Reference, prenorm: dict | None, rho: float,
-         batch_dims: int) -> torch.Tensor:
-    kind = geometry["kind"]
-    view, plain = split_view(geometry, g.shape[batch_dims:])
+def _gap(g: torch.Tensor, w: torch.Tensor, geometry: ResolvedGeometry, ref: Reference, prenorm: Prenormalize | None,
+         rho: float, batch_dims: int) -> torch.Tensor:
+    kind = geometry.kind
+    view, plain = geometry.view, geometry.matrix
     if view is not None:  # the sum over the view's matrices, each with its own radius ρ·f
         return reduce(g, batch_dims, view, lambda gm, wm, f: _gap(gm, wm / f, plain, ref, prenorm, rho * f, 1), w)
     dtype = working_dtype(g.dtype)
@@ -191,13 +199,13 @@ def _gap(g: torch.Tensor, w: torch.Tensor, geometry: Fields, ref: Reference, pre
     return (rho * val).reshape(g.shape[:batch_dims])
 
 
-def dual_norm(g: torch.Tensor, geometry: Fields, batch_dims: int = 0) -> torch.Tensor:
+def dual_norm(g: torch.Tensor, geometry: ResolvedGeometry, batch_dims: int = 0) -> torch.Tensor:
     """‖G‖_*, the dual of the norm whose unit ball is dom φ₁ (the gap of the lmo method where
     g ≡ 0, per unit radius): nuclear norm for spectral (summed over a ``view``'s matrices, each
     weighted by its radius factor), ℓ1 for anisotropic, Σ of row (column) norms for rowwise
     (columnwise), Frobenius for isotropic, euclidean and adam. Shape ``g.shape[:batch_dims]``."""
-    kind = geometry["kind"]
-    view, plain = split_view(geometry, g.shape[batch_dims:])
+    kind = geometry.kind
+    view, plain = geometry.view, geometry.matrix
     if view is not None:
         return reduce(g, batch_dims, view, lambda gm, f: f * dual_norm(gm, plain, batch_dims=1))
     dtype = working_dtype(g.dtype)

@@ -32,15 +32,16 @@ every rank its block of the direction (:mod:`geomopt.optim.engine.owned`).
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 
 from geomopt.geometry import kron, kron_psgd
 from geomopt.geometry.matrix import matrix_view, upcast
 from geomopt.geometry.operators import FORWARD_OPS
-from geomopt.geometry.view import concrete
 from geomopt.registry import LOCAL, OWNER
-from geomopt.spec.base import Fields
+from geomopt.compile.fragments import ResolvedGeometry, View
+from geomopt.spec.geometries import Kronecker
 
 #: why the op has no form under these settings (the optimizer's construction reads them)
 REFUSES = (
@@ -82,17 +83,17 @@ def _weight(beta: float) -> float:
     return 1.0 if beta == 1 else 1.0 - beta
 
 
-def shampoo(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size, store: tuple) -> torch.Tensor:
+def shampoo(g: torch.Tensor, state: dict, cfg: Kronecker, shape: torch.Size, store: tuple) -> torch.Tensor:
     """One Shampoo step on ``g`` (m, n) or (b, m, n) with its ``state`` (filled on the first step);
     ``shape``: the operators' shape of the tensors (their moments' layout); ``store``: the leading
     dims the per-matrix entries are stored under."""
     if "shampoo_step" not in state:
-        left, right = kron.init_factors(g.shape, cfg["max_dim"], dtype=g.dtype, device=g.device)
-        left_root, right_root = kron.init_factors(g.shape, cfg["max_dim"], eps=1.0, dtype=g.dtype, device=g.device)
+        left, right = kron.init_factors(g.shape, cfg.max_dim, dtype=g.dtype, device=g.device)
+        left_root, right_root = kron.init_factors(g.shape, cfg.max_dim, eps=1.0, dtype=g.dtype, device=g.device)
         for key, value in (("shampoo_left", left), ("shampoo_right", right), ("shampoo_left_root", left_root),
                            ("shampoo_right_root", right_root)):
             _put(state, key, value, g, store)
-        if cfg["graft"] in ("adagrad", "adam"):
+        if cfg.graft in ("adagrad", "adam"):
             _moment(state, "shampoo_graft", g, shape)
         else:
             _put(state, "shampoo_graft", None, g, store)
@@ -101,12 +102,12 @@ def shampoo(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size, store:
     left_root = _factor(state, "shampoo_left_root", g, store)
     right_root = _factor(state, "shampoo_right_root", g, store)
     step = state["shampoo_step"] = state["shampoo_step"] + 1
-    kron.update_factors(g, left, right, beta=cfg["beta"], weight=_weight(cfg["beta"]))
-    if kron.refresh_due(step, cfg["every"]):
-        kron.refresh_roots(left, right, left_root, right_root, p=kron.root_order(left, right, cfg["exponent"]),
-                           eps=cfg["damping"], method=cfg["root"])
+    kron.update_factors(g, left, right, beta=cfg.beta, weight=_weight(cfg.beta))
+    if kron.refresh_due(step, cfg.every):
+        kron.refresh_roots(left, right, left_root, right_root, p=kron.root_order(left, right, cfg.exponent),
+                           eps=cfg.damping, method=cfg.root)
     d = kron.shampoo_direction(g, left_root, right_root)
-    graft = cfg["graft"]
+    graft = cfg.graft
     if graft == "none":
         return d
     if graft == "spectral":  # ‖U·Vᵀ‖_F = √min(m, n) for a full-rank m × n matrix
@@ -114,18 +115,18 @@ def shampoo(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size, store:
     acc = _moment(state, "shampoo_graft", g, shape)
     if graft == "adagrad":
         acc.addcmul_(g, g)
-        return kron.graft(d, g / (acc.sqrt() + cfg["eps"]))
-    beta2 = cfg["betas"][1]  # adam
+        return kron.graft(d, g / (acc.sqrt() + cfg.eps))
+    beta2 = cfg.betas[1]  # adam
     acc.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    return kron.graft(d, g / ((acc / (1 - beta2**step)).sqrt() + cfg["eps"]))
+    return kron.graft(d, g / ((acc / (1 - beta2**step)).sqrt() + cfg.eps))
 
 
-def soap(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size, store: tuple) -> torch.Tensor:
+def soap(g: torch.Tensor, state: dict, cfg: Kronecker, shape: torch.Size, store: tuple) -> torch.Tensor:
     """One SOAP step on ``g`` (m, n) or (b, m, n) with its ``state``: zero on the first (which starts
     the factors and their eigenbases), Adam in the eigenbases after."""
-    beta = cfg["beta"]
+    beta = cfg.beta
     if "soap_step" not in state:
-        left, right = kron.init_factors(g.shape, cfg["max_dim"], dtype=g.dtype, device=g.device)
+        left, right = kron.init_factors(g.shape, cfg.max_dim, dtype=g.dtype, device=g.device)
         kron.update_factors(g, left, right, beta=beta, weight=_weight(beta))
         q_left, q_right = kron.soap_bases(left, right)
         for key, value in (("soap_left", left), ("soap_right", right), ("soap_left_basis", q_left),
@@ -139,20 +140,20 @@ def soap(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size, store: tu
     q_left, q_right = _factor(state, "soap_left_basis", g, store), _factor(state, "soap_right_basis", g, store)
     exp_avg, exp_avg_sq = _moment(state, "soap_exp_avg", g, shape), _moment(state, "soap_exp_avg_sq", g, shape)
     step = state["soap_step"] = state["soap_step"] + 1
-    d = kron.soap_direction(g, exp_avg, exp_avg_sq, q_left, q_right, betas=tuple(cfg["betas"]), eps=cfg["eps"],
+    d = kron.soap_direction(g, exp_avg, exp_avg_sq, q_left, q_right, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps,
                             step=step)
     kron.update_factors(g, left, right, beta=beta, weight=_weight(beta))
-    if kron.refresh_due(step, cfg["every"]):
+    if kron.refresh_due(step, cfg.every):
         kron.soap_refresh(left, right, q_left, q_right, exp_avg_sq)
     return d
 
 
-def psgd(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size, store: tuple) -> torch.Tensor:
+def psgd(g: torch.Tensor, state: dict, cfg: Kronecker, shape: torch.Size, store: tuple) -> torch.Tensor:
     """One PSGD-Kron step on ``g`` (m, n) or (b, m, n) with its ``state`` (factors at the identity on the
     first step): m ← μm + (1 − μ)G, ĥ = m/(1 − μᵗ); at steps ``every``, 2·``every``, … the factors are
     balanced and fitted on (V, ĥ), V the step's probe; the update P·ĥ, its RMS capped at 1.1."""
     if "psgd_step" not in state:
-        factors = kron_psgd.init_factors(g.shape, cfg["max_dim"], dtype=g.dtype, device=g.device)
+        factors = kron_psgd.init_factors(g.shape, cfg.max_dim, dtype=g.dtype, device=g.device)
         for key, value in zip(("psgd_left", "psgd_right"), factors):
             _put(state, key, value, g, store)
         _moment(state, "psgd_momentum", g, shape)
@@ -160,33 +161,33 @@ def psgd(g: torch.Tensor, state: dict, cfg: Fields, shape: torch.Size, store: tu
     q_left, q_right = (_stored(state[key], g, store) for key in ("psgd_left", "psgd_right"))
     m = _moment(state, "psgd_momentum", g, shape)
     step = state["psgd_step"] = state["psgd_step"] + 1
-    mu = cfg["momentum"]
+    mu = cfg.momentum
     m.mul_(mu).add_(g, alpha=1 - mu)
     h = m / (1.0 - math.pow(mu, step))
-    if kron.refresh_due(step, cfg["every"]):
+    if kron.refresh_due(step, cfg.every):
         kron_psgd.balance(q_left, q_right, h)
-        kron_psgd.fit(h, kron_psgd.probe(h, step), q_left, q_right, lr=cfg["precond_lr"])
+        kron_psgd.fit(h, kron_psgd.probe(h, step), q_left, q_right, lr=cfg.precond_lr)
     return kron_psgd.cap_rms(kron_psgd.precondition(h, q_left, q_right))
 
 
 METHODS = {"shampoo": shampoo, "soap": soap, "psgd": psgd}
 
 
-def view_problem(view: Fields) -> str | None:
+def view_problem(view: View) -> str | None:
     """Why the kronecker geometry cannot read its tensor through a resolved ``view``, or None. Its
     state is one entry per matrix stacked in a tensor, so every matrix has one shape (equal
     blocks), in the tensor's own memory order (no ``trailing: batch`` over kernel positions,
     which permutes the entries)."""
-    blocks = view.get("blocks")
+    blocks = view.blocks
     if blocks and len(set(blocks)) > 1:
         return (f"the kronecker geometry keeps one factor shape per tensor, and view blocks {list(blocks)} are of "
                 f"different sizes; use equal blocks or no view")
-    if view.get("trailing") == "batch":
+    if view.trailing == "batch":
         return "the kronecker geometry reads views with trailing: cols only; use trailing: cols or no view"
     return None
 
 
-def _view_matrices(x: torch.Tensor, batch_dims: int, view: Fields) -> torch.Tensor:
+def _view_matrices(x: torch.Tensor, batch_dims: int, view: View) -> torch.Tensor:
     """The matrices (N, m, n) of ``x`` under a resolved ``view`` (the leading ``batch_dims`` dims
     index a bucket's tensors): the view's batch axes and the equal blocks of the rows, in memory
     order (a view of ``x``)."""
@@ -194,13 +195,13 @@ def _view_matrices(x: torch.Tensor, batch_dims: int, view: Fields) -> torch.Tens
     if problem is not None:
         raise ValueError(problem)
     shape = x.shape[batch_dims:]
-    b = view["batch"]
-    k = len(view["blocks"] or [0]) or 1
+    b = view.batch
+    k = len(view.blocks or [0]) or 1
     return x.reshape(-1, shape[b] // k, math.prod(shape[b + 1:]))
 
 
 @FORWARD_OPS.register("kronecker", locality=LOCAL, sharded=OWNER, refuses=REFUSES, reads_view=True)
-def kronecker(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
+def kronecker(d, geometry: ResolvedGeometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     """ρ times one step of the geometry's ``method`` on each matrix of ``d`` (the leading
     ``batch_dims`` dims index a bucket's tensors), in float32 at least; ``state`` (required) is
     filled on the first step. The matrices are the (shape[0], rest) one per tensor, or a resolved
@@ -209,7 +210,7 @@ def kronecker(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
     if state is None:
         raise ValueError("the kronecker forward op carries state: pass a dict (empty on the first step)")
     x = upcast(d)
-    view = concrete(geometry, d.shape[batch_dims:])
+    view = geometry.view
     if view is None:
         mats = matrix_view(x, batch_dims)
         store = tuple(mats.shape[:-2])
@@ -217,5 +218,6 @@ def kronecker(d, geometry, *, radius, batch_dims=0, state=None, out_dtype=None):
         mats = _view_matrices(x, batch_dims, view)
         lead = tuple(x.shape[:batch_dims])
         store = (*lead, mats.shape[0] // math.prod(lead))
-    out = METHODS[geometry["method"]](mats, state, geometry, x.shape, store)
+    spec = cast(Kronecker, geometry.spec)
+    out = METHODS[spec.method](mats, state, spec, x.shape, store)
     return (out * radius).reshape(d.shape).to(out_dtype or d.dtype)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
-from geomopt.spec.base import Fields
+from geomopt.compile.fragments import ResolvedGeometry
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -68,14 +68,14 @@ def vectors(x: torch.Tensor, batch_dims: int = 0) -> torch.Tensor:
     return x.reshape(math.prod(x.shape[:batch_dims]), -1)
 
 
-def by_rows(geometry: Fields) -> bool:
+def by_rows(geometry: ResolvedGeometry) -> bool:
     """Whether the groups of a rowwise / columnwise ``geometry`` are the rows of the stored
     (shape[0], rest) matrix (rowwise with ``layout: out_in``, columnwise with ``in_out``) rather
     than its columns."""
-    return (geometry["kind"] == "rowwise") != (geometry.get("layout", "out_in") == "in_out")
+    return (geometry.kind == "rowwise") != (geometry.layout == "in_out")
 
 
-def groups(x: torch.Tensor, batch_dims: int, geometry: Fields) -> torch.Tensor:
+def groups(x: torch.Tensor, batch_dims: int, geometry: ResolvedGeometry) -> torch.Tensor:
     """(B, groups, len): the groups of a rowwise / columnwise ``geometry`` (:func:`by_rows`), the
     stored matrix transposed (a view, no copy) where they are its columns."""
     shape = x.shape[batch_dims:]

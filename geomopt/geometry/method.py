@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 from typing import Sequence
-from geomopt.spec.base import Fields
+from geomopt.spec.constraints import Constraint, SpectralBall, Stiefel
 
 #: constraint kinds with a ``method`` field (and a polar step in geomopt.geometry.prox.polar)
-METHOD_KINDS = ("stiefel", "spectral_ball")
+METHOD_SETS = (Stiefel, SpectralBall)
+METHOD_KINDS = ("stiefel", "spectral_ball")  # their kinds
 
 #: matrices whose smaller side is at most this run ``exact`` under ``auto`` on CUDA
 CUDA_BATCHED_EIGH_MAX = 32
@@ -24,9 +25,9 @@ CUDA_BATCHED_EIGH_MAX = 32
 AUTO_RULE = f"exact on CPU, polar on CUDA where the smaller matrix side > {CUDA_BATCHED_EIGH_MAX}, exact otherwise"
 
 
-def resolve_method(constraint: Fields, device, shape: Sequence[int]) -> str:
-    """``"exact"`` or ``"polar"``: the method the backward step of ``constraint`` (a plain dict;
-    no ``method`` key reads as ``auto``) runs for matrices of ``shape`` on ``device`` (a
+def resolve_method(constraint: Constraint, device, shape: Sequence[int]) -> str:
+    """``"exact"`` or ``"polar"``: the method the backward step of ``constraint`` (a spec
+    constraint) runs for matrices of ``shape`` on ``device`` (a
     ``torch.device``, or its type as a string: ``"cuda"``, ``"cuda:1"``, ``"cpu"``). ``shape`` is
     one operand as the operator reads it, (m, n), or (m, *rest) read as m × prod(rest). Kinds
     without a polar step (spectral_sphere, rank, …) are always ``exact``.
@@ -50,9 +51,9 @@ def resolve_method(constraint: Fields, device, shape: Sequence[int]) -> str:
       any Y, so exact. The threshold is torch's dispatch (``linalg_eigh_cusolver`` in
       aten/src/ATen/native/cuda/linalg/BatchLinearAlgebraLib.cpp): revisit it with that.
     """
-    method = constraint.get("method", "auto")
-    if constraint.get("kind") not in METHOD_KINDS:
+    if not isinstance(constraint, METHOD_SETS):
         return "exact"
+    method = constraint.method
     if method != "auto":
         return method
     kind = getattr(device, "type", None) or str(device).split(":", 1)[0]

@@ -5,17 +5,17 @@ this module and register into it; ``geomopt.geometry``'s ``__init__`` imports th
 every operator is registered once the package is imported (this module imports none of them).
 Which pairs a backward op serves is plain data in :mod:`geomopt.support`, readable without torch.
 
-Operators are pure functions of tensors and config read by field name
-(:class:`geomopt.spec.base.Fields`): a plan's frozen typed fragments, a spec model, or a plain dict
-(tests, the functional API) all answer.
+Operators are pure functions of tensors and typed config read by attribute: a plan's resolved
+geometry (:class:`geomopt.compile.fragments.ResolvedGeometry`, its spec model and concrete view)
+and the spec's constraint model (the functional API validates plain dicts into them at its entry).
 
-Forward op:   ``fn(d, geometry: Fields, *, radius: float, batch_dims: int, state: dict | None,
+Forward op:   ``fn(d, geometry: ResolvedGeometry, *, radius: float, batch_dims: int, state: dict | None,
               out_dtype: torch.dtype | None) -> Tensor`` returns ρ·∇φ₁*(d) in out_dtype (None: d's).
               Registered with ``@FORWARD_OPS.register(kind, locality=LOCAL | REDUCE | OWNER,
               forms=(...))``; ``forms`` ``("flat",)``: the map acts entry by entry (or through one
               norm of the whole tensor), so a rule's tensors may step as one flat list
               (:func:`flat_refusal`; on sharded tensors only a ``LOCAL`` one).
-Backward op:  ``fn(y, t, ref, constraint: Fields, *, gamma: float, geometry: Fields, batch_dims: int)
+Backward op:  ``fn(y, t, ref, constraint: Constraint, *, gamma: float, geometry: ResolvedGeometry, batch_dims: int)
               -> (x, fallback)``, t = γρ; ``fallback`` is a bool tensor of shape
               ``y.shape[:batch_dims]`` (True where the step was undefined and the Euclidean
               projection was used) or None when the op cannot fail. Registered with

@@ -18,6 +18,9 @@ import torch
 from geomopt.support import Triple
 from geomopt.geometry.matrix import working_dtype
 from geomopt.geometry.prenorm import aol, aol_factors, aol_gram, prenorm_factor, prenormalize
+from geomopt.spec.geometries import NoPrenorm, Prenormalize
+
+_NONE = NoPrenorm()  # no pre-normalization: what ``prenorm=None`` means here
 
 
 def compose_polynomials(coefficients: Sequence[Triple], sigma: torch.Tensor) -> torch.Tensor:
@@ -47,7 +50,7 @@ def muon_order(device: torch.device) -> bool:
     return device.type in _MUON_ORDER_DEVICES
 
 
-def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, prenorm: dict | None = None,
+def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, prenorm: Prenormalize | None = None,
                           overwrite: bool = False, scale: float = 1.0,
                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``scale``·p_k(…p_1(D̂)) in ``out_dtype`` (default: x's), D̂ = x pre-normalized by ``prenorm``
@@ -57,11 +60,11 @@ def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, pr
     (normalize, then addmm with beta/alpha), so in bf16 it reproduces
     ``_zeropower_via_newtonschulz`` exactly; on CUDA the same map is computed without copies or
     passes over X beyond the products (:data:`_MUON_ORDER_DEVICES`, :func:`_folded_iteration`)."""
-    cfg = {"kind": "none"} if prenorm is None else prenorm
+    cfg = _NONE if prenorm is None else prenorm
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if not muon_order(x.device):
         return _folded_iteration(x, coefficients, cfg, scale, out_dtype)
-    use_aol = cfg.get("kind") == "aol"
+    use_aol = cfg.kind == "aol"
     X = x if use_aol else prenormalize(x, cfg, inplace=overwrite)
     m, n = X.shape[-2:]
     tall = m > n
@@ -93,7 +96,7 @@ def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, pr
     return X if scale == 1.0 else X * scale
 
 
-def _folded_iteration(x: torch.Tensor, coefficients: Sequence[Triple], prenorm: dict, scale: float,
+def _folded_iteration(x: torch.Tensor, coefficients: Sequence[Triple], prenorm: Prenormalize, scale: float,
                       out_dtype: torch.dtype) -> torch.Tensor:
     """:func:`odd_quintic_iteration` with every scaling folded into the small factor
     F = aI + b·A + c·A² of a step, X ← X·F for tall X (A = XᵀX: nothing is transposed) and F·X
@@ -108,7 +111,7 @@ def _folded_iteration(x: torch.Tensor, coefficients: Sequence[Triple], prenorm: 
     right = m > n
     lead = x.shape[:-2]
     X = x.reshape(-1, m, n)
-    use_aol = prenorm.get("kind") == "aol"
+    use_aol = prenorm.kind == "aol"
     if not coefficients:
         if use_aol:
             return (prenormalize(X, prenorm) * scale).to(out_dtype).reshape(*lead, m, n)
@@ -176,7 +179,7 @@ def _transposed_copy(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def gram_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, prenorm: dict | None = None,
+def gram_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, prenorm: Prenormalize | None = None,
                            restarts: Sequence[int] = (2,), scale: float = 1.0,
                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`odd_quintic_iteration`'s map (``scale``·p_k(…p_1(D̂)), D̂ = x pre-normalized by
@@ -206,7 +209,7 @@ def gram_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, p
     (f = 1/(‖D‖_F + ε) or 1/max(‖D‖_F, ε)); AOL (D̂ = S·D) scales A₀ to S·A₀·S and the first Q to
     Q·S (tall: S·Q); ``scale`` multiplies the last R. The result is in
     ``out_dtype`` (default: x's)."""
-    cfg = {"kind": "none"} if prenorm is None else prenorm
+    cfg = _NONE if prenorm is None else prenorm
     out_dtype = x.dtype if out_dtype is None else out_dtype
     m, n = x.shape[-2:]
     right = m > n  # tall: the n×n Gram XᵀX, products on the right
@@ -222,7 +225,7 @@ def gram_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, p
     A = gram(X)
     steps = len(coefficients)
     pending: torch.Tensor | None
-    if cfg.get("kind") == "aol":  # D̂ = S·D: A ← S·A·S, and S is folded into the first Q
+    if cfg.kind == "aol":  # D̂ = S·D: A ← S·A·S, and S is folded into the first Q
         if steps == 0:
             return (prenormalize(X, cfg) * scale).to(out_dtype).reshape(*lead, m, n)
         s = aol_factors(A, cfg)

@@ -14,29 +14,34 @@ from __future__ import annotations
 import torch
 
 from geomopt.geometry.reference import working_eps
-from geomopt.spec.geometries import POLYNOMIAL_APPROX_KINDS, FrobeniusPrenorm, NoPrenorm
-from geomopt.spec.base import Fields
+from geomopt.spec.geometries import POLYNOMIAL_APPROX_KINDS, FrobeniusPrenorm, MaxPrenorm, NoPrenorm, Prenormalize
 
-#: ε of a pre-normalization fragment that leaves it out: the spec model's default (1e-7)
+#: ε of a pre-normalization that has none (``none``): the spec model's default (1e-7)
 _EPS: float = FrobeniusPrenorm.model_fields["eps"].default
+_ON, _OFF = FrobeniusPrenorm(), NoPrenorm()
 
 
-def default_prenormalize(approx_kind: str) -> dict:
+def default_prenormalize(approx_kind: str) -> Prenormalize:
     """Pre-normalization (module docstring): on (frobenius, the spec model's ε) for the polynomial
     iterations, off otherwise, as :func:`geomopt.spec.model.effective_prenormalize` says."""
-    return (FrobeniusPrenorm() if approx_kind in POLYNOMIAL_APPROX_KINDS else NoPrenorm()).model_dump()
+    return _ON if approx_kind in POLYNOMIAL_APPROX_KINDS else _OFF
 
 
-def prenormalize(x: torch.Tensor, cfg: Fields | None, approx_kind: str = "svd", inplace: bool = False) -> torch.Tensor:
+def _eps(cfg: Prenormalize) -> float:
+    """The ε of a pre-normalization (the spec model's default for ``none``, which has none)."""
+    return _EPS if isinstance(cfg, NoPrenorm) else float(cfg.eps)
+
+
+def prenormalize(x: torch.Tensor, cfg: Prenormalize | None, approx_kind: str = "svd",
+                 inplace: bool = False) -> torch.Tensor:
     """Scale each matrix of ``x`` (..., m, n): ``frobenius`` D/(‖D‖_F + ε) (Muon reference code,
     Scion, paper eq. (4.1)), ``max`` D/max(‖D‖_F, ε) (torch.optim.Muon), ``aol`` S·D (:func:`aol`;
     tall matrices D·S, from DᵀD; a new tensor), ``none``. ``cfg`` None
-    selects :func:`default_prenormalize`; a dict without ``kind`` means frobenius (the spec model's
-    default). ``inplace``: divide ``x`` itself (a scratch copy)."""
+    selects :func:`default_prenormalize`. ``inplace``: divide ``x`` itself (a scratch copy)."""
     cfg = default_prenormalize(approx_kind) if cfg is None else cfg
-    if cfg.get("kind", "frobenius") == "none":
+    if cfg.kind == "none":
         return x
-    if cfg.get("kind") == "aol":
+    if cfg.kind == "aol":
         tall = x.shape[-2] > x.shape[-1]
         scaled = aol(x.mT if tall else x, cfg)[0]
         return scaled.mT if tall else scaled
@@ -44,33 +49,33 @@ def prenormalize(x: torch.Tensor, cfg: Fields | None, approx_kind: str = "svd", 
     return x.div_(denom) if inplace else torch.div(x, denom)
 
 
-def _prenorm_denominator(norm: torch.Tensor, cfg: Fields) -> torch.Tensor:
+def _prenorm_denominator(norm: torch.Tensor, cfg: Prenormalize) -> torch.Tensor:
     """What :func:`prenormalize` divides a matrix by, from its ‖D‖_F (cfg kind frobenius or max)."""
-    kind = cfg.get("kind", "frobenius")
+    kind = cfg.kind
     # ε as the norm's dtype holds it, floored at √tiny (geomopt.geometry.reference.working_eps): an
     # ε that rounds to 0 would divide a zero matrix by 0, and one below √tiny would blow up a matrix
     # whose norm lost its entries' squares; ε past the dtype's range is +∞ (the matrix maps to 0)
-    eps = working_eps(float(cfg.get("eps", _EPS)), norm.dtype, norm=True)
-    if kind == "frobenius":
+    eps = working_eps(_eps(cfg), norm.dtype, norm=True)
+    if isinstance(cfg, FrobeniusPrenorm):
         return norm + eps
-    if kind == "max":
+    if isinstance(cfg, MaxPrenorm):
         return norm.clamp(min=eps)
     raise ValueError(f"unknown prenormalize kind {kind!r}; expected frobenius, max or none")
 
 
-def prenorm_factor(sq_norm: torch.Tensor, cfg: Fields) -> torch.Tensor | None:
+def prenorm_factor(sq_norm: torch.Tensor, cfg: Prenormalize) -> torch.Tensor | None:
     """The factor :func:`prenormalize` multiplies a matrix by, from its ‖D‖²_F (None for ``none``)."""
-    if cfg.get("kind", "frobenius") == "none":
+    if cfg.kind == "none":
         return None
     return _prenorm_denominator(sq_norm.sqrt(), cfg).reciprocal()
 
 
-def aol_factors(gram: torch.Tensor, cfg: Fields) -> torch.Tensor:
+def aol_factors(gram: torch.Tensor, cfg: Prenormalize) -> torch.Tensor:
     """AOL's diagonal s (..., k) of S = diag(s) from a batch of Gram matrices A = DDᵀ (..., k, k):
     s_i = max(Σⱼ |A_ij|, ε)^(−1/2) (Prach & Lampert 2022, Theorem 1; ε floored at the dtype's tiny,
     summed in A's dtype, as Turbo-Muon does). Then ‖S·D‖₂ ≤ 1: for any x,
     xᵀSASx ≤ Σᵢⱼ |A_ij|·|sᵢxᵢ|·|sⱼxⱼ| ≤ Σᵢⱼ |A_ij|·(sᵢ²xᵢ² + sⱼ²xⱼ²)/2 = Σᵢ sᵢ²xᵢ²·Σⱼ|A_ij| ≤ ‖x‖²."""
-    eps = working_eps(float(cfg.get("eps", _EPS)), gram.dtype)
+    eps = working_eps(_eps(cfg), gram.dtype)
     return torch.rsqrt(torch.clamp_min(gram.abs().sum(dim=-1), eps))
 
 
@@ -83,7 +88,7 @@ def aol_gram(gram: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num_(gram, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def aol(x: torch.Tensor, cfg: Fields) -> tuple[torch.Tensor, torch.Tensor]:
+def aol(x: torch.Tensor, cfg: Prenormalize) -> tuple[torch.Tensor, torch.Tensor]:
     """(S·D, S·A·S) for the rows of each matrix of ``x`` (..., m, n), A = DDᵀ (:func:`aol_factors`;
     callers read tall matrices transposed): the AOL start of a polynomial iteration and its first
     Gram matrix. Turbo-Muon's op order (github.com/thib-s/flash-newton-schulz): A, s, D·s, A·s·sᵀ."""

@@ -21,11 +21,12 @@ terms) read ε the same way, with h*(y) = |y| to rounding where |y|/ε overflows
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, TypeVar, cast
+from typing import Callable, TypeVar, cast
 
 import torch
 
 from geomopt.registry import Registry
+from geomopt.spec.geometries import Reference as ReferenceSpec
 
 #: reference kind → its class (``make_reference`` builds one from a spec fragment)
 REFERENCES = Registry("reference")
@@ -42,10 +43,10 @@ def reference(kind: str) -> Callable[[type[_R]], type[_R]]:
     return register
 
 
-def make_reference(cfg: Mapping) -> "Reference":
-    """``{"kind": "power_barrier", "kappa": 4, "eps": 1e-3}`` → a :class:`PowerBarrier`."""
-    params = {k: v for k, v in dict(cfg).items() if k != "kind"}
-    return REFERENCES[cfg["kind"]](**params)
+def make_reference(cfg: ReferenceSpec) -> "Reference":
+    """A spec reference (``power_barrier(kappa=4, eps=1e-3)``) → a :class:`PowerBarrier`: the
+    class of its ``kind``, its other fields the parameters."""
+    return REFERENCES[cfg.kind](**{k: v for k, v in cfg.__dict__.items() if k != "kind"})
 
 
 def working_eps(eps: float, dtype: torch.dtype, *, norm: bool = False) -> float:

@@ -1,6 +1,6 @@
 """Shape-dependent radius presets (geometry field ``scale``) and applicability checks.
 
-The effective radius of a tensor is ``geometry["radius"] * radius_scale(geometry, shape)``. Shapes
+The effective radius of a tensor is ``geometry.radius * radius_scale(geometry, shape)``. Shapes
 are read through ``layout``: ``out_in`` (torch Linear, Conv: (d_out, d_in, …)) gives
 d_out = shape[0], d_in = prod(shape[1:]); ``in_out`` (Hugging Face GPT-2 Conv1D stores
 (d_in, d_out); embeddings (vocab, dim) read the same way) gives d_in = shape[0],
@@ -36,30 +36,41 @@ from __future__ import annotations
 
 import math
 
-from geomopt.geometry.view import concrete, matrix_shapes, without_view
-from geomopt.spec.base import Fields
+from typing import Optional, Union
+
+from geomopt.compile.fragments import ResolvedGeometry, View
+from geomopt.geometry.view import concrete, matrix_shapes
+from geomopt.spec.base import field
+from geomopt.spec.geometries import Geometry
 from geomopt.support import MATRIX_GEOMETRIES
+
+#: what the presets read: a plan's resolved geometry, or a spec geometry (lint, compile's checks)
+AnyGeometry = Union[ResolvedGeometry, Geometry]
 
 SCALE_PRESETS = ("none", "scion", "muon_original", "match_rms_adamw")
 
 
-def fan_dims(geometry: Fields, shape: tuple[int, ...]) -> tuple[int, int]:
+def _spec(geometry: AnyGeometry) -> Geometry:
+    return geometry.spec if isinstance(geometry, ResolvedGeometry) else geometry
+
+
+def fan_dims(geometry: AnyGeometry, shape: tuple[int, ...]) -> tuple[int, int]:
     """(d_out, d_in) of one tensor (of the first matrix of its resolved ``view``) as ``layout``
     reads it."""
     shape = tuple(int(s) for s in shape)
     view = concrete(geometry, shape)
     first, rest = matrix_shapes(view, shape)[0]  # no view: the plain (shape[0], rest) matrix
-    if view is not None and view.get("layout") == "in_out":  # each matrix stored (in, out)
+    if view is not None and view.layout == "in_out":  # each matrix stored (in, out)
         first, rest = rest, first
-    if geometry.get("layout", "out_in") == "in_out":
+    if field(_spec(geometry), "layout", "out_in") == "in_out":
         return rest, first
     return first, rest
 
 
-def radius_scale(geometry: Fields, shape: tuple[int, ...]) -> float:
-    """Multiplier of ``geometry["radius"]`` for a tensor of ``shape`` (see the module docstring)."""
-    preset = geometry.get("scale", "none") or "none"
-    kind = geometry.get("kind")
+def radius_scale(geometry: AnyGeometry, shape: tuple[int, ...]) -> float:
+    """Multiplier of the geometry's ``radius`` for a tensor of ``shape`` (see the module docstring)."""
+    preset = field(_spec(geometry), "scale", "none") or "none"
+    kind = geometry.kind
     if preset == "none" or kind in ("euclidean", "adam") or 0 in tuple(int(s) for s in shape):
         return 1.0  # a zero-size tensor has no entries to step: its radius is never used
     d_out, d_in = fan_dims(geometry, shape)
@@ -82,19 +93,19 @@ def radius_scale(geometry: Fields, shape: tuple[int, ...]) -> float:
     raise ValueError(f"scale preset 'scion' has no rule for geometry {kind!r}")
 
 
-def block_factors(geometry: Fields, shape: tuple[int, ...], view: Fields) -> list[float] | None:
+def block_factors(geometry: Geometry, shape: tuple[int, ...], view: Optional[View]) -> tuple[float, ...] | None:
     """Per block of ``view``, its preset's radius over the first block's (None when all equal)."""
-    if view is None or not view["blocks"] or len(set(view["blocks"])) == 1:
+    if view is None or not view.blocks or len(set(view.blocks)) == 1:
         return None
-    plain = without_view(geometry)
+    plain = ResolvedGeometry(geometry)  # one block: the plain matrix
     scales = [radius_scale(plain, (m, n)) for m, n in matrix_shapes(view, shape)]
-    factors = [s / scales[0] for s in scales]
+    factors = tuple(s / scales[0] for s in scales)
     return None if all(f == 1.0 for f in factors) else factors
 
 
-def check_applicable(geometry: Fields, shape: tuple[int, ...]) -> str | None:
+def check_applicable(geometry: AnyGeometry, shape: tuple[int, ...]) -> str | None:
     """Why ``geometry`` cannot apply to a tensor of ``shape``, or None when it can."""
-    kind = geometry.get("kind")
+    kind = geometry.kind
     shape = tuple(int(s) for s in shape)
     if kind in MATRIX_GEOMETRIES and len(shape) < 2:
         return (

@@ -52,7 +52,7 @@ from geomopt.geometry.reference import Reference
 from geomopt.registry import Registry
 # the coefficient lists and what they realize are plain data (lint reads them without torch)
 from geomopt.support import newton_schulz_coefficients, polar_express_coefficients
-from geomopt.spec.base import Fields
+from geomopt.spec.geometries import Approx, Prenormalize
 
 # ---------------------------------------------------------------- the working copy
 
@@ -64,7 +64,7 @@ def _working(x: torch.Tensor, kind: str, dtype: str) -> torch.Tensor:
     return x.to(compute_dtype(x, kind, dtype))
 
 
-def _prepare(x: torch.Tensor, kind: str, dtype: str, prenorm: dict | None) -> torch.Tensor:
+def _prepare(x: torch.Tensor, kind: str, dtype: str, prenorm: Prenormalize | None) -> torch.Tensor:
     # Cast first, then normalize in the working dtype (as torch.optim.Muon does in bf16), in place
     # on the cast copy
     work = _working(x, kind, dtype)
@@ -84,7 +84,7 @@ def _rank_tol(sigma_max: torch.Tensor, m: int, n: int, dtype: torch.dtype) -> to
 
 
 @APPROX_OPS.register("svd")
-def svd(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dtype: str = "auto",
+def svd(x: torch.Tensor, ref: Reference, *, prenormalize: Prenormalize | None = None, dtype: str = "auto",
         scale: float = 1.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Exact ∇φ*(D) = U·Diag((h*)'(σ))·Vᵀ from the reduced SVD (paper Corollary 3.2; reduced
     suffices because (h*)'(0) = 0, Example 3.3). σ below the numerical-rank tolerance
@@ -101,7 +101,7 @@ def svd(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dt
 
 
 @APPROX_OPS.register("gram_eigh")
-def gram_eigh(x: torch.Tensor, ref: Reference, *, prenormalize: dict | None = None, dtype: str = "auto",
+def gram_eigh(x: torch.Tensor, ref: Reference, *, prenormalize: Prenormalize | None = None, dtype: str = "auto",
               scale: float = 1.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """∇φ*(D) from the smaller Gram matrix: for m ≤ n, DDᵀ = QΛQᵀ, σ = √λ and
     ∇φ*(D) = Q·Diag((h*)'(σ)/σ)·QᵀD (the isotropic factor, finite at σ = 0, so D's columns are never
@@ -153,7 +153,7 @@ def newton_schulz(
     *,
     steps: int = 5,
     coefficients: Sequence[Sequence[float]] | None = None,
-    prenormalize: dict | None = None,
+    prenormalize: Prenormalize | None = None,
     dtype: str = "auto",
     scale: float = 1.0,
     out_dtype: torch.dtype | None = None,
@@ -174,7 +174,7 @@ def gram_newton_schulz(
     steps: int = 5,
     coefficients: Sequence[Sequence[float]] | None = None,
     restarts: Sequence[int] = (2,),
-    prenormalize: dict | None = None,
+    prenormalize: Prenormalize | None = None,
     dtype: str = "auto",
     scale: float = 1.0,
     out_dtype: torch.dtype | None = None,
@@ -197,7 +197,7 @@ def polar_express(
     *,
     steps: int = 5,
     coefficients: str | Sequence[Sequence[float]] = "polar_express",
-    prenormalize: dict | None = None,
+    prenormalize: Prenormalize | None = None,
     dtype: str = "auto",
     scale: float = 1.0,
     out_dtype: torch.dtype | None = None,
@@ -210,14 +210,16 @@ def polar_express(
     return _polynomial(x, "polar_express", coeffs, dtype, prenormalize, scale, out_dtype)
 
 
-def apply_approx(x: torch.Tensor, ref: Reference | None, approx: Fields | None, prenorm: dict | None = None, *,
-                 scale: float = 1.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Dispatch an ``approx`` dict (``model_dump()`` of a spec approx) on ``x`` (..., m, n):
-    ``scale``·∇φ*(x) in ``out_dtype`` (default: x's), the scale folded into the approximation."""
-    approx = {"kind": "svd"} if approx is None else dict(approx)
-    kind = approx.pop("kind", "svd")
+def apply_approx(x: torch.Tensor, ref: Reference | None, approx: Approx | None,
+                 prenorm: Prenormalize | None = None, *, scale: float = 1.0,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Run a spec ``approx`` (None: svd) on ``x`` (..., m, n): ``scale``·∇φ*(x) in ``out_dtype``
+    (default: x's), the scale folded into the approximation; the model's fields other than its
+    ``kind`` are the approximation's options."""
+    kind = "svd" if approx is None else approx.kind
     if kind not in APPROX_OPS:
         raise ValueError(f"unknown spectral approx {kind!r}; expected one of {', '.join(APPROX_OPS)}")
     if ref is None and kind in ("svd", "gram_eigh"):
         raise ValueError(f"approx {kind!r} needs a reference function")
-    return APPROX_OPS[kind](x, ref, prenormalize=prenorm, scale=scale, out_dtype=out_dtype, **approx)
+    options = {} if approx is None else {k: v for k, v in approx.__dict__.items() if k != "kind"}
+    return APPROX_OPS[kind](x, ref, prenormalize=prenorm, scale=scale, out_dtype=out_dtype, **options)

@@ -6,7 +6,7 @@ The kinds themselves are in :mod:`geomopt.spec.geometries`, :mod:`geomopt.spec.c
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Iterable, Protocol, get_args
+from typing import Annotated, Any, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,26 +14,12 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 Probability = Annotated[float, Field(gt=0, le=1)]
 
 
-class Fields(Protocol):
-    """What the arithmetic units read a fragment through: its fields by name. A spec model, a
-    plan's resolved fragments (:mod:`geomopt.compile.fragments`) and a plain dict all answer."""
-
-    def __getitem__(self, key: str) -> Any: ...
-
-    def get(self, key: str, default: Any = None) -> Any: ...
-
-    def __contains__(self, key: object) -> bool: ...
-
-    def keys(self) -> Iterable[str]: ...
-
-
 class SpecModel(BaseModel):
     # allow_inf_nan=False: no field means anything at ±inf/nan, and the DSL has no spelling for them
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
-    # Read-only access by field name, as a mapping: the arithmetic units (geomopt.geometry) read a
-    # plan's typed fragments and the functional API's validated fragments the same way. The model
-    # stays frozen and typed; code that knows a fragment's kind reads its attributes.
+    # Read-only access by field name, as a mapping, for build-time code that handles a spec's data
+    # generically (compile, lint, printing). The step path reads attributes (tests/test_typed_plan.py).
     def __getitem__(self, key: str) -> Any:
         try:
             return self.__dict__[key]

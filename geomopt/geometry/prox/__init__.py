@@ -4,7 +4,7 @@ With φ = ρ⋆φ₁ the step sees only t = γρ: (γ⋆φ)(Z − Y) = t·φ₁(
 row of the backward table (paper Table 1), registered under the ``(geometry, constraint)`` pairs its
 row of :data:`geomopt.support.BACKWARD_TABLE` names; the contract is in :mod:`geomopt.geometry.operators`::
 
-    fn(y, t, ref, constraint: Fields, *, gamma, geometry: Fields, batch_dims) -> (x, fallback)
+    fn(y, t, ref, constraint: Constraint, *, gamma, geometry: ResolvedGeometry, batch_dims) -> (x, fallback)
 
 The leading ``batch_dims`` dims of ``y`` index independent tensors; every norm, sum and SVD is per
 batch element. Spectral ops view an element as a (shape[0], prod(rest)) matrix; a geometry's
@@ -49,6 +49,8 @@ Conventions shared by every op (documented once here):
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 # the op modules, in the order of geomopt.support.BACKWARD_TABLE (registration order)
@@ -56,8 +58,9 @@ from geomopt.geometry.prox import euclidean, anisotropic, spectral, groupwise, d
 from geomopt.geometry.reference import Quadratic, make_reference
 from geomopt.geometry.operators import BACKWARD_OPS, unsupported_message
 from geomopt.geometry.view import apply as apply_view
-from geomopt.geometry.view import split_view
-from geomopt.spec.base import Fields
+from geomopt.compile.fragments import ResolvedGeometry
+from geomopt.spec.constraints import Constraint, FrobeniusSphere
+from geomopt.spec.geometries import Euclidean
 
 __all__ = ["backward"]
 
@@ -65,14 +68,15 @@ __all__ = ["backward"]
 def backward(
     y: torch.Tensor,
     gamma: float,
-    geometry: Fields,
-    constraint: Fields | None,
+    geometry: ResolvedGeometry,
+    constraint: Constraint | None,
     *,
     radius: float | None = None,
     batch_dims: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The backward step X⁺ ∈ argmin_Z g(Z) + (γ⋆φ)(Z − Y) for one geometry and constraint
-    (spec fragments as plain dicts). ``radius`` overrides ``geometry["radius"]`` (ρ); t = γρ.
+    (a plan's resolved geometry and spec constraint, read by attribute). ``radius`` overrides the
+    geometry's ``radius`` (ρ); t = γρ.
 
     A frobenius_sphere with ``method: project`` takes the Euclidean projection r·Y/‖Y‖_F in every
     geometry (hyperball Muon's retraction) instead of the geometry's prox.
@@ -83,24 +87,29 @@ def backward(
     """
     if constraint is None:
         return y, None
-    gkind, ckind = geometry["kind"], constraint["kind"]
+    gkind, ckind = geometry.kind, constraint.kind
     op = BACKWARD_OPS.get((gkind, ckind))
     if op is None:
         raise ValueError(unsupported_message(gkind, ckind))
-    if constraint.get("method") == "project":  # P_C(Y) whatever the geometry: a retraction, no prox
-        op, geometry = BACKWARD_OPS[("euclidean", ckind)], {**geometry, "kind": "euclidean"}
+    rho = float(radius if radius is not None else geometry.radius)
+    cfg = geometry.reference
+    ref = Quadratic() if cfg is None else make_reference(cfg)
+    if isinstance(constraint, FrobeniusSphere) and constraint.method == "project":
+        # P_C(Y) whatever the geometry: a retraction, no prox (the euclidean row, on the same view)
+        op = BACKWARD_OPS[("euclidean", ckind)]
+        geometry = dataclasses.replace(geometry, spec=Euclidean.model_construct(radius=geometry.radius))
     if y.numel() == 0:  # no entries (a dim of size 0): nothing to move, whatever the set
         return y, None
-    rho = float(radius if radius is not None else geometry.get("radius", 1.0))
     gamma = gamma if isinstance(gamma, torch.Tensor) else float(gamma)  # a tensor: lr on the device
-    ref = make_reference(geometry["reference"]) if geometry.get("reference") else Quadratic()
-    view, plain = split_view(geometry, y.shape[batch_dims:])
+    view = geometry.view
     if view is None:
         return op(y, gamma * rho, ref, constraint, gamma=gamma, geometry=geometry, batch_dims=batch_dims)
-    scaled = view.get("scale_constraint") and "radius" in constraint
+    plain = geometry.matrix
+    # a relative radius (the view says so) scales with each block's radius factor
+    scaled = view.scale_constraint
 
     def per_stack(mats, f):
-        c = {**constraint, "radius": constraint["radius"] * f} if scaled and f != 1.0 else constraint
+        c = constraint.model_copy(update={"radius": constraint.radius * f}) if scaled and f != 1.0 else constraint
         return op(mats, gamma * rho * f, ref, c, gamma=gamma, geometry=plain, batch_dims=1)
 
     return apply_view(y, batch_dims, view, per_stack)

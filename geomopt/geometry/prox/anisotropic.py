@@ -27,7 +27,7 @@ def anisotropic_separable(y, t, ref, constraint, *, gamma, geometry, batch_dims)
     l0(k) → keep the k largest |y_i| (H_k; earliest index among ties). Each coordinate moves as
     little as the set allows, which also minimizes ‖X − Y‖∞: infeasible where that exceeds t."""
     v = flat_rows(y, batch_dims)
-    x = VECTOR_PROJ[constraint["kind"]](v, constraint)
+    x = VECTOR_PROJ[constraint.kind](v, constraint)
     if not ref.bounded:
         return unflat_rows(x, y), None
     bad = too_far((x - v).abs().amax(-1), t, v.abs().amax(-1), y)
@@ -41,7 +41,7 @@ def anisotropic_l2_ball(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     ‖x‖ = r. Log barrier: closed-form root; power barrier: safeguarded Newton; indicator: the κ → ∞
     limit s_i = max(|y_i|/(1+τ), |y_i| − t); quadratic: the Euclidean projection."""
     v = flat_rows(y, batch_dims)
-    s, bad = ball_magnitudes(v.abs(), t, constraint["radius"], ref, y.dtype)
+    s, bad = ball_magnitudes(v.abs(), t, constraint.radius, ref, y.dtype)
     x = unflat_rows(torch.sign(v) * s, y)
     return x, None if bad is None else per_element(bad, y, batch_dims)
 
@@ -53,6 +53,6 @@ def anisotropic_sphere(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     (log barrier: νs² + (1 − νt − νa)s − a = 0; a = 0: s = max(0, t − 1/ν)), ν by bisection.
     Feasible iff Σ(|y_i| + t)² ≥ r²; at Y = 0 the result is (r/√n)·1."""
     v = flat_rows(y, batch_dims)
-    s, bad = sphere_magnitudes(v.abs(), t, constraint["radius"], ref, y.dtype)
+    s, bad = sphere_magnitudes(v.abs(), t, constraint.radius, ref, y.dtype)
     x = unflat_rows(sign_plus(v) * s, y)
     return x, None if bad is None else per_element(bad, y, batch_dims)

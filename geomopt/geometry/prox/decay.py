@@ -13,4 +13,4 @@ def proximal_decay(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     """g = (1/λ)⋆φ: X⁺ = Y/(1 + γλ) (paper Remark 2.5; implicit radius ρ/λ). From the optimality
     condition ∇φ(λX) = ∇φ((Y − X)/γ), injectivity of ∇φ gives λX = (Y − X)/γ; it uses γ, not t.
     Defined whenever X ∈ dom g (then λY/(1+γλ) ∈ ρ·dom φ₁ by the triangle inequality), so no flag."""
-    return (upcast(y) / (1 + gamma * constraint["lam"])).to(y.dtype), None
+    return (upcast(y) / (1 + gamma * constraint.lam)).to(y.dtype), None

@@ -30,14 +30,14 @@ def euclidean_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     is the definition). Spectral sets act on the (shape[0], rest) matrix (per matrix of a
     ``view``). Isotropic: infeasible where ‖P_C(Y) − Y‖_F > t (C misses Y + t·dom φ₁); then P_C(Y) is
     also the fallback, so only the flag differs."""
-    kind = constraint["kind"]
+    kind = constraint.kind
     if kind in SPECTRAL_SETS:
         mats = matrices(upcast(y), batch_dims)
         x, _ = spectral_apply(mats, lambda s: (sigma_proj(kind, s, constraint), None))
         x = unflat_rows(x, y)
     else:
         x = unflat_rows(VECTOR_PROJ[kind](flat_rows(y, batch_dims), constraint), y)
-    if geometry["kind"] == "euclidean" or not ref.bounded:
+    if geometry.kind == "euclidean" or not ref.bounded:
         return x, None
     diff = flat_rows(x, batch_dims) - flat_rows(y, batch_dims)
     scale = row_norm(flat_rows(y, batch_dims))

@@ -12,10 +12,10 @@ from geomopt.geometry.prox.common import row_norm, per_element, unflat_rows
 from geomopt.geometry.prox.scalar import ball_magnitudes, sphere_magnitudes
 from geomopt.geometry.operators import backward_op
 from geomopt.registry import REDUCE
-from geomopt.spec.base import Fields
+from geomopt.compile.fragments import ResolvedGeometry
 
 
-def _from_rows(rows: torch.Tensor, geometry: Fields, y: torch.Tensor) -> torch.Tensor:
+def _from_rows(rows: torch.Tensor, geometry: ResolvedGeometry, y: torch.Tensor) -> torch.Tensor:
     """The groups (B, groups, len) back in ``y``'s shape and dtype."""
     return unflat_rows(rows if by_rows(geometry) else rows.transpose(-2, -1), y)
 
@@ -28,7 +28,7 @@ def groupwise_frobenius_ball(y, t, ref, constraint, *, gamma, geometry, batch_di
     vector of row norms a_j = ‖y_j‖. Zero rows stay zero."""
     rows = groups(upcast(y), batch_dims, geometry)
     a = row_norm(rows)
-    s, bad = ball_magnitudes(a, t, constraint["radius"], ref, y.dtype)
+    s, bad = ball_magnitudes(a, t, constraint.radius, ref, y.dtype)
     scale = torch.where(a > 0, s / a.clamp(min=torch.finfo(a.dtype).tiny), torch.zeros_like(a))
     x = _from_rows(rows * scale.unsqueeze(-1), geometry, y)
     return x, None if bad is None else per_element(bad, y, batch_dims)
@@ -42,7 +42,7 @@ def groupwise_frobenius_sphere(y, t, ref, constraint, *, gamma, geometry, batch_
     (deterministic; every direction is optimal)."""
     rows = groups(upcast(y), batch_dims, geometry)
     a = row_norm(rows)
-    s, bad = sphere_magnitudes(a, t, constraint["radius"], ref, y.dtype)
+    s, bad = sphere_magnitudes(a, t, constraint.radius, ref, y.dtype)
     e0 = torch.zeros_like(rows)
     e0[..., 0] = 1
     unit = torch.where((a > 0).unsqueeze(-1), rows / a.clamp(min=torch.finfo(a.dtype).tiny).unsqueeze(-1), e0)

@@ -143,7 +143,7 @@ def _stiefel_polar(y, t, ref, constraint, *, geometry, batch_dims):
     (tests/test_optimizer.py). Use ``method: exact`` for arbitrary Y. The flag uses a
     power-iteration estimate of ‖Y − X⁺‖₂ (a lower bound: marginal infeasibility can go
     unflagged)."""
-    r = constraint["radius"]
+    r = constraint.radius
     mats = matrices(upcast(y), batch_dims)
     q = min(mats.shape[-2:])
     fro = torch.linalg.matrix_norm(mats)
@@ -210,7 +210,7 @@ def _spectral_ball_polar(y, t, ref, constraint, *, geometry, batch_dims):
     (fp64); σ spread from 100r to 0.01r: ≤ 1e-4·r (fp32), ≤ 1e-12·r (fp64). The flag uses a
     power-iteration estimate of ‖Y − X⁺‖₂."""
     refuse_in_capture("iteration counts read from the matrices' scales on the host")
-    r = constraint["radius"]
+    r = constraint.radius
     mats = matrices(upcast(y), batch_dims)
     tall = mats.shape[-2] >= mats.shape[-1]
     a = mats if tall else mats.transpose(-2, -1)

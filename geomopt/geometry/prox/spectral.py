@@ -29,7 +29,7 @@ def spectral_projection(y, t, ref, constraint, *, gamma, geometry, batch_dims):
     ``auto`` picks one by device and size (:func:`geomopt.geometry.method.resolve_method`).
     Infeasible where max_i |x_i − σ_i| > t (the spectral distance from Y to C). ``method: msign``
     (stiefel) is :func:`_msign_retraction`, no projection."""
-    kind = constraint["kind"]
+    kind = constraint.kind
     method = method_choice.resolve_method(constraint, y.device, y.shape[batch_dims:])
     if method == "msign":
         return _msign_retraction(y, ref, constraint, geometry, batch_dims), None
@@ -51,8 +51,8 @@ def _msign_retraction(y, ref, constraint, geometry, batch_dims):
     arXiv:2601.21487; NVIDIA Emerging-Optimizers' ``Spel``). With Muon's quintic the singular values
     end near r (in about [0.7r, 1.2r]), not on it: a retraction, not the projection, and no
     feasibility test."""
-    x = apply_approx(matrices(upcast(y), batch_dims), ref, geometry.get("approx"), geometry.get("prenormalize"),
-                     scale=float(constraint["radius"]), out_dtype=upcast(y).dtype)
+    x = apply_approx(matrices(upcast(y), batch_dims), ref, geometry.approx, geometry.prenormalize,
+                     scale=float(constraint.radius), out_dtype=upcast(y).dtype)
     return unflat_rows(x, y)
 
 
@@ -61,7 +61,7 @@ def spectral_frobenius_ball(y, t, ref, constraint, *, gamma, geometry, batch_dim
     """Frobenius ball under φ₁ = Σh(σ_i) (Theorem 3.5 with Appendix A.1): the anisotropic ℓ2-ball
     step on σ(Y), then X⁺ = U·Diag(x)·Vᵀ."""
     x, bad = spectral_apply(matrices(upcast(y), batch_dims),
-                           lambda s: ball_magnitudes(s, t, constraint["radius"], ref, y.dtype))
+                           lambda s: ball_magnitudes(s, t, constraint.radius, ref, y.dtype))
     return unflat_rows(x, y), None if bad is None else per_element(bad, y, batch_dims)
 
 
@@ -71,5 +71,5 @@ def spectral_frobenius_sphere(y, t, ref, constraint, *, gamma, geometry, batch_d
     (outward steps may lift zero singular values: LAPACK's completions give their vectors), then
     U·Diag(x)·Vᵀ. Y = 0 → (r/√q)·I_{m×n}."""
     x, bad = spectral_apply(matrices(upcast(y), batch_dims),
-                           lambda s: sphere_magnitudes(s, t, constraint["radius"], ref, y.dtype))
+                           lambda s: sphere_magnitudes(s, t, constraint.radius, ref, y.dtype))
     return unflat_rows(x, y), None if bad is None else per_element(bad, y, batch_dims)

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from geomopt.geometry.prox.common import row_norm, sign_plus
-from geomopt.spec.base import Fields
+from geomopt.spec.constraints import L0, Constraint, ProximalDecay, Rank
 
 def sphere_euclid(a: torch.Tensor, r: float) -> torch.Tensor:
     """Euclidean projection of magnitudes onto the sphere; a = 0 → (r/√n)·1."""
@@ -56,28 +56,42 @@ def _keep_top(v: torch.Tensor, k: int) -> torch.Tensor:
 
 
 VECTOR_PROJ: dict[str, Callable] = {
-    "l2_ball": lambda v, c: proj_l2_ball(v, c["radius"]),
-    "frobenius_ball": lambda v, c: proj_l2_ball(v, c["radius"]),
-    "frobenius_sphere": lambda v, c: _proj_sphere(v, c["radius"]),
-    "linf_ball": lambda v, c: _proj_linf_ball(v, c["radius"]),
-    "linf_sphere": lambda v, c: _proj_linf_sphere(v, c["radius"]),
-    "sign_set": lambda v, c: _proj_sign_set(v, c["radius"]),
-    "l0": lambda v, c: _keep_top(v, c["k"]),
+    "l2_ball": lambda v, c: proj_l2_ball(v, c.radius),
+    "frobenius_ball": lambda v, c: proj_l2_ball(v, c.radius),
+    "frobenius_sphere": lambda v, c: _proj_sphere(v, c.radius),
+    "linf_ball": lambda v, c: _proj_linf_ball(v, c.radius),
+    "linf_sphere": lambda v, c: _proj_linf_sphere(v, c.radius),
+    "sign_set": lambda v, c: _proj_sign_set(v, c.radius),
+    "l0": lambda v, c: _keep_top(v, c.k),
 }
 
 
-def sigma_proj(kind: str, s: torch.Tensor, c: Fields) -> torch.Tensor:
+def _radius(c: Constraint) -> float:
+    """The radius r of a set that has one."""
+    if isinstance(c, (L0, Rank, ProximalDecay)):
+        raise ValueError(f"constraint {c.kind} has no radius")
+    return c.radius
+
+
+def _count(c: Constraint) -> int:
+    """The k of a set that keeps k entries (l0) or singular values (rank)."""
+    if not isinstance(c, (L0, Rank)):
+        raise ValueError(f"constraint {c.kind} has no k")
+    return c.k
+
+
+def sigma_proj(kind: str, s: torch.Tensor, c: Constraint) -> torch.Tensor:
     """Euclidean projections of the singular values (Table 1, second half)."""
     if kind == "stiefel":
-        return torch.full_like(s, c["radius"])
+        return torch.full_like(s, _radius(c))
     if kind == "spectral_ball":
-        return s.clamp(max=c["radius"])
+        return s.clamp(max=_radius(c))
     if kind == "spectral_sphere":
-        return _proj_linf_sphere(s, c["radius"])
+        return _proj_linf_sphere(s, _radius(c))
     if kind == "rank":
-        return _keep_top(s, c["k"])  # σ is sorted: keeps σ_1 … σ_k
+        return _keep_top(s, _count(c))  # σ is sorted: keeps σ_1 … σ_k
     if kind in ("frobenius_ball", "l2_ball"):
-        return proj_l2_ball(s, c["radius"])
+        return proj_l2_ball(s, _radius(c))
     if kind == "frobenius_sphere":
-        return _proj_sphere(s, c["radius"])
+        return _proj_sphere(s, _radius(c))
     raise KeyError(kind)

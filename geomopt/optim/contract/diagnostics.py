@@ -9,18 +9,22 @@ from typing import Any
 
 import torch
 
+from geomopt.compile.fragments import ResolvedGeometry
 from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import is_dtensor
 from geomopt.geometry.gap import dual_norm, gap_unavailable, stationarity_gap
 from geomopt.geometry.prox import backward
 from geomopt.optim.engine.tensors import full, op_view, upcast
 from geomopt.optim.contract.torch_api import dense
+from geomopt.spec.geometries import Euclidean
+
+_EUCLIDEAN = Euclidean()
 
 
-def euclidean_geometry(pp: ParamPlan) -> dict:
+def euclidean_geometry(pp: ParamPlan) -> ResolvedGeometry:
     """The Euclidean geometry for P_C (project_on_init, the violation): spectral sets act per
     matrix of the plan's ``view``, as the rule's own backward step does."""
-    return {"kind": "euclidean", "radius": 1.0, "view": pp.geometry.view}
+    return ResolvedGeometry(_EUCLIDEAN, pp.geometry.view)
 
 
 @torch.no_grad()

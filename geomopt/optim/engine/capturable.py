@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from geomopt.geometry.adam import adam_multi_tensor
+from geomopt.compile.fragments import ResolvedGeometry
+from geomopt.geometry.adam import adam_hyper, adam_multi_tensor
 from geomopt.geometry.prox.spectral_map import DeviceRoutes
 from geomopt.geometry.reference import working_eps
-from geomopt.spec.base import Fields
 from geomopt.optim.engine.atomic import drive
 from geomopt.optim.engine.bucket_step import BucketJob
 from geomopt.optim.engine.flat import step_flat
@@ -34,9 +34,11 @@ from geomopt.optim.units.schedules import step_size
 from geomopt.optim.units.state_keys import COUNTS
 
 
-def captured_step(rt: Runtime, groups: list, state, counters: list, jobs: list, grads: list, done: list) -> None:
+def captured_step(rt: Runtime, groups: list, typed: list, state, counters: list, jobs: list, grads: list,
+                  done: list) -> None:
     """One step of ``jobs`` ((program, [(param, plan)]) each, every program batched) with no host
-    synchronization; ``done`` collects the indices of the jobs that committed."""
+    synchronization (``typed``: each group's schedule model); ``done`` collects the indices of the
+    jobs that committed."""
     # jobs of on_nonfinite: off rules are not tested: their flag is a constant true (the gradient
     # enters as it is, a NaN propagates as in torch) and they step whatever the others' flag says
     tested = [j for j, (prog, _) in enumerate(jobs) if prog.check != "off"]
@@ -58,7 +60,7 @@ def captured_step(rt: Runtime, groups: list, state, counters: list, jobs: list, 
     for prog, _ in jobs:
         gi = prog.group
         if gi not in schedules:
-            schedules[gi] = step_size(groups[gi])
+            schedules[gi] = step_size(groups[gi], typed[gi])
             counters[gi]["update_sq"].zero_()  # this step's sum, in place (a graph replays into it)
     for j, ((prog, items), g) in enumerate(zip(jobs, grads)):
         if prog.fused:
@@ -121,14 +123,14 @@ def captured_adam(rt: Runtime, state, group: dict, items: list, grads: list, gam
             state[p]["adam_step"] = count
 
 
-def adam_weighted(xs: list, gs: list, ms: list, vs: list, steps: torch.Tensor, geometry: Fields, gamma, wd: float,
-                  ok: torch.Tensor) -> None:
+def adam_weighted(xs: list, gs: list, ms: list, vs: list, steps: torch.Tensor, geometry: ResolvedGeometry, gamma,
+                  wd: float, ok: torch.Tensor) -> None:
     """AdamW (``adam_moments``' formulas) tensor by tensor, for a compiler to fuse (inductor does not
     take torch's fused kernel): every write weighted by the flag ``ok`` on gradients zeroed where
     it is false, so a skipped step writes m + 0·(0 − m), v·1 + 0 and X·1 + 0, the values as they
     were. Within rounding of the fused kernel (another op order)."""
-    beta1, beta2 = (float(b) for b in geometry["betas"])
-    eps = working_eps(float(geometry["eps"]), vs[0].dtype, norm=True)
+    beta1, beta2, eps = adam_hyper(geometry)
+    eps = working_eps(eps, vs[0].dtype, norm=True)
     w = ok.to(torch.float64)
     step = steps.to(torch.float64)
     bc1, bc2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5

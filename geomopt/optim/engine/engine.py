@@ -30,7 +30,7 @@ from geomopt.optim.engine.program import Options, Program, dispatch, flat_rule, 
 from geomopt.optim.engine.runtime import Runtime
 from geomopt.optim.engine.tensors import as_real, local, op_layout, op_view, stack
 from geomopt.optim.units.directions import DIRECTIONS
-from geomopt.optim.units.schedules import step_size
+from geomopt.optim.units.schedules import step_size, typed_schedule
 from geomopt.optim.units.state_keys import COUNTS, SPEC_KEYS, STACKED, direction_keys, owner_state
 from geomopt.spec.model import Spec
 
@@ -115,6 +115,11 @@ class Engine:
         check_complex(groups, plans, lambda g, pp: flat_rule(g, pp, self.options) is None)
         self.programs: list[list[Program]] = []
         self.built_from: list = []
+        # each group's schedule as its typed spec model, and the group values it was read from
+        # (a step reads it again where a group's value changed)
+        self.schedules: list = []
+        self.schedule_values: list = []
+        self.read_schedules(groups)
         self.deferred = False
         self.dispatch(groups)
 
@@ -146,10 +151,19 @@ class Engine:
         self.deferred = (self.options.local and not self.options.keeps_prev and all(p.check != "off" for p in progs)
                          and all(p.check == "deferred" for p in progs if p.variant == "batched"))
 
+    def read_schedules(self, groups: list) -> None:
+        """Each group's schedule validated into its spec model (:func:`typed_schedule`), once per
+        value: a step reads the model, and a value the spec refuses is refused before anything runs."""
+        self.schedules = [typed_schedule(g) for g in groups]
+        self.schedule_values = [copy_value(g["schedule"]) for g in groups]
+
     def refresh(self, groups: list) -> None:
-        """Programs built again where a group's direction (or what else they read) changed."""
+        """Programs built again where a group's direction (or what else they read) changed; the
+        schedules read again where a group's schedule changed."""
         if [signature(g) for g in groups] != self.built_from:
             self.dispatch(groups)
+        if [g["schedule"] for g in groups] != self.schedule_values:
+            self.read_schedules(groups)
         if self.rt is None:
             self.rt = self.runtime(groups)
 
@@ -188,7 +202,7 @@ class Engine:
             done: list = []  # no host sync, the first step (creating the state) included
             counts_on_device(groups, state, self.counters, jobs)  # a no-op once they are
             try:
-                captured_step(rt, groups, state, self.counters, jobs, grads, done)
+                captured_step(rt, groups, self.schedules, state, self.counters, jobs, grads, done)
             except BaseException as err:  # inside a CUDA-graph capture nothing ran: nothing is pending
                 if not capturing():
                     self.pending = interrupted(self.pending, err, jobs, done, groups, self.plans, True)
@@ -209,7 +223,7 @@ class Engine:
         for prog, items in jobs:
             gi = prog.group
             if gi not in schedules:
-                gamma, alpha = step_size(groups[gi])
+                gamma, alpha = step_size(groups[gi], self.schedules[gi])
                 # a tensor lr is read once here (this step syncs anyway); a capturable step keeps it
                 schedules[gi] = (float(gamma), alpha)
                 devices[gi] = items[0][0].device

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from geomopt.geometry.reference import working_eps
+from geomopt.compile.fragments import View
 from geomopt.geometry.view import count, matrix_shapes
 from geomopt.optim.units.declare import COUNT, SECOND, STAT, StateKey, declare
 from geomopt.registry import LOCAL, REDUCE, Registry
@@ -82,7 +83,7 @@ class Context:
 
     state: dict
     op_shape: tuple[int, ...]
-    view: Optional[dict] = None
+    view: Optional[View] = None
     gradient: Optional[torch.Tensor] = None
     direction: Optional[torch.Tensor] = None
     param: Optional[torch.Tensor] = None
@@ -146,7 +147,7 @@ def _dims(u: torch.Tensor) -> tuple[int, ...]:
     return tuple(range(1, u.ndim))
 
 
-def _matrix_axes(ctx: Context) -> tuple[int, tuple[int, ...], Optional[list[int]]]:
+def _matrix_axes(ctx: Context) -> tuple[int, tuple[int, ...], Optional[tuple[int, ...]]]:
     """(row dim, column dims, row blocks) of the tensor's matrices in the stacked update (dim 0 is
     the tensor index): the geometry's view where it has one (experts: rows of each expert; a
     conv kernel: out × in·kh·kw, or one out × in matrix per position with ``trailing: batch``),
@@ -154,10 +155,10 @@ def _matrix_axes(ctx: Context) -> tuple[int, tuple[int, ...], Optional[list[int]
     view, ndim = ctx.view, len(ctx.op_shape)
     if view is None:
         return 1, tuple(range(2, ndim + 1)), None
-    b = view["batch"]
+    b = view.batch
     row = b + 1
-    cols = (row + 1,) if view["trailing"] == "batch" else tuple(range(row + 1, ndim + 1))
-    return row, cols, view["blocks"]
+    cols = (row + 1,) if view.trailing == "batch" else tuple(range(row + 1, ndim + 1))
+    return row, cols, view.blocks
 
 
 def _power_normalized(d: torch.Tensor, ctx: Context, steps: int, eps: float = 1e-10) -> torch.Tensor:

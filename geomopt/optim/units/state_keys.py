@@ -14,8 +14,10 @@ from geomopt.optim.units import stages  # noqa: F401  (the post-stages declare t
 from geomopt.optim.units import compensation  # noqa: F401  (a low-precision weight's lost bits, likewise)
 from geomopt.optim.units.declare import (COUNT, FIRST, OP, OWN, PARAM, SECOND, STAT, STATE, STATE_KINDS, WEIGHT,
                                           StateKey, declare)
+from geomopt.compile.fragments import ResolvedGeometry
 from geomopt.geometry.operators import forward_locality
 from geomopt.registry import OWNER, Registry
+from geomopt.spec.geometries import Kronecker
 
 #: the adam geometry's state (torch.optim.AdamW's exp_avg, exp_avg_sq and step)
 ADAM_STATE = declare("adam", StateKey("exp_avg", moment=FIRST), StateKey("exp_avg_sq", moment=SECOND),
@@ -58,20 +60,21 @@ PSGD_STATE = declare(
 )
 
 
-def geometry_kind(geometry) -> "str | None":
+def geometry_kind(geometry: ResolvedGeometry) -> "str | None":
     """The kind of state a rule's forward op keeps (adam; a kronecker geometry's method), or None."""
-    kind = geometry.get("method", geometry.kind)  # a kronecker geometry: its method's state
+    spec = geometry.spec
+    kind = spec.method if isinstance(spec, Kronecker) else spec.kind  # a kronecker geometry: its method's state
     return kind if kind in STATE_KINDS else None
 
 
-def geometry_state(geometry) -> tuple[str, ...]:
+def geometry_state(geometry: ResolvedGeometry) -> tuple[str, ...]:
     """The state keys a rule's forward op keeps: its declared kind's (adam's moments, a kronecker
     method's factors); () for a geometry without state."""
     kind = geometry_kind(geometry)
     return () if kind is None else STATE_KINDS[kind]
 
 
-def owner_state(geometry, sharded: bool) -> tuple[str, ...]:
+def owner_state(geometry: ResolvedGeometry, sharded: bool) -> tuple[str, ...]:
     """The state keys a rule's forward op keeps whole, on each matrix's owning rank alone, where its
     tensors are ``sharded``: a stateful op whose registration runs it ``OWNER`` on shards (the
     kronecker geometry's factors, roots, bases, moments and step count); () elsewhere (replicated or
