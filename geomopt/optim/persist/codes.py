@@ -68,7 +68,7 @@ def fresh(slot: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
 #: entry per value of a piece (:meth:`Codec.reserve`)
 SCRATCH = {"codec.f0": torch.float32, "codec.f1": torch.float32, "codec.f2": torch.float32, "codec.i0": torch.int32,
            "codec.i1": torch.int32, "codec.i2": torch.int32, "codec.i3": torch.int32, "codec.l0": torch.int64,
-           "codec.u0": torch.uint8, "codec.b0": torch.bool, "codec.h0": torch.bfloat16}
+           "codec.u0": torch.uint8, "codec.u1": torch.uint8, "codec.b0": torch.bool, "codec.h0": torch.bfloat16}
 
 
 def dynamic_map(signed: bool) -> torch.Tensor:
@@ -238,26 +238,41 @@ def bin_values(signed: bool, device) -> torch.Tensor:
     return _TABLES[key]
 
 
-def pack4(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def pack4(t: torch.Tensor, out: Optional[torch.Tensor] = None, take=fresh) -> torch.Tensor:
     """Two 4-bit values (uint8 in [0, 16)) to a byte, entry 2i in the low half: the flat ``t`` of even
-    size as uint8 of half its size (written into ``out`` where given; ``t`` is overwritten then)."""
+    size as uint8 of half its size (written into ``out`` where given, the shifted high halves in
+    ``take``'s scratch: contiguous writes only, which a compiled caller can make too)."""
     pairs = t.reshape(-1, 2)
     if out is None:
         return pairs[:, 0] | (pairs[:, 1] << 4)
-    high = pairs[:, 1].bitwise_left_shift_(4)
+    high = torch.bitwise_left_shift(pairs[:, 1], 4, out=take("codec.u1", (pairs.shape[0],), torch.uint8, t.device))
     return torch.bitwise_or(pairs[:, 0], high, out=out)
 
 
 def unpack4(packed: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Inverse of :func:`pack4`: the flat 4-bit values, twice ``packed``'s size (written into ``out``,
-    uint8, where given)."""
+    uint8, where given): each byte shifted right by 0 and by 4 in one broadcast op, then its low 4
+    bits (one contiguous write, which a compiled caller can make too)."""
     flat = packed.reshape(-1, 1)
     if out is None:
         return torch.cat([flat & 0xF, flat >> 4], 1).reshape(-1)
-    pairs = out.view(-1, 2)
-    torch.bitwise_and(flat[:, 0], 0xF, out=pairs[:, 0])
-    torch.bitwise_right_shift(flat[:, 0], 4, out=pairs[:, 1])
-    return out
+    key = ("shifts", packed.device)
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor([0, 4], dtype=torch.uint8, device=packed.device)
+    torch.bitwise_right_shift(flat, _TABLES[key], out=out.view(-1, 2))
+    return out.bitwise_and_(0xF)
+
+
+def tables(device) -> None:
+    """Every table the codec reads on ``device`` made now (the code search's, the maps, the bins', the
+    unpacking's shifts), so a compiled caller finds them made (constants of its graph)."""
+    one = torch.zeros(BLOCK, device=device)
+    for signed in (True, False):
+        codes = nearest_codes(one, signed)
+        decode_int8(codes.view(1, -1), one[:1], signed)
+        encode_correction(one, codes, signed, None)
+        bin_values(signed, device)
+    unpack4(torch.zeros(1, dtype=torch.uint8, device=device), torch.empty(2, dtype=torch.uint8, device=device))
 
 
 def seed_of(*parts) -> int:

@@ -166,7 +166,7 @@ class Codec:
         c = nearest_codes(scaled, MOMENTS[key], take)  # encode_int8's codes
         out[key].copy_(c)
         if key + CORRECTION in out:
-            pack4(encode_correction(scaled, c, MOMENTS[key], bits, take), out[key + CORRECTION])
+            pack4(encode_correction(scaled, c, MOMENTS[key], bits, take), out[key + CORRECTION], take)
 
     @staticmethod
     def reserve(take, n: int, device) -> None:
