@@ -78,7 +78,7 @@ def run_flat(prog: Program, rt: Runtime, group: dict, pp: ParamPlan, xs: list, g
     meta = DIRECTIONS.meta[group["direction"]]
     d, ds = momentum
     nesterov = d is not None and bool(group["nesterov"])
-    if prog.compiled and pp.state_dtype == "float32":  # one compiled function over whole tensors (optim.engine.fused): no blocks, no scratch
+    if prog.compiled and pp.state_dtype == "float32":  # one compiled function over whole tensors: no blocks, no scratch
         tail.run(tail.compiled(group["direction"], group["init"], nesterov, first, geometry, pp.decay, bool(wd)), [],
                  [xs, [] if ds is None else list(ds)], [gs], tail.scalar(hyper["alpha"], xs[0]),
                  tail.scalar(1 - gamma * wd, xs[0]), tail.scalar(scale, xs[0]))
