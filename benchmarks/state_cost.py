@@ -97,12 +97,12 @@ def measure(spec: str, model: str, device: str, iters: int, fuse: bool = False) 
             if codecs[key] is not None:
                 alone[key] += timer(codecs[key], 0, 1)
     ms = {k: statistics.median(t) for k, t in times.items()}
-    codec_ms = {k[0]: statistics.median(t) for k, t in alone.items() if t}
+    codec_ms = {k: statistics.median(t) for k, t in alone.items() if t}  # eager rows only
     held = {k: state_bytes(opt) for k, opt in opts}
     base = ms["float32", False]
     return [dict(spec=spec, state=d, fuse=f, ms=ms[d, f], time_ratio=ms[d, f] / base,
                  fuse_ratio=ms[d, f] / ms["float32", True] if f else None,
-                 codec_ratio=codec_ms.get(d, 0.0) / base, bytes_per_param=held[d, f] / params,
+                 codec_ratio=None if f else codec_ms.get((d, f), 0.0) / base, bytes_per_param=held[d, f] / params,
                  bytes_ratio=held[d, f] / held["float32", False], first_s=first[d, f]) for d, f in runs]
 
 
@@ -129,7 +129,8 @@ def main(argv=None) -> int:
              "|---|---|---|---|---|---|" + "---|---|" * args.fuse]
     for r in rows:
         name = f"{Path(r['spec']).stem}, {r['state']}" + ", fuse" * r["fuse"]
-        line = (f"| {name} | {r['ms']:.2f} | {r['time_ratio']:.3f} | {r['codec_ratio']:.3f} | "
+        codec = "–" if r["codec_ratio"] is None else f"{r['codec_ratio']:.3f}"  # fuse: the eager codec's row
+        line = (f"| {name} | {r['ms']:.2f} | {r['time_ratio']:.3f} | {codec} | "
                 f"{r['bytes_per_param']:.3f} | {r['bytes_ratio']:.3f} |")
         if args.fuse:
             line += f" {'' if r['fuse_ratio'] is None else format(r['fuse_ratio'], '.3f')} | {r['first_s']:.2f} |"
