@@ -14,10 +14,10 @@ import torch
 from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.adam import adam_multi_tensor
 from geomopt.geometry.forward import elementwise_allocates, elementwise_in_place, elementwise_into, isotropic_factors
-from geomopt.optim.persist.codes import BLOCK as CODEC_BLOCK, seed_of
-from geomopt.optim.persist.state_codec import CHUNK, Codec, decode_piece, shaped
+from geomopt.optim.persist.codes import BLOCK as CODEC_BLOCK, seed_of, signed, tables
+from geomopt.optim.persist.state_codec import CHUNK, Codec, decode_piece, piece_of, shaped
 from geomopt.optim.units.decays import DECAYS
-from geomopt.optim.units.state_keys import MOMENTS, SIDE, geometry_state
+from geomopt.optim.units.state_keys import MOMENTS, SCALE, SIDE, geometry_state
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.geometry.matrix import split_like
 from geomopt.optim.engine import fused as tail
@@ -78,7 +78,7 @@ def run_flat(prog: Program, rt: Runtime, group: dict, pp: ParamPlan, xs: list, g
     meta = DIRECTIONS.meta[group["direction"]]
     d, ds = momentum
     nesterov = d is not None and bool(group["nesterov"])
-    if prog.compiled:  # one compiled function over whole tensors (optim.engine.fused): no blocks, no scratch
+    if prog.compiled and pp.state_dtype == "float32":  # one compiled function over whole tensors: no blocks, no scratch
         tail.run(tail.compiled(group["direction"], group["init"], nesterov, first, geometry, pp.decay, bool(wd)), [],
                  [xs, [] if ds is None else list(ds)], [gs], tail.scalar(hyper["alpha"], xs[0]),
                  tail.scalar(1 - gamma * wd, xs[0]), tail.scalar(scale, xs[0]))
@@ -204,6 +204,8 @@ def step_flat_encoded(prog: Program, rt: Runtime, state, group: dict, items: lis
     device = xs[0].device
     take = rt.workspace.take
     Codec.reserve(take, largest, device)
+    if prog.compiled:
+        tables(device)  # constants of the compiled codec's graphs
     for key in keys:
         take("state." + key, (largest,), torch.float32, device)
     count = None if step is None else torch.full((), step, dtype=torch.float32, device=device)
@@ -217,7 +219,7 @@ def step_flat_encoded(prog: Program, rt: Runtime, state, group: dict, items: lis
             views = split_like(buf, x_b)
             for (i, a, b), view in zip(pieces, views):
                 if key in olds[i]:
-                    decode_piece(olds[i], key, a, b, view, take)
+                    _decode(prog.compiled, olds[i], key, a, b, view, take)
                 else:
                     view.zero_()
             bufs[key] = (buf, views)
@@ -228,10 +230,26 @@ def step_flat_encoded(prog: Program, rt: Runtime, state, group: dict, items: lis
                 target = targets[i][key]
                 if isinstance(target, torch.Tensor):  # kept float32 (int8: a size not a multiple of its block)
                     target[a:b].copy_(view)
+                elif prog.compiled:  # optim.engine.fused: one kernel, the same source and bits
+                    tail.run(tail.compiled_encode(codec.dtype, key), [], [piece_of(target, a, b)], [view],
+                             torch.tensor(signed(seeds[i][key][0]), dtype=torch.int32, device=device),
+                             torch.tensor(a, dtype=torch.int64, device=device))
                 else:
                     codec.encode_piece(key, view, a, b, (1, xs[i].numel()), seeds[i][key], target, take)
     for bind in binds:
         bind()
+
+
+def _decode(compiled: bool, stored: dict, key: str, a: int, b: int, out: torch.Tensor, take) -> None:
+    """The float32 values of the entries [a, b) of a tensor's moment ``key`` (its ``stored`` entries)
+    into ``out``: int8 codes decoded by one compiled kernel where ``compiled``
+    (:func:`geomopt.optim.engine.fused.decode_moment`), else (and bf16 or float32 values, a copy)
+    :func:`~geomopt.optim.persist.state_codec.decode_piece`."""
+    if compiled and key + SCALE in stored:
+        own = {k: stored[k] for k in (key, *(key + x for x in SIDE)) if k in stored}
+        tail.run(tail.compiled_decode(key), [out], [], [piece_of(own, a, b)])
+    else:
+        decode_piece(stored, key, a, b, out, take)
 
 
 def _target(codec: Codec, key: str, st: dict, shape: tuple, device, binds: list) -> "dict | torch.Tensor":

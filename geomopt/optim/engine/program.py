@@ -31,7 +31,9 @@ replayed from a CUDA graph).
 ``compiled`` (``fuse``, one process, not capturable): the step's elementwise tail runs as
 functions compiled by ``torch.compile`` (optim.engine.fused): a flat rule's whole step where its
 map acts on each entry and its direction is none or Polyak's; a batched bucket's Polyak look-ahead
-read row by row (d⁺ and u in one pass) and its in-place write-back X(1 − γλ) − γρU (one pass).
+read row by row (d⁺ and u in one pass) and its in-place write-back X(1 − γλ) − γρU (one pass); a
+flat rule's state kept in a lower precision: its codec (each piece's decode, and its encode with the
+block scales, code search and random bits), the rule's arithmetic between them eager.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class Program:
     keeps_prev: bool = False
     track_gap: bool = False
     track_update: bool = False
-    compiled: bool = False  # the elementwise tail compiled (``fuse``: optim.engine.fused)
+    compiled: bool = False  # the elementwise tail, or an encoded state's codec, compiled (``fuse``: optim.engine.fused)
     why: tuple[str, ...] = ()
 
     @property
@@ -192,7 +194,15 @@ def fusable(group: dict, pp: ParamPlan, opts: Options) -> bool:
     again)."""
     each_entry = flat_refusal(pp.geometry.kind, sharded=True) is None and not geometry_state(pp.geometry)
     return (opts.fuse and not opts.capturable and each_entry and group["direction"] in ("none", "polyak")
-            and pp.state_dtype == "float32")  # encoded state steps chunk by chunk, eager
+            and pp.state_dtype == "float32")  # encoded state: its codec compiles instead (codec_fusable)
+
+
+def codec_fusable(pp: ParamPlan, opts: Options) -> bool:
+    """Whether a flat rule's encoded state is decoded and encoded by compiled functions under ``fuse``
+    (:func:`geomopt.optim.engine.fused.decode_moment`, :func:`~geomopt.optim.engine.fused.encode_moment`):
+    state in a lower precision, stepping flat (:func:`encoded_flat`: one process, not capturable); the
+    rule's arithmetic between them stays the float32 state's eager step."""
+    return opts.fuse and not opts.capturable and pp.state_dtype != "float32"
 
 
 def capturable_flat(group: dict, pp: ParamPlan, indices: list, opts: Options) -> Optional[str]:
@@ -258,6 +268,10 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
                 if pp.state_dtype != "float32":
                     why.append(f"state {pp.state_dtype}: the moments decoded chunk by chunk into the workspace, "
                                "stepped and encoded back (the float32 copies are one chunk's)")
+                if codec_fusable(pp, opts):
+                    why.append("fuse: each piece's decode, and its block scales, code search, random bits and "
+                               "encode, compiled into one kernel per moment (torch.compile); the rule's "
+                               "arithmetic between them as with float32 state")
                 pooled = flat.setdefault((dtype, p.device), (common, fused, why, []))
                 pooled[3].extend(indices)
                 continue
@@ -277,7 +291,8 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
                              "capturable: the writes take the device's finiteness flag as a weight (α·ok, γ·ok) "
                              "on gradients zeroed where it is false"]
             progs.append(Program(**fields, variant="flat", write="fused" if fused else "foreach",
-                                 compiled=not fused and fusable(group, ps[indices[0]], opts), why=tuple(why)))
+                                 compiled=(not fused and fusable(group, ps[indices[0]], opts))
+                                 or codec_fusable(ps[indices[0]], opts), why=tuple(why)))
         out.append([_unchecked(p) for p in progs] if group["on_nonfinite"] == "off" else progs)
     # the finiteness test waits behind the forward ops' launches only where no bucket of the step
     # writes before its forward op: decided for the optimizer as a whole; not where some rule is

@@ -67,8 +67,8 @@ def fresh(slot: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
 #: the codec's scratch slots (:func:`fresh`'s ``slot``) and their dtypes; each holds at most one
 #: entry per value of a piece (:meth:`Codec.reserve`)
 SCRATCH = {"codec.f0": torch.float32, "codec.f1": torch.float32, "codec.f2": torch.float32, "codec.i0": torch.int32,
-           "codec.i1": torch.int32, "codec.i2": torch.int32, "codec.l0": torch.int64, "codec.u0": torch.uint8,
-           "codec.b0": torch.bool, "codec.h0": torch.bfloat16}
+           "codec.i1": torch.int32, "codec.i2": torch.int32, "codec.i3": torch.int32, "codec.l0": torch.int64,
+           "codec.u0": torch.uint8, "codec.u1": torch.uint8, "codec.b0": torch.bool, "codec.h0": torch.bfloat16}
 
 
 def dynamic_map(signed: bool) -> torch.Tensor:
@@ -238,26 +238,41 @@ def bin_values(signed: bool, device) -> torch.Tensor:
     return _TABLES[key]
 
 
-def pack4(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def pack4(t: torch.Tensor, out: Optional[torch.Tensor] = None, take=fresh) -> torch.Tensor:
     """Two 4-bit values (uint8 in [0, 16)) to a byte, entry 2i in the low half: the flat ``t`` of even
-    size as uint8 of half its size (written into ``out`` where given; ``t`` is overwritten then)."""
+    size as uint8 of half its size (written into ``out`` where given, the shifted high halves in
+    ``take``'s scratch: contiguous writes only, which a compiled caller can make too)."""
     pairs = t.reshape(-1, 2)
     if out is None:
         return pairs[:, 0] | (pairs[:, 1] << 4)
-    high = pairs[:, 1].bitwise_left_shift_(4)
+    high = torch.bitwise_left_shift(pairs[:, 1], 4, out=take("codec.u1", (pairs.shape[0],), torch.uint8, t.device))
     return torch.bitwise_or(pairs[:, 0], high, out=out)
 
 
 def unpack4(packed: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Inverse of :func:`pack4`: the flat 4-bit values, twice ``packed``'s size (written into ``out``,
-    uint8, where given)."""
+    uint8, where given): each byte shifted right by 0 and by 4 in one broadcast op, then its low 4
+    bits (one contiguous write, which a compiled caller can make too)."""
     flat = packed.reshape(-1, 1)
     if out is None:
         return torch.cat([flat & 0xF, flat >> 4], 1).reshape(-1)
-    pairs = out.view(-1, 2)
-    torch.bitwise_and(flat[:, 0], 0xF, out=pairs[:, 0])
-    torch.bitwise_right_shift(flat[:, 0], 4, out=pairs[:, 1])
-    return out
+    key = ("shifts", packed.device)
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor([0, 4], dtype=torch.uint8, device=packed.device)
+    torch.bitwise_right_shift(flat, _TABLES[key], out=out.view(-1, 2))
+    return out.bitwise_and_(0xF)
+
+
+def tables(device) -> None:
+    """Every table the codec reads on ``device`` made now (the code search's, the maps, the bins', the
+    unpacking's shifts), so a compiled caller finds them made (constants of its graph)."""
+    one = torch.zeros(BLOCK, device=device)
+    for signed in (True, False):
+        codes = nearest_codes(one, signed)
+        decode_int8(codes.view(1, -1), one[:1], signed)
+        encode_correction(one, codes, signed, None)
+        bin_values(signed, device)
+    unpack4(torch.zeros(1, dtype=torch.uint8, device=device), torch.empty(2, dtype=torch.uint8, device=device))
 
 
 def seed_of(*parts) -> int:
@@ -278,12 +293,25 @@ def noise(seeds: Sequence[int], shape: tuple, start: tuple = (), full: tuple = (
     rows = tuple(shape[1:])
     n = max(math.prod(rows), 1)
     end = len(seeds) * n if hi is None else hi
-    out = take("codec.i0", (end - lo,), torch.int32, device)
+    out = take("codec.i3", (end - lo,), torch.int32, device)  # a slot of its own: the bits outlive the code search
     for r in range(lo // n, -(-end // n)):  # the rows the range meets, each in one piece
         a, b = max(lo, r * n) - r * n, min(end, (r + 1) * n) - r * n
         part = out[r * n + a - lo: r * n + b - lo]
         mix(_index(a, b, rows, start, full, device, part, take), int(seeds[r]), take)
     return out.reshape(shape) if hi is None and lo == 0 else out
+
+
+def flat_noise(seed: torch.Tensor, lo: torch.Tensor, n: int, device) -> torch.Tensor:
+    """:func:`noise`'s bits of the entries [lo, lo + n) of one whole tensor (one process, flat order),
+    its seed given as an int32 0-d tensor (:func:`signed`) and ``lo`` as an int64 0-d tensor, so that a
+    compiled caller takes both as graph inputs (no compile per step or per chunk)."""
+    index = (torch.arange(n, dtype=torch.int64, device=device) + lo).to(torch.int32)
+    return mix(index, seed)
+
+
+def signed(seed: int) -> int:
+    """A 32-bit seed (:func:`seed_of`) as the int32 it is xored in as (two's complement)."""
+    return seed - (1 << 32) if seed >= 1 << 31 else seed
 
 
 def _index(a: int, b: int, rows: tuple, start: tuple, full: tuple, device, out: torch.Tensor,
@@ -307,12 +335,13 @@ def _index(a: int, b: int, rows: tuple, start: tuple, full: tuple, device, out: 
     return out.copy_(idx)
 
 
-def mix(x: torch.Tensor, seed: int, take=fresh) -> torch.Tensor:
+def mix(x: torch.Tensor, seed, take=fresh) -> torch.Tensor:
     """The 16 low bits of a 32-bit integer hash of int32 ``x`` ⊕ ``seed``, in place: x ← (x ⊕ x≫16)·
     0x45d9f3b twice, then x ⊕ x≫16 (a well-mixing multiply-xorshift; ≫ logical, products mod 2³²,
-    which int32 arithmetic wraps to). ``take``: where the shifted copy lives (:func:`fresh`)."""
+    which int32 arithmetic wraps to). ``seed``: a 32-bit integer, or an int32 0-d tensor holding
+    :func:`signed` of one. ``take``: where the shifted copy lives (:func:`fresh`)."""
     shifted = take("codec.i2", (x.numel(),), torch.int32, x.device).view(x.shape)
-    x.bitwise_xor_(seed - (1 << 32) if seed >= 1 << 31 else seed)
+    x.bitwise_xor_(seed if isinstance(seed, torch.Tensor) else signed(seed))
     for _ in range(2):
         x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted).bitwise_and_(0xFFFF)).mul_(0x45D9F3B)
     x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted).bitwise_and_(0xFFFF))

@@ -138,21 +138,35 @@ class Codec:
                      out: dict, take=fresh) -> None:
         """Encode the float32 values ``x`` of the entries [a, b) (row-major) of a stack shaped ``shape``
         (rows seeded by ``seeds``: :func:`seed_of` of a tensor's name, the step and ``key``) into the
-        flat stored entries ``out`` (:meth:`empty`) at the same place. ``a`` and ``b`` are multiples of
-        BLOCK where int8 (a row's size is too: a block lies within a row), so encoding a stack piece by
-        piece gives the bits of encoding it whole: a block's scale reads its own entries only, and the
-        rounding's random bits hash each entry's index in its tensor (:func:`noise`). ``take``: where
-        the temporaries live (:func:`fresh`; with :meth:`reserve`'s slots taken, nothing allocates)."""
+        flat stored entries ``out`` (:meth:`empty`) at the same place (:meth:`encode_values`). ``a`` and
+        ``b`` are multiples of BLOCK where int8 (a row's size is too: a block lies within a row), so
+        encoding a stack piece by piece gives the bits of encoding it whole: a block's scale reads its
+        own entries only, and the rounding's random bits hash each entry's index in its tensor
+        (:func:`noise`). ``take``: where the temporaries live (:func:`fresh`; with :meth:`reserve`'s
+        slots taken, nothing allocates)."""
+        bits = None
+        if self.rounds(key):
+            bits = noise(seeds, shape, self.start, self.full, a, b, x.device, take)
+        self.encode_values(key, x, bits, piece_of(out, a, b), take)
+
+    def rounds(self, key: str) -> bool:
+        """Whether ``key``'s stored form is rounded stochastically (reads random bits): bf16 values,
+        ``int8-ec`` corrections."""
+        return self.bf16(key) or self.dtype == "int8-ec"
+
+    def encode_values(self, key: str, x: torch.Tensor, bits, out: dict, take=fresh) -> None:
+        """Encode the float32 values ``x`` (1-D; a multiple of BLOCK entries where int8) into ``out``, the
+        stored entries of just these values (:func:`piece_of`), ``bits`` their random bits where the
+        form :meth:`rounds` (:func:`noise`). The codec's arithmetic: :meth:`encode_piece` runs it
+        eagerly, :mod:`geomopt.optim.engine.fused` compiled (with ``take`` :func:`fresh`)."""
         if self.bf16(key):
-            bits = noise(seeds, shape, self.start, self.full, a, b, x.device, take)
-            encode_bf16(x, bits, take, out[key][a:b])
+            encode_bf16(x, bits, take, out[key])
             return
-        scaled, _ = block_scaled(x.unsqueeze(0), take, out[key + SCALE][a // BLOCK: b // BLOCK])
+        scaled, _ = block_scaled(x.unsqueeze(0), take, out[key + SCALE])
         c = nearest_codes(scaled, MOMENTS[key], take)  # encode_int8's codes
-        out[key][a:b] = c
+        out[key].copy_(c)
         if key + CORRECTION in out:
-            bits = noise(seeds, shape, self.start, self.full, a, b, x.device, take)
-            pack4(encode_correction(scaled, c, MOMENTS[key], bits, take), out[key + CORRECTION][a // 2: b // 2])
+            pack4(encode_correction(scaled, c, MOMENTS[key], bits, take), out[key + CORRECTION], take)
 
     @staticmethod
     def reserve(take, n: int, device) -> None:
@@ -169,6 +183,14 @@ def shaped(stored: dict, shape: tuple) -> dict:
     row = shape[1:]
     return {k: v.reshape(shape) if not k.endswith(SIDE) else v.reshape(shape[0], *side_shape(k, row))
             for k, v in stored.items()}
+
+
+def piece_of(stored: dict, a: int, b: int) -> dict:
+    """The flat stored entries ``stored`` (:meth:`Codec.empty`) of the values [a, b) alone: their
+    codes or bf16 values, and their blocks' scales and corrections (``a``, ``b``: multiples of BLOCK
+    where int8)."""
+    per = {k: BLOCK if k.endswith(SCALE) else 2 if k.endswith(CORRECTION) else 1 for k in stored}
+    return {k: v.reshape(-1)[a // per[k]: b // per[k]] for k, v in stored.items()}
 
 
 def decode_piece(state: dict, key: str, a: int, b: int, out: torch.Tensor, take=fresh) -> None:
