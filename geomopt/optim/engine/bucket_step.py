@@ -18,6 +18,7 @@ from geomopt.distributed.layout import whole_matrices
 from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.prox import backward
 from geomopt.geometry.forward import forward, input_dtype
+from geomopt.geometry.polynomial import folded
 from geomopt.geometry.operators import backward_locality, forward_locality
 from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
@@ -357,6 +358,12 @@ def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: ResolvedGeome
     kept scratch u in place when that is its input)."""
     fn = lambda m: (forward(m, geometry, radius=radius, batch_dims=1, out_dtype=out_dtype, state=state),  # noqa: E731
                     None)
+    if prog.compiled:  # fuse: the polynomial iterations' folded form (no pre-normalization or transpose pass)
+        eager = fn
+
+        def fn(m):
+            with folded():
+                return eager(m)
     if not prog.graphed:
         return fn
     ids = tuple(id(p) for p, _ in items)

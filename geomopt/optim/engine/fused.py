@@ -29,7 +29,7 @@ import torch
 
 from geomopt.geometry.forward import elementwise_into
 from geomopt.optim.units.decays import DECAYS
-from geomopt.optim.units.directions import DIRECTIONS, polyak_lookahead_rows
+from geomopt.optim.units.directions import DIRECTIONS, polyak_lerp, polyak_lookahead
 
 
 def run(fn: Callable, out: list, written: list, read: list, *args) -> Any:
@@ -102,16 +102,26 @@ def compiled_write(decay: str, decays: bool) -> Callable:
     return _compile(write_tail, decay=decay, decays=decays)
 
 
+def lookahead_rows_into(u: torch.Tensor, new: torch.Tensor, d: torch.Tensor, gs: list, alpha) -> None:
+    """Row by row, d⁺ = d.lerp(g, α) into ``new`` and Nesterov's u = g.lerp(d⁺, 1 − α) into ``u``
+    (:func:`~geomopt.optim.units.directions.polyak_lerp`, :func:`~geomopt.optim.units.directions.polyak_lookahead`):
+    compiled, one pass that reads each row of d and each gradient once and writes d⁺ and u once;
+    the new d is bound when the bucket commits, so nothing live is written and no put-off update
+    reads G a second time."""
+    for i, g in enumerate(gs):
+        polyak_lerp(d[i], g, alpha, out=new[i])
+        polyak_lookahead(g, new[i], alpha, out=u[i])
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_rows() -> Callable:
-    """Nesterov's look-ahead read row by row (:func:`~geomopt.optim.units.directions.polyak_lookahead_rows`)
-    compiled: d⁺ and u in one pass (each row of d and each gradient read once, u written once)."""
-    return _compile(polyak_lookahead_rows)
+    """:func:`lookahead_rows_into` compiled."""
+    return _compile(lookahead_rows_into)
 
 
-def lookahead_rows(u: torch.Tensor, d: torch.Tensor, gs: list, alpha) -> torch.Tensor:
+def lookahead_rows(u: torch.Tensor, new: torch.Tensor, d: torch.Tensor, gs: list, alpha) -> torch.Tensor:
     """:func:`compiled_rows`, α as a graph input."""
-    run(compiled_rows(), [u], [], [d, gs], scalar(alpha, u))
+    run(compiled_rows(), [u, new], [], [d, gs], scalar(alpha, u))
     return u
 
 
