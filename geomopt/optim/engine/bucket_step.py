@@ -209,9 +209,14 @@ class BucketJob:
                 # torch Muon's op order (same bits on CPU): decay, then the axpy of the step (ρ
                 # already in it where the forward op folded it)
                 coef = gamma if self.prog.write == "one-pass" else -gamma * rho
-                if self.prog.compiled:  # one pass over X (optim.engine.fused)
+                keep = fused.scalar(1 - gamma * wd, steps[0])
+                if self.prog.compiled and self.pp.constraint is not None:  # X ← prox(X·keep + c·S), one pass
+                    fused.run(fused.compiled_prox(self.pp.decay, bool(wd), self.pp.geometry, self.pp.constraint,
+                                                  rho if self.projects else None),
+                              [], [self.views], [steps], keep, fused.scalar(coef, steps[0]), fused.scalar(gamma, steps[0]))
+                elif self.prog.compiled:  # one pass over X (optim.engine.fused)
                     fused.run(fused.compiled_write(self.pp.decay, bool(wd)), [], [self.views], [steps],
-                              fused.scalar(1 - gamma * wd, steps[0]), fused.scalar(coef, steps[0]))
+                              keep, fused.scalar(coef, steps[0]))
                 else:
                     if wd:
                         DECAYS[self.pp.decay].in_place(self.views, 1 - gamma * wd)

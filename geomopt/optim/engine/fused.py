@@ -23,11 +23,12 @@ region's inputs read once and its written inputs written once."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 from geomopt.geometry.forward import elementwise_into
+from geomopt.geometry.prox import backward
 from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS, polyak_lerp, polyak_lookahead
 
@@ -73,6 +74,19 @@ def write_tail(xs: list, steps: list, keep: torch.Tensor, coef: torch.Tensor, *,
         x.add_(s * coef)
 
 
+def prox_tail(xs: list, steps: list, keep: torch.Tensor, coef: torch.Tensor, gamma: torch.Tensor, *, decay: str,
+              decays: bool, geometry, constraint, rho: Optional[float]) -> None:
+    """:func:`write_tail`, then X ← prox(X) in place: the backward op of ``constraint`` (with
+    γ, ρ; ``rho`` None: nothing projects, a step of length 0) on each tensor, for a constraint whose
+    backward op acts entry by entry (locality ``LOCAL``: proximal_decay's X⁺ = Y/(1 + γλ)), so the
+    compiled region reads X and S once and writes X once, where the stacked write-back forms Y,
+    maps it and copies it back (seven passes over X, four more)."""
+    write_tail(xs, steps, keep, coef, decay=decay, decays=decays)
+    if rho is not None:
+        for x in xs:
+            x.copy_(backward(x, gamma, geometry, constraint, radius=rho)[0])
+
+
 def _compile(fn: Callable, **fixed) -> Callable:
     """``fn`` compiled whole, its fixed choices passed as keywords (constants the graph guards
     on). ``fn`` itself is compiled, not a partial of it: torch's cache and its recompile limit
@@ -111,6 +125,13 @@ def lookahead_rows_into(u: torch.Tensor, new: torch.Tensor, d: torch.Tensor, gs:
     for i, g in enumerate(gs):
         polyak_lerp(d[i], g, alpha, out=new[i])
         polyak_lookahead(g, new[i], alpha, out=u[i])
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_prox(decay: str, decays: bool, geometry, constraint, rho: Optional[float]) -> Callable:
+    """:func:`prox_tail` compiled for one decay, geometry, constraint and radius (a constant of the
+    graph: a radius schedule compiles once per value; γ is an input)."""
+    return _compile(prox_tail, decay=decay, decays=decays, geometry=geometry, constraint=constraint, rho=rho)
 
 
 @functools.lru_cache(maxsize=None)

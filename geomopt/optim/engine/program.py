@@ -45,7 +45,8 @@ from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
 from geomopt.geometry.forward import elementwise_allocates
 from geomopt.optim.units.compensation import step_dtype
-from geomopt.geometry.operators import flat_refusal
+from geomopt.geometry.operators import backward_locality, flat_refusal
+from geomopt.registry import LOCAL
 from geomopt.geometry.polynomial import muon_order
 from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
@@ -318,7 +319,14 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
                "track_update measures X⁺ − X": opts.track_update, f"{pp.decay} decay": DECAYS[pp.decay].reads_step,
                f"{dtype} parameters (float32 working copy)": not working}
     stacked = [r for r, on in reasons.items() if on]
-    if stacked:
+    fused_prox = (opts.fuse and opts.local and not opts.capturable and pp.constraint is not None
+                  and stacked == ["a constraint's prox needs Y"]
+                  and backward_locality(kind, pp.constraint.kind) == LOCAL)
+    if fused_prox:  # an entrywise prox needs no Y: compiled into the in-place write-back
+        write = "in-place"
+        why.append(f"in-place: the {pp.constraint.kind} prox acts entry by entry, compiled into the write-back "
+                   f"(X ← prox(X(1 − γλ) − γρU))")
+    elif stacked:
         write = "stacked"
         why.append("write-back from a stacked copy: " + ", ".join(stacked))
     elif pp.post or muon_order(p.device) or not opts.local:
