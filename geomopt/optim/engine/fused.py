@@ -116,15 +116,18 @@ def compiled_write(decay: str, decays: bool) -> Callable:
     return _compile(write_tail, decay=decay, decays=decays)
 
 
-def lookahead_rows_into(u: torch.Tensor, new: torch.Tensor, d: torch.Tensor, gs: list, alpha) -> None:
-    """Row by row, d⁺ = d.lerp(g, α) into ``new`` and Nesterov's u = g.lerp(d⁺, 1 − α) into ``u``
-    (:func:`~geomopt.optim.units.directions.polyak_lerp`, :func:`~geomopt.optim.units.directions.polyak_lookahead`):
-    compiled, one pass that reads each row of d and each gradient once and writes d⁺ and u once;
-    the new d is bound when the bucket commits, so nothing live is written and no put-off update
-    reads G a second time."""
-    for i, g in enumerate(gs):
-        polyak_lerp(d[i], g, alpha, out=new[i])
-        polyak_lookahead(g, new[i], alpha, out=u[i])
+def lookahead_rows_into(us: list, news: list, ds: list, gs: list, alpha) -> None:
+    """Per tensor of a bucket (lists of its rows), d⁺ = d.lerp(g, α) into ``news`` and Nesterov's
+    u = g.lerp(d⁺, 1 − α) into ``us`` (:func:`~geomopt.optim.units.directions.polyak_lerp`,
+    :func:`~geomopt.optim.units.directions.polyak_lookahead`): compiled, one loop per tensor that
+    reads its row of d and its gradient once and writes d⁺ and u once. The rows are given as
+    separate tensors (views of the stacked d⁺ and u): written through a row index inside the
+    graph, or through a stack of the gradients, inductor would form the stacked result in a
+    buffer of its own and copy it. The new d is bound when the bucket commits, so nothing live
+    is written and no put-off update reads G a second time."""
+    for u, new, d, g in zip(us, news, ds, gs):
+        polyak_lerp(d, g, alpha, out=new)
+        polyak_lookahead(g, new, alpha, out=u)
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,8 +144,8 @@ def compiled_rows() -> Callable:
 
 
 def lookahead_rows(u: torch.Tensor, new: torch.Tensor, d: torch.Tensor, gs: list, alpha) -> torch.Tensor:
-    """:func:`compiled_rows`, α as a graph input."""
-    run(compiled_rows(), [u, new], [], [d, gs], scalar(alpha, u))
+    """:func:`compiled_rows` on the rows of the stacked u, d⁺ (``new``) and d; α as a graph input."""
+    run(compiled_rows(), [list(u.unbind(0)), list(new.unbind(0))], [], [list(d.unbind(0)), gs], scalar(alpha, u))
     return u
 
 
