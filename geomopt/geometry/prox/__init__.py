@@ -64,7 +64,7 @@ __all__ = ["backward"]
 
 def backward(
     y: torch.Tensor,
-    gamma: float,
+    gamma: float | torch.Tensor,
     geometry: Fields,
     constraint: Fields | None,
     *,

@@ -213,7 +213,8 @@ class BucketJob:
                 if self.prog.compiled and self.pp.constraint is not None:  # X ← prox(X·keep + c·S), one pass
                     fused.run(fused.compiled_prox(self.pp.decay, bool(wd), self.pp.geometry, self.pp.constraint,
                                                   rho if self.projects else None),
-                              [], [self.views], [steps], keep, fused.scalar(coef, steps[0]), fused.scalar(gamma, steps[0]))
+                              [], [self.views], [steps], keep, fused.scalar(coef, steps[0]),
+                              fused.scalar(gamma, steps[0]))
                 elif self.prog.compiled:  # one pass over X (optim.engine.fused)
                     fused.run(fused.compiled_write(self.pp.decay, bool(wd)), [], [self.views], [steps],
                               keep, fused.scalar(coef, steps[0]))

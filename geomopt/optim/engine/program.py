@@ -319,12 +319,12 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
                "track_update measures X⁺ − X": opts.track_update, f"{pp.decay} decay": DECAYS[pp.decay].reads_step,
                f"{dtype} parameters (float32 working copy)": not working}
     stacked = [r for r, on in reasons.items() if on]
-    fused_prox = (opts.fuse and opts.local and not opts.capturable and pp.constraint is not None
-                  and stacked == ["a constraint's prox needs Y"]
-                  and backward_locality(kind, pp.constraint.kind) == LOCAL)
-    if fused_prox:  # an entrywise prox needs no Y: compiled into the in-place write-back
+    constraint = pp.constraint
+    fused_prox = (opts.fuse and opts.local and not opts.capturable and constraint is not None
+                  and stacked == ["a constraint's prox needs Y"] and backward_locality(kind, constraint.kind) == LOCAL)
+    if fused_prox and constraint is not None:  # an entrywise prox needs no Y: compiled into the in-place write-back
         write = "in-place"
-        why.append(f"in-place: the {pp.constraint.kind} prox acts entry by entry, compiled into the write-back "
+        why.append(f"in-place: the {constraint.kind} prox acts entry by entry, compiled into the write-back "
                    f"(X ← prox(X(1 − γλ) − γρU))")
     elif stacked:
         write = "stacked"
