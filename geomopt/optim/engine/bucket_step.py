@@ -18,7 +18,6 @@ from geomopt.distributed.layout import whole_matrices
 from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.prox import backward
 from geomopt.geometry.forward import forward, input_dtype
-from geomopt.geometry.polynomial import folded
 from geomopt.geometry.operators import backward_locality, forward_locality
 from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
@@ -209,15 +208,10 @@ class BucketJob:
                 # torch Muon's op order (same bits on CPU): decay, then the axpy of the step (ρ
                 # already in it where the forward op folded it)
                 coef = gamma if self.prog.write == "one-pass" else -gamma * rho
-                keep = fused.scalar(1 - gamma * wd, steps[0])
-                if self.prog.compiled and self.pp.constraint is not None:  # X ← prox(X·keep + c·S), one pass
-                    fused.run(fused.compiled_prox(self.pp.decay, bool(wd), self.pp.geometry, self.pp.constraint,
-                                                  rho if self.projects else None),
-                              [], [self.views], [steps], keep, fused.scalar(coef, steps[0]),
-                              fused.scalar(gamma, steps[0]))
-                elif self.prog.compiled:  # one pass over X (optim.engine.fused)
-                    fused.run(fused.compiled_write(self.pp.decay, bool(wd)), [], [self.views], [steps],
-                              keep, fused.scalar(coef, steps[0]))
+                if self.prog.compiled:  # one pass over X, with an entrywise prox (optim.engine.fused)
+                    fused.write_back(self.views, steps, 1 - gamma * wd, coef, gamma, decay=self.pp.decay,
+                                     decays=bool(wd), geometry=self.pp.geometry, constraint=self.pp.constraint,
+                                     rho=rho if self.projects else None)
                 else:
                     if wd:
                         DECAYS[self.pp.decay].in_place(self.views, 1 - gamma * wd)
@@ -365,11 +359,7 @@ def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: ResolvedGeome
     fn = lambda m: (forward(m, geometry, radius=radius, batch_dims=1, out_dtype=out_dtype, state=state),  # noqa: E731
                     None)
     if prog.compiled:  # fuse: the polynomial iterations' folded form (no pre-normalization or transpose pass)
-        eager = fn
-
-        def fn(m):
-            with folded():
-                return eager(m)
+        fn = fused.folding(fn)
     if not prog.graphed:
         return fn
     ids = tuple(id(p) for p, _ in items)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from geomopt.geometry.forward import elementwise_into
+from geomopt.geometry.polynomial import folded
 from geomopt.geometry.prox import backward
 from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS, polyak_lerp, polyak_lookahead
@@ -85,6 +86,31 @@ def prox_tail(xs: list, steps: list, keep: torch.Tensor, coef: torch.Tensor, gam
     if rho is not None:
         for x in xs:
             x.copy_(backward(x, gamma, geometry, constraint, radius=rho)[0])
+
+
+def write_back(xs: list, steps: list, keep: float, coef: float, gamma: float, *, decay: str, decays: bool, geometry,
+               constraint, rho: Optional[float]) -> None:
+    """A batched bucket's in-place write-back, compiled: X ← X·keep + coef·S (:func:`write_tail`),
+    then the constraint's entrywise prox where the rule has one (:func:`prox_tail`); the numbers
+    enter as 0-d tensors (graph inputs)."""
+    numbers = [scalar(keep, steps[0]), scalar(coef, steps[0])]
+    if constraint is None:
+        run(compiled_write(decay, decays), [], [xs], [steps], *numbers)
+    else:
+        run(compiled_prox(decay, decays, geometry, constraint, rho), [], [xs], [steps], *numbers,
+            scalar(gamma, steps[0]))
+
+
+def folding(forward: Callable) -> Callable:
+    """A bucket's forward op run inside :func:`geomopt.geometry.polynomial.folded`: its polynomial
+    iteration in the folded form on every device (no pre-normalization pass, no transposed copy
+    of a tall matrix; the scalings on the small factors)."""
+
+    def call(m):
+        with folded():
+            return forward(m)
+
+    return call
 
 
 def _compile(fn: Callable, **fixed) -> Callable:

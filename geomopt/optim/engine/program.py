@@ -31,7 +31,10 @@ replayed from a CUDA graph).
 ``compiled`` (``fuse``, one process, not capturable): the step's elementwise tail runs as
 functions compiled by ``torch.compile`` (optim.engine.fused): a flat rule's whole step where its
 map acts on each entry and its direction is none or Polyak's; a batched bucket's Polyak look-ahead
-read row by row (d⁺ and u in one pass) and its in-place write-back X(1 − γλ) − γρU (one pass).
+read row by row (d⁺ into a new d and u in one pass) and its in-place write-back X(1 − γλ) − γρU
+(one pass; with a constraint whose prox acts entry by entry, proximal_decay, the prox in the same
+pass, so the write is ``in-place`` there too); its polynomial iteration takes the folded form on
+every device (geometry.polynomial.folded: no pre-normalization pass, no transposed copies).
 """
 
 from __future__ import annotations
