@@ -11,6 +11,13 @@ Its numbers are the eager step's to within float32 rounding: inductor's lerp rou
 generated code does (at most 2 ulp of d apart, measured); the sign map and X's write have the
 eager step's bits where the map is the sign (c·sign(d) is exact).
 
+A batched bucket compiles its look-ahead (:func:`lookahead_rows_into`: d⁺ into a new d and u,
+one pass over d and G) and its in-place write-back (:func:`write_tail`, or :func:`prox_tail`
+with a constraint whose prox acts entry by entry), and runs its polynomial iteration eagerly in
+the folded form (:func:`folding`). Each region is one loop per tensor in inductor's generated
+code, loading each input once and storing each output once (read from
+``TORCH_LOGS=output_code`` on the CPU): the byte counter's declaration is what it moves.
+
 The coefficients (α, 1 − γλ, c = −γρ) enter as 0-d float64 tensors, so a schedule that changes
 them every step compiles nothing again (Python numbers would be baked into the graph: one
 compile per value, about 3 s each on a 2-core CPU, measured); each distinct list of shapes
