@@ -15,6 +15,12 @@ import geomopt
 SGD_NESTEROV = {"geomopt": 1, "name": "sgd-nesterov", "defaults": {"lr": 0.05, "weight_decay": 0.1},
                 "rules": [{"name": "all", "match": "**", "geometry": {"kind": "euclidean"},
                            "direction": {"kind": "polyak", "alpha": 0.1, "nesterov": True}}]}
+PROX_MUON = {"geomopt": 1, "name": "prox-muon", "defaults": {"lr": 0.02, "weight_decay": 0.1},
+             "rules": [{"name": "hidden", "match": {"ndim": 2}, "geometry": {"kind": "spectral", "reference": {
+                 "kind": "power_barrier", "kappa": 4.0, "eps": 0.00105}, "approx": {"kind": "polar_express"}},
+                 "constraint": {"kind": "proximal_decay", "lam": 0.1},
+                 "direction": {"kind": "polyak", "alpha": 0.05, "nesterov": True}},
+                 {"name": "rest", "match": "**", "geometry": {"kind": "euclidean"}, "lr": 0.01}]}
 SIGN_DECAY = {"geomopt": 1, "name": "sign-decay", "defaults": {"lr": 0.01, "weight_decay": 0.1},
               "rules": [{"name": "all", "match": "**", "geometry": {"kind": "anisotropic",
                                                                      "reference": {"kind": "indicator"}},
@@ -44,12 +50,14 @@ def _gap(a, b) -> float:
 
 
 @pytest.mark.parametrize("spec, tol", [("sign-descent", 1e-6), (SIGN_DECAY, 1e-6), (SGD_NESTEROV, 1e-6),
-                                       ("muon", 1e-5)], ids=["sign-descent", "sign-decay", "sgd-nesterov", "muon"])
+                                       ("muon", 1e-5), (PROX_MUON, 1e-5)],
+                         ids=["sign-descent", "sign-decay", "sgd-nesterov", "muon", "prox-muon"])
 def test_the_fused_step_tracks_the_eager_step_within_float32_rounding(spec, tol):
     """Five steps under a learning rate that changes every step (the coefficients are graph
     inputs): parameters and momenta stay within a few float32 ulps of the eager step's (inductor
-    rounds its lerp as its own code does). muon's Newton–Schulz, eager in both, amplifies an ulp
-    of its input u: its bound is ten times wider."""
+    rounds its lerp as its own code does). muon's and prox-muon's iterations run in the folded form
+    under fuse (torch Muon's op order eagerly on the CPU) and amplify an ulp of their input u:
+    their bound is ten times wider."""
     models, (eager, fused) = _pair(spec)
     assert any(p.compiled for progs in fused.engine.programs for p in progs)
     assert not any(p.compiled for progs in eager.engine.programs for p in progs)
@@ -64,12 +72,14 @@ def test_the_fused_step_tracks_the_eager_step_within_float32_rounding(spec, tol)
     assert moved > 1e-3  # the steps did something the comparison could miss
 
 
-def test_a_schedule_compiles_nothing_again():
+@pytest.mark.parametrize("spec", [SIGN_DECAY, "muon", PROX_MUON], ids=["sign-decay", "muon", "prox-muon"])
+def test_a_schedule_compiles_nothing_again(spec):
     """After the first two steps (the first starts the momentum: its own graph), a learning rate
-    and a momentum coefficient changed at every step run the same compiled code."""
+    and a momentum coefficient changed at every step run the same compiled code (the flat tail;
+    a bucket's look-ahead and its write-back, with a prox or without)."""
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
-    models, (_, fused) = _pair(SIGN_DECAY)
+    models, (_, fused) = _pair(spec)
     models = models[1:]
     for step in range(2):
         _grads(models, step)
@@ -77,13 +87,15 @@ def test_a_schedule_compiles_nothing_again():
     frames = counters["stats"]["unique_graphs"]
     for step in range(2, 6):
         _grads(models, step)
-        fused.param_groups[0]["lr"] *= 0.5
-        fused.param_groups[0]["alpha"] = 0.1 + 0.01 * step
+        for group in fused.param_groups:
+            group["lr"] *= 0.5
+            if "alpha" in group:
+                group["alpha"] = 0.1 + 0.01 * step
         fused.step()
     assert counters["stats"]["unique_graphs"] == frames > 0
 
 
-@pytest.mark.parametrize("spec", ["sign-descent", "muon"])
+@pytest.mark.parametrize("spec", ["sign-descent", "muon", PROX_MUON], ids=["sign-descent", "muon", "prox-muon"])
 def test_a_non_finite_gradient_leaves_the_fused_step_untouched(spec):
     models, (_, fused) = _pair(spec)
     models = models[1:]
@@ -109,3 +121,80 @@ def test_the_dispatcher_says_what_is_compiled_and_leaves_capturable_steps_eager(
     assert not any(p.compiled for progs in captured.engine.programs for p in progs)
     adam = geomopt.GeomOptimizer(model, "adamw-hybrid", fuse=True)
     assert not any(p.compiled for progs in adam.engine.programs for p in progs if p.variant == "flat")
+
+
+def test_the_compiled_look_ahead_writes_the_new_momentum_and_u_in_one_pass_as_float64_does():
+    """fused.lookahead_rows: d⁺ = d + α(g − d) into a new tensor and u = g + (1 − α)(d⁺ − g), the
+    old d left as it is, within two float32 ulps of the float64 values (and of the eager unit's
+    two lerps, polyak_lookahead_rows)."""
+    from geomopt.optim.engine import fused
+    from geomopt.optim.units.directions import polyak_lookahead_rows
+    gen = torch.Generator().manual_seed(0)
+    d = torch.randn(3, 16, 24, generator=gen)
+    gs = [torch.randn(16, 24, generator=gen) for _ in range(3)]
+    before = d.clone()
+    for alpha in (0.05, 0.3):
+        u, new = torch.empty_like(d), torch.empty_like(d)
+        fused.lookahead_rows(u, new, d, gs, alpha)
+        g64, d64 = torch.stack(gs).double(), d.double()
+        new64 = d64 + alpha * (g64 - d64)
+        u64 = g64 + (1 - alpha) * (new64 - g64)
+        ulp = 2 * torch.finfo(torch.float32).eps
+        assert torch.allclose(new.double(), new64, rtol=ulp, atol=ulp)
+        assert torch.allclose(u.double(), u64, rtol=ulp, atol=ulp)
+        eager = polyak_lookahead_rows(torch.empty_like(d), d, gs, alpha)
+        assert torch.allclose(u, eager, rtol=ulp, atol=ulp)
+        assert torch.equal(d, before)
+
+
+def test_the_compiled_prox_write_back_is_the_float64_prox_of_the_decayed_step():
+    """fused.prox_tail: X⁺ = (X(1 − γλ_wd) + c·S)/(1 + γλ) (proximal_decay) written into X, within
+    float32 rounding of float64; a radius of 0 (nothing projects) writes Y itself."""
+    from geomopt.geometry.prox import backward
+    from geomopt.optim.engine import fused
+    model = tiny_gpt(0)
+    opt = geomopt.GeomOptimizer(model, PROX_MUON, fuse=True)
+    pp = next(pp for plans in opt.engine.plans for pp in plans if pp.constraint is not None)
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 12, generator=gen) for _ in range(2)]
+    steps = [torch.randn(8, 12, generator=gen) for _ in range(2)]
+    gamma, wd, coef, rho = 0.02, 0.1, -0.05, 1.5
+    for radius in (rho, None):
+        ys = [x.clone() for x in xs]
+        fused.run(fused.compiled_prox(pp.decay, True, pp.geometry, pp.constraint, radius), [], [ys], [steps],
+                  fused.scalar(1 - gamma * wd, xs[0]), fused.scalar(coef, xs[0]), fused.scalar(gamma, xs[0]))
+        for x, s, y in zip(xs, steps, ys):
+            y64 = x.double() * (1 - gamma * wd) + coef * s.double()
+            if radius is not None:  # the backward op itself, in float64, is the closed form
+                prox = backward(y64, gamma, pp.geometry, pp.constraint, radius=rho)[0]
+                y64 = y64 / (1 + gamma * pp.constraint.lam)
+                assert torch.allclose(prox, y64, rtol=1e-15, atol=0)
+            assert torch.allclose(y.double(), y64, rtol=4e-7, atol=4e-7)
+
+
+def test_the_folded_iteration_is_the_polynomial_map_and_replaces_torch_muons_order_only_inside_folded():
+    """Inside polynomial.folded() the CPU runs the folded form (no pre-normalization pass, no
+    transposed copy of a tall matrix): its result is p_k ∘ … ∘ p_1 applied to the singular values
+    of D/(‖D‖_F + ε) (float64 SVD), within float32 rounding, on wide and tall matrices; outside it
+    the CPU keeps torch Muon's op order (another rounding of the same map)."""
+    from geomopt.geometry import polynomial
+    from geomopt.geometry.prenorm import default_prenormalize
+    coeffs = [(3.4445, -4.7750, 2.0315)] * 5
+    cfg = default_prenormalize("newton_schulz")
+    gen = torch.Generator().manual_seed(2)
+    for shape in ((3, 16, 40), (3, 40, 16)):
+        x = torch.randn(*shape, generator=gen)
+        assert polynomial.muon_order(x.device)
+        eager = polynomial.odd_quintic_iteration(x.clone(), coeffs, prenorm=cfg)
+        with polynomial.folded():
+            assert not polynomial.muon_order(x.device)
+            out = polynomial.odd_quintic_iteration(x.clone(), coeffs, prenorm=cfg)
+        assert polynomial.muon_order(x.device)
+        assert torch.equal(out, polynomial._folded_iteration(x, coeffs, cfg, 1.0, torch.float32))
+        x64 = x.double()
+        x64 = x64 / (torch.linalg.matrix_norm(x64, keepdim=True) + 1e-7)
+        uu, sigma, vh = torch.linalg.svd(x64, full_matrices=False)
+        ref = uu @ torch.diag_embed(polynomial.compose_polynomials(coeffs, sigma)) @ vh
+        assert (out.double() - ref).abs().max() < 2e-5
+        assert (eager.double() - ref).abs().max() < 2e-5
+        assert not torch.equal(out, eager)

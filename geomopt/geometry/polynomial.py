@@ -11,7 +11,9 @@ same map on the small Gram side.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, cast
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator, Sequence, cast
 
 import torch
 
@@ -44,10 +46,27 @@ def compose_polynomials(coefficients: Sequence[Triple], sigma: torch.Tensor) -> 
 _MUON_ORDER_DEVICES = ("cpu",)
 
 
+_FOLDED: ContextVar[bool] = ContextVar("geomopt_folded_iteration", default=False)
+
+
 def muon_order(device: torch.device) -> bool:
     """Whether work on ``device`` follows torch.optim.Muon's op sequence (the same bits on CPU), or
-    the shorter forms of :func:`_folded_iteration` and the optimizer's one-pass update."""
-    return device.type in _MUON_ORDER_DEVICES
+    the shorter forms of :func:`_folded_iteration` and the optimizer's one-pass update (always
+    inside :func:`folded`)."""
+    return device.type in _MUON_ORDER_DEVICES and not _FOLDED.get()
+
+
+@contextmanager
+def folded() -> Iterator[None]:
+    """The iterations run inside it take :func:`_folded_iteration`'s form on every device: no
+    pre-normalization pass (‖D‖²_F is the trace of the first Gram matrix, its factor folded into
+    the first small factor) and no transposed copy of a tall matrix, for a step that gives up
+    torch.optim.Muon's bits for fewer passes over X (``GeomOptimizer(fuse=True)``)."""
+    token = _FOLDED.set(True)
+    try:
+        yield
+    finally:
+        _FOLDED.reset(token)
 
 
 def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, prenorm: Prenormalize | None = None,

@@ -67,7 +67,7 @@ __all__ = ["backward"]
 
 def backward(
     y: torch.Tensor,
-    gamma: float,
+    gamma: float | torch.Tensor,
     geometry: ResolvedGeometry,
     constraint: Constraint | None,
     *,

@@ -208,9 +208,10 @@ class BucketJob:
                 # torch Muon's op order (same bits on CPU): decay, then the axpy of the step (ρ
                 # already in it where the forward op folded it)
                 coef = gamma if self.prog.write == "one-pass" else -gamma * rho
-                if self.prog.compiled:  # one pass over X (optim.engine.fused)
-                    fused.run(fused.compiled_write(self.pp.decay, bool(wd)), [], [self.views], [steps],
-                              fused.scalar(1 - gamma * wd, steps[0]), fused.scalar(coef, steps[0]))
+                if self.prog.compiled:  # one pass over X, with an entrywise prox (optim.engine.fused)
+                    fused.write_back(self.views, steps, 1 - gamma * wd, coef, gamma, decay=self.pp.decay,
+                                     decays=bool(wd), geometry=self.pp.geometry, constraint=self.pp.constraint,
+                                     rho=rho if self.projects else None)
                 else:
                     if wd:
                         DECAYS[self.pp.decay].in_place(self.views, 1 - gamma * wd)
@@ -357,6 +358,8 @@ def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: ResolvedGeome
     kept scratch u in place when that is its input)."""
     fn = lambda m: (forward(m, geometry, radius=radius, batch_dims=1, out_dtype=out_dtype, state=state),  # noqa: E731
                     None)
+    if prog.compiled:  # fuse: the polynomial iterations' folded form (no pre-normalization or transpose pass)
+        fn = fused.folding(fn)
     if not prog.graphed:
         return fn
     ids = tuple(id(p) for p, _ in items)

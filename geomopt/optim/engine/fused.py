@@ -11,6 +11,13 @@ Its numbers are the eager step's to within float32 rounding: inductor's lerp rou
 generated code does (at most 2 ulp of d apart, measured); the sign map and X's write have the
 eager step's bits where the map is the sign (c·sign(d) is exact).
 
+A batched bucket compiles its look-ahead (:func:`lookahead_rows_into`: d⁺ into a new d and u,
+one pass over d and G) and its in-place write-back (:func:`write_tail`, or :func:`prox_tail`
+with a constraint whose prox acts entry by entry), and runs its polynomial iteration eagerly in
+the folded form (:func:`folding`). Each region is one loop per tensor in inductor's generated
+code, loading each input once and storing each output once (read from
+``TORCH_LOGS=output_code`` on the CPU): the byte counter's declaration is what it moves.
+
 The coefficients (α, 1 − γλ, c = −γρ) enter as 0-d float64 tensors, so a schedule that changes
 them every step compiles nothing again (Python numbers would be baked into the graph: one
 compile per value, about 3 s each on a 2-core CPU, measured); each distinct list of shapes
@@ -29,10 +36,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from geomopt.geometry.forward import elementwise_into
+from geomopt.geometry.polynomial import folded
+from geomopt.geometry.prox import backward
 from geomopt.optim.persist.codes import flat_noise
 from geomopt.optim.persist.state_codec import Codec, decode_piece
 from geomopt.optim.units.decays import DECAYS
-from geomopt.optim.units.directions import DIRECTIONS, polyak_lookahead_rows
+from geomopt.optim.units.directions import DIRECTIONS, polyak_lerp, polyak_lookahead
 
 
 def run(fn: Callable, out: list, written: list, read: list, *args) -> Any:
@@ -78,6 +87,44 @@ def write_tail(xs: list, steps: list, keep: torch.Tensor, coef: torch.Tensor, *,
         x.add_(s * coef)
 
 
+def prox_tail(xs: list, steps: list, keep: torch.Tensor, coef: torch.Tensor, gamma: torch.Tensor, *, decay: str,
+              decays: bool, geometry, constraint, rho: Optional[float]) -> None:
+    """:func:`write_tail`, then X ← prox(X) in place: the backward op of ``constraint`` (with
+    γ, ρ; ``rho`` None: nothing projects, a step of length 0) on each tensor, for a constraint whose
+    backward op acts entry by entry (locality ``LOCAL``: proximal_decay's X⁺ = Y/(1 + γλ)), so the
+    compiled region reads X and S once and writes X once, where the stacked write-back forms Y,
+    maps it and copies it back (seven passes over X, four more)."""
+    write_tail(xs, steps, keep, coef, decay=decay, decays=decays)
+    if rho is not None:
+        for x in xs:
+            x.copy_(backward(x, gamma, geometry, constraint, radius=rho)[0])
+
+
+def write_back(xs: list, steps: list, keep: float, coef: float, gamma: float, *, decay: str, decays: bool, geometry,
+               constraint, rho: Optional[float]) -> None:
+    """A batched bucket's in-place write-back, compiled: X ← X·keep + coef·S (:func:`write_tail`),
+    then the constraint's entrywise prox where the rule has one (:func:`prox_tail`); the numbers
+    enter as 0-d tensors (graph inputs)."""
+    numbers = [scalar(keep, steps[0]), scalar(coef, steps[0])]
+    if constraint is None:
+        run(compiled_write(decay, decays), [], [xs], [steps], *numbers)
+    else:
+        run(compiled_prox(decay, decays, geometry, constraint, rho), [], [xs], [steps], *numbers,
+            scalar(gamma, steps[0]))
+
+
+def folding(forward: Callable) -> Callable:
+    """A bucket's forward op run inside :func:`geomopt.geometry.polynomial.folded`: its polynomial
+    iteration in the folded form on every device (no pre-normalization pass, no transposed copy
+    of a tall matrix; the scalings on the small factors)."""
+
+    def call(m):
+        with folded():
+            return forward(m)
+
+    return call
+
+
 def _compile(fn: Callable, dynamic: Optional[bool] = None, options: Optional[dict] = None, **fixed) -> Callable:
     """``fn`` compiled whole, its fixed choices passed as keywords (constants the graph guards
     on). ``fn`` itself is compiled, not a partial of it: torch's cache and its recompile limit
@@ -108,16 +155,36 @@ def compiled_write(decay: str, decays: bool) -> Callable:
     return _compile(write_tail, decay=decay, decays=decays)
 
 
+def lookahead_rows_into(us: list, news: list, ds: list, gs: list, alpha) -> None:
+    """Per tensor of a bucket (lists of its rows), d⁺ = d.lerp(g, α) into ``news`` and Nesterov's
+    u = g.lerp(d⁺, 1 − α) into ``us`` (:func:`~geomopt.optim.units.directions.polyak_lerp`,
+    :func:`~geomopt.optim.units.directions.polyak_lookahead`): compiled, one loop per tensor that
+    reads its row of d and its gradient once and writes d⁺ and u once. The rows are given as
+    separate tensors (views of the stacked d⁺ and u): written through a row index inside the
+    graph, or through a stack of the gradients, inductor would form the stacked result in a
+    buffer of its own and copy it. The new d is bound when the bucket commits, so nothing live
+    is written and no put-off update reads G a second time."""
+    for u, new, d, g in zip(us, news, ds, gs):
+        polyak_lerp(d, g, alpha, out=new)
+        polyak_lookahead(g, new, alpha, out=u)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_prox(decay: str, decays: bool, geometry, constraint, rho: Optional[float]) -> Callable:
+    """:func:`prox_tail` compiled for one decay, geometry, constraint and radius (a constant of the
+    graph: a radius schedule compiles once per value; γ is an input)."""
+    return _compile(prox_tail, decay=decay, decays=decays, geometry=geometry, constraint=constraint, rho=rho)
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_rows() -> Callable:
-    """Nesterov's look-ahead read row by row (:func:`~geomopt.optim.units.directions.polyak_lookahead_rows`)
-    compiled: d⁺ and u in one pass (each row of d and each gradient read once, u written once)."""
-    return _compile(polyak_lookahead_rows)
+    """:func:`lookahead_rows_into` compiled."""
+    return _compile(lookahead_rows_into)
 
 
-def lookahead_rows(u: torch.Tensor, d: torch.Tensor, gs: list, alpha) -> torch.Tensor:
-    """:func:`compiled_rows`, α as a graph input."""
-    run(compiled_rows(), [u], [], [d, gs], scalar(alpha, u))
+def lookahead_rows(u: torch.Tensor, new: torch.Tensor, d: torch.Tensor, gs: list, alpha) -> torch.Tensor:
+    """:func:`compiled_rows` on the rows of the stacked u, d⁺ (``new``) and d; α as a graph input."""
+    run(compiled_rows(), [list(u.unbind(0)), list(new.unbind(0))], [], [list(d.unbind(0)), gs], scalar(alpha, u))
     return u
 
 

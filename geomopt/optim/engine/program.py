@@ -31,7 +31,10 @@ replayed from a CUDA graph).
 ``compiled`` (``fuse``, one process, not capturable): the step's elementwise tail runs as
 functions compiled by ``torch.compile`` (optim.engine.fused): a flat rule's whole step where its
 map acts on each entry and its direction is none or Polyak's; a batched bucket's Polyak look-ahead
-read row by row (d⁺ and u in one pass) and its in-place write-back X(1 − γλ) − γρU (one pass); a
+read row by row (d⁺ into a new d and u in one pass) and its in-place write-back X(1 − γλ) − γρU
+(one pass; with a constraint whose prox acts entry by entry, proximal_decay, the prox in the same
+pass, so the write is ``in-place`` there too); its polynomial iteration takes the folded form on
+every device (geometry.polynomial.folded: no pre-normalization pass, no transposed copies); a
 flat rule's state kept in a lower precision: its codec (each piece's decode, and its encode with the
 block scales, code search and random bits), the rule's arithmetic between them eager.
 """
@@ -47,7 +50,8 @@ from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
 from geomopt.geometry.forward import elementwise_allocates
 from geomopt.optim.units.compensation import step_dtype
-from geomopt.geometry.operators import flat_refusal
+from geomopt.geometry.operators import backward_locality, flat_refusal
+from geomopt.registry import LOCAL
 from geomopt.geometry.polynomial import muon_order
 from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
@@ -333,7 +337,14 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
                "track_update measures X⁺ − X": opts.track_update, f"{pp.decay} decay": DECAYS[pp.decay].reads_step,
                f"{dtype} parameters (float32 working copy)": not working}
     stacked = [r for r, on in reasons.items() if on]
-    if stacked:
+    constraint = pp.constraint
+    fused_prox = (opts.fuse and opts.local and not opts.capturable and constraint is not None
+                  and stacked == ["a constraint's prox needs Y"] and backward_locality(kind, constraint.kind) == LOCAL)
+    if fused_prox and constraint is not None:  # an entrywise prox needs no Y: compiled into the in-place write-back
+        write = "in-place"
+        why.append(f"in-place: the {constraint.kind} prox acts entry by entry, compiled into the write-back "
+                   f"(X ← prox(X(1 − γλ) − γρU))")
+    elif stacked:
         write = "stacked"
         why.append("write-back from a stacked copy: " + ", ".join(stacked))
     elif pp.post or muon_order(p.device) or not opts.local:

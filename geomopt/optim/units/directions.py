@@ -222,7 +222,9 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: 
     no new memory, where a new d would cost the scratch's pass plus its fresh pages (8% of a CPU
     muon step, measured). Else d⁺ is a new tensor that replaces d in ``state`` (without Nesterov
     the cheaper of the two: 1.02× against 1.11× the in-place step of adamuon on a CPU).
-    ``lookahead_rows``: :func:`polyak_lookahead_rows` as the caller runs it (compiled: one pass)."""
+    ``lookahead_rows(u, new, d, gs, α)`` (with Nesterov and ``fresh``): d⁺ written into a new d
+    (``new``, bound at the commit) and u from it in one pass (compiled: d and G read once, no
+    put-off update reading G again)."""
     alpha = group["alpha"]
     d = state.get("d")
     if d is None:
@@ -233,8 +235,12 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: 
         fresh = None  # a new d already: written in place, bound at the commit
     if fresh is not None:
         u = lookahead(d.shape, d) if group["nesterov"] else None
+        if u is not None and lookahead_rows is not None:  # d⁺ into a new d and u, one pass over d and G
+            new = state["d"] = torch.empty_like(d)
+            lookahead_rows(u, new, d, gs, alpha)
+            return u
         if u is not None and u.dtype == d.dtype:
-            (lookahead_rows or polyak_lookahead_rows)(u, d, gs, alpha)
+            polyak_lookahead_rows(u, d, gs, alpha)
             old = d
             fresh.append(lambda: polyak_lerp(list(old.unbind(0)), gs, alpha))
             return u
