@@ -289,6 +289,10 @@ def rows(specs: list, small: bool, warmup: int, with_torch: bool, log=print, cap
             log(f"{spec} (fused) …")
             out.append(dict(name=f"{spec} (fused)", kind="geomopt", beside=spec, device="cpu",
                             **measure(gpt2(small), geomopt_optimizer(spec, fuse=True), warmup)))
+        if capturable and fuse:  # both: the compiled loops select the gradients by the device's flag
+            log(f"{spec} (capturable, fused) …")
+            out.append(dict(name=f"{spec} (capturable, fused)", kind="geomopt", beside=spec, device="cpu",
+                            **measure(gpt2(small), geomopt_optimizer(spec, capturable=True, fuse=True), warmup)))
         if with_torch and spec == "muon":
             model = gpt2(small)
             log("torch.optim.Muon + AdamW(fused) …")

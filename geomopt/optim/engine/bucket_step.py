@@ -5,6 +5,7 @@ matrix work across ranks."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Optional
 
@@ -122,6 +123,13 @@ class BucketJob:
         if prog.keeps_prev:
             state["prev"] = torch.stack([local(p).detach() for p, _ in items]).clone()
         g = self.g
+        rows = None  # a capturable compiled look-ahead: the gradients as they are, selected by the flag in its loops
+        if self.ok is not None and prog.compiled and prog.direction_form == "rows":
+            if raw_rows(pp, group, state, self.g_prev):
+                rows = dict(lookahead_rows=functools.partial(fused.captured_lookahead, ok=self.ok),
+                            commit_rows=functools.partial(fused.captured_commit, ok=self.ok))
+            else:  # the eager ops read G: selected first (0·NaN is NaN)
+                g = [torch.where(self.ok, t, 0) for t in g]
         self.g_raw = None
         if pp.post and "gradient" in post_stages.reads(pp.post):  # before a direction overwrites its copy
             self.g_raw = upcast(stack(g)) if isinstance(g, list) else upcast(g).clone()
@@ -143,7 +151,7 @@ class BucketJob:
             self.d, self.commit = polyak_ahead(g, state, hyper, lookahead(False), fresh=prog.journal)
         elif prog.direction_form == "rows":
             self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=self.fresh,
-                                 lookahead_rows=fused.lookahead_rows if prog.compiled else None)
+                                 **(rows or dict(lookahead_rows=fused.lookahead_rows if prog.compiled else None)))
         else:
             gu = upcast(g)
             # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
@@ -199,7 +207,9 @@ class BucketJob:
         if self.prog.write != "stacked":  # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) on the parameters themselves
             steps = list(step.unbind(0))
             self.prepare()  # the state's stored form first: a failure there leaves X as it was
-            if self.ok is not None:  # γ·ok: a skipped step writes X·1 + 0·S, X itself
+            if self.ok is not None and self.prog.compiled and not self.lerp:  # one pass over X, γ·ok
+                self.write_compiled(steps, self.ok.to(torch.float64) * gamma)
+            elif self.ok is not None:  # γ·ok: a skipped step writes X·1 + 0·S, X itself
                 ok = self.ok.to(torch.float64)  # γ·ok rounded as the host's γ is: the eager step's bits
                 self.write_scaled(steps, ok * gamma)
             elif self.lerp:
@@ -209,8 +219,7 @@ class BucketJob:
                 # already in it where the forward op folded it)
                 coef = gamma if self.prog.write == "one-pass" else -gamma * rho
                 if self.prog.compiled:  # one pass over X (optim.engine.fused)
-                    fused.run(fused.compiled_write(self.pp.decay, bool(wd)), [], [self.views], [steps],
-                              fused.scalar(1 - gamma * wd, steps[0]), fused.scalar(coef, steps[0]))
+                    self.write_compiled(steps, gamma)
                 else:
                     if wd:
                         DECAYS[self.pp.decay].in_place(self.views, 1 - gamma * wd)
@@ -230,6 +239,14 @@ class BucketJob:
         if torch.is_tensor(gamma):
             return self.backward(x + step * (-gamma * rho))
         return self.backward(torch.add(x, step, alpha=-gamma * rho))
+
+    def write_compiled(self, steps: list, gamma) -> None:
+        """X ← X(1 − γλ) + c·S in one compiled pass over X (:func:`~geomopt.optim.engine.fused.write_tail`),
+        c = γ (one-pass) or −γρ; γ a number, or a capturable step's γ·ok (X·1 + 0·S: X itself)."""
+        wd = self.group["weight_decay"]
+        coef = gamma if self.prog.write == "one-pass" else -gamma * self.rho
+        fused.run(fused.compiled_write(self.pp.decay, bool(wd)), [], [self.views], [steps],
+                  fused.scalar(1 - gamma * wd, steps[0]), fused.scalar(coef, steps[0]))
 
     def write_scaled(self, steps: list, gamma) -> None:
         """The in-place writes with γ a 0-d device tensor (a capturable step: γ·ok, or lr on the
@@ -266,7 +283,12 @@ class BucketJob:
         if fallback is not None:
             n = fallback.sum() if self.ok is None else fallback.sum() * self.ok
             counts["fallbacks"] = _accumulate(counters["fallbacks"], n, in_place)
-        if self.ok is not None and self.x is not None:
+        # a capturable step selects X⁺ as it writes it (where(ok, X⁺, X) into X: one pass fewer than
+        # selecting into a new tensor and copying that), unless the tracking reads the selected X⁺
+        # or the stacked copy is of another dtype than the parameters
+        select = self.ok is not None and self.x is not None and (
+            prog.track_gap or prog.track_update or self.views[0].dtype != x_new.dtype)
+        if select:
             x_new = torch.where(self.ok, x_new, self.x)
         if prog.track_gap and self.pp.constraint is not None and self.rho > 0 and (
                 torch.is_tensor(self.gamma) or self.gamma > 0):
@@ -277,7 +299,7 @@ class BucketJob:
         self.prepare()
         counters.update(counts)
         self.bind()
-        if self.ok is not None and self.x is None:  # no stacked copy of X: selected as it is written
+        if self.ok is not None and not select:  # selected as it is written
             for view, row in zip(self.views, x_new.unbind(0)):
                 torch.where(self.ok, row, view, out=view)
         else:
@@ -329,6 +351,17 @@ class BucketJob:
             direction=None if self.d is None else upcast(self.d), param=param, step=step, shard=shard,
             fresh=self.prog.journal)
         return Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)
+
+
+def raw_rows(pp: ParamPlan, group: dict, state: dict, g_prev) -> bool:
+    """Whether a capturable compiled bucket reads its gradients as they are, every read of them
+    inside a compiled loop that selects them by the flag (:func:`~geomopt.optim.engine.fused.captured_lookahead`,
+    :func:`~geomopt.optim.engine.fused.captured_commit`): Nesterov's look-ahead formed over d⁺ in
+    a scratch of d's dtype, d written at the commit, from the second step (the first creates d
+    from eager ops), no post-stage reading the gradient and no previous gradient."""
+    d = state.get("d")
+    return (d is not None and bool(group["nesterov"]) and g_prev is None and input_dtype(pp.geometry, d) == d.dtype
+            and not (pp.post and "gradient" in post_stages.reads(pp.post)))
 
 
 def weighted_state(prog: Program, ok: Optional[torch.Tensor]) -> tuple:

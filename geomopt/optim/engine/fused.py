@@ -29,7 +29,7 @@ import torch
 
 from geomopt.geometry.forward import elementwise_into
 from geomopt.optim.units.decays import DECAYS
-from geomopt.optim.units.directions import DIRECTIONS, polyak_lookahead_rows
+from geomopt.optim.units.directions import DIRECTIONS, polyak_lerp, polyak_lookahead_rows
 
 
 def run(fn: Callable, out: list, written: list, read: list, *args) -> Any:
@@ -73,6 +73,16 @@ def write_tail(xs: list, steps: list, keep: torch.Tensor, coef: torch.Tensor, *,
         x.add_(s * coef)
 
 
+def captured_flat_tail(xs: list, ds: list, gs: list, ok: torch.Tensor, alpha: torch.Tensor, keep: torch.Tensor,
+                       coef: torch.Tensor, **fixed) -> None:
+    """:func:`flat_tail` of a capturable step: the gradients selected by the device's finiteness
+    flag ``ok`` (g where it is true, 0 elsewhere) inside the compiled loop, where the selection
+    moves no memory (an eager step writes the selected copy: one more read and write of G); the
+    coefficients come weighted by the flag (α·ok, 1 − γ·ok·λ, −γ·ok·ρ), so a skipped step writes
+    d + 0·(0 − d), X·1 + 0·u: the values as they were."""
+    flat_tail(xs, ds, [torch.where(ok, g, 0) for g in gs], alpha, keep, coef, **fixed)
+
+
 def _compile(fn: Callable, **fixed) -> Callable:
     """``fn`` compiled whole, its fixed choices passed as keywords (constants the graph guards
     on). ``fn`` itself is compiled, not a partial of it: torch's cache and its recompile limit
@@ -97,6 +107,14 @@ def compiled(direction: str, init: str, nesterov: bool, first: bool, geometry, d
 
 
 @functools.lru_cache(maxsize=None)
+def compiled_captured(direction: str, init: str, nesterov: bool, first: bool, geometry, decay: str,
+                      decays: bool) -> Callable:
+    """:func:`captured_flat_tail` compiled for one rule's fixed choices."""
+    return _compile(captured_flat_tail, direction=direction, init=init, nesterov=nesterov, first=first,
+                    geometry=geometry, decay=decay, decays=decays)
+
+
+@functools.lru_cache(maxsize=None)
 def compiled_write(decay: str, decays: bool) -> Callable:
     """:func:`write_tail` compiled for one decay."""
     return _compile(write_tail, decay=decay, decays=decays)
@@ -113,6 +131,43 @@ def lookahead_rows(u: torch.Tensor, d: torch.Tensor, gs: list, alpha) -> torch.T
     """:func:`compiled_rows`, α as a graph input."""
     run(compiled_rows(), [u], [], [d, gs], scalar(alpha, u))
     return u
+
+
+def captured_lookahead_tail(u: torch.Tensor, d: torch.Tensor, gs: list, ok: torch.Tensor, alpha) -> torch.Tensor:
+    """:func:`~geomopt.optim.units.directions.polyak_lookahead_rows` on the gradients selected by
+    the device's finiteness flag (g where ``ok``, 0 elsewhere) inside the compiled loop; α comes
+    weighted by the flag (α·ok: a skipped step's u is d, finite)."""
+    return polyak_lookahead_rows(u, d, [torch.where(ok, g, 0) for g in gs], alpha)
+
+
+def captured_commit_tail(ds: list, gs: list, ok: torch.Tensor, alpha) -> None:
+    """The put-off write of Polyak's d, d ← d.lerp(g, α·ok) row by row, on the gradients selected by
+    the flag inside the compiled loop: a skipped step writes d + 0·(0 − d), d as it was."""
+    polyak_lerp(ds, [torch.where(ok, g, 0) for g in gs], alpha)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_captured_rows() -> Callable:
+    """:func:`captured_lookahead_tail` compiled: d⁺ and u in one pass, G selected in it."""
+    return _compile(captured_lookahead_tail)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_captured_commit() -> Callable:
+    """:func:`captured_commit_tail` compiled: d read and written once, G read once."""
+    return _compile(captured_commit_tail)
+
+
+def captured_lookahead(u: torch.Tensor, d: torch.Tensor, gs: list, alpha, *, ok: torch.Tensor) -> torch.Tensor:
+    """:func:`lookahead_rows` of a capturable step: the gradients as they are and the flag ``ok``
+    (:func:`compiled_captured_rows`)."""
+    run(compiled_captured_rows(), [u], [], [d, gs, ok], scalar(alpha, u))
+    return u
+
+
+def captured_commit(ds: list, gs: list, alpha, *, ok: torch.Tensor) -> None:
+    """Polyak's put-off write of a capturable step, compiled (:func:`compiled_captured_commit`)."""
+    run(compiled_captured_commit(), [], [ds], [gs, ok], scalar(alpha, ds[0]))
 
 
 def scalar(value, like: torch.Tensor) -> torch.Tensor:

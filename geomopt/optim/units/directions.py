@@ -211,7 +211,7 @@ def polyak_lookahead_rows(u: torch.Tensor, d: torch.Tensor, gs: list, alpha) -> 
 
 
 def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: Optional[list] = None,
-                lookahead_rows: Optional[Callable] = None) -> torch.Tensor:
+                lookahead_rows: Optional[Callable] = None, commit_rows: Optional[Callable] = None) -> torch.Tensor:
     """Polyak momentum (:func:`geomopt.optim.units.directions.polyak`, same arithmetic) read from
     the unstacked gradients: d ← d.lerp(g, α) row by row into the stacked state, and with
     Nesterov u = g.lerp(d, 1 − α) written into ``lookahead(shape, like)`` (a scratch; no copy of G).
@@ -222,7 +222,8 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: 
     no new memory, where a new d would cost the scratch's pass plus its fresh pages (8% of a CPU
     muon step, measured). Else d⁺ is a new tensor that replaces d in ``state`` (without Nesterov
     the cheaper of the two: 1.02× against 1.11× the in-place step of adamuon on a CPU).
-    ``lookahead_rows``: :func:`polyak_lookahead_rows` as the caller runs it (compiled: one pass)."""
+    ``lookahead_rows``: :func:`polyak_lookahead_rows` as the caller runs it (compiled: one pass);
+    ``commit_rows``: the put-off write ``polyak_lerp(rows of d, gs, α)`` as the caller runs it."""
     alpha = group["alpha"]
     d = state.get("d")
     if d is None:
@@ -236,7 +237,7 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: 
         if u is not None and u.dtype == d.dtype:
             (lookahead_rows or polyak_lookahead_rows)(u, d, gs, alpha)
             old = d
-            fresh.append(lambda: polyak_lerp(list(old.unbind(0)), gs, alpha))
+            fresh.append(lambda: (commit_rows or polyak_lerp)(list(old.unbind(0)), gs, alpha))
             return u
         new = state["d"] = torch.empty_like(d)
         for i, g in enumerate(gs):
