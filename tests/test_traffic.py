@@ -150,3 +150,35 @@ def test_a_fused_step_moves_only_what_its_compiled_regions_save(traffic):
     moved = 4 * sum(p.numel() for n, p in model.named_parameters() if n in hidden)
     assert hidden and fused["matmul_bytes"] == eager["matmul_bytes"]
     assert abs(eager["elementwise_bytes"] - fused["elementwise_bytes"] - 5 * moved) <= scalars
+
+
+@pytest.mark.parametrize("spec", ["sign-descent", "muon", "adamw-hybrid"])
+def test_a_fused_capturable_step_moves_no_more_bytes_than_the_eager_one(traffic, spec):
+    """With ``fuse=True`` a capturable step's compiled loops read the gradients as they are and
+    select them by the device's flag inside (sign descent's whole flat step, the look-ahead and the
+    put-off write of d): no selected copy of G is written, so it moves the fused step's bytes, 0-d
+    values aside (the exact test's min and max, γ·ok, α·ok, the device counts), and fewer than the
+    eager step. adamw-hybrid's write-back, its prox's X⁺ from a stacked Y, is selected as it is
+    written (where(ok, X⁺, X) into X), which reads X once more than the copy an eager step makes:
+    its one pass over the hidden matrices beyond the fused step."""
+    torch.set_grad_enabled(False)
+    try:
+        eager = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(spec), 1)
+        fused = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(spec, fuse=True), 1)
+        captured = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(spec, capturable=True, fuse=True), 1)
+        model = traffic.gpt2(True)
+        programs = traffic.geomopt_optimizer(spec, capturable=True, fuse=True)(model).engine.programs
+    finally:
+        torch.set_grad_enabled(True)
+    stacked_names = {n for progs in programs for p in progs if p.variant == "batched" and p.write == "stacked"
+                     for n in p.names}
+    stacked = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in stacked_names)
+    assert (stacked > 0) == (spec == "adamw-hybrid")
+    scalars = 128 * len(list(model.parameters()))
+    assert captured["matmul_bytes"] == fused["matmul_bytes"] == eager["matmul_bytes"]
+    assert captured["elementwise_floor_bytes"] == eager["elementwise_floor_bytes"]
+    assert captured["elementwise_bytes"] <= eager["elementwise_bytes"], (captured["top_ops"], eager["top_ops"])
+    assert captured["elementwise_bytes"] <= fused["elementwise_bytes"] + stacked + scalars, (captured["top_ops"],
+                                                                                          fused["top_ops"])
+    where = sum(o["read_bytes"] + o["written_bytes"] for o in captured["top_ops"] if o["op"] == "where")
+    assert where <= 3 * stacked + scalars  # X⁺ and X read, X written; no gradient selected outside a compiled loop
