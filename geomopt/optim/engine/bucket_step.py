@@ -123,11 +123,12 @@ class BucketJob:
         if prog.keeps_prev:
             state["prev"] = torch.stack([local(p).detach() for p, _ in items]).clone()
         g = self.g
-        rows = None  # a capturable compiled look-ahead: the gradients as they are, selected by the flag in its loops
+        rows: Optional[Callable] = fused.lookahead_rows if prog.compiled else None
+        commit_rows: Optional[Callable] = None
         if self.ok is not None and prog.compiled and prog.direction_form == "rows":
-            if raw_rows(pp, group, state, self.g_prev):
-                rows = dict(lookahead_rows=functools.partial(fused.captured_lookahead, ok=self.ok),
-                            commit_rows=functools.partial(fused.captured_commit, ok=self.ok))
+            if raw_rows(pp, group, state, self.g_prev):  # the gradients as they are, selected in the compiled loops
+                rows = functools.partial(fused.captured_lookahead, ok=self.ok)
+                commit_rows = functools.partial(fused.captured_commit, ok=self.ok)
             else:  # the eager ops read G: selected first (0·NaN is NaN)
                 g = [torch.where(self.ok, t, 0) for t in g]
         self.g_raw = None
@@ -151,7 +152,7 @@ class BucketJob:
             self.d, self.commit = polyak_ahead(g, state, hyper, lookahead(False), fresh=prog.journal)
         elif prog.direction_form == "rows":
             self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=self.fresh,
-                                 **(rows or dict(lookahead_rows=fused.lookahead_rows if prog.compiled else None)))
+                                 lookahead_rows=rows, commit_rows=commit_rows)
         else:
             gu = upcast(g)
             # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
@@ -286,9 +287,10 @@ class BucketJob:
         # a capturable step selects X⁺ as it writes it (where(ok, X⁺, X) into X: one pass fewer than
         # selecting into a new tensor and copying that), unless the tracking reads the selected X⁺
         # or the stacked copy is of another dtype than the parameters
-        select = self.ok is not None and self.x is not None and (
-            prog.track_gap or prog.track_update or self.views[0].dtype != x_new.dtype)
-        if select:
+        select = False
+        if self.ok is not None and self.x is not None and (
+                prog.track_gap or prog.track_update or self.views[0].dtype != x_new.dtype):
+            select = True
             x_new = torch.where(self.ok, x_new, self.x)
         if prog.track_gap and self.pp.constraint is not None and self.rho > 0 and (
                 torch.is_tensor(self.gamma) or self.gamma > 0):

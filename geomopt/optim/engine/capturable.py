@@ -5,7 +5,8 @@ Every step, the first one (which creates the state) included, :func:`captured_st
 job with the finiteness flag on the device, so ``torch.compile(opt.step, fullgraph=True)`` can
 start from the first call (a CUDA graph is still captured after a warm-up step, as torch's
 optimizers are: the first step allocates the state): the gradients enter the operators as they
-are where every one is finite and as zeros elsewhere (an SVD of NaNs raises), and every write
+are where every one is finite and as zeros elsewhere (an SVD of NaNs raises; a copy selected by
+``torch.where``, except where the program reads the flag itself: :func:`reads_flag`), and every write
 (parameters, state, step counts) selects the new value where the flag is true and the old one
 elsewhere (as fused AdamW's ``found_inf``), so a skipped step leaves every bit as it was (rules
 with ``on_nonfinite: off``: not tested, they always step, a NaN propagating as in torch). Step
