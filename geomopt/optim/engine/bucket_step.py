@@ -5,7 +5,6 @@ matrix work across ranks."""
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable, Optional
 
@@ -122,15 +121,8 @@ class BucketJob:
                     state[key] = int(state[key])
         if prog.keeps_prev:
             state["prev"] = torch.stack([local(p).detach() for p, _ in items]).clone()
-        g = self.g
-        rows: Optional[Callable] = fused.lookahead_rows if prog.compiled else None
-        commit_rows: Optional[Callable] = None
-        if self.ok is not None and prog.compiled and prog.direction_form == "rows":
-            if raw_rows(pp, group, state, self.g_prev):  # the gradients as they are, selected in the compiled loops
-                rows = functools.partial(fused.captured_lookahead, ok=self.ok)
-                commit_rows = functools.partial(fused.captured_commit, ok=self.ok)
-            else:  # the eager ops read G: selected first (0·NaN is NaN)
-                g = [torch.where(self.ok, t, 0) for t in g]
+        g, *rows = fused.rows_calls(prog.compiled, self.ok if prog.direction_form == "rows" else None, pp, group,
+                                    state, self.g_prev, self.g)  # G, and the look-ahead's and commit's loops
         self.g_raw = None
         if pp.post and "gradient" in post_stages.reads(pp.post):  # before a direction overwrites its copy
             self.g_raw = upcast(stack(g)) if isinstance(g, list) else upcast(g).clone()
@@ -152,7 +144,7 @@ class BucketJob:
             self.d, self.commit = polyak_ahead(g, state, hyper, lookahead(False), fresh=prog.journal)
         elif prog.direction_form == "rows":
             self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=self.fresh,
-                                 lookahead_rows=rows, commit_rows=commit_rows)
+                                 lookahead_rows=rows[0], commit_rows=rows[1])
         else:
             gu = upcast(g)
             # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
@@ -242,10 +234,8 @@ class BucketJob:
         return self.backward(torch.add(x, step, alpha=-gamma * rho))
 
     def write_compiled(self, steps: list, gamma) -> None:
-        """X ← X(1 − γλ) + c·S in one compiled pass over X (:func:`~geomopt.optim.engine.fused.write_tail`),
-        c = γ (one-pass) or −γρ; γ a number, or a capturable step's γ·ok (X·1 + 0·S: X itself)."""
-        wd = self.group["weight_decay"]
-        coef = gamma if self.prog.write == "one-pass" else -gamma * self.rho
+        """X ← X(1 − γλ) + c·S, c = γ (one-pass) or −γρ, in one compiled pass over X (γ: a capturable step's γ·ok)."""
+        wd, coef = self.group["weight_decay"], gamma if self.prog.write == "one-pass" else -gamma * self.rho
         fused.run(fused.compiled_write(self.pp.decay, bool(wd)), [], [self.views], [steps],
                   fused.scalar(1 - gamma * wd, steps[0]), fused.scalar(coef, steps[0]))
 
@@ -284,14 +274,10 @@ class BucketJob:
         if fallback is not None:
             n = fallback.sum() if self.ok is None else fallback.sum() * self.ok
             counts["fallbacks"] = _accumulate(counters["fallbacks"], n, in_place)
-        # a capturable step selects X⁺ as it writes it (where(ok, X⁺, X) into X: one pass fewer than
-        # selecting into a new tensor and copying that), unless the tracking reads the selected X⁺
-        # or the stacked copy is of another dtype than the parameters
-        select = False
-        if self.ok is not None and self.x is not None and (
-                prog.track_gap or prog.track_update or self.views[0].dtype != x_new.dtype):
-            select = True
-            x_new = torch.where(self.ok, x_new, self.x)
+        select = self.ok is not None and self.x is not None and (  # else X⁺ selected as it is written
+            prog.track_gap or prog.track_update or self.views[0].dtype != x_new.dtype)
+        if select:
+            x_new = torch.where(self.ok, x_new, self.x)  # type: ignore[arg-type]
         if prog.track_gap and self.pp.constraint is not None and self.rho > 0 and (
                 torch.is_tensor(self.gamma) or self.gamma > 0):
             self.state["w"] = (x_new - self.y) / (self.gamma * self.rho)
@@ -353,17 +339,6 @@ class BucketJob:
             direction=None if self.d is None else upcast(self.d), param=param, step=step, shard=shard,
             fresh=self.prog.journal)
         return Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)
-
-
-def raw_rows(pp: ParamPlan, group: dict, state: dict, g_prev) -> bool:
-    """Whether a capturable compiled bucket reads its gradients as they are, every read of them
-    inside a compiled loop that selects them by the flag (:func:`~geomopt.optim.engine.fused.captured_lookahead`,
-    :func:`~geomopt.optim.engine.fused.captured_commit`): Nesterov's look-ahead formed over d⁺ in
-    a scratch of d's dtype, d written at the commit, from the second step (the first creates d
-    from eager ops), no post-stage reading the gradient and no previous gradient."""
-    d = state.get("d")
-    return (d is not None and bool(group["nesterov"]) and g_prev is None and input_dtype(pp.geometry, d) == d.dtype
-            and not (pp.post and "gradient" in post_stages.reads(pp.post)))
 
 
 def weighted_state(prog: Program, ok: Optional[torch.Tensor]) -> tuple:

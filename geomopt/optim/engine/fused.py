@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from geomopt.geometry.forward import elementwise_into
+from geomopt.geometry.forward import elementwise_into, input_dtype
+from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS, polyak_lerp, polyak_lookahead_rows
 
@@ -168,6 +169,23 @@ def captured_lookahead(u: torch.Tensor, d: torch.Tensor, gs: list, alpha, *, ok:
 def captured_commit(ds: list, gs: list, alpha, *, ok: torch.Tensor) -> None:
     """Polyak's put-off write of a capturable step, compiled (:func:`compiled_captured_commit`)."""
     run(compiled_captured_commit(), [], [ds], [gs, ok], scalar(alpha, ds[0]))
+
+
+def rows_calls(compiled: bool, ok, pp, group: dict, state: dict, g_prev, gs: list) -> tuple:
+    """A bucket's Polyak momentum read row by row: (its gradients, the look-ahead and the put-off
+    write of d to run; None: the eager ones). Not compiled: G and (None, None); compiled:
+    :func:`lookahead_rows`. A capturable step's (``ok``, the device's flag): the gradients as they
+    are, with :func:`captured_lookahead` and :func:`captured_commit`, where those loops are every
+    read of them: Nesterov's look-ahead over d⁺ in a scratch of d's dtype, from the second step
+    (the first makes d with eager ops), no post-stage reading the gradient, no previous gradient;
+    else selected first (``torch.where``: eager ops turn 0·NaN into NaN)."""
+    if not compiled or ok is None:
+        return gs, lookahead_rows if compiled else None, None
+    d = state.get("d")
+    if (d is not None and bool(group["nesterov"]) and g_prev is None and input_dtype(pp.geometry, d) == d.dtype
+            and not (pp.post and "gradient" in post_stages.reads(list(pp.post)))):
+        return gs, functools.partial(captured_lookahead, ok=ok), functools.partial(captured_commit, ok=ok)
+    return [torch.where(ok, g, 0) for g in gs], lookahead_rows, None
 
 
 def scalar(value, like: torch.Tensor) -> torch.Tensor:
