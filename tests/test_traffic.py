@@ -89,8 +89,9 @@ def test_a_capturable_step_moves_no_more_bytes_than_the_eager_one(traffic, spec)
     weight, not copied and selected. A capturable step still zeroes the other rules' gradients
     where the flag is false (one read and one write of them: a NaN must not reach the parameters
     through the step, and 0·NaN is NaN), which an eager step does not need (with ``fuse`` the
-    compiled loops select them inside instead: the test below): that is its only allowance, beside 0-d values (the exact finiteness test's min and max per tensor where the
-    eager step sums, γ·ok, α·ok, the device counts: about a hundred bytes a tensor)."""
+    compiled loops select them inside instead: the test below): that is its only allowance,
+    beside 0-d values (the exact finiteness test's min and max per tensor where the eager step
+    sums, γ·ok, α·ok, the device counts: about a hundred bytes a tensor)."""
     torch.set_grad_enabled(False)
     try:
         eager = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(spec), 1)
