@@ -17,7 +17,7 @@ what the call declares (``run(fn, out, written, read, …)``): every tensor it r
 ``read``, its 0-d coefficients) read once, every tensor it writes (``out``, ``written``) written
 once, whatever inductor keeps in registers in between. That is a lower bound for the region (a
 generated kernel that re-read an input would not be seen); the region runs with the counting mode
-set aside.
+set aside. ``--capturable`` with ``--fuse`` adds each spec with both (``capturable, fused``).
 
 The floor is what any implementation must move: each gradient read once, each state tensor read
 and written once, each parameter read and written once (the *elementwise floor*), plus the bytes
@@ -289,6 +289,10 @@ def rows(specs: list, small: bool, warmup: int, with_torch: bool, log=print, cap
             log(f"{spec} (fused) …")
             out.append(dict(name=f"{spec} (fused)", kind="geomopt", beside=spec, device="cpu",
                             **measure(gpt2(small), geomopt_optimizer(spec, fuse=True), warmup)))
+        if capturable and fuse:  # both: the compiled loops select the gradients by the device's flag themselves
+            log(f"{spec} (capturable, fused) …")
+            out.append(dict(name=f"{spec} (capturable, fused)", kind="geomopt", beside=spec, device="cpu",
+                            **measure(gpt2(small), geomopt_optimizer(spec, capturable=True, fuse=True), warmup)))
         if with_torch and spec == "muon":
             model = gpt2(small)
             log("torch.optim.Muon + AdamW(fused) …")

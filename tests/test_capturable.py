@@ -366,3 +366,53 @@ def test_a_skipped_capturable_adam_step_leaves_every_bit_the_first_one_included(
     assert all(torch.equal(a, _bits(p)) for a, p in zip(after, params))
     assert all(torch.equal(a, _bits(v)) for a, v in zip(state, _state_values(opt)))
     assert [int(c["skipped"]) for c in opt.engine.counters] == [2] and int(opt.param_groups[0]["step"]) == 1
+
+
+@pytest.mark.parametrize("spec, tensor_lr", [("sign-descent", False), ("muon", False), ("muon", True),
+                                             ("adamw-hybrid", False)],
+                         ids=["sign-descent-float-lr", "muon-float-lr", "muon-tensor-lr", "adamw-hybrid-float-lr"])
+def test_a_fused_capturable_step_compiles_whole_and_skips_with_every_bit(spec, tensor_lr):
+    """``fuse=True`` with ``capturable=True``: the compiled loops (sign descent's whole flat step;
+    muon's look-ahead, its put-off write of d and its write-back) read the gradients as they are
+    and select them by the device's flag inside. A NaN, on the first step (which creates the state)
+    and on a later one, leaves every bit of parameters and state as it was;
+    ``torch.compile(opt.step, fullgraph=True)`` over it (lr a float or a 0-d tensor) captures no
+    graph after the second call and matches the fused capturable step run eagerly, which stays
+    within float32 rounding of the unfused capturable step: 1e-5 both (inductor's lerp, as
+    ``test_fused``; the outer compile inlines the inner compiled loops, which aot_eager runs as
+    eager ops)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    models = [tiny_gpt(0), tiny_gpt(0), tiny_gpt(0)]
+    plain = geomopt.GeomOptimizer(models[0], spec, capturable=True)
+    eager, compiled = (geomopt.GeomOptimizer(m, spec, capturable=True, fuse=True) for m in models[1:])
+    assert all(p.compiled for progs in compiled.engine.programs for p in progs if not p.fused)
+    if tensor_lr:
+        for opt in (plain, eager, compiled):
+            for g in opt.param_groups:
+                g["lr"] = torch.tensor(g["lr"])
+    step = torch.compile(compiled.step, fullgraph=True, backend="aot_eager")
+    graphs = 0
+    for k in range(5):
+        poison = k in (0, 3)
+        _grads(models, k, poison=poison)
+        before, params = _snapshot(compiled), [p.detach().clone() for p in models[2].parameters()]
+        plain.step()
+        eager.step()
+        step()
+        if k == 1:
+            graphs = counters["stats"]["unique_graphs"]
+        if poison:
+            assert all(torch.equal(_bits(p), _bits(q)) for p, q in zip(params, models[2].parameters()))
+            assert k == 0 or _same(before, _snapshot(compiled))
+        for p, q in zip(models[1].parameters(), models[2].parameters()):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-5), (spec, k, (p - q).abs().max())
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-5), (spec, k, (p - q).abs().max())
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation after the step that creates the state
+    for opt in (eager, compiled):
+        assert [int(g["step"]) for g in opt.param_groups] == [3] * len(opt.param_groups)
+        assert [int(c["skipped"]) for c in opt.engine.counters] == [2] * len(opt.param_groups)
+    moved = max((p - tiny_gpt(0).state_dict()[n]).abs().max().item() for n, p in models[2].named_parameters())
+    assert moved > 1e-3

@@ -111,14 +111,18 @@ def test_a_non_finite_gradient_leaves_the_fused_step_untouched(spec):
     assert sum(fused.diagnostics()[g["rule"]]["skipped"] for g in fused.param_groups) > 0
 
 
-def test_the_dispatcher_says_what_is_compiled_and_leaves_capturable_steps_eager():
+def test_the_dispatcher_says_what_is_compiled_and_compiles_capturable_steps_with_the_flag_inside():
     model = tiny_gpt(0)
     text = geomopt.GeomOptimizer(model, "muon", fuse=True).describe()
     assert "batched · in-place · compiled" in text and "fuse: the look-ahead read row by row in one pass" in text
     sign = geomopt.GeomOptimizer(model, "sign-descent", fuse=True).describe()
     assert "flat · foreach · compiled" in sign
     captured = geomopt.GeomOptimizer(model, "sign-descent", fuse=True, capturable=True)
-    assert not any(p.compiled for progs in captured.engine.programs for p in progs)
+    assert all(p.compiled for progs in captured.engine.programs for p in progs)
+    assert "flat · foreach · compiled · check device" in captured.describe()
+    assert "(compiled: selected inside the loop, no copy of G)" in captured.describe()
+    hidden = geomopt.GeomOptimizer(model, "muon", fuse=True, capturable=True).describe()
+    assert "batched · in-place · compiled · direction rows · check device" in hidden
     adam = geomopt.GeomOptimizer(model, "adamw-hybrid", fuse=True)
     assert not any(p.compiled for progs in adam.engine.programs for p in progs if p.variant == "flat")
 

@@ -88,9 +88,10 @@ def test_a_capturable_step_moves_no_more_bytes_than_the_eager_one(traffic, spec)
     gradients as they are), and Polyak's d and the parameters are written once under the flag's
     weight, not copied and selected. A capturable step still zeroes the other rules' gradients
     where the flag is false (one read and one write of them: a NaN must not reach the parameters
-    through the step, and 0·NaN is NaN), which an eager step does not need: that is its only
-    allowance, beside 0-d values (the exact finiteness test's min and max per tensor where the
-    eager step sums, γ·ok, α·ok, the device counts: about a hundred bytes a tensor)."""
+    through the step, and 0·NaN is NaN), which an eager step does not need (with ``fuse`` the
+    compiled loops select them inside instead: the test below): that is its only allowance,
+    beside 0-d values (the exact finiteness test's min and max per tensor where the eager step
+    sums, γ·ok, α·ok, the device counts: about a hundred bytes a tensor)."""
     torch.set_grad_enabled(False)
     try:
         eager = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(spec), 1)
@@ -188,3 +189,40 @@ def test_a_fused_spectral_step_passes_over_its_hidden_matrices_seven_times(traff
     assert abs(above) <= 4 * scalars, ops  # 0-d values: counts, the prenorm factors, the test's flags
     assert total / floor["total"] <= 1.75
     assert sum(eager.values()) - total >= 1.1 * floor["total"]
+
+
+@pytest.mark.parametrize("spec", ["sign-descent", "muon", "adamw-hybrid"])
+def test_a_fused_capturable_step_moves_no_more_bytes_than_the_eager_one(traffic, spec):
+    """With ``fuse=True`` a capturable step's compiled loops read the gradients as they are and
+    select them by the device's flag inside (sign descent's whole flat step, the look-ahead that
+    writes d⁺ and u): no selected copy of G is written, so it moves the fused step's bytes, 0-d
+    values aside (the exact test's min and max, γ·ok, α·ok, the device counts), and fewer than the
+    eager step, with one exception. A captured step's state keeps its storage (a graph replays
+    into it), so the new momentum d⁺ of a batched rule is copied into d at the commit (one read and
+    one write of the hidden matrices' momentum) where the fused step rebinds it. adamw-hybrid's
+    entrywise prox runs in the compiled in-place write-back with γ·ok (a skipped step divides X by
+    1 + 0·λ: X itself), so no stacked Y is formed or selected."""
+    torch.set_grad_enabled(False)
+    try:
+        eager = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(spec), 1)
+        fused = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(spec, fuse=True), 1)
+        captured = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(spec, capturable=True, fuse=True), 1)
+        model = traffic.gpt2(True)
+        programs = traffic.geomopt_optimizer(spec, capturable=True, fuse=True)(model).engine.programs
+    finally:
+        torch.set_grad_enabled(True)
+    stacked_names = {n for progs in programs for p in progs if p.variant == "batched" and p.write == "stacked"
+                     for n in p.names}
+    stacked = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in stacked_names)
+    assert stacked == 0  # adamw-hybrid's entrywise prox compiled into the in-place write-back, γ·ok in it
+    batched = {n for progs in programs for p in progs if p.variant == "batched" for n in p.names}
+    momentum = 0 if spec == "sign-descent" else sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if n in batched)
+    scalars = 128 * len(list(model.parameters()))
+    assert captured["matmul_bytes"] == fused["matmul_bytes"] <= eager["matmul_bytes"]
+    assert captured["elementwise_floor_bytes"] == eager["elementwise_floor_bytes"]
+    assert captured["elementwise_bytes"] <= eager["elementwise_bytes"], (captured["top_ops"], eager["top_ops"])
+    assert captured["elementwise_bytes"] <= fused["elementwise_bytes"] + stacked + 2 * momentum + scalars, (
+        captured["top_ops"], fused["top_ops"])
+    where = sum(o["read_bytes"] + o["written_bytes"] for o in captured["top_ops"] if o["op"] == "where")
+    assert where <= 3 * stacked + scalars  # X⁺ and X read, X written; no gradient selected outside a compiled loop

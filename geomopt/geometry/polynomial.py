@@ -12,7 +12,7 @@ same map on the small Gram side.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from contextvars import ContextVar
+import threading
 from typing import Callable, Iterator, Sequence, cast
 
 import torch
@@ -46,14 +46,16 @@ def compose_polynomials(coefficients: Sequence[Triple], sigma: torch.Tensor) -> 
 _MUON_ORDER_DEVICES = ("cpu",)
 
 
-_FOLDED: ContextVar[bool] = ContextVar("geomopt_folded_iteration", default=False)
+#: whether this thread runs inside :func:`folded` (a thread's own flag: ``torch.compile`` traces a
+#: read of it, where it cannot trace a ``ContextVar``)
+_FOLDED = threading.local()
 
 
 def muon_order(device: torch.device) -> bool:
     """Whether work on ``device`` follows torch.optim.Muon's op sequence (the same bits on CPU), or
     the shorter forms of :func:`_folded_iteration` and the optimizer's one-pass update (always
     inside :func:`folded`)."""
-    return device.type in _MUON_ORDER_DEVICES and not _FOLDED.get()
+    return device.type in _MUON_ORDER_DEVICES and not getattr(_FOLDED, "on", False)
 
 
 @contextmanager
@@ -62,11 +64,11 @@ def folded() -> Iterator[None]:
     pre-normalization pass (‖D‖²_F is the trace of the first Gram matrix, its factor folded into
     the first small factor) and no transposed copy of a tall matrix, for a step that gives up
     torch.optim.Muon's bits for fewer passes over X (``GeomOptimizer(fuse=True)``)."""
-    token = _FOLDED.set(True)
+    before, _FOLDED.on = getattr(_FOLDED, "on", False), True
     try:
         yield
     finally:
-        _FOLDED.reset(token)
+        _FOLDED.on = before
 
 
 def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, prenorm: Prenormalize | None = None,

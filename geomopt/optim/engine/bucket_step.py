@@ -121,7 +121,8 @@ class BucketJob:
                     state[key] = int(state[key])
         if prog.keeps_prev:
             state["prev"] = torch.stack([local(p).detach() for p, _ in items]).clone()
-        g = self.g
+        g, *rows = fused.rows_calls(prog.compiled, self.ok if prog.direction_form == "rows" else None, pp, group,
+                                    state, self.g_prev, self.g)  # G, and the look-ahead's loop
         self.g_raw = None
         if pp.post and "gradient" in post_stages.reads(pp.post):  # before a direction overwrites its copy
             self.g_raw = upcast(stack(g)) if isinstance(g, list) else upcast(g).clone()
@@ -142,8 +143,7 @@ class BucketJob:
         if prog.direction_form == "ahead":
             self.d, self.commit = polyak_ahead(g, state, hyper, lookahead(False), fresh=prog.journal)
         elif prog.direction_form == "rows":
-            self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=self.fresh,
-                                 lookahead_rows=fused.lookahead_rows if prog.compiled else None)
+            self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=self.fresh, lookahead_rows=rows[0])
         else:
             gu = upcast(g)
             # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
@@ -199,7 +199,9 @@ class BucketJob:
         if self.prog.write != "stacked":  # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) on the parameters themselves
             steps = list(step.unbind(0))
             self.prepare()  # the state's stored form first: a failure there leaves X as it was
-            if self.ok is not None:  # γ·ok: a skipped step writes X·1 + 0·S, X itself
+            if self.ok is not None and self.prog.compiled and not self.lerp:  # one pass over X, γ·ok
+                self.write_compiled(steps, self.ok.to(torch.float64) * gamma)
+            elif self.ok is not None:  # γ·ok: a skipped step writes X·1 + 0·S, X itself
                 ok = self.ok.to(torch.float64)  # γ·ok rounded as the host's γ is: the eager step's bits
                 self.write_scaled(steps, ok * gamma)
             elif self.lerp:
@@ -209,9 +211,7 @@ class BucketJob:
                 # already in it where the forward op folded it)
                 coef = gamma if self.prog.write == "one-pass" else -gamma * rho
                 if self.prog.compiled:  # one pass over X, with an entrywise prox (optim.engine.fused)
-                    fused.write_back(self.views, steps, 1 - gamma * wd, coef, gamma, decay=self.pp.decay,
-                                     decays=bool(wd), geometry=self.pp.geometry, constraint=self.pp.constraint,
-                                     rho=rho if self.projects else None)
+                    self.write_compiled(steps, gamma)
                 else:
                     if wd:
                         DECAYS[self.pp.decay].in_place(self.views, 1 - gamma * wd)
@@ -231,6 +231,14 @@ class BucketJob:
         if torch.is_tensor(gamma):
             return self.backward(x + step * (-gamma * rho))
         return self.backward(torch.add(x, step, alpha=-gamma * rho))
+
+    def write_compiled(self, steps: list, gamma) -> None:
+        """X ← X(1 − γλ) + c·S, c = γ (one-pass) or −γρ, and an entrywise prox where the rule has one,
+        in one compiled pass over X (:func:`geomopt.optim.engine.fused.write_back`; γ: a capturable step's γ·ok)."""
+        wd, coef = self.group["weight_decay"], gamma if self.prog.write == "one-pass" else -gamma * self.rho
+        fused.write_back(self.views, steps, 1 - gamma * wd, coef, gamma, decay=self.pp.decay, decays=bool(wd),
+                         geometry=self.pp.geometry, constraint=self.pp.constraint,
+                         rho=self.rho if self.projects else None)
 
     def write_scaled(self, steps: list, gamma) -> None:
         """The in-place writes with γ a 0-d device tensor (a capturable step: γ·ok, or lr on the
@@ -267,8 +275,10 @@ class BucketJob:
         if fallback is not None:
             n = fallback.sum() if self.ok is None else fallback.sum() * self.ok
             counts["fallbacks"] = _accumulate(counters["fallbacks"], n, in_place)
-        if self.ok is not None and self.x is not None:
-            x_new = torch.where(self.ok, x_new, self.x)
+        select = self.ok is not None and self.x is not None and (  # else X⁺ selected as it is written
+            prog.track_gap or prog.track_update or self.views[0].dtype != x_new.dtype)
+        if select:
+            x_new = torch.where(self.ok, x_new, self.x)  # type: ignore[arg-type]
         if prog.track_gap and self.pp.constraint is not None and self.rho > 0 and (
                 torch.is_tensor(self.gamma) or self.gamma > 0):
             self.state["w"] = (x_new - self.y) / (self.gamma * self.rho)
@@ -278,7 +288,7 @@ class BucketJob:
         self.prepare()
         counters.update(counts)
         self.bind()
-        if self.ok is not None and self.x is None:  # no stacked copy of X: selected as it is written
+        if self.ok is not None and not select:  # selected as it is written
             for view, row in zip(self.views, x_new.unbind(0)):
                 torch.where(self.ok, row, view, out=view)
         else:

@@ -5,7 +5,8 @@ Every step, the first one (which creates the state) included, :func:`captured_st
 job with the finiteness flag on the device, so ``torch.compile(opt.step, fullgraph=True)`` can
 start from the first call (a CUDA graph is still captured after a warm-up step, as torch's
 optimizers are: the first step allocates the state): the gradients enter the operators as they
-are where every one is finite and as zeros elsewhere (an SVD of NaNs raises), and every write
+are where every one is finite and as zeros elsewhere (an SVD of NaNs raises; a copy selected by
+``torch.where``, except where the program reads the flag itself: :func:`reads_flag`), and every write
 (parameters, state, step counts) selects the new value where the flag is true and the old one
 elsewhere (as fused AdamW's ``found_inf``), so a skipped step leaves every bit as it was (rules
 with ``on_nonfinite: off``: not tested, they always step, a NaN propagating as in torch). Step
@@ -53,8 +54,9 @@ def captured_step(rt: Runtime, groups: list, typed: list, state, counters: list,
     # the operators run either way (the host does not know): on zeros where a gradient is
     # non-finite, and the writes select the old values
     zero = torch.zeros((), dtype=first.dtype, device=ok.device)
-    # (a flat program's fused kernel reads the flag itself: its gradients enter as they are)
-    grads = [g if prog.check == "off" or prog.fused else [torch.where(ok, t, zero) for t in g]
+    # (a flat program's fused kernel reads the flag itself, and a compiled one selects inside its
+    # loop: their gradients enter as they are)
+    grads = [g if prog.check == "off" or reads_flag(prog) else [torch.where(ok, t, zero) for t in g]
              if isinstance(g, list) else torch.where(ok, g, zero) for (prog, _), g in zip(jobs, grads)]
     schedules: dict = {}
     for prog, _ in jobs:
@@ -71,7 +73,7 @@ def captured_step(rt: Runtime, groups: list, typed: list, state, counters: list,
             group = groups[prog.group]
             weight = oks[j].to(torch.float64)
             alpha = None if group["direction"] == "none" else (group["alpha"] if alpha is None else alpha) * weight
-            step_flat(prog, rt, state, group, items, g, gamma * weight, alpha)
+            step_flat(prog, rt, state, group, items, g, gamma * weight, alpha, ok=oks[j] if prog.compiled else None)
             done.append(j)
     steps = [(j, BucketJob(prog, rt, state, counters[prog.group], groups[prog.group], items, g, None,
                            schedules[prog.group][0], schedules[prog.group][1], shared=True, ok=oks[j]))
@@ -87,6 +89,18 @@ def captured_step(rt: Runtime, groups: list, typed: list, state, counters: list,
                 holder[key].add_(by.to(torch.int64))
             else:
                 holder[key] = by.to(torch.int64) + holder[key]
+
+
+def reads_flag(prog) -> bool:
+    """Whether a capturable program takes its gradients as they are and the finiteness flag beside
+    them: torch's fused AdamW kernel (``found_inf``), a compiled flat step, which selects g where
+    the flag is true and 0 elsewhere inside its loop (no selected copy of G is written), and a
+    compiled bucket reading Polyak's momentum row by row, which does so in its look-ahead and its
+    commit (:func:`~geomopt.optim.engine.bucket_step.raw_rows`; where another op would read G, the
+    bucket selects it first). Every other program reads gradients zeroed where the flag is false
+    (``torch.where``: one read and one write of them): its eager ops would turn a weight of 0 on a
+    NaN into a NaN (0·NaN)."""
+    return prog.fused or (prog.compiled and (prog.variant == "flat" or prog.direction_form == "rows"))
 
 
 def captured_adam(rt: Runtime, state, group: dict, items: list, grads: list, gamma, ok: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ from geomopt.optim.engine.program import Program
 from geomopt.optim.engine.runtime import Runtime
 
 def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads: list, gamma: float,
-              alpha) -> None:
+              alpha, ok: Optional[torch.Tensor] = None) -> None:
     """One step of an elementwise rule with foreach kernels (the ``flat`` variant of a step
     program, :mod:`geomopt.optim.engine.program`): the state lives in flat buffers (per-parameter state
     entries are views of them), the forward map runs on flat memory, and the parameters are
@@ -59,18 +59,21 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
         first = "d" not in state[items[0][0]]
         d, ds = rt.stacked.flat(state, items, xs, "d", binds)
     adam = _adam_state(rt, state, items, xs, binds) if pp.geometry.kind == "adam" else None
-    run_flat(prog, rt, group, pp, xs, grads, (d, ds), adam, first, gamma, alpha)
+    run_flat(prog, rt, group, pp, xs, grads, (d, ds), adam, first, gamma, alpha, ok=ok)
     for bind in binds:
         bind()
 
 
 def run_flat(prog: Program, rt: Runtime, group: dict, pp: ParamPlan, xs: list, gs: list, momentum: tuple, adam,
-             first: bool, gamma: float, alpha, count: Optional[torch.Tensor] = None) -> None:
+             first: bool, gamma: float, alpha, count: Optional[torch.Tensor] = None,
+             ok: Optional[torch.Tensor] = None) -> None:
     """:func:`step_flat`'s arithmetic (``pp``: the plan of the rule's tensors) on the parameters ``xs``
     with gradients ``gs`` (operators' layout, real views), the momentum ``momentum`` (flat buffer and
     views over ``xs``; (None, None) without a direction) and ``adam`` (the moments' (buffer, views)
     pairs and the step number; None off Adam), written in place; ``first``: the momentum's first step;
-    ``count``: the fused kernel's step count (a float32 0-d tensor; None: made here, before any write)."""
+    ``count``: the fused kernel's step count (a float32 0-d tensor; None: made here, before any write);
+    ``ok``: a capturable step's finiteness flag, which a compiled program selects its raw gradients by
+    (:func:`~geomopt.optim.engine.fused.captured_flat_tail`; γ and α come weighted by it)."""
     geometry, kind = pp.geometry, pp.geometry.kind
     hyper = group if alpha is None else {**group, "alpha": alpha}  # α after a momentum warmup
     wd = group["weight_decay"]
@@ -79,8 +82,9 @@ def run_flat(prog: Program, rt: Runtime, group: dict, pp: ParamPlan, xs: list, g
     d, ds = momentum
     nesterov = d is not None and bool(group["nesterov"])
     if prog.compiled and pp.state_dtype == "float32":  # one compiled function over whole tensors: no blocks, no scratch
-        tail.run(tail.compiled(group["direction"], group["init"], nesterov, first, geometry, pp.decay, bool(wd)), [],
-                 [xs, [] if ds is None else list(ds)], [gs], tail.scalar(hyper["alpha"], xs[0]),
+        choices = (group["direction"], group["init"], nesterov, first, geometry, pp.decay, bool(wd))
+        fn, read = (tail.compiled(*choices), [gs]) if ok is None else (tail.compiled_captured(*choices), [gs, ok])
+        tail.run(fn, [], [xs, [] if ds is None else list(ds)], read, tail.scalar(hyper["alpha"], xs[0]),
                  tail.scalar(1 - gamma * wd, xs[0]), tail.scalar(scale, xs[0]))
         return
     fused = adam is not None and prog.fused and all(t.is_contiguous() for t in (*xs, *(gs if ds is None else ds)))

@@ -35,11 +35,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from geomopt.geometry.forward import elementwise_into
+from geomopt.geometry.forward import elementwise_into, input_dtype
 from geomopt.geometry.polynomial import folded
 from geomopt.geometry.prox import backward
 from geomopt.optim.persist.codes import flat_noise
 from geomopt.optim.persist.state_codec import Codec, decode_piece
+from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS, polyak_lerp, polyak_lookahead
 
@@ -125,6 +126,16 @@ def folding(forward: Callable) -> Callable:
     return call
 
 
+def captured_flat_tail(xs: list, ds: list, gs: list, ok: torch.Tensor, alpha: torch.Tensor, keep: torch.Tensor,
+                       coef: torch.Tensor, **fixed) -> None:
+    """:func:`flat_tail` of a capturable step: the gradients selected by the device's finiteness
+    flag ``ok`` (g where it is true, 0 elsewhere) inside the compiled loop, where the selection
+    moves no memory (an eager step writes the selected copy: one more read and write of G); the
+    coefficients come weighted by the flag (α·ok, 1 − γ·ok·λ, −γ·ok·ρ), so a skipped step writes
+    d + 0·(0 − d), X·1 + 0·u: the values as they were."""
+    flat_tail(xs, ds, [torch.where(ok, g, 0) for g in gs], alpha, keep, coef, **fixed)
+
+
 def _compile(fn: Callable, dynamic: Optional[bool] = None, options: Optional[dict] = None, **fixed) -> Callable:
     """``fn`` compiled whole, its fixed choices passed as keywords (constants the graph guards
     on). ``fn`` itself is compiled, not a partial of it: torch's cache and its recompile limit
@@ -147,6 +158,14 @@ def compiled(direction: str, init: str, nesterov: bool, first: bool, geometry, d
     """:func:`flat_tail` compiled for one rule's fixed choices."""
     return _compile(flat_tail, direction=direction, init=init, nesterov=nesterov, first=first, geometry=geometry,
                     decay=decay, decays=decays)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_captured(direction: str, init: str, nesterov: bool, first: bool, geometry, decay: str,
+                      decays: bool) -> Callable:
+    """:func:`captured_flat_tail` compiled for one rule's fixed choices."""
+    return _compile(captured_flat_tail, direction=direction, init=init, nesterov=nesterov, first=first,
+                    geometry=geometry, decay=decay, decays=decays)
 
 
 @functools.lru_cache(maxsize=None)
@@ -186,6 +205,44 @@ def lookahead_rows(u: torch.Tensor, new: torch.Tensor, d: torch.Tensor, gs: list
     """:func:`compiled_rows` on the rows of the stacked u, d⁺ (``new``) and d; α as a graph input."""
     run(compiled_rows(), [list(u.unbind(0)), list(new.unbind(0))], [], [list(d.unbind(0)), gs], scalar(alpha, u))
     return u
+
+
+def captured_lookahead_into(us: list, news: list, ds: list, gs: list, ok: torch.Tensor, alpha) -> None:
+    """:func:`lookahead_rows_into` on the gradients selected by the device's finiteness flag (g where
+    ``ok``, 0 elsewhere) inside the compiled loop; α comes weighted by the flag (α·ok: a skipped
+    step's new d is d + 0·(0 − d), d itself, and its u finite)."""
+    lookahead_rows_into(us, news, ds, [torch.where(ok, g, 0) for g in gs], alpha)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_captured_rows() -> Callable:
+    """:func:`captured_lookahead_into` compiled: d⁺ and u in one pass, G selected in it."""
+    return _compile(captured_lookahead_into)
+
+
+def captured_lookahead(u: torch.Tensor, new: torch.Tensor, d: torch.Tensor, gs: list, alpha, *,
+                       ok: torch.Tensor) -> torch.Tensor:
+    """:func:`lookahead_rows` of a capturable step: the gradients as they are and the flag ``ok``
+    (:func:`compiled_captured_rows`)."""
+    run(compiled_captured_rows(), [list(u.unbind(0)), list(new.unbind(0))], [], [list(d.unbind(0)), gs, ok],
+        scalar(alpha, u))
+    return u
+
+
+def rows_calls(compiled: bool, ok, pp, group: dict, state: dict, g_prev, gs: list) -> tuple:
+    """A bucket's Polyak momentum read row by row: (its gradients, the look-ahead to run; None: the
+    eager one). Not compiled: G and None; compiled: :func:`lookahead_rows`. A capturable step's
+    (``ok``, the device's flag): the gradients as they are, with :func:`captured_lookahead`, where
+    that loop is every read of them: Nesterov's look-ahead, from the second step (the first makes d
+    with eager ops), no post-stage reading the gradient, no previous gradient; else selected first
+    (``torch.where``: eager ops turn 0·NaN into NaN)."""
+    if not compiled or ok is None:
+        return gs, lookahead_rows if compiled else None
+    d = state.get("d")
+    if (d is not None and bool(group["nesterov"]) and g_prev is None and input_dtype(pp.geometry, d) == d.dtype
+            and not (pp.post and "gradient" in post_stages.reads(list(pp.post)))):
+        return gs, functools.partial(captured_lookahead, ok=ok)
+    return [torch.where(ok, g, 0) for g in gs], lookahead_rows
 
 
 def scalar(value, like: torch.Tensor) -> torch.Tensor:

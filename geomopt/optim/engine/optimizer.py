@@ -126,7 +126,9 @@ class GeomOptimizer(Optimizer):
     (:mod:`geomopt.optim.engine.fused`): each gradient, momentum and parameter read once, the
     momentum and the parameters written once (eager: a pass per op). The first step compiles
     (seconds; a C++ compiler on CPU); the values are the eager step's to within float32 rounding of
-    the momentum. Not with ``capturable``; other rules step as without it.
+    the momentum. With ``capturable`` the compiled loops take the gradients as they are and select
+    them by the device's finiteness flag inside (no selected copy of G); other rules step as
+    without it.
 
     ``expect``: a routing lock (a file ``geomopt plan … --lock`` wrote, or a
     :class:`geomopt.compile.lock.Lock`): raises :class:`geomopt.RoutingChangedError`, with the diff,

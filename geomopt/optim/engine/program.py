@@ -28,15 +28,17 @@ step, or ``deferred`` behind the forward ops' launches, one process; ``device`` 
 a NaN reaches parameters and state as in torch), and ``graphed`` (the polynomial forward op
 replayed from a CUDA graph).
 
-``compiled`` (``fuse``, one process, not capturable): the step's elementwise tail runs as
-functions compiled by ``torch.compile`` (optim.engine.fused): a flat rule's whole step where its
-map acts on each entry and its direction is none or Polyak's; a batched bucket's Polyak look-ahead
-read row by row (d⁺ into a new d and u in one pass) and its in-place write-back X(1 − γλ) − γρU
-(one pass; with a constraint whose prox acts entry by entry, proximal_decay, the prox in the same
-pass, so the write is ``in-place`` there too); its polynomial iteration takes the folded form on
-every device (geometry.polynomial.folded: no pre-normalization pass, no transposed copies); a
-flat rule's state kept in a lower precision: its codec (each piece's decode, and its encode with the
-block scales, code search and random bits), the rule's arithmetic between them eager.
+``compiled`` (``fuse``, one process): the step's elementwise tail runs as functions compiled by
+``torch.compile`` (optim.engine.fused): a flat rule's whole step where its map acts on each entry
+and its direction is none or Polyak's; a batched bucket's Polyak look-ahead read row by row (d⁺
+into a new d and u in one pass) and its in-place write-back X(1 − γλ) − γρU (one pass; with a
+constraint whose prox acts entry by entry, proximal_decay, the prox in the same pass, so the write
+is ``in-place`` there too); its polynomial iteration takes the folded form on every device
+(geometry.polynomial.folded: no pre-normalization pass, no transposed copies); a flat rule's state
+kept in a lower precision (not capturable): its codec (each piece's decode, and its encode with
+the block scales, code search and random bits), the rule's arithmetic between them eager. A
+capturable step's compiled loops select the gradients by the device's finiteness flag themselves
+(no selected copy).
 """
 
 from __future__ import annotations
@@ -192,12 +194,12 @@ def capturable_weights(group: dict, pp: ParamPlan, opts: Options) -> bool:
 
 def fusable(group: dict, pp: ParamPlan, opts: Options) -> bool:
     """Whether a flat rule's step compiles whole under ``fuse`` (:mod:`geomopt.optim.engine.fused`):
-    not capturable (its flag-weighted writes stay eager), float32 state (an encoded one steps chunk
-    by chunk), a map of each entry keeping no state (no norm: one loop per tensor), no direction or
-    Polyak's (its coefficient α enters the graph as a tensor, so a schedule of it compiles nothing
-    again)."""
+    float32 state (an encoded one steps chunk by chunk), a map of each entry keeping no state (no
+    norm: one loop per tensor), no direction or Polyak's (its coefficient α enters the graph as a
+    tensor, so a schedule of it compiles nothing again). Capturable too: the compiled loop selects
+    the gradients by the device's finiteness flag itself."""
     each_entry = flat_refusal(pp.geometry.kind, sharded=True) is None and not geometry_state(pp.geometry)
-    return (opts.fuse and not opts.capturable and each_entry and group["direction"] in ("none", "polyak")
+    return (opts.fuse and each_entry and group["direction"] in ("none", "polyak")
             and pp.state_dtype == "float32")  # encoded state: its codec compiles instead (codec_fusable)
 
 
@@ -293,7 +295,9 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
                 why = why + ["capturable: the fused kernel reads the device's finiteness flag (found_inf) and "
                              "returns before any write where it is false" if fused else
                              "capturable: the writes take the device's finiteness flag as a weight (α·ok, γ·ok) "
-                             "on gradients zeroed where it is false"]
+                             "on gradients zeroed where it is false" + (
+                                 " (compiled: selected inside the loop, no copy of G)"
+                                 if fusable(group, ps[indices[0]], opts) else "")]
             progs.append(Program(**fields, variant="flat", write="fused" if fused else "foreach",
                                  compiled=(not fused and fusable(group, ps[indices[0]], opts))
                                  or codec_fusable(ps[indices[0]], opts), why=tuple(why)))
@@ -338,7 +342,7 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
                f"{dtype} parameters (float32 working copy)": not working}
     stacked = [r for r, on in reasons.items() if on]
     constraint = pp.constraint
-    fused_prox = (opts.fuse and opts.local and not opts.capturable and constraint is not None
+    fused_prox = (opts.fuse and opts.local and constraint is not None
                   and stacked == ["a constraint's prox needs Y"] and backward_locality(kind, constraint.kind) == LOCAL)
     if fused_prox and constraint is not None:  # an entrywise prox needs no Y: compiled into the in-place write-back
         write = "in-place"
@@ -360,7 +364,7 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
     if unit.has("rows") and not opts.keeps_prev and dtype in (torch.float32, torch.float64):
         form = "rows"
         why.append(f"{unit.name} read row by row from the unstacked gradients (no stacked copy of G)")
-    compiled = opts.fuse and opts.local and not opts.capturable and (write == "in-place" or form == "rows")
+    compiled = opts.fuse and opts.local and (write == "in-place" or form == "rows")
     if compiled:
         why.append("fuse: " + " and ".join(
             (["the look-ahead read row by row in one pass"] if form == "rows" else [])
