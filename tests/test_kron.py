@@ -206,6 +206,20 @@ def test_newton_root_of_factors_of_any_spectrum_against_scipy(p):
         assert max(_largest_entry_growth(f, p) for f in a) > 1.2
 
 
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_newton_root_starts_from_the_scaled_identity(p):
+    """The iteration's start (Guo and Higham's scaling): no iteration gives X₀ = z^(1/p)·I, one gives
+    X₁ = X₀·((p + 1)·I − z·B)/p, with B = A + εI and z = (p + 1)/(2‖B‖_F), in float64."""
+    a, eps = _psd(5, 100.0, seed=12), 1e-3
+    eye = torch.eye(5, dtype=F64)
+    b = a + eps * eye
+    z = (p + 1) / (2 * torch.linalg.matrix_norm(b))
+    x0 = z ** (1.0 / p) * eye
+    torch.testing.assert_close(inverse_root_newton(a, p, eps, max_iters=0), x0, rtol=1e-15, atol=0)
+    x1 = x0 @ ((p + 1) * eye - z * b) / p
+    torch.testing.assert_close(inverse_root_newton(a, p, eps, max_iters=1), x1, rtol=1e-14, atol=1e-15)
+
+
 @pytest.mark.parametrize("dtype, tol", [(F64, 1e-12), (torch.float32, 1e-6)])
 @pytest.mark.parametrize("p", [2, 4])
 def test_newton_root_stops_at_its_documented_default_tolerance(dtype, tol, p):
