@@ -182,11 +182,13 @@ def unchanged_by_step(geometry: Fields, state: dict) -> tuple[str, ...]:
     ``state`` (a bucket's, its step count a host int): the entries :data:`REFRESHED` where that step,
     the count + 1, refreshes nothing; () on a first step (it creates them) and for other geometries.
     A step journals what it may change in place (:mod:`geomopt.optim.engine.atomic`): not these."""
-    keys = REFRESHED.get(geometry.get("method", "")) if geometry.kind == "kronecker" else None
-    count = state.get(f"{geometry['method']}_step") if keys else None
+    if geometry.get("kind") != "kronecker":
+        return ()
+    method = geometry["method"]
+    count = state.get(f"{method}_step")
     if count is None or kron.refresh_due(int(count) + 1, geometry["every"]):
         return ()
-    return keys
+    return REFRESHED[method]
 
 
 def view_problem(view: Fields) -> str | None:
