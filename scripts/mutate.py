@@ -288,9 +288,23 @@ EXPLAINED: dict[str, str] = {
         "the Gram route's orientation for a square matrix, the only case where they differ: the cost model never "
         "takes that route for one (3n³ per inverse-square-root step against 2n³ per cubic step, no fewer steps; "
         "checked near Stiefel, t down to 1e-4·r)",
-    "geomopt/geometry/kron_root.py::inverse_root_newton: 2 -> 3":
-        "the start's scale (p + 1)/(3‖M‖_F) for (p + 1)/(2‖M‖_F): the coupled iteration converges from any scale "
-        "putting M's spectrum in (0, p + 1], to the same root within its tolerance",
+    "geomopt/geometry/kron_root.py::_well_conditioned: -1 -> 1":
+        "shape[1] for shape[−1] of the (b, n, n) stack of square factors: the same n",
+    "geomopt/geometry/kron_root.py::_well_conditioned: 1 -> 2": "shape[−2] for shape[−1] of square factors: the same n",
+    "geomopt/geometry/kron_root.py::inverse_root_eigh: -1 -> 1 #2":
+        "squeeze(1) for squeeze(−1) of nonzero()'s (k, 1) indices: the same (k,)",
+    "geomopt/geometry/kron_root.py::inverse_root_newton: m - eye -> m + eye":
+        "the first growth test against ‖M₀ + I‖_F ≥ ‖M₀ − I‖_F: more lenient, and the first iteration cannot grow "
+        "‖M − I‖_F but by rounding (each eigenvalue moves no farther from 1; its docstring), which it does only where "
+        "M₀ is I to rounding, B a multiple of I, whose X₀ = z^(1/p)·I is the root: one more step moves it by rounding",
+    "geomopt/geometry/kron_root.py::inverse_root_newton: m_new - eye -> -(m_new - eye)":
+        "M − I negated: only its Frobenius norm and largest |entry| are read, the same",
+    "geomopt/geometry/kron_root.py::inverse_root_newton: dist_new <= max_error_ratio * dist -> "
+    "dist_new < max_error_ratio * dist":
+        "the growth test at equality: a boundary of measure zero but where both norms are 0, M_k = I exactly, so "
+        "T_k = I and X_{k+1} = X_k: the same X",
+    "geomopt/geometry/kron_root.py::inverse_root_newton: r_new.abs().amax(dim=(-2, -1)) > tol -> "
+    "r_new.abs().amax(dim=(-2, -1)) >= tol": _ONE_MORE_STEP,
     "geomopt/geometry/view.py::apply: -1 -> 1 #7": "dim 1 for dim −1 of the (n_el, k) flags: the same dim",
     "geomopt/geometry/prox/polar.py::scaled_polar_schedule: 200 -> 201": _ITERATION_CAP,
     "geomopt/geometry/prox/spectral_map.py::_gram_eigh: 4 -> 8 #4":
@@ -356,9 +370,6 @@ EXPLAINED: dict[str, str] = {
         "it for a zero one",
     "geomopt/geometry/prox/spectral_map.py::_gram_eigh: -1 -> 1 #16":
         "dim 1 for dim −1 of the (B, q − 1) tie flags: the same dim",
-    "geomopt/geometry/kron_root.py::inverse_root_newton: 1e-6 -> 0.0":
-        "float32's tolerance 0: each matrix iterates on until its error grows by rounding (or max_iters) and keeps "
-        "the X before, as accurate as at 1e-6, with more iterations",
     "geomopt/geometry/prox/groupwise.py::groupwise_frobenius_ball: a > 0 -> a >= 0":
         "a zero row's scale s/tiny: the ball step never grows a magnitude (s ≤ a = 0), so the same 0",
     "geomopt/geometry/prox/polar.py::_inverse_sqrt: 1 -> 2": "H is square: eye of shape[−2] is eye of shape[−1]",

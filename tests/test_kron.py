@@ -29,6 +29,29 @@ def _psd(n: int, cond: float = 10.0, seed: int = 0, batch: tuple = ()) -> torch.
     return (q * lam) @ q.mT
 
 
+def _random_spectra(count: int, n: int, power: float, seed: int, floor: float = 0.0) -> torch.Tensor:
+    """``count`` symmetric positive definite n × n matrices (float64): random eigenvectors, eigenvalues
+    uᵖᵒʷᵉʳ with u uniform in [0, 1), at least ``floor``: conditions spread over decades, unlike :func:`_psd`'s."""
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(count, n, n, generator=gen, dtype=F64))
+    lam = (torch.rand(count, n, generator=gen, dtype=F64) ** power).clamp_min(floor)
+    return (q * lam.unsqueeze(-2)) @ q.mT
+
+
+def _largest_entry_growth(b: torch.Tensor, p: int) -> float:
+    """The largest ratio max|M_{k+1} − I| / max|M_k − I| (while above 1e-8) of the coupled Newton
+    iteration's M_k = X_k^p·B, M₀ = (p + 1)/(2‖B‖_F)·B, M_{k+1} = (((p + 1)I − M_k)/p)^p·M_k, in float64."""
+    eye = torch.eye(b.shape[-1], dtype=F64)
+    m = b * (p + 1) / (2 * torch.linalg.matrix_norm(b))
+    err, worst = (m - eye).abs().max().item(), 0.0
+    for _ in range(40):
+        m = torch.linalg.matrix_power(((p + 1) * eye - m) / p, p) @ m
+        new = (m - eye).abs().max().item()
+        worst = max(worst, new / err) if err > 1e-8 else worst
+        err = new
+    return worst
+
+
 def _scipy_root(a: torch.Tensor, p: float, eps: float) -> torch.Tensor:
     """(A + εI)^(−1/p) by scipy's Schur-based fractional power (no eigh), float64."""
     m = a.to(F64).numpy() + eps * torch.eye(a.shape[-1], dtype=F64).numpy()
@@ -68,7 +91,7 @@ def test_root_order_and_refresh_schedule():
 
 
 @pytest.mark.parametrize("cond", [10.0, 1e6])
-@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("p", [1, 2, 4])
 def test_eigh_root_against_scipy_and_the_defining_identity(cond, p):
     a, eps = _psd(7, cond, seed=2), 1e-7
     x = inverse_root_eigh(a, p, eps)
@@ -93,26 +116,56 @@ def test_eigh_root_of_float32_is_computed_in_float64_and_clamps_negative_eigenva
     assert torch.isfinite(x).all() and _rel(x, ref) < 1e-10
 
 
-def test_eigh_root_of_float32_takes_float32_where_its_error_is_small_and_float64_elsewhere(monkeypatch):
-    """A stack of float32 factors with κ = 10, 30 and 1e6: the first two are rooted in float32
-    (u₃₂·κ ≤ FLOAT32_ROOT_TOL), within a few u₃₂·κ of the float64 root; the third in float64,
-    within the final rounding; each matrix gets the bits it gets alone."""
-    conds = (10.0, 30.0, 1e6)
-    a = torch.stack([_psd(40, c, seed=9 + i) for i, c in enumerate(conds)]).float()
-    calls = []
+def _spy_eigh(monkeypatch) -> list:
+    """torch.linalg.eigh recorded: the (dtype, number of matrices) of each call."""
+    calls: list = []
     eigh = torch.linalg.eigh
     monkeypatch.setattr(torch.linalg, "eigh", lambda x: calls.append((x.dtype, x.shape[0])) or eigh(x))
-    x = inverse_root_eigh(a, 4, 1e-9)
+    return calls
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 1e3])
+def test_eigh_root_of_float32_takes_float32_where_its_error_is_small_and_float64_elsewhere(monkeypatch, scale):
+    """A stack of float32 factors with κ = 10, 30 and 1e6: the first two are rooted in float32
+    (u₃₂·κ ≤ FLOAT32_ROOT_TOL), within a few u₃₂·κ of the float64 root; the third in float64,
+    within the final rounding; each matrix gets the bits it gets alone. The factors (and ε) scaled by
+    1e-3 or 1e3 take the same routes: the choice reads κ, a ratio of eigenvalues, not their size."""
+    conds = (10.0, 30.0, 1e6)
+    a = (scale * torch.stack([_psd(40, c, seed=9 + i) for i, c in enumerate(conds)])).float()
+    eps = 1e-9 * scale
+    calls = _spy_eigh(monkeypatch)
+    x = inverse_root_eigh(a, 4, eps)
     assert calls == [(torch.float32, 2), (F64, 1)]
     for i, c in enumerate(conds):
-        ref = _scipy_root(a[i].double(), 4, 1e-9)
+        ref = _scipy_root(a[i].double(), 4, eps)
         err = _rel(x[i], ref)
         assert err < (4 * 2.0**-24 * c if c < 1e3 else 2e-7), (c, err)
-        assert torch.equal(inverse_root_eigh(a[i], 4, 1e-9), x[i])
-    assert _rel(x[1], _scipy_root(a[1].double(), 4, 1e-9)) > 2e-7  # float32's error, not the final rounding's
+        assert torch.equal(inverse_root_eigh(a[i], 4, eps), x[i])
+    assert _rel(x[1], _scipy_root(a[1].double(), 4, eps)) > 2e-7  # float32's error, not the final rounding's
     # the damping counts: with ε = 0.05 the third factor's κ is about 20, and float32 takes it
     calls.clear()
-    inverse_root_eigh(a[2], 4, 0.05)
+    inverse_root_eigh(a[2], 4, 0.05 * scale)
+    assert calls == [(torch.float32, 1)]
+
+
+def test_the_eigenvalues_check_the_float32_route_after_the_precheck(monkeypatch):
+    """With the Cholesky precheck passing every factor, the float32 eigenvalues alone choose the
+    route: u₃₂·κ = tol/2 stays in float32, u₃₂·κ = 2·tol goes to float64 (6 × 6, eigenvalues
+    log-spaced, so no pair of them but the extremes has the ratio κ), and u₃₂·κ = tol exactly (a
+    2 × 2 diagonal factor, whose float32 eigenvalues are exact) stays in float32, the bound included."""
+    from geomopt.geometry import kron_root
+    monkeypatch.setattr(kron_root, "_well_conditioned", lambda a3, eps: torch.ones(a3.shape[0], dtype=torch.bool))
+    at_tol = kron_root.FLOAT32_ROOT_TOL / 2.0**-24
+    a = torch.stack([_psd(6, at_tol / 2, seed=30), _psd(6, 2 * at_tol, seed=31)]).float()
+    calls = _spy_eigh(monkeypatch)
+    x = inverse_root_eigh(a, 2)
+    assert calls == [(torch.float32, 2), (F64, 1)]
+    assert 2e-7 < _rel(x[0], _scipy_root(a[0].double(), 2, 0.0)) < 4 * 2.0**-24 * at_tol / 2
+    assert _rel(x[1], _scipy_root(a[1].double(), 2, 0.0)) < 2e-7
+    calls.clear()
+    edge = torch.diag(torch.tensor([torch.tensor(kron_root.FLOAT32_ROOT_TOL).float().item() * 2.0**24, 1.0]))
+    assert 2.0**-24 * edge[0, 0].item() == torch.tensor(kron_root.FLOAT32_ROOT_TOL).float().item()
+    inverse_root_eigh(edge, 2)
     assert calls == [(torch.float32, 1)]
 
 
@@ -138,9 +191,54 @@ def test_newton_root_converges_to_the_eigh_root(cond, p):
     assert x32.dtype == torch.float32 and _rel(x32, ref) < (1e-6 if cond < 1e3 else 5e-3)
 
 
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_newton_root_of_factors_of_any_spectrum_against_scipy(p):
+    """60 factors 5 × 5 of random spectra (κ up to 1e6): every root within 1e-9 of scipy's, p = 1
+    (the inverse) and p = 8 (M₀'s error above 1) included. For p = 3 and 4 some of them have the
+    largest entry of M_k − I grow by more than max_error_ratio while the iteration converges: only
+    the Frobenius norm, which cannot grow but by rounding, may stop it (the largest entry did: roots
+    off by 98%)."""
+    a = _random_spectra(60, 5, 4.0, seed=0, floor=1e-6)
+    x = inverse_root_newton(a, p)
+    for i in range(a.shape[0]):
+        assert _rel(x[i], _scipy_root(a[i], p, 0.0)) < 1e-9, i
+    if p in (3, 4):
+        assert max(_largest_entry_growth(f, p) for f in a) > 1.2
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_newton_root_starts_from_the_scaled_identity(p):
+    """The iteration's start (Guo and Higham's scaling): no iteration gives X₀ = z^(1/p)·I, one gives
+    X₁ = X₀·((p + 1)·I − z·B)/p, with B = A + εI and z = (p + 1)/(2‖B‖_F), in float64."""
+    a, eps = _psd(5, 100.0, seed=12), 1e-3
+    eye = torch.eye(5, dtype=F64)
+    b = a + eps * eye
+    z = (p + 1) / (2 * torch.linalg.matrix_norm(b))
+    x0 = z ** (1.0 / p) * eye
+    torch.testing.assert_close(inverse_root_newton(a, p, eps, max_iters=0), x0, rtol=1e-15, atol=0)
+    x1 = x0 @ ((p + 1) * eye - z * b) / p
+    torch.testing.assert_close(inverse_root_newton(a, p, eps, max_iters=1), x1, rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.parametrize("dtype, tol", [(F64, 1e-12), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("p", [2, 4])
+def test_newton_root_stops_at_its_documented_default_tolerance(dtype, tol, p):
+    """``tol`` defaults to 1e-12 in float64 and 1e-6 in float32: the default gives the bits of that
+    tolerance given explicitly, and among 256 factors of random spectra some stop at a different
+    iteration with twice the tolerance (their error lands in between), so the default decides bits."""
+    a = _random_spectra(256, 3, 3.0, seed=1).to(dtype)
+    got = inverse_root_newton(a, p)
+    assert torch.equal(got, inverse_root_newton(a, p, tol=tol))
+    assert not torch.equal(got, inverse_root_newton(a, p, tol=2 * tol))
+
+
 def test_roots_refuse_bad_orders_and_shapes():
     with pytest.raises(ValueError, match="positive integer"):
         inverse_root_newton(torch.eye(3), 2.5)
+    with pytest.raises(ValueError, match="positive integer"):
+        inverse_root_newton(torch.eye(3), 0)
+    with pytest.raises(ValueError, match="square"):
+        inverse_root_eigh(torch.ones(4, 2, 3), 2)
     with pytest.raises(ValueError, match="positive"):
         inverse_root_eigh(torch.eye(3), 0)
     with pytest.raises(ValueError, match="square"):

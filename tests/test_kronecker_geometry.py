@@ -6,6 +6,8 @@ under a low state precision, and is refused, with why, where it cannot run."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pydantic
 import pytest
 import pytorch_optimizer
@@ -328,3 +330,70 @@ def test_a_view_it_cannot_read_is_refused_at_its_path():
     conv = nn.Conv2d(2, 3, 3, bias=False)
     with pytest.raises(SpecError, match="reads views with trailing: cols only"):
         geomopt.GeomOptimizer(conv, _spec(view={"kind": "matrix", "trailing": "batch"}), lr=0.01)
+
+
+@pytest.mark.parametrize("name", ["shampoo", "scalable-shampoo", "soap", "psgd-kron"])
+@pytest.mark.filterwarnings("ignore::geomopt.RolesGuessedWarning")
+def test_the_catalogues_kronecker_specs_give_each_expert_its_own_factors(name):
+    """The catalogue's kronecker specs on a mixture of experts (4 batched experts (4, 16, 8) and
+    (4, 8, 16)): rule experts reads each expert as its own matrix (view: auto), so lint has no GO117;
+    a hidden matrix is one matrix; after a step each expert has its own 16 × 16 and 8 × 8 factors
+    (without the view: one pair of 4 × 4 and 128 × 128 for all four)."""
+    from geomopt.compile.compiler import model_params
+    from geomopt.lint import lint_spec
+    from lint_fixtures.models import MoE
+
+    torch.manual_seed(0)
+    model = MoE()
+    spec = geomopt.load_spec(Path(__file__).resolve().parents[1] / "specs" / "catalog" / f"{name}.yaml")
+    opt = geomopt.GeomOptimizer(model, spec)
+    experts = [p for p in opt.plan if p.role == "expert"]
+    assert sorted(p.name for p in experts) == ["block.experts.w_in", "block.experts.w_out"]
+    assert all(p.rule == "experts" and p.geometry.view.batch == 1 for p in experts)
+    assert [p.geometry.view for p in opt.plan if p.name == "block.proj.weight"] == [None]
+    assert not [d for d in lint_spec(spec, model_params(model)[0]) if d.code == "GO117"]
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    method = spec.rules[0].geometry.method
+    state = opt.state[model.block.experts.w_in]
+    assert state[f"{method}_left"].shape == (4, 16, 16) and state[f"{method}_right"].shape == (4, 8, 8)
+
+
+@pytest.mark.parametrize("method", ["shampoo", "soap", "psgd"])
+def test_a_step_journals_the_refreshed_state_only_when_it_changes_it(method, monkeypatch):
+    """Shampoo's roots, SOAP's bases and PSGD's factors change only on the steps that refresh them
+    (every 2 here): a step journals them (copies them to restore if it fails) on exactly the steps
+    that change them, and a fault at any request of a step of either kind leaves every tensor as
+    before the step or as one clean step leaves it, a retry completing it (test_atomic_step's check)."""
+    from geomopt.geometry.learned import REFRESHED
+    from geomopt.optim.engine import bucket_step
+    from test_atomic_step import build, check_every_fault, grads_of
+
+    spec = {"geomopt": 1, "name": "k", "rules": [
+        {"name": "hidden", "match": {"role": "hidden"}, "geometry": {"kind": "kronecker", "method": method, "every": 2}},
+        {"name": "rest", "match": "**", "geometry": {"kind": "adam"}}]}
+    model, opt = build(spec)
+    grads = [grads_of(model, k) for k in range(5)]
+    journaled: list = []
+    original = bucket_step.journal
+    monkeypatch.setattr(bucket_step, "journal", lambda ts: original(journaled.extend(ts) or journaled[-len(ts):]))
+    hidden = opt.param_groups[0]["params"]
+    seen = set()
+    for k, g in enumerate(grads):
+        for name, p in model.named_parameters():
+            p.grad = g[name].clone()
+        before = {key: opt.state[hidden[0]].get(key, torch.empty(0)).clone() for key in REFRESHED[method]}
+        journaled.clear()
+        opt.step()
+        storages = {t.untyped_storage().data_ptr() for t in journaled}
+        for key in REFRESHED[method]:
+            entry = opt.state[hidden[0]][key]
+            changed = k > 0 and not torch.equal(entry, before[key])
+            assert (entry.untyped_storage().data_ptr() in storages) == changed, (k, key)
+            seen.add(changed)
+    assert seen == {True, False}
+    monkeypatch.setattr(bucket_step, "journal", original)
+    model, opt = build(spec)
+    for steps in (3, 4):  # a step that refreshes nothing (3: Shampoo, PSGD) and one that refreshes
+        check_every_fault(opt, grads[:steps])

@@ -118,3 +118,22 @@ def test_geomopt_rule_explains_language_codes_and_lists_everything(capsys):
     for line in lines:
         code, name, severity, *summary = line.split()
         assert summary and (code in LANGUAGE_CODES or (RULES[code].name, RULES[code].severity) == (name, severity))
+
+
+@pytest.mark.parametrize("method", ["shampoo", "soap", "psgd"])
+def test_batched_experts_under_every_kronecker_method_are_one_matrix_until_view_auto(method):
+    """GO117 for each kronecker method (its fixtures show Shampoo): the 4 experts (4, 16, 8) and
+    (4, 8, 16) without a view share one pair of factors of the flattened 4 × 128; ``view: auto`` gives
+    each expert its own, and the warning goes."""
+    from test_lint_fixtures import target_params
+
+    params, _ = target_params("moe")
+    geometry = f"{{kind: kronecker, method: {method}"
+    text = (HEAD + "  - {name: io, match: {role: [head, router]}, geometry: {kind: adam}}\n"
+            f"  - {{name: hidden, match: {{role: [hidden, expert]}}, geometry: {geometry}}}}}\n"
+            "  - {name: rest, match: \"**\", geometry: {kind: adam}}\n")
+    found = [d for d in lint_spec(geomopt.parse_spec(text, "yaml", file="t.yaml"), params) if d.code == "GO117"]
+    assert sorted(d.message.split("'")[3] for d in found) == ["block.experts.w_in", "block.experts.w_out"]
+    assert all("one pair of Kronecker factors of the flattened 4 × 128" in d.message for d in found)
+    fixed = text.replace(geometry, geometry + ", view: auto")
+    assert not [d for d in lint_spec(geomopt.parse_spec(fixed, "yaml", file="t.yaml"), params) if d.code == "GO117"]

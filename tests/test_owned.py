@@ -17,7 +17,7 @@ from geomopt.compile.fragments import ResolvedGeometry
 from geomopt.distributed.executors import ReplicatedExecutor, Request, matrix_cost
 from geomopt.geometry.learned import kronecker
 from geomopt.optim.engine.owned import owned_forward, owners
-from geomopt.optim.units.state_keys import geometry_state, owner_state
+from geomopt.optim.units.state_keys import COUNTS, geometry_state, owner_state
 from geomopt.registry import LOCAL, OWNER
 
 F64 = torch.float64
@@ -133,3 +133,45 @@ def test_an_owner_stores_bf16_factors_as_one_process_does():
                 assert torch.equal(got, whole[key][r]), (key, r)
             elif isinstance(whole[key], torch.Tensor):
                 assert got.dtype == torch.float32 and torch.equal(got, whole[key][r].reshape(got.shape)), key
+
+
+def test_rows_of_reads_the_rows_of_one_buffer_in_place_and_stacks_anything_else():
+    from geomopt.optim.engine.owned import rows_of
+
+    buf = torch.randn(4, 3, 3, generator=torch.Generator().manual_seed(2))
+    rows = list(buf.unbind(0))
+    got = rows_of(rows)
+    assert torch.equal(got, buf) and got.data_ptr() == buf.data_ptr()  # a view: the step writes the entries
+    for entries in (rows[::-1], rows[1:3:2] + rows[:1], [r.clone() for r in rows], [r.mT for r in rows]):
+        got = rows_of(entries)
+        assert torch.equal(got, torch.stack(entries)) and got.data_ptr() != buf.data_ptr()
+    assert rows_of(rows[1:3]).data_ptr() == rows[1].data_ptr()  # consecutive rows of it: still a view
+
+
+@pytest.mark.parametrize("method", sorted(GEOMETRIES))
+def test_an_owner_steps_its_rows_state_where_it_lies_without_a_copy(method, monkeypatch):
+    """The rows an owner stepped together are views of one buffer after the step, and the next step
+    of the same rows writes that buffer (the state's storage stays), with the bits of an owner that
+    stacks a copy of the state every step."""
+    from geomopt.optim.engine import owned
+
+    geometry = GEOMETRIES[method]
+    grads = torch.randn(3, 3, 5, 6, generator=torch.Generator().manual_seed(3), dtype=F64)
+    keys = geometry_state(geometry)
+    runs = []
+    for rows_of in (owned.rows_of, torch.stack):
+        monkeypatch.setattr(owned, "rows_of", rows_of)
+        params = [torch.zeros(5, 6) for _ in range(3)]
+        state_of: dict = {p: {} for p in params}
+        fn = owned_forward(state_of, [(p, None) for p in params], geometry, keys, radius=0.5)
+        outs, where = [], []
+        for step in range(3):
+            outs.append(fn(grads[step], [0, 1, 2])[0])
+            where.append({k: state_of[params[0]][k].untyped_storage().data_ptr() for k in keys
+                          if k not in COUNTS and state_of[params[0]][k].numel()})
+        runs.append((outs, [state_of[p] for p in params], where))
+    (outs, states, where), (copied_outs, copied_states, copied_where) = runs
+    assert all(torch.equal(a, b) for a, b in zip(outs, copied_outs))
+    for mine, theirs in zip(states, copied_states):
+        assert all(k in COUNTS or torch.equal(mine[k], theirs[k]) for k in keys)
+    assert where[1] == where[2] and copied_where[1] != copied_where[2]

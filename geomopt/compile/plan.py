@@ -16,6 +16,7 @@ from typing import Optional
 from geomopt.compile.fragments import ResolvedGeometry, plain
 from geomopt.spec.constraints import Constraint
 from geomopt.spec.updates import Direction, MaxLogitClip, PostStage, Schedule
+from geomopt.support import MATRIX_GEOMETRIES
 
 @dataclasses.dataclass(frozen=True)
 class ParamPlan:
@@ -157,7 +158,7 @@ class Plan:
 def view_text(p: ParamPlan) -> str:
     """The matrices the operators see: "4 × 256×64" (experts), "3 × 64×64" (fused blocks),
     "64×576" (a conv kernel as one matrix); "-" for geometries that read no matrix."""
-    if p.geometry.kind not in ("spectral", "rowwise", "columnwise", "anisotropic") or len(p.shape) < 2:
+    if p.geometry.kind not in (*MATRIX_GEOMETRIES, "anisotropic") or len(p.shape) < 2:
         return "-"
     from geomopt.geometry.view import describe  # geomopt.geometry loads torch: off the lint path
 

@@ -9,6 +9,8 @@ a checkpoint.
 
 from __future__ import annotations
 
+import math
+
 from geomopt.compile.match import any_name, describe, glob_regex, shape_text
 from geomopt.compile.resolve import op_layout, resolve_view
 from geomopt.lint.context import LintContext, lint_rule
@@ -124,13 +126,15 @@ def merged_matrices(ctx: LintContext):
     """A matrix geometry whose view merges matrices the model keeps separate.
 
     Batched expert weights (E, out, in) read as one E × out·in matrix orthogonalize the experts together: each
-    expert's slice then has singular values far from 1.
+    expert's slice then has singular values far from 1. Under the kronecker geometry (Shampoo, SOAP, PSGD-Kron)
+    the experts share one pair of factors, E × E and out·in × out·in, of the flattened shape, not each expert its
+    own out × out and in × in.
 
     Bad: ``geometry: {kind: spectral, …}`` (no view) on Mixtral's ``experts.gate_up_proj``.
     Fixed: ``view: auto`` (or ``view: {kind: matrix, batch: 1}``).
     """
     for i, rule in enumerate(ctx.spec.rules):
-        if rule.geometry.kind not in ("spectral", "rowwise", "columnwise"):
+        if rule.geometry.kind not in MATRIX_GEOMETRIES:
             continue
         geometry = rule.geometry
         for p in ctx.owned(i):
@@ -145,8 +149,11 @@ def merged_matrices(ctx: LintContext):
             except ValueError:
                 continue  # GO104's finding
             if view is None or view["batch"] < structure["batch"]:
-                yield (f"rule '{rule.name}' reads '{p.name}' ({shape_text(p)}) as one matrix, but it holds "
-                       f"{p.shape[0]} experts ({p.role.evidence}); add view: auto"), ("rules", i, "geometry", "kind")
+                shared = (f", one pair of Kronecker factors of the flattened {op_shape[0]} × "
+                          f"{math.prod(op_shape[1:])} for all of them" if rule.geometry.kind == "kronecker" else "")
+                message = (f"rule '{rule.name}' reads '{p.name}' ({shape_text(p)}) as one matrix, but it holds "
+                           f"{p.shape[0]} experts ({p.role.evidence}){shared}; add view: auto")
+                yield message, ("rules", i, "geometry", "kind")
 
 
 @lint_rule("GO118", "guessed-roles", "note", needs_model=True)

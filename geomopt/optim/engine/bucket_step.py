@@ -18,6 +18,7 @@ from geomopt.distributed.layout import whole_matrices
 from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.prox import backward
 from geomopt.geometry.forward import forward, input_dtype
+from geomopt.geometry.learned import unchanged_by_step
 from geomopt.geometry.operators import backward_locality, forward_locality
 from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
@@ -136,7 +137,9 @@ class BucketJob:
         self.fresh: Optional[list] = [] if prog.journal else None  # updates put off until the commit
         forward_state = geometry_state(pp.geometry)  # adam's moments, a kronecker method's factors
         if prog.journal:  # the forward op's state, updated in place (d and the stages' state: fresh)
-            kept = tuple(k for k in forward_state if k not in COUNTS)
+            # (not a kronecker step's roots, bases or PSGD factors between refreshes: it leaves them)
+            unchanged = (*COUNTS, *unchanged_by_step(pp.geometry, state))
+            kept = tuple(k for k in forward_state if k not in unchanged)
             self.saved.extend(journal(rt.stacked.live(items, state, kept)))
         self.commit = None
         lookahead = lambda shared: lambda shape, like: _lookahead(prog, rt, items, shape, like, shared)  # noqa: E731

@@ -9,8 +9,9 @@ state a rank keeps is the state of the matrices it computes at every step, and a
 a mesh resumes on it. The entries are plain tensors laid out as the operators see the whole tensor,
 in the owner's per-parameter state only (the factors in the rule's factor precision); the other
 ranks keep none of them. A bucket's owned rows
-are stacked for the op and split back into per-tensor entries after it (rows whose step counts
-differ, tensors that missed steps, step apart)."""
+are stacked for the op and split back into per-tensor entries after it, views of its rows, so the
+next step reads that stack again instead of copying the state (rows whose step counts differ,
+tensors that missed steps, step apart)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,20 @@ def owners(items: list, world: int) -> dict:
     tensor of the optimizer whose state is owned): longest first onto the least loaded rank."""
     costs = [matrix_cost(tuple(pp.op_shape), pp.matrix_cost) for _, pp in items]
     return {id(p): rank for (p, _), rank in zip(items, assign(costs, world))}
+
+
+def rows_of(entries: list) -> torch.Tensor:
+    """The entries (one per matrix, each of one shape) as one stack (n, …): where they are the rows,
+    in order, of one buffer (what the last step bound them to), a view of that buffer, so a step
+    copies none of its state; else a new stack (:func:`torch.stack`). Either way the same values."""
+    first = entries[0]
+    n, size = len(entries), first.numel()
+    offsets = [e.storage_offset() for e in entries]
+    if (size and all(e.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and e.shape == first.shape
+                     and e.stride() == first.stride() and e.dtype == first.dtype for e in entries)
+            and first.is_contiguous() and offsets == [offsets[0] + i * size for i in range(n)]):
+        return first.as_strided((n, *first.shape), (size, *first.stride()), offsets[0])
+    return torch.stack(entries)
 
 
 def owned_forward(state_of, items: list, geometry, keys: tuple, radius: float = 1.0, out_dtype=None,
@@ -49,7 +64,7 @@ def owned_forward(state_of, items: list, geometry, keys: tuple, radius: float = 
         out = None
         for ks in by_count.values():
             entries = [state_of[items[rows[k]][0]] for k in ks]
-            state = Codec.decode({key: int(entries[0][key]) if key in COUNTS else torch.stack([e[key] for e in entries])
+            state = Codec.decode({key: int(entries[0][key]) if key in COUNTS else rows_of([e[key] for e in entries])
                                   for key in keys if key in entries[0]})
             whole = len(ks) == len(rows)
             idx = torch.tensor(ks, device=m.device)
