@@ -109,6 +109,81 @@ def held_storages(root, exclude: set[int]) -> dict[int, tuple[int, str]]:
     return out
 
 
+class PeakTally:
+    """The rise of live tensor bytes over a piece of code, at its peak: a ``TorchDispatchMode`` sees
+    every aten op's outputs; a storage that is none of the op's inputs' (not an in-place, ``out=`` or
+    view op's) is new, counted from that op until it is freed (a finalizer on its storage), and a
+    storage of ``held`` (tensors alive at the start: the optimizer's state) that is freed on the way
+    (a state replaced by a new one) is subtracted from then on. Deterministic, unlike the resident
+    set, which moves with the allocator's reuse of freed pages; blind to what a kernel allocates
+    and frees inside itself, and to memory that is not a tensor's.
+
+        with PeakTally(held=state_tensors) as tally:
+            opt.step()
+        tally.peak  # bytes: the largest rise, after any op
+    """
+
+    def __init__(self, held=()):
+        self.live = self.peak = 0
+        self.held = list(held)
+        self._mode = None
+
+    def __enter__(self):
+        import weakref
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        tally = self
+        tracked: dict = {}
+
+        def freed(ptr: int, nbytes: int) -> None:
+            tracked.pop(ptr, None)
+            seen.discard(ptr)  # its address may be a new storage's now
+            tally.live -= nbytes
+
+        seen: set = set()
+        for t in self.held:
+            s = t.untyped_storage()
+            if s.data_ptr() and s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                weakref.finalize(s, freed, s.data_ptr(), s.nbytes())
+        self.held = []  # no reference of the tally's keeps them alive
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+                for t in tree_leaves(out):
+                    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                        continue
+                    s = t.untyped_storage()
+                    ptr, nbytes = s.data_ptr(), s.nbytes()
+                    if not nbytes or ptr in inputs or ptr in tracked or ptr in seen:
+                        continue
+                    tracked[ptr] = nbytes
+                    tally.live += nbytes
+                    weakref.finalize(s, freed, ptr, nbytes)
+                tally.peak = max(tally.peak, tally.live)
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+def state_tensors(opt) -> list:
+    """The tensors of an optimizer's ``state`` (torch's per-parameter dicts)."""
+    import torch
+
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
 def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
     """torch.optim.Muon's quintic Newton–Schulz, in float32 (torch's runs in bfloat16, which this
     CPU only emulates, ~100× slower); the held state is the same either way."""
