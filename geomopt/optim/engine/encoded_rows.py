@@ -5,8 +5,8 @@ Decoding the bucket's momentum whole would hold a float32 copy of it through the
 (Newton–Schulz's iterates and the look-ahead are alive then too), and the new encoding beside it
 at the commit: the step's peak would exceed the float32 state's by the momentum's float32 bytes.
 Here the forward op's input u is formed group by group (:func:`~geomopt.optim.persist.state_codec.row_groups`:
-at most the codec's CHUNK entries, or one matrix), each group's d decoded into a scratch of its
-own size; at the commit each group is decoded again, d⁺ = d.lerp(g, α) formed in that scratch
+at most the codec's CHUNK entries, or one matrix), each group's d decoded into one float32 scratch of a group's
+size (the largest group's, reused); at the commit each group is decoded again, d⁺ = d.lerp(g, α) formed in that scratch
 and encoded into new stored entries, which the bucket binds. The forward op stays batched over
 the whole stack. Every op is the one :func:`~geomopt.optim.units.directions.polyak_rows` runs,
 elementwise, on the same values, and the codec's blocks and rounding bits are per entry, so the
@@ -51,11 +51,16 @@ class EncodedMomentum:
             return None
         return {k: state.pop(k) for k in (KEY, KEY + SCALE, KEY + CORRECTION) if k in state}
 
-    def decoded(self, i: int, j: int) -> torch.Tensor:
-        """The float32 values of rows [i, j) of d (a new tensor of their size)."""
-        out = torch.empty((j - i) * self.row, dtype=torch.float32, device=self.stored[KEY].device)
-        decode_range(self.stored, KEY, i * self.row, out)
-        return out.view(j - i, *self.shape[1:])
+    def groups(self):
+        """(i, j, the float32 values of rows [i, j) of d) for each group of rows in turn, decoded
+        into one scratch of the largest group's size (each group's values are gone at the next)."""
+        groups = row_groups(self.shape[0], self.row)
+        scratch = torch.empty(max(j - i for i, j in groups) * self.row, dtype=torch.float32,
+                              device=self.stored[KEY].device)
+        for i, j in groups:
+            out = scratch[:(j - i) * self.row]
+            decode_range(self.stored, KEY, i * self.row, out)
+            yield i, j, out.view(j - i, *self.shape[1:])
 
     def direction(self, state: dict, lookahead: Callable, lookahead_rows: Optional[Callable]) -> torch.Tensor:
         """The forward op's input, as :func:`~geomopt.optim.units.directions.polyak_rows` forms it
@@ -65,16 +70,14 @@ class EncodedMomentum:
         alpha, gs = self.alpha, self.gs
         if not self.nesterov:
             new = state[KEY] = torch.empty(self.shape, dtype=torch.float32, device=self.stored[KEY].device)
-            for i, j in row_groups(self.shape[0], self.row):
-                d = self.decoded(i, j)
+            for i, j, d in self.groups():
                 for r in range(j - i):
                     polyak_lerp(d[r], gs[i + r], alpha, out=new[i + r])
             return new
         like = torch.empty((), dtype=torch.float32, device=self.stored[KEY].device)
         u = lookahead(self.shape, like)
         self.in_place = u.dtype == torch.float32
-        for i, j in row_groups(self.shape[0], self.row):
-            d = self.decoded(i, j)
+        for i, j, d in self.groups():
             if self.in_place:
                 (lookahead_rows or polyak_lookahead_rows)(u[i:j], d, gs[i:j], alpha)
                 continue
@@ -90,8 +93,7 @@ class EncodedMomentum:
         if not self.nesterov:
             return {}
         stored = self.codec.empty(KEY, self.shape[0] * self.row, self.stored[KEY].device)
-        for i, j in row_groups(self.shape[0], self.row):
-            d = self.decoded(i, j)
+        for i, j, d in self.groups():
             if self.in_place:
                 polyak_lerp(list(d.unbind(0)), self.gs[i:j], self.alpha)
             else:
