@@ -21,7 +21,12 @@ without → ``SGD()``, each with the rule's lr, weight
 decay, betas. ``--state``: geomopt's rows again with the spec's state kept in bfloat16, int8 or int8-ec
 (``defaults: {state: …}``; torch's side is float32 as ever). Every (spec, width, optimizer) runs
 in its own subprocess; "peak RSS Δ" is the largest rise of the process's resident set during one
-``step()`` over its RSS just before (peak reset per step through /proc/self/clear_refs).
+``step()`` over its RSS just before (peak reset per step through /proc/self/clear_refs), over
+the 3 steps, the first (state created) included: it moves by tens of MiB between runs of the same
+row with the allocator's reuse of freed pages. "Step peak Δ, tally" is deterministic: one steady
+step more (the state exists) under :class:`PeakTally`, the largest rise of live tensor bytes over
+the step (new storages while they live, less the state it frees); "÷ float32 state's" divides it
+by the same spec's float32 row.
 """
 
 from __future__ import annotations
@@ -303,9 +308,13 @@ def worker(job: dict) -> dict:
         for opt in opts:
             opt.step()
         deltas.append(peak_rss() - before)
-        if _ < job["steps"] - 1:
-            for opt in opts:
-                opt.zero_grad()
+        for opt in opts:
+            opt.zero_grad()
+    # one step more under the dispatch tally (steady state: the state exists): its peak of live bytes
+    model(tokens, labels=tokens).loss.backward()
+    with PeakTally(held=[t for opt in opts for t in state_tensors(opt)]) as tally:
+        for opt in opts:
+            opt.step()
     exclude = {p.untyped_storage().data_ptr() for p in params}
     exclude |= {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
     held = held_storages(opts, exclude)
@@ -314,7 +323,7 @@ def worker(job: dict) -> dict:
         by_label[name] = by_label.get(name, 0) + nbytes
     workspace = sum(b for b, name in held.values() if name.startswith("workspace"))
     return {"held": sum(b for b, _ in held.values()), "workspace": workspace, "largest_bucket": max(buckets.values()),
-            "param_bytes": param_bytes, "rss_delta": max(deltas),
+            "param_bytes": param_bytes, "rss_delta": max(deltas), "tally_peak": tally.peak,
             "rss_exact": exact, "by_label": by_label,
             "optimizers": [type(o).__name__ + ("(fused)" if o.defaults.get("fused") else "") for o in opts]}
 
@@ -329,6 +338,13 @@ def run_job(job: dict) -> dict:
     if proc.returncode or not lines:
         raise RuntimeError(f"worker {job} failed:\n{proc.stdout}\n{proc.stderr}")
     return json.loads(lines[-1][len("MEMORY "):])
+
+
+def _over(peak: int, base) -> str:
+    """``peak`` ÷ the float32 state's ``base`` ("—" without a float32 row; "+N B" over a base of 0)."""
+    if base is None:
+        return "—"
+    return f"{peak / base:.3f}" if base else ("1.000" if not peak else f"+{peak / MiB:.2f} MiB")
 
 
 def breakdown(by_label: dict[str, int]) -> str:
@@ -362,8 +378,9 @@ def main(argv=None) -> int:
                  f"{torch.__version__} — {datetime.date.today().isoformat()}", "",
                  "| spec | state | geomopt state (MiB) | torch state (MiB) | state ratio | geomopt workspace (MiB) "
                  "| largest bucket (MiB) | held / param bytes (geomopt) | held / param bytes (torch) "
-                 "| peak RSS Δ in step (geomopt, MiB) | peak RSS Δ in step (torch, MiB) |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "| peak RSS Δ in step (geomopt, MiB) | peak RSS Δ in step (torch, MiB) "
+                 "| step peak Δ, tally (geomopt, MiB) | ÷ float32 state's | step peak Δ, tally (torch, MiB) |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         notes = []
         base = {"width": width, "vocab": vocab, "seq": seq, "batch": batch, "steps": args.steps}
         jobs = [dict(base, spec=spec, side=side, state=state) for spec in args.specs
@@ -373,13 +390,15 @@ def main(argv=None) -> int:
         per = 1 + len(args.state)
         rows = [(job["spec"], job["state"], g, results[i - i % per]) for i, (job, g) in enumerate(zip(jobs, results))
                 if job["side"] == "geomopt"]
+        base = {spec: g["tally_peak"] for spec, precision, g, _ in rows if precision == "float32"}
         for spec, precision, g, t in rows:
             pb = g["param_bytes"]
+            tally = f"{g['tally_peak'] / MiB:.2f} | {_over(g['tally_peak'], base.get(spec))}"
             state = g["held"] - g["workspace"]
             if "no_reference" in t:
                 lines.append(f"| {spec}.yaml | {precision} | {state / MiB:.2f} | — | — | {g['workspace'] / MiB:.2f} | "
                              f"{g['largest_bucket'] / MiB:.2f} | {g['held'] / pb:.3f} | — | "
-                             f"{g['rss_delta'] / MiB:.1f} | — |")
+                             f"{g['rss_delta'] / MiB:.1f} | — | {tally} | — |")
                 notes.append(f"- {spec}.yaml ({precision}) — geomopt: {breakdown(g['by_label'])}; torch: "
                              f"{t['no_reference']}")
                 continue
@@ -387,7 +406,8 @@ def main(argv=None) -> int:
             ratio = f"{state / t['held']:.3f}" if t["held"] else ("1.000" if not state else f"+{state} B")
             lines.append(f"| {spec}.yaml | {precision} | {state / MiB:.2f} | {t['held'] / MiB:.2f} | {ratio} | "
                          f"{g['workspace'] / MiB:.2f} | {g['largest_bucket'] / MiB:.2f} | {g['held'] / pb:.3f} | "
-                         f"{t['held'] / pb:.3f} | {g['rss_delta'] / MiB:.1f} | {t['rss_delta'] / MiB:.1f} |")
+                         f"{t['held'] / pb:.3f} | {g['rss_delta'] / MiB:.1f} | {t['rss_delta'] / MiB:.1f} | "
+                         f"{tally} | {t['tally_peak'] / MiB:.2f} |")
             notes.append(f"- {spec}.yaml ({precision}) — geomopt: {breakdown(g['by_label'])}; torch "
                          f"({' + '.join(t['optimizers'])}): {breakdown(t['by_label'])}")
         exact = ("" if all(r.get("rss_exact", True) for r in results)
