@@ -341,10 +341,12 @@ def run_job(job: dict) -> dict:
 
 
 def _over(peak: int, base) -> str:
-    """``peak`` ÷ the float32 state's ``base`` ("—" without a float32 row; "+N B" over a base of 0)."""
+    """``peak`` ÷ the float32 state's ``base`` ("—" without a float32 row; the MiB over a base under 1 KiB)."""
     if base is None:
         return "—"
-    return f"{peak / base:.3f}" if base else ("1.000" if not peak else f"+{peak / MiB:.2f} MiB")
+    if base < 2 ** 10:  # a step that allocates nothing but scalars (torch's fused AdamW over float32 state)
+        return f"+{(peak - base) / MiB:.2f} MiB"
+    return f"{peak / base:.3f}"
 
 
 def breakdown(by_label: dict[str, int]) -> str:

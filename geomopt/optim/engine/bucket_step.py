@@ -103,10 +103,7 @@ class BucketJob:
         # float32 working copies of state kept in another precision (the rule's, or a checkpoint's);
         # the stored state changes at the commit
         self.codec = codec(rt, items, pp, group["step"])
-        # an encoded Polyak momentum: decoded group by group, never whole (optim.engine.encoded_rows)
-        stored = EncodedMomentum.take(prog.direction_form, self.codec, state, self.g, self.ok)
-        self.momentum = None if stored is None else EncodedMomentum(self.codec, stored, self.g, hyper["alpha"],
-                                                                    hyper["nesterov"])
+        self.momentum = EncodedMomentum.take(prog.direction_form, self.codec, state, self.g, hyper, self.ok)
         state = self.state = Codec.decode(state)
         if prog.journal and self.codec.dtype != "float32":
             # a momentum kept float32 (a tensor int8 does not quantize) is what the put-off updates
@@ -315,9 +312,8 @@ class BucketJob:
         self.state.update(momentum)
 
     def bind(self) -> None:
-        """The commit's second half: the state entries bind to the new rows (no allocation). The
-        job lets go of its working state then, not at the step's end (a bucket's decoded copies
-        are freed before the next bucket steps)."""
+        """The commit's second half: the state entries bind to the new rows (no allocation); the
+        job lets go of its working state (decoded copies freed before the next bucket steps)."""
         self.rt.stacked.scatter(self.state_of, self.items, self.state)
         self.saved, self.next = [], None
         self.state, self.fresh, self.momentum = {}, None, None

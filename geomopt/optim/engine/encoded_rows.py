@@ -40,16 +40,18 @@ class EncodedMomentum:
         self.in_place = True  # the commit's d⁺: polyak_rows's put-off foreach lerp (else its lerp into a new d)
 
     @staticmethod
-    def take(direction_form: str, codec: Codec, state: dict, gs, ok) -> Optional[dict]:
-        """The stored entries of d popped from the gathered ``state`` where the bucket's momentum
-        steps in groups: Polyak read row by row (``direction_form`` rows), d held encoded and kept
-        so by the rule (``codec``; not a first step, not a tensor int8 keeps float32), not a
-        capturable step (``ok``); else None and ``state`` as it was."""
+    def take(direction_form: str, codec: Codec, state: dict, gs, group: dict, ok) -> Optional["EncodedMomentum"]:
+        """The bucket's momentum, its stored entries popped from the gathered ``state``, where it
+        steps in groups: Polyak read row by row (``direction_form`` rows; ``group``: its α and
+        Nesterov as this step reads them), d held encoded and kept so by the rule (``codec``; not a
+        first step, not a tensor int8 keeps float32), not a capturable step (``ok``); else None and
+        ``state`` as it was."""
         d = state.get(KEY)
         if direction_form != "rows" or ok is not None or not isinstance(gs, list) or d is None \
                 or d.dtype not in STORED.values() or not codec.stored(KEY, d[0]):
             return None
-        return {k: state.pop(k) for k in (KEY, KEY + SCALE, KEY + CORRECTION) if k in state}
+        stored = {k: state.pop(k) for k in (KEY, KEY + SCALE, KEY + CORRECTION) if k in state}
+        return EncodedMomentum(codec, stored, gs, group["alpha"], group["nesterov"])
 
     def groups(self):
         """(i, j, the float32 values of rows [i, j) of d) for each group of rows in turn, decoded

@@ -230,7 +230,7 @@ class Engine:
                     done.append(j)
             # an encoded flat rule's chunk scratch (its moments' chunks, the codec's temporaries): not
             # held through the buckets' forward ops, which decode their own groups
-            rt.workspace.release(("codec.", "state."))
+            rt.workspace.drop(("codec.", "state."))
             return True
 
         try:

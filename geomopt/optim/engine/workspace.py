@@ -36,13 +36,14 @@ class Workspace:
             buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
         return buf[:n].view(shape)
 
-    def release(self, prefixes: tuple = ()) -> None:
+    def release(self) -> None:
         """Drop every buffer (the end of a step): between steps the optimizer holds its state and
-        nothing of the step's scratch, as torch's optimizers, which make their temporaries per step.
-        ``prefixes``: only the slots whose names start with one of them."""
-        if not prefixes:
-            self._buffers.clear()
-            return
+        nothing of the step's scratch, as torch's optimizers, which make their temporaries per step."""
+        self._buffers.clear()
+
+    def drop(self, prefixes: tuple) -> None:
+        """Drop the buffers of the slots whose names start with one of ``prefixes`` (a part of the
+        step done with them)."""
         for key in [k for k in self._buffers if k[0].startswith(prefixes)]:
             del self._buffers[key]
 
