@@ -21,7 +21,12 @@ without → ``SGD()``, each with the rule's lr, weight
 decay, betas. ``--state``: geomopt's rows again with the spec's state kept in bfloat16, int8 or int8-ec
 (``defaults: {state: …}``; torch's side is float32 as ever). Every (spec, width, optimizer) runs
 in its own subprocess; "peak RSS Δ" is the largest rise of the process's resident set during one
-``step()`` over its RSS just before (peak reset per step through /proc/self/clear_refs).
+``step()`` over its RSS just before (peak reset per step through /proc/self/clear_refs), over
+the 3 steps, the first (state created) included: it moves by tens of MiB between runs of the same
+row with the allocator's reuse of freed pages. "Step peak Δ, tally" is deterministic: one steady
+step more (the state exists) under :class:`PeakTally`, the largest rise of live tensor bytes over
+the step (new storages while they live, less the state it frees); "÷ float32 state's" divides it
+by the same spec's float32 row.
 """
 
 from __future__ import annotations
@@ -107,6 +112,81 @@ def held_storages(root, exclude: set[int]) -> dict[int, tuple[int, str]]:
 
     visit(root, ())
     return out
+
+
+class PeakTally:
+    """The rise of live tensor bytes over a piece of code, at its peak: a ``TorchDispatchMode`` sees
+    every aten op's outputs; a storage that is none of the op's inputs' (not an in-place, ``out=`` or
+    view op's) is new, counted from that op until it is freed (a finalizer on its storage), and a
+    storage of ``held`` (tensors alive at the start: the optimizer's state) that is freed on the way
+    (a state replaced by a new one) is subtracted from then on. Deterministic, unlike the resident
+    set, which moves with the allocator's reuse of freed pages; blind to what a kernel allocates
+    and frees inside itself, and to memory that is not a tensor's.
+
+        with PeakTally(held=state_tensors) as tally:
+            opt.step()
+        tally.peak  # bytes: the largest rise, after any op
+    """
+
+    def __init__(self, held=()):
+        self.live = self.peak = 0
+        self.held = list(held)
+        self._mode = None
+
+    def __enter__(self):
+        import weakref
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        tally = self
+        tracked: dict = {}
+
+        def freed(ptr: int, nbytes: int) -> None:
+            tracked.pop(ptr, None)
+            seen.discard(ptr)  # its address may be a new storage's now
+            tally.live -= nbytes
+
+        seen: set = set()
+        for t in self.held:
+            s = t.untyped_storage()
+            if s.data_ptr() and s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                weakref.finalize(s, freed, s.data_ptr(), s.nbytes())
+        self.held = []  # no reference of the tally's keeps them alive
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+                for t in tree_leaves(out):
+                    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                        continue
+                    s = t.untyped_storage()
+                    ptr, nbytes = s.data_ptr(), s.nbytes()
+                    if not nbytes or ptr in inputs or ptr in tracked or ptr in seen:
+                        continue
+                    tracked[ptr] = nbytes
+                    tally.live += nbytes
+                    weakref.finalize(s, freed, ptr, nbytes)
+                tally.peak = max(tally.peak, tally.live)
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+def state_tensors(opt) -> list:
+    """The tensors of an optimizer's ``state`` (torch's per-parameter dicts)."""
+    import torch
+
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
 def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
@@ -228,9 +308,13 @@ def worker(job: dict) -> dict:
         for opt in opts:
             opt.step()
         deltas.append(peak_rss() - before)
-        if _ < job["steps"] - 1:
-            for opt in opts:
-                opt.zero_grad()
+        for opt in opts:
+            opt.zero_grad()
+    # one step more under the dispatch tally (steady state: the state exists): its peak of live bytes
+    model(tokens, labels=tokens).loss.backward()
+    with PeakTally(held=[t for opt in opts for t in state_tensors(opt)]) as tally:
+        for opt in opts:
+            opt.step()
     exclude = {p.untyped_storage().data_ptr() for p in params}
     exclude |= {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
     held = held_storages(opts, exclude)
@@ -239,7 +323,7 @@ def worker(job: dict) -> dict:
         by_label[name] = by_label.get(name, 0) + nbytes
     workspace = sum(b for b, name in held.values() if name.startswith("workspace"))
     return {"held": sum(b for b, _ in held.values()), "workspace": workspace, "largest_bucket": max(buckets.values()),
-            "param_bytes": param_bytes, "rss_delta": max(deltas),
+            "param_bytes": param_bytes, "rss_delta": max(deltas), "tally_peak": tally.peak,
             "rss_exact": exact, "by_label": by_label,
             "optimizers": [type(o).__name__ + ("(fused)" if o.defaults.get("fused") else "") for o in opts]}
 
@@ -254,6 +338,15 @@ def run_job(job: dict) -> dict:
     if proc.returncode or not lines:
         raise RuntimeError(f"worker {job} failed:\n{proc.stdout}\n{proc.stderr}")
     return json.loads(lines[-1][len("MEMORY "):])
+
+
+def _over(peak: int, base) -> str:
+    """``peak`` ÷ the float32 state's ``base`` ("—" without a float32 row; the MiB over a base under 1 KiB)."""
+    if base is None:
+        return "—"
+    if base < 2 ** 10:  # a step that allocates nothing but scalars (torch's fused AdamW over float32 state)
+        return f"+{(peak - base) / MiB:.2f} MiB"
+    return f"{peak / base:.3f}"
 
 
 def breakdown(by_label: dict[str, int]) -> str:
@@ -287,8 +380,9 @@ def main(argv=None) -> int:
                  f"{torch.__version__} — {datetime.date.today().isoformat()}", "",
                  "| spec | state | geomopt state (MiB) | torch state (MiB) | state ratio | geomopt workspace (MiB) "
                  "| largest bucket (MiB) | held / param bytes (geomopt) | held / param bytes (torch) "
-                 "| peak RSS Δ in step (geomopt, MiB) | peak RSS Δ in step (torch, MiB) |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "| peak RSS Δ in step (geomopt, MiB) | peak RSS Δ in step (torch, MiB) "
+                 "| step peak Δ, tally (geomopt, MiB) | ÷ float32 state's | step peak Δ, tally (torch, MiB) |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         notes = []
         base = {"width": width, "vocab": vocab, "seq": seq, "batch": batch, "steps": args.steps}
         jobs = [dict(base, spec=spec, side=side, state=state) for spec in args.specs
@@ -298,13 +392,15 @@ def main(argv=None) -> int:
         per = 1 + len(args.state)
         rows = [(job["spec"], job["state"], g, results[i - i % per]) for i, (job, g) in enumerate(zip(jobs, results))
                 if job["side"] == "geomopt"]
+        base = {spec: g["tally_peak"] for spec, precision, g, _ in rows if precision == "float32"}
         for spec, precision, g, t in rows:
             pb = g["param_bytes"]
+            tally = f"{g['tally_peak'] / MiB:.2f} | {_over(g['tally_peak'], base.get(spec))}"
             state = g["held"] - g["workspace"]
             if "no_reference" in t:
                 lines.append(f"| {spec}.yaml | {precision} | {state / MiB:.2f} | — | — | {g['workspace'] / MiB:.2f} | "
                              f"{g['largest_bucket'] / MiB:.2f} | {g['held'] / pb:.3f} | — | "
-                             f"{g['rss_delta'] / MiB:.1f} | — |")
+                             f"{g['rss_delta'] / MiB:.1f} | — | {tally} | — |")
                 notes.append(f"- {spec}.yaml ({precision}) — geomopt: {breakdown(g['by_label'])}; torch: "
                              f"{t['no_reference']}")
                 continue
@@ -312,7 +408,8 @@ def main(argv=None) -> int:
             ratio = f"{state / t['held']:.3f}" if t["held"] else ("1.000" if not state else f"+{state} B")
             lines.append(f"| {spec}.yaml | {precision} | {state / MiB:.2f} | {t['held'] / MiB:.2f} | {ratio} | "
                          f"{g['workspace'] / MiB:.2f} | {g['largest_bucket'] / MiB:.2f} | {g['held'] / pb:.3f} | "
-                         f"{t['held'] / pb:.3f} | {g['rss_delta'] / MiB:.1f} | {t['rss_delta'] / MiB:.1f} |")
+                         f"{t['held'] / pb:.3f} | {g['rss_delta'] / MiB:.1f} | {t['rss_delta'] / MiB:.1f} | "
+                         f"{tally} | {t['tally_peak'] / MiB:.2f} |")
             notes.append(f"- {spec}.yaml ({precision}) — geomopt: {breakdown(g['by_label'])}; torch "
                          f"({' + '.join(t['optimizers'])}): {breakdown(t['by_label'])}")
         exact = ("" if all(r.get("rss_exact", True) for r in results)

@@ -678,6 +678,7 @@ BENCH_QUOTES = {
     "experts": (r"MoE experts", 1),
     "dtype": (r"Newton–Schulz dtype", 1),
     "memory": (r"Optimizer-held memory", 4),
+    "memory-peak": (r"Optimizer-held memory: .*, 1 threads,", 2),
     "traffic": (r"Step traffic against the floor, GPT-2-small's", 1),
     "state-quality": (r"State precision and quality: \w+'s training", 3),
     "state-cost": (r"State precision's step time and bytes", 1),

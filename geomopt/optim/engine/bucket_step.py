@@ -25,6 +25,7 @@ from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS, polyak_ahead, polyak_rows
 from geomopt.optim.engine import fused
 from geomopt.optim.engine.atomic import journal, restore
+from geomopt.optim.engine.encoded_rows import EncodedMomentum
 from geomopt.optim.engine.graphs import GraphedOp
 from geomopt.optim.engine.owned import owned_forward
 from geomopt.optim.units.state_keys import COUNTS, geometry_state, owner_state
@@ -103,6 +104,7 @@ class BucketJob:
         # float32 working copies of state kept in another precision (the rule's, or a checkpoint's);
         # the stored state changes at the commit
         self.codec = codec(rt, items, pp, group["step"])
+        self.momentum = EncodedMomentum.take(prog.direction_form, self.codec, state, self.g, hyper, self.ok)
         state = self.state = Codec.decode(state)
         if prog.journal and self.codec.dtype != "float32":
             # a momentum kept float32 (a tensor int8 does not quantize) is what the put-off updates
@@ -143,7 +145,10 @@ class BucketJob:
             self.saved.extend(journal(rt.stacked.live(items, state, kept)))
         self.commit = None
         lookahead = lambda shared: lambda shape, like: _lookahead(prog, rt, items, shape, like, shared)  # noqa: E731
-        if prog.direction_form == "ahead":
+        if self.momentum is not None:
+            self.d = self.momentum.direction(state, lookahead(self.shared),
+                                             fused.lookahead_rows if prog.compiled else None)
+        elif prog.direction_form == "ahead":
             self.d, self.commit = polyak_ahead(g, state, hyper, lookahead(False), fresh=prog.journal)
         elif prog.direction_form == "rows":
             self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=self.fresh, lookahead_rows=rows[0])
@@ -316,12 +321,16 @@ class BucketJob:
             for key in COUNTS:  # a count this step created (the state's first step) was 0 before it
                 if key in self.state and key not in self.before:
                     self.state[key] = torch.where(self.ok, torch.as_tensor(self.state[key], device=self.ok.device), 0)
+        momentum = self.momentum.commit() if self.momentum is not None else {}
         self.state = self.codec.encode(self.state)
+        self.state.update(momentum)
 
     def bind(self) -> None:
-        """The commit's second half: the state entries bind to the new rows (no allocation)."""
+        """The commit's second half: the state entries bind to the new rows (no allocation); the
+        job lets go of its working state (decoded copies freed before the next bucket steps)."""
         self.rt.stacked.scatter(self.state_of, self.items, self.state)
         self.saved, self.next = [], None
+        self.state, self.fresh, self.momentum = {}, None, None
 
     def post_request(self, u: torch.Tensor) -> Request:
         """The rule's post-stages on the bucket's update ``u`` (:mod:`geomopt.optim.units.stages`), as one

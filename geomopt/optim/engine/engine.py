@@ -242,6 +242,9 @@ class Engine:
                 if prog.variant == "flat":
                     step_flat(prog, rt, state, groups[prog.group], items, g, *schedules[prog.group])
                     done.append(j)
+            # an encoded flat rule's chunk scratch (its moments' chunks, the codec's temporaries): not
+            # held through the buckets' forward ops, which decode their own groups
+            rt.workspace.drop(("codec.", "state."))
             return True
 
         try:

@@ -41,6 +41,12 @@ class Workspace:
         nothing of the step's scratch, as torch's optimizers, which make their temporaries per step."""
         self._buffers.clear()
 
+    def drop(self, prefixes: tuple) -> None:
+        """Drop the buffers of the slots whose names start with one of ``prefixes`` (a part of the
+        step done with them)."""
+        for key in [k for k in self._buffers if k[0].startswith(prefixes)]:
+            del self._buffers[key]
+
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
