@@ -178,16 +178,17 @@ REFRESHED = {"shampoo": ("shampoo_left_root", "shampoo_right_root"),
              "soap": ("soap_left_basis", "soap_right_basis"), "psgd": ("psgd_left", "psgd_right")}
 
 
-def unchanged_by_step(geometry: Fields, state: dict) -> tuple[str, ...]:
+def unchanged_by_step(geometry: ResolvedGeometry, state: dict) -> tuple[str, ...]:
     """The state keys the next step of a kronecker ``geometry`` leaves as they are, given its
     ``state`` (a bucket's, its step count a host int): the entries :data:`REFRESHED` where that step,
     the count + 1, refreshes nothing; () on a first step (it creates them) and for other geometries.
     A step journals what it may change in place (:mod:`geomopt.optim.engine.atomic`): not these."""
-    if geometry.get("kind") != "kronecker":
+    if geometry.kind != "kronecker":
         return ()
-    method = geometry["method"]
+    spec = cast(Kronecker, geometry.spec)
+    method = spec.method
     count = state.get(f"{method}_step")
-    if count is None or kron.refresh_due(int(count) + 1, geometry["every"]):
+    if count is None or kron.refresh_due(int(count) + 1, spec.every):
         return ()
     return REFRESHED[method]
 

@@ -24,6 +24,7 @@ from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS, polyak_ahead, polyak_rows
 from geomopt.optim.engine import fused
+from geomopt.optim.engine.writes import axpy_, axpy_rows
 from geomopt.optim.engine.atomic import journal, restore
 from geomopt.optim.engine.encoded_rows import EncodedMomentum
 from geomopt.optim.engine.graphs import GraphedOp
@@ -441,25 +442,3 @@ def _accumulate(total: torch.Tensor, value: torch.Tensor, in_place: bool) -> tor
     tensors it captured, so a counter must stay the same tensor)."""
     value = value.to(total.device)
     return total.add_(value) if in_place else total + value
-
-
-def axpy_(y: torch.Tensor, step: torch.Tensor, coef) -> torch.Tensor:
-    """Y += c·S in place: ``add_``'s alpha for a number, a product for a 0-d tensor c (lr on the
-    device, where ``alpha`` takes no tensor)."""
-    return y.add_(step * coef) if torch.is_tensor(coef) else y.add_(step, alpha=coef)
-
-
-def axpy_rows(views: list, step: torch.Tensor, decay: Optional[Callable], factor: float, coef: float) -> torch.Tensor:
-    """Y = decay(X) + c·S (``decay`` None: X + c·S; else a decay's ``into`` form with ``factor``
-    = 1 − γλ) with X read from the parameters' rows into Y, not stacked first: one pass over X
-    fewer than ``axpy_(decay.stacked(stack(X), …))`` and ``torch.add(stack(X), S, alpha=c)``, with
-    the same elementwise ops, so the same bits."""
-    y = torch.empty_like(step)
-    if decay is None:
-        for v, s, out in zip(views, step.unbind(0), y.unbind(0)):
-            torch.add(v, s, alpha=coef, out=out)
-        return y
-    for v, out in zip(views, y.unbind(0)):
-        decay(v, factor, out)
-    return y.add_(step, alpha=coef)
-
