@@ -31,18 +31,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import emit, section_for  # noqa: E402
 
-from geomopt.cli.bench import Timer, device_name
-from geomopt.geometry.prox import backward
+from pydantic import TypeAdapter  # noqa: E402
+
+from geomopt.cli.bench import Timer, device_name  # noqa: E402
+from geomopt.compile.fragments import ResolvedGeometry  # noqa: E402
+from geomopt.geometry.prox import backward  # noqa: E402
+from geomopt.spec.constraints import Constraint  # noqa: E402
+from geomopt.spec.geometries import Geometry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-GEOMETRY = {"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-3},
-            "approx": {"kind": "svd"}, "radius": 1.0, "view": None}
-CASES = [
+#: the operators take the spec's typed models (validated as a plan holds them)
+GEOMETRY = ResolvedGeometry(TypeAdapter(Geometry).validate_python(
+    {"kind": "spectral", "reference": {"kind": "power_barrier", "kappa": 4.0, "eps": 1e-3}, "approx": {"kind": "svd"},
+     "radius": 1.0}), None)
+CASES = [(name, TypeAdapter(Constraint).validate_python(c)) for name, c in [
     ("frobenius_ball", {"kind": "frobenius_ball", "radius": 2.0}),
     ("rank", {"kind": "rank", "k": 16}),
     ("spectral_sphere", {"kind": "spectral_sphere", "radius": 0.5}),
     ("spectral_ball", {"kind": "spectral_ball", "radius": 0.5}),
-]
+]]
 
 
 def _sigma_step(c, t, dtype):
@@ -52,10 +59,10 @@ def _sigma_step(c, t, dtype):
     scalar = importlib.import_module("geomopt.geometry.prox.scalar")
     vector = importlib.import_module("geomopt.geometry.prox.vector")
 
-    ref = make_reference(GEOMETRY["reference"])
-    if c["kind"] == "frobenius_ball":
-        return lambda s: scalar.ball_magnitudes(s, t, c["radius"], ref, dtype)[0]
-    return lambda s: vector.sigma_proj(c["kind"], s, c)
+    ref = make_reference(GEOMETRY.reference)
+    if c.kind == "frobenius_ball":
+        return lambda s: scalar.ball_magnitudes(s, t, c.radius, ref, dtype)[0]
+    return lambda s: vector.sigma_proj(c.kind, s, c)
 
 
 def _per_matrix_svd(y, c, t):
@@ -96,7 +103,7 @@ def main(argv=None) -> int:
     u, _, vh = torch.linalg.svd(base, full_matrices=False)
     far = (u * torch.logspace(1, -3, min(m, n), dtype=torch.float64)) @ vh  # σ from 10 to 1e-3
     gamma = 0.05
-    t = gamma * GEOMETRY["radius"]
+    t = gamma * GEOMETRY.radius
     rows = []
     timer = Timer(args.device)
     for label, y64 in (("", base), (", far", far)):

@@ -26,11 +26,15 @@ from gram_ns import rel_err  # noqa: E402
 
 from geomopt.cli.bench import device_name  # noqa: E402
 from geomopt.geometry.spectral import newton_schulz  # noqa: E402
+from geomopt.spec.geometries import Prenormalize  # noqa: E402
+from pydantic import TypeAdapter  # noqa: E402
+
+_PRENORM: TypeAdapter[Prenormalize] = TypeAdapter(Prenormalize)
 
 #: name → (newton_schulz options): the hidden rules of catalog/muon.yaml and catalog/turbo-muon.yaml
 ITERATIONS = {
-    "muon": dict(steps=5, prenormalize={"kind": "max", "eps": 1e-7}),
-    "turbo-muon": dict(steps=4, coefficients="aol", prenormalize={"kind": "aol", "eps": 1e-7}),
+    "muon": dict(steps=5, prenormalize=_PRENORM.validate_python({"kind": "max", "eps": 1e-7})),
+    "turbo-muon": dict(steps=4, coefficients="aol", prenormalize=_PRENORM.validate_python({"kind": "aol", "eps": 1e-7})),
 }
 
 
