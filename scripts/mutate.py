@@ -270,7 +270,7 @@ EXPLAINED: dict[str, str] = {
         "the tie test's threshold 4u/σ_max for 4u·σ_max: a rank cut through σ equal to the input's rounding still "
         "goes to the SVD, its λ being equal in the working dtype (R = ∞ from the slope over equal λ; checked at σ "
         "scaled by 1e±3): the route and the result are the same",
-    "geomopt/geometry/prox/__init__.py::backward: 1.0 -> 0.0 #2":
+    "geomopt/geometry/prox/__init__.py::backward: 1.0 -> 0.0":
         "a constraint's radius scaled by its block's factor f also where f = 1: the same radius",
     "geomopt/geometry/matrix.py::matrices: 1 -> 0 #3":
         "max(0, ·) for max(1, ·) of the trailing size: they differ only for a zero-size tensor, which never steps",
