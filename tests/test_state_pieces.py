@@ -216,3 +216,20 @@ def test_the_groups_are_whole_matrices_within_a_chunk():
     assert state_codec.row_groups(5, chunk // 2) == [(0, 2), (2, 4), (4, 5)]
     assert state_codec.row_groups(3, chunk * 2) == [(0, 1), (1, 2), (2, 3)]  # a row larger: one at a time
     assert encoded_rows.KEY == "d"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_a_fused_step_steps_an_encoded_batched_momentum_as_the_eager_one(dtype):
+    """``fuse=True`` runs the compiled look-ahead on each group of an encoded momentum (d⁺ into a
+    scratch of the group's size, u from it): the parameters track the eager step's within float32
+    rounding, and the stored momentum decodes to the eager one's."""
+    out = {}
+    for fuse in (False, True):
+        model = _model()
+        opt = geomopt.GeomOptimizer(model, _spec(dtype, NS), fuse=fuse)
+        for k in range(3):
+            _grads(model, k)
+            opt.step()
+        out[fuse] = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(out[False], out[True]))
+    assert any(not torch.equal(a, b) for a, b in zip(out[False], _model().parameters()))  # it stepped

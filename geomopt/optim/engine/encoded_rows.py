@@ -67,7 +67,8 @@ class EncodedMomentum:
     def direction(self, state: dict, lookahead: Callable, lookahead_rows: Optional[Callable]) -> torch.Tensor:
         """The forward op's input, as :func:`~geomopt.optim.units.directions.polyak_rows` forms it
         with its updates put off (``fresh``): with Nesterov u = g.lerp(d⁺, 1 − α) into
-        ``lookahead(shape, like)`` (``lookahead_rows``: its compiled form, where u holds float32);
+        ``lookahead(shape, like)`` (``lookahead_rows(u, new, d, gs, α)``: its compiled form, where u
+        holds float32, d⁺ written into a scratch of the group's size the commit does not read);
         without, d⁺ as a new float32 stack, put in ``state`` for the commit to encode."""
         alpha, gs = self.alpha, self.gs
         if not self.nesterov:
@@ -80,8 +81,11 @@ class EncodedMomentum:
         u = lookahead(self.shape, like)
         self.in_place = u.dtype == torch.float32
         for i, j, d in self.groups():
+            if self.in_place and lookahead_rows is not None:  # compiled: d⁺ into a group-sized scratch, u from it
+                lookahead_rows(u[i:j], torch.empty_like(d), d, gs[i:j], alpha)
+                continue
             if self.in_place:
-                (lookahead_rows or polyak_lookahead_rows)(u[i:j], d, gs[i:j], alpha)
+                polyak_lookahead_rows(u[i:j], d, gs[i:j], alpha)
                 continue
             for r in range(j - i):  # d⁺ in the group's scratch, u in the forward op's dtype from it
                 polyak_lerp(d[r], gs[i + r], alpha, out=d[r])
