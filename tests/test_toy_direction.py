@@ -170,3 +170,55 @@ def test_the_language_is_as_it_was_without_the_declaration():
     assert "toy" not in DIRECTIONS
     with pytest.raises(geomopt.SpecError, match="toy"):
         geomopt.parse_spec(SPEC)
+
+
+
+class Halved(SpecModel):
+    """d ← d + (α/2)(g − d), d⁰ = 0: a test-only direction whose list form takes its one coefficient as
+    a weight (a tensor under ``fuse`` and ``capturable``)."""
+
+    kind: Literal["halved"] = "halved"
+    alpha: Annotated[float, Field(gt=0, le=1)] = 0.5
+    init: Literal["zero"] = "zero"
+    nesterov: Literal[False] = False
+
+
+def halved_update(ds: list, gs: list, hyper: dict, first: bool) -> None:
+    for d, g in zip(ds, gs):
+        d.lerp_(g, hyper["alpha"] / 2)
+
+
+def halved(g, state, group, *, g_prev=None, inplace=False, fresh=None):
+    d = state.get("d")
+    d = state["d"] = torch.zeros_like(g) if d is None else (d.clone() if fresh is not None else d)
+    halved_update([d], [g], group, False)
+    return d
+
+
+def test_the_declared_weighted_form_decides_a_compiled_flat_step(toy_direction):
+    """fuse compiles a flat rule's whole step only for a direction declaring the ``weighted`` form (its
+    list form's coefficient a weight that may be a tensor), read from the declaration, not from its
+    name: the toy declares no such form and steps eagerly; a test-only weighted direction, declared
+    here and nowhere else, compiles and steps as its float64 reference."""
+    params = {n: torch.nn.Parameter(x.clone().float()) for n, x in _start().items()}
+    toy_opt = _build(geomopt.parse_spec(SPEC), params, fuse=True)
+    assert not DIRECTIONS["toy"].has("weighted")
+    assert {(p.variant, p.compiled) for progs in toy_opt.engine.programs for p in progs} == {("flat", False)}
+    extend_directions(add=Halved)
+    direction("halved", Halved, state=(MOMENTUM,), weighted=True, foreach=halved_update)(halved)
+    try:
+        spec = geomopt.parse_spec(SPEC.replace("{kind: toy, gain: 0.7}", "{kind: halved, alpha: 0.6}"))
+        opt = _build(spec, params, fuse=True)
+        assert {(p.variant, p.compiled) for progs in opt.engine.programs for p in progs} == {("flat", True)}
+        _run(params, opt, [{n: g.float() for n, g in gs.items()} for gs in _grads()])
+    finally:
+        DIRECTIONS.pop("halved")
+        DIRECTIONS.meta.pop("halved")
+        extend_directions(remove="halved")
+    x, d = _start(), {n: torch.zeros(s, dtype=torch.float64) for n, s in SHAPES.items()}
+    for g in _grads():
+        for n in x:
+            d[n] = d[n] + 0.3 * (g[n] - d[n])
+            x[n] = x[n] - LR * d[n]
+    for n, p in params.items():
+        torch.testing.assert_close(p.detach().double(), x[n], rtol=1e-6, atol=1e-6, msg=n)

@@ -182,24 +182,24 @@ def encoded_flat(pp: ParamPlan, opts: Options, tensors: list) -> Optional[str]:
 
 def capturable_weights(group: dict, pp: ParamPlan, opts: Options) -> bool:
     """Whether a flat call can skip on the device's flag with no selection: Adam through torch's
-    fused kernel (which reads the flag: ``found_inf``), or no direction or Polyak's and a map of
-    each entry, whose writes take the flag as a weight (d.lerp(g, α·ok), X + γ·ok·S, X·(1 − γ·ok·λ):
+    fused kernel (which reads the flag: ``found_inf``), or a ``weighted`` direction (none or Polyak's)
+    and a map of each entry, whose writes take the flag as a weight (d.lerp(g, α·ok), X + γ·ok·S, X·(1 − γ·ok·λ):
     on gradients zeroed where it is false, the values as they were)."""
     if pp.geometry.kind == "adam":
         return group["direction"] == "none" and opts.implementation != "foreach"
     # a map of each entry: an elementwise op that needs no norm (LOCAL, as on a shard) and keeps no state
     each_entry = flat_refusal(pp.geometry.kind, sharded=True) is None and not geometry_state(pp.geometry)
-    return each_entry and group["direction"] in ("none", "polyak")
+    return each_entry and DIRECTIONS[group["direction"]].has("weighted")
 
 
 def fusable(group: dict, pp: ParamPlan, opts: Options) -> bool:
     """Whether a flat rule's step compiles whole under ``fuse`` (:mod:`geomopt.optim.engine.fused`):
     float32 state (an encoded one steps chunk by chunk), a map of each entry keeping no state (no
-    norm: one loop per tensor), no direction or Polyak's (its coefficient α enters the graph as a
-    tensor, so a schedule of it compiles nothing again). Capturable too: the compiled loop selects
+    norm: one loop per tensor), a ``weighted`` direction (none or Polyak's: its coefficient α enters
+    the graph as a tensor, so a schedule of it compiles nothing again). Capturable too: the compiled loop selects
     the gradients by the device's finiteness flag itself."""
     each_entry = flat_refusal(pp.geometry.kind, sharded=True) is None and not geometry_state(pp.geometry)
-    return (opts.fuse and each_entry and group["direction"] in ("none", "polyak")
+    return (opts.fuse and each_entry and DIRECTIONS[group["direction"]].has("weighted")
             and pp.state_dtype == "float32")  # encoded state: its codec compiles instead (codec_fusable)
 
 

@@ -34,9 +34,12 @@ FIRST, SECOND = "first", "second"
 #: the execution forms a direction may have (:mod:`geomopt.optim.engine.program`): ``stacked`` (on a
 #: bucket's stacked gradients; every direction), ``flat`` (foreach over an elementwise rule's flat
 #: buffers), ``rows`` (read row by row from the unstacked gradients, or ahead of a deferred
-#: finiteness test), and the settings it must run under: ``capturable`` (no host decision) and
-#: ``sharded`` (on each rank's shard of a DTensor)
-FORMS = ("stacked", "flat", "rows", "capturable", "sharded")
+#: finiteness test), ``weighted`` (its list form reads one coefficient, ``alpha``, which may be a 0-d
+#: tensor, and leaves d as it is at α = 0: a capturable step weights it by the device's finiteness
+#: flag, a compiled step takes it as an input, so a schedule of it compiles nothing again), and the
+#: settings it must run under: ``capturable`` (no host decision) and ``sharded`` (on each rank's shard
+#: of a DTensor)
+FORMS = ("stacked", "flat", "rows", "weighted", "capturable", "sharded")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,16 +36,16 @@ MOMENTUM = StateKey("d", moment=FIRST)
 
 
 def direction(name: str, spec, *, state: tuple = (), migrates: Optional[str] = None, foreach=None, lookahead=None,
-              rows: bool = False, refuses: tuple = (), locality: Optional[str] = None):
+              rows: bool = False, weighted: bool = False, refuses: tuple = (), locality: Optional[str] = None):
     """Register ``fn`` as the direction ``name`` (:class:`~geomopt.optim.units.declare.DirectionUnit`):
     its spec model, its state (declared under the state kind ``migrates``), its list form
     ``foreach(ds, gs, group, first)`` (d in place over lists of tensors; gives the ``flat`` form)
     and ``lookahead(u, d, group)`` (Nesterov's u from u = g, in place), whether it has the ``rows``
-    form, and the forms it refuses with why."""
+    and ``weighted`` forms, and the forms it refuses with why."""
 
     def register(fn):
         declare(migrates, *state)
-        forms = ("flat",) * (foreach is not None) + ("rows",) * rows
+        forms = ("flat",) * (foreach is not None) + ("rows",) * rows + ("weighted",) * weighted
         unit = DirectionUnit(name, fn, spec, tuple(state), migrates, forms, tuple(refuses),
                              **({} if locality is None else {"locality": locality}))
         DIRECTIONS.add(name, unit, foreach=foreach, lookahead=lookahead)
@@ -117,13 +117,13 @@ def _starts(update: Callable, at_gradient: Callable[[dict], bool]) -> Callable:
 # ---------------------------------------------------------------- the registered directions
 
 
-@direction("none", NoDirection, foreach=lambda ds, gs, group, first: None)
+@direction("none", NoDirection, foreach=lambda ds, gs, group, first: None, weighted=True)
 def plain(g, state, group, *, g_prev=None, inplace=False, fresh=None):
     """d = g."""
     return g
 
 
-@direction("polyak", Polyak, state=(MOMENTUM,), migrates="momentum", rows=True,
+@direction("polyak", Polyak, state=(MOMENTUM,), migrates="momentum", rows=True, weighted=True,
            foreach=_starts(lambda ds, gs, group: polyak_lerp(ds, gs, group["alpha"]),
                            lambda group: group["init"] == "gradient"),
            lookahead=lambda u, d, group: polyak_lookahead(u, d, group["alpha"], out=u))
