@@ -11,6 +11,8 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import geomopt
 from geomopt.optim.engine import flat
@@ -162,6 +164,36 @@ def test_a_nonfinite_gradient_leaves_the_flat_encoded_state_untouched(dtype):
         for key, v in was[name][1].items():
             assert _same(opt.state[p][key], v), (name, key)
     assert sum(c["skipped"] for c in opt.engine.counters) == 1
+
+
+class _Largest(TorchDispatchMode):
+    """The most entries of a tensor any op creates (a new storage, not a view or an in-place result)."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+               and t.device.type != "meta"}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().data_ptr() not in ins:
+                self.most = max(self.most, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_steady_flat_encoded_step_allocates_a_chunk_not_a_tensor(dtype, monkeypatch):
+    """Once the state holds the rule's precision, the stored entries are written in place: no tensor of
+    a moment's size is made (only the chunks' scratch: the codec's widest slot holds two words per
+    entry), whatever the largest tensor's size."""
+    monkeypatch.setattr(flat, "CHUNK", 2 * BLOCK)
+    ps, opt = _run(_spec(dtype, ADAM), steps=2)
+    _grads(ps, 7)
+    with _Largest() as seen:
+        opt.step()
+    assert seen.most <= 2 * flat.CHUNK < max(p.numel() for _, p in ps)  # the codec's widest slot: 2 per entry
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -270,10 +270,11 @@ def _target(codec: Codec, key: str, st: dict, shape: tuple, device, binds: list)
         new = torch.empty(numel, dtype=torch.float32, device=device)
         binds.append(lambda: _bind(st, key, {key: new.view(shape)}))
         return new
-    flat = codec.empty(key, numel, device)
+    form = codec.empty(key, numel, "meta")  # the stored form's dtypes and sizes, allocating nothing
     if all(k in st and st[k].dtype == v.dtype and st[k].numel() == v.numel() and st[k].is_contiguous()
-           for k, v in flat.items()) and not any(key + x in st and key + x not in flat for x in SIDE):
-        return {k: st[k].view(-1) for k in flat}
+           for k, v in form.items()) and not any(key + x in st and key + x not in form for x in SIDE):
+        return {k: st[k].view(-1) for k in form}
+    flat = codec.empty(key, numel, device)
     binds.append(lambda: _bind(st, key, {k: v[0] for k, v in shaped(flat, (1, *shape)).items()}))
     return flat
 
