@@ -1194,8 +1194,6 @@ def rerun_survivors(path: Path, *, workers: int = 1) -> int:
     killed)."""
     data = json.loads(path.read_text(encoding="utf-8"))
     records = [data] if "survivors" in data else list(data["modules"].values())
-    from geomopt.cli.demo import source_version
-
     wanted = {s["key"] for r in records for s in r["survivors"] if s["key"] not in EXPLAINED}
     files = sorted({s["at"].split(":", 1)[0] for r in records for s in r["survivors"] if s["key"] in wanted})
     current = {m.stable_key: m for p in files for m in mutants(ROOT / p, module_name(p), p)}
@@ -1205,6 +1203,8 @@ def rerun_survivors(path: Path, *, workers: int = 1) -> int:
     t0 = time.monotonic()
     items = [it for it in _prepare(files, [current[k] for k in sorted(wanted)]) if it[2]]
     outcomes = run_mutants(items, workers=workers, pytest_args=("-k", EXCLUDE), progress=_progress(t0))
+    from geomopt.cli.demo import source_version  # importable once _prepare has put the checkout on the path
+
     caught = {o.mutant.stable_key for o in outcomes if o.status in ("killed", "timed_out")}
     seconds = {o.mutant.stable_key: o.seconds for o in outcomes}
     for record in records:
