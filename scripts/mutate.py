@@ -132,6 +132,8 @@ _SERIES_CLAMP = ("the clamp that keeps the series' argument small where the dire
 _STACK_NORMS = ("unsqueeze(1) for unsqueeze(−1) of the (N,) norms of the (N, m, n) stack, or unsqueeze(1) or "
                 "unsqueeze(−2) of the (N, 1) ones: the same (N, 1, 1)")
 _SUMS_DIM = "max over dim 1 for dim −1 of the (b, k) column or row sums: the same dim"
+_AT_LEAST_ONE_BLOCK = ("the fallback of ``len(view.blocks or [0]) or 1``: the length is at least 1 (a view without "
+                       "blocks counts one), so the fallback is never taken")
 #: survivors judged equivalent or unkillable, keyed ``path::function: original -> mutated`` (``#n``: the n-th
 #: of the same change in that function): :attr:`Mutant.stable_key`, which lines added above it leave alone
 EXPLAINED: dict[str, str] = {
@@ -150,6 +152,12 @@ EXPLAINED: dict[str, str] = {
         "(x₀ = Â[:, i]ᵀ·Â, then ·Âᵀ), so the sign cancels in x̂ or the norm: the same bound",
     "geomopt/geometry/kron_psgd.py::norm_lower_bound: -1 -> 1 #2": _SUMS_DIM,
     "geomopt/geometry/kron_psgd.py::norm_lower_bound: -1 -> 1 #4": _SUMS_DIM,
+    "geomopt/geometry/learned.py::soap: beta=beta -> beta=1 - beta":
+        "β·L on the first step, whose factors init_factors has just made 0 (ε = 0): L = w·G·Gᵀ whatever β",
+    "geomopt/geometry/learned.py::_view_matrices: 0 -> 1":
+        "[1] for [0] as the blocks of a view without blocks: only the list's length is read",
+    "geomopt/geometry/learned.py::_view_matrices: 1 -> 2": _AT_LEAST_ONE_BLOCK,
+    "geomopt/geometry/learned.py::_view_matrices: 1 -> 0": _AT_LEAST_ONE_BLOCK,
     "geomopt/geometry/kron_psgd.py::_solve_right: x / q.unsqueeze(-2) -> -(x / q.unsqueeze(-2))":
         "−X·q⁻¹ for a diagonal factor's solve: B = Q_L⁻ᵀ·V·Q_R⁻¹ changes sign, and the fit reads it only as B·Bᵀ, "
         "Bᵀ·B or the sums of B∘B: the same terms",
