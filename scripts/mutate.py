@@ -4,6 +4,8 @@ a time and record which changes the tests notice.
 
     python scripts/mutate.py --workers 1 --out benchmarks/results/mutation.json
     python scripts/mutate.py --modules geometry/gap.py --list     # the mutants, without running
+    python scripts/mutate.py --modules geometry/kron_psgd.py --per-module benchmarks/results/mutation_modules.json
+                                                                # one module in full, its outcome kept per module
 
 Sites: the functions (module level, and the methods of module-level classes) of
 ``geomopt/geometry/**/*.py``, ``geomopt/optim/units/stages.py``, ``geomopt/optim/units/directions.py`` and
