@@ -154,6 +154,8 @@ EXPLAINED: dict[str, str] = {
         "(x₀ = Â[:, i]ᵀ·Â, then ·Âᵀ), so the sign cancels in x̂ or the norm: the same bound",
     "geomopt/geometry/kron_psgd.py::norm_lower_bound: -1 -> 1 #2": _SUMS_DIM,
     "geomopt/geometry/kron_psgd.py::norm_lower_bound: -1 -> 1 #4": _SUMS_DIM,
+    "geomopt/geometry/kron.py::soap_refresh: -1 -> 1 #2":
+        "argsort over dim 1 for dim −1 of the (b, k) eigenvalue estimates: the same dim",
     "geomopt/geometry/learned.py::soap: beta=beta -> beta=1 - beta":
         "β·L on the first step, whose factors init_factors has just made 0 (ε = 0): L = w·G·Gᵀ whatever β",
     "geomopt/geometry/learned.py::_view_matrices: 0 -> 1":

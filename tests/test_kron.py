@@ -79,6 +79,8 @@ def test_factors_are_the_explicit_sums_and_a_long_side_keeps_none():
     left, right = kron.init_factors((5, 9), dtype=F64)
     kron.update_factors(gs[0, 0], left, right, beta=1.0, weight=1.0)
     assert _rel(right, gs[0, 0].mT @ gs[0, 0]) < 1e-14
+    left, right = kron.init_factors((5, 9), max_dim=5, dtype=F64)  # a side of max_dim keeps its factor
+    assert left is not None and left.shape == (5, 5) and right is None
 
 
 def test_root_order_and_refresh_schedule():
