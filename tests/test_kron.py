@@ -583,9 +583,9 @@ def _lower_bound_cases() -> torch.Tensor:
 def test_psgd_norm_lower_bound_holds_on_general_and_adversarial_matrices():
     """On matrices not symmetric (the fit passes a symmetric T₁ + T₂; the function's contract is any (b, k, k)):
     the bound lies between ‖A‖₂/√k and ‖A‖₂ (float64 ‖A‖₂ by torch.linalg.matrix_norm(ord=2), an SVD; 0 on the
-    zero matrix), is the one power step from the largest column or row written out here (s·‖Âᵀ·x̂‖ with
-    x = Â·Âᵀ[:, j] or its transpose's), and is Kron's own function's on each matrix; a stack's and one matrix's
-    bounds are the same bits."""
+    zero matrix), is the one power step from the largest column or row written out here (s·‖M·x̂‖ with
+    x = Mᵀ·M[:, j]: M = Â and j its largest column, or M = Âᵀ and j Â's largest row where that is not smaller),
+    and is Kron's own function's on each matrix; a stack's and one matrix's bounds are the same bits."""
     from pytorch_optimizer.optimizer.utils.psgd import norm_lower_bound as peer
 
     a = _lower_bound_cases()
