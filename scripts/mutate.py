@@ -4,6 +4,8 @@ a time and record which changes the tests notice.
 
     python scripts/mutate.py --workers 1 --out benchmarks/results/mutation.json
     python scripts/mutate.py --modules geometry/gap.py --list     # the mutants, without running
+    python scripts/mutate.py --modules geometry/kron_psgd.py --per-module benchmarks/results/mutation_modules.json
+                                                                # one module in full, its outcome kept per module
 
 Sites: the functions (module level, and the methods of module-level classes) of
 ``geomopt/geometry/**/*.py``, ``geomopt/optim/units/stages.py``, ``geomopt/optim/units/directions.py`` and
@@ -65,14 +67,21 @@ GROUPS = {"geometry": "geomopt/geometry/", "stages": "geomopt/optim/units/stages
 STEP_TESTS = ("tests/test_optimizer.py", "tests/test_equivalence.py", "tests/test_stages_variants.py")
 #: source path (or folder) → the test files whose tests may kill its mutants: its own unit tests,
 #: and the step's; the longest matching prefix wins
+_GEOMETRY_TESTS = ("tests/test_forward.py", "tests/test_reference.py", "tests/test_gap.py",
+                   "tests/test_spectral_approx.py", "tests/test_gram_newton_schulz.py",
+                   "tests/test_backward.py", "tests/test_backward_floor.py", "tests/test_retractions.py",
+                   "tests/test_method_auto.py", "tests/test_odd_tensors.py", "tests/test_adam_step.py",
+                   "tests/test_dtype.py", "tests/test_kron.py", "tests/test_aol.py",
+                   "tests/test_prox_polar.py", "tests/test_prox_scalar.py", "tests/test_prox_spectral_map.py",
+                   "tests/test_mutation_kills.py", *STEP_TESTS)
+#: the learned Kronecker metrics' (kron, kron_root, kron_psgd, learned) own tests: the arithmetic's
+#: (test_kron), the ``kronecker`` geometry's as a spec (test_kronecker_geometry), its bf16 factors'
+#: (test_kron_factors)
+_KRON_MODULES = tuple(f"geomopt/geometry/{m}.py" for m in ("kron", "kron_root", "kron_psgd", "learned"))
+_KRON_TESTS = ("tests/test_kron.py", "tests/test_kronecker_geometry.py", "tests/test_kron_factors.py")
 TESTS: dict[str, tuple[str, ...]] = {
-    "geomopt/geometry": ("tests/test_forward.py", "tests/test_reference.py", "tests/test_gap.py",
-                         "tests/test_spectral_approx.py", "tests/test_gram_newton_schulz.py",
-                         "tests/test_backward.py", "tests/test_backward_floor.py", "tests/test_retractions.py",
-                         "tests/test_method_auto.py", "tests/test_odd_tensors.py", "tests/test_adam_step.py",
-                         "tests/test_dtype.py", "tests/test_kron.py", "tests/test_aol.py",
-                         "tests/test_prox_polar.py", "tests/test_prox_scalar.py", "tests/test_prox_spectral_map.py",
-                         "tests/test_mutation_kills.py", *STEP_TESTS),
+    "geomopt/geometry": _GEOMETRY_TESTS,
+    **{m: (*_GEOMETRY_TESTS, *_KRON_TESTS[1:]) for m in _KRON_MODULES},
     "geomopt/optim/units/stages.py": ("tests/test_stages.py", "tests/test_trust_ratio.py",
                                       "tests/test_mutation_kills.py", *STEP_TESTS),
     "geomopt/optim/units/directions.py": ("tests/test_units.py", "tests/test_dion.py", "tests/test_adam_step.py",
@@ -86,7 +95,8 @@ OWN_TESTS: dict[str, tuple[str, ...]] = {"geomopt/optim/units/directions.py": ("
                                          "geomopt/optim/units/stages.py": ("tests/test_stages.py",
                                                                            "tests/test_trust_ratio.py"),
                                          **{f"geomopt/geometry/prox/{m}.py": (f"tests/test_prox_{m}.py",)
-                                            for m in ("polar", "scalar", "spectral_map")}}
+                                            for m in ("polar", "scalar", "spectral_map")},
+                                         **{m: _KRON_TESTS for m in _KRON_MODULES}}
 ALWAYS_FULL = ("tests/test_mutation_kills.py",)
 #: tests no mutant runs: torch.compile in a forked child costs seconds per mutant and starts
 #: compile workers (the eager tests cover the same functions); test_compensation's two that start 4
@@ -123,15 +133,38 @@ _SERIES_CLAMP = ("the clamp that keeps the series' argument small where the dire
                  "values it changes are discarded")
 _STACK_NORMS = ("unsqueeze(1) for unsqueeze(−1) of the (N,) norms of the (N, m, n) stack, or unsqueeze(1) or "
                 "unsqueeze(−2) of the (N, 1) ones: the same (N, 1, 1)")
+_SUMS_DIM = "max over dim 1 for dim −1 of the (b, k) column or row sums: the same dim"
+_AT_LEAST_ONE_BLOCK = ("the fallback of ``len(view.blocks or [0]) or 1``: the length is at least 1 (a view without "
+                       "blocks counts one), so the fallback is never taken")
 #: survivors judged equivalent or unkillable, keyed ``path::function: original -> mutated`` (``#n``: the n-th
 #: of the same change in that function): :attr:`Mutant.stable_key`, which lines added above it leave alone
 EXPLAINED: dict[str, str] = {
-    "geomopt/geometry/kron_psgd.py::norm_lower_bound: -2 -> 2 #2":
-        "dim 2 for −2 (a stack is (b, k, k)): row sums for column sums, the same on the symmetric T₁ + T₂ the "
-        "fit passes",
     "geomopt/geometry/kron_psgd.py::norm_lower_bound: a @ torch.take_along_dim(a, j.view(-1, 1, 1), dim=-2).mT "
     "-> -(a @ torch.take_along_dim(a, j.view(-1, 1, 1), dim=-2).mT)":
         "−x₁: only its norm is read (the bound is ‖Âᵀ·x̂₁‖)",
+    "geomopt/geometry/kron_psgd.py::norm_lower_bound: torch.take_along_dim(a, i.view(-1, 1, 1), dim=-1).mT @ a "
+    "-> -(torch.take_along_dim(a, i.view(-1, 1, 1), dim=-1).mT @ a)":
+        "−x₀: only its norm is read (the bound is ‖x̂₀·Âᵀ‖)",
+    "geomopt/geometry/kron_psgd.py::norm_lower_bound: x / torch.linalg.vector_norm(x, dim=(-2, -1), "
+    "keepdim=True).clamp_min(tiny) -> -(x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min(tiny))":
+        "−x̂ for the unit x̂: only the norm of its product with Â or Âᵀ is read",
+    "geomopt/geometry/kron_psgd.py::norm_lower_bound: a / torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs)) "
+    "-> -(a / torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs)))":
+        "−Â for Â: the squares pick the same column and row, and each bound is the norm of a product of three Â's "
+        "(x₀ = Â[:, i]ᵀ·Â, then ·Âᵀ), so the sign cancels in x̂ or the norm: the same bound",
+    "geomopt/geometry/kron_psgd.py::norm_lower_bound: -1 -> 1 #2": _SUMS_DIM,
+    "geomopt/geometry/kron_psgd.py::norm_lower_bound: -1 -> 1 #4": _SUMS_DIM,
+    "geomopt/geometry/kron.py::soap_refresh: -1 -> 1 #2":
+        "argsort over dim 1 for dim −1 of the (b, k) eigenvalue estimates: the same dim",
+    "geomopt/geometry/learned.py::soap: beta=beta -> beta=1 - beta":
+        "β·L on the first step, whose factors init_factors has just made 0 (ε = 0): L = w·G·Gᵀ whatever β",
+    "geomopt/geometry/learned.py::_view_matrices: 0 -> 1":
+        "[1] for [0] as the blocks of a view without blocks: only the list's length is read",
+    "geomopt/geometry/learned.py::_view_matrices: 1 -> 2": _AT_LEAST_ONE_BLOCK,
+    "geomopt/geometry/learned.py::_view_matrices: 1 -> 0": _AT_LEAST_ONE_BLOCK,
+    "geomopt/geometry/kron_psgd.py::_solve_right: x / q.unsqueeze(-2) -> -(x / q.unsqueeze(-2))":
+        "−X·q⁻¹ for a diagonal factor's solve: B = Q_L⁻ᵀ·V·Q_R⁻¹ changes sign, and the fit reads it only as B·Bᵀ, "
+        "Bᵀ·B or the sums of B∘B: the same terms",
     "geomopt/geometry/kron_psgd.py::fit: -1 -> 1 #3": "dim 1 for −1 of a diagonal factor's (b, k) terms: the same dim",
     "geomopt/geometry/adam.py::adam_multi_tensor: 0 -> 1":
         "xs[1] for xs[0]: every tensor of a bucket is on the same device",
@@ -983,6 +1016,8 @@ def summarize(outcomes: Sequence[Outcome]) -> dict:
 
 
 RECORDED = ROOT / "benchmarks" / "results" / "mutation.json"
+#: full runs of single modules (``--per-module``), one outcome record per module
+PER_MODULE = ROOT / "benchmarks" / "results" / "mutation_modules.json"
 #: the section of benchmarks/RESULTS.md that holds the recorded run's table
 RESULTS_SECTION = "Mutation testing (`scripts/mutate.py`)"
 
@@ -1020,7 +1055,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rerun-survivors", type=Path, default=None, metavar="OUTCOME",
                     help="run again the unexplained survivors of this outcome file (after tests were added) and "
                          "update it in place: their new outcomes, the counts, the explanations")
+    ap.add_argument("--per-module", type=Path, default=None, metavar="OUTCOME",
+                    help=f"also put each module's outcome in this file (one entry per module, replacing that "
+                         f"module's last; the docs quote {_relative(PER_MODULE)}): every mutant of the modules, "
+                         f"no --max-mutants or --stop-after")
     args = ap.parse_args(argv)
+    if args.per_module is not None and (args.max_mutants is not None or args.stop_after is not None):
+        ap.error("--per-module records a full run of each module: leave out --max-mutants and --stop-after")
     if args.rerun_survivors is not None:
         return rerun_survivors(args.rerun_survivors, workers=args.workers)
     paths = source_files(args.modules)
@@ -1055,18 +1096,36 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for it in items if not it[2]]
     outcomes = sorted(outcomes + untested, key=lambda o: (o.mutant.path, o.mutant.line, o.mutant.col, o.mutant.variant))
     seconds = time.monotonic() - t0
+    command = "python scripts/mutate.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    run = {"command": command, "load": [round(x, 2) for x in load], "workers": args.workers,
+           "seconds": round(seconds, 1), "seed": args.seed, "stopped_after": args.stop_after}
+    record = outcome_record(outcomes, len(every), **run)
+    print(f"{len(outcomes)} mutants in {seconds:.0f} s")
+    _write(record, args.out)
+    if args.per_module is not None:
+        for p in paths:
+            mine = [o for o in outcomes if o.mutant.path == p]
+            entry = outcome_record(mine, sum(m.path == p for m in every),
+                                   **dict(run, seconds=round(sum(o.seconds for o in mine), 1)))
+            record_per_module(p, entry, args.per_module)
+    return 0
+
+
+def outcome_record(outcomes: Sequence[Outcome], of: int, *, command: str, load: Sequence[float], workers: int,
+                   seconds: float, seed: int, stopped_after: float | None) -> dict:
+    """The outcome file's record of a run: how it ran (``command``, the machine's ``load`` as it began,
+    ``workers``, ``seconds``), the sample (``outcomes`` of ``of`` mutants, ``seed``, ``stopped_after``),
+    the counts (:func:`summarize`) and every survivor, timeout and mutant not applied."""
     from geomopt.cli.demo import machine, source_version
 
-    summary = summarize(outcomes)
-    record = {
-        "command": "python scripts/mutate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    return {
+        "command": command,
         "date": time.strftime("%Y-%m-%d", time.gmtime()), "source": source_version(ROOT), "machine": machine("cpu"),
-        "load": [round(x, 2) for x in load], "workers": args.workers, "seconds": round(seconds, 1),
+        "load": list(load), "workers": workers, "seconds": seconds,
         "operators": OPERATORS, "tests_per_file": TESTS_PER_FILE, "own_tests_in_full": True,
-        "sample": {"mutants": len(outcomes), "of": len(every), "seed": args.seed,
-                   "sampled": len(outcomes) < len(every),
-                   **({"stopped_after": args.stop_after} if args.stop_after is not None else {})},
-        **summary,
+        "sample": {"mutants": len(outcomes), "of": of, "seed": seed, "sampled": len(outcomes) < of,
+                   **({"stopped_after": stopped_after} if stopped_after is not None else {})},
+        **summarize(outcomes),
         "survivors": [{"at": f"{o.mutant.path}:{o.mutant.line}:{o.mutant.col}", "key": o.mutant.stable_key,
                        "function": o.mutant.qualname,
                        "op": o.mutant.op, "original": o.mutant.original, "mutated": o.mutant.mutated,
@@ -1078,9 +1137,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                       if o.status == "timed_out"],
         "not_applied": [{"at": o.mutant.key, "note": o.note} for o in outcomes if o.status in ("not_applied", "error")],
     }
-    print(f"{len(outcomes)} mutants in {seconds:.0f} s")
-    _write(record, args.out)
-    return 0
+
+
+def record_per_module(path: str, entry: dict, out: Path) -> None:
+    """Put ``entry``, the outcome record of a full run of the module ``path`` (its ``seconds``: its mutants'),
+    in the per-module outcome file ``out`` (``{"modules": {path: record}}``), replacing the module's last."""
+    data = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {"modules": {}}
+    data["modules"][path] = entry
+    data["modules"] = dict(sorted(data["modules"].items()))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"{path}: recorded in {_relative(out)}")
 
 
 def _prepare(paths: Sequence[str], chosen: Sequence[Mutant]) -> list[tuple[Mutant, Path, list[str], float]]:
@@ -1132,15 +1199,15 @@ def _recount(c: dict, killed: int, explained: int) -> dict:
 
 
 def rerun_survivors(path: Path, *, workers: int = 1) -> int:
-    """Run the unexplained survivors of the outcome file ``path`` again, with the tests as they are
-    now, and update the file: a survivor the tests now kill counts as killed (tests only added: the
-    killed mutants stay killed), the explanations are read again from :data:`EXPLAINED`, and the
-    record lists the rerun (its date, source, mutants and how many it killed)."""
-    record = json.loads(path.read_text(encoding="utf-8"))
-    from geomopt.cli.demo import source_version
-
-    wanted = {s["key"] for s in record["survivors"] if s["key"] not in EXPLAINED}
-    files = sorted({s["at"].split(":", 1)[0] for s in record["survivors"] if s["key"] in wanted})
+    """Run the unexplained survivors of the outcome file ``path`` (a run's, or the per-module file's
+    records) again, with the tests as they are now, and update the file: a survivor the tests now kill
+    counts as killed (tests only added: the killed mutants stay killed), the explanations are read again
+    from :data:`EXPLAINED`, and each record lists the rerun (its date, source, mutants and how many it
+    killed)."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    records = [data] if "survivors" in data else list(data["modules"].values())
+    wanted = {s["key"] for r in records for s in r["survivors"] if s["key"] not in EXPLAINED}
+    files = sorted({s["at"].split(":", 1)[0] for r in records for s in r["survivors"] if s["key"] in wanted})
     current = {m.stable_key: m for p in files for m in mutants(ROOT / p, module_name(p), p)}
     missing = sorted(wanted - set(current))
     if missing:
@@ -1148,26 +1215,44 @@ def rerun_survivors(path: Path, *, workers: int = 1) -> int:
     t0 = time.monotonic()
     items = [it for it in _prepare(files, [current[k] for k in sorted(wanted)]) if it[2]]
     outcomes = run_mutants(items, workers=workers, pytest_args=("-k", EXCLUDE), progress=_progress(t0))
+    from geomopt.cli.demo import source_version  # importable once _prepare has put the checkout on the path
+
     caught = {o.mutant.stable_key for o in outcomes if o.status in ("killed", "timed_out")}
+    seconds = {o.mutant.stable_key: o.seconds for o in outcomes}
+    for record in records:
+        mine = {s["key"] for s in record["survivors"] if s["key"] in seconds}
+        _recount_record(record, caught)
+        record.setdefault("reruns", []).append({
+            "date": time.strftime("%Y-%m-%d", time.gmtime()), "source": source_version(ROOT),
+            "mutants": len(mine), "killed": len(mine & caught),
+            "seconds": round(sum(seconds[k] for k in mine), 1) if records[0] is not data else
+            round(time.monotonic() - t0, 1)})
+    if records[0] is data:
+        _write(data, path)
+    else:
+        path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        for p, r in data["modules"].items():
+            c = r["modules"].get(p, {})
+            print(f"{p}: score {c.get('score')}, explained left out {c.get('score_unexplained')}")
+    return 0
+
+
+def _recount_record(record: dict, caught: set[str]) -> None:
+    """``record``'s survivors that are in ``caught`` counted killed, its explanations read again."""
     survivors = [s for s in record["survivors"] if s["key"] not in caught]
+    killed = {s["key"] for s in record["survivors"]} & caught
     for s in survivors:
         s.pop("explained", None)
         if s["key"] in EXPLAINED:
             s["explained"] = EXPLAINED[s["key"]]
 
     def counts(prefix: str, c: dict) -> dict:
-        killed = sum(k.startswith(prefix) for k in caught)
         explained = sum(s["key"].startswith(prefix) and "explained" in s for s in survivors)
-        return _recount(c, killed, explained)
+        return _recount(c, sum(k.startswith(prefix) for k in killed), explained)
 
     record["modules"] = {p: counts(p + "::", c) for p, c in record["modules"].items()}
     record["groups"] = {g: counts(GROUPS[g], c) for g, c in record["groups"].items()}
     record["survivors"] = survivors
-    record.setdefault("reruns", []).append({
-        "date": time.strftime("%Y-%m-%d", time.gmtime()), "source": source_version(ROOT),
-        "mutants": len(outcomes), "killed": len(caught), "seconds": round(time.monotonic() - t0, 1)})
-    _write(record, path)
-    return 0
 
 
 if __name__ == "__main__":

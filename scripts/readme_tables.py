@@ -623,12 +623,9 @@ def mutation(records) -> str:
     explained), and the score, with and without the explained survivors."""
     rec = records("mutation", MUTATION_RESULTS)
 
-    def pct(c: dict, survived: int) -> str:  # from the counts (the record's scores are rounded)
-        caught = c["killed"] + c["timed_out"]
-        return "—" if caught + survived == 0 else f"{100 * caught / (caught + survived):.1f}%"
-
     rows = [[MUTATION_GROUPS.get(g, g), str(c["mutants"]), str(c["killed"]), str(c["timed_out"]),
-             f"{c['survived']} ({c['explained']})", pct(c, c["survived"]), pct(c, c["survived"] - c["explained"])]
+             f"{c['survived']} ({c['explained']})", _mutation_pct(c, c["survived"]),
+             _mutation_pct(c, c["survived"] - c["explained"])]
             for g, c in rec["groups"].items()]
     head = ["modules", "mutants", "killed", "timed out", "survived (explained)", "score",
             "score, explained survivors left out"]
@@ -652,6 +649,44 @@ def mutation(records) -> str:
         caption += (f" Its unexplained survivors ran again after tests were added (`--rerun-survivors`{made_text(r)}): "
                     f"{r['killed']} of {r['mutants']} killed; the table counts them killed.")
     return "\n".join(table(head, rows)) + "\n\n" + caption
+
+
+MUTATION_MODULES = ROOT / "benchmarks" / "results" / "mutation_modules.json"
+
+
+def mutation_modules(records) -> str:
+    """Per module run in full (scripts/mutate.py ``--per-module``): its mutants, killed, timed out,
+    survived (of them explained), the score with and without the explained survivors, and the run."""
+    rec = records("mutation_modules", MUTATION_MODULES)
+    rows, notes = [], []
+    for path, run in rec["modules"].items():
+        c = dict(run["modules"][path])
+        rows.append([f"`{path}`", str(c["mutants"]), str(c["killed"]), str(c["timed_out"]),
+                     f"{c['survived']} ({c['explained']})", _mutation_pct(c, c["survived"]),
+                     _mutation_pct(c, c["survived"] - c["explained"])])
+        note = (f"`{path}`: `{run['command']}`{made_text(run)}, {plural(run['workers'], 'worker')}, its mutants "
+                f"{duration(run['seconds'])} on {machine_text(run)}")
+        if run.get("load"):
+            note += f", load average {run['load'][0]:.1f} as it began"
+        for r in run.get("reruns", []):
+            note += (f"; its unexplained survivors ran again after tests were added (`--rerun-survivors`"
+                     f"{made_text(r)}): {r['killed']} of {r['mutants']} killed, counted killed")
+        notes.append(note + ".")
+    head = ["module", "mutants", "killed", "timed out", "survived (explained)", "score",
+            "score, explained survivors left out"]
+    per_file = {run["tests_per_file"] for run in rec["modules"].values()}
+    caption = (f"Every mutant of each module, each running the tests that call its function: all of those of "
+               f"the module's own test files, at most {'/'.join(map(str, sorted(per_file)))} of each other test "
+               f"file (the outcome file, `benchmarks/results/mutation_modules.json`, lists each survivor and why "
+               f"it is explained). " + " ".join(notes))
+    return "\n".join(table(head, rows)) + "\n\n" + caption
+
+
+def _mutation_pct(c: dict, survived: int) -> str:
+    """(killed + timed out) / (killed + timed out + ``survived``) of the counts ``c``, as a percentage: from
+    the counts (the records' scores are rounded)."""
+    caught = c["killed"] + c["timed_out"]
+    return "—" if caught + survived == 0 else f"{100 * caught / (caught + survived):.1f}%"
 
 
 # ---------------------------------------------------------------- benchmarks/RESULTS.md, quoted
@@ -758,6 +793,7 @@ RENDERERS = {
     "layouts:docs": layouts,
     "fuzz": fuzz,
     "mutation": mutation,
+    "mutation-modules": mutation_modules,
     **{f"bench:{key}": bench_quote(key) for key in BENCH_QUOTES},
 }
 

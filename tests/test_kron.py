@@ -79,6 +79,8 @@ def test_factors_are_the_explicit_sums_and_a_long_side_keeps_none():
     left, right = kron.init_factors((5, 9), dtype=F64)
     kron.update_factors(gs[0, 0], left, right, beta=1.0, weight=1.0)
     assert _rel(right, gs[0, 0].mT @ gs[0, 0]) < 1e-14
+    left, right = kron.init_factors((5, 9), max_dim=5, dtype=F64)  # a side of max_dim keeps its factor
+    assert left is not None and left.shape == (5, 5) and right is None
 
 
 def test_root_order_and_refresh_schedule():
@@ -556,6 +558,56 @@ def test_psgd_norm_lower_bound_is_between_the_spectral_norm_over_root_k_and_it()
         assert abs(bound[i].item() - peer(a[i].clone()).item()) <= 1e-15 * two[i].item()
 
 
+def _lower_bound_cases() -> torch.Tensor:
+    """(b, 6, 6) float64 matrices, not symmetric, that part the bound's ops: random ones of either sign, one
+    whose largest column outweighs its largest row and its transpose (the other branch), ties between the
+    two (a permutation matrix, a circulant, one whose two power steps differ), a rank-one x·yᵀ, a single
+    entry, a scale near float64's largest and smallest, a diagonal and zero."""
+    gen = torch.Generator().manual_seed(35)
+    k = 6
+    rand = torch.randn(6, k, k, generator=gen, dtype=F64)
+    col = torch.randn(k, k, generator=gen, dtype=F64) * 0.1
+    col[:, 2] = torch.arange(1.0, k + 1, dtype=F64)  # one heavy column
+    x, y = torch.randn(2, k, 1, generator=gen, dtype=F64)
+    perm = torch.eye(k, dtype=F64)[torch.randperm(k, generator=gen)] * torch.linspace(1, 2, k, dtype=F64)
+    circ = torch.stack([torch.roll(torch.arange(1.0, k + 1, dtype=F64), s) for s in range(k)])
+    tie = torch.zeros(k, k, dtype=F64)  # largest column and row of equal norm, their power steps apart
+    tie[:4, :4] = torch.tensor([[1, -2, -2, -2], [0, 2, -1, 1], [1, 1, -1, 2], [-1, 0, 1, -2]], dtype=F64)
+    one = torch.zeros(k, k, dtype=F64)
+    one[1, 4] = -3.0
+    mixed = rand[0] + rand[0].T + torch.triu(rand[1], 1) * 0.3
+    return torch.stack([*rand, col, col.T, perm, circ, tie, x @ y.T, one, rand[2] * 1e300, rand[3] * 1e-300,
+                        torch.diag(torch.linspace(-2, 1, k, dtype=F64)), mixed, torch.zeros(k, k, dtype=F64)])
+
+
+def test_psgd_norm_lower_bound_holds_on_general_and_adversarial_matrices():
+    """On matrices not symmetric (the fit passes a symmetric T₁ + T₂; the function's contract is any (b, k, k)):
+    the bound lies between ‖A‖₂/√k and ‖A‖₂ (float64 ‖A‖₂ by torch.linalg.matrix_norm(ord=2), an SVD; 0 on the
+    zero matrix), is the one power step from the largest column or row written out here (s·‖M·x̂‖ with
+    x = Mᵀ·M[:, j]: M = Â and j its largest column, or M = Âᵀ and j Â's largest row where that is not smaller),
+    and is Kron's own function's on each matrix; a stack's and one matrix's bounds are the same bits."""
+    from pytorch_optimizer.optimizer.utils.psgd import norm_lower_bound as peer
+
+    a = _lower_bound_cases()
+    k = a.shape[-1]
+    bound = kron_psgd.norm_lower_bound(a)
+    assert bound.shape == (a.shape[0], 1, 1)
+    bound = bound.flatten()
+    two = torch.linalg.matrix_norm(a, ord=2)
+    assert bound[-1] == 0 and two[-1] == 0
+    assert (bound <= two * (1 + 1e-14)).all() and (bound >= two / k**0.5 * (1 - 1e-14)).all()
+    for i in range(a.shape[0]):
+        s = a[i].abs().max()
+        hat = a[i] / s if s > 0 else a[i]
+        cols, rows = (hat * hat).sum(0), (hat * hat).sum(1)
+        m = hat if cols.max() > rows.max() else hat.T  # the largest column of Â, or of Âᵀ (Â's largest row)
+        x = m.T @ m[:, cols.argmax() if m is hat else rows.argmax()]
+        direct = s * torch.linalg.vector_norm(m @ (x / x.norm())) if s > 0 else s
+        assert abs(bound[i] - direct) <= 1e-14 * two[i], i
+        assert abs(bound[i] - peer(a[i].clone())) <= 1e-15 * two[i], i
+        assert torch.equal(kron_psgd.norm_lower_bound(a[i:i + 1]).flatten(), bound[i:i + 1])
+
+
 def test_psgd_precondition_is_the_kronecker_product_of_the_factors_grams():
     """P·G = Q_LᵀQ_L·G·Q_RᵀQ_R against the explicit (QᵀQ ⊗ ...) product on vec(G), a diagonal side
     as diag(q)²."""
@@ -592,15 +644,46 @@ def test_psgd_fit_is_a_relative_gradient_step_on_the_criterion():
     assert all(criterion(ql, qr, i) < before[i] for i in range(3))
 
 
+@pytest.mark.parametrize("scale", [1.0, 1e-19])
+def test_psgd_fit_is_its_formula_written_out_with_its_guard(scale):
+    """One fit step from random factors (Q_L triangular, Q_R diagonal: its side of 5 above max_dim 4) against
+    the docstring's formula written out in float64 with explicit inverses: Q_L ← Q_L − η·triu(AAᵀ − BBᵀ)/(‖AAᵀ +
+    BBᵀ‖ + tiny)·Q_L, q_R ← q_R − η·(t₁ − t₂)·q_R/(max|t₁ + t₂| + tiny) (t the column sums of A∘A, B∘B); at a
+    scale of 1e-19 the terms are ~1e-38, of tiny's order, so the guard's sign and size show."""
+    gen = torch.Generator().manual_seed(36)
+    g, v = torch.randn(2, 3, 4, 5, generator=gen, dtype=F64) * scale
+    ql = torch.eye(4, dtype=F64) + 0.3 * torch.triu(torch.randn(3, 4, 4, generator=gen, dtype=F64))
+    qr = 1 + 0.3 * torch.rand(3, 5, generator=gen, dtype=F64)
+    a = ql @ g @ torch.diag_embed(qr)
+    b = torch.linalg.inv(ql).mT @ v @ torch.diag_embed(1 / qr)
+    t1, t2 = a @ a.mT, b @ b.mT
+    lr, tiny = 0.1, kron_psgd.TINY
+    left = ql - lr * torch.triu(t1 - t2) / (kron_psgd.norm_lower_bound(t1 + t2) + tiny) @ ql
+    c1, c2 = (a * a).sum(-2), (b * b).sum(-2)
+    right = qr - lr * (c1 - c2) * qr / ((c1 + c2).abs().amax(-1, keepdim=True) + tiny)
+    assert kron_psgd.diagonal(5, 4) and not kron_psgd.diagonal(4, 4)
+    before = ql.clone(), qr.clone()
+    kron_psgd.fit(g, v, ql, qr, lr=lr)
+    assert _rel(ql, left) < 1e-12 and _rel(qr, right) < 1e-12
+    assert _rel(ql, before[0]) > 1e-3 and _rel(qr, before[1]) > 1e-3  # a step the comparison sees
+
+
 def test_psgd_balance_leaves_the_preconditioner_unchanged():
+    """Q_L·c and Q_R/c with c = √(‖Q_R‖_max/‖Q_L‖_max) > 0 written out (a negative c would leave P and every
+    fit the same, and flip the stored factors' signs), both largest entries then equal, P unchanged."""
     gen = torch.Generator().manual_seed(33)
     ql = torch.triu(torch.randn(2, 4, 4, generator=gen, dtype=F64)) * 100
     qr = torch.triu(torch.randn(2, 5, 5, generator=gen, dtype=F64)) / 100
     g = torch.randn(2, 4, 5, generator=gen, dtype=F64)
     before = kron_psgd.precondition(g, ql, qr)
+    nl, nr = ql.abs().amax((-2, -1)), qr.abs().amax((-2, -1))
+    c = (nr / nl).sqrt().view(-1, 1, 1)  # the docstring's c = √(‖Q_R‖_max/‖Q_L‖_max) > 0
+    expected_l, expected_r = ql * c, qr / c
     kron_psgd.balance(ql, qr, g)
     assert _rel(kron_psgd.precondition(g, ql, qr), before) < 1e-14
     torch.testing.assert_close(ql.abs().amax((-2, -1)), qr.abs().amax((-2, -1)), rtol=1e-15, atol=0)
+    torch.testing.assert_close(ql, expected_l, rtol=1e-14, atol=0)
+    torch.testing.assert_close(qr, expected_r, rtol=1e-14, atol=0)
 
 
 def test_psgd_a_stack_gives_each_matrix_the_bits_it_gets_alone():

@@ -95,7 +95,9 @@ def test_one_sided_keeps_no_factor_above_max_dim():
         p.grad = gi.clone()
     opt.step()
     state = opt.state[model.ws[0]]
-    assert state["shampoo_right"].numel() == 0 and state["shampoo_left"].shape == (5, 5)
+    assert state["shampoo_left"].shape == (5, 5)
+    for key in ("shampoo_right", "shampoo_right_root", "shampoo_graft"):  # one empty entry (…, 0) per matrix
+        assert state[key].shape == (0,), key
     lam, q = torch.linalg.eigh(g[0] @ g[0].T + 1e-3 * torch.eye(5, dtype=F64))
     want = -0.1 * (q @ torch.diag(lam ** -0.5) @ q.T @ g[0])
     torch.testing.assert_close(model.ws[0].detach(), want, rtol=1e-10, atol=1e-12)
@@ -371,7 +373,8 @@ def test_a_step_journals_the_refreshed_state_only_when_it_changes_it(method, mon
     from test_atomic_step import build, check_every_fault, grads_of
 
     spec = {"geomopt": 1, "name": "k", "rules": [
-        {"name": "hidden", "match": {"role": "hidden"}, "geometry": {"kind": "kronecker", "method": method, "every": 2}},
+        {"name": "hidden", "match": {"role": "hidden"},
+         "geometry": {"kind": "kronecker", "method": method, "every": 2}},
         {"name": "rest", "match": "**", "geometry": {"kind": "adam"}}]}
     model, opt = build(spec)
     grads = [grads_of(model, k) for k in range(5)]
@@ -397,3 +400,21 @@ def test_a_step_journals_the_refreshed_state_only_when_it_changes_it(method, mon
     model, opt = build(spec)
     for steps in (3, 4):  # a step that refreshes nothing (3: Shampoo, PSGD) and one that refreshes
         check_every_fault(opt, grads[:steps])
+
+
+@pytest.mark.parametrize("every", [1, 2, 3, 5])
+@pytest.mark.parametrize("method", ["shampoo", "soap", "psgd"])
+def test_the_state_a_step_leaves_unchanged_is_the_refreshed_one_off_its_schedule(method, every):
+    """``unchanged_by_step`` against the schedule counted out: after ``count`` steps, the next (count + 1)
+    refreshes where every divides it, and leaves the refreshed entries alone elsewhere; nothing before a first
+    step or for another geometry."""
+    from geomopt.compile.fragments import ResolvedGeometry
+    from geomopt.geometry.learned import REFRESHED, unchanged_by_step
+    from geomopt.spec.geometries import Adam, Kronecker
+
+    geometry = ResolvedGeometry(Kronecker(method=method, every=every))
+    assert unchanged_by_step(geometry, {}) == ()
+    for count in range(12):
+        refreshes = (count + 1) % every == 0
+        assert unchanged_by_step(geometry, {f"{method}_step": count}) == (() if refreshes else REFRESHED[method])
+    assert unchanged_by_step(ResolvedGeometry(Adam()), {f"{method}_step": 1}) == ()

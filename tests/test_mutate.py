@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -188,3 +189,30 @@ def test_a_stopped_run_and_a_rerun_count_what_ran(mutate, tiny):
     after = mutate._recount(c, killed=2, explained=1)
     assert (after["killed"], after["survived"], after["explained"]) == (8, 1, 1)
     assert after["score"] == 0.9 and after["score_unexplained"] == 1.0
+
+
+def test_a_per_module_outcome_is_kept_per_module_and_recounted(mutate, tmp_path):
+    """``--per-module``: each module's record replaces that module's last and leaves the others; a rerun's
+    recount of one record moves its survivors the tests now kill to killed, in the module's and the group's
+    counts; the option refuses a sampled or stopped run."""
+    out = tmp_path / "modules.json"
+    a, b = "geomopt/geometry/a.py", "geomopt/geometry/b.py"
+
+    def record(path: str, survivors: list[str]) -> dict:
+        c = {"mutants": 4, "killed": 4 - len(survivors), "timed_out": 0, "survived": len(survivors),
+             "explained": 0}
+        return {"modules": {path: dict(c)}, "groups": {"geometry": dict(c)},
+                "survivors": [{"key": f"{path}::f: {s}", "at": f"{path}:1:0"} for s in survivors]}
+
+    mutate.record_per_module(a, record(a, ["1 -> 2"]), out)
+    mutate.record_per_module(b, record(b, []), out)
+    mutate.record_per_module(a, record(a, ["1 -> 2", "1 -> 0"]), out)
+    data = json.loads(out.read_text(encoding="utf-8"))
+    assert list(data["modules"]) == [a, b] and len(data["modules"][a]["survivors"]) == 2
+    rec = data["modules"][a]
+    mutate._recount_record(rec, {f"{a}::f: 1 -> 0"})
+    assert [s["key"] for s in rec["survivors"]] == [f"{a}::f: 1 -> 2"]
+    for c in (rec["modules"][a], rec["groups"]["geometry"]):
+        assert (c["killed"], c["survived"], c["score"], c["score_unexplained"]) == (3, 1, 0.75, 0.75)
+    with pytest.raises(SystemExit):
+        mutate.main(["--per-module", str(out), "--max-mutants", "3"])
