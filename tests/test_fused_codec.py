@@ -186,6 +186,8 @@ def test_flat_noise_draws_noises_bits_from_tensor_seed_and_offset():
 
 def test_the_dispatcher_says_the_codec_is_compiled():
     text = geomopt.GeomOptimizer(_params(), _spec("int8", ADAM), fuse=True).describe()
-    assert "flat · fused · compiled" in text and "fuse: each piece's decode" in text
+    assert "flat · fused · compiled" in text and "fuse: each piece's decode, Adam's arithmetic" in text
+    sign = geomopt.GeomOptimizer(_params(), _spec("int8", *RULES["sign-nesterov"]), fuse=True).describe()
+    assert "one kernel per moment" in sign and "Adam's arithmetic" not in sign
     plain = geomopt.GeomOptimizer(_params(), _spec("float32", ADAM), fuse=True)
     assert not any(p.compiled for progs in plain.engine.programs for p in progs)  # float32 Adam: nothing to fuse
