@@ -126,6 +126,29 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ia - ib).abs().max())
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_pieces_of_one_block_and_of_one_entry_step_whole(dtype, monkeypatch):
+    """Tensors of one int8 block (256 entries: a piece of one row of blocks) and, under bf16, of one
+    entry: three steps under fuse=True within rounding of the eager steps, every piece run whole."""
+    gen = torch.Generator().manual_seed(3)
+    init = {n: torch.randn(*s, generator=gen) for n, s in {"one": (256,), "two": (2, 256), "tiny": (1,)}.items()}
+
+    def run(fuse: bool):
+        ps = [(n, torch.nn.Parameter(x.clone())) for n, x in init.items()]
+        opt = geomopt.GeomOptimizer(ps, _spec(dtype, ADAM), fuse=fuse)
+        for k in range(3):
+            _grads(ps, k)
+            opt.step()
+        return ps
+
+    eager = run(False)
+    calls = _spy(monkeypatch)
+    fused = run(True)
+    assert sum(calls) == 2 * sum(p.numel() for _, p in eager if dtype == "bfloat16" or p.numel() % BLOCK == 0)
+    for (name, p), (_, q) in zip(eager, fused):
+        assert float((p - q).detach().abs().max()) <= 1e-6 * float(p.detach().abs().max()), name
+
+
 def test_a_schedule_compiles_nothing_again(monkeypatch):
     """int8 Adam under fuse=True with a new lr every step: after the second step (the first makes the
     state eagerly), no step compiles a graph, and the pieces ran whole."""

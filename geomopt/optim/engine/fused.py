@@ -289,8 +289,8 @@ def encoded_adam(x: torch.Tensor, m: dict, v: dict, g: torch.Tensor, count: torc
     moments and denominator (:func:`~geomopt.geometry.adam.adam_moments`, ``count`` the steps taken
     before this one), X ← X·keep − lr/bc₁·m/(√v/√bc₂ + ε) (:func:`write_tail`), and the new moments
     encoded back in place (:func:`encode_moment`, the entries [lo, lo + n) of their tensor seeded by
-    ``m_seed``, ``v_seed``). Compiled (:func:`compiled_adam`), the float32 moments live in registers:
-    what goes to memory is X and the stored entries."""
+    ``m_seed``, ``v_seed``). Compiled (:func:`compiled_adam`): the float32 moments pass between
+    inductor's loops inside one call, not through the workspace between five calls."""
     x, g = x.view(-1), g.view(-1)
     m, v = ({k: t.view(-1) for k, t in d.items()} for d in (m, v))
     one = torch.empty_like(x)
@@ -313,12 +313,13 @@ def compiled_adam(dtype: str, geometry, decay: str, decays: bool) -> Callable:
     """:func:`encoded_adam` compiled for one precision, Adam geometry (β₁, β₂, ε: constants) and decay."""
     key = (dtype, adam_hyper(geometry), decay, decays)
     if key not in _ADAM:
-        step = _compile(_own_code(encoded_adam, dtype), options=CODEC_OPTIONS["encode"], dtype=dtype,
-                        geometry=geometry, decay=decay, decays=decays)
+        # a code object per key: each compiles a graph or three (storage offsets), within torch's limit
+        step = _compile(_own_code(encoded_adam, dtype, str(len(_ADAM))), options=CODEC_OPTIONS["encode"],
+                        dtype=dtype, geometry=geometry, decay=decay, decays=decays)
 
         def call(*args):
             for t in (args[0], args[3], *args[1].values(), *args[2].values()):
-                torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, 0)  # a piece of one block: 1, specialized
             return step(*args)
 
         _ADAM[key] = call
