@@ -14,9 +14,10 @@ on its cost) over float32 state's step, and the bytes the state holds per parame
 of ``opt.state``: codes, scales, corrections, moments, counts) and over float32's. A second float32
 optimizer is timed as its own row (A/A: the spread the method leaves between equal steps).
 ``--fuse``: every precision again under ``GeomOptimizer(fuse=True)`` (an encoded flat rule's codec
-compiled, ``geomopt.optim.engine.fused``), in the same round robin, each also over the fuse=True
-float32 step, with the wall time of its first two steps (the compiles: one per precision and moment,
-every chunk size alike) over the eager optimizer's.
+compiled, an Adam rule's each piece whole in one call: ``geomopt.optim.engine.fused``), in the same
+round robin, each also over the fuse=True float32 step, with the wall time of its first two steps
+(the compiles: one per precision and moment, or per precision for Adam, every chunk size alike)
+over the eager optimizer's.
 """
 
 from __future__ import annotations

@@ -54,9 +54,9 @@ def _grads(ps: list, step: int) -> None:
         p.grad = torch.randn(p.shape, generator=gen) * torch.logspace(-3, 0, p.numel()).reshape(p.shape)
 
 
-def _run(spec: dict, steps: int = 3):
+def _run(spec: dict, steps: int = 3, fuse: bool = False):
     ps = _params()
-    opt = geomopt.GeomOptimizer(ps, spec)
+    opt = geomopt.GeomOptimizer(ps, spec, fuse=fuse)
     for k in range(steps):
         _grads(ps, k)
         opt.step()
@@ -128,11 +128,13 @@ def test_a_batched_bucket_encoded_in_pieces_equals_one_piece_bit_for_bit(dtype, 
     _assert_same_run(whole, run())
 
 
+@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_flat_encoded_step_is_one_adam_step_on_the_decoded_moments(dtype):
+def test_the_flat_encoded_step_is_one_adam_step_on_the_decoded_moments(dtype, fuse):
     """The fourth step against AdamW in float64 from the decoded moments: parameters within 2 ulp,
-    and the stored moments decode to the reference's within the codec's rounding."""
-    ps, opt = _run(_spec(dtype, ADAM))
+    and the stored moments decode to the reference's within the codec's rounding; eagerly and under
+    fuse=True (each piece decoded, stepped and encoded by one compiled call)."""
+    ps, opt = _run(_spec(dtype, ADAM), fuse=fuse)
     before = {n: (p.detach().double().clone(), decode_entry(copy.deepcopy(opt.state[p]))) for n, p in ps}
     _grads(ps, 3)
     opt.step()

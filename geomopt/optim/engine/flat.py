@@ -213,7 +213,16 @@ def step_flat_encoded(prog: Program, rt: Runtime, state, group: dict, items: lis
     for key in keys:
         take("state." + key, (largest,), torch.float32, device)
     count = None if step is None else torch.full((), step, dtype=torch.float32, device=device)
+    whole = None
+    if prog.compiled and step is not None and group["direction"] == "none":
+        whole = tail.EncodedAdam(codec.dtype, pp, step, gamma, group["weight_decay"], device)
     for pieces in chunks:
+        if whole is not None:  # a piece stored in place in the rule's precision: one compiled call, whole
+            pieces = [(i, a, b) for i, a, b in pieces
+                      if not (_in_place(targets[i], olds[i], keys) and whole(xs[i][a:b], gs[i][a:b], targets[i], a,
+                                                                            seeds[i]))]
+            if not pieces:
+                continue
         n = sum(b - a for _, a, b in pieces)
         x_b = [xs[i][a:b] for i, a, b in pieces]
         g_b = [gs[i][a:b] for i, a, b in pieces]
@@ -242,6 +251,13 @@ def step_flat_encoded(prog: Program, rt: Runtime, state, group: dict, items: lis
                     codec.encode_piece(key, view, a, b, (1, xs[i].numel()), seeds[i][key], target, take)
     for bind in binds:
         bind()
+
+
+def _in_place(targets: dict, olds: dict, keys: tuple) -> bool:
+    """Whether a tensor's moments ``keys`` are written where they are read: every stored entry of each
+    (:func:`_target`) the entry the state holds, in the rule's precision (not float32, not new)."""
+    return all(isinstance(targets[key], dict) and all(k in olds and olds[k].data_ptr() == t.data_ptr()
+                                                      for k, t in targets[key].items()) for key in keys)
 
 
 def _decode(compiled: bool, stored: dict, key: str, a: int, b: int, out: torch.Tensor, take) -> None:

@@ -35,14 +35,17 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from geomopt.geometry.adam import adam_hyper, adam_moments
 from geomopt.geometry.forward import elementwise_into, input_dtype
 from geomopt.geometry.polynomial import folded
 from geomopt.geometry.prox import backward
-from geomopt.optim.persist.codes import flat_noise
-from geomopt.optim.persist.state_codec import Codec, decode_piece
+from geomopt.optim.persist.codes import BLOCK, flat_noise, signed
+from geomopt.optim.persist.state_codec import Codec, decode_piece, piece_of
 from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
+from geomopt.optim.units.state_keys import CORRECTION, SCALE
 from geomopt.optim.units.directions import DIRECTIONS, polyak_lerp, polyak_lookahead
+from geomopt.spec.model import QUANTIZED
 
 
 def run(fn: Callable, out: list, written: list, read: list, *args) -> Any:
@@ -276,6 +279,79 @@ def encode_moment(stored: dict, x: torch.Tensor, seed: torch.Tensor, lo: torch.T
     codec = Codec(dtype)
     bits = flat_noise(seed, lo, x.numel(), x.device) if codec.rounds(key) else None
     codec.encode_values(key, x, bits, stored)
+
+
+def encoded_adam(x: torch.Tensor, m: dict, v: dict, g: torch.Tensor, count: torch.Tensor, lr: torch.Tensor,
+                 keep: torch.Tensor, m_seed: torch.Tensor, v_seed: torch.Tensor, lo: torch.Tensor, *, dtype: str,
+                 geometry, decay: str, decays: bool) -> None:
+    """One piece of an encoded Adam step, whole: its moments' stored entries ``m``, ``v``
+    (:func:`~geomopt.optim.persist.state_codec.piece_of`) decoded (:func:`decode_moment`), Adam's
+    moments and denominator (:func:`~geomopt.geometry.adam.adam_moments`, ``count`` the steps taken
+    before this one), X ← X·keep − lr/bc₁·m/(√v/√bc₂ + ε) (:func:`write_tail`), and the new moments
+    encoded back in place (:func:`encode_moment`, the entries [lo, lo + n) of their tensor seeded by
+    ``m_seed``, ``v_seed``). Compiled (:func:`compiled_adam`): the float32 moments pass between
+    inductor's loops inside one call, not through the workspace between five calls."""
+    x, g = x.view(-1), g.view(-1)
+    m, v = ({k: t.view(-1) for k, t in d.items()} for d in (m, v))
+    one = torch.empty_like(x)
+    two = torch.empty_like(x)
+    decode_moment(one, m, key="exp_avg")
+    decode_moment(two, v, key="exp_avg_sq")
+    moments = {"exp_avg": one, "exp_avg_sq": two, "adam_step": count}
+    exp_avg, denom, bc1 = adam_moments(g, moments, geometry)
+    write_tail([x], [exp_avg / denom], keep, -lr / bc1, decay=decay, decays=decays)
+    encode_moment(m, exp_avg, m_seed, lo, dtype=dtype, key="exp_avg")
+    encode_moment(v, moments["exp_avg_sq"], v_seed, lo, dtype=dtype, key="exp_avg_sq")
+
+
+#: (precision, (β₁, β₂, ε), decay, decays) → :func:`compiled_adam`'s function (an Adam geometry is no
+#: dict key: its spec holds a list)
+_ADAM: dict = {}
+
+
+def compiled_adam(dtype: str, geometry, decay: str, decays: bool) -> Callable:
+    """:func:`encoded_adam` compiled for one precision, Adam geometry (β₁, β₂, ε: constants) and decay."""
+    key = (dtype, adam_hyper(geometry), decay, decays)
+    if key not in _ADAM:
+        # a code object per key: each compiles a graph or three (storage offsets), within torch's limit
+        step = _compile(_own_code(encoded_adam, dtype, str(len(_ADAM))), options=CODEC_OPTIONS["encode"],
+                        dtype=dtype, geometry=geometry, decay=decay, decays=decays)
+
+        def call(*args):
+            for t in (args[0], args[3], *args[1].values(), *args[2].values()):
+                torch._dynamo.maybe_mark_dynamic(t, 0)  # a piece of one block: 1, specialized
+            return step(*args)
+
+        _ADAM[key] = call
+    return _ADAM[key]
+
+
+class EncodedAdam:
+    """An encoded Adam step's pieces run whole (:func:`compiled_adam`): one step's numbers as 0-d
+    tensors (graph inputs: a schedule compiles nothing again), made once per step; a call steps one
+    piece [a, b) of a tensor in place and returns True."""
+
+    def __init__(self, dtype: str, pp, step: int, gamma: float, weight_decay: float, device):
+        self.fn = compiled_adam(dtype, pp.geometry, pp.decay, bool(weight_decay))
+        self.rows = BLOCK if dtype in QUANTIZED else None  # int8: pieces as (blocks, 256), a static inner dim
+        self.numbers = [torch.tensor(v, dtype=torch.float64, device=device)
+                        for v in (step - 1, gamma, 1 - gamma * weight_decay)]
+        self.device = device
+
+    def __call__(self, x: torch.Tensor, g: torch.Tensor, targets: dict, a: int, seeds: dict) -> bool:
+        keys = ("exp_avg", "exp_avg_sq")
+        stored = [{k: self._rows(t, k) for k, t in piece_of(targets[key], a, a + x.numel()).items()} for key in keys]
+        seed = [torch.tensor(signed(seeds[key][0]), dtype=torch.int32, device=self.device) for key in keys]
+        run(self.fn, [], [self._rows(x), *stored], [self._rows(g)], *self.numbers, *seed,
+            torch.tensor(a, dtype=torch.int64, device=self.device))
+        return True
+
+    def _rows(self, t: torch.Tensor, key: str = "") -> torch.Tensor:
+        """A piece's flat tensor as int8's blocks (…, 256) (its corrections (…, 128), its scales flat),
+        so the compiled code knows a block's size; bf16's as it is."""
+        if self.rows is None or key.endswith(SCALE):
+            return t
+        return t.view(-1, self.rows // 2 if key.endswith(CORRECTION) else self.rows)
 
 
 @functools.lru_cache(maxsize=None)

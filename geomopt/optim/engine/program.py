@@ -274,7 +274,11 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
                 if pp.state_dtype != "float32":
                     why.append(f"state {pp.state_dtype}: the moments decoded chunk by chunk into the workspace, "
                                "stepped and encoded back (the float32 copies are one chunk's)")
-                if codec_fusable(pp, opts):
+                if codec_fusable(pp, opts) and pp.geometry.kind == "adam" and group["direction"] == "none":
+                    why.append("fuse: each piece's decode, Adam's arithmetic, write-back, block scales, code "
+                               "search, random bits and encode in one compiled call (torch.compile), from the "
+                               "second step (the first makes the state as with float32 state)")
+                elif codec_fusable(pp, opts):
                     why.append("fuse: each piece's decode, and its block scales, code search, random bits and "
                                "encode, compiled into one kernel per moment (torch.compile); the rule's "
                                "arithmetic between them as with float32 state")
