@@ -14,7 +14,9 @@ eager step's bits where the map is the sign (c·sign(d) is exact).
 A batched bucket compiles its look-ahead (:func:`lookahead_rows_into`: d⁺ into a new d and u,
 one pass over d and G) and its in-place write-back (:func:`write_tail`, or :func:`prox_tail`
 with a constraint whose prox acts entry by entry), and runs its polynomial iteration eagerly in
-the folded form (:func:`folding`). Each region is one loop per tensor in inductor's generated
+the folded form (:func:`folding`); its post-stages, where each has a statistics form, become one
+factor per row from one compiled read of U (:func:`post_by_rows`), which the write-back applies
+(:func:`row_write_tail`, :func:`row_prox_tail`). Each region is one loop per tensor in inductor's generated
 code, loading each input once and storing each output once (read from
 ``TORCH_LOGS=output_code`` on the CPU): the byte counter's declaration is what it moves.
 
