@@ -168,3 +168,15 @@ def test_a_non_finite_gradient_leaves_the_fused_post_stages_untouched():
     assert all(torch.equal(a, b) for a, b in
                zip(state, [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]))
     assert sum(opt.diagnostics()[g["rule"]]["skipped"] for g in opt.param_groups) > 0
+
+
+def test_the_dispatcher_says_which_post_stages_run_by_rows():
+    """describe() names the row form per bucket: every normuon bucket under fuse, no adamuon one
+    (a per-entry moment), none without fuse."""
+    model = tiny_gpt(0)
+    said = "fuse: the post-stages by rows"
+    normuon = geomopt.GeomOptimizer(model, "normuon", fuse=True)
+    hidden = sum(len(progs) for g, progs in zip(normuon.param_groups, normuon.engine.programs) if g["rule"] == "hidden")
+    assert hidden and normuon.describe().count(said) == hidden
+    assert said not in geomopt.GeomOptimizer(model, "adamuon", fuse=True).describe()
+    assert said not in geomopt.GeomOptimizer(model, "normuon").describe()
