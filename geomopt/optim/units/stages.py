@@ -12,12 +12,10 @@ shards), and a ``reduce`` stage's sums over a dim cut across ranks are all-reduc
 the rule's radius ρ multiplies their result, so a stage shapes the unit update and ρ still sets
 the step. Every stage computes in float32 at least (the forward op's output dtype).
 
-A stage whose result is F⊙U with F a function of U's per-row sums of squares alone declares that
-*statistics form* (``rows``: ss → F, and ``by_rows``: for which configuration and tensor it
-holds): a chain of such stages is one factor on U, read from one pass over U
-(:func:`row_factor`), which ``GeomOptimizer(fuse=True)`` folds into its write-back
-(:mod:`geomopt.optim.engine.fused`); the stage's own arithmetic (its state's update, its
-factor) is one function both forms call.
+A stage whose result is F⊙U, F a function of U's per-row sums of squares, declares that
+*statistics form* (``rows``: ss → F; ``by_rows``: for which fragments and tensors): a chain of them
+is one factor from one read of U (:func:`row_factor`), which ``fuse=True`` folds into its
+write-back (:mod:`geomopt.optim.engine.fused`); both forms call the stage's one arithmetic.
 """
 
 from __future__ import annotations
