@@ -226,3 +226,28 @@ def test_a_fused_capturable_step_moves_no_more_bytes_than_the_eager_one(traffic,
         captured["top_ops"], fused["top_ops"])
     where = sum(o["read_bytes"] + o["written_bytes"] for o in captured["top_ops"] if o["op"] == "where")
     assert where <= 3 * stacked + scalars  # X⁺ and X read, X written; no gradient selected outside a compiled loop
+
+
+def test_a_fused_normuon_step_reads_its_hidden_matrices_once_more_than_muon(traffic):
+    """NorMuon's post-stages (a per-row second moment of U, the norm match) under fuse: one
+    compiled read of U for its per-row sums of squares, the stages' arithmetic on those (a few
+    numbers per row), and their factor per row read by the compiled write-back beside U. So the
+    step moves muon's bytes and one pass over the hidden matrices more (and the second moment's
+    rows), where the eager stages pass over them about ten times (mul, div, linalg_vector_norm,
+    mean: normuon 3.00 against muon's 1.71 on the --small model, fused, before)."""
+    torch.set_grad_enabled(False)
+    try:
+        ops, floor, model, programs = _ops(traffic, "normuon", fuse=True)
+        muon, muon_floor, _, _ = _ops(traffic, "muon", fuse=True)
+    finally:
+        torch.set_grad_enabled(True)
+    hidden = {n for progs in programs for p in progs if p.compiled and p.variant == "batched" for n in p.names}
+    pass_ = 4 * sum(p.numel() for n, p in model.named_parameters() if n in hidden)
+    rows = (floor["state"] - muon_floor["state"]) // 2  # the second moment: one number per row (and its count)
+    scalars = 64 * len(list(model.parameters()))
+    assert hidden and abs(ops["compiled:row_squares_into"] - pass_) <= rows + scalars
+    assert abs(ops["compiled:row_write_tail"] - muon["compiled:write_tail"]) <= rows + scalars
+    assert not {"div", "linalg_vector_norm", "mean", "copy_"} & {n for n, moved in ops.items() if moved > 4 * rows}, ops
+    extra = sum(ops.values()) - sum(muon.values())
+    assert pass_ <= extra <= pass_ + 32 * rows, (extra, pass_, rows, ops)  # the rows' arithmetic: 25 on --small
+    assert sum(ops.values()) / floor["total"] <= 1.9

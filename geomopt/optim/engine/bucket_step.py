@@ -201,10 +201,13 @@ class BucketJob:
         return self.post_request(u)
 
     def on_post(self, answer) -> Optional[Request]:
-        step, _ = answer
+        step, factor = answer  # factor: the post-stages by rows (fuse), for the compiled write-back
         if self.pp.post and is_dtensor(self.items[0][0]):
             self.rt.stacked.reduced[tuple(id(q) for q, _ in self.items)] = dict(self.post_ctx.reduced)
         gamma, rho, wd = self.gamma, self.rho, self.group["weight_decay"]
+        if factor is not None and (self.prog.write == "stacked" or self.lerp):  # no compiled write-back: one pass
+            step, factor = step * factor, None
+        self.factor = factor
         if self.prog.write != "stacked":  # X ← X(1 − γ·wd) − γρ·∇φ₁*(d) on the parameters themselves
             steps = list(step.unbind(0))
             self.prepare()  # the state's stored form first: a failure there leaves X as it was
@@ -247,7 +250,8 @@ class BucketJob:
         wd, coef = self.group["weight_decay"], gamma if self.prog.write == "one-pass" else -gamma * self.rho
         fused.write_back(self.views, steps, 1 - gamma * wd, coef, gamma, decay=self.pp.decay, decays=bool(wd),
                          geometry=self.pp.geometry, constraint=self.pp.constraint,
-                         rho=self.rho if self.projects else None)
+                         rho=self.rho if self.projects else None,
+                         factors=None if self.factor is None else list(self.factor.unbind(0)))
 
     def write_scaled(self, steps: list, gamma) -> None:
         """The in-place writes with γ a 0-d device tensor (a capturable step: γ·ok, or lr on the
@@ -352,6 +356,8 @@ class BucketJob:
             state, pp.op_shape, view=pp.geometry.view, gradient=self.g_raw,
             direction=None if self.d is None else upcast(self.d), param=param, step=step, shard=shard,
             fresh=self.prog.journal)
+        if self.prog.compiled:  # fuse: by rows where the stages can (one read of U), the factor in the write-back
+            return Request(lambda m: fused.post_by_rows(m, list(pp.post), ctx), u, LOCAL)
         return Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)
 
 

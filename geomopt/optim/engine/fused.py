@@ -14,7 +14,9 @@ eager step's bits where the map is the sign (c·sign(d) is exact).
 A batched bucket compiles its look-ahead (:func:`lookahead_rows_into`: d⁺ into a new d and u,
 one pass over d and G) and its in-place write-back (:func:`write_tail`, or :func:`prox_tail`
 with a constraint whose prox acts entry by entry), and runs its polynomial iteration eagerly in
-the folded form (:func:`folding`). Each region is one loop per tensor in inductor's generated
+the folded form (:func:`folding`); its post-stages, where each has a statistics form, become one
+factor per row from one compiled read of U (:func:`post_by_rows`), which the write-back applies
+(:func:`row_write_tail`, :func:`row_prox_tail`). Each region is one loop per tensor in inductor's generated
 code, loading each input once and storing each output once (read from
 ``TORCH_LOGS=output_code`` on the CPU): the byte counter's declaration is what it moves.
 
@@ -104,17 +106,59 @@ def prox_tail(xs: list, steps: list, keep: torch.Tensor, coef: torch.Tensor, gam
             x.copy_(backward(x, gamma, geometry, constraint, radius=rho)[0])
 
 
+def row_write_tail(xs: list, steps: list, factors: list, keep: torch.Tensor, coef: torch.Tensor, *, decay: str,
+                   decays: bool) -> None:
+    """:func:`write_tail` of the steps F⊙S, F a factor per row of each tensor (the rule's
+    post-stages by rows, :func:`post_by_rows`): read beside S, no F⊙S formed."""
+    write_tail(xs, [s * f for s, f in zip(steps, factors)], keep, coef, decay=decay, decays=decays)
+
+
+def row_prox_tail(xs: list, steps: list, factors: list, keep: torch.Tensor, coef: torch.Tensor, gamma: torch.Tensor,
+                  **fixed) -> None:
+    """:func:`prox_tail` of the steps F⊙S (:func:`row_write_tail`)."""
+    prox_tail(xs, [s * f for s, f in zip(steps, factors)], keep, coef, gamma, **fixed)
+
+
 def write_back(xs: list, steps: list, keep: float, coef: float, gamma: float, *, decay: str, decays: bool, geometry,
-               constraint, rho: Optional[float]) -> None:
+               constraint, rho: Optional[float], factors: Optional[list] = None) -> None:
     """A batched bucket's in-place write-back, compiled: X ← X·keep + coef·S (:func:`write_tail`),
     then the constraint's entrywise prox where the rule has one (:func:`prox_tail`); the numbers
-    enter as 0-d tensors (graph inputs)."""
+    enter as 0-d tensors (graph inputs). ``factors``: S's factor per row of each tensor (the
+    post-stages by rows), applied in the same pass."""
     numbers = [scalar(keep, steps[0]), scalar(coef, steps[0])]
+    read = [steps] if factors is None else [steps, factors]
     if constraint is None:
-        run(compiled_write(decay, decays), [], [xs], [steps], *numbers)
+        run(compiled_write(decay, decays, factors is not None), [], [xs], read, *numbers)
     else:
-        run(compiled_prox(decay, decays, geometry, constraint, rho), [], [xs], [steps], *numbers,
+        run(compiled_prox(decay, decays, geometry, constraint, rho, factors is not None), [], [xs], read, *numbers,
             scalar(gamma, steps[0]))
+
+
+def row_squares_into(ss: torch.Tensor, u: torch.Tensor, *, dims: tuple) -> None:
+    """ss = Σ U² over ``dims`` (kept), in float32 at least: one read of U (compiled)."""
+    u = u.to(torch.promote_types(u.dtype, torch.float32))
+    ss.copy_((u * u).sum(dim=dims, keepdim=True))
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_squares(dims: tuple) -> Callable:
+    """:func:`row_squares_into` compiled for one set of dims."""
+    return _compile(row_squares_into, dims=dims)
+
+
+def post_by_rows(u: torch.Tensor, post: list, ctx: post_stages.Context) -> tuple:
+    """A bucket's post-stages under fuse: (U, F) with F their factor per row
+    (:func:`~geomopt.optim.units.stages.row_factor`) from U's per-row sums of squares, read in one
+    compiled pass, for the write-back to apply (:func:`row_write_tail`), where every stage has a
+    statistics form for the tensor (:func:`~geomopt.optim.units.stages.row_dims`); else
+    (the stages' result, None), as the eager step runs them."""
+    dims = post_stages.row_dims(post, ctx)
+    if dims is None:
+        return post_stages.run(u, post, ctx), None
+    ss = u.new_empty([1 if d in dims else n for d, n in enumerate(u.shape)],
+                     dtype=torch.promote_types(u.dtype, torch.float32))
+    run(compiled_squares(dims), [ss], [], [u])
+    return u, post_stages.row_factor(ss, post, ctx)
 
 
 def folding(forward: Callable) -> Callable:
@@ -172,9 +216,9 @@ def compiled_captured(direction: str, init: str, nesterov: bool, first: bool, ge
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_write(decay: str, decays: bool) -> Callable:
-    """:func:`write_tail` compiled for one decay."""
-    return _compile(write_tail, decay=decay, decays=decays)
+def compiled_write(decay: str, decays: bool, rows: bool = False) -> Callable:
+    """:func:`write_tail` (``rows``: :func:`row_write_tail`) compiled for one decay."""
+    return _compile(row_write_tail if rows else write_tail, decay=decay, decays=decays)
 
 
 def lookahead_rows_into(us: list, news: list, ds: list, gs: list, alpha) -> None:
@@ -192,10 +236,12 @@ def lookahead_rows_into(us: list, news: list, ds: list, gs: list, alpha) -> None
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_prox(decay: str, decays: bool, geometry, constraint, rho: Optional[float]) -> Callable:
-    """:func:`prox_tail` compiled for one decay, geometry, constraint and radius (a constant of the
-    graph: a radius schedule compiles once per value; γ is an input)."""
-    return _compile(prox_tail, decay=decay, decays=decays, geometry=geometry, constraint=constraint, rho=rho)
+def compiled_prox(decay: str, decays: bool, geometry, constraint, rho: Optional[float], rows: bool = False) -> Callable:
+    """:func:`prox_tail` (``rows``: :func:`row_prox_tail`) compiled for one decay, geometry,
+    constraint and radius (a constant of the graph: a radius schedule compiles once per value; γ is
+    an input)."""
+    return _compile(row_prox_tail if rows else prox_tail, decay=decay, decays=decays, geometry=geometry,
+                    constraint=constraint, rho=rho)
 
 
 @functools.lru_cache(maxsize=None)

@@ -373,6 +373,8 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
         why.append("fuse: " + " and ".join(
             (["the look-ahead read row by row in one pass"] if form == "rows" else [])
             + (["the in-place write-back in one pass over X"] if write == "in-place" else [])) + " (torch.compile)")
+        if pp.post and post_stages.row_dims(list(pp.post), post_stages.Context({}, pp.op_shape, pp.geometry.view)):
+            why.append("fuse: the post-stages by rows (one read of U; their factor per row applied by the write-back)")
     approx = pp.geometry.approx_kind
     graphed = opts.cuda_graphs and approx in POLYNOMIAL_APPROXES and opts.local and p.device.type == "cuda"
     if graphed:

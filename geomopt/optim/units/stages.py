@@ -11,6 +11,11 @@ shards), and a ``reduce`` stage's sums over a dim cut across ranks are all-reduc
 :data:`geomopt.spec.updates.STAGE_ORDER`, at most once each, after the forward op and with ρ = 1:
 the rule's radius ρ multiplies their result, so a stage shapes the unit update and ρ still sets
 the step. Every stage computes in float32 at least (the forward op's output dtype).
+
+A stage whose result is F⊙U, F a function of U's per-row sums of squares, declares that
+*statistics form* (``rows``: ss → F; ``by_rows``: for which fragments and tensors): a chain of them
+is one factor from one read of U (:func:`row_factor`), which ``fuse=True`` folds into its
+write-back (:mod:`geomopt.optim.engine.fused`); both forms call the stage's one arithmetic.
 """
 
 from __future__ import annotations
@@ -38,20 +43,25 @@ class Stage:
     state: tuple[str, ...]
     reads: tuple[str, ...]  # "gradient", "direction", "param", "input_norm" besides U
     locality: Callable[[dict], str]  # cfg → locality
+    rows: Optional[Callable] = None  # the statistics form: (ss, cfg, ctx) → F, U ← F⊙U (see the module)
+    by_rows: Callable[[Any, "Context"], bool] = lambda cfg, ctx: False  # where ``rows`` is the stage
 
 
 STAGES = Registry("post-stage")
 
 
-def stage(kind: str, *, state: tuple = (), reads: tuple = (), locality: Callable[[dict], str] = lambda cfg: REDUCE):
+def stage(kind: str, *, state: tuple = (), reads: tuple = (), locality: Callable[[dict], str] = lambda cfg: REDUCE,
+          rows: Optional[Callable] = None, by_rows: Callable = lambda cfg, ctx: True):
     """Register ``fn`` as the post-stage ``kind`` with the state it keeps (:class:`StateKey`
-    entries, declared under the state kind ``kind`` with the stages' step count), what it reads and
-    its locality (a function of the stage's spec fragment)."""
+    entries, declared under the state kind ``kind`` with the stages' step count), what it reads,
+    its locality (a function of the stage's spec fragment) and its statistics form ``rows`` where
+    it has one (for the fragments and tensors ``by_rows`` says)."""
 
     def register(fn):
         if state:
             declare(kind, *state, StateKey(STAGE_STEP, layout=COUNT))
-        STAGES.add(kind, Stage(fn, tuple(k.key for k in state), reads, locality))
+        STAGES.add(kind, Stage(fn, tuple(k.key for k in state), reads, locality, rows,
+                               by_rows if rows is not None else Stage.by_rows))
         return fn
 
     return register
@@ -233,21 +243,9 @@ def _per_axis(sq: torch.Tensor, ctx: Context, axis: str, mean: bool):
     return stat, (row,), (row, block)
 
 
-@stage("second_moment", state=(StateKey("post_v", layout=STAT, moment=SECOND),),
-       locality=lambda cfg: LOCAL if cfg["axis"] == "element" else REDUCE)
-def second_moment(u, cfg, ctx):
-    """v ← β₂v + (1−β₂)·mean(U²) over each row (``axis: row``: NorMuon, Li et al. 2025, Alg. 1),
-    each column (``column``; each row block of a view on its own), each row or column of the longer
-    side (``longer``: rows where m ≥ n, else columns; modded-nanogpt's NorMuonH, track 3 record
-    20260430_normuonh) or per entry (``element``: AdaMuon, Si et al. 2025, Alg. 1);
-    U ← U/(√(v/c) + ε), c = 1 − β₂ᵗ with ``bias_correction`` (AdaMuon) else 1 (NorMuon). v starts
-    at 0 and is kept per tensor (``post_v``)."""
-    sq = u * u
-    axis = _longer(ctx) if cfg["axis"] == "longer" else cfg["axis"]
-    if axis == "element":
-        m2, reduced, expand = sq, (), None
-    else:
-        m2, reduced, expand = _per_axis(sq, ctx, axis, mean=True)
+def _moment_denom(m2: torch.Tensor, reduced: tuple, cfg, ctx: Context) -> torch.Tensor:
+    """second_moment's arithmetic on its statistic m2 = mean(U²) (summed over ``reduced``):
+    v ← β₂v + (1−β₂)·m2 (``post_v``, starting at 0), and the divisor √(v/c) + ε of U."""
     ctx.reduced["post_v"] = reduced  # replicated over the mesh dims that cut these
     v = ctx.state.get("post_v")
     if v is None:
@@ -259,7 +257,36 @@ def second_moment(u, cfg, ctx):
     eps = working_eps(cfg["eps"], v.dtype, norm=True)  # a square root of squares: floored at √tiny, as Adam's
     # (c = 1 when β₂ = 0, where v/c is v: the same bits either way; the step may be a device tensor)
     t = ctx.step.to(torch.float64) if isinstance(ctx.step, torch.Tensor) else ctx.step  # (a device count: float64)
-    denom = (v / (1 - cfg["beta2"] ** t)).sqrt_().add_(eps) if cfg["bias_correction"] else v.sqrt().add_(eps)
+    return (v / (1 - cfg["beta2"] ** t)).sqrt_().add_(eps) if cfg["bias_correction"] else v.sqrt().add_(eps)
+
+
+def _moment_axis(cfg, ctx: Context) -> str:
+    return _longer(ctx) if cfg["axis"] == "longer" else cfg["axis"]
+
+
+def _moment_rows(ss: torch.Tensor, cfg, ctx: Context) -> torch.Tensor:
+    """second_moment by rows: m2 = ss/n (n columns), F = 1/(√(v/c) + ε) per row."""
+    _, cols, _ = _matrix_axes(ctx)
+    return _moment_denom(ss / math.prod(ctx.op_shape[c - 1] for c in cols), cols, cfg, ctx).reciprocal_()
+
+
+@stage("second_moment", state=(StateKey("post_v", layout=STAT, moment=SECOND),),
+       locality=lambda cfg: LOCAL if cfg["axis"] == "element" else REDUCE,
+       rows=_moment_rows, by_rows=lambda cfg, ctx: _moment_axis(cfg, ctx) == "row")
+def second_moment(u, cfg, ctx):
+    """v ← β₂v + (1−β₂)·mean(U²) over each row (``axis: row``: NorMuon, Li et al. 2025, Alg. 1),
+    each column (``column``; each row block of a view on its own), each row or column of the longer
+    side (``longer``: rows where m ≥ n, else columns; modded-nanogpt's NorMuonH, track 3 record
+    20260430_normuonh) or per entry (``element``: AdaMuon, Si et al. 2025, Alg. 1);
+    U ← U/(√(v/c) + ε), c = 1 − β₂ᵗ with ``bias_correction`` (AdaMuon) else 1 (NorMuon). v starts
+    at 0 and is kept per tensor (``post_v``)."""
+    sq = u * u
+    axis = _moment_axis(cfg, ctx)
+    if axis == "element":
+        m2, reduced, expand = sq, (), None
+    else:
+        m2, reduced, expand = _per_axis(sq, ctx, axis, mean=True)
+    denom = _moment_denom(m2, reduced, cfg, ctx)
     if expand is not None:
         denom = denom.index_select(*expand)
     return u / denom
@@ -315,15 +342,10 @@ def _polar_norm(ctx: Context) -> float:
     return math.sqrt(per * sum(min(m, n) for m, n in shapes))
 
 
-@stage("rms_match", reads=("input_norm",))
-def rms_match(u, cfg, ctx):
-    """U ← U·T/(‖U‖_F + ε) per tensor of n entries: T = t·√n for a number t (RMS t; 0.2 is
-    Moonlight's AdamW-matched scale, Liu et al. 2025, and NorMuon's ``match_rms``), the norm U had
-    when the geometry gave it for ``input`` (NorMuon's official ``preserve_norm``), or √Σmin(m, n)
-    over the tensor's matrices for ``polar``, the norm of a semi-orthogonal matrix (AdaMuon), or 1
-    for ``unit``: the rule's radius ρ then sets ‖step‖_F (hyperball Muon, NVIDIA Emerging-Optimizers'
-    ``MuonHyperball``, 2025: W ← R·normalize(W − lr·R·normalize(U)))."""
+def _rms_factor(norm: torch.Tensor, cfg, ctx: Context) -> torch.Tensor:
+    """rms_match's factor T/(‖U‖_F + ε) on U, from ‖U‖_F per tensor."""
     target = cfg["target"]
+    scale: Any
     if target == "input":
         scale = ctx.input_norm
     elif target == "unit":
@@ -332,8 +354,19 @@ def rms_match(u, cfg, ctx):
         scale = _polar_norm(ctx)
     else:
         scale = float(target) * math.sqrt(math.prod(ctx.op_shape))
-    norm = ctx.norm(u)
-    return u * (scale / (norm + working_eps(cfg["eps"], norm.dtype, norm=True)))
+    return scale / (norm + working_eps(cfg["eps"], norm.dtype, norm=True))
+
+
+@stage("rms_match", reads=("input_norm",),
+       rows=lambda ss, cfg, ctx: _rms_factor(ss.sum(dim=_dims(ss), keepdim=True).sqrt_(), cfg, ctx))
+def rms_match(u, cfg, ctx):
+    """U ← U·T/(‖U‖_F + ε) per tensor of n entries: T = t·√n for a number t (RMS t; 0.2 is
+    Moonlight's AdamW-matched scale, Liu et al. 2025, and NorMuon's ``match_rms``), the norm U had
+    when the geometry gave it for ``input`` (NorMuon's official ``preserve_norm``), or √Σmin(m, n)
+    over the tensor's matrices for ``polar``, the norm of a semi-orthogonal matrix (AdaMuon), or 1
+    for ``unit``: the rule's radius ρ then sets ‖step‖_F (hyperball Muon, NVIDIA Emerging-Optimizers'
+    ``MuonHyperball``, 2025: W ← R·normalize(W − lr·R·normalize(U))). By rows: ‖U‖²_F = Σ_i ss_i."""
+    return u * _rms_factor(ctx.norm(u), cfg, ctx)
 
 
 @stage("cautious", reads=("gradient",))
@@ -375,6 +408,31 @@ def trust_ratio(u, cfg, ctx):
 def reads(post) -> set:
     """What the stages ``post`` (spec models) read besides the update."""
     return {r for s in post for r in STAGES[s.kind].reads}
+
+
+def row_dims(post: list, ctx: Context) -> Optional[tuple[int, ...]]:
+    """The dims of the stack (its matrices' columns) whose sums of U² give the stages ``post``
+    their statistics, where every one has a statistics form for this tensor (``Stage.by_rows``);
+    None where one has not, or where the tensor is cut across ranks (its stages sum across the
+    shards, :meth:`Context.sum`: they run as written)."""
+    _, cols, _ = _matrix_axes(ctx)
+    by_rows = ctx.shard is None and bool(cols) and all(STAGES[c.kind].by_rows(c, ctx) for c in post)
+    return cols if by_rows else None
+
+
+def row_factor(ss: torch.Tensor, post: list, ctx: Context) -> torch.Tensor:
+    """The stages ``post`` (:func:`row_dims` not None) as one factor F, U ← F⊙U, from
+    ss = Σ_j U²_ij (per row, float32 at least), with their state updated as their units say: a
+    stage's factor f comes from its input's ss, and its result's is ss·f² (‖U‖²_F = Σ_i ss_i
+    for ``input_norm``); so U is read once for every stage's statistics."""
+    if "input_norm" in reads(post):
+        ctx.input_norm = ss.sum(dim=_dims(ss), keepdim=True).sqrt_()
+    factor: Any = None
+    for cfg in post:
+        f = STAGES[cfg.kind].rows(ss, cfg, ctx)
+        ss = ss * (f * f)
+        factor = f if factor is None else factor * f
+    return factor
 
 
 def run(u: torch.Tensor, post: list, ctx: Context) -> torch.Tensor:
