@@ -28,6 +28,7 @@ from geomopt.optim.engine.writes import axpy_, axpy_rows
 from geomopt.optim.engine.atomic import journal, restore
 from geomopt.optim.engine.encoded_rows import EncodedMomentum
 from geomopt.optim.engine.graphs import GraphedOp
+from geomopt.optim.engine.nonfinite import reads_traces
 from geomopt.optim.engine.owned import owned_forward
 from geomopt.optim.units.state_keys import COUNTS, geometry_state, owner_state
 from geomopt.optim.persist.state_codec import Codec, aligned
@@ -71,6 +72,8 @@ class BucketJob:
         self.prog, self.rt, self.state_of, self.counters, self.group = prog, rt, state_of, counters, group
         self.items, self.g, self.g_prev, self.gamma, self.alpha, self.shared = items, g, g_prev, gamma, alpha, shared
         self.ok = ok
+        # a deferred compiled step's finiteness test: tr A of the iteration's first Gram matrix (fused.folding)
+        self.traces: Optional[list] = [] if reads_traces(prog) else None
         self.live: dict = {}
         self.before: dict = {}  # a capturable step: the state as it was, selected where ok is false
         self.saved: list = []  # (live, copy) pairs restored on abort
@@ -174,7 +177,7 @@ class BucketJob:
                                                                   radius, out_dtype, pp.factor_dtype, self.codec.step))
         return request(rt, items, self.d, forward_locality(pp.geometry.kind),
                        _forward_fn(prog, rt, items, pp.geometry, radius, self.views[0].dtype if one_pass else None,
-                                   state if forward_state else None))
+                                   state if forward_state else None, self.traces))
 
     def on_forward(self, answer) -> Optional[Request]:
         pp = self.pp
@@ -375,14 +378,14 @@ def codec(rt: Runtime, items: list, pp, step: int) -> Codec:
 
 
 def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: ResolvedGeometry, radius: float = 1.0,
-                out_dtype=None, state: Optional[dict] = None):
+                out_dtype=None, state: Optional[dict] = None, traces: Optional[list] = None):
     """The bucket's forward op (``radius``·∇φ₁*, in ``out_dtype``); replayed from a CUDA graph
     (:mod:`geomopt.optim.engine.graphs`) where the program is ``graphed`` (the graph reads the bucket's
-    kept scratch u in place when that is its input)."""
+    kept scratch u in place when that is its input); ``traces``: :func:`fused.folding`'s."""
     fn = lambda m: (forward(m, geometry, radius=radius, batch_dims=1, out_dtype=out_dtype, state=state),  # noqa: E731
                     None)
     if prog.compiled:  # fuse: the polynomial iterations' folded form (no pre-normalization or transpose pass)
-        fn = fused.folding(fn)
+        fn = fused.folding(fn, traces)
     if not prog.graphed:
         return fn
     ids = tuple(id(p) for p, _ in items)

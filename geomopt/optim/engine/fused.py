@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from geomopt.geometry.forward import elementwise_into, input_dtype
-from geomopt.geometry.polynomial import folded
+from geomopt.geometry.polynomial import first_factor_into, folded
 from geomopt.geometry.prox import backward
 from geomopt.optim.persist.codes import flat_noise
 from geomopt.optim.persist.state_codec import Codec, decode_piece
@@ -114,16 +114,41 @@ def write_back(xs: list, steps: list, keep: float, coef: float, gamma: float, *,
             scalar(gamma, steps[0]))
 
 
-def folding(forward: Callable) -> Callable:
+def folding(forward: Callable, traces: Optional[list] = None) -> Callable:
     """A bucket's forward op run inside :func:`geomopt.geometry.polynomial.folded`: its polynomial
     iteration in the folded form on every device (no pre-normalization pass, no transposed copy
-    of a tall matrix; the scalings on the small factors)."""
+    of a tall matrix), its first small factor formed with the pre-normalization in one compiled
+    pass (:func:`first_factor`) and the last one's scale in the product's coefficients, so nothing
+    is scaled in a pass of its own. ``traces``: where each first factor's tr A = ‖u‖²_F per matrix
+    is appended (the bucket's finiteness test: :func:`geomopt.optim.engine.nonfinite.traces_finite`)."""
+    first = functools.partial(first_factor, traces=traces)
 
     def call(m):
-        with folded():
+        with folded(first):
             return forward(m)
 
     return call
+
+
+def first_factor(gram: torch.Tensor, gram2: torch.Tensor, abc: tuple, scale: float, prenorm, *,
+                 traces: Optional[list] = None) -> torch.Tensor:
+    """C₀ = scale·f·(aI + b·f²A + c·f⁴A²) from the first Gram matrix A and A² (batched), by
+    :func:`geomopt.geometry.polynomial.first_factor_into` compiled (one loop over A and A² that
+    writes C₀, after the trace's reduction over A's diagonal); the coefficients as 0-d graph inputs
+    (one compile per shape, whatever the iteration's triple or a radius schedule's scale). tr A
+    (float32, per matrix) is appended to ``traces`` where given."""
+    out = torch.empty_like(gram)
+    sq = torch.empty(gram.shape[0], dtype=torch.float32, device=gram.device)
+    run(compiled_first(prenorm), [out, sq], [], [gram, gram2], *(scalar(v, gram) for v in (*abc, scale)))
+    if traces is not None:
+        traces.append(sq)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_first(prenorm) -> Callable:
+    """:func:`geomopt.geometry.polynomial.first_factor_into` compiled for one pre-normalization."""
+    return _compile(first_factor_into, prenorm=prenorm)
 
 
 def captured_flat_tail(xs: list, ds: list, gs: list, ok: torch.Tensor, alpha: torch.Tensor, keep: torch.Tensor,
