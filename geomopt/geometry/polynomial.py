@@ -87,12 +87,15 @@ def first_factor_into(out: torch.Tensor, sq: torch.Tensor, gram: torch.Tensor, g
     the factor F̂₁ of D̂ = f·D (Â = f²A) times f, so X₁ = C₀·D with no pass over D, nor over A or
     C₀ beyond this one (compiled: A and A² read once, C₀ written once). ``sq``: tr A = ‖D‖²_F per
     matrix (B,), summed in float32: finite exactly when every entry of D is (unless the squares
-    overflow), the finiteness test of the iteration's input for free."""
+    overflow), the finiteness test of the iteration's input for free. Where ‖D‖²_F is past the
+    dtype's range (entries past √max), f = 0 and A's overflowed entries times 0 are NaN: C₀ is 0
+    there, the map of D/‖D‖ rounded through f = 0 (as :func:`gram_quintic_iteration` does)."""
     sq.copy_(gram.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32))
     f = cast(torch.Tensor, prenorm_factor(sq, prenorm)).to(gram.dtype)[:, None, None]
     f2 = f * f
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
-    out.copy_((f * scale) * (eye * a + gram * (f2 * b) + gram2 * (f2 * f2 * c)))
+    c0 = (f * scale) * (eye * a + gram * (f2 * b) + gram2 * (f2 * f2 * c))
+    out.copy_(torch.nan_to_num(c0, nan=0.0, posinf=0.0, neginf=0.0))
 
 
 def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, prenorm: Prenormalize | None = None,
