@@ -385,7 +385,7 @@ def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: ResolvedGeome
     fn = lambda m: (forward(m, geometry, radius=radius, batch_dims=1, out_dtype=out_dtype, state=state),  # noqa: E731
                     None)
     if prog.compiled:  # fuse: the polynomial iterations' folded form (no pre-normalization or transpose pass)
-        fn = fused.folding(fn, traces)
+        fn = fused.folding(fn, traces, first=not prog.graphed)  # a CUDA graph: the scalings as they were
     if not prog.graphed:
         return fn
     ids = tuple(id(p) for p, _ in items)

@@ -114,17 +114,19 @@ def write_back(xs: list, steps: list, keep: float, coef: float, gamma: float, *,
             scalar(gamma, steps[0]))
 
 
-def folding(forward: Callable, traces: Optional[list] = None) -> Callable:
+def folding(forward: Callable, traces: Optional[list] = None, first: bool = True) -> Callable:
     """A bucket's forward op run inside :func:`geomopt.geometry.polynomial.folded`: its polynomial
     iteration in the folded form on every device (no pre-normalization pass, no transposed copy
     of a tall matrix), its first small factor formed with the pre-normalization in one compiled
     pass (:func:`first_factor`) and the last one's scale in the product's coefficients, so nothing
     is scaled in a pass of its own. ``traces``: where each first factor's tr A = ‖u‖²_F per matrix
-    is appended (the bucket's finiteness test: :func:`geomopt.optim.engine.nonfinite.traces_finite`)."""
-    first = functools.partial(first_factor, traces=traces)
+    is appended (the bucket's finiteness test: :func:`geomopt.optim.engine.nonfinite.traces_finite`).
+    ``first`` False: the folded form's own scalings (a forward op replayed from a CUDA graph, where
+    a compiled region is not captured)."""
+    hook = functools.partial(first_factor, traces=traces) if first else None
 
     def call(m):
-        with folded(first):
+        with folded(hook):
             return forward(m)
 
     return call
