@@ -5,6 +5,8 @@ and says so."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from optim_helpers import tiny_gpt
@@ -202,3 +204,87 @@ def test_the_folded_iteration_is_the_polynomial_map_and_replaces_torch_muons_ord
         assert (out.double() - ref).abs().max() < 2e-5
         assert (eager.double() - ref).abs().max() < 2e-5
         assert not torch.equal(out, eager)
+
+
+def test_the_first_factor_folds_the_pre_normalization_and_the_scale_into_one_compiled_pass():
+    """fused.first_factor: C₀ = scale·f·(aI + b·f²A + c·f⁴A²) from A and A² (f from tr A = ‖D‖²_F:
+    frobenius 1/(‖D‖ + ε), max 1/max(‖D‖, ε)) within float32 rounding of the float64 formula, tr A
+    recorded per matrix; the iteration with it (the fused form) is the float64 polynomial map of
+    D's singular values times the scale, on wide and tall matrices; other coefficients and scales
+    compile nothing again (graph inputs)."""
+    from torch._dynamo.utils import counters
+    from geomopt.geometry import polynomial
+    from geomopt.optim.engine import fused
+    from geomopt.spec.geometries import FrobeniusPrenorm, MaxPrenorm
+    gen = torch.Generator().manual_seed(3)
+    shapes = ((3, 16, 40), (2, 40, 16))
+    xs = [torch.randn(*shape, generator=gen) * 3 for shape in shapes]
+    frames = None
+    for abc, scale in (((3.4445, -4.7750, 2.0315), 1.0), ((2.0, -1.5, 0.5), 0.7)):
+        for cfg in (FrobeniusPrenorm(), MaxPrenorm()):
+            for x in xs:
+                x64 = x.double()
+                a64 = x64.mT @ x64 if x.shape[-2] > x.shape[-1] else x64 @ x64.mT
+                sq = (x64 ** 2).sum((-2, -1))
+                norm = sq.sqrt()
+                f = (1 / (norm + 1e-7) if cfg.kind == "frobenius" else 1 / norm.clamp(min=1e-7))[:, None, None]
+                a, b, c = abc
+                ref = scale * f * (a * torch.eye(a64.shape[-1], dtype=torch.float64) + b * f ** 2 * a64
+                                   + c * f ** 4 * a64 @ a64)
+                gram = a64.float()
+                traces: list = []
+                c0 = fused.first_factor(gram, gram @ gram, abc, scale, cfg, traces=traces)
+                assert torch.allclose(c0.double(), ref, rtol=1e-5, atol=1e-5)
+                assert len(traces) == 1 and torch.allclose(traces[0].double(), sq, rtol=1e-6)
+                coeffs = [abc] + [(3.4445, -4.7750, 2.0315)] * 4
+                with polynomial.folded(fused.first_factor):
+                    out = polynomial.odd_quintic_iteration(x.clone(), coeffs, prenorm=cfg, scale=scale)
+                uu, sigma, vh = torch.linalg.svd(x64 * f, full_matrices=False)
+                mapped = scale * uu @ torch.diag_embed(polynomial.compose_polynomials(coeffs, sigma)) @ vh
+                assert (out.double() - mapped).abs().max() < 2e-5
+        if frames is None:
+            frames = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == frames > 0
+
+
+def _skipped(opt) -> int:
+    return sum(int(opt.diagnostics()[g["rule"]]["skipped"]) for g in opt.param_groups)
+
+
+@pytest.mark.parametrize("capturable", [False, True], ids=["fused", "capturable-fused"])
+@pytest.mark.parametrize("where", ["hidden", "flat"])
+@pytest.mark.parametrize("spec", ["muon", "adamw-hybrid"])
+def test_a_nan_in_one_gradient_skips_the_fused_step_and_keeps_every_bit(spec, where, capturable):
+    """A NaN in one entry of one gradient (a hidden matrix's, tested by its bucket's iteration, or
+    a flat rule's tensor's, tested by the sum) skips the whole step: parameters, state and step
+    counts keep every bit, the skip is counted once, and the next step steps; under
+    ``on_nonfinite: raise`` the step raises with every bit kept. Fused, the step waits for the test
+    behind the forward ops and reads no hidden gradient for it; capturable, the device's flag."""
+    from test_capturable import _same, _snapshot
+    from geomopt.optim.engine.nonfinite import NonFiniteGradientError
+    model = tiny_gpt(0)
+    opt = geomopt.GeomOptimizer(model, spec, fuse=True, capturable=capturable)
+    assert opt.engine.deferred is not capturable
+    assert ("reads tr A of the iteration's first Gram matrix" in opt.describe()) is not capturable
+    batched = {n for progs in opt.engine.programs for p in progs if p.variant == "batched" for n in p.names}
+    params = dict(model.named_parameters())
+    target = next(n for n in params if (n in batched) == (where == "hidden"))
+    for step in range(2):
+        _grads([model], step)
+        opt.step()
+    before, skipped = _snapshot(opt), _skipped(opt)
+    _grads([model], 2)
+    params[target].grad.view(-1)[3] = math.nan
+    opt.step()
+    assert _same(before, _snapshot(opt)) and _skipped(opt) == skipped + 1
+    if not capturable:  # a capturable step cannot raise (its flag stays on the device)
+        for group in opt.param_groups:
+            group["on_nonfinite"] = "raise"
+        with pytest.raises(NonFiniteGradientError, match=target.replace(".", r"\.")):
+            opt.step()
+        assert _same(before, _snapshot(opt)) and _skipped(opt) == skipped + 1
+        for group in opt.param_groups:
+            group["on_nonfinite"] = "skip"
+    _grads([model], 3)
+    opt.step()
+    assert not torch.equal(params[target], before[list(params).index(target)])

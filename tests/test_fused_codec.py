@@ -17,7 +17,7 @@ import torch
 from test_state_chunks import ADAM, DTYPES, SIGN, _assert_same_run, _grads, _params, _same, _spec
 
 import geomopt
-from geomopt.optim.engine import flat, fused as tail
+from geomopt.optim.engine import flat, fused_codec as tail
 from geomopt.optim.persist.codes import BLOCK, flat_noise, noise, seed_of, signed
 
 pytestmark = [pytest.mark.filterwarnings("ignore::geomopt.UnusedRuleWarning"),
@@ -64,7 +64,7 @@ def test_the_compiled_codec_stores_the_eager_steps_bits(dtype):
 
 
 def _spy(monkeypatch) -> list:
-    """The pieces :class:`~geomopt.optim.engine.fused.EncodedAdam` steps whole, (tensor size, piece size)."""
+    """The pieces :class:`~geomopt.optim.engine.fused_codec.EncodedAdam` steps whole, (tensor size, piece size)."""
     calls: list = []
     call = tail.EncodedAdam.__call__
 

@@ -81,6 +81,12 @@ class ParamPlan:
         return self.__dict__["_cost"]
 
     @property
+    def radius_factor(self) -> float:
+        """The tensor's factor on its group's radius: its scale preset for this shape (ρ = the group's
+        radius × factor)."""
+        return self.radius / self.geometry.radius
+
+    @property
     def op_shape(self) -> tuple[int, ...]:
         """The shape the operators see (transposed for ``layout: in_out``)."""
         if self.transpose and len(self.shape) >= 2:

@@ -59,16 +59,43 @@ def muon_order(device: torch.device) -> bool:
 
 
 @contextmanager
-def folded() -> Iterator[None]:
+def folded(first: Callable | None = None) -> Iterator[None]:
     """The iterations run inside it take :func:`_folded_iteration`'s form on every device: no
     pre-normalization pass (‖D‖²_F is the trace of the first Gram matrix, its factor folded into
     the first small factor) and no transposed copy of a tall matrix, for a step that gives up
-    torch.optim.Muon's bits for fewer passes over X (``GeomOptimizer(fuse=True)``)."""
-    before, _FOLDED.on = getattr(_FOLDED, "on", False), True
+    torch.optim.Muon's bits for fewer passes over X (``GeomOptimizer(fuse=True)``).
+
+    ``first(gram, gram2, (a, b, c), scale, prenorm)``: what forms the first small factor
+    (:func:`first_factor_into`, compiled: one pass over A and A², no scaling pass), where the
+    pre-normalization is frobenius or max; with it the last factor's ``scale`` goes into the
+    product's coefficients (bA + cA² and a, times the scale: no scaling pass either)."""
+    before = getattr(_FOLDED, "on", False), getattr(_FOLDED, "first", None)
+    _FOLDED.on, _FOLDED.first = True, first
     try:
         yield
     finally:
-        _FOLDED.on = before
+        _FOLDED.on, _FOLDED.first = before
+
+
+def first_factor_into(out: torch.Tensor, sq: torch.Tensor, gram: torch.Tensor, gram2: torch.Tensor, a, b, c, scale,
+                      *, prenorm: Prenormalize) -> None:
+    """The first small factor of the folded iteration with its pre-normalization folded in, from the
+    first Gram matrix A (B×k×k) and A² (``gram2``), into ``out``:
+
+        C₀ = scale·f·(aI + b·f²A + c·f⁴A²),   f = :func:`prenorm_factor` (tr A),
+
+    the factor F̂₁ of D̂ = f·D (Â = f²A) times f, so X₁ = C₀·D with no pass over D, nor over A or
+    C₀ beyond this one (compiled: A and A² read once, C₀ written once). ``sq``: tr A = ‖D‖²_F per
+    matrix (B,), summed in float32: finite exactly when every entry of D is (unless the squares
+    overflow), the finiteness test of the iteration's input for free. Where ‖D‖²_F is past the
+    dtype's range (entries past √max), f = 0 and A's overflowed entries times 0 are NaN: C₀ is 0
+    there, the map of D/‖D‖ rounded through f = 0 (as :func:`gram_quintic_iteration` does)."""
+    sq.copy_(gram.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32))
+    f = cast(torch.Tensor, prenorm_factor(sq, prenorm)).to(gram.dtype)[:, None, None]
+    f2 = f * f
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    c0 = (f * scale) * (eye * a + gram * (f2 * b) + gram2 * (f2 * f2 * c))
+    out.copy_(torch.nan_to_num(c0, nan=0.0, posinf=0.0, neginf=0.0))
 
 
 def odd_quintic_iteration(x: torch.Tensor, coefficients: Sequence[Triple], *, prenorm: Prenormalize | None = None,
@@ -142,21 +169,28 @@ def _folded_iteration(x: torch.Tensor, coefficients: Sequence[Triple], prenorm: 
         return out.to(out_dtype).reshape(*lead, m, n)
     last = len(coefficients) - 1
     s_aol = None
+    first = getattr(_FOLDED, "first", None)  # fuse: C₀ by one compiled pass, the scale in the coefficients
     for i, (a, b, c) in enumerate(coefficients):
         gram = X.mT @ X if right else X @ X.mT
         factor: float | torch.Tensor = 1.0 if i < last else scale
-        if i == 0 and use_aol:
-            s_aol = aol_factors(gram, prenorm)
-            aol_gram(gram, s_aol)
-        elif i == 0:
-            f = prenorm_factor(gram.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32), prenorm)
-            if f is not None:
-                # in the working dtype (bf16 on CUDA: rounded as torch Muon's bf16 norm is; a
-                # same-dtype product runs at 1.5× the speed of a mixed one, measured on an H100)
-                gram.mul_((f * f).to(gram.dtype)[:, None, None])
-                factor = (f * factor).to(gram.dtype)[:, None, None]
-        update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
-        update.diagonal(dim1=-2, dim2=-1).add_(a)
+        if i == 0 and first is not None and prenorm.kind in ("frobenius", "max"):
+            update = first(gram, gram @ gram, (a, b, c), factor, prenorm)  # C₀, pre-normalization folded in
+            factor = 1.0
+        else:
+            if i == 0 and use_aol:
+                s_aol = aol_factors(gram, prenorm)
+                aol_gram(gram, s_aol)
+            elif i == 0:
+                f = prenorm_factor(gram.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32), prenorm)
+                if f is not None:
+                    # in the working dtype (bf16 on CUDA: rounded as torch Muon's bf16 norm is; a
+                    # same-dtype product runs at 1.5× the speed of a mixed one, measured on an H100)
+                    gram.mul_((f * f).to(gram.dtype)[:, None, None])
+                    factor = (f * factor).to(gram.dtype)[:, None, None]
+            if first is not None and isinstance(factor, float) and s_aol is None:  # scale·(aI + bA + cA²)
+                a, b, c, factor = a * factor, b * factor, c * factor, 1.0
+            update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
+            update.diagonal(dim1=-2, dim2=-1).add_(a)
         if s_aol is not None:  # F̂·S (wide: S·D's rows), S·F̂ (tall: D·S's columns)
             update.mul_(s_aol.unsqueeze(-1) if right else s_aol.unsqueeze(-2))
             s_aol = None

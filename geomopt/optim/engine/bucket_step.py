@@ -11,7 +11,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from geomopt.compile.fragments import ResolvedGeometry
-from geomopt.compile.plan import ParamPlan
 from geomopt.distributed.executors import Request, is_dtensor
 from geomopt.registry import LOCAL, OWNER
 from geomopt.distributed.layout import whole_matrices
@@ -28,18 +27,13 @@ from geomopt.optim.engine.writes import axpy_, axpy_rows
 from geomopt.optim.engine.atomic import journal, restore
 from geomopt.optim.engine.encoded_rows import EncodedMomentum
 from geomopt.optim.engine.graphs import GraphedOp
+from geomopt.optim.engine.nonfinite import reads_traces
 from geomopt.optim.engine.owned import owned_forward
 from geomopt.optim.units.state_keys import COUNTS, geometry_state, owner_state
 from geomopt.optim.persist.state_codec import Codec, aligned
 from geomopt.optim.engine.tensors import local, op_view, stack, upcast
 from geomopt.optim.engine.program import Program
 from geomopt.optim.engine.runtime import Runtime
-
-
-def radius_factor(pp: ParamPlan) -> float:
-    """The tensor's factor on the group's radius: its scale preset for this shape (ρ = group
-    radius × factor)."""
-    return pp.radius / pp.geometry.radius
 
 
 class BucketJob:
@@ -71,6 +65,8 @@ class BucketJob:
         self.prog, self.rt, self.state_of, self.counters, self.group = prog, rt, state_of, counters, group
         self.items, self.g, self.g_prev, self.gamma, self.alpha, self.shared = items, g, g_prev, gamma, alpha, shared
         self.ok = ok
+        # a deferred compiled step's finiteness test: tr A of the iteration's first Gram matrix (fused.folding)
+        self.traces: Optional[list] = [] if reads_traces(prog) else None
         self.live: dict = {}
         self.before: dict = {}  # a capturable step: the state as it was, selected where ok is false
         self.saved: list = []  # (live, copy) pairs restored on abort
@@ -131,7 +127,7 @@ class BucketJob:
         if pp.post and "gradient" in post_stages.reads(pp.post):  # before a direction overwrites its copy
             self.g_raw = upcast(stack(g)) if isinstance(g, list) else upcast(g).clone()
         wd = group["weight_decay"]
-        rho = self.rho = group["radius"] * radius_factor(pp)
+        rho = self.rho = group["radius"] * pp.radius_factor
         # a tensor γ (lr read on the device) may be 0: the prox of a step of length 0 is X itself
         self.projects = pp.constraint is not None and rho != 0 and (torch.is_tensor(self.gamma) or self.gamma != 0)
         # in one process the state changes only when the bucket commits (its last request has
@@ -174,7 +170,7 @@ class BucketJob:
                                                                   radius, out_dtype, pp.factor_dtype, self.codec.step))
         return request(rt, items, self.d, forward_locality(pp.geometry.kind),
                        _forward_fn(prog, rt, items, pp.geometry, radius, self.views[0].dtype if one_pass else None,
-                                   state if forward_state else None))
+                                   state if forward_state else None, self.traces))
 
     def on_forward(self, answer) -> Optional[Request]:
         pp = self.pp
@@ -356,9 +352,8 @@ class BucketJob:
             state, pp.op_shape, view=pp.geometry.view, gradient=self.g_raw,
             direction=None if self.d is None else upcast(self.d), param=param, step=step, shard=shard,
             fresh=self.prog.journal)
-        if self.prog.compiled:  # fuse: by rows where the stages can (one read of U), the factor in the write-back
-            return Request(lambda m: fused.post_by_rows(m, list(pp.post), ctx), u, LOCAL)
-        return Request(lambda m: (post_stages.run(m, list(pp.post), ctx), None), u, LOCAL)
+        # fuse: by rows where the stages can (one read of U), the factor in the write-back
+        return Request(lambda m: fused.post_by_rows(m, list(pp.post), ctx, rows=self.prog.compiled), u, LOCAL)
 
 
 def weighted_state(prog: Program, ok: Optional[torch.Tensor]) -> tuple:
@@ -381,14 +376,14 @@ def codec(rt: Runtime, items: list, pp, step: int) -> Codec:
 
 
 def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: ResolvedGeometry, radius: float = 1.0,
-                out_dtype=None, state: Optional[dict] = None):
+                out_dtype=None, state: Optional[dict] = None, traces: Optional[list] = None):
     """The bucket's forward op (``radius``·∇φ₁*, in ``out_dtype``); replayed from a CUDA graph
     (:mod:`geomopt.optim.engine.graphs`) where the program is ``graphed`` (the graph reads the bucket's
-    kept scratch u in place when that is its input)."""
+    kept scratch u in place when that is its input); ``traces``: :func:`fused.folding`'s."""
     fn = lambda m: (forward(m, geometry, radius=radius, batch_dims=1, out_dtype=out_dtype, state=state),  # noqa: E731
                     None)
     if prog.compiled:  # fuse: the polynomial iterations' folded form (no pre-normalization or transpose pass)
-        fn = fused.folding(fn)
+        fn = fused.folding(fn, traces, first=not prog.graphed)  # a CUDA graph: the scalings as they were
     if not prog.graphed:
         return fn
     ids = tuple(id(p) for p, _ in items)

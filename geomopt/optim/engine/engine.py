@@ -20,11 +20,11 @@ from geomopt.distributed.layout import layout_key
 from geomopt.geometry.capture import capturing
 from geomopt.optim.contract.torch_api import check_complex, check_gradient, dense
 from geomopt.optim.engine.atomic import PendingStep, drive, interrupted
-from geomopt.optim.engine.bucket_step import BucketJob, radius_factor
+from geomopt.optim.engine.bucket_step import BucketJob
 from geomopt.optim.engine.capturable import captured_step, counts_on_device
 from geomopt.optim.engine.construction import check_capturable, check_sharded
 from geomopt.optim.engine.flat import step_flat
-from geomopt.optim.engine.nonfinite import launch_check, skip_nonfinite
+from geomopt.optim.engine.nonfinite import launch_check, reads_traces, skip_nonfinite
 from geomopt.optim.engine.owned import owners
 from geomopt.optim.engine.program import Options, Program, dispatch, flat_rule, signature
 from geomopt.optim.engine.runtime import Runtime
@@ -209,10 +209,12 @@ class Engine:
                 raise
             self.pending = None
             return True
-        check = launch_check(rt, jobs, grads, prevs)  # None: no job is tested (on_nonfinite: off)
         # deferred: the buckets launch their forward ops (reads into scratch) before the host
-        # waits for the test, so the device stays busy; nothing is written before the wait
+        # waits for the test, so the device stays busy; nothing is written before the wait; a
+        # compiled bucket's test is its iteration's trace there (nonfinite.reads_traces: G not read)
         defer = self.deferred
+        own = frozenset(k for k, (prog, _) in enumerate(jobs) if defer and reads_traces(prog))
+        check = launch_check(rt, jobs, grads, prevs, own)  # None: no job is tested (on_nonfinite: off)
         if not defer:  # a skipped step still steps the jobs of on_nonfinite: off rules
             keep = skip_nonfinite(rt, groups, self.counters, jobs, check)
             if len(keep) < len(jobs):
@@ -233,7 +235,8 @@ class Engine:
 
         def writes() -> bool:
             """Everything that writes at once; False when the step is skipped."""
-            if defer and len(skip_nonfinite(rt, groups, self.counters, jobs, check)) < len(jobs):
+            traces = {j: job.traces for j, job in steps if job.traces is not None} if defer else None
+            if defer and len(skip_nonfinite(rt, groups, self.counters, jobs, check, traces)) < len(jobs):
                 return False  # deferred: every rule tested alike (dispatch), so the whole step
             if pending is None:  # a completed retry counts the whole step's update
                 for gi, device in devices.items():
@@ -293,7 +296,7 @@ class Engine:
                                    for k in COUNTS if k not in held)
                     key: tuple = (tuple(sorted(k for k in st if k in STACKED and k not in held)), counts)
                     if flat:
-                        key += (radius_factor(plans[i]),)
+                        key += (plans[i].radius_factor,)
                     by_key.setdefault(key, (prog, []))[1].append((p, plans[i]))
                 jobs.extend(by_key.values())
         return jobs

@@ -21,6 +21,7 @@ from geomopt.optim.units.state_keys import MOMENTS, SCALE, SIDE, geometry_state
 from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.geometry.matrix import split_like
 from geomopt.optim.engine import fused as tail
+from geomopt.optim.engine import fused_codec as codec_tail
 from geomopt.optim.engine.tensors import as_real, count_tensor, local, op_view
 from geomopt.optim.engine.program import Program
 from geomopt.optim.engine.runtime import Runtime
@@ -215,7 +216,7 @@ def step_flat_encoded(prog: Program, rt: Runtime, state, group: dict, items: lis
     count = None if step is None else torch.full((), step, dtype=torch.float32, device=device)
     whole = None
     if prog.compiled and step is not None and group["direction"] == "none":
-        whole = tail.EncodedAdam(codec.dtype, pp, step, gamma, group["weight_decay"], device)
+        whole = codec_tail.EncodedAdam(codec.dtype, pp, step, gamma, group["weight_decay"], device)
     for pieces in chunks:
         if whole is not None:  # a piece stored in place in the rule's precision: one compiled call, whole
             pieces = [(i, a, b) for i, a, b in pieces
@@ -244,7 +245,7 @@ def step_flat_encoded(prog: Program, rt: Runtime, state, group: dict, items: lis
                 if isinstance(target, torch.Tensor):  # kept float32 (int8: a size not a multiple of its block)
                     target[a:b].copy_(view)
                 elif prog.compiled:  # optim.engine.fused: one kernel, the same source and bits
-                    tail.run(tail.compiled_encode(codec.dtype, key), [], [piece_of(target, a, b)], [view],
+                    tail.run(codec_tail.compiled_encode(codec.dtype, key), [], [piece_of(target, a, b)], [view],
                              torch.tensor(signed(seeds[i][key][0]), dtype=torch.int32, device=device),
                              torch.tensor(a, dtype=torch.int64, device=device))
                 else:
@@ -263,11 +264,11 @@ def _in_place(targets: dict, olds: dict, keys: tuple) -> bool:
 def _decode(compiled: bool, stored: dict, key: str, a: int, b: int, out: torch.Tensor, take) -> None:
     """The float32 values of the entries [a, b) of a tensor's moment ``key`` (its ``stored`` entries)
     into ``out``: int8 codes decoded by one compiled kernel where ``compiled``
-    (:func:`geomopt.optim.engine.fused.decode_moment`), else (and bf16 or float32 values, a copy)
+    (:func:`geomopt.optim.engine.fused_codec.decode_moment`), else (and bf16 or float32 values, a copy)
     :func:`~geomopt.optim.persist.state_codec.decode_piece`."""
     if compiled and key + SCALE in stored:
         own = {k: stored[k] for k in (key, *(key + x for x in SIDE)) if k in stored}
-        tail.run(tail.compiled_decode(key), [out], [], [piece_of(own, a, b)])
+        tail.run(codec_tail.compiled_decode(key), [out], [], [piece_of(own, a, b)])
     else:
         decode_piece(stored, key, a, b, out, take)
 

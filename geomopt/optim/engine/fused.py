@@ -32,22 +32,16 @@ region's inputs read once and its written inputs written once."""
 from __future__ import annotations
 
 import functools
-import types
 from typing import Any, Callable, Optional
 
 import torch
 
-from geomopt.geometry.adam import adam_hyper, adam_moments
 from geomopt.geometry.forward import elementwise_into, input_dtype
-from geomopt.geometry.polynomial import folded
+from geomopt.geometry.polynomial import first_factor_into, folded
 from geomopt.geometry.prox import backward
-from geomopt.optim.persist.codes import BLOCK, flat_noise, signed
-from geomopt.optim.persist.state_codec import Codec, decode_piece, piece_of
 from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
-from geomopt.optim.units.state_keys import CORRECTION, SCALE
 from geomopt.optim.units.directions import DIRECTIONS, polyak_lerp, polyak_lookahead
-from geomopt.spec.model import QUANTIZED
 
 
 def run(fn: Callable, out: list, written: list, read: list, *args) -> Any:
@@ -143,16 +137,16 @@ def row_squares_into(ss: torch.Tensor, u: torch.Tensor, *, dims: tuple) -> None:
 @functools.lru_cache(maxsize=None)
 def compiled_squares(dims: tuple) -> Callable:
     """:func:`row_squares_into` compiled for one set of dims."""
-    return _compile(row_squares_into, dims=dims)
+    return compile_region(row_squares_into, dims=dims)
 
 
-def post_by_rows(u: torch.Tensor, post: list, ctx: post_stages.Context) -> tuple:
+def post_by_rows(u: torch.Tensor, post: list, ctx: post_stages.Context, rows: bool = True) -> tuple:
     """A bucket's post-stages under fuse: (U, F) with F their factor per row
     (:func:`~geomopt.optim.units.stages.row_factor`) from U's per-row sums of squares, read in one
     compiled pass, for the write-back to apply (:func:`row_write_tail`), where every stage has a
-    statistics form for the tensor (:func:`~geomopt.optim.units.stages.row_dims`); else
-    (the stages' result, None), as the eager step runs them."""
-    dims = post_stages.row_dims(post, ctx)
+    statistics form for the tensor (:func:`~geomopt.optim.units.stages.row_dims`) and ``rows``
+    (a compiled program); else (the stages' result, None), as the eager step runs them."""
+    dims = post_stages.row_dims(post, ctx) if rows else None
     if dims is None:
         return post_stages.run(u, post, ctx), None
     ss = u.new_empty([1 if d in dims else n for d, n in enumerate(u.shape)],
@@ -161,16 +155,43 @@ def post_by_rows(u: torch.Tensor, post: list, ctx: post_stages.Context) -> tuple
     return u, post_stages.row_factor(ss, post, ctx)
 
 
-def folding(forward: Callable) -> Callable:
+def folding(forward: Callable, traces: Optional[list] = None, first: bool = True) -> Callable:
     """A bucket's forward op run inside :func:`geomopt.geometry.polynomial.folded`: its polynomial
     iteration in the folded form on every device (no pre-normalization pass, no transposed copy
-    of a tall matrix; the scalings on the small factors)."""
+    of a tall matrix), its first small factor formed with the pre-normalization in one compiled
+    pass (:func:`first_factor`) and the last one's scale in the product's coefficients, so nothing
+    is scaled in a pass of its own. ``traces``: where each first factor's tr A = ‖u‖²_F per matrix
+    is appended (the bucket's finiteness test: :func:`geomopt.optim.engine.nonfinite.traces_finite`).
+    ``first`` False: the folded form's own scalings (a forward op replayed from a CUDA graph, where
+    a compiled region is not captured)."""
+    hook = functools.partial(first_factor, traces=traces) if first else None
 
     def call(m):
-        with folded():
+        with folded(hook):
             return forward(m)
 
     return call
+
+
+def first_factor(gram: torch.Tensor, gram2: torch.Tensor, abc: tuple, scale: float, prenorm, *,
+                 traces: Optional[list] = None) -> torch.Tensor:
+    """C₀ = scale·f·(aI + b·f²A + c·f⁴A²) from the first Gram matrix A and A² (batched), by
+    :func:`geomopt.geometry.polynomial.first_factor_into` compiled (one loop over A and A² that
+    writes C₀, after the trace's reduction over A's diagonal); the coefficients as 0-d graph inputs
+    (one compile per shape, whatever the iteration's triple or a radius schedule's scale). tr A
+    (float32, per matrix) is appended to ``traces`` where given."""
+    out = torch.empty_like(gram)
+    sq = torch.empty(gram.shape[0], dtype=torch.float32, device=gram.device)
+    run(compiled_first(prenorm), [out, sq], [], [gram, gram2], *(scalar(v, gram) for v in (*abc, scale)))
+    if traces is not None:
+        traces.append(sq)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_first(prenorm) -> Callable:
+    """:func:`geomopt.geometry.polynomial.first_factor_into` compiled for one pre-normalization."""
+    return compile_region(first_factor_into, prenorm=prenorm)
 
 
 def captured_flat_tail(xs: list, ds: list, gs: list, ok: torch.Tensor, alpha: torch.Tensor, keep: torch.Tensor,
@@ -183,7 +204,7 @@ def captured_flat_tail(xs: list, ds: list, gs: list, ok: torch.Tensor, alpha: to
     flat_tail(xs, ds, [torch.where(ok, g, 0) for g in gs], alpha, keep, coef, **fixed)
 
 
-def _compile(fn: Callable, dynamic: Optional[bool] = None, options: Optional[dict] = None, **fixed) -> Callable:
+def compile_region(fn: Callable, dynamic: Optional[bool] = None, options: Optional[dict] = None, **fixed) -> Callable:
     """``fn`` compiled whole, its fixed choices passed as keywords (constants the graph guards
     on). ``fn`` itself is compiled, not a partial of it: torch's cache and its recompile limit
     are per code object, and every partial shares one. Shapes specialize first and turn dynamic
@@ -203,22 +224,22 @@ def _compile(fn: Callable, dynamic: Optional[bool] = None, options: Optional[dic
 @functools.lru_cache(maxsize=None)
 def compiled(direction: str, init: str, nesterov: bool, first: bool, geometry, decay: str, decays: bool) -> Callable:
     """:func:`flat_tail` compiled for one rule's fixed choices."""
-    return _compile(flat_tail, direction=direction, init=init, nesterov=nesterov, first=first, geometry=geometry,
-                    decay=decay, decays=decays)
+    return compile_region(flat_tail, direction=direction, init=init, nesterov=nesterov, first=first, geometry=geometry,
+                          decay=decay, decays=decays)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_captured(direction: str, init: str, nesterov: bool, first: bool, geometry, decay: str,
                       decays: bool) -> Callable:
     """:func:`captured_flat_tail` compiled for one rule's fixed choices."""
-    return _compile(captured_flat_tail, direction=direction, init=init, nesterov=nesterov, first=first,
-                    geometry=geometry, decay=decay, decays=decays)
+    return compile_region(captured_flat_tail, direction=direction, init=init, nesterov=nesterov, first=first,
+                          geometry=geometry, decay=decay, decays=decays)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_write(decay: str, decays: bool, rows: bool = False) -> Callable:
     """:func:`write_tail` (``rows``: :func:`row_write_tail`) compiled for one decay."""
-    return _compile(row_write_tail if rows else write_tail, decay=decay, decays=decays)
+    return compile_region(row_write_tail if rows else write_tail, decay=decay, decays=decays)
 
 
 def lookahead_rows_into(us: list, news: list, ds: list, gs: list, alpha) -> None:
@@ -240,14 +261,14 @@ def compiled_prox(decay: str, decays: bool, geometry, constraint, rho: Optional[
     """:func:`prox_tail` (``rows``: :func:`row_prox_tail`) compiled for one decay, geometry,
     constraint and radius (a constant of the graph: a radius schedule compiles once per value; γ is
     an input)."""
-    return _compile(row_prox_tail if rows else prox_tail, decay=decay, decays=decays, geometry=geometry,
-                    constraint=constraint, rho=rho)
+    return compile_region(row_prox_tail if rows else prox_tail, decay=decay, decays=decays, geometry=geometry,
+                          constraint=constraint, rho=rho)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_rows() -> Callable:
     """:func:`lookahead_rows_into` compiled."""
-    return _compile(lookahead_rows_into)
+    return compile_region(lookahead_rows_into)
 
 
 def lookahead_rows(u: torch.Tensor, new: torch.Tensor, d: torch.Tensor, gs: list, alpha) -> torch.Tensor:
@@ -266,7 +287,7 @@ def captured_lookahead_into(us: list, news: list, ds: list, gs: list, ok: torch.
 @functools.lru_cache(maxsize=None)
 def compiled_captured_rows() -> Callable:
     """:func:`captured_lookahead_into` compiled: d⁺ and u in one pass, G selected in it."""
-    return _compile(captured_lookahead_into)
+    return compile_region(captured_lookahead_into)
 
 
 def captured_lookahead(u: torch.Tensor, new: torch.Tensor, d: torch.Tensor, gs: list, alpha, *,
@@ -297,128 +318,3 @@ def rows_calls(compiled: bool, ok, pp, group: dict, state: dict, g_prev, gs: lis
 def scalar(value, like: torch.Tensor) -> torch.Tensor:
     """A coefficient as a 0-d float64 tensor on ``like``'s device (a graph input, never a constant)."""
     return torch.as_tensor(value, dtype=torch.float64, device=like.device)
-
-
-#: inductor's settings for the codec's functions: an intermediate realized (computed once into a
-#: buffer) when read more than once (encode) or when it takes over 4 ops, where inductor by default
-#: recomputes it in each consumer: the code search (a shift, two table look-ups, a compare) was run
-#: again for the codes, the corrections' bins and their widths. Per piece of 2¹⁸ entries, one
-#: thread on this project's loaded 2-core CPU: int8-ec's encode 11.8 ms → 1.9 ms, bf16's 0.43 →
-#: 0.17, int8's 1.0 → 0.6; int8-ec's decode 1.7 → 0.75 (the same bits)
-CODEC_OPTIONS = {"encode": {"realize_reads_threshold": 1, "realize_opcount_threshold": 4},
-                 "decode": {"realize_opcount_threshold": 4}}
-
-
-def decode_moment(out: torch.Tensor, stored: dict, *, key: str) -> None:  # compiled: compiled_decode
-    """The float32 values of one piece of an encoded moment ``key`` into ``out`` (1-D):
-    :func:`~geomopt.optim.persist.state_codec.decode_piece` on the piece's stored entries
-    (:func:`~geomopt.optim.persist.state_codec.piece_of`), the same source the eager step runs."""
-    decode_piece(stored, key, 0, out.numel(), out)
-
-
-def encode_moment(stored: dict, x: torch.Tensor, seed: torch.Tensor, lo: torch.Tensor, *, dtype: str,
-                  key: str) -> None:
-    """One piece's float32 values ``x`` of the moment ``key`` encoded in ``dtype`` into its stored entries
-    ``stored`` (:meth:`~geomopt.optim.persist.state_codec.Codec.encode_values`, the eager step's
-    source), the random bits drawn for the entries [lo, lo + n) of the tensor under ``seed``
-    (:func:`~geomopt.optim.persist.codes.flat_noise`: :func:`~geomopt.optim.persist.codes.noise`'s bits)."""
-    codec = Codec(dtype)
-    bits = flat_noise(seed, lo, x.numel(), x.device) if codec.rounds(key) else None
-    codec.encode_values(key, x, bits, stored)
-
-
-def encoded_adam(x: torch.Tensor, m: dict, v: dict, g: torch.Tensor, count: torch.Tensor, lr: torch.Tensor,
-                 keep: torch.Tensor, m_seed: torch.Tensor, v_seed: torch.Tensor, lo: torch.Tensor, *, dtype: str,
-                 geometry, decay: str, decays: bool) -> None:
-    """One piece of an encoded Adam step, whole: its moments' stored entries ``m``, ``v``
-    (:func:`~geomopt.optim.persist.state_codec.piece_of`) decoded (:func:`decode_moment`), Adam's
-    moments and denominator (:func:`~geomopt.geometry.adam.adam_moments`, ``count`` the steps taken
-    before this one), X ← X·keep − lr/bc₁·m/(√v/√bc₂ + ε) (:func:`write_tail`), and the new moments
-    encoded back in place (:func:`encode_moment`, the entries [lo, lo + n) of their tensor seeded by
-    ``m_seed``, ``v_seed``). Compiled (:func:`compiled_adam`): the float32 moments pass between
-    inductor's loops inside one call, not through the workspace between five calls."""
-    x, g = x.view(-1), g.view(-1)
-    m, v = ({k: t.view(-1) for k, t in d.items()} for d in (m, v))
-    one = torch.empty_like(x)
-    two = torch.empty_like(x)
-    decode_moment(one, m, key="exp_avg")
-    decode_moment(two, v, key="exp_avg_sq")
-    moments = {"exp_avg": one, "exp_avg_sq": two, "adam_step": count}
-    exp_avg, denom, bc1 = adam_moments(g, moments, geometry)
-    write_tail([x], [exp_avg / denom], keep, -lr / bc1, decay=decay, decays=decays)
-    encode_moment(m, exp_avg, m_seed, lo, dtype=dtype, key="exp_avg")
-    encode_moment(v, moments["exp_avg_sq"], v_seed, lo, dtype=dtype, key="exp_avg_sq")
-
-
-#: (precision, (β₁, β₂, ε), decay, decays) → :func:`compiled_adam`'s function (an Adam geometry is no
-#: dict key: its spec holds a list)
-_ADAM: dict = {}
-
-
-def compiled_adam(dtype: str, geometry, decay: str, decays: bool) -> Callable:
-    """:func:`encoded_adam` compiled for one precision, Adam geometry (β₁, β₂, ε: constants) and decay."""
-    key = (dtype, adam_hyper(geometry), decay, decays)
-    if key not in _ADAM:
-        # a code object per key: each compiles a graph or three (storage offsets), within torch's limit
-        step = _compile(_own_code(encoded_adam, dtype, str(len(_ADAM))), options=CODEC_OPTIONS["encode"],
-                        dtype=dtype, geometry=geometry, decay=decay, decays=decays)
-
-        def call(*args):
-            for t in (args[0], args[3], *args[1].values(), *args[2].values()):
-                torch._dynamo.maybe_mark_dynamic(t, 0)  # a piece of one block: 1, specialized
-            return step(*args)
-
-        _ADAM[key] = call
-    return _ADAM[key]
-
-
-class EncodedAdam:
-    """An encoded Adam step's pieces run whole (:func:`compiled_adam`): one step's numbers as 0-d
-    tensors (graph inputs: a schedule compiles nothing again), made once per step; a call steps one
-    piece [a, b) of a tensor in place and returns True."""
-
-    def __init__(self, dtype: str, pp, step: int, gamma: float, weight_decay: float, device):
-        self.fn = compiled_adam(dtype, pp.geometry, pp.decay, bool(weight_decay))
-        self.rows = BLOCK if dtype in QUANTIZED else None  # int8: pieces as (blocks, 256), a static inner dim
-        self.numbers = [torch.tensor(v, dtype=torch.float64, device=device)
-                        for v in (step - 1, gamma, 1 - gamma * weight_decay)]
-        self.device = device
-
-    def __call__(self, x: torch.Tensor, g: torch.Tensor, targets: dict, a: int, seeds: dict) -> bool:
-        keys = ("exp_avg", "exp_avg_sq")
-        stored = [{k: self._rows(t, k) for k, t in piece_of(targets[key], a, a + x.numel()).items()} for key in keys]
-        seed = [torch.tensor(signed(seeds[key][0]), dtype=torch.int32, device=self.device) for key in keys]
-        run(self.fn, [], [self._rows(x), *stored], [self._rows(g)], *self.numbers, *seed,
-            torch.tensor(a, dtype=torch.int64, device=self.device))
-        return True
-
-    def _rows(self, t: torch.Tensor, key: str = "") -> torch.Tensor:
-        """A piece's flat tensor as int8's blocks (…, 256) (its corrections (…, 128), its scales flat),
-        so the compiled code knows a block's size; bf16's as it is."""
-        if self.rows is None or key.endswith(SCALE):
-            return t
-        return t.view(-1, self.rows // 2 if key.endswith(CORRECTION) else self.rows)
-
-
-@functools.lru_cache(maxsize=None)
-def compiled_decode(key: str) -> Callable:
-    """:func:`decode_moment` compiled for one moment (its map: signed or not)."""
-    return _compile(_own_code(decode_moment, key), dynamic=True, options=CODEC_OPTIONS["decode"], key=key)
-
-
-@functools.lru_cache(maxsize=None)
-def compiled_encode(dtype: str, key: str) -> Callable:
-    """:func:`encode_moment` compiled for one precision and moment."""
-    return _compile(_own_code(encode_moment, dtype, key), dynamic=True, options=CODEC_OPTIONS["encode"], dtype=dtype,
-                    key=key)
-
-
-def _own_code(fn: Callable, *choice: str) -> Callable:
-    """``fn`` with a code object of its own for one ``choice`` (the same source): torch's compile cache
-    and its recompile limit are per code object, and a codec function compiles, per choice, one graph
-    for pieces at the start of their stored entries and one for pieces past it (a storage offset of
-    0, 1 or more is a guard of its own), which would spend the limit of one shared code object."""
-    name = "_".join((fn.__name__, *choice)).replace("-", "_")
-    own = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__, fn.__closure__)
-    own.__kwdefaults__ = fn.__kwdefaults__
-    return own

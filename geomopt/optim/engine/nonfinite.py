@@ -5,7 +5,16 @@ or raises, per rule (``on_nonfinite``), on every rank alike.
 Rules with ``on_nonfinite: off`` (programs whose ``check`` is ``off``) are left out of the test:
 their gradients are not read by it, and a non-finite one propagates into their parameters and
 state as in torch's optimizers. A step skipped for a tested rule's non-finite gradient skips every
-tested rule and still steps the ``off`` rules (they never depend on the test)."""
+tested rule and still steps the ``off`` rules (they never depend on the test).
+
+A deferred step compiled by ``fuse`` (:func:`reads_traces`) tests a batched bucket's gradients
+without reading them: its polynomial iteration's first Gram matrix A = uuᵀ has tr A = ‖u‖²_F,
+which the folded iteration computes for its pre-normalization anyway, and u (the look-ahead of
+finite state and G) holds a NaN or ±∞ exactly where G does, so tr A is finite exactly when every
+gradient of the bucket is (unless the squares overflow: the exact test then decides, as for the
+sum). The host reads it where it waits for the test, after every bucket's forward op and before
+any write; a bucket whose forward op recorded no trace (another approximation, no
+pre-normalization) is tested there by the sum."""
 
 from __future__ import annotations
 
@@ -17,16 +26,27 @@ class NonFiniteGradientError(FloatingPointError):
     """A non-finite gradient under ``on_nonfinite: raise``; parameters and state are untouched."""
 
 
-def launch_check(rt: Runtime, jobs: list, grads: list, prevs: list):
+def reads_traces(prog) -> bool:
+    """Whether a program's finiteness test is the traces its compiled forward op records (the
+    module's last paragraph): a batched bucket compiled by ``fuse`` whose test is deferred behind
+    the forward ops, not replayed from a CUDA graph (a replay records nothing)."""
+    return prog.compiled and prog.check == "deferred" and prog.variant == "batched" and not prog.graphed
+
+
+def launch_check(rt: Runtime, jobs: list, grads: list, prevs: list, own: frozenset = frozenset()):
     """Launch the fast test of :func:`skip_nonfinite` over the jobs whose program tests (a sum is
-    finite iff every entry is, unless it overflows); on CUDA its flag is copied to pinned host
-    memory behind an event, so the host can launch more work before it waits. None when no job
-    is tested."""
+    finite iff every entry is, unless it overflows), but for the jobs in ``own``, whose forward ops
+    record their own (:func:`reads_traces`); on CUDA its flag is copied to pinned host memory
+    behind an event, so the host can launch more work before it waits. None when no job is
+    tested."""
     tested = [k for k, (prog, _) in enumerate(jobs) if prog.check != "off"]
     if not tested:
         return None
     grads, prevs = [grads[k] for k in tested], [prevs[k] for k in tested]
-    ok = finite_flags(rt, grads, prevs, sum_finite).all()
+    summed = [i for i, k in enumerate(tested) if k not in own]
+    if not summed:
+        return None, None, tested, grads, prevs
+    ok = finite_flags(rt, [grads[i] for i in summed], [prevs[i] for i in summed], sum_finite).all()
     event = None
     if ok.is_cuda:
         if rt.flag_host is None:
@@ -38,11 +58,12 @@ def launch_check(rt: Runtime, jobs: list, grads: list, prevs: list):
     return ok, event, tested, grads, prevs
 
 
-def skip_nonfinite(rt: Runtime, groups: list, counters: list, jobs: list, check) -> list:
+def skip_nonfinite(rt: Runtime, groups: list, counters: list, jobs: list, check, traces=None) -> list:
     """The indices of the ``jobs`` that step: all of them, or, when some tested gradient is
     non-finite (counted in ``counters``), only the jobs of ``off`` rules; raises first where a
     rule says so. ``jobs``: (program, [(param, plan)]) per job, ``groups``: the param groups,
-    ``check``: :func:`launch_check`'s.
+    ``check``: :func:`launch_check`'s, ``traces``: by job index, the traces the forward ops of
+    the jobs it left out recorded (:func:`traces_finite`).
 
     Waits for :func:`launch_check` (one host sync per step); only when some sum is not finite
     are those tensors checked entry by entry (so huge finite gradients still step)."""
@@ -52,7 +73,7 @@ def skip_nonfinite(rt: Runtime, groups: list, counters: list, jobs: list, check)
     flag, event, tested, grads, prevs = check
     if event is not None:
         event.synchronize()
-    if bool(flag):
+    if (flag is None or bool(flag)) and bool(traces_finite(traces or {}, tested, grads)):
         return everything
     ok = finite_flags(rt, grads, prevs, finite)
     if bool(ok.all()):
@@ -72,6 +93,15 @@ def skip_nonfinite(rt: Runtime, groups: list, counters: list, jobs: list, check)
     for gi in bad:
         counters[gi]["skipped"] += 1
     return sorted(set(everything) - set(tested))
+
+
+def traces_finite(traces: dict, tested: list, grads: list) -> torch.Tensor:
+    """Whether every trace of ``traces`` (job index → the tr A each of its forward op's iterations
+    recorded, :func:`geomopt.optim.engine.fused.folding`) is finite; a job of it whose forward op
+    recorded none is tested by the sum of its gradients (``grads``, aligned with ``tested``)."""
+    flags = [torch.isfinite(torch.stack([t.sum() for t in traces[k]]).sum()) if traces[k] else sum_finite(g)
+             for k, g in zip(tested, grads) if k in traces]
+    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool)
 
 
 def finite_flags(rt: Runtime, grads: list, prevs: list, test) -> torch.Tensor:

@@ -205,7 +205,7 @@ def fusable(group: dict, pp: ParamPlan, opts: Options) -> bool:
 
 def codec_fusable(pp: ParamPlan, opts: Options) -> bool:
     """Whether a flat rule's encoded state is decoded and encoded by compiled functions under ``fuse``
-    (:func:`geomopt.optim.engine.fused.decode_moment`, :func:`~geomopt.optim.engine.fused.encode_moment`):
+    (:func:`geomopt.optim.engine.fused_codec.decode_moment`, :func:`~geomopt.optim.engine.fused_codec.encode_moment`):
     state in a lower precision, stepping flat (:func:`encoded_flat`: one process, not capturable); the
     rule's arithmetic between them stays the float32 state's eager step."""
     return opts.fuse and not opts.capturable and pp.state_dtype != "float32"
@@ -318,11 +318,15 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
             prog = out[gi][k]
             if prog.check == "off":
                 continue
-            form = "ahead" if prog.direction_form == "rows" else prog.direction_form
+            # compiled: the look-ahead writes d⁺ into a new d (nothing live) and its iteration's first
+            # Gram matrix gives the test its input's ‖u‖²_F (nonfinite.reads_traces: G is not read for it)
+            form = "ahead" if prog.direction_form == "rows" and not prog.compiled else prog.direction_form
             out[gi][k] = dataclasses.replace(
                 prog, check="deferred", direction_form=form,
                 why=prog.why + ("finiteness test deferred: the host waits for it after launching every forward op "
-                                "(no bucket writes before its forward op)",))
+                                "(no bucket writes before its forward op)" + (
+                                    "; fuse: it reads tr A of the iteration's first Gram matrix, ‖u‖²_F, not G"
+                                    if prog.compiled and not prog.graphed else ""),))
     return out
 
 
@@ -393,9 +397,11 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
 def _deferrable(prog: Program, group: dict, pp: ParamPlan, p: torch.Tensor) -> bool:
     """A batched bucket that writes nothing before its forward op: direction none, or Polyak read
     from the unstacked gradients; no Adam geometry, post-stage or cautious decay; off torch Muon's
-    op order (on CPU the step keeps its order)."""
+    op order (on CPU the step keeps its order), or compiled (``fuse`` gives that order up) with a
+    polynomial iteration (which takes non-finite input without raising, as an SVD would not)."""
     return ((group["direction"] == "none" or prog.direction_form == "rows") and pp.geometry.kind != "adam"
-            and not pp.post and DECAYS[pp.decay].in_place is not None and not muon_order(p.device))
+            and not pp.post and DECAYS[pp.decay].in_place is not None
+            and (not muon_order(p.device) or (prog.compiled and pp.geometry.approx_kind in POLYNOMIAL_APPROXES)))
 
 
 def reads_gradient(pp: ParamPlan) -> bool:
