@@ -160,7 +160,8 @@ def test_ab_script_reads_a_base_commit_whose_specs_extend_shipped_ones(capsys):
     spec = str(Path(__file__).resolve().parents[1] / "specs" / "catalog" / "normuon.yaml")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert _script("ab").main(["--base", "HEAD", "--model", "gpt", "--iters", "1", "--no-torch", "--spec", spec]) == 0
+        assert _script("ab").main(["--base", "HEAD", "--model", "gpt", "--iters", "1", "--no-torch",
+                                   "--spec", spec]) == 0
     # the copies' warnings come as classes another process can import by module name (pytest-xdist's
     # controller does, for its workers' warnings): the copy's class named in the text
     copies = [w for w in caught if str(w.message).startswith("RolesGuessedWarning: ")]

@@ -25,6 +25,10 @@ WORKER = Path(__file__).with_name("distributed_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 import distributed_worker as worker  # noqa: E402
 
+#: torchrun: one pytest-xdist worker runs every test that starts gloo processes, one launch after another
+#: (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("torchrun")
+
 SPECS = worker.SHIPPED + ["mixed"]
 
 
