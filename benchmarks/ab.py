@@ -11,6 +11,7 @@ hits every row alike, which is what makes a before/after figure trustworthy on a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import io
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -61,6 +63,28 @@ def import_base(commit: str, into: Path, name: str = "geomopt_base"):
     return importlib.import_module(name)
 
 
+@contextlib.contextmanager
+def importable_warnings(*names: str):
+    """The block's warnings, issued again when it ends, each whose class lives in a copy (a module
+    under one of ``names``) as its nearest base class outside the copies, the copy's class named in
+    its text (RolesGuessedWarning(UserWarning) → UserWarning "RolesGuessedWarning: …"): a copy
+    imports in this process only, and whoever reads a warning in another imports its class by
+    module name (pytest-xdist's controller does, for its workers' warnings). The others are issued
+    again as they were; the caller's filters apply to all of them then."""
+    def copied(cls: type) -> bool:
+        return cls.__module__.split(".")[0] in names
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        category, message = w.category, w.message
+        if copied(category):
+            category = next(c for c in category.__mro__ if not copied(c))
+            message = category(f"{w.category.__name__}: {w.message}")
+        warnings.warn_explicit(message, category, w.filename, w.lineno or 0, source=w.source)
+
+
 #: glibc's allocator with a fixed mmap threshold and no trimming: with its default (a threshold
 #: that moves with the process's history of frees) a step's large temporaries are sometimes fresh
 #: mmaps, page-faulted in every step, and which version gets them changed from run to run: the same
@@ -86,7 +110,7 @@ def main(argv=None) -> int:
                    help="leave torch.optim.Muon out (its Newton–Schulz runs in bf16, which a CPU without native "
                         "bf16 emulates: seconds per step)")
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, importable_warnings("geomopt_base", "geomopt_again"):
         base = import_base(args.base, Path(tmp))
         again = import_base(args.base, Path(tmp), "geomopt_again")  # its own module-level caches
         _, fresh = hidden_workload(args.model, args.device, torch.float32)

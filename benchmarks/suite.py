@@ -3,9 +3,9 @@ and (``--base COMMIT``) a commit's tree run right before it on the same machine.
 
     python benchmarks/suite.py [--base COMMIT] [--record NOTE] [-- PYTEST ARGS]
 
-Each tree runs ``python -m pytest -q -p no:cacheprovider --durations=10`` in its own folder with
-``PYTHONPATH`` set to it, so the tests and every subprocess they start import that tree's
-package; a commit's tree is a fresh ``git clone`` checked out at the commit. Timings move with
+Each tree runs ``python -m pytest -q -n 2 -p no:cacheprovider --durations=10`` (two pytest-xdist
+workers) in its own folder with ``PYTHONPATH`` set to it, so the tests and every subprocess they
+start import that tree's package; a commit's tree is a fresh ``git clone`` checked out at the commit. Timings move with
 the machine's load: compare rows taken back to back.
 """
 
@@ -31,8 +31,8 @@ def run_suite(tree: Path, extra: list[str]) -> dict:
     """Wall seconds, the summary line and the ten slowest (seconds, phase, test) of one run."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10", *extra],
-                          cwd=tree, env=env, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", "--durations=10", *extra]
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     out = proc.stdout
     slowest = re.findall(r"^([\d.]+)s (call|setup|teardown)\s+(\S+)$", out, flags=re.M)
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
     runs.append((f"this tree ({head}{' + changes' if _dirty() else ''})", run_suite(ROOT, args.pytest_args)))
-    lines = [f"### Test suite (`python -m pytest -q`), {platform.machine()} CPU, {os.cpu_count()} cores, torch "
+    lines = [f"### Test suite (`python -m pytest -q -n 2`), {platform.machine()} CPU, {os.cpu_count()} cores, torch "
              f"{torch.__version__}, Python {platform.python_version()} — {datetime.date.today().isoformat()}", ""]
     for name, r in runs:
         lines += table(name, r)

@@ -8,6 +8,13 @@ cores, AVX2, other jobs running): the four Scion equivalence tests 0.2 s each at
 6–9 s at 2, benchmarks/svd_free.py's test 0.2 s against 20 s, the whole suite 3 min 51 s against
 5 min 58 s run back to back (and up to 13 min at 2 threads under heavier load).
 ``OMP_NUM_THREADS=2 python -m pytest`` runs it with two.
+
+The README's command runs the suite in two pytest-xdist workers (``-n 2``: one process a core;
+``-n 0`` runs it in this process), scheduled by ``--dist loadgroup`` (pyproject.toml): a test runs
+on whichever worker is free, except those marked ``xdist_group("torchrun")``, which start gloo
+processes under torchrun (2 to 8 ranks each, module fixtures shared by many tests). One worker runs
+all of them, one launch after another, so that a module's launch runs once, and two launches (8
+ranks beside 4) never share the two cores; the other worker runs the rest meanwhile.
 """
 
 from __future__ import annotations

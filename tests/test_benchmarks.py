@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -157,7 +158,16 @@ def test_turbo_ns_script_compares_muon_and_turbo_muon(capsys):
 def test_ab_script_reads_a_base_commit_whose_specs_extend_shipped_ones(capsys):
     # the base's specs and grammar go inside its package, as a wheel installs them
     spec = str(Path(__file__).resolve().parents[1] / "specs" / "catalog" / "normuon.yaml")
-    assert _script("ab").main(["--base", "HEAD", "--model", "gpt", "--iters", "1", "--no-torch", "--spec", spec]) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _script("ab").main(["--base", "HEAD", "--model", "gpt", "--iters", "1", "--no-torch",
+                                   "--spec", spec]) == 0
+    # the copies' warnings come as classes another process can import by module name (pytest-xdist's
+    # controller does, for its workers' warnings): the copy's class named in the text
+    copies = [w for w in caught if str(w.message).startswith("RolesGuessedWarning: ")]
+    assert len(copies) == 2, [str(w.message)[:80] for w in caught]  # base HEAD, base HEAD again
+    assert all(w.category is UserWarning for w in copies)
+    assert {w.category.__module__.split(".")[0] for w in caught} <= {"builtins", "geomopt"}
     out = capsys.readouterr().out
     assert re.findall(r"^\| ([^|]+?) \| [\d.]+ \| – \| [\d.]+ \|$", out, flags=re.M) == [
         "base HEAD", "this tree", "base HEAD, again"], out

@@ -373,6 +373,11 @@ def test_bytes_per_parameter():
 # ---------------------------------------------------------------- torch.distributed
 
 
+#: torchrun: one pytest-xdist worker runs every test that starts gloo processes, one launch after another
+#: (tests/conftest.py); these tests share its module fixtures' launches
+TORCHRUN = pytest.mark.xdist_group("torchrun")
+
+
 def _launch(tmp_path_factory, worker: str) -> list:
     sys.path.insert(0, str(Path(__file__).parent))
     import layout_worker
@@ -394,6 +399,7 @@ def sharded(tmp_path_factory):
     return _launch(tmp_path_factory, "compensation_fsdp_worker")
 
 
+@TORCHRUN
 def test_ddp_steps_compensated_weights_as_one_process(ranks):
     """Under DDP every rank's bf16 weights and decoded float32 weights equal one process's bit for
     bit, a forward after the steps gives its loss, and every parameter keeps its error."""
@@ -413,6 +419,7 @@ def _sharded_runs(ranks: list, form: str) -> list:
     return runs
 
 
+@TORCHRUN
 def test_sharded_int16_steps_the_float32_weights_bit_for_bit(sharded):
     """Under FSDP2, HSDP and FSDP2 × TP, bf16 parameters with int16 compensation step as float32
     parameters under the same spec, fed the same gradients: every rank's decoded shards equal the
@@ -428,6 +435,7 @@ def test_sharded_int16_steps_the_float32_weights_bit_for_bit(sharded):
             assert abs(got["loss"] - got["one_process"]) <= 1e-3, (rank, key, got)
 
 
+@TORCHRUN
 def test_sharded_int8_stays_within_its_bound(sharded):
     """int8 under FSDP2, HSDP and FSDP2 × TP: every rank's decoded shards within STEPS · max|x| · 2^−16
     of the float32 model's (what one step's rounding, ulp/512 ≤ |w|·2^−16, allows), and not equal."""
@@ -435,6 +443,7 @@ def test_sharded_int8_stays_within_its_bound(sharded):
         assert 0.0 < got["dev"] <= 1.0 and got["bf16"] and got["sharded"], (rank, key, got)
 
 
+@TORCHRUN
 def test_sharded_checkpoint_resumes_bit_for_bit(sharded):
     """opt.state_dict() into a fresh optimizer and a distributed checkpoint (DCP's get_state_dict,
     save, load, set_state_dict) resume with the same bits of every bf16 weight and every error; a
@@ -444,6 +453,7 @@ def test_sharded_checkpoint_resumes_bit_for_bit(sharded):
             assert got == dict(state_dict=True, dcp=True, keys=42, carried=True, moved=21), (r["rank"], layout, got)
 
 
+@TORCHRUN
 def test_sharded_nonfinite_step_changes_nothing(sharded):
     """A NaN in one rank's shard of a hidden matrix's gradient: every rank skips the step (the
     hidden rule counts it), no bit of a weight's shard or an error moves, gradients stay the

@@ -25,6 +25,10 @@ WORKER = Path(__file__).with_name("distributed_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 import distributed_worker as worker  # noqa: E402
 
+#: torchrun: one pytest-xdist worker runs every test that starts gloo processes, one launch after another
+#: (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("torchrun")
+
 SPECS = worker.SHIPPED + ["mixed"]
 
 
@@ -174,9 +178,11 @@ def test_world_size_mismatch_refused_for_sharded_state():
 def test_distributed_benchmark_halves_the_matrices_per_rank():
     """benchmarks/distributed.py end to end (1 and 2 gloo ranks, one timed step)."""
     script = WORKER.parents[1] / "benchmarks" / "distributed.py"
+    # this checkout's package in the script and its ranks, whatever else is installed
+    path = os.pathsep.join(filter(None, [str(WORKER.parents[1]), os.environ.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, str(script), "--spec", str(worker.spec_path("muon")), "--iters", "1",
                            "--warmup", "0", "--ranks", "1", "2"], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| muon |")]
     per_rank = {(int(r[1]), int(r[2])): float(r[3]) for r in rows}

@@ -124,7 +124,9 @@ def test_readme_is_short_and_keeps_its_set_up_commands():
     text = "\n".join(lines)
     assert 'pip install torch==2.13.0 && pip install -e ".[examples]" && geomopt demo' in text
     assert ('pip install torch==2.13.0 && pip install -e ".[test]" && pip install --no-deps torchtitan==0.3.0 '
-            '&& python -m pytest -q') in text
+            '&& python -m pytest -q -n 2\n') in text
+    # CI runs the same command (without pytest's cache folder)
+    assert "\npython3 -m pytest -q -n 2 -p no:cacheprovider\n" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
 
 
 def test_no_symlinks_at_the_root():

@@ -26,6 +26,10 @@ sys.path.insert(0, str(WORKER.parent))
 import ep_worker as worker  # noqa: E402
 from refusals import REFUSED_ON_SHARDS  # noqa: E402
 
+#: torchrun: one pytest-xdist worker runs every test that starts gloo processes, one launch after another
+#: (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("torchrun")
+
 #: as tests/test_layouts.py: the shards sum norms and statistics in another order than one process
 BOUND = 2e-5
 EXPERTS = ("w1", "w2", "w3")

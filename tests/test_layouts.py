@@ -21,6 +21,10 @@ import layout_worker as worker  # noqa: E402
 from geomopt.distributed.layout import Layout, LayoutError, block  # noqa: E402
 from refusals import REFUSED_ON_SHARDS  # noqa: E402
 
+#: torchrun: one pytest-xdist worker runs every test that starts gloo processes, one launch after another
+#: (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("torchrun")
+
 #: max over tensors of ‖X − X_ref‖_F / ‖X_ref‖_F after the worker's steps (DDP: bit for bit). The
 #: shards sum their norms and statistics in another order than one process (and TP splits the
 #: forward's matmuls), which rounding amplifies by at most ~5e-6 here

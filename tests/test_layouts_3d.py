@@ -20,6 +20,10 @@ import layout_worker as worker  # noqa: E402
 from test_layouts import BOUND, deviation  # noqa: E402
 from refusals import REFUSED_ON_SHARDS  # noqa: E402
 
+#: torchrun: one pytest-xdist worker runs every test that starts gloo processes, one launch after another
+#: (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("torchrun")
+
 LAYOUT = "hsdp_tp"
 
 

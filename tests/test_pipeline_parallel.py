@@ -26,6 +26,10 @@ sys.path.insert(0, str(WORKER.parent))
 import pp_worker as worker  # noqa: E402
 from refusals import REFUSED_ON_SHARDS  # noqa: E402
 
+#: torchrun: one pytest-xdist worker runs every test that starts gloo processes, one launch after another
+#: (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("torchrun")
+
 #: max over tensors of ‖X − X_ref‖_F / ‖X_ref‖_F after 2 steps: tests/test_layouts.py's bound, for
 #: the optimizer's own deviation (the reference given the pipeline's microbatched gradients)
 BOUND = 2e-5

@@ -719,6 +719,7 @@ def test_sdpa_outside_a_monitored_module_is_not_counted():
 # ---------------------------------------------------------------- two ranks
 
 
+@pytest.mark.xdist_group("torchrun")  # one worker runs every torchrun launch (tests/conftest.py)
 def test_two_ranks_clip_with_the_max_over_ranks(tmp_path):
     """Under torch.distributed the maxima are all-reduced (max) before the clip: both ranks end
     with the same weights, the plain step's followed by the report's clip on the larger logits."""

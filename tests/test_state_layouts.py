@@ -16,6 +16,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import layout_worker  # noqa: E402
 import precision_worker as worker  # noqa: E402
 
+#: torchrun: one pytest-xdist worker runs every test that starts gloo processes, one launch after another
+#: (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("torchrun")
+
 #: one process against each layout after 2 steps, max over tensors of ‖X − X₁‖_F / ‖X₁‖_F. Without
 #: tensor parallelism the gradients are the one-process ones and the state is stored alike: what
 #: is left is the optimizer's rounding (an int8 code flips where a shard's norm rounds otherwise).
