@@ -64,11 +64,7 @@ def test_the_fused_step_tracks_the_eager_step_within_float32_rounding(spec, tol)
     assert any(p.compiled for progs in fused.engine.programs for p in progs)
     assert not any(p.compiled for progs in eager.engine.programs for p in progs)
     for step in range(5):
-        _grads(models, step)
-        for opt in (eager, fused):
-            for g in opt.param_groups:
-                g["lr"] = g["lr"] * 0.9
-            opt.step()
+        step_scheduled(models, (eager, fused), step)
         assert _gap(eager, fused) <= tol, step
     moved = max((p - tiny_gpt(0).state_dict()[n]).abs().max().item() for n, p in models[1].named_parameters())
     assert moved > 1e-3  # the steps did something the comparison could miss
@@ -100,17 +96,32 @@ def test_a_schedule_compiles_nothing_again(spec):
 @pytest.mark.parametrize("spec", ["sign-descent", "muon", PROX_MUON], ids=["sign-descent", "muon", "prox-muon"])
 def test_a_non_finite_gradient_leaves_the_fused_step_untouched(spec):
     models, (_, fused) = _pair(spec)
-    models = models[1:]
-    _grads(models, 0)
+    _grads(models[1:], 0)
     fused.step()
+    assert_a_poisoned_step_skips(fused, models[1:])
+
+
+def step_scheduled(models: list, opts: tuple, step: int) -> None:
+    """One batch's gradients for every model, then each optimizer's step with its lr decayed by 0.9
+    (a schedule: the compiled regions take it as an input and compile nothing again)."""
+    _grads(models, step)
+    for opt in opts:
+        for g in opt.param_groups:
+            g["lr"] = g["lr"] * 0.9
+        opt.step()
+
+
+def assert_a_poisoned_step_skips(opt, models: list) -> None:
+    """A step on NaN-poisoned gradients leaves every parameter and state tensor of ``opt`` (stepping
+    ``models[0]``) bit for bit as it was, and is counted skipped."""
     before = [p.detach().clone() for p in models[0].parameters()]
-    state = [v.clone() for st in fused.state.values() for v in st.values() if torch.is_tensor(v)]
+    state = [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
     _grads(models, 1, poison=True)
-    fused.step()
+    opt.step()
     assert all(torch.equal(a, p) for a, p in zip(before, models[0].parameters()))
     assert all(torch.equal(a, b) for a, b in
-               zip(state, [v for st in fused.state.values() for v in st.values() if torch.is_tensor(v)]))
-    assert sum(fused.diagnostics()[g["rule"]]["skipped"] for g in fused.param_groups) > 0
+               zip(state, [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]))
+    assert sum(opt.diagnostics()[g["rule"]]["skipped"] for g in opt.param_groups) > 0
 
 
 def test_the_dispatcher_says_what_is_compiled_and_compiles_capturable_steps_with_the_flag_inside():

@@ -13,6 +13,7 @@ import pytest
 import torch
 from optim_helpers import tiny_gpt
 from test_capturable import _grads  # every model's gradients of one batch (NaN-poisoned on request)
+from test_fused import assert_a_poisoned_step_skips, step_scheduled
 
 import geomopt
 from geomopt.optim.engine import fused
@@ -59,11 +60,7 @@ def test_the_fused_post_stages_track_the_eager_ones_with_their_state(spec, captu
     by_rows, row_factor = [], stages.row_factor
     monkeypatch.setattr(stages, "row_factor", lambda *a: by_rows.append(a[0].shape) or row_factor(*a))
     for step in range(5):
-        _grads(models, step)
-        for opt in (eager, fuse):
-            for g in opt.param_groups:
-                g["lr"] = g["lr"] * 0.9
-            opt.step()
+        step_scheduled(models, (eager, fuse), step)
         gap = max((p - q).abs().max().item() for p, q in zip(models[0].parameters(), models[1].parameters()))
         v_gap = max(_close(b, a) for a, b in zip(_hidden_state(eager), _hidden_state(fuse)))
         assert gap <= tol and v_gap <= 1e-5, (step, gap, v_gap)
@@ -159,15 +156,8 @@ def test_a_non_finite_gradient_leaves_the_fused_post_stages_untouched():
     opt = geomopt.GeomOptimizer(models[0], "normuon", fuse=True)
     _grads(models, 0)
     opt.step()
-    before = [p.detach().clone() for p in models[0].parameters()]
-    state = [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
     assert _hidden_state(opt) and all(math.isfinite(v.sum().item()) for v in _hidden_state(opt))
-    _grads(models, 1, poison=True)
-    opt.step()
-    assert all(torch.equal(a, p) for a, p in zip(before, models[0].parameters()))
-    assert all(torch.equal(a, b) for a, b in
-               zip(state, [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]))
-    assert sum(opt.diagnostics()[g["rule"]]["skipped"] for g in opt.param_groups) > 0
+    assert_a_poisoned_step_skips(opt, models)
 
 
 def test_the_dispatcher_says_which_post_stages_run_by_rows():
