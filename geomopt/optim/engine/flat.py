@@ -219,11 +219,15 @@ def step_flat_encoded(prog: Program, rt: Runtime, state, group: dict, items: lis
         whole = codec_tail.EncodedAdam(codec.dtype, pp, step, gamma, group["weight_decay"], device)
     for pieces in chunks:
         if whole is not None:  # a piece stored in place in the rule's precision: one compiled call, whole
-            pieces = [(i, a, b) for i, a, b in pieces
-                      if not (_in_place(targets[i], olds[i], keys) and whole(xs[i][a:b], gs[i][a:b], targets[i], a,
-                                                                            seeds[i]))]
-            if not pieces:
+            rest = []
+            for i, a, b in pieces:
+                if _in_place(targets[i], olds[i], keys):
+                    whole(xs[i][a:b], gs[i][a:b], targets[i], a, seeds[i])
+                else:
+                    rest.append((i, a, b))
+            if not rest:
                 continue
+            pieces = rest
         n = sum(b - a for _, a, b in pieces)
         x_b = [xs[i][a:b] for i, a, b in pieces]
         g_b = [gs[i][a:b] for i, a, b in pieces]

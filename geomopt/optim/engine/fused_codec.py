@@ -107,13 +107,12 @@ class EncodedAdam:
                         for v in (step - 1, gamma, 1 - gamma * weight_decay)]
         self.device = device
 
-    def __call__(self, x: torch.Tensor, g: torch.Tensor, targets: dict, a: int, seeds: dict) -> bool:
+    def __call__(self, x: torch.Tensor, g: torch.Tensor, targets: dict, a: int, seeds: dict) -> None:
         keys = ("exp_avg", "exp_avg_sq")
         stored = [{k: self._rows(t, k) for k, t in piece_of(targets[key], a, a + x.numel()).items()} for key in keys]
         seed = [torch.tensor(signed(seeds[key][0]), dtype=torch.int32, device=self.device) for key in keys]
         fused.run(self.fn, [], [self._rows(x), *stored], [self._rows(g)], *self.numbers, *seed,
                   torch.tensor(a, dtype=torch.int64, device=self.device))
-        return True
 
     def _rows(self, t: torch.Tensor, key: str = "") -> torch.Tensor:
         """A piece's flat tensor as int8's blocks (…, 256) (its corrections (…, 128), its scales flat),
