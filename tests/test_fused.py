@@ -264,7 +264,7 @@ def _skipped(opt) -> int:
 
 @pytest.mark.parametrize("capturable", [False, True], ids=["fused", "capturable-fused"])
 @pytest.mark.parametrize("where", ["hidden", "flat"])
-@pytest.mark.parametrize("spec", ["muon", "adamw-hybrid"])
+@pytest.mark.parametrize("spec", ["muon", "adamw-hybrid", "normuon"])
 def test_a_nan_in_one_gradient_skips_the_fused_step_and_keeps_every_bit(spec, where, capturable):
     """A NaN in one entry of one gradient (a hidden matrix's, tested by its bucket's iteration, or
     a flat rule's tensor's, tested by the sum) skips the whole step: parameters, state and step

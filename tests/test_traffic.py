@@ -246,12 +246,11 @@ def test_a_fused_normuon_step_reads_its_hidden_matrices_once_more_than_muon(traf
     """NorMuon's post-stages (a per-row second moment of U, the norm match) under fuse: one
     compiled read of U for its per-row sums of squares, the stages' arithmetic on those (a few
     numbers per row), and their factor per row read by the compiled write-back beside U. So the
-    step moves muon's bytes and two passes over the hidden matrices more (and the second moment's
-    rows): that read of U, and the finiteness test's read of the hidden gradients, which a fused muon
-    step takes from its iteration's trace instead (a step with post-stages does not defer its test:
-    their state is written before it), where the eager stages pass over them about ten times (mul,
-    div, linalg_vector_norm, mean: normuon 3.00 against muon's 1.71 on the --small model, fused,
-    before)."""
+    step moves muon's bytes, one pass over the hidden matrices more (that read of U) and the
+    second moment's rows: its finiteness test is deferred as muon's is (the stages run after the
+    barrier), taken from the iteration's trace, so the hidden gradients are not read for it; the
+    eager stages pass over U about ten times (mul, div, linalg_vector_norm, mean: normuon 3.00
+    against muon's 1.71 on the --small model, fused, before the row forms)."""
     torch.set_grad_enabled(False)
     try:
         ops, floor, model, programs = _ops(traffic, "normuon", fuse=True)
@@ -266,5 +265,5 @@ def test_a_fused_normuon_step_reads_its_hidden_matrices_once_more_than_muon(traf
     assert abs(ops["compiled:row_write_tail"] - muon["compiled:write_tail"]) <= rows + scalars
     assert not {"div", "linalg_vector_norm", "mean", "copy_"} & {n for n, moved in ops.items() if moved > 4 * rows}, ops
     extra = sum(ops.values()) - sum(muon.values())
-    assert 2 * pass_ <= extra <= 2 * pass_ + 32 * rows, (extra, pass_, rows, ops)  # the rows' arithmetic: 25
+    assert pass_ <= extra <= pass_ + 32 * rows, (extra, pass_, rows, ops)  # the rows' arithmetic: 25
     assert sum(ops.values()) / floor["total"] <= 1.9

@@ -396,11 +396,12 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
 
 def _deferrable(prog: Program, group: dict, pp: ParamPlan, p: torch.Tensor) -> bool:
     """A batched bucket that writes nothing before its forward op: direction none, or Polyak read
-    from the unstacked gradients; no Adam geometry, post-stage or cautious decay; off torch Muon's
+    from the unstacked gradients; no Adam geometry or cautious decay (post-stages run after the
+    forward op's answer, so after the barrier, and their state is journaled); off torch Muon's
     op order (on CPU the step keeps its order), or compiled (``fuse`` gives that order up) with a
     polynomial iteration (which takes non-finite input without raising, as an SVD would not)."""
     return ((group["direction"] == "none" or prog.direction_form == "rows") and pp.geometry.kind != "adam"
-            and not pp.post and DECAYS[pp.decay].in_place is not None
+            and DECAYS[pp.decay].in_place is not None
             and (not muon_order(p.device) or (prog.compiled and pp.geometry.approx_kind in POLYNOMIAL_APPROXES)))
 
 
