@@ -451,3 +451,17 @@ def test_check_applicable(geometry, shape, message):
         assert got is None
     else:
         assert got is not None and __import__("re").search(message, got), got
+
+
+def test_a_pre_normalization_by_norm_is_one_factor_of_the_squared_norm_and_no_other_is():
+    """prenorm.by_norm (what lets the folded iteration carry the pre-normalization in its first
+    factor) holds exactly for the kinds whose D̂ is D times prenorm_factor(‖D‖²_F) per matrix."""
+    from geomopt.geometry.prenorm import by_norm, prenorm_factor, prenormalize
+    from geomopt.spec.geometries import AolPrenorm, FrobeniusPrenorm, MaxPrenorm, NoPrenorm
+    x = torch.randn(3, 5, 7, dtype=torch.float64)
+    x[1] *= 1e-3
+    sq = (x * x).sum(dim=(-2, -1))
+    for cfg in (FrobeniusPrenorm(), MaxPrenorm(), AolPrenorm(), NoPrenorm()):
+        f = prenorm_factor(sq, cfg) if not isinstance(cfg, AolPrenorm) else None
+        one_factor = f is not None and torch.allclose(prenormalize(x, cfg), x * f[:, None, None], rtol=1e-12, atol=0)
+        assert by_norm(cfg) == one_factor, cfg

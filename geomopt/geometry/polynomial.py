@@ -19,7 +19,7 @@ import torch
 
 from geomopt.support import Triple
 from geomopt.geometry.matrix import working_dtype
-from geomopt.geometry.prenorm import aol, aol_factors, aol_gram, prenorm_factor, prenormalize
+from geomopt.geometry.prenorm import aol, aol_factors, aol_gram, by_norm, prenorm_factor, prenormalize
 from geomopt.spec.geometries import NoPrenorm, Prenormalize
 
 _NONE = NoPrenorm()  # no pre-normalization: what ``prenorm=None`` means here
@@ -173,7 +173,7 @@ def _folded_iteration(x: torch.Tensor, coefficients: Sequence[Triple], prenorm: 
     for i, (a, b, c) in enumerate(coefficients):
         gram = X.mT @ X if right else X @ X.mT
         factor: float | torch.Tensor = 1.0 if i < last else scale
-        if i == 0 and first is not None and prenorm.kind in ("frobenius", "max"):
+        if i == 0 and first is not None and by_norm(prenorm):
             update = first(gram, gram @ gram, (a, b, c), factor, prenorm)  # C₀, pre-normalization folded in
             factor = 1.0
         else:

@@ -63,6 +63,13 @@ def _prenorm_denominator(norm: torch.Tensor, cfg: Prenormalize) -> torch.Tensor:
     raise ValueError(f"unknown prenormalize kind {kind!r}; expected frobenius, max or none")
 
 
+def by_norm(cfg: Prenormalize) -> bool:
+    """Whether the pre-normalization multiplies each matrix by one factor of its ‖D‖²_F alone
+    (frobenius, max: :func:`prenorm_factor`), a factor the folded iteration's first small factor
+    can carry (:func:`geomopt.geometry.polynomial.first_factor_into`)."""
+    return isinstance(cfg, (FrobeniusPrenorm, MaxPrenorm))
+
+
 def prenorm_factor(sq_norm: torch.Tensor, cfg: Prenormalize) -> torch.Tensor | None:
     """The factor :func:`prenormalize` multiplies a matrix by, from its ‖D‖²_F (None for ``none``)."""
     if cfg.kind == "none":

@@ -31,6 +31,7 @@ from geomopt.optim.engine.flat import step_flat
 from geomopt.optim.engine.nonfinite import finite, finite_flags
 from geomopt.optim.engine.runtime import Runtime
 from geomopt.optim.engine.tensors import as_real, local, op_view
+from geomopt.optim.units.directions import DIRECTIONS
 from geomopt.optim.units.schedules import step_size
 from geomopt.optim.units.state_keys import COUNTS
 
@@ -72,7 +73,8 @@ def captured_step(rt: Runtime, groups: list, typed: list, state, counters: list,
             gamma, alpha = schedules[prog.group]
             group = groups[prog.group]
             weight = oks[j].to(torch.float64)
-            alpha = None if group["direction"] == "none" else (group["alpha"] if alpha is None else alpha) * weight
+            stateless = not DIRECTIONS[group["direction"]].keys  # no direction: no α
+            alpha = None if stateless else (group["alpha"] if alpha is None else alpha) * weight
             step_flat(prog, rt, state, group, items, g, gamma * weight, alpha, ok=oks[j] if prog.compiled else None)
             done.append(j)
     steps = [(j, BucketJob(prog, rt, state, counters[prog.group], groups[prog.group], items, g, None,

@@ -235,7 +235,7 @@ class Engine:
 
         def writes() -> bool:
             """Everything that writes at once; False when the step is skipped."""
-            traces = {j: job.traces for j, job in steps if job.traces is not None} if defer else None
+            traces = {j: job.traces for j, job in steps if j in own} if defer else None  # those the check left out
             if defer and len(skip_nonfinite(rt, groups, self.counters, jobs, check, traces)) < len(jobs):
                 return False  # deferred: every rule tested alike (dispatch), so the whole step
             if pending is None:  # a completed retry counts the whole step's update

@@ -56,7 +56,7 @@ def step_flat(prog: Program, rt: Runtime, state, group: dict, items: list, grads
     ds: Any = None
     binds: list = []  # new state buffers' bindings, and the count: after the last write
     first = False
-    if group["direction"] != "none":
+    if DIRECTIONS[group["direction"]].keys:  # the flat form's directions keep d alone
         first = "d" not in state[items[0][0]]
         d, ds = rt.stacked.flat(state, items, xs, "d", binds)
     adam = _adam_state(rt, state, items, xs, binds) if pp.geometry.kind == "adam" else None
@@ -188,7 +188,7 @@ def step_flat_encoded(prog: Program, rt: Runtime, state, group: dict, items: lis
     xs = [op_view(local(p), q).view(-1) for p, q in items]
     gs = [g.reshape(-1) for g in grads]
     sts = [state[p] for p, _ in items]
-    keys = (("d",) if group["direction"] != "none" else ()) + \
+    keys = DIRECTIONS[group["direction"]].keys + \
         (tuple(k for k in geometry_state(pp.geometry) if k in MOMENTS) if pp.geometry.kind == "adam" else ())
     first = "d" not in sts[0]
     binds: list = []
@@ -215,7 +215,7 @@ def step_flat_encoded(prog: Program, rt: Runtime, state, group: dict, items: lis
         take("state." + key, (largest,), torch.float32, device)
     count = None if step is None else torch.full((), step, dtype=torch.float32, device=device)
     whole = None
-    if prog.compiled and step is not None and group["direction"] == "none":
+    if prog.compiled and step is not None and not DIRECTIONS[group["direction"]].keys:
         whole = codec_tail.EncodedAdam(codec.dtype, pp, step, gamma, group["weight_decay"], device)
     for pieces in chunks:
         if whole is not None:  # a piece stored in place in the rule's precision: one compiled call, whole

@@ -186,7 +186,7 @@ def capturable_weights(group: dict, pp: ParamPlan, opts: Options) -> bool:
     and a map of each entry, whose writes take the flag as a weight (d.lerp(g, α·ok), X + γ·ok·S, X·(1 − γ·ok·λ):
     on gradients zeroed where it is false, the values as they were)."""
     if pp.geometry.kind == "adam":
-        return group["direction"] == "none" and opts.implementation != "foreach"
+        return not DIRECTIONS[group["direction"]].keys and opts.implementation != "foreach"
     # a map of each entry: an elementwise op that needs no norm (LOCAL, as on a shard) and keeps no state
     each_entry = flat_refusal(pp.geometry.kind, sharded=True) is None and not geometry_state(pp.geometry)
     return each_entry and DIRECTIONS[group["direction"]].has("weighted")
@@ -274,7 +274,7 @@ def dispatch(groups: list, plans: list, buckets: list, opts: Options) -> list[li
                 if pp.state_dtype != "float32":
                     why.append(f"state {pp.state_dtype}: the moments decoded chunk by chunk into the workspace, "
                                "stepped and encoded back (the float32 copies are one chunk's)")
-                if codec_fusable(pp, opts) and pp.geometry.kind == "adam" and group["direction"] == "none":
+                if codec_fusable(pp, opts) and pp.geometry.kind == "adam" and not DIRECTIONS[group["direction"]].keys:
                     why.append("fuse: each piece's decode, Adam's arithmetic, write-back, block scales, code "
                                "search, random bits and encode in one compiled call (torch.compile), from the "
                                "second step (the first makes the state as with float32 state)")
@@ -400,7 +400,7 @@ def _deferrable(prog: Program, group: dict, pp: ParamPlan, p: torch.Tensor) -> b
     forward op's answer, so after the barrier, and their state is journaled); off torch Muon's
     op order (on CPU the step keeps its order), or compiled (``fuse`` gives that order up) with a
     polynomial iteration (which takes non-finite input without raising, as an SVD would not)."""
-    return ((group["direction"] == "none" or prog.direction_form == "rows") and pp.geometry.kind != "adam"
+    return ((not DIRECTIONS[group["direction"]].keys or prog.direction_form == "rows") and pp.geometry.kind != "adam"
             and DECAYS[pp.decay].in_place is not None
             and (not muon_order(p.device) or (prog.compiled and pp.geometry.approx_kind in POLYNOMIAL_APPROXES)))
 

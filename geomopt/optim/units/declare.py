@@ -108,6 +108,11 @@ class DirectionUnit:
             raise ValueError(f"direction {self.name!r}: unknown form(s) {bad}; known: {FORMS}")
 
     @property
+    def keys(self) -> tuple[str, ...]:
+        """The keys of the state entries it keeps (empty: it keeps none and passes g on as d)."""
+        return tuple(k.key for k in self.state)
+
+    @property
     def coefficients(self) -> tuple[str, ...]:
         """The group values the direction reads: its spec model's fields but ``kind``."""
         return tuple(f for f in self.spec.model_fields if f != "kind")
