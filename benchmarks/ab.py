@@ -104,7 +104,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--fuse", action="store_true",
-                   help="also this tree with fuse=True (the elementwise tails compiled: compiles in the warm-up)")
+                   help="every version with fuse=True (the elementwise tails compiled: compiles in the warm-up); "
+                        "the base must have it")
     p.add_argument("--record", metavar="NOTE", help="record the table in benchmarks/RESULTS.md with this note")
     p.add_argument("--no-torch", action="store_true",
                    help="leave torch.optim.Muon out (its Newton–Schulz runs in bf16, which a CPU without native "
@@ -117,11 +118,11 @@ def main(argv=None) -> int:
         rows = [] if args.no_torch else [
             ("torch.optim.Muon", lambda ps: torch.optim.Muon([q for _, q in ps], lr=0.02, weight_decay=0.1,
                                                              momentum=0.95, nesterov=True))]
-        rows += [(f"base {args.base}", lambda ps: base.GeomOptimizer(ps, args.spec)),
-                ("this tree", lambda ps: geomopt.GeomOptimizer(ps, args.spec)),
-                (f"base {args.base}, again", lambda ps: again.GeomOptimizer(ps, args.spec))]
-        if args.fuse:
-            rows.append(("this tree, fuse=True", lambda ps: geomopt.GeomOptimizer(ps, args.spec, fuse=True)))
+        extra = {"fuse": True} if args.fuse else {}
+        tag = ", fuse=True" if args.fuse else ""
+        rows += [(f"base {args.base}{tag}", lambda ps: base.GeomOptimizer(ps, args.spec, **extra)),
+                 (f"this tree{tag}", lambda ps: geomopt.GeomOptimizer(ps, args.spec, **extra)),
+                 (f"base {args.base}, again{tag}", lambda ps: again.GeomOptimizer(ps, args.spec, **extra))]
         if torch.device(args.device).type == "cuda":
             rows += [(f"base {args.base}, graphs", lambda ps: base.GeomOptimizer(ps, args.spec, cuda_graphs=True)),
                      ("this tree, graphs", lambda ps: geomopt.GeomOptimizer(ps, args.spec, cuda_graphs=True))]
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
             for name, opt in (opts if k % 2 == 0 else opts[::-1]):
                 times[name] += timer(opt.step, 0, 1)
     muon = statistics.median(times["torch.optim.Muon"]) if "torch.optim.Muon" in times else None
-    ref = statistics.median(times[f"base {args.base}"])
+    ref = statistics.median(times[f"base {args.base}{tag}"])
     lines = [f"### A/B: {Path(args.spec).name} on {args.model}, {device_name(args.device)}, torch {torch.__version__}"
              f" — {datetime.date.today().isoformat()}", "", "| optimizer | step (ms, median) | × torch Muon | × base |",
              "|---|---|---|---|"]

@@ -66,6 +66,10 @@ RECORD = ROOT / "benchmarks" / "results" / "traffic.json"
 SPECS = ["muon", "adamw-hybrid", "adamw", "sign-descent", "normuon"]
 #: the matrix products, whose operands and results are the floor of a spectral step
 MATMUL_OPS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "_addmm_activation"})
+#: in-place matrix products X ← β·X + α·A·B, by the product they run: the written addend X's read and
+#: write are the elementwise part (a write-back's pass over X, done inside the product), the operands
+#: A and B the matmul part
+EPILOGUE_OPS = {"addmm_": "addmm", "baddbmm_": "baddbmm"}
 #: ops whose written arguments they only overwrite (nothing of them is read)
 OVERWRITE_OPS = frozenset({"copy_", "fill_", "zero_", "_foreach_copy_", "_foreach_zero_", "normal_", "uniform_",
                            "random_", "_foreach_fill_"})
@@ -156,11 +160,19 @@ class Traffic(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         r, w = op_traffic(func, args, kwargs, out)
-        row = self.ops[func.overloadpacket.__name__]
-        row[0] += 1
-        row[1] += r
-        row[2] += w
+        name = func.overloadpacket.__name__
+        if name in EPILOGUE_OPS:  # the operands' reads to the product, the addend's read and write here
+            addend = tensor_bytes(args[0])
+            self._add(EPILOGUE_OPS[name], r - addend, 0)
+            r = addend
+        self._add(name, r, w)
         return out
+
+    def _add(self, name: str, read: int, written: int) -> None:
+        row = self.ops[name]
+        row[0] += 1
+        row[1] += read
+        row[2] += written
 
     @property
     def total(self) -> int:

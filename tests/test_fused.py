@@ -13,6 +13,7 @@ from optim_helpers import tiny_gpt
 from test_capturable import _grads  # every model's gradients of one batch (NaN-poisoned on request)
 
 import geomopt
+from geomopt.optim.engine.fused import write_product
 
 SGD_NESTEROV = {"geomopt": 1, "name": "sgd-nesterov", "defaults": {"lr": 0.05, "weight_decay": 0.1},
                 "rules": [{"name": "all", "match": "**", "geometry": {"kind": "euclidean"},
@@ -63,6 +64,8 @@ def test_the_fused_step_tracks_the_eager_step_within_float32_rounding(spec, tol)
     models, (eager, fused) = _pair(spec)
     assert any(p.compiled for progs in fused.engine.programs for p in progs)
     assert not any(p.compiled for progs in eager.engine.programs for p in progs)
+    # muon's last product writes X (fused.write_product); prox-muon's prox comes between them
+    assert any(p.product for progs in fused.engine.programs for p in progs) is (spec == "muon")
     for step in range(5):
         step_scheduled(models, (eager, fused), step)
         assert _gap(eager, fused) <= tol, step
@@ -299,3 +302,25 @@ def test_a_nan_in_one_gradient_skips_the_fused_step_and_keeps_every_bit(spec, wh
     _grads([model], 3)
     opt.step()
     assert not torch.equal(params[target], before[list(params).index(target)])
+
+
+@pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_the_last_product_accumulates_into_x_as_float64_does(tall, layout):
+    """fused.write_product: X ← X·keep + coef·F·Xₖ (tall: X·keep + coef·Xₖ·F) per matrix, written
+    through each parameter's view (a transposed one too: a Conv1D's operators' layout), against
+    the same arithmetic in float64."""
+    torch.manual_seed(0)
+    b, m, n = 3, (48 if tall else 16), (16 if tall else 48)
+    k = min(m, n)
+    factor, iterate = torch.randn(b, k, k), torch.randn(b, m, n)
+    stored = [torch.randn(m, n) if layout == "contiguous" else torch.randn(n, m) for _ in range(b)]
+    xs = [x if layout == "contiguous" else x.mT for x in stored]
+    before = [x.double().clone() for x in xs]
+    keep, coef = 0.99, -0.02
+    write_product(xs, (factor, iterate, tall), keep, coef)
+    for i, (x, x0) in enumerate(zip(xs, before)):
+        f, it = factor[i].double(), iterate[i].double()
+        want = x0 * keep + coef * (it @ f if tall else f @ it)
+        assert (x.double() - want).abs().max() <= 1e-6 * want.abs().max()
+        assert x.data_ptr() == (stored[i].data_ptr())  # in place, through the view

@@ -59,7 +59,7 @@ def muon_order(device: torch.device) -> bool:
 
 
 @contextmanager
-def folded(first: Callable | None = None) -> Iterator[None]:
+def folded(first: Callable | None = None, last: list | None = None) -> Iterator[None]:
     """The iterations run inside it take :func:`_folded_iteration`'s form on every device: no
     pre-normalization pass (‖D‖²_F is the trace of the first Gram matrix, its factor folded into
     the first small factor) and no transposed copy of a tall matrix, for a step that gives up
@@ -68,13 +68,18 @@ def folded(first: Callable | None = None) -> Iterator[None]:
     ``first(gram, gram2, (a, b, c), scale, prenorm)``: what forms the first small factor
     (:func:`first_factor_into`, compiled: one pass over A and A², no scaling pass), where the
     pre-normalization is frobenius or max; with it the last factor's ``scale`` goes into the
-    product's coefficients (bA + cA² and a, times the scale: no scaling pass either)."""
-    before = getattr(_FOLDED, "on", False), getattr(_FOLDED, "first", None)
-    _FOLDED.on, _FOLDED.first = True, first
+    product's coefficients (bA + cA² and a, times the scale: no scaling pass either).
+
+    ``last``: where an iteration whose result is in ``out_dtype`` already appends its last product
+    (F, X, right) instead of running it, and returns X, the iterate before it (the caller
+    accumulates F·X, or X·F for tall X, into its destination: :func:`geomopt.optim.engine.fused.
+    write_product`, so the result is never written)."""
+    before = getattr(_FOLDED, "on", False), getattr(_FOLDED, "first", None), getattr(_FOLDED, "last", None)
+    _FOLDED.on, _FOLDED.first, _FOLDED.last = True, first, last
     try:
         yield
     finally:
-        _FOLDED.on, _FOLDED.first = before
+        _FOLDED.on, _FOLDED.first, _FOLDED.last = before
 
 
 def first_factor_into(out: torch.Tensor, sq: torch.Tensor, gram: torch.Tensor, gram2: torch.Tensor, a, b, c, scale,
@@ -196,8 +201,11 @@ def _folded_iteration(x: torch.Tensor, coefficients: Sequence[Triple], prenorm: 
             s_aol = None
         if not isinstance(factor, float) or factor != 1.0:
             update.mul_(factor)
+        held = getattr(_FOLDED, "last", None) if i == last else None
         if i < last:
             X = X @ update if right else update @ X
+        elif held is not None and X.dtype == out_dtype:  # the product left to the caller (folded's ``last``)
+            held.append((update, X, right))
         else:
             X = _bmm_into(X, update, out_dtype) if right else _bmm_into(update, X, out_dtype)
     return X.reshape(*lead, m, n)

@@ -73,7 +73,9 @@ def _prepare(x: torch.Tensor, kind: str, dtype: str, prenorm: Prenormalize | Non
 
 # ---------------------------------------------------------------- the approximations
 
-#: approx kind → ``fn(x, ref, *, prenormalize, dtype, scale, out_dtype, **options)``
+#: approx kind → ``fn(x, ref, *, prenormalize, dtype, scale, out_dtype, **options)``; meta ``folds``:
+#: it runs :func:`~geomopt.geometry.polynomial.odd_quintic_iteration`, whose folded form can leave
+#: its last product to the caller (:func:`~geomopt.geometry.polynomial.folded`'s ``last``)
 APPROX_OPS = Registry("spectral approx")
 
 
@@ -146,7 +148,7 @@ def _polynomial(x, kind, coeffs, dtype, prenorm, scale, out_dtype) -> torch.Tens
                                  out_dtype=out_dtype or x.dtype)
 
 
-@APPROX_OPS.register("newton_schulz")
+@APPROX_OPS.register("newton_schulz", folds=True)
 def newton_schulz(
     x: torch.Tensor,
     ref: Reference | None = None,
@@ -190,7 +192,7 @@ def gram_newton_schulz(
                                   out_dtype=out_dtype or x.dtype)
 
 
-@APPROX_OPS.register("polar_express")
+@APPROX_OPS.register("polar_express", folds=True)
 def polar_express(
     x: torch.Tensor,
     ref: Reference | None = None,

@@ -67,6 +67,8 @@ class BucketJob:
         self.ok = ok
         # a deferred compiled step's finiteness test: tr A of the iteration's first Gram matrix (fused.folding)
         self.traces: Optional[list] = [] if reads_traces(prog) else None
+        # fuse: where the iteration leaves its last product (F, Xₖ, tall), for the write-back to run it
+        self.last: Optional[list] = [] if prog.product else None
         self.live: dict = {}
         self.before: dict = {}  # a capturable step: the state as it was, selected where ok is false
         self.saved: list = []  # (live, copy) pairs restored on abort
@@ -170,7 +172,7 @@ class BucketJob:
                                                                   radius, out_dtype, pp.factor_dtype, self.codec.step))
         return request(rt, items, self.d, forward_locality(pp.geometry.kind),
                        _forward_fn(prog, rt, items, pp.geometry, radius, self.views[0].dtype if one_pass else None,
-                                   state if forward_state else None, self.traces))
+                                   state if forward_state else None, self.traces, self.last))
 
     def on_forward(self, answer) -> Optional[Request]:
         pp = self.pp
@@ -244,6 +246,12 @@ class BucketJob:
         """X ← X(1 − γλ) + c·S, c = γ (one-pass) or −γρ, and an entrywise prox where the rule has one,
         in one compiled pass over X (:func:`geomopt.optim.engine.fused.write_back`; γ: a capturable step's γ·ok)."""
         wd, coef = self.group["weight_decay"], gamma if self.prog.write == "one-pass" else -gamma * self.rho
+        if self.last:  # the iteration's last product, accumulated into X (steps: the iterate before it)
+            held = self.last[0]
+            if len(self.last) != 1 or held[1].data_ptr() != steps[0].data_ptr() or len(steps) != held[1].shape[0]:
+                raise RuntimeError("the forward op's answer is not the iterate its last product was left for")
+            fused.write_product(self.views, held, 1 - gamma * wd, coef)
+            return
         fused.write_back(self.views, steps, 1 - gamma * wd, coef, gamma, decay=self.pp.decay, decays=bool(wd),
                          geometry=self.pp.geometry, constraint=self.pp.constraint,
                          rho=self.rho if self.projects else None,
@@ -376,14 +384,15 @@ def codec(rt: Runtime, items: list, pp, step: int) -> Codec:
 
 
 def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: ResolvedGeometry, radius: float = 1.0,
-                out_dtype=None, state: Optional[dict] = None, traces: Optional[list] = None):
+                out_dtype=None, state: Optional[dict] = None, traces: Optional[list] = None,
+                last: Optional[list] = None):
     """The bucket's forward op (``radius``·∇φ₁*, in ``out_dtype``); replayed from a CUDA graph
     (:mod:`geomopt.optim.engine.graphs`) where the program is ``graphed`` (the graph reads the bucket's
-    kept scratch u in place when that is its input); ``traces``: :func:`fused.folding`'s."""
+    kept scratch u in place when that is its input); ``traces``, ``last``: :func:`fused.folding`'s."""
     fn = lambda m: (forward(m, geometry, radius=radius, batch_dims=1, out_dtype=out_dtype, state=state),  # noqa: E731
                     None)
     if prog.compiled:  # fuse: the polynomial iterations' folded form (no pre-normalization or transpose pass)
-        fn = fused.folding(fn, traces, first=not prog.graphed)  # a CUDA graph: the scalings as they were
+        fn = fused.folding(fn, traces, first=not prog.graphed, held=last)  # a CUDA graph: the scalings as they were
     if not prog.graphed:
         return fn
     ids = tuple(id(p) for p, _ in items)

@@ -128,6 +128,21 @@ def write_back(xs: list, steps: list, keep: float, coef: float, gamma: float, *,
             scalar(gamma, steps[0]))
 
 
+def write_product(xs: list, held: tuple, keep: float, coef: float) -> None:
+    """X ← X·keep + coef·F·Xₖ (X ← X·keep + coef·Xₖ·F for tall X) per tensor of a bucket, where
+    (F, Xₖ, tall) is the iteration's last small factor and iterate (stacked; ``held`` by
+    :func:`folding`): the last product accumulates into each parameter through ``addmm_``'s β and
+    α, so its result, a matrix as large as X, is never written and read back, and X is read and
+    written once, inside the product. ``keep`` = 1 − γλ (a decay that only scales X:
+    :attr:`~geomopt.optim.units.decays.DecayUnit.scales`), ``coef`` = −γρ."""
+    factor, iterate, tall = held
+    for x, f, it in zip(xs, factor.unbind(0), iterate.unbind(0)):
+        if tall:
+            x.addmm_(it, f, beta=keep, alpha=coef)
+        else:
+            x.addmm_(f, it, beta=keep, alpha=coef)
+
+
 def row_squares_into(ss: torch.Tensor, u: torch.Tensor, *, dims: tuple) -> None:
     """ss = Σ U² over ``dims`` (kept), in float32 at least: one read of U (compiled)."""
     u = u.to(torch.promote_types(u.dtype, torch.float32))
@@ -155,7 +170,8 @@ def post_by_rows(u: torch.Tensor, post: list, ctx: post_stages.Context, rows: bo
     return u, post_stages.row_factor(ss, post, ctx)
 
 
-def folding(forward: Callable, traces: Optional[list] = None, first: bool = True) -> Callable:
+def folding(forward: Callable, traces: Optional[list] = None, first: bool = True,
+            held: Optional[list] = None) -> Callable:
     """A bucket's forward op run inside :func:`geomopt.geometry.polynomial.folded`: its polynomial
     iteration in the folded form on every device (no pre-normalization pass, no transposed copy
     of a tall matrix), its first small factor formed with the pre-normalization in one compiled
@@ -163,11 +179,13 @@ def folding(forward: Callable, traces: Optional[list] = None, first: bool = True
     is scaled in a pass of its own. ``traces``: where each first factor's tr A = ‖u‖²_F per matrix
     is appended (the bucket's finiteness test: :func:`geomopt.optim.engine.nonfinite.traces_finite`).
     ``first`` False: the folded form's own scalings (a forward op replayed from a CUDA graph, where
-    a compiled region is not captured)."""
+    a compiled region is not captured). ``held``: where the iteration leaves its last product
+    (:func:`geomopt.geometry.polynomial.folded`'s ``last``; the op then answers the iterate before
+    it, for :func:`write_product`)."""
     hook = functools.partial(first_factor, traces=traces) if first else None
 
     def call(m):
-        with folded(hook):
+        with folded(hook, held):
             return forward(m)
 
     return call

@@ -55,6 +55,7 @@ from geomopt.optim.units.compensation import step_dtype
 from geomopt.geometry.operators import backward_locality, flat_refusal
 from geomopt.registry import LOCAL
 from geomopt.geometry.polynomial import muon_order
+from geomopt.geometry.spectral import APPROX_OPS
 from geomopt.optim.units import stages as post_stages
 from geomopt.optim.units.decays import DECAYS
 from geomopt.optim.units.directions import DIRECTIONS
@@ -107,6 +108,7 @@ class Program:
     track_gap: bool = False
     track_update: bool = False
     compiled: bool = False  # the elementwise tail, or an encoded state's codec, compiled (``fuse``: optim.engine.fused)
+    product: bool = False  # compiled: the iteration's last product accumulates into X (fused.write_product)
     why: tuple[str, ...] = ()
 
     @property
@@ -118,7 +120,7 @@ class Program:
     def describe(self) -> str:
         shape = f"× {list(self.shape)}" if self.shape or self.variant == "batched" else "tensors of several shapes,"
         head = f"rule {self.rule!r}: {len(self.indices)} {shape} {self.dtype} on {self.device}"
-        choices = [self.variant, self.write] + ["compiled"] * self.compiled
+        choices = [self.variant, self.write] + ["compiled"] * self.compiled + ["last product into X"] * self.product
         if self.variant == "batched":
             choices += [f"direction {self.direction_form}", f"check {self.check}"] + ["graphed"] * self.graphed
         elif self.check in ("off", "device"):
@@ -383,6 +385,15 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
     graphed = opts.cuda_graphs and approx in POLYNOMIAL_APPROXES and opts.local and p.device.type == "cuda"
     if graphed:
         why.append(f"cuda_graphs: the {approx} iteration replays from a CUDA graph")
+    # fuse: X ← X(1 − γλ) − γρ·F·Xₖ by the iteration's last product itself (addmm's β and α), where
+    # nothing comes between the forward op and the write (no post-stage, constraint or view) and the
+    # decay only scales X; a host-read γ (not capturable) and no CUDA graph (it replays the whole op)
+    product = (compiled and write == "in-place" and constraint is None and not pp.post and not opts.capturable
+               and not graphed and DECAYS[pp.decay].scales and pp.geometry.view is None and kind == "spectral"
+               and APPROX_OPS.meta.get(approx, {}).get("folds", False))
+    if product:
+        why.append(f"fuse: the {approx} iteration's last product accumulates into X (X(1 − γλ) − γρ·F·Xₖ: the "
+                   "product's β and α), so its result is never written and read back")
     journal = opts.local
     check = "before"
     if opts.capturable:
@@ -391,7 +402,8 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
                    + ("" if write == "stacked" else " (the parameters: γ·flag, so X is written as X·1 + 0·S)"))
     return Program(**common, variant="batched", write=write, direction_form=form, check=check, graphed=graphed,
                    journal=journal, keeps_prev=opts.keeps_prev,
-                   track_gap=opts.track_gap, track_update=opts.track_update, compiled=compiled, why=tuple(why))
+                   track_gap=opts.track_gap, track_update=opts.track_update, compiled=compiled, product=product,
+                   why=tuple(why))
 
 
 def _deferrable(prog: Program, group: dict, pp: ParamPlan, p: torch.Tensor) -> bool:

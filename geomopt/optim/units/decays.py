@@ -26,7 +26,9 @@ from geomopt.spec.updates import CautiousDecay, DecoupledDecay
 class DecayUnit:
     """A weight decay: ``stacked(x, step, factor)`` (every decay), ``in_place(xs, factor)`` and
     ``into(x, factor, out)`` (None: it has none), ``reads_step`` (it reads S, so the step comes
-    first), ``locality`` (where it can run on a shard: both decays act entry by entry)."""
+    first), ``locality`` (where it can run on a shard: both decays act entry by entry), ``scales``
+    (it is X·factor and nothing else, which a matrix product's β applies as it accumulates into X:
+    :func:`geomopt.optim.engine.fused.write_product`)."""
 
     name: str
     spec: Any
@@ -35,6 +37,7 @@ class DecayUnit:
     into: Optional[Callable[[torch.Tensor, Any, torch.Tensor], None]] = None
     reads_step: bool = False
     locality: str = LOCAL
+    scales: bool = False
 
     def __post_init__(self):
         if self.reads_step and (self.in_place is not None or self.into is not None):
@@ -77,5 +80,5 @@ def _cautious_stacked(x: torch.Tensor, step: torch.Tensor, factor) -> torch.Tens
     return torch.where(step * x >= 0, x * factor, x)
 
 
-decay(DecayUnit("decoupled", DecoupledDecay, _decoupled_stacked, _decoupled_in_place, _decoupled_into))
+decay(DecayUnit("decoupled", DecoupledDecay, _decoupled_stacked, _decoupled_in_place, _decoupled_into, scales=True))
 decay(DecayUnit("cautious", CautiousDecay, _cautious_stacked, reads_step=True))
