@@ -324,3 +324,26 @@ def test_the_last_product_accumulates_into_x_as_float64_does(tall, layout):
         want = x0 * keep + coef * (it @ f if tall else f @ it)
         assert (x.double() - want).abs().max() <= 1e-6 * want.abs().max()
         assert x.data_ptr() == (stored[i].data_ptr())  # in place, through the view
+
+
+@pytest.mark.parametrize("scale", [1e12, 1e-20, 1.0])
+def test_a_fused_step_on_gradients_of_any_scale_is_the_eager_step(scale):
+    """The first factor's hook squares the un-normalized Gram matrix A: where A² would overflow
+    (‖D‖_F past about 2e9 in float32) or sink into the subnormals (‖D‖_F below about 1e-5), the
+    barrier sees tr A out of range and that bucket's op runs again in the folded form's own
+    scaling, so the fused step is the eager one at every scale (hooked, the first would make C₀ = 0)."""
+    models = [tiny_gpt(0), tiny_gpt(0)]
+    opts = [geomopt.GeomOptimizer(models[0], "muon"), geomopt.GeomOptimizer(models[1], "muon", fuse=True)]
+    start = [p.detach().clone() for p in models[0].parameters()]
+    for step in range(2):
+        _grads(models, step)
+        for m in models:
+            for p in m.parameters():
+                p.grad.mul_(scale)
+        for opt in opts:
+            opt.step()
+    hidden = {n for progs in opts[1].engine.programs for p in progs if p.variant == "batched" for n in p.names}
+    for (name, p), q, p0 in zip(models[0].named_parameters(), models[1].parameters(), start):
+        if name in hidden:
+            moved = (p - p0).abs().max()
+            assert moved > 0 and (p - q).abs().max() <= 1e-4 * moved, name

@@ -69,6 +69,10 @@ class BucketJob:
         self.traces: Optional[list] = [] if reads_traces(prog) else None
         # fuse: where the iteration leaves its last product (F, Xₖ, tall), for the write-back to run it
         self.last: Optional[list] = [] if prog.product else None
+        # the first factors' range flags (fused.in_range); redo: a matrix out of it, stepped again unfolded
+        self.ranges: Optional[list] = [] if reads_traces(prog) else None
+        self.redo: Optional[Callable] = None
+        self.unfold = False  # set at the deferred barrier (fused.in_ranges)
         self.live: dict = {}
         self.before: dict = {}  # a capturable step: the state as it was, selected where ok is false
         self.saved: list = []  # (live, copy) pairs restored on abort
@@ -170,12 +174,19 @@ class BucketJob:
             out_dtype = self.views[0].dtype if one_pass else None
             return owned_request(rt, items, self.d, owned_forward(self.state_of, items, pp.geometry, self.held,
                                                                   radius, out_dtype, pp.factor_dtype, self.codec.step))
+        args = (prog, rt, items, pp.geometry, radius, self.views[0].dtype if one_pass else None,
+                state if forward_state else None)
+        if self.ranges is not None:  # out of the first factor's range: the same op without it (on_forward)
+            self.redo = lambda: _forward_fn(*args, last=self.last)
         return request(rt, items, self.d, forward_locality(pp.geometry.kind),
-                       _forward_fn(prog, rt, items, pp.geometry, radius, self.views[0].dtype if one_pass else None,
-                                   state if forward_state else None, self.traces, self.last))
+                       _forward_fn(*args, traces=self.traces, last=self.last, ranges=self.ranges))
 
     def on_forward(self, answer) -> Optional[Request]:
         pp = self.pp
+        if self.unfold and self.redo is not None:  # a first factor out of range: its op again, unfolded
+            if self.last is not None:
+                self.last.clear()
+            answer = self.redo()(self.d)
         if self.commit is not None:
             self.commit()
         self.x = None
@@ -385,14 +396,16 @@ def codec(rt: Runtime, items: list, pp, step: int) -> Codec:
 
 def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: ResolvedGeometry, radius: float = 1.0,
                 out_dtype=None, state: Optional[dict] = None, traces: Optional[list] = None,
-                last: Optional[list] = None):
+                last: Optional[list] = None, ranges: Optional[list] = None):
     """The bucket's forward op (``radius``·∇φ₁*, in ``out_dtype``); replayed from a CUDA graph
     (:mod:`geomopt.optim.engine.graphs`) where the program is ``graphed`` (the graph reads the bucket's
-    kept scratch u in place when that is its input); ``traces``, ``last``: :func:`fused.folding`'s."""
+    kept scratch u in place when that is its input); ``traces``, ``last``, ``ranges``:
+    :func:`fused.folding`'s; the first factor's hook only where ``ranges`` is given (the barrier
+    reads them: a step without it, not deferred or capturable, keeps the folded form's scalings)."""
     fn = lambda m: (forward(m, geometry, radius=radius, batch_dims=1, out_dtype=out_dtype, state=state),  # noqa: E731
                     None)
     if prog.compiled:  # fuse: the polynomial iterations' folded form (no pre-normalization or transpose pass)
-        fn = fused.folding(fn, traces, first=not prog.graphed, held=last)  # a CUDA graph: the scalings as they were
+        fn = fused.folding(fn, traces, first=ranges is not None and not prog.graphed, held=last, ranges=ranges)
     if not prog.graphed:
         return fn
     ids = tuple(id(p) for p, _ in items)

@@ -24,6 +24,7 @@ from geomopt.optim.engine.bucket_step import BucketJob
 from geomopt.optim.engine.capturable import captured_step, counts_on_device
 from geomopt.optim.engine.construction import check_capturable, check_sharded
 from geomopt.optim.engine.flat import step_flat
+from geomopt.optim.engine.fused import in_ranges
 from geomopt.optim.engine.nonfinite import launch_check, reads_traces, skip_nonfinite
 from geomopt.optim.engine.owned import owners
 from geomopt.optim.engine.program import Options, Program, dispatch, flat_rule, signature
@@ -238,6 +239,10 @@ class Engine:
             traces = {j: job.traces for j, job in steps if j in own} if defer else None  # those the check left out
             if defer and len(skip_nonfinite(rt, groups, self.counters, jobs, check, traces)) < len(jobs):
                 return False  # deferred: every rule tested alike (dispatch), so the whole step
+            if defer:  # a first factor whose A² cannot hold the step: that bucket's op again (fused.in_range)
+                jobs_by = dict(steps)
+                for j in in_ranges({j: job.ranges for j, job in steps if job.ranges}):
+                    jobs_by[j].unfold = True
             if pending is None:  # a completed retry counts the whole step's update
                 for gi, device in devices.items():
                     self.counters[gi]["update_sq"] = torch.zeros((), device=device)

@@ -171,7 +171,7 @@ def post_by_rows(u: torch.Tensor, post: list, ctx: post_stages.Context, rows: bo
 
 
 def folding(forward: Callable, traces: Optional[list] = None, first: bool = True,
-            held: Optional[list] = None) -> Callable:
+            held: Optional[list] = None, ranges: Optional[list] = None) -> Callable:
     """A bucket's forward op run inside :func:`geomopt.geometry.polynomial.folded`: its polynomial
     iteration in the folded form on every device (no pre-normalization pass, no transposed copy
     of a tall matrix), its first small factor formed with the pre-normalization in one compiled
@@ -181,8 +181,9 @@ def folding(forward: Callable, traces: Optional[list] = None, first: bool = True
     ``first`` False: the folded form's own scalings (a forward op replayed from a CUDA graph, where
     a compiled region is not captured). ``held``: where the iteration leaves its last product
     (:func:`geomopt.geometry.polynomial.folded`'s ``last``; the op then answers the iterate before
-    it, for :func:`write_product`)."""
-    hook = functools.partial(first_factor, traces=traces) if first else None
+    it, for :func:`write_product`). ``ranges``: where each first factor's :func:`in_range` flags are
+    appended (a matrix outside it is stepped again without the hook: :func:`in_ranges`)."""
+    hook = functools.partial(first_factor, traces=traces, ranges=ranges) if first else None
 
     def call(m):
         with folded(hook, held):
@@ -192,18 +193,44 @@ def folding(forward: Callable, traces: Optional[list] = None, first: bool = True
 
 
 def first_factor(gram: torch.Tensor, gram2: torch.Tensor, abc: tuple, scale: float, prenorm, *,
-                 traces: Optional[list] = None) -> torch.Tensor:
+                 traces: Optional[list] = None, ranges: Optional[list] = None) -> torch.Tensor:
     """C₀ = scale·f·(aI + b·f²A + c·f⁴A²) from the first Gram matrix A and A² (batched), by
     :func:`geomopt.geometry.polynomial.first_factor_into` compiled (one loop over A and A² that
     writes C₀, after the trace's reduction over A's diagonal); the coefficients as 0-d graph inputs
     (one compile per shape, whatever the iteration's triple or a radius schedule's scale). tr A
-    (float32, per matrix) is appended to ``traces`` where given."""
+    (float32, per matrix) is appended to ``traces`` where given, and whether each matrix is
+    :func:`in_range` to ``ranges``."""
     out = torch.empty_like(gram)
     sq = torch.empty(gram.shape[0], dtype=torch.float32, device=gram.device)
     run(compiled_first(prenorm), [out, sq], [], [gram, gram2], *(scalar(v, gram) for v in (*abc, scale)))
     if traces is not None:
         traces.append(sq)
+    if ranges is not None:
+        ranges.append(in_range(sq, gram))
     return out
+
+
+def in_range(sq: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """Per matrix, whether A² (the product of the un-normalized first Gram matrix A, k×k, with
+    itself, which :func:`first_factor` takes) holds f⁴A² to the dtype's precision, from tr A = ‖D‖²_F:
+    ‖A²‖_F ≤ ‖A‖²_F ≤ (tr A)², and every partial sum of the product too, so tr A ≤ √max/4 cannot
+    overflow; ‖A²‖₂ = ‖A‖²₂ ≥ (tr A/k)², so tr A ≥ 16k·√(tiny/ε) keeps A²'s scale 2⁸ above the
+    subnormals' error (float32: ‖D‖_F from about 4e-6·√k to 2e9). A matrix outside it (a gradient
+    of norm past 2e9 would give C₀ = 0 after A²'s overflow) takes the folded form's own scaling
+    (f² on A before its square), exact at every finite norm: :func:`in_ranges`."""
+    info = torch.finfo(gram.dtype)
+    lo, hi = 16 * gram.shape[-1] * (info.tiny / info.eps) ** 0.5, info.max ** 0.5 / 4
+    return (sq >= lo) & (sq <= hi)
+
+
+def in_ranges(ranges: dict) -> set:
+    """The keys of ``ranges`` (a job → its forward op's :func:`in_range` flags) with a matrix out of
+    range, in one read by the host."""
+    keys = [k for k, flags in ranges.items() if flags]
+    if not keys:
+        return set()
+    ok = torch.stack([torch.stack([f.all() for f in ranges[k]]).all() for k in keys]).tolist()
+    return {k for k, good in zip(keys, ok) if not good}
 
 
 @functools.lru_cache(maxsize=None)
