@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from geomopt.geometry import polynomial
-from geomopt.spec.geometries import FrobeniusPrenorm, MaxPrenorm, NoPrenorm
+from geomopt.spec.geometries import AolPrenorm, FrobeniusPrenorm, MaxPrenorm, NoPrenorm
 
 FROBENIUS, MAX = FrobeniusPrenorm(eps=1e-3), MaxPrenorm(eps=1e-3)
 #: a triple whose three coefficients differ in size and sign, so no swap of two terms is the same
@@ -122,6 +122,51 @@ def test_the_folded_iteration_is_the_float64_polynomial_map(cfg, shape, hook):
         with polynomial.folded(_hook if hook else None):
             empty = polynomial.odd_quintic_iteration(d.clone(), [], prenorm=cfg, scale=scale, out_dtype=out_dtype)
         torch.testing.assert_close(empty.double(), _mapped64(d, [], scale, f), rtol=1e-6, atol=1e-7)
+
+
+def _aol64(d: torch.Tensor, eps: float) -> torch.Tensor:
+    """S·D (wide) or D·S (tall) in float64, S = diag(max(Σⱼ |A_ij|, ε))^(−1/2) of the small side's A."""
+    d64 = d.double()
+    s = _gram(d64).abs().sum(-1).clamp(min=eps).rsqrt()
+    return d64 * s[:, None, :] if d.shape[-2] > d.shape[-1] else d64 * s[:, :, None]
+
+
+FORMS = {"muon-order": polynomial.odd_quintic_iteration,
+         "folded": lambda x, coefficients, **kw: _in_folded(x, coefficients, **kw),
+         "gram": lambda x, coefficients, **kw: polynomial.gram_quintic_iteration(x, coefficients, restarts=(1,), **kw)}
+
+
+def _in_folded(x, coefficients, **kw):
+    with polynomial.folded():
+        return polynomial.odd_quintic_iteration(x, coefficients, **kw)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("cfg", [FROBENIUS, NoPrenorm(), AolPrenorm(eps=1e-3)], ids=["frobenius", "none", "aol"])
+@pytest.mark.parametrize("steps", [0, 2], ids=["no-step", "two-steps"])
+def test_every_form_scales_its_result_by_any_scale(form, cfg, steps):
+    """The CPU's torch-Muon order, the folded form and the Gram form (restarted after its first
+    step): scale·p₂(p₁(D̂)) for scales 1, 2, 0 and −1.5 (0: exactly zero; 2: not taken for 1), D̂ the
+    frobenius, AOL or no pre-normalization of D in float64, an empty schedule included (scale·D̂),
+    on a wide stack and a tall 2-D matrix."""
+    coefficients = [MUON, ABC][:steps]
+    for d in (_stack((6, 10), (1.0, 0.7), seed=4), _stack((10, 6), (0.9,), seed=5)[0]):
+        stack = d if d.ndim == 3 else d[None]
+        if cfg.kind == "aol":
+            hat = _aol64(stack, cfg.eps)
+        elif cfg.kind == "frobenius":
+            hat = stack.double() * _f64(stack, cfg)[:, None, None]
+        else:
+            hat = stack.double()
+        for scale in (1.0, 2.0, 0.0, -1.5):
+            got = FORMS[form](d.clone(), coefficients, prenorm=cfg, scale=scale)
+            want = _mapped64(hat, coefficients, scale, None).reshape(d.shape)
+            assert got.shape == d.shape and got.dtype == d.dtype
+            if scale == 0.0:
+                assert torch.equal(got, torch.zeros_like(got)), (form, cfg.kind)
+            else:
+                err = ((got.double() - want).abs().max() / abs(scale)).item()
+                assert err < 2e-5, (form, cfg.kind, scale, err)
 
 
 def test_the_scalar_map_is_the_polynomials_expanded():

@@ -27,7 +27,8 @@ def test_the_column_statistics_of_a_view_are_each_blocks_own(sizes):
     block; two blocks as well as three (a count that is neither one block nor the common three)."""
     view = View(batch=0, trailing="cols", blocks=tuple(sizes))
     gen = torch.Generator().manual_seed(0)
-    u = torch.randn(2, 6, 5, generator=gen, dtype=torch.float64) * torch.logspace(-1, 1, 6, dtype=torch.float64)[:, None]
+    rows = torch.logspace(-1, 1, 6, dtype=torch.float64)[:, None]
+    u = torch.randn(2, 6, 5, generator=gen, dtype=torch.float64) * rows
     moment = SecondMoment(kind="second_moment", axis="column", beta2=0.5, eps=1e-3)
     got = stages.second_moment(u, moment, stages.Context(state={}, op_shape=(6, 5), view=view))
     want = _blocks64(u, sizes, lambda b: b / (torch.sqrt(0.5 * (b * b).mean(0, keepdim=True)) + 1e-3))
