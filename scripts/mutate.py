@@ -420,9 +420,6 @@ EXPLAINED: dict[str, str] = {
     "geomopt/geometry/polynomial.py::first_factor_into: 1 -> 2 #3": _SQUARE_GRAM,
     "geomopt/geometry/polynomial.py::first_factor_into: 0.0 -> 1.0 #2": _OVERFLOWED_SQUARE,
     "geomopt/geometry/polynomial.py::first_factor_into: 0.0 -> 1.0 #3": _OVERFLOWED_SQUARE,
-    "geomopt/geometry/polynomial.py::odd_quintic_iteration: 3 -> 0":
-        "a 2-D matrix taken through baddbmm as a batch of one instead of addmm: the same products, the same bits "
-        "(checked against torch.optim.Muon's bf16 iteration, which the 2-D op sequence reproduces, on four shapes)",
     "geomopt/geometry/polynomial.py::_folded_iteration: -1 -> 1 #4": _DIAGONAL_SUM,
     "geomopt/geometry/polynomial.py::gram_quintic_iteration: -1 -> 1 #4": _DIAGONAL_SUM,
     "geomopt/geometry/polynomial.py::gram_quintic_iteration: 0.0 -> 1.0":

@@ -6,8 +6,11 @@ helpers' exact copies."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
 
 from geomopt.geometry import polynomial
 from geomopt.spec.geometries import AolPrenorm, FrobeniusPrenorm, MaxPrenorm, NoPrenorm
@@ -167,6 +170,22 @@ def test_every_form_scales_its_result_by_any_scale(form, cfg, steps):
             else:
                 err = ((got.double() - want).abs().max() / abs(scale)).item()
                 assert err < 2e-5, (form, cfg.kind, scale, err)
+
+
+@pytest.mark.parametrize("shape", [(7, 300), (16, 40), (40, 16)])
+def test_a_matrix_runs_torch_muons_op_sequence_bit_for_bit(shape):
+    """On the CPU a 2-D matrix takes torch.optim.Muon's op sequence (D/max(‖D‖, ε), addmm with β and
+    α, a tall matrix transposed): the same bits as ``_zeropower_via_newtonschulz`` in bfloat16, and in
+    float32 with its bfloat16 cast made a copy (a batched product of one matrix rounds (7, 300)
+    differently in float32)."""
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(7))
+    cfg = MaxPrenorm(eps=1e-7)
+    got = polynomial.odd_quintic_iteration(g.bfloat16(), [MUON] * 5, prenorm=cfg)
+    assert torch.equal(got, _zeropower_via_newtonschulz(g, MUON, 5, 1e-7))
+    with mock.patch.object(torch.Tensor, "bfloat16", lambda self: self.clone()):
+        want = _zeropower_via_newtonschulz(g, MUON, 5, 1e-7)
+    assert want.dtype == torch.float32
+    assert torch.equal(polynomial.odd_quintic_iteration(g, [MUON] * 5, prenorm=cfg), want)
 
 
 def test_the_scalar_map_is_the_polynomials_expanded():
