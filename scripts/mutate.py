@@ -82,8 +82,9 @@ _KRON_TESTS = ("tests/test_kron.py", "tests/test_kronecker_geometry.py", "tests/
 TESTS: dict[str, tuple[str, ...]] = {
     "geomopt/geometry": _GEOMETRY_TESTS,
     **{m: (*_GEOMETRY_TESTS, *_KRON_TESTS[1:]) for m in _KRON_MODULES},
-    "geomopt/optim/units/stages.py": ("tests/test_stages.py", "tests/test_trust_ratio.py",
-                                      "tests/test_mutation_kills.py", *STEP_TESTS),
+    "geomopt/geometry/polynomial.py": (*_GEOMETRY_TESTS, "tests/test_polynomial.py"),
+    "geomopt/optim/units/stages.py": ("tests/test_stages.py", "tests/test_trust_ratio.py", "tests/test_stage_rows.py",
+                                      "tests/test_stage_mutants.py", "tests/test_mutation_kills.py", *STEP_TESTS),
     "geomopt/optim/units/directions.py": ("tests/test_units.py", "tests/test_dion.py", "tests/test_adam_step.py",
                                           *STEP_TESTS),
     "geomopt/optim/units/compensation.py": ("tests/test_compensation.py", "tests/test_mutation_kills.py"),
@@ -93,7 +94,9 @@ TESTS: dict[str, tuple[str, ...]] = {
 OWN_TESTS: dict[str, tuple[str, ...]] = {"geomopt/optim/units/directions.py": ("tests/test_units.py",
                                                                              "tests/test_dion.py"),
                                          "geomopt/optim/units/stages.py": ("tests/test_stages.py",
-                                                                           "tests/test_trust_ratio.py"),
+                                                                           "tests/test_trust_ratio.py",
+                                                                           "tests/test_stage_rows.py",
+                                                                           "tests/test_stage_mutants.py"),
                                          **{f"geomopt/geometry/prox/{m}.py": (f"tests/test_prox_{m}.py",)
                                             for m in ("polar", "scalar", "spectral_map")},
                                          **{m: _KRON_TESTS for m in _KRON_MODULES}}
@@ -136,6 +139,13 @@ _STACK_NORMS = ("unsqueeze(1) for unsqueeze(−1) of the (N,) norms of the (N, m
 _SUMS_DIM = "max over dim 1 for dim −1 of the (b, k) column or row sums: the same dim"
 _AT_LEAST_ONE_BLOCK = ("the fallback of ``len(view.blocks or [0]) or 1``: the length is at least 1 (a view without "
                        "blocks counts one), so the fallback is never taken")
+_DIAGONAL_SUM = "sum over dim 1 for dim −1 of the (B, k) diagonals of the Gram matrices (tr A per matrix): the same dim"
+_SQUARE_GRAM = "the identity's size from dim 1 or −2 for dim −1 of the (B, k, k) Gram matrices: the same k"
+_OVERFLOWED_SQUARE = ("C₀'s ±∞ made 1 instead of 0: C₀ holds ±∞ only where A² overflowed while tr A did not (‖D‖_F "
+                      "past about max^(1/4), 4e9 in float32: A² is formed before the pre-normalization), where C₀ is not "
+                      "the map's factor whatever its ±∞ entries become")
+_GRAM_NEVER_INFINITE = ("A·f² is never ±∞: |A_ij| ≤ tr A, so where tr A is finite A·f² ≤ A/‖D‖²_F ≤ 1 (f ≤ 1/‖D‖_F), and "
+                        "where it is not f = 0 (∞·0 is NaN)")
 #: survivors judged equivalent or unkillable, keyed ``path::function: original -> mutated`` (``#n``: the n-th
 #: of the same change in that function): :attr:`Mutant.stable_key`, which lines added above it leave alone
 EXPLAINED: dict[str, str] = {
@@ -206,22 +216,14 @@ EXPLAINED: dict[str, str] = {
     "geomopt/geometry/prox/scalar.py::_unit_dual: 2 -> 4":
         "u capped at max^(1/κ)/4 instead of /2: past either cap (h₁*)' = 1 and (h₁*)'' = 0 to the working "
         "precision",
-    "geomopt/optim/units/stages.py::_power_normalized: per_column(w * w).sqrt_().clamp_(min=eps) -> per_column(w * w).sqrt_().clamp_(max=eps)":
-        "the power iteration's w divided by ε instead of its norm: only its direction is read (v = Dᵀw is "
-        "normalized next)",
     "geomopt/optim/units/stages.py::_power_normalized: v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps) -> -(v / ctx.sum(v * v, cols).sqrt_().clamp_(min=eps))":
         "v negated: the estimate σ₁ ≈ ‖Dv‖ reads w = Dv only through w·w",
-    "geomopt/optim/units/stages.py::_power_normalized: 1 / math.sqrt(math.prod(ctx.op_shape[c - 1] for c in cols)) -> 1 * math.sqrt(math.prod((ctx.op_shape[c - 1] for c in cols)))":
-        _POWER_SCALE,
     "geomopt/optim/units/stages.py::_power_normalized: 1 -> 2": _POWER_SCALE,
     "geomopt/optim/units/stages.py::_power_normalized: 1 -> 2 #2": _POWER_SCALE,
-    "geomopt/optim/units/stages.py::_power_normalized: w / to_rows(per_column(w * w).sqrt_().clamp_(min=eps)) -> w * to_rows(per_column(w * w).sqrt_().clamp_(min=eps))":
-        _POWER_SCALE,
     "geomopt/optim/units/stages.py::_power_normalized: w / to_rows(per_column(w * w).sqrt_().clamp_(min=eps)) -> -(w / to_rows(per_column(w * w).sqrt_().clamp_(min=eps)))":
         _POWER_SCALE,
     "geomopt/optim/units/stages.py::_per_axis: 1 -> 2": _ONE_BLOCK,
     "geomopt/optim/units/stages.py::_per_axis: 1 -> 0": _ONE_BLOCK,
-    "geomopt/optim/units/stages.py::_per_axis: 1 -> 2 #2": _ONE_BLOCK,
     "geomopt/optim/units/stages.py::_per_axis: 1 -> 0 #2": _ONE_BLOCK,
     "geomopt/optim/units/directions.py::dion_rank: 1 -> 0 #2":
         "max(0, ·) for max(1, ·) of ⌈r·min(m, n)⌉, which is at least 1 for the fraction r > 0 the spec admits",
@@ -413,6 +415,20 @@ EXPLAINED: dict[str, str] = {
     "geomopt/geometry/spectral.py::_pow2_scale: 1 -> 2 #2":
         "c = 2^(e−2) for 2^(e−1): still a power of two (an exact scaling, undone by σ = c·σ'), entries below 4 "
         "instead of 2: the Gram matrix neither overflows nor underflows either way, the same map to rounding",
+    "geomopt/geometry/polynomial.py::first_factor_into: -1 -> 1 #2": _DIAGONAL_SUM,
+    "geomopt/geometry/polynomial.py::first_factor_into: -1 -> 1 #3": _SQUARE_GRAM,
+    "geomopt/geometry/polynomial.py::first_factor_into: 1 -> 2 #3": _SQUARE_GRAM,
+    "geomopt/geometry/polynomial.py::first_factor_into: 0.0 -> 1.0 #2": _OVERFLOWED_SQUARE,
+    "geomopt/geometry/polynomial.py::first_factor_into: 0.0 -> 1.0 #3": _OVERFLOWED_SQUARE,
+    "geomopt/geometry/polynomial.py::_folded_iteration: -1 -> 1 #4": _DIAGONAL_SUM,
+    "geomopt/geometry/polynomial.py::gram_quintic_iteration: -1 -> 1 #4": _DIAGONAL_SUM,
+    "geomopt/geometry/polynomial.py::gram_quintic_iteration: 0.0 -> 1.0":
+        "A·f²'s NaN (∞·0 where ‖D‖²_F overflowed, f = 0) made 1 instead of 0: the first R is multiplied by f = 0 and "
+        "each later R is Q·R (a restart forms X = R·X = 0), so the result is 0 either way",
+    "geomopt/geometry/polynomial.py::gram_quintic_iteration: 0.0 -> 1.0 #2": _GRAM_NEVER_INFINITE,
+    "geomopt/geometry/polynomial.py::gram_quintic_iteration: 0.0 -> 1.0 #3": _GRAM_NEVER_INFINITE,
+    "geomopt/geometry/polynomial.py::gram_quintic_iteration: i < steps -> i <= steps":
+        "R copied from P at the last step too: the loop ends after it and P is not read again, the same R",
 }
 
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")
@@ -420,7 +436,7 @@ PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")
 #: hundreds): its cost on a shared 2-core machine
 TESTS_PER_FILE = 12
 #: a mutant's timeout: TIMEOUT_S + TIMEOUT_FACTOR × its tests' time when the map was made (under a
-#: profiler, so already above their plain time)
+#: trace function, so already above their plain time)
 TIMEOUT_S, TIMEOUT_FACTOR = 15.0, 3.0
 #: exit codes of a mutant's child beyond pytest's own
 CANNOT_APPLY = 97
@@ -486,8 +502,16 @@ def _is_str(node: ast.AST) -> bool:
 
 
 def _has_str(node: ast.AST) -> bool:
-    """Whether a string takes part in the expression (concatenation, formatting: not arithmetic)."""
-    return any(_is_str(n) for n in ast.walk(node))
+    """Whether a string takes part in the expression (concatenation, formatting: not arithmetic). A
+    string that only names a value, a key (``cfg["beta2"]``) or an argument (``getattr(x, "n")``),
+    takes no part: ``1 - cfg["beta2"]`` is arithmetic."""
+    if _is_str(node):
+        return True
+    if isinstance(node, ast.Subscript):
+        return _has_str(node.value) or (not _is_str(node.slice) and _has_str(node.slice))
+    if isinstance(node, ast.Call):
+        return any(_has_str(n) for n in (node.func, *node.args, *(k.value for k in node.keywords)) if not _is_str(n))
+    return any(_has_str(n) for n in ast.iter_child_nodes(node))
 
 
 def _number(node: ast.AST) -> bool:
@@ -862,9 +886,11 @@ def test_files(path: str) -> tuple[str, ...]:
     return TESTS[key]
 
 
-def _existing() -> list[str]:
-    """Every test file of :data:`TESTS` that exists."""
-    return sorted(t for t in {t for files in TESTS.values() for t in files} if (ROOT / t).exists())
+def _existing(paths: Sequence[str] | None = None) -> list[str]:
+    """The test files of :data:`TESTS` that exist: those of the source files ``paths`` (default: every one)."""
+    groups = [test_files(p) for p in paths] if paths is not None else list(TESTS.values())
+    wanted = {t for files in groups for t in files}
+    return sorted(t for t in wanted if (ROOT / t).exists())
 
 
 def _digest(files: Sequence[str]) -> str:
@@ -876,9 +902,11 @@ def _digest(files: Sequence[str]) -> str:
 
 
 def _profile(files: Sequence[str]) -> dict:
-    """Run the tests of ``files`` in a child with a profiler: per file, {"tests": nodeid →
+    """Run the tests of ``files`` in a child with a global trace function: per file, {"tests": nodeid →
     seconds, "calls": "path::qualname" → nodeids that call the function (or a function defined
-    inside it)}."""
+    inside it)}. A trace function is told of each Python frame's start only, where a profile function
+    is called for every call and return, C ones included (the same map at about half the overhead:
+    8 s against 12 s for test_spectral_approx, test_forward and test_stages)."""
     import pytest
 
     codes: dict[types.CodeType, str] = {}
@@ -901,8 +929,10 @@ def _profile(files: Sequence[str]) -> dict:
             self.current: str | None = None
             self.found: dict[str, dict] = {f: {"tests": {}, "calls": {}} for f in files}
 
-        def profile(self, frame, event, arg):
-            if event == "call" and self.current is not None:
+        def trace(self, frame, event, arg):
+            """A global trace function: called on each Python frame's start only (no C calls, no
+            returns), and no line events after it (it returns None)."""
+            if self.current is not None:
                 key = codes.get(frame.f_code)
                 if key is not None:
                     self.found[self.current.split("::", 1)[0]]["calls"].setdefault(key, set()).add(self.current)
@@ -921,10 +951,10 @@ def _profile(files: Sequence[str]) -> dict:
         import threading
 
         rec = Recorder()
-        sys.setprofile(rec.profile)
-        threading.setprofile(rec.profile)
+        sys.settrace(rec.trace)
+        threading.settrace(rec.trace)
         rc = pytest.main([*files, "-q", "-p", "no:cacheprovider", "-k", EXCLUDE], plugins=[rec])
-        sys.setprofile(None)
+        sys.settrace(None)
         found = {f: {"tests": v["tests"], "calls": {k: sorted(ids) for k, ids in v["calls"].items()}}
                  for f, v in rec.found.items()}
         out.write_text(json.dumps({"files": found, "pytest_rc": int(rc)}), encoding="utf-8")
@@ -939,17 +969,18 @@ def _profile(files: Sequence[str]) -> dict:
     return data["files"]
 
 
-def coverage_map() -> dict:
+def coverage_map(paths: Sequence[str] | None = None) -> dict:
     """{"tests": nodeid → seconds, "calls": "path::qualname" → nodeids that call it} over the test
-    files of :data:`TESTS`, from profiling the tests once; cached in .cache/mutate-map.json per test
-    file (a file whose text changed is profiled again; every file, where a source or a test helper
-    changed)."""
+    files of :data:`TESTS` of the source files ``paths`` (default: every one), from profiling the tests
+    once; cached in .cache/mutate-map.json per test file (a file whose text changed is profiled again;
+    every file, where a source or a test helper changed). Only the files a run's modules use are
+    profiled: a run of one module does not wait on every other module's tests."""
     helpers = [_relative(p) for p in sorted((ROOT / "tests").glob("*.py")) if not p.name.startswith("test_")]
     sources = _digest([*source_files(DEFAULT_MODULES), *helpers])
     path = CACHE / "mutate-map.json"
     cached = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     per_file = cached.get("files", {}) if cached.get("sources") == sources else {}
-    files = _existing()
+    files = _existing(paths)
     now = {f: _digest([f]) for f in files}  # read before profiling: a file edited meanwhile is stale next time
     stale = [f for f in files if per_file.get(f, {}).get("digest") != now[f]]
     if stale:
@@ -1161,7 +1192,7 @@ def _prepare(paths: Sequence[str], chosen: Sequence[Mutant]) -> list[tuple[Mutan
     torch.set_num_threads(1)
     for p in paths:
         importlib.import_module(module_name(p))
-    cmap = coverage_map()
+    cmap = coverage_map(paths)
     items = []
     for m in chosen:
         tests = tests_for(m, cmap)
@@ -1222,6 +1253,8 @@ def rerun_survivors(path: Path, *, workers: int = 1) -> int:
     for record in records:
         mine = {s["key"] for s in record["survivors"] if s["key"] in seconds}
         _recount_record(record, caught)
+        if not mine and records[0] is not data:
+            continue  # a module none of whose survivors ran: its record lists no rerun
         record.setdefault("reruns", []).append({
             "date": time.strftime("%Y-%m-%d", time.gmtime()), "source": source_version(ROOT),
             "mutants": len(mine), "killed": len(mine & caught),

@@ -122,6 +122,40 @@ def test_mutants_are_the_expected_ones(mutate, tiny):
     assert all(m.path == f"{MODULE}.py" and m.key.startswith(f"{MODULE}.py:{m.line}:{m.col}: ") for m in ms)
 
 
+def test_a_string_that_names_a_key_or_an_argument_leaves_the_arithmetic_mutable(mutate, tmp_path):
+    """``1 - cfg["beta2"]`` and ``x / f(cfg["eps"], mode="a")`` are arithmetic (their strings name a key
+    and an argument), mutated as any other; a string operand (concatenation, ``%`` formatting) or an
+    f-string makes an expression a message, not mutated."""
+    path = tmp_path / "keyed.py"
+    path.write_text(textwrap.dedent('''
+        def lerp(cfg, x, f):
+            w = 1 - cfg["beta2"]
+            return x / f(cfg["eps"], mode="a")
+
+
+        def message(n):
+            a = "n = " + str(n)
+            b = "%d" % n
+            return f"{n + 1}", a, b
+    '''), encoding="utf-8")
+    texts = _texts(mutate.mutants(path, "keyed", "keyed.py"))
+    assert ("lerp", "binop", '1 - cfg["beta2"]', "1 + cfg['beta2']") in texts
+    assert ("lerp", "unary_minus", '1 - cfg["beta2"]', "-(1 - cfg['beta2'])") in texts
+    assert ("lerp", "binop", 'x / f(cfg["eps"], mode="a")', "x * f(cfg['eps'], mode='a')") in texts
+    assert not {t for t in texts if t[0] == "message"}
+
+
+def test_a_run_profiles_only_its_modules_test_files(mutate):
+    """The map of tests to functions covers the test files of the modules a run mutates: a run of
+    stages.py does not profile the geometry's tests, and a module's own test file is among its
+    files."""
+    stages = set(mutate._existing(["geomopt/optim/units/stages.py"]))
+    polynomial = set(mutate._existing(["geomopt/geometry/polynomial.py"]))
+    assert "tests/test_stage_rows.py" in stages and "tests/test_forward.py" not in stages
+    assert {"tests/test_polynomial.py", "tests/test_forward.py"} <= polynomial
+    assert stages | polynomial < set(mutate._existing())
+
+
 def test_an_explanations_key_survives_edits_elsewhere_in_the_file(mutate, tiny):
     """Explanations are keyed by function and text (``stable_key``), unique in a file, so lines
     added above a mutant move its position and leave its key."""

@@ -506,3 +506,29 @@ def test_psgds_probe_is_the_steps_own_gaussian_draw():
                            dtype=torch.float64)
         got = kron_psgd.probe(g, step)
         assert all(torch.equal(got[i], want) for i in range(3)), step
+
+
+def test_shampoos_adam_graft_takes_the_second_beta_over_steps():
+    """Shampoo grafted to Adam, betas (0.9, 0.5): each step moves each matrix by lr·‖E_t‖_F,
+    E_t = G_t/(√(v_t/(1 − β₂ᵗ)) + ε), v_t = β₂·v + (1 − β₂)·G_t², written out in float64 (the first
+    step's E is G/(|G| + ε) whatever β₂: only later steps tell β₂ from β₁)."""
+    import geomopt
+
+    gen = torch.Generator().manual_seed(11)
+    grads = torch.randn(4, 2, 5, 3, generator=gen, dtype=torch.float64)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(5, 3, dtype=torch.float64)) for _ in range(2)])
+    geometry = {"kind": "kronecker", "method": "shampoo", "every": 1, "damping": 1e-3, "graft": "adam",
+                "betas": [0.9, 0.5], "eps": 1e-3}
+    spec = {"geomopt": 1, "name": "k", "rules": [{"name": "all", "match": "**", "geometry": geometry}]}
+    lr = 0.05
+    opt = geomopt.GeomOptimizer(model, spec, lr=lr)
+    v = torch.zeros_like(grads[0])
+    for t, g in enumerate(grads, start=1):
+        before = torch.stack([p.detach().clone() for p in model])
+        for p, gi in zip(model, g):
+            p.grad = gi.clone()
+        opt.step()
+        moved = torch.linalg.matrix_norm(torch.stack([p.detach() for p in model]) - before)
+        v = 0.5 * v + 0.5 * g * g
+        e = g / (torch.sqrt(v / (1 - 0.5 ** t)) + 1e-3)
+        torch.testing.assert_close(moved, lr * torch.linalg.matrix_norm(e), rtol=1e-10, atol=0)
