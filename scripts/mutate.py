@@ -143,7 +143,8 @@ _DIAGONAL_SUM = "sum over dim 1 for dim −1 of the (B, k) diagonals of the Gram
 _SQUARE_GRAM = "the identity's size from dim 1 or −2 for dim −1 of the (B, k, k) Gram matrices: the same k"
 _OVERFLOWED_SQUARE = ("C₀'s ±∞ made 1 instead of 0: C₀ holds ±∞ only where A² overflowed while tr A did not (‖D‖_F "
                       "past about max^(1/4), 4e9 in float32: A² is formed before the pre-normalization), where C₀ is not "
-                      "the map's factor whatever its ±∞ entries become")
+                      "the map's factor whatever its ±∞ entries become; the deferred barrier sees tr A out of range there and "
+                      "steps that bucket again without this factor (fused.in_range)")
 _GRAM_NEVER_INFINITE = ("A·f² is never ±∞: |A_ij| ≤ tr A, so where tr A is finite A·f² ≤ A/‖D‖²_F ≤ 1 (f ≤ 1/‖D‖_F), and "
                         "where it is not f = 0 (∞·0 is NaN)")
 #: survivors judged equivalent or unkillable, keyed ``path::function: original -> mutated`` (``#n``: the n-th
