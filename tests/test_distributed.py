@@ -199,7 +199,7 @@ def test_request_cost_sums_the_matrices_of_a_view():
         "kind": "spectral", "reference": {"kind": "indicator"}, "view": {"kind": "matrix", "batch": 1}}}]}
     opt = geomopt.GeomOptimizer([("experts.w", w)], spec)
     pp = opt.plan["experts.w"]
-    from geomopt.optim.engine.bucket_step import request
+    from geomopt.optim.engine.requests import request
 
     req = request(opt.engine.rt, [(w, pp)], torch.zeros(1, 4, 16, 8), "owner", None)
     assert req.row_cost() == 4 * 16 * 8 * 8

@@ -245,8 +245,13 @@ def test_a_fused_capturable_step_moves_no_more_bytes_than_the_eager_one(traffic,
     assert captured["elementwise_bytes"] <= eager["elementwise_bytes"], (captured["top_ops"], eager["top_ops"])
     # + the hidden gradients' read by the device's test (the look-ahead selects them by its flag: the
     # flag comes first), where the fused step's deferred test reads its iterations' traces
-    # and the iteration's result read by its write-back (fused muon: the last product writes X)
-    assert captured["elementwise_bytes"] <= fused["elementwise_bytes"] + stacked + 4 * momentum + scalars, (
+    # and the iteration's result read by its write-back (fused muon: the last product writes X), and
+    # the folded form's own scalings of its first factor (f² on A, f on the factor: 4k² where the
+    # fused step's one pass moves 3k²: with no host to read tr A, the hook's range is not checked)
+    plans = {pp.name: pp for gplans in traffic.geomopt_optimizer(spec, fuse=True)(model).engine.plans for pp in gplans}
+    grams = 4 * sum(min(m, n) ** 2 for name in batched for m, n in
+                    matrix_shapes(concrete(plans[name].geometry, plans[name].op_shape), plans[name].op_shape))
+    assert captured["elementwise_bytes"] <= fused["elementwise_bytes"] + stacked + 4 * momentum + grams + scalars, (
         captured["top_ops"], fused["top_ops"])
     where = sum(o["read_bytes"] + o["written_bytes"] for o in captured["top_ops"] if o["op"] == "where")
     assert where <= 3 * stacked + scalars  # X⁺ and X read, X written; no gradient selected outside a compiled loop

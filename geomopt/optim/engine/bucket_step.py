@@ -5,18 +5,15 @@ matrix work across ranks."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional
 
 import torch
 
-from geomopt.compile.fragments import ResolvedGeometry
 from geomopt.distributed.executors import Request, is_dtensor
-from geomopt.registry import LOCAL, OWNER
-from geomopt.distributed.layout import whole_matrices
+from geomopt.registry import LOCAL
 from geomopt.geometry.adam import adam_moments
 from geomopt.geometry.prox import backward
-from geomopt.geometry.forward import forward, input_dtype
+from geomopt.geometry.forward import input_dtype
 from geomopt.geometry.learned import unchanged_by_step
 from geomopt.geometry.operators import backward_locality, forward_locality
 from geomopt.optim.units import stages as post_stages
@@ -26,13 +23,13 @@ from geomopt.optim.engine import fused
 from geomopt.optim.engine.writes import axpy_, axpy_rows
 from geomopt.optim.engine.atomic import journal, restore
 from geomopt.optim.engine.encoded_rows import EncodedMomentum
-from geomopt.optim.engine.graphs import GraphedOp
 from geomopt.optim.engine.nonfinite import reads_traces
 from geomopt.optim.engine.owned import owned_forward
 from geomopt.optim.units.state_keys import COUNTS, geometry_state, owner_state
 from geomopt.optim.persist.state_codec import Codec, aligned
 from geomopt.optim.engine.tensors import local, op_view, stack, upcast
 from geomopt.optim.engine.program import Program
+from geomopt.optim.engine.requests import forward_fn, owned_request, request
 from geomopt.optim.engine.runtime import Runtime
 
 
@@ -177,9 +174,9 @@ class BucketJob:
         args = (prog, rt, items, pp.geometry, radius, self.views[0].dtype if one_pass else None,
                 state if forward_state else None)
         if self.ranges is not None:  # out of the first factor's range: the same op without it (on_forward)
-            self.redo = lambda: _forward_fn(*args, last=self.last)
+            self.redo = lambda: forward_fn(*args, last=self.last)
         return request(rt, items, self.d, forward_locality(pp.geometry.kind),
-                       _forward_fn(*args, traces=self.traces, last=self.last, ranges=self.ranges))
+                       forward_fn(*args, traces=self.traces, last=self.last, ranges=self.ranges))
 
     def on_forward(self, answer) -> Optional[Request]:
         pp = self.pp
@@ -392,54 +389,6 @@ def codec(rt: Runtime, items: list, pp, step: int) -> Codec:
     layout = rt.stacked.layouts[id(items[0][0])]
     return Codec(pp.state_dtype, names, step, start=tuple(s for s, _ in layout.mine()), full=tuple(pp.op_shape),
                  aligned=aligned(tuple(pp.op_shape), layout.blocks), factors=pp.factor_dtype)
-
-
-def _forward_fn(prog: Program, rt: Runtime, items: list, geometry: ResolvedGeometry, radius: float = 1.0,
-                out_dtype=None, state: Optional[dict] = None, traces: Optional[list] = None,
-                last: Optional[list] = None, ranges: Optional[list] = None):
-    """The bucket's forward op (``radius``·∇φ₁*, in ``out_dtype``); replayed from a CUDA graph
-    (:mod:`geomopt.optim.engine.graphs`) where the program is ``graphed`` (the graph reads the bucket's
-    kept scratch u in place when that is its input); ``traces``, ``last``, ``ranges``:
-    :func:`fused.folding`'s; the first factor's hook only where ``ranges`` is given (the barrier
-    reads them: a step without it, not deferred or capturable, keeps the folded form's scalings)."""
-    fn = lambda m: (forward(m, geometry, radius=radius, batch_dims=1, out_dtype=out_dtype, state=state),  # noqa: E731
-                    None)
-    if prog.compiled:  # fuse: the polynomial iterations' folded form (no pre-normalization or transpose pass)
-        fn = fused.folding(fn, traces, first=ranges is not None and not prog.graphed, held=last, ranges=ranges)
-    if not prog.graphed:
-        return fn
-    ids = tuple(id(p) for p, _ in items)
-    key = ids + (radius, out_dtype)  # the graph bakes both in
-    op = rt.graphs.get(key)
-    if op is None:
-        if len(rt.graphs) >= rt.graph_cap:
-            return fn  # buckets split by missing gradients in many ways: no graph per split
-        op = rt.graphs[key] = GraphedOp(fn)
-    op.scratch = rt.buffers.get(ids + ("u",))
-    return op
-
-
-def request(rt: Runtime, items: list, x: torch.Tensor, locality: str, fn) -> Request:
-    """An operator request for a bucket (sharding read off its first parameter)."""
-    p, pp = items[0]
-    cost = pp.matrix_cost
-    if not is_dtensor(p):
-        return Request(fn, x, locality, cost=cost)
-    layout = rt.stacked.layouts[id(p)]
-    if locality == OWNER and whole_matrices(pp.geometry.view, layout.cuts):
-        # experts cut whole across ranks: each rank's matrices (the cost: of its share of them)
-        share = x[0].numel() / math.prod(pp.op_shape)
-        return Request(fn, x, locality, layout=layout, full_shape=pp.op_shape,
-                       cost=None if cost is None else cost * share, whole=True)
-    return Request(fn, x, locality, layout=layout, full_shape=pp.op_shape, cost=cost)
-
-
-def owned_request(rt: Runtime, items: list, x: torch.Tensor, fn) -> Request:
-    """An owner request whose rows each run on their fixed owner (:mod:`geomopt.optim.engine.owned`),
-    which keeps their state: never computed where the blocks lie, even if a matrix lies whole there."""
-    p, pp = items[0]
-    return Request(fn, x, OWNER, layout=rt.stacked.layouts[id(p)], full_shape=pp.op_shape, cost=pp.matrix_cost,
-                   owners=tuple(rt.owners[id(q)] for q, _ in items))
 
 
 def _first_holder(rt: Runtime, p) -> bool:
