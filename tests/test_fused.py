@@ -347,3 +347,35 @@ def test_a_fused_step_on_gradients_of_any_scale_is_the_eager_step(scale):
         if name in hidden:
             moved = (p - p0).abs().max()
             assert moved > 0 and (p - q).abs().max() <= 1e-4 * moved, name
+
+
+def test_the_first_factors_range_is_where_the_hooked_factor_holds_float32_precision():
+    """fused.in_range: inside it (tr A up to √max/4 and down to 16k·√(tiny/ε)) the hooked first
+    factor C₀ = f·(aI + b·f²A + c·f⁴A²) from the float32 A and A² is the float64 one to float32's
+    precision; far past its top A² overflows and C₀ is wrong (which the barrier's check avoids)."""
+    from geomopt.geometry.polynomial import first_factor_into
+    from geomopt.geometry.prenorm import prenorm_factor
+    from geomopt.optim.engine.fused import in_range
+    from geomopt.spec.geometries import FrobeniusPrenorm
+    torch.manual_seed(0)
+    k, cfg, (a, b, c) = 16, FrobeniusPrenorm(), (3.4445, -4.7750, 2.0315)
+    d0 = torch.randn(2, k, 40, dtype=torch.float64)
+    info = torch.finfo(torch.float32)
+    lo, hi = 16 * k * (info.tiny / info.eps) ** 0.5, info.max ** 0.5 / 4
+
+    def hooked(trace: float) -> tuple:
+        d = d0 / (d0 * d0).sum(dim=(-2, -1), keepdim=True).sqrt() * trace ** 0.5
+        gram = d @ d.mT
+        out, sq = torch.empty(2, k, k), torch.empty(2)
+        first_factor_into(out, sq, gram.float(), gram.float() @ gram.float(), a, b, c, 1.0, prenorm=cfg)
+        f = prenorm_factor(gram.diagonal(dim1=-2, dim2=-1).sum(-1), cfg)[:, None, None]
+        want = f * (a * torch.eye(k, dtype=torch.float64) + b * f ** 2 * gram + c * f ** 4 * gram @ gram)
+        err = ((out.double() - want).abs().amax(dim=(-2, -1)) / want.abs().amax(dim=(-2, -1))).max().item()
+        return bool(in_range(sq, gram.float()).all()), err
+
+    for trace in (hi / 2, lo * 2, 1.0):
+        inside, err = hooked(trace)
+        assert inside and err <= 1e-6, (trace, err)
+    assert hooked(hi * 4)[0] is False and hooked(lo / 4)[0] is False
+    inside, err = hooked(hi * 1e3)
+    assert not inside and err > 0.5
