@@ -246,6 +246,26 @@ def test_state_cost_script_times_each_precision_against_float32_state_and_counts
     assert rows["int8-ec"][1] == pytest.approx(1 + 0.5 + 4 / 256, abs=2e-3), out
 
 
+def test_state_cost_parts_times_the_compiled_encoded_call_with_each_part_stood_in_for(monkeypatch):
+    """--parts: fused AdamW first, then per precision the whole compiled call and one row per part
+    replaced (cumulatively); the codec's own functions are back in place afterwards."""
+    import sys
+
+    from geomopt.optim.persist import state_codec
+
+    script = _script("state_cost")
+    monkeypatch.setitem(sys.modules, script.__name__, script)  # the compiler reads the stand-ins' module
+    before = {k: getattr(state_codec, k) for names in script.STAND_INS.values() for k in names}
+    rows = script.parts(iters=1, n=4 * 256)
+    assert [(r["state"], r["call"]) for r in rows] == [
+        ("float32", "torch fused AdamW"),
+        ("int8", "whole"), ("int8", "− code search"), ("int8", "− block scales"), ("int8", "− decode"),
+        ("int8-ec", "whole"), ("int8-ec", "− code search"), ("int8-ec", "− block scales"), ("int8-ec", "− decode"),
+        ("bfloat16", "whole"), ("bfloat16", "− rounding")]
+    assert rows[0]["ratio"] == 1.0 and all(r["ms"] > 0 and r["ns"] > 0 for r in rows)
+    assert {k: getattr(state_codec, k) for k in before} == before
+
+
 def test_weight_quality_script_compares_weights_and_keeps_what_it_ran(tmp_path, capsys):
     """Each row against the float32-weights reference at the same seed, bytes per parameter by rule
     (a momentum rule with bf16 weights, int8 compensation and bf16 state: 2 + 1 + 2 = 5), and a
