@@ -136,6 +136,15 @@ def sweep(signed: bool) -> int:
     return bad
 
 
+def _forms(signed: bool, m: torch.Tensor) -> dict:
+    """The forms :func:`timings` compiles: the codec's search and decode (block scales ``m``), and the
+    closed forms of each."""
+    return {"search, table": lambda x: nearest_codes(x, signed),
+            "search, closed form": lambda x: search(x, signed),
+            "decode, table": lambda c: decode_int8(c.view(1, -1), m, signed).view(-1),
+            "decode, closed form": lambda c: (map_values(c, signed).view(-1, 256) * m.view(-1, 1)).view(-1)}
+
+
 def timings(iters: int, n: int = 1 << 18) -> dict:
     """Median CPU ms of each form compiled alone on ``n`` entries, one thread, round robin."""
     torch.set_num_threads(1)
@@ -147,11 +156,8 @@ def timings(iters: int, n: int = 1 << 18) -> dict:
         x = x / x.abs().amax() if signed else x * x / (x * x).amax()
         c = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
         m = torch.rand(n // 256, generator=gen)
-        forms = {"search, table": (lambda x: nearest_codes(x, signed), x),
-                 "search, closed form": (lambda x: search(x, signed), x),
-                 "decode, table": (lambda c: decode_int8(c.view(1, -1), m, signed).view(-1), c),
-                 "decode, closed form": (lambda c: (map_values(c, signed).view(-1, 256) * m.view(-1, 1)).view(-1), c)}
-        runs = {k: (torch.compile(fn, dynamic=True), arg) for k, (fn, arg) in forms.items()}
+        runs = {k: (torch.compile(fn, dynamic=True), x if k.startswith("search") else c)
+                for k, fn in _forms(signed, m).items()}
         times: dict = {k: [] for k in runs}
         for r in range(iters + 2):
             for k, (fn, arg) in (list(runs.items()) if r % 2 == 0 else list(runs.items())[::-1]):
