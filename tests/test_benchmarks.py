@@ -246,6 +246,44 @@ def test_state_cost_script_times_each_precision_against_float32_state_and_counts
     assert rows["int8-ec"][1] == pytest.approx(1 + 0.5 + 4 / 256, abs=2e-3), out
 
 
+def test_state_cost_parts_times_the_compiled_encoded_call_with_each_part_stood_in_for(monkeypatch):
+    """--parts: fused AdamW first, then per precision the whole compiled call and one row per part
+    replaced (cumulatively); the codec's own functions are back in place afterwards."""
+    import sys
+
+    from geomopt.optim.persist import state_codec
+
+    script = _script("state_cost")
+    monkeypatch.setitem(sys.modules, script.__name__, script)  # the compiler reads the stand-ins' module
+    before = {k: getattr(state_codec, k) for names in script.STAND_INS.values() for k in names}
+    rows = script.parts(iters=1, n=4 * 256)
+    assert [(r["state"], r["call"]) for r in rows] == [
+        ("float32", "torch fused AdamW"),
+        ("int8", "whole"), ("int8", "− code search"), ("int8", "− block scales"), ("int8", "− decode"),
+        ("int8-ec", "whole"), ("int8-ec", "− code search"), ("int8-ec", "− block scales"), ("int8-ec", "− decode"),
+        ("bfloat16", "whole"), ("bfloat16", "− rounding")]
+    assert rows[0]["ratio"] == 1.0 and all(r["ms"] > 0 and r["ns"] > 0 for r in rows)
+    assert {k: getattr(state_codec, k) for k in before} == before
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_codec_forms_closed_forms_give_the_maps_values_and_bucketizes_codes(signed):
+    """codec_forms.py times closed forms against the codec's tables: they are the map bit for bit (all
+    256 codes) and bucketize's codes on every midpoint ±3 ulp, a dense sample, random bit patterns and
+    the specials (a midpoint itself takes the upper code); the search's guess is the code or the one
+    below it, so one comparison finishes."""
+    from geomopt.optim.persist.codes import dynamic_map
+
+    script = _script("codec_forms")
+    assert script.mismatches(signed) == (0, 0)
+    q = dynamic_map(signed)
+    mids = (q[1:] + q[:-1]) / 2
+    assert torch.equal(script.search(mids, signed), torch.arange(1, 256, dtype=torch.int32))  # a tie: the upper
+    guess = script._guess(script.samples(signed), signed)
+    want = torch.bucketize(script.samples(signed), mids, right=True)
+    assert bool(((want - guess >= 0) & (want - guess <= 1)).all())
+
+
 def test_weight_quality_script_compares_weights_and_keeps_what_it_ran(tmp_path, capsys):
     """Each row against the float32-weights reference at the same seed, bytes per parameter by rule
     (a momentum rule with bf16 weights, int8 compensation and bf16 state: 2 + 1 + 2 = 5), and a
