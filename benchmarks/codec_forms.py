@@ -4,14 +4,15 @@
 
 The codec (:mod:`geomopt.optim.persist.codes`) decodes a code by a look-up in the 256 values of the
 dynamic map and finds a value's code by a look-up in a 2¹⁷-entry table and one comparison with the
-next midpoint; inductor's CPU code does each look-up one lane at a time. The closed forms here give
-the same bits without a table: :func:`map_values`, a code's value from its decade and fraction
-index, and :func:`search`, a value's code from its decade and fraction (a guess at most one below
-the code) and one comparison with the next midpoint, itself made from :func:`map_values`. Each is
-first checked (the map's 256 values bit for bit; the search against ``torch.bucketize`` on every
-float32 in [−1, 1] with ``--sweep``, else a dense sample, every midpoint ±3 ulp and the specials),
-then compiled alone and timed on 2¹⁸ entries, one thread, round robin in the thread's CPU time,
-beside the codec's own look-ups compiled the same way.
+next midpoint; inductor's CPU code does each look-up one lane at a time. The closed forms give the
+same bits without a table: :func:`~geomopt.optim.persist.codes.map_values` (which makes the map
+itself), a code's value from its decade and fraction index, and :func:`search`, a value's code from
+its decade and fraction (a guess at most one below the code) and one comparison with the next
+midpoint, itself made from :func:`map_values`. Each is first checked (the map's 256 values bit for
+bit; the search against ``torch.bucketize`` on every float32 in [−1, 1] with ``--sweep``, else a
+dense sample, every midpoint ±3 ulp and the specials), then compiled alone and timed on 2¹⁸ entries,
+one thread, round robin in the thread's CPU time, beside the codec's own look-ups compiled the same
+way.
 """
 
 from __future__ import annotations
@@ -24,49 +25,10 @@ import time
 
 import torch
 
-from geomopt.optim.persist.codes import decode_int8, dynamic_map, nearest_codes, tables
+from geomopt.optim.persist.codes import decode_int8, dynamic_map, map_values, nearest_codes, tables
 
-#: 0.1 and 1 − 0.1 in float32 as integers over 2²⁷: the first point of every decade's linspace and its span
-TENTH, SPAN = 13421773, 120795952
-#: 10^(e − 6) in float32, e = 0 … 6: a decade's scale
-POWERS = [float(torch.tensor(10.0 ** (e - 6), dtype=torch.float32)) for e in range(7)]
 #: the least value of decades 1 … 6 (10^(e − 7)), in float32
 FLOORS = [float(torch.tensor(10.0 ** (e - 7), dtype=torch.float32)) for e in range(1, 7)]
-
-
-def _edge(i: torch.Tensor, k: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
-    """Point ``i`` of ``torch.linspace(0.1, 1, 2^k + 1)`` in float32 as ATen's vectorized CPU kernel
-    makes it, with a fused multiply-add (rounded once): 0.1 + step·i below ``half``, 1 − step·(2^k − i)
-    from it; the exact value is an integer over 2^(27+k) (< 2³⁵: int64), converted (the one rounding)
-    and scaled by that power of two (exact)."""
-    i64, n = i.to(torch.int64), torch.bitwise_left_shift(torch.ones_like(k), k).to(torch.int64)
-    up = (TENTH * n + SPAN * i64).float()
-    down = ((1 << 27) * n - SPAN * (n - i64)).float()
-    scale = ((100 - k) << 23).view(torch.float32)  # 2^(−27−k): the exponent field 127 − 27 − k
-    return torch.where(i < half, up, down) * scale
-
-
-def map_values(c: torch.Tensor, signed: bool) -> torch.Tensor:
-    """The dynamic map's value of each code ``c`` (integers in [0, 256)), bit for bit: a decade code's
-    rank L from the zero code (signed: |c − 127|; unsigned: c + 1, the fraction's extra bit) gives its
-    decade e = ⌊log₂ L⌋ − f and fraction index j = L − 2^⌊log₂ L⌋, and its value is the midpoint of the
-    linspace points j and j + 1 (:func:`_edge`) times 10^(e − 6), negated below the zero code; the zero
-    code and 255 (1) apart."""
-    c = c.to(torch.int32)
-    rank = (c - 127).abs() if signed else c + 1
-    k = ((rank.float().view(torch.int32) >> 23) - 127).clamp(min=0)  # ⌊log₂ L⌋ from the float's exponent
-    j = rank - torch.bitwise_left_shift(torch.ones_like(k), k)
-    half = (torch.bitwise_left_shift(torch.ones_like(k), k) + 1) >> 1  # linspace's turn: (2^k + 1) // 2
-    mid = (_edge(j, k, half) + _edge(j + 1, k, half)) / 2
-    e = k - (0 if signed else 1)
-    scale = torch.full_like(mid, POWERS[0])
-    for d in range(1, 7):
-        scale = torch.where(e == d, POWERS[d], scale)
-    v = mid * scale
-    zero = 127 if signed else 0
-    if signed:
-        v = torch.where(c < zero, -v, v)
-    return torch.where(c == 255, 1.0, torch.where(c == zero, 0.0, v))
 
 
 def _guess(x: torch.Tensor, signed: bool) -> torch.Tensor:

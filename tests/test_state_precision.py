@@ -7,6 +7,7 @@ migration between precisions, and the refusals."""
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import pytest
@@ -307,3 +308,22 @@ def test_a_capturable_step_refuses_low_precision_state():
 def test_the_program_says_an_encoded_elementwise_rule_steps_flat_chunk_by_chunk():
     opt = geomopt.GeomOptimizer(tiny_gpt(0), _spec("int8", {"kind": "adam"}))
     assert "state int8: the moments decoded chunk by chunk into the workspace" in opt.describe()
+
+
+def test_the_dynamic_map_has_the_same_bits_on_every_cpu_kernel():
+    """The map is made in exact integer arithmetic, not by torch.linspace (whose scalar kernel
+    rounds 42 signed and 31 unsigned points an ulp apart from the vectorized one): a process
+    restricted to ATen's scalar CPU kernels makes the same 2 × 256 bits, so a checkpoint's codes
+    decode alike on every machine."""
+    import subprocess
+    import sys
+    code = ("import torch; from geomopt.optim.persist.codes import dynamic_map; "
+            "print(','.join(str(int(v)) for s in (True, False) for v in dynamic_map(s).view(torch.int32)))")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    here = [int(v) for s in (True, False) for v in dynamic_map(s).view(torch.int32)]
+    assert [int(v) for v in out.strip().split(",")] == here
+    scalar = subprocess.run([sys.executable, "-c", "import torch; print(torch.linspace(0.1, 1, 65).view(torch.int32)"
+                             ".tolist())"], env=env, capture_output=True, text=True, check=True).stdout
+    vector = torch.linspace(0.1, 1, 65).view(torch.int32).tolist()
+    assert str(vector) != scalar.strip()  # the kernels do differ: the test could tell them apart

@@ -76,18 +76,54 @@ def dynamic_map(signed: bool) -> torch.Tensor:
     2016, arXiv:1511.04561): for exponent e = 0 … 6, 2^(e+f) + 1 fraction points spaced evenly in
     [0.1, 1] (f = 0 signed, 1 unsigned), whose midpoints, times 10^(e−6), are codes (negated too
     when signed); then zero and 1 (signed: one more run of midpoints at the top exponent fills the
-    256)."""
+    256). Made by :func:`map_values` in exact integer arithmetic, so it has the same bits on every
+    machine (``torch.linspace``'s points differ by an ulp between CPU kernels)."""
     key = bool(signed)
     if key not in _MAPS:
-        values: list[float] = []
-        extra = 0 if signed else 1  # an unsigned map spends the sign bit on the fraction
-        for e in range(7):
-            edges = torch.linspace(0.1, 1, 2 ** (e + extra) + 1, dtype=torch.float32)
-            mids = ((edges[:-1] + edges[1:]) / 2 * 10.0 ** (e - 6)).tolist()
-            values += mids + ([-v for v in mids] if signed else [])
-        values += [0.0, 1.0]
-        _MAPS[key] = torch.tensor(sorted(values), dtype=torch.float32)
+        _MAPS[key] = map_values(torch.arange(256), key)
     return _MAPS[key]
+
+
+#: 0.1 and 1 − 0.1 in float32 as integers over 2²⁷: the first point of every decade's linspace and its span
+TENTH, SPAN = 13421773, 120795952
+#: 10^(e − 6) in float32, e = 0 … 6: a decade's scale
+POWERS = [float(torch.tensor(10.0 ** (e - 6), dtype=torch.float32)) for e in range(7)]
+
+
+def map_values(c: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The dynamic map's value of each code ``c`` (integers in [0, 256)): a decade code's rank L from
+    the zero code (signed: |c − 127|; unsigned: c + 1, the fraction's extra bit) gives its decade
+    e = ⌊log₂ L⌋ − f and fraction index j = L − 2^⌊log₂ L⌋, and its value is the midpoint of the
+    fraction points j and j + 1 (:func:`_edge`) times 10^(e − 6), negated below the zero code; the
+    zero code and 255 (1) apart. Every op is one IEEE rounding, so the bits are the same on every
+    machine: those of the vectorized float32 ``torch.linspace`` (torchao's map, on a CPU with AVX2)."""
+    c = c.to(torch.int32)
+    rank = (c - 127).abs() if signed else c + 1
+    k = ((rank.float().view(torch.int32) >> 23) - 127).clamp(min=0)  # ⌊log₂ L⌋ from the float's exponent
+    j = rank - torch.bitwise_left_shift(torch.ones_like(k), k)
+    half = (torch.bitwise_left_shift(torch.ones_like(k), k) + 1) >> 1  # linspace's turn: (2^k + 1) // 2
+    mid = (_edge(j, k, half) + _edge(j + 1, k, half)) / 2
+    e = k - (0 if signed else 1)
+    scale = torch.full_like(mid, POWERS[0])
+    for d in range(1, 7):
+        scale = torch.where(e == d, POWERS[d], scale)
+    v = mid * scale
+    zero = 127 if signed else 0
+    if signed:
+        v = torch.where(c < zero, -v, v)
+    return torch.where(c == 255, 1.0, torch.where(c == zero, 0.0, v))
+
+
+def _edge(i: torch.Tensor, k: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
+    """Point ``i`` of ``linspace(0.1, 1, 2^k + 1)`` in float32 rounded once from its exact value (as
+    the vectorized kernel's fused multiply-add does): 0.1 + step·i below ``half``, 1 − step·(2^k − i)
+    from it; the exact value is an integer over 2^(27+k) (< 2³⁵: int64), converted (the one rounding)
+    and scaled by that power of two (exact)."""
+    i64, n = i.to(torch.int64), torch.bitwise_left_shift(torch.ones_like(k), k).to(torch.int64)
+    up = (TENTH * n + SPAN * i64).float()
+    down = ((1 << 27) * n - SPAN * (n - i64)).float()
+    scale = ((100 - k) << 23).view(torch.float32)  # 2^(−27−k): the exponent field 127 − 27 − k
+    return torch.where(i < half, up, down) * scale
 
 
 def scale_shape(row_shape: tuple, per: int = BLOCK) -> tuple:
