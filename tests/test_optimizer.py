@@ -406,7 +406,7 @@ def test_nonfinite_raise_before_anything_is_written(where, form, monkeypatch):
 def test_finiteness_is_awaited_after_the_forward_ops_where_deferred(form, monkeypatch):
     """CUDA's form launches every bucket's forward op (reads into scratch) before the host waits
     for the finiteness test, and writes nothing before it; the CPU form tests first."""
-    import geomopt.optim.engine.bucket_step as optimizer_module
+    import geomopt.optim.engine.requests as optimizer_module
     import geomopt.optim.engine.engine as optimizer
 
     _forms(form, monkeypatch)

@@ -153,12 +153,12 @@ def test_an_exception_in_the_forward_op_leaves_the_encoded_momentum_as_it_was(mo
     was = {k: v.clone() for k, v in opt.state[p].items()}
     ids = {k: id(v) for k, v in opt.state[p].items()}
     x = p.detach().clone()
-    from geomopt.optim.engine import bucket_step
+    from geomopt.optim.engine import requests as bucket_requests
 
     def fail(*a, **k):
         raise RuntimeError("forward op failed")
 
-    monkeypatch.setattr(bucket_step, "forward", fail)
+    monkeypatch.setattr(bucket_requests, "forward", fail)
     _grads(m, 4)
     with pytest.raises(RuntimeError, match="forward op failed"):
         opt.step()
