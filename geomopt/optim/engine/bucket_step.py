@@ -124,8 +124,9 @@ class BucketJob:
                     state[key] = int(state[key])
         if prog.keeps_prev:
             state["prev"] = torch.stack([local(p).detach() for p, _ in items]).clone()
-        g, *rows = fused.rows_calls(prog.compiled, self.ok if prog.direction_form == "rows" else None, pp, group,
-                                    state, self.g_prev, self.g)  # G, and the look-ahead's loop
+        # G, the look-ahead's loop and, where it writes d⁺ into d (a capturable step's), d's journal
+        g, rows, d_journal = fused.rows_calls(prog.compiled, self.ok if prog.direction_form == "rows" else None, pp,
+                                             group, state, self.g_prev, self.g)
         self.g_raw = None
         if pp.post and "gradient" in post_stages.reads(pp.post):  # before a direction overwrites its copy
             self.g_raw = upcast(stack(g)) if isinstance(g, list) else upcast(g).clone()
@@ -151,7 +152,9 @@ class BucketJob:
         elif prog.direction_form == "ahead":
             self.d, self.commit = polyak_ahead(g, state, hyper, lookahead(False), fresh=prog.journal)
         elif prog.direction_form == "rows":
-            self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=self.fresh, lookahead_rows=rows[0])
+            self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=self.fresh if d_journal is None else None,
+                                 lookahead_rows=rows)
+            self.saved.extend(d_journal or ())  # once the loop has written them
         else:
             gu = upcast(g)
             # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it

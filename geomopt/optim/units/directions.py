@@ -224,9 +224,14 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: 
     the cheaper of the two: 1.02× against 1.11× the in-place step of adamuon on a CPU).
     ``lookahead_rows(u, new, d, gs, α)`` (with Nesterov and ``fresh``): d⁺ written into a new d
     (``new``, bound at the commit) and u from it in one pass (compiled: d and G read once, no
-    put-off update reading G again)."""
+    put-off update reading G again); with Nesterov, ``fresh`` None and d there, ``new`` is d itself
+    (d⁺ written in place: a capturable step's compiled look-ahead, whose bucket journals d)."""
     alpha = group["alpha"]
     d = state.get("d")
+    if d is not None and fresh is None and lookahead_rows is not None and group["nesterov"]:
+        u = lookahead(d.shape, d)
+        lookahead_rows(u, d, d, gs, alpha)
+        return u
     if d is None:
         if group["init"] == "gradient":
             d = state["d"] = torch.stack(gs)
