@@ -149,6 +149,10 @@ class BucketJob:
         if self.momentum is not None:
             self.d = self.momentum.direction(state, lookahead(self.shared),
                                              fused.lookahead_rows if prog.compiled else None)
+        elif prog.direction_form == "ahead" and self.ok is not None and self.fresh is not None:
+            # a capturable step's: d written in place with the put-off updates (a graph replays into it)
+            self.d, commit = polyak_ahead(g, state, hyper, lookahead(self.shared))
+            self.fresh.append(commit)
         elif prog.direction_form == "ahead":
             self.d, self.commit = polyak_ahead(g, state, hyper, lookahead(False), fresh=prog.journal)
         elif prog.direction_form == "rows":
@@ -378,9 +382,9 @@ class BucketJob:
 def weighted_state(prog: Program, ok: Optional[torch.Tensor]) -> tuple:
     """The state keys a capturable step (``ok``: the device's finiteness flag) updates with its
     weight scaled by the flag, so a skipped step leaves them as they were with no copy of them
-    and no selection: Polyak's d read row by row (d ← d.lerp(g, α·ok) on gradients zeroed where
-    the flag is false, d + 0·(0 − d) = d; the same bits as α where it is true)."""
-    return ("d",) if ok is not None and prog.direction_form == "rows" else ()
+    and no selection: Polyak's d read row by row or ahead (d ← d.lerp(g, α·ok) on gradients zeroed
+    where the flag is false, d + 0·(0 − d) = d; the same bits as α where it is true)."""
+    return ("d",) if ok is not None and prog.direction_form in ("rows", "ahead") else ()
 
 
 def codec(rt: Runtime, items: list, pp, step: int) -> Codec:

@@ -57,8 +57,8 @@ def captured_step(rt: Runtime, groups: list, typed: list, state, counters: list,
     zero = torch.zeros((), dtype=first.dtype, device=ok.device)
     # (a flat program's fused kernel reads the flag itself, and a compiled one selects inside its
     # loop: their gradients enter as they are)
-    grads = [g if prog.check == "off" or reads_flag(prog) else [torch.where(ok, t, zero) for t in g]
-             if isinstance(g, list) else torch.where(ok, g, zero) for (prog, _), g in zip(jobs, grads)]
+    grads = [g if prog.check == "off" or reads_flag(prog) else selected(prog, g, ok, zero)
+             for (prog, _), g in zip(jobs, grads)]
     schedules: dict = {}
     for prog, _ in jobs:
         gi = prog.group
@@ -103,6 +103,22 @@ def reads_flag(prog) -> bool:
     (``torch.where``: one read and one write of them): its eager ops would turn a weight of 0 on a
     NaN into a NaN (0·NaN)."""
     return prog.fused or (prog.compiled and (prog.variant == "flat" or prog.direction_form == "rows"))
+
+
+def selected(prog, g, ok: torch.Tensor, zero: torch.Tensor):
+    """The gradients ``g`` (a tensor or a list) of a program that does not read the flag itself,
+    zeroed where it is false (``torch.where``: one read and one write of them); a program reading
+    Polyak's momentum ahead (``direction ahead``) gets them stacked, the selection written into the
+    stack's rows, so the step makes the one copy it reads three times (u = d.lerp(g, 1 − β²), and
+    d ← d.lerp(g, α) at the commit) with no stacking pass of its own."""
+    if not isinstance(g, list):
+        return torch.where(ok, g, zero)
+    if prog.direction_form != "ahead":
+        return [torch.where(ok, t, zero) for t in g]
+    out = torch.empty((len(g), *g[0].shape), dtype=g[0].dtype, device=g[0].device)
+    for t, row in zip(g, out.unbind(0)):
+        torch.where(ok, t, zero, out=row)
+    return out
 
 
 def captured_adam(rt: Runtime, state, group: dict, items: list, grads: list, gamma, ok: torch.Tensor) -> None:

@@ -398,6 +398,10 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
     check = "before"
     if opts.capturable:
         check = "device"
+        if form == "rows" and not compiled:  # one selected copy of G, stacked: what the rows' eager ops read
+            form = "ahead"
+            why.append("capturable: Polyak read ahead from the gradients selected once into a stacked copy (eager "
+                       "ops turn 0·NaN into NaN), d written at the commit")
         why.append("capturable: the finiteness flag stays on the device; a skipped step selects the old values"
                    + ("" if write == "stacked" else " (the parameters: γ·flag, so X is written as X·1 + 0·S)"))
     return Program(**common, variant="batched", write=write, direction_form=form, check=check, graphed=graphed,

@@ -273,14 +273,16 @@ def polyak_ahead(gs: list, state: dict, group: dict, lookahead: Callable, fresh:
     forward op's dtype), and the returned ``commit()`` writes d ← d.lerp(g, α) later.
     Without Nesterov u = d.lerp(g, α) (the new d); with it g.lerp(d⁺, 1 − α) = β²d + (1 −
     β²)g, β = 1 − α, read as d.lerp(g, 1 − β²) (the same value, rounded once). ``fresh``: the
-    commit puts a new d in ``state`` rather than writing the old one in place."""
+    commit puts a new d in ``state`` rather than writing the old one in place. ``gs`` may be the
+    stacked gradients already (a copy of them the step owns: a capturable step's selected ones)."""
     alpha, nesterov = group["alpha"], group["nesterov"]
-    g = stack(gs)
+    owned = torch.is_tensor(gs)
+    g = gs if owned else stack(gs)
     u = lookahead(g.shape, g)
     d = state.get("d")
     if d is None and group["init"] == "gradient":  # d⁰ = g⁰, and with Nesterov u = g too
         u.copy_(g)
-        return u, lambda: state.__setitem__("d", g.clone() if len(gs) == 1 else g)
+        return u, lambda: state.__setitem__("d", g.clone() if len(gs) == 1 and not owned else g)
     weight = polyak_ahead_weight(alpha, nesterov)
     if d is None:  # d = 0
         torch.mul(g, weight, out=u)
