@@ -363,7 +363,7 @@ def test_a_capturable_polyak_step_reads_ahead_within_float32_of_a_float64_refere
     start = [p.detach().clone() for p in models[2].parameters()]
     plain, captured, reference = (geomopt.GeomOptimizer(m, spec, capturable=k == 1) for k, m in enumerate(models))
     hidden = {n for progs in captured.engine.programs for p in progs if p.variant == "batched" for n in p.names}
-    assert hidden and f"direction ahead · check device" in captured.describe()
+    assert hidden and "direction ahead · check device" in captured.describe()
     for step in range(6):
         _fixed_grads(models, step, poison=step == 2)
         for opt in (plain, captured, reference):
@@ -534,9 +534,9 @@ def test_a_skipped_capturable_adam_step_leaves_every_bit_the_first_one_included(
                          ids=["sign-descent-float-lr", "muon-float-lr", "muon-tensor-lr", "adamw-hybrid-float-lr"])
 def test_a_fused_capturable_step_compiles_whole_and_skips_with_every_bit(spec, tensor_lr):
     """``fuse=True`` with ``capturable=True``: the compiled loops (sign descent's whole flat step;
-    muon's look-ahead, its put-off write of d and its write-back) read the gradients as they are
-    and select them by the device's flag inside. A NaN, on the first step (which creates the state)
-    and on a later one, leaves every bit of parameters and state as it was;
+    muon's look-ahead, which writes d⁺ into the momentum in place, and its write-back) read the
+    gradients as they are and select them by the device's flag inside. A NaN, on the first step (which
+    creates the state) and on a later one, leaves every bit of parameters and state as it was;
     ``torch.compile(opt.step, fullgraph=True)`` over it (lr a float or a 0-d tensor) captures no
     graph after the second call and matches the fused capturable step run eagerly, which stays
     within float32 rounding of the unfused capturable step: 1e-5 both (inductor's lerp, as

@@ -156,8 +156,8 @@ class BucketJob:
         elif prog.direction_form == "ahead":
             self.d, self.commit = polyak_ahead(g, state, hyper, lookahead(False), fresh=prog.journal)
         elif prog.direction_form == "rows":
-            self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=self.fresh if d_journal is None else None,
-                                 lookahead_rows=rows)
+            fresh = self.fresh if d_journal is None else None  # d⁺ written in place: nothing put off
+            self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=fresh, lookahead_rows=rows)
             self.saved.extend(d_journal or ())  # once the loop has written them
         else:
             gu = upcast(g)

@@ -22,7 +22,8 @@ Variants::
 
 and, batched, the direction's form (``stacked``: on the stacked gradients; ``rows``: Polyak read
 tensor by tensor from the unstacked gradients, no stacked copy of G; ``ahead``: Polyak read ahead
-of a deferred finiteness test, its state written after it), the finiteness test (``before`` the
+of a deferred finiteness test, its state written after it, or from a capturable step's one selected
+copy of G, stacked), the finiteness test (``before`` the
 step, or ``deferred`` behind the forward ops' launches, one process; ``device`` when capturable;
 ``off``, any variant, under ``on_nonfinite: off``: the test never reads the bucket's gradients, so
 a NaN reaches parameters and state as in torch), and ``graphed`` (the polynomial forward op
