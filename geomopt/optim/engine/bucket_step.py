@@ -124,9 +124,8 @@ class BucketJob:
                     state[key] = int(state[key])
         if prog.keeps_prev:
             state["prev"] = torch.stack([local(p).detach() for p, _ in items]).clone()
-        # G, the look-ahead's loop and, where it writes d⁺ into d (a capturable step's), d's journal
         g, rows, d_journal = fused.rows_calls(prog.compiled, self.ok if prog.direction_form == "rows" else None, pp,
-                                             group, state, self.g_prev, self.g)
+                                             group, state, self.g_prev, self.g)  # G, the look-ahead, d's journal
         self.g_raw = None
         if pp.post and "gradient" in post_stages.reads(pp.post):  # before a direction overwrites its copy
             self.g_raw = upcast(stack(g)) if isinstance(g, list) else upcast(g).clone()
@@ -149,9 +148,8 @@ class BucketJob:
         if self.momentum is not None:
             self.d = self.momentum.direction(state, lookahead(self.shared),
                                              fused.lookahead_rows if prog.compiled else None)
-        elif prog.direction_form == "ahead" and self.ok is not None and self.fresh is not None:
-            # a capturable step's: d written in place with the put-off updates (a graph replays into it)
-            self.d, commit = polyak_ahead(g, state, hyper, lookahead(self.shared))
+        elif prog.direction_form == "ahead" and self.ok is not None and self.fresh is not None:  # capturable:
+            self.d, commit = polyak_ahead(g, state, hyper, lookahead(self.shared))  # d in place, put off
             self.fresh.append(commit)
         elif prog.direction_form == "ahead":
             self.d, self.commit = polyak_ahead(g, state, hyper, lookahead(False), fresh=prog.journal)
