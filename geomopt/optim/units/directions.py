@@ -265,7 +265,7 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: 
     return u
 
 
-def polyak_ahead(gs: list, state: dict, group: dict, lookahead: Callable, fresh: bool = False) -> tuple:
+def polyak_ahead(gs, state: dict, group: dict, lookahead: Callable, fresh: bool = False) -> tuple:
     """:func:`polyak_rows` with the write of d put off, for a step that waits for its finiteness
     test after the forward ops: the gradients are stacked once (a transient copy, one launch
     instead of one per tensor: on an H100 the step is bound by the host's launches, measured
@@ -276,8 +276,8 @@ def polyak_ahead(gs: list, state: dict, group: dict, lookahead: Callable, fresh:
     commit puts a new d in ``state`` rather than writing the old one in place. ``gs`` may be the
     stacked gradients already (a copy of them the step owns: a capturable step's selected ones)."""
     alpha, nesterov = group["alpha"], group["nesterov"]
-    owned = torch.is_tensor(gs)
-    g = gs if owned else stack(gs)
+    owned = isinstance(gs, torch.Tensor)
+    g: torch.Tensor = gs if isinstance(gs, torch.Tensor) else stack(gs)
     u = lookahead(g.shape, g)
     d = state.get("d")
     if d is None and group["init"] == "gradient":  # d⁰ = g⁰, and with Nesterov u = g too
