@@ -76,9 +76,10 @@ def polyak_lookahead(g, d, alpha, out=None):
     return torch.lerp(g, d, 1 - alpha) if out is None else torch.lerp(g, d, 1 - alpha, out=out)
 
 
-def polyak_ahead_weight(alpha: float, nesterov: bool) -> float:
+def polyak_ahead_weight(alpha, nesterov: bool):
     """The weight w of u = d.lerp(g, w) read from the old d: α without Nesterov (u = d⁺); with it
-    g.lerp(d.lerp(g, α), 1 − α) = g + (1 − α)²(d − g), so w = 1 − (1 − α)²."""
+    g.lerp(d.lerp(g, α), 1 − α) = g + (1 − α)²(d − g), so w = 1 − (1 − α)² (α a number, or a
+    capturable step's 0-d α·flag)."""
     return 1 - (1 - alpha) ** 2 if nesterov else alpha
 
 
