@@ -84,16 +84,20 @@ def test_the_small_run_records_consistent_ratios(traffic, tmp_path):
     assert 0 < sum(o["read_bytes"] + o["written_bytes"] for o in row["top_ops"]) <= row["total_bytes"]
 
 
-@pytest.mark.parametrize("spec", ["adamw", "muon", "sign-descent"])
+@pytest.mark.parametrize("spec", ["adamw", "muon", "adamw-hybrid", "normuon", "sign-descent"])
 def test_a_capturable_step_moves_no_more_bytes_than_the_eager_one(traffic, spec):
     """Adam's rules step through the fused kernel in both (found_inf: the capturable one reads the
-    gradients as they are), and Polyak's d and the parameters are written once under the flag's
-    weight, not copied and selected. A capturable step still zeroes the other rules' gradients
-    where the flag is false (one read and one write of them: a NaN must not reach the parameters
-    through the step, and 0·NaN is NaN), which an eager step does not need (with ``fuse`` the
-    compiled loops select them inside instead: the test below): that is its only allowance,
-    beside 0-d values (the exact finiteness test's min and max per tensor where the eager step
-    sums, γ·ok, α·ok, the device counts: about a hundred bytes a tensor)."""
+    gradients as they are). A batched Polyak rule reads its momentum ahead from one copy of its
+    gradients, selected by the flag as it is stacked (two passes over them), u = d.lerp(G, 1 − β²)
+    and d ← d.lerp(G, α·ok) in place at the commit, where the default CPU step reads G three times
+    (d⁺ into u, u over it, the put-off update): one pass over the hidden matrices fewer, which
+    adamw-hybrid spends on selecting X⁺ against X (three passes where the default step copies it
+    back: a prox need not leave X as it is on a step of length 0). A flat rule not compiled zeroes
+    its gradients where the flag is false (one read and one write of them: eager ops turn 0·NaN
+    into NaN; with ``fuse`` the compiled loop selects them inside: the test below): its only
+    allowance, beside 0-d values (the exact finiteness test's min and max per tensor where the
+    eager step sums, γ·ok, α·ok, the device counts: about a hundred bytes a tensor) and, for
+    normuon, its per-row statistics selected by the flag (a few numbers a row)."""
     torch.set_grad_enabled(False)
     try:
         eager = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(spec), 1)
@@ -102,13 +106,22 @@ def test_a_capturable_step_moves_no_more_bytes_than_the_eager_one(traffic, spec)
         programs = traffic.geomopt_optimizer(spec, capturable=True)(model).engine.programs
     finally:
         torch.set_grad_enabled(True)
-    zeroed_names = {n for progs in programs for prog in progs if not prog.fused for n in prog.names}
-    zeroed = 2 * sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in zeroed_names)
+    progs = [prog for group in programs for prog in group]
+    sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+    zeroed = 2 * sum(sizes[n] for prog in progs if prog.variant == "flat" and not prog.fused for n in prog.names)
+    saved = sum(sizes[n] for prog in progs if prog.variant == "batched" and prog.write != "stacked"
+                for n in prog.names)
+    assert all(prog.direction_form == "ahead" for prog in progs if prog.variant == "batched")
+    rows = captured["floor_parts"]["state"] - traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer("muon"),
+                                                              1)["floor_parts"]["state"] if spec == "normuon" else 0
     scalars = 128 * len(list(model.parameters()))
     assert captured["matmul_bytes"] == eager["matmul_bytes"]
     assert captured["elementwise_floor_bytes"] == eager["elementwise_floor_bytes"]
-    assert captured["elementwise_bytes"] <= eager["elementwise_bytes"] + zeroed + scalars, (captured["top_ops"],
-                                                                                         eager["top_ops"])
+    assert captured["elementwise_bytes"] <= eager["elementwise_bytes"] + zeroed - saved + 8 * rows + scalars, (
+        captured["top_ops"], eager["top_ops"])
+    assert captured["elementwise_bytes"] >= eager["elementwise_bytes"] + zeroed - saved - scalars
+    if spec != "sign-descent":  # no flat rule outside the fused kernel: no more than the default step
+        assert captured["elementwise_bytes"] <= eager["elementwise_bytes"] + scalars
     if spec == "adamw":  # one fused kernel over everything in both, at the floor; nothing zeroed
         assert zeroed == 0 and captured["top_ops"][0]["op"] == "_fused_adamw_"
         fused = captured["top_ops"][0]["read_bytes"] + captured["top_ops"][0]["written_bytes"]
@@ -210,18 +223,27 @@ def test_a_fused_spectral_step_passes_over_its_hidden_matrices_six_or_seven_time
     assert sum(eager.values()) - total >= 1.3 * floor["total"]
 
 
-@pytest.mark.parametrize("spec", ["sign-descent", "muon", "adamw-hybrid"])
-def test_a_fused_capturable_step_moves_no_more_bytes_than_the_eager_one(traffic, spec):
+@pytest.mark.parametrize("spec", ["sign-descent", "muon", "adamw-hybrid", "normuon"])
+def test_a_fused_capturable_step_moves_the_fused_steps_bytes_and_two_passes_over_the_hidden_momentum(
+        traffic, spec, monkeypatch):
     """With ``fuse=True`` a capturable step's compiled loops read the gradients as they are and
-    select them by the device's flag inside (sign descent's whole flat step, the look-ahead that
-    writes d⁺ and u): no selected copy of G is written, so it moves the fused step's bytes, 0-d
-    values aside (the exact test's min and max, γ·ok, α·ok, the device counts), and fewer than the
-    eager step, with one exception. A captured step's state keeps its storage (a graph replays
-    into it), so the new momentum d⁺ of a batched rule is copied into d at the commit (one read and
-    one write of the hidden matrices' momentum) where the fused step rebinds it, and its test reads
-    the hidden gradients, which the fused step's deferred test does not. adamw-hybrid's
-    entrywise prox runs in the compiled in-place write-back with γ·ok (a skipped step divides X by
-    1 + 0·λ: X itself), so no stacked Y is formed or selected."""
+    select them by the device's flag inside (sign descent's whole flat step, the look-ahead): no
+    selected copy of G is written, and the look-ahead writes d⁺ into the momentum in place (a
+    captured step's state keeps its storage), so the commit copies nothing. Over the fused step's
+    bytes (0-d values aside: the exact test's min and max, γ·ok, α·ok, the device counts) it moves
+    two passes over the hidden matrices: the journal, d as it was, written by the look-ahead's loop
+    (restored if the step is interrupted before its commit), and the device test's read of the
+    hidden gradients (the look-ahead selects them by the flag, which must come first, where the
+    fused step's deferred test reads its iterations' traces). Inside a capture (a CUDA graph,
+    ``torch.compile``), where nothing is restored, no journal is written: one pass. Beyond those,
+    what a capturable step's iteration does not share with the fused step's (no host reads tr A's
+    range): the folded form's own first-factor scalings, and where fused muon's last product
+    accumulates into X, the result written and read by the write-back. Fewer bytes than the eager
+    step for every spec. adamw-hybrid's entrywise prox runs in the compiled in-place
+    write-back with γ·ok (a skipped step divides X by 1 + 0·λ: X itself), so no stacked Y is formed
+    or selected."""
+    from geomopt.optim.engine import fused as fused_module
+
     torch.set_grad_enabled(False)
     try:
         eager = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(spec), 1)
@@ -229,32 +251,42 @@ def test_a_fused_capturable_step_moves_no_more_bytes_than_the_eager_one(traffic,
         captured = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(spec, capturable=True, fuse=True), 1)
         model = traffic.gpt2(True)
         programs = traffic.geomopt_optimizer(spec, capturable=True, fuse=True)(model).engine.programs
+        monkeypatch.setattr(fused_module, "capturing", lambda: True)  # as inside a CUDA-graph capture
+        graph = traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(spec, capturable=True, fuse=True), 1)
     finally:
         torch.set_grad_enabled(True)
-    stacked_names = {n for progs in programs for p in progs if p.variant == "batched" and p.write == "stacked"
-                     for n in p.names}
-    stacked = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in stacked_names)
-    assert stacked == 0  # adamw-hybrid's entrywise prox compiled into the in-place write-back, γ·ok in it
-    batched = {n for progs in programs for p in progs if p.variant == "batched" for n in p.names}
-    momentum = 0 if spec == "sign-descent" else sum(
-        p.numel() * p.element_size() for n, p in model.named_parameters() if n in batched)
+    progs = [p for group in programs for p in group]
+    assert not any(p.variant == "batched" and p.write == "stacked" for p in progs)  # the prox in the write-back
+    momentum = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                   if n in {n for prog in progs if prog.variant == "batched" for n in prog.names})
+    assert (momentum > 0) == (spec != "sign-descent")
     scalars = 128 * len(list(model.parameters()))
     # (fused muon's last product accumulates into X: its result is not written)
     assert fused["matmul_bytes"] <= captured["matmul_bytes"] <= eager["matmul_bytes"]
     assert captured["elementwise_floor_bytes"] == eager["elementwise_floor_bytes"]
     assert captured["elementwise_bytes"] <= eager["elementwise_bytes"], (captured["top_ops"], eager["top_ops"])
-    # + the hidden gradients' read by the device's test (the look-ahead selects them by its flag: the
-    # flag comes first), where the fused step's deferred test reads its iterations' traces
-    # and the iteration's result read by its write-back (fused muon: the last product writes X), and
-    # the folded form's own scalings of its first factor (f² on A, f on the factor: 4k² where the
-    # fused step's one pass moves 3k²: with no host to read tr A, the hook's range is not checked)
+    # normuon's per-row statistics: selected by the flag (kept, then where), a few numbers a row
+    rows = (fused["floor_parts"]["state"] - traffic.measure(traffic.gpt2(True), traffic.geomopt_optimizer(
+        "muon", fuse=True), 1)["floor_parts"]["state"]) // 2 if spec == "normuon" else 0
+    # beyond the journal and the test: where fused muon's last product accumulates into X, the
+    # iteration's result read by the capturable step's write-back (its result is not written by the
+    # fused step), and the folded form's own scalings of its first factor (f² on A, f on the factor:
+    # 4k² where the fused step's one pass moves 3k²: with no host to read tr A, the hook's range is
+    # not checked)
     plans = {pp.name: pp for gplans in traffic.geomopt_optimizer(spec, fuse=True)(model).engine.plans for pp in gplans}
-    grams = 4 * sum(min(m, n) ** 2 for name in batched for m, n in
-                    matrix_shapes(concrete(plans[name].geometry, plans[name].op_shape), plans[name].op_shape))
-    assert captured["elementwise_bytes"] <= fused["elementwise_bytes"] + stacked + 4 * momentum + grams + scalars, (
-        captured["top_ops"], fused["top_ops"])
-    where = sum(o["read_bytes"] + o["written_bytes"] for o in captured["top_ops"] if o["op"] == "where")
-    assert where <= 3 * stacked + scalars  # X⁺ and X read, X written; no gradient selected outside a compiled loop
+    grams = 4 * sum(min(m, n) ** 2 for prog in progs if prog.variant == "batched" for name in prog.names
+                    for m, n in matrix_shapes(concrete(plans[name].geometry, plans[name].op_shape),
+                                              plans[name].op_shape))
+    extra = captured["elementwise_bytes"] - fused["elementwise_bytes"]
+    assert 2 * momentum - scalars <= extra <= 3 * momentum + grams + 8 * rows + scalars, (
+        extra, momentum, grams, rows, captured["top_ops"], fused["top_ops"])
+    assert abs(captured["elementwise_bytes"] - graph["elementwise_bytes"] - momentum) <= scalars  # the journal
+    moved = {o["op"]: o["read_bytes"] + o["written_bytes"] for o in captured["top_ops"]}
+    assert moved.get("where", 0) <= scalars and moved.get("copy_", 0) <= scalars  # nothing selected, nothing copied
+    if momentum:  # the look-ahead: d and G read, d⁺, u and the journal written; without the journal one pass less
+        look = {o["op"]: o["read_bytes"] + o["written_bytes"] for o in graph["top_ops"]}
+        assert abs(moved["compiled:captured_lookahead_into"] - 5 * momentum) <= scalars
+        assert abs(look["compiled:captured_lookahead_into"] - 4 * momentum) <= scalars
 
 
 def test_a_fused_normuon_step_reads_its_hidden_matrices_once_more_than_muon(traffic):

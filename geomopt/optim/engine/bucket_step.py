@@ -124,8 +124,8 @@ class BucketJob:
                     state[key] = int(state[key])
         if prog.keeps_prev:
             state["prev"] = torch.stack([local(p).detach() for p, _ in items]).clone()
-        g, *rows = fused.rows_calls(prog.compiled, self.ok if prog.direction_form == "rows" else None, pp, group,
-                                    state, self.g_prev, self.g)  # G, and the look-ahead's loop
+        g, rows, d_journal = fused.rows_calls(prog.compiled, self.ok if prog.direction_form == "rows" else None, pp,
+                                             group, state, self.g_prev, self.g)  # G, the look-ahead, d's journal
         self.g_raw = None
         if pp.post and "gradient" in post_stages.reads(pp.post):  # before a direction overwrites its copy
             self.g_raw = upcast(stack(g)) if isinstance(g, list) else upcast(g).clone()
@@ -148,10 +148,15 @@ class BucketJob:
         if self.momentum is not None:
             self.d = self.momentum.direction(state, lookahead(self.shared),
                                              fused.lookahead_rows if prog.compiled else None)
+        elif prog.direction_form == "ahead" and self.ok is not None and self.fresh is not None:  # capturable:
+            self.d, commit = polyak_ahead(g, state, hyper, lookahead(self.shared))  # d in place, put off
+            self.fresh.append(commit)
         elif prog.direction_form == "ahead":
             self.d, self.commit = polyak_ahead(g, state, hyper, lookahead(False), fresh=prog.journal)
         elif prog.direction_form == "rows":
-            self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=self.fresh, lookahead_rows=rows[0])
+            fresh = self.fresh if d_journal is None else None  # d⁺ written in place: nothing put off
+            self.d = polyak_rows(g, state, hyper, lookahead(self.shared), fresh=fresh, lookahead_rows=rows)
+            self.saved.extend(d_journal or ())  # once the loop has written them
         else:
             gu = upcast(g)
             # the stacked (or upcast) gradient is this step's own copy: the direction may overwrite it
@@ -375,9 +380,9 @@ class BucketJob:
 def weighted_state(prog: Program, ok: Optional[torch.Tensor]) -> tuple:
     """The state keys a capturable step (``ok``: the device's finiteness flag) updates with its
     weight scaled by the flag, so a skipped step leaves them as they were with no copy of them
-    and no selection: Polyak's d read row by row (d ← d.lerp(g, α·ok) on gradients zeroed where
-    the flag is false, d + 0·(0 − d) = d; the same bits as α where it is true)."""
-    return ("d",) if ok is not None and prog.direction_form == "rows" else ()
+    and no selection: Polyak's d read row by row or ahead (d ← d.lerp(g, α·ok) on gradients zeroed
+    where the flag is false, d + 0·(0 − d) = d; the same bits as α where it is true)."""
+    return ("d",) if ok is not None and prog.direction_form in ("rows", "ahead") else ()
 
 
 def codec(rt: Runtime, items: list, pp, step: int) -> Codec:

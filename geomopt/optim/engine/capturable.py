@@ -6,7 +6,8 @@ job with the finiteness flag on the device, so ``torch.compile(opt.step, fullgra
 start from the first call (a CUDA graph is still captured after a warm-up step, as torch's
 optimizers are: the first step allocates the state): the gradients enter the operators as they
 are where every one is finite and as zeros elsewhere (an SVD of NaNs raises; a copy selected by
-``torch.where``, except where the program reads the flag itself: :func:`reads_flag`), and every write
+``torch.where``, :func:`selected`, for a batched Polyak rule stacked as it is selected, except where
+the program reads the flag itself: :func:`reads_flag`), and every write
 (parameters, state, step counts) selects the new value where the flag is true and the old one
 elsewhere (as fused AdamW's ``found_inf``), so a skipped step leaves every bit as it was (rules
 with ``on_nonfinite: off``: not tested, they always step, a NaN propagating as in torch). Step
@@ -57,8 +58,8 @@ def captured_step(rt: Runtime, groups: list, typed: list, state, counters: list,
     zero = torch.zeros((), dtype=first.dtype, device=ok.device)
     # (a flat program's fused kernel reads the flag itself, and a compiled one selects inside its
     # loop: their gradients enter as they are)
-    grads = [g if prog.check == "off" or reads_flag(prog) else [torch.where(ok, t, zero) for t in g]
-             if isinstance(g, list) else torch.where(ok, g, zero) for (prog, _), g in zip(jobs, grads)]
+    grads = [g if prog.check == "off" or reads_flag(prog) else selected(prog, g, ok, zero)
+             for (prog, _), g in zip(jobs, grads)]
     schedules: dict = {}
     for prog, _ in jobs:
         gi = prog.group
@@ -97,12 +98,27 @@ def reads_flag(prog) -> bool:
     """Whether a capturable program takes its gradients as they are and the finiteness flag beside
     them: torch's fused AdamW kernel (``found_inf``), a compiled flat step, which selects g where
     the flag is true and 0 elsewhere inside its loop (no selected copy of G is written), and a
-    compiled bucket reading Polyak's momentum row by row, which does so in its look-ahead and its
-    commit (:func:`~geomopt.optim.engine.bucket_step.raw_rows`; where another op would read G, the
-    bucket selects it first). Every other program reads gradients zeroed where the flag is false
-    (``torch.where``: one read and one write of them): its eager ops would turn a weight of 0 on a
-    NaN into a NaN (0·NaN)."""
+    compiled bucket reading Polyak's momentum row by row, which does so in its look-ahead, the one
+    loop that reads G (:func:`~geomopt.optim.engine.fused.rows_calls`; where another op would read
+    G, the bucket selects it first). Every other program reads gradients zeroed where the flag is
+    false (:func:`selected`): its eager ops would turn a weight of 0 on a NaN into a NaN (0·NaN)."""
     return prog.fused or (prog.compiled and (prog.variant == "flat" or prog.direction_form == "rows"))
+
+
+def selected(prog, g, ok: torch.Tensor, zero: torch.Tensor):
+    """The gradients ``g`` (a tensor or a list) of a program that does not read the flag itself,
+    zeroed where it is false (``torch.where``: one read and one write of them); a program reading
+    Polyak's momentum ahead (``direction ahead``) gets them stacked, the selection written into the
+    stack's rows, so the step makes the one copy it reads three times (u = d.lerp(g, 1 − β²), and
+    d ← d.lerp(g, α) at the commit) with no stacking pass of its own."""
+    if not isinstance(g, list):
+        return torch.where(ok, g, zero)
+    if prog.direction_form != "ahead":
+        return [torch.where(ok, t, zero) for t in g]
+    out = torch.empty((len(g), *g[0].shape), dtype=g[0].dtype, device=g[0].device)
+    for t, row in zip(g, out.unbind(0)):
+        torch.where(ok, t, zero, out=row)
+    return out
 
 
 def captured_adam(rt: Runtime, state, group: dict, items: list, grads: list, gamma, ok: torch.Tensor) -> None:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from geomopt.geometry.capture import capturing
 from geomopt.geometry.forward import elementwise_into, input_dtype
 from geomopt.geometry.polynomial import first_factor_into, folded
 from geomopt.geometry.prox import backward
@@ -322,42 +323,55 @@ def lookahead_rows(u: torch.Tensor, new: torch.Tensor, d: torch.Tensor, gs: list
     return u
 
 
-def captured_lookahead_into(us: list, news: list, ds: list, gs: list, ok: torch.Tensor, alpha) -> None:
-    """:func:`lookahead_rows_into` on the gradients selected by the device's finiteness flag (g where
-    ``ok``, 0 elsewhere) inside the compiled loop; α comes weighted by the flag (α·ok: a skipped
-    step's new d is d + 0·(0 − d), d itself, and its u finite)."""
-    lookahead_rows_into(us, news, ds, [torch.where(ok, g, 0) for g in gs], alpha)
+def captured_lookahead_into(us: list, saved: list, ds: list, gs: list, ok: torch.Tensor, alpha) -> None:
+    """:func:`lookahead_rows_into` of a capturable step, in place: d⁺ written into d itself (a
+    captured step's state keeps its storage: a graph replays into it) and u, from the gradients
+    selected by the device's finiteness flag (g where ``ok``, 0 elsewhere) inside the loop; α comes
+    weighted by the flag (α·ok: a skipped step writes d + 0·(0 − d), d itself, and a finite u).
+    ``saved`` (empty, or one tensor per row): d as it was, written by the same loop, which reads d
+    anyway (the journal an interrupted step restores: one write, where a copy of d at the commit,
+    or a journal's clone, would read d again)."""
+    for s, d in zip(saved, ds):
+        s.copy_(d)
+    lookahead_rows_into(us, ds, ds, [torch.where(ok, g, 0) for g in gs], alpha)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_captured_rows() -> Callable:
-    """:func:`captured_lookahead_into` compiled: d⁺ and u in one pass, G selected in it."""
+    """:func:`captured_lookahead_into` compiled: d⁺ into d and u in one pass, G selected in it."""
     return compile_region(captured_lookahead_into)
 
 
 def captured_lookahead(u: torch.Tensor, new: torch.Tensor, d: torch.Tensor, gs: list, alpha, *,
-                       ok: torch.Tensor) -> torch.Tensor:
-    """:func:`lookahead_rows` of a capturable step: the gradients as they are and the flag ``ok``
-    (:func:`compiled_captured_rows`)."""
-    run(compiled_captured_rows(), [list(u.unbind(0)), list(new.unbind(0))], [], [list(d.unbind(0)), gs, ok],
-        scalar(alpha, u))
+                       ok: torch.Tensor, saved: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`lookahead_rows` of a capturable step (:func:`compiled_captured_rows`), ``new`` d itself
+    (:func:`~geomopt.optim.units.directions.polyak_rows` in place): the gradients as they are, the
+    flag ``ok`` and ``saved``, where the loop writes d as it was (None: no journal)."""
+    assert new is d  # d⁺ is written in place
+    journal = [] if saved is None else list(saved.unbind(0))
+    run(compiled_captured_rows(), [list(u.unbind(0)), journal], [list(d.unbind(0))], [gs, ok], scalar(alpha, u))
     return u
 
 
 def rows_calls(compiled: bool, ok, pp, group: dict, state: dict, g_prev, gs: list) -> tuple:
-    """A bucket's Polyak momentum read row by row: (its gradients, the look-ahead to run; None: the
-    eager one). Not compiled: G and None; compiled: :func:`lookahead_rows`. A capturable step's
-    (``ok``, the device's flag): the gradients as they are, with :func:`captured_lookahead`, where
-    that loop is every read of them: Nesterov's look-ahead, from the second step (the first makes d
-    with eager ops), no post-stage reading the gradient, no previous gradient; else selected first
-    (``torch.where``: eager ops turn 0·NaN into NaN)."""
+    """A bucket's Polyak momentum read row by row: (its gradients, the look-ahead to run, the
+    journal). The look-ahead: None (not compiled: the eager one) or :func:`lookahead_rows`, which
+    writes d⁺ into a new d; the journal None. A capturable step's (``ok``, the device's flag): the
+    gradients as they are, with :func:`captured_lookahead`, where that loop is every read of them
+    (Nesterov's look-ahead, from the second step (the first makes d with eager ops), no post-stage
+    reading the gradient, no previous gradient), which writes d⁺ into d in place, so the commit
+    copies nothing; the journal then the (d, its copy as it was) pairs the bucket restores if the
+    step is interrupted before its commit, none inside a capture (``torch.compile``, a CUDA graph),
+    where nothing is restored (a graph that fails leaves nothing pending; a replayed graph does not
+    fail). Else the gradients selected first (``torch.where``: eager ops turn 0·NaN into NaN)."""
     if not compiled or ok is None:
-        return gs, lookahead_rows if compiled else None
+        return gs, lookahead_rows if compiled else None, None
     d = state.get("d")
     if (d is not None and bool(group["nesterov"]) and g_prev is None and input_dtype(pp.geometry, d) == d.dtype
             and not (pp.post and "gradient" in post_stages.reads(list(pp.post)))):
-        return gs, functools.partial(captured_lookahead, ok=ok)
-    return [torch.where(ok, g, 0) for g in gs], lookahead_rows
+        saved = None if torch.compiler.is_compiling() or capturing() else torch.empty_like(d)
+        return gs, functools.partial(captured_lookahead, ok=ok, saved=saved), [] if saved is None else [(d, saved)]
+    return [torch.where(ok, g, 0) for g in gs], lookahead_rows, None
 
 
 def scalar(value, like: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,8 @@ Variants::
 
 and, batched, the direction's form (``stacked``: on the stacked gradients; ``rows``: Polyak read
 tensor by tensor from the unstacked gradients, no stacked copy of G; ``ahead``: Polyak read ahead
-of a deferred finiteness test, its state written after it), the finiteness test (``before`` the
+of a deferred finiteness test, its state written after it, or from a capturable step's one selected
+copy of G, stacked), the finiteness test (``before`` the
 step, or ``deferred`` behind the forward ops' launches, one process; ``device`` when capturable;
 ``off``, any variant, under ``on_nonfinite: off``: the test never reads the bucket's gradients, so
 a NaN reaches parameters and state as in torch), and ``graphed`` (the polynomial forward op
@@ -398,6 +399,10 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
     check = "before"
     if opts.capturable:
         check = "device"
+        if form == "rows" and not compiled:  # one selected copy of G, stacked: what the rows' eager ops read
+            form = "ahead"
+            why.append("capturable: Polyak read ahead from the gradients selected once into a stacked copy (eager "
+                       "ops turn 0·NaN into NaN), d written at the commit")
         why.append("capturable: the finiteness flag stays on the device; a skipped step selects the old values"
                    + ("" if write == "stacked" else " (the parameters: γ·flag, so X is written as X·1 + 0·S)"))
     return Program(**common, variant="batched", write=write, direction_form=form, check=check, graphed=graphed,

@@ -76,9 +76,10 @@ def polyak_lookahead(g, d, alpha, out=None):
     return torch.lerp(g, d, 1 - alpha) if out is None else torch.lerp(g, d, 1 - alpha, out=out)
 
 
-def polyak_ahead_weight(alpha: float, nesterov: bool) -> float:
+def polyak_ahead_weight(alpha, nesterov: bool):
     """The weight w of u = d.lerp(g, w) read from the old d: α without Nesterov (u = d⁺); with it
-    g.lerp(d.lerp(g, α), 1 − α) = g + (1 − α)²(d − g), so w = 1 − (1 − α)²."""
+    g.lerp(d.lerp(g, α), 1 − α) = g + (1 − α)²(d − g), so w = 1 − (1 − α)² (α a number, or a
+    capturable step's 0-d α·flag)."""
     return 1 - (1 - alpha) ** 2 if nesterov else alpha
 
 
@@ -224,9 +225,14 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: 
     the cheaper of the two: 1.02× against 1.11× the in-place step of adamuon on a CPU).
     ``lookahead_rows(u, new, d, gs, α)`` (with Nesterov and ``fresh``): d⁺ written into a new d
     (``new``, bound at the commit) and u from it in one pass (compiled: d and G read once, no
-    put-off update reading G again)."""
+    put-off update reading G again); with Nesterov, ``fresh`` None and d there, ``new`` is d itself
+    (d⁺ written in place: a capturable step's compiled look-ahead, whose bucket journals d)."""
     alpha = group["alpha"]
     d = state.get("d")
+    if d is not None and fresh is None and lookahead_rows is not None and group["nesterov"]:
+        u = lookahead(d.shape, d)
+        lookahead_rows(u, d, d, gs, alpha)
+        return u
     if d is None:
         if group["init"] == "gradient":
             d = state["d"] = torch.stack(gs)
@@ -260,7 +266,7 @@ def polyak_rows(gs: list, state: dict, group: dict, lookahead: Callable, fresh: 
     return u
 
 
-def polyak_ahead(gs: list, state: dict, group: dict, lookahead: Callable, fresh: bool = False) -> tuple:
+def polyak_ahead(gs, state: dict, group: dict, lookahead: Callable, fresh: bool = False) -> tuple:
     """:func:`polyak_rows` with the write of d put off, for a step that waits for its finiteness
     test after the forward ops: the gradients are stacked once (a transient copy, one launch
     instead of one per tensor: on an H100 the step is bound by the host's launches, measured
@@ -268,14 +274,16 @@ def polyak_ahead(gs: list, state: dict, group: dict, lookahead: Callable, fresh:
     forward op's dtype), and the returned ``commit()`` writes d ← d.lerp(g, α) later.
     Without Nesterov u = d.lerp(g, α) (the new d); with it g.lerp(d⁺, 1 − α) = β²d + (1 −
     β²)g, β = 1 − α, read as d.lerp(g, 1 − β²) (the same value, rounded once). ``fresh``: the
-    commit puts a new d in ``state`` rather than writing the old one in place."""
+    commit puts a new d in ``state`` rather than writing the old one in place. ``gs`` may be the
+    stacked gradients already (a copy of them the step owns: a capturable step's selected ones)."""
     alpha, nesterov = group["alpha"], group["nesterov"]
-    g = stack(gs)
+    owned = isinstance(gs, torch.Tensor)
+    g: torch.Tensor = gs if isinstance(gs, torch.Tensor) else stack(gs)
     u = lookahead(g.shape, g)
     d = state.get("d")
     if d is None and group["init"] == "gradient":  # d⁰ = g⁰, and with Nesterov u = g too
         u.copy_(g)
-        return u, lambda: state.__setitem__("d", g.clone() if len(gs) == 1 else g)
+        return u, lambda: state.__setitem__("d", g.clone() if len(gs) == 1 and not owned else g)
     weight = polyak_ahead_weight(alpha, nesterov)
     if d is None:  # d = 0
         torch.mul(g, weight, out=u)
