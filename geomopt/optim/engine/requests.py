@@ -22,8 +22,8 @@ from geomopt.registry import OWNER
 
 
 def forward_fn(prog: Program, rt: Runtime, items: list, geometry: ResolvedGeometry, radius: float = 1.0,
-                out_dtype=None, state: Optional[dict] = None, traces: Optional[list] = None,
-                last: Optional[list] = None, ranges: Optional[list] = None):
+               out_dtype=None, state: Optional[dict] = None, traces: Optional[list] = None,
+               last: Optional[list] = None, ranges: Optional[list] = None):
     """The bucket's forward op (``radius``·∇φ₁*, in ``out_dtype``); replayed from a CUDA graph
     (:mod:`geomopt.optim.engine.graphs`) where the program is ``graphed`` (the graph reads the bucket's
     kept scratch u in place when that is its input); ``traces``, ``last``, ``ranges``:
