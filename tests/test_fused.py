@@ -379,3 +379,25 @@ def test_the_first_factors_range_is_where_the_hooked_factor_holds_float32_precis
     assert hooked(hi * 4)[0] is False and hooked(lo / 4)[0] is False
     inside, err = hooked(hi * 1e3)
     assert not inside and err > 0.5
+
+
+@pytest.mark.filterwarnings("ignore::geomopt.geometry.dtypes.BF16Warning")  # bf16 on purpose
+def test_the_last_product_writes_x_only_where_the_iteration_runs_in_xs_dtype():
+    """addmm_ takes one dtype: a Newton–Schulz iteration in bf16 on float32 parameters casts its
+    result, so its program does not claim the last product (describe() tells what runs)."""
+    def spec(dtype):
+        return {"geomopt": 1, "name": "t", "defaults": {"lr": 0.02, "weight_decay": 0.1}, "rules": [
+            {"name": "hidden", "match": {"name": "**.weight", "ndim": 2},
+             "direction": {"kind": "polyak", "alpha": 0.05, "nesterov": True},
+             "geometry": {"kind": "spectral", "reference": {"kind": "indicator"}, "scale": "muon_original",
+                          "approx": {"kind": "newton_schulz", "steps": 5, "dtype": dtype}}},
+            {"name": "rest", "match": "**", "geometry": {"kind": "adam"}}]}
+
+    def claims(dtype):
+        opt = geomopt.GeomOptimizer(tiny_gpt(0), spec(dtype), fuse=True)
+        return any(p.product for progs in opt.engine.programs for p in progs), opt.describe()
+
+    product, text = claims("float32")
+    assert product and "last product into X" in text
+    product, text = claims("bfloat16")
+    assert not product and "last product into X" not in text

@@ -51,7 +51,7 @@ import torch
 
 from geomopt.compile.plan import ParamPlan
 from geomopt.geometry.dtypes import POLYNOMIAL_APPROXES
-from geomopt.geometry.forward import elementwise_allocates
+from geomopt.geometry.forward import elementwise_allocates, input_dtype
 from geomopt.optim.units.compensation import step_dtype
 from geomopt.geometry.operators import backward_locality, flat_refusal
 from geomopt.registry import LOCAL
@@ -387,11 +387,12 @@ def _batched(common: dict, group: dict, pp: ParamPlan, p: torch.Tensor, dtype: t
     if graphed:
         why.append(f"cuda_graphs: the {approx} iteration replays from a CUDA graph")
     # fuse: X ← X(1 − γλ) − γρ·F·Xₖ by the iteration's last product itself (addmm's β and α), where
-    # nothing comes between the forward op and the write (no post-stage, constraint or view) and the
-    # decay only scales X; a host-read γ (not capturable) and no CUDA graph (it replays the whole op)
+    # nothing comes between the forward op and the write (no post-stage, constraint or view), the
+    # decay only scales X and the iteration runs in X's dtype (addmm_ takes one: a bf16 iteration's
+    # result is cast first); a host-read γ (not capturable) and no CUDA graph (it replays the whole op)
     product = (compiled and write == "in-place" and constraint is None and not pp.post and not opts.capturable
                and not graphed and DECAYS[pp.decay].scales and pp.geometry.view is None and kind == "spectral"
-               and APPROX_OPS.meta.get(approx, {}).get("folds", False))
+               and APPROX_OPS.meta.get(approx, {}).get("folds", False) and input_dtype(pp.geometry, p) == dtype)
     if product:
         why.append(f"fuse: the {approx} iteration's last product accumulates into X (X(1 − γλ) − γρ·F·Xₖ: the "
                    "product's β and α), so its result is never written and read back")
